@@ -1,0 +1,26 @@
+"""jax_ep: expert-parallel dispatch and combine for JAX mixture-of-experts models.
+
+The contract is docs/DESIGN.md. Quick start::
+
+  group = jax_ep.Group(mesh, "ep", num_experts=256, num_topk=8, hidden=7168,
+                       max_tokens_per_rank=4096)
+  def layer(x, topk_idx, topk_weights):          # inside jax.shard_map over "ep"
+    recv, handle = jax_ep.dispatch(group, x, topk_idx, topk_weights)
+    y = expert_mlp(recv.x, recv.group_sizes)     # e.g. jax.lax.ragged_dot
+    return jax_ep.combine(group, y, handle)
+"""
+
+from jax_ep.config import default_capacity
+from jax_ep.group import Group, MemoryEstimate, memory_bytes
+from jax_ep.layer import MoEParams, init_moe_params, moe_mlp, moe_mlp_per_shard
+from jax_ep.ops import (DispatchResult, Handle, LowLatencyHandle, LowLatencyResult, combine,
+                        dispatch, low_latency_combine, low_latency_dispatch)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Group", "MemoryEstimate", "memory_bytes", "default_capacity",
+    "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
+    "DispatchResult", "Handle", "LowLatencyResult", "LowLatencyHandle",
+    "MoEParams", "init_moe_params", "moe_mlp", "moe_mlp_per_shard",
+]

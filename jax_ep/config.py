@@ -1,0 +1,62 @@
+"""Static configuration shared by every layer of jax_ep (Python side)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class EPConfig:
+  """Everything a backend needs to know about a group, all static (hashable, trace-time).
+
+  Attributes:
+    axis_name: the mesh axis the EP group spans.
+    num_ranks: `R`, the size of that axis.
+    num_experts: `E`; `num_local_experts` = `E / R`.
+    num_topk: `K`.
+    hidden: `H`.
+    max_tokens_per_rank: `T_max`; calls may pass any `T <= T_max`.
+    dtype: activation dtype (numpy dtype of bf16, f16 or f32).
+    capacity: rows of the high-throughput receive buffer per rank.
+    strict: raise at run time when any row is dropped.
+  """
+
+  axis_name: str
+  num_ranks: int
+  num_experts: int
+  num_topk: int
+  hidden: int
+  max_tokens_per_rank: int
+  dtype: np.dtype
+  capacity: int
+  strict: bool = False
+
+  @property
+  def num_local_experts(self) -> int:
+    return self.num_experts // self.num_ranks
+
+  @property
+  def low_latency_slab(self) -> int:
+    """Rows per local expert in the low-latency receive buffer: `R * T_max`."""
+    return self.num_ranks * self.max_tokens_per_rank
+
+  def fingerprint(self) -> dict[str, object]:
+    """Fields that every process of a group must agree on."""
+    return dict(axis_name=self.axis_name, num_ranks=self.num_ranks, num_experts=self.num_experts,
+                num_topk=self.num_topk, hidden=self.hidden,
+                max_tokens_per_rank=self.max_tokens_per_rank, dtype=str(np.dtype(self.dtype)),
+                capacity=self.capacity, strict=self.strict)
+
+
+def default_capacity(num_ranks: int, max_tokens_per_rank: int, num_topk: int,
+                     num_local_experts: int) -> int:
+  """Worst-case rows one rank can receive when every token names `K` distinct experts.
+
+  `R * T_max * min(K, L)`: each of the `R * T_max` tokens that can reach a rank selects at most
+  `min(K, L)` distinct experts there. NOTES: a token that names the same expert in several slots
+  gets one row per slot, so with `L < K` such duplicates can exceed this; those rows are counted
+  in `num_dropped`, never lost silently.
+  """
+  return num_ranks * max_tokens_per_rank * min(num_topk, num_local_experts)

@@ -1,0 +1,216 @@
+"""`Group`: one expert-parallel communicator over a mesh axis, and the memory sizing helper."""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import _distributed, _ffi
+from jax_ep.backends import BACKENDS
+from jax_ep.config import EPConfig, default_capacity
+
+_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+
+def _positive_int(name: str, value) -> int:
+  try:
+    value = operator.index(value)
+  except TypeError:
+    raise TypeError(f"jax_ep.Group: {name} must be an int, got {value!r} "
+                    f"({type(value).__name__})") from None
+  if value <= 0:
+    raise ValueError(f"jax_ep.Group: {name} must be positive, got {value}")
+  return value
+
+
+def _check_dtype(dtype) -> np.dtype:
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"jax_ep.Group: dtype must be one of bfloat16, float16, float32; "
+                    f"got {dtype!r}") from None
+  if dtype not in _DTYPES:
+    raise TypeError(f"jax_ep.Group: dtype must be one of bfloat16, float16, float32; got {dtype}")
+  return dtype
+
+
+def _resolve_backend(backend: str, mesh) -> str:
+  if backend not in ("auto", "reference", "cuda"):
+    raise ValueError(f"jax_ep.Group: backend must be 'auto', 'reference' or 'cuda'; got {backend!r}")
+  if backend != "auto":
+    return backend
+  on_gpu = all(d.platform == "gpu" for d in mesh.devices.flat)
+  return "cuda" if on_gpu and _ffi.extension() is not None else "reference"
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """Bytes one rank needs for a group configuration.
+
+  Attributes:
+    recv_x_bytes: the high-throughput dispatch output `[capacity, H]`.
+    handle_bytes: routing metadata kept between dispatch and combine (the largest backend's).
+    low_latency_recv_bytes: the low-latency dispatch output `[L, R*T_max, H]` (bf16 or fp8 plus
+      scales, whichever asked).
+    workspace_bytes: transient buffers of one call (the reference's exchange blocks, or the
+      kernels' scratch).
+    comm_buffer_bytes: library-owned communication buffers allocated once per group.
+  """
+  recv_x_bytes: int
+  handle_bytes: int
+  low_latency_recv_bytes: int
+  workspace_bytes: int
+  comm_buffer_bytes: int
+
+  @property
+  def total_bytes(self) -> int:
+    return (self.recv_x_bytes + self.handle_bytes + self.low_latency_recv_bytes
+            + self.workspace_bytes + self.comm_buffer_bytes)
+
+
+def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int,
+                 max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
+                 backend: str = "reference", use_fp8: bool = False) -> MemoryEstimate:
+  """How much memory one rank needs for this configuration, before anything is allocated.
+
+  Args:
+    num_ranks: `R`. num_experts: `E` (divisible by `R`). num_topk: `K`. hidden: `H`.
+    max_tokens_per_rank: `T_max`. dtype: activation dtype. capacity: receive rows per rank
+      (default: `default_capacity`). backend: 'reference' or 'cuda'. use_fp8: size the
+      low-latency buffer for fp8 instead of the activation dtype.
+  """
+  dtype = _check_dtype(dtype)
+  num_local = num_experts // num_ranks
+  if capacity is None:
+    capacity = default_capacity(num_ranks, max_tokens_per_rank, num_topk, num_local)
+  config = EPConfig("ep", num_ranks, num_experts, num_topk, hidden, max_tokens_per_rank, dtype,
+                    capacity)
+  t, k, r = max_tokens_per_rank, num_topk, num_ranks
+  recv_x = capacity * hidden * dtype.itemsize
+  handle = 4 * (t * k + r * t * k + capacity) + 4 * t * k  # routing + the weights
+  slab_rows = num_local * r * t
+  if use_fp8:
+    low_latency = slab_rows * (hidden + 4 * (hidden // 128))
+  else:
+    low_latency = slab_rows * hidden * dtype.itemsize
+  if backend == "cuda" and num_ranks == 1:
+    from jax_ep import cuda_ops
+    workspace = cuda_ops.layout_workspace_bytes(config)
+  else:
+    from jax_ep import reference
+    workspace = reference.scratch_bytes(config)
+  return MemoryEstimate(recv_x, handle, low_latency, workspace, comm_buffer_bytes=0)
+
+
+class Group:
+  """An expert-parallel group over one mesh axis.
+
+  Created once per MoE configuration (outside `jit`); the ops `dispatch`, `combine`,
+  `low_latency_dispatch` and `low_latency_combine` take it as their first argument and must be
+  called inside `jax.shard_map` over `axis_name`. When several processes form the mesh (through
+  `jax.distributed`), creating a group checks that every process passed the same configuration
+  and raises a `ValueError` naming the first field that differs.
+
+  Args:
+    mesh: a `jax.sharding.Mesh` that has `axis_name`.
+    axis_name: the mesh axis experts are sharded over; its size is `R`.
+    num_experts: `E`, global expert count, divisible by `R`.
+    num_topk: `K`, experts per token.
+    hidden: `H`.
+    max_tokens_per_rank: `T_max`, the most tokens one rank passes per call.
+    dtype: activation dtype (bfloat16, float16 or float32).
+    capacity: rows of the dispatch output per rank; default `R * T_max * min(K, E/R)` never drops
+      for distinct top-k experts. Smaller values save memory; the excess is counted in
+      `num_dropped` and contributes zero to combine.
+    backend: 'auto' (cuda on GPUs when the extension is built, reference elsewhere),
+      'reference' or 'cuda'.
+    strict: raise a run-time error whenever a dispatch drops rows.
+    config_timeout_s: how long group creation waits for peer processes' configurations.
+  """
+
+  def __init__(self, mesh, axis_name: str, *, num_experts: int, num_topk: int, hidden: int,
+               max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
+               backend: str = "auto", strict: bool = False, config_timeout_s: float = 60.0):
+    if axis_name not in mesh.axis_names:
+      raise ValueError(f"jax_ep.Group: axis_name {axis_name!r} is not an axis of the mesh "
+                       f"(mesh axes: {tuple(mesh.axis_names)})")
+    num_ranks = int(mesh.shape[axis_name])
+    num_experts = _positive_int("num_experts", num_experts)
+    num_topk = _positive_int("num_topk", num_topk)
+    hidden = _positive_int("hidden", hidden)
+    max_tokens_per_rank = _positive_int("max_tokens_per_rank", max_tokens_per_rank)
+    if num_experts % num_ranks:
+      raise ValueError(f"jax_ep.Group: num_experts={num_experts} must be divisible by the size "
+                       f"of mesh axis {axis_name!r} ({num_ranks} ranks)")
+    dtype = _check_dtype(dtype)
+    num_local = num_experts // num_ranks
+    if capacity is None:
+      capacity = default_capacity(num_ranks, max_tokens_per_rank, num_topk, num_local)
+    else:
+      capacity = operator.index(capacity)
+      if capacity < 0:
+        raise ValueError(f"jax_ep.Group: capacity must be >= 0, got {capacity}")
+    self.mesh = mesh
+    self.config = EPConfig(axis_name, num_ranks, num_experts, num_topk, hidden,
+                           max_tokens_per_rank, dtype, capacity, bool(strict))
+    self.backend_name = _resolve_backend(backend, mesh)
+    fields = dict(self.config.fingerprint(), backend=self.backend_name)
+    _distributed.check_same_config(_distributed.next_group_key("group"), fields,
+                                   timeout_s=config_timeout_s)
+    self.backend = BACKENDS[self.backend_name](self.config)
+    self._closed = False
+
+  # Shorthands for the configuration.
+  axis_name = property(lambda self: self.config.axis_name)
+  num_ranks = property(lambda self: self.config.num_ranks)
+  num_experts = property(lambda self: self.config.num_experts)
+  num_local_experts = property(lambda self: self.config.num_local_experts)
+  num_topk = property(lambda self: self.config.num_topk)
+  hidden = property(lambda self: self.config.hidden)
+  max_tokens_per_rank = property(lambda self: self.config.max_tokens_per_rank)
+  dtype = property(lambda self: self.config.dtype)
+  capacity = property(lambda self: self.config.capacity)
+  strict = property(lambda self: self.config.strict)
+
+  def memory_bytes(self, use_fp8: bool = False) -> MemoryEstimate:
+    c = self.config
+    return memory_bytes(num_ranks=c.num_ranks, num_experts=c.num_experts, num_topk=c.num_topk,
+                        hidden=c.hidden, max_tokens_per_rank=c.max_tokens_per_rank,
+                        dtype=c.dtype, capacity=c.capacity, backend=self.backend_name,
+                        use_fp8=use_fp8)
+
+  def constrain(self, value, spec):
+    """Lays `value` out as `spec` over the group's mesh, inside or outside `jit`.
+
+    Uses `jax.reshard` on meshes whose axes are Explicit (the default of `jax.make_mesh`) and
+    `with_sharding_constraint` on Auto axes, so `shard_map(in_specs=spec)` accepts the result.
+    """
+    from jax.sharding import AxisType, NamedSharding
+    sharding = NamedSharding(self.mesh, spec)
+    if all(t == AxisType.Explicit for t in self.mesh.axis_types):
+      return jax.reshard(value, sharding)
+    return jax.lax.with_sharding_constraint(value, sharding)
+
+  @property
+  def closed(self) -> bool:
+    return self._closed
+
+  def close(self) -> None:
+    """Releases the group's resources; ops called with a closed group raise."""
+    self._closed = True
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def __repr__(self):
+    c = self.config
+    return (f"jax_ep.Group(axis={c.axis_name!r}, ranks={c.num_ranks}, experts={c.num_experts}, "
+            f"topk={c.num_topk}, hidden={c.hidden}, max_tokens_per_rank={c.max_tokens_per_rank}, "
+            f"dtype={c.dtype}, capacity={c.capacity}, backend={self.backend_name!r})")

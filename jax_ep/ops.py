@@ -1,0 +1,227 @@
+"""Public ops: high-throughput `dispatch`/`combine` and the low-latency pair.
+
+All are per-shard functions: call them inside `jax.shard_map` over the group's axis, like
+`jax.lax.psum`. Arguments are validated at trace time; errors name the argument, what it was and
+what was expected.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from jax_ep import primitives
+from jax_ep.group import Group
+
+
+class DispatchResult(NamedTuple):
+  """What a rank receives from a high-throughput dispatch.
+
+  Attributes:
+    x: `[capacity, H]` rows grouped by local expert `0..L-1`; inside one expert ordered by
+      (source rank, source token, slot); rows past `sum(group_sizes)` are zero. The input
+      `jax.lax.ragged_dot(x, w[L, ...], group_sizes)` expects.
+    group_sizes: `[L]` int32 rows per local expert.
+    num_dropped: `[]` int32 rows that did not fit in `capacity` on this rank.
+    num_invalid: `[]` int32 slots of *this rank's* `topk_idx` outside `[-1, E)` (treated as -1).
+  """
+  x: jax.Array
+  group_sizes: jax.Array
+  num_dropped: jax.Array
+  num_invalid: jax.Array
+
+
+class Handle(NamedTuple):
+  """Routing kept from `dispatch` for `combine` and the gradients (a pytree of arrays).
+
+  Attributes:
+    routing: backend-specific integer metadata.
+    topk_weights: `[T, K]` float32 router weights given to dispatch (differentiable).
+  """
+  routing: Any
+  topk_weights: jax.Array
+
+
+class LowLatencyResult(NamedTuple):
+  """What a rank receives from `low_latency_dispatch`.
+
+  Attributes:
+    x: `[L, R*T_max, H]` (activation dtype, or float8_e4m3fn with `use_fp8`); rows of expert l
+      packed at the front of slab l, ordered by (source rank, source token, slot).
+    scales: `[L, R*T_max, H/128]` float32 dequantisation scales with `use_fp8`, else None.
+    count: `[L]` int32 valid rows per local expert.
+    num_dropped: `[]` int32 rows past a slab's `R*T_max` rows (only possible when a token names
+      one expert in several slots).
+    num_invalid: `[]` int32 slots of this rank's `topk_idx` outside `[-1, E)`.
+  """
+  x: jax.Array
+  scales: jax.Array | None
+  count: jax.Array
+  num_dropped: jax.Array
+  num_invalid: jax.Array
+
+
+class LowLatencyHandle(NamedTuple):
+  routing: Any
+
+
+def _check_group(group, op: str) -> None:
+  if not isinstance(group, Group):
+    raise TypeError(f"jax_ep.{op}: group must be a jax_ep.Group, got {type(group).__name__}")
+  if group.closed:
+    raise ValueError(f"jax_ep.{op}: the group was closed")
+  try:
+    size = jax.lax.axis_size(group.axis_name)
+  except NameError:
+    raise ValueError(
+        f"jax_ep.{op} must be called inside jax.shard_map over the group's mesh axis "
+        f"{group.axis_name!r}, which is not bound here. Wrap the per-shard code in "
+        f"jax.shard_map(f, mesh=group.mesh, in_specs=..., out_specs=...).") from None
+  if size != group.num_ranks:
+    raise ValueError(f"jax_ep.{op}: axis {group.axis_name!r} has size {size} here but the group "
+                     f"was created with {group.num_ranks} ranks")
+
+
+def _check_array(op: str, name: str, value, *, ndim: int, dtypes, shape=None) -> None:
+  if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+    raise TypeError(f"jax_ep.{op}: {name} must be an array, got {type(value).__name__}")
+  if value.ndim != ndim:
+    raise ValueError(f"jax_ep.{op}: {name} must have {ndim} dimensions "
+                     f"{'[' + ', '.join(shape) + ']' if shape else ''}, got shape {value.shape}")
+  dtypes = tuple(np.dtype(d) for d in dtypes)
+  if np.dtype(value.dtype) not in dtypes:
+    want = " or ".join(str(d) for d in dtypes)
+    raise TypeError(f"jax_ep.{op}: {name} must have dtype {want}, got {value.dtype}")
+
+
+def _check_tokens(group: Group, op: str, x, topk_idx, topk_weights=None) -> None:
+  c = group.config
+  _check_array(op, "x", x, ndim=2, dtypes=(c.dtype,), shape=("T", "H"))
+  _check_array(op, "topk_idx", topk_idx, ndim=2, dtypes=(jnp.int32,), shape=("T", "K"))
+  num_tokens, hidden = x.shape
+  if hidden != c.hidden:
+    raise ValueError(f"jax_ep.{op}: x has hidden size {hidden} (shape {x.shape}) but the group "
+                     f"has hidden={c.hidden}")
+  if num_tokens > c.max_tokens_per_rank:
+    raise ValueError(f"jax_ep.{op}: x has {num_tokens} tokens (shape {x.shape}), more than the "
+                     f"group's max_tokens_per_rank={c.max_tokens_per_rank}")
+  if topk_idx.shape != (num_tokens, c.num_topk):
+    raise ValueError(f"jax_ep.{op}: topk_idx must have shape [T, K] = {(num_tokens, c.num_topk)} "
+                     f"(T from x, K = group num_topk), got {topk_idx.shape}")
+  if topk_weights is not None:
+    _check_array(op, "topk_weights", topk_weights, ndim=2, dtypes=(jnp.float32,),
+                 shape=("T", "K"))
+    if topk_weights.shape != topk_idx.shape:
+      raise ValueError(f"jax_ep.{op}: topk_weights shape {topk_weights.shape} must equal "
+                       f"topk_idx shape {topk_idx.shape}")
+
+
+def _raise_if_dropped(num_dropped):
+  if num_dropped > 0:
+    raise RuntimeError(f"jax_ep.dispatch: {int(num_dropped)} rows did not fit in the receive "
+                       f"capacity and were dropped (group created with strict=True); raise "
+                       f"capacity or pass strict=False to count drops instead")
+  return num_dropped
+
+
+def _strict_check(group: Group, num_dropped):
+  if not group.strict:
+    return num_dropped
+  return io_callback(_raise_if_dropped, jax.ShapeDtypeStruct((), jnp.int32), num_dropped)
+
+
+def dispatch(group: Group, x, topk_idx, topk_weights):
+  """Sends each token to the ranks that own its experts, grouped for a grouped GEMM.
+
+  Args:
+    group: the `Group`.
+    x: `[T, H]` activations in the group's dtype, `T <= max_tokens_per_rank`.
+    topk_idx: `[T, K]` int32 expert ids in `[0, E)`, or -1 for a slot that selects nothing.
+      Ids outside `[-1, E)` are treated as -1 and counted in `num_invalid`.
+    topk_weights: `[T, K]` float32 router weights, kept in the handle for `combine`.
+
+  Returns:
+    `(DispatchResult, Handle)`. Differentiable in `x` (and, through combine, in topk_weights).
+  """
+  _check_group(group, "dispatch")
+  _check_tokens(group, "dispatch", x, topk_idx, topk_weights)
+  backend = group.backend
+  routing, group_sizes, num_dropped, num_invalid = backend.layout(topk_idx)
+  num_dropped = _strict_check(group, num_dropped)
+  recv_x = primitives.dispatch_rows(backend, x, routing)
+  return DispatchResult(recv_x, group_sizes, num_dropped, num_invalid), Handle(routing, topk_weights)
+
+
+def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):
+  """Brings expert outputs home and reduces them with the router weights.
+
+  Args:
+    group: the `Group` used for `dispatch`.
+    expert_out: `[capacity, H]` in the group's dtype, row-aligned with `DispatchResult.x`.
+    handle: the `Handle` from `dispatch`.
+    weighted: when False all weights are one (the transpose of `dispatch`).
+
+  Returns:
+    `[T, H]`: `out[t] = sum_k w[t, k] * expert_out[row(t, k)]` over kept slots, fp32 accumulation.
+  """
+  _check_group(group, "combine")
+  c = group.config
+  _check_array("combine", "expert_out", expert_out, ndim=2, dtypes=(c.dtype,),
+               shape=("capacity", "H"))
+  if expert_out.shape != (c.capacity, c.hidden):
+    raise ValueError(f"jax_ep.combine: expert_out must have shape [capacity, H] = "
+                     f"{(c.capacity, c.hidden)}, got {expert_out.shape}")
+  if not isinstance(handle, Handle):
+    raise TypeError(f"jax_ep.combine: handle must be the Handle returned by jax_ep.dispatch, "
+                    f"got {type(handle).__name__}")
+  if weighted:
+    return primitives.combine_weighted(group.backend, expert_out, handle.topk_weights,
+                                       handle.routing)
+  return primitives.combine_unweighted(group.backend, expert_out, handle.routing)
+
+
+def low_latency_dispatch(group: Group, x, topk_idx, *, use_fp8: bool = False):
+  """Decode-time dispatch: every receiver keeps a slab of `R*T_max` rows per local expert.
+
+  Args:
+    group: the `Group`. x: `[T, H]`. topk_idx: `[T, K]` int32 (as in `dispatch`).
+    use_fp8: send float8_e4m3fn rows with one float32 scale per 128 channels (H % 128 == 0).
+
+  Returns:
+    `(LowLatencyResult, LowLatencyHandle)`.
+  """
+  _check_group(group, "low_latency_dispatch")
+  _check_tokens(group, "low_latency_dispatch", x, topk_idx)
+  if use_fp8 and group.hidden % 128:
+    raise ValueError(f"jax_ep.low_latency_dispatch: use_fp8=True needs hidden to be a multiple "
+                     f"of 128 (one scale per 128 channels), got hidden={group.hidden}")
+  recv_x, scales, count, num_dropped, num_invalid, routing = group.backend.low_latency_dispatch(
+      x, topk_idx, bool(use_fp8))
+  num_dropped = _strict_check(group, num_dropped)
+  return (LowLatencyResult(recv_x, scales, count, num_dropped, num_invalid),
+          LowLatencyHandle(routing))
+
+
+def low_latency_combine(group: Group, expert_out, handle: LowLatencyHandle, topk_weights):
+  """Decode-time combine: `expert_out` `[L, R*T_max, H]` -> `[T, H]`, weighted by `topk_weights`."""
+  _check_group(group, "low_latency_combine")
+  c = group.config
+  want = (c.num_local_experts, c.low_latency_slab, c.hidden)
+  _check_array("low_latency_combine", "expert_out", expert_out, ndim=3, dtypes=(c.dtype,),
+               shape=("L", "R*T_max", "H"))
+  if expert_out.shape != want:
+    raise ValueError(f"jax_ep.low_latency_combine: expert_out must have shape [L, R*T_max, H] = "
+                     f"{want}, got {expert_out.shape}")
+  if not isinstance(handle, LowLatencyHandle):
+    raise TypeError("jax_ep.low_latency_combine: handle must be the LowLatencyHandle returned by "
+                    f"jax_ep.low_latency_dispatch, got {type(handle).__name__}")
+  _check_array("low_latency_combine", "topk_weights", topk_weights, ndim=2,
+               dtypes=(jnp.float32,), shape=("T", "K"))
+  if topk_weights.shape != handle.routing.dest_rank.shape:
+    raise ValueError(f"jax_ep.low_latency_combine: topk_weights must have shape [T, K] = "
+                     f"{handle.routing.dest_rank.shape}, got {topk_weights.shape}")
+  return group.backend.low_latency_combine(expert_out, handle.routing, topk_weights)

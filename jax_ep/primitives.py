@@ -1,0 +1,69 @@
+"""Differentiable per-shard ops built on a backend: custom_vjp rules shared by all backends.
+
+- dispatch is linear in `x`: its transpose is the unweighted combine of the cotangent.
+- the weighted combine is linear in `expert_out`: its transpose is a dispatch of `d_out` scaled
+  per slot by the weight; the `topk_weights` cotangent is `<d_out[t], expert_out[row(t, k)]>`.
+- the unweighted combine's transpose is the plain dispatch.
+Routing metadata is integer-valued and gets no cotangent.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+
+def _no_cotangent(tree):
+  return jax.tree.map(lambda _: None, tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def dispatch_rows(backend, x, routing):
+  return backend.dispatch(x, routing)
+
+
+def _dispatch_rows_fwd(backend, x, routing):
+  return backend.dispatch(x, routing), routing
+
+
+def _dispatch_rows_bwd(backend, routing, d_recv_x):
+  return backend.combine(d_recv_x, routing), _no_cotangent(routing)
+
+
+dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def combine_weighted(backend, expert_out, topk_weights, routing):
+  return backend.combine(expert_out, routing, topk_weights)
+
+
+def _combine_weighted_fwd(backend, expert_out, topk_weights, routing):
+  out = backend.combine(expert_out, routing, topk_weights)
+  return out, (expert_out, topk_weights, routing)
+
+
+def _combine_weighted_bwd(backend, residuals, d_out):
+  expert_out, topk_weights, routing = residuals
+  d_expert_out, d_weights = backend.combine_vjp(d_out, expert_out, routing, topk_weights)
+  return d_expert_out, d_weights.astype(topk_weights.dtype), _no_cotangent(routing)
+
+
+combine_weighted.defvjp(_combine_weighted_fwd, _combine_weighted_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def combine_unweighted(backend, expert_out, routing):
+  return backend.combine(expert_out, routing)
+
+
+def _combine_unweighted_fwd(backend, expert_out, routing):
+  return backend.combine(expert_out, routing), routing
+
+
+def _combine_unweighted_bwd(backend, routing, d_out):
+  return backend.dispatch(d_out, routing), _no_cotangent(routing)
+
+
+combine_unweighted.defvjp(_combine_unweighted_fwd, _combine_unweighted_bwd)

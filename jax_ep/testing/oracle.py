@@ -1,0 +1,128 @@
+"""Dense, obviously-correct oracle for jax_ep's semantics (numpy, loops, all ranks in one place).
+
+Independent of every backend: no sorting tricks, no collectives. Tests compare the reference and
+cuda backends against these functions. Everything here takes the inputs of *all* ranks at once:
+`x` `[R, T, H]`, `topk_idx` `[R, T, K]`, `topk_weights` `[R, T, K]`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def default_capacity(num_ranks: int, max_tokens_per_rank: int, num_topk: int, num_local_experts: int) -> int:
+  return num_ranks * max_tokens_per_rank * min(num_topk, num_local_experts)
+
+
+def _routed_slots(topk_idx: np.ndarray, num_experts: int, dst: int, num_local_experts: int):
+  """Valid slots that land on rank `dst`, as (local_expert, src_rank, token, slot) in contract order."""
+  num_ranks, num_tokens, num_topk = topk_idx.shape
+  slots = []
+  for le in range(num_local_experts):
+    e = dst * num_local_experts + le
+    for s in range(num_ranks):
+      for t in range(num_tokens):
+        for k in range(num_topk):
+          if topk_idx[s, t, k] == e:
+            slots.append((le, s, t, k))
+  return slots
+
+
+def dispatch(x, topk_idx, num_experts: int, capacity: int):
+  """High-throughput dispatch for every rank.
+
+  Returns a list over destination ranks of dicts with `recv_x` `[capacity, H]` (dtype of x),
+  `group_sizes` `[L]`, `num_dropped`, and `rows`: for each kept row the (src_rank, token, slot) it
+  came from (used by `combine`).
+  """
+  x = np.asarray(x)
+  topk_idx = np.asarray(topk_idx)
+  num_ranks, _, hidden = x.shape
+  num_local = num_experts // num_ranks
+  out = []
+  for d in range(num_ranks):
+    slots = _routed_slots(topk_idx, num_experts, d, num_local)
+    kept = slots[:capacity]
+    recv_x = np.zeros((capacity, hidden), x.dtype)
+    for row, (_, s, t, _) in enumerate(kept):
+      recv_x[row] = x[s, t]
+    group_sizes = np.zeros(num_local, np.int32)
+    for le, *_ in kept:
+      group_sizes[le] += 1
+    out.append(dict(recv_x=recv_x, group_sizes=group_sizes,
+                    num_dropped=np.int32(len(slots) - len(kept)),
+                    rows=[(s, t, k) for (_, s, t, k) in kept]))
+  return out
+
+
+def num_invalid(topk_idx, num_experts: int):
+  """Per rank: slots whose id is neither -1 nor in [0, E)."""
+  topk_idx = np.asarray(topk_idx)
+  return ((topk_idx < -1) | (topk_idx >= num_experts)).sum(axis=(1, 2)).astype(np.int32)
+
+
+def combine(expert_out, dispatched, topk_weights, out_dtype, *, weighted: bool = True):
+  """High-throughput combine: `expert_out` is a list over ranks of `[capacity, H]` arrays.
+
+  out[s, t] = sum over kept slots (s, t, k) of w[s, t, k] * expert_out[dst][row], in float64
+  (the oracle is exact-ish; the backends accumulate in fp32 and are compared with a tolerance).
+  """
+  topk_weights = np.asarray(topk_weights, np.float64)
+  num_ranks, num_tokens, _ = topk_weights.shape
+  hidden = np.asarray(expert_out[0]).shape[-1]
+  out = np.zeros((num_ranks, num_tokens, hidden), np.float64)
+  for d, info in enumerate(dispatched):
+    eo = np.asarray(expert_out[d], np.float64)
+    for row, (s, t, k) in enumerate(info["rows"]):
+      w = topk_weights[s, t, k] if weighted else 1.0
+      out[s, t] += w * eo[row]
+  return out.astype(out_dtype)
+
+
+def low_latency_dispatch(x, topk_idx, num_experts: int, max_tokens_per_rank: int):
+  """Low-latency dispatch: per rank `recv_x` `[L, R*T_max, H]`, `count` `[L]`, `num_dropped`, `rows`."""
+  x = np.asarray(x)
+  topk_idx = np.asarray(topk_idx)
+  num_ranks, _, hidden = x.shape
+  num_local = num_experts // num_ranks
+  slab = num_ranks * max_tokens_per_rank
+  out = []
+  for d in range(num_ranks):
+    slots = _routed_slots(topk_idx, num_experts, d, num_local)
+    recv_x = np.zeros((num_local, slab, hidden), x.dtype)
+    count = np.zeros(num_local, np.int32)
+    rows = {}
+    dropped = 0
+    for le, s, t, k in slots:
+      if count[le] < slab:
+        recv_x[le, count[le]] = x[s, t]
+        rows[(s, t, k)] = (le, int(count[le]))
+        count[le] += 1
+      else:
+        dropped += 1
+    out.append(dict(recv_x=recv_x, count=count, num_dropped=np.int32(dropped), rows=rows))
+  return out
+
+
+def low_latency_combine(expert_out, dispatched, topk_weights, out_dtype):
+  topk_weights = np.asarray(topk_weights, np.float64)
+  num_ranks, num_tokens, _ = topk_weights.shape
+  hidden = np.asarray(expert_out[0]).shape[-1]
+  out = np.zeros((num_ranks, num_tokens, hidden), np.float64)
+  for d, info in enumerate(dispatched):
+    eo = np.asarray(expert_out[d], np.float64)
+    for (s, t, k), (le, j) in info["rows"].items():
+      out[s, t] += topk_weights[s, t, k] * eo[le, j]
+  return out.astype(out_dtype)
+
+
+def fp8_quantize(x, block: int = 128):
+  """Per-token, per-128-channel e4m3 quantisation: returns (q as float32 values, scales)."""
+  import ml_dtypes
+  x = np.asarray(x, np.float32)
+  shp = x.shape
+  xb = x.reshape(*shp[:-1], shp[-1] // block, block)
+  amax = np.abs(xb).max(axis=-1)
+  scales = np.where(amax > 0, amax * np.float32(1.0 / 448.0), 1.0).astype(np.float32)
+  q = (xb / scales[..., None]).astype(ml_dtypes.float8_e4m3fn)
+  return q.reshape(shp), scales
