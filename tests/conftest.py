@@ -3,8 +3,9 @@
 import os
 
 # Must happen before jax is imported anywhere: 8 host devices stand in for 8 EP ranks on the CPU.
+# Under jax_ep.launch each process is one rank with its own device instead.
 _flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
+if "xla_force_host_platform_device_count" not in _flags and "JAX_EP_PROCESS_ID" not in os.environ:
   os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402

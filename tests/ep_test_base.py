@@ -64,6 +64,8 @@ class EPTestBase:
 
   backend = "reference"
   rank_counts = (1, 2, 4, 8)
+  # Rank count of the tests that are about one feature rather than about R.
+  small_ranks = 2
 
   # ------------------------------------------------------------------ helpers
   def make_group(self, num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype,
@@ -127,14 +129,16 @@ class EPTestBase:
 
   @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
   def test_dtypes(self, dtype):
-    self._roundtrip(2, 19, 256, 4, 8, "uniform", DTYPES[dtype])
+    self._roundtrip(self.small_ranks, 19, 256, 4, 8, "uniform", DTYPES[dtype])
 
   def test_experts_equal_ranks(self):
     # E == R: one expert per rank, K > L, so a token reaches each rank at most once.
-    self._roundtrip(4, 19, 128, 2, 4, "uniform", jnp.float32)
+    r = self.small_ranks
+    self._roundtrip(r, 19, 128, 1, r, "uniform", jnp.float32)
+    self._roundtrip(r, 19, 128, 2, r, "duplicates", jnp.float32)
 
   def test_tokens_fewer_than_max(self):
-    self._roundtrip(2, 5, 128, 2, 8, "uniform", jnp.float32, max_tokens=19)
+    self._roundtrip(self.small_ranks, 5, 128, 2, 8, "uniform", jnp.float32, max_tokens=19)
 
   @pytest.mark.parametrize("num_ranks", [1, 4])
   @pytest.mark.parametrize("capacity", [0, 7, 50])
@@ -164,53 +168,57 @@ class EPTestBase:
     return recv, out
 
   def test_unweighted_combine(self):
-    self._roundtrip(2, 19, 128, 4, 8, "duplicates", jnp.float32, weighted=False)
+    self._roundtrip(self.small_ranks, 19, 128, 4, 8, "duplicates", jnp.float32, weighted=False)
 
   def test_deterministic(self):
-    group = self.make_group(4, num_experts=16, num_topk=4, hidden=256, max_tokens=64,
+    r = self.small_ranks
+    group = self.make_group(r, num_experts=16, num_topk=4, hidden=256, max_tokens=64,
                             dtype=jnp.bfloat16)
     rng = np.random.default_rng(3)
-    x = random_inputs(rng, 4, 64, 256, jnp.bfloat16)
-    idx = make_routing(rng, 4, 64, 4, 16, "uniform")
-    w = rng.random((4, 64, 4)).astype(np.float32)
-    eo = random_inputs(rng, 4, group.capacity, 256, jnp.bfloat16)
+    x = random_inputs(rng, r, 64, 256, jnp.bfloat16)
+    idx = make_routing(rng, r, 64, 4, 16, "uniform")
+    w = rng.random((r, 64, 4)).astype(np.float32)
+    eo = random_inputs(rng, r, group.capacity, 256, jnp.bfloat16)
     first = self.dispatch_combine(group, x, idx, w, eo)
     second = self.dispatch_combine(group, x, idx, w, eo)
     jax.tree.map(np.testing.assert_array_equal, first, second)
 
   def test_consecutive_calls_with_different_routings(self):
-    group = self.make_group(4, num_experts=16, num_topk=4, hidden=128, max_tokens=19,
+    r = self.small_ranks
+    group = self.make_group(r, num_experts=16, num_topk=4, hidden=128, max_tokens=19,
                             dtype=jnp.float32)
     rng = np.random.default_rng(5)
     for pattern in ("uniform", "hot", "all_masked", "uniform"):
-      x = random_inputs(rng, 4, 19, 128, jnp.float32)
-      idx = make_routing(rng, 4, 19, 4, 16, pattern)
-      w = rng.random((4, 19, 4)).astype(np.float32)
-      eo = random_inputs(rng, 4, group.capacity, 128, jnp.float32)
+      x = random_inputs(rng, r, 19, 128, jnp.float32)
+      idx = make_routing(rng, r, 19, 4, 16, pattern)
+      w = rng.random((r, 19, 4)).astype(np.float32)
+      eo = random_inputs(rng, r, group.capacity, 128, jnp.float32)
       recv, out = self.dispatch_combine(group, x, idx, w, eo)
       expected = self.check_dispatch(group, x, idx, recv)
       np.testing.assert_allclose(out, oracle.combine(list(eo), expected, w, np.float64),
                                  rtol=1e-5, atol=1e-5)
 
   def test_strict_raises_on_drop(self):
-    group = self.make_group(2, num_experts=8, num_topk=2, hidden=128, max_tokens=19,
+    r = self.small_ranks
+    group = self.make_group(r, num_experts=8, num_topk=2, hidden=128, max_tokens=19,
                             dtype=jnp.float32, capacity=3, strict=True)
     rng = np.random.default_rng(0)
-    x = random_inputs(rng, 2, 19, 128, jnp.float32)
-    idx = make_routing(rng, 2, 19, 2, 8, "uniform")
-    w = np.ones((2, 19, 2), np.float32)
-    eo = np.zeros((2, 3, 128), np.float32)
+    x = random_inputs(rng, r, 19, 128, jnp.float32)
+    idx = make_routing(rng, r, 19, 2, 8, "uniform")
+    w = np.ones((r, 19, 2), np.float32)
+    eo = np.zeros((r, 3, 128), np.float32)
     with pytest.raises(Exception, match="dropped"):
       self.dispatch_combine(group, x, idx, w, eo)
 
   def test_strict_passes_without_drop(self):
-    group = self.make_group(2, num_experts=8, num_topk=2, hidden=128, max_tokens=19,
+    r = self.small_ranks
+    group = self.make_group(r, num_experts=8, num_topk=2, hidden=128, max_tokens=19,
                             dtype=jnp.float32, strict=True)
     rng = np.random.default_rng(0)
-    x = random_inputs(rng, 2, 19, 128, jnp.float32)
-    idx = make_routing(rng, 2, 19, 2, 8, "uniform")
-    w = np.ones((2, 19, 2), np.float32)
-    eo = random_inputs(rng, 2, group.capacity, 128, jnp.float32)
+    x = random_inputs(rng, r, 19, 128, jnp.float32)
+    idx = make_routing(rng, r, 19, 2, 8, "uniform")
+    w = np.ones((r, 19, 2), np.float32)
+    eo = random_inputs(rng, r, group.capacity, 128, jnp.float32)
     recv, _ = self.dispatch_combine(group, x, idx, w, eo)
     assert recv.num_dropped.sum() == 0
 
@@ -269,12 +277,13 @@ class EPTestBase:
                                  err_msg=f"gradient w.r.t. {name}")
 
   def test_numerical_gradients(self):
-    group = self.make_group(2, num_experts=8, num_topk=2, hidden=128, max_tokens=5,
+    r = self.small_ranks
+    group = self.make_group(r, num_experts=8, num_topk=2, hidden=128, max_tokens=5,
                             dtype=jnp.float32)
     rng = np.random.default_rng(2)
-    x = random_inputs(rng, 2, 5, 128, jnp.float32)
-    idx = make_routing(rng, 2, 5, 2, 8, "uniform")
-    w = rng.random((2, 5, 2)).astype(np.float32)
+    x = random_inputs(rng, r, 5, 128, jnp.float32)
+    idx = make_routing(rng, r, 5, 2, 8, "uniform")
+    w = rng.random((r, 5, 2)).astype(np.float32)
     a = rng.standard_normal((8, 128)).astype(np.float32)
     model = self._scaled_experts_model(group)
     x_s, idx_s, w_s, a_s = self.shard(group, x, idx, w, a)
@@ -289,7 +298,7 @@ class EPTestBase:
 
   # ------------------------------------------------------------------ transformations
   def test_vmap_matches_per_element_with_one_round(self):
-    batch, num_ranks = 3, 2
+    batch, num_ranks = 3, self.small_ranks
     group = self.make_group(num_ranks, num_experts=8, num_topk=2, hidden=128, max_tokens=19,
                             dtype=jnp.float32)
     rng = np.random.default_rng(7)
@@ -323,7 +332,7 @@ class EPTestBase:
     assert batched == single, f"vmap changed the number of communication ops: {single} -> {batched}"
 
   def test_scan_checkpoint_layer_stack(self):
-    num_layers, num_ranks = 3, 2
+    num_layers, num_ranks = 3, self.small_ranks
     group = self.make_group(num_ranks, num_experts=8, num_topk=2, hidden=128, max_tokens=19,
                             dtype=jnp.float32)
     rng = np.random.default_rng(9)
@@ -390,7 +399,7 @@ class EPTestBase:
     np.testing.assert_allclose(out.astype(np.float64), want, rtol=1.6e-2, atol=1.6e-2)
 
   def test_low_latency_fp8(self):
-    num_ranks, num_experts, num_topk, hidden, num_tokens = 2, 8, 2, 256, 19
+    num_ranks, num_experts, num_topk, hidden, num_tokens = self.small_ranks, 8, 2, 256, 19
     group = self.make_group(num_ranks, num_experts=num_experts, num_topk=num_topk,
                             hidden=hidden, max_tokens=num_tokens, dtype=jnp.bfloat16)
     rng = np.random.default_rng(17)

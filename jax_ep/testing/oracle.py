@@ -15,17 +15,20 @@ def default_capacity(num_ranks: int, max_tokens_per_rank: int, num_topk: int, nu
 
 
 def _routed_slots(topk_idx: np.ndarray, num_experts: int, dst: int, num_local_experts: int):
-  """Valid slots that land on rank `dst`, as (local_expert, src_rank, token, slot) in contract order."""
+  """Valid slots that land on rank `dst`, as (local_expert, src_rank, token, slot) in contract order.
+
+  Visits slots in (src_rank, token, slot) order and appends each to its expert's list, so every
+  list is in that order; the lists are then concatenated by local expert.
+  """
   num_ranks, num_tokens, num_topk = topk_idx.shape
-  slots = []
-  for le in range(num_local_experts):
-    e = dst * num_local_experts + le
-    for s in range(num_ranks):
-      for t in range(num_tokens):
-        for k in range(num_topk):
-          if topk_idx[s, t, k] == e:
-            slots.append((le, s, t, k))
-  return slots
+  per_expert = [[] for _ in range(num_local_experts)]
+  for s in range(num_ranks):
+    for t in range(num_tokens):
+      for k in range(num_topk):
+        e = int(topk_idx[s, t, k])
+        if 0 <= e < num_experts and e // num_local_experts == dst:
+          per_expert[e % num_local_experts].append((e % num_local_experts, s, t, k))
+  return [slot for slots in per_expert for slot in slots]
 
 
 def dispatch(x, topk_idx, num_experts: int, capacity: int):

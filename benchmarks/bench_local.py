@@ -1,0 +1,135 @@
+"""One-rank (R=1) dispatch and combine: cuda kernels vs the reference backend vs plain XLA.
+
+Run on a GPU:  python benchmarks/bench_local.py [--tokens 128 4096 16384] [--out FILE.jsonl]
+
+For each T it times, per backend, `dispatch` (layout + permute into the expert-grouped layout)
+and `combine` (weighted fp32 reduction back to `[T, H]`), plus the cuda `layout` alone, and
+prints a table; one JSON Lines record per measurement goes to benchmarks/results/ with the keys
+of DESIGN.md section 6. `min_hbm_bytes`: dispatch reads x once and writes every selected row;
+combine reads every selected row and writes `[T, H]`. `roofline` = (min_hbm_bytes / copy bound)
+/ median time. `bytes`/`gbps` follow the field's accounting (rows received, deduplicated per
+rank: at R=1 one row per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import common  # noqa: E402
+import jax_ep  # noqa: E402
+
+
+def xla_dispatch(x, topk_idx, num_experts):
+  """Plain XLA: stable argsort of the slots by expert, gather the token rows."""
+  num_topk = topk_idx.shape[1]
+  order = jnp.argsort(topk_idx.reshape(-1), stable=True)
+  recv = jnp.take(x, order // num_topk, axis=0)
+  group_sizes = jnp.bincount(topk_idx.reshape(-1), length=num_experts).astype(jnp.int32)
+  return recv, group_sizes, order
+
+
+def xla_combine(expert_out, order, topk_weights):
+  """Plain XLA: invert the permutation, gather each slot's row, fp32 weighted sum."""
+  num_tokens, num_topk = topk_weights.shape
+  position = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+  rows = jnp.take(expert_out, position.reshape(num_tokens, num_topk), axis=0)
+  out = jnp.einsum("tkh,tk->th", rows.astype(jnp.float32), topk_weights)
+  return out.astype(expert_out.dtype)
+
+
+def batched(fn):
+  """Runs `fn` on every input set of a batch in one executable (rotating inputs)."""
+  return jax.jit(lambda *sets: [fn(*args) for args in zip(*sets)])
+
+
+def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_name, calls):
+  rng = np.random.default_rng(num_tokens)
+  dtype = jnp.bfloat16
+  itemsize = 2
+  mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+  sharding = NamedSharding(mesh, P())
+  put = lambda a: jax.device_put(a, sharding)
+  xs = [put(jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype)) for _ in range(calls)]
+  idxs = [put(common.uniform_topk(rng, num_tokens, num_experts, num_topk)) for _ in range(calls)]
+  ws = [put(rng.random((num_tokens, num_topk)).astype(np.float32)) for _ in range(calls)]
+  rows = num_tokens * num_topk
+  eos = [put(jnp.asarray(rng.standard_normal((rows, hidden)), dtype)) for _ in range(calls)]
+  row_bytes = hidden * itemsize
+  min_bytes = (num_tokens + rows) * row_bytes
+  base = dict(mode="high_throughput", ranks=1, process_model="single_device",
+              tokens_per_rank=num_tokens, hidden=hidden, topk=num_topk, experts=num_experts,
+              dtype="bfloat16", wire_dtype="bfloat16", bytes=num_tokens * row_bytes,
+              bound_gbps=round(bound_gbps, 1), bound=bound_name)
+  records = []
+
+  def add(op, backend, seconds, min_hbm=min_bytes):
+    median_us = seconds / calls * 1e6
+    records.append(common.record(
+        op=op, backend=backend, median_us=round(median_us, 2), **base,
+        gbps=round(base["bytes"] / (median_us * 1e-6) / 1e9, 1), min_hbm_bytes=min_hbm,
+        roofline=round(min_hbm / (bound_gbps * 1e9) / (median_us * 1e-6), 3)))
+
+  for backend in ("cuda", "reference"):
+    group = jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+                         max_tokens_per_rank=num_tokens, dtype=dtype, backend=backend)
+
+    def per_shard(fn):
+      return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
+
+    dispatch = per_shard(lambda x, i, w: jax_ep.dispatch(group, x, i, w))
+    recv_handles = [dispatch(x, i, w) for x, i, w in zip(xs, idxs, ws)]
+    handles = [h for _, h in recv_handles]
+    combine = per_shard(lambda eo, h: jax_ep.combine(group, eo, h))
+    add("dispatch", backend, common.time_batches(batched(dispatch), (xs, idxs, ws)))
+    add("combine", backend, common.time_batches(batched(combine), (eos, handles)))
+    if backend == "cuda":
+      layout = per_shard(lambda i: group.backend.layout(i)[0])
+      add("layout", backend, common.time_batches(batched(layout), (idxs,)),
+          min_hbm=rows * 4 * 2)  # read topk_idx, write slot rows
+
+  xla_d = functools.partial(xla_dispatch, num_experts=num_experts)
+  orders = [xla_d(x, i)[2] for x, i in zip(xs, idxs)]
+  add("dispatch", "xla_baseline", common.time_batches(batched(xla_d), (xs, idxs)))
+  add("combine", "xla_baseline", common.time_batches(batched(xla_combine), (eos, orders, ws)))
+  return records
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096, 16384])
+  parser.add_argument("--hidden", type=int, default=7168)
+  parser.add_argument("--topk", type=int, default=8)
+  parser.add_argument("--experts", type=int, default=256)
+  parser.add_argument("--calls", type=int, default=4, help="input sets per timed batch")
+  parser.add_argument("--out", default="local.jsonl")
+  args = parser.parse_args()
+  bound_gbps, bound_name = common.copy_bound_gbps()
+  print(f"copy bound: {bound_gbps:.0f} GB/s ({bound_name}) on {common.device_name()}")
+  records = []
+  for t in args.tokens:
+    records += bench_tokens(t, args.hidden, args.topk, args.experts, bound_gbps, bound_name,
+                            args.calls)
+  path = common.write_jsonl(records, args.out)
+  common.print_table(records, ["op", "backend", "tokens_per_rank", "median_us", "gbps",
+                               "min_hbm_bytes", "roofline"])
+  by = {(r["op"], r["backend"], r["tokens_per_rank"]): r["median_us"] for r in records}
+  for t in args.tokens:
+    for op in ("dispatch", "combine"):
+      cuda = by[(op, "cuda", t)]
+      print(f"T={t} {op}: cuda {cuda:.1f} us, x{by[(op, 'reference', t)] / cuda:.2f} vs reference,"
+            f" x{by[(op, 'xla_baseline', t)] / cuda:.2f} vs plain XLA")
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,112 @@
+"""Shared benchmark plumbing: timing, the copy-bandwidth bound, and JSON Lines records.
+
+Timing: each measurement is the median over `repeats` of the time of one jitted batch of `calls`
+invocations on rotating input sets (so L2 never holds a whole input), divided by `calls`. The
+batch is one executable, so its kernels queue back to back on the device; the host clock around
+`block_until_ready` then measures device time plus one launch/sync, amortised over the batch.
+A warm-up batch runs first, so compilation and module loading are excluded.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import time
+
+import jax
+import numpy as np
+
+RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
+
+
+def git_commit() -> str:
+  try:
+    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
+                                   cwd=os.path.dirname(__file__), text=True,
+                                   stderr=subprocess.DEVNULL).strip()
+  except (OSError, subprocess.CalledProcessError):
+    return os.environ.get("JAX_EP_COMMIT", "unknown")
+
+
+def device_name() -> str:
+  dev = jax.devices()[0]
+  return getattr(dev, "device_kind", dev.platform)
+
+
+def time_batches(fn, args, *, repeats: int = 20) -> float:
+  """Median seconds of one `fn(*args)` (which should itself run a batch), after one warm-up."""
+  jax.block_until_ready(fn(*args))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    samples.append(time.perf_counter() - start)
+  return statistics.median(samples)
+
+
+def copy_bound_gbps(num_bytes: int = 4 << 30) -> tuple[float, str]:
+  """Device-to-device copy bandwidth (bytes read + written per second), and how it was measured.
+
+  `cudaMemcpy` through CuPy when available (the contract's bound); else an XLA copy, which reads
+  lower.
+  """
+  try:
+    import cupy
+    src = cupy.empty(num_bytes // 2, dtype=cupy.uint8)
+    dst = cupy.empty_like(src)
+    src.fill(1)
+    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+    times = []
+    for _ in range(10):
+      start.record()
+      cupy.cuda.runtime.memcpy(dst.data.ptr, src.data.ptr, src.nbytes, 3)  # device to device
+      stop.record()
+      stop.synchronize()
+      times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+    seconds = statistics.median(times[2:])
+    del src, dst
+    cupy.get_default_memory_pool().free_all_blocks()
+    return 2 * (num_bytes // 2) / seconds / 1e9, "cudaMemcpy"
+  except Exception:  # noqa: BLE001 - fall back to XLA on any CuPy problem
+    x = jax.numpy.ones((num_bytes // 8,), jax.numpy.float32)
+    copy = jax.jit(lambda v: v * 1.0)
+    seconds = time_batches(copy, (x,), repeats=10)
+    return 2 * x.nbytes / seconds / 1e9, "xla_copy"
+
+
+def record(**fields) -> dict:
+  base = {"gpu": device_name(), "jax": jax.__version__,
+          "date": datetime.date.today().isoformat(), "commit": git_commit()}
+  base.update(fields)
+  return base
+
+
+def write_jsonl(records, name: str) -> str:
+  os.makedirs(RESULTS_DIR, exist_ok=True)
+  path = os.path.join(RESULTS_DIR, name)
+  with open(path, "a") as f:
+    for r in records:
+      f.write(json.dumps(r) + "\n")
+  return path
+
+
+def print_table(records, columns) -> None:
+  widths = [max(len(c), *(len(_fmt(r.get(c))) for r in records)) for c in columns]
+  print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+  for r in records:
+    print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
+
+
+def _fmt(v) -> str:
+  if isinstance(v, float):
+    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+  return str(v)
+
+
+def uniform_topk(rng, num_tokens: int, num_experts: int, num_topk: int) -> np.ndarray:
+  """`[T, K]` int32: K distinct experts per token, uniformly at random."""
+  scores = rng.random((num_tokens, num_experts))
+  return np.argsort(scores, axis=-1)[:, :num_topk].astype(np.int32)

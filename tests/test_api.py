@@ -1,0 +1,206 @@
+"""Trace-time validation: every bad input raises ValueError/TypeError naming the argument."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+
+
+def _mesh(n):
+  return jax.make_mesh((n,), ("ep",), devices=jax.devices()[:n])
+
+
+def _group(**overrides):
+  kwargs = dict(num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
+                dtype=jnp.float32, backend="reference")
+  kwargs.update(overrides)
+  return jax_ep.Group(_mesh(kwargs.pop("ranks", 2)), "ep", **kwargs)
+
+
+def _trace(group, fn, *args):
+  """Traces `fn` per shard (leading R axis) inside shard_map; returns nothing."""
+  specs = P("ep")
+  mapped = jax.shard_map(lambda *a: fn(*(b[0] for b in a)), mesh=group.mesh, in_specs=specs,
+                         out_specs=P(), check_vma=False)
+  structs = [jax.ShapeDtypeStruct((group.num_ranks, *a.shape), a.dtype,
+                                  sharding=jax.NamedSharding(group.mesh, specs)) for a in args]
+  jax.jit(mapped).trace(*structs)
+
+
+def _inputs(t=16, h=128, k=2, x_dtype=jnp.float32, idx_dtype=jnp.int32, w_dtype=jnp.float32):
+  return (jax.ShapeDtypeStruct((t, h), x_dtype), jax.ShapeDtypeStruct((t, k), idx_dtype),
+          jax.ShapeDtypeStruct((t, k), w_dtype))
+
+
+def _dispatch_only(group):
+  def fn(x, idx, w):
+    recv, _ = jax_ep.dispatch(group, x, idx, w)
+    return recv.num_dropped
+  return fn
+
+
+class TestGroupValidation:
+
+  def test_experts_not_divisible_by_ranks(self):
+    with pytest.raises(ValueError, match=r"num_experts=6 must be divisible .* \(4 ranks\)"):
+      _group(ranks=4, num_experts=6)
+
+  def test_unknown_axis(self):
+    with pytest.raises(ValueError, match="axis_name 'tp' is not an axis of the mesh"):
+      jax_ep.Group(_mesh(2), "tp", num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=4)
+
+  @pytest.mark.parametrize("field", ["num_experts", "num_topk", "hidden", "max_tokens_per_rank"])
+  def test_non_positive(self, field):
+    with pytest.raises(ValueError, match=f"{field} must be positive, got 0"):
+      _group(**{field: 0})
+
+  def test_non_integer(self):
+    with pytest.raises(TypeError, match="hidden must be an int, got 1.5"):
+      _group(hidden=1.5)
+
+  def test_bad_dtype(self):
+    with pytest.raises(TypeError, match="dtype must be one of bfloat16, float16, float32; got int32"):
+      _group(dtype=jnp.int32)
+
+  def test_bad_backend(self):
+    with pytest.raises(ValueError, match="backend must be 'auto', 'reference' or 'cuda'; got 'tpu'"):
+      _group(backend="tpu")
+
+  def test_negative_capacity(self):
+    with pytest.raises(ValueError, match="capacity must be >= 0, got -1"):
+      _group(capacity=-1)
+
+  def test_default_capacity_is_exact_worst_case(self):
+    assert _group(ranks=4, num_experts=8, num_topk=8).capacity == 4 * 16 * 2  # min(K, L) = 2
+    assert _group(ranks=2, num_experts=256, num_topk=8).capacity == 2 * 16 * 8
+
+  def test_memory_bytes(self):
+    group = _group(ranks=2, num_experts=8, num_topk=2, hidden=128)
+    est = group.memory_bytes()
+    assert est.recv_x_bytes == group.capacity * 128 * 4
+    assert est.low_latency_recv_bytes == 4 * 2 * 16 * 128 * 4
+    assert est.total_bytes >= est.recv_x_bytes + est.low_latency_recv_bytes
+    fp8 = group.memory_bytes(use_fp8=True)
+    assert fp8.low_latency_recv_bytes == 4 * 2 * 16 * (128 + 4)
+    standalone = jax_ep.memory_bytes(num_ranks=8, num_experts=256, num_topk=8, hidden=7168,
+                                     max_tokens_per_rank=4096)
+    assert standalone.recv_x_bytes == 8 * 4096 * 8 * 7168 * 2
+
+  def test_context_manager_closes(self):
+    with _group() as group:
+      assert not group.closed
+    assert group.closed
+    with pytest.raises(ValueError, match="the group was closed"):
+      _trace(group, _dispatch_only(group), *_inputs())
+
+  def test_cuda_backend_refuses_multi_rank(self):
+    with pytest.raises(NotImplementedError, match="num_ranks=1"):
+      _group(ranks=2, backend="cuda")
+
+
+class TestOpValidation:
+
+  def test_outside_shard_map(self):
+    group = _group()
+    x = jnp.zeros((16, 128)); idx = jnp.zeros((16, 2), jnp.int32); w = jnp.zeros((16, 2))
+    with pytest.raises(ValueError, match="must be called inside jax.shard_map over the group's mesh axis 'ep'"):
+      jax_ep.dispatch(group, x, idx, w)
+
+  def test_wrong_axis_size(self):
+    group = _group(ranks=2)
+    other = jax_ep.Group(_mesh(4), "ep", num_experts=8, num_topk=2, hidden=128,
+                         max_tokens_per_rank=16, dtype=jnp.float32, backend="reference")
+    with pytest.raises(ValueError, match="axis 'ep' has size 4 here but the group was created with 2"):
+      _trace(other, _dispatch_only(group), *_inputs())
+
+  @pytest.mark.parametrize("kwargs,exc,message", [
+      (dict(x_dtype=jnp.bfloat16), TypeError, "x must have dtype float32, got bfloat16"),
+      (dict(idx_dtype=jnp.int64), TypeError, "topk_idx must have dtype int32"),
+      (dict(idx_dtype=jnp.float32), TypeError, "topk_idx must have dtype int32, got float32"),
+      (dict(w_dtype=jnp.bfloat16), TypeError, "topk_weights must have dtype float32, got bfloat16"),
+      (dict(h=256), ValueError, r"x has hidden size 256 \(shape \(16, 256\)\) but the group has hidden=128"),
+      (dict(t=17), ValueError, r"x has 17 tokens .* max_tokens_per_rank=16"),
+      (dict(k=3), ValueError, r"topk_idx must have shape \[T, K\] = \(16, 2\)"),
+  ])
+  def test_dispatch_arguments(self, kwargs, exc, message):
+    if kwargs.get("idx_dtype") == jnp.int64 and not jax.config.jax_enable_x64:
+      pytest.skip("int64 arrays need jax_enable_x64")
+    group = _group()
+    with pytest.raises(exc, match=message):
+      _trace(group, _dispatch_only(group), *_inputs(**kwargs))
+
+  def test_wrong_rank_of_x(self):
+    group = _group()
+    args = (jax.ShapeDtypeStruct((16, 128, 1), jnp.float32),) + _inputs()[1:]
+    with pytest.raises(ValueError, match=r"x must have 2 dimensions \[T, H\], got shape \(16, 128, 1\)"):
+      _trace(group, _dispatch_only(group), *args)
+
+  def test_weights_shape_mismatch(self):
+    group = _group()
+    args = _inputs()[:2] + (jax.ShapeDtypeStruct((16, 3), jnp.float32),)
+    with pytest.raises(ValueError, match=r"topk_weights shape \(16, 3\) must equal topk_idx shape \(16, 2\)"):
+      _trace(group, _dispatch_only(group), *args)
+
+  def test_combine_expert_out_shape(self):
+    group = _group()
+
+    def fn(x, idx, w):
+      _, handle = jax_ep.dispatch(group, x, idx, w)
+      return jax_ep.combine(group, jnp.zeros((group.capacity - 1, 128)), handle).sum()
+    with pytest.raises(ValueError, match=r"expert_out must have shape \[capacity, H\] = \(64, 128\), got \(63, 128\)"):
+      _trace(group, fn, *_inputs())
+
+  def test_combine_expert_out_dtype(self):
+    group = _group()
+
+    def fn(x, idx, w):
+      _, handle = jax_ep.dispatch(group, x, idx, w)
+      return jax_ep.combine(group, jnp.zeros((group.capacity, 128), jnp.bfloat16), handle).sum()
+    with pytest.raises(TypeError, match="expert_out must have dtype float32, got bfloat16"):
+      _trace(group, fn, *_inputs())
+
+  def test_combine_needs_handle(self):
+    group = _group()
+
+    def fn(x, idx, w):
+      return jax_ep.combine(group, jnp.zeros((group.capacity, 128)), (idx, w)).sum()
+    with pytest.raises(TypeError, match="handle must be the Handle returned by jax_ep.dispatch"):
+      _trace(group, fn, *_inputs())
+
+  def test_fp8_needs_hidden_multiple_of_128(self):
+    group = _group(hidden=64)
+
+    def fn(x, idx, w):
+      return jax_ep.low_latency_dispatch(group, x, idx, use_fp8=True)[0].count.sum()
+    with pytest.raises(ValueError, match="use_fp8=True needs hidden to be a multiple of 128.*hidden=64"):
+      _trace(group, fn, *_inputs(h=64))
+
+  def test_low_latency_combine_shapes(self):
+    group = _group()
+
+    def fn(x, idx, w):
+      _, handle = jax_ep.low_latency_dispatch(group, x, idx)
+      return jax_ep.low_latency_combine(group, jnp.zeros((4, 31, 128)), handle, w).sum()
+    with pytest.raises(ValueError, match=r"expert_out must have shape \[L, R\*T_max, H\] = \(4, 32, 128\), got \(4, 31, 128\)"):
+      _trace(group, lambda x, idx, w: fn(x, idx, w), *_inputs())
+
+  def test_out_of_range_ids_are_counted_not_read(self):
+    # Run time, not trace time: ids past E or below -1 select nothing and are counted.
+    group = _group(ranks=2)
+    idx = np.array([[[0, 8], [-2, 1000]], [[7, -1], [3, -7]]], np.int32)
+    x = np.ones((2, 2, 128), np.float32)
+    w = np.ones((2, 2, 2), np.float32)
+
+    def fn(x, idx, w):
+      recv, handle = jax_ep.dispatch(group, x[0], idx[0], w[0])
+      out = jax_ep.combine(group, recv.x, handle)
+      return recv.num_invalid[None], recv.group_sizes[None], out[None]
+    sh = jax.NamedSharding(group.mesh, P("ep"))
+    mapped = jax.shard_map(fn, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep"))
+    invalid, sizes, out = jax.jit(mapped)(*(jax.device_put(a, sh) for a in (x, idx, w)))
+    np.testing.assert_array_equal(np.asarray(invalid), [3, 1])
+    assert np.asarray(sizes).sum() == 3  # ids 0, 7, 3
+    np.testing.assert_array_equal(np.asarray(out)[:, :, 0], [[1, 0], [1, 1]])

@@ -1,0 +1,87 @@
+"""The shared suite on the cuda backend at one rank (local layout/permute/unpermute kernels).
+
+Marked `gpu`: skipped where no CUDA GPU or no built extension is present (see conftest.py).
+Run on a GPU: `python -m pytest tests/test_cuda_local.py -v`.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from ep_test_base import EPTestBase, make_routing, random_inputs, tolerance
+from jax_ep.testing import oracle
+
+pytestmark = pytest.mark.gpu
+
+
+class TestCudaLocal(EPTestBase):
+  backend = "cuda"
+  rank_counts = (1,)
+  small_ranks = 1
+
+  @pytest.mark.parametrize("num_tokens", [1, 19, 99, 989, 4096])
+  @pytest.mark.parametrize("num_experts,num_topk", [(1, 1), (256, 8), (1024, 4), (33, 5)])
+  def test_sizes(self, num_tokens, num_experts, num_topk):
+    self._roundtrip(1, num_tokens, 1024, num_topk, num_experts, "uniform", jnp.bfloat16)
+
+  @pytest.mark.parametrize("hidden", [8, 136, 7168])
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
+  def test_hidden_sizes(self, hidden, dtype):
+    self._roundtrip(1, 37, hidden, 8, 64, "invalid", dtype)
+
+  def test_large_token_count(self):
+    # T = 65536: row indices and slot counts past 16 bits; checked on the device-side counts.
+    group = self.make_group(1, num_experts=256, num_topk=8, hidden=128, max_tokens=65536,
+                            dtype=jnp.bfloat16)
+    rng = np.random.default_rng(0)
+    idx = make_routing(rng, 1, 65536, 8, 256, "uniform")
+    x = random_inputs(rng, 1, 65536, 128, jnp.bfloat16)
+    w = rng.random((1, 65536, 8)).astype(np.float32)
+
+    def fn(x, idx, w):
+      recv, handle = jax_ep.dispatch(group, x, idx, w)
+      return recv.group_sizes, recv.num_dropped, jax_ep.combine(group, recv.x, handle)
+    sizes, dropped, out = self.run_per_rank(group, fn, x, idx, w)
+    np.testing.assert_array_equal(sizes[0], np.bincount(idx.reshape(-1), minlength=256))
+    assert dropped[0] == 0
+    # combine(dispatch(x)) with weights w is x * sum_k w, since every slot keeps its row.
+    want = x[0].astype(np.float32) * w[0].sum(-1, keepdims=True)
+    np.testing.assert_allclose(out[0].astype(np.float32), want, rtol=2e-2, atol=2e-2)
+
+  def test_hidden_not_multiple_of_8_is_rejected(self):
+    group = self.make_group(1, num_experts=8, num_topk=2, hidden=12, max_tokens=4,
+                            dtype=jnp.float32)
+    rng = np.random.default_rng(0)
+    x = random_inputs(rng, 1, 4, 12, jnp.float32)
+    idx = make_routing(rng, 1, 4, 2, 8, "uniform")
+    w = np.ones((1, 4, 2), np.float32)
+    with pytest.raises(Exception, match="12"):
+      self.dispatch_combine(group, x, idx, w, np.zeros((1, group.capacity, 12), np.float32))
+
+  @pytest.mark.parametrize("command_buffers", [True, False])
+  def test_command_buffers_on_and_off(self, command_buffers):
+    group = self.make_group(1, num_experts=64, num_topk=4, hidden=256, max_tokens=128,
+                            dtype=jnp.bfloat16)
+    rng = np.random.default_rng(1)
+    x = random_inputs(rng, 1, 128, 256, jnp.bfloat16)
+    idx = make_routing(rng, 1, 128, 4, 64, "uniform")
+    w = rng.random((1, 128, 4)).astype(np.float32)
+    eo = random_inputs(rng, 1, group.capacity, 256, jnp.bfloat16)
+
+    def body(x, idx, w, eo):
+      recv, handle = jax_ep.dispatch(group, x[0], idx[0], w[0])
+      return recv.x[None], jax_ep.combine(group, eo[0], handle)[None]
+    mapped = jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep"))
+    args = self.shard(group, x, idx, w, eo)
+    options = {} if command_buffers else {"xla_gpu_enable_command_buffer": ""}
+    compiled = jax.jit(mapped).lower(*args).compile(compiler_options=options)
+    for _ in range(3):  # replays reuse the recorded command buffer
+      recv_x, out = map(np.asarray, compiled(*args))
+    expected = oracle.dispatch(x, idx, 64, group.capacity)
+    np.testing.assert_array_equal(recv_x[0], expected[0]["recv_x"])
+    want = oracle.combine(list(eo), expected, w, np.float64)
+    np.testing.assert_allclose(out.astype(np.float64), want, rtol=tolerance(jnp.bfloat16),
+                               atol=tolerance(jnp.bfloat16))
