@@ -1,0 +1,107 @@
+"""Checks across the processes of a `jax.distributed` job, through its key-value store.
+
+Group creation uses `check_same_config` so that processes whose configuration differs fail with an
+error naming the field, instead of hanging later in a collective or a kernel's spin-wait.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+from collections.abc import Iterator
+
+import jax
+from jax._src import distributed as jax_distributed
+
+_KEY_PREFIX = "jax_ep/config"
+# Stands for a field that a peer's configuration does not have at all.
+_MISSING = "<missing>"
+
+_group_counters: dict[str, Iterator[int]] = {}
+_group_counters_lock = threading.Lock()
+
+
+def next_group_key(prefix: str) -> str:
+  """Returns `f"{prefix}-{n}"`, where n counts this process's calls with this prefix from 0.
+
+  Every process creates its groups in the same order, so the n-th group of each process meets
+  its peers under the same key.
+  """
+  with _group_counters_lock:
+    counter = _group_counters.setdefault(prefix, itertools.count())
+    return f"{prefix}-{next(counter)}"
+
+
+def _normalize(fields: dict[str, object]) -> dict[str, object]:
+  """The fields as every peer sees them after the JSON round trip (dtypes etc. as `str`)."""
+  return json.loads(json.dumps(fields, default=str))
+
+
+def _is_deadline_error(e: Exception) -> bool:
+  # The KV client reports an expired wait as a runtime error whose message carries the gRPC
+  # status, e.g. "DEADLINE_EXCEEDED: ..."; there is no dedicated exception type.
+  text = str(e).lower()
+  return "deadline_exceeded" in text or "deadline exceeded" in text or "timed out" in text
+
+
+def check_same_config(key: str, fields: dict[str, object], *, timeout_s: float = 60.0) -> None:
+  """Raises unless every process of the job passes the same `fields` under `key`.
+
+  Each process publishes its fields to the `jax.distributed` key-value store and compares them
+  with every peer's, so all processes of a mismatching job raise, not just some. A single-process
+  run returns at once.
+
+  Args:
+    key: names this check; it must be unique per check within the job (see `next_group_key`)
+      and the same on every process.
+    fields: the configuration, name -> value. Values that JSON cannot represent (dtypes, ...)
+      are compared as `str(value)`.
+    timeout_s: how long to wait, in total, for the peers to publish theirs.
+
+  Raises:
+    ValueError: a field differs between this process and a peer.
+    TimeoutError: a peer did not publish its fields within `timeout_s`.
+    RuntimeError: the job has several processes but no `jax.distributed` client.
+  """
+  # NOTES: the process count and index come from the distributed client, not from
+  # jax.process_count(): that call creates the backends, which on a multi-process job exchanges
+  # topology with every peer and blocks, without our timeout, until all of them have done so.
+  state = jax_distributed.global_state
+  client = state.client
+  if client is None:
+    if jax.process_count() == 1:
+      return
+    raise RuntimeError(
+        f"jax_ep.Group: jax.process_count() is {jax.process_count()} but there is no "
+        "jax.distributed client to compare the configuration through")
+  num_processes, me = state.num_processes, state.process_id
+  if num_processes == 1:
+    return
+  mine = _normalize(fields)
+  client.key_value_set_bytes(f"{_KEY_PREFIX}/{key}/{me}", json.dumps(mine).encode())
+
+  deadline = time.monotonic() + timeout_s
+  for p in range(num_processes):
+    if p == me:
+      continue
+    peer_key = f"{_KEY_PREFIX}/{key}/{p}"
+    remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    try:
+      blob = client.blocking_key_value_get_bytes(peer_key, remaining_ms)
+    except Exception as e:  # The client raises jax.errors.JaxRuntimeError, see above.
+      if not _is_deadline_error(e):
+        raise
+      raise TimeoutError(
+          f"jax_ep.Group: process {p} did not publish its configuration within "
+          f"{timeout_s:g} s (key {key}, seen from process {me}); did it create the same "
+          "groups in the same order?") from e
+    theirs = json.loads(blob.decode())
+    for name in [*mine, *(n for n in theirs if n not in mine)]:
+      mine_value, their_value = mine.get(name, _MISSING), theirs.get(name, _MISSING)
+      if mine_value != their_value:
+        raise ValueError(
+            f"jax_ep.Group: configuration differs between processes: field {name!r} is "
+            f"{mine_value!r} on process {me} but {their_value!r} on process {p} "
+            f"(key {key})")

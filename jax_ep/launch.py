@@ -1,0 +1,434 @@
+"""Start N copies of a command wired together for `jax.distributed` on this host.
+
+Usage::
+
+    # Four CPU processes (one EP rank each) running the multi-process tests:
+    JAX_PLATFORMS=cpu python -m jax_ep.launch -n 4 -- python -m pytest tests/test_multiprocess.py
+
+    # One process per GPU (process i uses GPU i):
+    python -m jax_ep.launch -n 8 -- python -m pytest tests/
+
+    # Emulated multi-rank on one GPU: every process uses GPU 0 and a CUDA MPS daemon runs, so
+    # their kernels execute concurrently (a rank spinning on a peer must not starve that peer):
+    python -m jax_ep.launch -n 4 --share-gpu -- python -m pytest tests/test_multiprocess.py
+
+Options::
+
+    -n N           number of processes (required)
+    --share-gpu    all processes use GPU 0, with a CUDA MPS daemon started for this run
+    --port P       coordinator port on 127.0.0.1 (default: a free one)
+    --grace S      once a process has failed, how long the others may run on before they are
+                   killed (default 60 s)
+    --timeout S    kill everything after S seconds (default: no limit)
+
+Process `i` gets these environment variables; everything else is inherited unchanged (nothing
+else is unset, so e.g. the caller's NVLink-multicast settings reach the children):
+
+    JAX_EP_COORDINATOR       `127.0.0.1:PORT`
+    JAX_EP_NUM_PROCESSES     `N`
+    JAX_EP_PROCESS_ID        `i`
+    JAX_EP_LOCAL_DEVICE_IDS  `0` with --share-gpu; `i` when at least N GPUs are visible;
+                             unset otherwise (CPU runs)
+
+A child joins the job with `initialize_from_env()` (below). Every output line of process `i` is
+prefixed with `[i] `. The launcher's exit code is the first non-zero exit code of a child (a child
+killed by signal `s` counts as `128 + s`); 124 when `--timeout` expired before any child failed;
+else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO
+
+ENV_COORDINATOR = "JAX_EP_COORDINATOR"
+ENV_NUM_PROCESSES = "JAX_EP_NUM_PROCESSES"
+ENV_PROCESS_ID = "JAX_EP_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "JAX_EP_LOCAL_DEVICE_IDS"
+
+EXIT_USAGE = 2
+EXIT_CANNOT_START = 127  # Shell convention for "command not found".
+EXIT_INTERRUPTED = 130
+EXIT_TIMEOUT = 124  # Convention of coreutils `timeout`.
+
+_POLL_INTERVAL_S = 0.05
+# After SIGTERM to a process group, how long before SIGKILL follows.
+_TERM_TO_KILL_S = 3.0
+
+_initialized_from_env = False
+_initialize_lock = threading.Lock()
+
+
+# ---------------------------------------------------------------------------------------------
+# Child side.
+# ---------------------------------------------------------------------------------------------
+
+
+def _platform_is_cpu() -> bool:
+  """Whether this process's JAX will run on CPU, decided without creating a backend.
+
+  No backend may exist before `jax.distributed.initialize`, so `jax.default_backend()` cannot
+  be asked; the requested platforms and the installed accelerator plugins decide instead.
+  """
+  import jax
+
+  platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
+  if platforms:
+    return "cpu" in [p.strip().lower() for p in platforms.split(",")]
+  # No explicit platform: JAX picks an accelerator when a plugin for one is installed.
+  if list(importlib.metadata.entry_points(group="jax_plugins")):
+    return False
+  try:
+    import jax_plugins  # Namespace package of the older plugin discovery mechanism.
+  except ImportError:
+    return True
+  return not any(os.listdir(p) for p in getattr(jax_plugins, "__path__", []))
+
+
+def initialize_from_env(*, cpu_collectives: str | None = "gloo") -> bool:
+  """Joins the `jax.distributed` job that `python -m jax_ep.launch` describes in the environment.
+
+  Call it before any JAX computation. Without `JAX_EP_PROCESS_ID` in the environment (a plain
+  single-process run) it does nothing.
+
+  Args:
+    cpu_collectives: `jax_cpu_collectives_implementation` to set when JAX runs on CPU, so that
+      collectives across processes work there; `None` leaves the setting alone.
+
+  Returns:
+    True when this process belongs to a launched job and `jax.distributed` is initialized (by
+    this call or an earlier one: repeated calls do nothing more); False when the launcher's
+    variables are absent.
+  """
+  global _initialized_from_env
+  process_id = os.environ.get(ENV_PROCESS_ID)
+  if process_id is None:
+    return False
+  with _initialize_lock:
+    if _initialized_from_env:
+      return True
+    import jax
+    from jax._src import distributed as jax_distributed
+
+    if jax_distributed.global_state.client is not None:
+      # The process already joined a job (e.g. through its own jax.distributed.initialize).
+      _initialized_from_env = True
+      return True
+
+    coordinator = os.environ.get(ENV_COORDINATOR)
+    num_processes = os.environ.get(ENV_NUM_PROCESSES)
+    if not coordinator or not num_processes:
+      raise RuntimeError(
+          f"{ENV_PROCESS_ID}={process_id} is set, so {ENV_COORDINATOR} (got "
+          f"{coordinator!r}) and {ENV_NUM_PROCESSES} (got {num_processes!r}) must be set "
+          "too; start the processes with `python -m jax_ep.launch`")
+    kwargs: dict[str, object] = {}
+    local_device_ids = os.environ.get(ENV_LOCAL_DEVICE_IDS, "").strip()
+    if local_device_ids:
+      kwargs["local_device_ids"] = [int(x) for x in local_device_ids.split(",")]
+    if cpu_collectives is not None and _platform_is_cpu():
+      jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+    jax.distributed.initialize(
+        coordinator_address=coordinator,
+        num_processes=int(num_processes),
+        process_id=int(process_id),
+        # Everything is given explicitly: a cluster environment the launcher runs inside
+        # (SLURM, Open MPI, ...) must not override it.
+        cluster_detection_method="deactivate",
+        **kwargs,
+    )
+    _initialized_from_env = True
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Launcher side.
+# ---------------------------------------------------------------------------------------------
+
+
+def _log(msg: str) -> None:
+  print(f"[launch] {msg}", file=sys.stderr, flush=True)
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _num_visible_gpus() -> int:
+  """GPUs the children could use; 0 when `nvidia-smi -L` is missing or fails."""
+  try:
+    out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+  except (OSError, subprocess.SubprocessError):
+    return 0
+  if out.returncode != 0:
+    return 0
+  num_gpus = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None:
+    # Local device ids index the visible GPUs, not the physical ones.
+    num_gpus = min(num_gpus, len([v for v in visible.split(",") if v.strip()]))
+  return num_gpus
+
+
+class _Mps:
+  """A CUDA MPS control daemon with private pipe and log directories."""
+
+  def __init__(self) -> None:
+    self.pipe_dir = tempfile.mkdtemp(prefix="jax_ep_mps_pipe_")
+    self.log_dir = tempfile.mkdtemp(prefix="jax_ep_mps_log_")
+    self.env = {"CUDA_MPS_PIPE_DIRECTORY": self.pipe_dir,
+                "CUDA_MPS_LOG_DIRECTORY": self.log_dir}
+    self.started = False
+
+  def _control(self, args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(["nvidia-cuda-mps-control", *args], input=stdin,
+                          env={**os.environ, **self.env}, capture_output=True, text=True,
+                          timeout=60)
+
+  def start(self) -> None:
+    out = self._control(["-d"])
+    if out.returncode != 0:
+      raise RuntimeError(f"`nvidia-cuda-mps-control -d` failed with exit code "
+                         f"{out.returncode}: {(out.stdout + out.stderr).strip()}")
+    self.started = True
+    _log(f"CUDA MPS started (CUDA_MPS_PIPE_DIRECTORY={self.pipe_dir})")
+
+  def stop(self) -> None:
+    try:
+      if self.started:
+        self.started = False
+        out = self._control([], stdin="quit\n")
+        if out.returncode != 0:
+          _log(f"stopping CUDA MPS failed with exit code {out.returncode}: "
+               f"{(out.stdout + out.stderr).strip()}")
+        else:
+          _log("CUDA MPS stopped")
+    finally:
+      shutil.rmtree(self.pipe_dir, ignore_errors=True)
+      shutil.rmtree(self.log_dir, ignore_errors=True)
+
+
+class _Child:
+  """One launched process, plus the threads that copy its output with a `[i] ` prefix."""
+
+  def __init__(self, index: int, cmd: Sequence[str], env: dict[str, str],
+               out_lock: threading.Lock) -> None:
+    self.index = index
+    self.killed = False
+    # A new session makes the child the leader of its own process group, so killing the
+    # group also reaches whatever it started (pytest workers, shells, ...).
+    self.proc = subprocess.Popen(list(cmd), env=env, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 start_new_session=True)
+    self.threads = [
+        threading.Thread(target=self._copy, args=(self.proc.stdout, sys.stdout, out_lock),
+                         daemon=True),
+        threading.Thread(target=self._copy, args=(self.proc.stderr, sys.stderr, out_lock),
+                         daemon=True),
+    ]
+    for t in self.threads:
+      t.start()
+
+  def _copy(self, src: IO[bytes], dst: IO[str], lock: threading.Lock) -> None:
+    prefix = f"[{self.index}] "
+    for raw in iter(src.readline, b""):
+      line = raw.decode("utf-8", errors="replace")
+      if not line.endswith("\n"):
+        line += "\n"
+      with lock:
+        dst.write(prefix + line)
+        dst.flush()
+    src.close()
+
+  def signal_group(self, sig: int) -> None:
+    try:
+      os.killpg(self.proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+      pass
+
+  def exit_code(self) -> int | None:
+    """The exit code, None while running; 128 + s for a child killed by signal s."""
+    rc = self.proc.poll()
+    if rc is None:
+      return None
+    return 128 - rc if rc < 0 else rc
+
+
+def _kill_all(children: Sequence[_Child]) -> None:
+  running = [c for c in children if c.proc.poll() is None]
+  for c in running:
+    c.killed = True
+    c.signal_group(signal.SIGTERM)
+  deadline = time.monotonic() + _TERM_TO_KILL_S
+  while time.monotonic() < deadline and any(c.proc.poll() is None for c in running):
+    time.sleep(_POLL_INTERVAL_S)
+  for c in running:
+    # SIGKILL the group even when its leader is gone: descendants may hold the pipes open.
+    c.signal_group(signal.SIGKILL)
+    c.proc.wait()
+
+
+def _supervise(children: Sequence[_Child], grace_s: float, timeout_s: float | None) -> int:
+  """Waits for the children, killing them when needed; returns the launcher's exit code."""
+  overall_deadline = time.monotonic() + timeout_s if timeout_s is not None else None
+  first_failure: int | None = None
+  failure_deadline: float | None = None
+  while True:
+    for c in children:
+      rc = c.exit_code()
+      if rc and first_failure is None:
+        first_failure = rc
+        failure_deadline = time.monotonic() + grace_s
+        if any(o.proc.poll() is None for o in children):
+          _log(f"process {c.index} exited with code {rc}; the others get "
+               f"{grace_s:g} s to finish")
+    if all(c.proc.poll() is not None for c in children):
+      break
+    now = time.monotonic()
+    if overall_deadline is not None and now >= overall_deadline:
+      _log(f"--timeout {timeout_s:g} s passed; killing the remaining processes")
+      _kill_all(children)
+      return first_failure if first_failure is not None else EXIT_TIMEOUT
+    if failure_deadline is not None and now >= failure_deadline:
+      _log(f"grace period of {grace_s:g} s passed; killing the remaining processes")
+      _kill_all(children)
+      break
+    time.sleep(_POLL_INTERVAL_S)
+  return first_failure if first_failure is not None else 0
+
+
+def launch(cmd: Sequence[str], num_processes: int, *, share_gpu: bool = False,
+           port: int | None = None, grace_s: float = 60.0,
+           timeout_s: float | None = None) -> int:
+  """Runs `num_processes` copies of `cmd` as one `jax.distributed` job.
+
+  Returns:
+    The launcher's exit code (see the module docstring).
+  """
+  if num_processes < 1:
+    raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+  if not cmd:
+    raise ValueError("cmd is empty: nothing to launch")
+  base_env = dict(os.environ)
+  # An assignment inherited from an enclosing launcher does not describe this job's processes.
+  base_env.pop(ENV_LOCAL_DEVICE_IDS, None)
+  base_env[ENV_COORDINATOR] = f"127.0.0.1:{port if port is not None else _free_port()}"
+  base_env[ENV_NUM_PROCESSES] = str(num_processes)
+  # Unbuffered Python output, so the lines of different processes interleave as they happen.
+  base_env.setdefault("PYTHONUNBUFFERED", "1")
+
+  gpu_per_process = False
+  mps: _Mps | None = None
+  if share_gpu:
+    if shutil.which("nvidia-cuda-mps-control") is None:
+      _log("error: --share-gpu needs CUDA MPS, but `nvidia-cuda-mps-control` is not on "
+           "PATH")
+      return EXIT_USAGE
+    mps = _Mps()
+    base_env.update(mps.env)
+  else:
+    num_gpus = _num_visible_gpus()
+    gpu_per_process = num_gpus >= num_processes
+    if 0 < num_gpus < num_processes:
+      _log(f"{num_gpus} GPU(s) visible for {num_processes} processes: not assigning GPUs "
+           "(--share-gpu runs all processes on GPU 0)")
+
+  children: list[_Child] = []
+  out_lock = threading.Lock()
+  try:
+    if mps is not None:
+      try:
+        mps.start()
+      except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+        _log(f"error: {e}")
+        return EXIT_USAGE
+    for i in range(num_processes):
+      env = dict(base_env)
+      env[ENV_PROCESS_ID] = str(i)
+      if share_gpu:
+        env[ENV_LOCAL_DEVICE_IDS] = "0"
+      elif gpu_per_process:
+        env[ENV_LOCAL_DEVICE_IDS] = str(i)
+      try:
+        children.append(_Child(i, cmd, env, out_lock))
+      except OSError as e:
+        _log(f"error: cannot start {cmd[0]!r}: {e}")
+        code = EXIT_CANNOT_START
+        break
+    else:
+      code = _supervise(children, grace_s, timeout_s)
+  except KeyboardInterrupt:
+    _log("interrupted; killing all processes")
+    code = EXIT_INTERRUPTED
+  finally:
+    # Reached on every path, KeyboardInterrupt included.
+    _kill_all(children)
+    for c in children:
+      for t in c.threads:
+        t.join(timeout=5.0)
+    if mps is not None:
+      mps.stop()
+
+  for c in children:
+    note = " (killed by the launcher)" if c.killed else ""
+    _log(f"process {c.index}: exit code {c.exit_code()}{note}")
+  return code
+
+
+def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+  argv = list(argv)
+  if "--" in argv:
+    split = argv.index("--")
+    own, cmd = argv[:split], argv[split + 1:]
+  else:
+    own, cmd = argv, []
+  parser = argparse.ArgumentParser(
+      prog="python -m jax_ep.launch",
+      usage="%(prog)s -n N [--share-gpu] [--port P] [--grace S] [--timeout S] -- CMD...",
+      description="Start N copies of CMD wired for jax.distributed on 127.0.0.1.")
+  parser.add_argument("-n", "--num-processes", type=int, required=True,
+                      help="number of processes")
+  parser.add_argument("--share-gpu", action="store_true",
+                      help="all processes use GPU 0, with CUDA MPS running")
+  parser.add_argument("--port", type=int, default=None,
+                      help="coordinator port (default: a free one)")
+  parser.add_argument("--grace", type=float, default=60.0,
+                      help="seconds the others may run on once a process failed (default 60)")
+  parser.add_argument("--timeout", type=float, default=None,
+                      help="kill everything after this many seconds (default: no limit)")
+  args = parser.parse_args(own)
+  if not cmd:
+    parser.error("missing command: put it after `--`")
+  if args.num_processes < 1:
+    parser.error(f"-n must be >= 1, got {args.num_processes}")
+  return args, cmd
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+  raise KeyboardInterrupt
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  args, cmd = _parse_args(sys.argv[1:] if argv is None else argv)
+  # A launcher that is itself terminated (e.g. by a CI time limit) takes its children with it
+  # rather than leaving them orphaned.
+  signal.signal(signal.SIGTERM, _raise_interrupt)
+  return launch(cmd, args.num_processes, share_gpu=args.share_gpu, port=args.port,
+                grace_s=args.grace, timeout_s=args.timeout)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

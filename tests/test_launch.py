@@ -1,0 +1,115 @@
+"""Tests of the multi-process launcher and of the configuration check across processes (CPU)."""
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+CONFIG_WORKER = REPO / "tests" / "mp_workers" / "config_worker.py"
+
+pytestmark = [
+    pytest.mark.multiprocess,
+    # These tests start launchers themselves; N launched copies of them would only repeat that.
+    pytest.mark.skipif("JAX_EP_PROCESS_ID" in os.environ,
+                       reason="launcher self-tests run outside a launched job"),
+]
+
+
+def _launch(launcher_args, cmd, *, timeout_s=60.0):
+  """Runs `python -m jax_ep.launch LAUNCHER_ARGS -- CMD`; returns (result, elapsed seconds)."""
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_EP_")}
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+  start = time.monotonic()
+  result = subprocess.run(
+      [sys.executable, "-m", "jax_ep.launch", *launcher_args, "--", *cmd],
+      cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s)
+  return result, time.monotonic() - start
+
+
+def _python(code):
+  return [sys.executable, "-c", code]
+
+
+def _describe(result):
+  return f"exit code {result.returncode}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+
+
+def test_every_process_gets_its_id_and_prefix():
+  code = ("import os; print('id', os.environ['JAX_EP_PROCESS_ID'], "
+          "os.environ['JAX_EP_NUM_PROCESSES'], os.environ['JAX_EP_COORDINATOR'])")
+  result, _ = _launch(["-n", "3"], _python(code))
+  assert result.returncode == 0, _describe(result)
+  coordinators = set()
+  for i in range(3):
+    match = re.search(rf"^\[{i}\] id {i} 3 (127\.0\.0\.1:\d+)$", result.stdout, re.MULTILINE)
+    assert match, _describe(result)
+    coordinators.add(match.group(1))
+  assert len(coordinators) == 1, _describe(result)
+  for i in range(3):
+    assert f"process {i}: exit code 0" in result.stderr, _describe(result)
+
+
+def test_failing_process_sets_exit_code_and_sibling_is_killed_after_grace():
+  code = ("import os, sys, time\n"
+          "if os.environ['JAX_EP_PROCESS_ID'] == '0': sys.exit(3)\n"
+          "time.sleep(1000)\n")
+  result, elapsed = _launch(["-n", "2", "--grace", "1"], _python(code))
+  assert result.returncode == 3, _describe(result)
+  assert elapsed < 20, f"took {elapsed:.1f} s\n{_describe(result)}"
+  assert "process 0: exit code 3" in result.stderr, _describe(result)
+  assert re.search(r"process 1: exit code \d+ \(killed by the launcher\)", result.stderr), (
+      _describe(result))
+
+
+def test_timeout_kills_hung_processes():
+  result, elapsed = _launch(["-n", "2", "--timeout", "2"],
+                            _python("import time; time.sleep(1000)"))
+  assert result.returncode == 124, _describe(result)
+  assert elapsed < 20, f"took {elapsed:.1f} s\n{_describe(result)}"
+  assert result.stderr.count("(killed by the launcher)") == 2, _describe(result)
+
+
+@pytest.mark.skipif(shutil.which("nvidia-cuda-mps-control") is not None,
+                    reason="CUDA MPS is installed here")
+def test_share_gpu_without_mps_is_a_usage_error():
+  result, _ = _launch(["-n", "2", "--share-gpu"], _python("print('must not run')"))
+  assert result.returncode == 2, _describe(result)
+  assert "nvidia-cuda-mps-control" in result.stderr, _describe(result)
+  assert "must not run" not in result.stdout, _describe(result)
+
+
+def test_same_config_passes():
+  result, _ = _launch(["-n", "2", "--timeout", "60"],
+                      [sys.executable, str(CONFIG_WORKER), "match"])
+  assert result.returncode == 0, _describe(result)
+  assert result.stdout.count("config ok") == 2, _describe(result)
+
+
+def test_different_config_fails_on_every_process():
+  result, _ = _launch(["-n", "2", "--timeout", "60"],
+                      [sys.executable, str(CONFIG_WORKER), "mismatch"])
+  assert result.returncode == 17, _describe(result)
+  for me, mine, peer, theirs in [(0, 128, 1, 256), (1, 256, 0, 128)]:
+    expected = (f"[{me}] ValueError: jax_ep.Group: configuration differs between processes: "
+                f"field 'hidden' is {mine} on process {me} but {theirs} on process {peer} "
+                "(key t-0)")
+    assert expected in result.stdout, _describe(result)
+  assert "process 0: exit code 17" in result.stderr, _describe(result)
+  assert "process 1: exit code 17" in result.stderr, _describe(result)
+
+
+def test_missing_peer_times_out():
+  result, elapsed = _launch(["-n", "2", "--timeout", "60"],
+                            [sys.executable, str(CONFIG_WORKER), "timeout"])
+  assert result.returncode == 18, _describe(result)
+  assert elapsed < 30, f"took {elapsed:.1f} s\n{_describe(result)}"
+  assert re.search(r"^\[0\] TimeoutError: .*process 1 .*key t-0", result.stdout,
+                   re.MULTILINE), _describe(result)
+  assert "process 1: exit code 0" in result.stderr, _describe(result)
