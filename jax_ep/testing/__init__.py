@@ -1,0 +1,6 @@
+"""Test helpers for jax_ep: obviously-correct models to compare the expert-parallel code against.
+
+- `jax_ep.testing.oracle`: numpy loops over all ranks' inputs for dispatch/combine semantics.
+- `jax_ep.testing.dense`: a dense, differentiable `jnp` MoE layer (no communication) matching
+  `jax_ep.moe_mlp`, for checking forward values and gradients.
+"""
