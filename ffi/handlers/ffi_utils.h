@@ -1,0 +1,223 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// Helpers shared by the XLA FFI adapters in ffi/handlers/: error macros that
+// turn a failed CUDA call into an `ffi::Error` (nothing is ever thrown across
+// the FFI boundary), and shape checks whose messages name the operand, its
+// shape and what was expected.
+//
+// Shape convention of every jax_ep op: operands and results may carry the
+// same extra LEADING batch dims `B...` (added by `vmap` with
+// `vmap_method="broadcast_all"`); their product is `num_batches` and the
+// kernels run all batch elements in one launch.
+
+#ifndef JAX_EP_FFI_HANDLERS_FFI_UTILS_H_
+#define JAX_EP_FFI_HANDLERS_FFI_UTILS_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include <cuda_runtime.h>
+
+#include "ffi/kernels/ep_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep::ffi_utils {
+
+namespace ffi = ::xla::ffi;
+
+using Dims = ffi::Span<const int64_t>;
+
+// Returns the ffi::Error of `expr` if it is a failure.
+#define JAX_EP_FFI_RETURN_IF_ERROR(expr)             \
+  do {                                               \
+    ::xla::ffi::Error jax_ep_ffi_err_ = (expr);      \
+    if (jax_ep_ffi_err_.failure()) {                 \
+      return jax_ep_ffi_err_;                        \
+    }                                                \
+  } while (0)
+
+// Wraps a kernel launcher (which returns cudaError_t and checks
+// cudaGetLastError after each of its launches): a failure becomes an
+// ffi::Error naming the op, the call and the CUDA error.
+#define JAX_EP_FFI_RETURN_IF_CUDA_ERROR(op, expr)                          \
+  do {                                                                     \
+    const cudaError_t jax_ep_cuda_err_ = (expr);                           \
+    if (jax_ep_cuda_err_ != cudaSuccess) {                                 \
+      return ::jax_ep::ffi_utils::CudaError((op), #expr, jax_ep_cuda_err_); \
+    }                                                                      \
+  } while (0)
+
+inline ffi::Error CudaError(std::string_view op, std::string_view call,
+                            cudaError_t err) {
+  std::string msg(op);
+  msg += ": CUDA error in ";
+  msg += call;
+  msg += ": ";
+  msg += cudaGetErrorName(err);
+  msg += " (";
+  msg += cudaGetErrorString(err);
+  msg += ")";
+  return ffi::Error(ffi::ErrorCode::kInternal, std::move(msg));
+}
+
+inline std::string ShapeString(Dims dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  return s + "]";
+}
+
+inline ffi::Error InvalidArgument(std::string_view op, std::string msg) {
+  std::string full(op);
+  full += ": ";
+  full += msg;
+  return ffi::Error(ffi::ErrorCode::kInvalidArgument, std::move(full));
+}
+
+// Operand `name` must have rank `num_batch_dims + trailing_rank`.
+// `shape_doc` is the documented shape, e.g. "[B..., T, K]".
+inline ffi::Error CheckRank(std::string_view op, std::string_view name,
+                           Dims dims, size_t num_batch_dims,
+                           size_t trailing_rank, std::string_view shape_doc) {
+  if (dims.size() == num_batch_dims + trailing_rank) {
+    return ffi::Error::Success();
+  }
+  return InvalidArgument(
+      op, std::string(name) + " must have shape " + std::string(shape_doc) +
+              " (rank " + std::to_string(num_batch_dims + trailing_rank) +
+              " with " + std::to_string(num_batch_dims) +
+              " leading batch dims), got shape " + ShapeString(dims));
+}
+
+// The first `num_batch_dims` dims of `dims` must equal those of `ref`.
+inline ffi::Error CheckBatchDims(std::string_view op, std::string_view name,
+                                Dims dims, std::string_view ref_name, Dims ref,
+                                size_t num_batch_dims) {
+  for (size_t i = 0; i < num_batch_dims; ++i) {
+    if (dims[i] != ref[i]) {
+      return InvalidArgument(
+          op, "leading batch dims of " + std::string(name) + " " +
+                  ShapeString(dims) + " must equal those of " +
+                  std::string(ref_name) + " " + ShapeString(ref));
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// dims[axis] must equal `expected`, which is described by `what`.
+inline ffi::Error CheckDim(std::string_view op, std::string_view name,
+                           Dims dims, size_t axis, std::string_view dim_name,
+                           int64_t expected, std::string_view what) {
+  if (dims[axis] == expected) return ffi::Error::Success();
+  return InvalidArgument(
+      op, std::string(name) + " dim " + std::to_string(axis) + " (" +
+              std::string(dim_name) + ") is " + std::to_string(dims[axis]) +
+              " but must equal " + std::string(what) + " = " +
+              std::to_string(expected) + "; " + std::string(name) +
+              " shape " + ShapeString(dims));
+}
+
+inline int64_t NumBatches(Dims dims, size_t num_batch_dims) {
+  int64_t n = 1;
+  for (size_t i = 0; i < num_batch_dims; ++i) n *= dims[i];
+  return n;
+}
+
+inline ffi::Error CheckTopk(std::string_view op, std::string_view name,
+                            int64_t num_tokens, int64_t num_topk) {
+  if (num_topk < 1 || num_topk > kMaxTopk) {
+    return InvalidArgument(
+        op, std::string(name) + " last dim K (top-k) is " +
+                std::to_string(num_topk) + ", expected 1 <= K <= " +
+                std::to_string(kMaxTopk));
+  }
+  if (num_tokens * num_topk > INT32_MAX) {
+    return InvalidArgument(
+        op, std::string(name) + " has T * K = " + std::to_string(num_tokens) +
+                " * " + std::to_string(num_topk) +
+                " slots, which must fit int32 (<= 2147483647)");
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckNumExperts(std::string_view op, std::string_view what,
+                                  int64_t num_experts) {
+  if (num_experts >= 1 && num_experts <= kMaxExperts) {
+    return ffi::Error::Success();
+  }
+  return InvalidArgument(op, std::string(what) + " (E) is " +
+                                 std::to_string(num_experts) +
+                                 ", expected 1 <= E <= " +
+                                 std::to_string(kMaxExperts));
+}
+
+inline ffi::Error CheckCapacity(std::string_view op, int64_t capacity) {
+  if (capacity >= 0) return ffi::Error::Success();
+  return InvalidArgument(op, "capacity is " + std::to_string(capacity) +
+                                 ", expected capacity >= 0");
+}
+
+inline ffi::Error CheckHidden(std::string_view op, std::string_view name,
+                              int64_t hidden) {
+  if (hidden % kHiddenMultiple == 0) return ffi::Error::Success();
+  return InvalidArgument(op, std::string(name) + " hidden size H is " +
+                                 std::to_string(hidden) +
+                                 ", expected a multiple of " +
+                                 std::to_string(kHiddenMultiple));
+}
+
+inline std::optional<ElementType> ToElementType(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::BF16:
+      return ElementType::kBF16;
+    case ffi::DataType::F16:
+      return ElementType::kF16;
+    case ffi::DataType::F32:
+      return ElementType::kF32;
+    default:
+      return std::nullopt;
+  }
+}
+
+// Activation dtype: bf16, f16 or f32.
+inline ffi::Error CheckActivationDtype(std::string_view op,
+                                       std::string_view name,
+                                       ffi::DataType dtype,
+                                       ElementType* element_type) {
+  const std::optional<ElementType> t = ToElementType(dtype);
+  if (!t.has_value()) {
+    return InvalidArgument(
+        op, std::string(name) + " has dtype code " +
+                std::to_string(static_cast<int>(dtype)) +
+                ", expected bfloat16, float16 or float32");
+  }
+  *element_type = *t;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckSameDtype(std::string_view op, std::string_view name,
+                                 ffi::DataType dtype, std::string_view ref_name,
+                                 ffi::DataType ref) {
+  if (dtype == ref) return ffi::Error::Success();
+  return InvalidArgument(
+      op, std::string(name) + " dtype (code " +
+              std::to_string(static_cast<int>(dtype)) + ") must equal " +
+              std::string(ref_name) + " dtype (code " +
+              std::to_string(static_cast<int>(ref)) + ")");
+}
+
+// Rows are moved as 16-byte vectors.
+inline ffi::Error CheckAligned(std::string_view op, std::string_view name,
+                               const void* ptr) {
+  if (reinterpret_cast<uintptr_t>(ptr) % 16 == 0) return ffi::Error::Success();
+  return InvalidArgument(op, std::string(name) +
+                                 " buffer is not 16-byte aligned");
+}
+
+}  // namespace jax_ep::ffi_utils
+
+#endif  // JAX_EP_FFI_HANDLERS_FFI_UTILS_H_

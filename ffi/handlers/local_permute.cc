@@ -1,0 +1,126 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// FFI adapter of `jax_ep_local_permute` (kernels: ffi/kernels/local.cu).
+// Dispatch on one rank, and the weighted transpose of combine.
+//
+//   x            `[B..., T, H]` bf16/f16/f32 operand
+//   slot_row     `[B..., T, K]` int32 operand (from jax_ep_local_layout)
+//   group_sizes  `[B..., E]`    int32 operand
+//   slot_weights `[B..., T, K]` float32 operand, read only when `weighted`
+//   attrs        capacity: int64, weighted: bool
+//   recv_x       `[B..., capacity, H]` x.dtype: recv_x[slot_row[t, k]] = x[t]
+//                (* slot_weights[t, k]); rows >= sum(group_sizes) are zero.
+
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/handlers.h"
+#include "ffi/kernels/ep_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep {
+namespace {
+
+namespace ffi = ::xla::ffi;
+using ffi_utils::CheckBatchDims;
+using ffi_utils::CheckDim;
+using ffi_utils::CheckRank;
+
+constexpr char kOp[] = "jax_ep_local_permute";
+
+ffi::Error LocalPermuteImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::S32> slot_row,
+                            ffi::Buffer<ffi::S32> group_sizes,
+                            ffi::Buffer<ffi::F32> slot_weights,
+                            ffi::Result<ffi::AnyBuffer> recv_x,
+                            int64_t capacity, bool weighted) {
+  const auto x_dims = x.dimensions();
+  if (x_dims.size() < 2) {
+    return ffi_utils::InvalidArgument(
+        kOp, "x must have shape [B..., T, H] (rank >= 2), got shape " +
+                 ffi_utils::ShapeString(x_dims));
+  }
+  const size_t nb = x_dims.size() - 2;
+  const int64_t num_tokens = x_dims[nb];
+  const int64_t hidden = x_dims[nb + 1];
+  ElementType dtype;
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckActivationDtype(kOp, "x", x.element_type(), &dtype));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckHidden(kOp, "x", hidden));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
+
+  const auto row_dims = slot_row.dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckRank(kOp, "slot_row", row_dims, nb, 2, "[B..., T, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckBatchDims(kOp, "slot_row", row_dims, "x", x_dims, nb));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckDim(kOp, "slot_row", row_dims, nb, "T", num_tokens, "x T"));
+  const int64_t num_topk = row_dims[nb + 1];
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckTopk(kOp, "slot_row", num_tokens, num_topk));
+
+  const auto gs_dims = group_sizes.dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckRank(kOp, "group_sizes", gs_dims, nb, 1, "[B..., E]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckBatchDims(kOp, "group_sizes", gs_dims, "x", x_dims, nb));
+  const int64_t num_experts = gs_dims[nb];
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckNumExperts(
+      kOp, "group_sizes last dim", num_experts));
+
+  const auto w_dims = slot_weights.dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckRank(kOp, "slot_weights", w_dims, nb, 2, "[B..., T, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckBatchDims(kOp, "slot_weights", w_dims, "x", x_dims, nb));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckDim(kOp, "slot_weights", w_dims, nb, "T", num_tokens, "x T"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckDim(kOp, "slot_weights", w_dims, nb + 1,
+                                      "K", num_topk, "slot_row K"));
+
+  const auto out_dims = recv_x->dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckRank(kOp, "recv_x", out_dims, nb, 2, "[B..., capacity, H]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckBatchDims(kOp, "recv_x", out_dims, "x", x_dims, nb));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckDim(kOp, "recv_x", out_dims, nb, "capacity",
+                                      capacity, "attribute capacity"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckDim(kOp, "recv_x", out_dims, nb + 1, "H", hidden, "x H"));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
+      kOp, "recv_x", recv_x->element_type(), "x", x.element_type()));
+
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kOp, "x", x.untyped_data()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kOp, "recv_x", recv_x->untyped_data()));
+
+  const int64_t num_batches = ffi_utils::NumBatches(x_dims, nb);
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      kOp, local::Permute(dtype, x.untyped_data(), slot_row.typed_data(),
+                          group_sizes.typed_data(), slot_weights.typed_data(),
+                          recv_x->untyped_data(), num_batches, num_tokens,
+                          num_topk, num_experts, hidden, capacity, weighted,
+                          stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpLocalPermute, jax_ep::LocalPermuteImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Arg<xla::ffi::AnyBuffer>()                     // x
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // slot_weights
+        .Ret<xla::ffi::AnyBuffer>()                     // recv_x
+        .Attr<int64_t>("capacity")                      // capacity
+        .Attr<bool>("weighted"),                        // weighted
+    {xla::ffi::Traits::kCmdBufferCompatible});

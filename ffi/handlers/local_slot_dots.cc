@@ -1,0 +1,109 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// FFI adapter of `jax_ep_local_slot_dots` (kernels: ffi/kernels/local.cu).
+// Gradient of combine w.r.t. the router weights.
+//
+//   d_out      `[B..., T, H]` bf16/f16/f32 operand (cotangent of combine)
+//   expert_out `[B..., capacity, H]` d_out.dtype operand
+//   slot_row   `[B..., T, K]` int32 operand (from jax_ep_local_layout)
+//   dots       `[B..., T, K]` float32:
+//              dots[t, k] = <d_out[t], expert_out[slot_row[t, k]]> in fp32,
+//              0 where slot_row[t, k] < 0.
+
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/handlers.h"
+#include "ffi/kernels/ep_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep {
+namespace {
+
+namespace ffi = ::xla::ffi;
+using ffi_utils::CheckBatchDims;
+using ffi_utils::CheckDim;
+using ffi_utils::CheckRank;
+
+constexpr char kOp[] = "jax_ep_local_slot_dots";
+
+ffi::Error LocalSlotDotsImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
+                             ffi::AnyBuffer expert_out,
+                             ffi::Buffer<ffi::S32> slot_row,
+                             ffi::ResultBuffer<ffi::F32> dots) {
+  const auto d_dims = d_out.dimensions();
+  if (d_dims.size() < 2) {
+    return ffi_utils::InvalidArgument(
+        kOp, "d_out must have shape [B..., T, H] (rank >= 2), got shape " +
+                 ffi_utils::ShapeString(d_dims));
+  }
+  const size_t nb = d_dims.size() - 2;
+  const int64_t num_tokens = d_dims[nb];
+  const int64_t hidden = d_dims[nb + 1];
+  ElementType dtype;
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckActivationDtype(
+      kOp, "d_out", d_out.element_type(), &dtype));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckHidden(kOp, "d_out", hidden));
+
+  const auto e_dims = expert_out.dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckRank(kOp, "expert_out", e_dims, nb, 2, "[B..., capacity, H]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckBatchDims(kOp, "expert_out", e_dims, "d_out", d_dims, nb));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckDim(kOp, "expert_out", e_dims, nb + 1, "H", hidden, "d_out H"));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
+      kOp, "expert_out", expert_out.element_type(), "d_out",
+      d_out.element_type()));
+  const int64_t capacity = e_dims[nb];
+
+  const auto row_dims = slot_row.dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckRank(kOp, "slot_row", row_dims, nb, 2, "[B..., T, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckBatchDims(kOp, "slot_row", row_dims, "d_out", d_dims, nb));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckDim(kOp, "slot_row", row_dims, nb, "T", num_tokens, "d_out T"));
+  const int64_t num_topk = row_dims[nb + 1];
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckTopk(kOp, "slot_row", num_tokens, num_topk));
+
+  const auto dots_dims = dots->dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckRank(kOp, "dots", dots_dims, nb, 2, "[B..., T, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckBatchDims(kOp, "dots", dots_dims, "d_out", d_dims, nb));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckDim(kOp, "dots", dots_dims, nb, "T", num_tokens, "d_out T"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckDim(kOp, "dots", dots_dims, nb + 1, "K", num_topk, "slot_row K"));
+
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kOp, "d_out", d_out.untyped_data()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kOp, "expert_out", expert_out.untyped_data()));
+
+  const int64_t num_batches = ffi_utils::NumBatches(d_dims, nb);
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      kOp, local::SlotDots(dtype, d_out.untyped_data(),
+                           expert_out.untyped_data(), slot_row.typed_data(),
+                           dots->typed_data(), num_batches, num_tokens,
+                           num_topk, hidden, capacity, stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpLocalSlotDots, jax_ep::LocalSlotDotsImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Arg<xla::ffi::AnyBuffer>()                     // d_out
+        .Arg<xla::ffi::AnyBuffer>()                     // expert_out
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),        // dots
+    {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,141 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// Device helpers shared by the .cu files of ffi/kernels/. Internal: included
+// only by kernel translation units, never by the FFI handlers.
+
+#ifndef JAX_EP_FFI_KERNELS_KERNEL_UTILS_CUH_
+#define JAX_EP_FFI_KERNELS_KERNEL_UTILS_CUH_
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "ffi/kernels/ep_kernels.h"
+
+namespace jax_ep::detail {
+
+inline constexpr unsigned kFullMask = 0xffffffffu;
+
+// Returns on the first failed CUDA runtime call.
+#define JAX_EP_CUDA_RETURN_IF_ERROR(expr)      \
+  do {                                         \
+    const cudaError_t jax_ep_err_ = (expr);    \
+    if (jax_ep_err_ != cudaSuccess) {          \
+      return jax_ep_err_;                      \
+    }                                          \
+  } while (0)
+
+// Number of SMs of the current device (the one XLA made current for the
+// handler's stream). Host-only property query, no sync.
+// NOTES: not cudaStreamGetDevice: during CUDA-graph capture (XLA command
+// buffers) it fails with cudaErrorStreamCaptureUnsupported and invalidates
+// the capture (seen on CUDA 13.0, H200); cudaGetDevice,
+// cudaDeviceGetAttribute and cudaOccupancy* are capture-safe.
+inline cudaError_t NumSms(int* num_sms) {
+  int device = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount,
+                                device);
+}
+
+// Bounded 1-D grid for a grid-stride loop over `num_items` block items:
+// at most `max_waves` times as many blocks as can be resident at once
+// (occupancy of `kernel` at `block` threads, capped at `max_blocks_per_sm`
+// per SM), never more than the items. Several waves, rather than exactly one
+// resident wave, let the hardware scheduler balance uneven items (measured on
+// H200: a one-wave persistent grid lost ~10% to its tail on the row kernels).
+// Host-only queries, no sync: safe inside command-buffer capture.
+template <typename Kernel>
+cudaError_t BoundedGrid(Kernel kernel, int block, int max_blocks_per_sm,
+                        int max_waves, int64_t num_items, unsigned* grid) {
+  int num_sms = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(NumSms(&num_sms));
+  int per_sm = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, kernel, block, /*dynamicSMemSize=*/0));
+  if (per_sm < 1) per_sm = 1;
+  if (per_sm > max_blocks_per_sm) per_sm = max_blocks_per_sm;
+  const int64_t cap = static_cast<int64_t>(num_sms) * per_sm * max_waves;
+  *grid = static_cast<unsigned>(num_items < cap ? num_items : cap);
+  return cudaSuccess;
+}
+
+__device__ __forceinline__ unsigned LaneMaskLt() {
+  unsigned mask;
+  asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));
+  return mask;
+}
+
+// 16-byte vector <-> fp32 lanes for each element type. Conversions to fp32
+// are exact; conversions back round to nearest even, once.
+template <typename T>
+struct Vec16;
+
+template <>
+struct Vec16<__nv_bfloat16> {
+  static constexpr int kElems = 8;
+  __device__ __forceinline__ static void Unpack(const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  __device__ __forceinline__ static uint4 Pack(const float* f) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __nv_bfloat162 h = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+      w[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
+template <>
+struct Vec16<__half> {
+  static constexpr int kElems = 8;
+  __device__ __forceinline__ static void Unpack(const uint4& v, float* f) {
+    const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float2 p = __half22float2(*reinterpret_cast<const __half2*>(&w[i]));
+      f[2 * i] = p.x;
+      f[2 * i + 1] = p.y;
+    }
+  }
+  __device__ __forceinline__ static uint4 Pack(const float* f) {
+    uint32_t w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const __half2 h = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+      w[i] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+};
+
+template <>
+struct Vec16<float> {
+  static constexpr int kElems = 4;
+  __device__ __forceinline__ static void Unpack(const uint4& v, float* f) {
+    f[0] = __uint_as_float(v.x);
+    f[1] = __uint_as_float(v.y);
+    f[2] = __uint_as_float(v.z);
+    f[3] = __uint_as_float(v.w);
+  }
+  __device__ __forceinline__ static uint4 Pack(const float* f) {
+    return make_uint4(__float_as_uint(f[0]), __float_as_uint(f[1]),
+                      __float_as_uint(f[2]), __float_as_uint(f[3]));
+  }
+};
+
+// Read-only, non-coherent 16-byte load (inputs never alias outputs).
+__device__ __forceinline__ uint4 LoadVec(const uint4* p) { return __ldg(p); }
+
+}  // namespace jax_ep::detail
+
+#endif  // JAX_EP_FFI_KERNELS_KERNEL_UTILS_CUH_

@@ -1,0 +1,321 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// jax_ep::layout — slot -> row assignment of the expert-grouped buffer.
+//
+// One pass over `topk_idx`, no sort, three small launches per call:
+//   1. ChunkHistogramKernel: per chunk of consecutive (t, k) slots, a shared-
+//      memory histogram over experts (column E counts invalid ids), written to
+//      workspace `counts[chunk, E + 1]`.
+//   2. ChunkScanKernel: per expert, an exclusive scan of the counts over
+//      chunks (in place) and the expert's total into workspace `totals[E + 1]`.
+//   3. AssignRowsKernel: per chunk, expert bases (exclusive scan of totals)
+//      plus the chunk's offset, then each warp walks its slice of the chunk in
+//      (t, k) order, ranking equal experts with __match_any_sync and advancing
+//      warp-private running counters. The chunk-0 block of each batch element
+//      also writes group_sizes / num_dropped / num_invalid.
+// Every count is an integer, so the shared-memory atomics of step 1 cannot
+// change a result: the output is bit-identical run to run.
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/kernel_utils.cuh"
+
+namespace jax_ep::layout {
+namespace {
+
+using detail::kFullMask;
+using detail::LaneMaskLt;
+
+constexpr int kBlock = static_cast<int>(kThreads);
+constexpr int kNumWarps = static_cast<int>(kWarps);
+constexpr int kMaxE = static_cast<int>(kMaxExperts);
+constexpr int kScanRows = kNumWarps;            // chunk groups in kernel 2
+constexpr int kScanItemsPerThread = kMaxE / kBlock;
+static_assert(kMaxE % kBlock == 0, "expert scan assumes E <= 4 * kBlock");
+static_assert(kMinChunkSlots % kThreads == 0, "chunk must fill every warp");
+
+struct LayoutDims {
+  int64_t num_batches;
+  int32_t num_slots;         // T * K of one batch element
+  int32_t chunk_slots;       // slots per chunk, multiple of kBlock
+  int32_t num_chunks;        // ceil(num_slots / chunk_slots), may be 0
+  int32_t num_experts;       // E
+  int32_t capacity;          // clamped to int32: rows never exceed T * K
+  int64_t workspace_stride;  // workspace elements per batch element
+};
+
+__device__ __forceinline__ bool IsValidExpert(int32_t e, int32_t num_experts) {
+  return e >= 0 && e < num_experts;
+}
+
+__device__ __forceinline__ bool IsInvalidId(int32_t e, int32_t num_experts) {
+  return e < -1 || e >= num_experts;
+}
+
+__global__ void __launch_bounds__(kBlock)
+    ChunkHistogramKernel(const int32_t* __restrict__ topk_idx,
+                         int32_t* __restrict__ workspace, LayoutDims d) {
+  __shared__ int32_t s_hist[kMaxE + 1];
+  const int lane = threadIdx.x & 31;
+  const int num_cols = d.num_experts + 1;
+  const int64_t num_items = d.num_batches * d.num_chunks;
+  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const int64_t b = item / d.num_chunks;
+    const int32_t c = static_cast<int32_t>(item % d.num_chunks);
+    __syncthreads();  // the previous item's readers of s_hist are done
+    for (int e = threadIdx.x; e < num_cols; e += kBlock) s_hist[e] = 0;
+    __syncthreads();
+    const int32_t* idx = topk_idx + b * d.num_slots;
+    const int32_t begin = c * d.chunk_slots;
+    const int32_t end = min(begin + d.chunk_slots, d.num_slots);
+    // NOTES: the loop bound is block-uniform so every lane reaches the
+    // warp-synchronous intrinsics.
+    for (int32_t base = begin; base < end; base += kBlock) {
+      const int32_t s = base + static_cast<int32_t>(threadIdx.x);
+      const int32_t e = s < end ? idx[s] : -1;
+      const bool valid = IsValidExpert(e, d.num_experts);
+      const unsigned peers = __match_any_sync(kFullMask, valid ? e : -1);
+      if (valid && lane == __ffs(peers) - 1) {
+        atomicAdd(&s_hist[e], __popc(peers));
+      }
+      const unsigned bad =
+          __ballot_sync(kFullMask, IsInvalidId(e, d.num_experts));
+      if (lane == 0 && bad != 0) {
+        atomicAdd(&s_hist[d.num_experts], __popc(bad));
+      }
+    }
+    __syncthreads();
+    int32_t* counts = workspace + b * d.workspace_stride +
+                      static_cast<int64_t>(c) * num_cols;
+    for (int e = threadIdx.x; e < num_cols; e += kBlock) counts[e] = s_hist[e];
+  }
+}
+
+// Block = 32 columns (experts) x kScanRows chunk groups. Column x of the tile
+// is scanned by kScanRows threads, each over a contiguous range of chunks.
+__global__ void __launch_bounds__(kBlock)
+    ChunkScanKernel(int32_t* __restrict__ workspace, LayoutDims d) {
+  __shared__ int32_t s_part[kScanRows][32];
+  const int x = threadIdx.x & 31;
+  const int y = threadIdx.x >> 5;
+  const int num_cols = d.num_experts + 1;
+  const int num_tiles = (num_cols + 31) / 32;
+  const int32_t per_row = (d.num_chunks + kScanRows - 1) / kScanRows;
+  const int32_t c_begin = min(y * per_row, d.num_chunks);
+  const int32_t c_end = min(c_begin + per_row, d.num_chunks);
+  const int64_t num_items = d.num_batches * num_tiles;
+  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const int64_t b = item / num_tiles;
+    const int col = static_cast<int>(item % num_tiles) * 32 + x;
+    const bool active = col < num_cols;
+    int32_t* counts = workspace + b * d.workspace_stride;
+    int32_t sum = 0;
+    if (active) {
+#pragma unroll 8
+      for (int32_t c = c_begin; c < c_end; ++c) {
+        sum += counts[static_cast<int64_t>(c) * num_cols + col];
+      }
+    }
+    __syncthreads();  // the previous item's readers of s_part are done
+    s_part[y][x] = sum;
+    __syncthreads();
+    int32_t run = 0;
+    for (int r = 0; r < y; ++r) run += s_part[r][x];
+    if (active) {
+#pragma unroll 8
+      for (int32_t c = c_begin; c < c_end; ++c) {
+        const int64_t i = static_cast<int64_t>(c) * num_cols + col;
+        const int32_t v = counts[i];
+        counts[i] = run;
+        run += v;
+      }
+      if (y == kScanRows - 1) {
+        counts[static_cast<int64_t>(d.num_chunks) * num_cols + col] = run;
+      }
+    }
+  }
+}
+
+// s_base[e] = sum(totals[0..e)) for e in [0, E]; s_base[E] = #valid slots.
+__device__ __forceinline__ void ExpertBases(const int32_t* __restrict__ totals,
+                                            int32_t num_experts,
+                                            int32_t* s_base, int32_t* s_warp) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  int32_t v[kScanItemsPerThread];
+  int32_t thread_sum = 0;
+#pragma unroll
+  for (int i = 0; i < kScanItemsPerThread; ++i) {
+    const int e = threadIdx.x * kScanItemsPerThread + i;
+    v[i] = e < num_experts ? totals[e] : 0;
+    thread_sum += v[i];
+  }
+  int32_t inclusive = thread_sum;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int32_t up = __shfl_up_sync(kFullMask, inclusive, off);
+    if (lane >= off) inclusive += up;
+  }
+  if (lane == 31) s_warp[warp] = inclusive;
+  __syncthreads();
+  int32_t run = inclusive - thread_sum;
+  int32_t all = 0;
+#pragma unroll
+  for (int w = 0; w < kNumWarps; ++w) {
+    if (w < warp) run += s_warp[w];
+    all += s_warp[w];
+  }
+#pragma unroll
+  for (int i = 0; i < kScanItemsPerThread; ++i) {
+    const int e = threadIdx.x * kScanItemsPerThread + i;
+    if (e < num_experts) s_base[e] = run;
+    run += v[i];
+  }
+  if (threadIdx.x == 0) s_base[num_experts] = all;
+}
+
+__global__ void __launch_bounds__(kBlock)
+    AssignRowsKernel(const int32_t* __restrict__ topk_idx,
+                     int32_t* __restrict__ slot_row,
+                     int32_t* __restrict__ group_sizes,
+                     int32_t* __restrict__ num_dropped,
+                     int32_t* __restrict__ num_invalid,
+                     const int32_t* __restrict__ workspace, LayoutDims d) {
+  // s_next[w][e]: next row warp w gives to expert e (a count before step 3).
+  __shared__ int32_t s_next[kNumWarps][kMaxE];
+  __shared__ int32_t s_base[kMaxE + 1];
+  __shared__ int32_t s_scan[kNumWarps];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int32_t num_experts = d.num_experts;
+  const int num_cols = num_experts + 1;
+  const int32_t grid_chunks = max(d.num_chunks, 1);  // chunk 0 always runs
+  const int32_t warp_slots = d.chunk_slots / kNumWarps;
+  const int64_t num_items = d.num_batches * grid_chunks;
+  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const int64_t b = item / grid_chunks;
+    const int32_t c = static_cast<int32_t>(item % grid_chunks);
+    const int32_t* counts = workspace + b * d.workspace_stride;
+    const int32_t* totals =
+        counts + static_cast<int64_t>(d.num_chunks) * num_cols;
+    __syncthreads();  // the previous item's readers of shared memory are done
+    ExpertBases(totals, num_experts, s_base, s_scan);
+    for (int i = threadIdx.x; i < kNumWarps * num_experts; i += kBlock) {
+      s_next[i / num_experts][i % num_experts] = 0;
+    }
+    __syncthreads();
+
+    if (c == 0) {
+      for (int e = threadIdx.x; e < num_experts; e += kBlock) {
+        const int32_t room = max(d.capacity - s_base[e], 0);
+        group_sizes[b * num_experts + e] = min(room, totals[e]);
+      }
+      if (threadIdx.x == 0) {
+        num_dropped[b] = max(s_base[num_experts] - d.capacity, 0);
+        num_invalid[b] = totals[num_experts];
+      }
+    }
+    if (c >= d.num_chunks) continue;  // block-uniform (T * K == 0)
+
+    const int32_t* idx = topk_idx + b * d.num_slots;
+    int32_t* rows = slot_row + b * d.num_slots;
+    const int32_t begin = c * d.chunk_slots + warp * warp_slots;
+    const int32_t end = min(begin + warp_slots, d.num_slots);
+
+    // Step 2: warp-private histogram of this warp's slice.
+    for (int32_t base = begin; base < end; base += 32) {
+      const int32_t s = base + lane;
+      const int32_t e = s < end ? idx[s] : -1;
+      const bool valid = IsValidExpert(e, num_experts);
+      const unsigned peers = __match_any_sync(kFullMask, valid ? e : -1);
+      if (valid && lane == __ffs(peers) - 1) s_next[warp][e] += __popc(peers);
+      __syncwarp();
+    }
+    __syncthreads();
+
+    // Step 3: counts -> first row of each (warp, expert):
+    // expert base + this chunk's offset + the earlier warps of this chunk.
+    const int32_t* chunk_offset = counts + static_cast<int64_t>(c) * num_cols;
+    for (int e = threadIdx.x; e < num_experts; e += kBlock) {
+      int32_t run = s_base[e] + chunk_offset[e];
+#pragma unroll
+      for (int w = 0; w < kNumWarps; ++w) {
+        const int32_t n = s_next[w][e];
+        s_next[w][e] = run;
+        run += n;
+      }
+    }
+    __syncthreads();
+
+    // Step 4: rows in (t, k) order. Lanes with the same expert are ranked by
+    // lane (= slot order); the lowest lane advances the warp's counter.
+    for (int32_t base = begin; base < end; base += 32) {
+      const int32_t s = base + lane;
+      const int32_t e = s < end ? idx[s] : -1;
+      const bool valid = IsValidExpert(e, num_experts);
+      const unsigned peers = __match_any_sync(kFullMask, valid ? e : -1);
+      int32_t row = -1;
+      if (valid) row = s_next[warp][e] + __popc(peers & LaneMaskLt());
+      __syncwarp();
+      if (valid && lane == __ffs(peers) - 1) s_next[warp][e] += __popc(peers);
+      __syncwarp();
+      if (s < end) rows[s] = row < d.capacity ? row : -1;
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
+                        int32_t* group_sizes, int32_t* num_dropped,
+                        int32_t* num_invalid, int32_t* workspace,
+                        int64_t num_batches, int64_t num_tokens,
+                        int64_t num_topk, int64_t num_experts,
+                        int64_t capacity, cudaStream_t stream) {
+  if (num_batches <= 0) return cudaSuccess;
+  if (num_experts < 1 || num_experts > kMaxExperts || num_tokens < 0 ||
+      num_topk < 0 || num_tokens * num_topk > INT32_MAX || capacity < 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t num_slots = num_tokens * num_topk;
+  LayoutDims d;
+  d.num_batches = num_batches;
+  d.num_slots = static_cast<int32_t>(num_slots);
+  d.chunk_slots = static_cast<int32_t>(LocalLayoutChunkSlots(num_slots));
+  d.num_chunks = static_cast<int32_t>(LocalLayoutNumChunks(num_slots));
+  d.num_experts = static_cast<int32_t>(num_experts);
+  d.capacity =
+      static_cast<int32_t>(capacity < INT32_MAX ? capacity : INT32_MAX);
+  d.workspace_stride =
+      LocalLayoutWorkspaceElems(num_tokens, num_topk, num_experts);
+
+  // NOTES: one resident wave at most (max_waves = 1): every item is small
+  // and equal-sized, and kernel 3 re-derives the expert bases per item.
+  unsigned grid = 0;
+  if (d.num_chunks > 0) {
+    JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
+        ChunkHistogramKernel, kBlock, /*max_blocks_per_sm=*/8,
+        /*max_waves=*/1, num_batches * d.num_chunks, &grid));
+    ChunkHistogramKernel<<<grid, kBlock, 0, stream>>>(topk_idx, workspace, d);
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  const int64_t num_tiles = (num_experts + 1 + 31) / 32;
+  JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
+      ChunkScanKernel, kBlock, /*max_blocks_per_sm=*/8, /*max_waves=*/1,
+      num_batches * num_tiles, &grid));
+  ChunkScanKernel<<<grid, kBlock, 0, stream>>>(workspace, d);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+
+  const int64_t grid_chunks = d.num_chunks > 0 ? d.num_chunks : 1;
+  JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
+      AssignRowsKernel, kBlock, /*max_blocks_per_sm=*/8, /*max_waves=*/1,
+      num_batches * grid_chunks, &grid));
+  AssignRowsKernel<<<grid, kBlock, 0, stream>>>(
+      topk_idx, slot_row, group_sizes, num_dropped, num_invalid, workspace, d);
+  return cudaGetLastError();
+}
+
+}  // namespace jax_ep::layout
