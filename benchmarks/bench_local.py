@@ -52,7 +52,8 @@ def batched(fn):
   return jax.jit(lambda *sets: [fn(*args) for args in zip(*sets)])
 
 
-def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_name, calls):
+def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_name, calls,
+                 backends):
   rng = np.random.default_rng(num_tokens)
   dtype = jnp.bfloat16
   itemsize = 2
@@ -79,7 +80,7 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
         gbps=round(base["bytes"] / (median_us * 1e-6) / 1e9, 1), min_hbm_bytes=min_hbm,
         roofline=round(min_hbm / (bound_gbps * 1e9) / (median_us * 1e-6), 3)))
 
-  for backend in ("cuda", "reference"):
+  for backend in backends:
     group = jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
                          max_tokens_per_rank=num_tokens, dtype=dtype, backend=backend)
 
@@ -110,7 +111,8 @@ def main():
   parser.add_argument("--hidden", type=int, default=7168)
   parser.add_argument("--topk", type=int, default=8)
   parser.add_argument("--experts", type=int, default=256)
-  parser.add_argument("--calls", type=int, default=4, help="input sets per timed batch")
+  parser.add_argument("--calls", type=int, default=8, help="input sets per timed batch")
+  parser.add_argument("--backends", nargs="+", default=["cuda", "reference"])
   parser.add_argument("--out", default="local.jsonl")
   args = parser.parse_args()
   bound_gbps, bound_name = common.copy_bound_gbps()
@@ -118,13 +120,15 @@ def main():
   records = []
   for t in args.tokens:
     records += bench_tokens(t, args.hidden, args.topk, args.experts, bound_gbps, bound_name,
-                            args.calls)
+                            args.calls, args.backends)
   path = common.write_jsonl(records, args.out)
   common.print_table(records, ["op", "backend", "tokens_per_rank", "median_us", "gbps",
                                "min_hbm_bytes", "roofline"])
   by = {(r["op"], r["backend"], r["tokens_per_rank"]): r["median_us"] for r in records}
   for t in args.tokens:
     for op in ("dispatch", "combine"):
+      if (op, "cuda", t) not in by:
+        continue
       cuda = by[(op, "cuda", t)]
       print(f"T={t} {op}: cuda {cuda:.1f} us, x{by[(op, 'reference', t)] / cuda:.2f} vs reference,"
             f" x{by[(op, 'xla_baseline', t)] / cuda:.2f} vs plain XLA")
