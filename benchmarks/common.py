@@ -47,30 +47,37 @@ def time_batches(fn, args, *, repeats: int = 20) -> float:
   return statistics.median(samples)
 
 
+_COPY_PROBE = """
+import statistics, sys
+import cupy
+num_bytes = int(sys.argv[1])
+src = cupy.empty(num_bytes // 2, dtype=cupy.uint8)
+dst = cupy.empty_like(src)
+src.fill(1)
+start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+times = []
+for _ in range(12):
+  start.record()
+  cupy.cuda.runtime.memcpy(dst.data.ptr, src.data.ptr, src.nbytes, 3)  # device to device
+  stop.record()
+  stop.synchronize()
+  times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+print(2 * src.nbytes / statistics.median(times[2:]) / 1e9)
+"""
+
+
 def copy_bound_gbps(num_bytes: int = 4 << 30) -> tuple[float, str]:
   """Device-to-device copy bandwidth (bytes read + written per second), and how it was measured.
 
-  `cudaMemcpy` through CuPy when available (the contract's bound); else an XLA copy, which reads
-  lower.
+  `cudaMemcpy` through CuPy in a child process (the contract's bound; a separate process keeps
+  CuPy's CUDA context and allocator away from XLA's), else an XLA copy, which reads lower.
   """
+  import sys
   try:
-    import cupy
-    src = cupy.empty(num_bytes // 2, dtype=cupy.uint8)
-    dst = cupy.empty_like(src)
-    src.fill(1)
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    times = []
-    for _ in range(10):
-      start.record()
-      cupy.cuda.runtime.memcpy(dst.data.ptr, src.data.ptr, src.nbytes, 3)  # device to device
-      stop.record()
-      stop.synchronize()
-      times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-    seconds = statistics.median(times[2:])
-    del src, dst
-    cupy.get_default_memory_pool().free_all_blocks()
-    return 2 * (num_bytes // 2) / seconds / 1e9, "cudaMemcpy"
-  except Exception:  # noqa: BLE001 - fall back to XLA on any CuPy problem
+    out = subprocess.run([sys.executable, "-c", _COPY_PROBE, str(num_bytes)], text=True,
+                         capture_output=True, timeout=120, check=True)
+    return float(out.stdout.strip().splitlines()[-1]), "cudaMemcpy"
+  except (OSError, ValueError, IndexError, subprocess.SubprocessError):
     x = jax.numpy.ones((num_bytes // 8,), jax.numpy.float32)
     copy = jax.jit(lambda v: v * 1.0)
     seconds = time_batches(copy, (x,), repeats=10)

@@ -28,10 +28,27 @@ class LocalRouting(NamedTuple):
   group_sizes: jax.Array
 
 
+def _varying_axes(value) -> frozenset:
+  manual = getattr(jax.typeof(value), "manual_axis_type", None)
+  return manual.varying if manual is not None else frozenset()
+
+
 def _call(target, result_shapes, *args, **attrs):
+  """`ffi_call` whose results vary over the same shard_map axes as its operands.
+
+  NOTES: XLA FFI calls produce values typed as invariant across `shard_map` axes; inside
+  `shard_map(check_vma=True)` the custom_vjp rules then see cotangents whose type differs from
+  the primal's. A kernel's output depends on its (per-rank) inputs, so it varies wherever they do.
+  """
   if _ffi.extension() is None:
     raise RuntimeError(f"jax_ep: the CUDA extension is not built; cannot call {target}")
-  return jax.ffi.ffi_call(target, result_shapes, vmap_method="broadcast_all")(*args, **attrs)
+  outs = jax.ffi.ffi_call(target, result_shapes, vmap_method="broadcast_all")(*args, **attrs)
+  varying = frozenset().union(*(_varying_axes(a) for a in args))
+
+  def match(out):
+    missing = tuple(sorted(varying - _varying_axes(out)))
+    return jax.lax.pcast(out, missing, to="varying") if missing else out
+  return jax.tree.map(match, outs)
 
 
 def layout_workspace_elems(config: EPConfig, num_tokens: int) -> int:
