@@ -88,7 +88,7 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
       return jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False)
 
     dispatch = per_shard(lambda x, i, w: jax_ep.dispatch(group, x, i, w))
-    recv_handles = [dispatch(x, i, w) for x, i, w in zip(xs, idxs, ws)]
+    recv_handles = [jax.jit(dispatch)(x, i, w) for x, i, w in zip(xs, idxs, ws)]
     handles = [h for _, h in recv_handles]
     combine = per_shard(lambda eo, h: jax_ep.combine(group, eo, h))
     add("dispatch", backend, common.time_batches(batched(dispatch), (xs, idxs, ws)))
@@ -99,7 +99,7 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
           min_hbm=rows * 4 * 2)  # read topk_idx, write slot rows
 
   xla_d = functools.partial(xla_dispatch, num_experts=num_experts)
-  orders = [xla_d(x, i)[2] for x, i in zip(xs, idxs)]
+  orders = [jax.jit(xla_d)(x, i)[2] for x, i in zip(xs, idxs)]
   add("dispatch", "xla_baseline", common.time_batches(batched(xla_d), (xs, idxs)))
   add("combine", "xla_baseline", common.time_batches(batched(xla_combine), (eos, orders, ws)))
   return records

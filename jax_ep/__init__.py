@@ -10,6 +10,7 @@ The contract is docs/DESIGN.md. Quick start::
     return jax_ep.combine(group, y, handle)
 """
 
+from jax_ep import _ffi
 from jax_ep.config import default_capacity
 from jax_ep.group import Group, MemoryEstimate, memory_bytes
 from jax_ep.layer import MoEParams, init_moe_params, moe_mlp, moe_mlp_per_shard
@@ -17,6 +18,10 @@ from jax_ep.ops import (DispatchResult, Handle, LowLatencyHandle, LowLatencyResu
                         dispatch, low_latency_combine, low_latency_dispatch)
 
 __version__ = "0.1.0"
+
+# Register the CUDA custom calls with XLA now (no CUDA call is made; a no-op without the
+# extension), so programs that reach them through jax.export or other entry points find them.
+_ffi.extension()
 
 __all__ = [
     "Group", "MemoryEstimate", "memory_bytes", "default_capacity",
