@@ -73,10 +73,11 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
               bound_gbps=round(bound_gbps, 1), bound=bound_name)
   records = []
 
-  def add(op, backend, seconds, min_hbm=min_bytes):
+  def add(op, backend, timed, min_hbm=min_bytes):
+    seconds, timing = timed
     median_us = seconds / calls * 1e6
     records.append(common.record(
-        op=op, backend=backend, median_us=round(median_us, 2), **base,
+        op=op, backend=backend, median_us=round(median_us, 2), timing=timing, **base,
         gbps=round(base["bytes"] / (median_us * 1e-6) / 1e9, 1), min_hbm_bytes=min_hbm,
         roofline=round(min_hbm / (bound_gbps * 1e9) / (median_us * 1e-6), 3)))
 

@@ -1,0 +1,45 @@
+"""The benchmark scripts keep working (tiny sizes on the CPU) and their timing helpers are right."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import common  # noqa: E402
+
+REQUIRED_KEYS = {"op", "mode", "backend", "ranks", "process_model", "tokens_per_rank", "hidden",
+                 "topk", "experts", "dtype", "wire_dtype", "median_us", "bytes", "gbps",
+                 "min_hbm_bytes", "bound_gbps", "bound", "roofline", "gpu", "jax", "date",
+                 "commit"}
+
+
+def test_split_runs_cuts_at_the_largest_gaps():
+  events = [(0, 10), (12, 20), (21, 30), (100, 110), (111, 125), (300, 305), (306, 340)]
+  spans = common.split_runs(events, 3)
+  assert [round(s * 1e9) for s in spans] == [30, 25, 40]
+
+
+def test_split_runs_handles_overlapping_streams():
+  # Two streams overlap inside a run; the gap is measured from the latest end seen so far.
+  events = [(0, 50), (10, 20), (60, 70), (200, 210)]
+  assert [round(s * 1e9) for s in common.split_runs(events, 2)] == [70, 10]
+
+
+def test_bench_local_runs_and_writes_contract_records(tmp_path):
+  out = tmp_path / "local.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_local.py"), "--backends",
+       "reference", "--tokens", "8", "--hidden", "128", "--calls", "2", "--out", str(out)],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert {(r["op"], r["backend"]) for r in records} == {
+      ("dispatch", "reference"), ("combine", "reference"),
+      ("dispatch", "xla_baseline"), ("combine", "xla_baseline")}
+  for r in records:
+    assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
+    assert r["min_hbm_bytes"] == (8 + 8 * 8) * 128 * 2
