@@ -16,8 +16,17 @@ from jax_ep import reference
 from jax_ep.config import EPConfig
 
 
+class _LayoutThenDispatch:
+  """Backends whose layout is computable before any row moves (reference, one-rank cuda)."""
+
+  def dispatch_tokens(self, x, topk_idx, topk_weights):
+    del topk_weights  # travels with the handle; combine sends what it needs
+    routing, group_sizes, num_dropped, num_invalid = self.layout(topk_idx)
+    return self.dispatch(x, routing), group_sizes, num_dropped, num_invalid, routing
+
+
 @dataclasses.dataclass(frozen=True)
-class ReferenceBackend:
+class ReferenceBackend(_LayoutThenDispatch):
   """Pure JAX; runs on every platform. The oracle-checked baseline for all other backends."""
   config: EPConfig
   name = "reference"
@@ -45,22 +54,15 @@ class ReferenceBackend:
 
 
 @dataclasses.dataclass(frozen=True)
-class CudaBackend:
-  """CUDA kernels through XLA FFI custom calls.
+class CudaBackend(_LayoutThenDispatch):
+  """CUDA kernels through XLA FFI custom calls, at one rank (`R == 1`).
 
-  At one rank (`R == 1`) dispatch and combine are purely local (layout, permute, unpermute);
-  the multi-rank peer transport is not built yet, so `R > 1` is refused when the group is made.
-  The low-latency pair has no kernels yet and runs on the reference path (same semantics).
+  Dispatch and combine are purely local there (layout, permute, unpermute); `R > 1` uses
+  `PeerBackend`. The low-latency pair has no kernels yet and runs on the reference path (same
+  semantics).
   """
   config: EPConfig
   name = "cuda"
-
-  def __post_init__(self):
-    if self.config.num_ranks != 1:
-      raise NotImplementedError(
-          f"jax_ep.Group(backend='cuda'): the cuda backend runs at one rank for now "
-          f"(num_ranks=1); got num_ranks={self.config.num_ranks}. Use backend='reference' "
-          f"(or 'auto') for multi-rank groups until the peer transport lands.")
 
   def layout(self, topk_idx):
     from jax_ep import cuda_ops
@@ -88,6 +90,77 @@ class CudaBackend:
   def workspace_bytes(self) -> int:
     from jax_ep import cuda_ops
     return cuda_ops.layout_workspace_bytes(self.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerBackend:
+  """CUDA kernels over peer memory for `R > 1` in one NVLink domain (see `jax_ep.peer`).
+
+  Attributes:
+    config: the group configuration.
+    group_id: the native peer group the handlers look up (the primary one of this process).
+    raise_on_timeout: check each op's status on the host right after it (an `io_callback`, i.e.
+      one host synchronisation per op) and raise `TimeoutError` naming op, rank and peer. When
+      False, a timeout is reported by the next call on the group and by `Group.check()`.
+  """
+  config: EPConfig
+  group_id: int
+  raise_on_timeout: bool = True
+  name = "cuda"
+
+  def _checked(self, status):
+    if not self.raise_on_timeout:
+      return
+
+    def raise_if_failed(value):
+      if value != 0:
+        from jax_ep import _ffi
+        message = _ffi.extension().peer_group_error(self.group_id)
+        raise TimeoutError(message or f"jax_ep: peer op failed with status {int(value)}")
+      return value
+    from jax.experimental import io_callback
+    io_callback(raise_if_failed, jax.ShapeDtypeStruct((), jnp.int32), status)
+
+  def dispatch_tokens(self, x, topk_idx, topk_weights):
+    from jax_ep import cuda_ops
+    *outs, status = cuda_ops.peer_dispatch(self.config, self.group_id, x, topk_idx, topk_weights)
+    self._checked(status)
+    return tuple(outs)
+
+  def dispatch(self, x, routing, slot_weights=None):
+    # The weights of a weighted dispatch are the ones that travelled with the dispatch.
+    from jax_ep import cuda_ops
+    recv_x, status = cuda_ops.peer_dispatch_cached(self.config, self.group_id, x, routing,
+                                                   weighted=slot_weights is not None)
+    self._checked(status)
+    return recv_x
+
+  def combine(self, expert_out, routing, slot_weights=None):
+    from jax_ep import cuda_ops
+    out, status = cuda_ops.peer_combine(self.config, self.group_id, expert_out, routing,
+                                        weighted=slot_weights is not None)
+    self._checked(status)
+    return out
+
+  def combine_vjp(self, d_out, expert_out, routing, slot_weights):
+    from jax_ep import cuda_ops
+    d_expert_out, d_weights, status = cuda_ops.peer_combine_vjp(
+        self.config, self.group_id, d_out, expert_out, routing)
+    self._checked(status)
+    return d_expert_out, d_weights
+
+  def low_latency_dispatch(self, x, topk_idx, use_fp8):
+    return reference.low_latency_dispatch(self.config, x, topk_idx, use_fp8)
+
+  def low_latency_combine(self, expert_out, routing, topk_weights):
+    return reference.low_latency_combine(self.config, expert_out, routing, topk_weights)
+
+  def workspace_bytes(self) -> int:
+    from jax_ep import _ffi
+    ext = _ffi.extension()
+    c = self.config
+    return 4 * int(ext.peer_dispatch_workspace_elems(c.num_ranks, c.max_tokens_per_rank,
+                                                     c.num_topk, c.num_experts))
 
 
 BACKENDS = {"reference": ReferenceBackend, "cuda": CudaBackend}

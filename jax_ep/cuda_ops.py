@@ -104,3 +104,99 @@ def local_slot_dots(config: EPConfig, d_out: jax.Array, expert_out: jax.Array,
   shape = jax.ShapeDtypeStruct(routing.slot_row.shape, jnp.float32)
   return _call("jax_ep_local_slot_dots", shape, d_out.astype(expert_out.dtype), expert_out,
                routing.slot_row)
+
+
+# ----------------------------------------------------------------------------------------------
+# Multi-rank peer transport (intranode). One custom call per op; the kernels move rows straight
+# into the peers' library-owned buffers. These ops take no leading batch dims: under vmap JAX
+# runs one round per batch element (`vmap_method="sequential"`).
+
+class PeerRouting(NamedTuple):
+  """Routing metadata of the multi-rank cuda path.
+
+  Attributes:
+    send_pos: `[T, R]` int32 position of token t in this rank's send list for rank d, or -1.
+    entry_row: `[N, K]` int32 (N = R * T_max) row of `recv_x` holding received entry (s, i, k).
+    entry_weights: `[N, K]` float32 router weight that came with each received entry.
+    recv_counts: `[R]` int32 tokens received from each source rank.
+    group_sizes: `[L]` int32 kept rows per local expert.
+    topk_idx: `[T, K]` int32 this rank's routing (the weight gradient places slots by it).
+  """
+  send_pos: jax.Array
+  entry_row: jax.Array
+  entry_weights: jax.Array
+  recv_counts: jax.Array
+  group_sizes: jax.Array
+  topk_idx: jax.Array
+
+
+def _peer_call(target, result_shapes, *args, **attrs):
+  if _ffi.extension() is None:
+    raise RuntimeError(f"jax_ep: the CUDA extension is not built; cannot call {target}")
+  outs = jax.ffi.ffi_call(target, result_shapes, vmap_method="sequential")(*args, **attrs)
+  varying = frozenset().union(*(_varying_axes(a) for a in args))
+
+  def match(out):
+    missing = tuple(sorted(varying - _varying_axes(out)))
+    return jax.lax.pcast(out, missing, to="varying") if missing else out
+  return jax.tree.map(match, outs)
+
+
+def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
+  """Returns `(recv_x, group_sizes, num_dropped, num_invalid, routing, status)`."""
+  ext = _ffi.extension()
+  num_tokens, num_topk = topk_idx.shape
+  r, n, i32 = config.num_ranks, config.num_ranks * config.max_tokens_per_rank, jnp.int32
+  workspace = int(ext.peer_dispatch_workspace_elems(r, config.max_tokens_per_rank, num_topk,
+                                                    config.num_experts))
+  shapes = (jax.ShapeDtypeStruct((config.capacity, x.shape[-1]), x.dtype),   # recv_x
+            jax.ShapeDtypeStruct((config.num_local_experts,), i32),          # group_sizes
+            jax.ShapeDtypeStruct((), i32),                                   # num_dropped
+            jax.ShapeDtypeStruct((), i32),                                   # num_invalid
+            jax.ShapeDtypeStruct((num_tokens, r), i32),                      # send_pos
+            jax.ShapeDtypeStruct((n, num_topk), i32),                        # entry_row
+            jax.ShapeDtypeStruct((n, num_topk), jnp.float32),                # entry_weights
+            jax.ShapeDtypeStruct((r,), i32),                                 # recv_counts
+            jax.ShapeDtypeStruct((), i32),                                   # status
+            jax.ShapeDtypeStruct((workspace,), i32))                         # workspace
+  (recv_x, group_sizes, num_dropped, num_invalid, send_pos, entry_row, entry_weights,
+   recv_counts, status, _) = _peer_call(
+       "jax_ep_peer_dispatch", shapes, x, topk_idx, topk_weights.astype(jnp.float32),
+       group_id=np.int64(group_id), num_experts=np.int64(config.num_experts),
+       capacity=np.int64(config.capacity))
+  routing = PeerRouting(send_pos, entry_row, entry_weights, recv_counts, group_sizes, topk_idx)
+  return recv_x, group_sizes, num_dropped, num_invalid, routing, status
+
+
+def peer_dispatch_cached(config: EPConfig, group_id: int, x, routing: PeerRouting,
+                         weighted: bool):
+  """Returns `(recv_x, status)`: rows placed by an earlier dispatch's layout."""
+  shapes = (jax.ShapeDtypeStruct((config.capacity, x.shape[-1]), x.dtype),
+            jax.ShapeDtypeStruct((), jnp.int32))
+  return _peer_call("jax_ep_peer_dispatch_cached", shapes, x, routing.send_pos,
+                    routing.entry_row, routing.entry_weights, routing.recv_counts,
+                    routing.group_sizes, group_id=np.int64(group_id),
+                    capacity=np.int64(config.capacity), weighted=bool(weighted))
+
+
+def peer_combine(config: EPConfig, group_id: int, expert_out, routing: PeerRouting,
+                 weighted: bool):
+  """Returns `(out [T, H], status)`."""
+  num_tokens = routing.send_pos.shape[0]
+  shapes = (jax.ShapeDtypeStruct((num_tokens, expert_out.shape[-1]), expert_out.dtype),
+            jax.ShapeDtypeStruct((), jnp.int32))
+  return _peer_call("jax_ep_peer_combine", shapes, expert_out, routing.entry_row,
+                    routing.entry_weights, routing.recv_counts, routing.send_pos,
+                    group_id=np.int64(group_id), weighted=bool(weighted))
+
+
+def peer_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out, routing: PeerRouting):
+  """Returns `(d_expert_out [C, H], d_weights [T, K] f32, status)`."""
+  shapes = (jax.ShapeDtypeStruct(expert_out.shape, expert_out.dtype),
+            jax.ShapeDtypeStruct(routing.topk_idx.shape, jnp.float32),
+            jax.ShapeDtypeStruct((), jnp.int32))
+  return _peer_call("jax_ep_peer_combine_vjp", shapes, d_out.astype(expert_out.dtype),
+                    expert_out, routing.topk_idx, routing.send_pos, routing.entry_row,
+                    routing.entry_weights, routing.recv_counts, routing.group_sizes,
+                    group_id=np.int64(group_id), num_experts=np.int64(config.num_experts),
+                    capacity=np.int64(config.capacity))

@@ -41,6 +41,14 @@ def _check_dtype(dtype) -> np.dtype:
 def _resolve_backend(backend: str, mesh) -> str:
   if backend not in ("auto", "reference", "cuda"):
     raise ValueError(f"jax_ep.Group: backend must be 'auto', 'reference' or 'cuda'; got {backend!r}")
+  if backend == "cuda":
+    if not all(d.platform == "gpu" for d in mesh.devices.flat):
+      platforms = sorted({d.platform for d in mesh.devices.flat})
+      raise ValueError(f"jax_ep.Group: backend='cuda' needs a mesh of CUDA GPUs; this mesh has "
+                       f"{', '.join(platforms)} devices")
+    if _ffi.extension() is None:
+      raise ValueError("jax_ep.Group: backend='cuda' needs the CUDA extension, which this "
+                       "installation was built without (no nvcc, or JAX_EP_ENABLE_CUDA=OFF)")
   if backend != "auto":
     return backend
   on_gpu = all(d.platform == "gpu" for d in mesh.devices.flat)
@@ -97,13 +105,18 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
     low_latency = slab_rows * (hidden + 4 * (hidden // 128))
   else:
     low_latency = slab_rows * hidden * dtype.itemsize
+  comm_buffers = 0
   if backend == "cuda" and num_ranks == 1:
     from jax_ep import cuda_ops
     workspace = cuda_ops.layout_workspace_bytes(config)
+  elif backend == "cuda":
+    from jax_ep import peer
+    workspace = 0
+    comm_buffers = peer.buffer_bytes(config)
   else:
     from jax_ep import reference
     workspace = reference.scratch_bytes(config)
-  return MemoryEstimate(recv_x, handle, low_latency, workspace, comm_buffer_bytes=0)
+  return MemoryEstimate(recv_x, handle, low_latency, workspace, comm_buffer_bytes=comm_buffers)
 
 
 class Group:
@@ -130,11 +143,18 @@ class Group:
       'reference' or 'cuda'.
     strict: raise a run-time error whenever a dispatch drops rows.
     config_timeout_s: how long group creation waits for peer processes' configurations.
+    num_sms: multiprocessors the multi-rank communication kernels may occupy (bounded grid).
+    timeout_s: how long a multi-rank kernel waits for a peer before it gives up and reports
+      which op, rank and peer timed out.
+    raise_on_timeout: after each multi-rank op, check its status on the host and raise
+      `TimeoutError` at once (one host synchronisation per op); when False, a timeout surfaces
+      at the next op on the group or at `Group.check()`.
   """
 
   def __init__(self, mesh, axis_name: str, *, num_experts: int, num_topk: int, hidden: int,
                max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
-               backend: str = "auto", strict: bool = False, config_timeout_s: float = 60.0):
+               backend: str = "auto", strict: bool = False, config_timeout_s: float = 60.0,
+               num_sms: int = 24, timeout_s: float = 10.0, raise_on_timeout: bool = True):
     if axis_name not in mesh.axis_names:
       raise ValueError(f"jax_ep.Group: axis_name {axis_name!r} is not an axis of the mesh "
                        f"(mesh axes: {tuple(mesh.axis_names)})")
@@ -159,9 +179,16 @@ class Group:
                            max_tokens_per_rank, dtype, capacity, bool(strict))
     self.backend_name = _resolve_backend(backend, mesh)
     fields = dict(self.config.fingerprint(), backend=self.backend_name)
-    _distributed.check_same_config(_distributed.next_group_key("group"), fields,
-                                   timeout_s=config_timeout_s)
-    self.backend = BACKENDS[self.backend_name](self.config)
+    key = _distributed.next_group_key("group")
+    _distributed.check_same_config(key, fields, timeout_s=config_timeout_s)
+    self._transport = None
+    if self.backend_name == "cuda" and num_ranks > 1:
+      from jax_ep import backends, peer
+      self._transport = peer.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s)
+      self.backend = backends.PeerBackend(self.config, self._transport.primary_id,
+                                          raise_on_timeout)
+    else:
+      self.backend = BACKENDS[self.backend_name](self.config)
     self._closed = False
 
   # Shorthands for the configuration.
@@ -199,9 +226,25 @@ class Group:
   def closed(self) -> bool:
     return self._closed
 
+  def check(self) -> None:
+    """Raises `TimeoutError` if a multi-rank op of this group timed out waiting for a peer.
+
+    Reads a host-visible error record the kernels fill in; it does not synchronise the device,
+    so call it after the results you care about are ready.
+    """
+    if self._transport is not None:
+      message = self._transport.error()
+      if message:
+        raise TimeoutError(message)
+
   def close(self) -> None:
-    """Releases the group's resources; ops called with a closed group raise."""
+    """Releases the group's resources (after every process is done with the shared buffers);
+    ops called with a closed group raise."""
+    if self._closed:
+      return
     self._closed = True
+    if self._transport is not None:
+      self._transport.close()
 
   def __enter__(self):
     return self

@@ -29,6 +29,7 @@ else is unset, so e.g. the caller's NVLink-multicast settings reach the children
     JAX_EP_PROCESS_ID        `i`
     JAX_EP_LOCAL_DEVICE_IDS  `0` with --share-gpu; `i` when at least N GPUs are visible;
                              unset otherwise (CPU runs)
+    JAX_EP_SHARED_GPU        `1` with --share-gpu (the processes cannot run XLA collectives)
 
 A child joins the job with `initialize_from_env()` (below). Every output line of process `i` is
 prefixed with `[i] `. The launcher's exit code is the first non-zero exit code of a child (a child
@@ -56,6 +57,7 @@ ENV_COORDINATOR = "JAX_EP_COORDINATOR"
 ENV_NUM_PROCESSES = "JAX_EP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_EP_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "JAX_EP_LOCAL_DEVICE_IDS"
+ENV_SHARED_GPU = "JAX_EP_SHARED_GPU"
 
 EXIT_USAGE = 2
 EXIT_CANNOT_START = 127  # Shell convention for "command not found".
@@ -360,6 +362,7 @@ def launch(cmd: Sequence[str], num_processes: int, *, share_gpu: bool = False,
       env[ENV_PROCESS_ID] = str(i)
       if share_gpu:
         env[ENV_LOCAL_DEVICE_IDS] = "0"
+        env[ENV_SHARED_GPU] = "1"  # tests skip what needs XLA collectives (NCCL refuses)
       elif gpu_per_process:
         env[ENV_LOCAL_DEVICE_IDS] = str(i)
       try:

@@ -149,10 +149,9 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
   """
   _check_group(group, "dispatch")
   _check_tokens(group, "dispatch", x, topk_idx, topk_weights)
-  backend = group.backend
-  routing, group_sizes, num_dropped, num_invalid = backend.layout(topk_idx)
+  recv_x, group_sizes, num_dropped, num_invalid, routing = primitives.dispatch_tokens(
+      group.backend, x, topk_idx, topk_weights)
   num_dropped = _strict_check(group, num_dropped)
-  recv_x = primitives.dispatch_rows(backend, x, routing)
   return DispatchResult(recv_x, group_sizes, num_dropped, num_invalid), Handle(routing, topk_weights)
 
 

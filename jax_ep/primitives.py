@@ -19,19 +19,26 @@ def _no_cotangent(tree):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def dispatch_rows(backend, x, routing):
-  return backend.dispatch(x, routing)
+def dispatch_tokens(backend, x, topk_idx, topk_weights):
+  """`(recv_x, group_sizes, num_dropped, num_invalid, routing)`; differentiable in `x` only.
+
+  The router weights reach the loss through `combine` (the handle carries them), so dispatch
+  gives them no cotangent of its own.
+  """
+  return backend.dispatch_tokens(x, topk_idx, topk_weights)
 
 
-def _dispatch_rows_fwd(backend, x, routing):
-  return backend.dispatch(x, routing), routing
+def _dispatch_tokens_fwd(backend, x, topk_idx, topk_weights):
+  outs = backend.dispatch_tokens(x, topk_idx, topk_weights)
+  return outs, outs[-1]
 
 
-def _dispatch_rows_bwd(backend, routing, d_recv_x):
-  return backend.combine(d_recv_x, routing), _no_cotangent(routing)
+def _dispatch_tokens_bwd(backend, routing, cotangents):
+  d_recv_x = cotangents[0]
+  return backend.combine(d_recv_x, routing), None, None
 
 
-dispatch_rows.defvjp(_dispatch_rows_fwd, _dispatch_rows_bwd)
+dispatch_tokens.defvjp(_dispatch_tokens_fwd, _dispatch_tokens_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -1,0 +1,125 @@
+"""Set-up of the multi-rank peer transport: library-owned buffers and the peer-pointer table.
+
+The buffers are allocated once per group (never inside a handler). With one process per device
+(GPUs of one host, or several processes sharing one GPU under CUDA MPS) each process publishes
+the CUDA IPC handle of its buffer through the `jax.distributed` key-value store and opens its
+peers'. One process driving all devices uses the pointers directly (peer access).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+
+from jax_ep import _ffi
+from jax_ep.config import EPConfig
+
+# The multi-rank kernels have been compiled and reviewed but not yet run on hardware; until a GPU
+# session validates them they are opt-in.
+EXPERIMENTAL_ENV = "JAX_EP_EXPERIMENTAL_PEER"
+
+
+def buffer_bytes(config: EPConfig) -> int:
+  """Bytes of one rank's library-owned communication buffer (0 without the extension)."""
+  ext = _ffi.extension()
+  if ext is None or config.num_ranks == 1:
+    return 0
+  return int(ext.peer_buffer_bytes(config.num_ranks, config.max_tokens_per_rank, config.hidden,
+                                   config.num_topk, np.dtype(config.dtype).itemsize))
+
+
+@dataclasses.dataclass
+class PeerTransport:
+  """Owns the native peer groups of this process (one per local device of the mesh)."""
+  group_ids: list[int]
+  key: str
+  closed: bool = False
+
+  @property
+  def primary_id(self) -> int:
+    return self.group_ids[0]
+
+  def error(self) -> str | None:
+    ext = _ffi.extension()
+    for gid in self.group_ids:
+      message = ext.peer_group_error(gid)
+      if message:
+        return message
+    return None
+
+  def close(self, barrier_timeout_s: float = 60.0) -> None:
+    """Waits for every process to finish with the buffers, then frees them."""
+    if self.closed:
+      return
+    self.closed = True
+    client = _client()
+    if client is not None and jax.process_count() > 1:
+      try:
+        client.wait_at_barrier(f"jax_ep/peer/{self.key}/close", int(barrier_timeout_s * 1000))
+      except Exception:  # noqa: BLE001 - a vanished peer must not stop us freeing our memory
+        pass
+    ext = _ffi.extension()
+    for gid in self.group_ids:
+      ext.peer_group_destroy(gid)
+
+
+def _client():
+  from jax._src import distributed
+  return distributed.global_state.client
+
+
+def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
+           exchange_timeout_s: float = 60.0) -> PeerTransport:
+  """Allocates this process's buffers, exchanges handles with the peers and connects them."""
+  if os.environ.get(EXPERIMENTAL_ENV) != "1":
+    raise NotImplementedError(
+        f"jax_ep.Group(backend='cuda') with num_ranks={config.num_ranks}: the multi-rank peer "
+        f"transport is built but not yet validated on hardware; set {EXPERIMENTAL_ENV}=1 to try "
+        f"it, or use backend='reference' (what 'auto' picks) meanwhile.")
+  ext = _ffi.extension()
+  if ext is None:
+    raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
+  devices = list(mesh.devices.flat)
+  me = jax.process_index()
+  local = [(rank, d) for rank, d in enumerate(devices) if d.process_index == me]
+  itemsize = np.dtype(config.dtype).itemsize
+
+  def make(rank, device):
+    return int(ext.peer_group_create(
+        device.local_hardware_id, rank, config.num_ranks, config.num_experts, config.num_topk,
+        config.hidden, config.max_tokens_per_rank, itemsize, config.capacity, num_sms,
+        float(timeout_s)))
+
+  if len(local) == len(devices):  # one process drives every device of the group
+    ids = [make(rank, d) for rank, d in local]
+    ext.peer_group_connect_local(ids)
+    return PeerTransport(ids, key)
+  if len(local) != 1:
+    raise NotImplementedError(
+        f"jax_ep.Group(backend='cuda'): process {me} holds {len(local)} of the group's "
+        f"{len(devices)} devices; supported: one process for all devices, or one per device")
+  rank, device = local[0]
+  gid = make(rank, device)
+  client = _client()
+  prefix = f"jax_ep/peer/{key}"
+  client.key_value_set_bytes(f"{prefix}/{rank}", bytes(ext.peer_group_ipc_handle(gid)))
+  handles = []
+  for peer in range(config.num_ranks):
+    try:
+      handles.append(client.blocking_key_value_get_bytes(f"{prefix}/{peer}",
+                                                         int(exchange_timeout_s * 1000)))
+    except Exception as e:  # noqa: BLE001 - the KV client reports a timeout as a runtime error
+      ext.peer_group_destroy(gid)
+      raise TimeoutError(f"jax_ep.Group: rank {peer} did not publish its buffer handle within "
+                         f"{exchange_timeout_s} s (key {prefix}/{peer}): {e}") from None
+  ext.peer_group_connect(gid, handles)
+  return PeerTransport([gid], key)
+
+
+def describe(transport: PeerTransport) -> str:
+  ext = _ffi.extension()
+  return json.dumps({gid: ext.peer_group_pointer_table(gid) for gid in transport.group_ids})

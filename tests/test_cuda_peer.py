@@ -1,0 +1,53 @@
+"""The shared suite on the multi-rank cuda backend (peer transport), one EP rank per process.
+
+Runs under the launcher, on one GPU shared by N processes (CUDA MPS) or one GPU per process:
+
+  JAX_EP_EXPERIMENTAL_PEER=1 python -m jax_ep.launch -n 4 --share-gpu -- \\
+      python -m pytest tests/test_cuda_peer.py -q
+
+or in one process driving several GPUs (`python -m pytest tests/test_cuda_peer.py`). Marked `gpu`:
+skipped where no CUDA GPU or extension is present, and skipped with one device (nothing to peer).
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from ep_test_base import EPTestBase
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
+
+NUM_RANKS = jax.device_count()
+
+
+@pytest.mark.skipif(NUM_RANKS < 2, reason="the peer transport needs at least 2 ranks")
+@pytest.mark.skipif(os.environ.get("JAX_EP_EXPERIMENTAL_PEER") != "1",
+                    reason="set JAX_EP_EXPERIMENTAL_PEER=1 to run the unvalidated peer transport")
+class TestCudaPeer(EPTestBase):
+  backend = "cuda"
+  rank_counts = (NUM_RANKS,)
+  small_ranks = NUM_RANKS
+  vmap_one_round = False  # peer ops run one round per batch element under vmap (documented)
+
+
+WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "peer_fault_worker.py")
+
+
+@pytest.mark.skipif(jax.process_count() > 1, reason="starts its own processes")
+@pytest.mark.parametrize("mode", ["skip_call", "mismatch"])
+def test_fault_cases_fail_fast(mode):
+  """One rank skips a dispatch: the others raise a timeout naming op, rank and peer, and every
+  process exits (no hang). Mismatched configurations fail at group creation."""
+  env = dict(os.environ, JAX_EP_EXPERIMENTAL_PEER="1")
+  cmd = [sys.executable, "-m", "jax_ep.launch", "-n", "2", "--share-gpu", "--grace", "30",
+         "--timeout", "120", "--", sys.executable, WORKER, mode]
+  result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+  log = result.stdout + result.stderr
+  assert result.returncode == 0, log
+  if mode == "skip_call":
+    assert "rank 0 timed out" in log and "rank 1" in log, log
+  else:
+    assert log.count("field 'hidden'") == 2, log
