@@ -37,7 +37,7 @@ def device_name() -> str:
   return getattr(dev, "device_kind", dev.platform)
 
 
-def time_batches(fn, args, *, repeats: int = 20) -> tuple[float, str]:
+def time_batches(fn, args, *, repeats: int = 20, method: str = "auto") -> tuple[float, str]:
   """Median seconds of one `fn(*args)` (which should itself run a batch), after one warm-up.
 
   Returns `(seconds, method)`. On a GPU the time is the device span of each run, read from a
@@ -46,7 +46,9 @@ def time_batches(fn, args, *, repeats: int = 20) -> tuple[float, str]:
   the host clock around `block_until_ready` (`"host_clock"`).
   """
   jax.block_until_ready(fn(*args))
-  if jax.devices()[0].platform == "gpu":
+  # Processes that run collective kernels together must all make the same number of calls, so
+  # they pass method="host_clock" (a profiler failure in one process must not change its count).
+  if method == "auto" and jax.devices()[0].platform == "gpu":
     try:
       spans = _device_spans(fn, args, repeats)
       if len(spans) >= max(3, repeats // 2):

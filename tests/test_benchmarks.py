@@ -43,3 +43,19 @@ def test_bench_local_runs_and_writes_contract_records(tmp_path):
   for r in records:
     assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
     assert r["min_hbm_bytes"] == (8 + 8 * 8) * 128 * 2
+
+
+def test_bench_intranode_runs_on_the_reference_backend(tmp_path):
+  out = tmp_path / "intranode.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_intranode.py"), "--backends",
+       "reference", "--tokens", "16", "--hidden", "128", "--experts", "16", "--topk", "2",
+       "--calls", "2", "--repeats", "3", "--out", str(out)],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert {r["op"] for r in records} == {"dispatch", "combine"}
+  for r in records:
+    assert REQUIRED_KEYS <= set(r) and r["ranks"] == 4

@@ -1,0 +1,182 @@
+"""High-throughput dispatch and combine across R ranks on the cuda peer transport.
+
+  # R ranks emulated on one GPU (CUDA MPS), one process each:
+  JAX_EP_EXPERIMENTAL_PEER=1 python -m jax_ep.launch -n 8 --share-gpu -- \\
+      python benchmarks/bench_intranode.py
+  # one process per GPU, or one process for all GPUs of a host:
+  JAX_EP_EXPERIMENTAL_PEER=1 python -m jax_ep.launch -n 8 -- python benchmarks/bench_intranode.py
+  JAX_EP_EXPERIMENTAL_PEER=1 python benchmarks/bench_intranode.py
+
+Standard shape: 4096 tokens per rank, H=7168, top-8 of 256 experts, bf16. Every rank runs the
+same calls in lockstep and times them with the host clock around batches of `--calls` calls on
+rotating inputs; the slowest rank's median is reported (the op is done when every rank is).
+Records (DESIGN.md section 6) are written by process 0 to benchmarks/results/. The reference
+backend and the plain-XLA `ragged_all_to_all` pipeline need XLA collectives, so they run only
+when the processes do not share a GPU.
+
+Accounting: `bytes` = rows this rank receives, one per (source token, this rank) pair (dispatch;
+the same rows travel back in combine). `min_hbm_bytes` (shared GPU: summed over ranks) = every
+source row read once + every selected slot's row written once (dispatch), the reverse for combine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from jax_ep import launch  # noqa: E402
+
+launch.initialize_from_env()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import common  # noqa: E402
+import jax_ep  # noqa: E402
+
+
+def _gather_max(key: str, value: float) -> float:
+  """The largest `value` over all processes (through the distributed key-value store)."""
+  if jax.process_count() == 1:
+    return value
+  from jax._src import distributed
+  client = distributed.global_state.client
+  client.key_value_set_bytes(f"bench/{key}/{jax.process_index()}", json.dumps(value).encode())
+  return max(json.loads(client.blocking_key_value_get_bytes(f"bench/{key}/{p}", 120_000))
+             for p in range(jax.process_count()))
+
+
+def ragged_all_to_all_pipeline(axis, num_ranks, num_experts, x, topk_idx):
+  """Plain XLA dispatch: sort slots by destination, exchange counts, ragged all-to-all, then
+  group by local expert (deduplication is not possible with a plain ragged all-to-all)."""
+  num_topk = topk_idx.shape[1]
+  num_local = num_experts // num_ranks
+  flat = topk_idx.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  rows = jnp.take(x, order // num_topk, axis=0)
+  send_sizes = jnp.bincount(flat // num_local, length=num_ranks).astype(jnp.int32)
+  recv_sizes = jax.lax.all_to_all(send_sizes, axis, 0, 0, tiled=True)
+  input_offsets = jnp.cumsum(send_sizes) - send_sizes
+  output = jnp.zeros((num_ranks * rows.shape[0], x.shape[1]), x.dtype)
+  # Each sender writes at the receiver's offset for this source: the exclusive sum of the sizes
+  # earlier sources send there, which the receiver knows; senders learn it by one more exchange.
+  recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
+  output_offsets = jax.lax.all_to_all(recv_offsets, axis, 0, 0, tiled=True)
+  return jax.lax.ragged_all_to_all(rows, output, input_offsets, send_sizes, output_offsets,
+                                   recv_sizes, axis_name=axis)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tokens", type=int, default=4096)
+  parser.add_argument("--hidden", type=int, default=7168)
+  parser.add_argument("--topk", type=int, default=8)
+  parser.add_argument("--experts", type=int, default=256)
+  parser.add_argument("--calls", type=int, default=4)
+  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--out", default="intranode.jsonl")
+  parser.add_argument("--backends", nargs="+", default=["cuda", "reference"])
+  args = parser.parse_args()
+
+  devices = jax.devices()
+  num_ranks = len(devices)
+  shared_gpu = os.environ.get("JAX_EP_SHARED_GPU") == "1"
+  if shared_gpu:
+    process_model = "shared_gpu"
+  elif jax.process_count() > 1:
+    process_model = "process_per_gpu"
+  else:
+    process_model = "single_process_multi_gpu" if num_ranks > 1 else "single_device"
+  mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices)
+  sharding = NamedSharding(mesh, P("ep"))
+  t, h, k, e, calls = args.tokens, args.hidden, args.topk, args.experts, args.calls
+  rng = np.random.default_rng(0)  # the same on every process; each feeds its own shards
+  dtype = jnp.bfloat16
+
+  def global_array(make):
+    full = make()
+    return jax.make_array_from_callback(full.shape, sharding, lambda i: full[i])
+
+  xs, idxs, ws, idx_host = [], [], [], []
+  for _ in range(calls):
+    xs.append(global_array(lambda: np.asarray(
+        jnp.asarray(rng.standard_normal((num_ranks, t, h), np.float32), dtype))))
+    idx = np.stack([common.uniform_topk(rng, t, e, k) for _ in range(num_ranks)])
+    idxs.append(global_array(lambda idx=idx: idx))
+    idx_host.append(idx)
+    ws.append(global_array(lambda: rng.random((num_ranks, t, k)).astype(np.float32)))
+
+  # Field accounting from the routing of the first input set (uniform routing: all sets alike).
+  dest = idx_host[0] // (e // num_ranks)
+  recv_tokens = [int(np.sum(np.any(dest == r, axis=-1))) for r in range(num_ranks)]
+  row_bytes = h * 2
+  per_rank_bytes = int(np.mean(recv_tokens)) * row_bytes
+  slot_rows = num_ranks * t * k
+  min_hbm = (num_ranks * t + slot_rows) * row_bytes
+
+  bound_gbps, bound_name = (common.copy_bound_gbps() if jax.process_index() == 0
+                            else (0.0, "copy"))
+  bound_gbps = _gather_max("bound", bound_gbps)
+  base = dict(mode="high_throughput", ranks=num_ranks, process_model=process_model,
+              tokens_per_rank=t, hidden=h, topk=k, experts=e, dtype="bfloat16",
+              wire_dtype="bfloat16", bytes=per_rank_bytes, min_hbm_bytes=min_hbm,
+              bound_gbps=round(bound_gbps, 1), bound=bound_name)
+  records = []
+
+  def add(op, backend, seconds):
+    seconds = _gather_max(f"{backend}/{op}", seconds)
+    median_us = seconds / calls * 1e6
+    one_gpu = process_model in ("shared_gpu", "single_device")
+    roofline = ((min_hbm / (bound_gbps * 1e9)) / (median_us * 1e-6) if one_gpu
+                else per_rank_bytes / (median_us * 1e-6) / 1e9 / bound_gbps)
+    records.append(common.record(op=op, backend=backend, median_us=round(median_us, 1),
+                                 timing="host_clock", gbps=round(per_rank_bytes /
+                                                                 (median_us * 1e-6) / 1e9, 1),
+                                 roofline=round(roofline, 3), **base))
+
+  backends = [b for b in args.backends if not (shared_gpu and b == "reference")]
+  for backend in backends:
+    group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
+                         dtype=dtype, backend=backend, raise_on_timeout=False)
+    per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
+    dispatch = per_shard(lambda x, i, w: jax.tree.map(
+        lambda v: v[None], jax_ep.dispatch(group, x[0], i[0], w[0])))
+    batched = lambda fn: jax.jit(lambda *sets: [fn(*a) for a in zip(*sets)])
+    seconds, _ = common.time_batches(batched(dispatch), (xs, idxs, ws), repeats=args.repeats,
+                                     method="host_clock")
+    add("dispatch", backend, seconds)
+    results = [jax.jit(dispatch)(x, i, w) for x, i, w in zip(xs, idxs, ws)]
+    eos = [recv.x for recv, _ in results]
+    handles = [handle for _, handle in results]
+    combine = per_shard(lambda eo, hd: jax_ep.combine(
+        group, eo[0], jax.tree.map(lambda v: v[0], hd))[None])
+    seconds, _ = common.time_batches(batched(combine), (eos, handles), repeats=args.repeats,
+                                     method="host_clock")
+    add("combine", backend, seconds)
+    group.check()
+    group.close()
+
+  if not shared_gpu and num_ranks > 1 and devices[0].platform == "gpu":  # no ragged a2a on CPU
+    pipeline = per_shard(lambda x, i: ragged_all_to_all_pipeline(
+        "ep", num_ranks, e, x[0], i[0])[None])
+    batched = lambda fn: jax.jit(lambda *sets: [fn(*a) for a in zip(*sets)])
+    seconds, _ = common.time_batches(batched(pipeline), (xs, idxs), repeats=args.repeats,
+                                     method="host_clock")
+    add("dispatch", "xla_baseline", seconds)
+
+  if jax.process_index() == 0:
+    path = common.write_jsonl(records, args.out)
+    common.print_table(records, ["op", "backend", "ranks", "process_model", "median_us", "gbps",
+                                 "roofline"])
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
