@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import os
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ def _check_dtype(dtype) -> np.dtype:
   return dtype
 
 
-def _resolve_backend(backend: str, mesh) -> str:
+def _resolve_backend(backend: str, mesh, num_ranks: int) -> str:
   if backend not in ("auto", "reference", "cuda"):
     raise ValueError(f"jax_ep.Group: backend must be 'auto', 'reference' or 'cuda'; got {backend!r}")
   if backend == "cuda":
@@ -52,7 +53,12 @@ def _resolve_backend(backend: str, mesh) -> str:
   if backend != "auto":
     return backend
   on_gpu = all(d.platform == "gpu" for d in mesh.devices.flat)
-  return "cuda" if on_gpu and _ffi.extension() is not None else "reference"
+  if not on_gpu or _ffi.extension() is None:
+    return "reference"
+  from jax_ep import peer
+  if num_ranks > 1 and os.environ.get(peer.EXPERIMENTAL_ENV) != "1":
+    return "reference"  # the multi-rank kernels are opt-in until validated on hardware
+  return "cuda"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,7 +183,7 @@ class Group:
     self.mesh = mesh
     self.config = EPConfig(axis_name, num_ranks, num_experts, num_topk, hidden,
                            max_tokens_per_rank, dtype, capacity, bool(strict))
-    self.backend_name = _resolve_backend(backend, mesh)
+    self.backend_name = _resolve_backend(backend, mesh, num_ranks)
     fields = dict(self.config.fingerprint(), backend=self.backend_name)
     key = _distributed.next_group_key("group")
     _distributed.check_same_config(key, fields, timeout_s=config_timeout_s)

@@ -83,6 +83,10 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
   ext = _ffi.extension()
   if ext is None:
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
+  if mesh.devices.ndim != 1:
+    raise NotImplementedError(
+        f"jax_ep.Group(backend='cuda'): the peer transport takes a 1-D mesh over the EP axis for "
+        f"now; got mesh axes {dict(mesh.shape)} (use backend='reference' for several axes)")
   devices = list(mesh.devices.flat)
   me = jax.process_index()
   local = [(rank, d) for rank, d in enumerate(devices) if d.process_index == me]
