@@ -6,14 +6,25 @@
 // Python side registers the handlers with
 //   for name, capsule in _jax_ep_ffi.registrations().items():
 //     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+//
+// The peer_group_* functions manage the peer transport's groups
+// (ffi/handlers/peer_group.h); their failures raise Python exceptions:
+// ValueError for arguments out of range, RuntimeError for CUDA errors.
 
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include <cuda_runtime.h>
 
 #include "ffi/handlers/handlers.h"
+#include "ffi/handlers/peer_group.h"
 #include "ffi/kernels/ep_kernels.h"
 #include "nanobind/nanobind.h"
+#include "nanobind/stl/optional.h"
+#include "nanobind/stl/string.h"
+#include "nanobind/stl/vector.h"
 
 namespace nb = nanobind;
 
@@ -33,6 +44,11 @@ nb::dict Registrations() {
   dict["jax_ep_local_permute"] = EncapsulateFfiHandler(JaxEpLocalPermute);
   dict["jax_ep_local_unpermute"] = EncapsulateFfiHandler(JaxEpLocalUnpermute);
   dict["jax_ep_local_slot_dots"] = EncapsulateFfiHandler(JaxEpLocalSlotDots);
+  dict["jax_ep_peer_dispatch"] = EncapsulateFfiHandler(JaxEpPeerDispatch);
+  dict["jax_ep_peer_dispatch_cached"] =
+      EncapsulateFfiHandler(JaxEpPeerDispatchCached);
+  dict["jax_ep_peer_combine"] = EncapsulateFfiHandler(JaxEpPeerCombine);
+  dict["jax_ep_peer_combine_vjp"] = EncapsulateFfiHandler(JaxEpPeerCombineVjp);
   return dict;
 }
 
@@ -45,6 +61,55 @@ int64_t LocalLayoutWorkspaceElems(int64_t num_tokens, int64_t num_topk,
         "num_topk >= 1 and 1 <= num_experts <= 1024");
   }
   return layout::LocalLayoutWorkspaceElems(num_tokens, num_topk, num_experts);
+}
+
+int64_t PeerDispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
+                                   int64_t num_topk, int64_t num_experts) {
+  if (num_ranks < 1 || num_ranks > intranode::kMaxRanks || max_tokens < 1 ||
+      num_topk < 1 || num_topk > kMaxTopk || num_experts < num_ranks ||
+      num_experts % num_ranks != 0 || num_experts / num_ranks > kMaxExperts ||
+      num_ranks * max_tokens * num_topk > INT32_MAX) {
+    throw nb::value_error(
+        "peer_dispatch_workspace_elems: expected 1 <= num_ranks <= 64, "
+        "max_tokens_per_rank >= 1, 1 <= num_topk <= 32, num_experts a "
+        "positive multiple of num_ranks with num_experts / num_ranks <= 1024, "
+        "and num_ranks * max_tokens_per_rank * num_topk < 2^31");
+  }
+  return intranode::DispatchWorkspaceElems(num_ranks, max_tokens, num_topk,
+                                           num_experts);
+}
+
+int64_t PeerGroupCreate(int device_ordinal, int rank, int num_ranks,
+                        int64_t num_experts, int64_t num_topk, int64_t hidden,
+                        int64_t max_tokens, int64_t itemsize, int64_t capacity,
+                        int num_sms, double timeout_s) {
+  peer::GroupConfig c;
+  c.device = device_ordinal;
+  c.rank = rank;
+  c.num_ranks = num_ranks;
+  c.num_experts = num_experts;
+  c.num_topk = num_topk;
+  c.hidden = hidden;
+  c.max_tokens = max_tokens;
+  c.itemsize = itemsize;
+  c.capacity = capacity;
+  c.num_sms = num_sms;
+  c.timeout_s = timeout_s;
+  return peer::Create(c);
+}
+
+nb::bytes PeerGroupIpcHandle(int64_t group_id) {
+  const std::string handle = peer::IpcHandle(group_id);
+  return nb::bytes(handle.data(), handle.size());
+}
+
+void PeerGroupConnect(int64_t group_id, const std::vector<nb::bytes>& handles) {
+  std::vector<std::string> raw;
+  raw.reserve(handles.size());
+  for (const nb::bytes& h : handles) {
+    raw.emplace_back(static_cast<const char*>(h.data()), h.size());
+  }
+  peer::Connect(group_id, raw);
 }
 
 int CudaRuntimeVersion() {
@@ -71,6 +136,50 @@ NB_MODULE(_jax_ep_ffi, m) {
         "round_up(ceil(T*K / 512), 256)).");
   m.def("cuda_runtime_version", &jax_ep::CudaRuntimeVersion,
         "CUDA runtime version the extension was built with, e.g. 13000.");
+
+  // --- Peer transport (multi-rank, one NVLink domain). ---------------------
+  m.def("peer_buffer_bytes", &jax_ep::peer::BufferBytes, nb::arg("num_ranks"),
+        nb::arg("max_tokens_per_rank"), nb::arg("hidden"), nb::arg("num_topk"),
+        nb::arg("itemsize"),
+        "Bytes of one rank's peer buffer: header 256 + dispatch rows "
+        "R*T_max*H*itemsize + dispatch meta, weights R*T_max*K*4 each + token "
+        "index R*T_max*4 + combine rows R*T_max*H*4 (fp32) + dots "
+        "R*T_max*K*4 + flags (3R+3)*8, each region rounded up to 256 bytes.");
+  m.def("peer_dispatch_workspace_elems",
+        &jax_ep::PeerDispatchWorkspaceElems, nb::arg("num_ranks"),
+        nb::arg("max_tokens_per_rank"), nb::arg("num_topk"),
+        nb::arg("num_experts"),
+        "Elements W of the int32 `workspace` result of jax_ep_peer_dispatch: "
+        "1 + R + local_layout_workspace_elems(R*T_max, K, E/R).");
+  m.def("peer_group_create", &jax_ep::PeerGroupCreate,
+        nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("num_ranks"),
+        nb::arg("num_experts"), nb::arg("num_topk"), nb::arg("hidden"),
+        nb::arg("max_tokens_per_rank"), nb::arg("itemsize"),
+        nb::arg("capacity"), nb::arg("num_sms"), nb::arg("timeout_s"),
+        "Allocates this rank's peer buffer, device state and error mailbox on "
+        "`device_ordinal`, loads every peer kernel there; returns a "
+        "process-unique group id.");
+  m.def("peer_group_ipc_handle", &jax_ep::PeerGroupIpcHandle,
+        nb::arg("group_id"),
+        "The 64-byte cudaIpcMemHandle_t of the group's buffer.");
+  m.def("peer_group_connect", &jax_ep::PeerGroupConnect, nb::arg("group_id"),
+        nb::arg("handles"),
+        "Opens handles[r] of every rank r (the own one is ignored), checks "
+        "each peer's configuration header and builds the pointer table.");
+  m.def("peer_group_connect_local", &jax_ep::peer::ConnectLocal,
+        nb::arg("group_ids"),
+        "Connects groups of this process, group_ids[r] = rank r, enabling "
+        "peer access between distinct devices. An op given any id of the set "
+        "runs with the member on its current device.");
+  m.def("peer_group_pointer_table", &jax_ep::peer::PointerTable,
+        nb::arg("group_id"),
+        "The group's peer pointer table as integers (empty before connect).");
+  m.def("peer_group_error", &jax_ep::peer::ErrorMessage, nb::arg("group_id"),
+        "The message of the group's first timeout, or None (no sync).");
+  m.def("peer_group_destroy", &jax_ep::peer::Destroy, nb::arg("group_id"),
+        "Synchronizes the group's device and frees the group. Idempotent; "
+        "unknown ids are a no-op.");
+  m.attr("MAX_PEER_RANKS") = jax_ep::intranode::kMaxRanks;
   m.attr("MAX_EXPERTS") = jax_ep::kMaxExperts;
   m.attr("MAX_TOPK") = jax_ep::kMaxTopk;
   m.attr("HIDDEN_MULTIPLE") = jax_ep::kHiddenMultiple;

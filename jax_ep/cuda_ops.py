@@ -133,7 +133,11 @@ class PeerRouting(NamedTuple):
 def _peer_call(target, result_shapes, *args, **attrs):
   if _ffi.extension() is None:
     raise RuntimeError(f"jax_ep: the CUDA extension is not built; cannot call {target}")
-  outs = jax.ffi.ffi_call(target, result_shapes, vmap_method="sequential")(*args, **attrs)
+  # NOTES: has_side_effect keeps XLA from dropping or merging a call whose results one rank
+  # does not use: every rank must issue the same ops of a group in the same order, or its peers
+  # wait for data that never comes.
+  outs = jax.ffi.ffi_call(target, result_shapes, vmap_method="sequential",
+                          has_side_effect=True)(*args, **attrs)
   varying = frozenset().union(*(_varying_axes(a) for a in args))
 
   def match(out):

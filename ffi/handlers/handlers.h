@@ -20,4 +20,14 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalUnpermute);
 // "jax_ep_local_slot_dots"  — ffi/handlers/local_slot_dots.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalSlotDots);
 
+// Multi-rank peer transport (state: ffi/handlers/peer_group.h).
+// "jax_ep_peer_dispatch"        — ffi/handlers/peer_dispatch.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerDispatch);
+// "jax_ep_peer_dispatch_cached" — ffi/handlers/peer_dispatch_cached.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerDispatchCached);
+// "jax_ep_peer_combine"         — ffi/handlers/peer_combine.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerCombine);
+// "jax_ep_peer_combine_vjp"     — ffi/handlers/peer_combine_vjp.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerCombineVjp);
+
 #endif  // JAX_EP_FFI_HANDLERS_HANDLERS_H_

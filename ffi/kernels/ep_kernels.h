@@ -8,12 +8,12 @@
 // knows about XLA). Launchers are grouped by op family, one namespace each,
 // and every launcher's kernels live in the .cu file of the same name
 // (`jax_ep::layout` -> ffi/kernels/layout.cu, `jax_ep::local` ->
-// ffi/kernels/local.cu).
+// ffi/kernels/local.cu, `jax_ep::intranode` -> ffi/kernels/intranode.cu).
 //
-// Batching: every launcher takes `num_batches`, the product of the leading
-// batch dims a `vmap` added to every operand. Batch element `b` of an operand
-// of per-element size `n` starts at `ptr + b * n`; all batch elements run in
-// one launch.
+// Batching: every layout / local launcher takes `num_batches`, the product of
+// the leading batch dims a `vmap` added to every operand. Batch element `b` of
+// an operand of per-element size `n` starts at `ptr + b * n`; all batch
+// elements run in one launch. The intranode (peer) launchers take no batch.
 //
 // Shape names follow DESIGN.md: `num_tokens` (T), `num_topk` (K),
 // `num_experts` (E), `hidden` (H), `capacity` (rows of the expert-grouped
@@ -85,12 +85,25 @@ inline int64_t LocalLayoutWorkspaceElems(int64_t num_tokens, int64_t num_topk,
 //   workspace     `[LocalLayoutWorkspaceElems(T, K, E)]` int32 scratch.
 // Requires 1 <= E <= kMaxExperts, T * K < 2^31, capacity >= 0.
 // Deterministic: no atomic decides an order.
+//
+// Optional row mask (used by the peer transport, whose receive buffer is
+// `[R, T_max, K]` with only the first `recv_counts[s]` rows of block `s`
+// written): when `valid_rows_per_block` is not null, token row `t` belongs to
+// block `t / rows_per_block` and its slots are read as -1 (select nothing)
+// when `t % rows_per_block >= valid_rows_per_block[t / rows_per_block]`; the
+// same mask applies to every batch element. Masked slots are never loaded.
 cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
                         int32_t* group_sizes, int32_t* num_dropped,
                         int32_t* num_invalid, int32_t* workspace,
                         int64_t num_batches, int64_t num_tokens,
                         int64_t num_topk, int64_t num_experts,
-                        int64_t capacity, cudaStream_t stream);
+                        int64_t capacity, cudaStream_t stream,
+                        const int32_t* valid_rows_per_block = nullptr,
+                        int64_t rows_per_block = 0);
+
+// Forces the module load of every kernel of this family on the current
+// device (cudaFuncGetAttributes), so no lazy load happens later.
+cudaError_t PreloadKernels();
 
 }  // namespace layout
 
@@ -109,11 +122,16 @@ namespace local {
 //   slot_weights `[T, K]` float32    in (not read when !weighted; may be null)
 //   recv_x       `[capacity, H]` dtype out
 // All activation pointers must be 16-byte aligned and H % kHiddenMultiple == 0.
+// Tokens none of whose slots has a row are not read at all.
+// `x_from_peers`: `x` is a peer-transport receive buffer that other GPUs wrote
+// (before this kernel was launched): its rows are read with ld.global.cg
+// (L2, no L1 / non-coherent cache) instead of ld.global.nc.
 cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
                     const int32_t* group_sizes, const float* slot_weights,
                     void* recv_x, int64_t num_batches, int64_t num_tokens,
                     int64_t num_topk, int64_t num_experts, int64_t hidden,
-                    int64_t capacity, bool weighted, cudaStream_t stream);
+                    int64_t capacity, bool weighted, cudaStream_t stream,
+                    bool x_from_peers = false);
 
 // out[t] = sum_{k ascending, slot_row[t,k] >= 0} w[t,k] * expert_out[slot_row]
 // with w = slot_weights when `weighted`, else 1; fp32 accumulation with one
@@ -141,7 +159,228 @@ cudaError_t SlotDots(ElementType dtype, const void* d_out,
                      int64_t num_topk, int64_t hidden, int64_t capacity,
                      cudaStream_t stream);
 
+// Forces the module load of every kernel of this family on the current
+// device (cudaFuncGetAttributes), so no lazy load happens later.
+cudaError_t PreloadKernels();
+
 }  // namespace local
+
+// ---------------------------------------------------------------------------
+// Intranode (peer transport): multi-rank dispatch / combine through a table of
+// peer pointers (CUDA IPC or P2P). Protocol: NOTES at the top of
+// ffi/kernels/intranode.cu. Host-side set-up (allocation, IPC, registry):
+// ffi/handlers/peer_group.{h,cc}.
+// ---------------------------------------------------------------------------
+namespace intranode {
+
+// Ranks of one peer group (a flag array per region is indexed by rank; one
+// warp stages a token's destinations in two ballots).
+inline constexpr int64_t kMaxRanks = 64;
+inline constexpr int64_t kRegionAlign = 256;  // bytes; >= 16 for row vectors
+inline constexpr int64_t kHeaderBytes = 256;  // config header, checked on connect
+
+// Regions of a rank's buffer that peers write into. Each has its own sequence
+// counter, arrival flags and `consumed` counter, so their reuse is independent.
+enum Region : int32_t {
+  kDispatchRegion = 0,  // rows (x / d_out), meta, weights, token index
+  kCombineRegion = 1,   // fp32 partial rows of combine
+  kDotsRegion = 2,      // fp32 slot dots of combine_vjp
+  kNumRegions = 3,
+};
+
+// Monotonic "blocks done" counters, one per communication (send) kernel.
+enum SendCounter : int32_t {
+  kDispatchSendCounter = 0,
+  kRowsSendCounter = 1,
+  kCombineSendCounter = 2,
+  kDotsSendCounter = 3,
+  kNumSendCounters = 4,
+};
+
+// Op codes recorded in the error mailbox.
+enum class PeerOp : int32_t {
+  kNone = 0,
+  kDispatch = 1,
+  kDispatchCached = 2,
+  kCombine = 3,
+  kCombineVjp = 4,
+};
+
+// What a timed-out spin was waiting for.
+enum class WaitKind : int32_t {
+  kNone = 0,
+  kConsumed = 1,  // the peer to release its region from the previous call
+  kArrival = 2,   // the peer's data of this call
+};
+
+// Byte offsets of the regions of one rank's buffer (the receiver side).
+// NOTES: every region is sized for the worst routing skew (every token of
+// every source sent to this one rank), so no flow control depends on the
+// workload:
+//   header            kHeaderBytes (config, checked by every peer on connect)
+//   dispatch_rows     [R src][T_max][H] x dtype      R*T_max*H*itemsize
+//   dispatch_meta     [R src][T_max][K] int32         local expert or -1
+//   dispatch_weights  [R src][T_max][K] float32
+//   dispatch_index    [R src][T_max]    int32         source token index
+//   combine_rows      [R expert rank][T_max][H] float32 (4*H bytes a row:
+//                     the partial sums travel in fp32 so the home rank's sum
+//                     over ranks is exact-first; twice the wire bytes of bf16)
+//   dots              [R expert rank][T_max][K] float32
+//   flags             arrival[kNumRegions][R] u64, consumed[kNumRegions] u64
+// each rounded up to kRegionAlign bytes.
+struct BufferLayout {
+  int64_t dispatch_rows;
+  int64_t dispatch_meta;
+  int64_t dispatch_weights;
+  int64_t dispatch_index;
+  int64_t combine_rows;
+  int64_t dots;
+  int64_t flags;
+  int64_t total;  // bytes of the whole buffer
+};
+
+inline int64_t AlignRegion(int64_t bytes) {
+  return (bytes + kRegionAlign - 1) / kRegionAlign * kRegionAlign;
+}
+
+// Pure host arithmetic; callers validate the arguments (all >= 1).
+inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
+                                     int64_t hidden, int64_t num_topk,
+                                     int64_t itemsize) {
+  const int64_t rows = num_ranks * max_tokens;  // N
+  BufferLayout l;
+  int64_t at = kHeaderBytes;
+  l.dispatch_rows = at;
+  at += AlignRegion(rows * hidden * itemsize);
+  l.dispatch_meta = at;
+  at += AlignRegion(rows * num_topk * 4);
+  l.dispatch_weights = at;
+  at += AlignRegion(rows * num_topk * 4);
+  l.dispatch_index = at;
+  at += AlignRegion(rows * 4);
+  l.combine_rows = at;
+  at += AlignRegion(rows * hidden * 4);
+  l.dots = at;
+  at += AlignRegion(rows * num_topk * 4);
+  l.flags = at;
+  at += AlignRegion((kNumRegions * num_ranks + kNumRegions) * 8);
+  l.total = at;
+  return l;
+}
+
+// Per-group device state (device memory of the group's device, zeroed at
+// creation). Only this rank's kernels touch it.
+struct DeviceState {
+  unsigned long long seq[kNumRegions];  // completed calls per region
+  unsigned long long blocks_done[kNumSendCounters];  // monotonic
+  unsigned int aborted;        // sticky: a spin of this group timed out
+  unsigned int error_claimed;  // the first timeout fills the mailbox
+};
+
+// Error mailbox in host-mapped pinned memory: the device writes it once
+// (fields, system fence, then `state` = 1); the host reads it without a sync.
+struct Mailbox {
+  unsigned int state;  // 0: no error, 1: the fields below are valid
+  int32_t op;          // PeerOp
+  int32_t rank;        // this rank
+  int32_t peer;        // the rank waited for
+  int32_t wait_kind;   // WaitKind
+  int32_t region;      // Region
+  unsigned long long seq;  // the call (1-based, per region) that timed out
+};
+
+// Everything a peer kernel needs about its group, passed by value. All
+// pointers are fixed at connect time (none changes per call), so launches are
+// safe to capture into CUDA graphs.
+struct PeerView {
+  char* const* peers;   // device array [R]: base of each rank's buffer
+  char* own;            // this rank's buffer (== peers[rank]), host-readable
+  DeviceState* state;   // device memory
+  Mailbox* mailbox;     // device pointer of the host-mapped mailbox
+  BufferLayout layout;
+  int64_t max_tokens;   // T_max
+  int64_t hidden;       // H
+  int64_t timeout_ns;   // every spin gives up after this long
+  int32_t rank;
+  int32_t num_ranks;    // R
+  int32_t num_topk;     // K
+  int32_t itemsize;     // bytes per activation element of the buffers
+  int32_t num_blocks;   // grid of every communication kernel (the SM budget)
+};
+
+// int32 elements of the `workspace` result of jax_ep_peer_dispatch:
+// [1] scratch, [R] tokens sent to each rank, then the local layout's
+// workspace for R*T_max rows of K slots over E/R experts.
+inline int64_t DispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
+                                      int64_t num_topk, int64_t num_experts) {
+  return 1 + num_ranks +
+         layout::LocalLayoutWorkspaceElems(num_ranks * max_tokens, num_topk,
+                                           num_experts / num_ranks);
+}
+
+// Forces the module load of every kernel the peer ops launch (this family's,
+// the layout kernels and the permute kernels) on the current device.
+cudaError_t PreloadKernels();
+
+// Notify + dispatch + layout (jax_ep_peer_dispatch). Per rank:
+//   x             `[T, H]`   dtype   in      topk_idx `[T, K]` int32 in
+//   topk_weights  `[T, K]`   float32 in
+//   recv_x        `[capacity, H]` dtype out  group_sizes `[E/R]` int32 out
+//   num_dropped, num_invalid `[]` int32 out
+//   send_pos      `[T, R]`   int32 out: position of t in the send list for d
+//   entry_row     `[R*T_max, K]` int32 out: row of recv_x of entry (s, i, k)
+//   entry_weights `[R*T_max, K]` float32 out (0 where no entry)
+//   recv_counts   `[R]` int32 out        status `[]` int32 out (0 ok)
+//   workspace     `[DispatchWorkspaceElems(R, T_max, K, E)]` int32 scratch
+cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
+                     const int32_t* topk_idx, const float* topk_weights,
+                     int64_t num_tokens, int64_t num_experts, int64_t capacity,
+                     void* recv_x, int32_t* group_sizes, int32_t* num_dropped,
+                     int32_t* num_invalid, int32_t* send_pos,
+                     int32_t* entry_row, float* entry_weights,
+                     int32_t* recv_counts, int32_t* status, int32_t* workspace,
+                     cudaStream_t stream);
+
+// Dispatch with the layout of an earlier Dispatch (jax_ep_peer_dispatch_cached):
+// rows only; entry (s, i, k) lands at entry_row (times entry_weights in fp32,
+// rounded once, when `weighted`); rows >= sum(group_sizes) are zero.
+//   x `[T, H]`, send_pos `[T, R]`, entry_row / entry_weights `[R*T_max, K]`,
+//   recv_counts `[R]`, group_sizes `[L]` in; recv_x `[capacity, H]`, status out.
+cudaError_t DispatchCached(const PeerView& g, ElementType dtype, const void* x,
+                           const int32_t* send_pos, const int32_t* entry_row,
+                           const float* entry_weights,
+                           const int32_t* recv_counts,
+                           const int32_t* group_sizes, int64_t num_tokens,
+                           int64_t num_local_experts, int64_t capacity,
+                           bool weighted, void* recv_x, int32_t* status,
+                           cudaStream_t stream);
+
+// Combine (jax_ep_peer_combine): expert side reduces each received token's
+// rows over k ascending in fp32 (weighted or not) and writes one fp32 row to
+// its home; home sums the rows of ranks d ascending, rounds once.
+//   expert_out `[capacity, H]` in; entry_row, entry_weights, recv_counts,
+//   send_pos `[T, R]` in; out `[T, H]`, status out.
+cudaError_t Combine(const PeerView& g, ElementType dtype,
+                    const void* expert_out, const int32_t* entry_row,
+                    const float* entry_weights, const int32_t* recv_counts,
+                    const int32_t* send_pos, int64_t num_tokens,
+                    int64_t capacity, bool weighted, void* out,
+                    int32_t* status, cudaStream_t stream);
+
+// Cotangents of the weighted combine (jax_ep_peer_combine_vjp):
+//   d_expert_out `[capacity, H]` = weighted cached dispatch of d_out `[T, H]`;
+//   d_weights `[T, K]` float32 = <d_out[t], expert_out[row(t, k)]> (0 for
+//   slots that select nothing or were dropped), dot taken on the expert side.
+cudaError_t CombineVjp(const PeerView& g, ElementType dtype, const void* d_out,
+                       const void* expert_out, const int32_t* topk_idx,
+                       const int32_t* send_pos, const int32_t* entry_row,
+                       const float* entry_weights, const int32_t* recv_counts,
+                       const int32_t* group_sizes, int64_t num_tokens,
+                       int64_t num_experts, int64_t capacity,
+                       void* d_expert_out, float* d_weights, int32_t* status,
+                       cudaStream_t stream);
+
+}  // namespace intranode
 
 }  // namespace jax_ep
 

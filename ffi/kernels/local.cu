@@ -91,7 +91,10 @@ __device__ int64_t UsedRows(const int32_t* __restrict__ group_sizes,
 }
 
 // Items: every token (b, t), then every row (b, r) as a zero-tail candidate.
-template <typename T>
+// kPeerRows: `x` is a peer-transport receive buffer written by other GPUs
+// before this launch; read it through L2 (ld.global.cg), never through the
+// non-coherent path.
+template <typename T, bool kPeerRows>
 __global__ void __launch_bounds__(kRowBlock)
     PermuteKernel(const uint4* __restrict__ x,
                   const int32_t* __restrict__ slot_row,
@@ -111,12 +114,16 @@ __global__ void __launch_bounds__(kRowBlock)
       // Token rows: read x[t] once into registers, then one store per slot.
       const int64_t b = item / d.num_tokens;
       __syncthreads();  // the previous token's readers of s_row are done
+      int32_t my_row = -1;
       if (threadIdx.x < d.num_topk) {
         const int64_t s = item * d.num_topk + threadIdx.x;
-        s_row[threadIdx.x] = CheckedRow(slot_row[s], d.capacity);
+        my_row = CheckedRow(slot_row[s], d.capacity);
+        s_row[threadIdx.x] = my_row;
         s_weight[threadIdx.x] = weighted ? slot_weights[s] : 1.0f;
       }
-      __syncthreads();
+      // NOTES: a token without any row is not read (block-uniform skip):
+      // most of a peer receive buffer's rows are unused.
+      if (!__syncthreads_or(my_row >= 0)) continue;
       const uint4* src = x + item * rv;
       uint4* dst_batch = recv_x + b * d.capacity * rv;
       for (int64_t v0 = 0; v0 < rv; v0 += kRowBlock * kPermuteVecs) {
@@ -124,7 +131,7 @@ __global__ void __launch_bounds__(kRowBlock)
 #pragma unroll
         for (int u = 0; u < kPermuteVecs; ++u) {
           const int64_t j = v0 + u * kRowBlock + threadIdx.x;
-          if (j < rv) v[u] = LoadVec(src + j);
+          if (j < rv) v[u] = kPeerRows ? __ldcg(src + j) : LoadVec(src + j);
         }
         for (int k = 0; k < d.num_topk; ++k) {
           const int32_t row = s_row[k];
@@ -332,23 +339,36 @@ RowDims MakeRowDims(int64_t num_batches, int64_t num_tokens, int64_t num_topk,
   return d;
 }
 
+template <typename T, bool kPeerRows>
+cudaError_t LaunchPermute(const void* x, const int32_t* slot_row,
+                          const int32_t* group_sizes, const float* slot_weights,
+                          void* recv_x, const RowDims& d, bool weighted,
+                          cudaStream_t stream) {
+  const int64_t num_items =
+      d.num_batches * d.num_tokens + d.num_batches * d.capacity;
+  if (num_items == 0) return cudaSuccess;
+  unsigned grid = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
+      PermuteKernel<T, kPeerRows>, kRowBlock, kMaxBlocksPerSm, kMaxWaves,
+      num_items, &grid));
+  PermuteKernel<T, kPeerRows><<<grid, kRowBlock, 0, stream>>>(
+      static_cast<const uint4*>(x), slot_row, group_sizes, slot_weights,
+      static_cast<uint4*>(recv_x), d, weighted);
+  return cudaGetLastError();
+}
+
 template <typename T>
 struct PermuteLaunch {
   static cudaError_t Run(const void* x, const int32_t* slot_row,
                          const int32_t* group_sizes, const float* slot_weights,
                          void* recv_x, const RowDims& d, bool weighted,
-                         cudaStream_t stream) {
-    const int64_t num_items =
-        d.num_batches * d.num_tokens + d.num_batches * d.capacity;
-    if (num_items == 0) return cudaSuccess;
-    unsigned grid = 0;
-    JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
-        PermuteKernel<T>, kRowBlock, kMaxBlocksPerSm, kMaxWaves, num_items,
-        &grid));
-    PermuteKernel<T><<<grid, kRowBlock, 0, stream>>>(
-        static_cast<const uint4*>(x), slot_row, group_sizes, slot_weights,
-        static_cast<uint4*>(recv_x), d, weighted);
-    return cudaGetLastError();
+                         bool x_from_peers, cudaStream_t stream) {
+    return x_from_peers
+               ? LaunchPermute<T, true>(x, slot_row, group_sizes, slot_weights,
+                                        recv_x, d, weighted, stream)
+               : LaunchPermute<T, false>(x, slot_row, group_sizes,
+                                         slot_weights, recv_x, d, weighted,
+                                         stream);
   }
 };
 
@@ -399,7 +419,8 @@ cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
                     const int32_t* group_sizes, const float* slot_weights,
                     void* recv_x, int64_t num_batches, int64_t num_tokens,
                     int64_t num_topk, int64_t num_experts, int64_t hidden,
-                    int64_t capacity, bool weighted, cudaStream_t stream) {
+                    int64_t capacity, bool weighted, cudaStream_t stream,
+                    bool x_from_peers) {
   if (num_batches <= 0) return cudaSuccess;
   if (!ValidRowDims(num_tokens, num_topk, hidden, capacity) ||
       num_experts < 1 || num_experts > kMaxExperts ||
@@ -411,7 +432,7 @@ cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
                   hidden * ElementBytes(dtype) / 16, capacity);
   return DispatchDtype<PermuteLaunch>(dtype, x, slot_row, group_sizes,
                                       slot_weights, recv_x, d, weighted,
-                                      stream);
+                                      x_from_peers, stream);
 }
 
 cudaError_t Unpermute(ElementType dtype, const void* expert_out,
@@ -445,6 +466,27 @@ cudaError_t SlotDots(ElementType dtype, const void* d_out,
                                 hidden * ElementBytes(dtype) / 16, capacity);
   return DispatchDtype<SlotDotsLaunch>(dtype, d_out, expert_out, slot_row, dots,
                                        d, stream);
+}
+
+namespace {
+
+template <typename T>
+cudaError_t PreloadDtype() {
+  cudaFuncAttributes attr;
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attr, PermuteKernel<T, false>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attr, PermuteKernel<T, true>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, UnpermuteKernel<T>));
+  return cudaFuncGetAttributes(&attr, SlotDotsKernel<T>);
+}
+
+}  // namespace
+
+cudaError_t PreloadKernels() {
+  JAX_EP_CUDA_RETURN_IF_ERROR(PreloadDtype<__nv_bfloat16>());
+  JAX_EP_CUDA_RETURN_IF_ERROR(PreloadDtype<__half>());
+  return PreloadDtype<float>();
 }
 
 }  // namespace jax_ep::local

@@ -1,0 +1,115 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// FFI adapter of `jax_ep_peer_combine` (kernels: ffi/kernels/intranode.cu):
+// the reverse path of jax_ep_peer_dispatch. Per rank, no batch dims
+// (R ranks, N = R * T_max):
+//
+//   expert_out    `[capacity, H]` bf16/f16/f32 operand
+//   entry_row     `[N, K]` int32 operand      (from jax_ep_peer_dispatch)
+//   entry_weights `[N, K]` float32 operand (read only when `weighted`)
+//   recv_counts   `[R]` int32 operand
+//   send_pos      `[T, R]` int32 operand
+//   attrs         group_id: int64; weighted: bool
+//   out           `[T, H]` expert_out.dtype: out[t] = sum over ranks d
+//                 ascending of the fp32 partial d computed for t (its rows
+//                 summed over k ascending, weighted), rounded once; zeros for
+//                 tokens sent nowhere
+//   status        `[]` int32: 0 ok, 1 this call timed out
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/handlers.h"
+#include "ffi/handlers/peer_common.h"
+#include "ffi/handlers/peer_group.h"
+#include "ffi/kernels/ep_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep {
+namespace {
+
+namespace ffi = ::xla::ffi;
+using peer_ffi::CheckShape;
+
+constexpr char kOp[] = "jax_ep_peer_combine";
+
+ffi::Error PeerCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
+                           ffi::Buffer<ffi::S32> entry_row,
+                           ffi::Buffer<ffi::F32> entry_weights,
+                           ffi::Buffer<ffi::S32> recv_counts,
+                           ffi::Buffer<ffi::S32> send_pos,
+                           ffi::Result<ffi::AnyBuffer> out,
+                           ffi::ResultBuffer<ffi::S32> status,
+                           int64_t group_id, bool weighted) {
+  std::shared_ptr<const peer::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::GetGroup(kOp, group_id, &group));
+  const peer::GroupConfig& c = group->config;
+  const int64_t num_ranks = c.num_ranks;
+  const int64_t num_rows = num_ranks * c.max_tokens;
+  const int64_t hidden = c.hidden;
+  const int64_t num_topk = c.num_topk;
+
+  const auto e_dims = expert_out.dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "expert_out", e_dims, {-1, hidden}, "[capacity, H]"));
+  const int64_t capacity = e_dims[0];
+  ElementType dtype;
+  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckGroupDtype(
+      kOp, "expert_out", expert_out.element_type(), *group, &dtype));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "entry_row",
+                                        entry_row.dimensions(),
+                                        {num_rows, num_topk}, "[R * T_max, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "entry_weights",
+                                        entry_weights.dimensions(),
+                                        {num_rows, num_topk}, "[R * T_max, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
+      kOp, "recv_counts", recv_counts.dimensions(), {num_ranks}, "[R]"));
+  const auto pos_dims = send_pos.dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "send_pos", pos_dims, {-1, num_ranks}, "[T, R]"));
+  const int64_t num_tokens = pos_dims[0];
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      peer_ffi::CheckTokens(kOp, "send_pos", num_tokens, *group));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "out", out->dimensions(),
+                                        {num_tokens, hidden}, "[T, H]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
+      kOp, "out", out->element_type(), "expert_out", expert_out.element_type()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "status", status->dimensions(), {}, "[]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kOp, "expert_out", expert_out.untyped_data()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kOp, "out", out->untyped_data()));
+
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      kOp, intranode::Combine(group->view, dtype, expert_out.untyped_data(),
+                              entry_row.typed_data(),
+                              entry_weights.typed_data(),
+                              recv_counts.typed_data(), send_pos.typed_data(),
+                              num_tokens, capacity, weighted,
+                              out->untyped_data(), status->typed_data(),
+                              stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpPeerCombine, jax_ep::PeerCombineImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Arg<xla::ffi::AnyBuffer>()                     // expert_out
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
+        .Ret<xla::ffi::AnyBuffer>()                     // out
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+        .Attr<int64_t>("group_id")                      // group_id
+        .Attr<bool>("weighted"),                        // weighted
+    {xla::ffi::Traits::kCmdBufferCompatible});

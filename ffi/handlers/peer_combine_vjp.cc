@@ -1,0 +1,145 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// FFI adapter of `jax_ep_peer_combine_vjp` (kernels:
+// ffi/kernels/intranode.cu): cotangents of the weighted combine, one
+// exchange of d_out serving both. Per rank, no batch dims (R ranks,
+// L = E / R, N = R * T_max):
+//
+//   d_out         `[T, H]` operand, expert_out.dtype
+//   expert_out    `[capacity, H]` bf16/f16/f32 operand
+//   topk_idx      `[T, K]` int32 operand
+//   send_pos      `[T, R]` int32 operand      (from jax_ep_peer_dispatch)
+//   entry_row     `[N, K]` int32 operand
+//   entry_weights `[N, K]` float32 operand
+//   recv_counts   `[R]` int32 operand
+//   group_sizes   `[L]` int32 operand
+//   attrs         group_id, num_experts (E), capacity: int64
+//   d_expert_out  `[capacity, H]` expert_out.dtype: the weighted cached
+//                 dispatch of d_out
+//   d_weights     `[T, K]` float32: <d_out[t], expert_out[row(t, k)]>, fp32
+//                 on the expert side; 0 for slots that select nothing or
+//                 were dropped
+//   status        `[]` int32: 0 ok, 1 this call timed out
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/handlers.h"
+#include "ffi/handlers/peer_common.h"
+#include "ffi/handlers/peer_group.h"
+#include "ffi/kernels/ep_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep {
+namespace {
+
+namespace ffi = ::xla::ffi;
+using peer_ffi::CheckShape;
+
+constexpr char kOp[] = "jax_ep_peer_combine_vjp";
+
+ffi::Error PeerCombineVjpImpl(
+    cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyBuffer expert_out,
+    ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_pos,
+    ffi::Buffer<ffi::S32> entry_row, ffi::Buffer<ffi::F32> entry_weights,
+    ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> group_sizes,
+    ffi::Result<ffi::AnyBuffer> d_expert_out,
+    ffi::ResultBuffer<ffi::F32> d_weights, ffi::ResultBuffer<ffi::S32> status,
+    int64_t group_id, int64_t num_experts, int64_t capacity) {
+  std::shared_ptr<const peer::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::GetGroup(kOp, group_id, &group));
+  const peer::GroupConfig& c = group->config;
+  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckAttrEquals(
+      kOp, "num_experts", num_experts, "num_experts", c.num_experts));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
+  const int64_t num_ranks = c.num_ranks;
+  const int64_t num_local = num_experts / num_ranks;
+  const int64_t num_rows = num_ranks * c.max_tokens;
+  const int64_t hidden = c.hidden;
+  const int64_t num_topk = c.num_topk;
+
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "expert_out",
+                                        expert_out.dimensions(),
+                                        {capacity, hidden}, "[capacity, H]"));
+  ElementType dtype;
+  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckGroupDtype(
+      kOp, "expert_out", expert_out.element_type(), *group, &dtype));
+  const auto g_dims = d_out.dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "d_out", g_dims, {-1, hidden}, "[T, H]"));
+  const int64_t num_tokens = g_dims[0];
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      peer_ffi::CheckTokens(kOp, "d_out", num_tokens, *group));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
+      kOp, "d_out", d_out.element_type(), "expert_out",
+      expert_out.element_type()));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_idx", topk_idx.dimensions(),
+                                        {num_tokens, num_topk}, "[T, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos.dimensions(),
+                                        {num_tokens, num_ranks}, "[T, R]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "entry_row",
+                                        entry_row.dimensions(),
+                                        {num_rows, num_topk}, "[R * T_max, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "entry_weights",
+                                        entry_weights.dimensions(),
+                                        {num_rows, num_topk}, "[R * T_max, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
+      kOp, "recv_counts", recv_counts.dimensions(), {num_ranks}, "[R]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
+      kOp, "group_sizes", group_sizes.dimensions(), {num_local}, "[E / R]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "d_expert_out",
+                                        d_expert_out->dimensions(),
+                                        {capacity, hidden}, "[capacity, H]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
+      kOp, "d_expert_out", d_expert_out->element_type(), "expert_out",
+      expert_out.element_type()));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "d_weights",
+                                        d_weights->dimensions(),
+                                        {num_tokens, num_topk}, "[T, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "status", status->dimensions(), {}, "[]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kOp, "d_out", d_out.untyped_data()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kOp, "expert_out", expert_out.untyped_data()));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckAligned(
+      kOp, "d_expert_out", d_expert_out->untyped_data()));
+
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      kOp, intranode::CombineVjp(
+               group->view, dtype, d_out.untyped_data(),
+               expert_out.untyped_data(), topk_idx.typed_data(),
+               send_pos.typed_data(), entry_row.typed_data(),
+               entry_weights.typed_data(), recv_counts.typed_data(),
+               group_sizes.typed_data(), num_tokens, num_experts, capacity,
+               d_expert_out->untyped_data(), d_weights->typed_data(),
+               status->typed_data(), stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpPeerCombineVjp, jax_ep::PeerCombineVjpImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Arg<xla::ffi::AnyBuffer>()                     // d_out
+        .Arg<xla::ffi::AnyBuffer>()                     // expert_out
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+        .Ret<xla::ffi::AnyBuffer>()                     // d_expert_out
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // d_weights
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+        .Attr<int64_t>("group_id")                      // group_id
+        .Attr<int64_t>("num_experts")                   // num_experts (E)
+        .Attr<int64_t>("capacity"),                     // capacity
+    {xla::ffi::Traits::kCmdBufferCompatible});

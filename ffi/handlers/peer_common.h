@@ -1,0 +1,139 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// Helpers shared by the FFI adapters of the peer (intranode) ops,
+// ffi/handlers/peer_*.cc: the group of the current device, the error of an
+// earlier timeout, and shape checks for ops that take no batch dims.
+
+#ifndef JAX_EP_FFI_HANDLERS_PEER_COMMON_H_
+#define JAX_EP_FFI_HANDLERS_PEER_COMMON_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include <cuda_runtime.h>
+
+#include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/peer_group.h"
+#include "ffi/kernels/ep_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep::peer_ffi {
+
+namespace ffi = ::xla::ffi;
+using ffi_utils::Dims;
+
+// The connected group `group_id` on the current device.
+// NOTES: cudaGetDevice, not cudaStreamGetDevice (illegal during command-buffer
+// capture, see kernel_utils.cuh). A group whose spins timed out earlier fails
+// every later call with the mailbox message (kDeadlineExceeded).
+inline ffi::Error GetGroup(std::string_view op, int64_t group_id,
+                           std::shared_ptr<const peer::Group>* group) {
+  int device = -1;
+  const cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) {
+    return ffi_utils::CudaError(op, "cudaGetDevice", err);
+  }
+  peer::LookupResult found = peer::Lookup(group_id, device);
+  if (found.group == nullptr) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      std::string(op) + ": " + found.error);
+  }
+  if (std::optional<std::string> msg = peer::PendingError(*found.group)) {
+    return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                      std::string(op) + ": an earlier call on this peer group "
+                                        "timed out: " + *msg);
+  }
+  *group = std::move(found.group);
+  return ffi::Error::Success();
+}
+
+inline std::string ExpectedString(std::initializer_list<int64_t> expected) {
+  std::string s = "[";
+  size_t i = 0;
+  for (int64_t e : expected) {
+    if (i++ > 0) s += ", ";
+    s += e >= 0 ? std::to_string(e) : std::string("?");
+  }
+  return s + "]";
+}
+
+// `dims` must be exactly `expected` (-1: any size). More dims than expected
+// means a vmap added batch dims, which the peer ops do not take.
+inline ffi::Error CheckShape(std::string_view op, std::string_view name,
+                             Dims dims, std::initializer_list<int64_t> expected,
+                             std::string_view shape_doc) {
+  if (dims.size() > expected.size()) {
+    return ffi_utils::InvalidArgument(
+        op, "vmap of peer ops is not supported yet: " + std::string(name) +
+                " has shape " + ffi_utils::ShapeString(dims) + ", expected " +
+                std::string(shape_doc) + " with no leading batch dims (" +
+                std::to_string(dims.size() - expected.size()) +
+                " extra); call the op once per batch element");
+  }
+  if (dims.size() < expected.size()) {
+    return ffi_utils::InvalidArgument(
+        op, std::string(name) + " must have shape " + std::string(shape_doc) +
+                " = " + ExpectedString(expected) + ", got shape " +
+                ffi_utils::ShapeString(dims));
+  }
+  size_t i = 0;
+  for (int64_t e : expected) {
+    if (e >= 0 && dims[i] != e) {
+      return ffi_utils::InvalidArgument(
+          op, std::string(name) + " has shape " +
+                  ffi_utils::ShapeString(dims) + " but must have shape " +
+                  std::string(shape_doc) + " = " + ExpectedString(expected) +
+                  " (dim " + std::to_string(i) + " is " +
+                  std::to_string(dims[i]) + ", expected " + std::to_string(e) +
+                  ")");
+    }
+    ++i;
+  }
+  return ffi::Error::Success();
+}
+
+// Activation dtype of `name`: bf16 / f16 / f32 with the group's itemsize.
+inline ffi::Error CheckGroupDtype(std::string_view op, std::string_view name,
+                                  ffi::DataType dtype, const peer::Group& g,
+                                  ElementType* element_type) {
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckActivationDtype(op, name, dtype, element_type));
+  const int64_t itemsize = *element_type == ElementType::kF32 ? 4 : 2;
+  if (itemsize == g.config.itemsize) return ffi::Error::Success();
+  return ffi_utils::InvalidArgument(
+      op, std::string(name) + " has " + std::to_string(itemsize) +
+              "-byte elements but peer group " + std::to_string(g.id) +
+              " was created for itemsize " +
+              std::to_string(g.config.itemsize));
+}
+
+inline ffi::Error CheckTokens(std::string_view op, std::string_view name,
+                              int64_t num_tokens, const peer::Group& g) {
+  if (num_tokens >= 0 && num_tokens <= g.config.max_tokens) {
+    return ffi::Error::Success();
+  }
+  return ffi_utils::InvalidArgument(
+      op, std::string(name) + " has T = " + std::to_string(num_tokens) +
+              " tokens, expected T <= max_tokens_per_rank = " +
+              std::to_string(g.config.max_tokens) + " of peer group " +
+              std::to_string(g.id));
+}
+
+inline ffi::Error CheckAttrEquals(std::string_view op, std::string_view attr,
+                                  int64_t value, std::string_view what,
+                                  int64_t expected) {
+  if (value == expected) return ffi::Error::Success();
+  return ffi_utils::InvalidArgument(
+      op, "attribute " + std::string(attr) + " is " + std::to_string(value) +
+              " but the peer group has " + std::string(what) + " = " +
+              std::to_string(expected));
+}
+
+}  // namespace jax_ep::peer_ffi
+
+#endif  // JAX_EP_FFI_HANDLERS_PEER_COMMON_H_

@@ -1,0 +1,145 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// FFI adapter of `jax_ep_peer_dispatch` (kernels: ffi/kernels/intranode.cu):
+// notify + dispatch + layout of the multi-rank high-throughput mode, one
+// custom call. Per rank, no batch dims (R ranks, L = E / R, N = R * T_max):
+//
+//   x             `[T, H]` bf16/f16/f32 operand (T <= T_max)
+//   topk_idx      `[T, K]` int32 operand
+//   topk_weights  `[T, K]` float32 operand
+//   attrs         group_id, num_experts (E), capacity: int64
+//   recv_x        `[capacity, H]` x.dtype: rows grouped by local expert,
+//                 (source rank, source token) ascending inside one expert
+//   group_sizes   `[L]` int32          num_dropped, num_invalid `[]` int32
+//   send_pos      `[T, R]` int32: position of token t in the send list for d
+//   entry_row     `[N, K]` int32: row of received entry (s, i, k) or -1
+//   entry_weights `[N, K]` float32: the weight that came with it
+//   recv_counts   `[R]` int32: tokens received from each source
+//   status        `[]` int32: 0 ok, 1 this call timed out
+//   workspace     `[W]` int32 scratch, W = peer_dispatch_workspace_elems
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/handlers.h"
+#include "ffi/handlers/peer_common.h"
+#include "ffi/handlers/peer_group.h"
+#include "ffi/kernels/ep_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep {
+namespace {
+
+namespace ffi = ::xla::ffi;
+using peer_ffi::CheckShape;
+
+constexpr char kOp[] = "jax_ep_peer_dispatch";
+
+ffi::Error PeerDispatchImpl(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+    ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> recv_x,
+    ffi::ResultBuffer<ffi::S32> group_sizes,
+    ffi::ResultBuffer<ffi::S32> num_dropped,
+    ffi::ResultBuffer<ffi::S32> num_invalid,
+    ffi::ResultBuffer<ffi::S32> send_pos, ffi::ResultBuffer<ffi::S32> entry_row,
+    ffi::ResultBuffer<ffi::F32> entry_weights,
+    ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> status,
+    ffi::ResultBuffer<ffi::S32> workspace, int64_t group_id,
+    int64_t num_experts, int64_t capacity) {
+  std::shared_ptr<const peer::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::GetGroup(kOp, group_id, &group));
+  const peer::GroupConfig& c = group->config;
+  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckAttrEquals(
+      kOp, "num_experts", num_experts, "num_experts", c.num_experts));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
+  const int64_t num_ranks = c.num_ranks;
+  const int64_t num_local = num_experts / num_ranks;
+  const int64_t num_rows = num_ranks * c.max_tokens;
+  const int64_t hidden = c.hidden;
+  const int64_t num_topk = c.num_topk;
+
+  const auto x_dims = x.dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "x", x_dims, {-1, hidden}, "[T, H]"));
+  const int64_t num_tokens = x_dims[0];
+  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckTokens(kOp, "x", num_tokens, *group));
+  ElementType dtype;
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      peer_ffi::CheckGroupDtype(kOp, "x", x.element_type(), *group, &dtype));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_idx", topk_idx.dimensions(),
+                                        {num_tokens, num_topk}, "[T, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_weights",
+                                        topk_weights.dimensions(),
+                                        {num_tokens, num_topk}, "[T, K]"));
+
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "recv_x", recv_x->dimensions(),
+                                        {capacity, hidden}, "[capacity, H]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
+      kOp, "recv_x", recv_x->element_type(), "x", x.element_type()));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
+      kOp, "group_sizes", group_sizes->dimensions(), {num_local}, "[E / R]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "num_dropped", num_dropped->dimensions(), {}, "[]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "num_invalid", num_invalid->dimensions(), {}, "[]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos->dimensions(),
+                                        {num_tokens, num_ranks}, "[T, R]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "entry_row",
+                                        entry_row->dimensions(),
+                                        {num_rows, num_topk}, "[R * T_max, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "entry_weights",
+                                        entry_weights->dimensions(),
+                                        {num_rows, num_topk}, "[R * T_max, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
+      kOp, "recv_counts", recv_counts->dimensions(), {num_ranks}, "[R]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "status", status->dimensions(), {}, "[]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
+      kOp, "workspace", workspace->dimensions(),
+      {intranode::DispatchWorkspaceElems(num_ranks, c.max_tokens, num_topk,
+                                         num_experts)},
+      "[peer_dispatch_workspace_elems(R, T_max, K, E)]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kOp, "x", x.untyped_data()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kOp, "recv_x", recv_x->untyped_data()));
+
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      kOp, intranode::Dispatch(
+               group->view, dtype, x.untyped_data(), topk_idx.typed_data(),
+               topk_weights.typed_data(), num_tokens, num_experts, capacity,
+               recv_x->untyped_data(), group_sizes->typed_data(),
+               num_dropped->typed_data(), num_invalid->typed_data(),
+               send_pos->typed_data(), entry_row->typed_data(),
+               entry_weights->typed_data(), recv_counts->typed_data(),
+               status->typed_data(), workspace->typed_data(), stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpPeerDispatch, jax_ep::PeerDispatchImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Arg<xla::ffi::AnyBuffer>()                     // x
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // topk_weights
+        .Ret<xla::ffi::AnyBuffer>()                     // recv_x
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_dropped
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_invalid
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
+        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // workspace
+        .Attr<int64_t>("group_id")                      // group_id
+        .Attr<int64_t>("num_experts")                   // num_experts (E)
+        .Attr<int64_t>("capacity"),                     // capacity
+    {xla::ffi::Traits::kCmdBufferCompatible});

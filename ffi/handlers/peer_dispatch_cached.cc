@@ -1,0 +1,115 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// FFI adapter of `jax_ep_peer_dispatch_cached` (kernels:
+// ffi/kernels/intranode.cu): dispatch again with the layout of an earlier
+// jax_ep_peer_dispatch (backward passes). Sends rows only. Per rank, no
+// batch dims (R ranks, L = E / R, N = R * T_max):
+//
+//   x             `[T, H]` bf16/f16/f32 operand
+//   send_pos      `[T, R]` int32 operand      (from jax_ep_peer_dispatch)
+//   entry_row     `[N, K]` int32 operand
+//   entry_weights `[N, K]` float32 operand (read only when `weighted`)
+//   recv_counts   `[R]` int32 operand
+//   group_sizes   `[L]` int32 operand
+//   attrs         group_id, capacity: int64; weighted: bool
+//   recv_x        `[capacity, H]` x.dtype: entry (s, i, k) at entry_row
+//                 (times its weight in fp32, rounded once, when weighted);
+//                 rows >= sum(group_sizes) are zero
+//   status        `[]` int32: 0 ok, 1 this call timed out
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include <cuda_runtime.h>
+
+#include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/handlers.h"
+#include "ffi/handlers/peer_common.h"
+#include "ffi/handlers/peer_group.h"
+#include "ffi/kernels/ep_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep {
+namespace {
+
+namespace ffi = ::xla::ffi;
+using peer_ffi::CheckShape;
+
+constexpr char kOp[] = "jax_ep_peer_dispatch_cached";
+
+ffi::Error PeerDispatchCachedImpl(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send_pos,
+    ffi::Buffer<ffi::S32> entry_row, ffi::Buffer<ffi::F32> entry_weights,
+    ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> group_sizes,
+    ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::S32> status,
+    int64_t group_id, int64_t capacity, bool weighted) {
+  std::shared_ptr<const peer::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::GetGroup(kOp, group_id, &group));
+  const peer::GroupConfig& c = group->config;
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
+  const int64_t num_ranks = c.num_ranks;
+  const int64_t num_local = c.num_experts / num_ranks;
+  const int64_t num_rows = num_ranks * c.max_tokens;
+  const int64_t hidden = c.hidden;
+  const int64_t num_topk = c.num_topk;
+
+  const auto x_dims = x.dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "x", x_dims, {-1, hidden}, "[T, H]"));
+  const int64_t num_tokens = x_dims[0];
+  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckTokens(kOp, "x", num_tokens, *group));
+  ElementType dtype;
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      peer_ffi::CheckGroupDtype(kOp, "x", x.element_type(), *group, &dtype));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos.dimensions(),
+                                        {num_tokens, num_ranks}, "[T, R]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "entry_row",
+                                        entry_row.dimensions(),
+                                        {num_rows, num_topk}, "[R * T_max, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "entry_weights",
+                                        entry_weights.dimensions(),
+                                        {num_rows, num_topk}, "[R * T_max, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
+      kOp, "recv_counts", recv_counts.dimensions(), {num_ranks}, "[R]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
+      kOp, "group_sizes", group_sizes.dimensions(), {num_local}, "[E / R]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "recv_x", recv_x->dimensions(),
+                                        {capacity, hidden}, "[capacity, H]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
+      kOp, "recv_x", recv_x->element_type(), "x", x.element_type()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "status", status->dimensions(), {}, "[]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kOp, "x", x.untyped_data()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kOp, "recv_x", recv_x->untyped_data()));
+
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      kOp, intranode::DispatchCached(
+               group->view, dtype, x.untyped_data(), send_pos.typed_data(),
+               entry_row.typed_data(), entry_weights.typed_data(),
+               recv_counts.typed_data(), group_sizes.typed_data(), num_tokens,
+               num_local, capacity, weighted, recv_x->untyped_data(),
+               status->typed_data(), stream));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpPeerDispatchCached, jax_ep::PeerDispatchCachedImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
+        .Arg<xla::ffi::AnyBuffer>()                     // x
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+        .Ret<xla::ffi::AnyBuffer>()                     // recv_x
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+        .Attr<int64_t>("group_id")                      // group_id
+        .Attr<int64_t>("capacity")                      // capacity
+        .Attr<bool>("weighted"),                        // weighted
+    {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,109 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// Peer groups of the intranode transport: the library-owned buffer of one
+// rank, its device state, error mailbox and peer-pointer table, kept in a
+// process-wide registry keyed by a process-unique group id.
+//
+// Host C++ and the CUDA runtime only (no XLA, no nanobind). The management
+// functions (Create, Connect, ...) are called from the nanobind module and
+// report failures by throwing std::runtime_error / std::invalid_argument
+// (nanobind turns them into Python exceptions). The two functions the FFI
+// handlers use, Lookup and PendingError, never throw.
+//
+// Lifecycle, per rank: Create (allocate + zero + preload kernels) ->
+// IpcHandle (publish) -> Connect (open every peer's handle, check its config
+// header, build the pointer table) -> ops -> Destroy. One process driving
+// several devices: Create per device, then ConnectLocal with all the ids.
+
+#ifndef JAX_EP_FFI_HANDLERS_PEER_GROUP_H_
+#define JAX_EP_FFI_HANDLERS_PEER_GROUP_H_
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "ffi/kernels/ep_kernels.h"
+
+namespace jax_ep::peer {
+
+struct GroupConfig {
+  int device = 0;            // CUDA device ordinal of this rank
+  int rank = 0;
+  int num_ranks = 1;         // R
+  int64_t num_experts = 1;   // E (global)
+  int64_t num_topk = 1;      // K
+  int64_t hidden = 8;        // H
+  int64_t max_tokens = 1;    // T_max
+  int64_t itemsize = 2;      // bytes per activation element (2 or 4)
+  int64_t capacity = 0;      // rows of recv_x
+  int num_sms = 24;          // blocks of every communication kernel
+  double timeout_s = 60.0;   // every spin-wait gives up after this long
+};
+
+struct Group {
+  int64_t id = 0;
+  GroupConfig config;
+  int64_t buffer_bytes = 0;
+  void* buffer = nullptr;                        // cudaMalloc'd, own
+  intranode::DeviceState* state = nullptr;       // cudaMalloc'd
+  intranode::Mailbox* mailbox_host = nullptr;    // cudaHostAlloc(Mapped)
+  intranode::Mailbox* mailbox_device = nullptr;  // its device pointer
+  char** table_device = nullptr;                 // [R] peer bases
+  std::vector<uint64_t> table_host;              // the same, on the host
+  std::vector<void*> ipc_opened;                 // to cudaIpcCloseMemHandle
+  std::vector<int64_t> local_siblings;           // ConnectLocal group ids
+  bool connected = false;
+  intranode::PeerView view{};                    // valid once connected
+};
+
+// Bytes of one rank's buffer (intranode::MakeBufferLayout). Throws
+// std::invalid_argument on arguments out of range.
+int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
+                    int64_t num_topk, int64_t itemsize);
+
+// Allocates and registers a group on config.device; returns its id.
+int64_t Create(const GroupConfig& config);
+
+// The 64-byte cudaIpcMemHandle_t of the group's buffer.
+std::string IpcHandle(int64_t group_id);
+
+// handles[r] for every rank r (the own one is ignored). Opens the peers'
+// handles, checks every peer's config header, builds the pointer table.
+void Connect(int64_t group_id, const std::vector<std::string>& handles);
+
+// Groups of this process, group_ids[r] = rank r (one per device, or several
+// on one device in tests); enables peer access between distinct devices.
+void ConnectLocal(const std::vector<int64_t>& group_ids);
+
+// The device pointer table as integers (empty before connect).
+std::vector<uint64_t> PointerTable(int64_t group_id);
+
+// The mailbox message of the group's first timeout, if any (no sync).
+std::optional<std::string> ErrorMessage(int64_t group_id);
+
+// cudaDeviceSynchronize on the group's device, close IPC handles, free
+// everything. Idempotent; unknown ids are a no-op.
+void Destroy(int64_t group_id);
+
+// --- For the FFI handlers (never throw). ---------------------------------
+
+struct LookupResult {
+  std::shared_ptr<const Group> group;  // null on failure
+  std::string error;                   // why, when group is null
+};
+
+// The connected group `group_id` for the handler's current device. A group
+// connected with ConnectLocal stands for its whole set: when its own device
+// is not `device`, the member on `device` is returned (one HLO program, and
+// so one group_id attribute, serves every local device).
+LookupResult Lookup(int64_t group_id, int device) noexcept;
+
+// The mailbox message if a spin of this group timed out (plain host read of
+// mapped memory, no sync).
+std::optional<std::string> PendingError(const Group& group) noexcept;
+
+}  // namespace jax_ep::peer
+
+#endif  // JAX_EP_FFI_HANDLERS_PEER_GROUP_H_

@@ -1,0 +1,1055 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// jax_ep::intranode — the peer transport: multi-rank dispatch / combine where
+// every rank's kernels write straight into the other ranks' library-owned
+// buffers through a table of peer pointers (CUDA IPC or P2P, one NVLink
+// domain; several processes sharing one GPU under MPS use the same path).
+//
+// NOTES: the protocol.
+// * Buffers. Each rank owns one buffer (layout: intranode::BufferLayout in
+//   ep_kernels.h). Peers write into it; only its owner reads it. Regions are
+//   sized for the worst routing skew, so nothing waits for room.
+// * Regions and sequence numbers. Three regions (dispatch, combine, dots) are
+//   reused independently. Device state `seq[region]` counts completed calls
+//   that used the region; call n (0-based) of a region uses seq = n + 1. Every
+//   kernel of an op reads seq from device memory; the op's last kernel
+//   (FinishKernel) advances it. No per-call value is baked into a launch, so
+//   an op captured in a CUDA graph replays correctly. All ranks must issue
+//   the ops of one group in the same order (SPMD programs do).
+// * Send. A send kernel first waits until every destination d has released
+//   the region from the previous call: d's `consumed[region]` >= seq - 1
+//   (ld.acquire.sys through the pointer table). Then it writes rows / meta
+//   with ordinary stores into d's region at [this rank][position]. Each block
+//   then runs __threadfence_system() in every thread, a barrier, and one
+//   atomicAdd on a monotonic per-kernel "blocks done" counter in device
+//   state; the block that completes a multiple of gridDim.x is the last one
+//   (no reset, no co-residency needed, graph replays keep working) and writes
+//   every destination's arrival flag `arrival[region][this rank]` =
+//   (seq << 32 | count) with st.release.sys.
+// * Receive. WaitArrivalsKernel spins (ld.acquire.sys) until the flag of
+//   every source carries this call's seq; the kernels after it (stream order)
+//   read the region with ld.global.cg (L2; the L1 / non-coherent caches never
+//   hold peer-written data). The op's FinishKernel then publishes
+//   `consumed[region]` = seq (st.release.sys) on the own buffer: every read
+//   of the region precedes it in stream order.
+// * Deadlock freedom: the only cross-rank waits are "peer's data of call
+//   seq" and "peer's release of call seq - 1"; a rank's release of seq - 1
+//   depends only on calls <= seq - 1 of every rank.
+// * Timeouts. Every spin gives up after the group's timeout (%globaltimer):
+//   the first failing thread claims the mailbox (atomicCAS on device state),
+//   writes (op, rank, peer, seq, what) to host-mapped memory, fences, sets
+//   `state` = 1, and sets the sticky device flag `aborted`. Every kernel of a
+//   peer op checks `aborted` and returns early (spins check it each turn);
+//   FinishKernel then writes status = 1 and publishes nothing. The handler of
+//   any later call reads the mailbox first and fails with its message. Never
+//   a hang, never a trap.
+// * Bounded grid: the send kernels always run exactly `num_blocks` blocks
+//   (the group's SM budget, and a constant the monotonic counters rely on).
+//   The waits run in one block. The local kernels (layout, permute, reduce)
+//   do not spin.
+// * Determinism: positions come from scans, reductions have a fixed order;
+//   no atomic decides where data goes.
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/kernel_utils.cuh"
+
+namespace jax_ep::intranode {
+namespace {
+
+using detail::kFullMask;
+using detail::LaneMaskLt;
+using detail::LoadVec;
+using detail::Vec16;
+
+constexpr int kMaxR = static_cast<int>(kMaxRanks);
+constexpr int kMaxK = static_cast<int>(kMaxTopk);
+constexpr int kCommThreads = 512;     // rows send: a block per token
+constexpr int kCombineThreads = 256;  // combine send: a block per item
+constexpr int kSendVecs = 2;          // x vectors each thread holds
+constexpr int kDotsThreads = 256;     // dots send: a warp per item
+constexpr int kLayoutThreads = 512;   // send-side layout: a block per rank
+constexpr int kReduceThreads = 128;   // home-side combine: a block per token
+constexpr int kWaitThreads = kMaxR;   // arrival wait: a thread per source
+constexpr int kReduceLoads = 8;       // partial rows in flight per thread
+constexpr int kCombineLoads = 8;      // expert rows in flight per thread
+constexpr int kDotsGroup = 8;         // slots reduced together in dots
+constexpr int kMaxBlocksPerSm = 16;
+constexpr int kMaxWaves = 8;
+static_assert(kMaxR <= 64, "destinations are staged by one warp, two ballots");
+static_assert(kMaxK <= 32, "slot staging uses one warp, lane k = slot k");
+static_assert(kWaitThreads >= kMaxR && kCommThreads >= kMaxR &&
+                  kCombineThreads >= kMaxR && kDotsThreads >= kMaxR,
+              "a thread per rank in the prologues / epilogues");
+
+// ---------------------------------------------------------------------------
+// Memory-model helpers.
+// ---------------------------------------------------------------------------
+
+__device__ __forceinline__ uint64_t LoadAcquireSys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];"
+               : "=l"(v)
+               : "l"(p)
+               : "memory");
+  return v;
+}
+
+__device__ __forceinline__ void StoreReleaseSys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v)
+               : "memory");
+}
+
+__device__ __forceinline__ uint64_t GlobalTimerNs() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ bool Aborted(const PeerView& g) {
+  return *reinterpret_cast<const volatile unsigned int*>(&g.state->aborted) !=
+         0u;
+}
+
+// seq of the current call of `region` (FinishKernel advances the counter).
+__device__ __forceinline__ uint64_t CurrentSeq(const PeerView& g,
+                                               int region) {
+  return *reinterpret_cast<const volatile unsigned long long*>(
+             &g.state->seq[region]) +
+         1ull;
+}
+
+__device__ __forceinline__ uint64_t* ArrivalFlag(char* base,
+                                                 const PeerView& g,
+                                                 int region, int src) {
+  return reinterpret_cast<uint64_t*>(base + g.layout.flags) +
+         static_cast<int64_t>(region) * g.num_ranks + src;
+}
+
+__device__ __forceinline__ uint64_t* ConsumedFlag(char* base,
+                                                  const PeerView& g,
+                                                  int region) {
+  return reinterpret_cast<uint64_t*>(base + g.layout.flags) +
+         static_cast<int64_t>(kNumRegions) * g.num_ranks + region;
+}
+
+__device__ __forceinline__ uint64_t FlagValue(uint64_t seq, int32_t count) {
+  return (seq << 32) | static_cast<uint32_t>(count);
+}
+
+__device__ __forceinline__ int32_t ClampCount(int32_t count,
+                                              const PeerView& g) {
+  return min(max(count, 0), static_cast<int32_t>(g.max_tokens));
+}
+
+// First timeout of the group: fill the mailbox once, then abort every later
+// kernel of the group.
+__device__ void RecordTimeout(const PeerView& g, PeerOp op, int region,
+                              WaitKind what, int peer, uint64_t seq) {
+  if (atomicCAS(&g.state->error_claimed, 0u, 1u) == 0u) {
+    volatile Mailbox* m = g.mailbox;
+    m->op = static_cast<int32_t>(op);
+    m->rank = g.rank;
+    m->peer = peer;
+    m->wait_kind = static_cast<int32_t>(what);
+    m->region = region;
+    m->seq = seq;
+    __threadfence_system();  // fields before state
+    m->state = 1u;
+  }
+  atomicExch(&g.state->aborted, 1u);
+  __threadfence_system();
+}
+
+// Spins until *flag (acquire, system scope) satisfies the wait: for kArrival
+// its seq field equals `seq`, for kConsumed its value is >= seq - 1. Returns
+// false when the group aborted or the wait timed out (then recorded).
+__device__ bool SpinWait(const PeerView& g, const uint64_t* flag, WaitKind what,
+                         uint64_t seq, PeerOp op, int region, int peer,
+                         uint64_t* value) {
+  const uint64_t start = GlobalTimerNs();
+  const uint64_t want_seq = seq & 0xffffffffull;
+  while (true) {
+    const uint64_t v = LoadAcquireSys(flag);
+    const bool done = what == WaitKind::kArrival ? (v >> 32) == want_seq
+                                                 : v + 1ull >= seq;
+    if (done) {
+      *value = v;
+      return true;
+    }
+    if (Aborted(g)) return false;
+    if (GlobalTimerNs() - start > static_cast<uint64_t>(g.timeout_ns)) {
+      RecordTimeout(g, op, region, what, peer, seq);
+      return false;
+    }
+  }
+}
+
+// Send-kernel prologue: thread d < R waits for rank d to have released
+// `region` from the previous call. Block-uniform result; false: return.
+__device__ bool WaitConsumed(const PeerView& g, int region, uint64_t seq,
+                             PeerOp op) {
+  bool ok = !Aborted(g);
+  if (ok && threadIdx.x < g.num_ranks) {
+    const int d = threadIdx.x;
+    uint64_t v = 0;
+    ok = SpinWait(g, ConsumedFlag(g.peers[d], g, region), WaitKind::kConsumed,
+                  seq, op, region, d, &v);
+  }
+  return __syncthreads_and(ok) != 0;
+}
+
+// Send-kernel epilogue, called once by every block after its last store to a
+// peer. Returns true (block-uniform) in the block that arrives last.
+// NOTES: every thread fences its own peer stores at system scope before the
+// barrier, so thread 0's atomic is ordered after all of the block's stores;
+// the last block fences again before any thread releases a flag.
+__device__ bool ArriveLastBlock(unsigned long long* counter) {
+  __shared__ int s_last;
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned long long old = atomicAdd(counter, 1ull);
+    const bool last = (old + 1ull) % gridDim.x == 0ull;
+    if (last) __threadfence_system();
+    s_last = last ? 1 : 0;
+  }
+  __syncthreads();
+  return s_last != 0;
+}
+
+// Warp 0 stages the destinations of token t (send_pos[t, d] >= 0) in d
+// ascending order: s_dest[j], s_pos[j], *s_num. Must be called by the whole
+// warp 0 (two full-warp ballots cover R <= 64).
+__device__ __forceinline__ void StageDestinations(
+    const int32_t* __restrict__ send_pos, int64_t t, const PeerView& g,
+    int32_t* s_dest, int32_t* s_pos, int32_t* s_num) {
+  const int lane = threadIdx.x & 31;
+  int32_t n = 0;
+  for (int d0 = 0; d0 < g.num_ranks; d0 += 32) {
+    const int d = d0 + lane;
+    int32_t pos = d < g.num_ranks ? send_pos[t * g.num_ranks + d] : -1;
+    if (pos >= g.max_tokens) pos = -1;  // a corrupt position never escapes
+    const unsigned ballot = __ballot_sync(kFullMask, pos >= 0);
+    if (pos >= 0) {
+      const int32_t at = n + __popc(ballot & LaneMaskLt());
+      s_dest[at] = d;
+      s_pos[at] = pos;
+    }
+    n += __popc(ballot);
+  }
+  if (lane == 0) *s_num = n;
+}
+
+// Received items (s, i), i < recv_counts[s], enumerated source-major:
+// s_start[s] = items of sources < s (counts clamped to [0, T_max]).
+__device__ __forceinline__ void StageItemStarts(
+    const int32_t* __restrict__ recv_counts, const PeerView& g,
+    int32_t* s_start) {
+  if (threadIdx.x == 0) {
+    int32_t run = 0;
+    for (int s = 0; s < g.num_ranks; ++s) {
+      s_start[s] = run;
+      run += ClampCount(recv_counts[s], g);
+    }
+    s_start[g.num_ranks] = run;
+  }
+}
+
+__device__ __forceinline__ int ItemSource(const int32_t* s_start,
+                                          int32_t item) {
+  int s = 0;
+  while (item >= s_start[s + 1]) ++s;
+  return s;
+}
+
+__device__ __forceinline__ int32_t CheckedRow(int32_t row, int64_t capacity) {
+  return (row >= 0 && row < capacity) ? row : -1;
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch, send side.
+// ---------------------------------------------------------------------------
+
+// Block d: send_pos[:, d] = exclusive scan over tokens of "t goes to d"
+// (some slot selects an expert of rank d), count_to[d] = the total. Block 0
+// also counts invalid ids (< -1 or >= E).
+__global__ void __launch_bounds__(kLayoutThreads)
+    SendLayoutKernel(const int32_t* __restrict__ topk_idx,
+                     int32_t* __restrict__ send_pos,
+                     int32_t* __restrict__ count_to,
+                     int32_t* __restrict__ num_invalid, int32_t num_tokens,
+                     int32_t num_topk, int32_t num_experts, int32_t num_local,
+                     int32_t num_ranks) {
+  constexpr int kWarps = kLayoutThreads / 32;
+  __shared__ int32_t s_warp[kWarps];
+  const int d = blockIdx.x;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  int32_t running = 0;
+  int32_t invalid = 0;
+  // NOTES: block-uniform loop bound: every lane reaches the ballots.
+  for (int32_t base = 0; base < num_tokens; base += kLayoutThreads) {
+    const int32_t t = base + static_cast<int32_t>(threadIdx.x);
+    bool goes = false;
+    if (t < num_tokens) {
+      const int32_t* idx = topk_idx + static_cast<int64_t>(t) * num_topk;
+      for (int k = 0; k < num_topk; ++k) {
+        const int32_t e = idx[k];
+        if (e >= 0 && e < num_experts) {
+          goes |= (e / num_local == d);
+        } else if (e < -1 || e >= num_experts) {
+          ++invalid;
+        }
+      }
+    }
+    const unsigned ballot = __ballot_sync(kFullMask, goes);
+    if (lane == 0) s_warp[warp] = __popc(ballot);
+    __syncthreads();
+    int32_t offset = running;
+    int32_t total = 0;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const int32_t c = s_warp[w];
+      if (w < warp) offset += c;
+      total += c;
+    }
+    if (t < num_tokens) {
+      send_pos[static_cast<int64_t>(t) * num_ranks + d] =
+          goes ? offset + __popc(ballot & LaneMaskLt()) : -1;
+    }
+    running += total;
+    __syncthreads();  // s_warp is rewritten by the next round
+  }
+  if (threadIdx.x == 0) count_to[d] = running;
+  if (d == 0) {  // block-uniform
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      invalid += __shfl_xor_sync(kFullMask, invalid, off);
+    }
+    if (lane == 0) s_warp[warp] = invalid;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int32_t sum = 0;
+      for (int w = 0; w < kWarps; ++w) sum += s_warp[w];
+      *num_invalid = sum;
+    }
+  }
+}
+
+// Items: tokens (grid-stride over exactly g.num_blocks blocks). Token t is
+// read once and written to every rank d with send_pos[t, d] >= 0 at
+// dispatch_rows[this rank][send_pos]; kWithMeta also writes its K local
+// expert ids (-1 for slots of other ranks), K weights and the token index.
+template <bool kWithMeta>
+__global__ void __launch_bounds__(kCommThreads)
+    RowsSendKernel(PeerView g, PeerOp op, const uint4* __restrict__ x,
+                   const int32_t* __restrict__ send_pos,
+                   const int32_t* __restrict__ topk_idx,
+                   const float* __restrict__ topk_weights,
+                   const int32_t* __restrict__ count_to, int32_t num_tokens,
+                   int32_t num_experts, int32_t num_local,
+                   unsigned long long* counter) {
+  __shared__ char* s_peer[kMaxR];
+  __shared__ int32_t s_dest[kMaxR];
+  __shared__ int32_t s_pos[kMaxR];
+  __shared__ int32_t s_num;
+  __shared__ int32_t s_idx[kMaxK];
+  __shared__ float s_w[kMaxK];
+  const uint64_t seq = CurrentSeq(g, kDispatchRegion);
+  if (!WaitConsumed(g, kDispatchRegion, seq, op)) return;
+  if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
+  const int me = g.rank;
+  const int32_t num_topk = g.num_topk;
+  const int64_t t_max = g.max_tokens;
+  const int64_t rv = g.hidden * g.itemsize / 16;
+  for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    __syncthreads();  // the previous token's readers of shared are done
+    if (threadIdx.x < 32) {
+      StageDestinations(send_pos, t, g, s_dest, s_pos, &s_num);
+    }
+    if (kWithMeta && threadIdx.x < num_topk) {
+      const int64_t q = static_cast<int64_t>(t) * num_topk + threadIdx.x;
+      s_idx[threadIdx.x] = topk_idx[q];
+      s_w[threadIdx.x] = topk_weights[q];
+    }
+    __syncthreads();
+    const int32_t n = s_num;
+    if (n == 0) continue;  // block-uniform
+    const uint4* src = x + static_cast<int64_t>(t) * rv;
+    for (int64_t v0 = 0; v0 < rv; v0 += kCommThreads * kSendVecs) {
+      uint4 v[kSendVecs];
+#pragma unroll
+      for (int u = 0; u < kSendVecs; ++u) {
+        const int64_t j = v0 + u * kCommThreads + threadIdx.x;
+        if (j < rv) v[u] = LoadVec(src + j);
+      }
+      for (int32_t q = 0; q < n; ++q) {
+        uint4* dst =
+            reinterpret_cast<uint4*>(s_peer[s_dest[q]] +
+                                     g.layout.dispatch_rows) +
+            (me * t_max + s_pos[q]) * rv;
+#pragma unroll
+        for (int u = 0; u < kSendVecs; ++u) {
+          const int64_t j = v0 + u * kCommThreads + threadIdx.x;
+          if (j < rv) dst[j] = v[u];
+        }
+      }
+    }
+    if (kWithMeta) {
+      for (int32_t q = threadIdx.x; q < n * num_topk; q += kCommThreads) {
+        const int32_t j = q / num_topk;
+        const int32_t k = q - j * num_topk;
+        const int32_t d = s_dest[j];
+        const int32_t e = s_idx[k];
+        const bool mine = e >= 0 && e < num_experts && e / num_local == d;
+        const int64_t at = (me * t_max + s_pos[j]) * num_topk + k;
+        char* base = s_peer[d];
+        reinterpret_cast<int32_t*>(base + g.layout.dispatch_meta)[at] =
+            mine ? e % num_local : -1;
+        reinterpret_cast<float*>(base + g.layout.dispatch_weights)[at] =
+            s_w[k];
+      }
+      if (threadIdx.x < n) {
+        reinterpret_cast<int32_t*>(s_peer[s_dest[threadIdx.x]] +
+                                   g.layout.dispatch_index)
+            [me * t_max + s_pos[threadIdx.x]] = t;
+      }
+    }
+  }
+  if (!ArriveLastBlock(counter)) return;
+  if (threadIdx.x < g.num_ranks) {
+    const int d = threadIdx.x;
+    const int32_t count = count_to != nullptr ? count_to[d] : 0;
+    StoreReleaseSys(ArrivalFlag(s_peer[d], g, kDispatchRegion, me),
+                    FlagValue(seq, count));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Receive side (shared by every op).
+// ---------------------------------------------------------------------------
+
+// One block; thread s waits for source s's arrival flag of `region` in the
+// own buffer. counts_out[s] (optional) = the count it carried, clamped to
+// [0, T_max]; 0 when the group aborted or the wait timed out.
+__global__ void __launch_bounds__(kWaitThreads)
+    WaitArrivalsKernel(PeerView g, PeerOp op, int region,
+                       int32_t* __restrict__ counts_out) {
+  const int s = threadIdx.x;
+  if (s >= g.num_ranks) return;
+  const uint64_t seq = CurrentSeq(g, region);
+  int32_t count = 0;
+  uint64_t v = 0;
+  if (!Aborted(g) && SpinWait(g, ArrivalFlag(g.own, g, region, s),
+                              WaitKind::kArrival, seq, op, region, s, &v)) {
+    count = ClampCount(static_cast<int32_t>(v & 0xffffffffull), g);
+  }
+  if (counts_out != nullptr) counts_out[s] = count;
+}
+
+// entry_weights[n, k] = the weight that came with entry (s, i, k), n = s *
+// T_max + i; 0 where i >= recv_counts[s] or the slot is not for this rank.
+__global__ void EntryWeightsKernel(PeerView g,
+                                   const int32_t* __restrict__ recv_counts,
+                                   float* __restrict__ entry_weights) {
+  const int32_t* meta =
+      reinterpret_cast<const int32_t*>(g.own + g.layout.dispatch_meta);
+  const float* weights =
+      reinterpret_cast<const float*>(g.own + g.layout.dispatch_weights);
+  const int64_t num_topk = g.num_topk;
+  const int64_t total = g.num_ranks * g.max_tokens * num_topk;
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       q < total; q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = q / num_topk;
+    const int64_t s = n / g.max_tokens;
+    const int64_t i = n - s * g.max_tokens;
+    float w = 0.0f;
+    if (i < recv_counts[s] && __ldcg(meta + q) >= 0) w = __ldcg(weights + q);
+    entry_weights[q] = w;
+  }
+}
+
+// Last kernel of every op: publish the release of the regions the op read
+// and advance their sequence counters, unless the group aborted; status.
+__global__ void FinishKernel(PeerView g, unsigned region_mask,
+                             int32_t* __restrict__ status) {
+  if (threadIdx.x != 0) return;
+  const bool aborted = Aborted(g);
+  if (!aborted) {
+    for (int region = 0; region < kNumRegions; ++region) {
+      if ((region_mask >> region & 1u) == 0u) continue;
+      const uint64_t seq = CurrentSeq(g, region);
+      StoreReleaseSys(ConsumedFlag(g.own, g, region), seq);
+      g.state->seq[region] = seq;
+    }
+  }
+  *status = aborted ? 1 : 0;
+}
+
+// ---------------------------------------------------------------------------
+// Combine.
+// ---------------------------------------------------------------------------
+
+// Expert side. Items: received (s, i). partial = sum over k ascending of
+// w * expert_out[entry_row[s, i, k]] (fp32, one fmaf each, rows < 0 skipped),
+// written to rank s's combine_rows[this rank][i] as fp32.
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads)
+    CombineSendKernel(PeerView g, const uint4* __restrict__ expert_out,
+                      const int32_t* __restrict__ entry_row,
+                      const float* __restrict__ entry_weights,
+                      const int32_t* __restrict__ recv_counts,
+                      int64_t capacity, bool weighted) {
+  constexpr int kE = Vec16<T>::kElems;
+  constexpr int kF4 = kE / 4;  // fp32 float4s per X vector
+  __shared__ char* s_peer[kMaxR];
+  __shared__ int32_t s_start[kMaxR + 1];
+  __shared__ int32_t s_row[kMaxK];
+  __shared__ float s_w[kMaxK];
+  __shared__ int32_t s_num;
+  const uint64_t seq = CurrentSeq(g, kCombineRegion);
+  if (!WaitConsumed(g, kCombineRegion, seq, PeerOp::kCombine)) return;
+  if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
+  StageItemStarts(recv_counts, g, s_start);
+  __syncthreads();
+  const int me = g.rank;
+  const int64_t t_max = g.max_tokens;
+  const int32_t num_topk = g.num_topk;
+  const int64_t rv = g.hidden * static_cast<int64_t>(sizeof(T)) / 16;
+  const int32_t total = s_start[g.num_ranks];
+  for (int32_t item = blockIdx.x; item < total; item += gridDim.x) {
+    const int s = ItemSource(s_start, item);
+    const int64_t i = item - s_start[s];
+    const int64_t n = s * t_max + i;
+    __syncthreads();  // the previous item's readers of s_row are done
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const int64_t q = n * num_topk + lane;
+      const int32_t row =
+          lane < num_topk ? CheckedRow(entry_row[q], capacity) : -1;
+      const unsigned valid = __ballot_sync(kFullMask, row >= 0);
+      if (row >= 0) {
+        const int at = __popc(valid & LaneMaskLt());
+        s_row[at] = row;
+        s_w[at] = weighted ? entry_weights[q] : 1.0f;
+      }
+      if (lane == 0) s_num = __popc(valid);
+    }
+    __syncthreads();
+    const int nv = s_num;
+    float4* dst = reinterpret_cast<float4*>(s_peer[s] + g.layout.combine_rows) +
+                  (me * t_max + i) * (g.hidden / 4);
+    for (int64_t j = threadIdx.x; j < rv; j += kCombineThreads) {
+      float acc[kE];
+#pragma unroll
+      for (int e = 0; e < kE; ++e) acc[e] = 0.0f;
+      for (int k0 = 0; k0 < nv; k0 += kCombineLoads) {
+        uint4 v[kCombineLoads];
+#pragma unroll
+        for (int u = 0; u < kCombineLoads; ++u) {
+          if (k0 + u < nv) v[u] = LoadVec(expert_out + s_row[k0 + u] * rv + j);
+        }
+        // NOTES: fixed order — slots k ascending, one fmaf per element each.
+#pragma unroll
+        for (int u = 0; u < kCombineLoads; ++u) {
+          if (k0 + u < nv) {
+            float f[kE];
+            Vec16<T>::Unpack(v[u], f);
+            const float w = s_w[k0 + u];
+#pragma unroll
+            for (int e = 0; e < kE; ++e) acc[e] = __fmaf_rn(w, f[e], acc[e]);
+          }
+        }
+      }
+#pragma unroll
+      for (int c = 0; c < kF4; ++c) {
+        dst[j * kF4 + c] = make_float4(acc[4 * c], acc[4 * c + 1],
+                                       acc[4 * c + 2], acc[4 * c + 3]);
+      }
+    }
+  }
+  if (!ArriveLastBlock(&g.state->blocks_done[kCombineSendCounter])) return;
+  if (threadIdx.x < g.num_ranks) {
+    const int s = threadIdx.x;
+    StoreReleaseSys(ArrivalFlag(s_peer[s], g, kCombineRegion, me),
+                    FlagValue(seq, s_start[s + 1] - s_start[s]));
+  }
+}
+
+// Home side. Items: tokens. out[t] = sum over d ascending with send_pos[t, d]
+// >= 0 of combine_rows[d][send_pos[t, d]] (fp32 adds, rounded once); zeros
+// for tokens sent nowhere.
+template <typename T>
+__global__ void __launch_bounds__(kReduceThreads)
+    CombineReduceKernel(PeerView g, const int32_t* __restrict__ send_pos,
+                        uint4* __restrict__ out, int32_t num_tokens) {
+  constexpr int kE = Vec16<T>::kElems;
+  constexpr int kF4 = kE / 4;
+  __shared__ int32_t s_src[kMaxR];
+  __shared__ int32_t s_pos[kMaxR];
+  __shared__ int32_t s_num;
+  if (Aborted(g)) return;  // outputs are garbage then; status says so
+  const float4* region =
+      reinterpret_cast<const float4*>(g.own + g.layout.combine_rows);
+  const int64_t t_max = g.max_tokens;
+  const int64_t row_f4 = g.hidden / 4;
+  const int64_t rv = g.hidden * static_cast<int64_t>(sizeof(T)) / 16;
+  for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    __syncthreads();  // the previous token's readers of shared are done
+    if (threadIdx.x < 32) {
+      StageDestinations(send_pos, t, g, s_src, s_pos, &s_num);
+    }
+    __syncthreads();
+    const int n = s_num;
+    uint4* dst = out + static_cast<int64_t>(t) * rv;
+    for (int64_t j = threadIdx.x; j < rv; j += kReduceThreads) {
+      float acc[kE];
+#pragma unroll
+      for (int e = 0; e < kE; ++e) acc[e] = 0.0f;
+      for (int q0 = 0; q0 < n; q0 += kReduceLoads) {
+        float4 v[kReduceLoads][kF4];
+#pragma unroll
+        for (int u = 0; u < kReduceLoads; ++u) {
+          if (q0 + u < n) {
+            const float4* src =
+                region + (s_src[q0 + u] * t_max + s_pos[q0 + u]) * row_f4 +
+                j * kF4;
+#pragma unroll
+            for (int c = 0; c < kF4; ++c) v[u][c] = __ldcg(src + c);
+          }
+        }
+        // NOTES: fixed order — ranks d ascending, one fp32 add each.
+#pragma unroll
+        for (int u = 0; u < kReduceLoads; ++u) {
+          if (q0 + u < n) {
+#pragma unroll
+            for (int c = 0; c < kF4; ++c) {
+              acc[4 * c] = __fadd_rn(acc[4 * c], v[u][c].x);
+              acc[4 * c + 1] = __fadd_rn(acc[4 * c + 1], v[u][c].y);
+              acc[4 * c + 2] = __fadd_rn(acc[4 * c + 2], v[u][c].z);
+              acc[4 * c + 3] = __fadd_rn(acc[4 * c + 3], v[u][c].w);
+            }
+          }
+        }
+      }
+      dst[j] = Vec16<T>::Pack(acc);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Combine VJP: slot dots.
+// ---------------------------------------------------------------------------
+
+// Expert side. Items: received (s, i), one warp each. dots[k] = <d_out row
+// received from s (dispatch_rows[s][i]), expert_out[entry_row[s, i, k]]> in
+// fp32 (per lane j ascending by 32, elements in order, one fmaf each, then a
+// fixed xor tree), 0 where the row is < 0; written to rank s's
+// dots[this rank][i][k].
+template <typename T>
+__global__ void __launch_bounds__(kDotsThreads)
+    DotsSendKernel(PeerView g, const uint4* __restrict__ expert_out,
+                   const int32_t* __restrict__ entry_row,
+                   const int32_t* __restrict__ recv_counts, int64_t capacity) {
+  constexpr int kE = Vec16<T>::kElems;
+  __shared__ char* s_peer[kMaxR];
+  __shared__ int32_t s_start[kMaxR + 1];
+  const uint64_t seq = CurrentSeq(g, kDotsRegion);
+  if (!WaitConsumed(g, kDotsRegion, seq, PeerOp::kCombineVjp)) return;
+  if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
+  StageItemStarts(recv_counts, g, s_start);
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int me = g.rank;
+  const int64_t t_max = g.max_tokens;
+  const int32_t num_topk = g.num_topk;
+  const int64_t rv = g.hidden * static_cast<int64_t>(sizeof(T)) / 16;
+  const uint4* rows =
+      reinterpret_cast<const uint4*>(g.own + g.layout.dispatch_rows);
+  const int32_t total = s_start[g.num_ranks];
+  const int32_t warps_per_block = kDotsThreads / 32;
+  for (int32_t item = blockIdx.x * warps_per_block + (threadIdx.x >> 5);
+       item < total; item += gridDim.x * warps_per_block) {
+    const int s = ItemSource(s_start, item);
+    const int64_t i = item - s_start[s];
+    const int64_t n = s * t_max + i;
+    const int32_t my_row =
+        lane < num_topk ? CheckedRow(entry_row[n * num_topk + lane], capacity)
+                        : -1;
+    const uint4* grad = rows + n * rv;
+    float* dst = reinterpret_cast<float*>(s_peer[s] + g.layout.dots) +
+                 (me * t_max + i) * num_topk;
+    for (int k0 = 0; k0 < num_topk; k0 += kDotsGroup) {
+      int32_t row[kDotsGroup];
+      float part[kDotsGroup];
+#pragma unroll
+      for (int u = 0; u < kDotsGroup; ++u) {
+        row[u] = __shfl_sync(kFullMask, my_row, (k0 + u) & 31);
+        if (k0 + u >= num_topk) row[u] = -1;
+        part[u] = 0.0f;
+      }
+      for (int64_t j = lane; j < rv; j += 32) {
+        const uint4 gv = __ldcg(grad + j);
+        uint4 v[kDotsGroup];
+#pragma unroll
+        for (int u = 0; u < kDotsGroup; ++u) {
+          if (row[u] >= 0) v[u] = LoadVec(expert_out + row[u] * rv + j);
+        }
+        float gf[kE];
+        Vec16<T>::Unpack(gv, gf);
+#pragma unroll
+        for (int u = 0; u < kDotsGroup; ++u) {
+          if (row[u] < 0) continue;
+          float f[kE];
+          Vec16<T>::Unpack(v[u], f);
+#pragma unroll
+          for (int e = 0; e < kE; ++e) part[u] = __fmaf_rn(gf[e], f[e], part[u]);
+        }
+      }
+      float mine = 0.0f;
+#pragma unroll
+      for (int u = 0; u < kDotsGroup; ++u) {
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+          part[u] += __shfl_xor_sync(kFullMask, part[u], off);
+        }
+        if (lane == u) mine = row[u] >= 0 ? part[u] : 0.0f;
+      }
+      if (lane < kDotsGroup && k0 + lane < num_topk) dst[k0 + lane] = mine;
+    }
+  }
+  if (!ArriveLastBlock(&g.state->blocks_done[kDotsSendCounter])) return;
+  if (threadIdx.x < g.num_ranks) {
+    const int s = threadIdx.x;
+    StoreReleaseSys(ArrivalFlag(s_peer[s], g, kDotsRegion, me),
+                    FlagValue(seq, s_start[s + 1] - s_start[s]));
+  }
+}
+
+// Home side: d_weights[t, k] = dots[d][send_pos[t, d]][k] with d the rank of
+// expert topk_idx[t, k]; 0 for slots that select nothing.
+__global__ void WeightGradKernel(PeerView g,
+                                 const int32_t* __restrict__ topk_idx,
+                                 const int32_t* __restrict__ send_pos,
+                                 float* __restrict__ d_weights,
+                                 int32_t num_tokens, int32_t num_experts,
+                                 int32_t num_local) {
+  if (Aborted(g)) return;  // outputs are garbage then; status says so
+  const float* dots = reinterpret_cast<const float*>(g.own + g.layout.dots);
+  const int64_t num_topk = g.num_topk;
+  const int64_t total = num_tokens * num_topk;
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       q < total; q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = q / num_topk;
+    const int64_t k = q - t * num_topk;
+    const int32_t e = topk_idx[q];
+    float value = 0.0f;
+    if (e >= 0 && e < num_experts) {
+      const int64_t d = e / num_local;
+      const int32_t pos = send_pos[t * g.num_ranks + d];
+      if (pos >= 0 && pos < g.max_tokens) {
+        value = __ldcg(dots + (d * g.max_tokens + pos) * num_topk + k);
+      }
+    }
+    d_weights[q] = value;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Launch helpers.
+// ---------------------------------------------------------------------------
+
+int64_t ElementBytes(ElementType dtype) {
+  return dtype == ElementType::kF32 ? 4 : 2;
+}
+
+bool ValidView(const PeerView& g, ElementType dtype) {
+  return g.peers != nullptr && g.own != nullptr && g.state != nullptr &&
+         g.mailbox != nullptr && g.num_ranks >= 1 && g.num_ranks <= kMaxR &&
+         g.rank >= 0 && g.rank < g.num_ranks && g.num_topk >= 1 &&
+         g.num_topk <= kMaxK && g.max_tokens >= 1 && g.hidden >= 1 &&
+         g.hidden % kHiddenMultiple == 0 && g.num_blocks >= 1 &&
+         g.itemsize == ElementBytes(dtype) &&
+         g.num_ranks * g.max_tokens * g.num_topk <= INT32_MAX;
+}
+
+bool ValidTokens(const PeerView& g, int64_t num_tokens) {
+  return num_tokens >= 0 && num_tokens <= g.max_tokens;
+}
+
+template <typename Kernel>
+cudaError_t ElementwiseGrid(Kernel kernel, int block, int64_t num_items,
+                            unsigned* grid) {
+  const int64_t blocks = (num_items + block - 1) / block;
+  JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
+      kernel, block, kMaxBlocksPerSm, /*max_waves=*/2, blocks, grid));
+  if (*grid == 0) *grid = 1;
+  return cudaSuccess;
+}
+
+cudaError_t LaunchWait(const PeerView& g, PeerOp op, int region,
+                       int32_t* counts_out, cudaStream_t stream) {
+  WaitArrivalsKernel<<<1, kWaitThreads, 0, stream>>>(g, op, region,
+                                                     counts_out);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchFinish(const PeerView& g, unsigned region_mask,
+                         int32_t* status, cudaStream_t stream) {
+  FinishKernel<<<1, 32, 0, stream>>>(g, region_mask, status);
+  return cudaGetLastError();
+}
+
+template <bool kWithMeta>
+cudaError_t LaunchRowsSend(const PeerView& g, PeerOp op, const void* x,
+                           const int32_t* send_pos, const int32_t* topk_idx,
+                           const float* topk_weights, const int32_t* count_to,
+                           int64_t num_tokens, int64_t num_experts,
+                           int64_t num_local, cudaStream_t stream) {
+  // NOTES: always exactly g.num_blocks blocks (the counters rely on it).
+  unsigned long long* counter =
+      &g.state->blocks_done[kWithMeta ? kDispatchSendCounter
+                                      : kRowsSendCounter];
+  RowsSendKernel<kWithMeta><<<g.num_blocks, kCommThreads, 0, stream>>>(
+      g, op, static_cast<const uint4*>(x), send_pos, topk_idx, topk_weights,
+      count_to, static_cast<int32_t>(num_tokens),
+      static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local),
+      counter);
+  return cudaGetLastError();
+}
+
+template <typename T>
+struct CombineLaunch {
+  static cudaError_t Run(const PeerView& g, const void* expert_out,
+                         const int32_t* entry_row, const float* entry_weights,
+                         const int32_t* recv_counts, const int32_t* send_pos,
+                         int64_t num_tokens, int64_t capacity, bool weighted,
+                         void* out, int32_t* status, cudaStream_t stream) {
+    CombineSendKernel<T><<<g.num_blocks, kCombineThreads, 0, stream>>>(
+        g, static_cast<const uint4*>(expert_out), entry_row, entry_weights,
+        recv_counts, capacity, weighted);
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        LaunchWait(g, PeerOp::kCombine, kCombineRegion, nullptr, stream));
+    if (num_tokens > 0) {
+      unsigned grid = 0;
+      JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
+          CombineReduceKernel<T>, kReduceThreads, kMaxBlocksPerSm, kMaxWaves,
+          num_tokens, &grid));
+      CombineReduceKernel<T><<<grid, kReduceThreads, 0, stream>>>(
+          g, send_pos, static_cast<uint4*>(out),
+          static_cast<int32_t>(num_tokens));
+      JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    }
+    return LaunchFinish(g, 1u << kCombineRegion, status, stream);
+  }
+};
+
+template <typename T>
+struct DotsLaunch {
+  static cudaError_t Run(const PeerView& g, const void* expert_out,
+                         const int32_t* entry_row, const int32_t* recv_counts,
+                         int64_t capacity, cudaStream_t stream) {
+    DotsSendKernel<T><<<g.num_blocks, kDotsThreads, 0, stream>>>(
+        g, static_cast<const uint4*>(expert_out), entry_row, recv_counts,
+        capacity);
+    return cudaGetLastError();
+  }
+};
+
+template <template <typename> class Launch, typename... Args>
+cudaError_t DispatchDtype(ElementType dtype, Args&&... args) {
+  switch (dtype) {
+    case ElementType::kBF16:
+      return Launch<__nv_bfloat16>::Run(args...);
+    case ElementType::kF16:
+      return Launch<__half>::Run(args...);
+    case ElementType::kF32:
+      return Launch<float>::Run(args...);
+  }
+  return cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t PreloadDtype() {
+  cudaFuncAttributes attr;
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attr, CombineSendKernel<T>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attr, CombineReduceKernel<T>));
+  return cudaFuncGetAttributes(&attr, DotsSendKernel<T>);
+}
+
+}  // namespace
+
+cudaError_t PreloadKernels() {
+  cudaFuncAttributes attr;
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, SendLayoutKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attr, RowsSendKernel<true>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attr, RowsSendKernel<false>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attr, WaitArrivalsKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attr, EntryWeightsKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, FinishKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, WeightGradKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(PreloadDtype<__nv_bfloat16>());
+  JAX_EP_CUDA_RETURN_IF_ERROR(PreloadDtype<__half>());
+  JAX_EP_CUDA_RETURN_IF_ERROR(PreloadDtype<float>());
+  JAX_EP_CUDA_RETURN_IF_ERROR(layout::PreloadKernels());
+  return local::PreloadKernels();
+}
+
+cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
+                     const int32_t* topk_idx, const float* topk_weights,
+                     int64_t num_tokens, int64_t num_experts, int64_t capacity,
+                     void* recv_x, int32_t* group_sizes, int32_t* num_dropped,
+                     int32_t* num_invalid, int32_t* send_pos,
+                     int32_t* entry_row, float* entry_weights,
+                     int32_t* recv_counts, int32_t* status, int32_t* workspace,
+                     cudaStream_t stream) {
+  if (!ValidView(g, dtype) || !ValidTokens(g, num_tokens) ||
+      num_experts < g.num_ranks || num_experts % g.num_ranks != 0 ||
+      num_experts / g.num_ranks > kMaxExperts || capacity < 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t num_local = num_experts / g.num_ranks;
+  const int64_t num_rows = g.num_ranks * g.max_tokens;  // N
+  int32_t* layout_invalid = workspace;  // the receiver's ids are never invalid
+  int32_t* count_to = workspace + 1;
+  int32_t* layout_workspace = workspace + 1 + g.num_ranks;
+
+  // 1. Send lists (local): send_pos, count_to, num_invalid.
+  SendLayoutKernel<<<g.num_ranks, kLayoutThreads, 0, stream>>>(
+      topk_idx, send_pos, count_to, num_invalid,
+      static_cast<int32_t>(num_tokens), g.num_topk,
+      static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local),
+      g.num_ranks);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // 2. Rows + meta into the receivers' dispatch regions, then their flags.
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend<true>(
+      g, PeerOp::kDispatch, x, send_pos, topk_idx, topk_weights, count_to,
+      num_tokens, num_experts, num_local, stream));
+  // 3. Every source's flag: recv_counts.
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, PeerOp::kDispatch, kDispatchRegion,
+                                         recv_counts, stream));
+  // 4. Layout of the N*K received entries (rows past a source's count are
+  //    masked): entry_row, group_sizes, num_dropped.
+  JAX_EP_CUDA_RETURN_IF_ERROR(layout::LocalLayout(
+      reinterpret_cast<const int32_t*>(g.own + g.layout.dispatch_meta),
+      entry_row, group_sizes, num_dropped, layout_invalid, layout_workspace,
+      /*num_batches=*/1, num_rows, g.num_topk, num_local, capacity, stream,
+      recv_counts, g.max_tokens));
+  // 5. Rows from the receive buffer into recv_x (zero tail).
+  JAX_EP_CUDA_RETURN_IF_ERROR(local::Permute(
+      dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
+      /*slot_weights=*/nullptr, recv_x, /*num_batches=*/1, num_rows,
+      g.num_topk, num_local, g.hidden, capacity, /*weighted=*/false, stream,
+      /*x_from_peers=*/true));
+  // 6. The weights that came with the entries.
+  unsigned grid = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(ElementwiseGrid(
+      EntryWeightsKernel, 256, num_rows * g.num_topk, &grid));
+  EntryWeightsKernel<<<grid, 256, 0, stream>>>(g, recv_counts, entry_weights);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // 7. Release the region, advance seq, status.
+  return LaunchFinish(g, 1u << kDispatchRegion, status, stream);
+}
+
+cudaError_t DispatchCached(const PeerView& g, ElementType dtype, const void* x,
+                           const int32_t* send_pos, const int32_t* entry_row,
+                           const float* entry_weights,
+                           const int32_t* recv_counts,
+                           const int32_t* group_sizes, int64_t num_tokens,
+                           int64_t num_local_experts, int64_t capacity,
+                           bool weighted, void* recv_x, int32_t* status,
+                           cudaStream_t stream) {
+  (void)recv_counts;  // entry_row already masks rows past each count
+  if (!ValidView(g, dtype) || !ValidTokens(g, num_tokens) ||
+      num_local_experts < 1 || num_local_experts > kMaxExperts ||
+      capacity < 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t num_rows = g.num_ranks * g.max_tokens;
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend<false>(
+      g, PeerOp::kDispatchCached, x, send_pos, nullptr, nullptr, nullptr,
+      num_tokens, 0, 1, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, PeerOp::kDispatchCached,
+                                         kDispatchRegion, nullptr, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(local::Permute(
+      dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
+      entry_weights, recv_x, /*num_batches=*/1, num_rows, g.num_topk,
+      num_local_experts, g.hidden, capacity, weighted, stream,
+      /*x_from_peers=*/true));
+  return LaunchFinish(g, 1u << kDispatchRegion, status, stream);
+}
+
+cudaError_t Combine(const PeerView& g, ElementType dtype,
+                    const void* expert_out, const int32_t* entry_row,
+                    const float* entry_weights, const int32_t* recv_counts,
+                    const int32_t* send_pos, int64_t num_tokens,
+                    int64_t capacity, bool weighted, void* out,
+                    int32_t* status, cudaStream_t stream) {
+  if (!ValidView(g, dtype) || !ValidTokens(g, num_tokens) || capacity < 0) {
+    return cudaErrorInvalidValue;
+  }
+  return DispatchDtype<CombineLaunch>(dtype, g, expert_out, entry_row,
+                                      entry_weights, recv_counts, send_pos,
+                                      num_tokens, capacity, weighted, out,
+                                      status, stream);
+}
+
+cudaError_t CombineVjp(const PeerView& g, ElementType dtype, const void* d_out,
+                       const void* expert_out, const int32_t* topk_idx,
+                       const int32_t* send_pos, const int32_t* entry_row,
+                       const float* entry_weights, const int32_t* recv_counts,
+                       const int32_t* group_sizes, int64_t num_tokens,
+                       int64_t num_experts, int64_t capacity,
+                       void* d_expert_out, float* d_weights, int32_t* status,
+                       cudaStream_t stream) {
+  if (!ValidView(g, dtype) || !ValidTokens(g, num_tokens) ||
+      num_experts < g.num_ranks || num_experts % g.num_ranks != 0 ||
+      num_experts / g.num_ranks > kMaxExperts || capacity < 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t num_local = num_experts / g.num_ranks;
+  const int64_t num_rows = g.num_ranks * g.max_tokens;
+  // d_out rows travel like a cached dispatch (dispatch region).
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend<false>(
+      g, PeerOp::kCombineVjp, d_out, send_pos, nullptr, nullptr, nullptr,
+      num_tokens, 0, 1, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, PeerOp::kCombineVjp,
+                                         kDispatchRegion, nullptr, stream));
+  // d_expert_out: the weighted placement of the received d_out rows.
+  JAX_EP_CUDA_RETURN_IF_ERROR(local::Permute(
+      dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
+      entry_weights, d_expert_out, /*num_batches=*/1, num_rows, g.num_topk,
+      num_local, g.hidden, capacity, /*weighted=*/true, stream,
+      /*x_from_peers=*/true));
+  // Slot dots on the expert side, sent home (dots region).
+  JAX_EP_CUDA_RETURN_IF_ERROR(DispatchDtype<DotsLaunch>(
+      dtype, g, expert_out, entry_row, recv_counts, capacity, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      LaunchWait(g, PeerOp::kCombineVjp, kDotsRegion, nullptr, stream));
+  if (num_tokens > 0) {
+    unsigned grid = 0;
+    JAX_EP_CUDA_RETURN_IF_ERROR(ElementwiseGrid(
+        WeightGradKernel, 256, num_tokens * g.num_topk, &grid));
+    WeightGradKernel<<<grid, 256, 0, stream>>>(
+        g, topk_idx, send_pos, d_weights, static_cast<int32_t>(num_tokens),
+        static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local));
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  return LaunchFinish(g, (1u << kDispatchRegion) | (1u << kDotsRegion),
+                      status, stream);
+}
+
+}  // namespace jax_ep::intranode
