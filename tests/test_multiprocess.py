@@ -32,3 +32,15 @@ def test_configuration_mismatch_fails_at_group_creation():
   # Both processes name the field that differs; neither hangs.
   assert result.stdout.count("configuration differs between processes: field 'hidden'") == 2, (
       result.stdout + result.stderr)
+
+
+def test_peer_transport_bootstrap_exchanges_handles_in_rank_order():
+  worker = os.path.join(os.path.dirname(__file__), "mp_workers", "peer_bootstrap_worker.py")
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  cmd = [sys.executable, "-m", "jax_ep.launch", "-n", "3", "--grace", "20", "--timeout", "100",
+         "--", sys.executable, worker]
+  result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+  assert result.returncode == 0, result.stdout + result.stderr
+  for p in range(3):
+    assert f"process {p}: peer bootstrap exchanged 3 handles in rank order" in result.stdout

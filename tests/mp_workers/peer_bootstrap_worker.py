@@ -1,0 +1,66 @@
+"""Bootstrap of the peer transport across processes, with the native extension faked.
+
+Checks the Python wiring that a GPU run relies on: every rank publishes its buffer handle
+through the key-value store, every rank connects with all handles in rank order, and close()
+waits for every process before freeing. Started by tests/test_multiprocess.py.
+"""
+
+import os
+import sys
+
+from jax_ep import launch
+
+launch.initialize_from_env()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jax_ep import _ffi, peer  # noqa: E402
+from jax_ep.config import EPConfig  # noqa: E402
+
+
+class FakeExtension:
+  """Stands in for `_jax_ep_ffi`: records what the Python side asks of it."""
+
+  def __init__(self):
+    self.calls = []
+
+  def peer_group_create(self, device_ordinal, rank, num_ranks, *rest):
+    self.calls.append(("create", rank, num_ranks))
+    return 100 + rank
+
+  def peer_group_ipc_handle(self, group_id):
+    return f"handle-of-{group_id}".encode()
+
+  def peer_group_connect(self, group_id, handles):
+    self.calls.append(("connect", group_id, [bytes(h) for h in handles]))
+
+  def peer_group_error(self, group_id):
+    return None
+
+  def peer_group_destroy(self, group_id):
+    self.calls.append(("destroy", group_id))
+
+
+def main():
+  fake = FakeExtension()
+  _ffi.extension = lambda: fake
+  os.environ[peer.EXPERIMENTAL_ENV] = "1"
+  num_ranks, me = jax.process_count(), jax.process_index()
+  mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices())
+  config = EPConfig("ep", num_ranks, 4 * num_ranks, 2, 128, 16, np.dtype(np.float32),
+                    num_ranks * 16 * 2)
+  transport = peer.create(config, mesh, "bootstrap-test", num_sms=4, timeout_s=5.0)
+  assert transport.group_ids == [100 + me], transport.group_ids
+  want = [f"handle-of-{100 + r}".encode() for r in range(num_ranks)]
+  assert fake.calls[:2] == [("create", me, num_ranks), ("connect", 100 + me, want)], fake.calls
+  assert transport.error() is None
+  transport.close()
+  transport.close()  # idempotent
+  assert fake.calls[2:] == [("destroy", 100 + me)], fake.calls
+  print(f"process {me}: peer bootstrap exchanged {num_ranks} handles in rank order", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
