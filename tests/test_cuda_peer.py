@@ -51,3 +51,24 @@ def test_fault_cases_fail_fast(mode):
     assert "rank 0 timed out" in log and "rank 1" in log, log
   else:
     assert log.count("field 'hidden'") == 2, log
+
+
+@pytest.mark.skipif(jax.process_count() > 1, reason="single-process path")
+def test_single_process_pointer_table_on_one_gpu():
+  """The one-process-all-GPUs path, as far as one GPU allows: two ranks' buffers on device 0,
+  connected locally; every rank's table lists the same buffers in rank order."""
+  from jax_ep import _ffi
+  ext = _ffi.extension()
+  args = dict(num_ranks=2, num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
+              itemsize=2, capacity=64, num_sms=2, timeout_s=1.0)
+  ids = [ext.peer_group_create(0, rank, *args.values()) for rank in range(2)]
+  try:
+    assert ext.peer_group_pointer_table(ids[0]) == []  # nothing before connect
+    ext.peer_group_connect_local(ids)
+    tables = [ext.peer_group_pointer_table(i) for i in ids]
+    assert tables[0] == tables[1] and len(tables[0]) == 2
+    assert tables[0][0] != tables[0][1] and all(p != 0 for p in tables[0])
+    assert ext.peer_group_error(ids[0]) is None
+  finally:
+    for i in ids:
+      ext.peer_group_destroy(i)
