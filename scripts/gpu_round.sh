@@ -1,22 +1,45 @@
 #!/usr/bin/env bash
 # One build-check-benchmark round on a GPU machine, with the extension built elsewhere and
-# carried in as jax_ep/_jax_ep_ffi*.so. Logs and results go to $OUT (or ./gpu_out).
+# carried in as jax_ep/_jax_ep_ffi*.so (see README). Logs and results go to $OUT (or ./gpu_out).
+#   bash scripts/gpu_round.sh local   # one-rank kernels: suite, main job, sanitizer, benchmark
+#   bash scripts/gpu_round.sh peer    # peer transport emulated on one GPU: suites, faults, bench
+#   bash scripts/gpu_round.sh all
 set -uo pipefail
 cd "$(dirname "$0")/.."
+STAGE=${1:-all}
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date +%T))"; }
 step device; nvidia-smi -L
 python3 -c "import jax, jax_ep._ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available())"
-step cuda test suite
-timeout 240 python3 -m pytest tests/test_cuda_local.py -q -rs -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
-step benchmark
-timeout 240 python3 benchmarks/bench_local.py --out local.jsonl 2>&1 | tee "$OUT/bench.log" | tail -30
-cp benchmarks/results/local.jsonl "$OUT/" 2>/dev/null
-step API and layer tests on the GPU
-timeout 120 python3 -m pytest tests/test_api.py tests/test_layer.py -q -x -p no:cacheprovider 2>&1 | tail -4
-step main job on the GPU
-timeout 60 python3 -m jax_ep.demo --steps 5 2>&1 | tail -12
-step compute-sanitizer memcheck
-timeout 100 compute-sanitizer --tool memcheck --kernel-name kns=jax_ep \
-  --print-limit 20 python3 scripts/sanitize_local.py 2>&1 | tail -6
+
+if [ "$STAGE" = local ] || [ "$STAGE" = all ]; then
+  step cuda one-rank suite
+  timeout 240 python3 -m pytest tests/test_cuda_local.py -q -rf -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
+  step benchmark, one rank
+  timeout 300 python3 benchmarks/bench_local.py --out local.jsonl 2>&1 | tee "$OUT/bench_local.log" | tail -30
+  cp benchmarks/results/local.jsonl "$OUT/" 2>/dev/null
+  step main job on the GPU
+  timeout 60 python3 -m jax_ep.demo --steps 5 2>&1 | tail -12
+  step compute-sanitizer memcheck, one rank
+  timeout 100 compute-sanitizer --tool memcheck --kernel-name kns=jax_ep \
+    --print-limit 20 python3 scripts/sanitize_local.py 2>&1 | tail -6
+fi
+
+if [ "$STAGE" = peer ] || [ "$STAGE" = all ]; then
+  export JAX_EP_EXPERIMENTAL_PEER=1
+  step peer transport: single-process pointer table and fault cases
+  timeout 200 python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider 2>&1 | tail -15
+  for n in 2 4 8; do
+    step peer suite, $n ranks emulated on one GPU
+    timeout 300 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 280 -- \
+      python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider 2>&1 \
+      | tee "$OUT/pytest_peer_$n.log" | grep -E "passed|failed|error|Error" | tail -8
+  done
+  for n in 2 4 8; do
+    step peer benchmark, $n ranks emulated
+    timeout 200 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 180 -- \
+      python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 | tail -6
+  done
+  cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null
+fi
