@@ -151,16 +151,19 @@ class Group:
     config_timeout_s: how long group creation waits for peer processes' configurations.
     num_sms: multiprocessors the multi-rank communication kernels may occupy (bounded grid).
     timeout_s: how long a multi-rank kernel waits for a peer before it gives up and reports
-      which op, rank and peer timed out.
+      which op, rank and peer timed out. It must cover the start-up skew between processes
+      (one still compiling while another already waits in its first op).
     raise_on_timeout: after each multi-rank op, check its status on the host and raise
       `TimeoutError` at once (one host synchronisation per op); when False, a timeout surfaces
-      at the next op on the group or at `Group.check()`.
+      at the next op on the group or at `Group.check()`. Default: True with one process per
+      device; False when one process drives several devices (a blocking host check on one
+      device could hold back the launches its peers are waiting for).
   """
 
   def __init__(self, mesh, axis_name: str, *, num_experts: int, num_topk: int, hidden: int,
                max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
                backend: str = "auto", strict: bool = False, config_timeout_s: float = 60.0,
-               num_sms: int = 24, timeout_s: float = 10.0, raise_on_timeout: bool = True):
+               num_sms: int = 24, timeout_s: float = 60.0, raise_on_timeout: bool | None = None):
     if axis_name not in mesh.axis_names:
       raise ValueError(f"jax_ep.Group: axis_name {axis_name!r} is not an axis of the mesh "
                        f"(mesh axes: {tuple(mesh.axis_names)})")
@@ -191,8 +194,10 @@ class Group:
     if self.backend_name == "cuda" and num_ranks > 1:
       from jax_ep import backends, peer
       self._transport = peer.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s)
+      if raise_on_timeout is None:
+        raise_on_timeout = len(self._transport.group_ids) == 1
       self.backend = backends.PeerBackend(self.config, self._transport.primary_id,
-                                          raise_on_timeout)
+                                          bool(raise_on_timeout))
     else:
       self.backend = BACKENDS[self.backend_name](self.config)
     self._closed = False

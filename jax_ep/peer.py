@@ -99,8 +99,15 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
         float(timeout_s)))
 
   if len(local) == len(devices):  # one process drives every device of the group
-    ids = [make(rank, d) for rank, d in local]
-    ext.peer_group_connect_local(ids)
+    ids = []
+    try:
+      for rank, d in local:
+        ids.append(make(rank, d))
+      ext.peer_group_connect_local(ids)
+    except BaseException:
+      for gid in ids:
+        ext.peer_group_destroy(gid)
+      raise
     return PeerTransport(ids, key)
   if len(local) != 1:
     raise NotImplementedError(
@@ -120,7 +127,11 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
       ext.peer_group_destroy(gid)
       raise TimeoutError(f"jax_ep.Group: rank {peer} did not publish its buffer handle within "
                          f"{exchange_timeout_s} s (key {prefix}/{peer}): {e}") from None
-  ext.peer_group_connect(gid, handles)
+  try:
+    ext.peer_group_connect(gid, handles)
+  except BaseException:
+    ext.peer_group_destroy(gid)
+    raise
   return PeerTransport([gid], key)
 
 

@@ -510,7 +510,23 @@ std::vector<uint64_t> PointerTable(int64_t group_id) {
 
 std::optional<std::string> ErrorMessage(int64_t group_id) {
   auto g = FindOrThrow(group_id, "peer_group_error");
-  return PendingError(*g);
+  if (std::optional<std::string> msg = PendingError(*g)) return msg;
+  // NOTES: a ConnectLocal set is addressed by its primary id (the one group_id
+  // of the program), but a timeout lands in the mailbox of the member whose
+  // device spun: look at every member, or PeerBackend's status check on a
+  // non-primary device would raise without the op / rank / peer message.
+  std::vector<std::shared_ptr<Group>> members;
+  {
+    std::lock_guard<std::mutex> lock(RegistryMutex());
+    for (int64_t id : g->local_siblings) {
+      auto it = Registry().find(id);
+      if (id != group_id && it != Registry().end()) members.push_back(it->second);
+    }
+  }
+  for (const auto& member : members) {
+    if (std::optional<std::string> msg = PendingError(*member)) return msg;
+  }
+  return std::nullopt;
 }
 
 void Destroy(int64_t group_id) {

@@ -80,7 +80,8 @@ void ConnectLocal(const std::vector<int64_t>& group_ids);
 // The device pointer table as integers (empty before connect).
 std::vector<uint64_t> PointerTable(int64_t group_id);
 
-// The mailbox message of the group's first timeout, if any (no sync).
+// The mailbox message of the group's first timeout, if any (no sync); for a
+// ConnectLocal set, else the first other member's (rank order) that has one.
 std::optional<std::string> ErrorMessage(int64_t group_id);
 
 // cudaDeviceSynchronize on the group's device, close IPC handles, free

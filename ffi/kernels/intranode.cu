@@ -594,7 +594,10 @@ __global__ void __launch_bounds__(kReduceThreads)
   __shared__ int32_t s_src[kMaxR];
   __shared__ int32_t s_pos[kMaxR];
   __shared__ int32_t s_num;
-  if (Aborted(g)) return;  // outputs are garbage then; status says so
+  // NOTES: one decision per block (the loop below has barriers): `aborted`
+  // is a volatile read that a concurrent kernel of the group could flip
+  // between two threads' reads.
+  if (__syncthreads_or(Aborted(g))) return;  // outputs are garbage; status says so
   const float4* region =
       reinterpret_cast<const float4*>(g.own + g.layout.combine_rows);
   const int64_t t_max = g.max_tokens;
