@@ -14,9 +14,14 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
-from ep_test_base import EPTestBase
+import jax_ep
+from ep_test_base import EPTestBase, make_routing, random_inputs
+from jax_ep.testing import oracle
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
@@ -31,6 +36,39 @@ class TestCudaPeer(EPTestBase):
   rank_counts = (NUM_RANKS,)
   small_ranks = NUM_RANKS
   vmap_one_round = False  # peer ops run one round per batch element under vmap (documented)
+
+  def test_back_to_back_rounds_reuse_regions(self):
+    """Many rounds of dispatch, combine and their backward ops (dispatch_cached, combine_vjp)
+    through one compiled step, a new routing each round: every receive region is reused many
+    times, so a broken hand-off between calls shows up as wrong rows or a timeout."""
+    r, num_tokens, hidden, num_experts, num_topk = NUM_RANKS, 64, 256, 8 * NUM_RANKS, 4
+    group = self.make_group(r, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+                            max_tokens=num_tokens, dtype=jnp.bfloat16)
+    model = self._scaled_experts_model(group)
+
+    def body(x, idx, w, a):
+      recv, _ = jax_ep.dispatch(group, x[0], idx[0], w[0])
+      loss = lambda x, w, a: jnp.sum(model(x, idx[0], w, a).astype(jnp.float32) ** 2)
+      grads = jax.grad(loss, argnums=(0, 1, 2))(x[0], w[0], a)
+      return recv.x[None], recv.group_sizes[None], grads[0][None], grads[1][None], grads[2]
+
+    step = jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep")))
+    rng = np.random.default_rng(21)
+    patterns = ["uniform", "hot", "duplicates", "invalid", "all_masked", "unused_experts"]
+    for round_index in range(60):
+      pattern = patterns[round_index % len(patterns)]
+      x = random_inputs(rng, r, num_tokens, hidden, jnp.bfloat16)
+      idx = make_routing(rng, r, num_tokens, num_topk, num_experts, pattern)
+      w = rng.random((r, num_tokens, num_topk)).astype(np.float32)
+      a = (1 + 0.1 * rng.standard_normal((num_experts, hidden))).astype(np.float32)
+      outs = [self.to_numpy(o) for o in step(*self.shard(group, x, idx, w, a))]
+      expected = oracle.dispatch(x, idx, num_experts, group.capacity)
+      for d in self.local_ranks(group):
+        np.testing.assert_array_equal(outs[0][d], expected[d]["recv_x"],
+                                      err_msg=f"round {round_index} ({pattern}), rank {d}")
+        np.testing.assert_array_equal(outs[1][d], expected[d]["group_sizes"])
+      assert all(np.isfinite(o).all() for o in outs[2:])
+    group.check()
 
 
 WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "peer_fault_worker.py")
