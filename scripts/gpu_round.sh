@@ -36,6 +36,13 @@ if [ "$STAGE" = peer ] || [ "$STAGE" = all ]; then
       python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider 2>&1 \
       | tee "$OUT/pytest_peer_$n.log" | grep -E "passed|failed|error|Error" | tail -8
   done
+  step compute-sanitizer memcheck and racecheck, 2 ranks emulated
+  for tool in memcheck racecheck; do
+    timeout 240 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 --timeout 230 -- \
+      compute-sanitizer --tool $tool --kernel-name kns=jax_ep --print-limit 20 \
+      python3 -m pytest tests/test_cuda_peer.py -q -x -p no:cacheprovider \
+      -k "test_dispatch_combine_uniform and 128-3-8" 2>&1 | grep -E "ERROR SUMMARY|passed|failed" | tail -4
+  done
   for n in 2 4 8; do
     step peer benchmark, $n ranks emulated
     timeout 200 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 180 -- \
