@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -112,6 +113,22 @@ void PeerGroupConnect(int64_t group_id, const std::vector<nb::bytes>& handles) {
   peer::Connect(group_id, raw);
 }
 
+// Loads every kernel of the extension on `device_ordinal` (DESIGN: kernels are
+// loaded when a group is created, never lazily inside a handler). Restores the
+// caller's current device. Raises on a CUDA error.
+void PreloadKernels(int device_ordinal) {
+  int previous = 0;
+  cudaError_t err = cudaGetDevice(&previous);
+  if (err == cudaSuccess) err = cudaSetDevice(device_ordinal);
+  if (err == cudaSuccess) err = intranode::PreloadKernels();
+  if (err == cudaSuccess) err = cudaSetDevice(previous);
+  if (err != cudaSuccess) {
+    throw std::runtime_error("jax_ep: loading the kernels on device " +
+                             std::to_string(device_ordinal) + ": " +
+                             cudaGetErrorName(err));
+  }
+}
+
 int CudaRuntimeVersion() {
   // Reports the (statically linked) runtime's version; does not touch the
   // driver or any device.
@@ -134,6 +151,9 @@ NB_MODULE(_jax_ep_ffi, m) {
         "per batch element: (num_chunks + 1) * (num_experts + 1) with "
         "num_chunks = ceil(T*K / chunk), chunk = max(1024, "
         "round_up(ceil(T*K / 512), 256)).");
+  m.def("preload_kernels", &jax_ep::PreloadKernels, nb::arg("device_ordinal"),
+        "Loads every kernel (layout, local, peer transport) on a device; "
+        "called when a cuda group is created.");
   m.def("cuda_runtime_version", &jax_ep::CudaRuntimeVersion,
         "CUDA runtime version the extension was built with, e.g. 13000.");
 

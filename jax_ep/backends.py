@@ -11,8 +11,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 
-from jax_ep import reference
+from jax_ep import _ffi, cuda_ops, reference
 from jax_ep.config import EPConfig
 
 
@@ -65,19 +66,15 @@ class CudaBackend(_LayoutThenDispatch):
   name = "cuda"
 
   def layout(self, topk_idx):
-    from jax_ep import cuda_ops
     return cuda_ops.local_layout(self.config, topk_idx)
 
   def dispatch(self, x, routing, slot_weights=None):
-    from jax_ep import cuda_ops
     return cuda_ops.local_permute(self.config, x, routing, slot_weights)
 
   def combine(self, expert_out, routing, slot_weights=None):
-    from jax_ep import cuda_ops
     return cuda_ops.local_unpermute(self.config, expert_out, routing, slot_weights)
 
   def combine_vjp(self, d_out, expert_out, routing, slot_weights):
-    from jax_ep import cuda_ops
     d_expert_out = cuda_ops.local_permute(self.config, d_out, routing, slot_weights)
     return d_expert_out, cuda_ops.local_slot_dots(self.config, d_out, expert_out, routing)
 
@@ -88,7 +85,6 @@ class CudaBackend(_LayoutThenDispatch):
     return reference.low_latency_combine(self.config, expert_out, routing, topk_weights)
 
   def workspace_bytes(self) -> int:
-    from jax_ep import cuda_ops
     return cuda_ops.layout_workspace_bytes(self.config)
 
 
@@ -114,36 +110,30 @@ class PeerBackend:
 
     def raise_if_failed(value):
       if value != 0:
-        from jax_ep import _ffi
         message = _ffi.extension().peer_group_error(self.group_id)
         raise TimeoutError(message or f"jax_ep: peer op failed with status {int(value)}")
       return value
-    from jax.experimental import io_callback
     io_callback(raise_if_failed, jax.ShapeDtypeStruct((), jnp.int32), status)
 
   def dispatch_tokens(self, x, topk_idx, topk_weights):
-    from jax_ep import cuda_ops
     *outs, status = cuda_ops.peer_dispatch(self.config, self.group_id, x, topk_idx, topk_weights)
     self._checked(status)
     return tuple(outs)
 
   def dispatch(self, x, routing, slot_weights=None):
     # The weights of a weighted dispatch are the ones that travelled with the dispatch.
-    from jax_ep import cuda_ops
     recv_x, status = cuda_ops.peer_dispatch_cached(self.config, self.group_id, x, routing,
                                                    weighted=slot_weights is not None)
     self._checked(status)
     return recv_x
 
   def combine(self, expert_out, routing, slot_weights=None):
-    from jax_ep import cuda_ops
     out, status = cuda_ops.peer_combine(self.config, self.group_id, expert_out, routing,
                                         weighted=slot_weights is not None)
     self._checked(status)
     return out
 
   def combine_vjp(self, d_out, expert_out, routing, slot_weights):
-    from jax_ep import cuda_ops
     d_expert_out, d_weights, status = cuda_ops.peer_combine_vjp(
         self.config, self.group_id, d_out, expert_out, routing)
     self._checked(status)
@@ -156,7 +146,6 @@ class PeerBackend:
     return reference.low_latency_combine(self.config, expert_out, routing, topk_weights)
 
   def workspace_bytes(self) -> int:
-    from jax_ep import _ffi
     ext = _ffi.extension()
     c = self.config
     return 4 * int(ext.peer_dispatch_workspace_elems(c.num_ranks, c.max_tokens_per_rank,

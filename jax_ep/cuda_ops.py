@@ -33,22 +33,28 @@ def _varying_axes(value) -> frozenset:
   return manual.varying if manual is not None else frozenset()
 
 
-def _call(target, result_shapes, *args, **attrs):
-  """`ffi_call` whose results vary over the same shard_map axes as its operands.
+def _vary_like_operands(outs, args):
+  """Types `outs` as varying over every shard_map axis any operand varies over.
 
   NOTES: XLA FFI calls produce values typed as invariant across `shard_map` axes; inside
   `shard_map(check_vma=True)` the custom_vjp rules then see cotangents whose type differs from
   the primal's. A kernel's output depends on its (per-rank) inputs, so it varies wherever they do.
   """
-  if _ffi.extension() is None:
-    raise RuntimeError(f"jax_ep: the CUDA extension is not built; cannot call {target}")
-  outs = jax.ffi.ffi_call(target, result_shapes, vmap_method="broadcast_all")(*args, **attrs)
   varying = frozenset().union(*(_varying_axes(a) for a in args))
 
   def match(out):
     missing = tuple(sorted(varying - _varying_axes(out)))
     return jax.lax.pcast(out, missing, to="varying") if missing else out
   return jax.tree.map(match, outs)
+
+
+def _call(target, result_shapes, *args, vmap_method="broadcast_all", has_side_effect=False,
+          **attrs):
+  if _ffi.extension() is None:
+    raise RuntimeError(f"jax_ep: the CUDA extension is not built; cannot call {target}")
+  outs = jax.ffi.ffi_call(target, result_shapes, vmap_method=vmap_method,
+                          has_side_effect=has_side_effect)(*args, **attrs)
+  return _vary_like_operands(outs, args)
 
 
 def layout_workspace_elems(config: EPConfig, num_tokens: int) -> int:
@@ -131,19 +137,11 @@ class PeerRouting(NamedTuple):
 
 
 def _peer_call(target, result_shapes, *args, **attrs):
-  if _ffi.extension() is None:
-    raise RuntimeError(f"jax_ep: the CUDA extension is not built; cannot call {target}")
   # NOTES: has_side_effect keeps XLA from dropping or merging a call whose results one rank
   # does not use: every rank must issue the same ops of a group in the same order, or its peers
-  # wait for data that never comes.
-  outs = jax.ffi.ffi_call(target, result_shapes, vmap_method="sequential",
-                          has_side_effect=True)(*args, **attrs)
-  varying = frozenset().union(*(_varying_axes(a) for a in args))
-
-  def match(out):
-    missing = tuple(sorted(varying - _varying_axes(out)))
-    return jax.lax.pcast(out, missing, to="varying") if missing else out
-  return jax.tree.map(match, outs)
+  # wait for data that never comes. No batch dims in the kernels: vmap loops.
+  return _call(target, result_shapes, *args, vmap_method="sequential", has_side_effect=True,
+               **attrs)
 
 
 def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):

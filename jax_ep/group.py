@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _distributed, _ffi
-from jax_ep.backends import BACKENDS
+from jax_ep import _distributed, _ffi, cuda_ops, peer, reference
+from jax_ep.backends import BACKENDS, PeerBackend
 from jax_ep.config import EPConfig, default_capacity
 
 _DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
@@ -55,7 +55,6 @@ def _resolve_backend(backend: str, mesh, num_ranks: int) -> str:
   on_gpu = all(d.platform == "gpu" for d in mesh.devices.flat)
   if not on_gpu or _ffi.extension() is None:
     return "reference"
-  from jax_ep import peer
   if num_ranks > 1 and os.environ.get(peer.EXPERIMENTAL_ENV) != "1":
     return "reference"  # the multi-rank kernels are opt-in until validated on hardware
   return "cuda"
@@ -113,14 +112,11 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
     low_latency = slab_rows * hidden * dtype.itemsize
   comm_buffers = 0
   if backend == "cuda" and num_ranks == 1:
-    from jax_ep import cuda_ops
     workspace = cuda_ops.layout_workspace_bytes(config)
   elif backend == "cuda":
-    from jax_ep import peer
     workspace = 0
     comm_buffers = peer.buffer_bytes(config)
   else:
-    from jax_ep import reference
     workspace = reference.scratch_bytes(config)
   return MemoryEstimate(recv_x, handle, low_latency, workspace, comm_buffer_bytes=comm_buffers)
 
@@ -192,14 +188,17 @@ class Group:
     _distributed.check_same_config(key, fields, timeout_s=config_timeout_s)
     self._transport = None
     if self.backend_name == "cuda" and num_ranks > 1:
-      from jax_ep import backends, peer
       self._transport = peer.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s)
       if raise_on_timeout is None:
         raise_on_timeout = len(self._transport.group_ids) == 1
-      self.backend = backends.PeerBackend(self.config, self._transport.primary_id,
-                                          bool(raise_on_timeout))
+      self.backend = PeerBackend(self.config, self._transport.primary_id,
+                                 bool(raise_on_timeout))
     else:
       self.backend = BACKENDS[self.backend_name](self.config)
+      if self.backend_name == "cuda":  # load the kernels now, not inside the first handler
+        for device in mesh.devices.flat:
+          if device.process_index == jax.process_index():
+            _ffi.extension().preload_kernels(device.local_hardware_id)
     self._closed = False
 
   # Shorthands for the configuration.
