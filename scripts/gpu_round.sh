@@ -3,17 +3,20 @@
 # carried in as jax_ep/_jax_ep_ffi*.so (see README). Logs and results go to $OUT (or ./gpu_out).
 #   bash scripts/gpu_round.sh local   # one-rank kernels: suite, main job, sanitizer, benchmark
 #   bash scripts/gpu_round.sh peer    # peer transport emulated on one GPU: suites, faults, bench
+#   bash scripts/gpu_round.sh smoke   # peer transport: pointer table + one small test at N=2
 #   bash scripts/gpu_round.sh all
+# Several stages may be given in one call (one device round): gpu_round.sh local smoke
 set -uo pipefail
 cd "$(dirname "$0")/.."
-STAGE=${1:-all}
+STAGES=" ${*:-all} "
+has() { [[ "$STAGES" == *" $1 "* ]] || [[ "$STAGES" == *" all "* ]]; }
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date +%T))"; }
 step device; nvidia-smi -L
 python3 -c "import jax, jax_ep._ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available())"
 
-if [ "$STAGE" = local ] || [ "$STAGE" = all ]; then
+if has local; then
   step cuda one-rank suite
   timeout 240 python3 -m pytest tests/test_cuda_local.py -q -rf -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
   step benchmark, one rank
@@ -26,16 +29,26 @@ if [ "$STAGE" = local ] || [ "$STAGE" = all ]; then
     --print-limit 20 python3 scripts/sanitize_local.py 2>&1 | tail -6
 fi
 
-if [ "$STAGE" = peer ] || [ "$STAGE" = all ]; then
-  export JAX_EP_EXPERIMENTAL_PEER=1
-  step peer transport: single-process pointer table and fault cases
-  timeout 200 python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider 2>&1 | tail -15
-  for n in 2 4 8; do
+export JAX_EP_EXPERIMENTAL_PEER=1
+if has smoke; then
+  step peer smoke: single-process pointer table, then one small case at N=2
+  timeout 60 python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider \
+    -k pointer_table 2>&1 | tail -5
+  timeout 150 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 --timeout 140 -- \
+    python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider \
+    -k "test_dispatch_combine_uniform" 2>&1 | tee "$OUT/pytest_smoke.log" | tail -40
+fi
+
+for n in 2 4 8; do
+  if has peer || has peer$n; then
     step peer suite, $n ranks emulated on one GPU
     timeout 300 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 280 -- \
-      python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider 2>&1 \
+      python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
       | tee "$OUT/pytest_peer_$n.log" | grep -E "passed|failed|error|Error" | tail -8
-  done
+  fi
+done
+
+if has peer || has sanitize; then
   step compute-sanitizer memcheck and racecheck, 2 ranks emulated
   for tool in memcheck racecheck; do
     timeout 240 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 --timeout 230 -- \
@@ -43,7 +56,10 @@ if [ "$STAGE" = peer ] || [ "$STAGE" = all ]; then
       python3 -m pytest tests/test_cuda_peer.py -q -x -p no:cacheprovider \
       -k "test_dispatch_combine_uniform and 128-3-8" 2>&1 | grep -E "ERROR SUMMARY|passed|failed" | tail -4
   done
-  for n in 2 4 8; do
+fi
+
+if has peer || has bench; then
+  for n in ${BENCH_RANKS:-2 4 8}; do
     step peer benchmark, $n ranks emulated
     timeout 200 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 180 -- \
       python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 | tail -6

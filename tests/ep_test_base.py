@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import zlib
 
 import jax
 import jax.test_util
@@ -193,7 +194,10 @@ class EPTestBase:
                  capacity=None, max_tokens=None, weighted=True):
     group = self.make_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
                             max_tokens=max_tokens or num_tokens, dtype=dtype, capacity=capacity)
-    rng = np.random.default_rng(hash((num_ranks, num_tokens, hidden, num_topk, pattern)) % 2**32)
+    # NOTES: a seed every process derives alike (str hashes are salted per process, so `hash`
+    # would give each rank of a multi-process run different inputs).
+    seed = zlib.crc32(repr((num_ranks, num_tokens, hidden, num_topk, pattern)).encode())
+    rng = np.random.default_rng(seed)
     x = random_inputs(rng, num_ranks, num_tokens, hidden, dtype)
     idx = make_routing(rng, num_ranks, num_tokens, num_topk, num_experts, pattern)
     w = rng.random((num_ranks, num_tokens, num_topk)).astype(np.float32)
