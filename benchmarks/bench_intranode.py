@@ -80,6 +80,8 @@ def main():
   parser.add_argument("--topk", type=int, default=8)
   parser.add_argument("--experts", type=int, default=256)
   parser.add_argument("--calls", type=int, default=4)
+  parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
+                      help="skip the per-kernel device time breakdown (a profiler trace)")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--out", default="intranode.jsonl")
   parser.add_argument("--backends", nargs="+", default=["cuda", "reference"])
@@ -141,6 +143,16 @@ def main():
                                                                  (median_us * 1e-6) / 1e9, 1),
                                  roofline=round(roofline, 3), **base))
 
+  def breakdown(title, fn, fn_args):
+    """Process 0's device time per kernel for one batch of `calls` (where the time goes)."""
+    if not args.breakdown or devices[0].platform != "gpu":
+      return
+    rows = common.kernel_breakdown(fn, fn_args)
+    if jax.process_index() == 0 and rows:
+      print(f"{title}: device time per call by kernel (process 0; us, launches)")
+      for name, us, launches in rows[:12]:
+        print(f"  {us / calls:9.1f}  {launches / calls:4.1f}  {name[:90]}")
+
   backends = [b for b in args.backends if not (shared_gpu and b == "reference")]
   for backend in backends:
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
@@ -152,6 +164,7 @@ def main():
     seconds, _ = common.time_batches(batched(dispatch), (xs, idxs, ws), repeats=args.repeats,
                                      method="host_clock")
     add("dispatch", backend, seconds)
+    breakdown(f"{backend} dispatch", batched(dispatch), (xs, idxs, ws))
     results = [jax.jit(dispatch)(x, i, w) for x, i, w in zip(xs, idxs, ws)]
     eos = [recv.x for recv, _ in results]
     handles = [handle for _, handle in results]
@@ -160,6 +173,7 @@ def main():
     seconds, _ = common.time_batches(batched(combine), (eos, handles), repeats=args.repeats,
                                      method="host_clock")
     add("combine", backend, seconds)
+    breakdown(f"{backend} combine", batched(combine), (eos, handles))
     group.check()
     group.close()
 

@@ -93,6 +93,40 @@ def _device_spans(fn, args, repeats: int) -> list[float]:
   return split_runs(events, repeats)
 
 
+def kernel_breakdown(fn, args, *, repeats: int = 5) -> list[tuple[str, float, int]]:
+  """Per kernel name: (name, mean device microseconds per run, launches per run), longest first.
+
+  Every process of a multi-process benchmark must call this the same number of times (it runs
+  `fn` `repeats` times whatever happens); it returns [] when the trace cannot be read.
+  """
+  import glob
+  import tempfile
+  from jax._src.lib import _profile_data
+
+  totals: dict[str, list[float]] = {}
+  with tempfile.TemporaryDirectory() as trace_dir:
+    jax.profiler.start_trace(trace_dir)
+    try:
+      for _ in range(repeats):
+        jax.block_until_ready(fn(*args))
+    finally:
+      jax.profiler.stop_trace()
+    try:
+      (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+      profile = _profile_data.ProfileData.from_file(path)
+    except Exception:  # noqa: BLE001 - a diagnostic only
+      return []
+    for plane in profile.planes:
+      if not plane.name.startswith("/device:GPU"):
+        continue
+      for line in plane.lines:
+        if line.name.startswith("Stream"):
+          for ev in line.events:
+            totals.setdefault(ev.name, []).append(ev.duration_ns)
+  rows = [(name, sum(d) / repeats / 1e3, len(d) // repeats) for name, d in totals.items()]
+  return sorted(rows, key=lambda r: -r[1])
+
+
 def split_runs(events, num_runs: int) -> list[float]:
   """Seconds spanned by each of `num_runs` runs in `(start_ns, end_ns)` device events."""
   if len(events) < num_runs:

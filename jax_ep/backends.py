@@ -9,9 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from jax_ep import _ffi, cuda_ops, reference
 from jax_ep.config import EPConfig
@@ -95,9 +93,10 @@ class PeerBackend:
   Attributes:
     config: the group configuration.
     group_id: the native peer group the handlers look up (the primary one of this process).
-    raise_on_timeout: check each op's status on the host right after it (an `io_callback`, i.e.
-      one host synchronisation per op) and raise `TimeoutError` naming op, rank and peer. When
-      False, a timeout is reported by the next call on the group and by `Group.check()`.
+    raise_on_timeout: check each op's status on the host right after it (a `jax.debug.callback`,
+      i.e. one host synchronisation per op) and raise `TimeoutError` naming op, rank and peer
+      (surfacing wrapped in JAX's runtime error). When False, a timeout is reported by the next
+      call on the group and by `Group.check()`.
   """
   config: EPConfig
   group_id: int
@@ -112,8 +111,10 @@ class PeerBackend:
       if value != 0:
         message = _ffi.extension().peer_group_error(self.group_id)
         raise TimeoutError(message or f"jax_ep: peer op failed with status {int(value)}")
-      return value
-    io_callback(raise_if_failed, jax.ShapeDtypeStruct((), jnp.int32), status)
+    # NOTES: a debug callback, not an io_callback: its effect is allowed under
+    # `jax.checkpoint` (a layer stack under scan + remat), and a check that runs twice when the
+    # forward pass is recomputed is harmless.
+    jax.debug.callback(raise_if_failed, status)
 
   def dispatch_tokens(self, x, topk_idx, topk_weights):
     *outs, status = cuda_ops.peer_dispatch(self.config, self.group_id, x, topk_idx, topk_weights)

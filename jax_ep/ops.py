@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from jax_ep import primitives
 from jax_ep.group import Group
@@ -125,13 +124,15 @@ def _raise_if_dropped(num_dropped):
     raise RuntimeError(f"jax_ep.dispatch: {int(num_dropped)} rows did not fit in the receive "
                        f"capacity and were dropped (group created with strict=True); raise "
                        f"capacity or pass strict=False to count drops instead")
-  return num_dropped
 
 
 def _strict_check(group: Group, num_dropped):
   if not group.strict:
     return num_dropped
-  return io_callback(_raise_if_dropped, jax.ShapeDtypeStruct((), jnp.int32), num_dropped)
+  # A debug callback (not an io_callback) so that strict groups also work under
+  # `jax.checkpoint`; the check may then run twice, which is harmless.
+  jax.debug.callback(_raise_if_dropped, num_dropped)
+  return num_dropped
 
 
 def dispatch(group: Group, x, topk_idx, topk_weights):

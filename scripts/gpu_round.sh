@@ -62,7 +62,8 @@ if has peer || has bench; then
   for n in ${BENCH_RANKS:-2 4 8}; do
     step peer benchmark, $n ranks emulated
     timeout 200 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 180 -- \
-      python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 | tail -6
+      python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 \
+      | tee "$OUT/bench_intranode_$n.log" | grep -E "^\[0\] (  |op |dispatch|combine|cuda|wrote)" | tail -40
   done
   cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null
 fi
