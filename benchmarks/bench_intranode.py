@@ -82,6 +82,8 @@ def main():
   parser.add_argument("--calls", type=int, default=4)
   parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                       help="skip the per-kernel device time breakdown (a profiler trace)")
+  parser.add_argument("--capacity-factor", type=float, default=1.0,
+                      help="receive capacity over the most slots any rank receives")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--out", default="intranode.jsonl")
   parser.add_argument("--backends", nargs="+", default=["cuda", "reference"])
@@ -99,27 +101,38 @@ def main():
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices)
   sharding = NamedSharding(mesh, P("ep"))
   t, h, k, e, calls = args.tokens, args.hidden, args.topk, args.experts, args.calls
-  rng = np.random.default_rng(0)  # the same on every process; each feeds its own shards
   dtype = jnp.bfloat16
 
-  def global_array(make):
-    full = make()
-    return jax.make_array_from_callback(full.shape, sharding, lambda i: full[i])
+  def global_array(make_shard):
+    """A `[R, ...]` array; each process builds (on the host) only the shards it holds."""
+    shape = np.shape(make_shard(0, probe=True))
+    def shard(index):
+      r = index[0].start or 0
+      return make_shard(r)[None]
+    return jax.make_array_from_callback((num_ranks, *shape), sharding, shard)
 
   xs, idxs, ws, idx_host = [], [], [], []
-  for _ in range(calls):
-    xs.append(global_array(lambda: np.asarray(
-        jnp.asarray(rng.standard_normal((num_ranks, t, h), np.float32), dtype))))
-    idx = np.stack([common.uniform_topk(rng, t, e, k) for _ in range(num_ranks)])
-    idxs.append(global_array(lambda idx=idx: idx))
+  for s in range(calls):
+    # Seeded per (input set, rank): every process derives the same routing for every rank.
+    rng_of = lambda r, s=s: np.random.default_rng([s, r])
+    xs.append(global_array(lambda r, probe=False, rng_of=rng_of: np.zeros((t, h), dtype) if probe
+                           else rng_of(r).standard_normal((t, h), np.float32).astype(dtype)))
+    idx = np.stack([common.uniform_topk(rng_of(r), t, e, k) for r in range(num_ranks)])
+    idxs.append(global_array(lambda r, probe=False, idx=idx: idx[r]))
     idx_host.append(idx)
-    ws.append(global_array(lambda: rng.random((num_ranks, t, k)).astype(np.float32)))
+    ws.append(global_array(lambda r, probe=False, rng_of=rng_of:
+                           rng_of(r + 1000).random((t, k)).astype(np.float32)))
 
   # Field accounting from the routing of the first input set (uniform routing: all sets alike).
   dest = idx_host[0] // (e // num_ranks)
   recv_tokens = [int(np.sum(np.any(dest == r, axis=-1))) for r in range(num_ranks)]
   row_bytes = h * 2
   per_rank_bytes = int(np.mean(recv_tokens)) * row_bytes
+  # Receive capacity: the most slots any rank receives over the input sets, times the capacity
+  # factor (the contract's worst-case default, R * T * min(K, L) rows, is mostly zero tail here).
+  most_slots = max(int(np.sum(i // (e // num_ranks) == r)) for i in idx_host
+                   for r in range(num_ranks))
+  capacity = int(np.ceil(most_slots * args.capacity_factor / 128) * 128)
   slot_rows = num_ranks * t * k
   min_hbm = (num_ranks * t + slot_rows) * row_bytes
 
@@ -129,7 +142,7 @@ def main():
   base = dict(mode="high_throughput", ranks=num_ranks, process_model=process_model,
               tokens_per_rank=t, hidden=h, topk=k, experts=e, dtype="bfloat16",
               wire_dtype="bfloat16", bytes=per_rank_bytes, min_hbm_bytes=min_hbm,
-              bound_gbps=round(bound_gbps, 1), bound=bound_name)
+              bound_gbps=round(bound_gbps, 1), bound=bound_name, capacity=capacity)
   records = []
 
   def add(op, backend, seconds):
@@ -156,7 +169,7 @@ def main():
   backends = [b for b in args.backends if not (shared_gpu and b == "reference")]
   for backend in backends:
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
-                         dtype=dtype, backend=backend, raise_on_timeout=False)
+                         dtype=dtype, backend=backend, capacity=capacity, raise_on_timeout=False)
     per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     dispatch = per_shard(lambda x, i, w: jax.tree.map(
         lambda v: v[None], jax_ep.dispatch(group, x[0], i[0], w[0])))

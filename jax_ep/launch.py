@@ -30,6 +30,9 @@ else is unset, so e.g. the caller's NVLink-multicast settings reach the children
     JAX_EP_LOCAL_DEVICE_IDS  `0` with --share-gpu; `i` when at least N GPUs are visible;
                              unset otherwise (CPU runs)
     JAX_EP_SHARED_GPU        `1` with --share-gpu (the processes cannot run XLA collectives)
+    XLA_PYTHON_CLIENT_PREALLOCATE  `false` with --share-gpu, unless the caller set it or another
+                             XLA_PYTHON_CLIENT_* allocator variable: N processes that each
+                             preallocated 75% of the one GPU would run out of memory
 
 A child joins the job with `initialize_from_env()` (below). Every output line of process `i` is
 prefixed with `[i] `. The launcher's exit code is the first non-zero exit code of a child (a child
@@ -363,6 +366,8 @@ def launch(cmd: Sequence[str], num_processes: int, *, share_gpu: bool = False,
       if share_gpu:
         env[ENV_LOCAL_DEVICE_IDS] = "0"
         env[ENV_SHARED_GPU] = "1"  # tests skip what needs XLA collectives (NCCL refuses)
+        if not any(k.startswith("XLA_PYTHON_CLIENT_") for k in base_env):
+          env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
       elif gpu_per_process:
         env[ENV_LOCAL_DEVICE_IDS] = str(i)
       try:

@@ -54,7 +54,8 @@ if has peer || has sanitize; then
     timeout 240 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 --timeout 230 -- \
       compute-sanitizer --tool $tool --kernel-name kns=jax_ep --print-limit 20 \
       python3 -m pytest tests/test_cuda_peer.py -q -x -p no:cacheprovider \
-      -k "test_dispatch_combine_uniform and 128-3-8" 2>&1 | grep -E "ERROR SUMMARY|passed|failed" | tail -4
+      -k "test_dispatch_combine_uniform and 128-3-8" 2>&1 | tee "$OUT/sanitize_$tool.log" \
+      | grep -E "ERROR SUMMARY|passed|failed" | tail -4
   done
 fi
 

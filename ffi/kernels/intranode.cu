@@ -43,8 +43,9 @@
 //   FinishKernel then writes status = 1 and publishes nothing. The handler of
 //   any later call reads the mailbox first and fails with its message. Never
 //   a hang, never a trap.
-// * Bounded grid: the send kernels always run exactly `num_blocks` blocks
-//   (the group's SM budget, and a constant the monotonic counters rely on).
+// * Bounded grid: each send kernel always runs exactly `num_blocks` times its
+//   blocks-per-SM constant (the group's SM budget at about 1024 threads per
+//   SM; a constant per kernel, which the monotonic counters rely on).
 //   The waits run in one block. The local kernels (layout, permute, reduce)
 //   do not spin.
 // * Determinism: positions come from scans, reductions have a fixed order;
@@ -80,6 +81,12 @@ constexpr int kReduceLoads = 8;       // partial rows in flight per thread
 constexpr int kCombineLoads = 8;      // expert rows in flight per thread
 constexpr int kDotsGroup = 8;         // slots reduced together in dots
 constexpr int kMaxBlocksPerSm = 16;
+// Blocks per budgeted SM of each send kernel (about 1024 threads per SM): one block per SM
+// keeps too few bytes in flight to hide the latency of peer (or, emulated, HBM) loads and
+// stores; measured on the H200, combine send ran latency-bound at ~0.4 TB/s with one.
+constexpr int kRowsSendBlocksPerSm = 1024 / kCommThreads;
+constexpr int kCombineSendBlocksPerSm = 1024 / kCombineThreads;
+constexpr int kDotsSendBlocksPerSm = 1024 / kDotsThreads;
 constexpr int kMaxWaves = 8;
 static_assert(kMaxR <= 64, "destinations are staged by one warp, two ballots");
 static_assert(kMaxK <= 32, "slot staging uses one warp, lane k = slot k");
@@ -342,7 +349,7 @@ __global__ void __launch_bounds__(kLayoutThreads)
   }
 }
 
-// Items: tokens (grid-stride over exactly g.num_blocks blocks). Token t is
+// Items: tokens (grid-stride over a fixed grid, see LaunchRowsSend). Token t is
 // read once and written to every rank d with send_pos[t, d] >= 0 at
 // dispatch_rows[this rank][send_pos]; kWithMeta also writes its K local
 // expert ids (-1 for slots of other ranks), K weights and the token index.
@@ -815,11 +822,12 @@ cudaError_t LaunchRowsSend(const PeerView& g, PeerOp op, const void* x,
                            const float* topk_weights, const int32_t* count_to,
                            int64_t num_tokens, int64_t num_experts,
                            int64_t num_local, cudaStream_t stream) {
-  // NOTES: always exactly g.num_blocks blocks (the counters rely on it).
+  // NOTES: always the same grid for this kernel (the counters rely on it).
   unsigned long long* counter =
       &g.state->blocks_done[kWithMeta ? kDispatchSendCounter
                                       : kRowsSendCounter];
-  RowsSendKernel<kWithMeta><<<g.num_blocks, kCommThreads, 0, stream>>>(
+  RowsSendKernel<kWithMeta>
+      <<<g.num_blocks * kRowsSendBlocksPerSm, kCommThreads, 0, stream>>>(
       g, op, static_cast<const uint4*>(x), send_pos, topk_idx, topk_weights,
       count_to, static_cast<int32_t>(num_tokens),
       static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local),
@@ -834,7 +842,8 @@ struct CombineLaunch {
                          const int32_t* recv_counts, const int32_t* send_pos,
                          int64_t num_tokens, int64_t capacity, bool weighted,
                          void* out, int32_t* status, cudaStream_t stream) {
-    CombineSendKernel<T><<<g.num_blocks, kCombineThreads, 0, stream>>>(
+    CombineSendKernel<T><<<g.num_blocks * kCombineSendBlocksPerSm,
+                           kCombineThreads, 0, stream>>>(
         g, static_cast<const uint4*>(expert_out), entry_row, entry_weights,
         recv_counts, capacity, weighted);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -859,7 +868,8 @@ struct DotsLaunch {
   static cudaError_t Run(const PeerView& g, const void* expert_out,
                          const int32_t* entry_row, const int32_t* recv_counts,
                          int64_t capacity, cudaStream_t stream) {
-    DotsSendKernel<T><<<g.num_blocks, kDotsThreads, 0, stream>>>(
+    DotsSendKernel<T><<<g.num_blocks * kDotsSendBlocksPerSm, kDotsThreads, 0,
+                        stream>>>(
         g, static_cast<const uint4*>(expert_out), entry_row, recv_counts,
         capacity);
     return cudaGetLastError();
