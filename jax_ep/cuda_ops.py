@@ -144,6 +144,19 @@ def _peer_call(target, result_shapes, *args, **attrs):
                **attrs)
 
 
+def _storage_rows(capacity: int) -> int:
+  """Rows of the peer ops' `[capacity, H]` buffers: at least one (see StorageRows in
+  ffi/handlers/peer_common.h: XLA:GPU crashed compiling a side-effecting custom call with a
+  zero-row result), sliced back to `capacity` here."""
+  return max(capacity, 1)
+
+
+def _pad_rows(expert_out):
+  if expert_out.shape[-2] > 0:
+    return expert_out
+  return jnp.zeros((*expert_out.shape[:-2], 1, expert_out.shape[-1]), expert_out.dtype)
+
+
 def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
   """Returns `(recv_x, group_sizes, num_dropped, num_invalid, routing, status)`."""
   ext = _ffi.extension()
@@ -151,7 +164,8 @@ def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
   r, n, i32 = config.num_ranks, config.num_ranks * config.max_tokens_per_rank, jnp.int32
   workspace = int(ext.peer_dispatch_workspace_elems(r, config.max_tokens_per_rank, num_topk,
                                                     config.num_experts))
-  shapes = (jax.ShapeDtypeStruct((config.capacity, x.shape[-1]), x.dtype),   # recv_x
+  rows = _storage_rows(config.capacity)
+  shapes = (jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype),               # recv_x
             jax.ShapeDtypeStruct((config.num_local_experts,), i32),          # group_sizes
             jax.ShapeDtypeStruct((), i32),                                   # num_dropped
             jax.ShapeDtypeStruct((), i32),                                   # num_invalid
@@ -167,18 +181,20 @@ def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
        group_id=np.int64(group_id), num_experts=np.int64(config.num_experts),
        capacity=np.int64(config.capacity))
   routing = PeerRouting(send_pos, entry_row, entry_weights, recv_counts, group_sizes, topk_idx)
+  recv_x = recv_x[:config.capacity]
   return recv_x, group_sizes, num_dropped, num_invalid, routing, status
 
 
 def peer_dispatch_cached(config: EPConfig, group_id: int, x, routing: PeerRouting,
                          weighted: bool):
   """Returns `(recv_x, status)`: rows placed by an earlier dispatch's layout."""
-  shapes = (jax.ShapeDtypeStruct((config.capacity, x.shape[-1]), x.dtype),
+  shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
-  return _peer_call("jax_ep_peer_dispatch_cached", shapes, x, routing.send_pos,
-                    routing.entry_row, routing.entry_weights, routing.recv_counts,
-                    routing.group_sizes, group_id=np.int64(group_id),
-                    capacity=np.int64(config.capacity), weighted=bool(weighted))
+  recv_x, status = _peer_call(
+      "jax_ep_peer_dispatch_cached", shapes, x, routing.send_pos, routing.entry_row,
+      routing.entry_weights, routing.recv_counts, routing.group_sizes,
+      group_id=np.int64(group_id), capacity=np.int64(config.capacity), weighted=bool(weighted))
+  return recv_x[:config.capacity], status
 
 
 def peer_combine(config: EPConfig, group_id: int, expert_out, routing: PeerRouting,
@@ -187,18 +203,20 @@ def peer_combine(config: EPConfig, group_id: int, expert_out, routing: PeerRouti
   num_tokens = routing.send_pos.shape[0]
   shapes = (jax.ShapeDtypeStruct((num_tokens, expert_out.shape[-1]), expert_out.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
-  return _peer_call("jax_ep_peer_combine", shapes, expert_out, routing.entry_row,
+  return _peer_call("jax_ep_peer_combine", shapes, _pad_rows(expert_out), routing.entry_row,
                     routing.entry_weights, routing.recv_counts, routing.send_pos,
                     group_id=np.int64(group_id), weighted=bool(weighted))
 
 
 def peer_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out, routing: PeerRouting):
   """Returns `(d_expert_out [C, H], d_weights [T, K] f32, status)`."""
-  shapes = (jax.ShapeDtypeStruct(expert_out.shape, expert_out.dtype),
+  padded = _pad_rows(expert_out)
+  shapes = (jax.ShapeDtypeStruct(padded.shape, expert_out.dtype),
             jax.ShapeDtypeStruct(routing.topk_idx.shape, jnp.float32),
             jax.ShapeDtypeStruct((), jnp.int32))
-  return _peer_call("jax_ep_peer_combine_vjp", shapes, d_out.astype(expert_out.dtype),
-                    expert_out, routing.topk_idx, routing.send_pos, routing.entry_row,
-                    routing.entry_weights, routing.recv_counts, routing.group_sizes,
-                    group_id=np.int64(group_id), num_experts=np.int64(config.num_experts),
-                    capacity=np.int64(config.capacity))
+  d_expert_out, d_weights, status = _peer_call(
+      "jax_ep_peer_combine_vjp", shapes, d_out.astype(expert_out.dtype), padded,
+      routing.topk_idx, routing.send_pos, routing.entry_row, routing.entry_weights,
+      routing.recv_counts, routing.group_sizes, group_id=np.int64(group_id),
+      num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity))
+  return d_expert_out[:config.capacity], d_weights, status

@@ -39,6 +39,7 @@ namespace {
 
 namespace ffi = ::xla::ffi;
 using peer_ffi::CheckShape;
+using peer_ffi::StorageRows;
 
 constexpr char kOp[] = "jax_ep_peer_combine_vjp";
 
@@ -64,7 +65,8 @@ ffi::Error PeerCombineVjpImpl(
 
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "expert_out",
                                         expert_out.dimensions(),
-                                        {capacity, hidden}, "[capacity, H]"));
+                                        {StorageRows(capacity), hidden},
+                                        "[max(capacity, 1), H]"));
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckGroupDtype(
       kOp, "expert_out", expert_out.element_type(), *group, &dtype));
@@ -93,7 +95,8 @@ ffi::Error PeerCombineVjpImpl(
       kOp, "group_sizes", group_sizes.dimensions(), {num_local}, "[E / R]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "d_expert_out",
                                         d_expert_out->dimensions(),
-                                        {capacity, hidden}, "[capacity, H]"));
+                                        {StorageRows(capacity), hidden},
+                                        "[max(capacity, 1), H]"));
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
       kOp, "d_expert_out", d_expert_out->element_type(), "expert_out",
       expert_out.element_type()));

@@ -36,6 +36,7 @@ namespace {
 
 namespace ffi = ::xla::ffi;
 using peer_ffi::CheckShape;
+using peer_ffi::StorageRows;
 
 constexpr char kOp[] = "jax_ep_peer_dispatch";
 
@@ -76,7 +77,8 @@ ffi::Error PeerDispatchImpl(
                                         {num_tokens, num_topk}, "[T, K]"));
 
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "recv_x", recv_x->dimensions(),
-                                        {capacity, hidden}, "[capacity, H]"));
+                                        {StorageRows(capacity), hidden},
+                                        "[max(capacity, 1), H]"));
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
       kOp, "recv_x", recv_x->element_type(), "x", x.element_type()));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(

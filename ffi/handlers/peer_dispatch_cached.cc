@@ -35,6 +35,7 @@ namespace {
 
 namespace ffi = ::xla::ffi;
 using peer_ffi::CheckShape;
+using peer_ffi::StorageRows;
 
 constexpr char kOp[] = "jax_ep_peer_dispatch_cached";
 
@@ -74,7 +75,8 @@ ffi::Error PeerDispatchCachedImpl(
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
       kOp, "group_sizes", group_sizes.dimensions(), {num_local}, "[E / R]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "recv_x", recv_x->dimensions(),
-                                        {capacity, hidden}, "[capacity, H]"));
+                                        {StorageRows(capacity), hidden},
+                                        "[max(capacity, 1), H]"));
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
       kOp, "recv_x", recv_x->element_type(), "x", x.element_type()));
   JAX_EP_FFI_RETURN_IF_ERROR(

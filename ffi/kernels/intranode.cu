@@ -16,9 +16,10 @@
 //   (FinishKernel) advances it. No per-call value is baked into a launch, so
 //   an op captured in a CUDA graph replays correctly. All ranks must issue
 //   the ops of one group in the same order (SPMD programs do).
-// * Send. A send kernel first waits until every destination d has released
-//   the region from the previous call: d's `consumed[region]` >= seq - 1
-//   (ld.acquire.sys through the pointer table). Then it writes rows / meta
+// * Send. WaitConsumedKernel (one block) first waits until every destination
+//   d has released the region from the previous call: d's
+//   `consumed[region]` >= seq - 1 (ld.acquire.sys through the pointer table).
+//   The send kernel after it (stream order) writes rows / meta
 //   with ordinary stores into d's region at [this rank][position]. Each block
 //   then runs __threadfence_system() in every thread, a barrier, and one
 //   atomicAdd on a monotonic per-kernel "blocks done" counter in device
@@ -46,8 +47,9 @@
 // * Bounded grid: each send kernel always runs exactly `num_blocks` times its
 //   blocks-per-SM constant (the group's SM budget at about 1024 threads per
 //   SM; a constant per kernel, which the monotonic counters rely on).
-//   The waits run in one block. The local kernels (layout, permute, reduce)
-//   do not spin.
+//   The waits run in one block each: a rank never holds more than one
+//   spinning block, so ranks sharing one GPU cannot starve each other of SMs.
+//   The local kernels (layout, permute, reduce) do not spin.
 // * Determinism: positions come from scans, reductions have a fixed order;
 //   no atomic decides where data goes.
 
@@ -197,18 +199,26 @@ __device__ bool SpinWait(const PeerView& g, const uint64_t* flag, WaitKind what,
   }
 }
 
-// Send-kernel prologue: thread d < R waits for rank d to have released
-// `region` from the previous call. Block-uniform result; false: return.
-__device__ bool WaitConsumed(const PeerView& g, int region, uint64_t seq,
-                             PeerOp op) {
-  bool ok = !Aborted(g);
-  if (ok && threadIdx.x < g.num_ranks) {
-    const int d = threadIdx.x;
-    uint64_t v = 0;
-    ok = SpinWait(g, ConsumedFlag(g.peers[d], g, region), WaitKind::kConsumed,
-                  seq, op, region, d, &v);
-  }
-  return __syncthreads_and(ok) != 0;
+// Runs (one block) before every send kernel: thread d < R waits for rank d to
+// have released `region` from the previous call.
+// NOTES: the wait is a kernel of its own, not a prologue of the send kernel,
+// so that at most one spinning block per rank exists. Ranks sharing one GPU
+// (MPS) would otherwise fill the SMs with send blocks spinning on a peer whose
+// release (its FinishKernel, or the reduce before it) then never gets an SM.
+__global__ void __launch_bounds__(kWaitThreads)
+    WaitConsumedKernel(PeerView g, PeerOp op, int region) {
+  const int d = threadIdx.x;
+  if (d >= g.num_ranks || Aborted(g)) return;
+  const uint64_t seq = CurrentSeq(g, region);
+  uint64_t v = 0;
+  SpinWait(g, ConsumedFlag(g.peers[d], g, region), WaitKind::kConsumed, seq,
+           op, region, d, &v);
+}
+
+// Send-kernel prologue: true (block-uniform) when the group aborted (then
+// the kernel returns and its op's FinishKernel reports the failure).
+__device__ __forceinline__ bool BlockSeesAbort(const PeerView& g) {
+  return __syncthreads_or(Aborted(g)) != 0;
 }
 
 // Send-kernel epilogue, called once by every block after its last store to a
@@ -369,7 +379,7 @@ __global__ void __launch_bounds__(kCommThreads)
   __shared__ int32_t s_idx[kMaxK];
   __shared__ float s_w[kMaxK];
   const uint64_t seq = CurrentSeq(g, kDispatchRegion);
-  if (!WaitConsumed(g, kDispatchRegion, seq, op)) return;
+  if (BlockSeesAbort(g)) return;
   if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
   const int me = g.rank;
   const int32_t num_topk = g.num_topk;
@@ -521,7 +531,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float s_w[kMaxK];
   __shared__ int32_t s_num;
   const uint64_t seq = CurrentSeq(g, kCombineRegion);
-  if (!WaitConsumed(g, kCombineRegion, seq, PeerOp::kCombine)) return;
+  if (BlockSeesAbort(g)) return;
   if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
   StageItemStarts(recv_counts, g, s_start);
   __syncthreads();
@@ -671,7 +681,7 @@ __global__ void __launch_bounds__(kDotsThreads)
   __shared__ char* s_peer[kMaxR];
   __shared__ int32_t s_start[kMaxR + 1];
   const uint64_t seq = CurrentSeq(g, kDotsRegion);
-  if (!WaitConsumed(g, kDotsRegion, seq, PeerOp::kCombineVjp)) return;
+  if (BlockSeesAbort(g)) return;
   if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
   StageItemStarts(recv_counts, g, s_start);
   __syncthreads();
@@ -810,6 +820,12 @@ cudaError_t LaunchWait(const PeerView& g, PeerOp op, int region,
   return cudaGetLastError();
 }
 
+cudaError_t LaunchWaitConsumed(const PeerView& g, PeerOp op, int region,
+                               cudaStream_t stream) {
+  WaitConsumedKernel<<<1, kWaitThreads, 0, stream>>>(g, op, region);
+  return cudaGetLastError();
+}
+
 cudaError_t LaunchFinish(const PeerView& g, unsigned region_mask,
                          int32_t* status, cudaStream_t stream) {
   FinishKernel<<<1, 32, 0, stream>>>(g, region_mask, status);
@@ -822,6 +838,8 @@ cudaError_t LaunchRowsSend(const PeerView& g, PeerOp op, const void* x,
                            const float* topk_weights, const int32_t* count_to,
                            int64_t num_tokens, int64_t num_experts,
                            int64_t num_local, cudaStream_t stream) {
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      LaunchWaitConsumed(g, op, kDispatchRegion, stream));
   // NOTES: always the same grid for this kernel (the counters rely on it).
   unsigned long long* counter =
       &g.state->blocks_done[kWithMeta ? kDispatchSendCounter
@@ -842,6 +860,8 @@ struct CombineLaunch {
                          const int32_t* recv_counts, const int32_t* send_pos,
                          int64_t num_tokens, int64_t capacity, bool weighted,
                          void* out, int32_t* status, cudaStream_t stream) {
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        LaunchWaitConsumed(g, PeerOp::kCombine, kCombineRegion, stream));
     CombineSendKernel<T><<<g.num_blocks * kCombineSendBlocksPerSm,
                            kCombineThreads, 0, stream>>>(
         g, static_cast<const uint4*>(expert_out), entry_row, entry_weights,
@@ -868,6 +888,8 @@ struct DotsLaunch {
   static cudaError_t Run(const PeerView& g, const void* expert_out,
                          const int32_t* entry_row, const int32_t* recv_counts,
                          int64_t capacity, cudaStream_t stream) {
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        LaunchWaitConsumed(g, PeerOp::kCombineVjp, kDotsRegion, stream));
     DotsSendKernel<T><<<g.num_blocks * kDotsSendBlocksPerSm, kDotsThreads, 0,
                         stream>>>(
         g, static_cast<const uint4*>(expert_out), entry_row, recv_counts,
