@@ -39,6 +39,12 @@ if has smoke; then
     -k "test_dispatch_combine_uniform" 2>&1 | tee "$OUT/pytest_smoke.log" | tail -40
 fi
 
+if has peer || has faults; then
+  step peer transport, one process: pointer table and fault cases
+  timeout 300 python3 -m pytest tests/test_cuda_peer.py -q -rf -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest_peer_faults.log" | tail -6
+fi
+
 for n in 2 4 8; do
   if has peer || has peer$n; then
     step peer suite, $n ranks emulated on one GPU
