@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import operator
 import os
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -190,6 +192,8 @@ class Group:
     self._transport = None
     if self.backend_name == "cuda" and num_ranks > 1:
       self._transport = peer.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s)
+      # Runs before JAX's own exit hook (registered at import; atexit is last in, first out).
+      atexit.register(_settle_if_failed, weakref.ref(self._transport))
       if raise_on_timeout is None:
         raise_on_timeout = len(self._transport.group_ids) == 1
       self.backend = PeerBackend(self.config, self._transport.primary_id,
@@ -255,6 +259,8 @@ class Group:
       return
     self._closed = True
     if self._transport is not None:
+      if self._transport.error():
+        _settle_failed_effects()
       self._transport.close()
 
   def __enter__(self):
@@ -268,3 +274,25 @@ class Group:
     return (f"jax_ep.Group(axis={c.axis_name!r}, ranks={c.num_ranks}, experts={c.num_experts}, "
             f"topk={c.num_topk}, hidden={c.hidden}, max_tokens_per_rank={c.max_tokens_per_rank}, "
             f"dtype={c.dtype}, capacity={c.capacity}, backend={self.backend_name!r})")
+
+
+def _settle_if_failed(transport_ref) -> None:
+  transport = transport_ref()
+  if transport is not None and not transport.closed and transport.error():
+    _settle_failed_effects()
+
+
+def _settle_failed_effects() -> None:
+  """Waits for this thread's pending side-effecting computations and forgets a failed one.
+
+  NOTES: a peer op that timed out failed its XLA execution (the error was raised to the caller
+  already). JAX keeps that execution's runtime token and waits on it again at interpreter exit,
+  where the re-raised error takes the crash path: on a GPU job the coordination service then
+  aborts every process (exit 134). Closing the failed group settles the tokens, so the processes
+  can exit normally.
+  """
+  from jax._src import dispatch  # no public API settles tokens without raising
+  try:
+    dispatch.runtime_tokens.block_until_ready()
+  except Exception:  # noqa: BLE001 - the failure was reported when the op ran
+    dispatch.runtime_tokens.clear()
