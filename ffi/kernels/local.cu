@@ -39,6 +39,7 @@ constexpr int kMaxBlocksPerSm = 16;     // upper bound; occupancy decides
 constexpr int kMaxWaves = 8;            // grid cap in resident waves
 constexpr int kPermuteVecs = 8;         // x vectors each thread holds
 constexpr int kUnpermuteLoads = 8;      // expert rows in flight per thread
+constexpr int kUnpermuteBlocksPerSm = 8;  // row parts wanted per SM at small T
 constexpr int kDotsGroup = 8;           // slots reduced together in slot dots
 constexpr int kMaxK = static_cast<int>(kMaxTopk);
 static_assert(kMaxK <= 32, "slot staging uses one warp, lane k = slot k");
@@ -171,21 +172,31 @@ __global__ void __launch_bounds__(kRowBlock)
   }
 }
 
-// Items: tokens. Each thread owns output vectors j (stride kRowBlock) and sums
-// the token's valid slots, k ascending, kUnpermuteLoads rows in flight.
+// Items: (token, row part): a token's row is split into `splits` contiguous
+// parts when there are too few tokens to fill the GPU (see UnpermuteLaunch).
+// Each thread owns output vectors j (stride kRowBlock) of its part and sums
+// the token's valid slots, k ascending, kUnpermuteLoads rows in flight; every
+// output element is still computed by one thread in the same order, so the
+// split does not change a bit of the result.
 template <typename T>
 __global__ void __launch_bounds__(kRowBlock)
     UnpermuteKernel(const uint4* __restrict__ expert_out,
                     const int32_t* __restrict__ slot_row,
                     const float* __restrict__ slot_weights,
-                    uint4* __restrict__ out, RowDims d, bool weighted) {
+                    uint4* __restrict__ out, RowDims d, bool weighted,
+                    int32_t splits) {
   constexpr int kE = Vec16<T>::kElems;
   __shared__ int32_t s_row[kMaxK];
   __shared__ float s_weight[kMaxK];
   __shared__ int s_num;
-  const int64_t num_items = d.num_batches * d.num_tokens;
   const int64_t rv = d.row_vecs;
-  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+  const int64_t num_pieces = d.num_batches * d.num_tokens * splits;
+  const int64_t part_vecs =
+      ((rv + splits - 1) / splits + kRowBlock - 1) / kRowBlock * kRowBlock;
+  for (int64_t piece = blockIdx.x; piece < num_pieces; piece += gridDim.x) {
+    const int64_t item = piece / splits;
+    const int64_t j_begin = (piece - item * splits) * part_vecs;
+    const int64_t j_end = j_begin + part_vecs < rv ? j_begin + part_vecs : rv;
     const int64_t b = item / d.num_tokens;
     // Stage the valid slots in k order (compacted by warp 0).
     __syncthreads();  // the previous token's readers are done
@@ -206,7 +217,7 @@ __global__ void __launch_bounds__(kRowBlock)
     const int n = s_num;
     const uint4* src = expert_out + b * d.capacity * rv;
     uint4* dst = out + item * rv;
-    for (int64_t j = threadIdx.x; j < rv; j += kRowBlock) {
+    for (int64_t j = j_begin + threadIdx.x; j < j_end; j += kRowBlock) {
       float acc[kE];
 #pragma unroll
       for (int i = 0; i < kE; ++i) acc[i] = 0.0f;
@@ -379,13 +390,25 @@ struct UnpermuteLaunch {
                          bool weighted, cudaStream_t stream) {
     const int64_t num_items = d.num_batches * d.num_tokens;
     if (num_items == 0) return cudaSuccess;
+    // NOTES: with few tokens (decode-sized T) one block per token leaves most
+    // SMs idle and the rest latency-bound (measured on the H200 at T=128:
+    // 10.8 us against 5.6 for XLA's fused gather); split rows until there are
+    // kUnpermuteBlocksPerSm blocks per SM, down to kRowBlock vectors a part.
+    int num_sms = 0;
+    JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
+    const int64_t wanted =
+        static_cast<int64_t>(num_sms) * kUnpermuteBlocksPerSm;
+    const int64_t max_splits = (d.row_vecs + kRowBlock - 1) / kRowBlock;
+    int64_t splits = (wanted + num_items - 1) / num_items;
+    if (splits > max_splits) splits = max_splits;
+    if (splits < 1) splits = 1;
     unsigned grid = 0;
     JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
-        UnpermuteKernel<T>, kRowBlock, kMaxBlocksPerSm, kMaxWaves, num_items,
-        &grid));
+        UnpermuteKernel<T>, kRowBlock, kMaxBlocksPerSm, kMaxWaves,
+        num_items * splits, &grid));
     UnpermuteKernel<T><<<grid, kRowBlock, 0, stream>>>(
         static_cast<const uint4*>(expert_out), slot_row, slot_weights,
-        static_cast<uint4*>(out), d, weighted);
+        static_cast<uint4*>(out), d, weighted, static_cast<int32_t>(splits));
     return cudaGetLastError();
   }
 };
