@@ -24,6 +24,10 @@ RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
 
 
 def git_commit() -> str:
+  """The commit measured: $JAX_EP_COMMIT when set (a GPU machine may hold a copy of the tree
+  whose git metadata is stale, so the caller passes it), else `git rev-parse`."""
+  if os.environ.get("JAX_EP_COMMIT"):
+    return os.environ["JAX_EP_COMMIT"]
   try:
     return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
                                    cwd=os.path.dirname(__file__), text=True,

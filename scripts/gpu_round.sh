@@ -6,6 +6,8 @@
 #   bash scripts/gpu_round.sh smoke   # peer transport: pointer table + one small test at N=2
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
+# Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
+# and the benchmark records name the commit they measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES=" ${*:-all} "
