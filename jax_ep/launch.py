@@ -315,6 +315,21 @@ def _supervise(children: Sequence[_Child], grace_s: float, timeout_s: float | No
   return first_failure if first_failure is not None else 0
 
 
+def child_env(base_env: dict[str, str], process_id: int, *, share_gpu: bool,
+              gpu_per_process: bool) -> dict[str, str]:
+  """The environment of child `process_id` (see the module docstring for the variables)."""
+  env = dict(base_env)
+  env[ENV_PROCESS_ID] = str(process_id)
+  if share_gpu:
+    env[ENV_LOCAL_DEVICE_IDS] = "0"
+    env[ENV_SHARED_GPU] = "1"  # tests skip what needs XLA collectives (NCCL refuses)
+    if not any(k.startswith("XLA_PYTHON_CLIENT_") for k in base_env):
+      env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  elif gpu_per_process:
+    env[ENV_LOCAL_DEVICE_IDS] = str(process_id)
+  return env
+
+
 def launch(cmd: Sequence[str], num_processes: int, *, share_gpu: bool = False,
            port: int | None = None, grace_s: float = 60.0,
            timeout_s: float | None = None) -> int:
@@ -361,15 +376,7 @@ def launch(cmd: Sequence[str], num_processes: int, *, share_gpu: bool = False,
         _log(f"error: {e}")
         return EXIT_USAGE
     for i in range(num_processes):
-      env = dict(base_env)
-      env[ENV_PROCESS_ID] = str(i)
-      if share_gpu:
-        env[ENV_LOCAL_DEVICE_IDS] = "0"
-        env[ENV_SHARED_GPU] = "1"  # tests skip what needs XLA collectives (NCCL refuses)
-        if not any(k.startswith("XLA_PYTHON_CLIENT_") for k in base_env):
-          env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-      elif gpu_per_process:
-        env[ENV_LOCAL_DEVICE_IDS] = str(i)
+      env = child_env(base_env, i, share_gpu=share_gpu, gpu_per_process=gpu_per_process)
       try:
         children.append(_Child(i, cmd, env, out_lock))
       except OSError as e:

@@ -208,3 +208,30 @@ class TestOpValidation:
     np.testing.assert_array_equal(np.asarray(invalid), [3, 1])
     assert np.asarray(sizes).sum() == 3  # ids 0, 7, 3
     np.testing.assert_array_equal(np.asarray(out)[:, :, 0], [[1, 0], [1, 1]])
+
+
+def test_settling_failed_effects_forgets_only_after_waiting(monkeypatch):
+  """After a peer timeout (already raised to the caller), closing the group settles JAX's
+  runtime effect tokens: it waits on them, and forgets them when one re-raises the failure, so
+  interpreter exit does not take JAX's crash path (on a GPU job that aborted every process).
+  A GPU failure keeps such a token; the CPU runtime keeps none, so the tokens here are fakes."""
+  from jax._src import dispatch
+  from jax_ep import group as group_module
+
+  class Token:
+    def __init__(self, fails):
+      self.fails, self.waited = fails, False
+
+    def block_until_ready(self):
+      self.waited = True
+      if self.fails:
+        raise RuntimeError("the op that timed out")
+
+  tokens = dispatch.RuntimeTokenSet()
+  monkeypatch.setattr(dispatch, "runtime_tokens", tokens)
+  good, failed = Token(False), Token(True)
+  tokens.output_runtime_tokens.update({"device 0": good, "device 1": failed})
+  group_module._settle_failed_effects()
+  assert good.waited and failed.waited
+  assert tokens.output_runtime_tokens == {}
+  jax.effects_barrier()  # nothing left to re-raise

@@ -85,6 +85,23 @@ def test_share_gpu_without_mps_is_a_usage_error():
   assert "must not run" not in result.stdout, _describe(result)
 
 
+def test_child_env_for_a_shared_gpu():
+  """Under --share-gpu every child uses GPU 0 without preallocating (N processes that each
+  preallocated 75% of the one GPU ran out of memory on the H200), unless the caller chose an
+  allocator setting, which is left alone."""
+  from jax_ep import launch
+  env = launch.child_env({"A": "1"}, 3, share_gpu=True, gpu_per_process=False)
+  assert env == {"A": "1", launch.ENV_PROCESS_ID: "3", launch.ENV_LOCAL_DEVICE_IDS: "0",
+                 launch.ENV_SHARED_GPU: "1", "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+  chosen = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.1"}
+  env = launch.child_env(chosen, 0, share_gpu=True, gpu_per_process=False)
+  assert "XLA_PYTHON_CLIENT_PREALLOCATE" not in env and env[launch.ENV_SHARED_GPU] == "1"
+  env = launch.child_env({}, 2, share_gpu=False, gpu_per_process=True)
+  assert env == {launch.ENV_PROCESS_ID: "2", launch.ENV_LOCAL_DEVICE_IDS: "2"}
+  assert launch.child_env({}, 2, share_gpu=False, gpu_per_process=False) == {
+      launch.ENV_PROCESS_ID: "2"}
+
+
 def test_same_config_passes():
   result, _ = _launch(["-n", "2", "--timeout", "60"],
                       [sys.executable, str(CONFIG_WORKER), "match"])
