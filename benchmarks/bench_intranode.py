@@ -1,10 +1,9 @@
 """High-throughput dispatch and combine across R ranks on the cuda peer transport.
 
   # R ranks emulated on one GPU (CUDA MPS), one process each:
-  JAX_EP_EXPERIMENTAL_PEER=1 python -m jax_ep.launch -n 8 --share-gpu -- \\
-      python benchmarks/bench_intranode.py
+  python -m jax_ep.launch -n 8 --share-gpu -- python benchmarks/bench_intranode.py
   # one process per GPU, or one process for all GPUs of a host:
-  JAX_EP_EXPERIMENTAL_PEER=1 python -m jax_ep.launch -n 8 -- python benchmarks/bench_intranode.py
+  python -m jax_ep.launch -n 8 -- python benchmarks/bench_intranode.py
   JAX_EP_EXPERIMENTAL_PEER=1 python benchmarks/bench_intranode.py
 
 Standard shape: 4096 tokens per rank, H=7168, top-8 of 256 experts, bf16. Every rank runs the

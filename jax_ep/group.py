@@ -58,7 +58,7 @@ def _resolve_backend(backend: str, mesh, num_ranks: int) -> str:
   if not on_gpu or _ffi.extension() is None:
     return "reference"
   if num_ranks > 1 and os.environ.get(peer.EXPERIMENTAL_ENV) != "1":
-    return "reference"  # the multi-rank kernels are opt-in until validated on hardware
+    return "reference"  # until the peer transport has run on multi-GPU hardware (see peer.py)
   return "cuda"
 
 

@@ -235,3 +235,17 @@ def test_settling_failed_effects_forgets_only_after_waiting(monkeypatch):
   assert good.waited and failed.waited
   assert tokens.output_runtime_tokens == {}
   jax.effects_barrier()  # nothing left to re-raise
+
+
+def test_one_process_driving_several_gpus_is_opt_in(monkeypatch):
+  """The peer transport's single-process model has not run on a multi-GPU machine yet: without
+  JAX_EP_EXPERIMENTAL_PEER=1 it is refused with a message that names the way out."""
+  from jax_ep import _ffi, peer
+  from jax_ep.config import EPConfig
+  monkeypatch.delenv(peer.EXPERIMENTAL_ENV, raising=False)
+  if _ffi.extension() is None:  # the gate comes before any native call
+    monkeypatch.setattr(_ffi, "extension", lambda: object())
+  mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+  config = EPConfig("ep", 2, 8, 2, 128, 16, np.dtype(jnp.bfloat16), 64)
+  with pytest.raises(NotImplementedError, match="JAX_EP_EXPERIMENTAL_PEER=1.*jax_ep.launch"):
+    peer.create(config, mesh, "opt-in", num_sms=1, timeout_s=1.0)

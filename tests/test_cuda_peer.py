@@ -2,11 +2,14 @@
 
 Runs under the launcher, on one GPU shared by N processes (CUDA MPS) or one GPU per process:
 
-  JAX_EP_EXPERIMENTAL_PEER=1 python -m jax_ep.launch -n 4 --share-gpu -- \\
-      python -m pytest tests/test_cuda_peer.py -q
+  python -m jax_ep.launch -n 4 --share-gpu -- python -m pytest tests/test_cuda_peer.py -q
 
-or in one process driving several GPUs (`python -m pytest tests/test_cuda_peer.py`). Marked `gpu`:
-skipped where no CUDA GPU or extension is present, and skipped with one device (nothing to peer).
+or in one process driving several GPUs (opt-in until it has run on such a machine):
+
+  JAX_EP_EXPERIMENTAL_PEER=1 python -m pytest tests/test_cuda_peer.py
+
+Marked `gpu`: skipped where no CUDA GPU or extension is present, and skipped with one device
+(nothing to peer).
 """
 
 import os
@@ -29,8 +32,9 @@ NUM_RANKS = jax.device_count()
 
 
 @pytest.mark.skipif(NUM_RANKS < 2, reason="the peer transport needs at least 2 ranks")
-@pytest.mark.skipif(os.environ.get("JAX_EP_EXPERIMENTAL_PEER") != "1",
-                    reason="set JAX_EP_EXPERIMENTAL_PEER=1 to run the unvalidated peer transport")
+@pytest.mark.skipif(jax.process_count() == 1 and os.environ.get("JAX_EP_EXPERIMENTAL_PEER") != "1",
+                    reason="one process driving several GPUs is opt-in: set "
+                           "JAX_EP_EXPERIMENTAL_PEER=1")
 class TestCudaPeer(EPTestBase):
   backend = "cuda"
   rank_counts = (NUM_RANKS,)
