@@ -933,6 +933,8 @@ cudaError_t PreloadKernels() {
   JAX_EP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attr, WaitArrivalsKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attr, WaitConsumedKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attr, EntryWeightsKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, FinishKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, WeightGradKernel));
