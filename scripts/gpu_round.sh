@@ -4,6 +4,7 @@
 #   bash scripts/gpu_round.sh local   # one-rank kernels: suite, main job, sanitizer, benchmark
 #   bash scripts/gpu_round.sh peer    # peer transport emulated on one GPU: suites, faults, bench
 #   bash scripts/gpu_round.sh smoke   # peer transport: pointer table + one small test at N=2
+#   stages of `peer`, one by one: faults, peer2, peer4, peer8, sanitize, bench (BENCH_RANKS="2 4 8")
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -51,7 +52,8 @@ for n in 2 4 8; do
   if has peer || has peer$n; then
     step peer suite, $n ranks emulated on one GPU
     timeout 300 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 280 -- \
-      python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
+      python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider \
+      ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
       | tee "$OUT/pytest_peer_$n.log" | grep -E "passed|failed|error|Error" | tail -8
   fi
 done

@@ -32,9 +32,9 @@ NUM_RANKS = jax.device_count()
 
 
 @pytest.mark.skipif(NUM_RANKS < 2, reason="the peer transport needs at least 2 ranks")
-@pytest.mark.skipif(jax.process_count() == 1 and os.environ.get("JAX_EP_EXPERIMENTAL_PEER") != "1",
-                    reason="one process driving several GPUs is opt-in: set "
-                           "JAX_EP_EXPERIMENTAL_PEER=1")
+@pytest.mark.skipif(
+    jax.process_count() == 1 and os.environ.get("JAX_EP_EXPERIMENTAL_PEER") != "1",
+    reason="one process driving several GPUs is opt-in: set JAX_EP_EXPERIMENTAL_PEER=1")
 class TestCudaPeer(EPTestBase):
   backend = "cuda"
   rank_counts = (NUM_RANKS,)

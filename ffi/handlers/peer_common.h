@@ -27,10 +27,6 @@ namespace jax_ep::peer_ffi {
 namespace ffi = ::xla::ffi;
 using ffi_utils::Dims;
 
-// The connected group `group_id` on the current device.
-// NOTES: cudaGetDevice, not cudaStreamGetDevice (illegal during command-buffer
-// capture, see kernel_utils.cuh). A group whose spins timed out earlier fails
-// every later call with the mailbox message (kDeadlineExceeded).
 // Rows of the `[capacity, H]` buffers the peer ops take and produce: at least
 // one. NOTES: XLA:GPU crashed (segfault while compiling, seen on the H200 with
 // jaxlib 0.11.2) on a side-effecting custom call with a zero-row result, so
@@ -39,6 +35,10 @@ inline int64_t StorageRows(int64_t capacity) {
   return capacity > 0 ? capacity : 1;
 }
 
+// The connected group `group_id` on the current device.
+// NOTES: cudaGetDevice, not cudaStreamGetDevice (illegal during command-buffer
+// capture, see kernel_utils.cuh). A group whose spins timed out earlier fails
+// every later call with the mailbox message (kDeadlineExceeded).
 inline ffi::Error GetGroup(std::string_view op, int64_t group_id,
                            std::shared_ptr<const peer::Group>* group) {
   int device = -1;

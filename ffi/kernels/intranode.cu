@@ -83,9 +83,10 @@ constexpr int kReduceLoads = 8;       // partial rows in flight per thread
 constexpr int kCombineLoads = 8;      // expert rows in flight per thread
 constexpr int kDotsGroup = 8;         // slots reduced together in dots
 constexpr int kMaxBlocksPerSm = 16;
-// Blocks per budgeted SM of each send kernel (about 1024 threads per SM): one block per SM
-// keeps too few bytes in flight to hide the latency of peer (or, emulated, HBM) loads and
-// stores; measured on the H200, combine send ran latency-bound at ~0.4 TB/s with one.
+// Blocks per budgeted SM of each send kernel (about 1024 threads per SM): one
+// block per SM keeps too few bytes in flight to hide the latency of peer (or,
+// emulated, HBM) loads and stores; measured on the H200, combine send ran
+// latency-bound at ~0.4 TB/s with one.
 constexpr int kRowsSendBlocksPerSm = 1024 / kCommThreads;
 constexpr int kCombineSendBlocksPerSm = 1024 / kCombineThreads;
 constexpr int kDotsSendBlocksPerSm = 1024 / kDotsThreads;
@@ -365,7 +366,7 @@ __global__ void __launch_bounds__(kLayoutThreads)
 // expert ids (-1 for slots of other ranks), K weights and the token index.
 template <bool kWithMeta>
 __global__ void __launch_bounds__(kCommThreads)
-    RowsSendKernel(PeerView g, PeerOp op, const uint4* __restrict__ x,
+    RowsSendKernel(PeerView g, const uint4* __restrict__ x,
                    const int32_t* __restrict__ send_pos,
                    const int32_t* __restrict__ topk_idx,
                    const float* __restrict__ topk_weights,
@@ -846,7 +847,7 @@ cudaError_t LaunchRowsSend(const PeerView& g, PeerOp op, const void* x,
                                       : kRowsSendCounter];
   RowsSendKernel<kWithMeta>
       <<<g.num_blocks * kRowsSendBlocksPerSm, kCommThreads, 0, stream>>>(
-      g, op, static_cast<const uint4*>(x), send_pos, topk_idx, topk_weights,
+      g, static_cast<const uint4*>(x), send_pos, topk_idx, topk_weights,
       count_to, static_cast<int32_t>(num_tokens),
       static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local),
       counter);
