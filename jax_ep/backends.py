@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from jax_ep import _ffi, cuda_ops, reference
+from jax_ep import _effects, _ffi, cuda_ops, reference
 from jax_ep.config import EPConfig
 
 
@@ -110,6 +110,7 @@ class PeerBackend:
     def raise_if_failed(value):
       if value != 0:
         message = _ffi.extension().peer_group_error(self.group_id)
+        _effects.note_failure()
         raise TimeoutError(message or f"jax_ep: peer op failed with status {int(value)}")
     # NOTES: a debug callback, not an io_callback: its effect is allowed under
     # `jax.checkpoint` (a layer stack under scan + remat), and a check that runs twice when the

@@ -144,17 +144,22 @@ def _peer_call(target, result_shapes, *args, **attrs):
                **attrs)
 
 
-def _storage_rows(capacity: int) -> int:
-  """Rows of the peer ops' `[capacity, H]` buffers: at least one (see StorageRows in
-  ffi/handlers/peer_common.h: XLA:GPU crashed compiling a side-effecting custom call with a
-  zero-row result), sliced back to `capacity` here."""
-  return max(capacity, 1)
+def _storage_rows(rows: int) -> int:
+  """Rows of a peer op's row-indexed buffer (`[capacity, H]`, `[T, ...]`): at least one.
+
+  NOTES: XLA:GPU (jaxlib 0.11.2) segfaulted compiling a side-effecting custom call with a
+  zero-row result (capacity 0, seen on the H200; see StorageRows in ffi/handlers/peer_common.h).
+  Zero-row buffers therefore travel as one inert row (zeros, or -1 for routing: a token sent
+  nowhere) and the results are sliced back here.
+  """
+  return max(rows, 1)
 
 
-def _pad_rows(expert_out):
-  if expert_out.shape[-2] > 0:
-    return expert_out
-  return jnp.zeros((*expert_out.shape[:-2], 1, expert_out.shape[-1]), expert_out.dtype)
+def _with_one_row(a, fill):
+  """`a` (rows on axis 0), or one row of `fill` when it has none (see `_storage_rows`)."""
+  if a.shape[0] > 0:
+    return a
+  return jnp.full((1, *a.shape[1:]), fill, a.dtype)
 
 
 def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
@@ -164,12 +169,12 @@ def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
   r, n, i32 = config.num_ranks, config.num_ranks * config.max_tokens_per_rank, jnp.int32
   workspace = int(ext.peer_dispatch_workspace_elems(r, config.max_tokens_per_rank, num_topk,
                                                     config.num_experts))
-  rows = _storage_rows(config.capacity)
-  shapes = (jax.ShapeDtypeStruct((rows, x.shape[-1]), x.dtype),               # recv_x
+  t_rows = _storage_rows(num_tokens)
+  shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
             jax.ShapeDtypeStruct((config.num_local_experts,), i32),          # group_sizes
             jax.ShapeDtypeStruct((), i32),                                   # num_dropped
             jax.ShapeDtypeStruct((), i32),                                   # num_invalid
-            jax.ShapeDtypeStruct((num_tokens, r), i32),                      # send_pos
+            jax.ShapeDtypeStruct((t_rows, r), i32),                          # send_pos
             jax.ShapeDtypeStruct((n, num_topk), i32),                        # entry_row
             jax.ShapeDtypeStruct((n, num_topk), jnp.float32),                # entry_weights
             jax.ShapeDtypeStruct((r,), i32),                                 # recv_counts
@@ -177,12 +182,12 @@ def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
             jax.ShapeDtypeStruct((workspace,), i32))                         # workspace
   (recv_x, group_sizes, num_dropped, num_invalid, send_pos, entry_row, entry_weights,
    recv_counts, status, _) = _peer_call(
-       "jax_ep_peer_dispatch", shapes, x, topk_idx, topk_weights.astype(jnp.float32),
-       group_id=np.int64(group_id), num_experts=np.int64(config.num_experts),
-       capacity=np.int64(config.capacity))
-  routing = PeerRouting(send_pos, entry_row, entry_weights, recv_counts, group_sizes, topk_idx)
-  recv_x = recv_x[:config.capacity]
-  return recv_x, group_sizes, num_dropped, num_invalid, routing, status
+       "jax_ep_peer_dispatch", shapes, _with_one_row(x, 0), _with_one_row(topk_idx, -1),
+       _with_one_row(topk_weights.astype(jnp.float32), 0), group_id=np.int64(group_id),
+       num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity))
+  routing = PeerRouting(send_pos[:num_tokens], entry_row, entry_weights, recv_counts,
+                        group_sizes, topk_idx)
+  return recv_x[:config.capacity], group_sizes, num_dropped, num_invalid, routing, status
 
 
 def peer_dispatch_cached(config: EPConfig, group_id: int, x, routing: PeerRouting,
@@ -191,9 +196,10 @@ def peer_dispatch_cached(config: EPConfig, group_id: int, x, routing: PeerRoutin
   shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
   recv_x, status = _peer_call(
-      "jax_ep_peer_dispatch_cached", shapes, x, routing.send_pos, routing.entry_row,
-      routing.entry_weights, routing.recv_counts, routing.group_sizes,
-      group_id=np.int64(group_id), capacity=np.int64(config.capacity), weighted=bool(weighted))
+      "jax_ep_peer_dispatch_cached", shapes, _with_one_row(x, 0),
+      _with_one_row(routing.send_pos, -1), routing.entry_row, routing.entry_weights,
+      routing.recv_counts, routing.group_sizes, group_id=np.int64(group_id),
+      capacity=np.int64(config.capacity), weighted=bool(weighted))
   return recv_x[:config.capacity], status
 
 
@@ -201,22 +207,27 @@ def peer_combine(config: EPConfig, group_id: int, expert_out, routing: PeerRouti
                  weighted: bool):
   """Returns `(out [T, H], status)`."""
   num_tokens = routing.send_pos.shape[0]
-  shapes = (jax.ShapeDtypeStruct((num_tokens, expert_out.shape[-1]), expert_out.dtype),
+  shapes = (jax.ShapeDtypeStruct((_storage_rows(num_tokens), expert_out.shape[-1]),
+                                 expert_out.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
-  return _peer_call("jax_ep_peer_combine", shapes, _pad_rows(expert_out), routing.entry_row,
-                    routing.entry_weights, routing.recv_counts, routing.send_pos,
-                    group_id=np.int64(group_id), weighted=bool(weighted))
+  out, status = _peer_call(
+      "jax_ep_peer_combine", shapes, _with_one_row(expert_out, 0), routing.entry_row,
+      routing.entry_weights, routing.recv_counts, _with_one_row(routing.send_pos, -1),
+      group_id=np.int64(group_id), weighted=bool(weighted))
+  return out[:num_tokens], status
 
 
 def peer_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out, routing: PeerRouting):
   """Returns `(d_expert_out [C, H], d_weights [T, K] f32, status)`."""
-  padded = _pad_rows(expert_out)
+  num_tokens, num_topk = routing.topk_idx.shape
+  padded = _with_one_row(expert_out, 0)
   shapes = (jax.ShapeDtypeStruct(padded.shape, expert_out.dtype),
-            jax.ShapeDtypeStruct(routing.topk_idx.shape, jnp.float32),
+            jax.ShapeDtypeStruct((_storage_rows(num_tokens), num_topk), jnp.float32),
             jax.ShapeDtypeStruct((), jnp.int32))
   d_expert_out, d_weights, status = _peer_call(
-      "jax_ep_peer_combine_vjp", shapes, d_out.astype(expert_out.dtype), padded,
-      routing.topk_idx, routing.send_pos, routing.entry_row, routing.entry_weights,
-      routing.recv_counts, routing.group_sizes, group_id=np.int64(group_id),
-      num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity))
-  return d_expert_out[:config.capacity], d_weights, status
+      "jax_ep_peer_combine_vjp", shapes, _with_one_row(d_out.astype(expert_out.dtype), 0),
+      padded, _with_one_row(routing.topk_idx, -1), _with_one_row(routing.send_pos, -1),
+      routing.entry_row, routing.entry_weights, routing.recv_counts, routing.group_sizes,
+      group_id=np.int64(group_id), num_experts=np.int64(config.num_experts),
+      capacity=np.int64(config.capacity))
+  return d_expert_out[:config.capacity], d_weights[:num_tokens], status

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import operator
 import os
-import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _distributed, _ffi, cuda_ops, peer, reference
+from jax_ep import _distributed, _effects, _ffi, cuda_ops, peer, reference
 from jax_ep.backends import BACKENDS, PeerBackend
 from jax_ep.config import EPConfig, default_capacity
 
@@ -39,6 +37,14 @@ def _check_dtype(dtype) -> np.dtype:
   if dtype not in _DTYPES:
     raise TypeError(f"jax_ep.Group: dtype must be one of bfloat16, float16, float32; got {dtype}")
   return dtype
+
+
+# Peer transports of groups not yet closed: the exit hook of jax_ep/_effects.py settles JAX's
+# effect tokens when one of them recorded a timeout (strong references: a dropped group's native
+# buffers and error record live on until exit anyway).
+_OPEN_TRANSPORTS: dict[int, peer.PeerTransport] = {}
+_effects.add_failure_source(
+    lambda: any(t.error() for t in list(_OPEN_TRANSPORTS.values())))
 
 
 def _resolve_backend(backend: str, mesh, num_ranks: int) -> str:
@@ -143,8 +149,9 @@ class Group:
     capacity: rows of the dispatch output per rank; default `R * T_max * min(K, E/R)` never drops
       for distinct top-k experts. Smaller values save memory; the excess is counted in
       `num_dropped` and contributes zero to combine.
-    backend: 'auto' (cuda on GPUs when the extension is built, reference elsewhere),
-      'reference' or 'cuda'.
+    backend: 'auto' (cuda on GPUs when the extension is built, at one rank; at several ranks
+      only with JAX_EP_EXPERIMENTAL_PEER=1 until the peer transport has run on several GPUs;
+      reference otherwise), 'reference' or 'cuda'.
     strict: raise a run-time error whenever a dispatch drops rows.
     config_timeout_s: how long group creation waits for peer processes' configurations.
     num_sms: multiprocessors' worth of the multi-rank communication kernels (bounded grid: each
@@ -192,8 +199,7 @@ class Group:
     self._transport = None
     if self.backend_name == "cuda" and num_ranks > 1:
       self._transport = peer.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s)
-      # Runs before JAX's own exit hook (registered at import; atexit is last in, first out).
-      atexit.register(_settle_if_failed, weakref.ref(self._transport))
+      _OPEN_TRANSPORTS[id(self._transport)] = self._transport
       if raise_on_timeout is None:
         raise_on_timeout = len(self._transport.group_ids) == 1
       self.backend = PeerBackend(self.config, self._transport.primary_id,
@@ -259,8 +265,9 @@ class Group:
       return
     self._closed = True
     if self._transport is not None:
-      if self._transport.error():
-        _settle_failed_effects()
+      if self._transport.error() or _effects.any_failure():
+        _effects.settle()  # see jax_ep/_effects.py
+      _OPEN_TRANSPORTS.pop(id(self._transport), None)
       self._transport.close()
 
   def __enter__(self):
@@ -274,25 +281,3 @@ class Group:
     return (f"jax_ep.Group(axis={c.axis_name!r}, ranks={c.num_ranks}, experts={c.num_experts}, "
             f"topk={c.num_topk}, hidden={c.hidden}, max_tokens_per_rank={c.max_tokens_per_rank}, "
             f"dtype={c.dtype}, capacity={c.capacity}, backend={self.backend_name!r})")
-
-
-def _settle_if_failed(transport_ref) -> None:
-  transport = transport_ref()
-  if transport is not None and not transport.closed and transport.error():
-    _settle_failed_effects()
-
-
-def _settle_failed_effects() -> None:
-  """Waits for this thread's pending side-effecting computations and forgets a failed one.
-
-  NOTES: a peer op that timed out failed its XLA execution (the error was raised to the caller
-  already). JAX keeps that execution's runtime token and waits on it again at interpreter exit,
-  where the re-raised error takes the crash path: on a GPU job the coordination service then
-  aborts every process (exit 134). Closing the failed group settles the tokens, so the processes
-  can exit normally.
-  """
-  from jax._src import dispatch  # no public API settles tokens without raising
-  try:
-    dispatch.runtime_tokens.block_until_ready()
-  except Exception:  # noqa: BLE001 - the failure was reported when the op ran
-    dispatch.runtime_tokens.clear()

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import primitives
+from jax_ep import _effects, primitives
 from jax_ep.group import Group
 
 
@@ -121,6 +121,7 @@ def _check_tokens(group: Group, op: str, x, topk_idx, topk_weights=None) -> None
 
 def _raise_if_dropped(num_dropped):
   if num_dropped > 0:
+    _effects.note_failure()
     raise RuntimeError(f"jax_ep.dispatch: {int(num_dropped)} rows did not fit in the receive "
                        f"capacity and were dropped (group created with strict=True); raise "
                        f"capacity or pass strict=False to count drops instead")

@@ -32,7 +32,8 @@ if has local; then
     --print-limit 20 python3 scripts/sanitize_local.py 2>&1 | tail -6
 fi
 
-export JAX_EP_EXPERIMENTAL_PEER=1
+# One process per rank needs no opt-in; the single-process stages set JAX_EP_EXPERIMENTAL_PEER
+# themselves where they need it (the fault-case test does).
 if has smoke; then
   step peer smoke: single-process pointer table, then one small case at N=2
   timeout 60 python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider \

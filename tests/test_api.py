@@ -210,13 +210,13 @@ class TestOpValidation:
     np.testing.assert_array_equal(np.asarray(out)[:, :, 0], [[1, 0], [1, 1]])
 
 
-def test_settling_failed_effects_forgets_only_after_waiting(monkeypatch):
-  """After a peer timeout (already raised to the caller), closing the group settles JAX's
-  runtime effect tokens: it waits on them, and forgets them when one re-raises the failure, so
-  interpreter exit does not take JAX's crash path (on a GPU job that aborted every process).
-  A GPU failure keeps such a token; the CPU runtime keeps none, so the tokens here are fakes."""
+def test_settling_effect_tokens_waits_on_each_and_forgets_failures(monkeypatch, caplog):
+  """After a failed jax_ep check (already raised to the caller), closing the group or exiting
+  settles JAX's runtime effect tokens: it waits on every one, logs the failed one and forgets
+  them, so interpreter exit does not take JAX's crash path (on a GPU job that aborted every
+  process). A GPU failure keeps such a token; the CPU runtime keeps none, so these are fakes."""
   from jax._src import dispatch
-  from jax_ep import group as group_module
+  from jax_ep import _effects
 
   class Token:
     def __init__(self, fails):
@@ -225,15 +225,17 @@ def test_settling_failed_effects_forgets_only_after_waiting(monkeypatch):
     def block_until_ready(self):
       self.waited = True
       if self.fails:
-        raise RuntimeError("the op that timed out")
+        raise RuntimeError("jax_ep.dispatch: rank 0 timed out waiting for rank 1")
 
   tokens = dispatch.RuntimeTokenSet()
   monkeypatch.setattr(dispatch, "runtime_tokens", tokens)
-  good, failed = Token(False), Token(True)
-  tokens.output_runtime_tokens.update({"device 0": good, "device 1": failed})
-  group_module._settle_failed_effects()
-  assert good.waited and failed.waited
+  failed, good = Token(True), Token(False)
+  tokens.output_runtime_tokens.update({"device 0": failed, "device 1": good})
+  with caplog.at_level("WARNING", logger="jax_ep"):
+    _effects.settle()
+  assert failed.waited and good.waited
   assert tokens.output_runtime_tokens == {}
+  assert "rank 0 timed out waiting for rank 1" in caplog.text
   jax.effects_barrier()  # nothing left to re-raise
 
 
@@ -245,7 +247,7 @@ def test_one_process_driving_several_gpus_is_opt_in(monkeypatch):
   monkeypatch.delenv(peer.EXPERIMENTAL_ENV, raising=False)
   if _ffi.extension() is None:  # the gate comes before any native call
     monkeypatch.setattr(_ffi, "extension", lambda: object())
-  mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+  mesh = _mesh(2)
   config = EPConfig("ep", 2, 8, 2, 128, 16, np.dtype(jnp.bfloat16), 64)
   with pytest.raises(NotImplementedError, match="JAX_EP_EXPERIMENTAL_PEER=1.*jax_ep.launch"):
     peer.create(config, mesh, "opt-in", num_sms=1, timeout_s=1.0)

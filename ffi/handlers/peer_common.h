@@ -30,7 +30,8 @@ using ffi_utils::Dims;
 // Rows of the `[capacity, H]` buffers the peer ops take and produce: at least
 // one. NOTES: XLA:GPU crashed (segfault while compiling, seen on the H200 with
 // jaxlib 0.11.2) on a side-effecting custom call with a zero-row result, so
-// with capacity 0 the Python layer passes one unused row and slices it off.
+// with capacity 0 the Python layer passes one unused row and slices it off
+// (it does the same for T = 0, see jax_ep/cuda_ops.py).
 inline int64_t StorageRows(int64_t capacity) {
   return capacity > 0 ? capacity : 1;
 }

@@ -274,6 +274,8 @@ struct DeviceState {
   unsigned long long seq[kNumRegions];  // completed calls per region
   unsigned long long blocks_done[kNumSendCounters];  // monotonic
   unsigned int aborted;        // sticky: a spin of this group timed out
+                               // (never reset: send blocks that returned
+                               // early left blocks_done out of phase)
   unsigned int error_claimed;  // the first timeout fills the mailbox
 };
 
@@ -305,7 +307,9 @@ struct PeerView {
   int32_t num_ranks;    // R
   int32_t num_topk;     // K
   int32_t itemsize;     // bytes per activation element of the buffers
-  int32_t num_blocks;   // grid of every communication kernel (the SM budget)
+  int32_t num_blocks;   // SM budget: send kernels run num_blocks times their
+                        // blocks per SM (intranode.cu), on whichever SMs
+                        // are free; it bounds threads, not which SMs
 };
 
 // int32 elements of the `workspace` result of jax_ep_peer_dispatch:

@@ -19,8 +19,11 @@
 // * Send. WaitConsumedKernel (one block) first waits until every destination
 //   d has released the region from the previous call: d's
 //   `consumed[region]` >= seq - 1 (ld.acquire.sys through the pointer table).
-//   The send kernel after it (stream order) writes rows / meta
-//   with ordinary stores into d's region at [this rank][position]. Each block
+//   The send kernel after it writes rows / meta with ordinary stores into
+//   d's region at [this rank][position]; those stores are ordered after that
+//   acquire by stream order alone (the send kernel starts after the wait
+//   kernel completed), as the release in FinishKernel relies on stream order
+//   for the earlier kernels' reads. Each block
 //   then runs __threadfence_system() in every thread, a barrier, and one
 //   atomicAdd on a monotonic per-kernel "blocks done" counter in device
 //   state; the block that completes a multiple of gridDim.x is the last one

@@ -402,6 +402,13 @@ struct UnpermuteLaunch {
     int64_t splits = (wanted + num_items - 1) / num_items;
     if (splits > max_splits) splits = max_splits;
     if (splits < 1) splits = 1;
+    // Parts are whole multiples of kRowBlock vectors (as the kernel computes
+    // them); drop the parts that rounding left empty. The kernel recomputes
+    // the same part size from the reduced count (checked for every rv <= 4096).
+    const int64_t part_vecs =
+        ((d.row_vecs + splits - 1) / splits + kRowBlock - 1) / kRowBlock *
+        kRowBlock;
+    splits = (d.row_vecs + part_vecs - 1) / part_vecs;
     unsigned grid = 0;
     JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
         UnpermuteKernel<T>, kRowBlock, kMaxBlocksPerSm, kMaxWaves,

@@ -1,0 +1,64 @@
+"""Shapes the peer ops hand to XLA (CPU-checkable part of the multi-rank cuda path).
+
+XLA:GPU segfaulted compiling a side-effecting custom call with a zero-row result (capacity 0 on
+the H200), so no peer custom call may take or produce a zero-row buffer: capacity 0 and T = 0
+travel as one inert row and are sliced back. The custom call is faked here; it records what it
+was given and returns zeros of the requested shapes.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_ep import cuda_ops
+from jax_ep.config import EPConfig
+
+
+@pytest.fixture
+def calls(monkeypatch):
+  seen = []
+
+  def fake_peer_call(target, result_shapes, *args, **attrs):
+    seen.append((target, [a.shape for a in args], [s.shape for s in result_shapes], args))
+    return tuple(jnp.zeros(s.shape, s.dtype) for s in result_shapes)
+
+  class FakeExtension:
+    @staticmethod
+    def peer_dispatch_workspace_elems(*_):
+      return 16
+
+  monkeypatch.setattr(cuda_ops, "_peer_call", fake_peer_call)
+  monkeypatch.setattr(cuda_ops._ffi, "extension", lambda: FakeExtension)
+  return seen
+
+
+def _no_zero_rows(seen):
+  for target, arg_shapes, result_shapes, _ in seen:
+    for shape in arg_shapes + result_shapes:
+      assert not (len(shape) >= 1 and shape[0] == 0), (target, arg_shapes, result_shapes)
+
+
+@pytest.mark.parametrize("num_tokens,capacity", [(0, 64), (5, 0), (0, 0), (5, 64)])
+def test_peer_ops_never_pass_zero_rows(calls, num_tokens, capacity):
+  r, h, k = 2, 128, 2
+  config = EPConfig("ep", r, 8, k, h, 16, np.dtype(jnp.bfloat16), capacity)
+  x = jnp.ones((num_tokens, h), jnp.bfloat16)
+  idx = jnp.zeros((num_tokens, k), jnp.int32)
+  w = jnp.ones((num_tokens, k), jnp.float32)
+  recv_x, group_sizes, _, _, routing, _ = cuda_ops.peer_dispatch(config, 7, x, idx, w)
+  assert recv_x.shape == (capacity, h) and group_sizes.shape == (4,)
+  assert routing.send_pos.shape == (num_tokens, r) and routing.topk_idx.shape == (num_tokens, k)
+  # The inert token row routes nowhere (-1) and carries zeros.
+  _, dispatch_shapes, _, dispatch_args = calls[0]
+  assert dispatch_shapes[:3] == [(max(num_tokens, 1), h), (max(num_tokens, 1), k),
+                                 (max(num_tokens, 1), k)]
+  if num_tokens == 0:
+    np.testing.assert_array_equal(dispatch_args[1], -1)
+    np.testing.assert_array_equal(dispatch_args[0].astype(np.float32), 0)
+  out, _ = cuda_ops.peer_combine(config, 7, recv_x, routing, weighted=True)
+  assert out.shape == (num_tokens, h)
+  again, _ = cuda_ops.peer_dispatch_cached(config, 7, x, routing, weighted=False)
+  assert again.shape == (capacity, h)
+  d_expert_out, d_weights, _ = cuda_ops.peer_combine_vjp(config, 7, out, recv_x, routing)
+  assert d_expert_out.shape == (capacity, h) and d_weights.shape == (num_tokens, k)
+  _no_zero_rows(calls)
