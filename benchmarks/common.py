@@ -67,13 +67,9 @@ def time_batches(fn, args, *, repeats: int = 20, method: str = "auto") -> tuple[
   return statistics.median(samples), "host_clock"
 
 
-def _device_spans(fn, args, repeats: int) -> list[float]:
-  """Per run: seconds from its first device event to its last, from a jax.profiler trace.
-
-  Runs are told apart by the `repeats - 1` largest idle gaps on the device: each run waits on the
-  host for the previous one to finish, so the gap between runs holds a whole host round trip,
-  while the kernels inside one run (one executable) are queued back to back.
-  """
+def _gpu_stream_events(fn, args, repeats: int) -> list[tuple[str, int, int]]:
+  """Runs `fn(*args)` `repeats` times under a jax.profiler trace; its GPU stream events as
+  `(name, start_ns, end_ns)`. Raises when the trace cannot be read (after the runs)."""
   import glob
   import tempfile
   from jax._src.lib import _profile_data
@@ -93,8 +89,19 @@ def _device_spans(fn, args, repeats: int) -> list[float]:
         continue
       for line in plane.lines:
         if line.name.startswith("Stream"):
-          events += [(ev.start_ns, ev.start_ns + ev.duration_ns) for ev in line.events]
-  return split_runs(events, repeats)
+          events += [(ev.name, ev.start_ns, ev.start_ns + ev.duration_ns) for ev in line.events]
+  return events
+
+
+def _device_spans(fn, args, repeats: int) -> list[float]:
+  """Per run: seconds from its first device event to its last, from a jax.profiler trace.
+
+  Runs are told apart by the `repeats - 1` largest idle gaps on the device: each run waits on the
+  host for the previous one to finish, so the gap between runs holds a whole host round trip,
+  while the kernels inside one run (one executable) are queued back to back.
+  """
+  events = _gpu_stream_events(fn, args, repeats)
+  return split_runs([(start, end) for _, start, end in events], repeats)
 
 
 def kernel_breakdown(fn, args, *, repeats: int = 5) -> list[tuple[str, float, int]]:
@@ -103,30 +110,13 @@ def kernel_breakdown(fn, args, *, repeats: int = 5) -> list[tuple[str, float, in
   Every process of a multi-process benchmark must call this the same number of times (it runs
   `fn` `repeats` times whatever happens); it returns [] when the trace cannot be read.
   """
-  import glob
-  import tempfile
-  from jax._src.lib import _profile_data
-
-  totals: dict[str, list[float]] = {}
-  with tempfile.TemporaryDirectory() as trace_dir:
-    jax.profiler.start_trace(trace_dir)
-    try:
-      for _ in range(repeats):
-        jax.block_until_ready(fn(*args))
-    finally:
-      jax.profiler.stop_trace()
-    try:
-      (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-      profile = _profile_data.ProfileData.from_file(path)
-    except Exception:  # noqa: BLE001 - a diagnostic only
-      return []
-    for plane in profile.planes:
-      if not plane.name.startswith("/device:GPU"):
-        continue
-      for line in plane.lines:
-        if line.name.startswith("Stream"):
-          for ev in line.events:
-            totals.setdefault(ev.name, []).append(ev.duration_ns)
+  try:
+    events = _gpu_stream_events(fn, args, repeats)
+  except Exception:  # noqa: BLE001 - a diagnostic only
+    return []
+  totals: dict[str, list[int]] = {}
+  for name, start, end in events:
+    totals.setdefault(name, []).append(end - start)
   rows = [(name, sum(d) / repeats / 1e3, len(d) // repeats) for name, d in totals.items()]
   return sorted(rows, key=lambda r: -r[1])
 
