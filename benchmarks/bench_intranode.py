@@ -16,6 +16,10 @@ when the processes do not share a GPU.
 Accounting: `bytes` = rows this rank receives, one per (source token, this rank) pair (dispatch;
 the same rows travel back in combine). `min_hbm_bytes` (shared GPU: summed over ranks) = every
 source row read once + every selected slot's row written once (dispatch), the reverse for combine.
+`roofline`: on one GPU, least bytes over the copy bound; on several GPUs, `gbps` per rank over
+the NVLink line rate measured in the same run (a 1 GiB one-direction GPU 0 -> GPU 1 copy,
+`bound` = "p2p_copy"). The plain-XLA baseline (`xla_baseline`, benchmarks/xla_pipeline.py:
+sort, counts, ragged all-to-all, local permute, and back) runs wherever XLA collectives do.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import common  # noqa: E402
 import jax_ep  # noqa: E402
+import xla_pipeline  # noqa: E402
 
 
 def _gather_max(key: str, value: float) -> float:
@@ -50,26 +55,6 @@ def _gather_max(key: str, value: float) -> float:
   client.key_value_set_bytes(f"bench/{key}/{jax.process_index()}", json.dumps(value).encode())
   return max(json.loads(client.blocking_key_value_get_bytes(f"bench/{key}/{p}", 120_000))
              for p in range(jax.process_count()))
-
-
-def ragged_all_to_all_pipeline(axis, num_ranks, num_experts, x, topk_idx):
-  """Plain XLA dispatch: sort slots by destination, exchange counts, ragged all-to-all, then
-  group by local expert (deduplication is not possible with a plain ragged all-to-all)."""
-  num_topk = topk_idx.shape[1]
-  num_local = num_experts // num_ranks
-  flat = topk_idx.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  rows = jnp.take(x, order // num_topk, axis=0)
-  send_sizes = jnp.bincount(flat // num_local, length=num_ranks).astype(jnp.int32)
-  recv_sizes = jax.lax.all_to_all(send_sizes, axis, 0, 0, tiled=True)
-  input_offsets = jnp.cumsum(send_sizes) - send_sizes
-  output = jnp.zeros((num_ranks * rows.shape[0], x.shape[1]), x.dtype)
-  # Each sender writes at the receiver's offset for this source: the exclusive sum of the sizes
-  # earlier sources send there, which the receiver knows; senders learn it by one more exchange.
-  recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
-  output_offsets = jax.lax.all_to_all(recv_offsets, axis, 0, 0, tiled=True)
-  return jax.lax.ragged_all_to_all(rows, output, input_offsets, send_sizes, output_offsets,
-                                   recv_sizes, axis_name=axis)
 
 
 def main():
@@ -135,8 +120,14 @@ def main():
   slot_rows = num_ranks * t * k
   min_hbm = (num_ranks * t + slot_rows) * row_bytes
 
-  bound_gbps, bound_name = (common.copy_bound_gbps() if jax.process_index() == 0
-                            else (0.0, "copy"))
+  one_gpu = process_model in ("shared_gpu", "single_device")
+  if one_gpu or devices[0].platform != "gpu":
+    bound_gbps, bound_name = (common.copy_bound_gbps() if jax.process_index() == 0
+                              else (0.0, "copy"))
+  else:  # several GPUs: rows cross NVLink, so the line rate is the bound
+    line = common.p2p_line_rate_gbps() if jax.process_index() == 0 else 0.0
+    bound_gbps, bound_name = (line, "p2p_copy") if line is not None else (
+        common.copy_bound_gbps()[0], "cudaMemcpy (no P2P probe)")
   bound_gbps = _gather_max("bound", bound_gbps)
   base = dict(mode="high_throughput", ranks=num_ranks, process_model=process_model,
               tokens_per_rank=t, hidden=h, topk=k, experts=e, dtype="bfloat16",
@@ -147,7 +138,6 @@ def main():
   def add(op, backend, seconds):
     seconds = _gather_max(f"{backend}/{op}", seconds)
     median_us = seconds / calls * 1e6
-    one_gpu = process_model in ("shared_gpu", "single_device")
     roofline = ((min_hbm / (bound_gbps * 1e9)) / (median_us * 1e-6) if one_gpu
                 else per_rank_bytes / (median_us * 1e-6) / 1e9 / bound_gbps)
     records.append(common.record(op=op, backend=backend, median_us=round(median_us, 1),
@@ -194,12 +184,23 @@ def main():
     group.close()
 
   if not shared_gpu and num_ranks > 1 and devices[0].platform == "gpu":  # no ragged a2a on CPU
-    pipeline = per_shard(lambda x, i: ragged_all_to_all_pipeline(
-        "ep", num_ranks, e, x[0], i[0])[None])
+    # The plain-XLA pipeline (benchmarks/xla_pipeline.py), dispatch and combine timed apart.
+    kw = dict(axis="ep", num_ranks=num_ranks, num_experts=e)
+    per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     batched = lambda fn: jax.jit(lambda *sets: [fn(*a) for a in zip(*sets)])
-    seconds, _ = common.time_batches(batched(pipeline), (xs, idxs), repeats=args.repeats,
+    xla_dispatch = per_shard(lambda x, i: jax.tree.map(
+        lambda v: v[None], xla_pipeline.dispatch(x[0], i[0], **kw)))
+    seconds, _ = common.time_batches(batched(xla_dispatch), (xs, idxs), repeats=args.repeats,
                                      method="host_clock")
     add("dispatch", "xla_baseline", seconds)
+    results = [jax.jit(xla_dispatch)(x, i) for x, i in zip(xs, idxs)]
+    grouped = [g for g, _, _ in results]
+    states = [state for _, _, state in results]
+    xla_combine = per_shard(lambda eo, w, st: xla_pipeline.combine(
+        eo[0], w[0], jax.tree.map(lambda v: v[0], st), axis="ep")[None])
+    seconds, _ = common.time_batches(batched(xla_combine), (grouped, ws, states),
+                                     repeats=args.repeats, method="host_clock")
+    add("combine", "xla_baseline", seconds)
 
   if jax.process_index() == 0:
     path = common.write_jsonl(records, args.out)

@@ -177,6 +177,45 @@ def copy_bound_gbps(num_bytes: int | None = None) -> tuple[float, str]:
     return 2 * x.nbytes / seconds / 1e9, "xla_copy"
 
 
+_P2P_PROBE = """
+import statistics, sys
+import cupy
+num_bytes = int(sys.argv[1])
+with cupy.cuda.Device(1):
+  dst = cupy.empty(num_bytes, dtype=cupy.uint8)
+with cupy.cuda.Device(0):
+  try:
+    cupy.cuda.runtime.deviceEnablePeerAccess(1)
+  except cupy.cuda.runtime.CUDARuntimeError:
+    pass  # already enabled
+  src = cupy.empty(num_bytes, dtype=cupy.uint8)
+  src.fill(1)
+  stream = cupy.cuda.get_current_stream()
+  start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+  times = []
+  for _ in range(12):
+    start.record()
+    cupy.cuda.runtime.memcpyPeerAsync(dst.data.ptr, 1, src.data.ptr, 0, num_bytes, stream.ptr)
+    stop.record()
+    stop.synchronize()
+    times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+print(num_bytes / statistics.median(times[2:]) / 1e9)
+"""
+
+
+def p2p_line_rate_gbps(num_bytes: int = 1 << 30) -> float | None:
+  """One-direction GPU 0 -> GPU 1 copy bandwidth (bytes moved per second), the line rate the
+  multi-GPU records compare with; None with fewer than two GPUs or without CuPy. A child
+  process, as for the copy bound, and it sees every GPU of the host."""
+  import sys
+  try:
+    out = subprocess.run([sys.executable, "-c", _P2P_PROBE, str(num_bytes)], text=True,
+                         capture_output=True, timeout=120, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+  except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+    return None
+
+
 def record(**fields) -> dict:
   base = {"gpu": device_name(), "jax": jax.__version__,
           "date": datetime.date.today().isoformat(), "commit": git_commit()}
