@@ -16,9 +16,10 @@ when the processes do not share a GPU.
 Accounting: `bytes` = rows this rank receives, one per (source token, this rank) pair (dispatch;
 the same rows travel back in combine). `min_hbm_bytes` (shared GPU: summed over ranks) = every
 source row read once + every selected slot's row written once (dispatch), the reverse for combine.
-`roofline`: on one GPU, least bytes over the copy bound; on several GPUs, `gbps` per rank over
-the NVLink line rate measured in the same run (a 1 GiB one-direction GPU 0 -> GPU 1 copy,
-`bound` = "p2p_copy"). The plain-XLA baseline (`xla_baseline`, benchmarks/xla_pipeline.py:
+`roofline`: on one GPU, least bytes over the copy bound; on several GPUs, the rows a rank
+receives from other ranks (`nvlink_bytes`; its own tokens never cross NVLink) per second, over the
+NVLink line rate measured in the same run (a 1 GiB one-direction GPU 0 -> GPU 1 copy, `bound` =
+"p2p_copy"). The plain-XLA baseline (`xla_baseline`, benchmarks/xla_pipeline.py:
 sort, counts, ragged all-to-all, local permute, and back) runs wherever XLA collectives do.
 """
 
@@ -46,14 +47,15 @@ import jax_ep  # noqa: E402
 import xla_pipeline  # noqa: E402
 
 
-def _gather_max(key: str, value: float) -> float:
+def _gather_max(key: str, value: float, timeout_s: float = 120) -> float:
   """The largest `value` over all processes (through the distributed key-value store)."""
   if jax.process_count() == 1:
     return value
   from jax._src import distributed
   client = distributed.global_state.client
   client.key_value_set_bytes(f"bench/{key}/{jax.process_index()}", json.dumps(value).encode())
-  return max(json.loads(client.blocking_key_value_get_bytes(f"bench/{key}/{p}", 120_000))
+  return max(json.loads(client.blocking_key_value_get_bytes(f"bench/{key}/{p}",
+                                                              int(timeout_s * 1000)))
              for p in range(jax.process_count()))
 
 
@@ -97,21 +99,25 @@ def main():
 
   xs, idxs, ws, idx_host = [], [], [], []
   for s in range(calls):
-    # Seeded per (input set, rank): every process derives the same routing for every rank.
-    rng_of = lambda r, s=s: np.random.default_rng([s, r])
+    # Seeded per (input set, rank, what): every process derives the same routing for every rank.
+    rng_of = lambda r, what, s=s: np.random.default_rng([s, r, what])
     xs.append(global_array(lambda r, probe=False, rng_of=rng_of: np.zeros((t, h), dtype) if probe
-                           else rng_of(r).standard_normal((t, h), np.float32).astype(dtype)))
-    idx = np.stack([common.uniform_topk(rng_of(r), t, e, k) for r in range(num_ranks)])
+                           else rng_of(r, 0).standard_normal((t, h), np.float32).astype(dtype)))
+    idx = np.stack([common.uniform_topk(rng_of(r, 1), t, e, k) for r in range(num_ranks)])
     idxs.append(global_array(lambda r, probe=False, idx=idx: idx[r]))
     idx_host.append(idx)
     ws.append(global_array(lambda r, probe=False, rng_of=rng_of:
-                           rng_of(r + 1000).random((t, k)).astype(np.float32)))
+                           rng_of(r, 2).random((t, k)).astype(np.float32)))
 
   # Field accounting from the routing of the first input set (uniform routing: all sets alike).
   dest = idx_host[0] // (e // num_ranks)
   recv_tokens = [int(np.sum(np.any(dest == r, axis=-1))) for r in range(num_ranks)]
   row_bytes = h * 2
   per_rank_bytes = int(np.mean(recv_tokens)) * row_bytes
+  # Of those, the rows that cross NVLink (not a rank's own tokens): what the line rate bounds.
+  remote_tokens = [recv_tokens[r] - int(np.sum(np.any(dest[r] == r, axis=-1)))
+                   for r in range(num_ranks)]
+  remote_bytes = int(np.mean(remote_tokens)) * row_bytes
   # Receive capacity: the most slots any rank receives over the input sets, times the capacity
   # factor (the contract's worst-case default, R * T * min(K, L) rows, is mostly zero tail here).
   most_slots = max(int(np.sum(i // (e // num_ranks) == r)) for i in idx_host
@@ -126,12 +132,16 @@ def main():
                               else (0.0, "copy"))
   else:  # several GPUs: rows cross NVLink, so the line rate is the bound
     line = common.p2p_line_rate_gbps() if jax.process_index() == 0 else 0.0
-    bound_gbps, bound_name = (line, "p2p_copy") if line is not None else (
-        common.copy_bound_gbps()[0], "cudaMemcpy (no P2P probe)")
-  bound_gbps = _gather_max("bound", bound_gbps)
+    if line is not None:
+      bound_gbps, bound_name = line, "p2p_copy"
+    else:
+      copy_gbps, copy_name = common.copy_bound_gbps()
+      bound_gbps, bound_name = copy_gbps / 2, f"{copy_name} / 2 (no P2P probe)"
+  bound_gbps = _gather_max("bound", bound_gbps, timeout_s=400)
   base = dict(mode="high_throughput", ranks=num_ranks, process_model=process_model,
               tokens_per_rank=t, hidden=h, topk=k, experts=e, dtype="bfloat16",
-              wire_dtype="bfloat16", bytes=per_rank_bytes, min_hbm_bytes=min_hbm,
+              wire_dtype="bfloat16", bytes=per_rank_bytes, nvlink_bytes=remote_bytes,
+              min_hbm_bytes=min_hbm,
               bound_gbps=round(bound_gbps, 1), bound=bound_name, capacity=capacity)
   records = []
 
@@ -139,7 +149,7 @@ def main():
     seconds = _gather_max(f"{backend}/{op}", seconds)
     median_us = seconds / calls * 1e6
     roofline = ((min_hbm / (bound_gbps * 1e9)) / (median_us * 1e-6) if one_gpu
-                else per_rank_bytes / (median_us * 1e-6) / 1e9 / bound_gbps)
+                else remote_bytes / (median_us * 1e-6) / 1e9 / bound_gbps)
     records.append(common.record(op=op, backend=backend, median_us=round(median_us, 1),
                                  timing="host_clock", gbps=round(per_rank_bytes /
                                                                  (median_us * 1e-6) / 1e9, 1),
@@ -185,7 +195,8 @@ def main():
 
   if not shared_gpu and num_ranks > 1 and devices[0].platform == "gpu":  # no ragged a2a on CPU
     # The plain-XLA pipeline (benchmarks/xla_pipeline.py), dispatch and combine timed apart.
-    kw = dict(axis="ep", num_ranks=num_ranks, num_experts=e)
+    # The same receive capacity as the cuda backend (>= the most slots any rank receives here).
+    kw = dict(axis="ep", num_ranks=num_ranks, num_experts=e, capacity=capacity)
     per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     batched = lambda fn: jax.jit(lambda *sets: [fn(*a) for a in zip(*sets)])
     xla_dispatch = per_shard(lambda x, i: jax.tree.map(

@@ -183,11 +183,14 @@ import cupy
 num_bytes = int(sys.argv[1])
 with cupy.cuda.Device(1):
   dst = cupy.empty(num_bytes, dtype=cupy.uint8)
+if not cupy.cuda.runtime.deviceCanAccessPeer(0, 1):
+  sys.exit("GPU 0 cannot access GPU 1 directly (a copy would be staged through the host)")
 with cupy.cuda.Device(0):
   try:
     cupy.cuda.runtime.deviceEnablePeerAccess(1)
-  except cupy.cuda.runtime.CUDARuntimeError:
-    pass  # already enabled
+  except cupy.cuda.runtime.CUDARuntimeError as e:
+    if e.status != 704:  # cudaErrorPeerAccessAlreadyEnabled
+      raise
   src = cupy.empty(num_bytes, dtype=cupy.uint8)
   src.fill(1)
   stream = cupy.cuda.get_current_stream()
@@ -205,8 +208,8 @@ print(num_bytes / statistics.median(times[2:]) / 1e9)
 
 def p2p_line_rate_gbps(num_bytes: int = 1 << 30) -> float | None:
   """One-direction GPU 0 -> GPU 1 copy bandwidth (bytes moved per second), the line rate the
-  multi-GPU records compare with; None with fewer than two GPUs or without CuPy. A child
-  process, as for the copy bound, and it sees every GPU of the host."""
+  multi-GPU records compare with; None with fewer than two GPUs, without direct peer access or
+  without CuPy. A child process, as for the copy bound, and it sees every GPU of the host."""
   import sys
   try:
     out = subprocess.run([sys.executable, "-c", _P2P_PROBE, str(num_bytes)], text=True,

@@ -8,9 +8,12 @@ back to the senders, inverse sort, fp32 weighted sum over the K slots. One row p
 ragged all-to-all cannot deduplicate a token sent to several experts of one rank), which is also
 the contract's receive layout, so the grouped rows equal the contract's `recv_x` rows.
 
-Runs inside `shard_map` over the EP axis (per-shard arrays). Expert ids must lie in `[0, E)` (the
-benchmark's routing); `ragged` can be swapped for an emulation where XLA lacks the collective
-(`jax.lax.ragged_all_to_all` is not implemented on XLA:CPU).
+Runs inside `shard_map` over the EP axis (per-shard arrays). Preconditions (the benchmark's
+routing meets them): expert ids lie in `[0, E)` (`bincount` would file a -1 under rank 0), and
+`capacity` holds every row a rank receives (the collective does not count overflow). `ragged` can
+be swapped for an emulation where XLA lacks the collective (`jax.lax.ragged_all_to_all` is not
+implemented on XLA:CPU). Permutations are undone with gathers through inverse permutations
+(int32 scatters), not by scattering rows.
 """
 
 from __future__ import annotations
@@ -29,20 +32,31 @@ class PipelineState(NamedTuple):
   recv_sizes: jax.Array      # [R] rows received from each rank
   recv_offsets: jax.Array    # [R] where each source's rows start in the receive buffer
   return_offsets: jax.Array  # [R] where this rank's rows start in each source's sorted rows
-  local_order: jax.Array     # [R*T*K] receive-buffer rows grouped by local expert (stable)
+  local_order: jax.Array     # [C] receive-buffer rows grouped by local expert (stable)
+  inverse_order: jax.Array   # [T*K] position of each slot among the sorted rows
+  inverse_local: jax.Array   # [C] position of each receive-buffer row among the grouped rows
 
 
 def _exclusive_cumsum(v):
   return jnp.cumsum(v) - v
 
 
+def _inverse(permutation):
+  n = permutation.shape[0]
+  return jnp.zeros((n,), jnp.int32).at[permutation].set(jnp.arange(n, dtype=jnp.int32),
+                                                        unique_indices=True)
+
+
 def dispatch(x, topk_idx, *, axis: str, num_ranks: int, num_experts: int,
-             ragged=jax.lax.ragged_all_to_all):
-  """Returns `(grouped [R*T*K, H], group_sizes [L], state)`; rows past sum(group_sizes) are
-  padding."""
+             capacity: int | None = None, ragged=jax.lax.ragged_all_to_all):
+  """Returns `(grouped [C, H], group_sizes [L], state)`; rows past sum(group_sizes) are padding.
+
+  `capacity` (C) defaults to every slot of every rank, `R * T * K`, which never overflows.
+  """
   num_tokens, num_topk = topk_idx.shape
   num_local = num_experts // num_ranks
-  capacity = num_ranks * num_tokens * num_topk  # every slot of every rank: no overflow
+  if capacity is None:
+    capacity = num_ranks * num_tokens * num_topk
   flat = topk_idx.reshape(-1).astype(jnp.int32)
   order = jnp.argsort(flat, stable=True)
   sorted_experts = flat[order]
@@ -64,7 +78,7 @@ def dispatch(x, topk_idx, *, axis: str, num_ranks: int, num_experts: int,
   group_sizes = jnp.bincount(local_ids, length=num_local).astype(jnp.int32)
   return_offsets = jax.lax.all_to_all(input_offsets, axis, 0, 0, tiled=True)
   state = PipelineState(order, send_sizes, input_offsets, recv_sizes, recv_offsets,
-                        return_offsets, local_order)
+                        return_offsets, local_order, _inverse(order), _inverse(local_order))
   return grouped, group_sizes, state
 
 
@@ -73,13 +87,13 @@ def combine(expert_out, topk_weights, state: PipelineState, *, axis: str,
   """`out[t] = sum_k w[t, k] * expert_out[row of slot (t, k)]` in fp32, in `expert_out`'s dtype."""
   num_tokens, num_topk = topk_weights.shape
   hidden = expert_out.shape[1]
-  received = jnp.zeros_like(expert_out).at[state.local_order].set(expert_out)
+  received = jnp.take(expert_out, state.inverse_local, axis=0)
   # Back to the senders: my chunk from source s returns to s's sorted rows at the offset where
   # s's rows for me started.
   back = ragged(received, jnp.zeros((num_tokens * num_topk, hidden), expert_out.dtype),
                 state.recv_offsets, state.recv_sizes, state.return_offsets, state.send_sizes,
                 axis_name=axis)
-  slots = jnp.zeros_like(back).at[state.order].set(back)
+  slots = jnp.take(back, state.inverse_order, axis=0)
   out = jnp.einsum("tkh,tk->th", slots.reshape(num_tokens, num_topk, hidden).astype(jnp.float32),
                    topk_weights.astype(jnp.float32))
   return out.astype(expert_out.dtype)

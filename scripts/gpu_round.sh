@@ -5,8 +5,8 @@
 #   bash scripts/gpu_round.sh peer    # peer transport emulated on one GPU: suites, faults, bench
 #   bash scripts/gpu_round.sh smoke   # peer transport: pointer table + one small test at N=2
 #   stages of `peer`, one by one: faults, peer2, peer4, peer8, sanitize, bench (BENCH_RANKS="2 4 8")
-#   bash scripts/gpu_round.sh multi   # several GPUs (issue 5): suites and benchmark per R, one
-#                                     # process per GPU and one process for all (MULTI_RANKS)
+#   bash scripts/gpu_round.sh multi   # several GPUs (issue 5): multi_suites + multi_bench per R
+#                                     # in MULTI_RANKS, one process per GPU and one for all
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -82,27 +82,36 @@ if has peer || has bench; then
   cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null
 fi
 
-if has multi; then
-  num_gpus=$(nvidia-smi -L | wc -l)
-  suites="tests/test_cuda_peer.py tests/test_reference.py tests/test_api.py tests/test_layer.py"
-  for n in ${MULTI_RANKS:-2 4 8}; do
-    [ "$n" -le "$num_gpus" ] || { echo "skip R=$n: $num_gpus GPUs"; continue; }
-    gpus=$(seq -s, 0 $((n - 1)))
+# Several GPUs (issue 5). Per R in MULTI_RANKS: the suites (multi_suites) and the benchmark
+# (multi_bench), one process per GPU and one process driving them all. One call per stage and R
+# keeps each under the 600 s limit: MULTI_RANKS=8 bash scripts/gpu_round.sh multi_suites
+num_gpus=$(nvidia-smi -L | grep -c "^GPU ")
+multi_suites="tests/test_cuda_peer.py tests/test_xla_pipeline.py tests/test_reference.py"
+multi_suites="$multi_suites tests/test_api.py tests/test_layer.py"
+for n in ${MULTI_RANKS:-2 4 8}; do
+  if ! { has multi || has multi_suites || has multi_bench; }; then break; fi
+  [ "$n" -le "$num_gpus" ] || { echo "skip R=$n: $num_gpus GPUs"; continue; }
+  gpus=$(seq -s, 0 $((n - 1)))
+  if has multi || has multi_suites; then
     step "suites, $n processes with one GPU each (GPUs $gpus)"
-    CUDA_VISIBLE_DEVICES=$gpus timeout 400 python3 -m jax_ep.launch -n $n --grace 20 \
-      --timeout 380 -- python3 -m pytest $suites -q -rf -p no:cacheprovider 2>&1 \
-      | tee "$OUT/multi_pytest_proc_$n.log" | grep -E "passed|failed|rror" | tail -8
+    CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --grace 20 \
+      --timeout 260 -- python3 -m pytest $multi_suites -q -rf -p no:cacheprovider 2>&1 \
+      | tee -a "$OUT/multi_suites.log" | grep -E "passed|failed|rror|Traceback" | tail -10
     step "suites, one process driving $n GPUs"
-    CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 400 python3 -m pytest $suites \
-      -q -rf -p no:cacheprovider 2>&1 | tee "$OUT/multi_pytest_single_$n.log" | tail -6
+    CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 python3 -m pytest \
+      $multi_suites -q -rf -p no:cacheprovider 2>&1 | tee -a "$OUT/multi_suites.log" | tail -6
+  fi
+  if has multi || has multi_bench; then
     step "benchmark, $n processes with one GPU each"
-    CUDA_VISIBLE_DEVICES=$gpus timeout 300 python3 -m jax_ep.launch -n $n --grace 20 \
-      --timeout 280 -- python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 \
-      | tee "$OUT/multi_bench_proc_$n.log" | grep -E "^\[0\] (  |op |dispatch|combine|cuda|wrote)"
+    CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --grace 20 \
+      --timeout 260 -- python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 \
+      | tee -a "$OUT/multi_bench.log" \
+      | grep -E "^\[0\] (  |op |dispatch|combine|cuda|xla|wrote)|rror|Traceback"
+    cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null
     step "benchmark, one process driving $n GPUs"
-    CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 300 \
+    CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 \
       python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 \
-      | tee "$OUT/multi_bench_single_$n.log" | tail -30
-  done
-  cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null
-fi
+      | tee -a "$OUT/multi_bench.log" | tail -30
+    cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null
+  fi
+done

@@ -22,18 +22,39 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "ben
 import xla_pipeline  # noqa: E402
 
 
-@pytest.mark.parametrize("num_ranks,pattern", [(2, "uniform"), (4, "hot"), (4, "duplicates")])
-def test_pipeline_matches_the_contract(num_ranks, pattern):
-  if num_ranks > len(jax.devices()):
-    pytest.skip(f"needs {num_ranks} devices")
-  num_tokens, hidden, num_topk, num_experts = 6, 16, 3, 8
+def test_emulation_reproduces_the_documented_example():
+  """The example of `jax.lax.ragged_all_to_all`'s docstring (JAX 0.11.2), so that the pipeline
+  and the emulation cannot share a wrong offset convention unnoticed."""
+  if len(jax.devices()) < 2:
+    pytest.skip("needs 2 devices")
+  mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+  args = [np.array(a, np.int32) for a in (
+      [[1, 2, 2], [3, 4, 0]], [[0, 0, 0, 0], [0, 0, 0, 0]], [[0, 1], [0, 1]], [[1, 2], [1, 1]],
+      [[0, 0], [1, 2]], [[1, 1], [2, 1]])]
+
+  def body(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+    return xla_pipeline.emulated_ragged_all_to_all(
+        operand[0], output[0], input_offsets[0], send_sizes[0], output_offsets[0],
+        recv_sizes[0], axis_name="x", num_ranks=2)[None]
+
+  put = lambda a: jax.device_put(a, NamedSharding(mesh, P("x")))
+  result = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")))(
+      *map(put, args))
+  np.testing.assert_array_equal(np.asarray(result), [[1, 3, 0, 0], [2, 2, 4, 0]])
+
+
+def _check_pipeline(num_ranks, pattern, dtype, ragged, tight=False):
+  """`tight`: a capacity that just holds the most rows any rank receives (as the benchmark)."""
+  num_tokens, hidden, num_topk, num_experts = 6, 16, 3, 8 * num_ranks
   rng = np.random.default_rng(num_ranks)
-  x = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
+  x = np.asarray(jnp.asarray(rng.standard_normal((num_ranks, num_tokens, hidden)), dtype))
   idx = make_routing(rng, num_ranks, num_tokens, num_topk, num_experts, pattern)
   w = rng.random((num_ranks, num_tokens, num_topk)).astype(np.float32)
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks])
-  ragged = functools.partial(xla_pipeline.emulated_ragged_all_to_all, num_ranks=num_ranks)
-  kw = dict(axis="ep", num_ranks=num_ranks, num_experts=num_experts, ragged=ragged)
+  expected = oracle.dispatch(x, idx, num_experts, num_ranks * num_tokens * num_topk)
+  capacity = max(int(d["group_sizes"].sum()) for d in expected) if tight else None
+  kw = dict(axis="ep", num_ranks=num_ranks, num_experts=num_experts, capacity=capacity,
+            ragged=ragged)
 
   def body(x, idx, w):
     grouped, sizes, state = xla_pipeline.dispatch(x[0], idx[0], **kw)
@@ -43,12 +64,33 @@ def test_pipeline_matches_the_contract(num_ranks, pattern):
   put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
   grouped, sizes, out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"),
                                               out_specs=P("ep")))(put(x), put(idx), put(w))
-  capacity = num_ranks * num_tokens * num_topk
-  expected = oracle.dispatch(x, idx, num_experts, capacity)
   for d in range(num_ranks):
     np.testing.assert_array_equal(np.asarray(sizes)[d], expected[d]["group_sizes"])
     n = int(expected[d]["group_sizes"].sum())
     np.testing.assert_array_equal(np.asarray(grouped)[d][:n], expected[d]["recv_x"][:n])
   # Identity experts: combine returns sum_k w[t, k] * x[t] over the valid slots.
-  want = np.einsum("rtk,rth->rth", w * (idx >= 0), x)
-  np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+  want = np.einsum("rtk,rth->rth", w * (idx >= 0), x.astype(np.float64))
+  tol = 1e-5 if dtype == jnp.float32 else 1.6e-2
+  np.testing.assert_allclose(np.asarray(out).astype(np.float64), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("num_ranks,pattern,dtype", [
+    (2, "uniform", jnp.float32), (4, "hot", jnp.bfloat16), (4, "duplicates", jnp.float32),
+    (8, "uniform", jnp.bfloat16)])
+def test_pipeline_matches_the_contract(num_ranks, pattern, dtype):
+  if num_ranks > len(jax.devices()):
+    pytest.skip(f"needs {num_ranks} devices")
+  ragged = functools.partial(xla_pipeline.emulated_ragged_all_to_all, num_ranks=num_ranks)
+  _check_pipeline(num_ranks, pattern, dtype, ragged)
+  # The benchmark passes a capacity that just holds every received row.
+  _check_pipeline(num_ranks, pattern, dtype, ragged, tight=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_pipeline_with_the_real_collective(num_ranks):
+  """On GPUs (one process driving them): the same checks through jax.lax.ragged_all_to_all."""
+  devices = jax.devices()
+  if devices[0].platform != "gpu" or jax.process_count() > 1 or num_ranks > len(devices):
+    pytest.skip(f"needs {num_ranks} GPUs in one process")
+  _check_pipeline(num_ranks, "uniform", jnp.bfloat16, jax.lax.ragged_all_to_all)
