@@ -222,9 +222,9 @@ enum class WaitKind : int32_t {
 //   dispatch_meta     [R src][T_max][K] int32         local expert or -1
 //   dispatch_weights  [R src][T_max][K] float32
 //   dispatch_index    [R src][T_max]    int32         source token index
-//   combine_rows      [R expert rank][T_max][H] float32 (4*H bytes a row:
-//                     the partial sums travel in fp32 so the home rank's sum
-//                     over ranks is exact-first; twice the wire bytes of bf16)
+//   combine_rows      [R expert rank][T_max][H] partial sums, sized for
+//                     float32; they travel in bf16 for bf16 activations (half
+//                     the wire bytes), else in fp32 (CombineWire, intranode.cu)
 //   dots              [R expert rank][T_max][K] float32
 //   flags             arrival[kNumRegions][R] u64, consumed[kNumRegions] u64
 // each rounded up to kRegionAlign bytes.

@@ -57,6 +57,7 @@
 //   no atomic decides where data goes.
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -75,9 +76,13 @@ using detail::Vec16;
 
 constexpr int kMaxR = static_cast<int>(kMaxRanks);
 constexpr int kMaxK = static_cast<int>(kMaxTopk);
-constexpr int kCommThreads = 512;     // rows send: a block per token
+// NOTES: rows send holds a whole row per block (128 threads x 8 vectors covers
+// H = 8192 bf16) and runs 8 blocks per budgeted SM, so 8 tokens' loads are in
+// flight per SM; with 512-thread blocks (2 per SM) it measured 0.3 TB/s per
+// process at R=8 emulated, each block idle for a load latency per token.
+constexpr int kCommThreads = 128;     // rows send: a block per token
 constexpr int kCombineThreads = 256;  // combine send: a block per item
-constexpr int kSendVecs = 2;          // x vectors each thread holds
+constexpr int kSendVecs = 8;          // x vectors each thread holds
 constexpr int kDotsThreads = 256;     // dots send: a warp per item
 constexpr int kLayoutThreads = 512;   // send-side layout: a block per rank
 constexpr int kReduceThreads = 128;   // home-side combine: a block per token
@@ -99,6 +104,21 @@ static_assert(kMaxK <= 32, "slot staging uses one warp, lane k = slot k");
 static_assert(kWaitThreads >= kMaxR && kCommThreads >= kMaxR &&
                   kCombineThreads >= kMaxR && kDotsThreads >= kMaxR,
               "a thread per rank in the prologues / epilogues");
+
+// The dtype combine's partial sums travel home in. NOTES: bf16 activations
+// send bf16 partials (each rounded once on the expert side, then summed in
+// fp32 in rank order at home): half the wire bytes of fp32, which on the
+// emulated R=8 run made fp32 partials alone cap combine at 0.30 of the copy
+// bound; bf16's 8-bit mantissa already bounds the result. f16 and f32 keep
+// fp32 partials (f16 would add a rounding the tests' 2e-3 tolerance feels).
+template <typename T>
+struct CombineWire {
+  using Type = float;
+};
+template <>
+struct CombineWire<__nv_bfloat16> {
+  using Type = __nv_bfloat16;
+};
 
 // ---------------------------------------------------------------------------
 // Memory-model helpers.
@@ -519,7 +539,7 @@ __global__ void FinishKernel(PeerView g, unsigned region_mask,
 
 // Expert side. Items: received (s, i). partial = sum over k ascending of
 // w * expert_out[entry_row[s, i, k]] (fp32, one fmaf each, rows < 0 skipped),
-// written to rank s's combine_rows[this rank][i] as fp32.
+// written to rank s's combine_rows[this rank][i] in CombineWire<T>.
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads)
     CombineSendKernel(PeerView g, const uint4* __restrict__ expert_out,
@@ -527,6 +547,7 @@ __global__ void __launch_bounds__(kCombineThreads)
                       const float* __restrict__ entry_weights,
                       const int32_t* __restrict__ recv_counts,
                       int64_t capacity, bool weighted) {
+  using Wire = typename CombineWire<T>::Type;
   constexpr int kE = Vec16<T>::kElems;
   constexpr int kF4 = kE / 4;  // fp32 float4s per X vector
   __shared__ char* s_peer[kMaxR];
@@ -564,8 +585,9 @@ __global__ void __launch_bounds__(kCombineThreads)
     }
     __syncthreads();
     const int nv = s_num;
-    float4* dst = reinterpret_cast<float4*>(s_peer[s] + g.layout.combine_rows) +
-                  (me * t_max + i) * (g.hidden / 4);
+    char* dst_row = s_peer[s] + g.layout.combine_rows +
+                    (me * t_max + i) * g.hidden * static_cast<int64_t>(
+                                                     sizeof(Wire));
     for (int64_t j = threadIdx.x; j < rv; j += kCombineThreads) {
       float acc[kE];
 #pragma unroll
@@ -588,10 +610,15 @@ __global__ void __launch_bounds__(kCombineThreads)
           }
         }
       }
+      if constexpr (std::is_same_v<Wire, float>) {
+        float4* dst = reinterpret_cast<float4*>(dst_row);
 #pragma unroll
-      for (int c = 0; c < kF4; ++c) {
-        dst[j * kF4 + c] = make_float4(acc[4 * c], acc[4 * c + 1],
-                                       acc[4 * c + 2], acc[4 * c + 3]);
+        for (int c = 0; c < kF4; ++c) {
+          dst[j * kF4 + c] = make_float4(acc[4 * c], acc[4 * c + 1],
+                                         acc[4 * c + 2], acc[4 * c + 3]);
+        }
+      } else {
+        reinterpret_cast<uint4*>(dst_row)[j] = Vec16<T>::Pack(acc);
       }
     }
   }
@@ -604,7 +631,8 @@ __global__ void __launch_bounds__(kCombineThreads)
 }
 
 // Home side. Items: tokens. out[t] = sum over d ascending with send_pos[t, d]
-// >= 0 of combine_rows[d][send_pos[t, d]] (fp32 adds, rounded once); zeros
+// >= 0 of combine_rows[d][send_pos[t, d]] (in CombineWire<T>, widened to
+// fp32; fp32 adds, rounded once); zeros
 // for tokens sent nowhere.
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
@@ -619,8 +647,11 @@ __global__ void __launch_bounds__(kReduceThreads)
   // is a volatile read that a concurrent kernel of the group could flip
   // between two threads' reads.
   if (__syncthreads_or(Aborted(g))) return;  // outputs are garbage; status says so
+  using Wire = typename CombineWire<T>::Type;
   const float4* region =
       reinterpret_cast<const float4*>(g.own + g.layout.combine_rows);
+  const uint4* region16 =
+      reinterpret_cast<const uint4*>(g.own + g.layout.combine_rows);
   const int64_t t_max = g.max_tokens;
   const int64_t row_f4 = g.hidden / 4;
   const int64_t rv = g.hidden * static_cast<int64_t>(sizeof(T)) / 16;
@@ -637,27 +668,48 @@ __global__ void __launch_bounds__(kReduceThreads)
 #pragma unroll
       for (int e = 0; e < kE; ++e) acc[e] = 0.0f;
       for (int q0 = 0; q0 < n; q0 += kReduceLoads) {
-        float4 v[kReduceLoads][kF4];
+        if constexpr (std::is_same_v<Wire, float>) {
+          float4 v[kReduceLoads][kF4];
 #pragma unroll
-        for (int u = 0; u < kReduceLoads; ++u) {
-          if (q0 + u < n) {
-            const float4* src =
-                region + (s_src[q0 + u] * t_max + s_pos[q0 + u]) * row_f4 +
-                j * kF4;
+          for (int u = 0; u < kReduceLoads; ++u) {
+            if (q0 + u < n) {
+              const float4* src =
+                  region + (s_src[q0 + u] * t_max + s_pos[q0 + u]) * row_f4 +
+                  j * kF4;
 #pragma unroll
-            for (int c = 0; c < kF4; ++c) v[u][c] = __ldcg(src + c);
+              for (int c = 0; c < kF4; ++c) v[u][c] = __ldcg(src + c);
+            }
           }
-        }
-        // NOTES: fixed order — ranks d ascending, one fp32 add each.
+          // NOTES: fixed order — ranks d ascending, one fp32 add each.
 #pragma unroll
-        for (int u = 0; u < kReduceLoads; ++u) {
-          if (q0 + u < n) {
+          for (int u = 0; u < kReduceLoads; ++u) {
+            if (q0 + u < n) {
 #pragma unroll
-            for (int c = 0; c < kF4; ++c) {
-              acc[4 * c] = __fadd_rn(acc[4 * c], v[u][c].x);
-              acc[4 * c + 1] = __fadd_rn(acc[4 * c + 1], v[u][c].y);
-              acc[4 * c + 2] = __fadd_rn(acc[4 * c + 2], v[u][c].z);
-              acc[4 * c + 3] = __fadd_rn(acc[4 * c + 3], v[u][c].w);
+              for (int c = 0; c < kF4; ++c) {
+                acc[4 * c] = __fadd_rn(acc[4 * c], v[u][c].x);
+                acc[4 * c + 1] = __fadd_rn(acc[4 * c + 1], v[u][c].y);
+                acc[4 * c + 2] = __fadd_rn(acc[4 * c + 2], v[u][c].z);
+                acc[4 * c + 3] = __fadd_rn(acc[4 * c + 3], v[u][c].w);
+              }
+            }
+          }
+        } else {
+          uint4 v[kReduceLoads];
+#pragma unroll
+          for (int u = 0; u < kReduceLoads; ++u) {
+            if (q0 + u < n) {
+              v[u] = __ldcg(region16 +
+                            (s_src[q0 + u] * t_max + s_pos[q0 + u]) * rv + j);
+            }
+          }
+          // NOTES: fixed order — ranks d ascending, one fp32 add each.
+#pragma unroll
+          for (int u = 0; u < kReduceLoads; ++u) {
+            if (q0 + u < n) {
+              float f[kE];
+              Vec16<T>::Unpack(v[u], f);
+#pragma unroll
+              for (int e = 0; e < kE; ++e) acc[e] = __fadd_rn(acc[e], f[e]);
             }
           }
         }
