@@ -80,6 +80,9 @@ constexpr int kMaxK = static_cast<int>(kMaxTopk);
 // H = 8192 bf16) and runs 8 blocks per budgeted SM, so 8 tokens' loads are in
 // flight per SM; with 512-thread blocks (2 per SM) it measured 0.3 TB/s per
 // process at R=8 emulated, each block idle for a load latency per token.
+// __launch_bounds__ asks for those 8 blocks (64 registers, no spills with
+// nvcc 13.0); combine and dots send spill at their 4 (ptxas -v), so they
+// take what occupancy gives.
 constexpr int kCommThreads = 128;     // rows send: a block per token
 constexpr int kCombineThreads = 256;  // combine send: a block per item
 constexpr int kSendVecs = 8;          // x vectors each thread holds
@@ -107,10 +110,12 @@ static_assert(kWaitThreads >= kMaxR && kCommThreads >= kMaxR &&
 
 // The dtype combine's partial sums travel home in. NOTES: bf16 activations
 // send bf16 partials (each rounded once on the expert side, then summed in
-// fp32 in rank order at home): half the wire bytes of fp32, which on the
-// emulated R=8 run made fp32 partials alone cap combine at 0.30 of the copy
-// bound; bf16's 8-bit mantissa already bounds the result. f16 and f32 keep
-// fp32 partials (f16 would add a rounding the tests' 2e-3 tolerance feels).
+// fp32 in rank order at home, DeepEP's wire): half the wire bytes of fp32,
+// which on the emulated R=8 run alone capped combine at 0.30 of the copy
+// bound. The cost is one extra bf16 rounding per partial: an absolute error
+// up to about R * 2^-9 * max|partial| (unbounded relative error where the
+// partials cancel), against the reference's fp32 partials. f16 and f32 keep
+// fp32 partials.
 template <typename T>
 struct CombineWire {
   using Type = float;
@@ -388,7 +393,7 @@ __global__ void __launch_bounds__(kLayoutThreads)
 // dispatch_rows[this rank][send_pos]; kWithMeta also writes its K local
 // expert ids (-1 for slots of other ranks), K weights and the token index.
 template <bool kWithMeta>
-__global__ void __launch_bounds__(kCommThreads)
+__global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     RowsSendKernel(PeerView g, const uint4* __restrict__ x,
                    const int32_t* __restrict__ send_pos,
                    const int32_t* __restrict__ topk_idx,
@@ -549,7 +554,7 @@ __global__ void __launch_bounds__(kCombineThreads)
                       int64_t capacity, bool weighted) {
   using Wire = typename CombineWire<T>::Type;
   constexpr int kE = Vec16<T>::kElems;
-  constexpr int kF4 = kE / 4;  // fp32 float4s per X vector
+  [[maybe_unused]] constexpr int kF4 = kE / 4;  // fp32 float4s per X vector
   __shared__ char* s_peer[kMaxR];
   __shared__ int32_t s_start[kMaxR + 1];
   __shared__ int32_t s_row[kMaxK];
@@ -639,7 +644,7 @@ __global__ void __launch_bounds__(kReduceThreads)
     CombineReduceKernel(PeerView g, const int32_t* __restrict__ send_pos,
                         uint4* __restrict__ out, int32_t num_tokens) {
   constexpr int kE = Vec16<T>::kElems;
-  constexpr int kF4 = kE / 4;
+  [[maybe_unused]] constexpr int kF4 = kE / 4;
   __shared__ int32_t s_src[kMaxR];
   __shared__ int32_t s_pos[kMaxR];
   __shared__ int32_t s_num;
@@ -648,12 +653,13 @@ __global__ void __launch_bounds__(kReduceThreads)
   // between two threads' reads.
   if (__syncthreads_or(Aborted(g))) return;  // outputs are garbage; status says so
   using Wire = typename CombineWire<T>::Type;
-  const float4* region =
+  // One of the two views is used, depending on the wire dtype.
+  [[maybe_unused]] const float4* region =
       reinterpret_cast<const float4*>(g.own + g.layout.combine_rows);
-  const uint4* region16 =
+  [[maybe_unused]] const uint4* region16 =
       reinterpret_cast<const uint4*>(g.own + g.layout.combine_rows);
   const int64_t t_max = g.max_tokens;
-  const int64_t row_f4 = g.hidden / 4;
+  [[maybe_unused]] const int64_t row_f4 = g.hidden / 4;
   const int64_t rv = g.hidden * static_cast<int64_t>(sizeof(T)) / 16;
   for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
     __syncthreads();  // the previous token's readers of shared are done
