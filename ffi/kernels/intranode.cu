@@ -595,26 +595,8 @@ __global__ void __launch_bounds__(kCombineThreads)
                                                      sizeof(Wire));
     for (int64_t j = threadIdx.x; j < rv; j += kCombineThreads) {
       float acc[kE];
-#pragma unroll
-      for (int e = 0; e < kE; ++e) acc[e] = 0.0f;
-      for (int k0 = 0; k0 < nv; k0 += kCombineLoads) {
-        uint4 v[kCombineLoads];
-#pragma unroll
-        for (int u = 0; u < kCombineLoads; ++u) {
-          if (k0 + u < nv) v[u] = LoadVec(expert_out + s_row[k0 + u] * rv + j);
-        }
-        // NOTES: fixed order — slots k ascending, one fmaf per element each.
-#pragma unroll
-        for (int u = 0; u < kCombineLoads; ++u) {
-          if (k0 + u < nv) {
-            float f[kE];
-            Vec16<T>::Unpack(v[u], f);
-            const float w = s_w[k0 + u];
-#pragma unroll
-            for (int e = 0; e < kE; ++e) acc[e] = __fmaf_rn(w, f[e], acc[e]);
-          }
-        }
-      }
+      detail::WeightedRowSum<T, kCombineLoads>(expert_out, s_row, s_w, nv, rv,
+                                               j, acc);
       if constexpr (std::is_same_v<Wire, float>) {
         float4* dst = reinterpret_cast<float4*>(dst_row);
 #pragma unroll

@@ -136,6 +136,36 @@ struct Vec16<float> {
 // Read-only, non-coherent 16-byte load (inputs never alias outputs).
 __device__ __forceinline__ uint4 LoadVec(const uint4* p) { return __ldg(p); }
 
+// acc = sum over k < n, ascending, of weight[k] * rows[row[k] * row_vecs + j]
+// (vector j of each row, widened to fp32), kLoads rows in flight.
+// NOTES: fixed order — slots k ascending, one fmaf per element each — so the
+// one-rank unpermute and the peer combine's partial sums agree bit for bit.
+template <typename T, int kLoads>
+__device__ __forceinline__ void WeightedRowSum(
+    const uint4* __restrict__ rows, const int32_t* row, const float* weight,
+    int n, int64_t row_vecs, int64_t j, float (&acc)[Vec16<T>::kElems]) {
+  constexpr int kE = Vec16<T>::kElems;
+#pragma unroll
+  for (int e = 0; e < kE; ++e) acc[e] = 0.0f;
+  for (int k0 = 0; k0 < n; k0 += kLoads) {
+    uint4 v[kLoads];
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      if (k0 + u < n) v[u] = LoadVec(rows + row[k0 + u] * row_vecs + j);
+    }
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      if (k0 + u < n) {
+        float f[kE];
+        Vec16<T>::Unpack(v[u], f);
+        const float w = weight[k0 + u];
+#pragma unroll
+        for (int e = 0; e < kE; ++e) acc[e] = __fmaf_rn(w, f[e], acc[e]);
+      }
+    }
+  }
+}
+
 }  // namespace jax_ep::detail
 
 #endif  // JAX_EP_FFI_KERNELS_KERNEL_UTILS_CUH_

@@ -219,26 +219,8 @@ __global__ void __launch_bounds__(kRowBlock)
     uint4* dst = out + item * rv;
     for (int64_t j = j_begin + threadIdx.x; j < j_end; j += kRowBlock) {
       float acc[kE];
-#pragma unroll
-      for (int i = 0; i < kE; ++i) acc[i] = 0.0f;
-      for (int k0 = 0; k0 < n; k0 += kUnpermuteLoads) {
-        uint4 v[kUnpermuteLoads];
-#pragma unroll
-        for (int u = 0; u < kUnpermuteLoads; ++u) {
-          if (k0 + u < n) v[u] = LoadVec(src + s_row[k0 + u] * rv + j);
-        }
-        // NOTES: fixed order — slots k ascending, one fmaf per element each.
-#pragma unroll
-        for (int u = 0; u < kUnpermuteLoads; ++u) {
-          if (k0 + u < n) {
-            float f[kE];
-            Vec16<T>::Unpack(v[u], f);
-            const float w = s_weight[k0 + u];
-#pragma unroll
-            for (int i = 0; i < kE; ++i) acc[i] = __fmaf_rn(w, f[i], acc[i]);
-          }
-        }
-      }
+      detail::WeightedRowSum<T, kUnpermuteLoads>(src, s_row, s_weight, n, rv, j,
+                                                 acc);
       dst[j] = Vec16<T>::Pack(acc);
     }
   }
