@@ -224,6 +224,21 @@ class Group:
   capacity = property(lambda self: self.config.capacity)
   strict = property(lambda self: self.config.strict)
 
+  @property
+  def combine_partial_dtype(self) -> np.dtype:
+    """The dtype combine's per-(token, rank) partial sums travel home in.
+
+    float32 (exact-first: the home rank adds fp32 partials and rounds once) except on the cuda
+    peer transport with bfloat16 activations, where partials travel in bfloat16 (half of
+    combine's wire bytes, as DeepEP does). Each bf16 partial `p` is rounded once on the expert
+    side, so the result may differ from the fp32-partial sum by up to `2^-8 * sum_r |p_r|`
+    per element, on top of the final rounding (docs/CONTRACT_NOTES.md).
+    """
+    if (self.backend_name == "cuda" and self.num_ranks > 1
+        and self.dtype == np.dtype(jnp.bfloat16)):
+      return np.dtype(jnp.bfloat16)
+    return np.dtype(np.float32)
+
   def memory_bytes(self, use_fp8: bool = False) -> MemoryEstimate:
     c = self.config
     return memory_bytes(num_ranks=c.num_ranks, num_experts=c.num_experts, num_topk=c.num_topk,

@@ -91,6 +91,12 @@ class TestGroupValidation:
                                      max_tokens_per_rank=4096)
     assert standalone.recv_x_bytes == 8 * 4096 * 8 * 7168 * 2
 
+  def test_combine_partials_are_fp32_off_the_peer_transport(self):
+    # The reference backend (and the one-rank cuda path) never round a partial; only the cuda
+    # peer transport sends bf16 partials for bf16 activations (a GPU test checks that case).
+    for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+      assert _group(dtype=dtype).combine_partial_dtype == np.float32
+
   def test_context_manager_closes(self):
     with _group() as group:
       assert not group.closed

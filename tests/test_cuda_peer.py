@@ -41,6 +41,15 @@ class TestCudaPeer(EPTestBase):
   small_ranks = NUM_RANKS
   vmap_one_round = False  # peer ops run one round per batch element under vmap (documented)
 
+  def test_combine_partial_dtype(self):
+    # bf16 activations: partials travel in bf16 (the combine tests allow for that rounding
+    # through `partial_rounding_bound`); other dtypes keep fp32 partials.
+    want = {jnp.bfloat16: jnp.bfloat16, jnp.float16: np.float32, jnp.float32: np.float32}
+    for dtype, wire in want.items():
+      group = self.make_group(NUM_RANKS, num_experts=8 * NUM_RANKS, num_topk=2, hidden=128,
+                              max_tokens=4, dtype=dtype)
+      assert group.combine_partial_dtype == np.dtype(wire if NUM_RANKS > 1 else np.float32)
+
   def test_back_to_back_rounds_reuse_regions(self):
     """Many rounds of dispatch, combine and their backward ops (dispatch_cached, combine_vjp)
     through one compiled step, a new routing each round: every receive region is reused many

@@ -113,7 +113,7 @@ static_assert(kWaitThreads >= kMaxR && kCommThreads >= kMaxR &&
 // fp32 in rank order at home, DeepEP's wire): half the wire bytes of fp32,
 // which on the emulated R=8 run alone capped combine at 0.30 of the copy
 // bound. The cost is one extra bf16 rounding per partial: an absolute error
-// up to about R * 2^-9 * max|partial| (unbounded relative error where the
+// up to about 2^-8 * sum_r |partial_r| (unbounded relative error where the
 // partials cancel), against the reference's fp32 partials. f16 and f32 keep
 // fp32 partials.
 template <typename T>
