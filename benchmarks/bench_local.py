@@ -53,7 +53,7 @@ def batched(fn):
 
 
 def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_name, calls,
-                 backends):
+                 backends, breakdown=False):
   rng = np.random.default_rng(num_tokens)
   dtype = jnp.bfloat16
   itemsize = 2
@@ -73,8 +73,12 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
               bound_gbps=round(bound_gbps, 1), bound=bound_name)
   records = []
 
-  def add(op, backend, timed, min_hbm=min_bytes):
+  def add(op, backend, timed, min_hbm=min_bytes, fn=None, fn_args=None):
     seconds, timing = timed
+    if breakdown and fn is not None and jax.devices()[0].platform == "gpu":
+      print(f"T={num_tokens} {op} {backend}: device time per call by kernel (us, launches)")
+      for name, us, launches in common.kernel_breakdown(fn, fn_args)[:8]:
+        print(f"  {us / calls:9.2f}  {launches / calls:4.1f}  {name[:90]}")
     median_us = seconds / calls * 1e6
     records.append(common.record(
         op=op, backend=backend, median_us=round(median_us, 2), timing=timing, **base,
@@ -92,8 +96,10 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
     recv_handles = [jax.jit(dispatch)(x, i, w) for x, i, w in zip(xs, idxs, ws)]
     handles = [h for _, h in recv_handles]
     combine = per_shard(lambda eo, h: jax_ep.combine(group, eo, h))
-    add("dispatch", backend, common.time_batches(batched(dispatch), (xs, idxs, ws)))
-    add("combine", backend, common.time_batches(batched(combine), (eos, handles)))
+    add("dispatch", backend, common.time_batches(batched(dispatch), (xs, idxs, ws)),
+        fn=batched(dispatch), fn_args=(xs, idxs, ws))
+    add("combine", backend, common.time_batches(batched(combine), (eos, handles)),
+        fn=batched(combine), fn_args=(eos, handles))
     if backend == "cuda":
       layout = per_shard(lambda i: group.backend.layout(i)[0])
       add("layout", backend, common.time_batches(batched(layout), (idxs,)),
@@ -101,8 +107,10 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
 
   xla_d = functools.partial(xla_dispatch, num_experts=num_experts)
   orders = [jax.jit(xla_d)(x, i)[2] for x, i in zip(xs, idxs)]
-  add("dispatch", "xla_baseline", common.time_batches(batched(xla_d), (xs, idxs)))
-  add("combine", "xla_baseline", common.time_batches(batched(xla_combine), (eos, orders, ws)))
+  add("dispatch", "xla_baseline", common.time_batches(batched(xla_d), (xs, idxs)),
+      fn=batched(xla_d), fn_args=(xs, idxs))
+  add("combine", "xla_baseline", common.time_batches(batched(xla_combine), (eos, orders, ws)),
+      fn=batched(xla_combine), fn_args=(eos, orders, ws))
   return records
 
 
@@ -115,13 +123,15 @@ def main():
   parser.add_argument("--calls", type=int, default=8, help="input sets per timed batch")
   parser.add_argument("--backends", nargs="+", default=["cuda", "reference"])
   parser.add_argument("--out", default="local.jsonl")
+  parser.add_argument("--breakdown", action="store_true",
+                      help="also print each timed op's device time per kernel (GPU)")
   args = parser.parse_args()
   bound_gbps, bound_name = common.copy_bound_gbps()
   print(f"copy bound: {bound_gbps:.0f} GB/s ({bound_name}) on {common.device_name()}")
   records = []
   for t in args.tokens:
     records += bench_tokens(t, args.hidden, args.topk, args.experts, bound_gbps, bound_name,
-                            args.calls, args.backends)
+                            args.calls, args.backends, args.breakdown)
   path = common.write_jsonl(records, args.out)
   common.print_table(records, ["op", "backend", "tokens_per_rank", "median_us", "gbps",
                                "min_hbm_bytes", "roofline"])

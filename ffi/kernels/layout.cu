@@ -2,7 +2,10 @@
 //
 // jax_ep::layout — slot -> row assignment of the expert-grouped buffer.
 //
-// One pass over `topk_idx`, no sort, three small launches per call:
+// One pass over `topk_idx`, no sort. When the slots fit one chunk (decode-
+// sized T * K) a single launch of AssignRowsKernel<true> does everything in one
+// block per batch element (launch gaps were half of a T=128 dispatch on the
+// H200). Otherwise three small launches per call:
 //   1. ChunkHistogramKernel: per chunk of consecutive (t, k) slots, a shared-
 //      memory histogram over experts (column E counts invalid ids), written to
 //      workspace `counts[chunk, E + 1]`.
@@ -196,6 +199,44 @@ __device__ __forceinline__ void ExpertBases(const int32_t* __restrict__ totals,
   if (threadIdx.x == 0) s_base[num_experts] = all;
 }
 
+// Step 2 of AssignRowsKernel for 32 consecutive slots of one warp (expert ids
+// `e`, -1 past the end): add them to the warp's histogram; returns how many of
+// them are invalid ids (same value in every lane).
+__device__ __forceinline__ int CountSlots(int32_t e, int32_t num_experts,
+                                          int32_t* warp_hist) {
+  const int lane = threadIdx.x & 31;
+  const bool valid = IsValidExpert(e, num_experts);
+  const unsigned peers = __match_any_sync(kFullMask, valid ? e : -1);
+  if (valid && lane == __ffs(peers) - 1) warp_hist[e] += __popc(peers);
+  const unsigned bad = __ballot_sync(kFullMask, IsInvalidId(e, num_experts));
+  __syncwarp();
+  return __popc(bad);
+}
+
+// Step 4 for 32 consecutive slots: the row of each (ranked by lane among equal
+// experts; the lowest lane advances the warp's counter), -1 if none.
+__device__ __forceinline__ int32_t AssignSlots(int32_t e, int32_t num_experts,
+                                               int32_t* warp_next) {
+  const int lane = threadIdx.x & 31;
+  const bool valid = IsValidExpert(e, num_experts);
+  const unsigned peers = __match_any_sync(kFullMask, valid ? e : -1);
+  int32_t row = -1;
+  if (valid) row = warp_next[e] + __popc(peers & LaneMaskLt());
+  __syncwarp();
+  if (valid && lane == __ffs(peers) - 1) warp_next[e] += __popc(peers);
+  __syncwarp();
+  return row;
+}
+
+// Ids per lane when a single chunk (at most kMinChunkSlots slots) is split
+// over the block's warps.
+constexpr int kSingleChunkLaneIds = static_cast<int>(kMinChunkSlots) / kBlock;
+
+// kSingleChunk: the batch element's slots are one chunk (num_chunks <= 1) and
+// this block does the whole layout alone: the expert totals are the sums of
+// its own warp histograms (step 2), so kernels 1 and 2 are not launched and
+// the workspace is not touched.
+template <bool kSingleChunk>
 __global__ void __launch_bounds__(kBlock)
     AssignRowsKernel(const int32_t* __restrict__ topk_idx,
                      int32_t* __restrict__ slot_row,
@@ -207,6 +248,10 @@ __global__ void __launch_bounds__(kBlock)
   __shared__ int32_t s_next[kNumWarps][kMaxE];
   __shared__ int32_t s_base[kMaxE + 1];
   __shared__ int32_t s_scan[kNumWarps];
+  // kSingleChunk only: expert totals [0, E), the invalid count at [E];
+  // per-warp invalid counts.
+  __shared__ int32_t s_total[kSingleChunk ? kMaxE + 1 : 1];
+  __shared__ int32_t s_invalid[kSingleChunk ? kNumWarps : 1];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int32_t num_experts = d.num_experts;
@@ -218,13 +263,52 @@ __global__ void __launch_bounds__(kBlock)
     const int64_t b = item / grid_chunks;
     const int32_t c = static_cast<int32_t>(item % grid_chunks);
     const int32_t* counts = workspace + b * d.workspace_stride;
-    const int32_t* totals =
-        counts + static_cast<int64_t>(d.num_chunks) * num_cols;
+    const int32_t* idx = topk_idx + b * d.num_slots;
+    int32_t* rows = slot_row + b * d.num_slots;
+    const int32_t begin = c * d.chunk_slots + warp * warp_slots;
+    const int32_t end = min(begin + warp_slots, d.num_slots);
+    const int32_t* totals;
     __syncthreads();  // the previous item's readers of shared memory are done
-    ExpertBases(totals, num_experts, s_base, s_scan);
     for (int i = threadIdx.x; i < kNumWarps * num_experts; i += kBlock) {
       s_next[i / num_experts][i % num_experts] = 0;
     }
+    __syncthreads();
+
+    // Step 2: warp-private histogram of this warp's slice. The single-chunk
+    // block loads its ids once, all at the same time (one load latency, not
+    // one per 32 slots), and also counts the invalid ones.
+    [[maybe_unused]] int32_t ids[kSingleChunk ? kSingleChunkLaneIds : 1];
+    if constexpr (kSingleChunk) {
+#pragma unroll
+      for (int u = 0; u < kSingleChunkLaneIds; ++u) {
+        const int32_t s = begin + u * 32 + lane;
+        ids[u] = s < end ? LoadId(idx, s, d) : -1;
+      }
+      int bad = 0;
+#pragma unroll
+      for (int u = 0; u < kSingleChunkLaneIds; ++u) {
+        bad += CountSlots(ids[u], num_experts, s_next[warp]);
+      }
+      if (lane == 0) s_invalid[warp] = bad;
+      __syncthreads();
+      for (int e = threadIdx.x; e < num_cols; e += kBlock) {
+        int32_t sum = 0;
+#pragma unroll
+        for (int w = 0; w < kNumWarps; ++w) {
+          sum += e < num_experts ? s_next[w][e] : s_invalid[w];
+        }
+        s_total[e] = sum;
+      }
+      __syncthreads();
+      totals = s_total;
+    } else {
+      for (int32_t base = begin; base < end; base += 32) {
+        const int32_t s = base + lane;
+        CountSlots(s < end ? LoadId(idx, s, d) : -1, num_experts, s_next[warp]);
+      }
+      totals = counts + static_cast<int64_t>(d.num_chunks) * num_cols;
+    }
+    ExpertBases(totals, num_experts, s_base, s_scan);
     __syncthreads();
 
     if (c == 0) {
@@ -239,27 +323,13 @@ __global__ void __launch_bounds__(kBlock)
     }
     if (c >= d.num_chunks) continue;  // block-uniform (T * K == 0)
 
-    const int32_t* idx = topk_idx + b * d.num_slots;
-    int32_t* rows = slot_row + b * d.num_slots;
-    const int32_t begin = c * d.chunk_slots + warp * warp_slots;
-    const int32_t end = min(begin + warp_slots, d.num_slots);
-
-    // Step 2: warp-private histogram of this warp's slice.
-    for (int32_t base = begin; base < end; base += 32) {
-      const int32_t s = base + lane;
-      const int32_t e = s < end ? LoadId(idx, s, d) : -1;
-      const bool valid = IsValidExpert(e, num_experts);
-      const unsigned peers = __match_any_sync(kFullMask, valid ? e : -1);
-      if (valid && lane == __ffs(peers) - 1) s_next[warp][e] += __popc(peers);
-      __syncwarp();
-    }
-    __syncthreads();
-
     // Step 3: counts -> first row of each (warp, expert):
     // expert base + this chunk's offset + the earlier warps of this chunk.
-    const int32_t* chunk_offset = counts + static_cast<int64_t>(c) * num_cols;
     for (int e = threadIdx.x; e < num_experts; e += kBlock) {
-      int32_t run = s_base[e] + chunk_offset[e];
+      int32_t run = s_base[e];
+      if constexpr (!kSingleChunk) {
+        run += counts[static_cast<int64_t>(c) * num_cols + e];
+      }
 #pragma unroll
       for (int w = 0; w < kNumWarps; ++w) {
         const int32_t n = s_next[w][e];
@@ -269,19 +339,21 @@ __global__ void __launch_bounds__(kBlock)
     }
     __syncthreads();
 
-    // Step 4: rows in (t, k) order. Lanes with the same expert are ranked by
-    // lane (= slot order); the lowest lane advances the warp's counter.
-    for (int32_t base = begin; base < end; base += 32) {
-      const int32_t s = base + lane;
-      const int32_t e = s < end ? LoadId(idx, s, d) : -1;
-      const bool valid = IsValidExpert(e, num_experts);
-      const unsigned peers = __match_any_sync(kFullMask, valid ? e : -1);
-      int32_t row = -1;
-      if (valid) row = s_next[warp][e] + __popc(peers & LaneMaskLt());
-      __syncwarp();
-      if (valid && lane == __ffs(peers) - 1) s_next[warp][e] += __popc(peers);
-      __syncwarp();
-      if (s < end) rows[s] = row < d.capacity ? row : -1;
+    // Step 4: rows in (t, k) order.
+    if constexpr (kSingleChunk) {
+#pragma unroll
+      for (int u = 0; u < kSingleChunkLaneIds; ++u) {
+        const int32_t s = begin + u * 32 + lane;
+        const int32_t row = AssignSlots(ids[u], num_experts, s_next[warp]);
+        if (s < end) rows[s] = row < d.capacity ? row : -1;
+      }
+    } else {
+      for (int32_t base = begin; base < end; base += 32) {
+        const int32_t s = base + lane;
+        const int32_t e = s < end ? LoadId(idx, s, d) : -1;
+        const int32_t row = AssignSlots(e, num_experts, s_next[warp]);
+        if (s < end) rows[s] = row < d.capacity ? row : -1;
+      }
     }
   }
 }
@@ -325,13 +397,23 @@ cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
   // NOTES: one resident wave at most (max_waves = 1): every item is small
   // and equal-sized, and kernel 3 re-derives the expert bases per item.
   unsigned grid = 0;
-  if (d.num_chunks > 0) {
+  if (d.num_chunks <= 1) {
+    // One chunk means at most kMinChunkSlots slots in a chunk of exactly
+    // that size, kSingleChunkLaneIds ids per lane.
+    if (d.chunk_slots != kMinChunkSlots) return cudaErrorInvalidValue;
     JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
-        ChunkHistogramKernel, kBlock, /*max_blocks_per_sm=*/8,
-        /*max_waves=*/1, num_batches * d.num_chunks, &grid));
-    ChunkHistogramKernel<<<grid, kBlock, 0, stream>>>(topk_idx, workspace, d);
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+        AssignRowsKernel<true>, kBlock, /*max_blocks_per_sm=*/8,
+        /*max_waves=*/1, num_batches, &grid));
+    AssignRowsKernel<true><<<grid, kBlock, 0, stream>>>(
+        topk_idx, slot_row, group_sizes, num_dropped, num_invalid, workspace,
+        d);
+    return cudaGetLastError();
   }
+  JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
+      ChunkHistogramKernel, kBlock, /*max_blocks_per_sm=*/8, /*max_waves=*/1,
+      num_batches * d.num_chunks, &grid));
+  ChunkHistogramKernel<<<grid, kBlock, 0, stream>>>(topk_idx, workspace, d);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const int64_t num_tiles = (num_experts + 1 + 31) / 32;
   JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
       ChunkScanKernel, kBlock, /*max_blocks_per_sm=*/8, /*max_waves=*/1,
@@ -339,11 +421,10 @@ cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
   ChunkScanKernel<<<grid, kBlock, 0, stream>>>(workspace, d);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 
-  const int64_t grid_chunks = d.num_chunks > 0 ? d.num_chunks : 1;
   JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
-      AssignRowsKernel, kBlock, /*max_blocks_per_sm=*/8, /*max_waves=*/1,
-      num_batches * grid_chunks, &grid));
-  AssignRowsKernel<<<grid, kBlock, 0, stream>>>(
+      AssignRowsKernel<false>, kBlock, /*max_blocks_per_sm=*/8,
+      /*max_waves=*/1, num_batches * d.num_chunks, &grid));
+  AssignRowsKernel<false><<<grid, kBlock, 0, stream>>>(
       topk_idx, slot_row, group_sizes, num_dropped, num_invalid, workspace, d);
   return cudaGetLastError();
 }
@@ -353,7 +434,9 @@ cudaError_t PreloadKernels() {
   JAX_EP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attr, ChunkHistogramKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, ChunkScanKernel));
-  return cudaFuncGetAttributes(&attr, AssignRowsKernel);
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaFuncGetAttributes(&attr, AssignRowsKernel<true>));
+  return cudaFuncGetAttributes(&attr, AssignRowsKernel<false>);
 }
 
 }  // namespace jax_ep::layout

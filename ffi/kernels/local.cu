@@ -39,7 +39,7 @@ constexpr int kMaxBlocksPerSm = 16;     // upper bound; occupancy decides
 constexpr int kMaxWaves = 8;            // grid cap in resident waves
 constexpr int kPermuteVecs = 8;         // x vectors each thread holds
 constexpr int kUnpermuteLoads = 8;      // expert rows in flight per thread
-constexpr int kUnpermuteBlocksPerSm = 8;  // row parts wanted per SM at small T
+constexpr int kSplitBlocksPerSm = 8;  // row parts wanted per SM at small T
 constexpr int kDotsGroup = 8;           // slots reduced together in slot dots
 constexpr int kMaxK = static_cast<int>(kMaxTopk);
 static_assert(kMaxK <= 32, "slot staging uses one warp, lane k = slot k");
@@ -57,6 +57,15 @@ struct RowDims {
 // so a corrupt slot_row can never cause an out-of-bounds access.
 __device__ __forceinline__ int32_t CheckedRow(int32_t row, int64_t capacity) {
   return (row >= 0 && row < capacity) ? row : -1;
+}
+
+// Vectors in each of the `splits` parts of a row of `row_vecs` vectors: whole
+// multiples of kRowBlock, so every thread of a part's block has the same
+// number of vectors (see RowSplits).
+__host__ __device__ __forceinline__ int64_t PartVecs(int64_t row_vecs,
+                                                     int64_t splits) {
+  return ((row_vecs + splits - 1) / splits + kRowBlock - 1) / kRowBlock *
+         kRowBlock;
 }
 
 template <typename T>
@@ -91,7 +100,9 @@ __device__ int64_t UsedRows(const int32_t* __restrict__ group_sizes,
   return used < capacity ? used : capacity;
 }
 
-// Items: every token (b, t), then every row (b, r) as a zero-tail candidate.
+// Items: every (token (b, t), row part) (a token's row is split into `splits`
+// parts when there are too few tokens to fill the GPU, see RowSplits), then
+// every row (b, r) as a zero-tail candidate.
 // kPeerRows: `x` is a peer-transport receive buffer written by other GPUs
 // before this launch; read it through L2 (ld.global.cg), never through the
 // non-coherent path.
@@ -101,23 +112,29 @@ __global__ void __launch_bounds__(kRowBlock)
                   const int32_t* __restrict__ slot_row,
                   const int32_t* __restrict__ group_sizes,
                   const float* __restrict__ slot_weights,
-                  uint4* __restrict__ recv_x, RowDims d, bool weighted) {
+                  uint4* __restrict__ recv_x, RowDims d, bool weighted,
+                  int32_t splits) {
   __shared__ int32_t s_row[kMaxK];
   __shared__ float s_weight[kMaxK];
   __shared__ int64_t s_red[kRowBlock / 32];
-  const int64_t num_token_items = d.num_batches * d.num_tokens;
+  const int64_t num_token_items = d.num_batches * d.num_tokens * splits;
   const int64_t num_items = num_token_items + d.num_batches * d.capacity;
   const int64_t rv = d.row_vecs;
+  const int64_t part_vecs = PartVecs(rv, splits);
   int64_t used_batch = -1;  // batch element whose `used` is cached below
   int64_t used = 0;
   for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
     if (item < num_token_items) {
-      // Token rows: read x[t] once into registers, then one store per slot.
-      const int64_t b = item / d.num_tokens;
+      // Token rows: read the part of x[t] once into registers, then one store
+      // per slot.
+      const int64_t token = item / splits;
+      const int64_t j_begin = (item - token * splits) * part_vecs;
+      const int64_t j_end = j_begin + part_vecs < rv ? j_begin + part_vecs : rv;
+      const int64_t b = token / d.num_tokens;
       __syncthreads();  // the previous token's readers of s_row are done
       int32_t my_row = -1;
       if (threadIdx.x < d.num_topk) {
-        const int64_t s = item * d.num_topk + threadIdx.x;
+        const int64_t s = token * d.num_topk + threadIdx.x;
         my_row = CheckedRow(slot_row[s], d.capacity);
         s_row[threadIdx.x] = my_row;
         s_weight[threadIdx.x] = weighted ? slot_weights[s] : 1.0f;
@@ -125,14 +142,14 @@ __global__ void __launch_bounds__(kRowBlock)
       // NOTES: a token without any row is not read (block-uniform skip):
       // most of a peer receive buffer's rows are unused.
       if (!__syncthreads_or(my_row >= 0)) continue;
-      const uint4* src = x + item * rv;
+      const uint4* src = x + token * rv;
       uint4* dst_batch = recv_x + b * d.capacity * rv;
-      for (int64_t v0 = 0; v0 < rv; v0 += kRowBlock * kPermuteVecs) {
+      for (int64_t v0 = j_begin; v0 < j_end; v0 += kRowBlock * kPermuteVecs) {
         uint4 v[kPermuteVecs];
 #pragma unroll
         for (int u = 0; u < kPermuteVecs; ++u) {
           const int64_t j = v0 + u * kRowBlock + threadIdx.x;
-          if (j < rv) v[u] = kPeerRows ? __ldcg(src + j) : LoadVec(src + j);
+          if (j < j_end) v[u] = kPeerRows ? __ldcg(src + j) : LoadVec(src + j);
         }
         for (int k = 0; k < d.num_topk; ++k) {
           const int32_t row = s_row[k];
@@ -143,13 +160,13 @@ __global__ void __launch_bounds__(kRowBlock)
 #pragma unroll
             for (int u = 0; u < kPermuteVecs; ++u) {
               const int64_t j = v0 + u * kRowBlock + threadIdx.x;
-              if (j < rv) dst[j] = Scale<T>(v[u], w);
+              if (j < j_end) dst[j] = Scale<T>(v[u], w);
             }
           } else {
 #pragma unroll
             for (int u = 0; u < kPermuteVecs; ++u) {
               const int64_t j = v0 + u * kRowBlock + threadIdx.x;
-              if (j < rv) dst[j] = v[u];
+              if (j < j_end) dst[j] = v[u];
             }
           }
         }
@@ -173,7 +190,7 @@ __global__ void __launch_bounds__(kRowBlock)
 }
 
 // Items: (token, row part): a token's row is split into `splits` contiguous
-// parts when there are too few tokens to fill the GPU (see UnpermuteLaunch).
+// parts when there are too few tokens to fill the GPU (see RowSplits).
 // Each thread owns output vectors j (stride kRowBlock) of its part and sums
 // the token's valid slots, k ascending, kUnpermuteLoads rows in flight; every
 // output element is still computed by one thread in the same order, so the
@@ -191,8 +208,7 @@ __global__ void __launch_bounds__(kRowBlock)
   __shared__ int s_num;
   const int64_t rv = d.row_vecs;
   const int64_t num_pieces = d.num_batches * d.num_tokens * splits;
-  const int64_t part_vecs =
-      ((rv + splits - 1) / splits + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int64_t part_vecs = PartVecs(rv, splits);
   for (int64_t piece = blockIdx.x; piece < num_pieces; piece += gridDim.x) {
     const int64_t item = piece / splits;
     const int64_t j_begin = (piece - item * splits) * part_vecs;
@@ -332,13 +348,38 @@ RowDims MakeRowDims(int64_t num_batches, int64_t num_tokens, int64_t num_topk,
   return d;
 }
 
+// NOTES: with few tokens (decode-sized T) one block per token leaves most SMs
+// idle and the rest latency-bound (measured on the H200 at T=128: unpermute
+// 10.8 us against 5.6 for XLA's fused gather); split rows into parts until
+// there are kSplitBlocksPerSm blocks per SM, down to kRowBlock vectors a part.
+// Parts are whole multiples of kRowBlock vectors (PartVecs); the parts that
+// rounding left empty are dropped, and PartVecs gives the same part size for
+// the reduced count (checked for every row_vecs <= 8192).
+cudaError_t RowSplits(int64_t row_vecs, int64_t num_rows, int32_t* splits) {
+  *splits = 1;
+  if (num_rows == 0 || row_vecs == 0) return cudaSuccess;
+  int num_sms = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
+  const int64_t wanted = static_cast<int64_t>(num_sms) * kSplitBlocksPerSm;
+  const int64_t max_splits = (row_vecs + kRowBlock - 1) / kRowBlock;
+  int64_t n = (wanted + num_rows - 1) / num_rows;
+  if (n > max_splits) n = max_splits;
+  if (n < 1) n = 1;
+  const int64_t part_vecs = PartVecs(row_vecs, n);
+  *splits = static_cast<int32_t>((row_vecs + part_vecs - 1) / part_vecs);
+  return cudaSuccess;
+}
+
 template <typename T, bool kPeerRows>
 cudaError_t LaunchPermute(const void* x, const int32_t* slot_row,
                           const int32_t* group_sizes, const float* slot_weights,
                           void* recv_x, const RowDims& d, bool weighted,
                           cudaStream_t stream) {
+  int32_t splits = 1;
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      RowSplits(d.row_vecs, d.num_batches * d.num_tokens, &splits));
   const int64_t num_items =
-      d.num_batches * d.num_tokens + d.num_batches * d.capacity;
+      d.num_batches * d.num_tokens * splits + d.num_batches * d.capacity;
   if (num_items == 0) return cudaSuccess;
   unsigned grid = 0;
   JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
@@ -346,7 +387,7 @@ cudaError_t LaunchPermute(const void* x, const int32_t* slot_row,
       num_items, &grid));
   PermuteKernel<T, kPeerRows><<<grid, kRowBlock, 0, stream>>>(
       static_cast<const uint4*>(x), slot_row, group_sizes, slot_weights,
-      static_cast<uint4*>(recv_x), d, weighted);
+      static_cast<uint4*>(recv_x), d, weighted, splits);
   return cudaGetLastError();
 }
 
@@ -372,32 +413,15 @@ struct UnpermuteLaunch {
                          bool weighted, cudaStream_t stream) {
     const int64_t num_items = d.num_batches * d.num_tokens;
     if (num_items == 0) return cudaSuccess;
-    // NOTES: with few tokens (decode-sized T) one block per token leaves most
-    // SMs idle and the rest latency-bound (measured on the H200 at T=128:
-    // 10.8 us against 5.6 for XLA's fused gather); split rows until there are
-    // kUnpermuteBlocksPerSm blocks per SM, down to kRowBlock vectors a part.
-    int num_sms = 0;
-    JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
-    const int64_t wanted =
-        static_cast<int64_t>(num_sms) * kUnpermuteBlocksPerSm;
-    const int64_t max_splits = (d.row_vecs + kRowBlock - 1) / kRowBlock;
-    int64_t splits = (wanted + num_items - 1) / num_items;
-    if (splits > max_splits) splits = max_splits;
-    if (splits < 1) splits = 1;
-    // Parts are whole multiples of kRowBlock vectors (as the kernel computes
-    // them); drop the parts that rounding left empty. The kernel recomputes
-    // the same part size from the reduced count (checked for every rv <= 4096).
-    const int64_t part_vecs =
-        ((d.row_vecs + splits - 1) / splits + kRowBlock - 1) / kRowBlock *
-        kRowBlock;
-    splits = (d.row_vecs + part_vecs - 1) / part_vecs;
+    int32_t splits = 1;
+    JAX_EP_CUDA_RETURN_IF_ERROR(RowSplits(d.row_vecs, num_items, &splits));
     unsigned grid = 0;
     JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
         UnpermuteKernel<T>, kRowBlock, kMaxBlocksPerSm, kMaxWaves,
         num_items * splits, &grid));
     UnpermuteKernel<T><<<grid, kRowBlock, 0, stream>>>(
         static_cast<const uint4*>(expert_out), slot_row, slot_weights,
-        static_cast<uint4*>(out), d, weighted, static_cast<int32_t>(splits));
+        static_cast<uint4*>(out), d, weighted, splits);
     return cudaGetLastError();
   }
 };
