@@ -73,6 +73,8 @@ def main():
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--out", default="intranode.jsonl")
   parser.add_argument("--backends", nargs="+", default=["cuda", "reference"])
+  parser.add_argument("--num-sms", type=int, default=24,
+                      help="the cuda group's SM budget for its communication kernels")
   args = parser.parse_args()
 
   devices = jax.devices()
@@ -142,7 +144,8 @@ def main():
               tokens_per_rank=t, hidden=h, topk=k, experts=e, dtype="bfloat16",
               wire_dtype="bfloat16", bytes=per_rank_bytes, nvlink_bytes=remote_bytes,
               min_hbm_bytes=min_hbm,
-              bound_gbps=round(bound_gbps, 1), bound=bound_name, capacity=capacity)
+              bound_gbps=round(bound_gbps, 1), bound=bound_name, capacity=capacity,
+              num_sms=args.num_sms)
   records = []
 
   def add(op, backend, seconds):
@@ -168,7 +171,8 @@ def main():
   backends = [b for b in args.backends if not (shared_gpu and b == "reference")]
   for backend in backends:
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
-                         dtype=dtype, backend=backend, capacity=capacity, raise_on_timeout=False)
+                         dtype=dtype, backend=backend, capacity=capacity, raise_on_timeout=False,
+                         num_sms=args.num_sms)
     per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     dispatch = per_shard(lambda x, i, w: jax.tree.map(
         lambda v: v[None], jax_ep.dispatch(group, x[0], i[0], w[0])))

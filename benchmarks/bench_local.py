@@ -9,6 +9,12 @@ of DESIGN.md section 6. `min_hbm_bytes`: dispatch reads x once and writes every 
 combine reads every selected row and writes `[T, H]`. `roofline` = (min_hbm_bytes / copy bound)
 / median time. `bytes`/`gbps` follow the field's accounting (rows received, deduplicated per
 rank: at R=1 one row per token).
+
+Timing (`--timing`, records say which in `calls_per_run`): `single` (default) runs one op per
+executable, one run after another, cycling through `--calls` input sets: the op's latency as a
+layer stack sees it. `batch` runs `--calls` independent ops per executable and divides: XLA's
+command buffers run independent fusions concurrently (concurrent regions), which a custom call
+does not get, so at decode-sized T the batch figure flatters the XLA-only backends.
 """
 
 from __future__ import annotations
@@ -48,12 +54,12 @@ def xla_combine(expert_out, order, topk_weights):
 
 
 def batched(fn):
-  """Runs `fn` on every input set of a batch in one executable (rotating inputs)."""
+  """Runs `fn` on every input set of a batch in one executable (independent calls)."""
   return jax.jit(lambda *sets: [fn(*args) for args in zip(*sets)])
 
 
 def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_name, calls,
-                 backends, breakdown=False):
+                 backends, breakdown=False, timings=("single",)):
   rng = np.random.default_rng(num_tokens)
   dtype = jnp.bfloat16
   itemsize = 2
@@ -73,17 +79,25 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
               bound_gbps=round(bound_gbps, 1), bound=bound_name)
   records = []
 
-  def add(op, backend, timed, min_hbm=min_bytes, fn=None, fn_args=None):
-    seconds, timing = timed
-    if breakdown and fn is not None and jax.devices()[0].platform == "gpu":
-      print(f"T={num_tokens} {op} {backend}: device time per call by kernel (us, launches)")
-      for name, us, launches in common.kernel_breakdown(fn, fn_args)[:8]:
+  def add(op, backend, fn, sets, min_hbm=min_bytes):
+    """Times `fn` over the input sets (`sets`: one list per argument) in every timing mode."""
+    if breakdown and jax.devices()[0].platform == "gpu":
+      print(f"T={num_tokens} {op} {backend}: device time per call by kernel (us, launches; "
+            f"batches of {calls} independent calls)")
+      for name, us, launches in common.kernel_breakdown(batched(fn), sets)[:8]:
         print(f"  {us / calls:9.2f}  {launches / calls:4.1f}  {name[:90]}")
-    median_us = seconds / calls * 1e6
-    records.append(common.record(
-        op=op, backend=backend, median_us=round(median_us, 2), timing=timing, **base,
-        gbps=round(base["bytes"] / (median_us * 1e-6) / 1e9, 1), min_hbm_bytes=min_hbm,
-        roofline=round(min_hbm / (bound_gbps * 1e9) / (median_us * 1e-6), 3)))
+    for mode in timings:
+      if mode == "single":
+        seconds, timing = common.time_single_calls(jax.jit(fn), list(zip(*sets)))
+      else:
+        seconds, timing = common.time_batches(batched(fn), sets)
+        seconds /= calls
+      median_us = seconds * 1e6
+      records.append(common.record(
+          op=op, backend=backend, median_us=round(median_us, 2), timing=timing,
+          calls_per_run=1 if mode == "single" else calls, **base,
+          gbps=round(base["bytes"] / (median_us * 1e-6) / 1e9, 1), min_hbm_bytes=min_hbm,
+          roofline=round(min_hbm / (bound_gbps * 1e9) / (median_us * 1e-6), 3)))
 
   for backend in backends:
     group = jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
@@ -96,21 +110,16 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
     recv_handles = [jax.jit(dispatch)(x, i, w) for x, i, w in zip(xs, idxs, ws)]
     handles = [h for _, h in recv_handles]
     combine = per_shard(lambda eo, h: jax_ep.combine(group, eo, h))
-    add("dispatch", backend, common.time_batches(batched(dispatch), (xs, idxs, ws)),
-        fn=batched(dispatch), fn_args=(xs, idxs, ws))
-    add("combine", backend, common.time_batches(batched(combine), (eos, handles)),
-        fn=batched(combine), fn_args=(eos, handles))
+    add("dispatch", backend, dispatch, (xs, idxs, ws))
+    add("combine", backend, combine, (eos, handles))
     if backend == "cuda":
       layout = per_shard(lambda i: group.backend.layout(i)[0])
-      add("layout", backend, common.time_batches(batched(layout), (idxs,)),
-          min_hbm=rows * 4 * 2)  # read topk_idx, write slot rows
+      add("layout", backend, layout, (idxs,), min_hbm=rows * 4 * 2)  # read ids, write rows
 
   xla_d = functools.partial(xla_dispatch, num_experts=num_experts)
   orders = [jax.jit(xla_d)(x, i)[2] for x, i in zip(xs, idxs)]
-  add("dispatch", "xla_baseline", common.time_batches(batched(xla_d), (xs, idxs)),
-      fn=batched(xla_d), fn_args=(xs, idxs))
-  add("combine", "xla_baseline", common.time_batches(batched(xla_combine), (eos, orders, ws)),
-      fn=batched(xla_combine), fn_args=(eos, orders, ws))
+  add("dispatch", "xla_baseline", xla_d, (xs, idxs))
+  add("combine", "xla_baseline", xla_combine, (eos, orders, ws))
   return records
 
 
@@ -120,7 +129,12 @@ def main():
   parser.add_argument("--hidden", type=int, default=7168)
   parser.add_argument("--topk", type=int, default=8)
   parser.add_argument("--experts", type=int, default=256)
-  parser.add_argument("--calls", type=int, default=8, help="input sets per timed batch")
+  parser.add_argument("--calls", type=int, default=8,
+                      help="input sets (rotated through; also the size of a timed batch)")
+  parser.add_argument("--timing", nargs="+", choices=["single", "batch"], default=["single"],
+                      help="single: one op per run, runs one after another (an op's latency in "
+                      "a layer stack); batch: a run of --calls independent ops, time per op "
+                      "(XLA may overlap independent fusions there)")
   parser.add_argument("--backends", nargs="+", default=["cuda", "reference"])
   parser.add_argument("--out", default="local.jsonl")
   parser.add_argument("--breakdown", action="store_true",
@@ -131,18 +145,19 @@ def main():
   records = []
   for t in args.tokens:
     records += bench_tokens(t, args.hidden, args.topk, args.experts, bound_gbps, bound_name,
-                            args.calls, args.backends, args.breakdown)
+                            args.calls, args.backends, args.breakdown, args.timing)
   path = common.write_jsonl(records, args.out)
-  common.print_table(records, ["op", "backend", "tokens_per_rank", "median_us", "gbps",
-                               "min_hbm_bytes", "roofline"])
-  by = {(r["op"], r["backend"], r["tokens_per_rank"]): r["median_us"] for r in records}
-  for t in args.tokens:
-    for op in ("dispatch", "combine"):
-      if (op, "cuda", t) not in by:
-        continue
-      cuda = by[(op, "cuda", t)]
-      print(f"T={t} {op}: cuda {cuda:.1f} us, x{by[(op, 'reference', t)] / cuda:.2f} vs reference,"
-            f" x{by[(op, 'xla_baseline', t)] / cuda:.2f} vs plain XLA")
+  common.print_table(records, ["op", "backend", "tokens_per_rank", "calls_per_run", "timing",
+                               "median_us", "gbps", "min_hbm_bytes", "roofline"])
+  by = {(r["op"], r["backend"], r["tokens_per_rank"], r["calls_per_run"]): r["median_us"]
+        for r in records}
+  for (op, backend, t, per_run), cuda in by.items():
+    if backend != "cuda" or op == "layout":
+      continue
+    ratios = ", ".join(f"x{by[(op, other, t, per_run)] / cuda:.2f} vs {other}"
+                       for other in ("reference", "xla_baseline")
+                       if (op, other, t, per_run) in by)
+    print(f"T={t} {op} ({per_run} call(s) per run): cuda {cuda:.1f} us, {ratios}")
   print(f"wrote {path}")
 
 

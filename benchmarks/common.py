@@ -70,6 +70,12 @@ def time_batches(fn, args, *, repeats: int = 20, method: str = "auto") -> tuple[
 def _gpu_stream_events(fn, args, repeats: int) -> list[tuple[str, int, int]]:
   """Runs `fn(*args)` `repeats` times under a jax.profiler trace; its GPU stream events as
   `(name, start_ns, end_ns)`. Raises when the trace cannot be read (after the runs)."""
+  return _traced_events(lambda _: fn(*args), repeats)
+
+
+def _traced_events(run, repeats: int) -> list[tuple[str, int, int]]:
+  """`run(r)` for r in range(repeats), each waited for, under a jax.profiler trace; the GPU
+  stream events as `(name, start_ns, end_ns)`."""
   import glob
   import tempfile
   from jax._src.lib import _profile_data
@@ -77,8 +83,8 @@ def _gpu_stream_events(fn, args, repeats: int) -> list[tuple[str, int, int]]:
   with tempfile.TemporaryDirectory() as trace_dir:
     jax.profiler.start_trace(trace_dir)
     try:
-      for _ in range(repeats):
-        jax.block_until_ready(fn(*args))
+      for r in range(repeats):
+        jax.block_until_ready(run(r))
     finally:
       jax.profiler.stop_trace()
     (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
@@ -91,6 +97,35 @@ def _gpu_stream_events(fn, args, repeats: int) -> list[tuple[str, int, int]]:
         if line.name.startswith("Stream"):
           events += [(ev.name, ev.start_ns, ev.start_ns + ev.duration_ns) for ev in line.events]
   return events
+
+
+def time_single_calls(fn, arg_sets, *, repeats: int = 24) -> tuple[float, str]:
+  """Median seconds of one `fn(*arg_sets[r % len(arg_sets)])`, one call per run.
+
+  Each run is one op in its own executable, waited for before the next: the op's latency as a
+  dependent layer stack sees it (nothing to overlap it with; batches of independent calls let
+  XLA run independent fusions concurrently, which no model with one op per layer gets). Cycling
+  through the sets keeps the inputs out of the L2 when they add up to more than it holds. On a
+  GPU the time is each run's device span from a profiler trace (`"device_trace_single"`),
+  elsewhere the host clock.
+  """
+  for args in arg_sets:
+    jax.block_until_ready(fn(*args))
+  run = lambda r: fn(*arg_sets[r % len(arg_sets)])
+  if jax.devices()[0].platform == "gpu":
+    try:
+      events = _traced_events(run, repeats)
+      spans = split_runs([(start, end) for _, start, end in events], repeats)
+      if len(spans) >= max(3, repeats // 2):
+        return statistics.median(spans), "device_trace_single"
+    except Exception as e:  # noqa: BLE001 - any profiler problem falls back to the host clock
+      print(f"device trace timing unavailable ({type(e).__name__}: {e}); using the host clock")
+  samples = []
+  for r in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(run(r))
+    samples.append(time.perf_counter() - start)
+  return statistics.median(samples), "host_clock"
 
 
 def _device_spans(fn, args, repeats: int) -> list[float]:

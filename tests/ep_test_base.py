@@ -61,6 +61,23 @@ def tolerance(dtype):
   return {jnp.float32: 1e-5, jnp.float16: 2e-3, jnp.bfloat16: 1.6e-2}[dtype]
 
 
+def assert_close(actual, desired, *, rtol, atol):
+  """`|actual - desired| <= atol + rtol * |desired|` elementwise, where `atol` may be an array
+  (np.testing.assert_allclose takes only a scalar atol); names the worst element."""
+  actual = np.asarray(actual, np.float64)
+  desired = np.asarray(desired, np.float64)
+  assert actual.shape == desired.shape, (actual.shape, desired.shape)
+  allowed = np.broadcast_to(atol + rtol * np.abs(desired), desired.shape)
+  excess = np.abs(actual - desired) - allowed
+  if actual.size and not (excess <= 0).all():  # also catches NaN
+    worst = np.unravel_index(np.nanargmax(np.where(np.isnan(excess), np.inf, excess)),
+                             excess.shape)
+    raise AssertionError(
+        f"{int((~(excess <= 0)).sum())} of {actual.size} elements differ by more than allowed; "
+        f"worst at {tuple(int(i) for i in worst)}: got {float(actual[worst])!r}, want "
+        f"{float(desired[worst])!r}, allowed difference {float(allowed[worst])!r}")
+
+
 def partial_rounding_bound(group, expert_out, dispatched, topk_weights, *, weighted=True):
   """Per-element error a combine wire narrower than fp32 may add to the fp32-partial result.
 
@@ -224,8 +241,8 @@ class EPTestBase:
     tol = tolerance(dtype)
     wire = partial_rounding_bound(group, list(eo), expected, w, weighted=weighted)
     mine = self.local_mask(group)
-    np.testing.assert_allclose(out[mine].astype(np.float64), want[mine], rtol=tol,
-                               atol=tol + (wire[mine] if np.ndim(wire) else wire))
+    assert_close(out[mine], want[mine], rtol=tol,
+                 atol=tol + (wire[mine] if np.ndim(wire) else wire))
     return recv, out, expected
 
   def test_unweighted_combine(self):

@@ -28,18 +28,27 @@ def test_split_runs_handles_overlapping_streams():
   assert [round(s * 1e9) for s in common.split_runs(events, 2)] == [70, 10]
 
 
+def test_time_single_calls_cycles_through_the_input_sets():
+  seen = []
+  fn = lambda a: seen.append(int(a)) or a
+  seconds, method = common.time_single_calls(fn, [(0,), (1,), (2,)], repeats=5)
+  assert method == "host_clock" and seconds >= 0
+  assert seen == [0, 1, 2] + [0, 1, 2, 0, 1]  # one warm-up call per set, then the timed runs
+
+
 def test_bench_local_runs_and_writes_contract_records(tmp_path):
   out = tmp_path / "local.jsonl"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_local.py"), "--backends",
-       "reference", "--tokens", "8", "--hidden", "128", "--calls", "2", "--out", str(out)],
+       "reference", "--tokens", "8", "--hidden", "128", "--calls", "2", "--timing", "single",
+       "batch", "--out", str(out)],
       env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
   records = [json.loads(line) for line in out.read_text().splitlines()]
-  assert {(r["op"], r["backend"]) for r in records} == {
-      ("dispatch", "reference"), ("combine", "reference"),
-      ("dispatch", "xla_baseline"), ("combine", "xla_baseline")}
+  assert {(r["op"], r["backend"], r["calls_per_run"]) for r in records} == {
+      (op, backend, per_run) for op in ("dispatch", "combine")
+      for backend in ("reference", "xla_baseline") for per_run in (1, 2)}
   for r in records:
     assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
     assert r["min_hbm_bytes"] == (8 + 8 * 8) * 128 * 2
