@@ -11,10 +11,12 @@ combine reads every selected row and writes `[T, H]`. `roofline` = (min_hbm_byte
 rank: at R=1 one row per token).
 
 Timing (`--timing`, records say which in `calls_per_run`): `single` (default) runs one op per
-executable, one run after another, cycling through `--calls` input sets: the op's latency as a
-layer stack sees it. `batch` runs `--calls` independent ops per executable and divides: XLA's
-command buffers run independent fusions concurrently (concurrent regions), which a custom call
-does not get, so at decode-sized T the batch figure flatters the XLA-only backends.
+executable, one run after another, cycling through `--calls` input sets. `batch` runs `--calls`
+independent ops per executable and divides. Neither is the whole truth at small sizes: in a
+batch XLA's command buffers run independent fusions concurrently (which a model with one op per
+layer does not get); a single small executable gets no command buffer, so a multi-kernel op pays
+host launch gaps inside its span (the cuda layout alone, three launches: 25 us single against
+12 us batched at T=4096; XLA's many-kernel dispatch likewise). Compare like with like.
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
     if breakdown and jax.devices()[0].platform == "gpu":
       print(f"T={num_tokens} {op} {backend}: device time per call by kernel (us, launches; "
             f"batches of {calls} independent calls)")
-      for name, us, launches in common.kernel_breakdown(batched(fn), sets)[:8]:
+      traced = batched(fn)
+      jax.block_until_ready(traced(*sets))  # compile outside the trace
+      for name, us, launches in common.kernel_breakdown(traced, sets)[:8]:
         print(f"  {us / calls:9.2f}  {launches / calls:4.1f}  {name[:90]}")
     for mode in timings:
       if mode == "single":

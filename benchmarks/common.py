@@ -1,11 +1,16 @@
 """Shared benchmark plumbing: timing, the copy-bandwidth bound, and JSON Lines records.
 
-Timing: each measurement is the median over `repeats` of the time of one jitted batch of `calls`
-invocations on rotating input sets (so L2 never holds a whole input), divided by `calls`. On a GPU
-the time of a batch is its device span read from a `jax.profiler` trace (first kernel start to
-last kernel end), so host launch and synchronisation costs stay out; elsewhere it is the host
-clock around `block_until_ready`. A warm-up batch runs first, so compilation and module loading
-are excluded. Every record says which (`timing`).
+Timing, two ways (records say which in `timing`):
+- `time_batches`: the median over `repeats` of one jitted batch of `calls` independent
+  invocations on different input sets, divided by `calls`.
+- `time_single_calls`: the median over `repeats` of one invocation per run, cycling through the
+  input sets.
+On a GPU a run's time is its device span read from a `jax.profiler` trace (first kernel start to
+last kernel end), so host launch and synchronisation costs between runs stay out; elsewhere it
+is the host clock around `block_until_ready`. Warm-up calls run first, so compilation and module
+loading are excluded. The two ways differ where XLA's command buffers matter: a batch lets XLA
+run independent fusions concurrently, and an executable too small for a command buffer (a single
+call of a few kernels) pays a host launch gap between its kernels inside the span.
 """
 
 from __future__ import annotations
@@ -99,7 +104,8 @@ def _traced_events(run, repeats: int) -> list[tuple[str, int, int]]:
   return events
 
 
-def time_single_calls(fn, arg_sets, *, repeats: int = 24) -> tuple[float, str]:
+def time_single_calls(fn, arg_sets, *, repeats: int = 24,
+                      method: str = "auto") -> tuple[float, str]:
   """Median seconds of one `fn(*arg_sets[r % len(arg_sets)])`, one call per run.
 
   Each run is one op in its own executable, waited for before the next: the op's latency as a
@@ -107,12 +113,13 @@ def time_single_calls(fn, arg_sets, *, repeats: int = 24) -> tuple[float, str]:
   XLA run independent fusions concurrently, which no model with one op per layer gets). Cycling
   through the sets keeps the inputs out of the L2 when they add up to more than it holds. On a
   GPU the time is each run's device span from a profiler trace (`"device_trace_single"`),
-  elsewhere the host clock.
+  elsewhere, or with `method="host_clock"` (processes that run collective kernels together must
+  make the same number of calls), the host clock.
   """
   for args in arg_sets:
     jax.block_until_ready(fn(*args))
   run = lambda r: fn(*arg_sets[r % len(arg_sets)])
-  if jax.devices()[0].platform == "gpu":
+  if method == "auto" and jax.devices()[0].platform == "gpu":
     try:
       events = _traced_events(run, repeats)
       spans = split_runs([(start, end) for _, start, end in events], repeats)

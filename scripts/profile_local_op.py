@@ -40,8 +40,10 @@ def main():
   per_shard = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(),
                                                check_vma=False))
   dispatch = per_shard(lambda x, i, w: jax_ep.dispatch(group, x, i, w))
-  _, handle = dispatch(x, idx, w)
   combine = per_shard(lambda eo, h: jax_ep.combine(group, eo, h))
+  handle = None
+  if args.op == "combine":  # (a profiler filtering on dispatch kernels sees `runs` of them)
+    _, handle = dispatch(x, idx, w)
   for _ in range(args.runs):
     out = dispatch(x, idx, w) if args.op == "dispatch" else combine(eo, handle)
     jax.block_until_ready(out)

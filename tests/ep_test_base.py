@@ -196,6 +196,16 @@ class EPTestBase:
   def test_routing_patterns(self, num_ranks, pattern):
     self._roundtrip(num_ranks, 19, 128, 4, 16, pattern, jnp.float32)
 
+  @pytest.mark.parametrize("pattern,capacity", [("hot", 300), ("invalid", 500),
+                                                ("all_masked", None), ("duplicates", None)])
+  def test_routing_patterns_past_one_layout_chunk(self, pattern, capacity):
+    # T*K = 1280 > 1024 slots: the layout's multi-chunk path (three launches on the cuda
+    # backends; the small cases above fit one chunk and take the one-launch path).
+    _, _, expected = self._roundtrip(self.small_ranks, 160, 128, 8, 16, pattern, jnp.float32,
+                                     capacity=capacity)
+    if capacity is not None:
+      assert sum(e["num_dropped"] for e in expected) > 0  # the case overflows somewhere
+
   @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
   def test_dtypes(self, dtype):
     self._roundtrip(self.small_ranks, 19, 256, 4, 8, "uniform", DTYPES[dtype])
@@ -405,6 +415,33 @@ class EPTestBase:
                    batched, single)
     if self.vmap_one_round:
       self.assert_one_round_under_vmap(group, one, xs, idxs, ws, eos)
+
+  def test_vmap_past_one_layout_chunk(self):
+    # As above with T*K = 1280 slots per element (the multi-chunk layout, batched) and a
+    # capacity that drops rows.
+    batch, num_ranks, num_tokens = 2, self.small_ranks, 160
+    group = self.make_group(num_ranks, num_experts=16, num_topk=8, hidden=128,
+                            max_tokens=num_tokens, dtype=jnp.float32, capacity=400)
+    rng = np.random.default_rng(11)
+    xs = np.stack([random_inputs(rng, num_ranks, num_tokens, 128, jnp.float32)
+                   for _ in range(batch)], 1)
+    idxs = np.stack([make_routing(rng, num_ranks, num_tokens, 8, 16, p)
+                     for p in ("hot", "invalid")], 1)
+    ws = rng.random((num_ranks, batch, num_tokens, 8)).astype(np.float32)
+    eos = rng.standard_normal((num_ranks, batch, group.capacity, 128)).astype(np.float32)
+
+    def one(x, idx, w, eo):
+      recv, handle = jax_ep.dispatch(group, x, idx, w)
+      return recv, jax_ep.combine(group, eo, handle)
+
+    batched = self.run_per_rank(group, jax.vmap(one), xs, idxs, ws, eos)
+    for b in range(batch):
+      expected = self.check_dispatch(group, xs[:, b], idxs[:, b],
+                                     jax.tree.map(lambda a: a[:, b], batched[0]))
+      assert sum(e["num_dropped"] for e in expected) > 0
+      want = oracle.combine(list(eos[:, b]), expected, ws[:, b], np.float64)
+      mine = self.local_mask(group)
+      assert_close(batched[1][:, b][mine], want[mine], rtol=1e-5, atol=1e-5)
 
   def assert_one_round_under_vmap(self, group, one, *arrays):
     """vmap must not multiply communication rounds (reference: same all-to-all count)."""

@@ -92,8 +92,8 @@ class TestGroupValidation:
     assert standalone.recv_x_bytes == 8 * 4096 * 8 * 7168 * 2
 
   def test_combine_partials_are_fp32_off_the_peer_transport(self):
-    # The reference backend (and the one-rank cuda path) never round a partial; only the cuda
-    # peer transport sends bf16 partials for bf16 activations (a GPU test checks that case).
+    # The reference backend never rounds a partial; only the cuda peer transport sends bf16
+    # partials for bf16 activations (tests/test_cuda_peer.py checks that case on a GPU).
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
       assert _group(dtype=dtype).combine_partial_dtype == np.float32
 

@@ -48,7 +48,7 @@ class TestCudaPeer(EPTestBase):
     for dtype, wire in want.items():
       group = self.make_group(NUM_RANKS, num_experts=8 * NUM_RANKS, num_topk=2, hidden=128,
                               max_tokens=4, dtype=dtype)
-      assert group.combine_partial_dtype == np.dtype(wire if NUM_RANKS > 1 else np.float32)
+      assert group.combine_partial_dtype == np.dtype(wire)
 
   def test_back_to_back_rounds_reuse_regions(self):
     """Many rounds of dispatch, combine and their backward ops (dispatch_cached, combine_vjp)

@@ -135,11 +135,11 @@ inline ffi::Error CheckTopk(std::string_view op, std::string_view name,
                 std::to_string(num_topk) + ", expected 1 <= K <= " +
                 std::to_string(kMaxTopk));
   }
-  if (num_tokens * num_topk > INT32_MAX) {
+  if (num_tokens * num_topk > kMaxSlots) {
     return InvalidArgument(
         op, std::string(name) + " has T * K = " + std::to_string(num_tokens) +
-                " * " + std::to_string(num_topk) +
-                " slots, which must fit int32 (<= 2147483647)");
+                " * " + std::to_string(num_topk) + " slots, expected at most " +
+                std::to_string(kMaxSlots));
   }
   return ffi::Error::Success();
 }

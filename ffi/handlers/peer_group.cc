@@ -111,10 +111,10 @@ void ValidateBufferArgs(const std::string& fn, int64_t num_ranks,
                  ", expected 1 <= num_topk <= " + std::to_string(kMaxTopk));
   CheckRange(itemsize == 2 || itemsize == 4, fn,
              "itemsize is " + std::to_string(itemsize) + ", expected 2 or 4");
-  CheckRange(num_ranks * max_tokens * num_topk <= INT32_MAX, fn,
+  CheckRange(num_ranks * max_tokens * num_topk <= kMaxSlots, fn,
              "num_ranks * max_tokens_per_rank * num_topk = " +
                  std::to_string(num_ranks * max_tokens * num_topk) +
-                 " must fit int32");
+                 ", expected at most " + std::to_string(kMaxSlots));
 }
 
 BufferHeader MakeHeader(const GroupConfig& c) {

@@ -34,6 +34,11 @@ enum class ElementType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2 };
 // Limits shared by every op; the FFI handlers reject anything outside them.
 inline constexpr int64_t kMaxExperts = 1024;
 inline constexpr int64_t kMaxTopk = 32;
+// Most slots (T * K) one call may have per batch element (per rank for the
+// peer transport's receive side, R * T_max * K). NOTES: int32 slot indices
+// with headroom: the layout's last chunk ends at most one chunk (<= 2^22
+// slots) past T * K, which must still fit int32.
+inline constexpr int64_t kMaxSlots = int64_t{1} << 30;
 // Rows are moved as 16-byte vectors; `hidden` must be a multiple of this many
 // elements for every element type (8 x bf16 = 16 bytes, 8 x f32 = 2 vectors).
 inline constexpr int64_t kHiddenMultiple = 8;
@@ -83,7 +88,7 @@ inline int64_t LocalLayoutWorkspaceElems(int64_t num_tokens, int64_t num_topk,
 //   num_dropped   `[]`     int32 out; valid slots with row >= capacity.
 //   num_invalid   `[]`     int32 out; slots with id < -1 or id >= E.
 //   workspace     `[LocalLayoutWorkspaceElems(T, K, E)]` int32 scratch.
-// Requires 1 <= E <= kMaxExperts, T * K < 2^31, capacity >= 0.
+// Requires 1 <= E <= kMaxExperts, T * K <= kMaxSlots, capacity >= 0.
 // Deterministic: no atomic decides an order.
 //
 // Optional row mask (used by the peer transport, whose receive buffer is

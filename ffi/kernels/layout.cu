@@ -200,17 +200,21 @@ __device__ __forceinline__ void ExpertBases(const int32_t* __restrict__ totals,
 }
 
 // Step 2 of AssignRowsKernel for 32 consecutive slots of one warp (expert ids
-// `e`, -1 past the end): add them to the warp's histogram; returns how many of
-// them are invalid ids (same value in every lane).
+// `e`, -1 past the end): add them to the warp's histogram; with kCountInvalid,
+// returns how many of them are invalid ids (same value in every lane).
+template <bool kCountInvalid>
 __device__ __forceinline__ int CountSlots(int32_t e, int32_t num_experts,
                                           int32_t* warp_hist) {
   const int lane = threadIdx.x & 31;
   const bool valid = IsValidExpert(e, num_experts);
   const unsigned peers = __match_any_sync(kFullMask, valid ? e : -1);
   if (valid && lane == __ffs(peers) - 1) warp_hist[e] += __popc(peers);
-  const unsigned bad = __ballot_sync(kFullMask, IsInvalidId(e, num_experts));
+  int bad = 0;
+  if constexpr (kCountInvalid) {
+    bad = __popc(__ballot_sync(kFullMask, IsInvalidId(e, num_experts)));
+  }
   __syncwarp();
-  return __popc(bad);
+  return bad;
 }
 
 // Step 4 for 32 consecutive slots: the row of each (ranked by lane among equal
@@ -287,7 +291,7 @@ __global__ void __launch_bounds__(kBlock)
       int bad = 0;
 #pragma unroll
       for (int u = 0; u < kSingleChunkLaneIds; ++u) {
-        bad += CountSlots(ids[u], num_experts, s_next[warp]);
+        bad += CountSlots<true>(ids[u], num_experts, s_next[warp]);
       }
       if (lane == 0) s_invalid[warp] = bad;
       __syncthreads();
@@ -304,7 +308,8 @@ __global__ void __launch_bounds__(kBlock)
     } else {
       for (int32_t base = begin; base < end; base += 32) {
         const int32_t s = base + lane;
-        CountSlots(s < end ? LoadId(idx, s, d) : -1, num_experts, s_next[warp]);
+        CountSlots<false>(s < end ? LoadId(idx, s, d) : -1, num_experts,
+                          s_next[warp]);
       }
       totals = counts + static_cast<int64_t>(d.num_chunks) * num_cols;
     }
@@ -370,7 +375,7 @@ cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
                         int64_t rows_per_block) {
   if (num_batches <= 0) return cudaSuccess;
   if (num_experts < 1 || num_experts > kMaxExperts || num_tokens < 0 ||
-      num_topk < 0 || num_tokens * num_topk > INT32_MAX || capacity < 0) {
+      num_topk < 0 || num_tokens * num_topk > kMaxSlots || capacity < 0) {
     return cudaErrorInvalidValue;
   }
   if (valid_rows_per_block != nullptr &&
