@@ -64,12 +64,17 @@ def time_batches(fn, args, *, repeats: int = 20, method: str = "auto") -> tuple[
         return statistics.median(spans), "device_trace"
     except Exception as e:  # noqa: BLE001 - any profiler problem falls back to the host clock
       print(f"device trace timing unavailable ({type(e).__name__}: {e}); using the host clock")
+  return _host_clock_median(lambda _: fn(*args), repeats), "host_clock"
+
+
+def _host_clock_median(run, repeats: int) -> float:
+  """Median host-clock seconds of `run(r)` for r in range(repeats), each waited for."""
   samples = []
-  for _ in range(repeats):
+  for r in range(repeats):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(run(r))
     samples.append(time.perf_counter() - start)
-  return statistics.median(samples), "host_clock"
+  return statistics.median(samples)
 
 
 def _gpu_stream_events(fn, args, repeats: int) -> list[tuple[str, int, int]]:
@@ -127,12 +132,7 @@ def time_single_calls(fn, arg_sets, *, repeats: int = 24,
         return statistics.median(spans), "device_trace_single"
     except Exception as e:  # noqa: BLE001 - any profiler problem falls back to the host clock
       print(f"device trace timing unavailable ({type(e).__name__}: {e}); using the host clock")
-  samples = []
-  for r in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(run(r))
-    samples.append(time.perf_counter() - start)
-  return statistics.median(samples), "host_clock"
+  return _host_clock_median(run, repeats), "host_clock"
 
 
 def _device_spans(fn, args, repeats: int) -> list[float]:

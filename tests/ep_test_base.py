@@ -397,17 +397,9 @@ class EPTestBase:
     batch, num_ranks = 3, self.small_ranks
     group = self.make_group(num_ranks, num_experts=8, num_topk=2, hidden=128, max_tokens=19,
                             dtype=jnp.float32)
-    rng = np.random.default_rng(7)
-    xs = np.stack([random_inputs(rng, num_ranks, 19, 128, jnp.float32) for _ in range(batch)], 1)
-    idxs = np.stack([make_routing(rng, num_ranks, 19, 2, 8, p)
-                     for p in ("uniform", "hot", "duplicates")], 1)
-    ws = rng.random((num_ranks, batch, 19, 2)).astype(np.float32)
-    eos = rng.standard_normal((num_ranks, batch, group.capacity, 128)).astype(np.float32)
-
-    def one(x, idx, w, eo):
-      recv, handle = jax_ep.dispatch(group, x, idx, w)
-      return recv, jax_ep.combine(group, eo, handle)
-
+    xs, idxs, ws, eos = self._batched_inputs(group, np.random.default_rng(7), 19,
+                                             ("uniform", "hot", "duplicates"))
+    one = self._dispatch_combine_fn(group)
     batched = self.run_per_rank(group, jax.vmap(one), xs, idxs, ws, eos)
     for b in range(batch):
       single = self.run_per_rank(group, one, xs[:, b], idxs[:, b], ws[:, b], eos[:, b])
@@ -416,25 +408,34 @@ class EPTestBase:
     if self.vmap_one_round:
       self.assert_one_round_under_vmap(group, one, xs, idxs, ws, eos)
 
+  @staticmethod
+  def _batched_inputs(group, rng, num_tokens, patterns):
+    """f32 inputs `[R, B, ...]` for vmap tests, one routing pattern per batch element."""
+    r, b, h, k = group.num_ranks, len(patterns), group.hidden, group.num_topk
+    xs = np.stack([random_inputs(rng, r, num_tokens, h, jnp.float32) for _ in range(b)], 1)
+    idxs = np.stack([make_routing(rng, r, num_tokens, k, group.num_experts, p)
+                     for p in patterns], 1)
+    ws = rng.random((r, b, num_tokens, k)).astype(np.float32)
+    eos = rng.standard_normal((r, b, group.capacity, h)).astype(np.float32)
+    return xs, idxs, ws, eos
+
+  @staticmethod
+  def _dispatch_combine_fn(group):
+    def one(x, idx, w, eo):
+      recv, handle = jax_ep.dispatch(group, x, idx, w)
+      return recv, jax_ep.combine(group, eo, handle)
+    return one
+
   def test_vmap_past_one_layout_chunk(self):
     # As above with T*K = 1280 slots per element (the multi-chunk layout, batched) and a
     # capacity that drops rows.
     batch, num_ranks, num_tokens = 2, self.small_ranks, 160
     group = self.make_group(num_ranks, num_experts=16, num_topk=8, hidden=128,
                             max_tokens=num_tokens, dtype=jnp.float32, capacity=400)
-    rng = np.random.default_rng(11)
-    xs = np.stack([random_inputs(rng, num_ranks, num_tokens, 128, jnp.float32)
-                   for _ in range(batch)], 1)
-    idxs = np.stack([make_routing(rng, num_ranks, num_tokens, 8, 16, p)
-                     for p in ("hot", "invalid")], 1)
-    ws = rng.random((num_ranks, batch, num_tokens, 8)).astype(np.float32)
-    eos = rng.standard_normal((num_ranks, batch, group.capacity, 128)).astype(np.float32)
-
-    def one(x, idx, w, eo):
-      recv, handle = jax_ep.dispatch(group, x, idx, w)
-      return recv, jax_ep.combine(group, eo, handle)
-
-    batched = self.run_per_rank(group, jax.vmap(one), xs, idxs, ws, eos)
+    xs, idxs, ws, eos = self._batched_inputs(group, np.random.default_rng(11), num_tokens,
+                                             ("hot", "invalid"))
+    batched = self.run_per_rank(group, jax.vmap(self._dispatch_combine_fn(group)), xs, idxs, ws,
+                                eos)
     for b in range(batch):
       expected = self.check_dispatch(group, xs[:, b], idxs[:, b],
                                      jax.tree.map(lambda a: a[:, b], batched[0]))
