@@ -25,7 +25,7 @@ if has local; then
   step cuda one-rank suite
   timeout 240 python3 -m pytest tests/test_cuda_local.py -q -rf -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
   step benchmark, one rank
-  timeout 300 python3 benchmarks/bench_local.py --out local.jsonl 2>&1 | tee "$OUT/bench_local.log" | tail -30
+  timeout 300 python3 benchmarks/bench_local.py --timing single batch --out local.jsonl 2>&1 | tee "$OUT/bench_local.log" | tail -60
   cp benchmarks/results/local.jsonl "$OUT/" 2>/dev/null
   step main job on the GPU
   timeout 60 python3 -m jax_ep.demo --steps 5 2>&1 | tail -12
