@@ -4,7 +4,8 @@
 #   bash scripts/gpu_round.sh local   # one-rank kernels: suite, main job, sanitizer, benchmark
 #   bash scripts/gpu_round.sh peer    # peer transport emulated on one GPU: suites, faults, bench
 #   bash scripts/gpu_round.sh smoke   # peer transport: pointer table + one small test at N=2
-#   stages of `peer`, one by one: faults, peer2, peer4, peer8, sanitize, bench (BENCH_RANKS="2 4 8")
+#   stages of `peer`, one by one: faults, peer2, peer4, peer8, sanitize, bench (BENCH_RANKS="2 4 8",
+#   BENCH_ARGS="--num-sms 48 ..." passed to bench_intranode.py)
 #   bash scripts/gpu_round.sh multi   # several GPUs (issue 5): multi_suites + multi_bench per R
 #                                     # in MULTI_RANKS, one process per GPU and one for all
 #   bash scripts/gpu_round.sh all
@@ -76,7 +77,7 @@ if has peer || has bench; then
   for n in ${BENCH_RANKS:-2 4 8}; do
     step peer benchmark, $n ranks emulated
     timeout 200 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 180 -- \
-      python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 \
+      python3 benchmarks/bench_intranode.py --out intranode.jsonl ${BENCH_ARGS:-} 2>&1 \
       | tee "$OUT/bench_intranode_$n.log" | grep -E "^\[0\] (  |op |dispatch|combine|cuda|wrote)" | tail -40
   done
   cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null
