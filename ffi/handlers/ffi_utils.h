@@ -121,6 +121,22 @@ inline ffi::Error CheckDim(std::string_view op, std::string_view name,
               " shape " + ShapeString(dims));
 }
 
+// Per-slot operand `name`: shape `[B..., T, K]` with the batch dims of `ref`
+// and the given T and K (`t_from` / `k_from` say where they come from).
+inline ffi::Error CheckSlotsShape(std::string_view op, std::string_view name,
+                                  Dims dims, std::string_view ref_name,
+                                  Dims ref, size_t num_batch_dims,
+                                  int64_t num_tokens, std::string_view t_from,
+                                  int64_t num_topk, std::string_view k_from) {
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckRank(op, name, dims, num_batch_dims, 2, "[B..., T, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckBatchDims(op, name, dims, ref_name, ref, num_batch_dims));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckDim(op, name, dims, num_batch_dims, "T", num_tokens, t_from));
+  return CheckDim(op, name, dims, num_batch_dims + 1, "K", num_topk, k_from);
+}
+
 inline int64_t NumBatches(Dims dims, size_t num_batch_dims) {
   int64_t n = 1;
   for (size_t i = 0; i < num_batch_dims; ++i) n *= dims[i];

@@ -53,15 +53,9 @@ ffi::Error LocalLayoutImpl(cudaStream_t stream,
       ffi_utils::CheckNumExperts(kOp, "attribute num_experts", num_experts));
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
 
-  const auto row_dims = slot_row->dimensions();
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckRank(kOp, "slot_row", row_dims, nb, 2, "[B..., T, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckBatchDims(kOp, "slot_row", row_dims,
-                                            "topk_idx", idx_dims, nb));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckDim(kOp, "slot_row", row_dims, nb, "T",
-                                      num_tokens, "topk_idx T"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckDim(kOp, "slot_row", row_dims, nb + 1, "K",
-                                      num_topk, "topk_idx K"));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSlotsShape(
+      kOp, "slot_row", slot_row->dimensions(), "topk_idx", idx_dims, nb,
+      num_tokens, "topk_idx T", num_topk, "topk_idx K"));
 
   const auto gs_dims = group_sizes->dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(

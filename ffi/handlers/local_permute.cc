@@ -72,15 +72,9 @@ ffi::Error LocalPermuteImpl(cudaStream_t stream, ffi::AnyBuffer x,
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckNumExperts(
       kOp, "group_sizes last dim", num_experts));
 
-  const auto w_dims = slot_weights.dimensions();
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckRank(kOp, "slot_weights", w_dims, nb, 2, "[B..., T, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckBatchDims(kOp, "slot_weights", w_dims, "x", x_dims, nb));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckDim(kOp, "slot_weights", w_dims, nb, "T", num_tokens, "x T"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckDim(kOp, "slot_weights", w_dims, nb + 1,
-                                      "K", num_topk, "slot_row K"));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSlotsShape(
+      kOp, "slot_weights", slot_weights.dimensions(), "x", x_dims, nb,
+      num_tokens, "x T", num_topk, "slot_row K"));
 
   const auto out_dims = recv_x->dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(

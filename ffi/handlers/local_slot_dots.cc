@@ -71,15 +71,9 @@ ffi::Error LocalSlotDotsImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckTopk(kOp, "slot_row", num_tokens, num_topk));
 
-  const auto dots_dims = dots->dimensions();
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckRank(kOp, "dots", dots_dims, nb, 2, "[B..., T, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckBatchDims(kOp, "dots", dots_dims, "d_out", d_dims, nb));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckDim(kOp, "dots", dots_dims, nb, "T", num_tokens, "d_out T"));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckDim(kOp, "dots", dots_dims, nb + 1, "K", num_topk, "slot_row K"));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSlotsShape(
+      kOp, "dots", dots->dimensions(), "d_out", d_dims, nb, num_tokens,
+      "d_out T", num_topk, "slot_row K"));
 
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kOp, "d_out", d_out.untyped_data()));

@@ -60,15 +60,9 @@ ffi::Error LocalUnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckTopk(kOp, "slot_row", num_tokens, num_topk));
 
-  const auto w_dims = slot_weights.dimensions();
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckRank(kOp, "slot_weights", w_dims, nb, 2, "[B..., T, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckBatchDims(kOp, "slot_weights", w_dims,
-                                            "expert_out", e_dims, nb));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckDim(kOp, "slot_weights", w_dims, nb, "T",
-                                      num_tokens, "slot_row T"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckDim(kOp, "slot_weights", w_dims, nb + 1,
-                                      "K", num_topk, "slot_row K"));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSlotsShape(
+      kOp, "slot_weights", slot_weights.dimensions(), "expert_out", e_dims,
+      nb, num_tokens, "slot_row T", num_topk, "slot_row K"));
 
   const auto out_dims = out->dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(

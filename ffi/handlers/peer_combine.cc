@@ -49,9 +49,7 @@ ffi::Error PeerCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
   JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::GetGroup(kOp, group_id, &group));
   const peer::GroupConfig& c = group->config;
   const int64_t num_ranks = c.num_ranks;
-  const int64_t num_rows = num_ranks * c.max_tokens;
   const int64_t hidden = c.hidden;
-  const int64_t num_topk = c.num_topk;
 
   const auto e_dims = expert_out.dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(
@@ -60,14 +58,9 @@ ffi::Error PeerCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckGroupDtype(
       kOp, "expert_out", expert_out.element_type(), *group, &dtype));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "entry_row",
-                                        entry_row.dimensions(),
-                                        {num_rows, num_topk}, "[R * T_max, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "entry_weights",
-                                        entry_weights.dimensions(),
-                                        {num_rows, num_topk}, "[R * T_max, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
-      kOp, "recv_counts", recv_counts.dimensions(), {num_ranks}, "[R]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckReceivedEntries(
+      kOp, *group, entry_row.dimensions(), entry_weights.dimensions(),
+      recv_counts.dimensions()));
   const auto pos_dims = send_pos.dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(kOp, "send_pos", pos_dims, {-1, num_ranks}, "[T, R]"));

@@ -143,6 +143,24 @@ inline ffi::Error CheckAttrEquals(std::string_view op, std::string_view attr,
               std::to_string(expected));
 }
 
+// The per-entry routing of the received side, as dispatch returns it and the
+// later ops take it: entry_row, entry_weights `[R * T_max, K]`, recv_counts
+// `[R]`.
+inline ffi::Error CheckReceivedEntries(std::string_view op,
+                                       const peer::Group& g,
+                                       Dims entry_row, Dims entry_weights,
+                                       Dims recv_counts) {
+  const int64_t num_rows = g.config.num_ranks * g.config.max_tokens;
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(op, "entry_row", entry_row,
+                                        {num_rows, g.config.num_topk},
+                                        "[R * T_max, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(op, "entry_weights", entry_weights,
+                                        {num_rows, g.config.num_topk},
+                                        "[R * T_max, K]"));
+  return CheckShape(op, "recv_counts", recv_counts, {g.config.num_ranks},
+                    "[R]");
+}
+
 }  // namespace jax_ep::peer_ffi
 
 #endif  // JAX_EP_FFI_HANDLERS_PEER_COMMON_H_

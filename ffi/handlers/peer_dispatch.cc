@@ -59,7 +59,6 @@ ffi::Error PeerDispatchImpl(
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
   const int64_t num_ranks = c.num_ranks;
   const int64_t num_local = num_experts / num_ranks;
-  const int64_t num_rows = num_ranks * c.max_tokens;
   const int64_t hidden = c.hidden;
   const int64_t num_topk = c.num_topk;
 
@@ -89,14 +88,9 @@ ffi::Error PeerDispatchImpl(
       CheckShape(kOp, "num_invalid", num_invalid->dimensions(), {}, "[]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos->dimensions(),
                                         {num_tokens, num_ranks}, "[T, R]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "entry_row",
-                                        entry_row->dimensions(),
-                                        {num_rows, num_topk}, "[R * T_max, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "entry_weights",
-                                        entry_weights->dimensions(),
-                                        {num_rows, num_topk}, "[R * T_max, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
-      kOp, "recv_counts", recv_counts->dimensions(), {num_ranks}, "[R]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckReceivedEntries(
+      kOp, *group, entry_row->dimensions(), entry_weights->dimensions(),
+      recv_counts->dimensions()));
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(kOp, "status", status->dimensions(), {}, "[]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
