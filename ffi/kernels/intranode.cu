@@ -578,13 +578,16 @@ __global__ void __launch_bounds__(kCombineThreads)
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
       const int64_t q = n * num_topk + lane;
-      const int32_t row =
-          lane < num_topk ? CheckedRow(entry_row[q], capacity) : -1;
+      const bool in_topk = lane < num_topk;
+      // The weight is loaded beside the row id, not after the ballot (one
+      // dependent memory latency fewer; see UnpermuteKernel).
+      const int32_t row = in_topk ? CheckedRow(entry_row[q], capacity) : -1;
+      const float w = in_topk && weighted ? entry_weights[q] : 1.0f;
       const unsigned valid = __ballot_sync(kFullMask, row >= 0);
       if (row >= 0) {
         const int at = __popc(valid & LaneMaskLt());
         s_row[at] = row;
-        s_w[at] = weighted ? entry_weights[q] : 1.0f;
+        s_w[at] = w;
       }
       if (lane == 0) s_num = __popc(valid);
     }

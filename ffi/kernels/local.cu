@@ -227,13 +227,18 @@ __global__ void __launch_bounds__(kRowBlock)
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
       const int64_t s = item * d.num_topk + lane;
-      const int32_t row =
-          lane < d.num_topk ? CheckedRow(slot_row[s], d.capacity) : -1;
+      const bool in_topk = lane < d.num_topk;
+      // NOTES: the weight is loaded beside the row id, not after the ballot
+      // that reads it: at decode sizes every block runs this once, and a
+      // second dependent global load put one more memory latency in front of
+      // the row loads (T=128 combine, H200).
+      const int32_t row = in_topk ? CheckedRow(slot_row[s], d.capacity) : -1;
+      const float weight = in_topk && weighted ? slot_weights[s] : 1.0f;
       const unsigned valid = __ballot_sync(kFullMask, row >= 0);
       if (row >= 0) {
         const int pos = __popc(valid & detail::LaneMaskLt());
         s_row[pos] = row;
-        s_weight[pos] = weighted ? slot_weights[s] : 1.0f;
+        s_weight[pos] = weight;
       }
       if (lane == 0) s_num = __popc(valid);
     }
