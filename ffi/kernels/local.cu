@@ -39,7 +39,6 @@ constexpr int kMaxBlocksPerSm = 16;     // upper bound; occupancy decides
 constexpr int kMaxWaves = 8;            // grid cap in resident waves
 constexpr int kPermuteVecs = 8;         // x vectors each thread holds
 constexpr int kUnpermuteLoads = 8;      // expert rows in flight per thread
-constexpr int kUnpermuteBlocksPerSm = 8;  // 64 registers: a full SM of threads
 constexpr int kSplitBlocksPerSm = 8;  // row parts wanted per SM at small T
 constexpr int kDotsGroup = 8;           // slots reduced together in slot dots
 constexpr int kMaxK = static_cast<int>(kMaxTopk);
@@ -198,80 +197,82 @@ __global__ void __launch_bounds__(kRowBlock)
   }
 }
 
-// Items: (token, row part). A token's row is split into gridDim.y contiguous
-// parts of `part_vecs` vectors when there are too few tokens to fill the GPU
-// (see RowSplits); part blockIdx.y of tokens blockIdx.x, +gridDim.x, ...
+// Items: (token, row part): a token's row is split into `splits` contiguous
+// parts when there are too few tokens to fill the GPU (see RowSplits).
 // Each thread owns output vectors j (stride kRowBlock) of its part and sums
 // the token's valid slots, k ascending, kUnpermuteLoads rows in flight; every
-// output element is computed by one thread in the same order, so the split
-// does not change a bit of the result.
-// NOTES: every warp reads the token's slot ids and weights itself (lane k
-// holds slot k, shuffled to the warp when used): no shared staging and no
-// block barrier, so a warp starts its row loads as soon as its own id load
-// lands. ncu on the H200 at T=128 (one wave, each warp one token part): the
-// staged form spent 13% of its warp cycles on the barrier and shared loads
-// and took 8.8 us against 7.3 for XLA's fused gather.
+// output element is still computed by one thread in the same order, so the
+// split does not change a bit of the result.
 template <typename T>
-__global__ void __launch_bounds__(kRowBlock, kUnpermuteBlocksPerSm)
+__global__ void __launch_bounds__(kRowBlock)
     UnpermuteKernel(const uint4* __restrict__ expert_out,
                     const int32_t* __restrict__ slot_row,
                     const float* __restrict__ slot_weights,
                     uint4* __restrict__ out, RowDims d, bool weighted,
-                    int64_t part_vecs) {
+                    int32_t splits) {
   constexpr int kE = Vec16<T>::kElems;
-  const int lane = threadIdx.x & 31;
+  __shared__ int32_t s_row[kMaxK];
+  __shared__ float s_weight[kMaxK];
+  __shared__ int s_num;
   const int64_t rv = d.row_vecs;
-  const int64_t num_items = d.num_batches * d.num_tokens;
-  const int64_t j_begin = blockIdx.y * part_vecs;
-  const int64_t j_end = j_begin + part_vecs < rv ? j_begin + part_vecs : rv;
-  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+  const int64_t num_pieces = d.num_batches * d.num_tokens * splits;
+  const int64_t part_vecs = PartVecs(rv, splits);
+  for (int64_t piece = blockIdx.x; piece < num_pieces; piece += gridDim.x) {
+    const int64_t item = piece / splits;
+    const int64_t j_begin = (piece - item * splits) * part_vecs;
+    const int64_t j_end = j_begin + part_vecs < rv ? j_begin + part_vecs : rv;
     const int64_t b = item / d.num_tokens;
-    const int64_t s = item * d.num_topk + lane;
-    const bool in_topk = lane < d.num_topk;
-    // The weight is loaded beside the row id, not after the test of the id:
-    // one dependent memory latency fewer in front of the row loads.
-    const int32_t my_row = in_topk ? CheckedRow(slot_row[s], d.capacity) : -1;
-    const float my_weight = in_topk && weighted ? slot_weights[s] : 1.0f;
-    const unsigned valid = __ballot_sync(kFullMask, my_row >= 0);
+    // Stage the valid slots in k order (compacted by warp 0).
+    __syncthreads();  // the previous token's readers are done
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const int64_t s = item * d.num_topk + lane;
+      const bool in_topk = lane < d.num_topk;
+      // NOTES: the weight is loaded beside the row id, not after the ballot
+      // that reads it: at decode sizes every block runs this once, and a
+      // second dependent global load put one more memory latency in front of
+      // the row loads (T=128 combine, H200).
+      const int32_t row = in_topk ? CheckedRow(slot_row[s], d.capacity) : -1;
+      const float weight = in_topk && weighted ? slot_weights[s] : 1.0f;
+      const unsigned valid = __ballot_sync(kFullMask, row >= 0);
+      if (row >= 0) {
+        const int pos = __popc(valid & detail::LaneMaskLt());
+        s_row[pos] = row;
+        s_weight[pos] = weight;
+      }
+      if (lane == 0) s_num = __popc(valid);
+    }
+    __syncthreads();
+    const int n = s_num;
     const uint4* src = expert_out + b * d.capacity * rv;
     uint4* dst = out + item * rv;
-    // The shuffles below need every lane of the warp: the loop runs per warp
-    // (j0 is warp-uniform) and lanes past the part's end only ride along.
-    for (int64_t j0 = j_begin + (threadIdx.x & ~31); j0 < j_end;
-         j0 += kRowBlock) {
-      const int64_t j = j0 + lane;
-      const bool active = j < j_end;
+    // NOTES: the same sum as detail::WeightedRowSum (bit for bit), written
+    // out: through the helper ptxas spilled 8 bytes in the bf16 instance (64
+    // registers either way) and combine at T=4096 took 124.9 us instead of
+    // 124.0 (A/B on one H200).
+    for (int64_t j = j_begin + threadIdx.x; j < j_end; j += kRowBlock) {
       float acc[kE];
 #pragma unroll
       for (int i = 0; i < kE; ++i) acc[i] = 0.0f;
-      // Batches of up to kUnpermuteLoads valid slots in k order (`rest` is
-      // warp-uniform, so every branch below is too).
-      unsigned rest = valid;
-      while (rest != 0u) {
+      for (int k0 = 0; k0 < n; k0 += kUnpermuteLoads) {
         uint4 v[kUnpermuteLoads];
-        unsigned batch = rest;  // walked again for the weights (no array)
 #pragma unroll
         for (int u = 0; u < kUnpermuteLoads; ++u) {
-          if (rest != 0u) {
-            const int32_t row = __shfl_sync(kFullMask, my_row, __ffs(rest) - 1);
-            rest &= rest - 1u;
-            v[u] = active ? LoadVec(src + row * rv + j) : make_uint4(0, 0, 0, 0);
-          }
+          if (k0 + u < n) v[u] = LoadVec(src + s_row[k0 + u] * rv + j);
         }
         // NOTES: fixed order — slots k ascending, one fmaf per element each.
 #pragma unroll
         for (int u = 0; u < kUnpermuteLoads; ++u) {
-          if (batch != rest) {
-            const float w = __shfl_sync(kFullMask, my_weight, __ffs(batch) - 1);
-            batch &= batch - 1u;
+          if (k0 + u < n) {
             float f[kE];
             Vec16<T>::Unpack(v[u], f);
+            const float w = s_weight[k0 + u];
 #pragma unroll
             for (int i = 0; i < kE; ++i) acc[i] = __fmaf_rn(w, f[i], acc[i]);
           }
         }
       }
-      if (active) dst[j] = Vec16<T>::Pack(acc);
+      dst[j] = Vec16<T>::Pack(acc);
     }
   }
 }
@@ -464,16 +465,13 @@ struct UnpermuteLaunch {
     if (num_items == 0) return cudaSuccess;
     int32_t splits = 1;
     JAX_EP_CUDA_RETURN_IF_ERROR(RowSplits(d.row_vecs, num_items, &splits));
-    unsigned blocks = 0;
+    unsigned grid = 0;
     JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
         UnpermuteKernel<T>, kRowBlock, kMaxBlocksPerSm, kMaxWaves,
-        num_items * splits, &blocks));
-    // Parts on grid y (splits > 1 only when the tokens are few, so blocks is
-    // then num_items * splits and x covers every token).
-    const dim3 grid(blocks / splits > 0 ? blocks / splits : 1, splits);
+        num_items * splits, &grid));
     UnpermuteKernel<T><<<grid, kRowBlock, 0, stream>>>(
         static_cast<const uint4*>(expert_out), slot_row, slot_weights,
-        static_cast<uint4*>(out), d, weighted, PartVecs(d.row_vecs, splits));
+        static_cast<uint4*>(out), d, weighted, splits);
     return cudaGetLastError();
   }
 };
