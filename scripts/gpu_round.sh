@@ -19,6 +19,12 @@ has() { [[ "$STAGES" == *" $1 "* ]] || [[ "$STAGES" == *" all "* ]]; }
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date +%T))"; }
+# The distributed runtime logs glog warnings as processes exit ("W1129 ... WatchTasksAsync
+# failed ... CANCELLED", "UNAVAILABLE: failed to connect"): they are not test results, and they
+# match "failed", so they go before any grep for pass/fail lines.
+drop_noise() {
+  grep -v -E "(^|\] )[WI][0-9]{4} [0-9:.]+ |GRPC error information|UNAVAILABLE|CANCELLED|grpc_util|Source Location|^\[[0-9]+\] *$"
+}
 step device; nvidia-smi -L
 python3 -c "import jax, jax_ep._ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available())"
 
@@ -58,7 +64,7 @@ for n in 2 4 8; do
     timeout 300 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 280 -- \
       python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider \
       ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
-      | tee "$OUT/pytest_peer_$n.log" | grep -E "passed|failed|error|Error" | tail -8
+      | tee "$OUT/pytest_peer_$n.log" | drop_noise | grep -E " passed| failed|rror" | tail -$((n + 4))
   fi
 done
 
@@ -69,7 +75,7 @@ if has peer || has sanitize; then
       compute-sanitizer --tool $tool --kernel-name kns=jax_ep --print-limit 20 \
       python3 -m pytest tests/test_cuda_peer.py -q -x -p no:cacheprovider \
       -k "test_dispatch_combine_uniform and 128-3-8" 2>&1 | tee "$OUT/sanitize_$tool.log" \
-      | grep -E "ERROR SUMMARY|passed|failed" | tail -4
+      | drop_noise | grep -E "ERROR SUMMARY|RACECHECK SUMMARY| passed| failed" | tail -6
   done
 fi
 
@@ -97,7 +103,8 @@ for n in ${MULTI_RANKS:-2 4 8}; do
     step "suites, $n processes with one GPU each (GPUs $gpus)"
     CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --grace 20 \
       --timeout 260 -- python3 -m pytest $multi_suites -q -rf -p no:cacheprovider 2>&1 \
-      | tee -a "$OUT/multi_suites.log" | grep -E "passed|failed|rror|Traceback" | tail -10
+      | tee -a "$OUT/multi_suites.log" | drop_noise | grep -E " passed| failed|rror|Traceback" \
+      | tail -$((n + 6))
     step "suites, one process driving $n GPUs"
     CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 python3 -m pytest \
       $multi_suites -q -rf -p no:cacheprovider 2>&1 | tee -a "$OUT/multi_suites.log" | tail -6
@@ -106,7 +113,7 @@ for n in ${MULTI_RANKS:-2 4 8}; do
     step "benchmark, $n processes with one GPU each"
     CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --grace 20 \
       --timeout 260 -- python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 \
-      | tee -a "$OUT/multi_bench.log" \
+      | tee -a "$OUT/multi_bench.log" | drop_noise \
       | grep -E "^\[0\] (  |op |dispatch|combine|cuda|xla|wrote)|rror|Traceback"
     cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null
     step "benchmark, one process driving $n GPUs"
