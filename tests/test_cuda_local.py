@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from ep_test_base import EPTestBase, make_routing, random_inputs, tolerance
+from ep_test_base import EPTestBase, assert_close, make_routing, random_inputs, tolerance
 from jax_ep.testing import oracle
 
 pytestmark = pytest.mark.gpu
@@ -31,6 +31,31 @@ class TestCudaLocal(EPTestBase):
   @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
   def test_hidden_sizes(self, hidden, dtype):
     self._roundtrip(1, 37, hidden, 8, 64, "invalid", dtype)
+
+  # Few tokens with wide rows: the kernels split each row into parts so that the GPU fills
+  # (RowSplits; H=2048 is 256 16-byte vectors in bf16, 512 in f32). Drops, duplicate experts,
+  # invalid ids, the unweighted form and vmap on that path.
+  @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+  @pytest.mark.parametrize("pattern,capacity,weighted", [
+      ("hot", 40, True), ("duplicates", None, False), ("invalid", None, True)])
+  def test_rows_split_into_parts(self, dtype, pattern, capacity, weighted):
+    _, _, expected = self._roundtrip(1, 19, 2048, 8, 64, pattern, dtype, capacity=capacity,
+                                     weighted=weighted)
+    if capacity is not None:
+      assert expected[0]["num_dropped"] > 0
+
+  def test_rows_split_into_parts_under_vmap(self):
+    group = self.make_group(1, num_experts=16, num_topk=8, hidden=2048, max_tokens=19,
+                            dtype=jnp.float32, capacity=60)
+    patterns = ("hot", "invalid", "uniform")
+    xs, idxs, ws, eos = self._batched_inputs(group, np.random.default_rng(5), 19, patterns)
+    recv, out = self.run_per_rank(group, jax.vmap(self._dispatch_combine_fn(group)), xs, idxs,
+                                  ws, eos)
+    for b in range(len(patterns)):
+      expected = self.check_dispatch(group, xs[:, b], idxs[:, b],
+                                     jax.tree.map(lambda a: a[:, b], recv))
+      want = oracle.combine(list(eos[:, b]), expected, ws[:, b], np.float64)
+      assert_close(out[:, b], want, rtol=1e-5, atol=1e-5)
 
   def test_large_token_count(self):
     # T = 65536: row indices and slot counts past 16 bits; checked on the device-side counts.
