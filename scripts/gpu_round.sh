@@ -22,9 +22,9 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 # The distributed runtime logs glog warnings as processes exit ("W1129 ... WatchTasksAsync
 # failed ... CANCELLED", "UNAVAILABLE: failed to connect"): they are not test results, and they
 # match "failed", so they go before any grep for pass/fail lines.
-drop_noise() {
-  grep -v -E "(^|\] )[WI][0-9]{4} [0-9:.]+ |GRPC error information|UNAVAILABLE|CANCELLED|grpc_util|Source Location|^\[[0-9]+\] *$"
-}
+noise="(^|\] )[WI][0-9]{4} [0-9:.]+ |GRPC error information|UNAVAILABLE|CANCELLED"
+noise="$noise|grpc_util|Source Location|^\[[0-9]+\] *$"
+drop_noise() { grep -v -E "$noise"; }
 step device; nvidia-smi -L
 python3 -c "import jax, jax_ep._ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available())"
 
