@@ -28,6 +28,21 @@ def _positive_int(name: str, value) -> int:
   return value
 
 
+# Far above any GPU's multiprocessor count; keeps every send kernel's grid (num_sms times its
+# blocks per SM) well inside int32 and the launch limits.
+MAX_NUM_SMS = 1024
+
+
+def _positive_seconds(name: str, value) -> float:
+  try:
+    value = float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"jax_ep.Group: {name} must be a number of seconds, got {value!r}") from None
+  if not 0.0 < value < 1e9:
+    raise ValueError(f"jax_ep.Group: {name} must be a positive number of seconds, got {value}")
+  return value
+
+
 def _check_dtype(dtype) -> np.dtype:
   try:
     dtype = np.dtype(dtype)
@@ -154,8 +169,8 @@ class Group:
       reference otherwise), 'reference' or 'cuda'.
     strict: raise a run-time error whenever a dispatch drops rows.
     config_timeout_s: how long group creation waits for peer processes' configurations.
-    num_sms: multiprocessors' worth of the multi-rank communication kernels (bounded grid: each
-      send kernel runs `num_sms` times its blocks per SM, about 1024 threads per SM).
+    num_sms: multiprocessors' worth of the multi-rank communication kernels, 1 to 1024 (bounded
+      grid: each send kernel runs `num_sms` times its blocks per SM, about 1024 threads per SM).
     timeout_s: how long a multi-rank kernel waits for a peer before it gives up and reports
       which op, rank and peer timed out. It must cover the start-up skew between processes
       (one still compiling while another already waits in its first op).
@@ -178,6 +193,12 @@ class Group:
     num_topk = _positive_int("num_topk", num_topk)
     hidden = _positive_int("hidden", hidden)
     max_tokens_per_rank = _positive_int("max_tokens_per_rank", max_tokens_per_rank)
+    num_sms = _positive_int("num_sms", num_sms)
+    if num_sms > MAX_NUM_SMS:
+      raise ValueError(f"jax_ep.Group: num_sms must be <= {MAX_NUM_SMS} (multiprocessors' worth "
+                       f"of one GPU), got {num_sms}")
+    timeout_s = _positive_seconds("timeout_s", timeout_s)
+    config_timeout_s = _positive_seconds("config_timeout_s", config_timeout_s)
     if num_experts % num_ranks:
       raise ValueError(f"jax_ep.Group: num_experts={num_experts} must be divisible by the size "
                        f"of mesh axis {axis_name!r} ({num_ranks} ranks)")

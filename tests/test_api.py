@@ -59,6 +59,19 @@ class TestGroupValidation:
     with pytest.raises(ValueError, match=f"{field} must be positive, got 0"):
       _group(**{field: 0})
 
+  @pytest.mark.parametrize("kwargs,error,message", [
+      (dict(num_sms=0), ValueError, "num_sms must be positive, got 0"),
+      (dict(num_sms=1 << 28), ValueError, "num_sms must be <= 1024 .* got 268435456"),
+      (dict(num_sms=2.5), TypeError, "num_sms must be an int, got 2.5"),
+      (dict(timeout_s=0), ValueError, "timeout_s must be a positive number of seconds, got 0"),
+      (dict(timeout_s=float("inf")), ValueError, "timeout_s must be a positive number .* inf"),
+      (dict(config_timeout_s="soon"), TypeError,
+       "config_timeout_s must be a number of seconds, got 'soon'")])
+  def test_transport_options(self, kwargs, error, message):
+    # Checked for every backend, not only where the peer transport reads them.
+    with pytest.raises(error, match=message):
+      _group(**kwargs)
+
   def test_non_integer(self):
     with pytest.raises(TypeError, match="hidden must be an int, got 1.5"):
       _group(hidden=1.5)

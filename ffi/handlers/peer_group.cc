@@ -291,8 +291,9 @@ int64_t Create(const GroupConfig& c) {
   CheckRange(c.capacity >= 0 && c.capacity <= INT32_MAX, fn,
              "capacity is " + std::to_string(c.capacity) +
                  ", expected 0 <= capacity <= 2147483647");
-  CheckRange(c.num_sms >= 1, fn,
-             "num_sms is " + std::to_string(c.num_sms) + ", expected >= 1");
+  CheckRange(c.num_sms >= 1 && c.num_sms <= 1024, fn,
+             "num_sms is " + std::to_string(c.num_sms) +
+                 ", expected 1 <= num_sms <= 1024");
   CheckRange(c.timeout_s > 0.0 && c.timeout_s < 1e9, fn,
              "timeout_s is " + std::to_string(c.timeout_s) +
                  ", expected a positive number of seconds");
