@@ -33,6 +33,27 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# How XLA runs `ragged_all_to_all` (JAX 0.11.2, XLA's RaggedAllToAllThunk): with every device in
+# one process it takes its one-shot peer-pointer kernel by default; with one process per GPU that
+# kernel is out of reach and XLA refuses its NCCL send/recv fallback unless a flag allows it.
+# XLA_FLAGS is read when the GPU backend starts, so this is settled before jax is imported.
+XLA_RAGGED_MODES = {
+    "default": "",
+    # One-shot kernel synchronised by an NCCL barrier; works across processes (NCCL >= 2.28).
+    "nccl_barrier": "--xla_gpu_experimental_ragged_all_to_all_use_barrier_with_nccl=true",
+    # NCCL send/recv per update, after a host sync on the sizes.
+    "send_recv": "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true",
+}
+_early = argparse.ArgumentParser(add_help=False)
+_early.add_argument("--xla-ragged", choices=["auto", *XLA_RAGGED_MODES], default="auto")
+XLA_RAGGED = _early.parse_known_args()[0].xla_ragged
+if XLA_RAGGED == "auto":  # one process per GPU (jax_ep.launch without --share-gpu) or not
+  per_gpu = (int(os.environ.get("JAX_EP_NUM_PROCESSES", "1")) > 1
+             and os.environ.get("JAX_EP_SHARED_GPU") != "1")
+  XLA_RAGGED = "nccl_barrier" if per_gpu else "default"
+if XLA_RAGGED_MODES[XLA_RAGGED]:
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {XLA_RAGGED_MODES[XLA_RAGGED]}"
+
 from jax_ep import launch  # noqa: E402
 
 launch.initialize_from_env()
@@ -72,7 +93,13 @@ def main():
                       help="receive capacity over the most slots any rank receives")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--out", default="intranode.jsonl")
-  parser.add_argument("--backends", nargs="+", default=["cuda", "reference"])
+  parser.add_argument("--backends", nargs="+", default=["cuda", "reference", "xla_baseline"],
+                      choices=["cuda", "reference", "xla_baseline"])
+  parser.add_argument("--xla-ragged", choices=["auto", *XLA_RAGGED_MODES], default="auto",
+                      help="how XLA runs ragged_all_to_all for xla_baseline (see the top); "
+                      "auto: nccl_barrier with one process per GPU, else default")
+  parser.add_argument("--ragged-pieces", type=int, default=16,
+                      help="xla_baseline: updates per peer in each ragged_all_to_all")
   parser.add_argument("--num-sms", type=int, default=24,
                       help="the cuda group's SM budget for its communication kernels")
   args = parser.parse_args()
@@ -148,7 +175,7 @@ def main():
               num_sms=args.num_sms)
   records = []
 
-  def add(op, backend, seconds):
+  def add(op, backend, seconds, **extra):
     seconds = _gather_max(f"{backend}/{op}", seconds)
     median_us = seconds / calls * 1e6
     roofline = ((min_hbm / (bound_gbps * 1e9)) / (median_us * 1e-6) if one_gpu
@@ -156,7 +183,7 @@ def main():
     records.append(common.record(op=op, backend=backend, median_us=round(median_us, 1),
                                  timing="host_clock", gbps=round(per_rank_bytes /
                                                                  (median_us * 1e-6) / 1e9, 1),
-                                 roofline=round(roofline, 3), **base))
+                                 roofline=round(roofline, 3), **base, **extra))
 
   def breakdown(title, fn, fn_args):
     """Process 0's device time per kernel for one batch of `calls` (where the time goes)."""
@@ -168,7 +195,8 @@ def main():
       for name, us, launches in rows[:12]:
         print(f"  {us / calls:9.1f}  {launches / calls:4.1f}  {name[:90]}")
 
-  backends = [b for b in args.backends if not (shared_gpu and b == "reference")]
+  backends = [b for b in args.backends if b != "xla_baseline"
+              and not (shared_gpu and b == "reference")]
   for backend in backends:
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
                          dtype=dtype, backend=backend, capacity=capacity, raise_on_timeout=False,
@@ -197,25 +225,38 @@ def main():
     group.check()
     group.close()
 
-  if not shared_gpu and num_ranks > 1 and devices[0].platform == "gpu":  # no ragged a2a on CPU
+  def time_xla_baseline():
     # The plain-XLA pipeline (benchmarks/xla_pipeline.py), dispatch and combine timed apart.
     # The same receive capacity as the cuda backend (>= the most slots any rank receives here).
-    kw = dict(axis="ep", num_ranks=num_ranks, num_experts=e, capacity=capacity)
+    ragged = xla_pipeline.split_updates(jax.lax.ragged_all_to_all, args.ragged_pieces)
+    kw = dict(axis="ep", num_ranks=num_ranks, num_experts=e, capacity=capacity, ragged=ragged)
+    how = dict(xla_ragged=XLA_RAGGED, ragged_pieces=args.ragged_pieces)
     per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     batched = lambda fn: jax.jit(lambda *sets: [fn(*a) for a in zip(*sets)])
     xla_dispatch = per_shard(lambda x, i: jax.tree.map(
         lambda v: v[None], xla_pipeline.dispatch(x[0], i[0], **kw)))
     seconds, _ = common.time_batches(batched(xla_dispatch), (xs, idxs), repeats=args.repeats,
                                      method="host_clock")
-    add("dispatch", "xla_baseline", seconds)
+    add("dispatch", "xla_baseline", seconds, **how)
+    breakdown("xla_baseline dispatch", batched(xla_dispatch), (xs, idxs))
     results = [jax.jit(xla_dispatch)(x, i) for x, i in zip(xs, idxs)]
     grouped = [g for g, _, _ in results]
     states = [state for _, _, state in results]
     xla_combine = per_shard(lambda eo, w, st: xla_pipeline.combine(
-        eo[0], w[0], jax.tree.map(lambda v: v[0], st), axis="ep")[None])
+        eo[0], w[0], jax.tree.map(lambda v: v[0], st), axis="ep", ragged=ragged)[None])
     seconds, _ = common.time_batches(batched(xla_combine), (grouped, ws, states),
                                      repeats=args.repeats, method="host_clock")
-    add("combine", "xla_baseline", seconds)
+    add("combine", "xla_baseline", seconds, **how)
+    breakdown("xla_baseline combine", batched(xla_combine), (grouped, ws, states))
+
+  if ("xla_baseline" in args.backends and not shared_gpu and num_ranks > 1
+      and devices[0].platform == "gpu"):  # no ragged all-to-all on CPU
+    try:
+      time_xla_baseline()
+    except Exception as err:  # noqa: BLE001 -- XLA refuses some ragged modes at run time
+      # Keep the records of the other backends; say what failed and how it was configured.
+      print(f"xla_baseline (xla_ragged={XLA_RAGGED}, ragged_pieces={args.ragged_pieces}) "
+            f"failed: {str(err).splitlines()[0][:400]}")
 
   if jax.process_index() == 0:
     path = common.write_jsonl(records, args.out)

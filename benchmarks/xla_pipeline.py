@@ -99,17 +99,47 @@ def combine(expert_out, topk_weights, state: PipelineState, *, axis: str,
   return out.astype(expert_out.dtype)
 
 
+def split_updates(ragged, pieces: int):
+  """`ragged` with each peer's slice cut into `pieces` contiguous updates (`R * pieces` in all).
+
+  Same result; the point is speed. XLA's one-shot ragged all-to-all kernel gives each update its
+  own thread blocks, so one update per peer moves a whole peer's rows with a handful of SMs
+  (JAX 0.11.2 on 2 x H200, one process: 87 ms for what NVLink moves in 0.3 ms). The cut is a
+  function of the slice size alone, so a sender's pieces of `send_sizes[d]` and receiver d's
+  pieces of the equal `recv_sizes[s]` agree without exchanging anything.
+  """
+  if pieces == 1:
+    return ragged
+
+  def cut(offsets, sizes):
+    # Piece j of a slice of n rows: n // pieces rows, one more for the first n % pieces pieces.
+    j = jnp.arange(pieces, dtype=sizes.dtype)
+    base, extra = (sizes // pieces)[:, None], (sizes % pieces)[:, None]
+    piece_sizes = base + (j < extra).astype(sizes.dtype)
+    piece_offsets = offsets[:, None] + j * base + jnp.minimum(j, extra)
+    return piece_offsets.reshape(-1), piece_sizes.reshape(-1)
+
+  def split(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, **kw):
+    input_offsets, piece_send = cut(input_offsets, send_sizes)
+    output_offsets, _ = cut(output_offsets, send_sizes)
+    _, piece_recv = cut(jnp.zeros_like(recv_sizes), recv_sizes)
+    return ragged(operand, output, input_offsets, piece_send, output_offsets, piece_recv, **kw)
+  return split
+
+
 def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
                                recv_sizes, *, axis_name: str, num_ranks: int):
-  """`jax.lax.ragged_all_to_all` from `all_to_all` on padded blocks (for XLA:CPU tests)."""
+  """`jax.lax.ragged_all_to_all` from `all_to_all` on padded blocks (for XLA:CPU tests); any
+  number of updates per peer, as the real collective (update i goes to rank i // per_peer)."""
   max_rows = operand.shape[0]
+  per_peer = input_offsets.shape[0] // num_ranks
   padded = jnp.concatenate([operand, jnp.zeros_like(operand)], axis=0)  # slices never clamp
-  blocks = jnp.stack([jax.lax.dynamic_slice_in_dim(padded, input_offsets[d], max_rows)
-                      for d in range(num_ranks)])
-  blocks = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [s] = block from rank s
-  where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+  blocks = jnp.stack([jax.lax.dynamic_slice_in_dim(padded, input_offsets[i], max_rows)
+                      for i in range(num_ranks * per_peer)])
+  blocks = jax.lax.all_to_all(blocks, axis_name, 0, 0, tiled=True)  # [i]: update i // per_peer
+  where = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # from rank i // per_peer
   rows = jnp.arange(max_rows)
-  for s in range(num_ranks):
-    target = jnp.where(rows < recv_sizes[s], where[s] + rows, output.shape[0])  # past end: drop
-    output = output.at[target].set(blocks[s], mode="drop")
+  for i in range(num_ranks * per_peer):
+    target = jnp.where(rows < recv_sizes[i], where[i] + rows, output.shape[0])  # past end: drop
+    output = output.at[target].set(blocks[i], mode="drop")
   return output

@@ -61,6 +61,10 @@ ENV_NUM_PROCESSES = "JAX_EP_NUM_PROCESSES"
 ENV_PROCESS_ID = "JAX_EP_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "JAX_EP_LOCAL_DEVICE_IDS"
 ENV_SHARED_GPU = "JAX_EP_SHARED_GPU"
+# Everything the launcher sets for its children that ties a process to this job: a command that
+# a child starts as a job of its own must not inherit them.
+CHILD_ENV_VARS = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_LOCAL_DEVICE_IDS,
+                  ENV_SHARED_GPU)
 
 EXIT_USAGE = 2
 EXIT_CANNOT_START = 127  # Shell convention for "command not found".

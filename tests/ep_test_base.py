@@ -52,6 +52,41 @@ def make_routing(rng, num_ranks, num_tokens, num_topk, num_experts, pattern):
   raise ValueError(pattern)
 
 
+def rank_devices(num_ranks):
+  """The devices of an `num_ranks`-rank mesh, or a pytest skip when there are too few.
+
+  One process: the first `num_ranks` devices. A multi-process job (`jax_ep.launch`): each
+  process's own devices when it holds enough (so at R=1 every process runs its own one-rank
+  group instead of all but process 0 idling), else the first `num_ranks` devices of the job.
+  """
+  if num_ranks > len(jax.devices()):
+    pytest.skip(f"needs {num_ranks} devices, have {len(jax.devices())}")
+  if jax.process_count() > 1 and num_ranks <= jax.local_device_count():
+    return jax.local_devices()[:num_ranks]
+  return jax.devices()[:num_ranks]
+
+
+def rank_mesh(num_ranks, axis_name="ep"):
+  return jax.make_mesh((num_ranks,), (axis_name,), devices=rank_devices(num_ranks))
+
+
+def local_rank_mask(mesh):
+  """`[R]` bool: which ranks' devices this process holds (all of them in one process)."""
+  me = jax.process_index()
+  return np.array([d.process_index == me for d in mesh.devices.flat])
+
+
+def host_value(value):
+  """A global array as numpy; shards held by other processes read as zeros (compare only the
+  ranks of `local_rank_mask`)."""
+  if value is None or value.is_fully_addressable:
+    return None if value is None else np.asarray(value)
+  out = np.zeros(value.shape, value.dtype)
+  for shard in value.addressable_shards:
+    out[shard.index] = np.asarray(shard.data)
+  return out
+
+
 def random_inputs(rng, num_ranks, num_tokens, hidden, dtype):
   x = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
   return np.asarray(jnp.asarray(x, dtype))
@@ -108,14 +143,17 @@ class EPTestBase:
   # ------------------------------------------------------------------ helpers
   def make_group(self, num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype,
                  capacity=None, strict=False):
-    if num_ranks > len(jax.devices()):
-      pytest.skip(f"needs {num_ranks} devices, have {len(jax.devices())}")
     if num_ranks not in self.rank_counts:
       pytest.skip(f"{self.backend} backend does not run at R={num_ranks} here")
-    mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks])
-    return jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-                        max_tokens_per_rank=max_tokens, dtype=dtype, capacity=capacity,
-                        backend=self.backend, strict=strict)
+    mesh = rank_mesh(num_ranks)
+    group = jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+                         max_tokens_per_rank=max_tokens, dtype=dtype, capacity=capacity,
+                         backend=self.backend, strict=strict)
+    # After the group exists: every process creates every group, in the same order (the
+    # configuration check pairs them by count), even the groups it holds no rank of.
+    if not local_rank_mask(mesh).any():
+      pytest.skip(f"this process holds none of the {num_ranks} ranks' devices")
+    return group
 
   @staticmethod
   def shard(group, *arrays, spec=P("ep")):
@@ -127,23 +165,12 @@ class EPTestBase:
   @staticmethod
   def local_ranks(group):
     """Ranks whose device this process holds (all of them in a single-process run)."""
-    me = jax.process_index()
-    return [r for r, d in enumerate(group.mesh.devices.flat) if d.process_index == me]
+    return [int(r) for r in np.flatnonzero(local_rank_mask(group.mesh))]
 
   def local_mask(self, group):
-    mask = np.zeros(group.num_ranks, bool)
-    mask[self.local_ranks(group)] = True
-    return mask
+    return local_rank_mask(group.mesh)
 
-  @staticmethod
-  def to_numpy(value):
-    """A global array as numpy; shards held by other processes read as zeros."""
-    if value is None or value.is_fully_addressable:
-      return None if value is None else np.asarray(value)
-    out = np.zeros(value.shape, value.dtype)
-    for shard in value.addressable_shards:
-      out[shard.index] = np.asarray(shard.data)
-    return out
+  to_numpy = staticmethod(host_value)
 
   def skip_without_xla_collectives(self, group):
     """The reference path (also behind the cuda low-latency pair for now) uses XLA collectives,
@@ -519,12 +546,15 @@ class EPTestBase:
       return recv, jax_ep.low_latency_combine(group, eo, handle, w)
     recv, out = self.run_per_rank(group, fn, x, idx, w, eo)
     expected = oracle.low_latency_dispatch(x, idx, num_experts, num_tokens)
-    for d, want in enumerate(expected):
-      np.testing.assert_array_equal(recv.x[d], want["recv_x"])
-      np.testing.assert_array_equal(recv.count[d], want["count"])
-      assert recv.num_dropped[d] == want["num_dropped"]
+    for d in self.local_ranks(group):
+      want = expected[d]
+      np.testing.assert_array_equal(recv.x[d], want["recv_x"], err_msg=f"recv_x on rank {d}")
+      np.testing.assert_array_equal(recv.count[d], want["count"], err_msg=f"count on rank {d}")
+      assert recv.num_dropped[d] == want["num_dropped"], f"num_dropped on rank {d}"
     want = oracle.low_latency_combine(list(eo), expected, w, np.float64)
-    np.testing.assert_allclose(out.astype(np.float64), want, rtol=1.6e-2, atol=1.6e-2)
+    mine = self.local_mask(group)
+    np.testing.assert_allclose(out[mine].astype(np.float64), want[mine], rtol=1.6e-2,
+                               atol=1.6e-2)
 
   def test_low_latency_fp8(self):
     num_ranks, num_experts, num_topk, hidden, num_tokens = self.small_ranks, 8, 2, 256, 19
@@ -540,7 +570,8 @@ class EPTestBase:
     expected_q = oracle.low_latency_dispatch(q, idx, num_experts, num_tokens)
     expected_s = oracle.low_latency_dispatch(scales, idx, num_experts, num_tokens)
     assert recv.x.dtype == jnp.float8_e4m3fn
-    for d in range(num_ranks):
+    mine = self.local_ranks(group)
+    for d in mine:
       # Movement is exact; the e4m3 rounding itself may differ by one step (3 mantissa bits)
       # where x / scale sits on a rounding tie, depending on how XLA converts f32 -> f8.
       np.testing.assert_allclose(recv.x[d].astype(np.float32),
@@ -550,6 +581,6 @@ class EPTestBase:
     # Dequantised rows are within e4m3's relative precision of the originals.
     deq = recv.x.astype(np.float32).reshape(*recv.x.shape[:-1], -1, 128) * recv.scales[..., None]
     want = oracle.low_latency_dispatch(x.astype(np.float32), idx, num_experts, num_tokens)
-    for d in range(num_ranks):
+    for d in mine:
       np.testing.assert_allclose(deq[d].reshape(want[d]["recv_x"].shape), want[d]["recv_x"],
                                  rtol=0.07, atol=1e-3)

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 
 import jax_ep
+from ep_test_base import rank_mesh
+from jax_ep import launch
 from jax_ep.layer import MoEParams
 from jax_ep.testing.dense import dense_moe, dense_moe_layer
 
@@ -26,9 +28,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def make_group(num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype):
-  if num_ranks > len(jax.devices()):
-    pytest.skip(f"needs {num_ranks} devices, have {len(jax.devices())}")
-  mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks])
+  mesh = rank_mesh(num_ranks)
   return jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
                       max_tokens_per_rank=max_tokens, dtype=dtype, backend="reference")
 
@@ -162,6 +162,14 @@ def test_nnx_module_forward_and_training_step():
 def test_main_job_demo_smoke():
   """MAIN-JOB SMOKE TEST: `python -m jax_ep.demo --steps 3` trains, matches dense, prints table."""
   env = dict(os.environ)
+  if jax.process_count() > 1:
+    # Under jax_ep.launch: the demo is its own single-process job, run once (by process 0), on
+    # the memory the test processes left (each preallocated most of its GPU).
+    if jax.process_index() != 0:
+      pytest.skip("the demo runs once per job, in process 0")
+    for name in launch.CHILD_ENV_VARS:
+      env.pop(name, None)
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
   proc = subprocess.run([sys.executable, "-m", "jax_ep.demo", "--steps", "3"], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=120)
