@@ -92,10 +92,10 @@ constexpr int kReduceThreads = 128;   // home-side combine: a block per token
 constexpr int kWaitThreads = kMaxR;   // arrival wait: a thread per source
 constexpr int kReduceLoads = 8;       // partial rows in flight per thread
 constexpr int kCombineLoads = 8;      // expert row vectors in flight per thread
-constexpr int kCombinePasses = 4;     // row vectors each combine-send thread sums at once
+constexpr int kCombinePasses = 4;     // row vectors per combine-send thread
 constexpr int kDotsGroup = 8;         // slots reduced together in dots
 constexpr int kMaxBlocksPerSm = 16;
-// Blocks per budgeted SM of each send kernel (about 1024 threads per SM): one
+// Blocks per budgeted SM of each send kernel (up to 1024 threads per SM): one
 // block per SM keeps too few bytes in flight to hide the latency of peer (or,
 // emulated, HBM) loads and stores; measured on the H200, combine send ran
 // latency-bound at ~0.4 TB/s with one.
