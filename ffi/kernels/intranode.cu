@@ -48,8 +48,9 @@
 //   any later call reads the mailbox first and fails with its message. Never
 //   a hang, never a trap.
 // * Bounded grid: each send kernel always runs exactly `num_blocks` times its
-//   blocks-per-SM constant (the group's SM budget at about 1024 threads per
-//   SM; a constant per kernel, which the monotonic counters rely on).
+//   blocks-per-SM constant (the group's SM budget at as many blocks as its
+//   registers let one SM hold, named in its launch bounds; a constant per
+//   kernel, which the monotonic counters rely on).
 //   The waits run in one block each: a rank never holds more than one
 //   spinning block, so ranks sharing one GPU cannot starve each other of SMs.
 //   The local kernels (layout, permute, reduce) do not spin.
@@ -81,8 +82,8 @@ constexpr int kMaxK = static_cast<int>(kMaxTopk);
 // flight per SM; with 512-thread blocks (2 per SM) it measured 0.3 TB/s per
 // process at R=8 emulated, each block idle for a load latency per token.
 // __launch_bounds__ asks for those 8 blocks (64 registers, no spills with
-// nvcc 13.0); combine and dots send spill at their 4 (ptxas -v), so they
-// take what occupancy gives.
+// nvcc 13.0); combine and dots send ask for the 3 and 2 that fit theirs (see
+// kCombineSendBlocksPerSm).
 constexpr int kCommThreads = 128;     // rows send: a block per token
 constexpr int kCombineThreads = 256;  // combine send: a block per item
 constexpr int kSendVecs = 8;          // x vectors each thread holds
