@@ -170,7 +170,8 @@ class Group:
     strict: raise a run-time error whenever a dispatch drops rows.
     config_timeout_s: how long group creation waits for peer processes' configurations.
     num_sms: multiprocessors' worth of the multi-rank communication kernels, 1 to 1024 (bounded
-      grid: each send kernel runs `num_sms` times its blocks per SM, about 1024 threads per SM).
+      grid: each send kernel runs `num_sms` times the blocks one SM holds of it, 512 to 1024
+      threads).
     timeout_s: how long a multi-rank kernel waits for a peer before it gives up and reports
       which op, rank and peer timed out. It must cover the start-up skew between processes
       (one still compiling while another already waits in its first op).

@@ -48,8 +48,9 @@
 //   any later call reads the mailbox first and fails with its message. Never
 //   a hang, never a trap.
 // * Bounded grid: each send kernel always runs exactly `num_blocks` times its
-//   blocks-per-SM constant (the group's SM budget at about 1024 threads per
-//   SM; a constant per kernel, which the monotonic counters rely on).
+//   blocks-per-SM constant (the group's SM budget at as many blocks as its
+//   registers let one SM hold, named in its launch bounds; a constant per
+//   kernel, which the monotonic counters rely on).
 //   The waits run in one block each: a rank never holds more than one
 //   spinning block, so ranks sharing one GPU cannot starve each other of SMs.
 //   The local kernels (layout, permute, reduce) do not spin.
@@ -81,8 +82,8 @@ constexpr int kMaxK = static_cast<int>(kMaxTopk);
 // flight per SM; with 512-thread blocks (2 per SM) it measured 0.3 TB/s per
 // process at R=8 emulated, each block idle for a load latency per token.
 // __launch_bounds__ asks for those 8 blocks (64 registers, no spills with
-// nvcc 13.0); combine and dots send spill at their 4 (ptxas -v), so they
-// take what occupancy gives.
+// nvcc 13.0); combine and dots send ask for the 3 and 2 that fit theirs (see
+// kCombineSendBlocksPerSm).
 constexpr int kCommThreads = 128;     // rows send: a block per token
 constexpr int kCombineThreads = 256;  // combine send: a block per item
 constexpr int kSendVecs = 8;          // x vectors each thread holds
@@ -91,16 +92,24 @@ constexpr int kLayoutThreads = 512;   // send-side layout: a block per rank
 constexpr int kReduceThreads = 128;   // home-side combine: a block per token
 constexpr int kWaitThreads = kMaxR;   // arrival wait: a thread per source
 constexpr int kReduceLoads = 8;       // partial rows in flight per thread
-constexpr int kCombineLoads = 8;      // expert rows in flight per thread
+constexpr int kCombineLoads = 8;      // expert row vectors in flight per thread
+constexpr int kCombinePasses = 4;     // row vectors per combine-send thread
 constexpr int kDotsGroup = 8;         // slots reduced together in dots
 constexpr int kMaxBlocksPerSm = 16;
-// Blocks per budgeted SM of each send kernel (about 1024 threads per SM): one
+// Blocks per budgeted SM of each send kernel (up to 1024 threads per SM): one
 // block per SM keeps too few bytes in flight to hide the latency of peer (or,
 // emulated, HBM) loads and stores; measured on the H200, combine send ran
 // latency-bound at ~0.4 TB/s with one.
 constexpr int kRowsSendBlocksPerSm = 1024 / kCommThreads;
-constexpr int kCombineSendBlocksPerSm = 1024 / kCombineThreads;
-constexpr int kDotsSendBlocksPerSm = 1024 / kDotsThreads;
+// NOTES: the launch bounds of the send kernels name these counts, so a grid of
+// num_sms times as many blocks is resident at once on num_sms SMs' worth of
+// registers. Combine send holds kCombinePasses fp32 sums and kCombineLoads
+// vectors per thread (80 registers): 3 blocks of 256. Dots send needs about
+// 100 registers: 2 blocks of 256 (at 4 per SM, as before, only 2 fitted and
+// the grid spilled onto twice the SM budget; combine send's 4 had the same
+// problem at 70 registers).
+constexpr int kCombineSendBlocksPerSm = 3;
+constexpr int kDotsSendBlocksPerSm = 2;
 constexpr int kMaxWaves = 8;
 static_assert(kMaxR <= 64, "destinations are staged by one warp, two ballots");
 static_assert(kMaxK <= 32, "slot staging uses one warp, lane k = slot k");
@@ -546,7 +555,7 @@ __global__ void FinishKernel(PeerView g, unsigned region_mask,
 // w * expert_out[entry_row[s, i, k]] (fp32, one fmaf each, rows < 0 skipped),
 // written to rank s's combine_rows[this rank][i] in CombineWire<T>.
 template <typename T>
-__global__ void __launch_bounds__(kCombineThreads)
+__global__ void __launch_bounds__(kCombineThreads, kCombineSendBlocksPerSm)
     CombineSendKernel(PeerView g, const uint4* __restrict__ expert_out,
                       const int32_t* __restrict__ entry_row,
                       const float* __restrict__ entry_weights,
@@ -596,19 +605,26 @@ __global__ void __launch_bounds__(kCombineThreads)
     char* dst_row = s_peer[s] + g.layout.combine_rows +
                     (me * t_max + i) * g.hidden * static_cast<int64_t>(
                                                      sizeof(Wire));
-    for (int64_t j = threadIdx.x; j < rv; j += kCombineThreads) {
-      float acc[kE];
-      detail::WeightedRowSum<T, kCombineLoads>(expert_out, s_row, s_w, nv, rv,
-                                               j, acc);
-      if constexpr (std::is_same_v<Wire, float>) {
-        float4* dst = reinterpret_cast<float4*>(dst_row);
+    for (int64_t j0 = threadIdx.x; j0 < rv;
+         j0 += kCombineThreads * kCombinePasses) {
+      float acc[kCombinePasses][kE];
+      detail::WeightedRowSums<T, kCombineLoads, kCombinePasses>(
+          expert_out, s_row, s_w, nv, rv, j0, kCombineThreads, acc);
 #pragma unroll
-        for (int c = 0; c < kF4; ++c) {
-          dst[j * kF4 + c] = make_float4(acc[4 * c], acc[4 * c + 1],
-                                         acc[4 * c + 2], acc[4 * c + 3]);
+      for (int p = 0; p < kCombinePasses; ++p) {
+        const int64_t j = j0 + p * kCombineThreads;
+        if (j >= rv) break;
+        if constexpr (std::is_same_v<Wire, float>) {
+          float4* dst = reinterpret_cast<float4*>(dst_row);
+#pragma unroll
+          for (int c = 0; c < kF4; ++c) {
+            dst[j * kF4 + c] =
+                make_float4(acc[p][4 * c], acc[p][4 * c + 1],
+                            acc[p][4 * c + 2], acc[p][4 * c + 3]);
+          }
+        } else {
+          reinterpret_cast<uint4*>(dst_row)[j] = Vec16<T>::Pack(acc[p]);
         }
-      } else {
-        reinterpret_cast<uint4*>(dst_row)[j] = Vec16<T>::Pack(acc);
       }
     }
   }
@@ -720,7 +736,7 @@ __global__ void __launch_bounds__(kReduceThreads)
 // fixed xor tree), 0 where the row is < 0; written to rank s's
 // dots[this rank][i][k].
 template <typename T>
-__global__ void __launch_bounds__(kDotsThreads)
+__global__ void __launch_bounds__(kDotsThreads, kDotsSendBlocksPerSm)
     DotsSendKernel(PeerView g, const uint4* __restrict__ expert_out,
                    const int32_t* __restrict__ entry_row,
                    const int32_t* __restrict__ recv_counts, int64_t capacity) {

@@ -136,31 +136,56 @@ struct Vec16<float> {
 // Read-only, non-coherent 16-byte load (inputs never alias outputs).
 __device__ __forceinline__ uint4 LoadVec(const uint4* p) { return __ldg(p); }
 
-// acc = sum over k < n, ascending, of weight[k] * rows[row[k] * row_vecs + j]
-// (vector j of each row, widened to fp32), kLoads rows in flight.
+// acc[p] = sum over k < n, ascending, of weight[k] * (vector j0 + p * stride
+// of row row[k], widened to fp32), for every p < kPasses whose vector is below
+// row_vecs (the others are left at zero). kLoads loads in flight: kLoads /
+// kPasses slots at a time, each for all passes.
 // NOTES: fixed order — slots k ascending, one fmaf per element each — so the
 // one-rank unpermute and the peer combine's partial sums agree bit for bit.
-template <typename T, int kLoads>
-__device__ __forceinline__ void WeightedRowSum(
+// Several passes per thread keep loads in flight when a token has few slots
+// on this rank (about 1.5 of 8 at R=8): one pass at a time left the peer
+// combine send latency-bound at ~24 GB/s per SM (H200, emulated R=8).
+template <typename T, int kLoads, int kPasses>
+__device__ __forceinline__ void WeightedRowSums(
     const uint4* __restrict__ rows, const int32_t* row, const float* weight,
-    int n, int64_t row_vecs, int64_t j, float (&acc)[Vec16<T>::kElems]) {
+    int n, int64_t row_vecs, int64_t j0, int64_t stride,
+    float (&acc)[kPasses][Vec16<T>::kElems]) {
+  static_assert(kLoads % kPasses == 0, "whole slots per batch");
   constexpr int kE = Vec16<T>::kElems;
+  constexpr int kSlots = kLoads / kPasses;
 #pragma unroll
-  for (int e = 0; e < kE; ++e) acc[e] = 0.0f;
-  for (int k0 = 0; k0 < n; k0 += kLoads) {
-    uint4 v[kLoads];
+  for (int p = 0; p < kPasses; ++p) {
 #pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
-      if (k0 + u < n) v[u] = LoadVec(rows + row[k0 + u] * row_vecs + j);
+    for (int e = 0; e < kE; ++e) acc[p][e] = 0.0f;
+  }
+  for (int k0 = 0; k0 < n; k0 += kSlots) {
+    uint4 v[kSlots][kPasses];
+#pragma unroll
+    for (int u = 0; u < kSlots; ++u) {
+      if (k0 + u < n) {
+        const uint4* src = rows + row[k0 + u] * row_vecs;
+#pragma unroll
+        for (int p = 0; p < kPasses; ++p) {
+          const int64_t j = j0 + p * stride;
+          if (j < row_vecs) v[u][p] = LoadVec(src + j);
+        }
+      }
     }
 #pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
+    for (int u = 0; u < kSlots; ++u) {
       if (k0 + u < n) {
-        float f[kE];
-        Vec16<T>::Unpack(v[u], f);
         const float w = weight[k0 + u];
 #pragma unroll
-        for (int e = 0; e < kE; ++e) acc[e] = __fmaf_rn(w, f[e], acc[e]);
+        for (int p = 0; p < kPasses; ++p) {
+          if (j0 + p * stride < row_vecs) {
+            float f[kE];
+            Vec16<T>::Unpack(v[u][p], f);
+#pragma unroll
+            for (int e = 0; e < kE; ++e) {
+              acc[p][e] = __fmaf_rn(w, f[e], acc[p][e]);
+            }
+          }
+        }
       }
     }
   }

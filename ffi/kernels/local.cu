@@ -246,7 +246,7 @@ __global__ void __launch_bounds__(kRowBlock)
     const int n = s_num;
     const uint4* src = expert_out + b * d.capacity * rv;
     uint4* dst = out + item * rv;
-    // NOTES: the same sum as detail::WeightedRowSum (bit for bit), written
+    // NOTES: the same sum as detail::WeightedRowSums (bit for bit), written
     // out: through the helper ptxas spilled 8 bytes in the bf16 instance (64
     // registers either way) and combine at T=4096 took 124.9 us instead of
     // 124.0 (A/B on one H200).
