@@ -189,11 +189,14 @@ def main():
     """Process 0's device time per kernel for one batch of `calls` (where the time goes)."""
     if not args.breakdown or devices[0].platform != "gpu":
       return
-    rows = common.kernel_breakdown(fn, fn_args)
+    rows, activity = common.trace_breakdown(fn, fn_args)
     if jax.process_index() == 0 and rows:
       print(f"{title}: device time per call by kernel (process 0; us, launches)")
       for name, us, launches in rows[:12]:
         print(f"  {us / calls:9.1f}  {launches / calls:4.1f}  {name[:90]}")
+      for plane, busy_us, span_us in activity:
+        print(f"  {plane}: some kernel running {busy_us / calls:.1f} us of a "
+              f"{span_us / calls:.1f} us span per call")
 
   backends = [b for b in args.backends if b != "xla_baseline"
               and not (shared_gpu and b == "reference")]

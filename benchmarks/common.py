@@ -83,9 +83,10 @@ def _gpu_stream_events(fn, args, repeats: int) -> list[tuple[str, int, int]]:
   return _traced_events(lambda _: fn(*args), repeats)
 
 
-def _traced_events(run, repeats: int) -> list[tuple[str, int, int]]:
+def _traced_events(run, repeats: int, *, with_device: bool = False) -> list[tuple]:
   """`run(r)` for r in range(repeats), each waited for, under a jax.profiler trace; the GPU
-  stream events as `(name, start_ns, end_ns)`."""
+  stream events as `(name, start_ns, end_ns)`, with the device's plane name appended when
+  `with_device`."""
   import glob
   import tempfile
   from jax._src.lib import _profile_data
@@ -105,7 +106,8 @@ def _traced_events(run, repeats: int) -> list[tuple[str, int, int]]:
         continue
       for line in plane.lines:
         if line.name.startswith("Stream"):
-          events += [(ev.name, ev.start_ns, ev.start_ns + ev.duration_ns) for ev in line.events]
+          events += [(ev.name, ev.start_ns, ev.start_ns + ev.duration_ns)
+                     + ((plane.name,) if with_device else ()) for ev in line.events]
   return events
 
 
@@ -152,15 +154,39 @@ def kernel_breakdown(fn, args, *, repeats: int = 5) -> list[tuple[str, float, in
   Every process of a multi-process benchmark must call this the same number of times (it runs
   `fn` `repeats` times whatever happens); it returns [] when the trace cannot be read.
   """
+  return trace_breakdown(fn, args, repeats=repeats)[0]
+
+
+def trace_breakdown(fn, args, *, repeats: int = 5):
+  """`(kernel_breakdown's rows, activity)`, from one trace. `activity`: per GPU plane of the
+  trace, `(plane name, busy µs per run, span µs per run)`: how long some kernel ran on the
+  device (overlapping kernels counted once) against the run's first-start-to-last-end span. A
+  span well past the busy time means the device sat idle inside the run (host-side waits,
+  launch gaps); spin-waiting kernels count as busy.
+  """
   try:
-    events = _gpu_stream_events(fn, args, repeats)
+    events = _traced_events(lambda _: fn(*args), repeats, with_device=True)
   except Exception:  # noqa: BLE001 - a diagnostic only
-    return []
+    return [], []
   totals: dict[str, list[int]] = {}
-  for name, start, end in events:
+  for name, start, end, _ in events:
     totals.setdefault(name, []).append(end - start)
   rows = [(name, sum(d) / repeats / 1e3, len(d) // repeats) for name, d in totals.items()]
-  return sorted(rows, key=lambda r: -r[1])
+  activity = []
+  for plane in sorted({e[3] for e in events}):
+    intervals = sorted((start, end) for _, start, end, p in events if p == plane)
+    busy, covered_until = 0, None
+    for start, end in intervals:
+      if covered_until is None or start >= covered_until:
+        busy += end - start
+        covered_until = end
+      elif end > covered_until:
+        busy += end - covered_until
+        covered_until = end
+    spans = split_runs(intervals, repeats)
+    span_us = statistics.median(spans) * 1e6 if spans else float("nan")
+    activity.append((plane, busy / repeats / 1e3, span_us))
+  return sorted(rows, key=lambda r: -r[1]), activity
 
 
 def split_runs(events, num_runs: int) -> list[float]:

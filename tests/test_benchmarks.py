@@ -28,6 +28,20 @@ def test_split_runs_handles_overlapping_streams():
   assert [round(s * 1e9) for s in common.split_runs(events, 2)] == [70, 10]
 
 
+def test_trace_breakdown_counts_overlapping_kernels_once_per_device(monkeypatch):
+  # Two runs per device; on GPU:0 kernels a and b overlap (busy 0-20), then c (30-40).
+  gpu0 = [("a", 0, 10), ("b", 5, 20), ("c", 30, 40)]
+  gpu1 = [("a", 0, 40)]
+  events = [(n, s + r * 1000, e + r * 1000, plane) for r in range(2)
+            for plane, run in (("/device:GPU:0", gpu0), ("/device:GPU:1", gpu1))
+            for n, s, e in run]
+  monkeypatch.setattr(common, "_traced_events", lambda run, repeats, with_device: events)
+  rows, activity = common.trace_breakdown(None, (), repeats=2)
+  assert rows == [("a", 0.05, 2), ("b", 0.015, 1), ("c", 0.01, 1)]
+  assert [(p, round(b * 1e3), round(s * 1e3)) for p, b, s in activity] == [
+      ("/device:GPU:0", 30, 40), ("/device:GPU:1", 40, 40)]
+
+
 def test_time_single_calls_cycles_through_the_input_sets():
   seen = []
   fn = lambda a: seen.append(int(a)) or a
