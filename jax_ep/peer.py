@@ -20,8 +20,9 @@ from jax_ep.config import EPConfig
 
 # One process per device (CUDA IPC) has run on hardware: the shared suite at R = 2, 4, 8 with
 # processes sharing one H200 under MPS. One process driving several GPUs (peer access, pointers
-# used directly) has only had its pointer table checked on one GPU, so it stays opt-in until a
-# multi-GPU machine runs it; the variable also makes backend="auto" pick the peer transport.
+# used directly) has run on two H200s (every suite passed, 2026-11-29) but not yet on four or
+# eight, so it stays opt-in until an eight-GPU machine runs it; the variable also makes
+# backend="auto" pick the peer transport.
 EXPERIMENTAL_ENV = "JAX_EP_EXPERIMENTAL_PEER"
 
 
@@ -99,8 +100,8 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
     if os.environ.get(EXPERIMENTAL_ENV) != "1":
       raise NotImplementedError(
           f"jax_ep.Group(backend='cuda') with num_ranks={config.num_ranks} devices in one "
-          f"process: this process model of the peer transport has not yet run on a multi-GPU "
-          f"machine; set {EXPERIMENTAL_ENV}=1 to try it, run one process per GPU "
+          f"process: this process model of the peer transport has run on two GPUs but not yet "
+          f"on four or eight; set {EXPERIMENTAL_ENV}=1 to use it, run one process per GPU "
           f"(python -m jax_ep.launch), or use backend='reference' (what 'auto' picks).")
     ids = []
     try:

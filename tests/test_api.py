@@ -261,7 +261,7 @@ def test_settling_effect_tokens_waits_on_each_and_forgets_failures(monkeypatch, 
 
 
 def test_one_process_driving_several_gpus_is_opt_in(monkeypatch):
-  """The peer transport's single-process model has not run on a multi-GPU machine yet: without
+  """The peer transport's single-process model has run on two GPUs, not yet on eight: without
   JAX_EP_EXPERIMENTAL_PEER=1 it is refused with a message that names the way out."""
   from jax_ep import _ffi, peer
   from jax_ep.config import EPConfig
