@@ -307,7 +307,7 @@ def write_jsonl(records, name: str) -> str:
 
 
 def print_table(records, columns) -> None:
-  widths = [max(len(c), *(len(_fmt(r.get(c))) for r in records)) for c in columns]
+  widths = [max([len(c), *(len(_fmt(r.get(c))) for r in records)]) for c in columns]
   print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
   for r in records:
     print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))

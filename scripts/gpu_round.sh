@@ -7,7 +7,8 @@
 #   stages of `peer`, one by one: faults, peer2, peer4, peer8, sanitize, bench (BENCH_RANKS="2 4 8",
 #   BENCH_ARGS="--num-sms 48 ..." passed to bench_intranode.py)
 #   bash scripts/gpu_round.sh multi   # several GPUs (issue 5): multi_suites + multi_bench per R
-#                                     # in MULTI_RANKS, one process per GPU and one for all
+#                                     # in MULTI_RANKS, one process per GPU and one for all;
+#                                     # MULTI_SMS="48 96": extra cuda runs at those SM budgets
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -110,11 +111,22 @@ for n in ${MULTI_RANKS:-2 4 8}; do
       $multi_suites -q -rf -p no:cacheprovider 2>&1 | tee -a "$OUT/multi_suites.log" | tail -6
   fi
   if has multi || has multi_bench; then
-    step "benchmark, $n processes with one GPU each"
-    CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --grace 20 \
-      --timeout 260 -- python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 \
-      | tee -a "$OUT/multi_bench.log" | drop_noise \
-      | grep -E "^\[0\] (  |op |dispatch|combine|cuda|xla|wrote)|rror|Traceback"
+    # The standard run (every backend, per-kernel breakdown), then variants without the
+    # breakdown: the cuda group's SM budget (MULTI_SMS), and XLA's NCCL send/recv fallback for
+    # the plain-XLA pipeline (one process per GPU leaves XLA no other ragged all-to-all).
+    for variant in "" ${MULTI_SMS:-48 96} send_recv; do
+      case $variant in
+        "") args=""; what="every backend" ;;
+        send_recv) args="--backends xla_baseline --xla-ragged send_recv --no-breakdown"
+                   what="plain XLA, NCCL send/recv fallback" ;;
+        *) args="--backends cuda --num-sms $variant --no-breakdown"; what="cuda, $variant SMs" ;;
+      esac
+      step "benchmark, $n processes with one GPU each: $what"
+      CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --grace 20 \
+        --timeout 260 -- python3 benchmarks/bench_intranode.py --out intranode.jsonl $args 2>&1 \
+        | tee -a "$OUT/multi_bench.log" | drop_noise \
+        | grep -E "^\[0\] (  |op |dispatch|combine|cuda|xla|wrote)|rror|Traceback"
+    done
     cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null
     step "benchmark, one process driving $n GPUs"
     CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 \
