@@ -39,7 +39,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 # XLA_FLAGS is read when the GPU backend starts, so this is settled before jax is imported.
 XLA_RAGGED_MODES = {
     "default": "",
-    # One-shot kernel synchronised by an NCCL barrier; works across processes (NCCL >= 2.28).
+    # One-shot kernel synchronised by an NCCL barrier, meant to work across processes. On
+    # 2 x H200 with NCCL 2.28.9 XLA still refused (the fallback error) with one process per GPU;
+    # it stays the default there because it fails at once and keeps the other records, where
+    # the send/recv fallback may hang (as reported elsewhere).
     "nccl_barrier": "--xla_gpu_experimental_ragged_all_to_all_use_barrier_with_nccl=true",
     # NCCL send/recv per update, after a host sync on the sizes.
     "send_recv": "--xla_gpu_allow_ragged_all_to_all_nccl_send_recv_fallback=true",
