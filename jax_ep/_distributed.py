@@ -10,7 +10,8 @@ import itertools
 import json
 import threading
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Iterator, Sequence
 
 import jax
 from jax._src import distributed as jax_distributed
@@ -19,19 +20,29 @@ _KEY_PREFIX = "jax_ep/config"
 # Stands for a field that a peer's configuration does not have at all.
 _MISSING = "<missing>"
 
-_group_counters: dict[str, Iterator[int]] = {}
+_group_counters: dict[tuple[str, tuple[int, ...] | None], Iterator[int]] = {}
 _group_counters_lock = threading.Lock()
 
 
-def next_group_key(prefix: str) -> str:
+def next_group_key(prefix: str, process_ids: Sequence[int] | None = None) -> str:
   """Returns `f"{prefix}-{n}"`, where n counts this process's calls with this prefix from 0.
 
   Every process creates its groups in the same order, so the n-th group of each process meets
-  its peers under the same key.
+  its peers under the same key. A group over some of the job's processes (`process_ids`) is
+  counted apart, per process set, and its key names the set: only its members create it, so it
+  must not move the count of the groups that other processes create.
   """
+  members = None if process_ids is None else tuple(sorted(process_ids))
   with _group_counters_lock:
-    counter = _group_counters.setdefault(prefix, itertools.count())
-    return f"{prefix}-{next(counter)}"
+    counter = _group_counters.setdefault((prefix, members), itertools.count())
+    n = next(counter)
+  if members is None:
+    return f"{prefix}-{n}"
+  if len(members) <= 8:
+    tag = ".".join(map(str, members))
+  else:
+    tag = f"{zlib.crc32(repr(members).encode()):08x}"
+  return f"{prefix}-p{tag}-{n}"
 
 
 def _normalize(fields: dict[str, object]) -> dict[str, object]:
@@ -46,8 +57,10 @@ def _is_deadline_error(e: Exception) -> bool:
   return "deadline_exceeded" in text or "deadline exceeded" in text or "timed out" in text
 
 
-def check_same_config(key: str, fields: dict[str, object], *, timeout_s: float = 60.0) -> None:
-  """Raises unless every process of the job passes the same `fields` under `key`.
+def check_same_config(key: str, fields: dict[str, object], *, timeout_s: float = 60.0,
+                      process_ids: Sequence[int] | None = None) -> None:
+  """Raises unless every process of the job (or of `process_ids`) passes the same `fields`
+  under `key`.
 
   Each process publishes its fields to the `jax.distributed` key-value store and compares them
   with every peer's, so all processes of a mismatching job raise, not just some. A single-process
@@ -59,6 +72,8 @@ def check_same_config(key: str, fields: dict[str, object], *, timeout_s: float =
     fields: the configuration, name -> value. Values that JSON cannot represent (dtypes, ...)
       are compared as `str(value)`.
     timeout_s: how long to wait, in total, for the peers to publish theirs.
+    process_ids: the processes that take part (default: all of the job's); this process must be
+      one of them.
 
   Raises:
     ValueError: a field differs between this process and a peer.
@@ -83,7 +98,7 @@ def check_same_config(key: str, fields: dict[str, object], *, timeout_s: float =
   client.key_value_set_bytes(f"{_KEY_PREFIX}/{key}/{me}", json.dumps(mine).encode())
 
   deadline = time.monotonic() + timeout_s
-  for p in range(num_processes):
+  for p in (range(num_processes) if process_ids is None else process_ids):
     if p == me:
       continue
     peer_key = f"{_KEY_PREFIX}/{key}/{p}"

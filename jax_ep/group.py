@@ -216,8 +216,16 @@ class Group:
                            max_tokens_per_rank, dtype, capacity, bool(strict))
     self.backend_name = _resolve_backend(backend, mesh, num_ranks)
     fields = dict(self.config.fingerprint(), backend=self.backend_name)
-    key = _distributed.next_group_key("group")
-    _distributed.check_same_config(key, fields, timeout_s=config_timeout_s)
+    # The processes holding the mesh's devices create the group together; a group over some of
+    # the job's processes is checked and counted among them alone.
+    members = sorted({d.process_index for d in mesh.devices.flat})
+    if jax.process_index() not in members:
+      raise ValueError(
+          f"jax_ep.Group: process {jax.process_index()} holds none of the mesh's devices (they "
+          f"belong to processes {members}); create the group only on those processes")
+    subset = members if len(members) < jax.process_count() else None
+    key = _distributed.next_group_key("group", subset)
+    _distributed.check_same_config(key, fields, timeout_s=config_timeout_s, process_ids=subset)
     self._transport = None
     if self.backend_name == "cuda" and num_ranks > 1:
       self._transport = peer.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s)

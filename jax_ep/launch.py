@@ -347,8 +347,10 @@ def launch(cmd: Sequence[str], num_processes: int, *, share_gpu: bool = False,
   if not cmd:
     raise ValueError("cmd is empty: nothing to launch")
   base_env = dict(os.environ)
-  # An assignment inherited from an enclosing launcher does not describe this job's processes.
-  base_env.pop(ENV_LOCAL_DEVICE_IDS, None)
+  # What an enclosing launcher set describes that job, not this one (e.g. JAX_EP_SHARED_GPU
+  # would make this job's tests skip what it can run).
+  for name in CHILD_ENV_VARS:
+    base_env.pop(name, None)
   base_env[ENV_COORDINATOR] = f"127.0.0.1:{port if port is not None else _free_port()}"
   base_env[ENV_NUM_PROCESSES] = str(num_processes)
   # Unbuffered Python output, so the lines of different processes interleave as they happen.

@@ -40,6 +40,8 @@ class PeerTransport:
   """Owns the native peer groups of this process (one per local device of the mesh)."""
   group_ids: list[int]
   key: str
+  # The processes that hold the mesh's devices (None: every process of the job).
+  process_ids: list[int] | None = None
   closed: bool = False
 
   @property
@@ -55,14 +57,15 @@ class PeerTransport:
     return None
 
   def close(self, barrier_timeout_s: float = 60.0) -> None:
-    """Waits for every process to finish with the buffers, then frees them."""
+    """Waits for every process of the group to finish with the buffers, then frees them."""
     if self.closed:
       return
     self.closed = True
     client = _client()
     if client is not None and jax.process_count() > 1:
       try:
-        client.wait_at_barrier(f"jax_ep/peer/{self.key}/close", int(barrier_timeout_s * 1000))
+        client.wait_at_barrier(f"jax_ep/peer/{self.key}/close", int(barrier_timeout_s * 1000),
+                               process_ids=self.process_ids)
       except Exception:  # noqa: BLE001 - a vanished peer must not stop us freeing our memory
         pass
     ext = _ffi.extension()
@@ -136,7 +139,9 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
   except BaseException:
     ext.peer_group_destroy(gid)
     raise
-  return PeerTransport([gid], key)
+  members = sorted({d.process_index for d in devices})
+  subset = members if len(members) < jax.process_count() else None
+  return PeerTransport([gid], key, subset)
 
 
 def describe(transport: PeerTransport) -> str:

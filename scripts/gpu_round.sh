@@ -93,6 +93,8 @@ fi
 # Several GPUs (issue 5). Per R in MULTI_RANKS: the suites (multi_suites) and the benchmark
 # (multi_bench), one process per GPU and one process driving them all. One call per stage and R
 # keeps each under the 600 s limit: MULTI_RANKS=8 bash scripts/gpu_round.sh multi_suites
+# (multi_bench runs 4 benchmarks per R plus the one-process one, ~40-60 s each at R=8 on
+# 2026-11-29's numbers; MULTI_SMS="" drops the SM-budget variants).
 num_gpus=$(nvidia-smi -L | grep -c "^GPU ")
 multi_suites="tests/test_cuda_peer.py tests/test_xla_pipeline.py tests/test_reference.py"
 multi_suites="$multi_suites tests/test_api.py tests/test_layer.py"
@@ -114,7 +116,7 @@ for n in ${MULTI_RANKS:-2 4 8}; do
     # The standard run (every backend, per-kernel breakdown), then variants without the
     # breakdown: the cuda group's SM budget (MULTI_SMS), and XLA's NCCL send/recv fallback for
     # the plain-XLA pipeline (one process per GPU leaves XLA no other ragged all-to-all).
-    for variant in "" ${MULTI_SMS:-48 96} send_recv; do
+    for variant in "" ${MULTI_SMS-48 96} send_recv; do
       case $variant in
         "") args=""; what="every backend" ;;
         send_recv) args="--backends xla_baseline --xla-ragged send_recv --no-breakdown"
@@ -126,8 +128,8 @@ for n in ${MULTI_RANKS:-2 4 8}; do
         --timeout 260 -- python3 benchmarks/bench_intranode.py --out intranode.jsonl $args 2>&1 \
         | tee -a "$OUT/multi_bench.log" | drop_noise \
         | grep -E "^\[0\] (  |op |dispatch|combine|cuda|xla|wrote)|rror|Traceback"
+      cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null  # kept if a later run is cut
     done
-    cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null
     step "benchmark, one process driving $n GPUs"
     CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 \
       python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 \

@@ -67,7 +67,12 @@ def rank_devices(num_ranks):
 
 
 def rank_mesh(num_ranks, axis_name="ep"):
-  return jax.make_mesh((num_ranks,), (axis_name,), devices=rank_devices(num_ranks))
+  """A 1-D mesh over `rank_devices(num_ranks)`; a pytest skip in a process that holds none of
+  them (groups over some of a job's processes are created by those processes only)."""
+  mesh = jax.make_mesh((num_ranks,), (axis_name,), devices=rank_devices(num_ranks))
+  if not local_rank_mask(mesh).any():
+    pytest.skip(f"this process holds none of the {num_ranks} ranks' devices")
+  return mesh
 
 
 def local_rank_mask(mesh):
@@ -146,14 +151,9 @@ class EPTestBase:
     if num_ranks not in self.rank_counts:
       pytest.skip(f"{self.backend} backend does not run at R={num_ranks} here")
     mesh = rank_mesh(num_ranks)
-    group = jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-                         max_tokens_per_rank=max_tokens, dtype=dtype, capacity=capacity,
-                         backend=self.backend, strict=strict)
-    # After the group exists: every process creates every group, in the same order (the
-    # configuration check pairs them by count), even the groups it holds no rank of.
-    if not local_rank_mask(mesh).any():
-      pytest.skip(f"this process holds none of the {num_ranks} ranks' devices")
-    return group
+    return jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+                        max_tokens_per_rank=max_tokens, dtype=dtype, capacity=capacity,
+                        backend=self.backend, strict=strict)
 
   @staticmethod
   def shard(group, *arrays, spec=P("ep")):

@@ -274,3 +274,17 @@ def test_one_process_driving_several_gpus_is_opt_in(monkeypatch):
   config = EPConfig("ep", 2, 8, 2, 128, 16, np.dtype(jnp.bfloat16), 64)
   with pytest.raises(NotImplementedError, match="JAX_EP_EXPERIMENTAL_PEER=1.*jax_ep.launch"):
     peer.create(config, mesh, "opt-in", num_sms=1, timeout_s=1.0)
+
+
+def test_group_on_a_process_without_its_devices_is_refused(monkeypatch):
+  """Groups over some of a job's processes are created by those processes alone; another
+  process creating one gets an error naming who holds the devices (CPU: pretend to be process 1
+  of a job whose devices are all process 0's)."""
+  if jax.process_count() > 1:
+    pytest.skip("pretends to be another process of a single-process run")
+  mesh = _mesh(2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  with pytest.raises(ValueError, match=r"process 1 holds none of the mesh's devices .*"
+                                       r"processes \[0\]"):
+    jax_ep.Group(mesh, "ep", num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
+                 backend="reference")

@@ -130,3 +130,16 @@ def test_missing_peer_times_out():
   assert re.search(r"^\[0\] TimeoutError: .*process 1 .*key t-0", result.stdout,
                    re.MULTILINE), _describe(result)
   assert "process 1: exit code 0" in result.stderr, _describe(result)
+
+
+def test_group_keys_of_process_subsets_are_counted_apart():
+  from jax_ep import _distributed
+  first = _distributed.next_group_key("keys-test")
+  assert _distributed.next_group_key("keys-test", [2, 0]) == "keys-test-p0.2-0"
+  assert _distributed.next_group_key("keys-test", [0, 2]) == "keys-test-p0.2-1"
+  assert _distributed.next_group_key("keys-test", [1]) == "keys-test-p1-0"
+  # The job-wide count is not moved by the subsets' groups.
+  assert _distributed.next_group_key("keys-test") == f"keys-test-{int(first.rsplit('-', 1)[1]) + 1}"
+  many = list(range(12))
+  key = _distributed.next_group_key("keys-test", many)
+  assert key.startswith("keys-test-p") and key.endswith("-0") and len(key) < 30

@@ -48,22 +48,39 @@ def test_peer_transport_bootstrap_exchanges_handles_in_rank_order():
     assert f"process {p}: peer bootstrap exchanged 3 handles in rank order" in result.stdout
 
 
-def test_backend_suites_pass_with_one_process_per_rank():
-  """The reference, API, layer and XLA-pipeline suites under `jax_ep.launch -n 2` (one CPU device
-  per process), as on a multi-GPU host with one process per GPU: each process checks the ranks it
-  holds, runs its own group where R is 1, and skips what only one process can do."""
-  suites = [os.path.join(os.path.dirname(__file__), name) for name in (
-      "test_reference.py", "test_api.py", "test_layer.py", "test_xla_pipeline.py")]
+def _run_suites_under_launcher(num_processes, suites, *pytest_args, timeout=420):
+  """`pytest suites` under `jax_ep.launch -n num_processes` (one CPU device per process);
+  asserts that every process passed some tests and failed none."""
+  if os.environ.get(launch.ENV_PROCESS_ID) is not None:
+    pytest.skip("already one process of a launched job: would start a job per process")
+  paths = [os.path.join(os.path.dirname(__file__), name) for name in suites]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   env.pop("XLA_FLAGS", None)
-  for name in launch.CHILD_ENV_VARS:  # a job of its own, also when this run is under the launcher
-    env.pop(name, None)
-  cmd = [sys.executable, "-m", "jax_ep.launch", "-n", "2", "--grace", "20", "--timeout", "400",
-         "--", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *suites]
-  result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=420)
+  cmd = [sys.executable, "-m", "jax_ep.launch", "-n", str(num_processes), "--grace", "20",
+         "--timeout", str(timeout - 20), "--", sys.executable, "-m", "pytest", "-q", "-p",
+         "no:cacheprovider", *pytest_args, *paths]
+  result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
   output = result.stdout + result.stderr
   assert result.returncode == 0, output[-20000:]
-  for p in range(2):
+  for p in range(num_processes):
     summary = [line for line in result.stdout.splitlines()
                if line.startswith(f"[{p}] ") and " passed" in line]
     assert summary and " failed" not in summary[-1], f"process {p}: {summary}\n{output[-5000:]}"
+
+
+def test_backend_suites_pass_with_one_process_per_rank():
+  """The reference, API, layer and XLA-pipeline suites under `jax_ep.launch -n 2`, as on a
+  multi-GPU host with one process per GPU: each process checks the ranks it holds and runs its
+  own group where R is 1."""
+  _run_suites_under_launcher(2, ["test_reference.py", "test_api.py", "test_layer.py",
+                                 "test_xla_pipeline.py"])
+
+
+def test_groups_over_some_of_the_processes():
+  """Four processes, groups of 1, 2 and 4 ranks: a group over some of the processes is created,
+  checked and counted by its members alone (test_experts_equal_ranks creates two groups in a
+  row; before, processes outside the first skipped the second and every later check paired
+  different groups)."""
+  _run_suites_under_launcher(4, ["test_reference.py", "test_api.py"], "-k",
+                             "experts_equal_ranks or out_of_range or dispatch_combine_uniform "
+                             "or low_latency_roundtrip", timeout=300)
