@@ -53,7 +53,7 @@ def make_routing(rng, num_ranks, num_tokens, num_topk, num_experts, pattern):
 
 
 def rank_devices(num_ranks):
-  """The devices of an `num_ranks`-rank mesh, or a pytest skip when there are too few.
+  """The devices of a `num_ranks`-rank mesh, or a pytest skip when there are too few.
 
   One process: the first `num_ranks` devices. A multi-process job (`jax_ep.launch`): each
   process's own devices when it holds enough (so at R=1 every process runs its own one-rank

@@ -226,7 +226,7 @@ class TestOpValidation:
         *(jax.device_put(a, sh) for a in (x, idx, w))))
     mine = local_rank_mask(group.mesh)
     np.testing.assert_array_equal(invalid[mine], np.array([3, 1])[mine])
-    # Rows ids 0 and 3 land on rank 0 (experts 0..3), id 7 on rank 1.
+    # Ids 0 and 3 select experts of rank 0 (experts 0..3), id 7 one of rank 1.
     np.testing.assert_array_equal(sizes.sum(axis=1)[mine], np.array([2, 1])[mine])
     np.testing.assert_array_equal(out[:, :, 0][mine], np.array([[1, 0], [1, 1]])[mine])
 
