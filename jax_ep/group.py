@@ -228,7 +228,8 @@ class Group:
     _distributed.check_same_config(key, fields, timeout_s=config_timeout_s, process_ids=subset)
     self._transport = None
     if self.backend_name == "cuda" and num_ranks > 1:
-      self._transport = peer.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s)
+      self._transport = peer.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s,
+                                    process_ids=subset)
       _OPEN_TRANSPORTS[id(self._transport)] = self._transport
       if raise_on_timeout is None:
         raise_on_timeout = len(self._transport.group_ids) == 1

@@ -79,8 +79,13 @@ def _client():
 
 
 def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
+           process_ids: list[int] | None = None,
            exchange_timeout_s: float = 60.0) -> PeerTransport:
-  """Allocates this process's buffers, exchanges handles with the peers and connects them."""
+  """Allocates this process's buffers, exchanges handles with the peers and connects them.
+
+  `process_ids`: the processes holding the mesh's devices when they are not all of the job's
+  (the group's members, as `jax_ep.Group` found them); `close()` waits for those alone.
+  """
   ext = _ffi.extension()
   if ext is None:
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
@@ -139,9 +144,7 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
   except BaseException:
     ext.peer_group_destroy(gid)
     raise
-  members = sorted({d.process_index for d in devices})
-  subset = members if len(members) < jax.process_count() else None
-  return PeerTransport([gid], key, subset)
+  return PeerTransport([gid], key, process_ids)
 
 
 def describe(transport: PeerTransport) -> str:

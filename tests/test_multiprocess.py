@@ -46,6 +46,9 @@ def test_peer_transport_bootstrap_exchanges_handles_in_rank_order():
   assert result.returncode == 0, result.stdout + result.stderr
   for p in range(3):
     assert f"process {p}: peer bootstrap exchanged 3 handles in rank order" in result.stdout
+  for p in range(2):
+    assert f"process {p}: subset group closed with its members" in result.stdout, (
+        result.stdout + result.stderr)
 
 
 def _run_suites_under_launcher(num_processes, suites, *pytest_args, timeout=420):

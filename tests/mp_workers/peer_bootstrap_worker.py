@@ -7,6 +7,7 @@ waits for every process before freeing. Started by tests/test_multiprocess.py.
 
 import os
 import sys
+import time
 
 from jax_ep import launch
 
@@ -59,6 +60,21 @@ def main():
   transport.close()  # idempotent
   assert fake.calls[2:] == [("destroy", 100 + me)], fake.calls
   print(f"process {me}: peer bootstrap exchanged {num_ranks} handles in rank order", flush=True)
+
+  # A group over processes 0 and 1 only: they exchange handles between them, and close() waits
+  # for those two alone (waiting for every process would sit out the barrier timeout).
+  if me < 2:
+    fake.calls.clear()
+    sub_mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
+    sub_config = EPConfig("ep", 2, 8, 2, 128, 16, np.dtype(np.float32), 2 * 16 * 2)
+    sub = peer.create(sub_config, sub_mesh, "bootstrap-subset", num_sms=4, timeout_s=5.0,
+                      process_ids=[0, 1])
+    want = [f"handle-of-{100 + r}".encode() for r in range(2)]
+    assert fake.calls == [("create", me, 2), ("connect", 100 + me, want)], fake.calls
+    start = time.monotonic()
+    sub.close(barrier_timeout_s=30.0)
+    assert time.monotonic() - start < 10.0, "close() waited for a process outside the group"
+    print(f"process {me}: subset group closed with its members", flush=True)
   return 0
 
 
