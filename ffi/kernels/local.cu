@@ -523,7 +523,9 @@ cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
   if (num_batches <= 0) return cudaSuccess;
   if (!ValidRowDims(num_tokens, num_topk, hidden, capacity) ||
       num_experts < 1 || num_experts > kMaxExperts ||
-      (weighted && slot_weights == nullptr)) {
+      (weighted && slot_weights == nullptr) ||
+      // own's token range and index describe one batch element's tokens.
+      (own.rows != nullptr && (!x_from_peers || num_batches != 1))) {
     return cudaErrorInvalidValue;
   }
   const RowDims d =
