@@ -131,12 +131,22 @@ namespace local {
 // `x_from_peers`: `x` is a peer-transport receive buffer that other GPUs wrote
 // (before this kernel was launched): its rows are read with ld.global.cg
 // (L2, no L1 / non-coherent cache) instead of ld.global.nc.
+// `own` (with x_from_peers only): the tokens a peer dispatch kept on this rank
+// did not travel through its receive buffer; "token" n in [own.begin,
+// own.begin + own.count) is row own.index[n] of own.rows (the op's input).
+struct OwnRows {
+  const void* rows = nullptr;       // `[num_rows, H]` dtype; null: none
+  const int32_t* index = nullptr;   // token n -> row of `rows`
+  int64_t begin = 0;
+  int64_t count = 0;
+  int64_t num_rows = 0;
+};
 cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
                     const int32_t* group_sizes, const float* slot_weights,
                     void* recv_x, int64_t num_batches, int64_t num_tokens,
                     int64_t num_topk, int64_t num_experts, int64_t hidden,
                     int64_t capacity, bool weighted, cudaStream_t stream,
-                    bool x_from_peers = false);
+                    bool x_from_peers = false, const OwnRows& own = {});
 
 // out[t] = sum_{k ascending, slot_row[t,k] >= 0} w[t,k] * expert_out[slot_row]
 // with w = slot_weights when `weighted`, else 1; fp32 accumulation with one
@@ -224,6 +234,9 @@ enum class WaitKind : int32_t {
 // workload:
 //   header            kHeaderBytes (config, checked by every peer on connect)
 //   dispatch_rows     [R src][T_max][H] x dtype      R*T_max*H*itemsize
+//                     (a dispatch leaves its own source's rows out: the
+//                     permute reads them from x; the cached dispatch and the
+//                     combine VJP copy them)
 //   dispatch_meta     [R src][T_max][K] int32         local expert or -1
 //   dispatch_weights  [R src][T_max][K] float32
 //   dispatch_index    [R src][T_max]    int32         source token index

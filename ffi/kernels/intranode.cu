@@ -401,6 +401,9 @@ __global__ void __launch_bounds__(kLayoutThreads)
 // read once and written to every rank d with send_pos[t, d] >= 0 at
 // dispatch_rows[this rank][send_pos]; kWithMeta also writes its K local
 // expert ids (-1 for slots of other ranks), K weights and the token index.
+// kWithMeta (dispatch) does not copy a token's row into this rank's own
+// buffer: the permute that follows reads it from x through the index (1/R of
+// the rows, half of them at R=2, never written and read back).
 template <bool kWithMeta>
 __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     RowsSendKernel(PeerView g, const uint4* __restrict__ x,
@@ -437,7 +440,10 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     const int32_t n = s_num;
     if (n == 0) continue;  // block-uniform
     const uint4* src = x + static_cast<int64_t>(t) * rv;
-    for (int64_t v0 = 0; v0 < rv; v0 += kCommThreads * kSendVecs) {
+    // Block-uniform: a token kept on this rank alone moves no row.
+    const bool only_here = kWithMeta && n == 1 && s_dest[0] == me;
+    for (int64_t v0 = 0; v0 < (only_here ? 0 : rv);
+         v0 += kCommThreads * kSendVecs) {
       uint4 v[kSendVecs];
 #pragma unroll
       for (int u = 0; u < kSendVecs; ++u) {
@@ -445,6 +451,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
         if (j < rv) v[u] = LoadVec(src + j);
       }
       for (int32_t q = 0; q < n; ++q) {
+        if (kWithMeta && s_dest[q] == me) continue;  // block-uniform
         uint4* dst =
             reinterpret_cast<uint4*>(s_peer[s_dest[q]] +
                                      g.layout.dispatch_rows) +
@@ -1048,12 +1055,19 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
       entry_row, group_sizes, num_dropped, layout_invalid, layout_workspace,
       /*num_batches=*/1, num_rows, g.num_topk, num_local, capacity, stream,
       recv_counts, g.max_tokens));
-  // 5. Rows from the receive buffer into recv_x (zero tail).
+  // 5. Rows from the receive buffer into recv_x (zero tail); this rank's own
+  //    tokens straight from x (rows send did not copy them).
+  local::OwnRows own;
+  own.rows = num_tokens > 0 ? x : nullptr;
+  own.index = reinterpret_cast<const int32_t*>(g.own + g.layout.dispatch_index);
+  own.begin = static_cast<int64_t>(g.rank) * g.max_tokens;
+  own.count = g.max_tokens;
+  own.num_rows = num_tokens;
   JAX_EP_CUDA_RETURN_IF_ERROR(local::Permute(
       dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
       /*slot_weights=*/nullptr, recv_x, /*num_batches=*/1, num_rows,
       g.num_topk, num_local, g.hidden, capacity, /*weighted=*/false, stream,
-      /*x_from_peers=*/true));
+      /*x_from_peers=*/true, own));
   // 6. The weights that came with the entries.
   unsigned grid = 0;
   JAX_EP_CUDA_RETURN_IF_ERROR(ElementwiseGrid(

@@ -109,6 +109,7 @@ __device__ int64_t UsedRows(const int32_t* __restrict__ group_sizes,
 // kSplitRows: splits > 1. NOTES: the unsplit instantiation compiles to the
 // same code as before row splitting existed; the split arithmetic in it cost
 // 4 us (2.5%) at T=4096 on the H200 (A/B on one GPU, 165.6 vs 169.7 us).
+// own (kPeerRows): see Permute in ep_kernels.h.
 template <typename T, bool kPeerRows, bool kSplitRows>
 __global__ void __launch_bounds__(kRowBlock)
     PermuteKernel(const uint4* __restrict__ x,
@@ -116,7 +117,7 @@ __global__ void __launch_bounds__(kRowBlock)
                   const int32_t* __restrict__ group_sizes,
                   const float* __restrict__ slot_weights,
                   uint4* __restrict__ recv_x, RowDims d, bool weighted,
-                  int32_t splits) {
+                  int32_t splits, OwnRows own) {
   __shared__ int32_t s_row[kMaxK];
   __shared__ float s_weight[kMaxK];
   __shared__ int64_t s_red[kRowBlock / 32];
@@ -151,6 +152,16 @@ __global__ void __launch_bounds__(kRowBlock)
       // most of a peer receive buffer's rows are unused.
       if (!__syncthreads_or(my_row >= 0)) continue;
       const uint4* src = x + token * rv;
+      if constexpr (kPeerRows) {
+        if (own.rows != nullptr && token >= own.begin &&
+            token < own.begin + own.count) {
+          // Written by this op's rows send; clamped so that a corrupt index
+          // can never read out of bounds.
+          int64_t r = own.index[token];
+          r = r < 0 ? 0 : (r >= own.num_rows ? own.num_rows - 1 : r);
+          src = static_cast<const uint4*>(own.rows) + r * rv;
+        }
+      }
       uint4* dst_batch = recv_x + b * d.capacity * rv;
       for (int64_t v0 = j_begin; v0 < j_end; v0 += kRowBlock * kPermuteVecs) {
         uint4 v[kPermuteVecs];
@@ -410,7 +421,8 @@ cudaError_t LaunchPermuteKernel(const void* x, const int32_t* slot_row,
                                 const int32_t* group_sizes,
                                 const float* slot_weights, void* recv_x,
                                 const RowDims& d, bool weighted,
-                                int32_t splits, cudaStream_t stream) {
+                                int32_t splits, const OwnRows& own,
+                                cudaStream_t stream) {
   const int64_t num_items =
       d.num_batches * d.num_tokens * splits + d.num_batches * d.capacity;
   if (num_items == 0) return cudaSuccess;
@@ -420,7 +432,7 @@ cudaError_t LaunchPermuteKernel(const void* x, const int32_t* slot_row,
       kMaxWaves, num_items, &grid));
   PermuteKernel<T, kPeerRows, kSplitRows><<<grid, kRowBlock, 0, stream>>>(
       static_cast<const uint4*>(x), slot_row, group_sizes, slot_weights,
-      static_cast<uint4*>(recv_x), d, weighted, splits);
+      static_cast<uint4*>(recv_x), d, weighted, splits, own);
   return cudaGetLastError();
 }
 
@@ -428,17 +440,17 @@ template <typename T, bool kPeerRows>
 cudaError_t LaunchPermute(const void* x, const int32_t* slot_row,
                           const int32_t* group_sizes, const float* slot_weights,
                           void* recv_x, const RowDims& d, bool weighted,
-                          cudaStream_t stream) {
+                          const OwnRows& own, cudaStream_t stream) {
   int32_t splits = 1;
   JAX_EP_CUDA_RETURN_IF_ERROR(
       RowSplits(d.row_vecs, d.num_batches * d.num_tokens, &splits));
   return splits > 1
              ? LaunchPermuteKernel<T, kPeerRows, true>(
                    x, slot_row, group_sizes, slot_weights, recv_x, d, weighted,
-                   splits, stream)
+                   splits, own, stream)
              : LaunchPermuteKernel<T, kPeerRows, false>(
                    x, slot_row, group_sizes, slot_weights, recv_x, d, weighted,
-                   1, stream);
+                   1, own, stream);
 }
 
 template <typename T>
@@ -446,13 +458,14 @@ struct PermuteLaunch {
   static cudaError_t Run(const void* x, const int32_t* slot_row,
                          const int32_t* group_sizes, const float* slot_weights,
                          void* recv_x, const RowDims& d, bool weighted,
-                         bool x_from_peers, cudaStream_t stream) {
+                         bool x_from_peers, const OwnRows& own,
+                         cudaStream_t stream) {
     return x_from_peers
                ? LaunchPermute<T, true>(x, slot_row, group_sizes, slot_weights,
-                                        recv_x, d, weighted, stream)
+                                        recv_x, d, weighted, own, stream)
                : LaunchPermute<T, false>(x, slot_row, group_sizes,
                                          slot_weights, recv_x, d, weighted,
-                                         stream);
+                                         OwnRows{}, stream);
   }
 };
 
@@ -506,11 +519,13 @@ cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
                     void* recv_x, int64_t num_batches, int64_t num_tokens,
                     int64_t num_topk, int64_t num_experts, int64_t hidden,
                     int64_t capacity, bool weighted, cudaStream_t stream,
-                    bool x_from_peers) {
+                    bool x_from_peers, const OwnRows& own) {
   if (num_batches <= 0) return cudaSuccess;
   if (!ValidRowDims(num_tokens, num_topk, hidden, capacity) ||
       num_experts < 1 || num_experts > kMaxExperts ||
-      (weighted && slot_weights == nullptr)) {
+      (weighted && slot_weights == nullptr) ||
+      // own's token range and index describe one batch element's tokens.
+      (own.rows != nullptr && (!x_from_peers || num_batches != 1))) {
     return cudaErrorInvalidValue;
   }
   const RowDims d =
@@ -518,7 +533,7 @@ cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
                   hidden * ElementBytes(dtype) / 16, capacity);
   return DispatchDtype<PermuteLaunch>(dtype, x, slot_row, group_sizes,
                                       slot_weights, recv_x, d, weighted,
-                                      x_from_peers, stream);
+                                      x_from_peers, own, stream);
 }
 
 cudaError_t Unpermute(ElementType dtype, const void* expert_out,
