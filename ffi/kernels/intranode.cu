@@ -73,6 +73,7 @@ namespace {
 using detail::kFullMask;
 using detail::LaneMaskLt;
 using detail::LoadVec;
+using detail::StoreStreaming;
 using detail::Vec16;
 
 constexpr int kMaxR = static_cast<int>(kMaxRanks);
@@ -459,7 +460,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
 #pragma unroll
         for (int u = 0; u < kSendVecs; ++u) {
           const int64_t j = v0 + u * kCommThreads + threadIdx.x;
-          if (j < rv) dst[j] = v[u];
+          if (j < rv) StoreStreaming(dst + j, v[u]);
         }
       }
     }

@@ -26,6 +26,7 @@ namespace {
 
 using detail::kFullMask;
 using detail::LoadVec;
+using detail::StoreStreaming;
 using detail::Vec16;
 
 // NOTES: permute and unpermute use one 128-thread block per token (the whole
@@ -179,13 +180,13 @@ __global__ void __launch_bounds__(kRowBlock)
 #pragma unroll
             for (int u = 0; u < kPermuteVecs; ++u) {
               const int64_t j = v0 + u * kRowBlock + threadIdx.x;
-              if (j < j_end) dst[j] = Scale<T>(v[u], w);
+              if (j < j_end) StoreStreaming(dst + j, Scale<T>(v[u], w));
             }
           } else {
 #pragma unroll
             for (int u = 0; u < kPermuteVecs; ++u) {
               const int64_t j = v0 + u * kRowBlock + threadIdx.x;
-              if (j < j_end) dst[j] = v[u];
+              if (j < j_end) StoreStreaming(dst + j, v[u]);
             }
           }
         }
@@ -203,7 +204,9 @@ __global__ void __launch_bounds__(kRowBlock)
       if (row < used) continue;
       uint4* dst = recv_x + z * rv;
       const uint4 zero = make_uint4(0, 0, 0, 0);
-      for (int64_t j = threadIdx.x; j < rv; j += kRowBlock) dst[j] = zero;
+      for (int64_t j = threadIdx.x; j < rv; j += kRowBlock) {
+        StoreStreaming(dst + j, zero);
+      }
     }
   }
 }
