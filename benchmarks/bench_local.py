@@ -68,11 +68,15 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
   mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
   sharding = NamedSharding(mesh, P())
   put = lambda a: jax.device_put(a, sharding)
-  xs = [put(jnp.asarray(rng.standard_normal((num_tokens, hidden)), dtype)) for _ in range(calls)]
+  # Rows are drawn on the device: at T=16384 the expert outputs alone are 15 GB over 8 sets,
+  # which numpy took minutes to draw (in float64) and copy in.
+  keys = iter(jax.random.split(jax.random.key(num_tokens), 2 * calls))
+  normal = lambda shape: put(jax.random.normal(next(keys), shape, dtype))
+  xs = [normal((num_tokens, hidden)) for _ in range(calls)]
   idxs = [put(common.uniform_topk(rng, num_tokens, num_experts, num_topk)) for _ in range(calls)]
   ws = [put(rng.random((num_tokens, num_topk)).astype(np.float32)) for _ in range(calls)]
   rows = num_tokens * num_topk
-  eos = [put(jnp.asarray(rng.standard_normal((rows, hidden)), dtype)) for _ in range(calls)]
+  eos = [normal((rows, hidden)) for _ in range(calls)]
   row_bytes = hidden * itemsize
   min_bytes = (num_tokens + rows) * row_bytes
   base = dict(mode="high_throughput", ranks=1, process_model="single_device",
