@@ -73,7 +73,7 @@ namespace {
 using detail::kFullMask;
 using detail::LaneMaskLt;
 using detail::LoadVec;
-using detail::StoreStreaming;
+using detail::StoreMaybeStreaming;
 using detail::Vec16;
 
 constexpr int kMaxR = static_cast<int>(kMaxRanks);
@@ -405,6 +405,10 @@ __global__ void __launch_bounds__(kLayoutThreads)
 // kWithMeta (dispatch) does not copy a token's row into this rank's own
 // buffer: the permute that follows reads it from x through the index (1/R of
 // the rows, half of them at R=2, never written and read back).
+// Pushes are evict-first stores in the dispatch instantiation only. NOTES:
+// in the other one (cached dispatch, combine backward) __stcs made ptxas
+// spill at the 64 registers the launch bounds allow; its gain was never
+// measured, so it keeps plain stores.
 template <bool kWithMeta>
 __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     RowsSendKernel(PeerView g, const uint4* __restrict__ x,
@@ -460,7 +464,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
 #pragma unroll
         for (int u = 0; u < kSendVecs; ++u) {
           const int64_t j = v0 + u * kCommThreads + threadIdx.x;
-          if (j < rv) StoreStreaming(dst + j, v[u]);
+          if (j < rv) StoreMaybeStreaming(dst + j, v[u], kWithMeta);
         }
       }
     }

@@ -144,6 +144,17 @@ __device__ __forceinline__ void StoreStreaming(uint4* p, const uint4& v) {
   __stcs(p, v);
 }
 
+// A plain store, or StoreStreaming when `streaming` (a compile-time constant
+// at every call site, so no branch is left).
+__device__ __forceinline__ void StoreMaybeStreaming(uint4* p, const uint4& v,
+                                                    bool streaming) {
+  if (streaming) {
+    StoreStreaming(p, v);
+  } else {
+    *p = v;
+  }
+}
+
 // acc[p] = sum over k < n, ascending, of weight[k] * (vector j0 + p * stride
 // of row row[k], widened to fp32), for every p < kPasses whose vector is below
 // row_vecs (the others are left at zero). kLoads loads in flight: kLoads /
