@@ -56,8 +56,8 @@ def test_bench_local_runs_and_writes_contract_records(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_local.py"), "--backends",
-       "reference", "xla_baseline", "--tokens", "8", "--hidden", "128", "--calls", "2", "--timing", "single",
-       "batch", "--out", str(out)],
+       "reference", "xla_baseline", "--tokens", "8", "--hidden", "128", "--calls", "2",
+       "--timing", "single", "batch", "--out", str(out)],
       env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
   records = [json.loads(line) for line in out.read_text().splitlines()]
