@@ -2,8 +2,9 @@
 
   ncu -k regex:Unpermute python3 scripts/profile_local_op.py --op combine --backend cuda
 
-Same inputs as benchmarks/bench_local.py (bf16, H=7168, top-8 of 256 experts); one jitted call
-per run, so the profiler sees each kernel once per run.
+The shape and kind of inputs of benchmarks/bench_local.py (bf16, H=7168, top-8 of 256 experts,
+uniform routing; not its exact draws); one jitted call per run, so the profiler sees each kernel
+once per run.
 """
 
 import argparse

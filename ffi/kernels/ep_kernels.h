@@ -117,6 +117,19 @@ cudaError_t PreloadKernels();
 // ---------------------------------------------------------------------------
 namespace local {
 
+// Tokens of a peer permute that are read from the op's input instead of the
+// receive buffer (a dispatch does not copy the rows it keeps on its own rank):
+// "token" n in [begin, begin + count) of the permute's x is row index[n] of
+// `rows`. Only with x_from_peers and one batch element (Permute refuses it
+// otherwise, and an inconsistent range or a null index).
+struct OwnRows {
+  const void* rows = nullptr;       // `[num_rows, H]` dtype; null: none
+  const int32_t* index = nullptr;   // token n -> row of `rows`
+  int64_t begin = 0;
+  int64_t count = 0;
+  int64_t num_rows = 0;
+};
+
 // recv_x[slot_row[t, k]] = x[t] (* slot_weights[t, k] in fp32, rounded once,
 // when `weighted`) for every slot with 0 <= slot_row < capacity; rows
 // [min(sum(group_sizes), capacity), capacity) are zero-filled. Each x row is
@@ -131,16 +144,7 @@ namespace local {
 // `x_from_peers`: `x` is a peer-transport receive buffer that other GPUs wrote
 // (before this kernel was launched): its rows are read with ld.global.cg
 // (L2, no L1 / non-coherent cache) instead of ld.global.nc.
-// `own` (with x_from_peers only): the tokens a peer dispatch kept on this rank
-// did not travel through its receive buffer; "token" n in [own.begin,
-// own.begin + own.count) is row own.index[n] of own.rows (the op's input).
-struct OwnRows {
-  const void* rows = nullptr;       // `[num_rows, H]` dtype; null: none
-  const int32_t* index = nullptr;   // token n -> row of `rows`
-  int64_t begin = 0;
-  int64_t count = 0;
-  int64_t num_rows = 0;
-};
+// `own`: see OwnRows.
 cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
                     const int32_t* group_sizes, const float* slot_weights,
                     void* recv_x, int64_t num_batches, int64_t num_tokens,

@@ -399,8 +399,9 @@ __global__ void __launch_bounds__(kLayoutThreads)
 }
 
 // Items: tokens (grid-stride over a fixed grid, see LaunchRowsSend). Token t is
-// read once and written to every rank d with send_pos[t, d] >= 0 at
-// dispatch_rows[this rank][send_pos]; kWithMeta also writes its K local
+// read once and written to every rank d with send_pos[t, d] >= 0 (other than
+// this one for kWithMeta, below) at dispatch_rows[this rank][send_pos];
+// kWithMeta also writes its K local
 // expert ids (-1 for slots of other ranks), K weights and the token index.
 // kWithMeta (dispatch) does not copy a token's row into this rank's own
 // buffer: the permute that follows reads it from x through the index (1/R of
@@ -447,8 +448,8 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     const uint4* src = x + static_cast<int64_t>(t) * rv;
     // Block-uniform: a token kept on this rank alone moves no row.
     const bool only_here = kWithMeta && n == 1 && s_dest[0] == me;
-    for (int64_t v0 = 0; v0 < (only_here ? 0 : rv);
-         v0 += kCommThreads * kSendVecs) {
+    const int64_t send_vecs = only_here ? 0 : rv;
+    for (int64_t v0 = 0; v0 < send_vecs; v0 += kCommThreads * kSendVecs) {
       uint4 v[kSendVecs];
 #pragma unroll
       for (int u = 0; u < kSendVecs; ++u) {
@@ -464,7 +465,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
 #pragma unroll
         for (int u = 0; u < kSendVecs; ++u) {
           const int64_t j = v0 + u * kCommThreads + threadIdx.x;
-          if (j < rv) StoreMaybeStreaming(dst + j, v[u], kWithMeta);
+          if (j < rv) StoreMaybeStreaming<kWithMeta>(dst + j, v[u]);
         }
       }
     }

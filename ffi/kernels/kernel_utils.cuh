@@ -144,11 +144,10 @@ __device__ __forceinline__ void StoreStreaming(uint4* p, const uint4& v) {
   __stcs(p, v);
 }
 
-// A plain store, or StoreStreaming when `streaming` (a compile-time constant
-// at every call site, so no branch is left).
-__device__ __forceinline__ void StoreMaybeStreaming(uint4* p, const uint4& v,
-                                                    bool streaming) {
-  if (streaming) {
+// StoreStreaming when kStreaming, else a plain store.
+template <bool kStreaming>
+__device__ __forceinline__ void StoreMaybeStreaming(uint4* p, const uint4& v) {
+  if constexpr (kStreaming) {
     StoreStreaming(p, v);
   } else {
     *p = v;

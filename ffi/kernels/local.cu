@@ -13,6 +13,7 @@
 // order, so results are bit-identical run to run.
 
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -111,12 +112,13 @@ __device__ int64_t UsedRows(const int32_t* __restrict__ group_sizes,
 // same code as before row splitting existed; the split arithmetic in it cost
 // 4 us (2.5%) at T=4096 on the H200 (A/B on one GPU, 165.6 vs 169.7 us).
 // own (kPeerRows): see Permute in ep_kernels.h.
-// Stores: evict-first (StoreStreaming) in the unsplit instantiation only.
-// NOTES: rows written once and read once by a later kernel; marking them
-// evict-first keeps the rows still to be read cached (H200, T=4096 dispatch
-// 164 -> 157 us). In the split instantiation (few tokens) they raised the
-// bf16 kernel from 64 to 86 registers and T=128 dispatch from 13.8 to 15.8
-// us; its rows are few enough to stay in L2 for the expert GEMM anyway.
+// Stores: evict-first (StoreStreaming) in the unsplit bf16 instantiations
+// only (kStreamRows). NOTES: rows written once and read once by a later
+// kernel; marking them evict-first keeps the rows still to be read cached
+// (H200, bf16, T=4096 dispatch 166 -> 158 us). Elsewhere st.global.cs cost
+// registers: the bf16 split kernel (few tokens) went from 64 to 86 and T=128
+// dispatch from 13.9 to 15.7 us; fp32 went from 56 to 80 (60 to 78 peer),
+// fp16 peer from 64 to 71. Those keep plain stores until measured.
 template <typename T, bool kPeerRows, bool kSplitRows>
 __global__ void __launch_bounds__(kRowBlock)
     PermuteKernel(const uint4* __restrict__ x,
@@ -125,6 +127,8 @@ __global__ void __launch_bounds__(kRowBlock)
                   const float* __restrict__ slot_weights,
                   uint4* __restrict__ recv_x, RowDims d, bool weighted,
                   int32_t splits, OwnRows own) {
+  constexpr bool kStreamRows =
+      !kSplitRows && std::is_same_v<T, __nv_bfloat16>;
   __shared__ int32_t s_row[kMaxK];
   __shared__ float s_weight[kMaxK];
   __shared__ int64_t s_red[kRowBlock / 32];
@@ -187,14 +191,14 @@ __global__ void __launch_bounds__(kRowBlock)
             for (int u = 0; u < kPermuteVecs; ++u) {
               const int64_t j = v0 + u * kRowBlock + threadIdx.x;
               if (j < j_end) {
-                StoreMaybeStreaming(dst + j, Scale<T>(v[u], w), !kSplitRows);
+                StoreMaybeStreaming<kStreamRows>(dst + j, Scale<T>(v[u], w));
               }
             }
           } else {
 #pragma unroll
             for (int u = 0; u < kPermuteVecs; ++u) {
               const int64_t j = v0 + u * kRowBlock + threadIdx.x;
-              if (j < j_end) StoreMaybeStreaming(dst + j, v[u], !kSplitRows);
+              if (j < j_end) StoreMaybeStreaming<kStreamRows>(dst + j, v[u]);
             }
           }
         }
@@ -213,7 +217,7 @@ __global__ void __launch_bounds__(kRowBlock)
       uint4* dst = recv_x + z * rv;
       const uint4 zero = make_uint4(0, 0, 0, 0);
       for (int64_t j = threadIdx.x; j < rv; j += kRowBlock) {
-        StoreMaybeStreaming(dst + j, zero, !kSplitRows);
+        StoreMaybeStreaming<kStreamRows>(dst + j, zero);
       }
     }
   }
@@ -536,7 +540,10 @@ cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
       num_experts < 1 || num_experts > kMaxExperts ||
       (weighted && slot_weights == nullptr) ||
       // own's token range and index describe one batch element's tokens.
-      (own.rows != nullptr && (!x_from_peers || num_batches != 1))) {
+      (own.rows != nullptr &&
+       (!x_from_peers || num_batches != 1 || own.index == nullptr ||
+        own.num_rows < 1 || own.begin < 0 || own.count < 0 ||
+        own.begin + own.count > num_tokens))) {
     return cudaErrorInvalidValue;
   }
   const RowDims d =
