@@ -17,6 +17,7 @@ git worktree add -q --detach "$work/tree" "$rev"
   -w "$work/wheel" .)
 rm -rf "$dest" && mkdir -p "$dest"
 git archive "$rev" | tar -x -C "$dest"
+git rev-parse --short "$rev" > "$dest/.jax_ep_commit"  # read by ab_bench.sh
 python - "$work/wheel" "$dest/jax_ep" <<'PY'
 import glob, sys, zipfile
 wheel = glob.glob(sys.argv[1] + "/*.whl")[0]
