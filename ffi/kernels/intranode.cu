@@ -401,8 +401,8 @@ __global__ void __launch_bounds__(kLayoutThreads)
 // Items: tokens (grid-stride over a fixed grid, see LaunchRowsSend). Token t is
 // read once and written to every rank d with send_pos[t, d] >= 0 (other than
 // this one for kWithMeta, below) at dispatch_rows[this rank][send_pos];
-// kWithMeta also writes its K local
-// expert ids (-1 for slots of other ranks), K weights and the token index.
+// kWithMeta also writes its K local expert ids (-1 for slots of other ranks),
+// K weights and the token index.
 // kWithMeta (dispatch) does not copy a token's row into this rank's own
 // buffer: the permute that follows reads it from x through the index (1/R of
 // the rows, half of them at R=2, never written and read back).

@@ -136,19 +136,14 @@ struct Vec16<float> {
 // Read-only, non-coherent 16-byte load (inputs never alias outputs).
 __device__ __forceinline__ uint4 LoadVec(const uint4* p) { return __ldg(p); }
 
-// 16-byte store marked evict-first (st.global.cs) for rows this kernel writes
-// once and a later kernel reads once: the rows of a permute and the rows a
-// sender pushes into peer buffers. NOTES: a cache hint only; ordering and
-// visibility are those of a plain store.
-__device__ __forceinline__ void StoreStreaming(uint4* p, const uint4& v) {
-  __stcs(p, v);
-}
-
-// StoreStreaming when kStreaming, else a plain store.
+// 16-byte store; with kStreaming marked evict-first (st.global.cs), for rows
+// this kernel writes once and a later kernel reads once (a permute's rows, the
+// rows a sender pushes into peer buffers). NOTES: a cache hint only; ordering
+// and visibility are those of a plain store.
 template <bool kStreaming>
 __device__ __forceinline__ void StoreMaybeStreaming(uint4* p, const uint4& v) {
   if constexpr (kStreaming) {
-    StoreStreaming(p, v);
+    __stcs(p, v);
   } else {
     *p = v;
   }

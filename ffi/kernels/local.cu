@@ -112,7 +112,7 @@ __device__ int64_t UsedRows(const int32_t* __restrict__ group_sizes,
 // same code as before row splitting existed; the split arithmetic in it cost
 // 4 us (2.5%) at T=4096 on the H200 (A/B on one GPU, 165.6 vs 169.7 us).
 // own (kPeerRows): see OwnRows in ep_kernels.h.
-// Stores: evict-first (StoreStreaming) in the unsplit bf16 instantiations
+// Stores: evict-first (st.global.cs) in the unsplit bf16 instantiations
 // only (kStreamRows). NOTES: rows written once and read once by a later
 // kernel; marking them evict-first keeps the rows still to be read cached
 // (H200, bf16, T=4096 dispatch 166 -> 158 us). Elsewhere st.global.cs cost
