@@ -28,6 +28,10 @@ def main():
   parser.add_argument("--backend", choices=["cuda", "reference"], default="cuda")
   parser.add_argument("--tokens", type=int, default=128)
   parser.add_argument("--runs", type=int, default=4)
+  parser.add_argument("--trace", action="store_true",
+                      help="run under jax.profiler instead and print every GPU stream event of "
+                      "each run (name, start offset and duration in us): what a benchmark's "
+                      "device span of one run is made of")
   args = parser.parse_args()
   t, h, k, e = args.tokens, 7168, 8, 256
   rng = np.random.default_rng(0)
@@ -45,9 +49,19 @@ def main():
   handle = None
   if args.op == "combine":  # (a profiler filtering on dispatch kernels sees `runs` of them)
     _, handle = dispatch(x, idx, w)
-  for _ in range(args.runs):
-    out = dispatch(x, idx, w) if args.op == "dispatch" else combine(eo, handle)
-    jax.block_until_ready(out)
+  run = lambda _: dispatch(x, idx, w) if args.op == "dispatch" else combine(eo, handle)
+  if args.trace:
+    jax.block_until_ready(run(0))  # compiled before the trace starts
+    events = sorted(common._traced_events(run, args.runs), key=lambda e: e[1])
+    spans = common.split_runs([(start, end) for _, start, end in events], args.runs)
+    print(f"{args.op} {args.backend} T={t}: run spans (us):",
+          " ".join(f"{s * 1e6:.2f}" for s in spans))
+    origin = events[0][1] if events else 0
+    for name, start, end in events:
+      print(f"  +{(start - origin) / 1e3:10.2f} us  {(end - start) / 1e3:8.2f} us  {name[:90]}")
+    return
+  for r in range(args.runs):
+    jax.block_until_ready(run(r))
   print(f"ran {args.op} on {args.backend} {args.runs} times")
 
 
