@@ -236,7 +236,7 @@ __global__ void __launch_bounds__(kRowBlock)
                     const int32_t* __restrict__ slot_row,
                     const float* __restrict__ slot_weights,
                     uint4* __restrict__ out, RowDims d, bool weighted,
-                    int32_t splits, int64_t part_vecs) {
+                    int64_t part_vecs) {
   constexpr int kE = Vec16<T>::kElems;
   __shared__ const uint4* s_src[kMaxK];
   __shared__ float s_weight[kMaxK];
@@ -502,13 +502,13 @@ struct UnpermuteLaunch {
     JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
         UnpermuteKernel<T>, kRowBlock, kMaxBlocksPerSm, kMaxWaves,
         num_items * splits, &grid));
-    // Parts on y (splits > 1 only when there are few tokens: then the grid
-    // is never bounded, every (item, part) gets its own block).
+    // Parts on y; items grid-stride on x, so every (item, part) is covered
+    // whether or not the grid is bounded (with splits > 1 there are so few
+    // tokens that it is not: each (item, part) gets its own block).
     const dim3 blocks((grid + splits - 1) / splits, splits);
     UnpermuteKernel<T><<<blocks, kRowBlock, 0, stream>>>(
         static_cast<const uint4*>(expert_out), slot_row, slot_weights,
-        static_cast<uint4*>(out), d, weighted, splits,
-        PartVecs(d.row_vecs, splits));
+        static_cast<uint4*>(out), d, weighted, PartVecs(d.row_vecs, splits));
     return cudaGetLastError();
   }
 };
