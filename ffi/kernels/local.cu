@@ -238,8 +238,10 @@ __global__ void __launch_bounds__(kRowBlock)
                     uint4* __restrict__ out, RowDims d, bool weighted,
                     int64_t part_vecs) {
   constexpr int kE = Vec16<T>::kElems;
-  __shared__ const uint4* s_src[kMaxK];
-  __shared__ float s_weight[kMaxK];
+  // 16-byte aligned so that a thread reads its kUnpermuteLoads pointers and
+  // weights with vector shared loads (see the row loop).
+  __shared__ __align__(16) const uint4* s_src[kMaxK];
+  __shared__ __align__(16) float s_weight[kMaxK];
   __shared__ int s_num;
   const int64_t rv = d.row_vecs;
   const int64_t num_items = d.num_batches * d.num_tokens;
@@ -286,10 +288,23 @@ __global__ void __launch_bounds__(kRowBlock)
 #pragma unroll
       for (int i = 0; i < kE; ++i) acc[i] = 0.0f;
       for (int k0 = 0; k0 < n; k0 += kUnpermuteLoads) {
+        // NOTES: the pointers and weights are read whether or not the slot
+        // is valid (k0 + u < kMaxK always: k0 is a multiple of
+        // kUnpermuteLoads below n <= kMaxK), so the reads are vector shared
+        // loads issued together; reading them under the validity test made
+        // every row load wait on its own shared load, eight in a row on the
+        // chain that is the kernel's time at decode sizes.
+        const uint4* src_row[kUnpermuteLoads];
+        float weight[kUnpermuteLoads];
+#pragma unroll
+        for (int u = 0; u < kUnpermuteLoads; ++u) {
+          src_row[u] = s_src[k0 + u];
+          weight[u] = s_weight[k0 + u];
+        }
         uint4 v[kUnpermuteLoads];
 #pragma unroll
         for (int u = 0; u < kUnpermuteLoads; ++u) {
-          if (k0 + u < n) v[u] = LoadVec(s_src[k0 + u] + j);
+          if (k0 + u < n) v[u] = LoadVec(src_row[u] + j);
         }
         // NOTES: fixed order — slots k ascending, one fmaf per element each.
 #pragma unroll
@@ -297,7 +312,7 @@ __global__ void __launch_bounds__(kRowBlock)
           if (k0 + u < n) {
             float f[kE];
             Vec16<T>::Unpack(v[u], f);
-            const float w = s_weight[k0 + u];
+            const float w = weight[u];
 #pragma unroll
             for (int i = 0; i < kE; ++i) acc[i] = __fmaf_rn(w, f[i], acc[i]);
           }
