@@ -223,8 +223,9 @@ __global__ void __launch_bounds__(kRowBlock)
   }
 }
 
-// Items: (token, row part): a token's row is split into `splits` contiguous
-// parts when there are too few tokens to fill the GPU (see RowSplits).
+// Items: tokens (b, t), grid-stride on x; a token's row is split into
+// `splits` contiguous parts of `part_vecs` vectors, one per grid y, when
+// there are too few tokens to fill the GPU (see RowSplits).
 // Each thread owns output vectors j (stride kRowBlock) of its part and sums
 // the token's valid slots, k ascending, kUnpermuteLoads rows in flight; every
 // output element is still computed by one thread in the same order, so the
@@ -235,20 +236,27 @@ __global__ void __launch_bounds__(kRowBlock)
                     const int32_t* __restrict__ slot_row,
                     const float* __restrict__ slot_weights,
                     uint4* __restrict__ out, RowDims d, bool weighted,
-                    int32_t splits) {
+                    int64_t part_vecs) {
   constexpr int kE = Vec16<T>::kElems;
-  __shared__ int32_t s_row[kMaxK];
-  __shared__ float s_weight[kMaxK];
+  // 16-byte aligned so that a thread reads its kUnpermuteLoads pointers and
+  // weights with vector shared loads (see the row loop).
+  __shared__ __align__(16) const uint4* s_src[kMaxK];
+  __shared__ __align__(16) float s_weight[kMaxK];
   __shared__ int s_num;
   const int64_t rv = d.row_vecs;
-  const int64_t num_pieces = d.num_batches * d.num_tokens * splits;
-  const int64_t part_vecs = PartVecs(rv, splits);
-  for (int64_t piece = blockIdx.x; piece < num_pieces; piece += gridDim.x) {
-    const int64_t item = piece / splits;
-    const int64_t j_begin = (piece - item * splits) * part_vecs;
-    const int64_t j_end = j_begin + part_vecs < rv ? j_begin + part_vecs : rv;
-    const int64_t b = item / d.num_tokens;
-    // Stage the valid slots in k order (compacted by warp 0).
+  const int64_t num_items = d.num_batches * d.num_tokens;
+  // The part is blockIdx.y (gridDim.y == splits): no division on the way to
+  // the first load, and none at all for one batch element.
+  const int64_t j_begin = blockIdx.y * part_vecs;
+  const int64_t j_end = j_begin + part_vecs < rv ? j_begin + part_vecs : rv;
+  for (int64_t item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const int64_t b = d.num_batches == 1 ? 0 : item / d.num_tokens;
+    const uint4* src = expert_out + b * d.capacity * rv;
+    // Stage the valid slots' row pointers in k order (compacted by warp 0).
+    // NOTES: a pointer per slot, not a row id: with ids every thread redid
+    // the 64-bit row address arithmetic for each of its 8 loads (~12 SASS
+    // instructions each, its constants reloaded under register pressure),
+    // which at decode sizes sat on the one chain that is the kernel's time.
     __syncthreads();  // the previous token's readers are done
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
@@ -263,14 +271,13 @@ __global__ void __launch_bounds__(kRowBlock)
       const unsigned valid = __ballot_sync(kFullMask, row >= 0);
       if (row >= 0) {
         const int pos = __popc(valid & detail::LaneMaskLt());
-        s_row[pos] = row;
+        s_src[pos] = src + static_cast<int64_t>(row) * rv;
         s_weight[pos] = weight;
       }
       if (lane == 0) s_num = __popc(valid);
     }
     __syncthreads();
     const int n = s_num;
-    const uint4* src = expert_out + b * d.capacity * rv;
     uint4* dst = out + item * rv;
     // NOTES: the same sum as detail::WeightedRowSums (bit for bit), written
     // out: through the helper ptxas spilled 8 bytes in the bf16 instance (64
@@ -281,10 +288,23 @@ __global__ void __launch_bounds__(kRowBlock)
 #pragma unroll
       for (int i = 0; i < kE; ++i) acc[i] = 0.0f;
       for (int k0 = 0; k0 < n; k0 += kUnpermuteLoads) {
+        // NOTES: the pointers and weights are read whether or not the slot
+        // is valid (k0 + u < kMaxK always: k0 is a multiple of
+        // kUnpermuteLoads below n <= kMaxK), so the reads are vector shared
+        // loads issued together; reading them under the validity test made
+        // every row load wait on its own shared load, eight in a row on the
+        // chain that is the kernel's time at decode sizes.
+        const uint4* src_row[kUnpermuteLoads];
+        float weight[kUnpermuteLoads];
+#pragma unroll
+        for (int u = 0; u < kUnpermuteLoads; ++u) {
+          src_row[u] = s_src[k0 + u];
+          weight[u] = s_weight[k0 + u];
+        }
         uint4 v[kUnpermuteLoads];
 #pragma unroll
         for (int u = 0; u < kUnpermuteLoads; ++u) {
-          if (k0 + u < n) v[u] = LoadVec(src + s_row[k0 + u] * rv + j);
+          if (k0 + u < n) v[u] = LoadVec(src_row[u] + j);
         }
         // NOTES: fixed order — slots k ascending, one fmaf per element each.
 #pragma unroll
@@ -292,7 +312,7 @@ __global__ void __launch_bounds__(kRowBlock)
           if (k0 + u < n) {
             float f[kE];
             Vec16<T>::Unpack(v[u], f);
-            const float w = s_weight[k0 + u];
+            const float w = weight[u];
 #pragma unroll
             for (int i = 0; i < kE; ++i) acc[i] = __fmaf_rn(w, f[i], acc[i]);
           }
@@ -497,9 +517,13 @@ struct UnpermuteLaunch {
     JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
         UnpermuteKernel<T>, kRowBlock, kMaxBlocksPerSm, kMaxWaves,
         num_items * splits, &grid));
-    UnpermuteKernel<T><<<grid, kRowBlock, 0, stream>>>(
+    // Parts on y; items grid-stride on x, so every (item, part) is covered
+    // whether or not the grid is bounded (with splits > 1 there are so few
+    // tokens that it is not: each (item, part) gets its own block).
+    const dim3 blocks((grid + splits - 1) / splits, splits);
+    UnpermuteKernel<T><<<blocks, kRowBlock, 0, stream>>>(
         static_cast<const uint4*>(expert_out), slot_row, slot_weights,
-        static_cast<uint4*>(out), d, weighted, splits);
+        static_cast<uint4*>(out), d, weighted, PartVecs(d.row_vecs, splits));
     return cudaGetLastError();
   }
 };
