@@ -27,9 +27,12 @@ case $bench in
   *) echo "ab_bench.sh: BENCH must be local or intranodeN, got $bench" >&2; exit 2 ;;
 esac
 
-# (A staged tree sits inside this repository: git there would name this checkout's commit.)
+# (A staged tree sits inside this repository: git there would name this checkout's commit.
+# The GPU machine's copy of this checkout may carry stale git metadata, so its commit comes from
+# $JAX_EP_COMMIT when that is set, as in gpu_round.sh.)
 commit_of() {
   if [ -f "$1/.jax_ep_commit" ]; then cat "$1/.jax_ep_commit"
+  elif [ "$1" = "$root" ] && [ -n "${JAX_EP_COMMIT:-}" ]; then echo "$JAX_EP_COMMIT"
   elif [ -e "$1/.git" ]; then git -C "$1" rev-parse --short HEAD 2>/dev/null || echo unknown
   else echo unknown; fi
 }
