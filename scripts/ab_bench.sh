@@ -5,8 +5,11 @@
 #   bash scripts/ab_bench.sh local "--tokens 128 4096 --backends cuda --timing single batch" \
 #     main=. ptrs=.devcarry/ptrs
 #   bash scripts/ab_bench.sh intranode8 "--no-breakdown --backends cuda" main=. own=.devcarry/own
-# BENCH: `local` (benchmarks/bench_local.py, one GPU) or `intranodeN` (benchmarks/
-# bench_intranode.py, N ranks emulated on one GPU under CUDA MPS).
+#   bash scripts/ab_bench.sh gpus2 "--no-breakdown --backends cuda" \
+#     one=.devcarry/slots "two=.devcarry/slots@--comm-slots 2"
+# BENCH: `local` (benchmarks/bench_local.py, one GPU), `intranodeN` (benchmarks/
+# bench_intranode.py, N ranks emulated on one GPU under CUDA MPS) or `gpusN` (the same with one
+# process per GPU on GPUs 0..N-1). NAME=TREE@EXTRA adds EXTRA to ARGS for that tree only.
 # Every run's rows go to stdout as they come; all logs go to $OUT/ab.log and all records to
 # $OUT/ab.jsonl (two files, whatever the number of runs). A tree's commit comes from the
 # .jax_ep_commit that stage_branch.sh writes, else from its own .git, else "unknown".
@@ -24,7 +27,12 @@ case $bench in
     script=benchmarks/bench_intranode.py
     launch=(python3 -m jax_ep.launch -n "${bench#intranode}" --share-gpu --grace 20 --timeout 280
             --) ;;
-  *) echo "ab_bench.sh: BENCH must be local or intranodeN, got $bench" >&2; exit 2 ;;
+  gpus[0-9]*)
+    script=benchmarks/bench_intranode.py
+    n=${bench#gpus}
+    export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((n - 1)))
+    launch=(python3 -m jax_ep.launch -n "$n" --grace 20 --timeout 280 --) ;;
+  *) echo "ab_bench.sh: BENCH must be local, intranodeN or gpusN, got $bench" >&2; exit 2 ;;
 esac
 
 # (A staged tree sits inside this repository: git there would name this checkout's commit.
@@ -39,13 +47,16 @@ commit_of() {
 
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for pair in "$@"; do
-    name=${pair%%=*}; tree=$(cd "$root" && cd "${pair#*=}" && pwd)
+    name=${pair%%=*}; spec=${pair#*=}; extra=
+    case $spec in *@*) extra=${spec#*@}; spec=${spec%%@*} ;; esac
+    tree=$(cd "$root" && cd "$spec" && pwd)
     records=ab_${name}_${round}.jsonl
-    echo "== $name, round $round ($(commit_of "$tree"), $(date +%T))" | tee -a "$OUT/ab.log"
+    echo "== $name, round $round ($(commit_of "$tree")${extra:+, $extra}, $(date +%T))" \
+      | tee -a "$OUT/ab.log"
     # Rows of the table, and process 0's under the launcher; the rest stays in the log.
     (cd "$tree" && rm -f "benchmarks/results/$records" &&
      PYTHONPATH=$tree JAX_EP_COMMIT=$(commit_of "$tree") timeout 300 \
-       "${launch[@]}" python3 "$script" $args --out "$records") 2>&1 \
+       "${launch[@]}" python3 "$script" $args $extra --out "$records") 2>&1 \
       | tee -a "$OUT/ab.log" | grep -E "^(\[0\] )?(dispatch|combine|layout) "
     cat "$tree/benchmarks/results/$records" >> "$OUT/ab.jsonl" 2>/dev/null
     rm -f "$tree/benchmarks/results/$records"
