@@ -83,6 +83,14 @@ def _gather_max(key: str, value: float, timeout_s: float = 120) -> float:
              for p in range(jax.process_count()))
 
 
+def _barrier(key: str, timeout_s: float = 120) -> None:
+  """Returns in every process once all have reached it (through the key-value store)."""
+  if jax.process_count() == 1:
+    return
+  from jax._src import distributed
+  distributed.global_state.client.wait_at_barrier(f"bench/{key}", int(timeout_s * 1000))
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tokens", type=int, default=4096)
@@ -95,6 +103,11 @@ def main():
   parser.add_argument("--capacity-factor", type=float, default=1.0,
                       help="receive capacity over the most slots any rank receives")
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--aligned-single", action="store_true",
+                      help="cuda and reference: also time one call per run, the processes "
+                      "released together by a barrier before each run (one isolated op's "
+                      "latency; the batches time back-to-back calls, which a one-slot transport "
+                      "runs in lockstep)")
   parser.add_argument("--out", default="intranode.jsonl")
   parser.add_argument("--backends", nargs="+", default=["cuda", "reference", "xla_baseline"],
                       choices=["cuda", "reference", "xla_baseline"])
@@ -178,13 +191,14 @@ def main():
               num_sms=args.num_sms)
   records = []
 
-  def add(op, backend, seconds, **extra):
-    seconds = _gather_max(f"{backend}/{op}", seconds)
-    median_us = seconds / calls * 1e6
+  def add(op, backend, seconds, per_run=calls, timing="host_clock", **extra):
+    seconds = _gather_max(f"{backend}/{op}/{timing}", seconds)
+    median_us = seconds / per_run * 1e6
     roofline = ((min_hbm / (bound_gbps * 1e9)) / (median_us * 1e-6) if one_gpu
                 else remote_bytes / (median_us * 1e-6) / 1e9 / bound_gbps)
     records.append(common.record(op=op, backend=backend, median_us=round(median_us, 1),
-                                 timing="host_clock", gbps=round(per_rank_bytes /
+                                 timing=timing, calls_per_run=per_run,
+                                 gbps=round(per_rank_bytes /
                                                                  (median_us * 1e-6) / 1e9, 1),
                                  roofline=round(roofline, 3), **base, **extra))
 
@@ -219,6 +233,11 @@ def main():
                                      repeats=args.repeats, method="host_clock")
     add("dispatch", backend, seconds)
     breakdown(f"{backend} dispatch", batched(dispatch_recv), (xs, idxs, ws))
+    if args.aligned_single:
+      seconds, _ = common.time_batches(
+          jax.jit(dispatch_recv), (xs[0], idxs[0], ws[0]), repeats=args.repeats,
+          method="host_clock", before_each=lambda r: _barrier(f"{backend}/dispatch/{r}"))
+      add("dispatch", backend, seconds, per_run=1, timing="host_clock_aligned")
     results = [jax.jit(dispatch)(x, i, w) for x, i, w in zip(xs, idxs, ws)]
     eos = [recv.x for recv, _ in results]
     handles = [handle for _, handle in results]
@@ -228,6 +247,11 @@ def main():
                                      method="host_clock")
     add("combine", backend, seconds)
     breakdown(f"{backend} combine", batched(combine), (eos, handles))
+    if args.aligned_single:
+      seconds, _ = common.time_batches(
+          jax.jit(combine), (eos[0], handles[0]), repeats=args.repeats, method="host_clock",
+          before_each=lambda r: _barrier(f"{backend}/combine/{r}"))
+      add("combine", backend, seconds, per_run=1, timing="host_clock_aligned")
     group.check()
     group.close()
 
@@ -266,8 +290,8 @@ def main():
 
   if jax.process_index() == 0:
     path = common.write_jsonl(records, args.out)
-    common.print_table(records, ["op", "backend", "ranks", "process_model", "median_us", "gbps",
-                                 "roofline"])
+    common.print_table(records, ["op", "backend", "ranks", "process_model", "calls_per_run",
+                                 "timing", "median_us", "gbps", "roofline"])
     print(f"wrote {path}")
 
 

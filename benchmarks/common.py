@@ -46,13 +46,16 @@ def device_name() -> str:
   return getattr(dev, "device_kind", dev.platform)
 
 
-def time_batches(fn, args, *, repeats: int = 20, method: str = "auto") -> tuple[float, str]:
+def time_batches(fn, args, *, repeats: int = 20, method: str = "auto",
+                 before_each=None) -> tuple[float, str]:
   """Median seconds of one `fn(*args)` (which should itself run a batch), after one warm-up.
 
   Returns `(seconds, method)`. On a GPU the time is the device span of each run, read from a
   profiler trace (first kernel start to last kernel end of the run, excluding host launch and
   sync overhead): `method == "device_trace"`. Elsewhere, or if the trace has no device events,
-  the host clock around `block_until_ready` (`"host_clock"`).
+  the host clock around `block_until_ready` (`"host_clock"`). `before_each(r)`, when given, runs
+  before run r and outside its clock (host clock only): e.g. a barrier that releases the
+  processes of a multi-process op together.
   """
   jax.block_until_ready(fn(*args))
   # Processes that run collective kernels together must all make the same number of calls, so
@@ -64,13 +67,16 @@ def time_batches(fn, args, *, repeats: int = 20, method: str = "auto") -> tuple[
         return statistics.median(spans), "device_trace"
     except Exception as e:  # noqa: BLE001 - any profiler problem falls back to the host clock
       print(f"device trace timing unavailable ({type(e).__name__}: {e}); using the host clock")
-  return _host_clock_median(lambda _: fn(*args), repeats), "host_clock"
+  return _host_clock_median(lambda _: fn(*args), repeats, before_each), "host_clock"
 
 
-def _host_clock_median(run, repeats: int) -> float:
-  """Median host-clock seconds of `run(r)` for r in range(repeats), each waited for."""
+def _host_clock_median(run, repeats: int, before_each=None) -> float:
+  """Median host-clock seconds of `run(r)` for r in range(repeats), each waited for, each after
+  `before_each(r)` (not timed) when given."""
   samples = []
   for r in range(repeats):
+    if before_each is not None:
+      before_each(r)
     start = time.perf_counter()
     jax.block_until_ready(run(r))
     samples.append(time.perf_counter() - start)

@@ -118,7 +118,8 @@ for n in ${MULTI_RANKS:-2 4 8}; do
     # the plain-XLA pipeline (one process per GPU leaves XLA no other ragged all-to-all).
     for variant in "" ${MULTI_SMS-48 96} send_recv; do
       case $variant in
-        "") args=""; what="every backend" ;;
+        "") args="--aligned-single"
+            what="every backend, plus one isolated call per run (processes released together)" ;;
         send_recv) args="--backends xla_baseline --xla-ragged send_recv --no-breakdown"
                    what="plain XLA, NCCL send/recv fallback" ;;
         *) args="--backends cuda --num-sms $variant --no-breakdown"; what="cuda, $variant SMs" ;;

@@ -76,10 +76,12 @@ def test_bench_intranode_runs_on_the_reference_backend(tmp_path):
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_intranode.py"), "--backends",
        "reference", "--tokens", "16", "--hidden", "128", "--experts", "16", "--topk", "2",
-       "--calls", "2", "--repeats", "3", "--out", str(out)],
+       "--calls", "2", "--repeats", "3", "--aligned-single", "--out", str(out)],
       env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
   records = [json.loads(line) for line in out.read_text().splitlines()]
-  assert {r["op"] for r in records} == {"dispatch", "combine"}
+  assert {(r["op"], r["timing"], r["calls_per_run"]) for r in records} == {
+      (op, timing, per_run) for op in ("dispatch", "combine")
+      for timing, per_run in (("host_clock", 2), ("host_clock_aligned", 1))}
   for r in records:
     assert REQUIRED_KEYS <= set(r) and r["ranks"] == 4
