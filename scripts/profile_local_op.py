@@ -28,6 +28,10 @@ def main():
   parser.add_argument("--backend", choices=["cuda", "reference"], default="cuda")
   parser.add_argument("--tokens", type=int, default=128)
   parser.add_argument("--runs", type=int, default=4)
+  parser.add_argument("--profiler-range", action="store_true",
+                      help="bracket the runs with cudaProfilerStart/Stop (through cupy), for "
+                      "`ncu --profile-from-start off`: the profiler sees the op's kernels only, "
+                      "not the input conversions or the dispatch that makes the handle")
   parser.add_argument("--trace", action="store_true",
                       help="run under jax.profiler instead and print every GPU stream event of "
                       "each run (name, start offset and duration in us): what a benchmark's "
@@ -47,11 +51,12 @@ def main():
   dispatch = per_shard(lambda x, i, w: jax_ep.dispatch(group, x, i, w))
   combine = per_shard(lambda eo, h: jax_ep.combine(group, eo, h))
   handle = None
-  if args.op == "combine":  # (a profiler filtering on dispatch kernels sees `runs` of them)
+  if args.op == "combine":  # (a profiler filtering on dispatch kernels sees one more of them)
     _, handle = dispatch(x, idx, w)
   run = lambda _: dispatch(x, idx, w) if args.op == "dispatch" else combine(eo, handle)
+  # One warm-up: compiled (and its one-time kernels run) before any trace or profiler range.
+  jax.block_until_ready(run(0))
   if args.trace:
-    jax.block_until_ready(run(0))  # compiled before the trace starts
     events = sorted(common._traced_events(run, args.runs), key=lambda e: e[1])
     spans = common.split_runs([(start, end) for _, start, end in events], args.runs)
     print(f"{args.op} {args.backend} T={t}: run spans (us):",
@@ -60,8 +65,13 @@ def main():
     for name, start, end in events:
       print(f"  +{(start - origin) / 1e3:10.2f} us  {(end - start) / 1e3:8.2f} us  {name[:90]}")
     return
+  if args.profiler_range:
+    from cupy.cuda import profiler  # noqa: PLC0415 - only on the GPU machine
+    profiler.start()
   for r in range(args.runs):
     jax.block_until_ready(run(r))
+  if args.profiler_range:
+    profiler.stop()
   print(f"ran {args.op} on {args.backend} {args.runs} times")
 
 
