@@ -71,12 +71,17 @@ import jax_ep  # noqa: E402
 import xla_pipeline  # noqa: E402
 
 
+def _kv_client():
+  """The `jax.distributed` key-value store client (multi-process runs only)."""
+  from jax._src import distributed
+  return distributed.global_state.client
+
+
 def _gather_max(key: str, value: float, timeout_s: float = 120) -> float:
   """The largest `value` over all processes (through the distributed key-value store)."""
   if jax.process_count() == 1:
     return value
-  from jax._src import distributed
-  client = distributed.global_state.client
+  client = _kv_client()
   client.key_value_set_bytes(f"bench/{key}/{jax.process_index()}", json.dumps(value).encode())
   return max(json.loads(client.blocking_key_value_get_bytes(f"bench/{key}/{p}",
                                                               int(timeout_s * 1000)))
@@ -87,8 +92,7 @@ def _barrier(key: str, timeout_s: float = 120) -> None:
   """Returns in every process once all have reached it (through the key-value store)."""
   if jax.process_count() == 1:
     return
-  from jax._src import distributed
-  distributed.global_state.client.wait_at_barrier(f"bench/{key}", int(timeout_s * 1000))
+  _kv_client().wait_at_barrier(f"bench/{key}", int(timeout_s * 1000))
 
 
 def main():
@@ -215,6 +219,15 @@ def main():
         print(f"  {plane}: some kernel running {busy_us / calls:.1f} us of a "
               f"{span_us / calls:.1f} us span per call")
 
+  def add_aligned_single(op, backend, fn, fn_args):
+    """One call per run, every process released by a barrier before each run."""
+    if not args.aligned_single:
+      return
+    seconds, _ = common.time_batches(
+        jax.jit(fn), fn_args, repeats=args.repeats, method="host_clock",
+        before_each=lambda r: _barrier(f"{backend}/{op}/{r}"))
+    add(op, backend, seconds, per_run=1, timing="host_clock_aligned")
+
   backends = [b for b in args.backends if b != "xla_baseline"
               and not (shared_gpu and b == "reference")]
   for backend in backends:
@@ -233,11 +246,7 @@ def main():
                                      repeats=args.repeats, method="host_clock")
     add("dispatch", backend, seconds)
     breakdown(f"{backend} dispatch", batched(dispatch_recv), (xs, idxs, ws))
-    if args.aligned_single:
-      seconds, _ = common.time_batches(
-          jax.jit(dispatch_recv), (xs[0], idxs[0], ws[0]), repeats=args.repeats,
-          method="host_clock", before_each=lambda r: _barrier(f"{backend}/dispatch/{r}"))
-      add("dispatch", backend, seconds, per_run=1, timing="host_clock_aligned")
+    add_aligned_single("dispatch", backend, dispatch_recv, (xs[0], idxs[0], ws[0]))
     results = [jax.jit(dispatch)(x, i, w) for x, i, w in zip(xs, idxs, ws)]
     eos = [recv.x for recv, _ in results]
     handles = [handle for _, handle in results]
@@ -247,11 +256,7 @@ def main():
                                      method="host_clock")
     add("combine", backend, seconds)
     breakdown(f"{backend} combine", batched(combine), (eos, handles))
-    if args.aligned_single:
-      seconds, _ = common.time_batches(
-          jax.jit(combine), (eos[0], handles[0]), repeats=args.repeats, method="host_clock",
-          before_each=lambda r: _barrier(f"{backend}/combine/{r}"))
-      add("combine", backend, seconds, per_run=1, timing="host_clock_aligned")
+    add_aligned_single("combine", backend, combine, (eos[0], handles[0]))
     group.check()
     group.close()
 
