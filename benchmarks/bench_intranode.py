@@ -9,6 +9,10 @@
 Standard shape: 4096 tokens per rank, H=7168, top-8 of 256 experts, bf16. Every rank runs the
 same calls in lockstep and times them with the host clock around batches of `--calls` calls on
 rotating inputs; the slowest rank's median is reported (the op is done when every rank is).
+A batch's first call also waits for the last process to reach it: the processes' start skew
+(measured at ~0.6 ms between two processes of one host), which a batch of 4 spreads as ~150 us
+over each call. `timing="host_clock_marginal"` takes it out: a batch of 2 x `--calls` calls less
+a batch of `--calls`, per added call (the back-to-back cost of a call inside a long program).
 Records (DESIGN.md section 6) are written by process 0 to benchmarks/results/. The reference
 backend and the plain-XLA `ragged_all_to_all` pipeline need XLA collectives, so they run only
 when the processes do not share a GPU.
@@ -107,6 +111,9 @@ def main():
   parser.add_argument("--capacity-factor", type=float, default=1.0,
                       help="receive capacity over the most slots any rank receives")
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--no-marginal", dest="marginal", action="store_false",
+                      help="skip the host_clock_marginal records (each backend's batches timed "
+                      "again at twice the calls)")
   parser.add_argument("--aligned-single", action="store_true",
                       help="cuda and reference: also time one call per run, the processes "
                       "released together by a barrier before each run (one isolated op's "
@@ -206,6 +213,9 @@ def main():
                                                                  (median_us * 1e-6) / 1e9, 1),
                                  roofline=round(roofline, 3), **base, **extra))
 
+  # One program running a call per input set, back to back (what a model's layers do).
+  batched = lambda fn: jax.jit(lambda *sets: [fn(*a) for a in zip(*sets)])
+
   def breakdown(title, fn, fn_args):
     """Process 0's device time per kernel for one batch of `calls` (where the time goes)."""
     if not args.breakdown or devices[0].platform != "gpu":
@@ -218,6 +228,23 @@ def main():
       for plane, busy_us, span_us in activity:
         print(f"  {plane}: some kernel running {busy_us / calls:.1f} us of a "
               f"{span_us / calls:.1f} us span per call")
+
+  def add_marginal(op, backend, fn, sets, seconds, **extra):
+    """The cost of one more back-to-back call, the processes' start skew taken out: the median
+    of a batch of 2 x calls (the input sets twice) less `seconds`, that of a batch of calls.
+    Both batches' first calls wait out the same skew, so it cancels in the difference."""
+    if not args.marginal:
+      return
+    double, _ = common.time_batches(batched(fn), [list(s) * 2 for s in sets],
+                                    repeats=args.repeats, method="host_clock")
+    # Decided on the slowest process's value, so that every process takes the same branch.
+    added = _gather_max(f"{backend}/{op}/marginal_check", double - seconds)
+    if added <= 0:
+      if jax.process_index() == 0:
+        print(f"{backend} {op}: no host_clock_marginal record (the longer batch was not slower: "
+              "timing noise larger than a call; raise --repeats or --calls)")
+      return
+    add(op, backend, added, timing="host_clock_marginal", **extra)
 
   def add_aligned_single(op, backend, fn, fn_args):
     """One call per run, every process released by a barrier before each run."""
@@ -237,7 +264,6 @@ def main():
     per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     dispatch = per_shard(lambda x, i, w: jax.tree.map(
         lambda v: v[None], jax_ep.dispatch(group, x[0], i[0], w[0])))
-    batched = lambda fn: jax.jit(lambda *sets: [fn(*a) for a in zip(*sets)])
     # Timed returning the received rows only: in a model the handle stays inside the program
     # (returning it makes XLA copy outputs that alias inputs or each other).
     dispatch_recv = per_shard(lambda x, i, w: jax.tree.map(
@@ -245,6 +271,7 @@ def main():
     seconds, _ = common.time_batches(batched(dispatch_recv), (xs, idxs, ws),
                                      repeats=args.repeats, method="host_clock")
     add("dispatch", backend, seconds)
+    add_marginal("dispatch", backend, dispatch_recv, (xs, idxs, ws), seconds)
     breakdown(f"{backend} dispatch", batched(dispatch_recv), (xs, idxs, ws))
     add_aligned_single("dispatch", backend, dispatch_recv, (xs[0], idxs[0], ws[0]))
     results = [jax.jit(dispatch)(x, i, w) for x, i, w in zip(xs, idxs, ws)]
@@ -255,6 +282,7 @@ def main():
     seconds, _ = common.time_batches(batched(combine), (eos, handles), repeats=args.repeats,
                                      method="host_clock")
     add("combine", backend, seconds)
+    add_marginal("combine", backend, combine, (eos, handles), seconds)
     breakdown(f"{backend} combine", batched(combine), (eos, handles))
     add_aligned_single("combine", backend, combine, (eos[0], handles[0]))
     group.check()
@@ -267,12 +295,12 @@ def main():
     kw = dict(axis="ep", num_ranks=num_ranks, num_experts=e, capacity=capacity, ragged=ragged)
     how = dict(xla_ragged=XLA_RAGGED, ragged_pieces=args.ragged_pieces)
     per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
-    batched = lambda fn: jax.jit(lambda *sets: [fn(*a) for a in zip(*sets)])
     xla_dispatch = per_shard(lambda x, i: jax.tree.map(
         lambda v: v[None], xla_pipeline.dispatch(x[0], i[0], **kw)))
     seconds, _ = common.time_batches(batched(xla_dispatch), (xs, idxs), repeats=args.repeats,
                                      method="host_clock")
     add("dispatch", "xla_baseline", seconds, **how)
+    add_marginal("dispatch", "xla_baseline", xla_dispatch, (xs, idxs), seconds, **how)
     breakdown("xla_baseline dispatch", batched(xla_dispatch), (xs, idxs))
     results = [jax.jit(xla_dispatch)(x, i) for x, i in zip(xs, idxs)]
     grouped = [g for g, _, _ in results]
@@ -282,6 +310,8 @@ def main():
     seconds, _ = common.time_batches(batched(xla_combine), (grouped, ws, states),
                                      repeats=args.repeats, method="host_clock")
     add("combine", "xla_baseline", seconds, **how)
+    add_marginal("combine", "xla_baseline", xla_combine, (grouped, ws, states), seconds,
+                 **how)
     breakdown("xla_baseline combine", batched(xla_combine), (grouped, ws, states))
 
   if ("xla_baseline" in args.backends and not shared_gpu and num_ranks > 1
