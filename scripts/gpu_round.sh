@@ -113,28 +113,32 @@ for n in ${MULTI_RANKS:-2 4 8}; do
       $multi_suites -q -rf -p no:cacheprovider 2>&1 | tee -a "$OUT/multi_suites.log" | tail -6
   fi
   if has multi || has multi_bench; then
-    # The standard run (every backend, per-kernel breakdown), then variants without the
-    # breakdown: the cuda group's SM budget (MULTI_SMS), and XLA's NCCL send/recv fallback for
-    # the plain-XLA pipeline (one process per GPU leaves XLA no other ragged all-to-all).
-    for variant in "" ${MULTI_SMS-48 96} send_recv; do
+    # The standard run (every backend, per-kernel breakdown, host_clock_marginal records), the
+    # one-process run (where XLA's own ragged all-to-all kernel works), then variants without
+    # the breakdown: the cuda group's SM budget (MULTI_SMS), and last XLA's NCCL send/recv
+    # fallback for the plain-XLA pipeline (one process per GPU leaves XLA no other ragged
+    # all-to-all; it may hang, so it goes where a cut loses nothing else).
+    for variant in "" one_process ${MULTI_SMS-48 96} send_recv; do
       case $variant in
-        "") args="--aligned-single"
-            what="every backend, plus one isolated call per run (processes released together)" ;;
+        "") args=""; what="every backend" ;;
+        one_process) args="" ;;
         send_recv) args="--backends xla_baseline --xla-ragged send_recv --no-breakdown"
                    what="plain XLA, NCCL send/recv fallback" ;;
         *) args="--backends cuda --num-sms $variant --no-breakdown"; what="cuda, $variant SMs" ;;
       esac
-      step "benchmark, $n processes with one GPU each: $what"
-      CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --grace 20 \
-        --timeout 260 -- python3 benchmarks/bench_intranode.py --out intranode.jsonl $args 2>&1 \
-        | tee -a "$OUT/multi_bench.log" | drop_noise \
-        | grep -E "^\[0\] (  |op |dispatch|combine|cuda|xla|wrote)|rror|Traceback"
+      if [ "$variant" = one_process ]; then
+        step "benchmark, one process driving $n GPUs"
+        CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 \
+          python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 \
+          | tee -a "$OUT/multi_bench.log" | grep -E "^(  |op |dispatch|combine|cuda|xla|wrote)|rror|Traceback"
+      else
+        step "benchmark, $n processes with one GPU each: $what"
+        CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --grace 20 \
+          --timeout 260 -- python3 benchmarks/bench_intranode.py --out intranode.jsonl $args 2>&1 \
+          | tee -a "$OUT/multi_bench.log" | drop_noise \
+          | grep -E "^\[0\] (  |op |dispatch|combine|cuda|xla|wrote)|rror|Traceback"
+      fi
       cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null  # kept if a later run is cut
     done
-    step "benchmark, one process driving $n GPUs"
-    CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 \
-      python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 \
-      | tee -a "$OUT/multi_bench.log" | tail -30
-    cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null
   fi
 done
