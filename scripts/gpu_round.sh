@@ -26,6 +26,9 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 noise="(^|\] )[WI][0-9]{4} [0-9:.]+ |GRPC error information|UNAVAILABLE|CANCELLED"
 noise="$noise|grpc_util|Source Location|^\[[0-9]+\] *$"
 drop_noise() { grep -v -E "$noise"; }
+# This round's records only (bench scripts append): the tracked benchmarks/results/*.jsonl keep
+# the history, and are extended here by hand from $OUT.
+rm -f benchmarks/results/gpu_round_local.jsonl benchmarks/results/gpu_round_intranode.jsonl
 step device; nvidia-smi -L
 python3 -c "import jax, jax_ep._ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available())"
 
@@ -33,8 +36,8 @@ if has local; then
   step cuda one-rank suite
   timeout 240 python3 -m pytest tests/test_cuda_local.py -q -rf -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
   step benchmark, one rank
-  timeout 300 python3 benchmarks/bench_local.py --timing single batch --out local.jsonl 2>&1 | tee "$OUT/bench_local.log" | tail -60
-  cp benchmarks/results/local.jsonl "$OUT/" 2>/dev/null
+  timeout 300 python3 benchmarks/bench_local.py --timing single batch --out gpu_round_local.jsonl 2>&1 | tee "$OUT/bench_local.log" | tail -60
+  cp benchmarks/results/gpu_round_local.jsonl "$OUT/" 2>/dev/null
   step main job on the GPU
   timeout 60 python3 -m jax_ep.demo --steps 5 2>&1 | tail -12
   step compute-sanitizer memcheck, one rank
@@ -84,10 +87,10 @@ if has peer || has bench; then
   for n in ${BENCH_RANKS:-2 4 8}; do
     step peer benchmark, $n ranks emulated
     timeout 200 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 180 -- \
-      python3 benchmarks/bench_intranode.py --out intranode.jsonl ${BENCH_ARGS:-} 2>&1 \
+      python3 benchmarks/bench_intranode.py --out gpu_round_intranode.jsonl ${BENCH_ARGS:-} 2>&1 \
       | tee "$OUT/bench_intranode_$n.log" | grep -E "^\[0\] (  |op |dispatch|combine|cuda|wrote)" | tail -40
   done
-  cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null
+  cp benchmarks/results/gpu_round_intranode.jsonl "$OUT/" 2>/dev/null
 fi
 
 # Several GPUs (issue 5). Per R in MULTI_RANKS: the suites (multi_suites) and the benchmark
@@ -129,16 +132,16 @@ for n in ${MULTI_RANKS:-2 4 8}; do
       if [ "$variant" = one_process ]; then
         step "benchmark, one process driving $n GPUs"
         CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 \
-          python3 benchmarks/bench_intranode.py --out intranode.jsonl 2>&1 \
+          python3 benchmarks/bench_intranode.py --out gpu_round_intranode.jsonl 2>&1 \
           | tee -a "$OUT/multi_bench.log" | grep -E "^(  |op |dispatch|combine|cuda|xla|wrote)|rror|Traceback"
       else
         step "benchmark, $n processes with one GPU each: $what"
         CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --grace 20 \
-          --timeout 260 -- python3 benchmarks/bench_intranode.py --out intranode.jsonl $args 2>&1 \
+          --timeout 260 -- python3 benchmarks/bench_intranode.py --out gpu_round_intranode.jsonl $args 2>&1 \
           | tee -a "$OUT/multi_bench.log" | drop_noise \
           | grep -E "^\[0\] (  |op |dispatch|combine|cuda|xla|wrote)|rror|Traceback"
       fi
-      cp benchmarks/results/intranode.jsonl "$OUT/" 2>/dev/null  # kept if a later run is cut
+      cp benchmarks/results/gpu_round_intranode.jsonl "$OUT/" 2>/dev/null  # kept if a later run is cut
     done
   fi
 done
