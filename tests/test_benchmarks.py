@@ -80,8 +80,19 @@ def test_bench_intranode_runs_on_the_reference_backend(tmp_path):
       env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
   records = [json.loads(line) for line in out.read_text().splitlines()]
-  assert {(r["op"], r["timing"], r["calls_per_run"]) for r in records} == {
+  kinds = {(r["op"], r["timing"], r["calls_per_run"]) for r in records}
+  assert {k for k in kinds if k[1] != "host_clock_marginal"} == {
       (op, timing, per_run) for op in ("dispatch", "combine")
       for timing, per_run in (("host_clock", 2), ("host_clock_aligned", 1))}
+  # The marginal record (a batch of 4 calls less a batch of 2, per call) is written only when
+  # the longer batch was slower, which CPU timing noise does not always allow; when it is
+  # left out, the run says so.
+  for op in ("dispatch", "combine"):
+    marginal = [r for r in records if r["op"] == op and r["timing"] == "host_clock_marginal"]
+    if marginal:
+      assert len(marginal) == 1 and marginal[0]["calls_per_run"] == 2
+      assert marginal[0]["median_us"] > 0
+    else:
+      assert f"reference {op}: no host_clock_marginal record" in result.stdout
   for r in records:
     assert REQUIRED_KEYS <= set(r) and r["ranks"] == 4
