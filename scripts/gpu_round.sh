@@ -133,13 +133,13 @@ for n in ${MULTI_RANKS:-2 4 8}; do
         step "benchmark, one process driving $n GPUs"
         CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 \
           python3 benchmarks/bench_intranode.py --out gpu_round_intranode.jsonl 2>&1 \
-          | tee -a "$OUT/multi_bench.log" | grep -E "^(  |op |dispatch|combine|cuda|xla|wrote)|rror|Traceback"
+          | tee -a "$OUT/multi_bench.log" | grep -E "^(  |op |dispatch|combine|cuda|reference|xla|wrote)|rror|Traceback"
       else
         step "benchmark, $n processes with one GPU each: $what"
         CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --grace 20 \
           --timeout 260 -- python3 benchmarks/bench_intranode.py --out gpu_round_intranode.jsonl $args 2>&1 \
           | tee -a "$OUT/multi_bench.log" | drop_noise \
-          | grep -E "^\[0\] (  |op |dispatch|combine|cuda|xla|wrote)|rror|Traceback"
+          | grep -E "^\[0\] (  |op |dispatch|combine|cuda|reference|xla|wrote)|rror|Traceback"
       fi
       cp benchmarks/results/gpu_round_intranode.jsonl "$OUT/" 2>/dev/null  # kept if a later run is cut
     done
