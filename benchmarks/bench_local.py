@@ -17,6 +17,10 @@ batch XLA's command buffers run independent fusions concurrently (which a model 
 layer does not get); a single small executable gets no command buffer, so a multi-kernel op pays
 host launch gaps inside its span (the cuda layout alone, three launches: 25 us single against
 12 us batched at T=4096; XLA's many-kernel dispatch likewise). Compare like with like.
+`fresh` (combine only, GPU only): as `single`, but each run first rewrites the expert rows with
+an elementwise kernel (x * 1, behind an optimization barrier so that XLA cannot fuse it into
+its combine), as the expert MLP before a combine leaves them: in the L2 where they fit. The
+time is the run's span after that kernel (`timing="device_trace_fresh_rows"`).
 """
 
 from __future__ import annotations
@@ -95,7 +99,23 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
       for name, us, launches in common.kernel_breakdown(traced, sets)[:8]:
         print(f"  {us / calls:9.2f}  {launches / calls:4.1f}  {name[:90]}")
     for mode in timings:
-      if mode == "single":
+      if mode == "fresh":
+        if op != "combine":
+          continue
+        # The rewrite is the run's first kernel; the combine's kernels follow it.
+        one = jnp.ones((), dtype)
+        fresh = lambda eo, *rest: fn(jax.lax.optimization_barrier(eo * one), *rest)
+        if jax.devices()[0].platform != "gpu":
+          jax.block_until_ready(jax.jit(fresh)(*(s[0] for s in sets)))  # it builds and runs
+          print(f"T={num_tokens} {op} {backend}: no fresh-rows timing (it needs a GPU trace)")
+          continue
+        seconds, timing = common.time_single_calls(jax.jit(fresh), list(zip(*sets)),
+                                                   skip_leading_kernels=1)
+        if timing != "device_trace_single":
+          print(f"T={num_tokens} {op} {backend}: no fresh-rows timing (no device trace)")
+          continue
+        timing = "device_trace_fresh_rows"
+      elif mode == "single":
         seconds, timing = common.time_single_calls(jax.jit(fn), list(zip(*sets)))
       else:
         seconds, timing = common.time_batches(batched(fn), sets)
@@ -103,7 +123,7 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
       median_us = seconds * 1e6
       records.append(common.record(
           op=op, backend=backend, median_us=round(median_us, 2), timing=timing,
-          calls_per_run=1 if mode == "single" else calls, **base,
+          calls_per_run=calls if mode == "batch" else 1, **base,
           gbps=round(base["bytes"] / (median_us * 1e-6) / 1e9, 1), min_hbm_bytes=min_hbm,
           roofline=round(min_hbm / (bound_gbps * 1e9) / (median_us * 1e-6), 3)))
 
@@ -140,10 +160,12 @@ def main():
   parser.add_argument("--experts", type=int, default=256)
   parser.add_argument("--calls", type=int, default=8,
                       help="input sets (rotated through; also the size of a timed batch)")
-  parser.add_argument("--timing", nargs="+", choices=["single", "batch"], default=["single"],
+  parser.add_argument("--timing", nargs="+", choices=["single", "batch", "fresh"],
+                      default=["single"],
                       help="single: one op per run, runs one after another (an op's latency in "
                       "a layer stack); batch: a run of --calls independent ops, time per op "
-                      "(XLA may overlap independent fusions there)")
+                      "(XLA may overlap independent fusions there); fresh: combine as single, "
+                      "its expert rows just rewritten (GPU)")
   parser.add_argument("--backends", nargs="+", default=["cuda", "reference", "xla_baseline"],
                       choices=["cuda", "reference", "xla_baseline"],
                       help="xla_baseline: the plain-XLA formulation (argsort + take; gather + "
@@ -161,15 +183,15 @@ def main():
   path = common.write_jsonl(records, args.out)
   common.print_table(records, ["op", "backend", "tokens_per_rank", "calls_per_run", "timing",
                                "median_us", "gbps", "min_hbm_bytes", "roofline"])
-  by = {(r["op"], r["backend"], r["tokens_per_rank"], r["calls_per_run"]): r["median_us"]
-        for r in records}
-  for (op, backend, t, per_run), cuda in by.items():
+  by = {(r["op"], r["backend"], r["tokens_per_rank"], r["calls_per_run"], r["timing"]):
+        r["median_us"] for r in records}
+  for (op, backend, t, per_run, timing), cuda in by.items():
     if backend != "cuda" or op == "layout":
       continue
-    ratios = ", ".join(f"x{by[(op, other, t, per_run)] / cuda:.2f} vs {other}"
+    ratios = ", ".join(f"x{by[(op, other, t, per_run, timing)] / cuda:.2f} vs {other}"
                        for other in ("reference", "xla_baseline")
-                       if (op, other, t, per_run) in by)
-    print(f"T={t} {op} ({per_run} call(s) per run): cuda {cuda:.1f} us, {ratios}")
+                       if (op, other, t, per_run, timing) in by)
+    print(f"T={t} {op} ({per_run} call(s) per run, {timing}): cuda {cuda:.1f} us, {ratios}")
   print(f"wrote {path}")
 
 

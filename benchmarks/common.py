@@ -117,8 +117,8 @@ def _traced_events(run, repeats: int, *, with_device: bool = False) -> list[tupl
   return events
 
 
-def time_single_calls(fn, arg_sets, *, repeats: int = 24,
-                      method: str = "auto") -> tuple[float, str]:
+def time_single_calls(fn, arg_sets, *, repeats: int = 24, method: str = "auto",
+                      skip_leading_kernels: int = 0) -> tuple[float, str]:
   """Median seconds of one `fn(*arg_sets[r % len(arg_sets)])`, one call per run.
 
   Each run is one op in its own executable, waited for before the next: the op's latency as a
@@ -127,7 +127,8 @@ def time_single_calls(fn, arg_sets, *, repeats: int = 24,
   through the sets keeps the inputs out of the L2 when they add up to more than it holds. On a
   GPU the time is each run's device span from a profiler trace (`"device_trace_single"`),
   elsewhere, or with `method="host_clock"` (processes that run collective kernels together must
-  make the same number of calls), the host clock.
+  make the same number of calls), the host clock. `skip_leading_kernels` (device trace only):
+  each run's span starts after its first kernels, which produce the op's inputs (split_runs).
   """
   for args in arg_sets:
     jax.block_until_ready(fn(*args))
@@ -135,7 +136,8 @@ def time_single_calls(fn, arg_sets, *, repeats: int = 24,
   if method == "auto" and jax.devices()[0].platform == "gpu":
     try:
       events = _traced_events(run, repeats)
-      spans = split_runs([(start, end) for _, start, end in events], repeats)
+      spans = split_runs([(start, end) for _, start, end in events], repeats,
+                         skip_leading=skip_leading_kernels)
       if len(spans) >= max(3, repeats // 2):
         return statistics.median(spans), "device_trace_single"
     except Exception as e:  # noqa: BLE001 - any profiler problem falls back to the host clock
@@ -198,8 +200,13 @@ def trace_breakdown(fn, args, *, repeats: int = 5):
   return sorted(rows, key=lambda r: -r[1]), activity
 
 
-def split_runs(events, num_runs: int) -> list[float]:
-  """Seconds spanned by each of `num_runs` runs in `(start_ns, end_ns)` device events."""
+def split_runs(events, num_runs: int, skip_leading: int = 0) -> list[float]:
+  """Seconds spanned by each of `num_runs` runs in `(start_ns, end_ns)` device events.
+
+  `skip_leading`: each run's span starts at its (skip_leading + 1)-th event by start time (the
+  ones before it produce the op's inputs and are not the op's time); runs with no event left
+  are left out.
+  """
   if len(events) < num_runs:
     return []
   events = sorted(events)
@@ -210,8 +217,9 @@ def split_runs(events, num_runs: int) -> list[float]:
   cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:num_runs - 1])
   spans = []
   for lo, hi in zip([0] + cuts, cuts + [len(events)]):
-    run = events[lo:hi]
-    spans.append((max(e for _, e in run) - run[0][0]) * 1e-9)
+    run = events[lo:hi][skip_leading:]
+    if run:
+      spans.append((max(e for _, e in run) - run[0][0]) * 1e-9)
   return spans
 
 

@@ -22,6 +22,13 @@ def test_split_runs_cuts_at_the_largest_gaps():
   assert [round(s * 1e9) for s in spans] == [30, 25, 40]
 
 
+def test_split_runs_can_start_each_span_after_its_leading_events():
+  # The first event of each run produces the op's inputs (bench_local's fresh-rows timing).
+  events = [(0, 10), (12, 20), (21, 30), (100, 110), (111, 125), (300, 305)]
+  spans = common.split_runs(events, 3, skip_leading=1)
+  assert [round(s * 1e9) for s in spans] == [18, 14]  # the third run had nothing left
+
+
 def test_split_runs_handles_overlapping_streams():
   # Two streams overlap inside a run; the gap is measured from the latest end seen so far.
   events = [(0, 50), (10, 20), (60, 70), (200, 210)]
@@ -57,13 +64,16 @@ def test_bench_local_runs_and_writes_contract_records(tmp_path):
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_local.py"), "--backends",
        "reference", "xla_baseline", "--tokens", "8", "--hidden", "128", "--calls", "2",
-       "--timing", "single", "batch", "--out", str(out)],
+       "--timing", "single", "batch", "fresh", "--out", str(out)],
       env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
   records = [json.loads(line) for line in out.read_text().splitlines()]
   assert {(r["op"], r["backend"], r["calls_per_run"]) for r in records} == {
       (op, backend, per_run) for op in ("dispatch", "combine")
       for backend in ("reference", "xla_baseline") for per_run in (1, 2)}
+  # Fresh-rows timing needs a GPU trace: on the CPU it runs once and says why it wrote nothing.
+  for backend in ("reference", "xla_baseline"):
+    assert f"T=8 combine {backend}: no fresh-rows timing" in result.stdout
   for r in records:
     assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
     assert r["min_hbm_bytes"] == (8 + 8 * 8) * 128 * 2
