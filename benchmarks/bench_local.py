@@ -102,17 +102,19 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
       if mode == "fresh":
         if op != "combine":
           continue
-        # The rewrite is the run's first kernel; the combine's kernels follow it.
-        one = jnp.ones((), dtype)
-        fresh = lambda eo, *rest: fn(jax.lax.optimization_barrier(eo * one), *rest)
+        # The rewrite is the run's first kernel; the combine's kernels follow it. The factor
+        # is an argument: a constant 1 would be folded away, and the rewrite with it.
+        fresh = lambda one, eo, *rest: fn(jax.lax.optimization_barrier(eo * one), *rest)
+        fresh_sets = [(jnp.ones((), dtype), *args) for args in zip(*sets)]
         if jax.devices()[0].platform != "gpu":
-          jax.block_until_ready(jax.jit(fresh)(*(s[0] for s in sets)))  # it builds and runs
+          jax.block_until_ready(jax.jit(fresh)(*fresh_sets[0]))  # it builds and runs
           print(f"T={num_tokens} {op} {backend}: no fresh-rows timing (it needs a GPU trace)")
           continue
-        seconds, timing = common.time_single_calls(jax.jit(fresh), list(zip(*sets)),
+        seconds, timing = common.time_single_calls(jax.jit(fresh), fresh_sets,
                                                    skip_leading_kernels=1)
-        if timing != "device_trace_single":
-          print(f"T={num_tokens} {op} {backend}: no fresh-rows timing (no device trace)")
+        if timing != "device_trace_single":  # no trace, or runs without a kernel after it
+          print(f"T={num_tokens} {op} {backend}: no fresh-rows timing (no device trace with a "
+                "kernel after the rewrite)")
           continue
         timing = "device_trace_fresh_rows"
       elif mode == "single":
