@@ -231,8 +231,11 @@ def main():
 
   def add_marginal(op, backend, fn, sets, seconds, **extra):
     """The cost of one more back-to-back call, the processes' start skew taken out: the median
-    of a batch of 2 x calls (the input sets twice) less `seconds`, that of a batch of calls.
-    Both batches' first calls wait out the same skew, so it cancels in the difference."""
+    of a batch of 2 x calls (the input sets twice) less `seconds`, this process's median of a
+    batch of calls. Both batches' first calls wait out the same skew, so it cancels in the
+    difference. The record is the slowest process's difference (each process's own, not the
+    difference of the gathered batch records), per added call; its calls_per_run is `calls`,
+    the calls added."""
     if not args.marginal:
       return
     double, _ = common.time_batches(batched(fn), [list(s) * 2 for s in sets],

@@ -18,9 +18,10 @@ layer does not get); a single small executable gets no command buffer, so a mult
 host launch gaps inside its span (the cuda layout alone, three launches: 25 us single against
 12 us batched at T=4096; XLA's many-kernel dispatch likewise). Compare like with like.
 `fresh` (combine only, GPU only): as `single`, but each run first rewrites the expert rows with
-an elementwise kernel (x * 1, behind an optimization barrier so that XLA cannot fuse it into
-its combine), as the expert MLP before a combine leaves them: in the L2 where they fit. The
-time is the run's span after that kernel (`timing="device_trace_fresh_rows"`).
+an elementwise kernel (x * 1, behind an optimization barrier with every other input, so that
+XLA can neither fuse it into its combine nor start the combine before it), as the expert MLP
+before a combine leaves them: in the L2 where they fit. The time is the run's span after that
+kernel (`timing="device_trace_fresh_rows"`; the first run's kernel names are printed).
 """
 
 from __future__ import annotations
@@ -102,9 +103,10 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
       if mode == "fresh":
         if op != "combine":
           continue
-        # The rewrite is the run's first kernel; the combine's kernels follow it. The factor
-        # is an argument: a constant 1 would be folded away, and the rewrite with it.
-        fresh = lambda one, eo, *rest: fn(jax.lax.optimization_barrier(eo * one), *rest)
+        # The rewrite is the run's first kernel: every input of the combine passes the barrier
+        # with the rewritten rows, so none of its kernels can be scheduled before the rewrite.
+        # The factor is an argument: a constant 1 would be folded away, with the rewrite.
+        fresh = lambda one, eo, *rest: fn(*jax.lax.optimization_barrier((eo * one, *rest)))
         fresh_sets = [(jnp.ones((), dtype), *args) for args in zip(*sets)]
         if jax.devices()[0].platform != "gpu":
           jax.block_until_ready(jax.jit(fresh)(*fresh_sets[0]))  # it builds and runs

@@ -128,7 +128,8 @@ def time_single_calls(fn, arg_sets, *, repeats: int = 24, method: str = "auto",
   GPU the time is each run's device span from a profiler trace (`"device_trace_single"`),
   elsewhere, or with `method="host_clock"` (processes that run collective kernels together must
   make the same number of calls), the host clock. `skip_leading_kernels` (device trace only):
-  each run's span starts after its first kernels, which produce the op's inputs (split_runs).
+  each run's span starts after its first kernels, which produce the op's inputs (split_runs);
+  the kernel names of the first traced run are printed, to check which ones those were.
   """
   for args in arg_sets:
     jax.block_until_ready(fn(*args))
@@ -136,7 +137,11 @@ def time_single_calls(fn, arg_sets, *, repeats: int = 24, method: str = "auto",
   if method == "auto" and jax.devices()[0].platform == "gpu":
     try:
       events = _traced_events(run, repeats)
-      spans = split_runs([(start, end) for _, start, end in events], repeats,
+      if skip_leading_kernels and events:
+        first = sorted(events, key=lambda e: e[1])
+        print("  first traced run begins with: "
+              + ", ".join(name[:40] for name, _, _ in first[:skip_leading_kernels + 3]))
+      spans = split_runs([(start, end, name) for name, start, end in events], repeats,
                          skip_leading=skip_leading_kernels)
       if len(spans) >= max(3, repeats // 2):
         return statistics.median(spans), "device_trace_single"
@@ -201,11 +206,13 @@ def trace_breakdown(fn, args, *, repeats: int = 5):
 
 
 def split_runs(events, num_runs: int, skip_leading: int = 0) -> list[float]:
-  """Seconds spanned by each of `num_runs` runs in `(start_ns, end_ns)` device events.
+  """Seconds spanned by each of `num_runs` runs in device events: `(start_ns, end_ns)` tuples,
+  or `(start_ns, end_ns, name)`.
 
-  `skip_leading`: each run's span starts at its (skip_leading + 1)-th event by start time (the
-  ones before it produce the op's inputs and are not the op's time); runs with no event left
-  are left out.
+  `skip_leading`: each run's span leaves out its first `skip_leading` kernels, which produce the
+  op's inputs and are not the op's time, and starts at the first event that starts after they
+  all ended. Named events that are memory operations ("Memset ...", "Memcpy...") and come before
+  them are left out too and not counted. Runs with no event left are left out.
   """
   if len(events) < num_runs:
     return []
@@ -217,10 +224,26 @@ def split_runs(events, num_runs: int, skip_leading: int = 0) -> list[float]:
   cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:num_runs - 1])
   spans = []
   for lo, hi in zip([0] + cuts, cuts + [len(events)]):
-    run = events[lo:hi][skip_leading:]
+    run = _after_leading_kernels(events[lo:hi], skip_leading)
     if run:
-      spans.append((max(e for _, e in run) - run[0][0]) * 1e-9)
+      spans.append((max(e[1] for e in run) - run[0][0]) * 1e-9)
   return spans
+
+
+def _after_leading_kernels(run, count: int):
+  """The events of `run` (sorted by start) after its first `count` kernels (see split_runs)."""
+  if count == 0:
+    return run
+  skipped, skipped_end = 0, None
+  for i, event in enumerate(run):
+    name = event[2] if len(event) > 2 else ""
+    if name.startswith(("Memset", "Memcpy")):
+      continue
+    skipped += 1
+    skipped_end = event[1] if skipped_end is None else max(skipped_end, event[1])
+    if skipped == count:
+      return [e for e in run[i + 1:] if e[0] >= skipped_end]
+  return []
 
 
 _COPY_PROBE = """

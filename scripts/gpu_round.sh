@@ -96,8 +96,9 @@ fi
 # Several GPUs (issue 5). Per R in MULTI_RANKS: the suites (multi_suites) and the benchmark
 # (multi_bench), one process per GPU and one process driving them all. One call per stage and R
 # keeps each under the 600 s limit: MULTI_RANKS=8 bash scripts/gpu_round.sh multi_suites
-# (multi_bench runs 4 benchmarks per R plus the one-process one, ~40-60 s each at R=8 on
-# 2026-11-29's numbers; MULTI_SMS="" drops the SM-budget variants).
+# (multi_bench runs the per-GPU and one-process benchmarks, the MULTI_SMS variants and the
+# send_recv one; on two H200s ~25-35 s each with the marginal batches, and send_recv hung until
+# the launcher's timeout; MULTI_SMS="" drops the SM-budget variants).
 num_gpus=$(nvidia-smi -L | grep -c "^GPU ")
 multi_suites="tests/test_cuda_peer.py tests/test_xla_pipeline.py tests/test_reference.py"
 multi_suites="$multi_suites tests/test_api.py tests/test_layer.py"

@@ -29,6 +29,15 @@ def test_split_runs_can_start_each_span_after_its_leading_events():
   assert [round(s * 1e9) for s in spans] == [18, 14]  # the third run had nothing left
 
 
+def test_split_runs_skips_leading_memory_operations_and_starts_after_the_skipped_kernel():
+  # Run 1: a memset, then the rewrite (10-40), then a kernel that overlaps it on another
+  # stream (20-50, left out: it started before the rewrite ended) and the op (45-60).
+  # Run 2: the rewrite alone: nothing left, so the run is left out.
+  events = [(0, 5, "Memset 3"), (10, 40, "rewrite"), (20, 50, "other"), (45, 60, "op"),
+            (200, 230, "rewrite")]
+  assert [round(s * 1e9) for s in common.split_runs(events, 2, skip_leading=1)] == [15]
+
+
 def test_split_runs_handles_overlapping_streams():
   # Two streams overlap inside a run; the gap is measured from the latest end seen so far.
   events = [(0, 50), (10, 20), (60, 70), (200, 210)]
