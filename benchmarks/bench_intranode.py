@@ -202,15 +202,17 @@ def main():
               num_sms=args.num_sms)
   records = []
 
-  def add(op, backend, seconds, per_run=calls, timing="host_clock", **extra):
-    seconds = _gather_max(f"{backend}/{op}/{timing}", seconds)
+  def add(op, backend, seconds, per_run=calls, timing="host_clock", gathered=False, **extra):
+    """One record from this process's `seconds` per run (the slowest process's, when
+    `gathered` already)."""
+    if not gathered:
+      seconds = _gather_max(f"{backend}/{op}/{timing}", seconds)
     median_us = seconds / per_run * 1e6
     roofline = ((min_hbm / (bound_gbps * 1e9)) / (median_us * 1e-6) if one_gpu
                 else remote_bytes / (median_us * 1e-6) / 1e9 / bound_gbps)
     records.append(common.record(op=op, backend=backend, median_us=round(median_us, 1),
                                  timing=timing, calls_per_run=per_run,
-                                 gbps=round(per_rank_bytes /
-                                                                 (median_us * 1e-6) / 1e9, 1),
+                                 gbps=round(per_rank_bytes / (median_us * 1e-6) / 1e9, 1),
                                  roofline=round(roofline, 3), **base, **extra))
 
   # One program running a call per input set, back to back (what a model's layers do).
@@ -247,7 +249,7 @@ def main():
         print(f"{backend} {op}: no host_clock_marginal record (the longer batch was not slower: "
               "timing noise larger than a call; raise --repeats or --calls)")
       return
-    add(op, backend, added, timing="host_clock_marginal", **extra)
+    add(op, backend, added, timing="host_clock_marginal", gathered=True, **extra)
 
   def add_aligned_single(op, backend, fn, fn_args):
     """One call per run, every process released by a barrier before each run."""
