@@ -610,6 +610,9 @@ std::optional<std::string> PendingError(const Group& group) noexcept {
     if (what == static_cast<int32_t>(intranode::WaitKind::kConsumed)) {
       msg += ": rank " + std::to_string(peer) + " did not release its " +
              RegionName(region) + " buffer from the previous call";
+    } else if (what == static_cast<int32_t>(intranode::WaitKind::kCounts)) {
+      msg += ": rank " + std::to_string(peer) +
+             "'s dispatch counts (notify) did not arrive";
     } else {
       msg += ": rank " + std::to_string(peer) + "'s " + RegionName(region) +
              " data did not arrive";

@@ -117,17 +117,14 @@ cudaError_t PreloadKernels();
 // ---------------------------------------------------------------------------
 namespace local {
 
-// Tokens of a peer permute that are read from the op's input instead of the
-// receive buffer (a dispatch does not copy the rows it keeps on its own rank):
-// "token" n in [begin, begin + count) of the permute's x is row index[n] of
-// `rows`. Only with x_from_peers and one batch element (Permute refuses it
-// otherwise, and an inconsistent range or a null index).
-struct OwnRows {
-  const void* rows = nullptr;       // `[num_rows, H]` dtype; null: none
-  const int32_t* index = nullptr;   // token n -> row of `rows`
+// Tokens of a peer permute whose rows the caller has already placed in
+// `recv_x` (a dispatch places its own rank's tokens while its rows travel):
+// tokens n in [begin, begin + count) are neither read nor written. Only with
+// x_from_peers and one batch element (Permute refuses it otherwise, and a range
+// outside [0, num_tokens]).
+struct PlacedTokens {
   int64_t begin = 0;
   int64_t count = 0;
-  int64_t num_rows = 0;
 };
 
 // recv_x[slot_row[t, k]] = x[t] (* slot_weights[t, k] in fp32, rounded once,
@@ -144,13 +141,13 @@ struct OwnRows {
 // `x_from_peers`: `x` is a peer-transport receive buffer that other GPUs wrote
 // (before this kernel was launched): its rows are read with ld.global.cg
 // (L2, no L1 / non-coherent cache) instead of ld.global.nc.
-// `own`: see OwnRows.
+// `placed`: see PlacedTokens.
 cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
                     const int32_t* group_sizes, const float* slot_weights,
                     void* recv_x, int64_t num_batches, int64_t num_tokens,
                     int64_t num_topk, int64_t num_experts, int64_t hidden,
                     int64_t capacity, bool weighted, cudaStream_t stream,
-                    bool x_from_peers = false, const OwnRows& own = {});
+                    bool x_from_peers = false, const PlacedTokens& placed = {});
 
 // out[t] = sum_{k ascending, slot_row[t,k] >= 0} w[t,k] * expert_out[slot_row]
 // with w = slot_weights when `weighted`, else 1; fp32 accumulation with one
@@ -230,6 +227,7 @@ enum class WaitKind : int32_t {
   kNone = 0,
   kConsumed = 1,  // the peer to release its region from the previous call
   kArrival = 2,   // the peer's data of this call
+  kCounts = 3,    // the peer's dispatch counts of this call (notify)
 };
 
 // Byte offsets of the regions of one rank's buffer (the receiver side).
@@ -238,23 +236,28 @@ enum class WaitKind : int32_t {
 // workload:
 //   header            kHeaderBytes (config, checked by every peer on connect)
 //   dispatch_rows     [R src][T_max][H] x dtype      R*T_max*H*itemsize
-//                     (a dispatch leaves its own source's rows out: the
-//                     permute reads them from x; the cached dispatch and the
-//                     combine VJP copy them)
+//                     (a dispatch leaves its own source's rows out: it places
+//                     them from x while the others travel; the cached dispatch
+//                     and the combine VJP copy them)
 //   dispatch_meta     [R src][T_max][K] int32         local expert or -1
 //   dispatch_weights  [R src][T_max][K] float32
-//   dispatch_index    [R src][T_max]    int32         source token index
+//   dispatch_rank     [R src][T_max][K] int32         the slot's row in the
+//                     source's own expert-grouped order of the slots it sends
+//                     this rank (see intranode::Dispatch)
+//   notify_counts     [R src][kMaxExperts] int32     slots per local expert
 //   combine_rows      [R expert rank][T_max][H] partial sums, sized for
 //                     float32; they travel in bf16 for bf16 activations (half
 //                     the wire bytes), else in fp32 (CombineWire, intranode.cu)
 //   dots              [R expert rank][T_max][K] float32
-//   flags             arrival[kNumRegions][R] u64, consumed[kNumRegions] u64
+//   flags             arrival[kNumRegions][R] u64, consumed[kNumRegions] u64,
+//                     notify[R] u64 (dispatch counts, dispatch region's seq)
 // each rounded up to kRegionAlign bytes.
 struct BufferLayout {
   int64_t dispatch_rows;
   int64_t dispatch_meta;
   int64_t dispatch_weights;
-  int64_t dispatch_index;
+  int64_t dispatch_rank;
+  int64_t notify_counts;
   int64_t combine_rows;
   int64_t dots;
   int64_t flags;
@@ -278,14 +281,16 @@ inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
   at += AlignRegion(rows * num_topk * 4);
   l.dispatch_weights = at;
   at += AlignRegion(rows * num_topk * 4);
-  l.dispatch_index = at;
-  at += AlignRegion(rows * 4);
+  l.dispatch_rank = at;
+  at += AlignRegion(rows * num_topk * 4);
+  l.notify_counts = at;
+  at += AlignRegion(num_ranks * kMaxExperts * 4);
   l.combine_rows = at;
   at += AlignRegion(rows * hidden * 4);
   l.dots = at;
   at += AlignRegion(rows * num_topk * 4);
   l.flags = at;
-  at += AlignRegion((kNumRegions * num_ranks + kNumRegions) * 8);
+  at += AlignRegion((kNumRegions * num_ranks + kNumRegions + num_ranks) * 8);
   l.total = at;
   return l;
 }
@@ -334,14 +339,20 @@ struct PeerView {
                         // are free; it bounds threads, not which SMs
 };
 
-// int32 elements of the `workspace` result of jax_ep_peer_dispatch:
-// [1] scratch, [R] tokens sent to each rank, then the local layout's
-// workspace for R*T_max rows of K slots over E/R experts.
+// int32 elements of the `workspace` result of jax_ep_peer_dispatch, in
+// order: [R] tokens sent to each rank; [R] + [R] layout scratch; [R, T_max, K]
+// the slots' local expert ids per destination (-1 for other ranks' slots);
+// [R, T_max, K] each slot's row in this rank's expert-grouped order of the
+// slots it sends that destination; [R, E/R] slots per (destination, local
+// expert); [R, E/R] receive offsets per (source, local expert); then the
+// batched local layout's workspace (R batches of T_max rows of K slots over
+// E/R experts).
 inline int64_t DispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
                                       int64_t num_topk, int64_t num_experts) {
-  return 1 + num_ranks +
-         layout::LocalLayoutWorkspaceElems(num_ranks * max_tokens, num_topk,
-                                           num_experts / num_ranks);
+  return 3 * num_ranks + 2 * num_ranks * max_tokens * num_topk +
+         2 * num_experts +
+         num_ranks * layout::LocalLayoutWorkspaceElems(
+                         max_tokens, num_topk, num_experts / num_ranks);
 }
 
 // Forces the module load of every kernel the peer ops launch (this family's,

@@ -92,6 +92,8 @@ constexpr int kDotsThreads = 256;     // dots send: a warp per item
 constexpr int kLayoutThreads = 512;   // send-side layout: a block per rank
 constexpr int kReduceThreads = 128;   // home-side combine: a block per token
 constexpr int kWaitThreads = kMaxR;   // arrival wait: a thread per source
+constexpr int kNotifyThreads = 256;   // notify: a thread per rank waits
+constexpr int kCountsThreads = 1024;  // counts: a thread per local expert
 constexpr int kReduceLoads = 8;       // partial rows in flight per thread
 constexpr int kCombineLoads = 8;      // expert row vectors in flight per thread
 constexpr int kCombinePasses = 4;     // row vectors per combine-send thread
@@ -114,6 +116,8 @@ constexpr int kDotsSendBlocksPerSm = 2;
 constexpr int kMaxWaves = 8;
 static_assert(kMaxR <= 64, "destinations are staged by one warp, two ballots");
 static_assert(kMaxK <= 32, "slot staging uses one warp, lane k = slot k");
+static_assert(kCountsThreads == kMaxExperts && kNotifyThreads >= kMaxR,
+              "WaitCountsKernel: a thread per local expert and per source");
 static_assert(kWaitThreads >= kMaxR && kCommThreads >= kMaxR &&
                   kCombineThreads >= kMaxR && kDotsThreads >= kMaxR,
               "a thread per rank in the prologues / epilogues");
@@ -186,6 +190,13 @@ __device__ __forceinline__ uint64_t* ConsumedFlag(char* base,
          static_cast<int64_t>(kNumRegions) * g.num_ranks + region;
 }
 
+// Source src's dispatch counts of the current call (its seq << 32).
+__device__ __forceinline__ uint64_t* NotifyFlag(char* base, const PeerView& g,
+                                                int src) {
+  return reinterpret_cast<uint64_t*>(base + g.layout.flags) +
+         static_cast<int64_t>(kNumRegions) * (g.num_ranks + 1) + src;
+}
+
 __device__ __forceinline__ uint64_t FlagValue(uint64_t seq, int32_t count) {
   return (seq << 32) | static_cast<uint32_t>(count);
 }
@@ -215,7 +226,7 @@ __device__ void RecordTimeout(const PeerView& g, PeerOp op, int region,
 }
 
 // Spins until *flag (acquire, system scope) satisfies the wait: for kArrival
-// its seq field equals `seq`, for kConsumed its value is >= seq - 1. Returns
+// and kCounts its seq field equals `seq`, for kConsumed its value is >= seq - 1. Returns
 // false when the group aborted or the wait timed out (then recorded).
 __device__ bool SpinWait(const PeerView& g, const uint64_t* flag, WaitKind what,
                          uint64_t seq, PeerOp op, int region, int peer,
@@ -224,8 +235,8 @@ __device__ bool SpinWait(const PeerView& g, const uint64_t* flag, WaitKind what,
   const uint64_t want_seq = seq & 0xffffffffull;
   while (true) {
     const uint64_t v = LoadAcquireSys(flag);
-    const bool done = what == WaitKind::kArrival ? (v >> 32) == want_seq
-                                                 : v + 1ull >= seq;
+    const bool done = what == WaitKind::kConsumed ? v + 1ull >= seq
+                                                  : (v >> 32) == want_seq;
     if (done) {
       *value = v;
       return true;
@@ -260,18 +271,20 @@ __device__ __forceinline__ bool BlockSeesAbort(const PeerView& g) {
   return __syncthreads_or(Aborted(g)) != 0;
 }
 
-// Send-kernel epilogue, called once by every block after its last store to a
-// peer. Returns true (block-uniform) in the block that arrives last.
+// Send-kernel epilogue, called once by every one of the kernel's `num_blocks`
+// sending blocks after its last store to a peer. Returns true (block-uniform)
+// in the block that arrives last.
 // NOTES: every thread fences its own peer stores at system scope before the
 // barrier, so thread 0's atomic is ordered after all of the block's stores;
 // the last block fences again before any thread releases a flag.
-__device__ bool ArriveLastBlock(unsigned long long* counter) {
+__device__ bool ArriveLastBlock(unsigned long long* counter,
+                                unsigned num_blocks) {
   __shared__ int s_last;
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned long long old = atomicAdd(counter, 1ull);
-    const bool last = (old + 1ull) % gridDim.x == 0ull;
+    const bool last = (old + 1ull) % num_blocks == 0ull;
     if (last) __threadfence_system();
     s_last = last ? 1 : 0;
   }
@@ -333,12 +346,15 @@ __device__ __forceinline__ int32_t CheckedRow(int32_t row, int64_t capacity) {
 // ---------------------------------------------------------------------------
 
 // Block d: send_pos[:, d] = exclusive scan over tokens of "t goes to d"
-// (some slot selects an expert of rank d), count_to[d] = the total. Block 0
-// also counts invalid ids (< -1 or >= E).
+// (some slot selects an expert of rank d), count_to[d] = the total, and
+// dest_ids[d, t, k] = the local expert of slot (t, k) on rank d, -1 where it
+// selects none of d's (the input of the per-destination layout). Block 0 also
+// counts invalid ids (< -1 or >= E).
 __global__ void __launch_bounds__(kLayoutThreads)
     SendLayoutKernel(const int32_t* __restrict__ topk_idx,
                      int32_t* __restrict__ send_pos,
                      int32_t* __restrict__ count_to,
+                     int32_t* __restrict__ dest_ids,
                      int32_t* __restrict__ num_invalid, int32_t num_tokens,
                      int32_t num_topk, int32_t num_experts, int32_t num_local,
                      int32_t num_ranks) {
@@ -349,22 +365,26 @@ __global__ void __launch_bounds__(kLayoutThreads)
   const int warp = threadIdx.x >> 5;
   int32_t running = 0;
   int32_t invalid = 0;
+  int32_t* ids_d = dest_ids + static_cast<int64_t>(d) * num_tokens * num_topk;
   // NOTES: block-uniform loop bound: every lane reaches the ballots.
   for (int32_t base = 0; base < num_tokens; base += kLayoutThreads) {
     const int32_t t = base + static_cast<int32_t>(threadIdx.x);
     bool goes = false;
     if (t < num_tokens) {
-      const int32_t* idx = topk_idx + static_cast<int64_t>(t) * num_topk;
+      const int64_t row = static_cast<int64_t>(t) * num_topk;
       for (int k = 0; k < num_topk; ++k) {
-        const int32_t e = idx[k];
+        const int32_t e = topk_idx[row + k];
+        int32_t local = -1;
         if (e >= 0 && e < num_experts) {
-          goes |= (e / num_local == d);
+          if (e / num_local == d) local = e - d * num_local;
         } else if (e < -1 || e >= num_experts) {
           ++invalid;
         }
+        goes |= local >= 0;
+        ids_d[row + k] = local;
       }
     }
-    const unsigned ballot = __ballot_sync(kFullMask, goes);
+  const unsigned ballot = __ballot_sync(kFullMask, goes);
     if (lane == 0) s_warp[warp] = __popc(ballot);
     __syncthreads();
     int32_t offset = running;
@@ -398,57 +418,245 @@ __global__ void __launch_bounds__(kLayoutThreads)
   }
 }
 
-// Items: tokens (grid-stride over a fixed grid, see LaunchRowsSend). Token t is
-// read once and written to every rank d with send_pos[t, d] >= 0 (other than
-// this one for kWithMeta, below) at dispatch_rows[this rank][send_pos];
-// kWithMeta also writes its K local expert ids (-1 for slots of other ranks),
-// K weights and the token index.
-// kWithMeta (dispatch) does not copy a token's row into this rank's own
-// buffer: the permute that follows reads it from x through the index (1/R of
-// the rows, half of them at R=2, never written and read back).
-// Pushes are evict-first stores in the dispatch instantiation only. NOTES:
-// in the other one (cached dispatch, combine backward) __stcs made ptxas
-// spill at the 64 registers the launch bounds allow; its gain was never
-// measured, so it keeps plain stores.
-template <bool kWithMeta>
+// Notify (dispatch, one block): thread d < R waits until rank d released the
+// dispatch region of the previous call, then the block writes this rank's slot
+// counts for d's local experts into d's notify_counts[this rank] and releases
+// d's notify flag [this rank] (= seq << 32). The stores into d's region are
+// ordered after the wait as in the send kernels (NOTES at the top); this
+// kernel stands in for WaitConsumedKernel in front of the dispatch's sends.
+__global__ void __launch_bounds__(kNotifyThreads)
+    NotifyKernel(PeerView g, const int32_t* __restrict__ counts,
+                 int32_t num_local) {
+  __shared__ char* s_peer[kMaxR];
+  const int me = g.rank;
+  const uint64_t seq = CurrentSeq(g, kDispatchRegion);
+  bool failed = Aborted(g);
+  if (!failed && threadIdx.x < g.num_ranks) {
+    const int d = threadIdx.x;
+    s_peer[d] = g.peers[d];
+    uint64_t v = 0;
+    failed = !SpinWait(g, ConsumedFlag(s_peer[d], g, kDispatchRegion),
+                       WaitKind::kConsumed, seq, PeerOp::kDispatch,
+                       kDispatchRegion, d, &v);
+  }
+  if (__syncthreads_or(failed)) return;
+  const int32_t total = g.num_ranks * num_local;
+  for (int32_t q = threadIdx.x; q < total; q += kNotifyThreads) {
+    const int32_t d = q / num_local;
+    const int32_t l = q - d * num_local;
+    reinterpret_cast<int32_t*>(s_peer[d] + g.layout.notify_counts)
+        [static_cast<int64_t>(me) * kMaxExperts + l] = counts[q];
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x < g.num_ranks) {
+    StoreReleaseSys(NotifyFlag(s_peer[threadIdx.x], g, me), FlagValue(seq, 0));
+  }
+}
+
+// Every source's counts (one block): thread s < R waits for source s's notify
+// flag; then, with c[s][l] its slot count for local expert l,
+//   total[l] = sum_s c[s][l]; base[l] = sum_{l' < l} total[l'] (the expert's
+//   first row); group_sizes[l] = min(max(capacity - base[l], 0), total[l]);
+//   num_dropped = max(sum_l total[l] - capacity, 0);
+//   offset[s][l] = base[l] + sum_{s' < s} c[s'][l] - sum_{l' < l} c[s][l'].
+// A slot of source s for expert l with row r in the source's own grouped order
+// of the slots it sends here (dispatch_rank) lands at row offset[s][l] + r:
+// experts ascending, then sources ascending, then the source's (t, k) order,
+// the contract's order, which the local layout of the same entries gives.
+// Whole-block results; a warp scans each source's row, a thread each column.
+__global__ void __launch_bounds__(kCountsThreads)
+    WaitCountsKernel(PeerView g, int32_t num_local, int64_t capacity,
+                     int32_t* __restrict__ offset,
+                     int32_t* __restrict__ group_sizes,
+                     int32_t* __restrict__ num_dropped) {
+  constexpr int kWarps = kCountsThreads / 32;
+  __shared__ int32_t s_warp[kWarps];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const uint64_t seq = CurrentSeq(g, kDispatchRegion);
+  bool failed = Aborted(g);
+  if (!failed && threadIdx.x < g.num_ranks) {
+    const int s = threadIdx.x;
+    uint64_t v = 0;
+    failed = !SpinWait(g, NotifyFlag(g.own, g, s), WaitKind::kCounts, seq,
+                       PeerOp::kDispatch, kDispatchRegion, s, &v);
+  }
+  // Outputs are garbage after an abort; the status says so.
+  if (__syncthreads_or(failed)) return;
+  const int32_t* counts =
+      reinterpret_cast<const int32_t*>(g.own + g.layout.notify_counts);
+  // offset[s][l] = -(exclusive scan of c[s][.] at l): one warp per source,
+  // each lane a contiguous run of experts.
+  const int32_t per_lane = (num_local + 31) / 32;
+  for (int s = warp; s < g.num_ranks; s += kWarps) {
+    const int32_t* c = counts + static_cast<int64_t>(s) * kMaxExperts;
+    const int32_t l0 = lane * per_lane;
+    const int32_t l1 = min(l0 + per_lane, num_local);
+    int32_t run = 0;
+    for (int32_t l = l0; l < l1; ++l) run += __ldcg(c + l);
+    int32_t inclusive = run;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int32_t up = __shfl_up_sync(kFullMask, inclusive, off);
+      if (lane >= off) inclusive += up;
+    }
+    run = inclusive - run;
+    for (int32_t l = l0; l < l1; ++l) {
+      offset[s * num_local + l] = -run;
+      run += __ldcg(c + l);
+    }
+  }
+  // total[l] over sources; base = exclusive scan of total (one expert per
+  // thread: num_local <= kMaxExperts == kCountsThreads).
+  const int l = threadIdx.x;
+  int32_t total = 0;
+  if (l < num_local) {
+    for (int s = 0; s < g.num_ranks; ++s) {
+      total += __ldcg(counts + static_cast<int64_t>(s) * kMaxExperts + l);
+    }
+  }
+  int32_t inclusive = total;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int32_t up = __shfl_up_sync(kFullMask, inclusive, off);
+    if (lane >= off) inclusive += up;
+  }
+  if (lane == 31) s_warp[warp] = inclusive;
+  __syncthreads();  // also orders the offset stores above before the reads below
+  int32_t base = inclusive - total;
+  int32_t all = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    if (w < warp) base += s_warp[w];
+    all += s_warp[w];
+  }
+  if (l < num_local) {
+    const int64_t room = capacity - base > 0 ? capacity - base : 0;
+    group_sizes[l] = static_cast<int32_t>(room < total ? room : total);
+    int32_t prefix = base;
+    for (int s = 0; s < g.num_ranks; ++s) {
+      offset[s * num_local + l] += prefix;
+      prefix += __ldcg(counts + static_cast<int64_t>(s) * kMaxExperts + l);
+    }
+  }
+  if (threadIdx.x == 0) {
+    *num_dropped = all > capacity ? static_cast<int32_t>(all - capacity) : 0;
+  }
+}
+
+// The sends of a dispatch, and the placement of this rank's own tokens, in one
+// kernel with two roles by block index.
+// * Blocks [0, num_senders) (the group's SM budget): items are tokens t
+//   (grid-stride). Row t is read once and written to every other rank d with
+//   send_pos[t, d] >= 0 at dispatch_rows[this rank][send_pos]; for every rank
+//   d the token goes to, including this one, its K local expert ids (-1 for
+//   slots of other ranks), K weights and K grouped ranks (dispatch_rank, from
+//   slot_rank[d, t, k]) go to d's region. The last sender releases the
+//   arrival flags.
+// * Blocks [num_senders, gridDim.x): items are tokens t with slots on this
+//   rank; row t goes straight from x to recv_x[offset[me][l] + slot_rank[me,
+//   t, k]] for each of them (rows >= capacity dropped). These blocks do not
+//   spin and signal nothing: stream order puts the whole kernel before the
+//   receive side's permute of the other sources' rows.
+// NOTES: the placement needs the other sources' counts (the contract orders
+// sources inside an expert), hence the notify in front of this kernel; with
+// it, the own rows' share of the permute (half of it at R=2) runs under the
+// sends instead of after the arrivals. Pushes are evict-first stores.
 __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
-    RowsSendKernel(PeerView g, const uint4* __restrict__ x,
-                   const int32_t* __restrict__ send_pos,
-                   const int32_t* __restrict__ topk_idx,
-                   const float* __restrict__ topk_weights,
-                   const int32_t* __restrict__ count_to, int32_t num_tokens,
-                   int32_t num_experts, int32_t num_local,
-                   unsigned long long* counter) {
+    DispatchSendKernel(PeerView g, const uint4* __restrict__ x,
+                       const int32_t* __restrict__ send_pos,
+                       const int32_t* __restrict__ topk_idx,
+                       const float* __restrict__ topk_weights,
+                       const int32_t* __restrict__ count_to,
+                       const int32_t* __restrict__ slot_rank,
+                       const int32_t* __restrict__ offset,
+                       uint4* __restrict__ recv_x, int64_t capacity,
+                       int32_t num_tokens, int32_t num_experts,
+                       int32_t num_local, int32_t num_senders) {
   __shared__ char* s_peer[kMaxR];
   __shared__ int32_t s_dest[kMaxR];
   __shared__ int32_t s_pos[kMaxR];
   __shared__ int32_t s_num;
   __shared__ int32_t s_idx[kMaxK];
   __shared__ float s_w[kMaxK];
-  const uint64_t seq = CurrentSeq(g, kDispatchRegion);
+  __shared__ int32_t s_row[kMaxK];
   if (BlockSeesAbort(g)) return;
-  if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
   const int me = g.rank;
   const int32_t num_topk = g.num_topk;
   const int64_t t_max = g.max_tokens;
   const int64_t rv = g.hidden * g.itemsize / 16;
-  for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+  const int64_t slots = static_cast<int64_t>(num_tokens) * num_topk;
+  if (static_cast<int32_t>(blockIdx.x) >= num_senders) {
+    // Placement of the own tokens.
+    const int32_t* rank_me = slot_rank + me * slots;
+    const int32_t* offset_me = offset + me * num_local;
+    const int32_t num_placers = gridDim.x - num_senders;
+    for (int32_t t = blockIdx.x - num_senders; t < num_tokens;
+         t += num_placers) {
+      __syncthreads();  // the previous token's readers of s_row are done
+      int32_t my_row = -1;
+      if (threadIdx.x < num_topk) {
+        const int64_t q = static_cast<int64_t>(t) * num_topk + threadIdx.x;
+        const int32_t e = topk_idx[q];
+        if (e >= 0 && e < num_experts && e / num_local == me) {
+          const int64_t row =
+              static_cast<int64_t>(offset_me[e - me * num_local]) +
+              rank_me[q];
+          my_row = row >= 0 && row < capacity ? static_cast<int32_t>(row) : -1;
+        }
+        s_row[threadIdx.x] = my_row;
+      }
+      if (!__syncthreads_or(my_row >= 0)) continue;  // block-uniform
+      const uint4* src = x + static_cast<int64_t>(t) * rv;
+      // NOTES: 32-bit vector indices (a row has < 2^31 vectors: H is an
+      // int64 attribute, but rows this long cannot be allocated); with 64-bit
+      // ones this role spilled at the 64 registers of the sending role.
+      const int32_t rv32 = static_cast<int32_t>(rv);
+      for (int32_t v0 = 0; v0 < rv32; v0 += kCommThreads * kSendVecs) {
+        uint4 v[kSendVecs];
+#pragma unroll
+        for (int u = 0; u < kSendVecs; ++u) {
+          const int32_t j = v0 + u * kCommThreads + threadIdx.x;
+          if (j < rv32) v[u] = LoadVec(src + j);
+        }
+        for (int k = 0; k < num_topk; ++k) {
+          const int32_t row = s_row[k];
+          if (row < 0) continue;  // block-uniform
+          uint4* dst = recv_x + row * rv;
+#pragma unroll
+          for (int u = 0; u < kSendVecs; ++u) {
+            const int32_t j = v0 + u * kCommThreads + threadIdx.x;
+            if (j < rv32) StoreMaybeStreaming<true>(dst + j, v[u]);
+          }
+        }
+      }
+    }
+    return;
+  }
+  if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
+  for (int32_t t = blockIdx.x; t < num_tokens; t += num_senders) {
     __syncthreads();  // the previous token's readers of shared are done
     if (threadIdx.x < 32) {
       StageDestinations(send_pos, t, g, s_dest, s_pos, &s_num);
     }
-    if (kWithMeta && threadIdx.x < num_topk) {
+    if (threadIdx.x < num_topk) {
+      // A slot selects at most one rank's expert: its grouped rank is staged
+      // beside its id (-1 for no expert).
       const int64_t q = static_cast<int64_t>(t) * num_topk + threadIdx.x;
-      s_idx[threadIdx.x] = topk_idx[q];
+      const int32_t e = topk_idx[q];
+      s_idx[threadIdx.x] = e;
       s_w[threadIdx.x] = topk_weights[q];
+      s_row[threadIdx.x] =
+          e >= 0 && e < num_experts ? slot_rank[(e / num_local) * slots + q]
+                                    : -1;
     }
     __syncthreads();
     const int32_t n = s_num;
     if (n == 0) continue;  // block-uniform
     const uint4* src = x + static_cast<int64_t>(t) * rv;
     // Block-uniform: a token kept on this rank alone moves no row.
-    const bool only_here = kWithMeta && n == 1 && s_dest[0] == me;
-    const int64_t send_vecs = only_here ? 0 : rv;
+    const int64_t send_vecs = n == 1 && s_dest[0] == me ? 0 : rv;
     for (int64_t v0 = 0; v0 < send_vecs; v0 += kCommThreads * kSendVecs) {
       uint4 v[kSendVecs];
 #pragma unroll
@@ -457,7 +665,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
         if (j < rv) v[u] = LoadVec(src + j);
       }
       for (int32_t q = 0; q < n; ++q) {
-        if (kWithMeta && s_dest[q] == me) continue;  // block-uniform
+        if (s_dest[q] == me) continue;  // block-uniform
         uint4* dst =
             reinterpret_cast<uint4*>(s_peer[s_dest[q]] +
                                      g.layout.dispatch_rows) +
@@ -465,37 +673,92 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
 #pragma unroll
         for (int u = 0; u < kSendVecs; ++u) {
           const int64_t j = v0 + u * kCommThreads + threadIdx.x;
-          if (j < rv) StoreMaybeStreaming<kWithMeta>(dst + j, v[u]);
+          if (j < rv) StoreMaybeStreaming<true>(dst + j, v[u]);
         }
       }
     }
-    if (kWithMeta) {
-      for (int32_t q = threadIdx.x; q < n * num_topk; q += kCommThreads) {
-        const int32_t j = q / num_topk;
-        const int32_t k = q - j * num_topk;
-        const int32_t d = s_dest[j];
-        const int32_t e = s_idx[k];
-        const bool mine = e >= 0 && e < num_experts && e / num_local == d;
-        const int64_t at = (me * t_max + s_pos[j]) * num_topk + k;
-        char* base = s_peer[d];
-        reinterpret_cast<int32_t*>(base + g.layout.dispatch_meta)[at] =
-            mine ? e % num_local : -1;
-        reinterpret_cast<float*>(base + g.layout.dispatch_weights)[at] =
-            s_w[k];
+    for (int32_t q = threadIdx.x; q < n * num_topk; q += kCommThreads) {
+      const int32_t j = q / num_topk;
+      const int32_t k = q - j * num_topk;
+      const int32_t d = s_dest[j];
+      const int32_t e = s_idx[k];
+      const bool mine = e >= 0 && e < num_experts && e / num_local == d;
+      const int64_t at = (me * t_max + s_pos[j]) * num_topk + k;
+      char* base = s_peer[d];
+      reinterpret_cast<int32_t*>(base + g.layout.dispatch_meta)[at] =
+          mine ? e - d * num_local : -1;
+      reinterpret_cast<float*>(base + g.layout.dispatch_weights)[at] = s_w[k];
+      reinterpret_cast<int32_t*>(base + g.layout.dispatch_rank)[at] =
+          mine ? s_row[k] : -1;
+    }
+  }
+  if (!ArriveLastBlock(&g.state->blocks_done[kDispatchSendCounter],
+                       num_senders)) {
+    return;
+  }
+  // NOTES: seq is read here, not at entry: this op's FinishKernel is the
+  // only writer and runs later; held across the token loop it spilled.
+  const uint64_t seq = CurrentSeq(g, kDispatchRegion);
+  if (threadIdx.x < g.num_ranks) {
+    const int d = threadIdx.x;
+    StoreReleaseSys(ArrivalFlag(s_peer[d], g, kDispatchRegion, me),
+                    FlagValue(seq, count_to[d]));
+  }
+}
+
+// Rows only (the cached dispatch and the combine VJP's d_out): items are
+// tokens (grid-stride over a fixed grid, see LaunchRowsSend). Token t is read
+// once and written to every rank d with send_pos[t, d] >= 0, this one
+// included, at dispatch_rows[this rank][send_pos]. Plain stores. NOTES:
+// __stcs made ptxas spill at the 64 registers the launch bounds allow; its
+// gain here was never measured.
+__global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
+    RowsSendKernel(PeerView g, const uint4* __restrict__ x,
+                   const int32_t* __restrict__ send_pos, int32_t num_tokens,
+                   unsigned long long* counter) {
+  __shared__ char* s_peer[kMaxR];
+  __shared__ int32_t s_dest[kMaxR];
+  __shared__ int32_t s_pos[kMaxR];
+  __shared__ int32_t s_num;
+  const uint64_t seq = CurrentSeq(g, kDispatchRegion);
+  if (BlockSeesAbort(g)) return;
+  if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
+  const int me = g.rank;
+  const int64_t t_max = g.max_tokens;
+  const int64_t rv = g.hidden * g.itemsize / 16;
+  for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    __syncthreads();  // the previous token's readers of shared are done
+    if (threadIdx.x < 32) {
+      StageDestinations(send_pos, t, g, s_dest, s_pos, &s_num);
+    }
+    __syncthreads();
+    const int32_t n = s_num;
+    if (n == 0) continue;  // block-uniform
+    const uint4* src = x + static_cast<int64_t>(t) * rv;
+    for (int64_t v0 = 0; v0 < rv; v0 += kCommThreads * kSendVecs) {
+      uint4 v[kSendVecs];
+#pragma unroll
+      for (int u = 0; u < kSendVecs; ++u) {
+        const int64_t j = v0 + u * kCommThreads + threadIdx.x;
+        if (j < rv) v[u] = LoadVec(src + j);
       }
-      if (threadIdx.x < n) {
-        reinterpret_cast<int32_t*>(s_peer[s_dest[threadIdx.x]] +
-                                   g.layout.dispatch_index)
-            [me * t_max + s_pos[threadIdx.x]] = t;
+      for (int32_t q = 0; q < n; ++q) {
+        uint4* dst =
+            reinterpret_cast<uint4*>(s_peer[s_dest[q]] +
+                                     g.layout.dispatch_rows) +
+            (me * t_max + s_pos[q]) * rv;
+#pragma unroll
+        for (int u = 0; u < kSendVecs; ++u) {
+          const int64_t j = v0 + u * kCommThreads + threadIdx.x;
+          if (j < rv) dst[j] = v[u];
+        }
       }
     }
   }
-  if (!ArriveLastBlock(counter)) return;
+  if (!ArriveLastBlock(counter, gridDim.x)) return;
   if (threadIdx.x < g.num_ranks) {
-    const int d = threadIdx.x;
-    const int32_t count = count_to != nullptr ? count_to[d] : 0;
-    StoreReleaseSys(ArrivalFlag(s_peer[d], g, kDispatchRegion, me),
-                    FlagValue(seq, count));
+    StoreReleaseSys(ArrivalFlag(s_peer[threadIdx.x], g, kDispatchRegion, me),
+                    FlagValue(seq, 0));
   }
 }
 
@@ -521,15 +784,23 @@ __global__ void __launch_bounds__(kWaitThreads)
   if (counts_out != nullptr) counts_out[s] = count;
 }
 
-// entry_weights[n, k] = the weight that came with entry (s, i, k), n = s *
-// T_max + i; 0 where i >= recv_counts[s] or the slot is not for this rank.
-__global__ void EntryWeightsKernel(PeerView g,
-                                   const int32_t* __restrict__ recv_counts,
-                                   float* __restrict__ entry_weights) {
+// Entries n = s * T_max + i, slot k: entry_row[n, k] = offset[s][l] +
+// dispatch_rank (see WaitCountsKernel) for entries with i < recv_counts[s]
+// whose slot selects local expert l, -1 where that row is >= capacity or there
+// is none; entry_weights[n, k] = the weight that came with the entry, 0 where
+// the slot is not for this rank.
+__global__ void EntryRowsKernel(PeerView g,
+                                const int32_t* __restrict__ recv_counts,
+                                const int32_t* __restrict__ offset,
+                                int32_t num_local, int64_t capacity,
+                                int32_t* __restrict__ entry_row,
+                                float* __restrict__ entry_weights) {
   const int32_t* meta =
       reinterpret_cast<const int32_t*>(g.own + g.layout.dispatch_meta);
   const float* weights =
       reinterpret_cast<const float*>(g.own + g.layout.dispatch_weights);
+  const int32_t* ranks =
+      reinterpret_cast<const int32_t*>(g.own + g.layout.dispatch_rank);
   const int64_t num_topk = g.num_topk;
   const int64_t total = g.num_ranks * g.max_tokens * num_topk;
   for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -537,8 +808,19 @@ __global__ void EntryWeightsKernel(PeerView g,
     const int64_t n = q / num_topk;
     const int64_t s = n / g.max_tokens;
     const int64_t i = n - s * g.max_tokens;
+    int32_t row = -1;
     float w = 0.0f;
-    if (i < recv_counts[s] && __ldcg(meta + q) >= 0) w = __ldcg(weights + q);
+    if (i < recv_counts[s]) {
+      const int32_t l = __ldcg(meta + q);
+      if (l >= 0 && l < num_local) {
+        // A corrupt rank can never make an out-of-range row.
+        const int64_t r = static_cast<int64_t>(offset[s * num_local + l]) +
+                          __ldcg(ranks + q);
+        row = r >= 0 && r < capacity ? static_cast<int32_t>(r) : -1;
+        w = __ldcg(weights + q);
+      }
+    }
+    entry_row[q] = row;
     entry_weights[q] = w;
   }
 }
@@ -641,7 +923,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineSendBlocksPerSm)
       }
     }
   }
-  if (!ArriveLastBlock(&g.state->blocks_done[kCombineSendCounter])) return;
+  if (!ArriveLastBlock(&g.state->blocks_done[kCombineSendCounter], gridDim.x)) return;
   if (threadIdx.x < g.num_ranks) {
     const int s = threadIdx.x;
     StoreReleaseSys(ArrivalFlag(s_peer[s], g, kCombineRegion, me),
@@ -820,7 +1102,7 @@ __global__ void __launch_bounds__(kDotsThreads, kDotsSendBlocksPerSm)
       if (lane < kDotsGroup && k0 + lane < num_topk) dst[k0 + lane] = mine;
     }
   }
-  if (!ArriveLastBlock(&g.state->blocks_done[kDotsSendCounter])) return;
+  if (!ArriveLastBlock(&g.state->blocks_done[kDotsSendCounter], gridDim.x)) return;
   if (threadIdx.x < g.num_ranks) {
     const int s = threadIdx.x;
     StoreReleaseSys(ArrivalFlag(s_peer[s], g, kDotsRegion, me),
@@ -872,7 +1154,8 @@ bool ValidView(const PeerView& g, ElementType dtype) {
          g.num_topk <= kMaxK && g.max_tokens >= 1 && g.hidden >= 1 &&
          g.hidden % kHiddenMultiple == 0 && g.num_blocks >= 1 &&
          g.itemsize == ElementBytes(dtype) &&
-         g.num_ranks * g.max_tokens * g.num_topk <= INT32_MAX;
+         g.num_ranks * g.max_tokens * g.num_topk <= INT32_MAX &&
+         g.hidden * g.itemsize / 16 <= INT32_MAX;  // 32-bit vector indices
 }
 
 bool ValidTokens(const PeerView& g, int64_t num_tokens) {
@@ -908,24 +1191,16 @@ cudaError_t LaunchFinish(const PeerView& g, unsigned region_mask,
   return cudaGetLastError();
 }
 
-template <bool kWithMeta>
 cudaError_t LaunchRowsSend(const PeerView& g, PeerOp op, const void* x,
-                           const int32_t* send_pos, const int32_t* topk_idx,
-                           const float* topk_weights, const int32_t* count_to,
-                           int64_t num_tokens, int64_t num_experts,
-                           int64_t num_local, cudaStream_t stream) {
+                           const int32_t* send_pos, int64_t num_tokens,
+                           cudaStream_t stream) {
   JAX_EP_CUDA_RETURN_IF_ERROR(
       LaunchWaitConsumed(g, op, kDispatchRegion, stream));
   // NOTES: always the same grid for this kernel (the counters rely on it).
-  unsigned long long* counter =
-      &g.state->blocks_done[kWithMeta ? kDispatchSendCounter
-                                      : kRowsSendCounter];
-  RowsSendKernel<kWithMeta>
-      <<<g.num_blocks * kRowsSendBlocksPerSm, kCommThreads, 0, stream>>>(
-      g, static_cast<const uint4*>(x), send_pos, topk_idx, topk_weights,
-      count_to, static_cast<int32_t>(num_tokens),
-      static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local),
-      counter);
+  RowsSendKernel<<<g.num_blocks * kRowsSendBlocksPerSm, kCommThreads, 0,
+                   stream>>>(g, static_cast<const uint4*>(x), send_pos,
+                             static_cast<int32_t>(num_tokens),
+                             &g.state->blocks_done[kRowsSendCounter]);
   return cudaGetLastError();
 }
 
@@ -1002,16 +1277,17 @@ cudaError_t PreloadDtype() {
 cudaError_t PreloadKernels() {
   cudaFuncAttributes attr;
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, SendLayoutKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, NotifyKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, RowsSendKernel<true>));
+      cudaFuncGetAttributes(&attr, WaitCountsKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, RowsSendKernel<false>));
+      cudaFuncGetAttributes(&attr, DispatchSendKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, RowsSendKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attr, WaitArrivalsKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attr, WaitConsumedKernel));
-  JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, EntryWeightsKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, EntryRowsKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, FinishKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, WeightGradKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(PreloadDtype<__nv_bfloat16>());
@@ -1036,51 +1312,83 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
   }
   const int64_t num_local = num_experts / g.num_ranks;
   const int64_t num_rows = g.num_ranks * g.max_tokens;  // N
-  int32_t* layout_invalid = workspace;  // the receiver's ids are never invalid
-  int32_t* count_to = workspace + 1;
-  int32_t* layout_workspace = workspace + 1 + g.num_ranks;
+  // Workspace: see DispatchWorkspaceElems.
+  int32_t* count_to = workspace;
+  int32_t* layout_dropped = count_to + g.num_ranks;  // never drops (INT32_MAX)
+  int32_t* layout_invalid = layout_dropped + g.num_ranks;  // counted in 1.
+  int32_t* dest_ids = layout_invalid + g.num_ranks;
+  int32_t* slot_rank = dest_ids + g.num_ranks * g.max_tokens * g.num_topk;
+  int32_t* dest_counts = slot_rank + g.num_ranks * g.max_tokens * g.num_topk;
+  int32_t* offset = dest_counts + num_experts;
+  int32_t* layout_workspace = offset + num_experts;
 
-  // 1. Send lists (local): send_pos, count_to, num_invalid.
+  // 1. Send lists (local): send_pos, count_to, num_invalid, and each slot's
+  //    local expert per destination.
   SendLayoutKernel<<<g.num_ranks, kLayoutThreads, 0, stream>>>(
-      topk_idx, send_pos, count_to, num_invalid,
+      topk_idx, send_pos, count_to, dest_ids, num_invalid,
       static_cast<int32_t>(num_tokens), g.num_topk,
       static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local),
       g.num_ranks);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  // 2. Rows + meta into the receivers' dispatch regions, then their flags.
-  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend<true>(
-      g, PeerOp::kDispatch, x, send_pos, topk_idx, topk_weights, count_to,
-      num_tokens, num_experts, num_local, stream));
-  // 3. Every source's flag: recv_counts.
+  // 2. Per destination, the slots' rows in this rank's expert-grouped order
+  //    of what it sends there, and the counts per local expert (the batched
+  //    local layout, one batch element per destination, nothing dropped).
+  JAX_EP_CUDA_RETURN_IF_ERROR(layout::LocalLayout(
+      dest_ids, slot_rank, dest_counts, layout_dropped, layout_invalid,
+      layout_workspace, /*num_batches=*/g.num_ranks, num_tokens, g.num_topk,
+      num_local, /*capacity=*/INT32_MAX, stream));
+  // 3. Notify: the counts into every rank's region, once it released it.
+  NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(
+      g, dest_counts, static_cast<int32_t>(num_local));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // 4. Every source's counts: receive offsets, group_sizes, num_dropped.
+  WaitCountsKernel<<<1, kCountsThreads, 0, stream>>>(
+      g, static_cast<int32_t>(num_local), capacity, offset, group_sizes,
+      num_dropped);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // 5. Rows + meta into the other ranks' regions, then their flags; this
+  //    rank's own tokens straight into recv_x meanwhile.
+  // NOTES: the senders' grid is the same every call (the counter relies on
+  // it); the placers take the SMs outside the budget (at least as many as
+  // the budget), no more blocks than tokens.
+  int num_sms = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
+  const int64_t num_senders =
+      static_cast<int64_t>(g.num_blocks) * kRowsSendBlocksPerSm;
+  int64_t num_placers =
+      static_cast<int64_t>(num_sms > g.num_blocks ? num_sms - g.num_blocks
+                                                  : g.num_blocks) *
+      kRowsSendBlocksPerSm;
+  if (num_placers > num_tokens) num_placers = num_tokens;
+  DispatchSendKernel<<<static_cast<unsigned>(num_senders + num_placers),
+                       kCommThreads, 0, stream>>>(
+      g, static_cast<const uint4*>(x), send_pos, topk_idx, topk_weights,
+      count_to, slot_rank, offset, static_cast<uint4*>(recv_x), capacity,
+      static_cast<int32_t>(num_tokens), static_cast<int32_t>(num_experts),
+      static_cast<int32_t>(num_local), static_cast<int32_t>(num_senders));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // 6. Every source's flag: recv_counts.
   JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, PeerOp::kDispatch, kDispatchRegion,
                                          recv_counts, stream));
-  // 4. Layout of the N*K received entries (rows past a source's count are
-  //    masked): entry_row, group_sizes, num_dropped.
-  JAX_EP_CUDA_RETURN_IF_ERROR(layout::LocalLayout(
-      reinterpret_cast<const int32_t*>(g.own + g.layout.dispatch_meta),
-      entry_row, group_sizes, num_dropped, layout_invalid, layout_workspace,
-      /*num_batches=*/1, num_rows, g.num_topk, num_local, capacity, stream,
-      recv_counts, g.max_tokens));
-  // 5. Rows from the receive buffer into recv_x (zero tail); this rank's own
-  //    tokens straight from x (rows send did not copy them).
-  local::OwnRows own;
-  own.rows = num_tokens > 0 ? x : nullptr;
-  own.index = reinterpret_cast<const int32_t*>(g.own + g.layout.dispatch_index);
-  own.begin = static_cast<int64_t>(g.rank) * g.max_tokens;
-  own.count = g.max_tokens;
-  own.num_rows = num_tokens;
+  // 7. Rows and weights of the N*K received entries.
+  unsigned grid = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(ElementwiseGrid(
+      EntryRowsKernel, 256, num_rows * g.num_topk, &grid));
+  EntryRowsKernel<<<grid, 256, 0, stream>>>(
+      g, recv_counts, offset, static_cast<int32_t>(num_local), capacity,
+      entry_row, entry_weights);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  // 8. The other sources' rows from the receive buffer into recv_x, and the
+  //    zero tail (this rank's own tokens were placed in 5).
+  local::PlacedTokens placed;
+  placed.begin = static_cast<int64_t>(g.rank) * g.max_tokens;
+  placed.count = g.max_tokens;
   JAX_EP_CUDA_RETURN_IF_ERROR(local::Permute(
       dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
       /*slot_weights=*/nullptr, recv_x, /*num_batches=*/1, num_rows,
       g.num_topk, num_local, g.hidden, capacity, /*weighted=*/false, stream,
-      /*x_from_peers=*/true, own));
-  // 6. The weights that came with the entries.
-  unsigned grid = 0;
-  JAX_EP_CUDA_RETURN_IF_ERROR(ElementwiseGrid(
-      EntryWeightsKernel, 256, num_rows * g.num_topk, &grid));
-  EntryWeightsKernel<<<grid, 256, 0, stream>>>(g, recv_counts, entry_weights);
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  // 7. Release the region, advance seq, status.
+      /*x_from_peers=*/true, placed));
+  // 9. Release the region, advance seq, status.
   return LaunchFinish(g, 1u << kDispatchRegion, status, stream);
 }
 
@@ -1099,9 +1407,8 @@ cudaError_t DispatchCached(const PeerView& g, ElementType dtype, const void* x,
     return cudaErrorInvalidValue;
   }
   const int64_t num_rows = g.num_ranks * g.max_tokens;
-  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend<false>(
-      g, PeerOp::kDispatchCached, x, send_pos, nullptr, nullptr, nullptr,
-      num_tokens, 0, 1, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend(
+      g, PeerOp::kDispatchCached, x, send_pos, num_tokens, stream));
   JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, PeerOp::kDispatchCached,
                                          kDispatchRegion, nullptr, stream));
   JAX_EP_CUDA_RETURN_IF_ERROR(local::Permute(
@@ -1143,9 +1450,8 @@ cudaError_t CombineVjp(const PeerView& g, ElementType dtype, const void* d_out,
   const int64_t num_local = num_experts / g.num_ranks;
   const int64_t num_rows = g.num_ranks * g.max_tokens;
   // d_out rows travel like a cached dispatch (dispatch region).
-  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend<false>(
-      g, PeerOp::kCombineVjp, d_out, send_pos, nullptr, nullptr, nullptr,
-      num_tokens, 0, 1, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend(
+      g, PeerOp::kCombineVjp, d_out, send_pos, num_tokens, stream));
   JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, PeerOp::kCombineVjp,
                                          kDispatchRegion, nullptr, stream));
   // d_expert_out: the weighted placement of the received d_out rows.

@@ -111,7 +111,7 @@ __device__ int64_t UsedRows(const int32_t* __restrict__ group_sizes,
 // kSplitRows: splits > 1. NOTES: the unsplit instantiation compiles to the
 // same code as before row splitting existed; the split arithmetic in it cost
 // 4 us (2.5%) at T=4096 on the H200 (A/B on one GPU, 165.6 vs 169.7 us).
-// own (kPeerRows): see OwnRows in ep_kernels.h.
+// placed (kPeerRows): see PlacedTokens in ep_kernels.h.
 // Stores: evict-first (st.global.cs) in the unsplit bf16 instantiations
 // only (kStreamRows). NOTES: rows written once and read once by a later
 // kernel; marking them evict-first keeps the rows still to be read cached
@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kRowBlock)
                   const int32_t* __restrict__ group_sizes,
                   const float* __restrict__ slot_weights,
                   uint4* __restrict__ recv_x, RowDims d, bool weighted,
-                  int32_t splits, OwnRows own) {
+                  int32_t splits, PlacedTokens placed) {
   constexpr bool kStreamRows =
       !kSplitRows && std::is_same_v<T, __nv_bfloat16>;
   __shared__ int32_t s_row[kMaxK];
@@ -151,6 +151,12 @@ __global__ void __launch_bounds__(kRowBlock)
           !kSplitRows ? rv
                       : (j_begin + part_vecs < rv ? j_begin + part_vecs : rv);
       const int64_t b = token / d.num_tokens;
+      if constexpr (kPeerRows) {
+        // Block-uniform: the caller placed these rows already.
+        if (token >= placed.begin && token < placed.begin + placed.count) {
+          continue;
+        }
+      }
       __syncthreads();  // the previous token's readers of s_row are done
       int32_t my_row = -1;
       if (threadIdx.x < d.num_topk) {
@@ -163,16 +169,6 @@ __global__ void __launch_bounds__(kRowBlock)
       // most of a peer receive buffer's rows are unused.
       if (!__syncthreads_or(my_row >= 0)) continue;
       const uint4* src = x + token * rv;
-      if constexpr (kPeerRows) {
-        if (own.rows != nullptr && token >= own.begin &&
-            token < own.begin + own.count) {
-          // Written by this op's rows send; clamped so that a corrupt index
-          // can never read out of bounds.
-          int64_t r = own.index[token];
-          r = r < 0 ? 0 : (r >= own.num_rows ? own.num_rows - 1 : r);
-          src = static_cast<const uint4*>(own.rows) + r * rv;
-        }
-      }
       uint4* dst_batch = recv_x + b * d.capacity * rv;
       for (int64_t v0 = j_begin; v0 < j_end; v0 += kRowBlock * kPermuteVecs) {
         uint4 v[kPermuteVecs];
@@ -456,7 +452,7 @@ cudaError_t LaunchPermuteKernel(const void* x, const int32_t* slot_row,
                                 const int32_t* group_sizes,
                                 const float* slot_weights, void* recv_x,
                                 const RowDims& d, bool weighted,
-                                int32_t splits, const OwnRows& own,
+                                int32_t splits, const PlacedTokens& placed,
                                 cudaStream_t stream) {
   const int64_t num_items =
       d.num_batches * d.num_tokens * splits + d.num_batches * d.capacity;
@@ -467,7 +463,7 @@ cudaError_t LaunchPermuteKernel(const void* x, const int32_t* slot_row,
       kMaxWaves, num_items, &grid));
   PermuteKernel<T, kPeerRows, kSplitRows><<<grid, kRowBlock, 0, stream>>>(
       static_cast<const uint4*>(x), slot_row, group_sizes, slot_weights,
-      static_cast<uint4*>(recv_x), d, weighted, splits, own);
+      static_cast<uint4*>(recv_x), d, weighted, splits, placed);
   return cudaGetLastError();
 }
 
@@ -475,17 +471,17 @@ template <typename T, bool kPeerRows>
 cudaError_t LaunchPermute(const void* x, const int32_t* slot_row,
                           const int32_t* group_sizes, const float* slot_weights,
                           void* recv_x, const RowDims& d, bool weighted,
-                          const OwnRows& own, cudaStream_t stream) {
+                          const PlacedTokens& placed, cudaStream_t stream) {
   int32_t splits = 1;
   JAX_EP_CUDA_RETURN_IF_ERROR(
       RowSplits(d.row_vecs, d.num_batches * d.num_tokens, &splits));
   return splits > 1
              ? LaunchPermuteKernel<T, kPeerRows, true>(
                    x, slot_row, group_sizes, slot_weights, recv_x, d, weighted,
-                   splits, own, stream)
+                   splits, placed, stream)
              : LaunchPermuteKernel<T, kPeerRows, false>(
                    x, slot_row, group_sizes, slot_weights, recv_x, d, weighted,
-                   1, own, stream);
+                   1, placed, stream);
 }
 
 template <typename T>
@@ -493,14 +489,14 @@ struct PermuteLaunch {
   static cudaError_t Run(const void* x, const int32_t* slot_row,
                          const int32_t* group_sizes, const float* slot_weights,
                          void* recv_x, const RowDims& d, bool weighted,
-                         bool x_from_peers, const OwnRows& own,
+                         bool x_from_peers, const PlacedTokens& placed,
                          cudaStream_t stream) {
     return x_from_peers
                ? LaunchPermute<T, true>(x, slot_row, group_sizes, slot_weights,
-                                        recv_x, d, weighted, own, stream)
+                                        recv_x, d, weighted, placed, stream)
                : LaunchPermute<T, false>(x, slot_row, group_sizes,
                                          slot_weights, recv_x, d, weighted,
-                                         OwnRows{}, stream);
+                                         PlacedTokens{}, stream);
   }
 };
 
@@ -558,16 +554,15 @@ cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
                     void* recv_x, int64_t num_batches, int64_t num_tokens,
                     int64_t num_topk, int64_t num_experts, int64_t hidden,
                     int64_t capacity, bool weighted, cudaStream_t stream,
-                    bool x_from_peers, const OwnRows& own) {
+                    bool x_from_peers, const PlacedTokens& placed) {
   if (num_batches <= 0) return cudaSuccess;
   if (!ValidRowDims(num_tokens, num_topk, hidden, capacity) ||
       num_experts < 1 || num_experts > kMaxExperts ||
       (weighted && slot_weights == nullptr) ||
-      // own's token range and index describe one batch element's tokens.
-      (own.rows != nullptr &&
-       (!x_from_peers || num_batches != 1 || own.index == nullptr ||
-        own.num_rows < 1 || own.begin < 0 || own.count < 0 ||
-        own.begin + own.count > num_tokens))) {
+      // The placed range describes one batch element's tokens.
+      (placed.count != 0 &&
+       (!x_from_peers || num_batches != 1 || placed.begin < 0 ||
+        placed.count < 0 || placed.begin + placed.count > num_tokens))) {
     return cudaErrorInvalidValue;
   }
   const RowDims d =
@@ -575,7 +570,7 @@ cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
                   hidden * ElementBytes(dtype) / 16, capacity);
   return DispatchDtype<PermuteLaunch>(dtype, x, slot_row, group_sizes,
                                       slot_weights, recv_x, d, weighted,
-                                      x_from_peers, own, stream);
+                                      x_from_peers, placed, stream);
 }
 
 cudaError_t Unpermute(ElementType dtype, const void* expert_out,
