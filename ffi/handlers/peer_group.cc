@@ -12,6 +12,7 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <set>
 #include <string>
 #include <utility>
 
@@ -34,6 +35,9 @@ struct BufferHeader {
   int64_t max_tokens;
   int64_t itemsize;
   int64_t capacity;
+  // The owner's GPU (cudaDeviceProp::uuid): not part of the configuration,
+  // read on connect to tell whether every rank has a GPU of its own.
+  unsigned char device_uuid[16];
 };
 static_assert(sizeof(BufferHeader) <= intranode::kHeaderBytes,
               "header must fit its region");
@@ -132,6 +136,13 @@ BufferHeader MakeHeader(const GroupConfig& c) {
   return h;
 }
 
+cudaError_t DeviceUuid(int device, unsigned char* uuid) {
+  cudaDeviceProp prop;
+  const cudaError_t err = cudaGetDeviceProperties(&prop, device);
+  if (err == cudaSuccess) std::memcpy(uuid, &prop.uuid, 16);
+  return err;
+}
+
 // Empty if `peer` (read from rank r's buffer) matches `mine` for rank r.
 std::string HeaderMismatch(const BufferHeader& mine, const BufferHeader& peer,
                            int r) {
@@ -194,6 +205,7 @@ void FinishConnect(Group& g) {
   v.num_topk = static_cast<int32_t>(g.config.num_topk);
   v.itemsize = static_cast<int32_t>(g.config.itemsize);
   v.num_blocks = g.config.num_sms;
+  v.own_gpus = g.own_gpus ? 1 : 0;
   // Published under the registry lock: Lookup reads it under the same lock.
   std::lock_guard<std::mutex> lock(RegistryMutex());
   g.connected = true;
@@ -322,7 +334,10 @@ int64_t Create(const GroupConfig& c) {
     // and the receive regions never hold another process's old memory.
     ThrowIfCuda(cudaMemset(g->buffer, 0, static_cast<size_t>(g->buffer_bytes)),
                 fn + ": cudaMemset of the peer buffer");
-    const BufferHeader header = MakeHeader(c);
+    BufferHeader header = MakeHeader(c);
+    ThrowIfCuda(DeviceUuid(c.device, header.device_uuid),
+                fn + ": cudaGetDeviceProperties of device " +
+                    std::to_string(c.device));
     ThrowIfCuda(cudaMemcpy(g->buffer, &header, sizeof(header),
                            cudaMemcpyHostToDevice),
                 fn + ": cudaMemcpy of the buffer header");
@@ -388,11 +403,16 @@ void Connect(int64_t group_id, const std::vector<std::string>& handles) {
   DeviceGuard guard(c.device);
   const BufferHeader mine = MakeHeader(c);
   std::vector<uint64_t> table(c.num_ranks, 0);
+  std::vector<std::string> uuids(c.num_ranks);
   std::vector<void*> opened;
   try {
     for (int r = 0; r < c.num_ranks; ++r) {
       if (r == c.rank) {
         table[r] = reinterpret_cast<uint64_t>(g->buffer);
+        unsigned char uuid[16];
+        ThrowIfCuda(DeviceUuid(c.device, uuid),
+                    fn + ": cudaGetDeviceProperties");
+        uuids[r].assign(reinterpret_cast<const char*>(uuid), 16);
         continue;
       }
       cudaIpcMemHandle_t handle;
@@ -410,9 +430,13 @@ void Connect(int64_t group_id, const std::vector<std::string>& handles) {
                       "'s buffer header");
       const std::string mismatch = HeaderMismatch(mine, peer, r);
       if (!mismatch.empty()) throw std::invalid_argument(fn + ": " + mismatch);
+      uuids[r].assign(reinterpret_cast<const char*>(peer.device_uuid), 16);
     }
     g->table_host = table;
     g->ipc_opened = opened;
+    // Every rank sees every rank's GPU, so all of them decide the same.
+    g->own_gpus = std::set<std::string>(uuids.begin(), uuids.end()).size() ==
+                  uuids.size();
     FinishConnect(*g);
   } catch (...) {
     for (void* p : opened) cudaIpcCloseMemHandle(p);
@@ -473,15 +497,19 @@ void ConnectLocal(const std::vector<int64_t>& group_ids) {
     }
   }
   std::vector<uint64_t> table(num_ranks);
+  std::set<int> devices;
   for (int r = 0; r < num_ranks; ++r) {
     table[r] = reinterpret_cast<uint64_t>(groups[r]->buffer);
+    devices.insert(groups[r]->config.device);
   }
+  const bool own_gpus = static_cast<int>(devices.size()) == num_ranks;
   try {
     for (int r = 0; r < num_ranks; ++r) {
       Group& g = *groups[r];
       DeviceGuard guard(g.config.device);
       g.table_host = table;
       g.local_siblings = group_ids;
+      g.own_gpus = own_gpus;
       FinishConnect(g);
     }
   } catch (...) {

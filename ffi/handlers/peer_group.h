@@ -54,6 +54,7 @@ struct Group {
   std::vector<uint64_t> table_host;              // the same, on the host
   std::vector<void*> ipc_opened;                 // to cudaIpcCloseMemHandle
   std::vector<int64_t> local_siblings;           // ConnectLocal group ids
+  bool own_gpus = false;  // no two ranks share a GPU (set on connect)
   bool connected = false;
   intranode::PeerView view{};                    // valid once connected
 };

@@ -245,6 +245,10 @@ enum class WaitKind : int32_t {
 //                     source's own expert-grouped order of the slots it sends
 //                     this rank (see intranode::Dispatch)
 //   notify_counts     [R src][kMaxExperts] int32     slots per local expert
+//   notify_chunks     [R src][T_max + 1] int32       receive position of the
+//                     first token of each of the source's send chunks
+//   chunk_done        [R src][T_max + 1] u32         tokens of each chunk the
+//                     source has finished (the receiver resets them)
 //   combine_rows      [R expert rank][T_max][H] partial sums, sized for
 //                     float32; they travel in bf16 for bf16 activations (half
 //                     the wire bytes), else in fp32 (CombineWire, intranode.cu)
@@ -258,6 +262,8 @@ struct BufferLayout {
   int64_t dispatch_weights;
   int64_t dispatch_rank;
   int64_t notify_counts;
+  int64_t notify_chunks;
+  int64_t chunk_done;
   int64_t combine_rows;
   int64_t dots;
   int64_t flags;
@@ -285,6 +291,10 @@ inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
   at += AlignRegion(rows * num_topk * 4);
   l.notify_counts = at;
   at += AlignRegion(num_ranks * kMaxExperts * 4);
+  l.notify_chunks = at;
+  at += AlignRegion(num_ranks * (max_tokens + 1) * 4);
+  l.chunk_done = at;
+  at += AlignRegion(num_ranks * (max_tokens + 1) * 4);
   l.combine_rows = at;
   at += AlignRegion(rows * hidden * 4);
   l.dots = at;
@@ -337,20 +347,26 @@ struct PeerView {
   int32_t num_blocks;   // SM budget: send kernels run num_blocks times their
                         // blocks per SM (intranode.cu), on whichever SMs
                         // are free; it bounds threads, not which SMs
+  int32_t own_gpus;     // 1: every rank of the group has a GPU of its own, so
+                        // a dispatch may receive in blocks that spin beside
+                        // its sends (intranode.cu); 0: some ranks share one
+                        // (MPS), where a spinning block could hold the SMs a
+                        // peer's sender needs
 };
 
 // int32 elements of the `workspace` result of jax_ep_peer_dispatch, in
-// order: [R] tokens sent to each rank; [R] + [R] layout scratch; [R, T_max, K]
-// the slots' local expert ids per destination (-1 for other ranks' slots);
-// [R, T_max, K] each slot's row in this rank's expert-grouped order of the
-// slots it sends that destination; [R, E/R] slots per (destination, local
-// expert); [R, E/R] receive offsets per (source, local expert); then the
-// batched local layout's workspace (R batches of T_max rows of K slots over
-// E/R experts).
+// order: [R] tokens sent to each rank; [R] + [R] layout scratch; [R] chunks
+// of each source; [R, T_max + 1] the send position of each chunk's first
+// token per destination; [R, T_max, K] the slots' local expert ids per
+// destination (-1 for other ranks' slots); [R, T_max, K] each slot's row in
+// this rank's expert-grouped order of the slots it sends that destination;
+// [R, E/R] slots per (destination, local expert); [R, E/R] receive offsets per
+// (source, local expert); then the batched local layout's workspace (R
+// batches of T_max rows of K slots over E/R experts).
 inline int64_t DispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
                                       int64_t num_topk, int64_t num_experts) {
-  return 3 * num_ranks + 2 * num_ranks * max_tokens * num_topk +
-         2 * num_experts +
+  return 4 * num_ranks + num_ranks * (max_tokens + 1) +
+         2 * num_ranks * max_tokens * num_topk + 2 * num_experts +
          num_ranks * layout::LocalLayoutWorkspaceElems(
                          max_tokens, num_topk, num_experts / num_ranks);
 }

@@ -346,7 +346,9 @@ __device__ __forceinline__ int32_t CheckedRow(int32_t row, int64_t capacity) {
 // ---------------------------------------------------------------------------
 
 // Block d: send_pos[:, d] = exclusive scan over tokens of "t goes to d"
-// (some slot selects an expert of rank d), count_to[d] = the total, and
+// (some slot selects an expert of rank d), count_to[d] = the total,
+// chunk_start[d, c] = that scan at token c * chunk_tokens (the send position
+// of the first token of chunk c that goes to d), count_to[d] at c = chunks, and
 // dest_ids[d, t, k] = the local expert of slot (t, k) on rank d, -1 where it
 // selects none of d's (the input of the per-destination layout). Block 0 also
 // counts invalid ids (< -1 or >= E).
@@ -355,9 +357,11 @@ __global__ void __launch_bounds__(kLayoutThreads)
                      int32_t* __restrict__ send_pos,
                      int32_t* __restrict__ count_to,
                      int32_t* __restrict__ dest_ids,
+                     int32_t* __restrict__ chunk_start,
                      int32_t* __restrict__ num_invalid, int32_t num_tokens,
                      int32_t num_topk, int32_t num_experts, int32_t num_local,
-                     int32_t num_ranks) {
+                     int32_t num_ranks, int32_t chunk_tokens,
+                     int64_t chunk_stride) {
   constexpr int kWarps = kLayoutThreads / 32;
   __shared__ int32_t s_warp[kWarps];
   const int d = blockIdx.x;
@@ -396,13 +400,20 @@ __global__ void __launch_bounds__(kLayoutThreads)
       total += c;
     }
     if (t < num_tokens) {
-      send_pos[static_cast<int64_t>(t) * num_ranks + d] =
-          goes ? offset + __popc(ballot & LaneMaskLt()) : -1;
+      const int32_t before = offset + __popc(ballot & LaneMaskLt());
+      send_pos[static_cast<int64_t>(t) * num_ranks + d] = goes ? before : -1;
+      if (t % chunk_tokens == 0) {
+        chunk_start[d * chunk_stride + t / chunk_tokens] = before;
+      }
     }
     running += total;
     __syncthreads();  // s_warp is rewritten by the next round
   }
-  if (threadIdx.x == 0) count_to[d] = running;
+  if (threadIdx.x == 0) {
+    count_to[d] = running;
+    chunk_start[d * chunk_stride +
+                (num_tokens + chunk_tokens - 1) / chunk_tokens] = running;
+  }
   if (d == 0) {  // block-uniform
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) {
@@ -420,13 +431,16 @@ __global__ void __launch_bounds__(kLayoutThreads)
 
 // Notify (dispatch, one block): thread d < R waits until rank d released the
 // dispatch region of the previous call, then the block writes this rank's slot
-// counts for d's local experts into d's notify_counts[this rank] and releases
-// d's notify flag [this rank] (= seq << 32). The stores into d's region are
-// ordered after the wait as in the send kernels (NOTES at the top); this
-// kernel stands in for WaitConsumedKernel in front of the dispatch's sends.
+// counts for d's local experts into d's notify_counts[this rank], the send
+// positions of its chunks (chunk_start[d, 0..num_chunks]) into d's
+// notify_chunks[this rank], and releases d's notify flag [this rank] =
+// (seq << 32 | num_chunks). The stores into d's region are ordered after the
+// wait as in the send kernels (NOTES at the top); this kernel stands in for
+// WaitConsumedKernel in front of the dispatch's sends.
 __global__ void __launch_bounds__(kNotifyThreads)
     NotifyKernel(PeerView g, const int32_t* __restrict__ counts,
-                 int32_t num_local) {
+                 const int32_t* __restrict__ chunk_start, int32_t num_local,
+                 int32_t num_chunks) {
   __shared__ char* s_peer[kMaxR];
   const int me = g.rank;
   const uint64_t seq = CurrentSeq(g, kDispatchRegion);
@@ -447,15 +461,26 @@ __global__ void __launch_bounds__(kNotifyThreads)
     reinterpret_cast<int32_t*>(s_peer[d] + g.layout.notify_counts)
         [static_cast<int64_t>(me) * kMaxExperts + l] = counts[q];
   }
+  const int64_t stride = g.max_tokens + 1;
+  const int32_t per_rank = num_chunks + 1;
+  for (int32_t q = threadIdx.x; q < g.num_ranks * per_rank;
+       q += kNotifyThreads) {
+    const int32_t d = q / per_rank;
+    const int32_t c = q - d * per_rank;
+    reinterpret_cast<int32_t*>(s_peer[d] + g.layout.notify_chunks)
+        [me * stride + c] = chunk_start[d * stride + c];
+  }
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x < g.num_ranks) {
-    StoreReleaseSys(NotifyFlag(s_peer[threadIdx.x], g, me), FlagValue(seq, 0));
+    StoreReleaseSys(NotifyFlag(s_peer[threadIdx.x], g, me),
+                    FlagValue(seq, num_chunks));
   }
 }
 
 // Every source's counts (one block): thread s < R waits for source s's notify
-// flag; then, with c[s][l] its slot count for local expert l,
+// flag and records its number of chunks in source_chunks[s]; then, with
+// c[s][l] its slot count for local expert l,
 //   total[l] = sum_s c[s][l]; base[l] = sum_{l' < l} total[l'] (the expert's
 //   first row); group_sizes[l] = min(max(capacity - base[l], 0), total[l]);
 //   num_dropped = max(sum_l total[l] - capacity, 0);
@@ -469,7 +494,8 @@ __global__ void __launch_bounds__(kCountsThreads)
     WaitCountsKernel(PeerView g, int32_t num_local, int64_t capacity,
                      int32_t* __restrict__ offset,
                      int32_t* __restrict__ group_sizes,
-                     int32_t* __restrict__ num_dropped) {
+                     int32_t* __restrict__ num_dropped,
+                     int32_t* __restrict__ source_chunks) {
   constexpr int kWarps = kCountsThreads / 32;
   __shared__ int32_t s_warp[kWarps];
   const int lane = threadIdx.x & 31;
@@ -481,6 +507,7 @@ __global__ void __launch_bounds__(kCountsThreads)
     uint64_t v = 0;
     failed = !SpinWait(g, NotifyFlag(g.own, g, s), WaitKind::kCounts, seq,
                        PeerOp::kDispatch, kDispatchRegion, s, &v);
+    source_chunks[s] = ClampCount(static_cast<int32_t>(v & 0xffffffffull), g);
   }
   // Outputs are garbage after an abort; the status says so.
   if (__syncthreads_or(failed)) return;
@@ -545,24 +572,100 @@ __global__ void __launch_bounds__(kCountsThreads)
   }
 }
 
-// The sends of a dispatch, and the placement of this rank's own tokens, in one
-// kernel with two roles by block index.
-// * Blocks [0, num_senders) (the group's SM budget): items are tokens t
-//   (grid-stride). Row t is read once and written to every other rank d with
-//   send_pos[t, d] >= 0 at dispatch_rows[this rank][send_pos]; for every rank
-//   d the token goes to, including this one, its K local expert ids (-1 for
-//   slots of other ranks), K weights and K grouped ranks (dispatch_rank, from
-//   slot_rank[d, t, k]) go to d's region. The last sender releases the
-//   arrival flags.
-// * Blocks [num_senders, gridDim.x): items are tokens t with slots on this
-//   rank; row t goes straight from x to recv_x[offset[me][l] + slot_rank[me,
-//   t, k]] for each of them (rows >= capacity dropped). These blocks do not
-//   spin and signal nothing: stream order puts the whole kernel before the
-//   receive side's permute of the other sources' rows.
-// NOTES: the placement needs the other sources' counts (the contract orders
+// Copies one row (rv 16-byte vectors) from src to each of the rows s_row[0..K)
+// of recv_x that are >= 0, with the whole block (kCommThreads threads), the
+// row read once. Block-uniform arguments.
+template <bool kPeerSource>
+__device__ __forceinline__ void PlaceRow(const uint4* __restrict__ src,
+                                         const int32_t* s_row, int num_topk,
+                                         int32_t rv, uint4* __restrict__ recv_x) {
+  // NOTES: 32-bit vector indices (ValidView bounds rv); with 64-bit ones the
+  // placing roles spilled at the 64 registers of the sending role.
+  for (int32_t v0 = 0; v0 < rv; v0 += kCommThreads * kSendVecs) {
+    uint4 v[kSendVecs];
+#pragma unroll
+    for (int u = 0; u < kSendVecs; ++u) {
+      const int32_t j = v0 + u * kCommThreads + threadIdx.x;
+      if (j < rv) v[u] = kPeerSource ? __ldcg(src + j) : LoadVec(src + j);
+    }
+    for (int k = 0; k < num_topk; ++k) {
+      const int32_t row = s_row[k];
+      if (row < 0) continue;  // block-uniform
+      uint4* dst = recv_x + static_cast<int64_t>(row) * rv;
+#pragma unroll
+      for (int u = 0; u < kSendVecs; ++u) {
+        const int32_t j = v0 + u * kCommThreads + threadIdx.x;
+        if (j < rv) StoreMaybeStreaming<true>(dst + j, v[u]);
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ int32_t CheckedRow64(int64_t row, int64_t capacity) {
+  return row >= 0 && row < capacity ? static_cast<int32_t>(row) : -1;
+}
+
+// Spins (thread 0 of the block) until *counter >= want; block-uniform result,
+// false when the group aborted or the wait timed out (then recorded).
+__device__ bool BlockWaitCount(const PeerView& g, const unsigned* counter,
+                               unsigned want, int peer) {
+  __shared__ int s_ok;
+  if (threadIdx.x == 0) {
+    const uint64_t start = GlobalTimerNs();
+    int ok = 1;
+    while (true) {
+      unsigned v;
+      asm volatile("ld.acquire.sys.global.u32 %0, [%1];"
+                   : "=r"(v)
+                   : "l"(counter)
+                   : "memory");
+      if (v >= want) break;
+      if (Aborted(g)) {
+        ok = 0;
+        break;
+      }
+      if (GlobalTimerNs() - start > static_cast<uint64_t>(g.timeout_ns)) {
+        RecordTimeout(g, PeerOp::kDispatch, kDispatchRegion,
+                      WaitKind::kArrival, peer, CurrentSeq(g, kDispatchRegion));
+        ok = 0;
+        break;
+      }
+    }
+    s_ok = ok;
+  }
+  __syncthreads();
+  return s_ok != 0;
+}
+
+// The sends of a dispatch, the placement of this rank's own tokens and, where
+// every rank has a GPU of its own, the placement of the other sources' rows as
+// they land: one kernel, three roles by block index.
+// * Senders, blocks [0, num_senders) (the group's SM budget): items are
+//   tokens t, grid-stride, so chunk c = tokens [c * num_senders, (c + 1) *
+//   num_senders) has one token per sender. Row t is read once and written to
+//   every other rank d with send_pos[t, d] >= 0 at dispatch_rows[this
+//   rank][send_pos]; for every rank d the token goes to, this one included,
+//   its K local expert ids (-1 for slots of other ranks), K weights and K
+//   grouped ranks (dispatch_rank, from slot_rank[d, t, k]) go to d's region.
+//   Then thread 0 adds 1 to chunk_done[this rank][c] of every other rank d
+//   (after a system fence: the block's stores are ordered before it by the
+//   barrier). The last sender releases the arrival flags.
+// * Placers, blocks [num_senders, num_senders + num_placers): items are
+//   tokens t with slots on this rank; row t goes straight from x to
+//   recv_x[offset[me][l] + slot_rank[me, t, k]] for each (rows >= capacity
+//   dropped). With `receive`, they then zero the tail rows [used, capacity).
+// * Receivers (only with `receive`), the remaining blocks: the other sources'
+//   positions, chunk by chunk (chunks ascending, then sources), spread over
+//   the receivers; a block waits until a chunk's tokens are all done
+//   (chunk_done[s][c] == its positions, notify_chunks[s] gives them), then
+//   places each position's row at offset[s][l] + dispatch_rank.
+// Placers and senders never spin. Receivers spin only on other GPUs' senders,
+// which have the lowest block indices of their kernels (scheduled first), so
+// no cycle of waits exists even when a grid is not all resident.
+// NOTES: the placement needs every source's counts (the contract orders
 // sources inside an expert), hence the notify in front of this kernel; with
-// it, the own rows' share of the permute (half of it at R=2) runs under the
-// sends instead of after the arrivals. Pushes are evict-first stores.
+// it the permute runs under the sends instead of after the arrivals. Pushes
+// are evict-first stores.
 __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     DispatchSendKernel(PeerView g, const uint4* __restrict__ x,
                        const int32_t* __restrict__ send_pos,
@@ -571,9 +674,12 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
                        const int32_t* __restrict__ count_to,
                        const int32_t* __restrict__ slot_rank,
                        const int32_t* __restrict__ offset,
+                       const int32_t* __restrict__ group_sizes,
+                       const int32_t* __restrict__ source_chunks,
                        uint4* __restrict__ recv_x, int64_t capacity,
                        int32_t num_tokens, int32_t num_experts,
-                       int32_t num_local, int32_t num_senders) {
+                       int32_t num_local, int32_t num_senders,
+                       int32_t num_placers, bool receive) {
   __shared__ char* s_peer[kMaxR];
   __shared__ int32_t s_dest[kMaxR];
   __shared__ int32_t s_pos[kMaxR];
@@ -581,61 +687,124 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
   __shared__ int32_t s_idx[kMaxK];
   __shared__ float s_w[kMaxK];
   __shared__ int32_t s_row[kMaxK];
+  __shared__ int64_t s_red[kCommThreads / 32];
   if (BlockSeesAbort(g)) return;
   const int me = g.rank;
   const int32_t num_topk = g.num_topk;
   const int64_t t_max = g.max_tokens;
-  const int64_t rv = g.hidden * g.itemsize / 16;
+  const int32_t rv = static_cast<int32_t>(g.hidden * g.itemsize / 16);
   const int64_t slots = static_cast<int64_t>(num_tokens) * num_topk;
-  if (static_cast<int32_t>(blockIdx.x) >= num_senders) {
-    // Placement of the own tokens.
+  const int32_t block = static_cast<int32_t>(blockIdx.x);
+  if (block >= num_senders + num_placers) {
+    // Receiver.
+    const int32_t num_receivers = gridDim.x - num_senders - num_placers;
+    const int32_t q = block - num_senders - num_placers;
+    const int32_t* chunks =
+        reinterpret_cast<const int32_t*>(g.own + g.layout.notify_chunks);
+    const unsigned* done =
+        reinterpret_cast<const unsigned*>(g.own + g.layout.chunk_done);
+    const int32_t* meta =
+        reinterpret_cast<const int32_t*>(g.own + g.layout.dispatch_meta);
+    const int32_t* ranks =
+        reinterpret_cast<const int32_t*>(g.own + g.layout.dispatch_rank);
+    const uint4* rows =
+        reinterpret_cast<const uint4*>(g.own + g.layout.dispatch_rows);
+    int64_t item = 0;  // items (positions) of the chunks before this one
+    for (int32_t c = 0;; ++c) {
+      bool any = false;
+      for (int s = 0; s < g.num_ranks; ++s) {
+        if (s == me || c >= source_chunks[s]) continue;
+        any = true;
+        const int32_t* start = chunks + s * (t_max + 1);
+        const int32_t begin = min(max(__ldcg(start + c), 0),
+                                  static_cast<int32_t>(t_max));
+        const int32_t end = min(max(__ldcg(start + c + 1), begin),
+                                static_cast<int32_t>(t_max));
+        const int32_t n = end - begin;
+        int32_t j = static_cast<int32_t>(
+            (q - item % num_receivers + num_receivers) % num_receivers);
+        item += n;
+        if (j >= n) continue;  // block-uniform: nothing of this chunk here
+        if (!BlockWaitCount(g, done + s * (t_max + 1) + c,
+                            static_cast<unsigned>(n), s)) {
+          return;
+        }
+        for (; j < n; j += num_receivers) {
+          const int64_t entry = s * t_max + begin + j;
+          __syncthreads();  // the previous row's readers of s_row are done
+          int32_t my_row = -1;
+          if (threadIdx.x < num_topk) {
+            const int64_t at = entry * num_topk + threadIdx.x;
+            const int32_t l = __ldcg(meta + at);
+            if (l >= 0 && l < num_local) {
+              my_row = CheckedRow64(
+                  static_cast<int64_t>(offset[s * num_local + l]) +
+                      __ldcg(ranks + at),
+                  capacity);
+            }
+            s_row[threadIdx.x] = my_row;
+          }
+          if (!__syncthreads_or(my_row >= 0)) continue;  // block-uniform
+          PlaceRow<true>(rows + entry * rv, s_row, num_topk, rv, recv_x);
+        }
+      }
+      if (!any) break;  // block-uniform
+    }
+    return;
+  }
+  if (block >= num_senders) {
+    // Placer.
     const int32_t* rank_me = slot_rank + me * slots;
     const int32_t* offset_me = offset + me * num_local;
-    const int32_t num_placers = gridDim.x - num_senders;
-    for (int32_t t = blockIdx.x - num_senders; t < num_tokens;
-         t += num_placers) {
+    for (int32_t t = block - num_senders; t < num_tokens; t += num_placers) {
       __syncthreads();  // the previous token's readers of s_row are done
       int32_t my_row = -1;
       if (threadIdx.x < num_topk) {
-        const int64_t q = static_cast<int64_t>(t) * num_topk + threadIdx.x;
-        const int32_t e = topk_idx[q];
+        const int64_t at = static_cast<int64_t>(t) * num_topk + threadIdx.x;
+        const int32_t e = topk_idx[at];
         if (e >= 0 && e < num_experts && e / num_local == me) {
-          const int64_t row =
+          my_row = CheckedRow64(
               static_cast<int64_t>(offset_me[e - me * num_local]) +
-              rank_me[q];
-          my_row = row >= 0 && row < capacity ? static_cast<int32_t>(row) : -1;
+                  rank_me[at],
+              capacity);
         }
         s_row[threadIdx.x] = my_row;
       }
       if (!__syncthreads_or(my_row >= 0)) continue;  // block-uniform
-      const uint4* src = x + static_cast<int64_t>(t) * rv;
-      // NOTES: 32-bit vector indices (a row has < 2^31 vectors: H is an
-      // int64 attribute, but rows this long cannot be allocated); with 64-bit
-      // ones this role spilled at the 64 registers of the sending role.
-      const int32_t rv32 = static_cast<int32_t>(rv);
-      for (int32_t v0 = 0; v0 < rv32; v0 += kCommThreads * kSendVecs) {
-        uint4 v[kSendVecs];
+      PlaceRow<false>(x + static_cast<int64_t>(t) * rv, s_row, num_topk, rv,
+                      recv_x);
+    }
+    if (!receive) return;  // the permute after the arrivals zeroes the tail
+    // Zero tail: rows [min(sum(group_sizes), capacity), capacity).
+    int64_t used = 0;
+    for (int32_t l = threadIdx.x; l < num_local; l += kCommThreads) {
+      used += max(group_sizes[l], 0);
+    }
 #pragma unroll
-        for (int u = 0; u < kSendVecs; ++u) {
-          const int32_t j = v0 + u * kCommThreads + threadIdx.x;
-          if (j < rv32) v[u] = LoadVec(src + j);
-        }
-        for (int k = 0; k < num_topk; ++k) {
-          const int32_t row = s_row[k];
-          if (row < 0) continue;  // block-uniform
-          uint4* dst = recv_x + row * rv;
+    for (int off = 16; off > 0; off >>= 1) {
+      used += __shfl_xor_sync(kFullMask, used, off);
+    }
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = used;
+    __syncthreads();
+    used = 0;
 #pragma unroll
-          for (int u = 0; u < kSendVecs; ++u) {
-            const int32_t j = v0 + u * kCommThreads + threadIdx.x;
-            if (j < rv32) StoreMaybeStreaming<true>(dst + j, v[u]);
-          }
-        }
+    for (int w = 0; w < kCommThreads / 32; ++w) used += s_red[w];
+    if (used > capacity) used = capacity;
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    for (int64_t row = used + (block - num_senders); row < capacity;
+         row += num_placers) {
+      uint4* dst = recv_x + row * rv;
+      for (int32_t j = threadIdx.x; j < rv; j += kCommThreads) {
+        StoreMaybeStreaming<true>(dst + j, zero);
       }
     }
     return;
   }
+  // Sender.
   if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
-  for (int32_t t = blockIdx.x; t < num_tokens; t += num_senders) {
+  const int64_t stride = t_max + 1;
+  for (int32_t t = block; t < num_tokens; t += num_senders) {
     __syncthreads();  // the previous token's readers of shared are done
     if (threadIdx.x < 32) {
       StageDestinations(send_pos, t, g, s_dest, s_pos, &s_num);
@@ -643,12 +812,12 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     if (threadIdx.x < num_topk) {
       // A slot selects at most one rank's expert: its grouped rank is staged
       // beside its id (-1 for no expert).
-      const int64_t q = static_cast<int64_t>(t) * num_topk + threadIdx.x;
-      const int32_t e = topk_idx[q];
+      const int64_t at = static_cast<int64_t>(t) * num_topk + threadIdx.x;
+      const int32_t e = topk_idx[at];
       s_idx[threadIdx.x] = e;
-      s_w[threadIdx.x] = topk_weights[q];
+      s_w[threadIdx.x] = topk_weights[at];
       s_row[threadIdx.x] =
-          e >= 0 && e < num_experts ? slot_rank[(e / num_local) * slots + q]
+          e >= 0 && e < num_experts ? slot_rank[(e / num_local) * slots + at]
                                     : -1;
     }
     __syncthreads();
@@ -656,12 +825,12 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     if (n == 0) continue;  // block-uniform
     const uint4* src = x + static_cast<int64_t>(t) * rv;
     // Block-uniform: a token kept on this rank alone moves no row.
-    const int64_t send_vecs = n == 1 && s_dest[0] == me ? 0 : rv;
-    for (int64_t v0 = 0; v0 < send_vecs; v0 += kCommThreads * kSendVecs) {
+    const int32_t send_vecs = n == 1 && s_dest[0] == me ? 0 : rv;
+    for (int32_t v0 = 0; v0 < send_vecs; v0 += kCommThreads * kSendVecs) {
       uint4 v[kSendVecs];
 #pragma unroll
       for (int u = 0; u < kSendVecs; ++u) {
-        const int64_t j = v0 + u * kCommThreads + threadIdx.x;
+        const int32_t j = v0 + u * kCommThreads + threadIdx.x;
         if (j < rv) v[u] = LoadVec(src + j);
       }
       for (int32_t q = 0; q < n; ++q) {
@@ -672,7 +841,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
             (me * t_max + s_pos[q]) * rv;
 #pragma unroll
         for (int u = 0; u < kSendVecs; ++u) {
-          const int64_t j = v0 + u * kCommThreads + threadIdx.x;
+          const int32_t j = v0 + u * kCommThreads + threadIdx.x;
           if (j < rv) StoreMaybeStreaming<true>(dst + j, v[u]);
         }
       }
@@ -690,6 +859,24 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
       reinterpret_cast<float*>(base + g.layout.dispatch_weights)[at] = s_w[k];
       reinterpret_cast<int32_t*>(base + g.layout.dispatch_rank)[at] =
           mine ? s_row[k] : -1;
+    }
+    // Token t of chunk t / num_senders is done at every destination.
+    // NOTES: the barrier orders every thread's stores above before thread
+    // 0's system fence, which orders them before the count (the receiver
+    // acquires the count); one fencing thread, so the others go on to the
+    // next token's loads meanwhile.
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence_system();
+      const int64_t c = t / num_senders;
+      for (int32_t q = 0; q < n; ++q) {
+        const int d = s_dest[q];
+        if (d == me) continue;
+        atomicAdd_system(reinterpret_cast<unsigned*>(s_peer[d] +
+                                                     g.layout.chunk_done) +
+                             me * stride + c,
+                         1u);
+      }
     }
   }
   if (!ArriveLastBlock(&g.state->blocks_done[kDispatchSendCounter],
@@ -788,7 +975,7 @@ __global__ void __launch_bounds__(kWaitThreads)
 // dispatch_rank (see WaitCountsKernel) for entries with i < recv_counts[s]
 // whose slot selects local expert l, -1 where that row is >= capacity or there
 // is none; entry_weights[n, k] = the weight that came with the entry, 0 where
-// the slot is not for this rank.
+// the slot is not for this rank. Also resets the chunk counters.
 __global__ void EntryRowsKernel(PeerView g,
                                 const int32_t* __restrict__ recv_counts,
                                 const int32_t* __restrict__ offset,
@@ -822,6 +1009,15 @@ __global__ void EntryRowsKernel(PeerView g,
     }
     entry_row[q] = row;
     entry_weights[q] = w;
+  }
+  // Every source's chunk counters back to 0 for the next call: this call's
+  // counts all precede the arrival flags acquired before this kernel, and the
+  // next call's follow the release of the region after it.
+  unsigned* done = reinterpret_cast<unsigned*>(g.own + g.layout.chunk_done);
+  const int64_t counters = g.num_ranks * (g.max_tokens + 1);
+  for (int64_t q = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       q < counters; q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    done[q] = 0u;
   }
 }
 
@@ -1312,23 +1508,31 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
   }
   const int64_t num_local = num_experts / g.num_ranks;
   const int64_t num_rows = g.num_ranks * g.max_tokens;  // N
+  const int64_t chunk_stride = g.max_tokens + 1;
   // Workspace: see DispatchWorkspaceElems.
   int32_t* count_to = workspace;
   int32_t* layout_dropped = count_to + g.num_ranks;  // never drops (INT32_MAX)
   int32_t* layout_invalid = layout_dropped + g.num_ranks;  // counted in 1.
-  int32_t* dest_ids = layout_invalid + g.num_ranks;
+  int32_t* source_chunks = layout_invalid + g.num_ranks;
+  int32_t* chunk_start = source_chunks + g.num_ranks;
+  int32_t* dest_ids = chunk_start + g.num_ranks * chunk_stride;
   int32_t* slot_rank = dest_ids + g.num_ranks * g.max_tokens * g.num_topk;
   int32_t* dest_counts = slot_rank + g.num_ranks * g.max_tokens * g.num_topk;
   int32_t* offset = dest_counts + num_experts;
   int32_t* layout_workspace = offset + num_experts;
+  // NOTES: the senders' grid is the same every call (the counter relies on
+  // it), and it is the chunk size: chunk c holds one token per sender.
+  const int32_t num_senders = g.num_blocks * kRowsSendBlocksPerSm;
+  const int32_t num_chunks = static_cast<int32_t>(
+      (num_tokens + num_senders - 1) / num_senders);
 
-  // 1. Send lists (local): send_pos, count_to, num_invalid, and each slot's
-  //    local expert per destination.
+  // 1. Send lists (local): send_pos, count_to, chunk starts, num_invalid, and
+  //    each slot's local expert per destination.
   SendLayoutKernel<<<g.num_ranks, kLayoutThreads, 0, stream>>>(
-      topk_idx, send_pos, count_to, dest_ids, num_invalid,
+      topk_idx, send_pos, count_to, dest_ids, chunk_start, num_invalid,
       static_cast<int32_t>(num_tokens), g.num_topk,
       static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local),
-      g.num_ranks);
+      g.num_ranks, num_senders, chunk_stride);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // 2. Per destination, the slots' rows in this rank's expert-grouped order
   //    of what it sends there, and the counts per local expert (the batched
@@ -1337,40 +1541,49 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
       dest_ids, slot_rank, dest_counts, layout_dropped, layout_invalid,
       layout_workspace, /*num_batches=*/g.num_ranks, num_tokens, g.num_topk,
       num_local, /*capacity=*/INT32_MAX, stream));
-  // 3. Notify: the counts into every rank's region, once it released it.
+  // 3. Notify: counts and chunk starts into every rank's region, once it
+  //    released it.
   NotifyKernel<<<1, kNotifyThreads, 0, stream>>>(
-      g, dest_counts, static_cast<int32_t>(num_local));
+      g, dest_counts, chunk_start, static_cast<int32_t>(num_local),
+      num_chunks);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // 4. Every source's counts: receive offsets, group_sizes, num_dropped.
   WaitCountsKernel<<<1, kCountsThreads, 0, stream>>>(
       g, static_cast<int32_t>(num_local), capacity, offset, group_sizes,
-      num_dropped);
+      num_dropped, source_chunks);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // 5. Rows + meta into the other ranks' regions, then their flags; this
-  //    rank's own tokens straight into recv_x meanwhile.
-  // NOTES: the senders' grid is the same every call (the counter relies on
-  // it); the placers take the SMs outside the budget (at least as many as
-  // the budget), no more blocks than tokens.
+  //    rank's own tokens straight into recv_x meanwhile; with GPUs of their
+  //    own, the other sources' rows too, chunk by chunk as they land.
+  // NOTES: the placers and receivers take the SMs outside the budget (at
+  // least as many as the budget), the placers 1/R of them (their share of
+  // the rows), no more placers than tokens.
   int num_sms = 0;
   JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
-  const int64_t num_senders =
-      static_cast<int64_t>(g.num_blocks) * kRowsSendBlocksPerSm;
-  int64_t num_placers =
+  const bool receive = g.own_gpus != 0;
+  const int64_t others =
       static_cast<int64_t>(num_sms > g.num_blocks ? num_sms - g.num_blocks
                                                   : g.num_blocks) *
       kRowsSendBlocksPerSm;
-  if (num_placers > num_tokens) num_placers = num_tokens;
-  DispatchSendKernel<<<static_cast<unsigned>(num_senders + num_placers),
+  int64_t num_placers = receive ? others / g.num_ranks : others;
+  if (num_placers < 1) num_placers = 1;
+  const int64_t num_receivers =
+      receive && g.num_ranks > 1 ? others - num_placers : 0;
+  if (!receive && num_placers > num_tokens) num_placers = num_tokens;
+  DispatchSendKernel<<<static_cast<unsigned>(num_senders + num_placers +
+                                             num_receivers),
                        kCommThreads, 0, stream>>>(
       g, static_cast<const uint4*>(x), send_pos, topk_idx, topk_weights,
-      count_to, slot_rank, offset, static_cast<uint4*>(recv_x), capacity,
+      count_to, slot_rank, offset, group_sizes, source_chunks,
+      static_cast<uint4*>(recv_x), capacity,
       static_cast<int32_t>(num_tokens), static_cast<int32_t>(num_experts),
-      static_cast<int32_t>(num_local), static_cast<int32_t>(num_senders));
+      static_cast<int32_t>(num_local), num_senders,
+      static_cast<int32_t>(num_placers), receive);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // 6. Every source's flag: recv_counts.
   JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, PeerOp::kDispatch, kDispatchRegion,
                                          recv_counts, stream));
-  // 7. Rows and weights of the N*K received entries.
+  // 7. Rows and weights of the N*K received entries; chunk counters reset.
   unsigned grid = 0;
   JAX_EP_CUDA_RETURN_IF_ERROR(ElementwiseGrid(
       EntryRowsKernel, 256, num_rows * g.num_topk, &grid));
@@ -1378,16 +1591,18 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
       g, recv_counts, offset, static_cast<int32_t>(num_local), capacity,
       entry_row, entry_weights);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  // 8. The other sources' rows from the receive buffer into recv_x, and the
-  //    zero tail (this rank's own tokens were placed in 5).
-  local::PlacedTokens placed;
-  placed.begin = static_cast<int64_t>(g.rank) * g.max_tokens;
-  placed.count = g.max_tokens;
-  JAX_EP_CUDA_RETURN_IF_ERROR(local::Permute(
-      dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
-      /*slot_weights=*/nullptr, recv_x, /*num_batches=*/1, num_rows,
-      g.num_topk, num_local, g.hidden, capacity, /*weighted=*/false, stream,
-      /*x_from_peers=*/true, placed));
+  // 8. Without receivers: the other sources' rows from the receive buffer
+  //    into recv_x, and the zero tail (the own tokens were placed in 5).
+  if (!receive) {
+    local::PlacedTokens placed;
+    placed.begin = static_cast<int64_t>(g.rank) * g.max_tokens;
+    placed.count = g.max_tokens;
+    JAX_EP_CUDA_RETURN_IF_ERROR(local::Permute(
+        dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
+        /*slot_weights=*/nullptr, recv_x, /*num_batches=*/1, num_rows,
+        g.num_topk, num_local, g.hidden, capacity, /*weighted=*/false, stream,
+        /*x_from_peers=*/true, placed));
+  }
   // 9. Release the region, advance seq, status.
   return LaunchFinish(g, 1u << kDispatchRegion, status, stream);
 }
