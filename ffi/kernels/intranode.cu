@@ -57,6 +57,7 @@
 // * Determinism: positions come from scans, reductions have a fixed order;
 //   no atomic decides where data goes.
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -94,6 +95,7 @@ constexpr int kReduceThreads = 128;   // home-side combine: a block per token
 constexpr int kWaitThreads = kMaxR;   // arrival wait: a thread per source
 constexpr int kNotifyThreads = 256;   // notify: a thread per rank waits
 constexpr int kCountsThreads = 1024;  // counts: a thread per local expert
+constexpr int kTargetChunks = 8;      // dispatch send chunks per call
 constexpr int kReduceLoads = 8;       // partial rows in flight per thread
 constexpr int kCombineLoads = 8;      // expert row vectors in flight per thread
 constexpr int kCombinePasses = 4;     // row vectors per combine-send thread
@@ -641,15 +643,15 @@ __device__ bool BlockWaitCount(const PeerView& g, const unsigned* counter,
 // every rank has a GPU of its own, the placement of the other sources' rows as
 // they land: one kernel, three roles by block index.
 // * Senders, blocks [0, num_senders) (the group's SM budget): items are
-//   tokens t, grid-stride, so chunk c = tokens [c * num_senders, (c + 1) *
-//   num_senders) has one token per sender. Row t is read once and written to
+//   tokens t, grid-stride; chunk c = tokens [c * chunk_tokens, (c + 1) *
+//   chunk_tokens), chunk_tokens a multiple of num_senders. Row t is read once and written to
 //   every other rank d with send_pos[t, d] >= 0 at dispatch_rows[this
 //   rank][send_pos]; for every rank d the token goes to, this one included,
 //   its K local expert ids (-1 for slots of other ranks), K weights and K
 //   grouped ranks (dispatch_rank, from slot_rank[d, t, k]) go to d's region.
-//   Then thread 0 adds 1 to chunk_done[this rank][c] of every other rank d
-//   (after a system fence: the block's stores are ordered before it by the
-//   barrier). The last sender releases the arrival flags.
+//   After its last token of chunk c, thread 0 adds the block's tokens of the
+//   chunk for every other rank d to d's chunk_done[this rank][c]. The last
+//   sender releases the arrival flags.
 // * Placers, blocks [num_senders, num_senders + num_placers): items are
 //   tokens t with slots on this rank; row t goes straight from x to
 //   recv_x[offset[me][l] + slot_rank[me, t, k]] for each (rows >= capacity
@@ -679,7 +681,8 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
                        uint4* __restrict__ recv_x, int64_t capacity,
                        int32_t num_tokens, int32_t num_experts,
                        int32_t num_local, int32_t num_senders,
-                       int32_t num_placers, bool receive) {
+                       int32_t chunk_tokens, int32_t num_placers,
+                       bool receive) {
   __shared__ char* s_peer[kMaxR];
   __shared__ int32_t s_dest[kMaxR];
   __shared__ int32_t s_pos[kMaxR];
@@ -802,7 +805,11 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     return;
   }
   // Sender.
-  if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
+  __shared__ unsigned s_done[kMaxR];  // this chunk's tokens done per rank
+  if (threadIdx.x < g.num_ranks) {
+    s_peer[threadIdx.x] = g.peers[threadIdx.x];
+    s_done[threadIdx.x] = 0u;
+  }
   const int64_t stride = t_max + 1;
   for (int32_t t = block; t < num_tokens; t += num_senders) {
     __syncthreads();  // the previous token's readers of shared are done
@@ -821,11 +828,11 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
                                     : -1;
     }
     __syncthreads();
-    const int32_t n = s_num;
-    if (n == 0) continue;  // block-uniform
+    const int32_t n = s_num;  // block-uniform
     const uint4* src = x + static_cast<int64_t>(t) * rv;
-    // Block-uniform: a token kept on this rank alone moves no row.
-    const int32_t send_vecs = n == 1 && s_dest[0] == me ? 0 : rv;
+    // Block-uniform: a token kept on this rank alone (or sent nowhere) moves
+    // no row.
+    const int32_t send_vecs = n == 0 || (n == 1 && s_dest[0] == me) ? 0 : rv;
     for (int32_t v0 = 0; v0 < send_vecs; v0 += kCommThreads * kSendVecs) {
       uint4 v[kSendVecs];
 #pragma unroll
@@ -860,22 +867,29 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
       reinterpret_cast<int32_t*>(base + g.layout.dispatch_rank)[at] =
           mine ? s_row[k] : -1;
     }
-    // Token t of chunk t / num_senders is done at every destination.
+    if (threadIdx.x < n) s_done[s_dest[threadIdx.x]] += 1u;  // distinct d
+    // This block's last token of chunk c: its tokens of the chunk are done
+    // at every other rank.
     // NOTES: the barrier orders every thread's stores above before thread
-    // 0's system fence, which orders them before the count (the receiver
-    // acquires the count); one fencing thread, so the others go on to the
-    // next token's loads meanwhile.
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence_system();
-      const int64_t c = t / num_senders;
-      for (int32_t q = 0; q < n; ++q) {
-        const int d = s_dest[q];
-        if (d == me) continue;
-        atomicAdd_system(reinterpret_cast<unsigned*>(s_peer[d] +
-                                                     g.layout.chunk_done) +
-                             me * stride + c,
-                         1u);
+    // 0's system fence, which orders them before the counts (the receiver
+    // acquires them); once per chunk and block, not per token: the fence
+    // waits out the block's NVLink stores, and per token it held every block
+    // a round trip per token.
+    const int32_t c = t / chunk_tokens;
+    const int32_t next = t + num_senders;
+    if (next >= num_tokens || next / chunk_tokens != c) {  // block-uniform
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        __threadfence_system();
+        for (int d = 0; d < g.num_ranks; ++d) {
+          const unsigned k = s_done[d];
+          if (k == 0u || d == me) continue;
+          atomicAdd_system(reinterpret_cast<unsigned*>(s_peer[d] +
+                                                       g.layout.chunk_done) +
+                               me * stride + c,
+                           k);
+        }
+        for (int d = 0; d < g.num_ranks; ++d) s_done[d] = 0u;
       }
     }
   }
@@ -1521,10 +1535,16 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
   int32_t* offset = dest_counts + num_experts;
   int32_t* layout_workspace = offset + num_experts;
   // NOTES: the senders' grid is the same every call (the counter relies on
-  // it), and it is the chunk size: chunk c holds one token per sender.
+  // it). A chunk holds whole rounds of it (one token per sender each), about
+  // kTargetChunks chunks a call: each costs every sender a system fence, and
+  // the receivers trail the last one.
   const int32_t num_senders = g.num_blocks * kRowsSendBlocksPerSm;
-  const int32_t num_chunks = static_cast<int32_t>(
-      (num_tokens + num_senders - 1) / num_senders);
+  const int64_t rounds = (num_tokens + num_senders - 1) / num_senders;
+  const int32_t chunk_tokens = static_cast<int32_t>(
+      std::max<int64_t>((rounds + kTargetChunks - 1) / kTargetChunks, 1) *
+      num_senders);
+  const int32_t num_chunks =
+      static_cast<int32_t>((num_tokens + chunk_tokens - 1) / chunk_tokens);
 
   // 1. Send lists (local): send_pos, count_to, chunk starts, num_invalid, and
   //    each slot's local expert per destination.
@@ -1532,7 +1552,7 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
       topk_idx, send_pos, count_to, dest_ids, chunk_start, num_invalid,
       static_cast<int32_t>(num_tokens), g.num_topk,
       static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local),
-      g.num_ranks, num_senders, chunk_stride);
+      g.num_ranks, chunk_tokens, chunk_stride);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // 2. Per destination, the slots' rows in this rank's expert-grouped order
   //    of what it sends there, and the counts per local expert (the batched
@@ -1577,7 +1597,7 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
       count_to, slot_rank, offset, group_sizes, source_chunks,
       static_cast<uint4*>(recv_x), capacity,
       static_cast<int32_t>(num_tokens), static_cast<int32_t>(num_experts),
-      static_cast<int32_t>(num_local), num_senders,
+      static_cast<int32_t>(num_local), num_senders, chunk_tokens,
       static_cast<int32_t>(num_placers), receive);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // 6. Every source's flag: recv_counts.
