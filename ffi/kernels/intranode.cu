@@ -90,7 +90,7 @@ constexpr int kCommThreads = 128;     // rows send: a block per token
 constexpr int kCombineThreads = 256;  // combine send: a block per item
 constexpr int kSendVecs = 8;          // x vectors each thread holds
 constexpr int kDotsThreads = 256;     // dots send: a warp per item
-constexpr int kLayoutThreads = 512;   // send-side layout: a block per rank
+constexpr int kLayoutThreads = 1024;  // send-side layout: a block per rank
 constexpr int kReduceThreads = 128;   // home-side combine: a block per token
 constexpr int kWaitThreads = kMaxR;   // arrival wait: a thread per source
 constexpr int kNotifyThreads = 256;   // notify: a thread per rank waits
@@ -378,19 +378,30 @@ __global__ void __launch_bounds__(kLayoutThreads)
     bool goes = false;
     if (t < num_tokens) {
       const int64_t row = static_cast<int64_t>(t) * num_topk;
-      for (int k = 0; k < num_topk; ++k) {
-        const int32_t e = topk_idx[row + k];
-        int32_t local = -1;
-        if (e >= 0 && e < num_experts) {
-          if (e / num_local == d) local = e - d * num_local;
-        } else if (e < -1 || e >= num_experts) {
-          ++invalid;
+      // NOTES: four ids loaded before any is used: one memory latency per
+      // four slots on the chain of each round, not one per slot.
+      for (int k0 = 0; k0 < num_topk; k0 += 4) {
+        int32_t ids[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          ids[u] = k0 + u < num_topk ? topk_idx[row + k0 + u] : -1;
         }
-        goes |= local >= 0;
-        ids_d[row + k] = local;
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          if (k0 + u >= num_topk) break;
+          const int32_t e = ids[u];
+          int32_t local = -1;
+          if (e >= 0 && e < num_experts) {
+            if (e / num_local == d) local = e - d * num_local;
+          } else if (e < -1 || e >= num_experts) {
+            ++invalid;
+          }
+          goes |= local >= 0;
+          ids_d[row + k0 + u] = local;
+        }
       }
     }
-  const unsigned ballot = __ballot_sync(kFullMask, goes);
+    const unsigned ballot = __ballot_sync(kFullMask, goes);
     if (lane == 0) s_warp[warp] = __popc(ballot);
     __syncthreads();
     int32_t offset = running;
