@@ -147,13 +147,14 @@ class EPTestBase:
 
   # ------------------------------------------------------------------ helpers
   def make_group(self, num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype,
-                 capacity=None, strict=False):
+                 capacity=None, strict=False, num_sms=None):
     if num_ranks not in self.rank_counts:
       pytest.skip(f"{self.backend} backend does not run at R={num_ranks} here")
     mesh = rank_mesh(num_ranks)
+    extra = {} if num_sms is None else {"num_sms": num_sms}
     return jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
                         max_tokens_per_rank=max_tokens, dtype=dtype, capacity=capacity,
-                        backend=self.backend, strict=strict)
+                        backend=self.backend, strict=strict, **extra)
 
   @staticmethod
   def shard(group, *arrays, spec=P("ep")):
@@ -261,9 +262,11 @@ class EPTestBase:
     assert all(e["num_dropped"] == 0 for e in expected)
 
   def _roundtrip(self, num_ranks, num_tokens, hidden, num_topk, num_experts, pattern, dtype,
-                 capacity=None, max_tokens=None, weighted=True):
-    group = self.make_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-                            max_tokens=max_tokens or num_tokens, dtype=dtype, capacity=capacity)
+                 capacity=None, max_tokens=None, weighted=True, num_sms=None, group=None):
+    if group is None:
+      group = self.make_group(num_ranks, num_experts=num_experts, num_topk=num_topk,
+                              hidden=hidden, max_tokens=max_tokens or num_tokens, dtype=dtype,
+                              capacity=capacity, num_sms=num_sms)
     # NOTES: a seed every process derives alike (str hashes are salted per process, so `hash`
     # would give each rank of a multi-process run different inputs).
     seed = zlib.crc32(repr((num_ranks, num_tokens, hidden, num_topk, pattern)).encode())

@@ -50,6 +50,21 @@ class TestCudaPeer(EPTestBase):
                               max_tokens=4, dtype=dtype)
       assert group.combine_partial_dtype == np.dtype(wire)
 
+  @pytest.mark.parametrize("capacity", [None, 150])
+  def test_dispatch_in_many_send_chunks(self, capacity):
+    """num_sms=1: 8 sending blocks, so 200 tokens go out in 7 chunks of 32 tokens. Where every
+    rank has a GPU of its own, the receivers place each chunk's rows as it lands; one group runs
+    four calls, so the per-chunk counters are reused (each call resets them). With capacity=150
+    rows are dropped, which moves every later source's rows."""
+    r = NUM_RANKS
+    group = self.make_group(r, num_experts=8 * r, num_topk=4, hidden=256, max_tokens=200,
+                            dtype=jnp.bfloat16, capacity=capacity, num_sms=1)
+    for pattern in ["uniform", "hot", "duplicates", "invalid"]:
+      _, _, expected = self._roundtrip(r, 200, 256, 4, 8 * r, pattern, jnp.bfloat16,
+                                       group=group)
+      if capacity is not None and pattern == "hot":
+        assert sum(e["num_dropped"] for e in expected) > 0
+
   def test_back_to_back_rounds_reuse_regions(self):
     """Many rounds of dispatch, combine and their backward ops (dispatch_cached, combine_vjp)
     through one compiled step, a new routing each round: every receive region is reused many

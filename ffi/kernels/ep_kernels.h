@@ -90,21 +90,12 @@ inline int64_t LocalLayoutWorkspaceElems(int64_t num_tokens, int64_t num_topk,
 //   workspace     `[LocalLayoutWorkspaceElems(T, K, E)]` int32 scratch.
 // Requires 1 <= E <= kMaxExperts, T * K <= kMaxSlots, capacity >= 0.
 // Deterministic: no atomic decides an order.
-//
-// Optional row mask (used by the peer transport, whose receive buffer is
-// `[R, T_max, K]` with only the first `recv_counts[s]` rows of block `s`
-// written): when `valid_rows_per_block` is not null, token row `t` belongs to
-// block `t / rows_per_block` and its slots are read as -1 (select nothing)
-// when `t % rows_per_block >= valid_rows_per_block[t / rows_per_block]`; the
-// same mask applies to every batch element. Masked slots are never loaded.
 cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
                         int32_t* group_sizes, int32_t* num_dropped,
                         int32_t* num_invalid, int32_t* workspace,
                         int64_t num_batches, int64_t num_tokens,
                         int64_t num_topk, int64_t num_experts,
-                        int64_t capacity, cudaStream_t stream,
-                        const int32_t* valid_rows_per_block = nullptr,
-                        int64_t rows_per_block = 0);
+                        int64_t capacity, cudaStream_t stream);
 
 // Forces the module load of every kernel of this family on the current
 // device (cudaFuncGetAttributes), so no lazy load happens later.

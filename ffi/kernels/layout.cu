@@ -48,9 +48,6 @@ struct LayoutDims {
   int32_t num_experts;       // E
   int32_t capacity;          // clamped to int32: rows never exceed T * K
   int64_t workspace_stride;  // workspace elements per batch element
-  int32_t num_topk;          // K: slots per token row (for the row mask)
-  int32_t rows_per_block;    // row mask: token rows per block
-  const int32_t* valid_rows;  // row mask: valid rows per block, or null
 };
 
 __device__ __forceinline__ bool IsValidExpert(int32_t e, int32_t num_experts) {
@@ -59,22 +56,6 @@ __device__ __forceinline__ bool IsValidExpert(int32_t e, int32_t num_experts) {
 
 __device__ __forceinline__ bool IsInvalidId(int32_t e, int32_t num_experts) {
   return e < -1 || e >= num_experts;
-}
-
-// Expert id of slot `s` of one batch element; -1 for slots of masked rows
-// (row mask of the peer transport: only the first valid_rows[block] rows of
-// each block of rows_per_block token rows were written). The masked ids are
-// a peer-transport receive buffer that other GPUs wrote: read through L2
-// (ld.global.cg), never through the non-coherent path.
-__device__ __forceinline__ int32_t LoadId(const int32_t* __restrict__ idx,
-                                          int32_t s, const LayoutDims& d) {
-  if (d.valid_rows != nullptr) {
-    const int32_t row = s / d.num_topk;
-    const int32_t block = row / d.rows_per_block;
-    if (row - block * d.rows_per_block >= d.valid_rows[block]) return -1;
-    return __ldcg(idx + s);
-  }
-  return idx[s];
 }
 
 __global__ void __launch_bounds__(kBlock)
@@ -97,7 +78,7 @@ __global__ void __launch_bounds__(kBlock)
     // warp-synchronous intrinsics.
     for (int32_t base = begin; base < end; base += kBlock) {
       const int32_t s = base + static_cast<int32_t>(threadIdx.x);
-      const int32_t e = s < end ? LoadId(idx, s, d) : -1;
+      const int32_t e = s < end ? idx[s] : -1;
       const bool valid = IsValidExpert(e, d.num_experts);
       const unsigned peers = __match_any_sync(kFullMask, valid ? e : -1);
       if (valid && lane == __ffs(peers) - 1) {
@@ -286,7 +267,7 @@ __global__ void __launch_bounds__(kBlock)
 #pragma unroll
       for (int u = 0; u < kSingleChunkLaneIds; ++u) {
         const int32_t s = begin + u * 32 + lane;
-        ids[u] = s < end ? LoadId(idx, s, d) : -1;
+        ids[u] = s < end ? idx[s] : -1;
       }
       int bad = 0;
 #pragma unroll
@@ -308,7 +289,7 @@ __global__ void __launch_bounds__(kBlock)
     } else {
       for (int32_t base = begin; base < end; base += 32) {
         const int32_t s = base + lane;
-        CountSlots<false>(s < end ? LoadId(idx, s, d) : -1, num_experts,
+        CountSlots<false>(s < end ? idx[s] : -1, num_experts,
                           s_next[warp]);
       }
       totals = counts + static_cast<int64_t>(d.num_chunks) * num_cols;
@@ -355,7 +336,7 @@ __global__ void __launch_bounds__(kBlock)
     } else {
       for (int32_t base = begin; base < end; base += 32) {
         const int32_t s = base + lane;
-        const int32_t e = s < end ? LoadId(idx, s, d) : -1;
+        const int32_t e = s < end ? idx[s] : -1;
         const int32_t row = AssignSlots(e, num_experts, s_next[warp]);
         if (s < end) rows[s] = row < d.capacity ? row : -1;
       }
@@ -370,16 +351,10 @@ cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
                         int32_t* num_invalid, int32_t* workspace,
                         int64_t num_batches, int64_t num_tokens,
                         int64_t num_topk, int64_t num_experts,
-                        int64_t capacity, cudaStream_t stream,
-                        const int32_t* valid_rows_per_block,
-                        int64_t rows_per_block) {
+                        int64_t capacity, cudaStream_t stream) {
   if (num_batches <= 0) return cudaSuccess;
   if (num_experts < 1 || num_experts > kMaxExperts || num_tokens < 0 ||
       num_topk < 0 || num_tokens * num_topk > kMaxSlots || capacity < 0) {
-    return cudaErrorInvalidValue;
-  }
-  if (valid_rows_per_block != nullptr &&
-      (num_topk < 1 || rows_per_block < 1 || rows_per_block > INT32_MAX)) {
     return cudaErrorInvalidValue;
   }
   const int64_t num_slots = num_tokens * num_topk;
@@ -393,11 +368,6 @@ cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
       static_cast<int32_t>(capacity < INT32_MAX ? capacity : INT32_MAX);
   d.workspace_stride =
       LocalLayoutWorkspaceElems(num_tokens, num_topk, num_experts);
-  d.num_topk = static_cast<int32_t>(num_topk);
-  d.valid_rows = valid_rows_per_block;
-  d.rows_per_block = valid_rows_per_block != nullptr
-                         ? static_cast<int32_t>(rows_per_block)
-                         : 1;
 
   // NOTES: one resident wave at most (max_waves = 1): every item is small
   // and equal-sized, and kernel 3 re-derives the expert bases per item.
