@@ -26,19 +26,43 @@
 //   for the earlier kernels' reads. Each block
 //   then runs __threadfence_system() in every thread, a barrier, and one
 //   atomicAdd on a monotonic per-kernel "blocks done" counter in device
-//   state; the block that completes a multiple of gridDim.x is the last one
-//   (no reset, no co-residency needed, graph replays keep working) and writes
-//   every destination's arrival flag `arrival[region][this rank]` =
-//   (seq << 32 | count) with st.release.sys.
+//   state; the block that completes a multiple of the sending blocks is the
+//   last one (no reset, no co-residency needed, graph replays keep working)
+//   and writes every destination's arrival flag `arrival[region][this rank]`
+//   = (seq << 32 | count) with st.release.sys.
+// * Dispatch counts first (DESIGN.md's notify). NotifyKernel stands in for
+//   the consumed wait: once d released the region it writes this rank's slot
+//   counts per local expert of d, and the send positions of its chunks, into
+//   d's region and releases d's `notify[this rank]` = (seq << 32 | chunks).
+//   WaitCountsKernel (one block) acquires every source's, and derives where
+//   each source's slots land (offset[s][l]) with group_sizes and
+//   num_dropped, before any row moves. The sender sends each slot's row in
+//   its own grouped order of what it sends d (dispatch_rank), so a slot's
+//   row of recv_x is offset[s][l] + dispatch_rank: no layout pass over the
+//   received entries, and rows can be placed before all of them arrived.
+//   The send kernel then places this rank's own tokens from x in other
+//   blocks, and where every rank has a GPU of its own (PeerView::own_gpus)
+//   receiving blocks place the other sources' rows chunk by chunk: after its
+//   last token of a chunk a sending block fences (thread 0, after a barrier)
+//   and adds its tokens of the chunk to d's `chunk_done[this rank][chunk]`;
+//   a receiving block acquires that count until it equals the chunk's
+//   positions. The op resets the counters after the arrival flags (every
+//   count of the call precedes them) and before its release. Where ranks
+//   share a GPU, the permute after the arrivals places the other sources'
+//   rows instead (a spinning block there could hold the SMs a peer's sender
+//   needs).
 // * Receive. WaitArrivalsKernel spins (ld.acquire.sys) until the flag of
 //   every source carries this call's seq; the kernels after it (stream order)
 //   read the region with ld.global.cg (L2; the L1 / non-coherent caches never
 //   hold peer-written data). The op's FinishKernel then publishes
 //   `consumed[region]` = seq (st.release.sys) on the own buffer: every read
 //   of the region precedes it in stream order.
-// * Deadlock freedom: the only cross-rank waits are "peer's data of call
-//   seq" and "peer's release of call seq - 1"; a rank's release of seq - 1
-//   depends only on calls <= seq - 1 of every rank.
+// * Deadlock freedom: the only cross-rank waits are "peer's data (counts,
+//   chunk, arrival) of call seq" and "peer's release of call seq - 1"; a
+//   rank's release of seq - 1 depends only on calls <= seq - 1 of every rank.
+//   Inside the dispatch send kernel only receiving blocks spin, on other
+//   GPUs' sending blocks, which never wait and have the lowest block indices
+//   of their grid (scheduled first).
 // * Timeouts. Every spin gives up after the group's timeout (%globaltimer):
 //   the first failing thread claims the mailbox (atomicCAS on device state),
 //   writes (op, rank, peer, seq, what) to host-mapped memory, fences, sets
@@ -48,12 +72,14 @@
 //   any later call reads the mailbox first and fails with its message. Never
 //   a hang, never a trap.
 // * Bounded grid: each send kernel always runs exactly `num_blocks` times its
-//   blocks-per-SM constant (the group's SM budget at as many blocks as its
-//   registers let one SM hold, named in its launch bounds; a constant per
-//   kernel, which the monotonic counters rely on).
-//   The waits run in one block each: a rank never holds more than one
-//   spinning block, so ranks sharing one GPU cannot starve each other of SMs.
-//   The local kernels (layout, permute, reduce) do not spin.
+//   blocks-per-SM constant of sending blocks (the group's SM budget at as
+//   many blocks as its registers let one SM hold, named in its launch bounds;
+//   a constant per kernel, which the monotonic counters rely on). The
+//   dispatch send kernel's placing and receiving blocks, local work like a
+//   permute's, take the SMs outside the budget.
+//   The waits run in one block each: where ranks share one GPU a rank never
+//   holds more than one spinning block, so they cannot starve each other of
+//   SMs. The local kernels (layout, permute, reduce) do not spin.
 // * Determinism: positions come from scans, reductions have a fixed order;
 //   no atomic decides where data goes.
 
@@ -90,7 +116,7 @@ constexpr int kCommThreads = 128;     // rows send: a block per token
 constexpr int kCombineThreads = 256;  // combine send: a block per item
 constexpr int kSendVecs = 8;          // x vectors each thread holds
 constexpr int kDotsThreads = 256;     // dots send: a warp per item
-constexpr int kLayoutThreads = 1024;  // send-side layout: a block per rank
+constexpr int kLayoutThreads = 512;   // send-side layout: a block per rank
 constexpr int kReduceThreads = 128;   // home-side combine: a block per token
 constexpr int kWaitThreads = kMaxR;   // arrival wait: a thread per source
 constexpr int kNotifyThreads = 256;   // notify: a thread per rank waits
@@ -378,27 +404,16 @@ __global__ void __launch_bounds__(kLayoutThreads)
     bool goes = false;
     if (t < num_tokens) {
       const int64_t row = static_cast<int64_t>(t) * num_topk;
-      // NOTES: four ids loaded before any is used: one memory latency per
-      // four slots on the chain of each round, not one per slot.
-      for (int k0 = 0; k0 < num_topk; k0 += 4) {
-        int32_t ids[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          ids[u] = k0 + u < num_topk ? topk_idx[row + k0 + u] : -1;
+      for (int k = 0; k < num_topk; ++k) {
+        const int32_t e = topk_idx[row + k];
+        int32_t local = -1;
+        if (e >= 0 && e < num_experts) {
+          if (e / num_local == d) local = e - d * num_local;
+        } else if (e < -1 || e >= num_experts) {
+          ++invalid;
         }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          if (k0 + u >= num_topk) break;
-          const int32_t e = ids[u];
-          int32_t local = -1;
-          if (e >= 0 && e < num_experts) {
-            if (e / num_local == d) local = e - d * num_local;
-          } else if (e < -1 || e >= num_experts) {
-            ++invalid;
-          }
-          goes |= local >= 0;
-          ids_d[row + k0 + u] = local;
-        }
+        goes |= local >= 0;
+        ids_d[row + k] = local;
       }
     }
     const unsigned ballot = __ballot_sync(kFullMask, goes);
