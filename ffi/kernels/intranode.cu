@@ -805,21 +805,8 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     }
     if (!receive) return;  // the permute after the arrivals zeroes the tail
     // Zero tail: rows [min(sum(group_sizes), capacity), capacity).
-    int64_t used = 0;
-    for (int32_t l = threadIdx.x; l < num_local; l += kCommThreads) {
-      used += max(group_sizes[l], 0);
-    }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      used += __shfl_xor_sync(kFullMask, used, off);
-    }
-    __syncthreads();
-    if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = used;
-    __syncthreads();
-    used = 0;
-#pragma unroll
-    for (int w = 0; w < kCommThreads / 32; ++w) used += s_red[w];
-    if (used > capacity) used = capacity;
+    const int64_t used = detail::UsedRows<kCommThreads>(
+        group_sizes, num_local, capacity, s_red);
     const uint4 zero = make_uint4(0, 0, 0, 0);
     for (int64_t row = used + (block - num_senders); row < capacity;
          row += num_placers) {

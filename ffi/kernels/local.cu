@@ -80,28 +80,6 @@ __device__ __forceinline__ uint4 Scale(const uint4& v, float w) {
   return Vec16<T>::Pack(f);
 }
 
-// Kept rows of one batch element: min(sum(group_sizes), capacity). Whole
-// block; the result is identical in every thread.
-__device__ int64_t UsedRows(const int32_t* __restrict__ group_sizes,
-                            int32_t num_experts, int64_t capacity,
-                            int64_t* s_red) {
-  int64_t sum = 0;
-  for (int e = threadIdx.x; e < num_experts; e += kRowBlock) {
-    sum += max(group_sizes[e], 0);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    sum += __shfl_xor_sync(kFullMask, sum, off);
-  }
-  __syncthreads();  // s_red may still be read by a previous call
-  if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = sum;
-  __syncthreads();
-  int64_t used = 0;
-#pragma unroll
-  for (int w = 0; w < kRowBlock / 32; ++w) used += s_red[w];
-  return used < capacity ? used : capacity;
-}
-
 // Items: every (token (b, t), row part) (a token's row is split into `splits`
 // parts when there are too few tokens to fill the GPU, see RowSplits), then
 // every row (b, r) as a zero-tail candidate.
@@ -205,8 +183,8 @@ __global__ void __launch_bounds__(kRowBlock)
       const int64_t b = z / d.capacity;
       const int64_t row = z % d.capacity;
       if (b != used_batch) {  // block-uniform
-        used = UsedRows(group_sizes + b * d.num_experts, d.num_experts,
-                        d.capacity, s_red);
+        used = detail::UsedRows<kRowBlock>(group_sizes + b * d.num_experts,
+                                           d.num_experts, d.capacity, s_red);
         used_batch = b;
       }
       if (row < used) continue;
