@@ -143,6 +143,50 @@ cudaError_t DeviceUuid(int device, unsigned char* uuid) {
   return err;
 }
 
+// Whether a dispatch may receive while it sends (PeerView::
+// receive_while_sending): the ranks' GPUs, given by their ordinals, are all
+// distinct, and every ordered pair has native P2P atomics (the senders add
+// chunk counts into the receivers' memory). Query failures count as no.
+bool ReceiveWhileSending(const std::vector<int>& devices) {
+  if (std::set<int>(devices.begin(), devices.end()).size() != devices.size()) {
+    return false;
+  }
+  for (int a : devices) {
+    for (int b : devices) {
+      if (a == b) continue;
+      int native = 0;
+      if (cudaDeviceGetP2PAttribute(&native,
+                                    cudaDevP2PAttrNativeAtomicSupported, a,
+                                    b) != cudaSuccess) {
+        cudaGetLastError();  // clear it
+        return false;
+      }
+      if (native == 0) return false;
+    }
+  }
+  return true;
+}
+
+// The ordinal of the visible device with this UUID, or -1.
+int DeviceWithUuid(const std::string& uuid) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  for (int d = 0; d < count; ++d) {
+    unsigned char other[16];
+    if (DeviceUuid(d, other) != cudaSuccess) {
+      cudaGetLastError();
+      continue;
+    }
+    if (uuid.compare(0, 16, reinterpret_cast<const char*>(other), 16) == 0) {
+      return d;
+    }
+  }
+  return -1;
+}
+
 // Empty if `peer` (read from rank r's buffer) matches `mine` for rank r.
 std::string HeaderMismatch(const BufferHeader& mine, const BufferHeader& peer,
                            int r) {
@@ -205,7 +249,7 @@ void FinishConnect(Group& g) {
   v.num_topk = static_cast<int32_t>(g.config.num_topk);
   v.itemsize = static_cast<int32_t>(g.config.itemsize);
   v.num_blocks = g.config.num_sms;
-  v.own_gpus = g.own_gpus ? 1 : 0;
+  v.receive_while_sending = g.receive_while_sending ? 1 : 0;
   // Published under the registry lock: Lookup reads it under the same lock.
   std::lock_guard<std::mutex> lock(RegistryMutex());
   g.connected = true;
@@ -434,9 +478,18 @@ void Connect(int64_t group_id, const std::vector<std::string>& handles) {
     }
     g->table_host = table;
     g->ipc_opened = opened;
-    // Every rank sees every rank's GPU, so all of them decide the same.
-    g->own_gpus = std::set<std::string>(uuids.begin(), uuids.end()).size() ==
-                  uuids.size();
+    // NOTES: every rank reads every rank's GPU; ranks that see different
+    // sets of devices may decide differently, which is safe (senders always
+    // add the counts, only a rank's own receivers read them). A GPU this
+    // process cannot see turns receiving off (its atomics cannot be checked).
+    std::vector<int> devices;
+    bool all_visible = true;
+    for (const std::string& uuid : uuids) {
+      const int d = DeviceWithUuid(uuid);
+      all_visible = all_visible && d >= 0;
+      devices.push_back(d);
+    }
+    g->receive_while_sending = all_visible && ReceiveWhileSending(devices);
     FinishConnect(*g);
   } catch (...) {
     for (void* p : opened) cudaIpcCloseMemHandle(p);
@@ -497,19 +550,19 @@ void ConnectLocal(const std::vector<int64_t>& group_ids) {
     }
   }
   std::vector<uint64_t> table(num_ranks);
-  std::set<int> devices;
+  std::vector<int> devices;
   for (int r = 0; r < num_ranks; ++r) {
     table[r] = reinterpret_cast<uint64_t>(groups[r]->buffer);
-    devices.insert(groups[r]->config.device);
+    devices.push_back(groups[r]->config.device);
   }
-  const bool own_gpus = static_cast<int>(devices.size()) == num_ranks;
+  const bool receive_while_sending = ReceiveWhileSending(devices);
   try {
     for (int r = 0; r < num_ranks; ++r) {
       Group& g = *groups[r];
       DeviceGuard guard(g.config.device);
       g.table_host = table;
       g.local_siblings = group_ids;
-      g.own_gpus = own_gpus;
+      g.receive_while_sending = receive_while_sending;
       FinishConnect(g);
     }
   } catch (...) {

@@ -54,7 +54,8 @@ struct Group {
   std::vector<uint64_t> table_host;              // the same, on the host
   std::vector<void*> ipc_opened;                 // to cudaIpcCloseMemHandle
   std::vector<int64_t> local_siblings;           // ConnectLocal group ids
-  bool own_gpus = false;  // no two ranks share a GPU (set on connect)
+  // PeerView::receive_while_sending (decided on connect).
+  bool receive_while_sending = false;
   bool connected = false;
   intranode::PeerView view{};                    // valid once connected
 };

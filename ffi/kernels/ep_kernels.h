@@ -35,7 +35,7 @@ enum class ElementType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2 };
 inline constexpr int64_t kMaxExperts = 1024;
 inline constexpr int64_t kMaxTopk = 32;
 // Most slots (T * K) one call may have per batch element (per rank for the
-// peer transport's receive side, R * T_max * K). NOTES: int32 slot indices
+// peer transport's received entries, R * T_max * K). NOTES: int32 slot indices
 // with headroom: the layout's last chunk ends at most one chunk (<= 2^22
 // slots) past T * K, which must still fit int32.
 inline constexpr int64_t kMaxSlots = int64_t{1} << 30;
@@ -75,6 +75,23 @@ inline int64_t LocalLayoutNumChunks(int64_t num_slots) {
 inline int64_t LocalLayoutWorkspaceElems(int64_t num_tokens, int64_t num_topk,
                                          int64_t num_experts) {
   return (LocalLayoutNumChunks(num_tokens * num_topk) + 1) * (num_experts + 1);
+}
+
+// An upper bound of LocalLayoutWorkspaceElems(T, K, E) over every T <=
+// max_tokens, for a workspace sized once and used with any T up to it.
+// NOTES: LocalLayoutWorkspaceElems is not monotone in T once T * K passes
+// kMaxChunks * kMinChunkSlots (the chunk size is rounded up to whole blocks,
+// so a smaller T can need more chunks); below that the chunks are
+// ceil(T * K / kMinChunkSlots), above it at most kMaxChunks.
+inline int64_t LocalLayoutMaxWorkspaceElems(int64_t max_tokens,
+                                            int64_t num_topk,
+                                            int64_t num_experts) {
+  const int64_t max_slots = max_tokens * num_topk;
+  const int64_t chunks =
+      max_slots <= kMaxChunks * kMinChunkSlots
+          ? (max_slots + kMinChunkSlots - 1) / kMinChunkSlots
+          : kMaxChunks;
+  return (chunks + 1) * (num_experts + 1);
 }
 
 // Assigns every valid slot a row of the expert-grouped buffer (see DESIGN.md
@@ -336,13 +353,16 @@ struct PeerView {
   int32_t num_topk;     // K
   int32_t itemsize;     // bytes per activation element of the buffers
   int32_t num_blocks;   // SM budget: send kernels run num_blocks times their
-                        // blocks per SM (intranode.cu), on whichever SMs
-                        // are free; it bounds threads, not which SMs
-  int32_t own_gpus;     // 1: every rank of the group has a GPU of its own, so
-                        // a dispatch may receive in blocks that spin beside
-                        // its sends (intranode.cu); 0: some ranks share one
-                        // (MPS), where a spinning block could hold the SMs a
-                        // peer's sender needs
+                        // blocks per SM of sending blocks (intranode.cu), on
+                        // whichever SMs are free; it bounds their threads,
+                        // not which SMs (the dispatch's placing blocks use
+                        // the rest)
+  int32_t receive_while_sending;  // 1: every rank has a GPU of its own and
+                        // every pair has native P2P atomics, so a dispatch
+                        // receives in blocks that spin beside its sends
+                        // (intranode.cu); 0: ranks share a GPU (MPS), where a
+                        // spinning block could hold the SMs a peer's sender
+                        // needs, or chunk counts could not be added atomically
 };
 
 // int32 elements of the `workspace` result of jax_ep_peer_dispatch, in
@@ -353,12 +373,12 @@ struct PeerView {
 // this rank's expert-grouped order of the slots it sends that destination;
 // [R, E/R] slots per (destination, local expert); [R, E/R] receive offsets per
 // (source, local expert); then the batched local layout's workspace (R
-// batches of T_max rows of K slots over E/R experts).
+// batches of up to T_max rows of K slots over E/R experts).
 inline int64_t DispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
                                       int64_t num_topk, int64_t num_experts) {
   return 4 * num_ranks + num_ranks * (max_tokens + 1) +
          2 * num_ranks * max_tokens * num_topk + 2 * num_experts +
-         num_ranks * layout::LocalLayoutWorkspaceElems(
+         num_ranks * layout::LocalLayoutMaxWorkspaceElems(
                          max_tokens, num_topk, num_experts / num_ranks);
 }
 

@@ -41,11 +41,12 @@
 //   row of recv_x is offset[s][l] + dispatch_rank: no layout pass over the
 //   received entries, and rows can be placed before all of them arrived.
 //   The send kernel then places this rank's own tokens from x in other
-//   blocks, and where every rank has a GPU of its own (PeerView::own_gpus)
+//   blocks, and where every rank has a GPU of its own with native P2P
+//   atomics to every other (PeerView::receive_while_sending)
 //   receiving blocks place the other sources' rows chunk by chunk: after its
 //   last token of a chunk a sending block fences (thread 0, after a barrier)
 //   and adds its tokens of the chunk to d's `chunk_done[this rank][chunk]`;
-//   a receiving block acquires that count until it equals the chunk's
+//   a receiving block acquires that count until it reaches the chunk's
 //   positions. The op resets the counters after the arrival flags (every
 //   count of the call precedes them) and before its release. Where ranks
 //   share a GPU, the permute after the arrivals places the other sources'
@@ -62,7 +63,10 @@
 //   rank's release of seq - 1 depends only on calls <= seq - 1 of every rank.
 //   Inside the dispatch send kernel only receiving blocks spin, on other
 //   GPUs' sending blocks, which never wait and have the lowest block indices
-//   of their grid (scheduled first).
+//   of their grid. NOTES: that relies on the hardware dispatching blocks in
+//   index order when a grid is not all resident (other streams hold SMs);
+//   CUDA does not promise it. Were it not so, a wait would end in the
+//   group's timeout error, never a hang.
 // * Timeouts. Every spin gives up after the group's timeout (%globaltimer):
 //   the first failing thread claims the mailbox (atomicCAS on device state),
 //   writes (op, rank, peer, seq, what) to host-mapped memory, fences, sets
@@ -75,8 +79,10 @@
 //   blocks-per-SM constant of sending blocks (the group's SM budget at as
 //   many blocks as its registers let one SM hold, named in its launch bounds;
 //   a constant per kernel, which the monotonic counters rely on). The
-//   dispatch send kernel's placing and receiving blocks, local work like a
-//   permute's, take the SMs outside the budget.
+//   dispatch send kernel's placing and receiving blocks take the SMs outside
+//   the budget, as the permute they replace did; the receivers spin there
+//   while rows are in flight, so other streams' kernels get fewer SMs during
+//   a dispatch.
 //   The waits run in one block each: where ranks share one GPU a rank never
 //   holds more than one spinning block, so they cannot starve each other of
 //   SMs. The local kernels (layout, permute, reduce) do not spin.
@@ -145,7 +151,8 @@ constexpr int kMaxWaves = 8;
 static_assert(kMaxR <= 64, "destinations are staged by one warp, two ballots");
 static_assert(kMaxK <= 32, "slot staging uses one warp, lane k = slot k");
 static_assert(kCountsThreads == kMaxExperts && kNotifyThreads >= kMaxR,
-              "WaitCountsKernel: a thread per local expert and per source");
+              "WaitCountsKernel: a thread per local expert; NotifyKernel: "
+              "a thread per rank");
 static_assert(kWaitThreads >= kMaxR && kCommThreads >= kMaxR &&
                   kCombineThreads >= kMaxR && kDotsThreads >= kMaxR,
               "a thread per rank in the prologues / epilogues");
@@ -688,8 +695,8 @@ __device__ bool BlockWaitCount(const PeerView& g, const unsigned* counter,
 //   (chunk_done[s][c] == its positions, notify_chunks[s] gives them), then
 //   places each position's row at offset[s][l] + dispatch_rank.
 // Placers and senders never spin. Receivers spin only on other GPUs' senders,
-// which have the lowest block indices of their kernels (scheduled first), so
-// no cycle of waits exists even when a grid is not all resident.
+// which have the lowest block indices of their kernels (see the deadlock
+// NOTES at the top).
 // NOTES: the placement needs every source's counts (the contract orders
 // sources inside an expert), hence the notify in front of this kernel; with
 // it the permute runs under the sends instead of after the arrivals. Pushes
@@ -1593,7 +1600,7 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
   // the rows), no more placers than tokens.
   int num_sms = 0;
   JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
-  const bool receive = g.own_gpus != 0;
+  const bool receive = g.receive_while_sending != 0;
   const int64_t others =
       static_cast<int64_t>(num_sms > g.num_blocks ? num_sms - g.num_blocks
                                                   : g.num_blocks) *
