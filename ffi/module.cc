@@ -162,15 +162,17 @@ NB_MODULE(_jax_ep_ffi, m) {
         nb::arg("max_tokens_per_rank"), nb::arg("hidden"), nb::arg("num_topk"),
         nb::arg("itemsize"),
         "Bytes of one rank's peer buffer: header 256 + dispatch rows "
-        "R*T_max*H*itemsize + dispatch meta, weights R*T_max*K*4 each + token "
-        "index R*T_max*4 + combine rows R*T_max*H*4 (fp32) + dots "
-        "R*T_max*K*4 + flags (3R+3)*8, each region rounded up to 256 bytes.");
+        "R*T_max*H*itemsize + dispatch meta, weights and grouped ranks "
+        "R*T_max*K*4 each + notify counts R*1024*4 + chunk starts and chunk "
+        "counts R*(T_max+1)*4 each + combine rows R*T_max*H*4 (fp32) + dots "
+        "R*T_max*K*4 + flags (4R+3)*8, each region rounded up to 256 bytes.");
   m.def("peer_dispatch_workspace_elems",
         &jax_ep::PeerDispatchWorkspaceElems, nb::arg("num_ranks"),
         nb::arg("max_tokens_per_rank"), nb::arg("num_topk"),
         nb::arg("num_experts"),
         "Elements W of the int32 `workspace` result of jax_ep_peer_dispatch: "
-        "1 + R + local_layout_workspace_elems(R*T_max, K, E/R).");
+        "4R + R*(T_max+1) + 2*R*T_max*K + 2E + R times the local layout's "
+        "workspace for up to T_max tokens of K slots over E/R experts.");
   m.def("peer_group_create", &jax_ep::PeerGroupCreate,
         nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("num_ranks"),
         nb::arg("num_experts"), nb::arg("num_topk"), nb::arg("hidden"),

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ep import cuda_ops
+from jax_ep import _ffi, cuda_ops
 from jax_ep.config import EPConfig
 
 
@@ -62,3 +62,20 @@ def test_peer_ops_never_pass_zero_rows(calls, num_tokens, capacity):
   d_expert_out, d_weights, _ = cuda_ops.peer_combine_vjp(config, 7, out, recv_x, routing)
   assert d_expert_out.shape == (capacity, h) and d_weights.shape == (num_tokens, k)
   _no_zero_rows(calls)
+
+
+@pytest.mark.skipif(_ffi.extension() is None, reason="needs the built extension (host code only)")
+@pytest.mark.parametrize("max_tokens", [1, 19, 4096, 65600, 100000])
+def test_dispatch_workspace_covers_every_token_count(max_tokens):
+  """The dispatch runs the local layout once per destination on the call's T tokens, however
+  many up to T_max: its workspace must cover the layout's scratch for every such T. The layout's
+  chunk count is not monotone in T past 2^19 slots (T_max=65600 needs fewer chunks than
+  T=65536), which a workspace sized from T_max alone got wrong."""
+  ext = _ffi.extension()
+  r, k, e = 8, 8, 256
+  fixed = 4 * r + r * (max_tokens + 1) + 2 * r * max_tokens * k + 2 * e
+  layout_room = ext.peer_dispatch_workspace_elems(r, max_tokens, k, e) - fixed
+  candidates = {max_tokens, max(max_tokens - 64, 1), 65536, 98304, 1 << 16, 16384, 1}
+  need = max(ext.local_layout_workspace_elems(t, k, e // r)
+             for t in candidates if t <= max_tokens)
+  assert layout_room >= r * need, (max_tokens, layout_room, r * need)
