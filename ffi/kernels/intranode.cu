@@ -261,8 +261,9 @@ __device__ void RecordTimeout(const PeerView& g, PeerOp op, int region,
 }
 
 // Spins until *flag (acquire, system scope) satisfies the wait: for kArrival
-// and kCounts its seq field equals `seq`, for kConsumed its value is >= seq - 1. Returns
-// false when the group aborted or the wait timed out (then recorded).
+// and kCounts its seq field equals `seq`, for kConsumed its value is
+// >= seq - 1. Returns false when the group aborted or the wait timed out
+// (then recorded).
 __device__ bool SpinWait(const PeerView& g, const uint64_t* flag, WaitKind what,
                          uint64_t seq, PeerOp op, int region, int peer,
                          uint64_t* value) {
@@ -585,7 +586,8 @@ __global__ void __launch_bounds__(kCountsThreads)
     if (lane >= off) inclusive += up;
   }
   if (lane == 31) s_warp[warp] = inclusive;
-  __syncthreads();  // also orders the offset stores above before the reads below
+  // Also orders the offset stores above before the reads below.
+  __syncthreads();
   int32_t base = inclusive - total;
   int32_t all = 0;
 #pragma unroll
@@ -613,7 +615,8 @@ __global__ void __launch_bounds__(kCountsThreads)
 template <bool kPeerSource>
 __device__ __forceinline__ void PlaceRow(const uint4* __restrict__ src,
                                          const int32_t* s_row, int num_topk,
-                                         int32_t rv, uint4* __restrict__ recv_x) {
+                                         int32_t rv,
+                                         uint4* __restrict__ recv_x) {
   // NOTES: 32-bit vector indices (ValidView bounds rv); with 64-bit ones the
   // placing roles spilled at the 64 registers of the sending role.
   for (int32_t v0 = 0; v0 < rv; v0 += kCommThreads * kSendVecs) {
@@ -677,14 +680,14 @@ __device__ bool BlockWaitCount(const PeerView& g, const unsigned* counter,
 // they land: one kernel, three roles by block index.
 // * Senders, blocks [0, num_senders) (the group's SM budget): items are
 //   tokens t, grid-stride; chunk c = tokens [c * chunk_tokens, (c + 1) *
-//   chunk_tokens), chunk_tokens a multiple of num_senders. Row t is read once and written to
-//   every other rank d with send_pos[t, d] >= 0 at dispatch_rows[this
-//   rank][send_pos]; for every rank d the token goes to, this one included,
-//   its K local expert ids (-1 for slots of other ranks), K weights and K
-//   grouped ranks (dispatch_rank, from slot_rank[d, t, k]) go to d's region.
-//   After its last token of chunk c, thread 0 adds the block's tokens of the
-//   chunk for every other rank d to d's chunk_done[this rank][c]. The last
-//   sender releases the arrival flags.
+//   chunk_tokens), chunk_tokens a multiple of num_senders. Row t is read
+//   once and written to every other rank d with send_pos[t, d] >= 0 at
+//   dispatch_rows[this rank][send_pos]; for every rank d the token goes to,
+//   this one included, its K local expert ids (-1 for slots of other ranks),
+//   K weights and K grouped ranks (dispatch_rank, from slot_rank[d, t, k])
+//   go to d's region. After its last token of chunk c, thread 0 adds the
+//   block's tokens of the chunk for every other rank d to d's
+//   chunk_done[this rank][c]. The last sender releases the arrival flags.
 // * Placers, blocks [num_senders, num_senders + num_placers): items are
 //   tokens t with slots on this rank; row t goes straight from x to
 //   recv_x[offset[me][l] + slot_rank[me, t, k]] for each (rows >= capacity
@@ -1153,7 +1156,10 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineSendBlocksPerSm)
       }
     }
   }
-  if (!ArriveLastBlock(&g.state->blocks_done[kCombineSendCounter], gridDim.x)) return;
+  if (!ArriveLastBlock(&g.state->blocks_done[kCombineSendCounter],
+                       gridDim.x)) {
+    return;
+  }
   if (threadIdx.x < g.num_ranks) {
     const int s = threadIdx.x;
     StoreReleaseSys(ArrivalFlag(s_peer[s], g, kCombineRegion, me),
@@ -1332,7 +1338,9 @@ __global__ void __launch_bounds__(kDotsThreads, kDotsSendBlocksPerSm)
       if (lane < kDotsGroup && k0 + lane < num_topk) dst[k0 + lane] = mine;
     }
   }
-  if (!ArriveLastBlock(&g.state->blocks_done[kDotsSendCounter], gridDim.x)) return;
+  if (!ArriveLastBlock(&g.state->blocks_done[kDotsSendCounter], gridDim.x)) {
+    return;
+  }
   if (threadIdx.x < g.num_ranks) {
     const int s = threadIdx.x;
     StoreReleaseSys(ArrivalFlag(s_peer[s], g, kDotsRegion, me),
