@@ -579,22 +579,11 @@ __global__ void __launch_bounds__(kCountsThreads)
       total += __ldcg(counts + static_cast<int64_t>(s) * kMaxExperts + l);
     }
   }
-  int32_t inclusive = total;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int32_t up = __shfl_up_sync(kFullMask, inclusive, off);
-    if (lane >= off) inclusive += up;
-  }
-  if (lane == 31) s_warp[warp] = inclusive;
-  // Also orders the offset stores above before the reads below.
-  __syncthreads();
-  int32_t base = inclusive - total;
+  // The scan's barrier also orders the offset stores above before the reads
+  // below.
   int32_t all = 0;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    if (w < warp) base += s_warp[w];
-    all += s_warp[w];
-  }
+  const int32_t base =
+      detail::BlockExclusiveScan<kCountsThreads>(total, s_warp, &all);
   if (l < num_local) {
     const int64_t room = capacity - base > 0 ? capacity - base : 0;
     group_sizes[l] = static_cast<int32_t>(room < total ? room : total);

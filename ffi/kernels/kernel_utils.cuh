@@ -228,6 +228,35 @@ __device__ int64_t UsedRows(const int32_t* __restrict__ group_sizes,
   return used < capacity ? used : capacity;
 }
 
+// Exclusive scan of one value per thread over a block of kThreads threads, in
+// thread order: returns the sum of the values of the threads before this one;
+// *all = the block's sum. s_warp: kThreads / 32 shared int32 (free to reuse
+// after the next barrier). Whole block.
+template <int kThreads>
+__device__ __forceinline__ int32_t BlockExclusiveScan(int32_t value,
+                                                      int32_t* s_warp,
+                                                      int32_t* all) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  int32_t inclusive = value;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int32_t up = __shfl_up_sync(kFullMask, inclusive, off);
+    if (lane >= off) inclusive += up;
+  }
+  if (lane == 31) s_warp[warp] = inclusive;
+  __syncthreads();
+  int32_t before = inclusive - value;
+  int32_t sum = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) {
+    if (w < warp) before += s_warp[w];
+    sum += s_warp[w];
+  }
+  *all = sum;
+  return before;
+}
+
 }  // namespace jax_ep::detail
 
 #endif  // JAX_EP_FFI_KERNELS_KERNEL_UTILS_CUH_

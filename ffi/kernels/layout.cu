@@ -146,8 +146,6 @@ __global__ void __launch_bounds__(kBlock)
 __device__ __forceinline__ void ExpertBases(const int32_t* __restrict__ totals,
                                             int32_t num_experts,
                                             int32_t* s_base, int32_t* s_warp) {
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
   int32_t v[kScanItemsPerThread];
   int32_t thread_sum = 0;
 #pragma unroll
@@ -156,21 +154,8 @@ __device__ __forceinline__ void ExpertBases(const int32_t* __restrict__ totals,
     v[i] = e < num_experts ? totals[e] : 0;
     thread_sum += v[i];
   }
-  int32_t inclusive = thread_sum;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int32_t up = __shfl_up_sync(kFullMask, inclusive, off);
-    if (lane >= off) inclusive += up;
-  }
-  if (lane == 31) s_warp[warp] = inclusive;
-  __syncthreads();
-  int32_t run = inclusive - thread_sum;
   int32_t all = 0;
-#pragma unroll
-  for (int w = 0; w < kNumWarps; ++w) {
-    if (w < warp) run += s_warp[w];
-    all += s_warp[w];
-  }
+  int32_t run = detail::BlockExclusiveScan<kBlock>(thread_sum, s_warp, &all);
 #pragma unroll
   for (int i = 0; i < kScanItemsPerThread; ++i) {
     const int e = threadIdx.x * kScanItemsPerThread + i;
