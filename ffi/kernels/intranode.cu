@@ -377,6 +377,12 @@ __device__ __forceinline__ int32_t CheckedRow(int32_t row, int64_t capacity) {
   return (row >= 0 && row < capacity) ? row : -1;
 }
 
+// CheckedRow of a row computed in 64 bits (offset plus a rank that came from
+// another GPU: a corrupt one can never make an out-of-range row).
+__device__ __forceinline__ int32_t CheckedRow64(int64_t row, int64_t capacity) {
+  return row >= 0 && row < capacity ? static_cast<int32_t>(row) : -1;
+}
+
 // ---------------------------------------------------------------------------
 // Dispatch, send side.
 // ---------------------------------------------------------------------------
@@ -626,10 +632,6 @@ __device__ __forceinline__ void PlaceRow(const uint4* __restrict__ src,
       }
     }
   }
-}
-
-__device__ __forceinline__ int32_t CheckedRow64(int64_t row, int64_t capacity) {
-  return row >= 0 && row < capacity ? static_cast<int32_t>(row) : -1;
 }
 
 // Spins (thread 0 of the block) until *counter >= want; block-uniform result,
@@ -1026,10 +1028,9 @@ __global__ void EntryRowsKernel(PeerView g,
     if (i < recv_counts[s]) {
       const int32_t l = __ldcg(meta + q);
       if (l >= 0 && l < num_local) {
-        // A corrupt rank can never make an out-of-range row.
-        const int64_t r = static_cast<int64_t>(offset[s * num_local + l]) +
-                          __ldcg(ranks + q);
-        row = r >= 0 && r < capacity ? static_cast<int32_t>(r) : -1;
+        row = CheckedRow64(static_cast<int64_t>(offset[s * num_local + l]) +
+                               __ldcg(ranks + q),
+                           capacity);
         w = __ldcg(weights + q);
       }
     }
