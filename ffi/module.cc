@@ -171,7 +171,8 @@ NB_MODULE(_jax_ep_ffi, m) {
         nb::arg("max_tokens_per_rank"), nb::arg("num_topk"),
         nb::arg("num_experts"),
         "Elements W of the int32 `workspace` result of jax_ep_peer_dispatch: "
-        "4R + R*(T_max+1) + 2*R*T_max*K + 2E + R times the local layout's "
+        "4R + R*(T_max+1) + 2*R*T_max*K + 2E + (R+1)*ceil(T_max/512) + R "
+        "times the local layout's "
         "workspace for up to T_max tokens of K slots over E/R experts.");
   m.def("peer_group_create", &jax_ep::PeerGroupCreate,
         nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("num_ranks"),

@@ -73,7 +73,9 @@ def test_dispatch_workspace_covers_every_token_count(max_tokens):
   T=65536), which a workspace sized from T_max alone got wrong."""
   ext = _ffi.extension()
   r, k, e = 8, 8, 256
-  fixed = 4 * r + r * (max_tokens + 1) + 2 * r * max_tokens * k + 2 * e
+  send_tiles = max(1, -(-max_tokens // 512))  # intranode::DispatchSendTiles
+  fixed = (4 * r + r * (max_tokens + 1) + 2 * r * max_tokens * k + 2 * e
+           + (r + 1) * send_tiles)
   layout_room = ext.peer_dispatch_workspace_elems(r, max_tokens, k, e) - fixed
   candidates = {max_tokens, max(max_tokens - 64, 1), 65536, 98304, 1 << 16, 16384, 1}
   need = max(ext.local_layout_workspace_elems(t, k, e // r)

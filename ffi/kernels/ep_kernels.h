@@ -372,12 +372,20 @@ struct PeerView {
 // destination (-1 for other ranks' slots); [R, T_max, K] each slot's row in
 // this rank's expert-grouped order of the slots it sends that destination;
 // [R, E/R] slots per (destination, local expert); [R, E/R] receive offsets per
-// (source, local expert); then the batched local layout's workspace (R
-// batches of up to T_max rows of K slots over E/R experts).
+// (source, local expert); [R, tiles] tokens of each tile of kSendTileTokens
+// tokens that go to each rank and [tiles] invalid ids per tile (tiles =
+// ceil(T_max / kSendTileTokens), at least 1); then the batched local layout's
+// workspace (R batches of up to T_max rows of K slots over E/R experts).
+inline constexpr int64_t kSendTileTokens = 512;
+inline int64_t DispatchSendTiles(int64_t max_tokens) {
+  const int64_t tiles = (max_tokens + kSendTileTokens - 1) / kSendTileTokens;
+  return tiles > 1 ? tiles : 1;
+}
 inline int64_t DispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
                                       int64_t num_topk, int64_t num_experts) {
   return 4 * num_ranks + num_ranks * (max_tokens + 1) +
          2 * num_ranks * max_tokens * num_topk + 2 * num_experts +
+         (num_ranks + 1) * DispatchSendTiles(max_tokens) +
          num_ranks * layout::LocalLayoutMaxWorkspaceElems(
                          max_tokens, num_topk, num_experts / num_ranks);
 }
