@@ -1672,7 +1672,9 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
   //    own, the other sources' rows too, chunk by chunk as they land.
   // NOTES: the placers and receivers take the SMs outside the budget (at
   // least as many as the budget), the placers 1/R of them (their share of
-  // the rows), no more placers than tokens.
+  // the rows), no more placers than tokens. While receiving, neither role
+  // gets more blocks than the senders: the rows arrive at the senders' pace,
+  // and more blocks only contend with the senders for the SMs they share.
   int num_sms = 0;
   JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
   const bool receive = g.receive_while_sending != 0;
@@ -1681,9 +1683,12 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
                                                   : g.num_blocks) *
       kRowsSendBlocksPerSm;
   int64_t num_placers = receive ? others / g.num_ranks : others;
+  if (receive && num_placers > num_senders) num_placers = num_senders;
   if (num_placers < 1) num_placers = 1;
   const int64_t num_receivers =
-      receive && g.num_ranks > 1 ? others - num_placers : 0;
+      receive && g.num_ranks > 1
+          ? std::min<int64_t>(others - num_placers, num_senders)
+          : 0;
   if (!receive && num_placers > num_tokens) num_placers = num_tokens;
   DispatchSendKernel<<<static_cast<unsigned>(num_senders + num_placers +
                                              num_receivers),
