@@ -668,6 +668,40 @@ __global__ void __launch_bounds__(kCountsThreads)
   }
 }
 
+// Pushes one token's row `src` (rv vectors, read once by the whole block) to
+// dispatch_rows[this rank][s_pos[q]] of every rank s_dest[q], q < n, the
+// first send_vecs vectors of it; kSkipSelf leaves this rank out, kStreaming
+// stores evict-first. Index is the vector index type (32 bits where the
+// caller's registers need it). Block-uniform arguments.
+template <bool kSkipSelf, bool kStreaming, typename Index>
+__device__ __forceinline__ void PushRow(const PeerView& g, char* const* s_peer,
+                                        const int32_t* s_dest,
+                                        const int32_t* s_pos, int32_t n,
+                                        const uint4* __restrict__ src,
+                                        Index rv, Index send_vecs) {
+  const int me = g.rank;
+  const int64_t t_max = g.max_tokens;
+  for (Index v0 = 0; v0 < send_vecs; v0 += kCommThreads * kSendVecs) {
+    uint4 v[kSendVecs];
+#pragma unroll
+    for (int u = 0; u < kSendVecs; ++u) {
+      const Index j = v0 + u * kCommThreads + threadIdx.x;
+      if (j < rv) v[u] = LoadVec(src + j);
+    }
+    for (int32_t q = 0; q < n; ++q) {
+      if (kSkipSelf && s_dest[q] == me) continue;  // block-uniform
+      uint4* dst =
+          reinterpret_cast<uint4*>(s_peer[s_dest[q]] + g.layout.dispatch_rows) +
+          (me * t_max + s_pos[q]) * rv;
+#pragma unroll
+      for (int u = 0; u < kSendVecs; ++u) {
+        const Index j = v0 + u * kCommThreads + threadIdx.x;
+        if (j < rv) StoreMaybeStreaming<kStreaming>(dst + j, v[u]);
+      }
+    }
+  }
+}
+
 // Copies one row (rv 16-byte vectors) from src to each of the rows s_row[0..K)
 // of recv_x that are >= 0, with the whole block (kCommThreads threads), the
 // row read once. Block-uniform arguments.
@@ -911,26 +945,8 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     // Block-uniform: a token kept on this rank alone (or sent nowhere) moves
     // no row.
     const int32_t send_vecs = n == 0 || (n == 1 && s_dest[0] == me) ? 0 : rv;
-    for (int32_t v0 = 0; v0 < send_vecs; v0 += kCommThreads * kSendVecs) {
-      uint4 v[kSendVecs];
-#pragma unroll
-      for (int u = 0; u < kSendVecs; ++u) {
-        const int32_t j = v0 + u * kCommThreads + threadIdx.x;
-        if (j < rv) v[u] = LoadVec(src + j);
-      }
-      for (int32_t q = 0; q < n; ++q) {
-        if (s_dest[q] == me) continue;  // block-uniform
-        uint4* dst =
-            reinterpret_cast<uint4*>(s_peer[s_dest[q]] +
-                                     g.layout.dispatch_rows) +
-            (me * t_max + s_pos[q]) * rv;
-#pragma unroll
-        for (int u = 0; u < kSendVecs; ++u) {
-          const int32_t j = v0 + u * kCommThreads + threadIdx.x;
-          if (j < rv) StoreMaybeStreaming<true>(dst + j, v[u]);
-        }
-      }
-    }
+    PushRow</*kSkipSelf=*/true, /*kStreaming=*/true>(g, s_peer, s_dest, s_pos, n,
+                                                     src, rv, send_vecs);
     for (int32_t q = threadIdx.x; q < n * num_topk; q += kCommThreads) {
       const int32_t j = q / num_topk;
       const int32_t k = q - j * num_topk;
@@ -1003,7 +1019,6 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
   if (BlockSeesAbort(g)) return;
   if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
   const int me = g.rank;
-  const int64_t t_max = g.max_tokens;
   const int64_t rv = g.hidden * g.itemsize / 16;
   for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
     __syncthreads();  // the previous token's readers of shared are done
@@ -1014,25 +1029,8 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     const int32_t n = s_num;
     if (n == 0) continue;  // block-uniform
     const uint4* src = x + static_cast<int64_t>(t) * rv;
-    for (int64_t v0 = 0; v0 < rv; v0 += kCommThreads * kSendVecs) {
-      uint4 v[kSendVecs];
-#pragma unroll
-      for (int u = 0; u < kSendVecs; ++u) {
-        const int64_t j = v0 + u * kCommThreads + threadIdx.x;
-        if (j < rv) v[u] = LoadVec(src + j);
-      }
-      for (int32_t q = 0; q < n; ++q) {
-        uint4* dst =
-            reinterpret_cast<uint4*>(s_peer[s_dest[q]] +
-                                     g.layout.dispatch_rows) +
-            (me * t_max + s_pos[q]) * rv;
-#pragma unroll
-        for (int u = 0; u < kSendVecs; ++u) {
-          const int64_t j = v0 + u * kCommThreads + threadIdx.x;
-          if (j < rv) dst[j] = v[u];
-        }
-      }
-    }
+    PushRow</*kSkipSelf=*/false, /*kStreaming=*/false>(g, s_peer, s_dest, s_pos,
+                                                       n, src, rv, rv);
   }
   if (!ArriveLastBlock(counter, gridDim.x)) return;
   if (threadIdx.x < g.num_ranks) {
