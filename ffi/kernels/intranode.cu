@@ -1134,13 +1134,21 @@ __global__ void FinishKernel(PeerView g, unsigned region_mask,
 // Expert side. Items: received (s, i). partial = sum over k ascending of
 // w * expert_out[entry_row[s, i, k]] (fp32, one fmaf each, rows < 0 skipped),
 // written to rank s's combine_rows[this rank][i] in CombineWire<T>.
+// Two roles:
+// * Senders, blocks [0, num_senders) (the group's SM budget): the other
+//   sources' items, whose partials cross to their ranks.
+// * Local blocks, the rest of the grid: this rank's own items, whose partials
+//   stay in its own region. NOTES: every item reads its slots' expert rows
+//   from HBM (at R=2 the reads, not the wire, bound the send: 470 MB against
+//   58 MB on the wire), so the own 1/R of the reads runs on the SMs outside
+//   the budget, beside the senders, as the dispatch's placers do.
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads, kCombineSendBlocksPerSm)
     CombineSendKernel(PeerView g, const uint4* __restrict__ expert_out,
                       const int32_t* __restrict__ entry_row,
                       const float* __restrict__ entry_weights,
                       const int32_t* __restrict__ recv_counts,
-                      int64_t capacity, bool weighted) {
+                      int64_t capacity, bool weighted, int32_t num_senders) {
   using Wire = typename CombineWire<T>::Type;
   constexpr int kE = Vec16<T>::kElems;
   [[maybe_unused]] constexpr int kF4 = kE / 4;  // fp32 float4s per X vector
@@ -1158,12 +1166,24 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineSendBlocksPerSm)
   const int64_t t_max = g.max_tokens;
   const int32_t num_topk = g.num_topk;
   const int64_t rv = g.hidden * static_cast<int64_t>(sizeof(T)) / 16;
-  const int32_t total = s_start[g.num_ranks];
-  for (int32_t item = blockIdx.x; item < total; item += gridDim.x) {
+  const int32_t block = blockIdx.x;
+  const bool sender = block < num_senders;
+  for (int32_t k = sender ? block : block - num_senders;;
+       k += sender ? num_senders : gridDim.x - num_senders) {
+    __syncthreads();  // the previous item's readers of s_row are done
+    // A sender's k-th item skips the own range; a local block's k-th is in
+    // it. NOTES: the range is read from shared memory each item, not held:
+    // the kernel is at its register bound (kCombineSendBlocksPerSm); held,
+    // they spilled 28 bytes, and now one register is saved and restored once
+    // per item, outside the row loop.
+    const int32_t own_begin = s_start[me];
+    const int32_t own_items = s_start[me + 1] - own_begin;
+    if (k >= (sender ? s_start[g.num_ranks] - own_items : own_items)) break;
+    const int32_t item =
+        sender ? (k < own_begin ? k : k + own_items) : own_begin + k;
     const int s = ItemSource(s_start, item);
     const int64_t i = item - s_start[s];
     const int64_t n = s * t_max + i;
-    __syncthreads();  // the previous item's readers of s_row are done
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
       const int64_t q = n * num_topk + lane;
@@ -1503,10 +1523,20 @@ struct CombineLaunch {
                          void* out, int32_t* status, cudaStream_t stream) {
     JAX_EP_CUDA_RETURN_IF_ERROR(
         LaunchWaitConsumed(g, PeerOp::kCombine, kCombineRegion, stream));
-    CombineSendKernel<T><<<g.num_blocks * kCombineSendBlocksPerSm,
+    // NOTES: the local blocks take the SMs outside the budget (as many as the
+    // budget when there are none), with no cap: their reads compete with the
+    // senders' for HBM only while they last, and the sooner they are done
+    // the sooner the senders have it to themselves.
+    int num_sms = 0;
+    JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
+    const int32_t num_senders = g.num_blocks * kCombineSendBlocksPerSm;
+    const int32_t num_local =
+        (num_sms > g.num_blocks ? num_sms - g.num_blocks : g.num_blocks) *
+        kCombineSendBlocksPerSm;
+    CombineSendKernel<T><<<static_cast<unsigned>(num_senders + num_local),
                            kCombineThreads, 0, stream>>>(
         g, static_cast<const uint4*>(expert_out), entry_row, entry_weights,
-        recv_counts, capacity, weighted);
+        recv_counts, capacity, weighted, num_senders);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     JAX_EP_CUDA_RETURN_IF_ERROR(
         LaunchWait(g, PeerOp::kCombine, kCombineRegion, nullptr, stream));
