@@ -8,6 +8,10 @@ Usage::
     # One process per GPU (process i uses GPU i):
     python -m jax_ep.launch -n 8 -- python -m pytest tests/
 
+    # One process per GPU, each seeing only its own GPU (as a scheduler that hands each task one
+    # GPU through CUDA_VISIBLE_DEVICES does):
+    python -m jax_ep.launch -n 8 --isolate-gpus -- python -m pytest tests/
+
     # Emulated multi-rank on one GPU: every process uses GPU 0 and a CUDA MPS daemon runs, so
     # their kernels execute concurrently (a rank spinning on a peer must not starve that peer):
     python -m jax_ep.launch -n 4 --share-gpu -- python -m pytest tests/test_multiprocess.py
@@ -16,6 +20,8 @@ Options::
 
     -n N           number of processes (required)
     --share-gpu    all processes use GPU 0, with a CUDA MPS daemon started for this run
+    --isolate-gpus process i sees only the i-th visible GPU (CUDA_VISIBLE_DEVICES set per
+                   process); needs at least N visible GPUs
     --port P       coordinator port on 127.0.0.1 (default: a free one)
     --grace S      once a process has failed, how long the others may run on before they are
                    killed (default 60 s)
@@ -27,8 +33,9 @@ else is unset, so e.g. the caller's NVLink-multicast settings reach the children
     JAX_EP_COORDINATOR       `127.0.0.1:PORT`
     JAX_EP_NUM_PROCESSES     `N`
     JAX_EP_PROCESS_ID        `i`
-    JAX_EP_LOCAL_DEVICE_IDS  `0` with --share-gpu; `i` when at least N GPUs are visible;
-                             unset otherwise (CPU runs)
+    JAX_EP_LOCAL_DEVICE_IDS  `0` with --share-gpu or --isolate-gpus; `i` when at least N GPUs
+                             are visible; unset otherwise (CPU runs)
+    CUDA_VISIBLE_DEVICES     with --isolate-gpus only: the i-th GPU the launcher could see
     JAX_EP_SHARED_GPU        `1` with --share-gpu (the processes cannot run XLA collectives)
     XLA_PYTHON_CLIENT_PREALLOCATE  `false` with --share-gpu, unless the caller set it or another
                              XLA_PYTHON_CLIENT_* allocator variable: N processes that each
@@ -176,20 +183,27 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _num_visible_gpus() -> int:
-  """GPUs the children could use; 0 when `nvidia-smi -L` is missing or fails."""
+def _visible_gpu_ids() -> list[str]:
+  """GPUs the children could use, as CUDA_VISIBLE_DEVICES entries; [] when `nvidia-smi -L` is
+  missing or fails."""
   try:
     out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
   except (OSError, subprocess.SubprocessError):
-    return 0
+    return []
   if out.returncode != 0:
-    return 0
+    return []
   num_gpus = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
   visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-  if visible is not None:
-    # Local device ids index the visible GPUs, not the physical ones.
-    num_gpus = min(num_gpus, len([v for v in visible.split(",") if v.strip()]))
-  return num_gpus
+  if visible is None:
+    return [str(i) for i in range(num_gpus)]
+  # The caller's selection (ordinals or UUIDs), no more entries than GPUs exist.
+  return [v.strip() for v in visible.split(",") if v.strip()][:num_gpus]
+
+
+def _num_visible_gpus() -> int:
+  """GPUs the children could use; 0 when `nvidia-smi -L` is missing or fails. Local device ids
+  index the visible GPUs, not the physical ones."""
+  return len(_visible_gpu_ids())
 
 
 class _Mps:
@@ -320,11 +334,19 @@ def _supervise(children: Sequence[_Child], grace_s: float, timeout_s: float | No
 
 
 def child_env(base_env: dict[str, str], process_id: int, *, share_gpu: bool,
-              gpu_per_process: bool) -> dict[str, str]:
-  """The environment of child `process_id` (see the module docstring for the variables)."""
+              gpu_per_process: bool,
+              isolated_gpus: Sequence[str] | None = None) -> dict[str, str]:
+  """The environment of child `process_id` (see the module docstring for the variables).
+
+  `isolated_gpus`: with --isolate-gpus, the GPUs the launcher could see (CUDA_VISIBLE_DEVICES
+  entries, or ordinals); child i is given entry i as its only visible GPU.
+  """
   env = dict(base_env)
   env[ENV_PROCESS_ID] = str(process_id)
-  if share_gpu:
+  if isolated_gpus is not None:
+    env["CUDA_VISIBLE_DEVICES"] = isolated_gpus[process_id]
+    env[ENV_LOCAL_DEVICE_IDS] = "0"
+  elif share_gpu:
     env[ENV_LOCAL_DEVICE_IDS] = "0"
     env[ENV_SHARED_GPU] = "1"  # tests skip what needs XLA collectives (NCCL refuses)
     if not any(k.startswith("XLA_PYTHON_CLIENT_") for k in base_env):
@@ -335,7 +357,7 @@ def child_env(base_env: dict[str, str], process_id: int, *, share_gpu: bool,
 
 
 def launch(cmd: Sequence[str], num_processes: int, *, share_gpu: bool = False,
-           port: int | None = None, grace_s: float = 60.0,
+           isolate_gpus: bool = False, port: int | None = None, grace_s: float = 60.0,
            timeout_s: float | None = None) -> int:
   """Runs `num_processes` copies of `cmd` as one `jax.distributed` job.
 
@@ -346,6 +368,9 @@ def launch(cmd: Sequence[str], num_processes: int, *, share_gpu: bool = False,
     raise ValueError(f"num_processes must be >= 1, got {num_processes}")
   if not cmd:
     raise ValueError("cmd is empty: nothing to launch")
+  if share_gpu and isolate_gpus:
+    raise ValueError("share_gpu and isolate_gpus exclude each other: one GPU for all processes, "
+                     "or one GPU each")
   base_env = dict(os.environ)
   # What an enclosing launcher set describes that job, not this one (e.g. JAX_EP_SHARED_GPU
   # would make this job's tests skip what it can run).
@@ -357,8 +382,15 @@ def launch(cmd: Sequence[str], num_processes: int, *, share_gpu: bool = False,
   base_env.setdefault("PYTHONUNBUFFERED", "1")
 
   gpu_per_process = False
+  isolated_gpus: list[str] | None = None
   mps: _Mps | None = None
-  if share_gpu:
+  if isolate_gpus:
+    isolated_gpus = _visible_gpu_ids()
+    if len(isolated_gpus) < num_processes:
+      _log(f"error: --isolate-gpus needs a GPU for each of the {num_processes} processes, "
+           f"but {len(isolated_gpus)} are visible")
+      return EXIT_USAGE
+  elif share_gpu:
     if shutil.which("nvidia-cuda-mps-control") is None:
       _log("error: --share-gpu needs CUDA MPS, but `nvidia-cuda-mps-control` is not on "
            "PATH")
@@ -382,7 +414,8 @@ def launch(cmd: Sequence[str], num_processes: int, *, share_gpu: bool = False,
         _log(f"error: {e}")
         return EXIT_USAGE
     for i in range(num_processes):
-      env = child_env(base_env, i, share_gpu=share_gpu, gpu_per_process=gpu_per_process)
+      env = child_env(base_env, i, share_gpu=share_gpu, gpu_per_process=gpu_per_process,
+                      isolated_gpus=isolated_gpus)
       try:
         children.append(_Child(i, cmd, env, out_lock))
       except OSError as e:
@@ -418,12 +451,15 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     own, cmd = argv, []
   parser = argparse.ArgumentParser(
       prog="python -m jax_ep.launch",
-      usage="%(prog)s -n N [--share-gpu] [--port P] [--grace S] [--timeout S] -- CMD...",
+      usage="%(prog)s -n N [--share-gpu | --isolate-gpus] [--port P] [--grace S] [--timeout S] "
+            "-- CMD...",
       description="Start N copies of CMD wired for jax.distributed on 127.0.0.1.")
   parser.add_argument("-n", "--num-processes", type=int, required=True,
                       help="number of processes")
   parser.add_argument("--share-gpu", action="store_true",
                       help="all processes use GPU 0, with CUDA MPS running")
+  parser.add_argument("--isolate-gpus", action="store_true",
+                      help="process i sees only the i-th visible GPU (CUDA_VISIBLE_DEVICES)")
   parser.add_argument("--port", type=int, default=None,
                       help="coordinator port (default: a free one)")
   parser.add_argument("--grace", type=float, default=60.0,
@@ -435,6 +471,8 @@ def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.error("missing command: put it after `--`")
   if args.num_processes < 1:
     parser.error(f"-n must be >= 1, got {args.num_processes}")
+  if args.share_gpu and args.isolate_gpus:
+    parser.error("--share-gpu and --isolate-gpus exclude each other")
   return args, cmd
 
 
@@ -447,8 +485,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   # A launcher that is itself terminated (e.g. by a CI time limit) takes its children with it
   # rather than leaving them orphaned.
   signal.signal(signal.SIGTERM, _raise_interrupt)
-  return launch(cmd, args.num_processes, share_gpu=args.share_gpu, port=args.port,
-                grace_s=args.grace, timeout_s=args.timeout)
+  return launch(cmd, args.num_processes, share_gpu=args.share_gpu,
+                isolate_gpus=args.isolate_gpus, port=args.port, grace_s=args.grace,
+                timeout_s=args.timeout)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 #   stages of `peer`, one by one: faults, peer2, peer4, peer8, sanitize, bench (BENCH_RANKS="2 4 8",
 #   BENCH_ARGS="--num-sms 48 ..." passed to bench_intranode.py)
 #   bash scripts/gpu_round.sh multi   # several GPUs (issue 5): multi_suites + multi_bench per R
-#                                     # in MULTI_RANKS, one process per GPU and one for all;
+#                                     # in MULTI_RANKS, one process per GPU (seeing all GPUs,
+#                                     # then only its own: suites) and one for all;
 #                                     # MULTI_SMS="48 96": extra cuda runs at those SM budgets
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
@@ -112,6 +113,11 @@ for n in ${MULTI_RANKS:-2 4 8}; do
       --timeout 260 -- python3 -m pytest $multi_suites -q -rf -p no:cacheprovider 2>&1 \
       | tee -a "$OUT/multi_suites.log" | drop_noise | grep -E " passed| failed|rror|Traceback" \
       | tail -$((n + 6))
+    step "suites, $n processes each seeing only its own GPU (--isolate-gpus)"
+    CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --isolate-gpus \
+      --grace 20 --timeout 260 -- python3 -m pytest $multi_suites -q -rf -p no:cacheprovider \
+      2>&1 | tee -a "$OUT/multi_suites.log" | drop_noise \
+      | grep -E " passed| failed|rror|Traceback" | tail -$((n + 6))
     step "suites, one process driving $n GPUs"
     CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 python3 -m pytest \
       $multi_suites -q -rf -p no:cacheprovider 2>&1 | tee -a "$OUT/multi_suites.log" | tail -6

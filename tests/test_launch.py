@@ -102,6 +102,45 @@ def test_child_env_for_a_shared_gpu():
       launch.ENV_PROCESS_ID: "2"}
 
 
+def test_child_env_for_isolated_gpus():
+  """--isolate-gpus: child i sees only the i-th GPU the launcher could see, as its device 0."""
+  from jax_ep import launch
+  gpus = ["GPU-aaa", "GPU-bbb", "GPU-ccc"]
+  env = launch.child_env({"CUDA_VISIBLE_DEVICES": ",".join(gpus)}, 1, share_gpu=False,
+                         gpu_per_process=False, isolated_gpus=gpus)
+  assert env == {"CUDA_VISIBLE_DEVICES": "GPU-bbb", launch.ENV_PROCESS_ID: "1",
+                 launch.ENV_LOCAL_DEVICE_IDS: "0"}
+
+
+def test_visible_gpu_ids_follow_cuda_visible_devices(monkeypatch):
+  from jax_ep import launch
+  smi = subprocess.CompletedProcess(
+      ["nvidia-smi", "-L"], 0, stdout="GPU 0: NVIDIA H200 (UUID: a)\nGPU 1: NVIDIA H200 (UUID: b)\n"
+      "GPU 2: NVIDIA H200 (UUID: c)\n", stderr="")
+  monkeypatch.setattr(launch.subprocess, "run", lambda *a, **k: smi)
+  monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+  assert launch._visible_gpu_ids() == ["0", "1", "2"]
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 0")
+  assert launch._visible_gpu_ids() == ["2", "0"]
+  assert launch._num_visible_gpus() == 2
+  # More entries than GPUs: CUDA stops at the GPUs that exist.
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+  assert launch._visible_gpu_ids() == ["0", "1", "2"]
+
+
+def test_isolate_gpus_needs_a_gpu_per_process(monkeypatch):
+  # An empty CUDA_VISIBLE_DEVICES hides every GPU, here and on a GPU machine alike.
+  monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+  result, _ = _launch(["-n", "2", "--isolate-gpus"], _python("print('must not run')"))
+  assert result.returncode == 2, _describe(result)
+  assert "--isolate-gpus needs a GPU for each of the 2 processes, but 0 are visible" in (
+      result.stderr), _describe(result)
+  assert "must not run" not in result.stdout, _describe(result)
+  result, _ = _launch(["-n", "2", "--isolate-gpus", "--share-gpu"], _python("print(1)"))
+  assert result.returncode == 2, _describe(result)
+  assert "--share-gpu and --isolate-gpus exclude each other" in result.stderr, _describe(result)
+
+
 def test_same_config_passes():
   result, _ = _launch(["-n", "2", "--timeout", "60"],
                       [sys.executable, str(CONFIG_WORKER), "match"])
