@@ -169,10 +169,12 @@ class Group:
       reference otherwise), 'reference' or 'cuda'.
     strict: raise a run-time error whenever a dispatch drops rows.
     config_timeout_s: how long group creation waits for peer processes' configurations.
-    num_sms: multiprocessors' worth of the multi-rank communication kernels, 1 to 1024 (bounded
-      grid: each send kernel runs `num_sms` times the blocks one SM holds of it, 512 to 1024
-      threads). The dispatch's local placement of rows (its permute) runs on the other SMs, in
-      the same kernel as the sends where every rank has a GPU of its own.
+    num_sms: multiprocessors' worth of the blocks that send to peers, 1 to 1024 (bounded grid:
+      each send kernel sends from `num_sms` times the blocks one SM holds of it, 512 to 1024
+      threads). Work that stays on this GPU runs on the other SMs in the same kernel, while the
+      rows travel: the dispatch's placement of rows (its permute; the other ranks' rows too
+      where every rank has a GPU of its own) and the combine's partial sums of this rank's own
+      tokens.
     timeout_s: how long a multi-rank kernel waits for a peer before it gives up and reports
       which op, rank and peer timed out. It must cover the start-up skew between processes
       (one still compiling while another already waits in its first op).
