@@ -82,7 +82,10 @@
 //   dispatch send kernel's placing and receiving blocks take the SMs outside
 //   the budget, as the permute they replace did; the receivers spin there
 //   while rows are in flight, so other streams' kernels get fewer SMs during
-//   a dispatch.
+//   a dispatch. The combine send kernel's local blocks (this rank's own
+//   items, which stay in its region) take them too; they never spin. Each
+//   grid is the same every call (the SM counts are the device's), as the
+//   counters need.
 //   The waits run in one block each: where ranks share one GPU a rank never
 //   holds more than one spinning block, so they cannot starve each other of
 //   SMs. The local kernels (layout, permute, reduce) do not spin.
