@@ -137,7 +137,11 @@ def main():
   if shared_gpu:
     process_model = "shared_gpu"
   elif jax.process_count() > 1:
-    process_model = "process_per_gpu"
+    # "_isolated": each process sees only its own GPU (launch --isolate-gpus), so the peer
+    # transport cannot check P2P atomics and places the other ranks' rows after they arrived.
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    isolated = visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1
+    process_model = "process_per_gpu_isolated" if isolated else "process_per_gpu"
   else:
     process_model = "single_process_multi_gpu" if num_ranks > 1 else "single_device"
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices)

@@ -317,11 +317,17 @@ print(num_bytes / statistics.median(times[2:]) / 1e9)
 def p2p_line_rate_gbps(num_bytes: int = 1 << 30) -> float | None:
   """One-direction GPU 0 -> GPU 1 copy bandwidth (bytes moved per second), the line rate the
   multi-GPU records compare with; None with fewer than two GPUs, without direct peer access or
-  without CuPy. A child process, as for the copy bound, and it sees every GPU of the host."""
+  without CuPy. A child process, as for the copy bound. It sees every GPU of the host when this
+  process was narrowed to one (`launch --isolate-gpus`): the line is the host's, not the
+  process's."""
   import sys
+  env = dict(os.environ)
+  visible = env.get("CUDA_VISIBLE_DEVICES")
+  if visible is not None and len([v for v in visible.split(",") if v.strip()]) < 2:
+    del env["CUDA_VISIBLE_DEVICES"]
   try:
     out = subprocess.run([sys.executable, "-c", _P2P_PROBE, str(num_bytes)], text=True,
-                         capture_output=True, timeout=120, check=True)
+                         capture_output=True, timeout=120, check=True, env=env)
     return float(out.stdout.strip().splitlines()[-1])
   except (OSError, ValueError, IndexError, subprocess.SubprocessError):
     return None
