@@ -382,6 +382,8 @@ int64_t Create(const GroupConfig& c) {
     ThrowIfCuda(DeviceUuid(c.device, header.device_uuid),
                 fn + ": cudaGetDeviceProperties of device " +
                     std::to_string(c.device));
+    g->device_uuid.assign(reinterpret_cast<const char*>(header.device_uuid),
+                          16);
     ThrowIfCuda(cudaMemcpy(g->buffer, &header, sizeof(header),
                            cudaMemcpyHostToDevice),
                 fn + ": cudaMemcpy of the buffer header");
@@ -453,10 +455,7 @@ void Connect(int64_t group_id, const std::vector<std::string>& handles) {
     for (int r = 0; r < c.num_ranks; ++r) {
       if (r == c.rank) {
         table[r] = reinterpret_cast<uint64_t>(g->buffer);
-        unsigned char uuid[16];
-        ThrowIfCuda(DeviceUuid(c.device, uuid),
-                    fn + ": cudaGetDeviceProperties");
-        uuids[r].assign(reinterpret_cast<const char*>(uuid), 16);
+        uuids[r] = g->device_uuid;
         continue;
       }
       cudaIpcMemHandle_t handle;

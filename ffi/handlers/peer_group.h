@@ -54,6 +54,7 @@ struct Group {
   std::vector<uint64_t> table_host;              // the same, on the host
   std::vector<void*> ipc_opened;                 // to cudaIpcCloseMemHandle
   std::vector<int64_t> local_siblings;           // ConnectLocal group ids
+  std::string device_uuid;  // cudaDeviceProp::uuid of config.device, 16 bytes
   // PeerView::receive_while_sending (decided on connect).
   bool receive_while_sending = false;
   bool connected = false;

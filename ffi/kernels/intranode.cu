@@ -1485,6 +1485,15 @@ cudaError_t ElementwiseGrid(Kernel kernel, int block, int64_t num_items,
   return cudaSuccess;
 }
 
+// The device's SMs outside the group's budget (as many as the budget when
+// there are none), in SMs: where a send kernel's local roles run.
+cudaError_t SmsOutsideBudget(const PeerView& g, int64_t* sms) {
+  int num_sms = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
+  *sms = num_sms > g.num_blocks ? num_sms - g.num_blocks : g.num_blocks;
+  return cudaSuccess;
+}
+
 cudaError_t LaunchWait(const PeerView& g, PeerOp op, int region,
                        int32_t* counts_out, cudaStream_t stream) {
   WaitArrivalsKernel<<<1, kWaitThreads, 0, stream>>>(g, op, region,
@@ -1526,16 +1535,14 @@ struct CombineLaunch {
                          void* out, int32_t* status, cudaStream_t stream) {
     JAX_EP_CUDA_RETURN_IF_ERROR(
         LaunchWaitConsumed(g, PeerOp::kCombine, kCombineRegion, stream));
-    // NOTES: the local blocks take the SMs outside the budget (as many as the
-    // budget when there are none), with no cap: their reads compete with the
-    // senders' for HBM only while they last, and the sooner they are done
-    // the sooner the senders have it to themselves.
-    int num_sms = 0;
-    JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
+    // NOTES: the local blocks take the SMs outside the budget, with no cap:
+    // their reads compete with the senders' for HBM only while they last,
+    // and the sooner they are done the sooner the senders have it to
+    // themselves.
     const int32_t num_senders = g.num_blocks * kCombineSendBlocksPerSm;
-    const int32_t num_local =
-        (num_sms > g.num_blocks ? num_sms - g.num_blocks : g.num_blocks) *
-        kCombineSendBlocksPerSm;
+    int64_t num_local = 0;
+    JAX_EP_CUDA_RETURN_IF_ERROR(SmsOutsideBudget(g, &num_local));
+    num_local *= kCombineSendBlocksPerSm;
     CombineSendKernel<T><<<static_cast<unsigned>(num_senders + num_local),
                            kCombineThreads, 0, stream>>>(
         g, static_cast<const uint4*>(expert_out), entry_row, entry_weights,
@@ -1706,13 +1713,10 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
   // the rows), no more placers than tokens. While receiving, neither role
   // gets more blocks than the senders: the rows arrive at the senders' pace,
   // and more blocks only contend with the senders for the SMs they share.
-  int num_sms = 0;
-  JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
   const bool receive = g.receive_while_sending != 0;
-  const int64_t others =
-      static_cast<int64_t>(num_sms > g.num_blocks ? num_sms - g.num_blocks
-                                                  : g.num_blocks) *
-      kRowsSendBlocksPerSm;
+  int64_t others = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(SmsOutsideBudget(g, &others));
+  others *= kRowsSendBlocksPerSm;
   int64_t num_placers = receive ? others / g.num_ranks : others;
   if (receive && num_placers > num_senders) num_placers = num_senders;
   if (num_placers < 1) num_placers = 1;
