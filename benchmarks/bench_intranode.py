@@ -206,6 +206,9 @@ def main():
               num_sms=args.num_sms)
   records = []
 
+  # Fields a backend's group adds to its records (the cuda transport's receive mode).
+  backend_fields = {}
+
   def add(op, backend, seconds, per_run=calls, timing="host_clock", gathered=False, **extra):
     """One record from this process's `seconds` per run (the slowest process's, when
     `gathered` already)."""
@@ -217,7 +220,8 @@ def main():
     records.append(common.record(op=op, backend=backend, median_us=round(median_us, 1),
                                  timing=timing, calls_per_run=per_run,
                                  gbps=round(per_rank_bytes / (median_us * 1e-6) / 1e9, 1),
-                                 roofline=round(roofline, 3), **base, **extra))
+                                 roofline=round(roofline, 3), **base,
+                                 **backend_fields.get(backend, {}), **extra))
 
   # One program running a call per input set, back to back (what a model's layers do).
   batched = lambda fn: jax.jit(lambda *sets: [fn(*a) for a in zip(*sets)])
@@ -270,6 +274,8 @@ def main():
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
                          dtype=dtype, backend=backend, capacity=capacity, raise_on_timeout=False,
                          num_sms=args.num_sms)
+    if backend == "cuda" and num_ranks > 1:
+      backend_fields[backend] = dict(receives_while_sending=group.receives_while_sending)
     per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     dispatch = per_shard(lambda x, i, w: jax.tree.map(
         lambda v: v[None], jax_ep.dispatch(group, x[0], i[0], w[0])))
