@@ -265,7 +265,8 @@ class Group:
     between them). False elsewhere: the rows are then placed after the last one arrived (one
     GPU shared under MPS, GPUs without P2P atomics), or no transport is involved (reference
     backend, one rank). A performance property only; results are the same."""
-    return self._transport is not None and self._transport.receives_while_sending
+    return (self._transport is not None and not self._transport.closed
+            and self._transport.receives_while_sending)
 
   @property
   def combine_partial_dtype(self) -> np.dtype:

@@ -186,9 +186,12 @@ std::string NvmlUuid(const std::string& uuid) {
 // Whether every ordered pair of these distinct GPUs (cudaDeviceProp::uuid)
 // has native P2P atomics, asked of NVML. NOTES: NVML sees every GPU of the
 // host whatever CUDA_VISIBLE_DEVICES hides from this process, so a process
-// given one GPU by its scheduler can still check its peers (CUDA can only
-// ask about the GPUs it sees). The driver's libnvidia-ml.so.1 is loaded at
-// run time, so nothing links against it; any failure counts as no.
+// narrowed to one GPU that way can still check its peers (CUDA can only ask
+// about the GPUs it sees). Where a container or cgroup hides the peers'
+// device nodes, NVML cannot see them either, and the answer is no. The
+// driver's libnvidia-ml.so.1 is loaded at run time, so nothing links against
+// it; any failure counts as no. (nvmlInit may take a while without
+// persistence mode; it runs once per connect, and only in this case.)
 bool NvmlP2PAtomics(const std::vector<std::string>& uuids) {
   // The few declarations needed, from NVML's stable C API (nvml.h is not
   // part of the CUDA toolkit's headers).
