@@ -137,8 +137,8 @@ def main():
   if shared_gpu:
     process_model = "shared_gpu"
   elif jax.process_count() > 1:
-    # "_isolated": each process sees only its own GPU (launch --isolate-gpus), so the peer
-    # transport cannot check P2P atomics and places the other ranks' rows after they arrived.
+    # "_isolated": each process sees only its own GPU (launch --isolate-gpus); the peer
+    # transport then asks NVML, not CUDA, whether the GPUs have P2P atomics.
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     isolated = visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1
     process_model = "process_per_gpu_isolated" if isolated else "process_per_gpu"
@@ -206,6 +206,9 @@ def main():
               num_sms=args.num_sms)
   records = []
 
+  # Fields a backend's group adds to its records (the cuda transport's receive mode).
+  backend_fields = {}
+
   def add(op, backend, seconds, per_run=calls, timing="host_clock", gathered=False, **extra):
     """One record from this process's `seconds` per run (the slowest process's, when
     `gathered` already)."""
@@ -217,7 +220,8 @@ def main():
     records.append(common.record(op=op, backend=backend, median_us=round(median_us, 1),
                                  timing=timing, calls_per_run=per_run,
                                  gbps=round(per_rank_bytes / (median_us * 1e-6) / 1e9, 1),
-                                 roofline=round(roofline, 3), **base, **extra))
+                                 roofline=round(roofline, 3), **base,
+                                 **backend_fields.get(backend, {}), **extra))
 
   # One program running a call per input set, back to back (what a model's layers do).
   batched = lambda fn: jax.jit(lambda *sets: [fn(*a) for a in zip(*sets)])
@@ -270,6 +274,10 @@ def main():
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
                          dtype=dtype, backend=backend, capacity=capacity, raise_on_timeout=False,
                          num_sms=args.num_sms)
+    if group.backend_name == "cuda" and num_ranks > 1:
+      # Every rank decides on its own; the record says whether all of them receive.
+      not_receiving = _gather_max("not_receiving", float(not group.receives_while_sending))
+      backend_fields[backend] = dict(receives_while_sending=not_receiving == 0.0)
     per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     dispatch = per_shard(lambda x, i, w: jax.tree.map(
         lambda v: v[None], jax_ep.dispatch(group, x[0], i[0], w[0])))

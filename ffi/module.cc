@@ -197,6 +197,11 @@ NB_MODULE(_jax_ep_ffi, m) {
   m.def("peer_group_pointer_table", &jax_ep::peer::PointerTable,
         nb::arg("group_id"),
         "The group's peer pointer table as integers (empty before connect).");
+  m.def("peer_group_receives_while_sending",
+        &jax_ep::peer::ReceivesWhileSending, nb::arg("group_id"),
+        "Whether the group's dispatch places the other ranks' rows while it "
+        "sends (every rank on a GPU of its own, native P2P atomics between "
+        "them; decided on connect).");
   m.def("peer_group_error", &jax_ep::peer::ErrorMessage, nb::arg("group_id"),
         "The message of the group's first timeout, or None (no sync).");
   m.def("peer_group_destroy", &jax_ep::peer::Destroy, nb::arg("group_id"),

@@ -259,6 +259,16 @@ class Group:
   strict = property(lambda self: self.config.strict)
 
   @property
+  def receives_while_sending(self) -> bool:
+    """Whether dispatch places the other ranks' rows into `recv.x` as they land, in the kernel
+    that sends (cuda peer transport, every rank on a GPU of its own with native P2P atomics
+    between them). False elsewhere: the rows are then placed after the last one arrived (one
+    GPU shared under MPS, GPUs without P2P atomics), or no transport is involved (reference
+    backend, one rank). A performance property only; results are the same."""
+    return (self._transport is not None and not self._transport.closed
+            and self._transport.receives_while_sending)
+
+  @property
   def combine_partial_dtype(self) -> np.dtype:
     """The dtype combine's per-(token, rank) partial sums travel home in.
 

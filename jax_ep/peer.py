@@ -48,6 +48,12 @@ class PeerTransport:
   def primary_id(self) -> int:
     return self.group_ids[0]
 
+  @property
+  def receives_while_sending(self) -> bool:
+    """Whether every local group's dispatch places the other ranks' rows as they land."""
+    ext = _ffi.extension()
+    return all(bool(ext.peer_group_receives_while_sending(gid)) for gid in self.group_ids)
+
   def error(self) -> str | None:
     ext = _ffi.extension()
     for gid in self.group_ids:

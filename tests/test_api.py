@@ -109,6 +109,10 @@ class TestGroupValidation:
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
       assert _group(dtype=dtype).combine_partial_dtype == np.float32
 
+  def test_no_receiving_while_sending_off_the_peer_transport(self):
+    # Only the cuda peer transport can place rows as they land (test_cuda_peer.py checks when).
+    assert _group().receives_while_sending is False
+
   def test_context_manager_closes(self):
     with _group() as group:
       assert not group.closed

@@ -50,6 +50,24 @@ class TestCudaPeer(EPTestBase):
                               max_tokens=4, dtype=dtype)
       assert group.combine_partial_dtype == np.dtype(wire)
 
+  def test_receives_while_sending_where_every_rank_has_its_gpu(self):
+    """The dispatch receives while it sends exactly where it may: never on a shared GPU; on
+    GPUs of their own whenever the driver reports native P2P atomics between every pair of the
+    host's GPUs. The oracle is `nvidia-smi topo -p2p a`, which sees every GPU whatever
+    CUDA_VISIBLE_DEVICES hides, so this holds for processes narrowed to one GPU each
+    (launch --isolate-gpus) as for the others."""
+    group = self.make_group(NUM_RANKS, num_experts=8 * NUM_RANKS, num_topk=2, hidden=128,
+                            max_tokens=4, dtype=jnp.bfloat16)
+    if os.environ.get("JAX_EP_SHARED_GPU") == "1":
+      assert not group.receives_while_sending
+      return
+    cells = _p2p_atomics_cells()
+    if not cells:
+      pytest.skip("`nvidia-smi topo -p2p a` gave no matrix to compare with")
+    if any(c not in ("OK", "X") for c in cells):
+      pytest.skip(f"this host's GPUs do not all have P2P atomics ({sorted(set(cells))})")
+    assert group.receives_while_sending
+
   @pytest.mark.parametrize("capacity", [None, 150])
   def test_dispatch_in_many_send_chunks(self, capacity):
     """num_sms=1: 8 sending blocks, so 200 tokens go out in 7 chunks of 32 tokens. Where every
@@ -97,6 +115,20 @@ class TestCudaPeer(EPTestBase):
         np.testing.assert_array_equal(outs[1][d], expected[d]["group_sizes"])
       assert all(np.isfinite(o).all() for o in outs[2:])
     group.check()
+
+
+def _p2p_atomics_cells() -> list[str]:
+  """Every cell of the host's GPU-to-GPU P2P atomics matrix ("X" on the diagonal, "OK" where
+  supported), from `nvidia-smi topo -p2p a`; [] when nvidia-smi is missing or prints none."""
+  try:
+    out = subprocess.run(["nvidia-smi", "topo", "-p2p", "a"], capture_output=True, text=True,
+                         timeout=60)
+  except (OSError, subprocess.SubprocessError):
+    return []
+  rows = [line.split() for line in out.stdout.splitlines() if line.strip().startswith("GPU")]
+  # The header row names the columns ("GPU0 GPU1 ..."); the matrix rows start with one name.
+  return [cell for row in rows if len(row) > 1 and not row[1].startswith("GPU")
+          for cell in row[1:]]
 
 
 WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "peer_fault_worker.py")

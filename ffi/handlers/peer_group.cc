@@ -5,6 +5,8 @@
 
 #include "ffi/handlers/peer_group.h"
 
+#include <dlfcn.h>
+
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -165,6 +167,69 @@ bool ReceiveWhileSending(const std::vector<int>& devices) {
     }
   }
   return true;
+}
+
+// NVML's name of the GPU with this cudaDeviceProp::uuid: "GPU-" and the 16
+// bytes as 8-4-4-4-12 lowercase hex digits.
+std::string NvmlUuid(const std::string& uuid) {
+  static const char kHex[] = "0123456789abcdef";
+  std::string out = "GPU-";
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) out += '-';
+    const auto byte = static_cast<unsigned char>(uuid[i]);
+    out += kHex[byte >> 4];
+    out += kHex[byte & 15];
+  }
+  return out;
+}
+
+// Whether every ordered pair of these distinct GPUs (cudaDeviceProp::uuid)
+// has native P2P atomics, asked of NVML. NOTES: NVML sees every GPU of the
+// host whatever CUDA_VISIBLE_DEVICES hides from this process, so a process
+// narrowed to one GPU that way can still check its peers (CUDA can only ask
+// about the GPUs it sees). Where a container or cgroup hides the peers'
+// device nodes, NVML cannot see them either, and the answer is no. The
+// driver's libnvidia-ml.so.1 is loaded at run time, so nothing links against
+// it; any failure counts as no. (nvmlInit may take a while without
+// persistence mode; it runs once per connect, and only in this case.)
+bool NvmlP2PAtomics(const std::vector<std::string>& uuids) {
+  // The few declarations needed, from NVML's stable C API (nvml.h is not
+  // part of the CUDA toolkit's headers).
+  using NvmlDevice = void*;
+  constexpr int kNvmlSuccess = 0;
+  constexpr int kP2PCapsIndexAtomics = 3;  // NVML_P2P_CAPS_INDEX_ATOMICS
+  constexpr int kP2PStatusOk = 0;          // NVML_P2P_STATUS_OK
+  void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (lib == nullptr) return false;
+  using InitFn = int (*)();
+  using HandleFn = int (*)(const char*, NvmlDevice*);
+  using P2PFn = int (*)(NvmlDevice, NvmlDevice, int, int*);
+  const auto init = reinterpret_cast<InitFn>(dlsym(lib, "nvmlInit_v2"));
+  const auto shutdown = reinterpret_cast<InitFn>(dlsym(lib, "nvmlShutdown"));
+  const auto by_uuid =
+      reinterpret_cast<HandleFn>(dlsym(lib, "nvmlDeviceGetHandleByUUID"));
+  const auto p2p =
+      reinterpret_cast<P2PFn>(dlsym(lib, "nvmlDeviceGetP2PStatus"));
+  bool ok = init != nullptr && shutdown != nullptr && by_uuid != nullptr &&
+            p2p != nullptr && init() == kNvmlSuccess;
+  if (ok) {
+    std::vector<NvmlDevice> devices(uuids.size(), nullptr);
+    for (size_t i = 0; ok && i < uuids.size(); ++i) {
+      ok = by_uuid(NvmlUuid(uuids[i]).c_str(), &devices[i]) == kNvmlSuccess;
+    }
+    for (size_t a = 0; ok && a < devices.size(); ++a) {
+      for (size_t b = 0; ok && b < devices.size(); ++b) {
+        if (a == b) continue;
+        int status = -1;
+        ok = p2p(devices[a], devices[b], kP2PCapsIndexAtomics, &status) ==
+                 kNvmlSuccess &&
+             status == kP2PStatusOk;
+      }
+    }
+    shutdown();  // NVML counts its inits; this one is ours
+  }
+  dlclose(lib);
+  return ok;
 }
 
 // The ordinal of the visible device with this UUID, or -1.
@@ -479,8 +544,9 @@ void Connect(int64_t group_id, const std::vector<std::string>& handles) {
     g->ipc_opened = opened;
     // NOTES: every rank reads every rank's GPU; ranks that see different
     // sets of devices may decide differently, which is safe (senders always
-    // add the counts, only a rank's own receivers read them). A GPU this
-    // process cannot see turns receiving off (its atomics cannot be checked).
+    // add the counts, only a rank's own receivers read them). Where this
+    // process cannot see every GPU of the group (one GPU per process through
+    // CUDA_VISIBLE_DEVICES), NVML answers for the atomics instead of CUDA.
     std::vector<int> devices;
     bool all_visible = true;
     for (const std::string& uuid : uuids) {
@@ -488,7 +554,12 @@ void Connect(int64_t group_id, const std::vector<std::string>& handles) {
       all_visible = all_visible && d >= 0;
       devices.push_back(d);
     }
-    g->receive_while_sending = all_visible && ReceiveWhileSending(devices);
+    const bool distinct =
+        std::set<std::string>(uuids.begin(), uuids.end()).size() ==
+        uuids.size();
+    g->receive_while_sending =
+        distinct && (all_visible ? ReceiveWhileSending(devices)
+                                 : NvmlP2PAtomics(uuids));
     FinishConnect(*g);
   } catch (...) {
     for (void* p : opened) cudaIpcCloseMemHandle(p);
@@ -587,6 +658,11 @@ void ConnectLocal(const std::vector<int64_t>& group_ids) {
 std::vector<uint64_t> PointerTable(int64_t group_id) {
   auto g = FindOrThrow(group_id, "peer_group_pointer_table");
   return g->table_host;
+}
+
+bool ReceivesWhileSending(int64_t group_id) {
+  return FindOrThrow(group_id, "peer_group_receives_while_sending")
+      ->receive_while_sending;
 }
 
 std::optional<std::string> ErrorMessage(int64_t group_id) {

@@ -87,6 +87,10 @@ std::vector<uint64_t> PointerTable(int64_t group_id);
 // ConnectLocal set, else the first other member's (rank order) that has one.
 std::optional<std::string> ErrorMessage(int64_t group_id);
 
+// Whether the group's dispatch places the other ranks' rows while it sends
+// (decided on connect; false before it).
+bool ReceivesWhileSending(int64_t group_id);
+
 // cudaDeviceSynchronize on the group's device, close IPC handles, free
 // everything. Idempotent; unknown ids are a no-op.
 void Destroy(int64_t group_id);
