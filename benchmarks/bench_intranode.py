@@ -13,6 +13,9 @@ A batch's first call also waits for the last process to reach it: the processes'
 (measured at ~0.6 ms between two processes of one host), which a batch of 4 spreads as ~150 us
 over each call. `timing="host_clock_marginal"` takes it out: a batch of 2 x `--calls` calls less
 a batch of `--calls`, per added call (the back-to-back cost of a call inside a long program).
+`timing="device_clock_steady"` (cuda backend, on a GPU) measures the same cost on the device
+clock, free of host timing noise: in one program of `--steady-calls` calls, the period from one
+call's last kernel to the next's, after the first call (which waits out the skew).
 Records (DESIGN.md section 6) are written by process 0 to benchmarks/results/. The reference
 backend and the plain-XLA `ragged_all_to_all` pipeline need XLA collectives, so they run only
 when the processes do not share a GPU.
@@ -111,6 +114,9 @@ def main():
   parser.add_argument("--capacity-factor", type=float, default=1.0,
                       help="receive capacity over the most slots any rank receives")
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--steady-calls", type=int, default=16,
+                      help="calls in the one program whose device-clock period gives the cuda "
+                           "backend's device_clock_steady records (0: none)")
   parser.add_argument("--no-marginal", dest="marginal", action="store_false",
                       help="skip the host_clock_marginal records (each backend's batches timed "
                       "again at twice the calls)")
@@ -259,6 +265,26 @@ def main():
       return
     add(op, backend, added, timing="host_clock_marginal", gathered=True, **extra)
 
+  def add_device_steady(op, backend, fn, sets):
+    """The period of back-to-back calls on the device clock, inside one program of
+    `--steady-calls` calls (the input sets repeated): from one call's FinishKernel to the next's
+    (common.steady_call_period_us). Host timing noise and the processes' start skew (the first
+    call's wait) stay out; waiting for a slower peer stays in. The slowest process's median."""
+    if args.steady_calls < 2 or devices[0].platform != "gpu":
+      return
+    repeat = -(-args.steady_calls // calls)
+    period_us = common.steady_call_period_us(
+        batched(fn), [(list(s) * repeat)[:args.steady_calls] for s in sets],
+        calls_per_run=args.steady_calls, marker="FinishKernel")
+    # Decided on every process's value, so that every process takes the same branch.
+    if _gather_max(f"{backend}/{op}/steady_missing", float(period_us is None)) > 0:
+      if jax.process_index() == 0:
+        print(f"{backend} {op}: no device_clock_steady record (no readable trace, or no "
+              "FinishKernel once per call)")
+      return
+    add(op, backend, period_us * 1e-6, per_run=1, timing="device_clock_steady",
+        steady_calls=args.steady_calls)
+
   def add_aligned_single(op, backend, fn, fn_args):
     """One call per run, every process released by a barrier before each run."""
     if not args.aligned_single:
@@ -290,6 +316,8 @@ def main():
     add("dispatch", backend, seconds)
     add_marginal("dispatch", backend, dispatch_recv, (xs, idxs, ws), seconds)
     breakdown(f"{backend} dispatch", batched(dispatch_recv), (xs, idxs, ws))
+    if group.backend_name == "cuda":
+      add_device_steady("dispatch", backend, dispatch_recv, (xs, idxs, ws))
     add_aligned_single("dispatch", backend, dispatch_recv, (xs[0], idxs[0], ws[0]))
     results = [jax.jit(dispatch)(x, i, w) for x, i, w in zip(xs, idxs, ws)]
     eos = [recv.x for recv, _ in results]
@@ -301,6 +329,8 @@ def main():
     add("combine", backend, seconds)
     add_marginal("combine", backend, combine, (eos, handles), seconds)
     breakdown(f"{backend} combine", batched(combine), (eos, handles))
+    if group.backend_name == "cuda":
+      add_device_steady("combine", backend, combine, (eos, handles))
     add_aligned_single("combine", backend, combine, (eos[0], handles[0]))
     group.check()
     group.close()

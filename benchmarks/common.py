@@ -205,6 +205,38 @@ def trace_breakdown(fn, args, *, repeats: int = 5):
   return sorted(rows, key=lambda r: -r[1]), activity
 
 
+def steady_call_period_us(fn, args, *, calls_per_run: int, marker: str,
+                          repeats: int = 5) -> float | None:
+  """The device clock's period of back-to-back calls inside one program, in µs: `fn(*args)` runs
+  `calls_per_run` calls of an op whose kernels include one named with `marker` once per call.
+  Per GPU plane of a trace, each run's (last marker end - first marker end) / (calls_per_run -
+  1); the median over runs, the largest over planes. The first call of a run also waits out the
+  start skew of the processes (or of the host), which this leaves out; every later call still
+  waits for its peers, so a rank paced by a slower one shows the slower pace. None when the
+  trace cannot be read or the marker is not there once per call.
+  """
+  if calls_per_run < 2:
+    raise ValueError(f"calls_per_run must be at least 2, got {calls_per_run}")
+  try:
+    events = _traced_events(lambda _: fn(*args), repeats, with_device=True)
+  except Exception:  # noqa: BLE001 - a diagnostic only
+    return None
+  return _steady_period_us(events, calls_per_run, marker, repeats)
+
+
+def _steady_period_us(events, calls_per_run: int, marker: str, repeats: int) -> float | None:
+  """steady_call_period_us on `(name, start_ns, end_ns, plane)` events."""
+  periods = []
+  for plane in sorted({e[3] for e in events}):
+    ends = sorted(end for name, _, end, p in events if p == plane and marker in name)
+    if len(ends) != calls_per_run * repeats:
+      return None
+    runs = [ends[i:i + calls_per_run] for i in range(0, len(ends), calls_per_run)]
+    periods.append(statistics.median((run[-1] - run[0]) / (calls_per_run - 1) / 1e3
+                                     for run in runs))
+  return max(periods) if periods else None
+
+
 def split_runs(events, num_runs: int, skip_leading: int = 0) -> list[float]:
   """Seconds spanned by each of `num_runs` runs in device events: `(start_ns, end_ns)` tuples,
   or `(start_ns, end_ns, name)`.

@@ -58,6 +58,20 @@ def test_trace_breakdown_counts_overlapping_kernels_once_per_device(monkeypatch)
       ("/device:GPU:0", 30, 40), ("/device:GPU:1", 40, 40)]
 
 
+def test_steady_period_skips_the_first_calls_wait_and_takes_the_slowest_device():
+  # Two runs of three calls per device; each call ends with a "Finish" kernel. On GPU:0 the first
+  # call waited 500 ns (skew), then calls end 100 ns apart; on GPU:1 they end 120 ns apart.
+  def run(plane, first_end, period, offset):
+    return [(name, offset + first_end + c * period - 5, offset + first_end + c * period, plane)
+            for c in range(3) for name in ("Send", "FinishKernel")]
+  events = (run("/device:GPU:0", 500, 100, 0) + run("/device:GPU:0", 500, 100, 10_000)
+            + run("/device:GPU:1", 480, 120, 0) + run("/device:GPU:1", 480, 120, 10_000))
+  assert common._steady_period_us(events, 3, "FinishKernel", 2) == 0.12
+  # A marker that is not there once per call gives no period.
+  assert common._steady_period_us(events[:-2], 3, "FinishKernel", 2) is None
+  assert common._steady_period_us(events, 3, "Absent", 2) is None
+
+
 def test_time_single_calls_cycles_through_the_input_sets():
   seen = []
   fn = lambda a: seen.append(int(a)) or a
