@@ -10,6 +10,7 @@
 #                                     # in MULTI_RANKS, one process per GPU (seeing all GPUs,
 #                                     # then only its own: suites) and one for all;
 #                                     # MULTI_SMS="48 96": extra cuda runs at those SM budgets
+#                                     # (MULTI_SEND_RECV=1: also XLA's send/recv fallback)
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -97,9 +98,9 @@ fi
 # Several GPUs (issue 5). Per R in MULTI_RANKS: the suites (multi_suites) and the benchmark
 # (multi_bench), one process per GPU and one process driving them all. One call per stage and R
 # keeps each under the 600 s limit: MULTI_RANKS=8 bash scripts/gpu_round.sh multi_suites
-# (multi_bench runs the per-GPU and one-process benchmarks, the MULTI_SMS variants and the
-# send_recv one; on two H200s ~25-35 s each with the marginal batches, and send_recv hung until
-# the launcher's timeout; MULTI_SMS="" drops the SM-budget variants).
+# (multi_bench runs the per-GPU, one-process and isolated benchmarks and the MULTI_SMS variants,
+# on two H200s ~25-35 s each with the marginal batches; MULTI_SMS="" drops the SM-budget
+# variants, MULTI_SEND_RECV=1 adds XLA's send/recv fallback, which hung there until the timeout).
 num_gpus=$(nvidia-smi -L | grep -c "^GPU ")
 multi_suites="tests/test_cuda_peer.py tests/test_xla_pipeline.py tests/test_reference.py"
 multi_suites="$multi_suites tests/test_api.py tests/test_layer.py"
@@ -124,14 +125,18 @@ for n in ${MULTI_RANKS:-2 4 8}; do
   fi
   if has multi || has multi_bench; then
     # The standard run (every backend, per-kernel breakdown, host_clock_marginal records), the
-    # one-process run (where XLA's own ragged all-to-all kernel works), then variants without
-    # the breakdown: the cuda group's SM budget (MULTI_SMS), and last XLA's NCCL send/recv
+    # one-process run (where XLA's own ragged all-to-all kernel works), the cuda backend with
+    # each process seeing only its own GPU, then variants without the breakdown: the cuda
+    # group's SM budget (MULTI_SMS), and last, only with MULTI_SEND_RECV=1, XLA's NCCL send/recv
     # fallback for the plain-XLA pipeline (one process per GPU leaves XLA no other ragged
-    # all-to-all; it may hang, so it goes where a cut loses nothing else).
-    for variant in "" one_process ${MULTI_SMS-48 96} send_recv; do
+    # all-to-all; on two H200s it hung until the launcher's timeout, 260 s of device time).
+    for variant in "" one_process isolated ${MULTI_SMS-48 96} ${MULTI_SEND_RECV:+send_recv}; do
+      launch_flags=""
       case $variant in
         "") args=""; what="every backend" ;;
         one_process) args="" ;;
+        isolated) args="--backends cuda"; launch_flags="--isolate-gpus"
+                  what="cuda, each process seeing only its own GPU" ;;
         send_recv) args="--backends xla_baseline --xla-ragged send_recv --no-breakdown"
                    what="plain XLA, NCCL send/recv fallback" ;;
         *) args="--backends cuda --num-sms $variant --no-breakdown"; what="cuda, $variant SMs" ;;
@@ -143,8 +148,8 @@ for n in ${MULTI_RANKS:-2 4 8}; do
           | tee -a "$OUT/multi_bench.log" | grep -E "^(  |op |dispatch|combine|cuda|reference|xla|wrote)|rror|Traceback"
       else
         step "benchmark, $n processes with one GPU each: $what"
-        CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --grace 20 \
-          --timeout 260 -- python3 benchmarks/bench_intranode.py --out gpu_round_intranode.jsonl $args 2>&1 \
+        CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n $launch_flags \
+          --grace 20 --timeout 260 -- python3 benchmarks/bench_intranode.py --out gpu_round_intranode.jsonl $args 2>&1 \
           | tee -a "$OUT/multi_bench.log" | drop_noise \
           | grep -E "^\[0\] (  |op |dispatch|combine|cuda|reference|xla|wrote)|rror|Traceback"
       fi
