@@ -13,9 +13,12 @@ A batch's first call also waits for the last process to reach it: the processes'
 (measured at ~0.6 ms between two processes of one host), which a batch of 4 spreads as ~150 us
 over each call. `timing="host_clock_marginal"` takes it out: a batch of 2 x `--calls` calls less
 a batch of `--calls`, per added call (the back-to-back cost of a call inside a long program).
-`timing="device_clock_steady"` (cuda backend, on a GPU) measures the same cost on the device
-clock, free of host timing noise: in one program of `--steady-calls` calls, the period from one
-call's last kernel to the next's, after the first call (which waits out the skew).
+Both host-clock records also count the harness's host work on each call's inputs before the
+program reaches the device (~150 µs per call of three sharded arrays on two H200s), which a
+model's layers, whose inputs live inside the program, do not pay. `timing="device_clock_steady"`
+(cuda backend, on a GPU) leaves both out: in one program of `--steady-calls` calls, the device
+clock's period from one call's last kernel to the next's, after the first call (which waits out
+the skew); waiting for a slower peer stays in.
 Records (DESIGN.md section 6) are written by process 0 to benchmarks/results/. The reference
 backend and the plain-XLA `ragged_all_to_all` pipeline need XLA collectives, so they run only
 when the processes do not share a GPU.
