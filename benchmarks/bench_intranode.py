@@ -112,6 +112,10 @@ def main():
   parser.add_argument("--topk", type=int, default=8)
   parser.add_argument("--experts", type=int, default=256)
   parser.add_argument("--calls", type=int, default=4)
+  parser.add_argument("--routing", choices=["uniform", "remote"], default="uniform",
+                      help="uniform: K distinct experts of all E per token (the standard shape); "
+                           "remote: K distinct experts of the other ranks only, so that every "
+                           "row crosses to a peer (the wire-bound case that large R approaches)")
   parser.add_argument("--no-breakdown", dest="breakdown", action="store_false",
                       help="skip the per-kernel device time breakdown (a profiler trace)")
   parser.add_argument("--capacity-factor", type=float, default=1.0,
@@ -166,13 +170,26 @@ def main():
       return make_shard(r)[None]
     return jax.make_array_from_callback((num_ranks, *shape), sharding, shard)
 
+  local_experts = e // num_ranks
+  if args.routing == "remote" and (num_ranks < 2 or k > e - local_experts):
+    raise SystemExit(f"--routing remote needs at least 2 ranks and --topk <= {e - local_experts} "
+                     f"(the other ranks' experts), got {num_ranks} ranks and --topk {k}")
+
+  def route(rng, r):
+    """`[T, K]` experts of the tokens of rank r under --routing."""
+    if args.routing == "uniform":
+      return common.uniform_topk(rng, t, e, k)
+    # K of the E - L experts outside rank r's [r * L, (r + 1) * L), uniformly.
+    other = common.uniform_topk(rng, t, e - local_experts, k)
+    return np.where(other >= r * local_experts, other + local_experts, other).astype(np.int32)
+
   xs, idxs, ws, idx_host = [], [], [], []
   for s in range(calls):
     # Seeded per (input set, rank, what): every process derives the same routing for every rank.
     rng_of = lambda r, what, s=s: np.random.default_rng([s, r, what])
     xs.append(global_array(lambda r, probe=False, rng_of=rng_of: np.zeros((t, h), dtype) if probe
                            else rng_of(r, 0).standard_normal((t, h), np.float32).astype(dtype)))
-    idx = np.stack([common.uniform_topk(rng_of(r, 1), t, e, k) for r in range(num_ranks)])
+    idx = np.stack([route(rng_of(r, 1), r) for r in range(num_ranks)])
     idxs.append(global_array(lambda r, probe=False, idx=idx: idx[r]))
     idx_host.append(idx)
     ws.append(global_array(lambda r, probe=False, rng_of=rng_of:
@@ -212,7 +229,7 @@ def main():
               wire_dtype="bfloat16", bytes=per_rank_bytes, nvlink_bytes=remote_bytes,
               min_hbm_bytes=min_hbm,
               bound_gbps=round(bound_gbps, 1), bound=bound_name, capacity=capacity,
-              num_sms=args.num_sms)
+              num_sms=args.num_sms, routing=args.routing)
   records = []
 
   # Fields a backend's group adds to its records (the cuda transport's receive mode).

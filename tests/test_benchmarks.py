@@ -129,3 +129,34 @@ def test_bench_intranode_runs_on_the_reference_backend(tmp_path):
       assert f"reference {op}: no host_clock_marginal record" in result.stdout
   for r in records:
     assert REQUIRED_KEYS <= set(r) and r["ranks"] == 4
+
+
+def test_bench_intranode_remote_routing_sends_every_row_to_a_peer(tmp_path):
+  out = tmp_path / "intranode.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_intranode.py"), "--backends",
+       "reference", "--tokens", "16", "--hidden", "128", "--experts", "16", "--topk", "2",
+       "--calls", "2", "--repeats", "2", "--no-marginal", "--routing", "remote",
+       "--out", str(out)],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert {(r["op"], r["timing"]) for r in records} == {
+      ("dispatch", "host_clock"), ("combine", "host_clock")}
+  for r in records:
+    # No token picks an expert of its own rank, so every received row crossed from a peer.
+    assert r["routing"] == "remote" and r["nvlink_bytes"] == r["bytes"] > 0
+
+
+def test_bench_intranode_remote_routing_rejects_topk_past_the_other_ranks_experts():
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_intranode.py"), "--backends",
+       "reference", "--tokens", "16", "--hidden", "128", "--experts", "8", "--topk", "7",
+       "--routing", "remote", "--out", "unused.jsonl"],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode != 0
+  assert "--topk <= 6" in result.stdout + result.stderr
