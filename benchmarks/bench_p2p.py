@@ -57,8 +57,10 @@ def main():
                       help="SM counts for the store kernel (0: every SM)")
   parser.add_argument("--out", default="p2p.jsonl")
   args = parser.parse_args()
-  import cupy as cp
-
+  try:
+    import cupy as cp
+  except ImportError:
+    raise SystemExit("bench_p2p.py needs CuPy and two GPUs (CuPy is not installed)") from None
   if cp.cuda.runtime.getDeviceCount() < 2:
     raise SystemExit("bench_p2p.py needs two visible GPUs (CUDA_VISIBLE_DEVICES=0,1)")
   if not cp.cuda.runtime.deviceCanAccessPeer(0, 1):
