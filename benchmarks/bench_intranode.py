@@ -14,7 +14,7 @@ A batch's first call also waits for the last process to reach it: the processes'
 over each call. `timing="host_clock_marginal"` takes it out: a batch of 2 x `--calls` calls less
 a batch of `--calls`, per added call (the back-to-back cost of a call inside a long program).
 Both host-clock records also count the harness's host work on each call's inputs before the
-program reaches the device (~150 µs per call of three sharded arrays on two H200s), which a
+program reaches the device (100-150 µs per call of three sharded arrays on two H200s), which a
 model's layers, whose inputs live inside the program, do not pay. `timing="device_clock_steady"`
 (cuda backend, on a GPU) leaves both out: in one program of `--steady-calls` calls, the device
 clock's period from one call's last kernel to the next's, after the first call (which waits out
@@ -143,6 +143,8 @@ def main():
   parser.add_argument("--num-sms", type=int, default=24,
                       help="the cuda group's SM budget for its communication kernels")
   args = parser.parse_args()
+  if args.steady_calls < 0 or args.steady_calls == 1:
+    parser.error(f"--steady-calls must be 0 (none) or at least 2, got {args.steady_calls}")
 
   devices = jax.devices()
   num_ranks = len(devices)

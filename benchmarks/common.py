@@ -89,23 +89,39 @@ def _gpu_stream_events(fn, args, repeats: int) -> list[tuple[str, int, int]]:
   return _traced_events(lambda _: fn(*args), repeats)
 
 
+class TraceUnavailable(RuntimeError):
+  """The profiler could not trace the runs, or its trace could not be read."""
+
+
 def _traced_events(run, repeats: int, *, with_device: bool = False) -> list[tuple]:
   """`run(r)` for r in range(repeats), each waited for, under a jax.profiler trace; the GPU
   stream events as `(name, start_ns, end_ns)`, with the device's plane name appended when
-  `with_device`."""
+  `with_device`. The runs happen whether or not the trace could start (processes that run
+  collective kernels together must all make the same calls); after them, TraceUnavailable says
+  the trace could not be had. An error raised by a run propagates as itself."""
   import glob
   import tempfile
   from jax._src.lib import _profile_data
 
   with tempfile.TemporaryDirectory() as trace_dir:
-    jax.profiler.start_trace(trace_dir)
+    try:
+      jax.profiler.start_trace(trace_dir)
+      start_error = None
+    except Exception as e:  # noqa: BLE001 - reported after the runs
+      start_error = e
     try:
       for r in range(repeats):
         jax.block_until_ready(run(r))
     finally:
-      jax.profiler.stop_trace()
-    (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
-    profile = _profile_data.ProfileData.from_file(path)
+      if start_error is None:
+        jax.profiler.stop_trace()
+    if start_error is not None:
+      raise TraceUnavailable(f"the profiler did not start: {start_error}") from start_error
+    try:
+      (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
+      profile = _profile_data.ProfileData.from_file(path)
+    except Exception as e:  # noqa: BLE001 - any unreadable trace
+      raise TraceUnavailable(f"the trace could not be read: {e}") from e
     events = []
     for plane in profile.planes:
       if not plane.name.startswith("/device:GPU"):
@@ -179,7 +195,7 @@ def trace_breakdown(fn, args, *, repeats: int = 5):
   """
   try:
     events = _traced_events(lambda _: fn(*args), repeats, with_device=True)
-  except Exception:  # noqa: BLE001 - a diagnostic only
+  except TraceUnavailable:  # a diagnostic only
     return [], []
   totals: dict[str, list[int]] = {}
   for name, start, end, _ in events:
@@ -212,14 +228,15 @@ def steady_call_period_us(fn, args, *, calls_per_run: int, marker: str,
   Per GPU plane of a trace, each run's (last marker end - first marker end) / (calls_per_run -
   1); the median over runs, the largest over planes. The first call of a run also waits out the
   start skew of the processes (or of the host), which this leaves out; every later call still
-  waits for its peers, so a rank paced by a slower one shows the slower pace. None when the
-  trace cannot be read or the marker is not there once per call.
+  waits for its peers, so a rank paced by a slower one shows the slower pace. Planes without the
+  marker are left out. None when the trace cannot be had, or a plane has the marker other than
+  once per call, or none has it. The runs happen in any case (see _traced_events).
   """
   if calls_per_run < 2:
     raise ValueError(f"calls_per_run must be at least 2, got {calls_per_run}")
   try:
     events = _traced_events(lambda _: fn(*args), repeats, with_device=True)
-  except Exception:  # noqa: BLE001 - a diagnostic only
+  except TraceUnavailable:
     return None
   return _steady_period_us(events, calls_per_run, marker, repeats)
 
@@ -229,6 +246,8 @@ def _steady_period_us(events, calls_per_run: int, marker: str, repeats: int) -> 
   periods = []
   for plane in sorted({e[3] for e in events}):
     ends = sorted(end for name, _, end, p in events if p == plane and marker in name)
+    if not ends:
+      continue  # a plane without the op (e.g. another GPU's copies seen by this process)
     if len(ends) != calls_per_run * repeats:
       return None
     runs = [ends[i:i + calls_per_run] for i in range(0, len(ends), calls_per_run)]

@@ -130,7 +130,7 @@ for n in ${MULTI_RANKS:-2 4 8}; do
     # group's SM budget (MULTI_SMS), and last, only with MULTI_SEND_RECV=1, XLA's NCCL send/recv
     # fallback for the plain-XLA pipeline (one process per GPU leaves XLA no other ragged
     # all-to-all; on two H200s it hung until the launcher's timeout, 260 s of device time).
-    for variant in "" one_process isolated ${MULTI_SMS-48 96} ${MULTI_SEND_RECV:+send_recv}; do
+    for variant in "" one_process isolated ${MULTI_SMS-48 96} $( [ "${MULTI_SEND_RECV:-0}" = 1 ] && echo send_recv ); do
       launch_flags=""
       case $variant in
         "") args=""; what="every backend" ;;

@@ -69,7 +69,10 @@ def test_steady_period_skips_the_first_calls_wait_and_takes_the_slowest_device()
   events = (run("/device:GPU:0", 500, 100, 0) + run("/device:GPU:0", 500, 100, 10_000)
             + run("/device:GPU:1", 480, 120, 0) + run("/device:GPU:1", 480, 120, 10_000))
   assert common._steady_period_us(events, 3, "FinishKernel", 2) == 0.12
-  # A marker that is not there once per call gives no period.
+  # A plane without the op (another GPU's copies seen by this process) is left out.
+  assert common._steady_period_us(events + [("Memcpy", 0, 50, "/device:GPU:2")], 3,
+                                  "FinishKernel", 2) == 0.12
+  # A marker that is on a plane other than once per call, or on none, gives no period.
   assert common._steady_period_us(events[:-2], 3, "FinishKernel", 2) is None
   assert common._steady_period_us(events, 3, "Absent", 2) is None
 
@@ -175,3 +178,17 @@ def test_bench_p2p_says_what_it_needs_where_it_cannot_run():
                           capture_output=True, text=True, timeout=120)
   assert result.returncode != 0
   assert "needs CuPy and two GPUs" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_traced_events_runs_every_time_when_the_profiler_cannot_start(monkeypatch):
+  # Processes that run collective kernels together must make the same calls whatever the
+  # profiler does; the failure is reported after the runs.
+  def fail(_):
+    raise RuntimeError("profiler busy")
+  monkeypatch.setattr(common.jax.profiler, "start_trace", fail)
+  runs = []
+  with pytest.raises(common.TraceUnavailable, match="profiler busy"):
+    common._traced_events(lambda r: runs.append(r) or r, 3)
+  assert runs == [0, 1, 2]
+  assert common.steady_call_period_us(lambda: 0, (), calls_per_run=2, marker="M",
+                                      repeats=2) is None
