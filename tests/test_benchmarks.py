@@ -107,15 +107,20 @@ def test_bench_local_runs_and_writes_contract_records(tmp_path):
     assert r["min_hbm_bytes"] == (8 + 8 * 8) * 128 * 2
 
 
-def test_bench_intranode_runs_on_the_reference_backend(tmp_path):
-  out = tmp_path / "intranode.jsonl"
+def _run_bench_intranode_on_cpu(*args):
+  """bench_intranode.py on 4 CPU devices in one process (the reference backend's collectives)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  result = subprocess.run(
+  return subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_intranode.py"), "--backends",
-       "reference", "--tokens", "16", "--hidden", "128", "--experts", "16", "--topk", "2",
-       "--calls", "2", "--repeats", "3", "--aligned-single", "--out", str(out)],
+       "reference", "--tokens", "16", "--hidden", "128", *args],
       env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_bench_intranode_runs_on_the_reference_backend(tmp_path):
+  out = tmp_path / "intranode.jsonl"
+  result = _run_bench_intranode_on_cpu("--experts", "16", "--topk", "2", "--calls", "2",
+                                       "--repeats", "3", "--aligned-single", "--out", str(out))
   assert result.returncode == 0, result.stdout + result.stderr
   records = [json.loads(line) for line in out.read_text().splitlines()]
   kinds = {(r["op"], r["timing"], r["calls_per_run"]) for r in records}
@@ -138,14 +143,9 @@ def test_bench_intranode_runs_on_the_reference_backend(tmp_path):
 
 def test_bench_intranode_remote_routing_sends_every_row_to_a_peer(tmp_path):
   out = tmp_path / "intranode.jsonl"
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_intranode.py"), "--backends",
-       "reference", "--tokens", "16", "--hidden", "128", "--experts", "16", "--topk", "2",
-       "--calls", "2", "--repeats", "2", "--no-marginal", "--routing", "remote",
-       "--out", str(out)],
-      env=env, capture_output=True, text=True, timeout=300)
+  result = _run_bench_intranode_on_cpu("--experts", "16", "--topk", "2", "--calls", "2",
+                                       "--repeats", "2", "--no-marginal", "--routing", "remote",
+                                       "--out", str(out))
   assert result.returncode == 0, result.stdout + result.stderr
   records = [json.loads(line) for line in out.read_text().splitlines()]
   assert {(r["op"], r["timing"]) for r in records} == {
@@ -155,14 +155,9 @@ def test_bench_intranode_remote_routing_sends_every_row_to_a_peer(tmp_path):
     assert r["routing"] == "remote" and r["nvlink_bytes"] == r["bytes"] > 0
 
 
-def test_bench_intranode_remote_routing_rejects_topk_past_the_other_ranks_experts():
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_intranode.py"), "--backends",
-       "reference", "--tokens", "16", "--hidden", "128", "--experts", "8", "--topk", "7",
-       "--routing", "remote", "--out", "unused.jsonl"],
-      env=env, capture_output=True, text=True, timeout=300)
+def test_bench_intranode_remote_routing_rejects_topk_past_the_other_ranks_experts(tmp_path):
+  result = _run_bench_intranode_on_cpu("--experts", "8", "--topk", "7", "--routing", "remote",
+                                       "--out", str(tmp_path / "unused.jsonl"))
   assert result.returncode != 0
   assert "--topk <= 6" in result.stdout + result.stderr
 
