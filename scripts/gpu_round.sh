@@ -10,7 +10,9 @@
 #                                     # in MULTI_RANKS, one process per GPU (seeing all GPUs,
 #                                     # then only its own: suites) and one for all;
 #                                     # MULTI_SMS="48 96": extra cuda runs at those SM budgets
-#                                     # (MULTI_SEND_RECV=1: also XLA's send/recv fallback)
+#                                     # (MULTI_SEND_RECV=1: also XLA's send/recv fallback;
+#                                     # MULTI_PASSES="per_gpu isolated one_process": the
+#                                     # suites' process models, to split them over calls)
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -108,17 +110,24 @@ for n in ${MULTI_RANKS:-2 4 8}; do
   if ! { has multi || has multi_suites || has multi_bench; }; then break; fi
   [ "$n" -le "$num_gpus" ] || { echo "skip R=$n: $num_gpus GPUs"; continue; }
   gpus=$(seq -s, 0 $((n - 1)))
-  if has multi || has multi_suites; then
+  # MULTI_PASSES picks the process models (default all three, ~80 s each on two H200s; at
+  # R=8 they may not all fit one call's 600 s, so run them in separate calls there).
+  passes=" ${MULTI_PASSES:-per_gpu isolated one_process} "
+  if { has multi || has multi_suites; } && [[ "$passes" == *" per_gpu "* ]]; then
     step "suites, $n processes with one GPU each (GPUs $gpus)"
     CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --grace 20 \
       --timeout 260 -- python3 -m pytest $multi_suites -q -rf -p no:cacheprovider 2>&1 \
       | tee -a "$OUT/multi_suites.log" | drop_noise | grep -E " passed| failed|rror|Traceback" \
       | tail -$((n + 6))
+  fi
+  if { has multi || has multi_suites; } && [[ "$passes" == *" isolated "* ]]; then
     step "suites, $n processes each seeing only its own GPU (--isolate-gpus)"
     CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m jax_ep.launch -n $n --isolate-gpus \
       --grace 20 --timeout 260 -- python3 -m pytest $multi_suites -q -rf -p no:cacheprovider \
       2>&1 | tee -a "$OUT/multi_suites.log" | drop_noise \
       | grep -E " passed| failed|rror|Traceback" | tail -$((n + 6))
+  fi
+  if { has multi || has multi_suites; } && [[ "$passes" == *" one_process "* ]]; then
     step "suites, one process driving $n GPUs"
     CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 python3 -m pytest \
       $multi_suites -q -rf -p no:cacheprovider 2>&1 | tee -a "$OUT/multi_suites.log" | tail -6
