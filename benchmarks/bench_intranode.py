@@ -154,9 +154,8 @@ def main():
   elif jax.process_count() > 1:
     # "_isolated": each process sees only its own GPU (launch --isolate-gpus); the peer
     # transport then asks NVML, not CUDA, whether the GPUs have P2P atomics.
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    isolated = visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1
-    process_model = "process_per_gpu_isolated" if isolated else "process_per_gpu"
+    process_model = ("process_per_gpu_isolated" if common.narrowed_to_one_gpu()
+                     else "process_per_gpu")
   else:
     process_model = "single_process_multi_gpu" if num_ranks > 1 else "single_device"
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices)

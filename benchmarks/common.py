@@ -365,6 +365,12 @@ print(num_bytes / statistics.median(times[2:]) / 1e9)
 """
 
 
+def narrowed_to_one_gpu() -> bool:
+  """Whether CUDA_VISIBLE_DEVICES names exactly one GPU, as `launch --isolate-gpus` sets it."""
+  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+  return visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1
+
+
 def p2p_line_rate_gbps(num_bytes: int = 1 << 30) -> float | None:
   """One-direction GPU 0 -> GPU 1 copy bandwidth (bytes moved per second), the line rate the
   multi-GPU records compare with; None with fewer than two GPUs, without direct peer access or
@@ -373,8 +379,7 @@ def p2p_line_rate_gbps(num_bytes: int = 1 << 30) -> float | None:
   process's."""
   import sys
   env = dict(os.environ)
-  visible = env.get("CUDA_VISIBLE_DEVICES")
-  if visible is not None and len([v for v in visible.split(",") if v.strip()]) < 2:
+  if narrowed_to_one_gpu():
     del env["CUDA_VISIBLE_DEVICES"]
   try:
     out = subprocess.run([sys.executable, "-c", _P2P_PROBE, str(num_bytes)], text=True,

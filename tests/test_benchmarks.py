@@ -187,3 +187,13 @@ def test_traced_events_runs_every_time_when_the_profiler_cannot_start(monkeypatc
   assert runs == [0, 1, 2]
   assert common.steady_call_period_us(lambda: 0, (), calls_per_run=2, marker="M",
                                       repeats=2) is None
+
+
+@pytest.mark.parametrize("value, narrowed", [(None, False), ("0", True), (" 3 ,", True),
+                                             ("0,1", False), ("", False)])
+def test_narrowed_to_one_gpu_reads_cuda_visible_devices(monkeypatch, value, narrowed):
+  if value is None:
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+  else:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
+  assert common.narrowed_to_one_gpu() is narrowed
