@@ -9,6 +9,8 @@
 // permute / unpermute, a warp for slot dots; grid-stride over batch x tokens
 // on a bounded grid), rows moved as 16-byte vectors, coalesced, several
 // independent loads in flight per thread before any of them is consumed.
+// At decode sizes unpermute runs as UnpermuteVectorKernel instead: a block per
+// (token, row part), one vector per thread, no shared memory.
 // Reductions (unpermute's sum over k, slot dots' sum over h) have a fixed
 // order, so results are bit-identical run to run.
 
@@ -342,12 +344,15 @@ __device__ __forceinline__ void LoadSlots(const int32_t* ids, const float* wts,
 // loads in flight: no shared memory, no barrier, no division on the way to the
 // first load (the batch is only divided out when there is one). Sum: slots k
 // ascending, one fmaf per element each, as UnpermuteKernel (bit for bit).
-// NOTES: measured on the H200 at T=128, H=7168, K=8, bf16 (one op per run,
-// inputs rotated out of the L2): UnpermuteKernel, whose warp 0 stages the
-// slots through shared memory between two barriers, took 5.92-5.98 us;
-// XLA's fused gather 5.36-5.47; this form with plain ld.global.nc 5.54; with
-// L1::no_allocate row loads 5.33-5.38 (rows just written, in the L2: 3.76-3.79
-// against XLA's 3.94). Row loads that allocate in L1 cost ~0.2 us there.
+// NOTES: measured on the H200 at T=128, H=7168, K=8, bf16, one op per run
+// with its inputs rotated out of the L2: UnpermuteKernel, whose warp 0 stages
+// the slots through shared memory between two barriers, took 5.92-5.98 us and
+// XLA's fused gather 5.34-5.47. This kernel takes 5.34-5.47: the same as XLA's
+// there, and 3.73-3.81 against 3.90-3.97 with the rows just written (in the
+// L2), 5.38-5.40 against 5.56-5.63 in batches of 8. Its row loads as plain
+// ld.global.nc (allocating in L1) took 5.54; the slot loads with
+// L1::no_allocate as well, 5.79-5.82; an L2 prefetch of the used rows at
+// entry, 6.66-6.69.
 template <typename T, int kK>
 __global__ void __launch_bounds__(kRowBlock)
     UnpermuteVectorKernel(const uint4* __restrict__ expert_out,
