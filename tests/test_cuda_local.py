@@ -44,6 +44,13 @@ class TestCudaLocal(EPTestBase):
     if capacity is not None:
       assert expected[0]["num_dropped"] > 0
 
+  # Decode sizes (few tokens, H=7168): the combine runs UnpermuteVectorKernel, built per top-k
+  # (1, 2, 4, 6 and 8; 3 takes UnpermuteKernel); dropped slots and invalid ids are no row.
+  @pytest.mark.parametrize("num_topk", [1, 2, 3, 4, 6, 8])
+  @pytest.mark.parametrize("pattern,capacity", [("hot", 12), ("invalid", None)])
+  def test_decode_sizes_each_topk(self, num_topk, pattern, capacity):
+    self._roundtrip(1, 5, 7168, num_topk, 16, pattern, jnp.bfloat16, capacity=capacity)
+
   def test_rows_split_into_parts_under_vmap(self):
     group = self.make_group(1, num_experts=16, num_topk=8, hidden=2048, max_tokens=19,
                             dtype=jnp.float32, capacity=60)

@@ -136,6 +136,16 @@ struct Vec16<float> {
 // Read-only, non-coherent 16-byte load (inputs never alias outputs).
 __device__ __forceinline__ uint4 LoadVec(const uint4* p) { return __ldg(p); }
 
+// LoadVec that leaves the line out of L1 (ld.global.nc.L1::no_allocate): for
+// data this SM reads once.
+__device__ __forceinline__ uint4 LoadVecNoL1(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
 // 16-byte store; with kStreaming marked evict-first (st.global.cs), for rows
 // this kernel writes once and a later kernel reads once (a permute's rows, the
 // rows a sender pushes into peer buffers). NOTES: a cache hint only; ordering
