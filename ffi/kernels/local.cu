@@ -590,8 +590,8 @@ constexpr int kVectorTopks[] = {1, 2, 4, 6, 8};
 // RowSplits split rows into parts of at most kRowBlock vectors and the whole
 // grid is no more blocks than it aims for (larger grids stay on
 // UnpermuteKernel, where they were measured); a top-k it is built for; its
-// 32-bit row offsets and grid rows sufficing; and the slot arrays 16-byte
-// aligned where it reads them as vectors.
+// 32-bit capacity, row offsets and grid rows sufficing; and the slot arrays
+// 16-byte aligned where it reads them as vectors.
 cudaError_t UnpermuteVectorsFit(const RowDims& d, int32_t splits,
                                 const int32_t* slot_row,
                                 const float* slot_weights, bool weighted,
@@ -610,7 +610,8 @@ cudaError_t UnpermuteVectorsFit(const RowDims& d, int32_t splits,
     return reinterpret_cast<uintptr_t>(p) % 16 == 0;
   };
   *fit = topk_built && splits == (d.row_vecs + kRowBlock - 1) / kRowBlock &&
-         num_items <= 65535 && d.capacity * d.row_vecs < (int64_t{1} << 32) &&
+         num_items <= 65535 && d.capacity <= INT32_MAX &&
+         d.capacity * d.row_vecs < (int64_t{1} << 32) &&
          (!vector_slots ||
           (aligned(slot_row) && (!weighted || aligned(slot_weights))));
   return cudaSuccess;
