@@ -348,8 +348,8 @@ __device__ __forceinline__ void LoadSlots(const int32_t* ids, const float* wts,
 // with its inputs rotated out of the L2: UnpermuteKernel, whose warp 0 stages
 // the slots through shared memory between two barriers, took 5.92-5.98 us and
 // XLA's fused gather 5.34-5.47. This kernel takes 5.34-5.47: the same as XLA's
-// there, and 3.73-3.81 against 3.90-3.97 with the rows just written (in the
-// L2), 5.38-5.40 against 5.56-5.63 in batches of 8. Its row loads as plain
+// there, and 3.73-3.81 against 3.89-3.97 with the rows just written (in the
+// L2), 5.38-5.46 against 5.56-5.63 in batches of 8. Its row loads as plain
 // ld.global.nc (allocating in L1) took 5.54; the slot loads with
 // L1::no_allocate as well, 5.79-5.82; an L2 prefetch of the used rows at
 // entry, 6.66-6.69.
@@ -513,13 +513,18 @@ RowDims MakeRowDims(int64_t num_batches, int64_t num_tokens, int64_t num_topk,
 // there are kSplitBlocksPerSm blocks per SM, down to kRowBlock vectors a part.
 // Parts are whole multiples of kRowBlock vectors (PartVecs); the parts that
 // rounding left empty are dropped, and PartVecs gives the same part size for
-// the reduced count (checked for every row_vecs <= 8192).
-cudaError_t RowSplits(int64_t row_vecs, int64_t num_rows, int32_t* splits) {
+// the reduced count (checked for every row_vecs <= 8192). `wanted_blocks`
+// (optional): the blocks it aims for, kSplitBlocksPerSm per SM (0 when there
+// is nothing to split).
+cudaError_t RowSplits(int64_t row_vecs, int64_t num_rows, int32_t* splits,
+                      int64_t* wanted_blocks = nullptr) {
   *splits = 1;
+  if (wanted_blocks != nullptr) *wanted_blocks = 0;
   if (num_rows == 0 || row_vecs == 0) return cudaSuccess;
   int num_sms = 0;
   JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
   const int64_t wanted = static_cast<int64_t>(num_sms) * kSplitBlocksPerSm;
+  if (wanted_blocks != nullptr) *wanted_blocks = wanted;
   const int64_t max_splits = (row_vecs + kRowBlock - 1) / kRowBlock;
   int64_t n = (wanted + num_rows - 1) / num_rows;
   if (n > max_splits) n = max_splits;
@@ -582,39 +587,27 @@ struct PermuteLaunch {
   }
 };
 
-// The top-k counts UnpermuteVectorKernel is built for (each its own
-// instance, every slot's row load unrolled); others run UnpermuteKernel.
-constexpr int kVectorTopks[] = {1, 2, 4, 6, 8};
-
-// Whether the combine runs as UnpermuteVectorKernel: decode sizes, where
+// Whether the combine may run as UnpermuteVectorKernel: decode sizes, where
 // RowSplits split rows into parts of at most kRowBlock vectors and the whole
-// grid is no more blocks than it aims for (larger grids stay on
-// UnpermuteKernel, where they were measured); a top-k it is built for; its
-// 32-bit capacity, row offsets and grid rows sufficing; and the slot arrays
-// 16-byte aligned where it reads them as vectors.
-cudaError_t UnpermuteVectorsFit(const RowDims& d, int32_t splits,
-                                const int32_t* slot_row,
-                                const float* slot_weights, bool weighted,
-                                bool* fit) {
-  *fit = false;
-  int num_sms = 0;
-  JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
+// grid is no more than the `wanted_blocks` it aims for (larger grids stay on
+// UnpermuteKernel, where they were measured); its 32-bit capacity, row
+// offsets and grid rows sufficing; and the slot arrays 16-byte aligned where
+// it reads them as vectors. The top-k must also be one it is built for (the
+// cases of UnpermuteLaunch's switch).
+bool UnpermuteVectorsFit(const RowDims& d, int32_t splits,
+                         int64_t wanted_blocks, const int32_t* slot_row,
+                         const float* slot_weights, bool weighted) {
   const int64_t num_items = d.num_batches * d.num_tokens;
-  if (num_items * splits > static_cast<int64_t>(num_sms) * kSplitBlocksPerSm) {
-    return cudaSuccess;
-  }
-  bool topk_built = false;
-  for (int k : kVectorTopks) topk_built |= d.num_topk == k;
   const bool vector_slots = d.num_topk % 4 == 0;
   const auto aligned = [](const void* p) {
     return reinterpret_cast<uintptr_t>(p) % 16 == 0;
   };
-  *fit = topk_built && splits == (d.row_vecs + kRowBlock - 1) / kRowBlock &&
+  return num_items * splits <= wanted_blocks &&
+         splits == (d.row_vecs + kRowBlock - 1) / kRowBlock &&
          num_items <= 65535 && d.capacity <= INT32_MAX &&
          d.capacity * d.row_vecs < (int64_t{1} << 32) &&
          (!vector_slots ||
           (aligned(slot_row) && (!weighted || aligned(slot_weights))));
-  return cudaSuccess;
 }
 
 template <typename T, int kK>
@@ -641,11 +634,13 @@ struct UnpermuteLaunch {
     const int64_t num_items = d.num_batches * d.num_tokens;
     if (num_items == 0) return cudaSuccess;
     int32_t splits = 1;
-    JAX_EP_CUDA_RETURN_IF_ERROR(RowSplits(d.row_vecs, num_items, &splits));
-    bool vectors = false;
-    JAX_EP_CUDA_RETURN_IF_ERROR(UnpermuteVectorsFit(
-        d, splits, slot_row, slot_weights, weighted, &vectors));
-    if (vectors) {
+    int64_t wanted_blocks = 0;
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        RowSplits(d.row_vecs, num_items, &splits, &wanted_blocks));
+    if (UnpermuteVectorsFit(d, splits, wanted_blocks, slot_row, slot_weights,
+                            weighted)) {
+      // The top-k counts UnpermuteVectorKernel is built for (an instance
+      // each, every slot's row load unrolled); others fall through.
       switch (d.num_topk) {
 #define JAX_EP_UNPERMUTE_VECTORS(k)                                          \
   case k:                                                                    \
@@ -657,6 +652,8 @@ struct UnpermuteLaunch {
         JAX_EP_UNPERMUTE_VECTORS(6)
         JAX_EP_UNPERMUTE_VECTORS(8)
 #undef JAX_EP_UNPERMUTE_VECTORS
+        default:
+          break;
       }
     }
     unsigned grid = 0;
