@@ -348,7 +348,7 @@ __device__ __forceinline__ void LoadSlots(const int32_t* ids, const float* wts,
 // with its inputs rotated out of the L2: UnpermuteKernel, whose warp 0 stages
 // the slots through shared memory between two barriers, took 5.92-5.98 us and
 // XLA's fused gather 5.34-5.47. This kernel takes 5.34-5.47: the same as XLA's
-// there, and 3.73-3.81 against 3.89-3.97 with the rows just written (in the
+// there, and 3.73-3.81 against 3.87-3.97 with the rows just written (in the
 // L2), 5.38-5.46 against 5.56-5.63 in batches of 8. Its row loads as plain
 // ld.global.nc (allocating in L1) took 5.54; the slot loads with
 // L1::no_allocate as well, 5.79-5.82; an L2 prefetch of the used rows at
