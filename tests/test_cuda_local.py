@@ -51,11 +51,16 @@ class TestCudaLocal(EPTestBase):
   def test_decode_sizes_each_topk(self, num_topk, pattern, capacity):
     self._roundtrip(1, 5, 7168, num_topk, 16, pattern, jnp.bfloat16, capacity=capacity)
 
-  def test_rows_split_into_parts_under_vmap(self):
-    group = self.make_group(1, num_experts=16, num_topk=8, hidden=2048, max_tokens=19,
-                            dtype=jnp.float32, capacity=60)
+  # vmap: one launch over the batch, each element at its own offset in the expert rows (at
+  # H=7168 the combine runs UnpermuteVectorKernel with its batch offset, top-k 8 and 6).
+  @pytest.mark.parametrize("hidden,num_tokens,num_topk,capacity", [
+      (2048, 19, 8, 60), (7168, 5, 8, 12), (7168, 5, 6, 12)])
+  def test_rows_split_into_parts_under_vmap(self, hidden, num_tokens, num_topk, capacity):
+    group = self.make_group(1, num_experts=16, num_topk=num_topk, hidden=hidden,
+                            max_tokens=num_tokens, dtype=jnp.float32, capacity=capacity)
     patterns = ("hot", "invalid", "uniform")
-    xs, idxs, ws, eos = self._batched_inputs(group, np.random.default_rng(5), 19, patterns)
+    xs, idxs, ws, eos = self._batched_inputs(group, np.random.default_rng(5), num_tokens,
+                                             patterns)
     recv, out = self.run_per_rank(group, jax.vmap(self._dispatch_combine_fn(group)), xs, idxs,
                                   ws, eos)
     for b in range(len(patterns)):
