@@ -32,12 +32,13 @@ def test_split_runs_can_start_each_span_after_its_leading_events():
 
 
 def test_split_runs_skips_leading_memory_operations_and_starts_after_the_skipped_kernel():
-  # Run 1: a memset, then the rewrite (10-40), then a kernel that overlaps it on another
-  # stream (20-50, left out: it started before the rewrite ended) and the op (45-60).
-  # Run 2: the rewrite alone: nothing left, so the run is left out.
-  events = [(0, 5, "Memset 3"), (10, 40, "rewrite"), (20, 50, "other"), (45, 60, "op"),
-            (200, 230, "rewrite")]
-  assert [round(s * 1e9) for s in common.split_runs(events, 2, skip_leading=1)] == [15]
+  # Run 1: a memset, then the rewrite (10-40), then the op (45-60): the span starts at the op.
+  # Run 2: the rewrite (200-230), then the op, launched before the rewrite ended (228-250, as
+  # XLA's programmatic dependent launch does): the span starts when the rewrite ended.
+  # Run 3: the rewrite alone: nothing left, so the run is left out.
+  events = [(0, 5, "Memset 3"), (10, 40, "rewrite"), (45, 60, "op"),
+            (200, 230, "rewrite"), (228, 250, "op"), (400, 430, "rewrite")]
+  assert [round(s * 1e9) for s in common.split_runs(events, 3, skip_leading=1)] == [15, 20]
 
 
 def test_split_runs_handles_overlapping_streams():
