@@ -352,7 +352,11 @@ __device__ __forceinline__ void LoadSlots(const int32_t* ids, const float* wts,
 // L2), 5.38-5.46 against 5.56-5.63 in batches of 8. Its row loads as plain
 // ld.global.nc (allocating in L1) took 5.54; the slot loads with
 // L1::no_allocate as well, 5.79-5.82; an L2 prefetch of the used rows at
-// entry, 6.66-6.69.
+// entry, 6.66-6.69. The floor (probe/unpermute-tma): the same grid reading
+// rows at hashed positions with no slot loads at all, 5.25; bulk copies (TMA)
+// into shared memory, 5.82; an L2 evict_first policy or 32-bit byte offsets
+// on the row loads, no change; programmatic dependent launch
+// (probe/unpermute-pdl), no gain, even in batches.
 template <typename T, int kK>
 __global__ void __launch_bounds__(kRowBlock)
     UnpermuteVectorKernel(const uint4* __restrict__ expert_out,
