@@ -264,8 +264,8 @@ def split_runs(events, num_runs: int, skip_leading: int = 0) -> list[float]:
   op's inputs and are not the op's time: it starts at the next event, or when they have all
   ended if that event started earlier. (XLA may start a kernel a little before the one it
   depends on has ended, programmatic dependent launch: its prologue overlaps, and it waits on the
-  device. On the H200 the reference's combine started ~0.1 us before the rewrite ended in some
-  runs, which a rule of "the first event that starts after" dropped, too many runs to time.)
+  device. On the H200 the reference's combine started up to ~0.1 us before the rewrite ended in
+  about half of the runs; keeping only events that start after it left too few runs to time.)
   Named events that are memory operations ("Memset ...", "Memcpy...") and come before them are
   left out too and not counted. Runs with no event left are left out.
   """
