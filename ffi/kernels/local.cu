@@ -15,6 +15,7 @@
 // order, so results are bit-identical run to run.
 
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include <cuda_bf16.h>
@@ -352,11 +353,8 @@ __device__ __forceinline__ void LoadSlots(const int32_t* ids, const float* wts,
 // L2), 5.38-5.46 against 5.56-5.63 in batches of 8. Its row loads as plain
 // ld.global.nc (allocating in L1) took 5.54; the slot loads with
 // L1::no_allocate as well, 5.79-5.82; an L2 prefetch of the used rows at
-// entry, 6.66-6.69. The floor (probe/unpermute-tma): the same grid reading
-// rows at hashed positions with no slot loads at all, 5.25; bulk copies (TMA)
-// into shared memory, 5.82; an L2 evict_first policy or 32-bit byte offsets
-// on the row loads, no change; programmatic dependent launch
-// (probe/unpermute-pdl), no gain, even in batches.
+// entry, 6.66-6.69. The floor, and what else was tried (TMA, L2 policies,
+// programmatic dependent launch): docs/PERF_NOTES.md, thirteenth session.
 template <typename T, int kK>
 __global__ void __launch_bounds__(kRowBlock)
     UnpermuteVectorKernel(const uint4* __restrict__ expert_out,
@@ -771,16 +769,13 @@ cudaError_t PreloadDtype() {
   JAX_EP_CUDA_RETURN_IF_ERROR(
       cudaFuncGetAttributes(&attr, PermuteKernel<T, true, true>));
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, UnpermuteKernel<T>));
-  JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, UnpermuteVectorKernel<T, 1>));
-  JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, UnpermuteVectorKernel<T, 2>));
-  JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, UnpermuteVectorKernel<T, 4>));
-  JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, UnpermuteVectorKernel<T, 6>));
-  JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, UnpermuteVectorKernel<T, 8>));
+  // Every top-k UnpermuteLaunch's switch builds the vector combine for.
+  for (const auto kernel :
+       {UnpermuteVectorKernel<T, 1>, UnpermuteVectorKernel<T, 2>,
+        UnpermuteVectorKernel<T, 4>, UnpermuteVectorKernel<T, 6>,
+        UnpermuteVectorKernel<T, 8>}) {
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+  }
   return cudaFuncGetAttributes(&attr, SlotDotsKernel<T>);
 }
 
