@@ -4,7 +4,7 @@
   python -m jax_ep.launch -n 8 --share-gpu -- python benchmarks/bench_intranode.py
   # one process per GPU, or one process for all GPUs of a host:
   python -m jax_ep.launch -n 8 -- python benchmarks/bench_intranode.py
-  JAX_EP_EXPERIMENTAL_PEER=1 python benchmarks/bench_intranode.py
+  python benchmarks/bench_intranode.py
 
 Standard shape: 4096 tokens per rank, H=7168, top-8 of 256 experts, bf16. Every rank runs the
 same calls in lockstep and times them with the host clock around batches of `--calls` calls on
@@ -230,6 +230,7 @@ def main():
               wire_dtype="bfloat16", bytes=per_rank_bytes, nvlink_bytes=remote_bytes,
               min_hbm_bytes=min_hbm,
               bound_gbps=round(bound_gbps, 1), bound=bound_name, capacity=capacity,
+              default_capacity=jax_ep.default_capacity(num_ranks, t, k, e // num_ranks),
               num_sms=args.num_sms, routing=args.routing)
   records = []
 
@@ -319,8 +320,7 @@ def main():
               and not (shared_gpu and b == "reference")]
   for backend in backends:
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
-                         dtype=dtype, backend=backend, capacity=capacity, raise_on_timeout=False,
-                         num_sms=args.num_sms)
+                         dtype=dtype, backend=backend, capacity=capacity, num_sms=args.num_sms)
     if group.backend_name == "cuda" and num_ranks > 1:
       # Every rank decides on its own; the record says whether all of them receive.
       not_receiving = _gather_max("not_receiving", float(not group.receives_while_sending))

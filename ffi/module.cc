@@ -129,6 +129,21 @@ void PreloadKernels(int device_ordinal) {
   }
 }
 
+// NOTES: the one table of the kernels' limits. jax_ep/limits.py reads it to
+// refuse a configuration when the group is created; the handlers check the
+// same constants on every call, so the two checks cannot disagree.
+nb::dict Limits() {
+  nb::dict d;
+  d["max_experts"] = kMaxExperts;  // E at one rank, E / R across ranks
+  d["max_topk"] = kMaxTopk;
+  d["max_slots"] = kMaxSlots;  // T * K at one rank, R * T_max * K across ranks
+  d["hidden_multiple"] = kHiddenMultiple;
+  d["max_capacity"] = kMaxCapacity;
+  d["max_peer_ranks"] = intranode::kMaxRanks;
+  d["max_num_sms"] = kMaxNumSms;
+  return d;
+}
+
 int CudaRuntimeVersion() {
   // Reports the (statically linked) runtime's version; does not touch the
   // driver or any device.
@@ -207,8 +222,7 @@ NB_MODULE(_jax_ep_ffi, m) {
   m.def("peer_group_destroy", &jax_ep::peer::Destroy, nb::arg("group_id"),
         "Synchronizes the group's device and frees the group. Idempotent; "
         "unknown ids are a no-op.");
-  m.attr("MAX_PEER_RANKS") = jax_ep::intranode::kMaxRanks;
-  m.attr("MAX_EXPERTS") = jax_ep::kMaxExperts;
-  m.attr("MAX_TOPK") = jax_ep::kMaxTopk;
-  m.attr("HIDDEN_MULTIPLE") = jax_ep::kHiddenMultiple;
+  m.def("limits", &jax_ep::Limits,
+        "The kernels' limits, {name: value}; jax_ep.limits checks a group "
+        "against them when it is created, the handlers check every call.");
 }

@@ -11,6 +11,7 @@ The contract is docs/DESIGN.md. Quick start::
 """
 
 from jax_ep import _ffi
+from jax_ep._status import CapacityOverflowError
 from jax_ep.config import default_capacity
 from jax_ep.group import Group, MemoryEstimate, memory_bytes
 from jax_ep.layer import MoEParams, init_moe_params, moe_mlp, moe_mlp_per_shard
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 _ffi.extension()
 
 __all__ = [
-    "Group", "MemoryEstimate", "memory_bytes", "default_capacity",
+    "Group", "CapacityOverflowError", "MemoryEstimate", "memory_bytes", "default_capacity",
     "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
     "DispatchResult", "Handle", "LowLatencyResult", "LowLatencyHandle",
     "MoEParams", "init_moe_params", "moe_mlp", "moe_mlp_per_shard",

@@ -93,14 +93,14 @@ class PeerBackend:
   Attributes:
     config: the group configuration.
     group_id: the native peer group the handlers look up (the primary one of this process).
-    raise_on_timeout: check each op's status on the host right after it (a `jax.debug.callback`,
-      i.e. one host synchronisation per op) and raise `TimeoutError` naming op, rank and peer
-      (surfacing wrapped in JAX's runtime error). When False, a timeout is reported by the next
-      call on the group and by `Group.check()`.
+    raise_on_timeout: debug mode: check each op's status on the host right after it (a
+      `jax.debug.callback`, i.e. one host synchronisation per op) and raise `TimeoutError`
+      naming op, rank and peer (surfacing wrapped in JAX's runtime error). Off by default: a
+      timeout then reaches the host through the group's error record (jax_ep/_status.py).
   """
   config: EPConfig
   group_id: int
-  raise_on_timeout: bool = True
+  raise_on_timeout: bool = False
   name = "cuda"
 
   def _checked(self, status):

@@ -52,11 +52,10 @@ class EPConfig:
 
 def default_capacity(num_ranks: int, max_tokens_per_rank: int, num_topk: int,
                      num_local_experts: int) -> int:
-  """Worst-case rows one rank can receive when every token names `K` distinct experts.
+  """The most rows one rank can receive: `R * T_max * min(K, L)`, the exact worst case.
 
-  `R * T_max * min(K, L)`: each of the `R * T_max` tokens that can reach a rank selects at most
-  `min(K, L)` distinct experts there. NOTES: a token that names the same expert in several slots
-  gets one row per slot, so with `L < K` such duplicates can exceed this; those rows are counted
-  in `num_dropped`, never lost silently.
+  Each of the `R * T_max` tokens that can reach a rank brings at most `min(K, L)` rows there:
+  its slots that name the same expert share one row (`jax_ep.dispatch`), so it has at most one
+  row per local expert and at most one per slot. A group with this capacity never drops.
   """
   return num_ranks * max_tokens_per_rank * min(num_topk, num_local_experts)

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import operator
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _distributed, _effects, _ffi, cuda_ops, peer, reference
+from jax_ep import _distributed, _effects, _ffi, _status, cuda_ops, peer, reference
+from jax_ep import limits as jax_ep_limits
 from jax_ep.backends import BACKENDS, PeerBackend
 from jax_ep.config import EPConfig, default_capacity
+from jax_ep.limits import KernelLimits, kernel_limits
+
+_logger = logging.getLogger("jax_ep")
 
 _DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
@@ -62,25 +66,85 @@ _effects.add_failure_source(
     lambda: any(t.error() for t in list(_OPEN_TRANSPORTS.values())))
 
 
-def _resolve_backend(backend: str, mesh, num_ranks: int) -> str:
+def _check_backend_name(backend) -> None:
   if backend not in ("auto", "reference", "cuda"):
     raise ValueError(f"jax_ep.Group: backend must be 'auto', 'reference' or 'cuda'; got {backend!r}")
+
+
+def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | None = None,
+                 limits: KernelLimits | None = None,
+                 extension_built: bool | None = None) -> str | None:
+  """Why the cuda backend cannot run this group here, or None when it can.
+
+  The process models it runs: one rank; one process per device (CUDA IPC between processes,
+  whether each sees every GPU or only its own, or several share one GPU under MPS); one process
+  driving every device of the group (peer access). The keyword arguments stand in for this
+  process's facts (tests pass them; by default they are read from JAX and the extension).
+  """
+  devices = list(mesh.devices.flat)
+  platforms = sorted({d.platform for d in devices})
+  if platforms != ["gpu"]:
+    return f"the mesh has {', '.join(platforms)} devices, the cuda kernels need CUDA GPUs"
+  if extension_built is None:
+    extension_built = _ffi.extension() is not None
+  if not extension_built:
+    return ("the CUDA extension is not built in this installation (no nvcc at build time, or "
+            "JAX_EP_ENABLE_CUDA=OFF)")
+  if limits is None:
+    limits = kernel_limits()
+  violation = jax_ep_limits.cuda_violation(config, limits, num_sms)
+  if violation is not None:
+    return violation
+  if config.num_ranks == 1:
+    return None
+  if mesh.devices.ndim != 1:
+    return (f"the peer transport takes a 1-D mesh over the EP axis; this mesh has axes "
+            f"{dict(mesh.shape)}")
+  me = jax.process_index() if process_index is None else process_index
+  local = sum(d.process_index == me for d in devices)
+  if local not in (1, len(devices)):
+    return (f"process {me} holds {local} of the group's {len(devices)} devices; the peer "
+            f"transport runs one process per device or one process for all of them")
+  return None
+
+
+_SAID: set[tuple[str, str]] = set()
+
+
+def _say_choice(name: str, why: str, warn: bool) -> None:
+  """Logs the backend `auto` chose and why, once per process for each distinct choice."""
+  if (name, why) in _SAID:
+    return
+  _SAID.add((name, why))
+  log = _logger.warning if warn else _logger.info
+  log("jax_ep.Group(backend='auto'): %s backend (%s)", name, why)
+
+
+def _process_model(mesh) -> str:
+  devices = list(mesh.devices.flat)
+  if len(devices) == 1:
+    return "one rank"
+  if len({d.process_index for d in devices}) == 1:
+    return f"one process driving {len(devices)} devices"
+  return f"one process per device, {len(devices)} ranks"
+
+
+def _resolve_backend(backend: str, mesh, config: EPConfig, num_sms: int) -> tuple[str, str]:
+  """`(backend name, why)` for the requested backend."""
+  if backend == "reference":
+    return "reference", "asked for"
+  why_not = cuda_support(mesh, config, num_sms)
   if backend == "cuda":
-    if not all(d.platform == "gpu" for d in mesh.devices.flat):
-      platforms = sorted({d.platform for d in mesh.devices.flat})
-      raise ValueError(f"jax_ep.Group: backend='cuda' needs a mesh of CUDA GPUs; this mesh has "
-                       f"{', '.join(platforms)} devices")
-    if _ffi.extension() is None:
-      raise ValueError("jax_ep.Group: backend='cuda' needs the CUDA extension, which this "
-                       "installation was built without (no nvcc, or JAX_EP_ENABLE_CUDA=OFF)")
-  if backend != "auto":
-    return backend
+    if why_not is not None:
+      raise ValueError(f"jax_ep.Group: backend='cuda' cannot run this group: {why_not}")
+    return "cuda", "asked for"
+  if why_not is None:
+    why = f"CUDA GPUs, {_process_model(mesh)}"
+    _say_choice("cuda", why, warn=False)
+    return "cuda", why
   on_gpu = all(d.platform == "gpu" for d in mesh.devices.flat)
-  if not on_gpu or _ffi.extension() is None:
-    return "reference"
-  if num_ranks > 1 and os.environ.get(peer.EXPERIMENTAL_ENV) != "1":
-    return "reference"  # until the peer transport has run on multi-GPU hardware (see peer.py)
-  return "cuda"
+  _say_choice("reference", why_not, warn=on_gpu)
+  return "reference", why_not
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,13 +225,21 @@ class Group:
     hidden: `H`.
     max_tokens_per_rank: `T_max`, the most tokens one rank passes per call.
     dtype: activation dtype (bfloat16, float16 or float32).
-    capacity: rows of the dispatch output per rank; default `R * T_max * min(K, E/R)` never drops
-      for distinct top-k experts. Smaller values save memory; the excess is counted in
-      `num_dropped` and contributes zero to combine.
-    backend: 'auto' (cuda on GPUs when the extension is built, at one rank; at several ranks
-      only with JAX_EP_EXPERIMENTAL_PEER=1 until the peer transport has run on several GPUs;
-      reference otherwise), 'reference' or 'cuda'.
-    strict: raise a run-time error whenever a dispatch drops rows.
+    capacity: rows of the dispatch output per rank; default `R * T_max * min(K, E/R)`, the
+      exact worst case (a token's slots that name one expert share one row, so a token brings
+      at most `min(K, L)` rows to a rank): the default never drops. Smaller values save memory;
+      the excess is counted in `num_dropped` and contributes zero to combine.
+    backend: 'auto' (default): cuda wherever it can run this group (CUDA GPUs with the
+      extension built, a configuration inside the kernels' limits, one rank or a process model
+      the peer transport runs: one process per device, or one process for all of them), else
+      the reference; the choice and its reason go to the `jax_ep` logger once and stay in
+      `backend_name` / `backend_reason`. 'reference' or 'cuda' force one ('cuda' raises a
+      `ValueError` saying why where it cannot run).
+    strict: make any dropped row an error. The dispatch records the drop on the host (a host
+      callback per dispatch in this mode: a debug setting); it is logged at once, and
+      `check()`, `close()`, the next dispatch and the next op traced on the group raise
+      `jax_ep.CapacityOverflowError` naming the ranks, the rows dropped and the capacity that
+      would fit them.
     config_timeout_s: how long group creation waits for peer processes' configurations.
     num_sms: multiprocessors' worth of the blocks that send to peers, 1 to 1024 (bounded grid:
       each send kernel sends from `num_sms` times the blocks one SM holds of it, 512 to 1024
@@ -175,23 +247,26 @@ class Group:
       rows travel: the dispatch's placement of rows (its permute; the other ranks' rows too
       where every rank has a GPU of its own) and the combine's partial sums of this rank's own
       tokens.
-    timeout_s: how long a multi-rank kernel waits for a peer before it gives up and reports
-      which op, rank and peer timed out. It must cover the start-up skew between processes
-      (one still compiling while another already waits in its first op).
-    raise_on_timeout: after each multi-rank op, check its status on the host and raise
-      `TimeoutError` at once (one host synchronisation per op); when False, a timeout surfaces
-      at the next op on the group or at `Group.check()`. Default: True with one process per
-      device; False when one process drives several devices (a blocking host check on one
-      device could hold back the launches its peers are waiting for).
+    timeout_s: how long a multi-rank kernel waits for a peer before it gives up. It must cover
+      the start-up skew between processes (one still compiling while another already waits in
+      its first op). A timeout never hangs and never needs a host synchronisation to be seen:
+      the kernels stop waiting, leave their outputs defined and write an error record into
+      host-mapped memory; a watchdog thread logs it (op, rank, peer, call) through the
+      `jax_ep` logger at once; every later op of the group fails with that text, and
+      `check()`, `close()` and the next op traced on the group raise `TimeoutError` with it.
+    raise_on_timeout: debug mode: after each multi-rank op, check its status on the host and
+      raise `TimeoutError` right there (a host callback, one host synchronisation per op).
+      Default False.
   """
 
   def __init__(self, mesh, axis_name: str, *, num_experts: int, num_topk: int, hidden: int,
                max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
                backend: str = "auto", strict: bool = False, config_timeout_s: float = 60.0,
-               num_sms: int = 24, timeout_s: float = 60.0, raise_on_timeout: bool | None = None):
+               num_sms: int = 24, timeout_s: float = 60.0, raise_on_timeout: bool = False):
     if axis_name not in mesh.axis_names:
       raise ValueError(f"jax_ep.Group: axis_name {axis_name!r} is not an axis of the mesh "
                        f"(mesh axes: {tuple(mesh.axis_names)})")
+    _check_backend_name(backend)
     num_ranks = int(mesh.shape[axis_name])
     num_experts = _positive_int("num_experts", num_experts)
     num_topk = _positive_int("num_topk", num_topk)
@@ -206,6 +281,9 @@ class Group:
     if num_experts % num_ranks:
       raise ValueError(f"jax_ep.Group: num_experts={num_experts} must be divisible by the size "
                        f"of mesh axis {axis_name!r} ({num_ranks} ranks)")
+    if num_topk > num_experts:
+      raise ValueError(f"jax_ep.Group: num_topk={num_topk} must be <= num_experts="
+                       f"{num_experts} (a token selects at most every expert once)")
     dtype = _check_dtype(dtype)
     num_local = num_experts // num_ranks
     if capacity is None:
@@ -217,7 +295,8 @@ class Group:
     self.mesh = mesh
     self.config = EPConfig(axis_name, num_ranks, num_experts, num_topk, hidden,
                            max_tokens_per_rank, dtype, capacity, bool(strict))
-    self.backend_name = _resolve_backend(backend, mesh, num_ranks)
+    self.backend_name, self.backend_reason = _resolve_backend(backend, mesh, self.config,
+                                                              num_sms)
     fields = dict(self.config.fingerprint(), backend=self.backend_name)
     # The processes holding the mesh's devices create the group together; a group over some of
     # the job's processes is checked and counted among them alone.
@@ -230,21 +309,22 @@ class Group:
     key = _distributed.next_group_key("group", subset)
     _distributed.check_same_config(key, fields, timeout_s=config_timeout_s, process_ids=subset)
     self._transport = None
+    self._closed = False
     if self.backend_name == "cuda" and num_ranks > 1:
       self._transport = peer.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s,
                                     process_ids=subset)
       _OPEN_TRANSPORTS[id(self._transport)] = self._transport
-      if raise_on_timeout is None:
-        raise_on_timeout = len(self._transport.group_ids) == 1
       self.backend = PeerBackend(self.config, self._transport.primary_id,
                                  bool(raise_on_timeout))
+      self._status = _status.GroupStatus(repr(self), poll=self._transport.error)
+      _status.WATCHDOG.watch(self._status)
     else:
       self.backend = BACKENDS[self.backend_name](self.config)
+      self._status = _status.GroupStatus(repr(self))
       if self.backend_name == "cuda":  # load the kernels now, not inside the first handler
         for device in mesh.devices.flat:
           if device.process_index == jax.process_index():
             _ffi.extension().preload_kernels(device.local_hardware_id)
-    self._closed = False
 
   # Shorthands for the configuration.
   axis_name = property(lambda self: self.config.axis_name)
@@ -308,27 +388,36 @@ class Group:
     return self._closed
 
   def check(self) -> None:
-    """Raises `TimeoutError` if a multi-rank op of this group timed out waiting for a peer.
+    """Raises the group's first run-time failure, if it had one.
 
-    Reads a host-visible error record the kernels fill in; it does not synchronise the device,
-    so call it after the results you care about are ready.
+    `TimeoutError` when a multi-rank op gave up waiting for a peer (the message names op, rank,
+    peer and call); `jax_ep.CapacityOverflowError` when a strict group dropped rows. Reads the
+    host-visible error record the kernels fill in; it does not synchronise the device, so call
+    it after the results you care about are ready.
     """
-    if self._transport is not None:
-      message = self._transport.error()
-      if message:
-        raise TimeoutError(message)
+    self._status.raise_if_failed()
 
   def close(self) -> None:
     """Releases the group's resources (after every process is done with the shared buffers);
-    ops called with a closed group raise."""
+    ops called with a closed group raise.
+
+    Raises the group's run-time failure (see `check`) after releasing them, unless `check()` or
+    an op already raised it to the caller.
+    """
     if self._closed:
       return
     self._closed = True
+    failure = self._status.failure()
+    self._status.close()
+    _status.WATCHDOG.unwatch(self._status)
     if self._transport is not None:
-      if self._transport.error() or _effects.any_failure():
+      if failure is not None or _effects.any_failure():
         _effects.settle()  # see jax_ep/_effects.py
       _OPEN_TRANSPORTS.pop(id(self._transport), None)
       self._transport.close()
+    if failure is not None and not self._status.raised:
+      message, error_type = failure
+      raise error_type(message)
 
   def __enter__(self):
     return self

@@ -310,15 +310,18 @@ def _supervise(children: Sequence[_Child], grace_s: float, timeout_s: float | No
   first_failure: int | None = None
   failure_deadline: float | None = None
   while True:
-    for c in children:
-      rc = c.exit_code()
+    # NOTES: one reading of every child's state per turn, used both for the failure and for
+    # "all exited". Reading the codes and then asking again whether all have exited let a
+    # child that failed between the two readings end the loop unrecorded (exit code 0).
+    codes = [c.exit_code() for c in children]
+    for c, rc in zip(children, codes):
       if rc and first_failure is None:
         first_failure = rc
         failure_deadline = time.monotonic() + grace_s
-        if any(o.proc.poll() is None for o in children):
+        if any(code is None for code in codes):
           _log(f"process {c.index} exited with code {rc}; the others get "
                f"{grace_s:g} s to finish")
-    if all(c.proc.poll() is not None for c in children):
+    if all(code is not None for code in codes):
       break
     now = time.monotonic()
     if overall_deadline is not None and now >= overall_deadline:

@@ -22,8 +22,9 @@ class DispatchResult(NamedTuple):
 
   Attributes:
     x: `[capacity, H]` rows grouped by local expert `0..L-1`; inside one expert ordered by
-      (source rank, source token, slot); rows past `sum(group_sizes)` are zero. The input
-      `jax.lax.ragged_dot(x, w[L, ...], group_sizes)` expects.
+      (source rank, source token); rows past `sum(group_sizes)` are zero. The input
+      `jax.lax.ragged_dot(x, w[L, ...], group_sizes)` expects. A token whose slots name one
+      expert several times has one row there (see `dispatch`).
     group_sizes: `[L]` int32 rows per local expert.
     num_dropped: `[]` int32 rows that did not fit in `capacity` on this rank.
     num_invalid: `[]` int32 slots of *this rank's* `topk_idx` outside `[-1, E)` (treated as -1).
@@ -83,6 +84,7 @@ def _check_group(group, op: str) -> None:
   if size != group.num_ranks:
     raise ValueError(f"jax_ep.{op}: axis {group.axis_name!r} has size {size} here but the group "
                      f"was created with {group.num_ranks} ranks")
+  group.check()  # a group that failed at run time (timeout, strict drop) refuses new ops
 
 
 def _check_array(op: str, name: str, value, *, ndim: int, dtypes, shape=None) -> None:
@@ -119,21 +121,47 @@ def _check_tokens(group: Group, op: str, x, topk_idx, topk_weights=None) -> None
                        f"topk_idx shape {topk_idx.shape}")
 
 
-def _raise_if_dropped(num_dropped):
-  if num_dropped > 0:
-    _effects.note_failure()
-    raise RuntimeError(f"jax_ep.dispatch: {int(num_dropped)} rows did not fit in the receive "
-                       f"capacity and were dropped (group created with strict=True); raise "
-                       f"capacity or pass strict=False to count drops instead")
-
-
 def _strict_check(group: Group, num_dropped):
+  """Strict groups: hands every rank's drop count to the group's status on the host."""
   if not group.strict:
     return num_dropped
-  # A debug callback (not an io_callback) so that strict groups also work under
-  # `jax.checkpoint`; the check may then run twice, which is harmless.
-  jax.debug.callback(_raise_if_dropped, num_dropped)
+  status, capacity = group._status, group.capacity
+
+  def report(rank, dropped):
+    try:
+      status.strict_dispatch(int(rank), int(dropped), capacity)
+    except Exception:
+      _effects.note_failure()
+      raise
+  # A debug callback (not an io_callback), so that strict groups also work under
+  # `jax.checkpoint`; a recomputed forward pass reports its drops again under the same call
+  # number on every rank, which is harmless.
+  jax.debug.callback(report, jax.lax.axis_index(group.axis_name), num_dropped)
   return num_dropped
+
+
+def merge_duplicate_slots(topk_idx, topk_weights, num_experts: int):
+  """Slots of one token that name the same expert, merged into the first of them.
+
+  Returns `(topk_idx, topk_weights)` where every later duplicate slot is -1 and the first slot
+  of each expert carries the sum of the weights of the token's slots that name it. Ids outside
+  `[0, E)` are left as they are (the backends count and ignore them). Differentiable in
+  `topk_weights`: a merged slot's weight gradient is the gradient of the one row they share.
+  With it a token brings at most `min(K, L)` rows to a rank, so the default capacity is the
+  exact worst case.
+  """
+  num_topk = topk_idx.shape[-1]
+  slots = jnp.arange(num_topk, dtype=jnp.int32)
+  valid = (topk_idx >= 0) & (topk_idx < num_experts)
+  same = ((topk_idx[..., :, None] == topk_idx[..., None, :]) & valid[..., :, None]
+          | (slots[:, None] == slots[None, :]))  # [..., K (slot), K (other slot)]
+  first = jnp.argmax(same, axis=-1).astype(jnp.int32)  # first slot naming the same expert
+  merged_idx = jnp.where(first == slots, topk_idx, -1)
+  # NOTES: a masked sum rather than an einsum over a one-hot matrix, so that XLA fuses it with
+  # the comparisons instead of emitting a batched matrix product.
+  into = first[..., :, None] == slots  # [..., K (from), K (into)]
+  merged_w = jnp.sum(jnp.where(into, topk_weights[..., :, None], 0.0), axis=-2)
+  return merged_idx, merged_w.astype(topk_weights.dtype)
 
 
 def dispatch(group: Group, x, topk_idx, topk_weights):
@@ -143,14 +171,27 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
     group: the `Group`.
     x: `[T, H]` activations in the group's dtype, `T <= max_tokens_per_rank`.
     topk_idx: `[T, K]` int32 expert ids in `[0, E)`, or -1 for a slot that selects nothing.
-      Ids outside `[-1, E)` are treated as -1 and counted in `num_invalid`.
+      Ids outside `[-1, E)` are treated as -1 and counted in `num_invalid`. Slots of one token
+      that name the same expert are merged into one row whose weight is the sum of theirs
+      (`merge_duplicate_slots`): combine gives the same result, each such slot's weight
+      gradient is the dot product with that one row, and the default capacity never drops.
     topk_weights: `[T, K]` float32 router weights, kept in the handle for `combine`.
 
   Returns:
     `(DispatchResult, Handle)`. Differentiable in `x` (and, through combine, in topk_weights).
+    `T = 0` is allowed: nothing moves (every rank has the same static `T`).
   """
   _check_group(group, "dispatch")
   _check_tokens(group, "dispatch", x, topk_idx, topk_weights)
+  c = group.config
+  if x.shape[0] == 0:
+    # Shapes are static and equal on every rank, so no rank has a token: nothing moves, and no
+    # rank issues a communication op (which keeps the peer groups' call counts in step).
+    zero = jnp.zeros((), jnp.int32)
+    recv = DispatchResult(jnp.zeros((c.capacity, c.hidden), c.dtype),
+                          jnp.zeros((c.num_local_experts,), jnp.int32), zero, zero)
+    return recv, Handle((), topk_weights)
+  topk_idx, topk_weights = merge_duplicate_slots(topk_idx, topk_weights, c.num_experts)
   recv_x, group_sizes, num_dropped, num_invalid, routing = primitives.dispatch_tokens(
       group.backend, x, topk_idx, topk_weights)
   num_dropped = _strict_check(group, num_dropped)
@@ -179,6 +220,8 @@ def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):
   if not isinstance(handle, Handle):
     raise TypeError(f"jax_ep.combine: handle must be the Handle returned by jax_ep.dispatch, "
                     f"got {type(handle).__name__}")
+  if handle.topk_weights.shape[0] == 0:  # see dispatch: no rank has a token
+    return jnp.zeros((0, c.hidden), c.dtype)
   if weighted:
     return primitives.combine_weighted(group.backend, expert_out, handle.topk_weights,
                                        handle.routing)

@@ -10,21 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 
 import jax
 import numpy as np
 
 from jax_ep import _ffi
 from jax_ep.config import EPConfig
-
-# One process per device (CUDA IPC) has run on hardware: the shared suite at R = 2, 4, 8 with
-# processes sharing one H200 under MPS. One process driving several GPUs (peer access, pointers
-# used directly) has run on two H200s (every suite passed, 2026-11-29) but not yet on four or
-# eight, so it stays opt-in until an eight-GPU machine runs it; the variable also makes
-# backend="auto" pick the peer transport.
-EXPERIMENTAL_ENV = "JAX_EP_EXPERIMENTAL_PEER"
-
 
 def buffer_bytes(config: EPConfig) -> int:
   """Bytes of one rank's library-owned communication buffer (0 without the extension)."""
@@ -111,12 +102,6 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
         float(timeout_s)))
 
   if len(local) == len(devices):  # one process drives every device of the group
-    if os.environ.get(EXPERIMENTAL_ENV) != "1":
-      raise NotImplementedError(
-          f"jax_ep.Group(backend='cuda') with num_ranks={config.num_ranks} devices in one "
-          f"process: this process model of the peer transport has run on two GPUs but not yet "
-          f"on four or eight; set {EXPERIMENTAL_ENV}=1 to use it, run one process per GPU "
-          f"(python -m jax_ep.launch), or use backend='reference' (what 'auto' picks).")
     ids = []
     try:
       for rank, d in local:

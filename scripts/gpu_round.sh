@@ -49,8 +49,6 @@ if has local; then
     --print-limit 20 python3 scripts/sanitize_local.py 2>&1 | tail -6
 fi
 
-# One process per rank needs no opt-in; the single-process stages set JAX_EP_EXPERIMENTAL_PEER
-# themselves where they need it (the fault-case test does).
 if has smoke; then
   step peer smoke: single-process pointer table, then one small case at N=2
   timeout 60 python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider \
@@ -129,7 +127,7 @@ for n in ${MULTI_RANKS:-2 4 8}; do
   fi
   if { has multi || has multi_suites; } && [[ "$passes" == *" one_process "* ]]; then
     step "suites, one process driving $n GPUs"
-    CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 python3 -m pytest \
+    CUDA_VISIBLE_DEVICES=$gpus timeout 280 python3 -m pytest \
       $multi_suites -q -rf -p no:cacheprovider 2>&1 | tee -a "$OUT/multi_suites.log" | tail -6
   fi
   if has multi || has multi_bench; then
@@ -152,7 +150,7 @@ for n in ${MULTI_RANKS:-2 4 8}; do
       esac
       if [ "$variant" = one_process ]; then
         step "benchmark, one process driving $n GPUs"
-        CUDA_VISIBLE_DEVICES=$gpus JAX_EP_EXPERIMENTAL_PEER=1 timeout 280 \
+        CUDA_VISIBLE_DEVICES=$gpus timeout 280 \
           python3 benchmarks/bench_intranode.py --out gpu_round_intranode.jsonl 2>&1 \
           | tee -a "$OUT/multi_bench.log" | grep -E "^(  |op |dispatch|combine|cuda|reference|xla|wrote)|rror|Traceback"
       else

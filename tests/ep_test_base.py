@@ -261,6 +261,42 @@ class EPTestBase:
     _, _, expected = self._roundtrip(r, 19, 128, 4, 4 * r, "one_expert", jnp.float32)
     assert all(e["num_dropped"] == 0 for e in expected)
 
+  @pytest.mark.parametrize("pattern", ["duplicates", "one_expert"])
+  def test_default_capacity_never_drops_with_duplicate_slots(self, pattern):
+    # L = 2 < K = 4: slots naming one expert share a row, so a token brings at most
+    # min(K, L) = 2 rows to a rank and the default capacity R * T_max * min(K, L) holds them.
+    r = self.small_ranks
+    recv, _, expected = self._roundtrip(r, 19, 128, 4, 2 * r, pattern, jnp.float32)
+    assert all(e["num_dropped"] == 0 for e in expected)
+    for d in self.local_ranks(self._last_group):
+      assert recv.num_dropped[d] == 0
+
+  def test_zero_tokens(self):
+    """T = 0 on every rank: dispatch gives an empty layout, combine `[0, H]`, gradients work."""
+    r = self.small_ranks
+    group = self.make_group(r, num_experts=8, num_topk=2, hidden=128, max_tokens=5,
+                            dtype=jnp.float32)
+    x = np.zeros((r, 0, 128), np.float32)
+    idx = np.zeros((r, 0, 2), np.int32)
+    w = np.zeros((r, 0, 2), np.float32)
+    eo = np.ones((r, group.capacity, 128), np.float32)
+    recv, out = self.dispatch_combine(group, x, idx, w, eo)
+    assert out.shape == (r, 0, 128)
+    for d in self.local_ranks(group):
+      np.testing.assert_array_equal(recv.x[d], np.zeros((group.capacity, 128), np.float32))
+      np.testing.assert_array_equal(recv.group_sizes[d], np.zeros(4, np.int32))
+      assert recv.num_dropped[d] == 0 and recv.num_invalid[d] == 0
+
+    def body(x, idx, w, eo):
+      def loss(x, w, eo):
+        recv, handle = jax_ep.dispatch(group, x, idx[0], w)
+        return jnp.sum(jax_ep.combine(group, eo + recv.x, handle))
+      return jax.tree.map(lambda g: g[None], jax.grad(loss, argnums=(0, 1, 2))(x[0], w[0], eo[0]))
+    grads = jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep")))(
+        *self.shard(group, x, idx, w, eo))
+    assert [g.shape for g in grads] == [(r, 0, 128), (r, 0, 2), (r, group.capacity, 128)]
+    np.testing.assert_array_equal(self.to_numpy(grads[2])[self.local_mask(group)], 0.0)
+
   def _roundtrip(self, num_ranks, num_tokens, hidden, num_topk, num_experts, pattern, dtype,
                  capacity=None, max_tokens=None, weighted=True, num_sms=None, group=None):
     if group is None:
@@ -275,6 +311,7 @@ class EPTestBase:
     idx = make_routing(rng, num_ranks, num_tokens, num_topk, num_experts, pattern)
     w = rng.random((num_ranks, num_tokens, num_topk)).astype(np.float32)
     eo = random_inputs(rng, num_ranks, group.capacity, hidden, dtype)
+    self._last_group = group
     recv, out = self.dispatch_combine(group, x, idx, w, eo, weighted=weighted)
     expected = self.check_dispatch(group, x, idx, recv)
     want = oracle.combine(list(eo), expected, w, np.float64, weighted=weighted)
@@ -317,7 +354,10 @@ class EPTestBase:
       want = oracle.combine(list(eo), expected, w, np.float64)
       np.testing.assert_allclose(out[mine], want[mine], rtol=1e-5, atol=1e-5)
 
-  def test_strict_raises_on_drop(self):
+  def test_strict_reports_drops_without_failing_the_call(self):
+    """A strict group's drop is counted in the call that dropped (its results stay defined);
+    then `check()` and the next dispatch of the same compiled program raise one message that
+    names the ranks, the rows and the capacity that would fit them."""
     r = self.small_ranks
     group = self.make_group(r, num_experts=8, num_topk=2, hidden=128, max_tokens=19,
                             dtype=jnp.float32, capacity=3, strict=True)
@@ -326,8 +366,28 @@ class EPTestBase:
     idx = make_routing(rng, r, 19, 2, 8, "uniform")
     w = np.ones((r, 19, 2), np.float32)
     eo = np.zeros((r, 3, 128), np.float32)
-    with pytest.raises(Exception, match="dropped"):
+
+    def body(x, idx, w, eo):
+      recv, handle = jax_ep.dispatch(group, x[0], idx[0], w[0])
+      return recv.num_dropped[None], jax_ep.combine(group, eo[0], handle)[None]
+    step = jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep")))
+    args = self.shard(group, x, idx, w, eo)
+    dropped, _ = (self.to_numpy(v) for v in step(*args))
+    expected = oracle.dispatch(x, idx, 8, 3)
+    mine = self.local_ranks(group)
+    for d in mine:
+      assert dropped[d] == expected[d]["num_dropped"] > 0
+    need = max(3 + int(expected[d]["num_dropped"]) for d in mine)
+    pattern = (rf"dropped rows that did not fit in capacity=3 \(rank {mine[0]}: "
+               rf"{int(expected[mine[0]]['num_dropped'])} rows.*a capacity of at least {need} "
+               rf"would fit them")
+    with pytest.raises(jax_ep.CapacityOverflowError, match=pattern):
+      group.check()
+    with pytest.raises(Exception, match="CapacityOverflowError|did not fit in capacity"):
+      jax.block_until_ready(step(*args))
+    with pytest.raises(jax_ep.CapacityOverflowError):  # a new trace is refused as well
       self.dispatch_combine(group, x, idx, w, eo)
+    group.close()  # already raised to the caller: close() just frees
 
   def test_strict_passes_without_drop(self):
     r = self.small_ranks

@@ -123,8 +123,13 @@ class TestGroupValidation:
   def test_cuda_backend_needs_gpus(self):
     if all(d.platform == "gpu" for d in jax.devices()):
       pytest.skip("this machine has GPUs")
-    with pytest.raises(ValueError, match="backend='cuda' needs a mesh of CUDA GPUs; this mesh has cpu devices"):
+    with pytest.raises(ValueError, match="backend='cuda' cannot run this group: the mesh has cpu "
+                                         "devices, the cuda kernels need CUDA GPUs"):
       _group(ranks=1, backend="cuda")
+
+  def test_more_experts_per_token_than_experts(self):
+    with pytest.raises(ValueError, match=r"num_topk=9 must be <= num_experts=8"):
+      _group(num_topk=9)
 
 
 class TestOpValidation:
@@ -262,22 +267,6 @@ def test_settling_effect_tokens_waits_on_each_and_forgets_failures(monkeypatch, 
   assert tokens.output_runtime_tokens == {}
   assert "rank 0 timed out waiting for rank 1" in caplog.text
   jax.effects_barrier()  # nothing left to re-raise
-
-
-def test_one_process_driving_several_gpus_is_opt_in(monkeypatch):
-  """The peer transport's single-process model has run on two GPUs, not yet on eight: without
-  JAX_EP_EXPERIMENTAL_PEER=1 it is refused with a message that names the way out."""
-  from jax_ep import _ffi, peer
-  from jax_ep.config import EPConfig
-  if jax.process_count() > 1:
-    pytest.skip("about one process driving several devices; this job has one per process")
-  monkeypatch.delenv(peer.EXPERIMENTAL_ENV, raising=False)
-  if _ffi.extension() is None:  # the gate comes before any native call
-    monkeypatch.setattr(_ffi, "extension", lambda: object())
-  mesh = _mesh(2)
-  config = EPConfig("ep", 2, 8, 2, 128, 16, np.dtype(jnp.bfloat16), 64)
-  with pytest.raises(NotImplementedError, match="JAX_EP_EXPERIMENTAL_PEER=1.*jax_ep.launch"):
-    peer.create(config, mesh, "opt-in", num_sms=1, timeout_s=1.0)
 
 
 def test_group_on_a_process_without_its_devices_is_refused(monkeypatch):

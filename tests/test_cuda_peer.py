@@ -4,9 +4,9 @@ Runs under the launcher, on one GPU shared by N processes (CUDA MPS) or one GPU 
 
   python -m jax_ep.launch -n 4 --share-gpu -- python -m pytest tests/test_cuda_peer.py -q
 
-or in one process driving several GPUs (opt-in until it has run on such a machine):
+or in one process driving several GPUs:
 
-  JAX_EP_EXPERIMENTAL_PEER=1 python -m pytest tests/test_cuda_peer.py
+  python -m pytest tests/test_cuda_peer.py
 
 Marked `gpu`: skipped where no CUDA GPU or extension is present, and skipped with one device
 (nothing to peer).
@@ -32,9 +32,6 @@ NUM_RANKS = jax.device_count()
 
 
 @pytest.mark.skipif(NUM_RANKS < 2, reason="the peer transport needs at least 2 ranks")
-@pytest.mark.skipif(
-    jax.process_count() == 1 and os.environ.get("JAX_EP_EXPERIMENTAL_PEER") != "1",
-    reason="one process driving several GPUs is opt-in: set JAX_EP_EXPERIMENTAL_PEER=1")
 class TestCudaPeer(EPTestBase):
   backend = "cuda"
   rank_counts = (NUM_RANKS,)
@@ -139,7 +136,7 @@ WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "peer_fault_worke
 def test_fault_cases_fail_fast(mode):
   """One rank skips a dispatch: the others raise a timeout naming op, rank and peer, and every
   process exits (no hang). Mismatched configurations fail at group creation."""
-  env = dict(os.environ, JAX_EP_EXPERIMENTAL_PEER="1")
+  env = dict(os.environ)
   cmd = [sys.executable, "-m", "jax_ep.launch", "-n", "2", "--share-gpu", "--grace", "30",
          "--timeout", "120", "--", sys.executable, WORKER, mode]
   result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)

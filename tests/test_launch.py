@@ -182,3 +182,45 @@ def test_group_keys_of_process_subsets_are_counted_apart():
   many = list(range(12))
   key = _distributed.next_group_key("keys-test", many)
   assert key.startswith("keys-test-p") and key.endswith("-0") and len(key) < 30
+
+
+class _FakeProc:
+  """A child whose exit shows up between two readings of its state: `poll()` answers None
+  `running_polls` times, then `code`."""
+
+  def __init__(self, code, running_polls):
+    self.code, self.running_polls, self.pid = code, running_polls, -1
+
+  def poll(self):
+    if self.running_polls > 0:
+      self.running_polls -= 1
+      return None
+    return self.code
+
+
+class _FakeChild:
+  def __init__(self, index, code, running_polls):
+    self.index, self.killed = index, False
+    self.proc = _FakeProc(code, running_polls)
+
+  def exit_code(self):
+    rc = self.proc.poll()
+    return None if rc is None else (128 - rc if rc < 0 else rc)
+
+
+def test_supervisor_records_a_failure_that_lands_between_two_readings():
+  """A child that fails right after its state was read must still fail the job: every reading
+  of the children's states in one turn decides both "who failed" and "all exited"."""
+  from jax_ep import launch
+  for running_polls in range(4):
+    children = [_FakeChild(0, 0, 0), _FakeChild(1, 18, running_polls)]
+    assert launch._supervise(children, grace_s=5.0, timeout_s=None) == 18, running_polls
+
+
+def test_fast_failing_child_never_reports_success(monkeypatch):
+  """Hundreds of launches whose one child fails at once: the exit code is never 0."""
+  from jax_ep import launch
+  monkeypatch.setattr(launch, "_POLL_INTERVAL_S", 0.001)
+  cmd = ["sh", "-c", 'if [ "$JAX_EP_PROCESS_ID" = 1 ]; then exit 18; fi']
+  codes = [launch.launch(cmd, 2, grace_s=5.0) for _ in range(200)]
+  assert codes == [18] * len(codes), sorted(set(codes))

@@ -51,7 +51,8 @@ def _check_pipeline(num_ranks, pattern, dtype, ragged, tight=False):
   idx = make_routing(rng, num_ranks, num_tokens, num_topk, num_experts, pattern)
   w = rng.random((num_ranks, num_tokens, num_topk)).astype(np.float32)
   mesh = rank_mesh(num_ranks)
-  expected = oracle.dispatch(x, idx, num_experts, num_ranks * num_tokens * num_topk)
+  expected = oracle.dispatch(x, idx, num_experts, num_ranks * num_tokens * num_topk,
+                             merge=False)  # the baseline sends one row per slot
   capacity = max(int(d["group_sizes"].sum()) for d in expected) if tight else None
   kw = dict(axis="ep", num_ranks=num_ranks, num_experts=num_experts, capacity=capacity,
             ragged=ragged)

@@ -409,12 +409,12 @@ int64_t Create(const GroupConfig& c) {
              "num_experts / num_ranks is " +
                  std::to_string(c.num_experts / c.num_ranks) +
                  ", expected <= " + std::to_string(kMaxExperts));
-  CheckRange(c.capacity >= 0 && c.capacity <= INT32_MAX, fn,
+  CheckRange(c.capacity >= 0 && c.capacity <= kMaxCapacity, fn,
              "capacity is " + std::to_string(c.capacity) +
-                 ", expected 0 <= capacity <= 2147483647");
-  CheckRange(c.num_sms >= 1 && c.num_sms <= 1024, fn,
+                 ", expected 0 <= capacity <= " + std::to_string(kMaxCapacity));
+  CheckRange(c.num_sms >= 1 && c.num_sms <= kMaxNumSms, fn,
              "num_sms is " + std::to_string(c.num_sms) +
-                 ", expected 1 <= num_sms <= 1024");
+                 ", expected 1 <= num_sms <= " + std::to_string(kMaxNumSms));
   CheckRange(c.timeout_s > 0.0 && c.timeout_s < 1e9, fn,
              "timeout_s is " + std::to_string(c.timeout_s) +
                  ", expected a positive number of seconds");

@@ -42,6 +42,11 @@ inline constexpr int64_t kMaxSlots = int64_t{1} << 30;
 // Rows are moved as 16-byte vectors; `hidden` must be a multiple of this many
 // elements for every element type (8 x bf16 = 16 bytes, 8 x f32 = 2 vectors).
 inline constexpr int64_t kHiddenMultiple = 8;
+// Rows of `recv_x` (capacity): row indices are int32.
+inline constexpr int64_t kMaxCapacity = INT32_MAX;
+// The SM budget of a peer group's send kernels (num_sms): far above any GPU's
+// multiprocessor count, and keeps every send grid well inside int32.
+inline constexpr int64_t kMaxNumSms = 1024;
 
 // ---------------------------------------------------------------------------
 // Layout: slot -> row assignment of the expert-grouped buffer (one rank).

@@ -14,29 +14,40 @@ def default_capacity(num_ranks: int, max_tokens_per_rank: int, num_topk: int, nu
   return num_ranks * max_tokens_per_rank * min(num_topk, num_local_experts)
 
 
-def _routed_slots(topk_idx: np.ndarray, num_experts: int, dst: int, num_local_experts: int):
-  """Valid slots that land on rank `dst`, as (local_expert, src_rank, token, slot) in contract order.
+def _routed_slots(topk_idx: np.ndarray, num_experts: int, dst: int, num_local_experts: int,
+                  merge: bool):
+  """Rows that land on rank `dst`, as (local_expert, src_rank, token, slots) in contract order.
 
   Visits slots in (src_rank, token, slot) order and appends each to its expert's list, so every
-  list is in that order; the lists are then concatenated by local expert.
+  list is in that order; the lists are then concatenated by local expert. With `merge`, the
+  slots of one token that name the same expert make one row (`slots` lists them all); else
+  every slot is a row of its own (`slots` has one entry).
   """
   num_ranks, num_tokens, num_topk = topk_idx.shape
   per_expert = [[] for _ in range(num_local_experts)]
   for s in range(num_ranks):
     for t in range(num_tokens):
+      rows_of_token = {}
       for k in range(num_topk):
         e = int(topk_idx[s, t, k])
-        if 0 <= e < num_experts and e // num_local_experts == dst:
-          per_expert[e % num_local_experts].append((e % num_local_experts, s, t, k))
-  return [slot for slots in per_expert for slot in slots]
+        if not (0 <= e < num_experts and e // num_local_experts == dst):
+          continue
+        if merge and e in rows_of_token:
+          rows_of_token[e].append(k)
+          continue
+        slots = [k]
+        rows_of_token[e] = slots
+        per_expert[e % num_local_experts].append((e % num_local_experts, s, t, slots))
+  return [(le, s, t, tuple(slots)) for rows in per_expert for (le, s, t, slots) in rows]
 
 
-def dispatch(x, topk_idx, num_experts: int, capacity: int):
+def dispatch(x, topk_idx, num_experts: int, capacity: int, *, merge: bool = True):
   """High-throughput dispatch for every rank.
 
   Returns a list over destination ranks of dicts with `recv_x` `[capacity, H]` (dtype of x),
-  `group_sizes` `[L]`, `num_dropped`, and `rows`: for each kept row the (src_rank, token, slot) it
-  came from (used by `combine`).
+  `group_sizes` `[L]`, `num_dropped`, and `rows`: for each kept row the (src_rank, token,
+  slots) it came from (used by `combine`). `merge=False` gives one row per slot (the plain-XLA
+  baseline's layout) instead of the contract's one row per (token, expert).
   """
   x = np.asarray(x)
   topk_idx = np.asarray(topk_idx)
@@ -44,7 +55,7 @@ def dispatch(x, topk_idx, num_experts: int, capacity: int):
   num_local = num_experts // num_ranks
   out = []
   for d in range(num_ranks):
-    slots = _routed_slots(topk_idx, num_experts, d, num_local)
+    slots = _routed_slots(topk_idx, num_experts, d, num_local, merge)
     kept = slots[:capacity]
     recv_x = np.zeros((capacity, hidden), x.dtype)
     for row, (_, s, t, _) in enumerate(kept):
@@ -54,7 +65,7 @@ def dispatch(x, topk_idx, num_experts: int, capacity: int):
       group_sizes[le] += 1
     out.append(dict(recv_x=recv_x, group_sizes=group_sizes,
                     num_dropped=np.int32(len(slots) - len(kept)),
-                    rows=[(s, t, k) for (_, s, t, k) in kept]))
+                    rows=[(s, t, ks) for (_, s, t, ks) in kept]))
   return out
 
 
@@ -69,6 +80,8 @@ def combine(expert_out, dispatched, topk_weights, out_dtype, *, weighted: bool =
 
   out[s, t] = sum over kept slots (s, t, k) of w[s, t, k] * expert_out[dst][row], in float64
   (the oracle is exact-ish; the backends accumulate in fp32 and are compared with a tolerance).
+  A row shared by several slots of a token counts once per slot when weighted (its weight is
+  theirs summed) and once when unweighted (the transpose of a dispatch that sent it once).
   """
   topk_weights = np.asarray(topk_weights, np.float64)
   num_ranks, num_tokens, _ = topk_weights.shape
@@ -76,8 +89,8 @@ def combine(expert_out, dispatched, topk_weights, out_dtype, *, weighted: bool =
   out = np.zeros((num_ranks, num_tokens, hidden), np.float64)
   for d, info in enumerate(dispatched):
     eo = np.asarray(expert_out[d], np.float64)
-    for row, (s, t, k) in enumerate(info["rows"]):
-      w = topk_weights[s, t, k] if weighted else 1.0
+    for row, (s, t, ks) in enumerate(info["rows"]):
+      w = sum(topk_weights[s, t, k] for k in ks) if weighted else 1.0
       out[s, t] += w * eo[row]
   return out.astype(out_dtype)
 
@@ -91,12 +104,12 @@ def low_latency_dispatch(x, topk_idx, num_experts: int, max_tokens_per_rank: int
   slab = num_ranks * max_tokens_per_rank
   out = []
   for d in range(num_ranks):
-    slots = _routed_slots(topk_idx, num_experts, d, num_local)
+    slots = _routed_slots(topk_idx, num_experts, d, num_local, merge=False)
     recv_x = np.zeros((num_local, slab, hidden), x.dtype)
     count = np.zeros(num_local, np.int32)
     rows = {}
     dropped = 0
-    for le, s, t, k in slots:
+    for le, s, t, (k,) in slots:
       if count[le] < slab:
         recv_x[le, count[le]] = x[s, t]
         rows[(s, t, k)] = (le, int(count[le]))

@@ -46,7 +46,6 @@ class FakeExtension:
 def main():
   fake = FakeExtension()
   _ffi.extension = lambda: fake
-  os.environ[peer.EXPERIMENTAL_ENV] = "1"
   num_ranks, me = jax.process_count(), jax.process_index()
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices())
   config = EPConfig("ep", num_ranks, 4 * num_ranks, 2, 128, 16, np.dtype(np.float32),

@@ -1,0 +1,263 @@
+"""What a user gets by default (CPU): the backend `auto` picks and why, the kernels' limits
+checked when a group is created, and run-time failures that reach the host without a host
+callback per op (the watchdog and its error plumbing, with the native side faked)."""
+
+import logging
+import time
+import types
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from jax_ep import _ffi, _status, group as group_module, peer
+from jax_ep.config import EPConfig
+from jax_ep.limits import KernelLimits, cuda_violation
+from ep_test_base import rank_mesh
+
+LIMITS = KernelLimits(max_experts=1024, max_topk=32, max_slots=1 << 30, hidden_multiple=8,
+                      max_capacity=2**31 - 1, max_peer_ranks=64, max_num_sms=1024)
+
+
+def _config(num_ranks=2, num_experts=16, num_topk=4, hidden=128, max_tokens=32, capacity=None):
+  num_local = num_experts // num_ranks
+  if capacity is None:
+    capacity = num_ranks * max_tokens * min(num_topk, num_local)
+  return EPConfig("ep", num_ranks, num_experts, num_topk, hidden, max_tokens,
+                  np.dtype(jnp.bfloat16), capacity)
+
+
+class _FakeMesh:
+  """What backend selection reads of a mesh: devices (platform, process), axes, shape."""
+
+  def __init__(self, processes, platform="gpu", shape=None):
+    devices = [types.SimpleNamespace(platform=platform, process_index=p, id=i)
+               for i, p in enumerate(processes)]
+    self.devices = np.array(devices, dtype=object)
+    if shape is not None:
+      self.devices = self.devices.reshape(shape)
+    self.axis_names = ("ep",) if self.devices.ndim == 1 else ("dp", "ep")
+    self.shape = dict(zip(self.axis_names, self.devices.shape))
+
+
+def _support(mesh, config, process_index=0, **kwargs):
+  kwargs.setdefault("limits", LIMITS)
+  kwargs.setdefault("extension_built", True)
+  return group_module.cuda_support(mesh, config, 24, process_index=process_index, **kwargs)
+
+
+@pytest.mark.parametrize("processes,me", [
+    ([0], 0),                 # one rank
+    ([0, 1, 2, 3], 2),        # one process per GPU (IPC), or processes sharing one GPU (MPS)
+    ([0] * 8, 0),             # one process driving every GPU (peer access)
+])
+def test_cuda_runs_every_process_model_of_the_transport(processes, me):
+  config = _config(num_ranks=len(processes), num_experts=8 * len(processes))
+  assert _support(_FakeMesh(processes), config, process_index=me) is None
+
+
+@pytest.mark.parametrize("mesh,config,why", [
+    (_FakeMesh([0, 0], platform="cpu"), _config(), "the mesh has cpu devices"),
+    (_FakeMesh([0, 0, 1, 1]), _config(num_ranks=4),
+     "process 0 holds 2 of the group's 4 devices"),
+    (_FakeMesh([0, 1, 2, 3], shape=(2, 2)), _config(),
+     "the peer transport takes a 1-D mesh over the EP axis"),
+    (_FakeMesh([0, 1]), _config(hidden=100), "hidden=100 is not a multiple of 8"),
+    (_FakeMesh([0]), _config(num_ranks=1, num_topk=40, num_experts=64),
+     "num_topk=40 is above the kernels' limit of 32"),
+    (_FakeMesh([0]), _config(num_ranks=1, num_experts=2048),
+     "num_experts=2048 is above the kernels' limit of 1024"),
+    (_FakeMesh([0, 1]), _config(num_experts=4096), "2048 local experts is above"),
+])
+def test_cuda_refusals_name_the_reason(mesh, config, why):
+  assert why in _support(mesh, config)
+
+
+def test_cuda_needs_the_extension():
+  why = _support(_FakeMesh([0]), _config(num_ranks=1), extension_built=False)
+  assert "the CUDA extension is not built" in why
+
+
+def test_limits_are_the_extensions_table():
+  ext = _ffi.extension()
+  if ext is None:
+    pytest.skip("built without the CUDA extension")
+  from jax_ep.limits import kernel_limits
+  assert kernel_limits() == LIMITS
+  assert cuda_violation(_config(), kernel_limits(), 24) is None
+
+
+def test_auto_says_once_which_backend_and_why(monkeypatch, caplog):
+  monkeypatch.setattr(group_module, "_SAID", set())
+  monkeypatch.setattr(group_module, "cuda_support", lambda *a, **k: None)
+  mesh = _FakeMesh([0, 0])
+  with caplog.at_level(logging.INFO, logger="jax_ep"):
+    for _ in range(3):
+      assert group_module._resolve_backend("auto", mesh, _config(), 24) == (
+          "cuda", "CUDA GPUs, one process driving 2 devices")
+  assert caplog.text.count("jax_ep.Group(backend='auto'): cuda backend (CUDA GPUs, one "
+                           "process driving 2 devices)") == 1
+  monkeypatch.setattr(group_module, "cuda_support", lambda *a, **k: "no GPU here")
+  with caplog.at_level(logging.INFO, logger="jax_ep"):
+    assert group_module._resolve_backend("auto", _FakeMesh([0], "cpu"), _config(), 24) == (
+        "reference", "no GPU here")
+  assert "reference backend (no GPU here)" in caplog.text
+
+
+def test_auto_on_this_machine():
+  group = jax_ep.Group(rank_mesh(2), "ep", num_experts=8, num_topk=2, hidden=128,
+                       max_tokens_per_rank=4)
+  if all(d.platform == "gpu" for d in group.mesh.devices.flat) and _ffi.extension():
+    assert group.backend_name == "cuda"
+  else:
+    assert group.backend_name == "reference"
+    assert group.backend_reason
+
+
+def test_cuda_refuses_a_hidden_size_the_kernels_cannot_take(monkeypatch):
+  """backend='cuda' on GPUs with a hidden size off the kernels' 16-byte rows: refused when the
+  group is created, naming the limit (GPUs and extension faked on the CPU)."""
+  fake_ext = types.SimpleNamespace(limits=lambda: dict(vars(LIMITS)))
+  monkeypatch.setattr(_ffi, "extension", lambda: fake_ext)
+  with pytest.raises(ValueError, match=r"backend='cuda' cannot run this group: hidden=100 is "
+                                       r"not a multiple of 8"):
+    jax_ep.Group(_FakeMesh([0]), "ep", num_experts=8, num_topk=2, hidden=100,
+                 max_tokens_per_rank=4, backend="cuda")
+
+
+# ------------------------------------------------------------------------- run-time failures
+
+class _FakeTransport:
+  """Stands in for `peer.PeerTransport`: an error record the test fills in."""
+  group_ids = [1]
+  primary_id = 1
+  receives_while_sending = False
+
+  def __init__(self):
+    self.message = None
+    self.closed = False
+    self.reads = 0
+
+  def error(self):
+    self.reads += 1
+    return self.message
+
+  def close(self):
+    self.closed = True
+
+
+@pytest.fixture
+def peer_group(monkeypatch):
+  """A two-rank group wired to a fake peer transport (the cuda backend's Python side)."""
+  if jax.process_count() > 1:
+    pytest.skip("single-process fake")
+  transports = []
+
+  def create(*args, **kwargs):
+    transports.append(_FakeTransport())
+    return transports[-1]
+  monkeypatch.setattr(group_module, "cuda_support", lambda *a, **k: None)
+  monkeypatch.setattr(peer, "create", create)
+  monkeypatch.setattr(_status.WATCHDOG, "interval_s", 0.01)
+
+  def make(**kwargs):
+    g = jax_ep.Group(rank_mesh(2), "ep", num_experts=8, num_topk=2, hidden=128,
+                     max_tokens_per_rank=4, backend="cuda", **kwargs)
+    return g, transports[-1]
+  return make
+
+
+TIMEOUT = ("jax_ep.dispatch: rank 0 timed out after 2.0 s waiting for rank 1 (call 3): rank 1's "
+           "dispatch data did not arrive. The peer group is unusable; recreate it.")
+
+
+def _count_primitive(jaxpr, name):
+  """Equations of primitive `name` in `jaxpr` and every jaxpr nested in its parameters."""
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == name
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += _count_primitive(sub, name)
+  return count
+
+
+def _wait_for(predicate, timeout_s=5.0):
+  deadline = time.monotonic() + timeout_s
+  while not predicate():
+    assert time.monotonic() < deadline, "timed out waiting"
+    time.sleep(0.01)
+
+
+def _trace_dispatch(group):
+  def body(x, idx, w):
+    recv, _ = jax_ep.dispatch(group, x[0], idx[0], w[0])
+    return recv.x[None]
+  sharding = jax.NamedSharding(group.mesh, P("ep"))
+  structs = [jax.ShapeDtypeStruct((2, 4, 128), jnp.bfloat16, sharding=sharding),
+             jax.ShapeDtypeStruct((2, 4, 2), jnp.int32, sharding=sharding),
+             jax.ShapeDtypeStruct((2, 4, 2), jnp.float32, sharding=sharding)]
+  mapped = jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep"))
+  return jax.jit(mapped).trace(*structs)
+
+
+def test_watchdog_logs_a_timeout_and_every_entry_point_raises_it(peer_group, caplog):
+  group, transport = peer_group()
+  with caplog.at_level(logging.ERROR, logger="jax_ep"):
+    _wait_for(lambda: transport.reads > 0)  # the watchdog polls without being asked
+    group.check()  # nothing yet
+    transport.message = TIMEOUT  # what the kernels write into the mapped mailbox
+    _wait_for(lambda: TIMEOUT in caplog.text)
+  assert caplog.text.count(TIMEOUT) == 1  # logged once, at once
+  with pytest.raises(TimeoutError, match=r"rank 0 timed out .* waiting for rank 1 \(call 3\)"):
+    group.check()
+  with pytest.raises(TimeoutError, match="rank 0 timed out"):  # the next op traced
+    _trace_dispatch(group)
+  group.close()  # raised to the caller already: close frees without raising again
+  assert transport.closed
+
+
+def test_close_raises_a_failure_nobody_saw(peer_group):
+  group, transport = peer_group()
+  transport.message = TIMEOUT
+  with pytest.raises(TimeoutError, match="rank 0 timed out"):
+    group.close()
+  assert transport.closed and group.closed
+  reads = transport.reads
+  time.sleep(0.1)
+  assert transport.reads == reads  # a closed group's record is no longer read
+
+
+@pytest.mark.skipif(_ffi.extension() is None, reason="built without the CUDA extension")
+def test_no_host_callback_in_any_op_by_default(peer_group):
+  """The peer ops' programs carry no host callback unless a debug setting asks for one."""
+  def callbacks(group):
+    return _count_primitive(_trace_dispatch(group).jaxpr.jaxpr, "debug_callback")
+  assert callbacks(peer_group()[0]) == 0
+  assert callbacks(peer_group(raise_on_timeout=True)[0]) == 1
+  assert callbacks(peer_group(strict=True)[0]) == 1
+
+
+def test_reference_ops_have_no_host_callback_by_default():
+  group = jax_ep.Group(rank_mesh(2), "ep", num_experts=8, num_topk=2, hidden=128,
+                       max_tokens_per_rank=4, backend="reference")
+  assert _count_primitive(_trace_dispatch(group).jaxpr.jaxpr, "debug_callback") == 0
+
+
+def test_status_aggregates_the_drops_of_one_call():
+  """Every rank of the dropping call adds to one message; a later call raises it."""
+  status = _status.GroupStatus("g")
+  status.strict_dispatch(0, 0, 10)   # call 1 on every rank; ranks 1 and 2 drop
+  status.strict_dispatch(1, 5, 10)
+  status.strict_dispatch(2, 7, 10)
+  message, error_type = status.failure()
+  assert error_type is jax_ep.CapacityOverflowError
+  assert ("call 1 of g dropped rows that did not fit in capacity=10 (rank 1: 5 rows, rank 2: 7 "
+          "rows); a capacity of at least 17 would fit them") in message
+  assert not status.raised
+  with pytest.raises(jax_ep.CapacityOverflowError, match="rank 1: 5 rows, rank 2: 7 rows"):
+    status.strict_dispatch(0, 0, 10)  # call 2
+  assert status.raised
