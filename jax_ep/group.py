@@ -310,6 +310,7 @@ class Group:
     _distributed.check_same_config(key, fields, timeout_s=config_timeout_s, process_ids=subset)
     self._transport = None
     self._closed = False
+    self._raise_on_timeout = bool(raise_on_timeout)
     if self.backend_name == "cuda" and num_ranks > 1:
       self._transport = peer.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s,
                                     process_ids=subset)
@@ -415,7 +416,10 @@ class Group:
         _effects.settle()  # see jax_ep/_effects.py
       _OPEN_TRANSPORTS.pop(id(self._transport), None)
       self._transport.close()
-    if failure is not None and not self._status.raised:
+    # In the debug mode every op raised its own timeout already.
+    seen = self._status.raised or (self._raise_on_timeout and failure is not None
+                                   and failure[1] is TimeoutError)
+    if failure is not None and not seen:
       message, error_type = failure
       raise error_type(message)
 

@@ -6,13 +6,16 @@
 #   bash scripts/gpu_round.sh smoke   # peer transport: pointer table + one small test at N=2
 #   stages of `peer`, one by one: faults, peer2, peer4, peer8, sanitize, bench (BENCH_RANKS="2 4 8",
 #   BENCH_ARGS="--num-sms 48 ..." passed to bench_intranode.py)
-#   bash scripts/gpu_round.sh multi   # several GPUs (issue 5): multi_suites + multi_bench per R
+#   bash scripts/gpu_round.sh multi   # several GPUs: multi_suites + multi_bench per R
 #                                     # in MULTI_RANKS, one process per GPU (seeing all GPUs,
 #                                     # then only its own: suites) and one for all;
 #                                     # MULTI_SMS="48 96": extra cuda runs at those SM budgets
 #                                     # (MULTI_SEND_RECV=1: also XLA's send/recv fallback;
 #                                     # MULTI_PASSES="per_gpu isolated one_process": the
 #                                     # suites' process models, to split them over calls)
+#   bash scripts/gpu_round.sh layers  # the layer chain (bench_layers.py), defaults against the
+#                                     # debug checks: R=1, then LAYER_RANKS="2 8" emulated
+#                                     # (LAYER_ARGS passed to bench_layers.py)
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -32,7 +35,8 @@ noise="$noise|grpc_util|Source Location|^\[[0-9]+\] *$"
 drop_noise() { grep -v -E "$noise"; }
 # This round's records only (bench scripts append): the tracked benchmarks/results/*.jsonl keep
 # the history, and are extended here by hand from $OUT.
-rm -f benchmarks/results/gpu_round_local.jsonl benchmarks/results/gpu_round_intranode.jsonl
+rm -f benchmarks/results/gpu_round_local.jsonl benchmarks/results/gpu_round_intranode.jsonl \
+  benchmarks/results/gpu_round_layers.jsonl
 step device; nvidia-smi -L
 python3 -c "import jax, jax_ep._ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available())"
 
@@ -95,7 +99,20 @@ if has peer || has bench; then
   cp benchmarks/results/gpu_round_intranode.jsonl "$OUT/" 2>/dev/null
 fi
 
-# Several GPUs (issue 5). Per R in MULTI_RANKS: the suites (multi_suites) and the benchmark
+if has layers; then
+  step "layer chain, one rank"
+  timeout 200 python3 benchmarks/bench_layers.py --debug-checks --out gpu_round_layers.jsonl \
+    ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layers_1.log" | tail -12
+  for n in ${LAYER_RANKS:-2 8}; do
+    step "layer chain, $n ranks emulated"
+    timeout 240 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 220 -- \
+      python3 benchmarks/bench_layers.py --debug-checks --out gpu_round_layers.jsonl \
+      ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layers_$n.log" | grep -E "^\[0\] " | tail -12
+  done
+  cp benchmarks/results/gpu_round_layers.jsonl "$OUT/" 2>/dev/null
+fi
+
+# Several GPUs. Per R in MULTI_RANKS: the suites (multi_suites) and the benchmark
 # (multi_bench), one process per GPU and one process driving them all. One call per stage and R
 # keeps each under the 600 s limit: MULTI_RANKS=8 bash scripts/gpu_round.sh multi_suites
 # (multi_bench runs the per-GPU, one-process and isolated benchmarks and the MULTI_SMS variants,

@@ -198,3 +198,31 @@ def test_narrowed_to_one_gpu_reads_cuda_visible_devices(monkeypatch, value, narr
   else:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
   assert common.narrowed_to_one_gpu() is narrowed
+
+
+@pytest.mark.parametrize("num_devices", [1, 4])
+def test_bench_layers_writes_layer_chain_records(tmp_path, num_devices):
+  out = tmp_path / "layers.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layers.py"), "--tokens", "16",
+       "--hidden", "128", "--experts", "16", "--topk", "2", "--ffn", "64", "--layers", "2",
+       "--repeats", "3", "--expert", "identity", "swiglu", "--out", str(out)],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  # No GPU here: the cuda rows say why they are missing, and so does plain XLA across ranks.
+  assert "cuda: unavailable here (backend='auto' picked reference" in result.stdout
+  records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+  backends = {"reference"} | ({"xla_baseline"} if num_devices == 1 else set())
+  # A marginal record is left out where CPU timing noise made t(2N) <= t(N); it says so.
+  for backend in backends:
+    for expert in ("identity", "swiglu"):
+      mine = [r for r in records if (r["backend"], r["expert"]) == (backend, expert)]
+      assert mine or f"{backend} {expert}: no host_clock_marginal record" in result.stdout
+  for r in records:
+    assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
+    assert r["op"] == "layer_chain" and r["layers"] == 2 and r["ranks"] == num_devices
+    assert r["settings"] == "default" and r["raise_on_timeout"] is False
+    assert r["capacity"] == num_devices * 16 * min(2, 16 // num_devices)
+    assert r["timing"] == "host_clock_marginal" and r["median_us"] > 0

@@ -132,10 +132,11 @@ WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "peer_fault_worke
 
 
 @pytest.mark.skipif(jax.process_count() > 1, reason="starts its own processes")
-@pytest.mark.parametrize("mode", ["skip_call", "mismatch"])
+@pytest.mark.parametrize("mode", ["skip_call", "skip_call_debug", "mismatch"])
 def test_fault_cases_fail_fast(mode):
-  """One rank skips a dispatch: the others raise a timeout naming op, rank and peer, and every
-  process exits (no hang). Mismatched configurations fail at group creation."""
+  """One rank skips a dispatch: with the defaults the watchdog logs the timeout and check()
+  and the next call raise it; in the debug mode the op raises; either way naming op, rank and
+  peer, and every process exits (no hang). Mismatched configurations fail at group creation."""
   env = dict(os.environ)
   cmd = [sys.executable, "-m", "jax_ep.launch", "-n", "2", "--share-gpu", "--grace", "30",
          "--timeout", "120", "--", sys.executable, WORKER, mode]
@@ -143,7 +144,11 @@ def test_fault_cases_fail_fast(mode):
   log = result.stdout + result.stderr
   assert result.returncode == 0, log
   if mode == "skip_call":
-    assert "rank 0 timed out" in log and "rank 1" in log, log
+    assert "check() raised after" in log and "next call failed" in log, log
+    # Logged by the watchdog, raised by check(), and the text of the next call's failure.
+    assert log.count("jax_ep.dispatch: rank 0 timed out after 2.0 s waiting for rank 1") >= 3, log
+  elif mode == "skip_call_debug":
+    assert "raised after" in log and "rank 0 timed out" in log and "rank 1" in log, log
   else:
     assert log.count("field 'hidden'") == 2, log
 

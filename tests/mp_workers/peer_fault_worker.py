@@ -1,8 +1,12 @@
 """Fault cases of the peer transport, two processes (see tests/test_cuda_peer.py).
 
-  skip_call: rank 1 never calls dispatch; rank 0 must get a TimeoutError naming the op, itself
-             and rank 1 within the group's timeout, then both close the group and exit 0.
-  mismatch:  the processes pass different `hidden`; both must fail at group creation.
+  skip_call:       rank 1 never calls dispatch. With the default settings rank 0's dispatch
+                   gives up after the group's timeout and returns (no host check inside the
+                   op); the watchdog logs the timeout, `group.check()` raises `TimeoutError`
+                   naming the op, rank 0 and rank 1, and the next call of the same program
+                   fails at once with that text. Then both close the group and exit 0.
+  skip_call_debug: the same with `raise_on_timeout=True`: the dispatch itself raises.
+  mismatch:        the processes pass different `hidden`; both must fail at group creation.
 """
 
 import sys
@@ -27,7 +31,8 @@ def main(mode):
   try:
     group = jax_ep.Group(mesh, "ep", num_experts=8, num_topk=2, hidden=hidden,
                          max_tokens_per_rank=16, dtype=jnp.bfloat16, backend="cuda",
-                         timeout_s=2.0, config_timeout_s=30)
+                         timeout_s=2.0, config_timeout_s=30,
+                         raise_on_timeout=mode == "skip_call_debug")
   except ValueError as e:
     print(f"process {me}: {e}", flush=True)
     return 0 if mode == "mismatch" else 1
@@ -46,15 +51,31 @@ def main(mode):
   w = jax.make_array_from_callback((2, 16, 2), sharding,
                                    lambda i: np.ones((2, 16, 2), np.float32)[i])
   body = lambda x, i, w: jax_ep.dispatch(group, x[0], i[0], w[0])[0].x[None]
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
   start = time.monotonic()
   try:
-    out = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))(x, idx, w)
-    jax.block_until_ready(out)
-    print("process 0: dispatch returned without a timeout", flush=True)
-    return 1
-  except Exception as e:  # noqa: BLE001 - the timeout arrives wrapped in JAX's runtime error
+    if mode == "skip_call_debug":
+      try:
+        jax.block_until_ready(step(x, idx, w))
+        print("process 0: dispatch returned without a timeout", flush=True)
+        return 1
+      except Exception as e:  # noqa: BLE001 - the timeout arrives wrapped in JAX's runtime error
+        print(f"process 0: raised after {time.monotonic() - start:.1f} s: {e}", flush=True)
+        return 0
+    jax.block_until_ready(step(x, idx, w))  # the kernels gave up; the outputs are defined
     elapsed = time.monotonic() - start
-    print(f"process 0: raised after {elapsed:.1f} s: {e}", flush=True)
+    try:
+      group.check()
+      print("process 0: check() found no timeout", flush=True)
+      return 1
+    except TimeoutError as e:
+      print(f"process 0: check() raised after {elapsed:.1f} s: {e}", flush=True)
+    try:
+      jax.block_until_ready(step(x, idx, w))
+      print("process 0: the next call ran although the group timed out", flush=True)
+      return 1
+    except Exception as e:  # noqa: BLE001 - the handler's error, wrapped by JAX
+      print(f"process 0: next call failed: {str(e).splitlines()[0][:400]}", flush=True)
   finally:
     group.close()
   return 0

@@ -1,0 +1,299 @@
+"""The number a user's training step sees: N MoE layers (dispatch -> expert -> combine) in one
+jitted program, with the group's default settings.
+
+  python benchmarks/bench_layers.py                                        # one GPU: R = 1
+  python -m jax_ep.launch -n 8 --share-gpu -- python benchmarks/bench_layers.py   # R = 8 on one
+  python -m jax_ep.launch -n 2 -- python benchmarks/bench_layers.py       # one process per GPU
+
+Each program is a `lax.scan` over N layers; a layer dispatches the running activations with
+that layer's routing, applies the expert, combines, and feeds the result to the next layer. The
+expert is `identity` (the received rows behind `lax.optimization_barrier`, so that XLA cannot
+fold dispatch into combine: communication only) or `swiglu` (`jax_ep.layer.expert_mlp` with one
+set of expert weights shared by every layer; the rows a token brings back are weighted by its
+router weights, which sum to one, so the chain's activations keep their scale). The time per
+layer is marginal: `(t(2N) - t(N)) / N`, which leaves out what a program pays once (launch,
+the processes' start skew, the first layer's wait for it). `host_clock_marginal` records take t
+from the host clock around each run (the slowest process's median); `device_clock_marginal`
+(GPU) from each run's device span in a profiler trace (the slowest device's median).
+
+Backends: cuda, reference and plain XLA (`xla_baseline`: benchmarks/bench_local.py's gather
+formulation at one rank, benchmarks/xla_pipeline.py's ragged all-to-all pipeline across ranks,
+where XLA runs it: not on the CPU, not with processes sharing one GPU, whose XLA collectives
+refuse to run; the reference backend needs XLA collectives too). `--debug-checks` adds the cuda
+backend with `raise_on_timeout=True` (a host check after every op) beside the defaults.
+Records carry every setting that differs from a user's defaults (`settings`), and the
+DESIGN.md section 6 keys; per layer, `bytes` counts the rows this rank receives in dispatch and
+sends home in combine (one per token and rank each way) and `min_hbm_bytes` the least bytes both
+ops move through one GPU's memory (R = 1 or emulation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from jax_ep import launch  # noqa: E402
+
+launch.initialize_from_env()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import common  # noqa: E402
+import jax_ep  # noqa: E402
+import xla_pipeline  # noqa: E402
+from bench_local import xla_combine, xla_dispatch  # noqa: E402
+from jax_ep.layer import expert_mlp  # noqa: E402
+
+
+def _kv_client():
+  from jax._src import distributed
+  return distributed.global_state.client
+
+
+def gather_max(key: str, value: float, timeout_s: float = 300) -> float:
+  """The largest `value` over all processes (through the distributed key-value store)."""
+  if jax.process_count() == 1:
+    return value
+  client = _kv_client()
+  client.key_value_set_bytes(f"bench_layers/{key}/{jax.process_index()}",
+                             json.dumps(value).encode())
+  return max(json.loads(client.blocking_key_value_get_bytes(f"bench_layers/{key}/{p}",
+                                                              int(timeout_s * 1000)))
+             for p in range(jax.process_count()))
+
+
+def process_model(num_ranks: int) -> str:
+  if os.environ.get("JAX_EP_SHARED_GPU") == "1":
+    return "shared_gpu"
+  if jax.process_count() > 1:
+    return "process_per_gpu_isolated" if common.narrowed_to_one_gpu() else "process_per_gpu"
+  return "single_process_multi_gpu" if num_ranks > 1 else "single_device"
+
+
+def chain_program(layer, num_layers: int, mesh):
+  """`jit(shard_map(...))` of `num_layers` scanned layers over `(x, idx, w, *params)`, all split
+  over the EP axis (`x`, `idx`, `w` with a leading rank axis; expert weights by expert).
+  `layer(h, idx, w, params) -> h` is one layer on this shard's blocks."""
+  def body(x, idx, w, *params):
+    def step(h, routing):
+      return layer(h, *routing, params), None
+    out, _ = jax.lax.scan(step, x[0], (idx[0, :num_layers], w[0, :num_layers]))
+    return out[None]
+  return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+
+def time_programs(programs, args, repeats: int, on_gpu: bool):
+  """Per program: (host-clock median seconds, device-span median seconds or None). Every
+  process makes the same calls whatever happens (collective kernels meet their peers)."""
+  results = []
+  for fn in programs:
+    jax.block_until_ready(fn(*args))  # compile and warm up
+    samples = []
+    for _ in range(repeats):
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      samples.append(time.perf_counter() - start)
+    device = None
+    if on_gpu:
+      try:
+        events = common._traced_events(lambda _: fn(*args), repeats)
+        spans = common.split_runs([(s, e) for _, s, e in events], repeats)
+        if len(spans) >= max(3, repeats // 2):
+          device = statistics.median(spans)
+      except common.TraceUnavailable as e:
+        print(f"no device trace ({e})")
+    results.append((statistics.median(samples), device))
+  return results
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+  parser.add_argument("--hidden", type=int, default=7168)
+  parser.add_argument("--topk", type=int, default=8)
+  parser.add_argument("--experts", type=int, default=256)
+  parser.add_argument("--ffn", type=int, default=2048, help="the swiglu experts' inner size")
+  parser.add_argument("--layers", type=int, default=4,
+                      help="N: programs of N and 2N layers are timed")
+  parser.add_argument("--expert", nargs="+", choices=["identity", "swiglu"],
+                      default=["identity"])
+  parser.add_argument("--backends", nargs="+", default=["cuda", "reference", "xla_baseline"],
+                      choices=["cuda", "reference", "xla_baseline"])
+  parser.add_argument("--debug-checks", action="store_true",
+                      help="also time the cuda backend with raise_on_timeout=True")
+  parser.add_argument("--repeats", type=int, default=7)
+  parser.add_argument("--breakdown", action="store_true",
+                      help="print the device time per kernel of one 2N-layer run (GPU)")
+  parser.add_argument("--out", default="layers.jsonl")
+  args = parser.parse_args()
+  if args.layers < 1:
+    parser.error(f"--layers must be >= 1, got {args.layers}")
+
+  devices = jax.devices()
+  num_ranks = len(devices)
+  on_gpu = devices[0].platform == "gpu"
+  model = process_model(num_ranks)
+  shared_gpu = model == "shared_gpu"
+  mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices)
+  sharding = NamedSharding(mesh, P("ep"))
+  t, h, k, e, n = args.tokens, args.hidden, args.topk, args.experts, args.layers
+  num_local = e // num_ranks
+  dtype = jnp.bfloat16
+
+  def global_array(shape, make):
+    """`[R, *shape]`; each process builds only the shards it holds, seeded per rank."""
+    def shard(index):
+      r = index[0].start or 0
+      return make(np.random.default_rng([r, len(shape)]), r)[None]
+    return jax.make_array_from_callback((num_ranks, *shape), sharding, shard)
+
+  x = global_array((t, h), lambda rng, r: rng.standard_normal((t, h), np.float32).astype(dtype))
+  idx = global_array((2 * n, t, k), lambda rng, r: np.stack(
+      [common.uniform_topk(rng, t, e, k) for _ in range(2 * n)]))
+
+  def normalized_weights(rng, r):
+    w = rng.random((2 * n, t, k)).astype(np.float32) + 0.1
+    return w / w.sum(-1, keepdims=True)
+  w = global_array((2 * n, t, k), normalized_weights)
+
+  # Field accounting (uniform routing): a token reaches a rank once whatever its slots there.
+  routing0 = np.stack([common.uniform_topk(np.random.default_rng([r, 3]), t, e, k)
+                       for r in range(num_ranks)])
+  dest = routing0 // num_local
+  recv_tokens = np.mean([np.sum(np.any(dest == r, axis=-1)) for r in range(num_ranks)])
+  row_bytes = h * 2
+  per_rank_bytes = int(2 * recv_tokens * row_bytes)  # dispatch in, combine out
+  slot_rows = num_ranks * t * k
+  min_hbm = 2 * (num_ranks * t + slot_rows) * row_bytes
+  capacity = jax_ep.default_capacity(num_ranks, t, k, num_local)  # every group's default
+  one_gpu = model in ("shared_gpu", "single_device")
+  bound_gbps, bound = (common.copy_bound_gbps() if jax.process_index() == 0
+                       else (0.0, "copy"))
+  bound_gbps = gather_max("bound", bound_gbps)
+
+  def expert_params(rng_key):
+    """`[E, H, F]`, `[E, H, F]`, `[E, F, H]` drawn on the devices, each process its shards."""
+    spec = NamedSharding(mesh, P("ep"))
+    shapes = [((e, h, args.ffn), h ** -0.5), ((e, h, args.ffn), h ** -0.5),
+              ((e, args.ffn, h), args.ffn ** -0.5)]
+    keys = jax.random.split(rng_key, len(shapes))
+    return [jax.jit(lambda key, shape=shape, scale=scale: (
+        jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype),
+        out_shardings=spec)(key) for key, (shape, scale) in zip(keys, shapes)]
+
+  records = []
+  base = dict(op="layer_chain", mode="high_throughput", ranks=num_ranks, process_model=model,
+              tokens_per_rank=t, hidden=h, topk=k, experts=e, dtype="bfloat16",
+              wire_dtype="bfloat16", layers=n, bytes=per_rank_bytes, min_hbm_bytes=min_hbm,
+              bound_gbps=round(bound_gbps, 1), bound=bound)
+
+  def add(backend, expert, results, settings):
+    (host_n, dev_n), (host_2n, dev_2n) = results
+    for timing, first, second in (("host_clock_marginal", host_n, host_2n),
+                                  ("device_clock_marginal", dev_n, dev_2n)):
+      if first is None or second is None:
+        continue
+      first = gather_max(f"{backend}/{expert}/{settings}/{timing}/n", first)
+      second = gather_max(f"{backend}/{expert}/{settings}/{timing}/2n", second)
+      per_layer_us = (second - first) / n * 1e6
+      if per_layer_us <= 0:
+        print(f"{backend} {expert}: no {timing} record (t(2N) <= t(N): timing noise)")
+        continue
+      roofline = (min_hbm / (bound_gbps * 1e9) / (per_layer_us * 1e-6) if one_gpu
+                  else per_rank_bytes / (per_layer_us * 1e-6) / 1e9 / bound_gbps)
+      records.append(common.record(
+          **base, backend=backend, expert=expert, timing=timing,
+          median_us=round(per_layer_us, 1), program_us=round(second * 1e6, 1),
+          gbps=round(per_rank_bytes / (per_layer_us * 1e-6) / 1e9, 1),
+          roofline=round(roofline, 3), settings=settings,
+          raise_on_timeout=settings == "debug_checks", capacity=capacity))
+
+  params = expert_params(jax.random.key(0)) if "swiglu" in args.expert else []
+
+  def run(backend, expert, layer, settings="default"):
+    programs = [chain_program(layer, layers, mesh) for layers in (n, 2 * n)]
+    inputs = (x, idx, w, *(params if expert == "swiglu" else ()))
+    try:
+      results = time_programs(programs, inputs, args.repeats, on_gpu)
+    except Exception as err:  # noqa: BLE001 - e.g. a layer that does not fit; the others run
+      print(f"{backend} {expert} ({settings}): failed: {type(err).__name__}: "
+            f"{str(err).splitlines()[0][:300]}")
+      return
+    add(backend, expert, results, settings)
+    if args.breakdown and on_gpu:
+      rows, activity = common.trace_breakdown(programs[1], inputs)
+      if jax.process_index() == 0:
+        print(f"{backend} {expert} ({settings}): device time per layer by kernel "
+              "(process 0; us, launches)")
+        for name, us, launches in rows[:12]:
+          print(f"  {us / (2 * n):9.1f}  {launches / (2 * n):4.1f}  {name[:90]}")
+        for plane, busy, span in activity:
+          print(f"  {plane}: busy {busy / (2 * n):.1f} us of {span / (2 * n):.1f} us per layer")
+
+  def apply_expert(expert, rows, sizes, p):
+    if expert == "identity":
+      return jax.lax.optimization_barrier(rows)
+    return expert_mlp(rows, *p, sizes)
+
+  groups = []
+  variants = [(b, "default") for b in args.backends if b != "xla_baseline"]
+  if args.debug_checks and "cuda" in args.backends:
+    variants.append(("cuda", "debug_checks"))
+  for backend, settings in variants:
+    if backend == "reference" and shared_gpu and num_ranks > 1:
+      print("reference: skipped (processes sharing one GPU cannot run XLA collectives)")
+      continue
+    # The cuda rows use the group a user gets (backend="auto"), which must have picked cuda.
+    kw = {"raise_on_timeout": True} if settings == "debug_checks" else {}
+    group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
+                         dtype=dtype, backend="auto" if backend == "cuda" else backend, **kw)
+    groups.append(group)
+    if group.backend_name != backend:
+      print(f"{backend}: unavailable here (backend='auto' picked {group.backend_name}: "
+            f"{group.backend_reason})")
+      continue
+    for expert in args.expert:
+      def layer(hid, i, wt, p, group=group, expert=expert):
+        recv, handle = jax_ep.dispatch(group, hid, i, wt)
+        out = jax_ep.combine(group, apply_expert(expert, recv.x, recv.group_sizes, p), handle)
+        return out if expert == "identity" else hid + out
+      run(backend, expert, layer, settings)
+
+  if "xla_baseline" in args.backends:
+    if num_ranks > 1 and (not on_gpu or shared_gpu):
+      print("xla_baseline: skipped (its ragged all-to-all needs XLA's GPU collectives, which "
+            "neither the CPU nor processes sharing one GPU have)")
+    else:
+      for expert in args.expert:
+        def layer(hid, i, wt, p, expert=expert):
+          if num_ranks == 1:
+            rows, sizes, order = xla_dispatch(hid, i, e)
+            out = xla_combine(apply_expert(expert, rows, sizes, p), order, wt)
+          else:
+            rows, sizes, state = xla_pipeline.dispatch(hid, i, axis="ep", num_ranks=num_ranks,
+                                                       num_experts=e)
+            out = xla_pipeline.combine(apply_expert(expert, rows, sizes, p), wt, state,
+                                       axis="ep")
+          return out if expert == "identity" else hid + out
+        run("xla_baseline", expert, layer)
+  for group in groups:
+    group.close()
+
+  if jax.process_index() == 0:
+    path = common.write_jsonl(records, args.out)
+    common.print_table(records, ["backend", "expert", "settings", "timing", "layers",
+                                 "median_us", "program_us", "gbps", "roofline"])
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
