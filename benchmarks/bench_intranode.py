@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -76,7 +75,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-import common  # noqa: E402
+import bounds  # noqa: E402
+import reports  # noqa: E402
+import timers  # noqa: E402
 import jax_ep  # noqa: E402
 import xla_pipeline  # noqa: E402
 
@@ -154,7 +155,7 @@ def main():
   elif jax.process_count() > 1:
     # "_isolated": each process sees only its own GPU (launch --isolate-gpus); the peer
     # transport then asks NVML, not CUDA, whether the GPUs have P2P atomics.
-    process_model = ("process_per_gpu_isolated" if common.narrowed_to_one_gpu()
+    process_model = ("process_per_gpu_isolated" if bounds.narrowed_to_one_gpu()
                      else "process_per_gpu")
   else:
     process_model = "single_process_multi_gpu" if num_ranks > 1 else "single_device"
@@ -179,9 +180,9 @@ def main():
   def route(rng, r):
     """`[T, K]` experts of the tokens of rank r under --routing."""
     if args.routing == "uniform":
-      return common.uniform_topk(rng, t, e, k)
+      return reports.uniform_topk(rng, t, e, k)
     # K of the E - L experts outside rank r's [r * L, (r + 1) * L), uniformly.
-    other = common.uniform_topk(rng, t, e - local_experts, k)
+    other = reports.uniform_topk(rng, t, e - local_experts, k)
     return np.where(other >= r * local_experts, other + local_experts, other).astype(np.int32)
 
   xs, idxs, ws, idx_host = [], [], [], []
@@ -215,14 +216,14 @@ def main():
 
   one_gpu = process_model in ("shared_gpu", "single_device")
   if one_gpu or devices[0].platform != "gpu":
-    bound_gbps, bound_name = (common.copy_bound_gbps() if jax.process_index() == 0
+    bound_gbps, bound_name = (bounds.copy_bound_gbps() if jax.process_index() == 0
                               else (0.0, "copy"))
   else:  # several GPUs: rows cross NVLink, so the line rate is the bound
-    line = common.p2p_line_rate_gbps() if jax.process_index() == 0 else 0.0
+    line = bounds.p2p_line_rate_gbps() if jax.process_index() == 0 else 0.0
     if line is not None:
       bound_gbps, bound_name = line, "p2p_copy"
     else:
-      copy_gbps, copy_name = common.copy_bound_gbps()
+      copy_gbps, copy_name = bounds.copy_bound_gbps()
       bound_gbps, bound_name = copy_gbps / 2, f"{copy_name} / 2 (no P2P probe)"
   bound_gbps = _gather_max("bound", bound_gbps, timeout_s=400)
   base = dict(mode="high_throughput", ranks=num_ranks, process_model=process_model,
@@ -245,7 +246,7 @@ def main():
     median_us = seconds / per_run * 1e6
     roofline = ((min_hbm / (bound_gbps * 1e9)) / (median_us * 1e-6) if one_gpu
                 else remote_bytes / (median_us * 1e-6) / 1e9 / bound_gbps)
-    records.append(common.record(op=op, backend=backend, median_us=round(median_us, 1),
+    records.append(reports.record(op=op, backend=backend, median_us=round(median_us, 1),
                                  timing=timing, calls_per_run=per_run,
                                  gbps=round(per_rank_bytes / (median_us * 1e-6) / 1e9, 1),
                                  roofline=round(roofline, 3), **base,
@@ -258,7 +259,7 @@ def main():
     """Process 0's device time per kernel for one batch of `calls` (where the time goes)."""
     if not args.breakdown or devices[0].platform != "gpu":
       return
-    rows, activity = common.trace_breakdown(fn, fn_args)
+    rows, activity = timers.trace_breakdown(fn, fn_args)
     if jax.process_index() == 0 and rows:
       print(f"{title}: device time per call by kernel (process 0; us, launches)")
       for name, us, launches in rows[:12]:
@@ -276,7 +277,7 @@ def main():
     the calls added."""
     if not args.marginal:
       return
-    double, _ = common.time_batches(batched(fn), [list(s) * 2 for s in sets],
+    double, _ = timers.time_batches(batched(fn), [list(s) * 2 for s in sets],
                                     repeats=args.repeats, method="host_clock")
     # Decided on the slowest process's value, so that every process takes the same branch.
     added = _gather_max(f"{backend}/{op}/marginal_check", double - seconds)
@@ -290,12 +291,12 @@ def main():
   def add_device_steady(op, backend, fn, sets):
     """The period of back-to-back calls on the device clock, inside one program of
     `--steady-calls` calls (the input sets repeated): from one call's FinishKernel to the next's
-    (common.steady_call_period_us). Host timing noise and the processes' start skew (the first
+    (timers.steady_call_period_us). Host timing noise and the processes' start skew (the first
     call's wait) stay out; waiting for a slower peer stays in. The slowest process's median."""
     if args.steady_calls < 2 or devices[0].platform != "gpu":
       return
     repeat = -(-args.steady_calls // calls)
-    period_us = common.steady_call_period_us(
+    period_us = timers.steady_call_period_us(
         batched(fn), [(list(s) * repeat)[:args.steady_calls] for s in sets],
         calls_per_run=args.steady_calls, marker="FinishKernel")
     # Decided on every process's value, so that every process takes the same branch.
@@ -311,7 +312,7 @@ def main():
     """One call per run, every process released by a barrier before each run."""
     if not args.aligned_single:
       return
-    seconds, _ = common.time_batches(
+    seconds, _ = timers.time_batches(
         jax.jit(fn), fn_args, repeats=args.repeats, method="host_clock",
         before_each=lambda r: _barrier(f"{backend}/{op}/{r}"))
     add(op, backend, seconds, per_run=1, timing="host_clock_aligned")
@@ -332,7 +333,7 @@ def main():
     # (returning it makes XLA copy outputs that alias inputs or each other).
     dispatch_recv = per_shard(lambda x, i, w: jax.tree.map(
         lambda v: v[None], jax_ep.dispatch(group, x[0], i[0], w[0])[0]))
-    seconds, _ = common.time_batches(batched(dispatch_recv), (xs, idxs, ws),
+    seconds, _ = timers.time_batches(batched(dispatch_recv), (xs, idxs, ws),
                                      repeats=args.repeats, method="host_clock")
     add("dispatch", backend, seconds)
     add_marginal("dispatch", backend, dispatch_recv, (xs, idxs, ws), seconds)
@@ -345,7 +346,7 @@ def main():
     handles = [handle for _, handle in results]
     combine = per_shard(lambda eo, hd: jax_ep.combine(
         group, eo[0], jax.tree.map(lambda v: v[0], hd))[None])
-    seconds, _ = common.time_batches(batched(combine), (eos, handles), repeats=args.repeats,
+    seconds, _ = timers.time_batches(batched(combine), (eos, handles), repeats=args.repeats,
                                      method="host_clock")
     add("combine", backend, seconds)
     add_marginal("combine", backend, combine, (eos, handles), seconds)
@@ -365,7 +366,7 @@ def main():
     per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     xla_dispatch = per_shard(lambda x, i: jax.tree.map(
         lambda v: v[None], xla_pipeline.dispatch(x[0], i[0], **kw)))
-    seconds, _ = common.time_batches(batched(xla_dispatch), (xs, idxs), repeats=args.repeats,
+    seconds, _ = timers.time_batches(batched(xla_dispatch), (xs, idxs), repeats=args.repeats,
                                      method="host_clock")
     add("dispatch", "xla_baseline", seconds, **how)
     add_marginal("dispatch", "xla_baseline", xla_dispatch, (xs, idxs), seconds, **how)
@@ -375,7 +376,7 @@ def main():
     states = [state for _, _, state in results]
     xla_combine = per_shard(lambda eo, w, st: xla_pipeline.combine(
         eo[0], w[0], jax.tree.map(lambda v: v[0], st), axis="ep", ragged=ragged)[None])
-    seconds, _ = common.time_batches(batched(xla_combine), (grouped, ws, states),
+    seconds, _ = timers.time_batches(batched(xla_combine), (grouped, ws, states),
                                      repeats=args.repeats, method="host_clock")
     add("combine", "xla_baseline", seconds, **how)
     add_marginal("combine", "xla_baseline", xla_combine, (grouped, ws, states), seconds,
@@ -392,8 +393,8 @@ def main():
             f"failed: {str(err).splitlines()[0][:400]}")
 
   if jax.process_index() == 0:
-    path = common.write_jsonl(records, args.out)
-    common.print_table(records, ["op", "backend", "ranks", "process_model", "calls_per_run",
+    path = reports.write_jsonl(records, args.out)
+    reports.print_table(records, ["op", "backend", "ranks", "process_model", "calls_per_run",
                                  "timing", "median_us", "gbps", "roofline"])
     print(f"wrote {path}")
 

@@ -47,7 +47,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-import common  # noqa: E402
+import bounds  # noqa: E402
+import reports  # noqa: E402
+import timers  # noqa: E402
 import jax_ep  # noqa: E402
 import xla_pipeline  # noqa: E402
 from bench_local import xla_combine, xla_dispatch  # noqa: E402
@@ -75,7 +77,7 @@ def process_model(num_ranks: int) -> str:
   if os.environ.get("JAX_EP_SHARED_GPU") == "1":
     return "shared_gpu"
   if jax.process_count() > 1:
-    return "process_per_gpu_isolated" if common.narrowed_to_one_gpu() else "process_per_gpu"
+    return "process_per_gpu_isolated" if bounds.narrowed_to_one_gpu() else "process_per_gpu"
   return "single_process_multi_gpu" if num_ranks > 1 else "single_device"
 
 
@@ -105,11 +107,10 @@ def time_programs(programs, args, repeats: int, on_gpu: bool):
     device = None
     if on_gpu:
       try:
-        events = common._traced_events(lambda _: fn(*args), repeats)
-        spans = common.split_runs([(s, e) for _, s, e in events], repeats)
+        spans = timers.device_run_spans(lambda _: fn(*args), repeats)
         if len(spans) >= max(3, repeats // 2):
           device = statistics.median(spans)
-      except common.TraceUnavailable as e:
+      except timers.TraceUnavailable as e:
         print(f"no device trace ({e})")
     results.append((statistics.median(samples), device))
   return results
@@ -158,7 +159,7 @@ def main():
 
   x = global_array((t, h), lambda rng, r: rng.standard_normal((t, h), np.float32).astype(dtype))
   idx = global_array((2 * n, t, k), lambda rng, r: np.stack(
-      [common.uniform_topk(rng, t, e, k) for _ in range(2 * n)]))
+      [reports.uniform_topk(rng, t, e, k) for _ in range(2 * n)]))
 
   def normalized_weights(rng, r):
     w = rng.random((2 * n, t, k)).astype(np.float32) + 0.1
@@ -166,7 +167,7 @@ def main():
   w = global_array((2 * n, t, k), normalized_weights)
 
   # Field accounting (uniform routing): a token reaches a rank once whatever its slots there.
-  routing0 = np.stack([common.uniform_topk(np.random.default_rng([r, 3]), t, e, k)
+  routing0 = np.stack([reports.uniform_topk(np.random.default_rng([r, 3]), t, e, k)
                        for r in range(num_ranks)])
   dest = routing0 // num_local
   recv_tokens = np.mean([np.sum(np.any(dest == r, axis=-1)) for r in range(num_ranks)])
@@ -176,7 +177,7 @@ def main():
   min_hbm = 2 * (num_ranks * t + slot_rows) * row_bytes
   capacity = jax_ep.default_capacity(num_ranks, t, k, num_local)  # every group's default
   one_gpu = model in ("shared_gpu", "single_device")
-  bound_gbps, bound = (common.copy_bound_gbps() if jax.process_index() == 0
+  bound_gbps, bound = (bounds.copy_bound_gbps() if jax.process_index() == 0
                        else (0.0, "copy"))
   bound_gbps = gather_max("bound", bound_gbps)
 
@@ -210,7 +211,7 @@ def main():
         continue
       roofline = (min_hbm / (bound_gbps * 1e9) / (per_layer_us * 1e-6) if one_gpu
                   else per_rank_bytes / (per_layer_us * 1e-6) / 1e9 / bound_gbps)
-      records.append(common.record(
+      records.append(reports.record(
           **base, backend=backend, expert=expert, timing=timing,
           median_us=round(per_layer_us, 1), program_us=round(second * 1e6, 1),
           gbps=round(per_rank_bytes / (per_layer_us * 1e-6) / 1e9, 1),
@@ -230,7 +231,7 @@ def main():
       return
     add(backend, expert, results, settings)
     if args.breakdown and on_gpu:
-      rows, activity = common.trace_breakdown(programs[1], inputs)
+      rows, activity = timers.trace_breakdown(programs[1], inputs)
       if jax.process_index() == 0:
         print(f"{backend} {expert} ({settings}): device time per layer by kernel "
               "(process 0; us, launches)")
@@ -289,8 +290,8 @@ def main():
     group.close()
 
   if jax.process_index() == 0:
-    path = common.write_jsonl(records, args.out)
-    common.print_table(records, ["backend", "expert", "settings", "timing", "layers",
+    path = reports.write_jsonl(records, args.out)
+    reports.print_table(records, ["backend", "expert", "settings", "timing", "layers",
                                  "median_us", "program_us", "gbps", "roofline"])
     print(f"wrote {path}")
 

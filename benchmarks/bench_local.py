@@ -38,7 +38,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-import common  # noqa: E402
+import bounds  # noqa: E402
+import reports  # noqa: E402
+import timers  # noqa: E402
 import jax_ep  # noqa: E402
 
 
@@ -78,7 +80,7 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
   keys = iter(jax.random.split(jax.random.key(num_tokens), 2 * calls))
   normal = lambda shape: put(jax.random.normal(next(keys), shape, dtype))
   xs = [normal((num_tokens, hidden)) for _ in range(calls)]
-  idxs = [put(common.uniform_topk(rng, num_tokens, num_experts, num_topk)) for _ in range(calls)]
+  idxs = [put(reports.uniform_topk(rng, num_tokens, num_experts, num_topk)) for _ in range(calls)]
   ws = [put(rng.random((num_tokens, num_topk)).astype(np.float32)) for _ in range(calls)]
   rows = num_tokens * num_topk
   eos = [normal((rows, hidden)) for _ in range(calls)]
@@ -97,7 +99,7 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
             f"batches of {calls} independent calls)")
       traced = batched(fn)
       jax.block_until_ready(traced(*sets))  # compile outside the trace
-      for name, us, launches in common.kernel_breakdown(traced, sets)[:8]:
+      for name, us, launches in timers.kernel_breakdown(traced, sets)[:8]:
         print(f"  {us / calls:9.2f}  {launches / calls:4.1f}  {name[:90]}")
     for mode in timings:
       if mode == "fresh":
@@ -112,7 +114,7 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
           jax.block_until_ready(jax.jit(fresh)(*fresh_sets[0]))  # it builds and runs
           print(f"T={num_tokens} {op} {backend}: no fresh-rows timing (it needs a GPU trace)")
           continue
-        seconds, timing = common.time_single_calls(jax.jit(fresh), fresh_sets,
+        seconds, timing = timers.time_single_calls(jax.jit(fresh), fresh_sets,
                                                    skip_leading_kernels=1)
         if timing != "device_trace_single":  # no trace, or runs without a kernel after it
           print(f"T={num_tokens} {op} {backend}: no fresh-rows timing (no device trace with a "
@@ -120,12 +122,12 @@ def bench_tokens(num_tokens, hidden, num_topk, num_experts, bound_gbps, bound_na
           continue
         timing = "device_trace_fresh_rows"
       elif mode == "single":
-        seconds, timing = common.time_single_calls(jax.jit(fn), list(zip(*sets)))
+        seconds, timing = timers.time_single_calls(jax.jit(fn), list(zip(*sets)))
       else:
-        seconds, timing = common.time_batches(batched(fn), sets)
+        seconds, timing = timers.time_batches(batched(fn), sets)
         seconds /= calls
       median_us = seconds * 1e6
-      records.append(common.record(
+      records.append(reports.record(
           op=op, backend=backend, median_us=round(median_us, 2), timing=timing,
           calls_per_run=calls if mode == "batch" else 1, **base,
           gbps=round(base["bytes"] / (median_us * 1e-6) / 1e9, 1), min_hbm_bytes=min_hbm,
@@ -178,14 +180,14 @@ def main():
   parser.add_argument("--breakdown", action="store_true",
                       help="also print each timed op's device time per kernel (GPU)")
   args = parser.parse_args()
-  bound_gbps, bound_name = common.copy_bound_gbps()
-  print(f"copy bound: {bound_gbps:.0f} GB/s ({bound_name}) on {common.device_name()}")
+  bound_gbps, bound_name = bounds.copy_bound_gbps()
+  print(f"copy bound: {bound_gbps:.0f} GB/s ({bound_name}) on {reports.device_name()}")
   records = []
   for t in args.tokens:
     records += bench_tokens(t, args.hidden, args.topk, args.experts, bound_gbps, bound_name,
                             args.calls, args.backends, args.breakdown, args.timing)
-  path = common.write_jsonl(records, args.out)
-  common.print_table(records, ["op", "backend", "tokens_per_rank", "calls_per_run", "timing",
+  path = reports.write_jsonl(records, args.out)
+  reports.print_table(records, ["op", "backend", "tokens_per_rank", "calls_per_run", "timing",
                                "median_us", "gbps", "min_hbm_bytes", "roofline"])
   by = {(r["op"], r["backend"], r["tokens_per_rank"], r["calls_per_run"], r["timing"]):
         r["median_us"] for r in records}

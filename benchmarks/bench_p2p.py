@@ -26,7 +26,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import common  # noqa: E402
+import reports  # noqa: E402
 
 # A grid-stride copy, four 16-byte vectors in flight per thread: the shape of the transport's
 # row pushes without their bookkeeping.
@@ -113,7 +113,7 @@ def main():
   # The contract's record fields, without starting JAX's GPU backend in this CuPy process.
   base = dict(gpu=cp.cuda.runtime.getDeviceProperties(0)["name"].decode(),
               jax=importlib.metadata.version("jax"), date=datetime.date.today().isoformat(),
-              commit=common.git_commit())
+              commit=reports.git_commit())
   records = []
   settings = [("copy_engine", 0)] + [("sm_stores", n or all_sms) for n in args.sms]
   print(f"{'engine':12s} {'SMs':>4s} {'one direction':>14s} {'both directions':>16s}  (GB/s each way)")
@@ -124,7 +124,7 @@ def main():
       records.append(dict(base, op="p2p_copy", engine=engine, num_sms=num_sms or None,
                           directions=directions, bytes=args.bytes, gbps=round(value, 1),
                           timing="host_clock"))
-  print("wrote", common.write_jsonl(records, args.out))
+  print("wrote", reports.write_jsonl(records, args.out))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import numpy as np
 
 from jax_ep import _effects, _ffi, cuda_ops, reference
 from jax_ep.config import EPConfig

@@ -357,7 +357,7 @@ class Group:
     peer transport with bfloat16 activations, where partials travel in bfloat16 (half of
     combine's wire bytes, as DeepEP does). Each bf16 partial `p` is rounded once on the expert
     side, so the result may differ from the fp32-partial sum by up to `2^-8 * sum_r |p_r|`
-    per element, on top of the final rounding (docs/CONTRACT_NOTES.md). The same holds for the
+    per element, on top of the final rounding (docs/decisions.md). The same holds for the
     gradient of `dispatch` with respect to `x`, which is an unweighted combine.
     """
     if (self.backend_name == "cuda" and self.num_ranks > 1

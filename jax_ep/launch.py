@@ -41,16 +41,15 @@ else is unset, so e.g. the caller's NVLink-multicast settings reach the children
                              XLA_PYTHON_CLIENT_* allocator variable: N processes that each
                              preallocated 75% of the one GPU would run out of memory
 
-A child joins the job with `initialize_from_env()` (below). Every output line of process `i` is
-prefixed with `[i] `. The launcher's exit code is the first non-zero exit code of a child (a child
-killed by signal `s` counts as `128 + s`); 124 when `--timeout` expired before any child failed;
-else 0.
+A child joins the job with `initialize_from_env()` (jax_ep/launch_env.py, re-exported here).
+Every output line of process `i` is prefixed with `[i] `. The launcher's exit code is the first
+non-zero exit code of a child (a child killed by signal `s` counts as `128 + s`); 124 when
+`--timeout` expired before any child failed; else 0. Installed as the `jax-ep-launch` command.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import shutil
 import signal
@@ -63,15 +62,9 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-ENV_COORDINATOR = "JAX_EP_COORDINATOR"
-ENV_NUM_PROCESSES = "JAX_EP_NUM_PROCESSES"
-ENV_PROCESS_ID = "JAX_EP_PROCESS_ID"
-ENV_LOCAL_DEVICE_IDS = "JAX_EP_LOCAL_DEVICE_IDS"
-ENV_SHARED_GPU = "JAX_EP_SHARED_GPU"
-# Everything the launcher sets for its children that ties a process to this job: a command that
-# a child starts as a job of its own must not inherit them.
-CHILD_ENV_VARS = (ENV_COORDINATOR, ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_LOCAL_DEVICE_IDS,
-                  ENV_SHARED_GPU)
+from jax_ep.launch_env import (CHILD_ENV_VARS, ENV_COORDINATOR, ENV_LOCAL_DEVICE_IDS,  # noqa: F401
+                               ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_SHARED_GPU,
+                               initialize_from_env)
 
 EXIT_USAGE = 2
 EXIT_CANNOT_START = 127  # Shell convention for "command not found".
@@ -81,96 +74,6 @@ EXIT_TIMEOUT = 124  # Convention of coreutils `timeout`.
 _POLL_INTERVAL_S = 0.05
 # After SIGTERM to a process group, how long before SIGKILL follows.
 _TERM_TO_KILL_S = 3.0
-
-_initialized_from_env = False
-_initialize_lock = threading.Lock()
-
-
-# ---------------------------------------------------------------------------------------------
-# Child side.
-# ---------------------------------------------------------------------------------------------
-
-
-def _platform_is_cpu() -> bool:
-  """Whether this process's JAX will run on CPU, decided without creating a backend.
-
-  No backend may exist before `jax.distributed.initialize`, so `jax.default_backend()` cannot
-  be asked; the requested platforms and the installed accelerator plugins decide instead.
-  """
-  import jax
-
-  platforms = jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS", "")
-  if platforms:
-    return "cpu" in [p.strip().lower() for p in platforms.split(",")]
-  # No explicit platform: JAX picks an accelerator when a plugin for one is installed.
-  if list(importlib.metadata.entry_points(group="jax_plugins")):
-    return False
-  try:
-    import jax_plugins  # Namespace package of the older plugin discovery mechanism.
-  except ImportError:
-    return True
-  return not any(os.listdir(p) for p in getattr(jax_plugins, "__path__", []))
-
-
-def initialize_from_env(*, cpu_collectives: str | None = "gloo") -> bool:
-  """Joins the `jax.distributed` job that `python -m jax_ep.launch` describes in the environment.
-
-  Call it before any JAX computation. Without `JAX_EP_PROCESS_ID` in the environment (a plain
-  single-process run) it does nothing.
-
-  Args:
-    cpu_collectives: `jax_cpu_collectives_implementation` to set when JAX runs on CPU, so that
-      collectives across processes work there; `None` leaves the setting alone.
-
-  Returns:
-    True when this process belongs to a launched job and `jax.distributed` is initialized (by
-    this call or an earlier one: repeated calls do nothing more); False when the launcher's
-    variables are absent.
-  """
-  global _initialized_from_env
-  process_id = os.environ.get(ENV_PROCESS_ID)
-  if process_id is None:
-    return False
-  with _initialize_lock:
-    if _initialized_from_env:
-      return True
-    import jax
-    from jax._src import distributed as jax_distributed
-
-    if jax_distributed.global_state.client is not None:
-      # The process already joined a job (e.g. through its own jax.distributed.initialize).
-      _initialized_from_env = True
-      return True
-
-    coordinator = os.environ.get(ENV_COORDINATOR)
-    num_processes = os.environ.get(ENV_NUM_PROCESSES)
-    if not coordinator or not num_processes:
-      raise RuntimeError(
-          f"{ENV_PROCESS_ID}={process_id} is set, so {ENV_COORDINATOR} (got "
-          f"{coordinator!r}) and {ENV_NUM_PROCESSES} (got {num_processes!r}) must be set "
-          "too; start the processes with `python -m jax_ep.launch`")
-    kwargs: dict[str, object] = {}
-    local_device_ids = os.environ.get(ENV_LOCAL_DEVICE_IDS, "").strip()
-    if local_device_ids:
-      kwargs["local_device_ids"] = [int(x) for x in local_device_ids.split(",")]
-    if cpu_collectives is not None and _platform_is_cpu():
-      jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
-    jax.distributed.initialize(
-        coordinator_address=coordinator,
-        num_processes=int(num_processes),
-        process_id=int(process_id),
-        # Everything is given explicitly: a cluster environment the launcher runs inside
-        # (SLURM, Open MPI, ...) must not override it.
-        cluster_detection_method="deactivate",
-        **kwargs,
-    )
-    _initialized_from_env = True
-    return True
-
-
-# ---------------------------------------------------------------------------------------------
-# Launcher side.
-# ---------------------------------------------------------------------------------------------
 
 
 def _log(msg: str) -> None:

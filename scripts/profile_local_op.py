@@ -18,7 +18,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-import common  # noqa: E402
+import reports  # noqa: E402
+import timers  # noqa: E402
 import jax_ep  # noqa: E402
 
 
@@ -43,7 +44,7 @@ def main():
   group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
                        dtype=jnp.bfloat16, backend=args.backend)
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
-  idx = jnp.asarray(common.uniform_topk(rng, t, e, k))
+  idx = jnp.asarray(reports.uniform_topk(rng, t, e, k))
   w = jnp.asarray(rng.random((t, k)), jnp.float32)
   eo = jnp.asarray(rng.standard_normal((group.capacity, h)), jnp.bfloat16)
   per_shard = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(),
@@ -57,8 +58,8 @@ def main():
   # One warm-up: compiled (and its one-time kernels run) before any trace or profiler range.
   jax.block_until_ready(run(0))
   if args.trace:
-    events = sorted(common._traced_events(run, args.runs), key=lambda e: e[1])
-    spans = common.split_runs([(start, end) for _, start, end in events], args.runs)
+    events = sorted(timers._traced_events(run, args.runs), key=lambda e: e[1])
+    spans = timers.split_runs([(start, end) for _, start, end in events], args.runs)
     print(f"{args.op} {args.backend} T={t}: run spans (us):",
           " ".join(f"{s * 1e6:.2f}" for s in spans))
     origin = events[0][1] if events else 0

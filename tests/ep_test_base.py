@@ -8,7 +8,6 @@ gradients).
 
 from __future__ import annotations
 
-import functools
 import os
 import zlib
 

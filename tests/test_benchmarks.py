@@ -10,7 +10,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import common  # noqa: E402
+import bounds  # noqa: E402
+import timers  # noqa: E402
 
 REQUIRED_KEYS = {"op", "mode", "backend", "ranks", "process_model", "tokens_per_rank", "hidden",
                  "topk", "experts", "dtype", "wire_dtype", "median_us", "bytes", "gbps",
@@ -20,14 +21,14 @@ REQUIRED_KEYS = {"op", "mode", "backend", "ranks", "process_model", "tokens_per_
 
 def test_split_runs_cuts_at_the_largest_gaps():
   events = [(0, 10), (12, 20), (21, 30), (100, 110), (111, 125), (300, 305), (306, 340)]
-  spans = common.split_runs(events, 3)
+  spans = timers.split_runs(events, 3)
   assert [round(s * 1e9) for s in spans] == [30, 25, 40]
 
 
 def test_split_runs_can_start_each_span_after_its_leading_events():
   # The first event of each run produces the op's inputs (bench_local's fresh-rows timing).
   events = [(0, 10), (12, 20), (21, 30), (100, 110), (111, 125), (300, 305)]
-  spans = common.split_runs(events, 3, skip_leading=1)
+  spans = timers.split_runs(events, 3, skip_leading=1)
   assert [round(s * 1e9) for s in spans] == [18, 14]  # the third run had nothing left
 
 
@@ -38,13 +39,13 @@ def test_split_runs_skips_leading_memory_operations_and_starts_after_the_skipped
   # Run 3: the rewrite alone: nothing left, so the run is left out.
   events = [(0, 5, "Memset 3"), (10, 40, "rewrite"), (45, 60, "op"),
             (200, 230, "rewrite"), (228, 250, "op"), (400, 430, "rewrite")]
-  assert [round(s * 1e9) for s in common.split_runs(events, 3, skip_leading=1)] == [15, 20]
+  assert [round(s * 1e9) for s in timers.split_runs(events, 3, skip_leading=1)] == [15, 20]
 
 
 def test_split_runs_handles_overlapping_streams():
   # Two streams overlap inside a run; the gap is measured from the latest end seen so far.
   events = [(0, 50), (10, 20), (60, 70), (200, 210)]
-  assert [round(s * 1e9) for s in common.split_runs(events, 2)] == [70, 10]
+  assert [round(s * 1e9) for s in timers.split_runs(events, 2)] == [70, 10]
 
 
 def test_trace_breakdown_counts_overlapping_kernels_once_per_device(monkeypatch):
@@ -54,8 +55,8 @@ def test_trace_breakdown_counts_overlapping_kernels_once_per_device(monkeypatch)
   events = [(n, s + r * 1000, e + r * 1000, plane) for r in range(2)
             for plane, run in (("/device:GPU:0", gpu0), ("/device:GPU:1", gpu1))
             for n, s, e in run]
-  monkeypatch.setattr(common, "_traced_events", lambda run, repeats, with_device: events)
-  rows, activity = common.trace_breakdown(None, (), repeats=2)
+  monkeypatch.setattr(timers, "_traced_events", lambda run, repeats, with_device: events)
+  rows, activity = timers.trace_breakdown(None, (), repeats=2)
   assert rows == [("a", 0.05, 2), ("b", 0.015, 1), ("c", 0.01, 1)]
   assert [(p, round(b * 1e3), round(s * 1e3)) for p, b, s in activity] == [
       ("/device:GPU:0", 30, 40), ("/device:GPU:1", 40, 40)]
@@ -69,19 +70,19 @@ def test_steady_period_skips_the_first_calls_wait_and_takes_the_slowest_device()
             for c in range(3) for name in ("Send", "FinishKernel")]
   events = (run("/device:GPU:0", 500, 100, 0) + run("/device:GPU:0", 500, 100, 10_000)
             + run("/device:GPU:1", 480, 120, 0) + run("/device:GPU:1", 480, 120, 10_000))
-  assert common._steady_period_us(events, 3, "FinishKernel", 2) == 0.12
+  assert timers._steady_period_us(events, 3, "FinishKernel", 2) == 0.12
   # A plane without the op (another GPU's copies seen by this process) is left out.
-  assert common._steady_period_us(events + [("Memcpy", 0, 50, "/device:GPU:2")], 3,
+  assert timers._steady_period_us(events + [("Memcpy", 0, 50, "/device:GPU:2")], 3,
                                   "FinishKernel", 2) == 0.12
   # A marker that is on a plane other than once per call, or on none, gives no period.
-  assert common._steady_period_us(events[:-2], 3, "FinishKernel", 2) is None
-  assert common._steady_period_us(events, 3, "Absent", 2) is None
+  assert timers._steady_period_us(events[:-2], 3, "FinishKernel", 2) is None
+  assert timers._steady_period_us(events, 3, "Absent", 2) is None
 
 
 def test_time_single_calls_cycles_through_the_input_sets():
   seen = []
   fn = lambda a: seen.append(int(a)) or a
-  seconds, method = common.time_single_calls(fn, [(0,), (1,), (2,)], repeats=5,
+  seconds, method = timers.time_single_calls(fn, [(0,), (1,), (2,)], repeats=5,
                                              method="host_clock")
   assert method == "host_clock" and seconds >= 0
   assert seen == [0, 1, 2] + [0, 1, 2, 0, 1]  # one warm-up call per set, then the timed runs
@@ -181,12 +182,12 @@ def test_traced_events_runs_every_time_when_the_profiler_cannot_start(monkeypatc
   # profiler does; the failure is reported after the runs.
   def fail(_):
     raise RuntimeError("profiler busy")
-  monkeypatch.setattr(common.jax.profiler, "start_trace", fail)
+  monkeypatch.setattr(timers.jax.profiler, "start_trace", fail)
   runs = []
-  with pytest.raises(common.TraceUnavailable, match="profiler busy"):
-    common._traced_events(lambda r: runs.append(r) or r, 3)
+  with pytest.raises(timers.TraceUnavailable, match="profiler busy"):
+    timers._traced_events(lambda r: runs.append(r) or r, 3)
   assert runs == [0, 1, 2]
-  assert common.steady_call_period_us(lambda: 0, (), calls_per_run=2, marker="M",
+  assert timers.steady_call_period_us(lambda: 0, (), calls_per_run=2, marker="M",
                                       repeats=2) is None
 
 
@@ -197,7 +198,7 @@ def test_narrowed_to_one_gpu_reads_cuda_visible_devices(monkeypatch, value, narr
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
   else:
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", value)
-  assert common.narrowed_to_one_gpu() is narrowed
+  assert bounds.narrowed_to_one_gpu() is narrowed
 
 
 @pytest.mark.parametrize("num_devices", [1, 4])

@@ -46,3 +46,29 @@ def test_no_globs_hide_ffi_sources():
   for pattern in re.findall(r"glob\(([^)]*)\)", _read("BUILD.bazel")):
     assert "ffi" not in pattern, f"BUILD.bazel globs native sources: {pattern}"
   assert "GLOB" not in _read("CMakeLists.txt")
+
+
+def _bazel_copts(target):
+  block = re.search(rf'name = "{re.escape(target)}",(.*?)\n\)', _read("BUILD.bazel"), re.DOTALL)
+  assert block, f"BUILD.bazel has no target {target}"
+  copts = re.search(r"copts = \[(.*?)\]", block.group(1), re.DOTALL)
+  return re.findall(r'"([^"]+)"', copts.group(1)) if copts else []
+
+
+def test_bazel_compiles_the_kernels_with_cmakes_flags():
+  cmake = _read("CMakeLists.txt")
+  kernel_flags = re.search(r"target_compile_options\(jax_ep_kernels PRIVATE\s+"
+                           r"\$<\$<COMPILE_LANGUAGE:CUDA>:([^>]*)>\)", cmake)
+  assert kernel_flags, "CMakeLists.txt: kernel flags not found"
+  standard = re.search(r"set\(CMAKE_CUDA_STANDARD (\d+)\)", cmake).group(1)
+  assert sorted(kernel_flags.group(1).split() + [f"-std=c++{standard}"]) == sorted(
+      _bazel_copts("ep_kernels"))
+  handler_flags = re.search(r"target_compile_options\(_jax_ep_ffi PRIVATE ([^)]*)\)", cmake)
+  assert handler_flags.group(1).split() == _bazel_copts("ffi_handlers")
+
+
+def test_bazel_builds_cmakes_architectures():
+  cmake_archs = re.search(r'set\(CMAKE_CUDA_ARCHITECTURES "([^"]+)"\)', _read("CMakeLists.txt"))
+  want = [f"sm_{a.removesuffix('-real')}" for a in cmake_archs.group(1).split(";")]
+  bazel_archs = re.search(r"--@rules_cuda//cuda:archs=(\S+)", _read(".bazelrc"))
+  assert bazel_archs and bazel_archs.group(1).split(",") == want

@@ -11,10 +11,12 @@
 //   send_pos      `[T, R]` int32 operand
 //   attrs         group_id: int64; weighted: bool
 //   out           `[T, H]` expert_out.dtype: out[t] = sum over ranks d
-//                 ascending of the fp32 partial d computed for t (its rows
-//                 summed over k ascending, weighted), rounded once; zeros for
+//                 ascending of the partial d computed for t (its rows summed
+//                 over k ascending in fp32, weighted; it travels in bf16 for
+//                 bf16 activations), summed in fp32, rounded once; zeros for
 //                 tokens sent nowhere
-//   status        `[]` int32: 0 ok, 1 this call timed out
+//   status        `[]` int32: 0 ok, 1 the group has timed out (in this call
+//                 or an earlier one: the outputs are defined but not valid)
 
 #include <cstdint>
 #include <memory>

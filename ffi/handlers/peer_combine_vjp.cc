@@ -19,7 +19,8 @@
 //   d_weights     `[T, K]` float32: <d_out[t], expert_out[row(t, k)]>, fp32
 //                 on the expert side; 0 for slots that select nothing or
 //                 were dropped
-//   status        `[]` int32: 0 ok, 1 this call timed out
+//   status        `[]` int32: 0 ok, 1 the group has timed out (in this call
+//                 or an earlier one: the outputs are defined but not valid)
 
 #include <cstdint>
 #include <memory>

@@ -15,7 +15,8 @@
 //   entry_row     `[N, K]` int32: row of received entry (s, i, k) or -1
 //   entry_weights `[N, K]` float32: the weight that came with it
 //   recv_counts   `[R]` int32: tokens received from each source
-//   status        `[]` int32: 0 ok, 1 this call timed out
+//   status        `[]` int32: 0 ok, 1 the group has timed out (in this call
+//                 or an earlier one: the outputs are defined but not valid)
 //   workspace     `[W]` int32 scratch, W = peer_dispatch_workspace_elems
 
 #include <cstdint>

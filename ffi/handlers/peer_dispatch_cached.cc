@@ -15,7 +15,8 @@
 //   recv_x        `[capacity, H]` x.dtype: entry (s, i, k) at entry_row
 //                 (times its weight in fp32, rounded once, when weighted);
 //                 rows >= sum(group_sizes) are zero
-//   status        `[]` int32: 0 ok, 1 this call timed out
+//   status        `[]` int32: 0 ok, 1 the group has timed out (in this call
+//                 or an earlier one: the outputs are defined but not valid)
 
 #include <cstdint>
 #include <memory>

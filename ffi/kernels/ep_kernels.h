@@ -212,7 +212,7 @@ inline constexpr int64_t kHeaderBytes = 256;  // config header, checked on conne
 // counter, arrival flags and `consumed` counter, so their reuse is independent.
 enum Region : int32_t {
   kDispatchRegion = 0,  // rows (x / d_out), meta, weights, token index
-  kCombineRegion = 1,   // fp32 partial rows of combine
+  kCombineRegion = 1,   // partial rows of combine (CombineWire: bf16 or fp32)
   kDotsRegion = 2,      // fp32 slot dots of combine_vjp
   kNumRegions = 3,
 };
@@ -346,7 +346,7 @@ struct Mailbox {
 // safe to capture into CUDA graphs.
 struct PeerView {
   char* const* peers;   // device array [R]: base of each rank's buffer
-  char* own;            // this rank's buffer (== peers[rank]), host-readable
+  char* own;            // this rank's buffer (== peers[rank]), device memory
   DeviceState* state;   // device memory
   Mailbox* mailbox;     // device pointer of the host-mapped mailbox
   BufferLayout layout;
@@ -433,8 +433,9 @@ cudaError_t DispatchCached(const PeerView& g, ElementType dtype, const void* x,
                            cudaStream_t stream);
 
 // Combine (jax_ep_peer_combine): expert side reduces each received token's
-// rows over k ascending in fp32 (weighted or not) and writes one fp32 row to
-// its home; home sums the rows of ranks d ascending, rounds once.
+// rows over k ascending in fp32 (weighted or not) and writes one partial row
+// to its home (bf16 for bf16 activations, else fp32: CombineWire); home sums
+// the partials of ranks d ascending in fp32, rounds once.
 //   expert_out `[capacity, H]` in; entry_row, entry_weights, recv_counts,
 //   send_pos `[T, R]` in; out `[T, H]`, status out.
 cudaError_t Combine(const PeerView& g, ElementType dtype,

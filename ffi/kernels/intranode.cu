@@ -26,7 +26,7 @@
 //   for the earlier kernels' reads. Each block
 //   then runs __threadfence_system() in every thread, a barrier, and one
 //   atomicAdd on a monotonic per-kernel "blocks done" counter in device
-//   state; the block that completes a multiple of the sending blocks is the
+//   state; the block that completes a multiple of the kernel's grid is the
 //   last one (no reset, no co-residency needed, graph replays keep working)
 //   and writes every destination's arrival flag `arrival[region][this rank]`
 //   = (seq << 32 | count) with st.release.sys.
@@ -69,9 +69,10 @@
 //   group's timeout error, never a hang.
 // * Timeouts. Every spin gives up after the group's timeout (%globaltimer):
 //   the first failing thread claims the mailbox (atomicCAS on device state),
-//   writes (op, rank, peer, seq, what) to host-mapped memory, fences, sets
-//   `state` = 1, and sets the sticky device flag `aborted`. Every kernel of a
-//   peer op checks `aborted` and returns early (spins check it each turn);
+//   writes (op, rank, peer, seq, region, what) to host-mapped memory, fences,
+//   sets `state` = 1, and sets the sticky device flag `aborted`. Every send and
+//   wait kernel of a peer op checks `aborted` and returns early (spins check
+//   it each turn; the local placing kernels run on, on defined inputs);
 //   FinishKernel then writes status = 1 and publishes nothing. The handler of
 //   any later call reads the mailbox first and fails with its message. Never
 //   a hang, never a trap.
@@ -116,8 +117,8 @@ constexpr int kMaxR = static_cast<int>(kMaxRanks);
 constexpr int kMaxK = static_cast<int>(kMaxTopk);
 // NOTES: rows send holds a whole row per block (128 threads x 8 vectors covers
 // H = 8192 bf16) and runs 8 blocks per budgeted SM, so 8 tokens' loads are in
-// flight per SM; with 512-thread blocks (2 per SM) it measured 0.3 TB/s per
-// process at R=8 emulated, each block idle for a load latency per token.
+// flight per SM; with fewer, larger blocks each block sits idle for a load
+// latency per token and the send is latency-bound.
 // __launch_bounds__ asks for those 8 blocks (64 registers, no spills with
 // nvcc 13.0); combine and dots send ask for the 3 and 2 that fit theirs (see
 // kCombineSendBlocksPerSm).
@@ -139,16 +140,14 @@ constexpr int kDotsGroup = 8;         // slots reduced together in dots
 constexpr int kMaxBlocksPerSm = 16;
 // Blocks per budgeted SM of each send kernel (up to 1024 threads per SM): one
 // block per SM keeps too few bytes in flight to hide the latency of peer (or,
-// emulated, HBM) loads and stores; measured on the H200, combine send ran
-// latency-bound at ~0.4 TB/s with one.
+// emulated, HBM) loads and stores.
 constexpr int kRowsSendBlocksPerSm = 1024 / kCommThreads;
 // NOTES: the launch bounds of the send kernels name these counts, so a grid of
 // num_sms times as many blocks is resident at once on num_sms SMs' worth of
 // registers. Combine send holds kCombinePasses fp32 sums and kCombineLoads
 // vectors per thread (80 registers): 3 blocks of 256. Dots send needs about
-// 100 registers: 2 blocks of 256 (at 4 per SM, as before, only 2 fitted and
-// the grid spilled onto twice the SM budget; combine send's 4 had the same
-// problem at 70 registers).
+// 100 registers: 2 blocks of 256. A count above what fits would spread the
+// grid over more SMs than the budget.
 constexpr int kCombineSendBlocksPerSm = 3;
 constexpr int kDotsSendBlocksPerSm = 2;
 constexpr int kMaxWaves = 8;
@@ -394,9 +393,8 @@ __device__ __forceinline__ int32_t CheckedRow64(int64_t row, int64_t capacity) {
 // The send lists of a dispatch, in two kernels over (token tile, destination)
 // blocks, a tile being kLayoutThreads tokens (a thread each): "t goes to d"
 // when some slot of token t selects an expert of rank d.
-// NOTES: one block per destination walking every token took 23 us at
-// T=4096 on an H200 (two blocks at R=2, eight dependent rounds each); over
-// tiles, each block does one round.
+// NOTES: over tiles, each block does one round; one block per destination
+// walking every token runs R blocks of T / kLayoutThreads dependent rounds.
 __device__ __forceinline__ bool TokenGoesTo(const int32_t* __restrict__ idx,
                                             int32_t num_topk,
                                             int32_t num_experts,
@@ -1008,8 +1006,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
 // tokens (grid-stride over a fixed grid, see LaunchRowsSend). Token t is read
 // once and written to every rank d with send_pos[t, d] >= 0, this one
 // included, at dispatch_rows[this rank][send_pos]. Plain stores. NOTES:
-// __stcs made ptxas spill at the 64 registers the launch bounds allow; its
-// gain here was never measured.
+// __stcs makes ptxas spill at the 64 registers the launch bounds allow.
 __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     RowsSendKernel(PeerView g, const uint4* __restrict__ x,
                    const int32_t* __restrict__ send_pos, int32_t num_tokens,

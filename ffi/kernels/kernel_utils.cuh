@@ -44,8 +44,8 @@ inline cudaError_t NumSms(int* num_sms) {
 // at most `max_waves` times as many blocks as can be resident at once
 // (occupancy of `kernel` at `block` threads, capped at `max_blocks_per_sm`
 // per SM), never more than the items. Several waves, rather than exactly one
-// resident wave, let the hardware scheduler balance uneven items (measured on
-// H200: a one-wave persistent grid lost ~10% to its tail on the row kernels).
+// resident wave, let the hardware scheduler balance uneven items (a one-wave
+// persistent grid loses its tail to the slowest blocks on the row kernels).
 // Host-only queries, no sync: safe inside command-buffer capture.
 template <typename Kernel>
 cudaError_t BoundedGrid(Kernel kernel, int block, int max_blocks_per_sm,
@@ -166,8 +166,8 @@ __device__ __forceinline__ void StoreMaybeStreaming(uint4* p, const uint4& v) {
 // NOTES: fixed order — slots k ascending, one fmaf per element each — so the
 // one-rank unpermute and the peer combine's partial sums agree bit for bit.
 // Several passes per thread keep loads in flight when a token has few slots
-// on this rank (about 1.5 of 8 at R=8): one pass at a time left the peer
-// combine send latency-bound at ~24 GB/s per SM (H200, emulated R=8).
+// on this rank (about 1.5 of 8 at R=8): with one pass at a time the peer
+// combine's send is bound by memory latency, not bandwidth.
 template <typename T, int kLoads, int kPasses>
 __device__ __forceinline__ void WeightedRowSums(
     const uint4* __restrict__ rows, const int32_t* row, const float* weight,

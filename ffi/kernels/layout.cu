@@ -4,8 +4,8 @@
 //
 // One pass over `topk_idx`, no sort. When the slots fit one chunk (decode-
 // sized T * K) a single launch of AssignRowsKernel<true> does everything in one
-// block per batch element (launch gaps were half of a T=128 dispatch on the
-// H200). Otherwise three small launches per call:
+// block per batch element (at decode sizes the gaps between launches would
+// be a large part of the dispatch). Otherwise three small launches per call:
 //   1. ChunkHistogramKernel: per chunk of consecutive (t, k) slots, a shared-
 //      memory histogram over experts (column E counts invalid ids), written to
 //      workspace `counts[chunk, E + 1]`.

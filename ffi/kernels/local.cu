@@ -35,10 +35,10 @@ using detail::StoreMaybeStreaming;
 using detail::Vec16;
 
 // NOTES: permute and unpermute use one 128-thread block per token (the whole
-// row per item, read or written as one contiguous stream); slot dots uses one
-// warp per token (no block barrier around its reduction). Measured on H200 at
-// T=4096, H=7168, K=8, bf16: these beat warp-per-row-segment items by 15%
-// (permute) and 2x (unpermute).
+// row per item, read or written as one contiguous stream, which keeps the DRAM
+// accesses of one item together); slot dots uses one warp per token (no block
+// barrier around its reduction). Smaller items (a warp per row segment) were
+// slower at large T (docs/performance.md).
 constexpr int kRowBlock = 128;          // permute / unpermute threads per token
 constexpr int kWarpBlock = 256;         // slot dots: 8 independent warps
 constexpr int kMaxBlocksPerSm = 16;     // upper bound; occupancy decides
@@ -90,17 +90,15 @@ __device__ __forceinline__ uint4 Scale(const uint4& v, float w) {
 // kPeerRows: `x` is a peer-transport receive buffer written by other GPUs
 // before this launch; read it through L2 (ld.global.cg), never through the
 // non-coherent path.
-// kSplitRows: splits > 1. NOTES: the unsplit instantiation compiles to the
-// same code as before row splitting existed; the split arithmetic in it cost
-// 4 us (2.5%) at T=4096 on the H200 (A/B on one GPU, 165.6 vs 169.7 us).
+// kSplitRows: splits > 1. NOTES: a template parameter, so that the unsplit
+// instantiation (large T) carries none of the split arithmetic, which showed
+// in its time when it did.
 // placed (kPeerRows): see PlacedTokens in ep_kernels.h.
 // Stores: evict-first (st.global.cs) in the unsplit bf16 instantiations
 // only (kStreamRows). NOTES: rows written once and read once by a later
-// kernel; marking them evict-first keeps the rows still to be read cached
-// (H200, bf16, T=4096 dispatch 166 -> 158 us). Elsewhere st.global.cs cost
-// registers: the bf16 split kernel (few tokens) went from 64 to 86 and T=128
-// dispatch from 13.9 to 15.7 us; fp32 went from 56 to 80 (60 to 78 peer),
-// fp16 peer from 64 to 71. Those keep plain stores until measured.
+// kernel; marking them evict-first keeps the rows still to be read cached.
+// In the other instantiations st.global.cs raised the register count enough
+// to cost more than it saved, so they keep plain stores.
 template <typename T, bool kPeerRows, bool kSplitRows>
 __global__ void __launch_bounds__(kRowBlock)
     PermuteKernel(const uint4* __restrict__ x,
@@ -242,8 +240,8 @@ __global__ void __launch_bounds__(kRowBlock)
       const bool in_topk = lane < d.num_topk;
       // NOTES: the weight is loaded beside the row id, not after the ballot
       // that reads it: at decode sizes every block runs this once, and a
-      // second dependent global load put one more memory latency in front of
-      // the row loads (T=128 combine, H200).
+      // second dependent global load puts one more memory latency in front of
+      // the row loads.
       const int32_t row = in_topk ? CheckedRow(slot_row[s], d.capacity) : -1;
       const float weight = in_topk && weighted ? slot_weights[s] : 1.0f;
       const unsigned valid = __ballot_sync(kFullMask, row >= 0);
@@ -258,9 +256,7 @@ __global__ void __launch_bounds__(kRowBlock)
     const int n = s_num;
     uint4* dst = out + item * rv;
     // NOTES: the same sum as detail::WeightedRowSums (bit for bit), written
-    // out: through the helper ptxas spilled 8 bytes in the bf16 instance (64
-    // registers either way) and combine at T=4096 took 124.9 us instead of
-    // 124.0 (A/B on one H200).
+    // out: through the helper ptxas spills in the bf16 instance.
     for (int64_t j = j_begin + threadIdx.x; j < j_end; j += kRowBlock) {
       float acc[kE];
 #pragma unroll
@@ -345,16 +341,13 @@ __device__ __forceinline__ void LoadSlots(const int32_t* ids, const float* wts,
 // loads in flight: no shared memory, no barrier, no division on the way to the
 // first load (the batch is only divided out when there is one). Sum: slots k
 // ascending, one fmaf per element each, as UnpermuteKernel (bit for bit).
-// NOTES: measured on the H200 at T=128, H=7168, K=8, bf16, one op per run
-// with its inputs rotated out of the L2: UnpermuteKernel, whose warp 0 stages
-// the slots through shared memory between two barriers, took 5.92-5.98 us and
-// XLA's fused gather 5.34-5.47. This kernel takes 5.34-5.47: the same as XLA's
-// there, and 3.73-3.81 against 3.87-3.97 with the rows just written (in the
-// L2), 5.38-5.46 against 5.56-5.63 in batches of 8. Its row loads as plain
-// ld.global.nc (allocating in L1) took 5.54; the slot loads with
-// L1::no_allocate as well, 5.79-5.82; an L2 prefetch of the used rows at
-// entry, 6.66-6.69. The floor, and what else was tried (TMA, L2 policies,
-// programmatic dependent launch): docs/PERF_NOTES.md, thirteenth session.
+// NOTES: at decode sizes the op is one dependent chain (slot ids, then rows)
+// per block, so what matters is how early the row loads issue: UnpermuteKernel
+// stages the slots through shared memory between two barriers, which puts
+// them later. The row loads use L1::no_allocate (each row is read once); the
+// slot loads do not (with it ptxas ordered the weight loads after the rows).
+// The variants tried and the DRAM floor both this kernel and XLA's fused
+// gather sit on: docs/performance.md.
 template <typename T, int kK>
 __global__ void __launch_bounds__(kRowBlock)
     UnpermuteVectorKernel(const uint4* __restrict__ expert_out,
@@ -367,8 +360,8 @@ __global__ void __launch_bounds__(kRowBlock)
   // dependent chain (slots, then rows). Threads past the row's end (its last
   // part may be short) load nothing else and store nothing; they do not
   // return early, since the compiler then sinks the slot loads below the
-  // bound check. NOTES: a few more instructions at entry (a prefetch loop
-  // that ran zero times) cost 0.15 us at T=128 (5.50-5.55 against 5.34-5.44).
+  // bound check. NOTES: the entry is on that chain too: keep instructions
+  // out of it (even a loop that runs zero times shows at T=128).
   const uint32_t item = blockIdx.y;
   int32_t row[kK];
   float weight[kK];
@@ -510,8 +503,7 @@ RowDims MakeRowDims(int64_t num_batches, int64_t num_tokens, int64_t num_topk,
 }
 
 // NOTES: with few tokens (decode-sized T) one block per token leaves most SMs
-// idle and the rest latency-bound (measured on the H200 at T=128: unpermute
-// 10.8 us against 5.6 for XLA's fused gather); split rows into parts until
+// idle and the rest latency-bound; split rows into parts until
 // there are kSplitBlocksPerSm blocks per SM, down to kRowBlock vectors a part.
 // Parts are whole multiples of kRowBlock vectors (PartVecs); the parts that
 // rounding left empty are dropped, and PartVecs gives the same part size for
@@ -592,7 +584,7 @@ struct PermuteLaunch {
 // Whether the combine may run as UnpermuteVectorKernel: decode sizes, where
 // RowSplits split rows into parts of at most kRowBlock vectors and the whole
 // grid is no more than the `wanted_blocks` it aims for (larger grids stay on
-// UnpermuteKernel, where they were measured); its 32-bit capacity, row
+// UnpermuteKernel, whose loop over rows suits them); its 32-bit capacity, row
 // offsets and grid rows sufficing; and the slot arrays 16-byte aligned where
 // it reads them as vectors. The top-k must also be one it is built for (the
 // cases of UnpermuteLaunch's switch).

@@ -5,7 +5,6 @@ through the key-value store, every rank connects with all handles in rank order,
 waits for every process before freeing. Started by tests/test_multiprocess.py.
 """
 
-import os
 import sys
 import time
 

@@ -1,6 +1,6 @@
-"""Shared benchmark plumbing: timing, the copy-bandwidth bound, and JSON Lines records.
+"""Benchmark timing: device spans from profiler traces, host-clock medians, marginal periods.
 
-Timing, two ways (records say which in `timing`):
+Two ways to time an op (records say which in `timing`):
 - `time_batches`: the median over `repeats` of one jitted batch of `calls` independent
   invocations on different input sets, divided by `calls`.
 - `time_single_calls`: the median over `repeats` of one invocation per run, cycling through the
@@ -15,36 +15,11 @@ call of a few kernels) pays a host launch gap between its kernels inside the spa
 
 from __future__ import annotations
 
-import datetime
-import json
 import os
 import statistics
-import subprocess
 import time
 
 import jax
-import numpy as np
-
-RESULTS_DIR = os.path.join(os.path.dirname(__file__), "results")
-
-
-def git_commit() -> str:
-  """The commit measured: $JAX_EP_COMMIT when set (a GPU machine may hold a copy of the tree
-  whose git metadata is stale, so the caller passes it), else `git rev-parse`."""
-  if os.environ.get("JAX_EP_COMMIT"):
-    return os.environ["JAX_EP_COMMIT"]
-  try:
-    return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"],
-                                   cwd=os.path.dirname(__file__), text=True,
-                                   stderr=subprocess.DEVNULL).strip()
-  except (OSError, subprocess.CalledProcessError):
-    return os.environ.get("JAX_EP_COMMIT", "unknown")
-
-
-def device_name() -> str:
-  dev = jax.devices()[0]
-  return getattr(dev, "device_kind", dev.platform)
-
 
 def time_batches(fn, args, *, repeats: int = 20, method: str = "auto",
                  before_each=None) -> tuple[float, str]:
@@ -70,6 +45,7 @@ def time_batches(fn, args, *, repeats: int = 20, method: str = "auto",
   return _host_clock_median(lambda _: fn(*args), repeats, before_each), "host_clock"
 
 
+
 def _host_clock_median(run, repeats: int, before_each=None) -> float:
   """Median host-clock seconds of `run(r)` for r in range(repeats), each waited for, each after
   `before_each(r)` (not timed) when given."""
@@ -83,14 +59,17 @@ def _host_clock_median(run, repeats: int, before_each=None) -> float:
   return statistics.median(samples)
 
 
+
 def _gpu_stream_events(fn, args, repeats: int) -> list[tuple[str, int, int]]:
   """Runs `fn(*args)` `repeats` times under a jax.profiler trace; its GPU stream events as
   `(name, start_ns, end_ns)`. Raises when the trace cannot be read (after the runs)."""
   return _traced_events(lambda _: fn(*args), repeats)
 
 
+
 class TraceUnavailable(RuntimeError):
   """The profiler could not trace the runs, or its trace could not be read."""
+
 
 
 def _traced_events(run, repeats: int, *, with_device: bool = False) -> list[tuple]:
@@ -133,6 +112,7 @@ def _traced_events(run, repeats: int, *, with_device: bool = False) -> list[tupl
   return events
 
 
+
 def time_single_calls(fn, arg_sets, *, repeats: int = 24, method: str = "auto",
                       skip_leading_kernels: int = 0) -> tuple[float, str]:
   """Median seconds of one `fn(*arg_sets[r % len(arg_sets)])`, one call per run.
@@ -166,6 +146,7 @@ def time_single_calls(fn, arg_sets, *, repeats: int = 24, method: str = "auto",
   return _host_clock_median(run, repeats), "host_clock"
 
 
+
 def _device_spans(fn, args, repeats: int) -> list[float]:
   """Per run: seconds from its first device event to its last, from a jax.profiler trace.
 
@@ -177,6 +158,7 @@ def _device_spans(fn, args, repeats: int) -> list[float]:
   return split_runs([(start, end) for _, start, end in events], repeats)
 
 
+
 def kernel_breakdown(fn, args, *, repeats: int = 5) -> list[tuple[str, float, int]]:
   """Per kernel name: (name, mean device microseconds per run, launches per run), longest first.
 
@@ -184,6 +166,7 @@ def kernel_breakdown(fn, args, *, repeats: int = 5) -> list[tuple[str, float, in
   `fn` `repeats` times whatever happens); it returns [] when the trace cannot be read.
   """
   return trace_breakdown(fn, args, repeats=repeats)[0]
+
 
 
 def trace_breakdown(fn, args, *, repeats: int = 5):
@@ -221,6 +204,7 @@ def trace_breakdown(fn, args, *, repeats: int = 5):
   return sorted(rows, key=lambda r: -r[1]), activity
 
 
+
 def steady_call_period_us(fn, args, *, calls_per_run: int, marker: str,
                           repeats: int = 5) -> float | None:
   """The device clock's period of back-to-back calls inside one program, in µs: `fn(*args)` runs
@@ -241,6 +225,7 @@ def steady_call_period_us(fn, args, *, calls_per_run: int, marker: str,
   return _steady_period_us(events, calls_per_run, marker, repeats)
 
 
+
 def _steady_period_us(events, calls_per_run: int, marker: str, repeats: int) -> float | None:
   """steady_call_period_us on `(name, start_ns, end_ns, plane)` events."""
   periods = []
@@ -254,6 +239,7 @@ def _steady_period_us(events, calls_per_run: int, marker: str, repeats: int) -> 
     periods.append(statistics.median((run[-1] - run[0]) / (calls_per_run - 1) / 1e3
                                      for run in runs))
   return max(periods) if periods else None
+
 
 
 def split_runs(events, num_runs: int, skip_leading: int = 0) -> list[float]:
@@ -285,6 +271,7 @@ def split_runs(events, num_runs: int, skip_leading: int = 0) -> list[float]:
   return spans
 
 
+
 def _after_leading_kernels(run, count: int):
   """`(events, begin)`: the events of `run` (sorted by start) after its first `count` kernels,
   and when those kernels had all ended (see split_runs; the run's start when `count` is 0)."""
@@ -302,128 +289,9 @@ def _after_leading_kernels(run, count: int):
   return [], None
 
 
-_COPY_PROBE = """
-import statistics, sys
-import cupy
-num_bytes = int(sys.argv[1])
-src = cupy.empty(num_bytes // 2, dtype=cupy.uint8)
-dst = cupy.empty_like(src)
-src.fill(1)
-start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-times = []
-for _ in range(12):
-  start.record()
-  cupy.cuda.runtime.memcpy(dst.data.ptr, src.data.ptr, src.nbytes, 3)  # device to device
-  stop.record()
-  stop.synchronize()
-  times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-print(2 * src.nbytes / statistics.median(times[2:]) / 1e9)
-"""
-
-
-def copy_bound_gbps(num_bytes: int | None = None) -> tuple[float, str]:
-  """Device-to-device copy bandwidth (bytes read + written per second), and how it was measured.
-
-  `cudaMemcpy` through CuPy in a child process (the contract's bound; a separate process keeps
-  CuPy's CUDA context and allocator away from XLA's), else an XLA copy, which reads lower.
-  """
-  import sys
-  if num_bytes is None:  # a few GiB on a GPU (far past L2); small elsewhere (a CPU smoke run)
-    num_bytes = 4 << 30 if jax.devices()[0].platform == "gpu" else 64 << 20
-  try:
-    out = subprocess.run([sys.executable, "-c", _COPY_PROBE, str(num_bytes)], text=True,
-                         capture_output=True, timeout=120, check=True)
-    return float(out.stdout.strip().splitlines()[-1]), "cudaMemcpy"
-  except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-    x = jax.numpy.ones((num_bytes // 8,), jax.numpy.float32)
-    copy = jax.jit(lambda v: v * 1.0)
-    seconds, _ = time_batches(copy, (x,), repeats=10)
-    return 2 * x.nbytes / seconds / 1e9, "xla_copy"
-
-
-_P2P_PROBE = """
-import statistics, sys
-import cupy
-num_bytes = int(sys.argv[1])
-with cupy.cuda.Device(1):
-  dst = cupy.empty(num_bytes, dtype=cupy.uint8)
-if not cupy.cuda.runtime.deviceCanAccessPeer(0, 1):
-  sys.exit("GPU 0 cannot access GPU 1 directly (a copy would be staged through the host)")
-with cupy.cuda.Device(0):
-  try:
-    cupy.cuda.runtime.deviceEnablePeerAccess(1)
-  except cupy.cuda.runtime.CUDARuntimeError as e:
-    if e.status != 704:  # cudaErrorPeerAccessAlreadyEnabled
-      raise
-  src = cupy.empty(num_bytes, dtype=cupy.uint8)
-  src.fill(1)
-  stream = cupy.cuda.get_current_stream()
-  start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-  times = []
-  for _ in range(12):
-    start.record()
-    cupy.cuda.runtime.memcpyPeerAsync(dst.data.ptr, 1, src.data.ptr, 0, num_bytes, stream.ptr)
-    stop.record()
-    stop.synchronize()
-    times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-print(num_bytes / statistics.median(times[2:]) / 1e9)
-"""
-
-
-def narrowed_to_one_gpu() -> bool:
-  """Whether CUDA_VISIBLE_DEVICES names exactly one GPU, as `launch --isolate-gpus` sets it."""
-  visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-  return visible is not None and len([v for v in visible.split(",") if v.strip()]) == 1
-
-
-def p2p_line_rate_gbps(num_bytes: int = 1 << 30) -> float | None:
-  """One-direction GPU 0 -> GPU 1 copy bandwidth (bytes moved per second), the line rate the
-  multi-GPU records compare with; None with fewer than two GPUs, without direct peer access or
-  without CuPy. A child process, as for the copy bound. It sees every GPU of the host when this
-  process was narrowed to one (`launch --isolate-gpus`): the line is the host's, not the
-  process's."""
-  import sys
-  env = dict(os.environ)
-  if narrowed_to_one_gpu():
-    del env["CUDA_VISIBLE_DEVICES"]
-  try:
-    out = subprocess.run([sys.executable, "-c", _P2P_PROBE, str(num_bytes)], text=True,
-                         capture_output=True, timeout=120, check=True, env=env)
-    return float(out.stdout.strip().splitlines()[-1])
-  except (OSError, ValueError, IndexError, subprocess.SubprocessError):
-    return None
-
-
-def record(**fields) -> dict:
-  base = {"gpu": device_name(), "jax": jax.__version__,
-          "date": datetime.date.today().isoformat(), "commit": git_commit()}
-  base.update(fields)
-  return base
-
-
-def write_jsonl(records, name: str) -> str:
-  os.makedirs(RESULTS_DIR, exist_ok=True)
-  path = os.path.join(RESULTS_DIR, name)
-  with open(path, "a") as f:
-    for r in records:
-      f.write(json.dumps(r) + "\n")
-  return path
-
-
-def print_table(records, columns) -> None:
-  widths = [max([len(c), *(len(_fmt(r.get(c))) for r in records)]) for c in columns]
-  print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
-  for r in records:
-    print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(columns, widths)))
-
-
-def _fmt(v) -> str:
-  if isinstance(v, float):
-    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
-  return str(v)
-
-
-def uniform_topk(rng, num_tokens: int, num_experts: int, num_topk: int) -> np.ndarray:
-  """`[T, K]` int32: K distinct experts per token, uniformly at random."""
-  scores = rng.random((num_tokens, num_experts))
-  return np.argsort(scores, axis=-1)[:, :num_topk].astype(np.int32)
+def device_run_spans(run, repeats: int) -> list[float]:
+  """Seconds of device time spanned by each of `run(r)` for r in range(repeats) (a profiler
+  trace, runs told apart as in split_runs). The runs happen whatever the profiler does; raises
+  TraceUnavailable after them when it could not trace."""
+  events = _traced_events(run, repeats)
+  return split_runs([(start, end) for _, start, end in events], repeats)
