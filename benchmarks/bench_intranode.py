@@ -1,4 +1,4 @@
-"""High-throughput dispatch and combine across R ranks on the cuda peer transport.
+"""High-throughput dispatch and combine across R ranks on the cuda intranode transport.
 
   # R ranks emulated on one GPU (CUDA MPS), one process each:
   python -m jax_ep.launch -n 8 --share-gpu -- python benchmarks/bench_intranode.py
@@ -36,7 +36,6 @@ sort, counts, ragged all-to-all, local permute, and back) runs wherever XLA coll
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -82,30 +81,6 @@ import jax_ep  # noqa: E402
 import xla_pipeline  # noqa: E402
 
 
-def _kv_client():
-  """The `jax.distributed` key-value store client (multi-process runs only)."""
-  from jax._src import distributed
-  return distributed.global_state.client
-
-
-def _gather_max(key: str, value: float, timeout_s: float = 120) -> float:
-  """The largest `value` over all processes (through the distributed key-value store)."""
-  if jax.process_count() == 1:
-    return value
-  client = _kv_client()
-  client.key_value_set_bytes(f"bench/{key}/{jax.process_index()}", json.dumps(value).encode())
-  return max(json.loads(client.blocking_key_value_get_bytes(f"bench/{key}/{p}",
-                                                              int(timeout_s * 1000)))
-             for p in range(jax.process_count()))
-
-
-def _barrier(key: str, timeout_s: float = 120) -> None:
-  """Returns in every process once all have reached it (through the key-value store)."""
-  if jax.process_count() == 1:
-    return
-  _kv_client().wait_at_barrier(f"bench/{key}", int(timeout_s * 1000))
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tokens", type=int, default=4096)
@@ -149,16 +124,8 @@ def main():
 
   devices = jax.devices()
   num_ranks = len(devices)
-  shared_gpu = os.environ.get("JAX_EP_SHARED_GPU") == "1"
-  if shared_gpu:
-    process_model = "shared_gpu"
-  elif jax.process_count() > 1:
-    # "_isolated": each process sees only its own GPU (launch --isolate-gpus); the peer
-    # transport then asks NVML, not CUDA, whether the GPUs have P2P atomics.
-    process_model = ("process_per_gpu_isolated" if bounds.narrowed_to_one_gpu()
-                     else "process_per_gpu")
-  else:
-    process_model = "single_process_multi_gpu" if num_ranks > 1 else "single_device"
+  process_model = reports.process_model(num_ranks)
+  shared_gpu = process_model == "shared_gpu"
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices)
   sharding = NamedSharding(mesh, P("ep"))
   t, h, k, e, calls = args.tokens, args.hidden, args.topk, args.experts, args.calls
@@ -225,7 +192,7 @@ def main():
     else:
       copy_gbps, copy_name = bounds.copy_bound_gbps()
       bound_gbps, bound_name = copy_gbps / 2, f"{copy_name} / 2 (no P2P probe)"
-  bound_gbps = _gather_max("bound", bound_gbps, timeout_s=400)
+  bound_gbps = reports.gather_max("bound", bound_gbps, timeout_s=400)
   base = dict(mode="high_throughput", ranks=num_ranks, process_model=process_model,
               tokens_per_rank=t, hidden=h, topk=k, experts=e, dtype="bfloat16",
               wire_dtype="bfloat16", bytes=per_rank_bytes, nvlink_bytes=remote_bytes,
@@ -242,7 +209,7 @@ def main():
     """One record from this process's `seconds` per run (the slowest process's, when
     `gathered` already)."""
     if not gathered:
-      seconds = _gather_max(f"{backend}/{op}/{timing}", seconds)
+      seconds = reports.gather_max(f"{backend}/{op}/{timing}", seconds)
     median_us = seconds / per_run * 1e6
     roofline = ((min_hbm / (bound_gbps * 1e9)) / (median_us * 1e-6) if one_gpu
                 else remote_bytes / (median_us * 1e-6) / 1e9 / bound_gbps)
@@ -280,7 +247,7 @@ def main():
     double, _ = timers.time_batches(batched(fn), [list(s) * 2 for s in sets],
                                     repeats=args.repeats, method="host_clock")
     # Decided on the slowest process's value, so that every process takes the same branch.
-    added = _gather_max(f"{backend}/{op}/marginal_check", double - seconds)
+    added = reports.gather_max(f"{backend}/{op}/marginal_check", double - seconds)
     if added <= 0:
       if jax.process_index() == 0:
         print(f"{backend} {op}: no host_clock_marginal record (the longer batch was not slower: "
@@ -300,7 +267,7 @@ def main():
         batched(fn), [(list(s) * repeat)[:args.steady_calls] for s in sets],
         calls_per_run=args.steady_calls, marker="FinishKernel")
     # Decided on every process's value, so that every process takes the same branch.
-    if _gather_max(f"{backend}/{op}/steady_missing", float(period_us is None)) > 0:
+    if reports.gather_max(f"{backend}/{op}/steady_missing", float(period_us is None)) > 0:
       if jax.process_index() == 0:
         print(f"{backend} {op}: no device_clock_steady record (no readable trace, or no "
               "FinishKernel once per call)")
@@ -314,7 +281,7 @@ def main():
       return
     seconds, _ = timers.time_batches(
         jax.jit(fn), fn_args, repeats=args.repeats, method="host_clock",
-        before_each=lambda r: _barrier(f"{backend}/{op}/{r}"))
+        before_each=lambda r: reports.barrier(f"{backend}/{op}/{r}"))
     add(op, backend, seconds, per_run=1, timing="host_clock_aligned")
 
   backends = [b for b in args.backends if b != "xla_baseline"
@@ -324,7 +291,7 @@ def main():
                          dtype=dtype, backend=backend, capacity=capacity, num_sms=args.num_sms)
     if group.backend_name == "cuda" and num_ranks > 1:
       # Every rank decides on its own; the record says whether all of them receive.
-      not_receiving = _gather_max("not_receiving", float(not group.receives_while_sending))
+      not_receiving = reports.gather_max("not_receiving", float(not group.receives_while_sending))
       backend_fields[backend] = dict(receives_while_sending=not_receiving == 0.0)
     per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     dispatch = per_shard(lambda x, i, w: jax.tree.map(

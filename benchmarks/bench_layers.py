@@ -30,7 +30,6 @@ ops move through one GPU's memory (R = 1 or emulation).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -54,31 +53,6 @@ import jax_ep  # noqa: E402
 import xla_pipeline  # noqa: E402
 from bench_local import xla_combine, xla_dispatch  # noqa: E402
 from jax_ep.layer import expert_mlp  # noqa: E402
-
-
-def _kv_client():
-  from jax._src import distributed
-  return distributed.global_state.client
-
-
-def gather_max(key: str, value: float, timeout_s: float = 300) -> float:
-  """The largest `value` over all processes (through the distributed key-value store)."""
-  if jax.process_count() == 1:
-    return value
-  client = _kv_client()
-  client.key_value_set_bytes(f"bench_layers/{key}/{jax.process_index()}",
-                             json.dumps(value).encode())
-  return max(json.loads(client.blocking_key_value_get_bytes(f"bench_layers/{key}/{p}",
-                                                              int(timeout_s * 1000)))
-             for p in range(jax.process_count()))
-
-
-def process_model(num_ranks: int) -> str:
-  if os.environ.get("JAX_EP_SHARED_GPU") == "1":
-    return "shared_gpu"
-  if jax.process_count() > 1:
-    return "process_per_gpu_isolated" if bounds.narrowed_to_one_gpu() else "process_per_gpu"
-  return "single_process_multi_gpu" if num_ranks > 1 else "single_device"
 
 
 def chain_program(layer, num_layers: int, mesh):
@@ -142,7 +116,7 @@ def main():
   devices = jax.devices()
   num_ranks = len(devices)
   on_gpu = devices[0].platform == "gpu"
-  model = process_model(num_ranks)
+  model = reports.process_model(num_ranks)
   shared_gpu = model == "shared_gpu"
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices)
   sharding = NamedSharding(mesh, P("ep"))
@@ -179,7 +153,7 @@ def main():
   one_gpu = model in ("shared_gpu", "single_device")
   bound_gbps, bound = (bounds.copy_bound_gbps() if jax.process_index() == 0
                        else (0.0, "copy"))
-  bound_gbps = gather_max("bound", bound_gbps)
+  bound_gbps = reports.gather_max("bound", bound_gbps)
 
   def expert_params(rng_key):
     """`[E, H, F]`, `[E, H, F]`, `[E, F, H]` drawn on the devices, each process its shards."""
@@ -203,8 +177,8 @@ def main():
                                   ("device_clock_marginal", dev_n, dev_2n)):
       if first is None or second is None:
         continue
-      first = gather_max(f"{backend}/{expert}/{settings}/{timing}/n", first)
-      second = gather_max(f"{backend}/{expert}/{settings}/{timing}/2n", second)
+      first = reports.gather_max(f"{backend}/{expert}/{settings}/{timing}/n", first)
+      second = reports.gather_max(f"{backend}/{expert}/{settings}/{timing}/2n", second)
       per_layer_us = (second - first) / n * 1e6
       if per_layer_us <= 0:
         print(f"{backend} {expert}: no {timing} record (t(2N) <= t(N): timing noise)")

@@ -73,3 +73,40 @@ def uniform_topk(rng, num_tokens: int, num_experts: int, num_topk: int) -> np.nd
   """`[T, K]` int32: K distinct experts per token, uniformly at random."""
   scores = rng.random((num_tokens, num_experts))
   return np.argsort(scores, axis=-1)[:, :num_topk].astype(np.int32)
+
+
+def process_model(num_ranks: int) -> str:
+  """The records' `process_model`: how this job's processes hold its `num_ranks` devices."""
+  from bounds import narrowed_to_one_gpu
+  if os.environ.get("JAX_EP_SHARED_GPU") == "1":
+    return "shared_gpu"
+  if jax.process_count() > 1:
+    # "_isolated": each process sees only its own GPU (launch --isolate-gpus); the peer
+    # transport then asks NVML, not CUDA, whether the GPUs have P2P atomics.
+    return "process_per_gpu_isolated" if narrowed_to_one_gpu() else "process_per_gpu"
+  return "single_process_multi_gpu" if num_ranks > 1 else "single_device"
+
+
+def _kv_client():
+  """The `jax.distributed` key-value store client (multi-process runs only)."""
+  from jax._src import distributed
+  return distributed.global_state.client
+
+
+def gather_max(key: str, value: float, timeout_s: float = 120) -> float:
+  """The largest `value` over all processes (through the distributed key-value store): a
+  multi-process op is done when its slowest process is. `key` must be unique per call."""
+  if jax.process_count() == 1:
+    return value
+  client = _kv_client()
+  client.key_value_set_bytes(f"bench/{key}/{jax.process_index()}", json.dumps(value).encode())
+  return max(json.loads(client.blocking_key_value_get_bytes(f"bench/{key}/{p}",
+                                                              int(timeout_s * 1000)))
+             for p in range(jax.process_count()))
+
+
+def barrier(key: str, timeout_s: float = 120) -> None:
+  """Returns in every process once all have reached it (through the key-value store)."""
+  if jax.process_count() == 1:
+    return
+  _kv_client().wait_at_barrier(f"bench/{key}", int(timeout_s * 1000))

@@ -7,8 +7,8 @@
 //   for name, capsule in _jax_ep_ffi.registrations().items():
 //     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 //
-// The peer_group_* functions manage the peer transport's groups
-// (ffi/handlers/peer_group.h); their failures raise Python exceptions:
+// The intranode_group_* functions manage the intranode transport's groups
+// (ffi/handlers/intranode_group.h); their failures raise Python exceptions:
 // ValueError for arguments out of range, RuntimeError for CUDA errors.
 
 #include <cstdint>
@@ -20,7 +20,7 @@
 #include <cuda_runtime.h>
 
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/peer_group.h"
+#include "ffi/handlers/intranode_group.h"
 #include "ffi/kernels/ep_kernels.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/optional.h"
@@ -42,14 +42,14 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
 nb::dict Registrations() {
   nb::dict dict;
   dict["jax_ep_local_layout"] = EncapsulateFfiHandler(JaxEpLocalLayout);
-  dict["jax_ep_local_permute"] = EncapsulateFfiHandler(JaxEpLocalPermute);
-  dict["jax_ep_local_unpermute"] = EncapsulateFfiHandler(JaxEpLocalUnpermute);
-  dict["jax_ep_local_slot_dots"] = EncapsulateFfiHandler(JaxEpLocalSlotDots);
-  dict["jax_ep_peer_dispatch"] = EncapsulateFfiHandler(JaxEpPeerDispatch);
-  dict["jax_ep_peer_dispatch_cached"] =
-      EncapsulateFfiHandler(JaxEpPeerDispatchCached);
-  dict["jax_ep_peer_combine"] = EncapsulateFfiHandler(JaxEpPeerCombine);
-  dict["jax_ep_peer_combine_vjp"] = EncapsulateFfiHandler(JaxEpPeerCombineVjp);
+  dict["jax_ep_local_dispatch"] = EncapsulateFfiHandler(JaxEpLocalDispatch);
+  dict["jax_ep_local_combine"] = EncapsulateFfiHandler(JaxEpLocalCombine);
+  dict["jax_ep_local_combine_vjp"] = EncapsulateFfiHandler(JaxEpLocalCombineVjp);
+  dict["jax_ep_intranode_dispatch"] = EncapsulateFfiHandler(JaxEpIntranodeDispatch);
+  dict["jax_ep_intranode_dispatch_cached"] =
+      EncapsulateFfiHandler(JaxEpIntranodeDispatchCached);
+  dict["jax_ep_intranode_combine"] = EncapsulateFfiHandler(JaxEpIntranodeCombine);
+  dict["jax_ep_intranode_combine_vjp"] = EncapsulateFfiHandler(JaxEpIntranodeCombineVjp);
   return dict;
 }
 
@@ -64,14 +64,14 @@ int64_t LocalLayoutWorkspaceElems(int64_t num_tokens, int64_t num_topk,
   return layout::LocalLayoutWorkspaceElems(num_tokens, num_topk, num_experts);
 }
 
-int64_t PeerDispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
+int64_t IntranodeDispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
                                    int64_t num_topk, int64_t num_experts) {
   if (num_ranks < 1 || num_ranks > intranode::kMaxRanks || max_tokens < 1 ||
       num_topk < 1 || num_topk > kMaxTopk || num_experts < num_ranks ||
       num_experts % num_ranks != 0 || num_experts / num_ranks > kMaxExperts ||
       num_ranks * max_tokens * num_topk > INT32_MAX) {
     throw nb::value_error(
-        "peer_dispatch_workspace_elems: expected 1 <= num_ranks <= 64, "
+        "intranode_dispatch_workspace_elems: expected 1 <= num_ranks <= 64, "
         "max_tokens_per_rank >= 1, 1 <= num_topk <= 32, num_experts a "
         "positive multiple of num_ranks with num_experts / num_ranks <= 1024, "
         "and num_ranks * max_tokens_per_rank * num_topk < 2^31");
@@ -80,11 +80,11 @@ int64_t PeerDispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
                                            num_experts);
 }
 
-int64_t PeerGroupCreate(int device_ordinal, int rank, int num_ranks,
+int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
                         int64_t num_experts, int64_t num_topk, int64_t hidden,
                         int64_t max_tokens, int64_t itemsize, int64_t capacity,
                         int num_sms, double timeout_s) {
-  peer::GroupConfig c;
+  intranode_group::GroupConfig c;
   c.device = device_ordinal;
   c.rank = rank;
   c.num_ranks = num_ranks;
@@ -96,21 +96,21 @@ int64_t PeerGroupCreate(int device_ordinal, int rank, int num_ranks,
   c.capacity = capacity;
   c.num_sms = num_sms;
   c.timeout_s = timeout_s;
-  return peer::Create(c);
+  return intranode_group::Create(c);
 }
 
-nb::bytes PeerGroupIpcHandle(int64_t group_id) {
-  const std::string handle = peer::IpcHandle(group_id);
+nb::bytes IntranodeGroupIpcHandle(int64_t group_id) {
+  const std::string handle = intranode_group::IpcHandle(group_id);
   return nb::bytes(handle.data(), handle.size());
 }
 
-void PeerGroupConnect(int64_t group_id, const std::vector<nb::bytes>& handles) {
+void IntranodeGroupConnect(int64_t group_id, const std::vector<nb::bytes>& handles) {
   std::vector<std::string> raw;
   raw.reserve(handles.size());
   for (const nb::bytes& h : handles) {
     raw.emplace_back(static_cast<const char*>(h.data()), h.size());
   }
-  peer::Connect(group_id, raw);
+  intranode_group::Connect(group_id, raw);
 }
 
 // Loads every kernel of the extension on `device_ordinal` (DESIGN: kernels are
@@ -139,7 +139,7 @@ nb::dict Limits() {
   d["max_slots"] = kMaxSlots;  // T * K at one rank, R * T_max * K across ranks
   d["hidden_multiple"] = kHiddenMultiple;
   d["max_capacity"] = kMaxCapacity;
-  d["max_peer_ranks"] = intranode::kMaxRanks;
+  d["max_intranode_ranks"] = intranode::kMaxRanks;
   d["max_num_sms"] = kMaxNumSms;
   return d;
 }
@@ -167,13 +167,13 @@ NB_MODULE(_jax_ep_ffi, m) {
         "num_chunks = ceil(T*K / chunk), chunk = max(1024, "
         "round_up(ceil(T*K / 512), 256)).");
   m.def("preload_kernels", &jax_ep::PreloadKernels, nb::arg("device_ordinal"),
-        "Loads every kernel (layout, local, peer transport) on a device; "
+        "Loads every kernel (layout, local, intranode transport) on a device; "
         "called when a cuda group is created.");
   m.def("cuda_runtime_version", &jax_ep::CudaRuntimeVersion,
         "CUDA runtime version the extension was built with, e.g. 13000.");
 
-  // --- Peer transport (multi-rank, one NVLink domain). ---------------------
-  m.def("peer_buffer_bytes", &jax_ep::peer::BufferBytes, nb::arg("num_ranks"),
+  // --- Intranode transport (multi-rank, one NVLink domain). ---------------------
+  m.def("intranode_buffer_bytes", &jax_ep::intranode_group::BufferBytes, nb::arg("num_ranks"),
         nb::arg("max_tokens_per_rank"), nb::arg("hidden"), nb::arg("num_topk"),
         nb::arg("itemsize"),
         "Bytes of one rank's peer buffer: header 256 + dispatch rows "
@@ -181,15 +181,15 @@ NB_MODULE(_jax_ep_ffi, m) {
         "R*T_max*K*4 each + notify counts R*1024*4 + chunk starts and chunk "
         "counts R*(T_max+1)*4 each + combine rows R*T_max*H*4 (fp32) + dots "
         "R*T_max*K*4 + flags (4R+3)*8, each region rounded up to 256 bytes.");
-  m.def("peer_dispatch_workspace_elems",
-        &jax_ep::PeerDispatchWorkspaceElems, nb::arg("num_ranks"),
+  m.def("intranode_dispatch_workspace_elems",
+        &jax_ep::IntranodeDispatchWorkspaceElems, nb::arg("num_ranks"),
         nb::arg("max_tokens_per_rank"), nb::arg("num_topk"),
         nb::arg("num_experts"),
-        "Elements W of the int32 `workspace` result of jax_ep_peer_dispatch: "
+        "Elements W of the int32 `workspace` result of jax_ep_intranode_dispatch: "
         "4R + R*(T_max+1) + 2*R*T_max*K + 2E + (R+1)*ceil(T_max/512) + R "
         "times the local layout's "
         "workspace for up to T_max tokens of K slots over E/R experts.");
-  m.def("peer_group_create", &jax_ep::PeerGroupCreate,
+  m.def("intranode_group_create", &jax_ep::IntranodeGroupCreate,
         nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("num_ranks"),
         nb::arg("num_experts"), nb::arg("num_topk"), nb::arg("hidden"),
         nb::arg("max_tokens_per_rank"), nb::arg("itemsize"),
@@ -197,29 +197,29 @@ NB_MODULE(_jax_ep_ffi, m) {
         "Allocates this rank's peer buffer, device state and error mailbox on "
         "`device_ordinal`, loads every peer kernel there; returns a "
         "process-unique group id.");
-  m.def("peer_group_ipc_handle", &jax_ep::PeerGroupIpcHandle,
+  m.def("intranode_group_ipc_handle", &jax_ep::IntranodeGroupIpcHandle,
         nb::arg("group_id"),
         "The 64-byte cudaIpcMemHandle_t of the group's buffer.");
-  m.def("peer_group_connect", &jax_ep::PeerGroupConnect, nb::arg("group_id"),
+  m.def("intranode_group_connect", &jax_ep::IntranodeGroupConnect, nb::arg("group_id"),
         nb::arg("handles"),
         "Opens handles[r] of every rank r (the own one is ignored), checks "
         "each peer's configuration header and builds the pointer table.");
-  m.def("peer_group_connect_local", &jax_ep::peer::ConnectLocal,
+  m.def("intranode_group_connect_local", &jax_ep::intranode_group::ConnectLocal,
         nb::arg("group_ids"),
         "Connects groups of this process, group_ids[r] = rank r, enabling "
         "peer access between distinct devices. An op given any id of the set "
         "runs with the member on its current device.");
-  m.def("peer_group_pointer_table", &jax_ep::peer::PointerTable,
+  m.def("intranode_group_pointer_table", &jax_ep::intranode_group::PointerTable,
         nb::arg("group_id"),
         "The group's peer pointer table as integers (empty before connect).");
-  m.def("peer_group_receives_while_sending",
-        &jax_ep::peer::ReceivesWhileSending, nb::arg("group_id"),
+  m.def("intranode_group_receives_while_sending",
+        &jax_ep::intranode_group::ReceivesWhileSending, nb::arg("group_id"),
         "Whether the group's dispatch places the other ranks' rows while it "
         "sends (every rank on a GPU of its own, native P2P atomics between "
         "them; decided on connect).");
-  m.def("peer_group_error", &jax_ep::peer::ErrorMessage, nb::arg("group_id"),
+  m.def("intranode_group_error", &jax_ep::intranode_group::ErrorMessage, nb::arg("group_id"),
         "The message of the group's first timeout, or None (no sync).");
-  m.def("peer_group_destroy", &jax_ep::peer::Destroy, nb::arg("group_id"),
+  m.def("intranode_group_destroy", &jax_ep::intranode_group::Destroy, nb::arg("group_id"),
         "Synchronizes the group's device and frees the group. Idempotent; "
         "unknown ids are a no-op.");
   m.def("limits", &jax_ep::Limits,

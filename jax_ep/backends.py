@@ -56,7 +56,7 @@ class CudaBackend(_LayoutThenDispatch):
   """CUDA kernels through XLA FFI custom calls, at one rank (`R == 1`).
 
   Dispatch and combine are purely local there (layout, permute, unpermute); `R > 1` uses
-  `PeerBackend`. The low-latency pair has no kernels yet and runs on the reference path (same
+  `IntranodeBackend`. The low-latency pair has no kernels yet and runs on the reference path (same
   semantics).
   """
   config: EPConfig
@@ -66,14 +66,14 @@ class CudaBackend(_LayoutThenDispatch):
     return cuda_ops.local_layout(self.config, topk_idx)
 
   def dispatch(self, x, routing, slot_weights=None):
-    return cuda_ops.local_permute(self.config, x, routing, slot_weights)
+    return cuda_ops.local_dispatch(self.config, x, routing, slot_weights)
 
   def combine(self, expert_out, routing, slot_weights=None):
-    return cuda_ops.local_unpermute(self.config, expert_out, routing, slot_weights)
+    return cuda_ops.local_combine(self.config, expert_out, routing, slot_weights)
 
   def combine_vjp(self, d_out, expert_out, routing, slot_weights):
-    d_expert_out = cuda_ops.local_permute(self.config, d_out, routing, slot_weights)
-    return d_expert_out, cuda_ops.local_slot_dots(self.config, d_out, expert_out, routing)
+    d_expert_out = cuda_ops.local_dispatch(self.config, d_out, routing, slot_weights)
+    return d_expert_out, cuda_ops.local_combine_vjp(self.config, d_out, expert_out, routing)
 
   def low_latency_dispatch(self, x, topk_idx, use_fp8):
     return reference.low_latency_dispatch(self.config, x, topk_idx, use_fp8)
@@ -86,12 +86,12 @@ class CudaBackend(_LayoutThenDispatch):
 
 
 @dataclasses.dataclass(frozen=True)
-class PeerBackend:
-  """CUDA kernels over peer memory for `R > 1` in one NVLink domain (see `jax_ep.peer`).
+class IntranodeBackend:
+  """CUDA kernels over peer memory for `R > 1` in one NVLink domain (see `jax_ep.intranode`).
 
   Attributes:
     config: the group configuration.
-    group_id: the native peer group the handlers look up (the primary one of this process).
+    group_id: the native intranode group the handlers look up (the primary one of this process).
     raise_on_timeout: debug mode: check each op's status on the host right after it (a
       `jax.debug.callback`, i.e. one host synchronisation per op) and raise `TimeoutError`
       naming op, rank and peer (surfacing wrapped in JAX's runtime error). Off by default: a
@@ -108,34 +108,34 @@ class PeerBackend:
 
     def raise_if_failed(value):
       if value != 0:
-        message = _ffi.extension().peer_group_error(self.group_id)
+        message = _ffi.extension().intranode_group_error(self.group_id)
         _effects.note_failure()
-        raise TimeoutError(message or f"jax_ep: peer op failed with status {int(value)}")
+        raise TimeoutError(message or f"jax_ep: intranode op failed with status {int(value)}")
     # NOTES: a debug callback, not an io_callback: its effect is allowed under
     # `jax.checkpoint` (a layer stack under scan + remat), and a check that runs twice when the
     # forward pass is recomputed is harmless.
     jax.debug.callback(raise_if_failed, status)
 
   def dispatch_tokens(self, x, topk_idx, topk_weights):
-    *outs, status = cuda_ops.peer_dispatch(self.config, self.group_id, x, topk_idx, topk_weights)
+    *outs, status = cuda_ops.intranode_dispatch(self.config, self.group_id, x, topk_idx, topk_weights)
     self._checked(status)
     return tuple(outs)
 
   def dispatch(self, x, routing, slot_weights=None):
     # The weights of a weighted dispatch are the ones that travelled with the dispatch.
-    recv_x, status = cuda_ops.peer_dispatch_cached(self.config, self.group_id, x, routing,
+    recv_x, status = cuda_ops.intranode_dispatch_cached(self.config, self.group_id, x, routing,
                                                    weighted=slot_weights is not None)
     self._checked(status)
     return recv_x
 
   def combine(self, expert_out, routing, slot_weights=None):
-    out, status = cuda_ops.peer_combine(self.config, self.group_id, expert_out, routing,
+    out, status = cuda_ops.intranode_combine(self.config, self.group_id, expert_out, routing,
                                         weighted=slot_weights is not None)
     self._checked(status)
     return out
 
   def combine_vjp(self, d_out, expert_out, routing, slot_weights):
-    d_expert_out, d_weights, status = cuda_ops.peer_combine_vjp(
+    d_expert_out, d_weights, status = cuda_ops.intranode_combine_vjp(
         self.config, self.group_id, d_out, expert_out, routing)
     self._checked(status)
     return d_expert_out, d_weights
@@ -149,7 +149,7 @@ class PeerBackend:
   def workspace_bytes(self) -> int:
     ext = _ffi.extension()
     c = self.config
-    return 4 * int(ext.peer_dispatch_workspace_elems(c.num_ranks, c.max_tokens_per_rank,
+    return 4 * int(ext.intranode_dispatch_workspace_elems(c.num_ranks, c.max_tokens_per_rank,
                                                      c.num_topk, c.num_experts))
 
 

@@ -89,35 +89,35 @@ def _weights_or_placeholder(routing: LocalRouting, slot_weights):
   return jnp.zeros(routing.slot_row.shape, jnp.float32), False
 
 
-def local_permute(config: EPConfig, x: jax.Array, routing: LocalRouting, slot_weights=None):
+def local_dispatch(config: EPConfig, x: jax.Array, routing: LocalRouting, slot_weights=None):
   weights, weighted = _weights_or_placeholder(routing, slot_weights)
   shape = jax.ShapeDtypeStruct((config.capacity, x.shape[-1]), x.dtype)
-  return _call("jax_ep_local_permute", shape, x, routing.slot_row, routing.group_sizes, weights,
+  return _call("jax_ep_local_dispatch", shape, x, routing.slot_row, routing.group_sizes, weights,
                capacity=np.int64(config.capacity), weighted=weighted)
 
 
-def local_unpermute(config: EPConfig, expert_out: jax.Array, routing: LocalRouting,
+def local_combine(config: EPConfig, expert_out: jax.Array, routing: LocalRouting,
                     slot_weights=None):
   weights, weighted = _weights_or_placeholder(routing, slot_weights)
   num_tokens = routing.slot_row.shape[0]
   shape = jax.ShapeDtypeStruct((num_tokens, expert_out.shape[-1]), expert_out.dtype)
-  return _call("jax_ep_local_unpermute", shape, expert_out, routing.slot_row, weights,
+  return _call("jax_ep_local_combine", shape, expert_out, routing.slot_row, weights,
                weighted=weighted)
 
 
-def local_slot_dots(config: EPConfig, d_out: jax.Array, expert_out: jax.Array,
+def local_combine_vjp(config: EPConfig, d_out: jax.Array, expert_out: jax.Array,
                     routing: LocalRouting):
   shape = jax.ShapeDtypeStruct(routing.slot_row.shape, jnp.float32)
-  return _call("jax_ep_local_slot_dots", shape, d_out.astype(expert_out.dtype), expert_out,
+  return _call("jax_ep_local_combine_vjp", shape, d_out.astype(expert_out.dtype), expert_out,
                routing.slot_row)
 
 
 # ----------------------------------------------------------------------------------------------
-# Multi-rank peer transport (intranode). One custom call per op; the kernels move rows straight
+# Multi-rank intranode transport. One custom call per op; the kernels move rows straight
 # into the peers' library-owned buffers. These ops take no leading batch dims: under vmap JAX
 # runs one round per batch element (`vmap_method="sequential"`).
 
-class PeerRouting(NamedTuple):
+class IntranodeRouting(NamedTuple):
   """Routing metadata of the multi-rank cuda path.
 
   Attributes:
@@ -136,7 +136,7 @@ class PeerRouting(NamedTuple):
   topk_idx: jax.Array
 
 
-def _peer_call(target, result_shapes, *args, **attrs):
+def _intranode_call(target, result_shapes, *args, **attrs):
   # NOTES: has_side_effect keeps XLA from dropping or merging a call whose results one rank
   # does not use: every rank must issue the same ops of a group in the same order, or its peers
   # wait for data that never comes. No batch dims in the kernels: vmap loops.
@@ -145,10 +145,10 @@ def _peer_call(target, result_shapes, *args, **attrs):
 
 
 def _storage_rows(rows: int) -> int:
-  """Rows of a peer op's row-indexed buffer (`[capacity, H]`, `[T, ...]`): at least one.
+  """Rows of a intranode op's row-indexed buffer (`[capacity, H]`, `[T, ...]`): at least one.
 
   NOTES: XLA:GPU (jaxlib 0.11.2) segfaulted compiling a side-effecting custom call with a
-  zero-row result (capacity 0, seen on the H200; see StorageRows in ffi/handlers/peer_common.h).
+  zero-row result (capacity 0, seen on the H200; see StorageRows in ffi/handlers/intranode_common.h).
   Zero-row buffers therefore travel as one inert row (zeros, or -1 for routing: a token sent
   nowhere) and the results are sliced back here.
   """
@@ -162,12 +162,12 @@ def _with_one_row(a, fill):
   return jnp.full((1, *a.shape[1:]), fill, a.dtype)
 
 
-def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
+def intranode_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
   """Returns `(recv_x, group_sizes, num_dropped, num_invalid, routing, status)`."""
   ext = _ffi.extension()
   num_tokens, num_topk = topk_idx.shape
   r, n, i32 = config.num_ranks, config.num_ranks * config.max_tokens_per_rank, jnp.int32
-  workspace = int(ext.peer_dispatch_workspace_elems(r, config.max_tokens_per_rank, num_topk,
+  workspace = int(ext.intranode_dispatch_workspace_elems(r, config.max_tokens_per_rank, num_topk,
                                                     config.num_experts))
   t_rows = _storage_rows(num_tokens)
   shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
@@ -181,51 +181,51 @@ def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
             jax.ShapeDtypeStruct((), i32),                                   # status
             jax.ShapeDtypeStruct((workspace,), i32))                         # workspace
   (recv_x, group_sizes, num_dropped, num_invalid, send_pos, entry_row, entry_weights,
-   recv_counts, status, _) = _peer_call(
-       "jax_ep_peer_dispatch", shapes, _with_one_row(x, 0), _with_one_row(topk_idx, -1),
+   recv_counts, status, _) = _intranode_call(
+       "jax_ep_intranode_dispatch", shapes, _with_one_row(x, 0), _with_one_row(topk_idx, -1),
        _with_one_row(topk_weights.astype(jnp.float32), 0), group_id=np.int64(group_id),
        num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity))
-  routing = PeerRouting(send_pos[:num_tokens], entry_row, entry_weights, recv_counts,
+  routing = IntranodeRouting(send_pos[:num_tokens], entry_row, entry_weights, recv_counts,
                         group_sizes, topk_idx)
   return recv_x[:config.capacity], group_sizes, num_dropped, num_invalid, routing, status
 
 
-def peer_dispatch_cached(config: EPConfig, group_id: int, x, routing: PeerRouting,
+def intranode_dispatch_cached(config: EPConfig, group_id: int, x, routing: IntranodeRouting,
                          weighted: bool):
   """Returns `(recv_x, status)`: rows placed by an earlier dispatch's layout."""
   shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
-  recv_x, status = _peer_call(
-      "jax_ep_peer_dispatch_cached", shapes, _with_one_row(x, 0),
+  recv_x, status = _intranode_call(
+      "jax_ep_intranode_dispatch_cached", shapes, _with_one_row(x, 0),
       _with_one_row(routing.send_pos, -1), routing.entry_row, routing.entry_weights,
       routing.recv_counts, routing.group_sizes, group_id=np.int64(group_id),
       capacity=np.int64(config.capacity), weighted=bool(weighted))
   return recv_x[:config.capacity], status
 
 
-def peer_combine(config: EPConfig, group_id: int, expert_out, routing: PeerRouting,
+def intranode_combine(config: EPConfig, group_id: int, expert_out, routing: IntranodeRouting,
                  weighted: bool):
   """Returns `(out [T, H], status)`."""
   num_tokens = routing.send_pos.shape[0]
   shapes = (jax.ShapeDtypeStruct((_storage_rows(num_tokens), expert_out.shape[-1]),
                                  expert_out.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
-  out, status = _peer_call(
-      "jax_ep_peer_combine", shapes, _with_one_row(expert_out, 0), routing.entry_row,
+  out, status = _intranode_call(
+      "jax_ep_intranode_combine", shapes, _with_one_row(expert_out, 0), routing.entry_row,
       routing.entry_weights, routing.recv_counts, _with_one_row(routing.send_pos, -1),
       group_id=np.int64(group_id), weighted=bool(weighted))
   return out[:num_tokens], status
 
 
-def peer_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out, routing: PeerRouting):
+def intranode_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out, routing: IntranodeRouting):
   """Returns `(d_expert_out [C, H], d_weights [T, K] f32, status)`."""
   num_tokens, num_topk = routing.topk_idx.shape
   padded = _with_one_row(expert_out, 0)
   shapes = (jax.ShapeDtypeStruct(padded.shape, expert_out.dtype),
             jax.ShapeDtypeStruct((_storage_rows(num_tokens), num_topk), jnp.float32),
             jax.ShapeDtypeStruct((), jnp.int32))
-  d_expert_out, d_weights, status = _peer_call(
-      "jax_ep_peer_combine_vjp", shapes, _with_one_row(d_out.astype(expert_out.dtype), 0),
+  d_expert_out, d_weights, status = _intranode_call(
+      "jax_ep_intranode_combine_vjp", shapes, _with_one_row(d_out.astype(expert_out.dtype), 0),
       padded, _with_one_row(routing.topk_idx, -1), _with_one_row(routing.send_pos, -1),
       routing.entry_row, routing.entry_weights, routing.recv_counts, routing.group_sizes,
       group_id=np.int64(group_id), num_experts=np.int64(config.num_experts),

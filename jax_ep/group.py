@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _distributed, _effects, _ffi, _status, cuda_ops, peer, reference
+from jax_ep import _distributed, _effects, _ffi, _status, cuda_ops, intranode, reference
 from jax_ep import limits as jax_ep_limits
-from jax_ep.backends import BACKENDS, PeerBackend
+from jax_ep.backends import BACKENDS, IntranodeBackend
 from jax_ep.config import EPConfig, default_capacity
 from jax_ep.limits import KernelLimits, kernel_limits
 
@@ -58,10 +58,10 @@ def _check_dtype(dtype) -> np.dtype:
   return dtype
 
 
-# Peer transports of groups not yet closed: the exit hook of jax_ep/_effects.py settles JAX's
+# Intranode transports of groups not yet closed: the exit hook of jax_ep/_effects.py settles JAX's
 # effect tokens when one of them recorded a timeout (strong references: a dropped group's native
 # buffers and error record live on until exit anyway).
-_OPEN_TRANSPORTS: dict[int, peer.PeerTransport] = {}
+_OPEN_TRANSPORTS: dict[int, intranode.IntranodeTransport] = {}
 _effects.add_failure_source(
     lambda: any(t.error() for t in list(_OPEN_TRANSPORTS.values())))
 
@@ -98,7 +98,7 @@ def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | N
   if config.num_ranks == 1:
     return None
   if mesh.devices.ndim != 1:
-    return (f"the peer transport takes a 1-D mesh over the EP axis; this mesh has axes "
+    return (f"the intranode transport takes a 1-D mesh over the EP axis; this mesh has axes "
             f"{dict(mesh.shape)}")
   me = jax.process_index() if process_index is None else process_index
   local = sum(d.process_index == me for d in devices)
@@ -202,7 +202,7 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
     workspace = cuda_ops.layout_workspace_bytes(config)
   elif backend == "cuda":
     workspace = 0
-    comm_buffers = peer.buffer_bytes(config)
+    comm_buffers = intranode.buffer_bytes(config)
   else:
     workspace = reference.scratch_bytes(config)
   return MemoryEstimate(recv_x, handle, low_latency, workspace, comm_buffer_bytes=comm_buffers)
@@ -231,7 +231,7 @@ class Group:
       the excess is counted in `num_dropped` and contributes zero to combine.
     backend: 'auto' (default): cuda wherever it can run this group (CUDA GPUs with the
       extension built, a configuration inside the kernels' limits, one rank or a process model
-      the peer transport runs: one process per device, or one process for all of them), else
+      the intranode transport runs: one process per device, or one process for all of them), else
       the reference; the choice and its reason go to the `jax_ep` logger once and stay in
       `backend_name` / `backend_reason`. 'reference' or 'cuda' force one ('cuda' raises a
       `ValueError` saying why where it cannot run).
@@ -312,10 +312,10 @@ class Group:
     self._closed = False
     self._raise_on_timeout = bool(raise_on_timeout)
     if self.backend_name == "cuda" and num_ranks > 1:
-      self._transport = peer.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s,
+      self._transport = intranode.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s,
                                     process_ids=subset)
       _OPEN_TRANSPORTS[id(self._transport)] = self._transport
-      self.backend = PeerBackend(self.config, self._transport.primary_id,
+      self.backend = IntranodeBackend(self.config, self._transport.primary_id,
                                  bool(raise_on_timeout))
       self._status = _status.GroupStatus(repr(self), poll=self._transport.error)
       _status.WATCHDOG.watch(self._status)
@@ -342,7 +342,7 @@ class Group:
   @property
   def receives_while_sending(self) -> bool:
     """Whether dispatch places the other ranks' rows into `recv.x` as they land, in the kernel
-    that sends (cuda peer transport, every rank on a GPU of its own with native P2P atomics
+    that sends (cuda intranode transport, every rank on a GPU of its own with native P2P atomics
     between them). False elsewhere: the rows are then placed after the last one arrived (one
     GPU shared under MPS, GPUs without P2P atomics), or no transport is involved (reference
     backend, one rank). A performance property only; results are the same."""
@@ -354,7 +354,7 @@ class Group:
     """The dtype combine's per-(token, rank) partial sums travel home in.
 
     float32 (exact-first: the home rank adds fp32 partials and rounds once) except on the cuda
-    peer transport with bfloat16 activations, where partials travel in bfloat16 (half of
+    intranode transport with bfloat16 activations, where partials travel in bfloat16 (half of
     combine's wire bytes, as DeepEP does). Each bf16 partial `p` is rounded once on the expert
     side, so the result may differ from the fp32-partial sum by up to `2^-8 * sum_r |p_r|`
     per element, on top of the final rounding (docs/decisions.md). The same holds for the

@@ -2,9 +2,10 @@
 # One build-check-benchmark round on a GPU machine, with the extension built elsewhere and
 # carried in as jax_ep/_jax_ep_ffi*.so (see README). Logs and results go to $OUT (or ./gpu_out).
 #   bash scripts/gpu_round.sh local   # one-rank kernels: suite, main job, sanitizer, benchmark
-#   bash scripts/gpu_round.sh peer    # peer transport emulated on one GPU: suites, faults, bench
-#   bash scripts/gpu_round.sh smoke   # peer transport: pointer table + one small test at N=2
-#   stages of `peer`, one by one: faults, peer2, peer4, peer8, sanitize, bench (BENCH_RANKS="2 4 8",
+#   bash scripts/gpu_round.sh intranode  # the intranode transport emulated on one GPU: suites,
+#                                        # faults, sanitizer, bench
+#   bash scripts/gpu_round.sh smoke   # intranode transport: pointer table + one small test at N=2
+#   stages of `intranode`, one by one: faults, intranode2, intranode4, intranode8, sanitize, bench (BENCH_RANKS="2 4 8",
 #   BENCH_ARGS="--num-sms 48 ..." passed to bench_intranode.py)
 #   bash scripts/gpu_round.sh multi   # several GPUs: multi_suites + multi_bench per R
 #                                     # in MULTI_RANKS, one process per GPU (seeing all GPUs,
@@ -54,44 +55,44 @@ if has local; then
 fi
 
 if has smoke; then
-  step peer smoke: single-process pointer table, then one small case at N=2
-  timeout 60 python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider \
+  step intranode smoke: single-process pointer table, then one small case at N=2
+  timeout 60 python3 -m pytest tests/test_cuda_intranode.py -q -rf -x -p no:cacheprovider \
     -k pointer_table 2>&1 | tail -5
   timeout 150 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 --timeout 140 -- \
-    python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider \
+    python3 -m pytest tests/test_cuda_intranode.py -q -rf -x -p no:cacheprovider \
     -k "test_dispatch_combine_uniform" 2>&1 | tee "$OUT/pytest_smoke.log" | tail -40
 fi
 
-if has peer || has faults; then
-  step peer transport, one process: pointer table and fault cases
-  timeout 300 python3 -m pytest tests/test_cuda_peer.py -q -rf -p no:cacheprovider 2>&1 \
-    | tee "$OUT/pytest_peer_faults.log" | tail -6
+if has intranode || has faults; then
+  step intranode transport, one process: pointer table and fault cases
+  timeout 300 python3 -m pytest tests/test_cuda_intranode.py -q -rf -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest_intranode_faults.log" | tail -6
 fi
 
 for n in 2 4 8; do
-  if has peer || has peer$n; then
-    step peer suite, $n ranks emulated on one GPU
+  if has intranode || has intranode$n; then
+    step intranode suite, $n ranks emulated on one GPU
     timeout 300 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 280 -- \
-      python3 -m pytest tests/test_cuda_peer.py -q -rf -x -p no:cacheprovider \
+      python3 -m pytest tests/test_cuda_intranode.py -q -rf -x -p no:cacheprovider \
       ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
-      | tee "$OUT/pytest_peer_$n.log" | drop_noise | grep -E " passed| failed|rror" | tail -$((n + 4))
+      | tee "$OUT/pytest_intranode_$n.log" | drop_noise | grep -E " passed| failed|rror" | tail -$((n + 4))
   fi
 done
 
-if has peer || has sanitize; then
+if has intranode || has sanitize; then
   step compute-sanitizer memcheck and racecheck, 2 ranks emulated
   for tool in memcheck racecheck; do
     timeout 240 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 --timeout 230 -- \
       compute-sanitizer --tool $tool --kernel-name kns=jax_ep --print-limit 20 \
-      python3 -m pytest tests/test_cuda_peer.py -q -x -p no:cacheprovider \
+      python3 -m pytest tests/test_cuda_intranode.py -q -x -p no:cacheprovider \
       -k "test_dispatch_combine_uniform and 128-3-8" 2>&1 | tee "$OUT/sanitize_$tool.log" \
       | drop_noise | grep -E "ERROR SUMMARY|RACECHECK SUMMARY| passed| failed" | tail -6
   done
 fi
 
-if has peer || has bench; then
+if has intranode || has bench; then
   for n in ${BENCH_RANKS:-2 4 8}; do
-    step peer benchmark, $n ranks emulated
+    step intranode benchmark, $n ranks emulated
     timeout 200 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 180 -- \
       python3 benchmarks/bench_intranode.py --out gpu_round_intranode.jsonl ${BENCH_ARGS:-} 2>&1 \
       | tee "$OUT/bench_intranode_$n.log" | grep -E "^\[0\] (  |op |dispatch|combine|cuda|wrote)" | tail -40
@@ -119,7 +120,7 @@ fi
 # on two H200s ~25-35 s each with the marginal batches; MULTI_SMS="" drops the SM-budget
 # variants, MULTI_SEND_RECV=1 adds XLA's send/recv fallback, which hung there until the timeout).
 num_gpus=$(nvidia-smi -L | grep -c "^GPU ")
-multi_suites="tests/test_cuda_peer.py tests/test_xla_pipeline.py tests/test_reference.py"
+multi_suites="tests/test_cuda_intranode.py tests/test_xla_pipeline.py tests/test_reference.py"
 multi_suites="$multi_suites tests/test_api.py tests/test_layer.py"
 for n in ${MULTI_RANKS:-2 4 8}; do
   if ! { has multi || has multi_suites || has multi_bench; }; then break; fi

@@ -56,6 +56,16 @@ def _instructions(sass: str) -> dict[str, list[str]]:
   return functions
 
 
+def _without_source_hash(name: str) -> str:
+  """The mangled name with its anonymous namespace's identifier (which carries a hash of the
+  source path, `<length>_GLOBAL__N__<hash>_<file>_cu_<hash>`) cut to `_GLOBAL__N_`."""
+  match = re.search(r"(\d+)_GLOBAL__N_", name)
+  if not match:
+    return name
+  end = match.start() + len(match.group(1)) + int(match.group(1))
+  return name[:match.start()] + "11_GLOBAL__N_" + name[end:]
+
+
 def digests(tree: str) -> dict[str, str]:
   out = {}
   with tempfile.TemporaryDirectory() as tmp:
@@ -68,9 +78,7 @@ def digests(tree: str) -> dict[str, str]:
       sass = subprocess.run([tool, "-sass", cubin], check=True, capture_output=True, text=True,
                             env=env).stdout
       for name, body in _instructions(sass).items():
-        # The anonymous namespace's mangled name carries a hash of the source path.
-        name = re.sub(r"_GLOBAL__N__\w+?_cu_[0-9a-f]{8}", "_GLOBAL__N_", name)
-        out[name] = hashlib.sha1("\n".join(body).encode()).hexdigest()[:16]
+        out[_without_source_hash(name)] = hashlib.sha1("\n".join(body).encode()).hexdigest()[:16]
   return out
 
 

@@ -44,15 +44,15 @@ class TestCudaLocal(EPTestBase):
     if capacity is not None:
       assert expected[0]["num_dropped"] > 0
 
-  # Decode sizes (few tokens, H=7168): the combine runs UnpermuteVectorKernel, built per top-k
-  # (1, 2, 4, 6 and 8; 3 takes UnpermuteKernel); dropped slots and invalid ids are no row.
+  # Decode sizes (few tokens, H=7168): the combine runs CombineVectorKernel, built per top-k
+  # (1, 2, 4, 6 and 8; 3 takes CombineKernel); dropped slots and invalid ids are no row.
   @pytest.mark.parametrize("num_topk", [1, 2, 3, 4, 6, 8])
   @pytest.mark.parametrize("pattern,capacity", [("hot", 12), ("invalid", None)])
   def test_decode_sizes_each_topk(self, num_topk, pattern, capacity):
     self._roundtrip(1, 5, 7168, num_topk, 16, pattern, jnp.bfloat16, capacity=capacity)
 
   # vmap: one launch over the batch, each element at its own offset in the expert rows (at
-  # H=7168 the combine runs UnpermuteVectorKernel with its batch offset, top-k 8 and 6).
+  # H=7168 the combine runs CombineVectorKernel with its batch offset, top-k 8 and 6).
   @pytest.mark.parametrize("hidden,num_tokens,num_topk,capacity", [
       (2048, 19, 8, 60), (7168, 5, 8, 12), (7168, 5, 6, 12)])
   def test_rows_split_into_parts_under_vmap(self, hidden, num_tokens, num_topk, capacity):

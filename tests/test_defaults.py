@@ -14,13 +14,13 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _ffi, _status, group as group_module, peer
+from jax_ep import _ffi, _status, group as group_module, intranode
 from jax_ep.config import EPConfig
 from jax_ep.limits import KernelLimits, cuda_violation
 from ep_test_base import rank_mesh
 
 LIMITS = KernelLimits(max_experts=1024, max_topk=32, max_slots=1 << 30, hidden_multiple=8,
-                      max_capacity=2**31 - 1, max_peer_ranks=64, max_num_sms=1024)
+                      max_capacity=2**31 - 1, max_intranode_ranks=64, max_num_sms=1024)
 
 
 def _config(num_ranks=2, num_experts=16, num_topk=4, hidden=128, max_tokens=32, capacity=None):
@@ -65,7 +65,7 @@ def test_cuda_runs_every_process_model_of_the_transport(processes, me):
     (_FakeMesh([0, 0, 1, 1]), _config(num_ranks=4),
      "process 0 holds 2 of the group's 4 devices"),
     (_FakeMesh([0, 1, 2, 3], shape=(2, 2)), _config(),
-     "the peer transport takes a 1-D mesh over the EP axis"),
+     "the intranode transport takes a 1-D mesh over the EP axis"),
     (_FakeMesh([0, 1]), _config(hidden=100), "hidden=100 is not a multiple of 8"),
     (_FakeMesh([0]), _config(num_ranks=1, num_topk=40, num_experts=64),
      "num_topk=40 is above the kernels' limit of 32"),
@@ -132,7 +132,7 @@ def test_cuda_refuses_a_hidden_size_the_kernels_cannot_take(monkeypatch):
 # ------------------------------------------------------------------------- run-time failures
 
 class _FakeTransport:
-  """Stands in for `peer.PeerTransport`: an error record the test fills in."""
+  """Stands in for `intranode.IntranodeTransport`: an error record the test fills in."""
   group_ids = [1]
   primary_id = 1
   receives_while_sending = False
@@ -151,8 +151,8 @@ class _FakeTransport:
 
 
 @pytest.fixture
-def peer_group(monkeypatch):
-  """A two-rank group wired to a fake peer transport (the cuda backend's Python side)."""
+def intranode_group(monkeypatch):
+  """A two-rank group wired to a fake intranode transport (the cuda backend's Python side)."""
   if jax.process_count() > 1:
     pytest.skip("single-process fake")
   transports = []
@@ -161,7 +161,7 @@ def peer_group(monkeypatch):
     transports.append(_FakeTransport())
     return transports[-1]
   monkeypatch.setattr(group_module, "cuda_support", lambda *a, **k: None)
-  monkeypatch.setattr(peer, "create", create)
+  monkeypatch.setattr(intranode, "create", create)
   monkeypatch.setattr(_status.WATCHDOG, "interval_s", 0.01)
 
   def make(**kwargs):
@@ -172,7 +172,7 @@ def peer_group(monkeypatch):
 
 
 TIMEOUT = ("jax_ep.dispatch: rank 0 timed out after 2.0 s waiting for rank 1 (call 3): rank 1's "
-           "dispatch data did not arrive. The peer group is unusable; recreate it.")
+           "dispatch data did not arrive. The intranode group is unusable; recreate it.")
 
 
 def _count_primitive(jaxpr, name):
@@ -204,8 +204,8 @@ def _trace_dispatch(group):
   return jax.jit(mapped).trace(*structs)
 
 
-def test_watchdog_logs_a_timeout_and_every_entry_point_raises_it(peer_group, caplog):
-  group, transport = peer_group()
+def test_watchdog_logs_a_timeout_and_every_entry_point_raises_it(intranode_group, caplog):
+  group, transport = intranode_group()
   with caplog.at_level(logging.ERROR, logger="jax_ep"):
     _wait_for(lambda: transport.reads > 0)  # the watchdog polls without being asked
     group.check()  # nothing yet
@@ -220,8 +220,8 @@ def test_watchdog_logs_a_timeout_and_every_entry_point_raises_it(peer_group, cap
   assert transport.closed
 
 
-def test_close_raises_a_failure_nobody_saw(peer_group):
-  group, transport = peer_group()
+def test_close_raises_a_failure_nobody_saw(intranode_group):
+  group, transport = intranode_group()
   transport.message = TIMEOUT
   with pytest.raises(TimeoutError, match="rank 0 timed out"):
     group.close()
@@ -232,13 +232,13 @@ def test_close_raises_a_failure_nobody_saw(peer_group):
 
 
 @pytest.mark.skipif(_ffi.extension() is None, reason="built without the CUDA extension")
-def test_no_host_callback_in_any_op_by_default(peer_group):
-  """The peer ops' programs carry no host callback unless a debug setting asks for one."""
+def test_no_host_callback_in_any_op_by_default(intranode_group):
+  """The intranode ops' programs carry no host callback unless a debug setting asks for one."""
   def callbacks(group):
     return _count_primitive(_trace_dispatch(group).jaxpr.jaxpr, "debug_callback")
-  assert callbacks(peer_group()[0]) == 0
-  assert callbacks(peer_group(raise_on_timeout=True)[0]) == 1
-  assert callbacks(peer_group(strict=True)[0]) == 1
+  assert callbacks(intranode_group()[0]) == 0
+  assert callbacks(intranode_group(raise_on_timeout=True)[0]) == 1
+  assert callbacks(intranode_group(strict=True)[0]) == 1
 
 
 def test_reference_ops_have_no_host_callback_by_default():

@@ -13,21 +13,21 @@
 
 // "jax_ep_local_layout"     — ffi/handlers/local_layout.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalLayout);
-// "jax_ep_local_permute"    — ffi/handlers/local_permute.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalPermute);
-// "jax_ep_local_unpermute"  — ffi/handlers/local_unpermute.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalUnpermute);
-// "jax_ep_local_slot_dots"  — ffi/handlers/local_slot_dots.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalSlotDots);
+// "jax_ep_local_dispatch"    — ffi/handlers/local_dispatch.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalDispatch);
+// "jax_ep_local_combine"  — ffi/handlers/local_combine.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalCombine);
+// "jax_ep_local_combine_vjp"  — ffi/handlers/local_combine_vjp.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalCombineVjp);
 
-// Multi-rank peer transport (state: ffi/handlers/peer_group.h).
-// "jax_ep_peer_dispatch"        — ffi/handlers/peer_dispatch.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerDispatch);
-// "jax_ep_peer_dispatch_cached" — ffi/handlers/peer_dispatch_cached.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerDispatchCached);
-// "jax_ep_peer_combine"         — ffi/handlers/peer_combine.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerCombine);
-// "jax_ep_peer_combine_vjp"     — ffi/handlers/peer_combine_vjp.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerCombineVjp);
+// Multi-rank intranode transport (state: ffi/handlers/intranode_group.h).
+// "jax_ep_intranode_dispatch"        — ffi/handlers/intranode_dispatch.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeDispatch);
+// "jax_ep_intranode_dispatch_cached" — ffi/handlers/intranode_dispatch_cached.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeDispatchCached);
+// "jax_ep_intranode_combine"         — ffi/handlers/intranode_combine.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeCombine);
+// "jax_ep_intranode_combine_vjp"     — ffi/handlers/intranode_combine_vjp.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeCombineVjp);
 
 #endif  // JAX_EP_FFI_HANDLERS_HANDLERS_H_

@@ -35,7 +35,7 @@ enum class ElementType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2 };
 inline constexpr int64_t kMaxExperts = 1024;
 inline constexpr int64_t kMaxTopk = 32;
 // Most slots (T * K) one call may have per batch element (per rank for the
-// peer transport's received entries, R * T_max * K). NOTES: int32 slot indices
+// intranode transport's received entries, R * T_max * K). NOTES: int32 slot indices
 // with headroom: the layout's last chunk ends at most one chunk (<= 2^22
 // slots) past T * K, which must still fit int32.
 inline constexpr int64_t kMaxSlots = int64_t{1} << 30;
@@ -44,7 +44,7 @@ inline constexpr int64_t kMaxSlots = int64_t{1} << 30;
 inline constexpr int64_t kHiddenMultiple = 8;
 // Rows of `recv_x` (capacity): row indices are int32.
 inline constexpr int64_t kMaxCapacity = INT32_MAX;
-// The SM budget of a peer group's send kernels (num_sms): far above any GPU's
+// The SM budget of a intranode group's send kernels (num_sms): far above any GPU's
 // multiprocessor count, and keeps every send grid well inside int32.
 inline constexpr int64_t kMaxNumSms = 1024;
 
@@ -133,7 +133,7 @@ namespace local {
 // Tokens of a peer permute whose rows the caller has already placed in
 // `recv_x` (a dispatch places its own rank's tokens while its rows travel):
 // tokens n in [begin, begin + count) are neither read nor written. Only with
-// x_from_peers and one batch element (Permute refuses it otherwise, and a range
+// x_from_peers and one batch element (Dispatch refuses it otherwise, and a range
 // outside [0, num_tokens]).
 struct PlacedTokens {
   int64_t begin = 0;
@@ -155,7 +155,7 @@ struct PlacedTokens {
 // (before this kernel was launched): its rows are read with ld.global.cg
 // (L2, no L1 / non-coherent cache) instead of ld.global.nc.
 // `placed`: see PlacedTokens.
-cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
+cudaError_t Dispatch(ElementType dtype, const void* x, const int32_t* slot_row,
                     const int32_t* group_sizes, const float* slot_weights,
                     void* recv_x, int64_t num_batches, int64_t num_tokens,
                     int64_t num_topk, int64_t num_experts, int64_t hidden,
@@ -170,7 +170,7 @@ cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
 //   slot_row     `[T, K]` int32      in
 //   slot_weights `[T, K]` float32    in (not read when !weighted; may be null)
 //   out          `[T, H]` dtype      out
-cudaError_t Unpermute(ElementType dtype, const void* expert_out,
+cudaError_t Combine(ElementType dtype, const void* expert_out,
                       const int32_t* slot_row, const float* slot_weights,
                       void* out, int64_t num_batches, int64_t num_tokens,
                       int64_t num_topk, int64_t hidden, int64_t capacity,
@@ -182,7 +182,7 @@ cudaError_t Unpermute(ElementType dtype, const void* expert_out,
 //   expert_out   `[capacity, H]` dtype in
 //   slot_row     `[T, K]` int32      in
 //   dots         `[T, K]` float32    out
-cudaError_t SlotDots(ElementType dtype, const void* d_out,
+cudaError_t CombineVjp(ElementType dtype, const void* d_out,
                      const void* expert_out, const int32_t* slot_row,
                      float* dots, int64_t num_batches, int64_t num_tokens,
                      int64_t num_topk, int64_t hidden, int64_t capacity,
@@ -195,14 +195,14 @@ cudaError_t PreloadKernels();
 }  // namespace local
 
 // ---------------------------------------------------------------------------
-// Intranode (peer transport): multi-rank dispatch / combine through a table of
+// Intranode (intranode transport): multi-rank dispatch / combine through a table of
 // peer pointers (CUDA IPC or P2P). Protocol: NOTES at the top of
 // ffi/kernels/intranode.cu. Host-side set-up (allocation, IPC, registry):
 // ffi/handlers/peer_group.{h,cc}.
 // ---------------------------------------------------------------------------
 namespace intranode {
 
-// Ranks of one peer group (a flag array per region is indexed by rank; one
+// Ranks of one intranode group (a flag array per region is indexed by rank; one
 // warp stages a token's destinations in two ballots).
 inline constexpr int64_t kMaxRanks = 64;
 inline constexpr int64_t kRegionAlign = 256;  // bytes; >= 16 for row vectors
@@ -227,7 +227,7 @@ enum SendCounter : int32_t {
 };
 
 // Op codes recorded in the error mailbox.
-enum class PeerOp : int32_t {
+enum class OpCode : int32_t {
   kNone = 0,
   kDispatch = 1,
   kDispatchCached = 2,
@@ -333,7 +333,7 @@ struct DeviceState {
 // (fields, system fence, then `state` = 1); the host reads it without a sync.
 struct Mailbox {
   unsigned int state;  // 0: no error, 1: the fields below are valid
-  int32_t op;          // PeerOp
+  int32_t op;          // OpCode
   int32_t rank;        // this rank
   int32_t peer;        // the rank waited for
   int32_t wait_kind;   // WaitKind
@@ -344,7 +344,7 @@ struct Mailbox {
 // Everything a peer kernel needs about its group, passed by value. All
 // pointers are fixed at connect time (none changes per call), so launches are
 // safe to capture into CUDA graphs.
-struct PeerView {
+struct GroupView {
   char* const* peers;   // device array [R]: base of each rank's buffer
   char* own;            // this rank's buffer (== peers[rank]), device memory
   DeviceState* state;   // device memory
@@ -370,7 +370,7 @@ struct PeerView {
                         // needs, or chunk counts could not be added atomically
 };
 
-// int32 elements of the `workspace` result of jax_ep_peer_dispatch, in
+// int32 elements of the `workspace` result of jax_ep_intranode_dispatch, in
 // order: [R] tokens sent to each rank; [R] + [R] layout scratch; [R] chunks
 // of each source; [R, T_max + 1] the send position of each chunk's first
 // token per destination; [R, T_max, K] the slots' local expert ids per
@@ -395,11 +395,11 @@ inline int64_t DispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
                          max_tokens, num_topk, num_experts / num_ranks);
 }
 
-// Forces the module load of every kernel the peer ops launch (this family's,
+// Forces the module load of every kernel the intranode ops launch (this family's,
 // the layout kernels and the permute kernels) on the current device.
 cudaError_t PreloadKernels();
 
-// Notify + dispatch + layout (jax_ep_peer_dispatch). Per rank:
+// Notify + dispatch + layout (jax_ep_intranode_dispatch). Per rank:
 //   x             `[T, H]`   dtype   in      topk_idx `[T, K]` int32 in
 //   topk_weights  `[T, K]`   float32 in
 //   recv_x        `[capacity, H]` dtype out  group_sizes `[E/R]` int32 out
@@ -409,7 +409,7 @@ cudaError_t PreloadKernels();
 //   entry_weights `[R*T_max, K]` float32 out (0 where no entry)
 //   recv_counts   `[R]` int32 out        status `[]` int32 out (0 ok)
 //   workspace     `[DispatchWorkspaceElems(R, T_max, K, E)]` int32 scratch
-cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
+cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
                      const int32_t* topk_idx, const float* topk_weights,
                      int64_t num_tokens, int64_t num_experts, int64_t capacity,
                      void* recv_x, int32_t* group_sizes, int32_t* num_dropped,
@@ -418,12 +418,12 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
                      int32_t* recv_counts, int32_t* status, int32_t* workspace,
                      cudaStream_t stream);
 
-// Dispatch with the layout of an earlier Dispatch (jax_ep_peer_dispatch_cached):
+// Dispatch with the layout of an earlier Dispatch (jax_ep_intranode_dispatch_cached):
 // rows only; entry (s, i, k) lands at entry_row (times entry_weights in fp32,
 // rounded once, when `weighted`); rows >= sum(group_sizes) are zero.
 //   x `[T, H]`, send_pos `[T, R]`, entry_row / entry_weights `[R*T_max, K]`,
 //   recv_counts `[R]`, group_sizes `[L]` in; recv_x `[capacity, H]`, status out.
-cudaError_t DispatchCached(const PeerView& g, ElementType dtype, const void* x,
+cudaError_t DispatchCached(const GroupView& g, ElementType dtype, const void* x,
                            const int32_t* send_pos, const int32_t* entry_row,
                            const float* entry_weights,
                            const int32_t* recv_counts,
@@ -432,24 +432,24 @@ cudaError_t DispatchCached(const PeerView& g, ElementType dtype, const void* x,
                            bool weighted, void* recv_x, int32_t* status,
                            cudaStream_t stream);
 
-// Combine (jax_ep_peer_combine): expert side reduces each received token's
+// Combine (jax_ep_intranode_combine): expert side reduces each received token's
 // rows over k ascending in fp32 (weighted or not) and writes one partial row
 // to its home (bf16 for bf16 activations, else fp32: CombineWire); home sums
 // the partials of ranks d ascending in fp32, rounds once.
 //   expert_out `[capacity, H]` in; entry_row, entry_weights, recv_counts,
 //   send_pos `[T, R]` in; out `[T, H]`, status out.
-cudaError_t Combine(const PeerView& g, ElementType dtype,
+cudaError_t Combine(const GroupView& g, ElementType dtype,
                     const void* expert_out, const int32_t* entry_row,
                     const float* entry_weights, const int32_t* recv_counts,
                     const int32_t* send_pos, int64_t num_tokens,
                     int64_t capacity, bool weighted, void* out,
                     int32_t* status, cudaStream_t stream);
 
-// Cotangents of the weighted combine (jax_ep_peer_combine_vjp):
+// Cotangents of the weighted combine (jax_ep_intranode_combine_vjp):
 //   d_expert_out `[capacity, H]` = weighted cached dispatch of d_out `[T, H]`;
 //   d_weights `[T, K]` float32 = <d_out[t], expert_out[row(t, k)]> (0 for
 //   slots that select nothing or were dropped), dot taken on the expert side.
-cudaError_t CombineVjp(const PeerView& g, ElementType dtype, const void* d_out,
+cudaError_t CombineVjp(const GroupView& g, ElementType dtype, const void* d_out,
                        const void* expert_out, const int32_t* topk_idx,
                        const int32_t* send_pos, const int32_t* entry_row,
                        const float* entry_weights, const int32_t* recv_counts,

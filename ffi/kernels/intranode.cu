@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// jax_ep::intranode — the peer transport: multi-rank dispatch / combine where
+// jax_ep::intranode — the intranode transport: multi-rank dispatch / combine where
 // every rank's kernels write straight into the other ranks' library-owned
 // buffers through a table of peer pointers (CUDA IPC or P2P, one NVLink
 // domain; several processes sharing one GPU under MPS use the same path).
@@ -42,7 +42,7 @@
 //   received entries, and rows can be placed before all of them arrived.
 //   The send kernel then places this rank's own tokens from x in other
 //   blocks, and where every rank has a GPU of its own with native P2P
-//   atomics to every other (PeerView::receive_while_sending)
+//   atomics to every other (GroupView::receive_while_sending)
 //   receiving blocks place the other sources' rows chunk by chunk: after its
 //   last token of a chunk a sending block fences (thread 0, after a barrier)
 //   and adds its tokens of the chunk to d's `chunk_done[this rank][chunk]`;
@@ -71,7 +71,7 @@
 //   the first failing thread claims the mailbox (atomicCAS on device state),
 //   writes (op, rank, peer, seq, region, what) to host-mapped memory, fences,
 //   sets `state` = 1, and sets the sticky device flag `aborted`. Every send and
-//   wait kernel of a peer op checks `aborted` and returns early (spins check
+//   wait kernel of a intranode op checks `aborted` and returns early (spins check
 //   it each turn; the local placing kernels run on, on defined inputs);
 //   FinishKernel then writes status = 1 and publishes nothing. The handler of
 //   any later call reads the mailbox first and fails with its message. Never
@@ -201,13 +201,13 @@ __device__ __forceinline__ uint64_t GlobalTimerNs() {
   return t;
 }
 
-__device__ __forceinline__ bool Aborted(const PeerView& g) {
+__device__ __forceinline__ bool Aborted(const GroupView& g) {
   return *reinterpret_cast<const volatile unsigned int*>(&g.state->aborted) !=
          0u;
 }
 
 // seq of the current call of `region` (FinishKernel advances the counter).
-__device__ __forceinline__ uint64_t CurrentSeq(const PeerView& g,
+__device__ __forceinline__ uint64_t CurrentSeq(const GroupView& g,
                                                int region) {
   return *reinterpret_cast<const volatile unsigned long long*>(
              &g.state->seq[region]) +
@@ -215,21 +215,21 @@ __device__ __forceinline__ uint64_t CurrentSeq(const PeerView& g,
 }
 
 __device__ __forceinline__ uint64_t* ArrivalFlag(char* base,
-                                                 const PeerView& g,
+                                                 const GroupView& g,
                                                  int region, int src) {
   return reinterpret_cast<uint64_t*>(base + g.layout.flags) +
          static_cast<int64_t>(region) * g.num_ranks + src;
 }
 
 __device__ __forceinline__ uint64_t* ConsumedFlag(char* base,
-                                                  const PeerView& g,
+                                                  const GroupView& g,
                                                   int region) {
   return reinterpret_cast<uint64_t*>(base + g.layout.flags) +
          static_cast<int64_t>(kNumRegions) * g.num_ranks + region;
 }
 
 // Source src's dispatch counts of the current call (its seq << 32).
-__device__ __forceinline__ uint64_t* NotifyFlag(char* base, const PeerView& g,
+__device__ __forceinline__ uint64_t* NotifyFlag(char* base, const GroupView& g,
                                                 int src) {
   return reinterpret_cast<uint64_t*>(base + g.layout.flags) +
          static_cast<int64_t>(kNumRegions) * (g.num_ranks + 1) + src;
@@ -240,13 +240,13 @@ __device__ __forceinline__ uint64_t FlagValue(uint64_t seq, int32_t count) {
 }
 
 __device__ __forceinline__ int32_t ClampCount(int32_t count,
-                                              const PeerView& g) {
+                                              const GroupView& g) {
   return min(max(count, 0), static_cast<int32_t>(g.max_tokens));
 }
 
 // First timeout of the group: fill the mailbox once, then abort every later
 // kernel of the group.
-__device__ void RecordTimeout(const PeerView& g, PeerOp op, int region,
+__device__ void RecordTimeout(const GroupView& g, OpCode op, int region,
                               WaitKind what, int peer, uint64_t seq) {
   if (atomicCAS(&g.state->error_claimed, 0u, 1u) == 0u) {
     volatile Mailbox* m = g.mailbox;
@@ -267,8 +267,8 @@ __device__ void RecordTimeout(const PeerView& g, PeerOp op, int region,
 // and kCounts its seq field equals `seq`, for kConsumed its value is
 // >= seq - 1. Returns false when the group aborted or the wait timed out
 // (then recorded).
-__device__ bool SpinWait(const PeerView& g, const uint64_t* flag, WaitKind what,
-                         uint64_t seq, PeerOp op, int region, int peer,
+__device__ bool SpinWait(const GroupView& g, const uint64_t* flag, WaitKind what,
+                         uint64_t seq, OpCode op, int region, int peer,
                          uint64_t* value) {
   const uint64_t start = GlobalTimerNs();
   const uint64_t want_seq = seq & 0xffffffffull;
@@ -295,7 +295,7 @@ __device__ bool SpinWait(const PeerView& g, const uint64_t* flag, WaitKind what,
 // (MPS) would otherwise fill the SMs with send blocks spinning on a peer whose
 // release (its FinishKernel, or the reduce before it) then never gets an SM.
 __global__ void __launch_bounds__(kWaitThreads)
-    WaitConsumedKernel(PeerView g, PeerOp op, int region) {
+    WaitConsumedKernel(GroupView g, OpCode op, int region) {
   const int d = threadIdx.x;
   if (d >= g.num_ranks || Aborted(g)) return;
   const uint64_t seq = CurrentSeq(g, region);
@@ -306,7 +306,7 @@ __global__ void __launch_bounds__(kWaitThreads)
 
 // Send-kernel prologue: true (block-uniform) when the group aborted (then
 // the kernel returns and its op's FinishKernel reports the failure).
-__device__ __forceinline__ bool BlockSeesAbort(const PeerView& g) {
+__device__ __forceinline__ bool BlockSeesAbort(const GroupView& g) {
   return __syncthreads_or(Aborted(g)) != 0;
 }
 
@@ -335,7 +335,7 @@ __device__ bool ArriveLastBlock(unsigned long long* counter,
 // ascending order: s_dest[j], s_pos[j], *s_num. Must be called by the whole
 // warp 0 (two full-warp ballots cover R <= 64).
 __device__ __forceinline__ void StageDestinations(
-    const int32_t* __restrict__ send_pos, int64_t t, const PeerView& g,
+    const int32_t* __restrict__ send_pos, int64_t t, const GroupView& g,
     int32_t* s_dest, int32_t* s_pos, int32_t* s_num) {
   const int lane = threadIdx.x & 31;
   int32_t n = 0;
@@ -357,7 +357,7 @@ __device__ __forceinline__ void StageDestinations(
 // Received items (s, i), i < recv_counts[s], enumerated source-major:
 // s_start[s] = items of sources < s (counts clamped to [0, T_max]).
 __device__ __forceinline__ void StageItemStarts(
-    const int32_t* __restrict__ recv_counts, const PeerView& g,
+    const int32_t* __restrict__ recv_counts, const GroupView& g,
     int32_t* s_start) {
   if (threadIdx.x == 0) {
     int32_t run = 0;
@@ -545,7 +545,7 @@ __global__ void __launch_bounds__(kLayoutThreads)
 // wait as in the send kernels (NOTES at the top); this kernel stands in for
 // WaitConsumedKernel in front of the dispatch's sends.
 __global__ void __launch_bounds__(kNotifyThreads)
-    NotifyKernel(PeerView g, const int32_t* __restrict__ counts,
+    NotifyKernel(GroupView g, const int32_t* __restrict__ counts,
                  const int32_t* __restrict__ chunk_start, int32_t num_local,
                  int32_t num_chunks) {
   __shared__ char* s_peer[kMaxR];
@@ -557,7 +557,7 @@ __global__ void __launch_bounds__(kNotifyThreads)
     s_peer[d] = g.peers[d];
     uint64_t v = 0;
     failed = !SpinWait(g, ConsumedFlag(s_peer[d], g, kDispatchRegion),
-                       WaitKind::kConsumed, seq, PeerOp::kDispatch,
+                       WaitKind::kConsumed, seq, OpCode::kDispatch,
                        kDispatchRegion, d, &v);
   }
   if (__syncthreads_or(failed)) return;
@@ -598,7 +598,7 @@ __global__ void __launch_bounds__(kNotifyThreads)
 // the contract's order, which the local layout of the same entries gives.
 // Whole-block results; a warp scans each source's row, a thread each column.
 __global__ void __launch_bounds__(kCountsThreads)
-    WaitCountsKernel(PeerView g, int32_t num_local, int64_t capacity,
+    WaitCountsKernel(GroupView g, int32_t num_local, int64_t capacity,
                      int32_t* __restrict__ offset,
                      int32_t* __restrict__ group_sizes,
                      int32_t* __restrict__ num_dropped,
@@ -613,7 +613,7 @@ __global__ void __launch_bounds__(kCountsThreads)
     const int s = threadIdx.x;
     uint64_t v = 0;
     failed = !SpinWait(g, NotifyFlag(g.own, g, s), WaitKind::kCounts, seq,
-                       PeerOp::kDispatch, kDispatchRegion, s, &v);
+                       OpCode::kDispatch, kDispatchRegion, s, &v);
     source_chunks[s] = ClampCount(static_cast<int32_t>(v & 0xffffffffull), g);
   }
   // Outputs are garbage after an abort; the status says so.
@@ -675,7 +675,7 @@ __global__ void __launch_bounds__(kCountsThreads)
 // stores evict-first. Index is the vector index type (32 bits where the
 // caller's registers need it). Block-uniform arguments.
 template <bool kSkipSelf, bool kStreaming, typename Index>
-__device__ __forceinline__ void PushRow(const PeerView& g, char* const* s_peer,
+__device__ __forceinline__ void PushRow(const GroupView& g, char* const* s_peer,
                                         const int32_t* s_dest,
                                         const int32_t* s_pos, int32_t n,
                                         const uint4* __restrict__ src,
@@ -735,7 +735,7 @@ __device__ __forceinline__ void PlaceRow(const uint4* __restrict__ src,
 
 // Spins (thread 0 of the block) until *counter >= want; block-uniform result,
 // false when the group aborted or the wait timed out (then recorded).
-__device__ bool BlockWaitCount(const PeerView& g, const unsigned* counter,
+__device__ bool BlockWaitCount(const GroupView& g, const unsigned* counter,
                                unsigned want, int peer) {
   __shared__ int s_ok;
   if (threadIdx.x == 0) {
@@ -753,7 +753,7 @@ __device__ bool BlockWaitCount(const PeerView& g, const unsigned* counter,
         break;
       }
       if (GlobalTimerNs() - start > static_cast<uint64_t>(g.timeout_ns)) {
-        RecordTimeout(g, PeerOp::kDispatch, kDispatchRegion,
+        RecordTimeout(g, OpCode::kDispatch, kDispatchRegion,
                       WaitKind::kArrival, peer, CurrentSeq(g, kDispatchRegion));
         ok = 0;
         break;
@@ -795,7 +795,7 @@ __device__ bool BlockWaitCount(const PeerView& g, const unsigned* counter,
 // it the permute runs under the sends instead of after the arrivals. Pushes
 // are evict-first stores.
 __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
-    DispatchSendKernel(PeerView g, const uint4* __restrict__ x,
+    DispatchSendKernel(GroupView g, const uint4* __restrict__ x,
                        const int32_t* __restrict__ send_pos,
                        const int32_t* __restrict__ topk_idx,
                        const float* __restrict__ topk_weights,
@@ -1008,7 +1008,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
 // included, at dispatch_rows[this rank][send_pos]. Plain stores. NOTES:
 // __stcs makes ptxas spill at the 64 registers the launch bounds allow.
 __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
-    RowsSendKernel(PeerView g, const uint4* __restrict__ x,
+    RowsSendKernel(GroupView g, const uint4* __restrict__ x,
                    const int32_t* __restrict__ send_pos, int32_t num_tokens,
                    unsigned long long* counter) {
   __shared__ char* s_peer[kMaxR];
@@ -1047,7 +1047,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
 // own buffer. counts_out[s] (optional) = the count it carried, clamped to
 // [0, T_max]; 0 when the group aborted or the wait timed out.
 __global__ void __launch_bounds__(kWaitThreads)
-    WaitArrivalsKernel(PeerView g, PeerOp op, int region,
+    WaitArrivalsKernel(GroupView g, OpCode op, int region,
                        int32_t* __restrict__ counts_out) {
   const int s = threadIdx.x;
   if (s >= g.num_ranks) return;
@@ -1066,7 +1066,7 @@ __global__ void __launch_bounds__(kWaitThreads)
 // whose slot selects local expert l, -1 where that row is >= capacity or there
 // is none; entry_weights[n, k] = the weight that came with the entry, 0 where
 // the slot is not for this rank. Also resets the chunk counters.
-__global__ void EntryRowsKernel(PeerView g,
+__global__ void EntryRowsKernel(GroupView g,
                                 const int32_t* __restrict__ recv_counts,
                                 const int32_t* __restrict__ offset,
                                 int32_t num_local, int64_t capacity,
@@ -1112,7 +1112,7 @@ __global__ void EntryRowsKernel(PeerView g,
 
 // Last kernel of every op: publish the release of the regions the op read
 // and advance their sequence counters, unless the group aborted; status.
-__global__ void FinishKernel(PeerView g, unsigned region_mask,
+__global__ void FinishKernel(GroupView g, unsigned region_mask,
                              int32_t* __restrict__ status) {
   if (threadIdx.x != 0) return;
   const bool aborted = Aborted(g);
@@ -1144,7 +1144,7 @@ __global__ void FinishKernel(PeerView g, unsigned region_mask,
 //   the budget, beside the senders, as the dispatch's placers do.
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads, kCombineSendBlocksPerSm)
-    CombineSendKernel(PeerView g, const uint4* __restrict__ expert_out,
+    CombineSendKernel(GroupView g, const uint4* __restrict__ expert_out,
                       const int32_t* __restrict__ entry_row,
                       const float* __restrict__ entry_weights,
                       const int32_t* __restrict__ recv_counts,
@@ -1189,7 +1189,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineSendBlocksPerSm)
       const int64_t q = n * num_topk + lane;
       const bool in_topk = lane < num_topk;
       // The weight is loaded beside the row id, not after the ballot (one
-      // dependent memory latency fewer; see UnpermuteKernel).
+      // dependent memory latency fewer; see CombineKernel).
       const int32_t row = in_topk ? CheckedRow(entry_row[q], capacity) : -1;
       const float w = in_topk && weighted ? entry_weights[q] : 1.0f;
       const unsigned valid = __ballot_sync(kFullMask, row >= 0);
@@ -1245,7 +1245,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineSendBlocksPerSm)
 // for tokens sent nowhere.
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
-    CombineReduceKernel(PeerView g, const int32_t* __restrict__ send_pos,
+    CombineReduceKernel(GroupView g, const int32_t* __restrict__ send_pos,
                         uint4* __restrict__ out, int32_t num_tokens) {
   constexpr int kE = Vec16<T>::kElems;
   [[maybe_unused]] constexpr int kF4 = kE / 4;
@@ -1340,7 +1340,7 @@ __global__ void __launch_bounds__(kReduceThreads)
 // dots[this rank][i][k].
 template <typename T>
 __global__ void __launch_bounds__(kDotsThreads, kDotsSendBlocksPerSm)
-    DotsSendKernel(PeerView g, const uint4* __restrict__ expert_out,
+    DotsSendKernel(GroupView g, const uint4* __restrict__ expert_out,
                    const int32_t* __restrict__ entry_row,
                    const int32_t* __restrict__ recv_counts, int64_t capacity) {
   constexpr int kE = Vec16<T>::kElems;
@@ -1422,7 +1422,7 @@ __global__ void __launch_bounds__(kDotsThreads, kDotsSendBlocksPerSm)
 
 // Home side: d_weights[t, k] = dots[d][send_pos[t, d]][k] with d the rank of
 // expert topk_idx[t, k]; 0 for slots that select nothing.
-__global__ void WeightGradKernel(PeerView g,
+__global__ void WeightGradKernel(GroupView g,
                                  const int32_t* __restrict__ topk_idx,
                                  const int32_t* __restrict__ send_pos,
                                  float* __restrict__ d_weights,
@@ -1457,7 +1457,7 @@ int64_t ElementBytes(ElementType dtype) {
   return dtype == ElementType::kF32 ? 4 : 2;
 }
 
-bool ValidView(const PeerView& g, ElementType dtype) {
+bool ValidView(const GroupView& g, ElementType dtype) {
   return g.peers != nullptr && g.own != nullptr && g.state != nullptr &&
          g.mailbox != nullptr && g.num_ranks >= 1 && g.num_ranks <= kMaxR &&
          g.rank >= 0 && g.rank < g.num_ranks && g.num_topk >= 1 &&
@@ -1468,7 +1468,7 @@ bool ValidView(const PeerView& g, ElementType dtype) {
          g.hidden * g.itemsize / 16 <= INT32_MAX;  // 32-bit vector indices
 }
 
-bool ValidTokens(const PeerView& g, int64_t num_tokens) {
+bool ValidTokens(const GroupView& g, int64_t num_tokens) {
   return num_tokens >= 0 && num_tokens <= g.max_tokens;
 }
 
@@ -1484,33 +1484,33 @@ cudaError_t ElementwiseGrid(Kernel kernel, int block, int64_t num_items,
 
 // The device's SMs outside the group's budget (as many as the budget when
 // there are none), in SMs: where a send kernel's local roles run.
-cudaError_t SmsOutsideBudget(const PeerView& g, int64_t* sms) {
+cudaError_t SmsOutsideBudget(const GroupView& g, int64_t* sms) {
   int num_sms = 0;
   JAX_EP_CUDA_RETURN_IF_ERROR(detail::NumSms(&num_sms));
   *sms = num_sms > g.num_blocks ? num_sms - g.num_blocks : g.num_blocks;
   return cudaSuccess;
 }
 
-cudaError_t LaunchWait(const PeerView& g, PeerOp op, int region,
+cudaError_t LaunchWait(const GroupView& g, OpCode op, int region,
                        int32_t* counts_out, cudaStream_t stream) {
   WaitArrivalsKernel<<<1, kWaitThreads, 0, stream>>>(g, op, region,
                                                      counts_out);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchWaitConsumed(const PeerView& g, PeerOp op, int region,
+cudaError_t LaunchWaitConsumed(const GroupView& g, OpCode op, int region,
                                cudaStream_t stream) {
   WaitConsumedKernel<<<1, kWaitThreads, 0, stream>>>(g, op, region);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchFinish(const PeerView& g, unsigned region_mask,
+cudaError_t LaunchFinish(const GroupView& g, unsigned region_mask,
                          int32_t* status, cudaStream_t stream) {
   FinishKernel<<<1, 32, 0, stream>>>(g, region_mask, status);
   return cudaGetLastError();
 }
 
-cudaError_t LaunchRowsSend(const PeerView& g, PeerOp op, const void* x,
+cudaError_t LaunchRowsSend(const GroupView& g, OpCode op, const void* x,
                            const int32_t* send_pos, int64_t num_tokens,
                            cudaStream_t stream) {
   JAX_EP_CUDA_RETURN_IF_ERROR(
@@ -1525,13 +1525,13 @@ cudaError_t LaunchRowsSend(const PeerView& g, PeerOp op, const void* x,
 
 template <typename T>
 struct CombineLaunch {
-  static cudaError_t Run(const PeerView& g, const void* expert_out,
+  static cudaError_t Run(const GroupView& g, const void* expert_out,
                          const int32_t* entry_row, const float* entry_weights,
                          const int32_t* recv_counts, const int32_t* send_pos,
                          int64_t num_tokens, int64_t capacity, bool weighted,
                          void* out, int32_t* status, cudaStream_t stream) {
     JAX_EP_CUDA_RETURN_IF_ERROR(
-        LaunchWaitConsumed(g, PeerOp::kCombine, kCombineRegion, stream));
+        LaunchWaitConsumed(g, OpCode::kCombine, kCombineRegion, stream));
     // NOTES: the local blocks take the SMs outside the budget, with no cap:
     // their reads compete with the senders' for HBM only while they last,
     // and the sooner they are done the sooner the senders have it to
@@ -1546,7 +1546,7 @@ struct CombineLaunch {
         recv_counts, capacity, weighted, num_senders);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     JAX_EP_CUDA_RETURN_IF_ERROR(
-        LaunchWait(g, PeerOp::kCombine, kCombineRegion, nullptr, stream));
+        LaunchWait(g, OpCode::kCombine, kCombineRegion, nullptr, stream));
     if (num_tokens > 0) {
       unsigned grid = 0;
       JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
@@ -1563,11 +1563,11 @@ struct CombineLaunch {
 
 template <typename T>
 struct DotsLaunch {
-  static cudaError_t Run(const PeerView& g, const void* expert_out,
+  static cudaError_t Run(const GroupView& g, const void* expert_out,
                          const int32_t* entry_row, const int32_t* recv_counts,
                          int64_t capacity, cudaStream_t stream) {
     JAX_EP_CUDA_RETURN_IF_ERROR(
-        LaunchWaitConsumed(g, PeerOp::kCombineVjp, kDotsRegion, stream));
+        LaunchWaitConsumed(g, OpCode::kCombineVjp, kDotsRegion, stream));
     DotsSendKernel<T><<<g.num_blocks * kDotsSendBlocksPerSm, kDotsThreads, 0,
                         stream>>>(
         g, static_cast<const uint4*>(expert_out), entry_row, recv_counts,
@@ -1625,7 +1625,7 @@ cudaError_t PreloadKernels() {
   return local::PreloadKernels();
 }
 
-cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
+cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
                      const int32_t* topk_idx, const float* topk_weights,
                      int64_t num_tokens, int64_t num_experts, int64_t capacity,
                      void* recv_x, int32_t* group_sizes, int32_t* num_dropped,
@@ -1733,7 +1733,7 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
       static_cast<int32_t>(num_placers), receive);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // 6. Every source's flag: recv_counts.
-  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, PeerOp::kDispatch, kDispatchRegion,
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, OpCode::kDispatch, kDispatchRegion,
                                          recv_counts, stream));
   // 7. Rows and weights of the N*K received entries; chunk counters reset.
   unsigned grid = 0;
@@ -1749,7 +1749,7 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
     local::PlacedTokens placed;
     placed.begin = static_cast<int64_t>(g.rank) * g.max_tokens;
     placed.count = g.max_tokens;
-    JAX_EP_CUDA_RETURN_IF_ERROR(local::Permute(
+    JAX_EP_CUDA_RETURN_IF_ERROR(local::Dispatch(
         dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
         /*slot_weights=*/nullptr, recv_x, /*num_batches=*/1, num_rows,
         g.num_topk, num_local, g.hidden, capacity, /*weighted=*/false, stream,
@@ -1759,7 +1759,7 @@ cudaError_t Dispatch(const PeerView& g, ElementType dtype, const void* x,
   return LaunchFinish(g, 1u << kDispatchRegion, status, stream);
 }
 
-cudaError_t DispatchCached(const PeerView& g, ElementType dtype, const void* x,
+cudaError_t DispatchCached(const GroupView& g, ElementType dtype, const void* x,
                            const int32_t* send_pos, const int32_t* entry_row,
                            const float* entry_weights,
                            const int32_t* recv_counts,
@@ -1775,10 +1775,10 @@ cudaError_t DispatchCached(const PeerView& g, ElementType dtype, const void* x,
   }
   const int64_t num_rows = g.num_ranks * g.max_tokens;
   JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend(
-      g, PeerOp::kDispatchCached, x, send_pos, num_tokens, stream));
-  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, PeerOp::kDispatchCached,
+      g, OpCode::kDispatchCached, x, send_pos, num_tokens, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, OpCode::kDispatchCached,
                                          kDispatchRegion, nullptr, stream));
-  JAX_EP_CUDA_RETURN_IF_ERROR(local::Permute(
+  JAX_EP_CUDA_RETURN_IF_ERROR(local::Dispatch(
       dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
       entry_weights, recv_x, /*num_batches=*/1, num_rows, g.num_topk,
       num_local_experts, g.hidden, capacity, weighted, stream,
@@ -1786,7 +1786,7 @@ cudaError_t DispatchCached(const PeerView& g, ElementType dtype, const void* x,
   return LaunchFinish(g, 1u << kDispatchRegion, status, stream);
 }
 
-cudaError_t Combine(const PeerView& g, ElementType dtype,
+cudaError_t Combine(const GroupView& g, ElementType dtype,
                     const void* expert_out, const int32_t* entry_row,
                     const float* entry_weights, const int32_t* recv_counts,
                     const int32_t* send_pos, int64_t num_tokens,
@@ -1801,7 +1801,7 @@ cudaError_t Combine(const PeerView& g, ElementType dtype,
                                       status, stream);
 }
 
-cudaError_t CombineVjp(const PeerView& g, ElementType dtype, const void* d_out,
+cudaError_t CombineVjp(const GroupView& g, ElementType dtype, const void* d_out,
                        const void* expert_out, const int32_t* topk_idx,
                        const int32_t* send_pos, const int32_t* entry_row,
                        const float* entry_weights, const int32_t* recv_counts,
@@ -1818,11 +1818,11 @@ cudaError_t CombineVjp(const PeerView& g, ElementType dtype, const void* d_out,
   const int64_t num_rows = g.num_ranks * g.max_tokens;
   // d_out rows travel like a cached dispatch (dispatch region).
   JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend(
-      g, PeerOp::kCombineVjp, d_out, send_pos, num_tokens, stream));
-  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, PeerOp::kCombineVjp,
+      g, OpCode::kCombineVjp, d_out, send_pos, num_tokens, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, OpCode::kCombineVjp,
                                          kDispatchRegion, nullptr, stream));
   // d_expert_out: the weighted placement of the received d_out rows.
-  JAX_EP_CUDA_RETURN_IF_ERROR(local::Permute(
+  JAX_EP_CUDA_RETURN_IF_ERROR(local::Dispatch(
       dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
       entry_weights, d_expert_out, /*num_batches=*/1, num_rows, g.num_topk,
       num_local, g.hidden, capacity, /*weighted=*/true, stream,
@@ -1831,7 +1831,7 @@ cudaError_t CombineVjp(const PeerView& g, ElementType dtype, const void* d_out,
   JAX_EP_CUDA_RETURN_IF_ERROR(DispatchDtype<DotsLaunch>(
       dtype, g, expert_out, entry_row, recv_counts, capacity, stream));
   JAX_EP_CUDA_RETURN_IF_ERROR(
-      LaunchWait(g, PeerOp::kCombineVjp, kDotsRegion, nullptr, stream));
+      LaunchWait(g, OpCode::kCombineVjp, kDotsRegion, nullptr, stream));
   if (num_tokens > 0) {
     unsigned grid = 0;
     JAX_EP_CUDA_RETURN_IF_ERROR(ElementwiseGrid(

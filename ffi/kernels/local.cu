@@ -9,7 +9,7 @@
 // permute / unpermute, a warp for slot dots; grid-stride over batch x tokens
 // on a bounded grid), rows moved as 16-byte vectors, coalesced, several
 // independent loads in flight per thread before any of them is consumed.
-// At decode sizes unpermute runs as UnpermuteVectorKernel instead: a block per
+// At decode sizes unpermute runs as CombineVectorKernel instead: a block per
 // (token, row part), one vector per thread, no shared memory.
 // Reductions (unpermute's sum over k, slot dots' sum over h) have a fixed
 // order, so results are bit-identical run to run.
@@ -43,8 +43,8 @@ constexpr int kRowBlock = 128;          // permute / unpermute threads per token
 constexpr int kWarpBlock = 256;         // slot dots: 8 independent warps
 constexpr int kMaxBlocksPerSm = 16;     // upper bound; occupancy decides
 constexpr int kMaxWaves = 8;            // grid cap in resident waves
-constexpr int kPermuteVecs = 8;         // x vectors each thread holds
-constexpr int kUnpermuteLoads = 8;      // expert rows in flight per thread
+constexpr int kDispatchVecs = 8;         // x vectors each thread holds
+constexpr int kCombineLoads = 8;      // expert rows in flight per thread
 constexpr int kSplitBlocksPerSm = 8;  // row parts wanted per SM at small T
 constexpr int kDotsGroup = 8;           // slots reduced together in slot dots
 constexpr int kMaxK = static_cast<int>(kMaxTopk);
@@ -101,7 +101,7 @@ __device__ __forceinline__ uint4 Scale(const uint4& v, float w) {
 // to cost more than it saved, so they keep plain stores.
 template <typename T, bool kPeerRows, bool kSplitRows>
 __global__ void __launch_bounds__(kRowBlock)
-    PermuteKernel(const uint4* __restrict__ x,
+    DispatchKernel(const uint4* __restrict__ x,
                   const int32_t* __restrict__ slot_row,
                   const int32_t* __restrict__ group_sizes,
                   const float* __restrict__ slot_weights,
@@ -150,10 +150,10 @@ __global__ void __launch_bounds__(kRowBlock)
       if (!__syncthreads_or(my_row >= 0)) continue;
       const uint4* src = x + token * rv;
       uint4* dst_batch = recv_x + b * d.capacity * rv;
-      for (int64_t v0 = j_begin; v0 < j_end; v0 += kRowBlock * kPermuteVecs) {
-        uint4 v[kPermuteVecs];
+      for (int64_t v0 = j_begin; v0 < j_end; v0 += kRowBlock * kDispatchVecs) {
+        uint4 v[kDispatchVecs];
 #pragma unroll
-        for (int u = 0; u < kPermuteVecs; ++u) {
+        for (int u = 0; u < kDispatchVecs; ++u) {
           const int64_t j = v0 + u * kRowBlock + threadIdx.x;
           if (j < j_end) v[u] = kPeerRows ? __ldcg(src + j) : LoadVec(src + j);
         }
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kRowBlock)
           if (weighted) {
             const float w = s_weight[k];
 #pragma unroll
-            for (int u = 0; u < kPermuteVecs; ++u) {
+            for (int u = 0; u < kDispatchVecs; ++u) {
               const int64_t j = v0 + u * kRowBlock + threadIdx.x;
               if (j < j_end) {
                 StoreMaybeStreaming<kStreamRows>(dst + j, Scale<T>(v[u], w));
@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(kRowBlock)
             }
           } else {
 #pragma unroll
-            for (int u = 0; u < kPermuteVecs; ++u) {
+            for (int u = 0; u < kDispatchVecs; ++u) {
               const int64_t j = v0 + u * kRowBlock + threadIdx.x;
               if (j < j_end) StoreMaybeStreaming<kStreamRows>(dst + j, v[u]);
             }
@@ -203,18 +203,18 @@ __global__ void __launch_bounds__(kRowBlock)
 // `splits` contiguous parts of `part_vecs` vectors, one per grid y, when
 // there are too few tokens to fill the GPU (see RowSplits).
 // Each thread owns output vectors j (stride kRowBlock) of its part and sums
-// the token's valid slots, k ascending, kUnpermuteLoads rows in flight; every
+// the token's valid slots, k ascending, kCombineLoads rows in flight; every
 // output element is still computed by one thread in the same order, so the
 // split does not change a bit of the result.
 template <typename T>
 __global__ void __launch_bounds__(kRowBlock)
-    UnpermuteKernel(const uint4* __restrict__ expert_out,
+    CombineKernel(const uint4* __restrict__ expert_out,
                     const int32_t* __restrict__ slot_row,
                     const float* __restrict__ slot_weights,
                     uint4* __restrict__ out, RowDims d, bool weighted,
                     int64_t part_vecs) {
   constexpr int kE = Vec16<T>::kElems;
-  // 16-byte aligned so that a thread reads its kUnpermuteLoads pointers and
+  // 16-byte aligned so that a thread reads its kCombineLoads pointers and
   // weights with vector shared loads (see the row loop).
   __shared__ __align__(16) const uint4* s_src[kMaxK];
   __shared__ __align__(16) float s_weight[kMaxK];
@@ -261,28 +261,28 @@ __global__ void __launch_bounds__(kRowBlock)
       float acc[kE];
 #pragma unroll
       for (int i = 0; i < kE; ++i) acc[i] = 0.0f;
-      for (int k0 = 0; k0 < n; k0 += kUnpermuteLoads) {
+      for (int k0 = 0; k0 < n; k0 += kCombineLoads) {
         // NOTES: the pointers and weights are read whether or not the slot
         // is valid (k0 + u < kMaxK always: k0 is a multiple of
-        // kUnpermuteLoads below n <= kMaxK), so the reads are vector shared
+        // kCombineLoads below n <= kMaxK), so the reads are vector shared
         // loads issued together; reading them under the validity test made
         // every row load wait on its own shared load, eight in a row on the
         // chain that is the kernel's time at decode sizes.
-        const uint4* src_row[kUnpermuteLoads];
-        float weight[kUnpermuteLoads];
+        const uint4* src_row[kCombineLoads];
+        float weight[kCombineLoads];
 #pragma unroll
-        for (int u = 0; u < kUnpermuteLoads; ++u) {
+        for (int u = 0; u < kCombineLoads; ++u) {
           src_row[u] = s_src[k0 + u];
           weight[u] = s_weight[k0 + u];
         }
-        uint4 v[kUnpermuteLoads];
+        uint4 v[kCombineLoads];
 #pragma unroll
-        for (int u = 0; u < kUnpermuteLoads; ++u) {
+        for (int u = 0; u < kCombineLoads; ++u) {
           if (k0 + u < n) v[u] = LoadVec(src_row[u] + j);
         }
         // NOTES: fixed order — slots k ascending, one fmaf per element each.
 #pragma unroll
-        for (int u = 0; u < kUnpermuteLoads; ++u) {
+        for (int u = 0; u < kCombineLoads; ++u) {
           if (k0 + u < n) {
             float f[kE];
             Vec16<T>::Unpack(v[u], f);
@@ -334,15 +334,15 @@ __device__ __forceinline__ void LoadSlots(const int32_t* ids, const float* wts,
   }
 }
 
-// Combine at decode sizes (few tokens, see UnpermuteVectorsFit): one block
+// Combine at decode sizes (few tokens, see CombineVectorsFit): one block
 // per (token (b, t), kRowBlock-vector part of its row), one 16-byte vector
 // per thread; the part is blockIdx.x, so a token's parts are neighbouring
 // blocks. Every thread reads its token's kK slots itself and has all kK row
 // loads in flight: no shared memory, no barrier, no division on the way to the
 // first load (the batch is only divided out when there is one). Sum: slots k
-// ascending, one fmaf per element each, as UnpermuteKernel (bit for bit).
+// ascending, one fmaf per element each, as CombineKernel (bit for bit).
 // NOTES: at decode sizes the op is one dependent chain (slot ids, then rows)
-// per block, so what matters is how early the row loads issue: UnpermuteKernel
+// per block, so what matters is how early the row loads issue: CombineKernel
 // stages the slots through shared memory between two barriers, which puts
 // them later. The row loads use L1::no_allocate (each row is read once); the
 // slot loads do not (with it ptxas ordered the weight loads after the rows).
@@ -350,7 +350,7 @@ __device__ __forceinline__ void LoadSlots(const int32_t* ids, const float* wts,
 // gather sit on: docs/performance.md.
 template <typename T, int kK>
 __global__ void __launch_bounds__(kRowBlock)
-    UnpermuteVectorKernel(const uint4* __restrict__ expert_out,
+    CombineVectorKernel(const uint4* __restrict__ expert_out,
                           const int32_t* __restrict__ slot_row,
                           const float* __restrict__ slot_weights,
                           uint4* __restrict__ out, uint32_t num_tokens,
@@ -408,7 +408,7 @@ __device__ __forceinline__ int64_t NumGridWarps() {
 // elements in order, one fmaf each), then a fixed xor-shuffle tree.
 template <typename T>
 __global__ void __launch_bounds__(kWarpBlock)
-    SlotDotsKernel(const uint4* __restrict__ d_out,
+    CombineVjpKernel(const uint4* __restrict__ d_out,
                    const uint4* __restrict__ expert_out,
                    const int32_t* __restrict__ slot_row,
                    float* __restrict__ dots, RowDims d) {
@@ -529,7 +529,7 @@ cudaError_t RowSplits(int64_t row_vecs, int64_t num_rows, int32_t* splits,
 }
 
 template <typename T, bool kPeerRows, bool kSplitRows>
-cudaError_t LaunchPermuteKernel(const void* x, const int32_t* slot_row,
+cudaError_t LaunchDispatchKernel(const void* x, const int32_t* slot_row,
                                 const int32_t* group_sizes,
                                 const float* slot_weights, void* recv_x,
                                 const RowDims& d, bool weighted,
@@ -540,16 +540,16 @@ cudaError_t LaunchPermuteKernel(const void* x, const int32_t* slot_row,
   if (num_items == 0) return cudaSuccess;
   unsigned grid = 0;
   JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
-      PermuteKernel<T, kPeerRows, kSplitRows>, kRowBlock, kMaxBlocksPerSm,
+      DispatchKernel<T, kPeerRows, kSplitRows>, kRowBlock, kMaxBlocksPerSm,
       kMaxWaves, num_items, &grid));
-  PermuteKernel<T, kPeerRows, kSplitRows><<<grid, kRowBlock, 0, stream>>>(
+  DispatchKernel<T, kPeerRows, kSplitRows><<<grid, kRowBlock, 0, stream>>>(
       static_cast<const uint4*>(x), slot_row, group_sizes, slot_weights,
       static_cast<uint4*>(recv_x), d, weighted, splits, placed);
   return cudaGetLastError();
 }
 
 template <typename T, bool kPeerRows>
-cudaError_t LaunchPermute(const void* x, const int32_t* slot_row,
+cudaError_t LaunchDispatch(const void* x, const int32_t* slot_row,
                           const int32_t* group_sizes, const float* slot_weights,
                           void* recv_x, const RowDims& d, bool weighted,
                           const PlacedTokens& placed, cudaStream_t stream) {
@@ -557,38 +557,38 @@ cudaError_t LaunchPermute(const void* x, const int32_t* slot_row,
   JAX_EP_CUDA_RETURN_IF_ERROR(
       RowSplits(d.row_vecs, d.num_batches * d.num_tokens, &splits));
   return splits > 1
-             ? LaunchPermuteKernel<T, kPeerRows, true>(
+             ? LaunchDispatchKernel<T, kPeerRows, true>(
                    x, slot_row, group_sizes, slot_weights, recv_x, d, weighted,
                    splits, placed, stream)
-             : LaunchPermuteKernel<T, kPeerRows, false>(
+             : LaunchDispatchKernel<T, kPeerRows, false>(
                    x, slot_row, group_sizes, slot_weights, recv_x, d, weighted,
                    1, placed, stream);
 }
 
 template <typename T>
-struct PermuteLaunch {
+struct DispatchLaunch {
   static cudaError_t Run(const void* x, const int32_t* slot_row,
                          const int32_t* group_sizes, const float* slot_weights,
                          void* recv_x, const RowDims& d, bool weighted,
                          bool x_from_peers, const PlacedTokens& placed,
                          cudaStream_t stream) {
     return x_from_peers
-               ? LaunchPermute<T, true>(x, slot_row, group_sizes, slot_weights,
+               ? LaunchDispatch<T, true>(x, slot_row, group_sizes, slot_weights,
                                         recv_x, d, weighted, placed, stream)
-               : LaunchPermute<T, false>(x, slot_row, group_sizes,
+               : LaunchDispatch<T, false>(x, slot_row, group_sizes,
                                          slot_weights, recv_x, d, weighted,
                                          PlacedTokens{}, stream);
   }
 };
 
-// Whether the combine may run as UnpermuteVectorKernel: decode sizes, where
+// Whether the combine may run as CombineVectorKernel: decode sizes, where
 // RowSplits split rows into parts of at most kRowBlock vectors and the whole
 // grid is no more than the `wanted_blocks` it aims for (larger grids stay on
-// UnpermuteKernel, whose loop over rows suits them); its 32-bit capacity, row
+// CombineKernel, whose loop over rows suits them); its 32-bit capacity, row
 // offsets and grid rows sufficing; and the slot arrays 16-byte aligned where
 // it reads them as vectors. The top-k must also be one it is built for (the
-// cases of UnpermuteLaunch's switch).
-bool UnpermuteVectorsFit(const RowDims& d, int32_t splits,
+// cases of CombineLaunch's switch).
+bool CombineVectorsFit(const RowDims& d, int32_t splits,
                          int64_t wanted_blocks, const int32_t* slot_row,
                          const float* slot_weights, bool weighted) {
   const int64_t num_items = d.num_batches * d.num_tokens;
@@ -605,14 +605,14 @@ bool UnpermuteVectorsFit(const RowDims& d, int32_t splits,
 }
 
 template <typename T, int kK>
-cudaError_t LaunchUnpermuteVectors(const void* expert_out,
+cudaError_t LaunchCombineVectors(const void* expert_out,
                                    const int32_t* slot_row,
                                    const float* slot_weights, void* out,
                                    const RowDims& d, bool weighted,
                                    int32_t splits, cudaStream_t stream) {
   const dim3 blocks(static_cast<unsigned>(splits),
                     static_cast<unsigned>(d.num_batches * d.num_tokens));
-  UnpermuteVectorKernel<T, kK><<<blocks, kRowBlock, 0, stream>>>(
+  CombineVectorKernel<T, kK><<<blocks, kRowBlock, 0, stream>>>(
       static_cast<const uint4*>(expert_out), slot_row, slot_weights,
       static_cast<uint4*>(out), static_cast<uint32_t>(d.num_tokens),
       static_cast<uint32_t>(d.row_vecs), static_cast<int32_t>(d.capacity),
@@ -621,7 +621,7 @@ cudaError_t LaunchUnpermuteVectors(const void* expert_out,
 }
 
 template <typename T>
-struct UnpermuteLaunch {
+struct CombineLaunch {
   static cudaError_t Run(const void* expert_out, const int32_t* slot_row,
                          const float* slot_weights, void* out, const RowDims& d,
                          bool weighted, cudaStream_t stream) {
@@ -631,34 +631,34 @@ struct UnpermuteLaunch {
     int64_t wanted_blocks = 0;
     JAX_EP_CUDA_RETURN_IF_ERROR(
         RowSplits(d.row_vecs, num_items, &splits, &wanted_blocks));
-    if (UnpermuteVectorsFit(d, splits, wanted_blocks, slot_row, slot_weights,
+    if (CombineVectorsFit(d, splits, wanted_blocks, slot_row, slot_weights,
                             weighted)) {
-      // The top-k counts UnpermuteVectorKernel is built for (an instance
+      // The top-k counts CombineVectorKernel is built for (an instance
       // each, every slot's row load unrolled); others fall through.
       switch (d.num_topk) {
-#define JAX_EP_UNPERMUTE_VECTORS(k)                                          \
+#define JAX_EP_COMBINE_VECTORS(k)                                          \
   case k:                                                                    \
-    return LaunchUnpermuteVectors<T, k>(expert_out, slot_row, slot_weights, \
+    return LaunchCombineVectors<T, k>(expert_out, slot_row, slot_weights, \
                                         out, d, weighted, splits, stream);
-        JAX_EP_UNPERMUTE_VECTORS(1)
-        JAX_EP_UNPERMUTE_VECTORS(2)
-        JAX_EP_UNPERMUTE_VECTORS(4)
-        JAX_EP_UNPERMUTE_VECTORS(6)
-        JAX_EP_UNPERMUTE_VECTORS(8)
-#undef JAX_EP_UNPERMUTE_VECTORS
+        JAX_EP_COMBINE_VECTORS(1)
+        JAX_EP_COMBINE_VECTORS(2)
+        JAX_EP_COMBINE_VECTORS(4)
+        JAX_EP_COMBINE_VECTORS(6)
+        JAX_EP_COMBINE_VECTORS(8)
+#undef JAX_EP_COMBINE_VECTORS
         default:
           break;
       }
     }
     unsigned grid = 0;
     JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
-        UnpermuteKernel<T>, kRowBlock, kMaxBlocksPerSm, kMaxWaves,
+        CombineKernel<T>, kRowBlock, kMaxBlocksPerSm, kMaxWaves,
         num_items * splits, &grid));
     // Parts on y; items grid-stride on x, so every (item, part) is covered
     // whether or not the grid is bounded (with splits > 1 there are so few
     // tokens that it is not: each (item, part) gets its own block).
     const dim3 blocks((grid + splits - 1) / splits, splits);
-    UnpermuteKernel<T><<<blocks, kRowBlock, 0, stream>>>(
+    CombineKernel<T><<<blocks, kRowBlock, 0, stream>>>(
         static_cast<const uint4*>(expert_out), slot_row, slot_weights,
         static_cast<uint4*>(out), d, weighted, PartVecs(d.row_vecs, splits));
     return cudaGetLastError();
@@ -666,7 +666,7 @@ struct UnpermuteLaunch {
 };
 
 template <typename T>
-struct SlotDotsLaunch {
+struct CombineVjpLaunch {
   static cudaError_t Run(const void* d_out, const void* expert_out,
                          const int32_t* slot_row, float* dots, const RowDims& d,
                          cudaStream_t stream) {
@@ -675,9 +675,9 @@ struct SlotDotsLaunch {
     if (num_tokens == 0) return cudaSuccess;
     unsigned grid = 0;
     JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
-        SlotDotsKernel<T>, kWarpBlock, kMaxBlocksPerSm, kMaxWaves,
+        CombineVjpKernel<T>, kWarpBlock, kMaxBlocksPerSm, kMaxWaves,
         (num_tokens + kWarps - 1) / kWarps, &grid));
-    SlotDotsKernel<T><<<grid, kWarpBlock, 0, stream>>>(
+    CombineVjpKernel<T><<<grid, kWarpBlock, 0, stream>>>(
         static_cast<const uint4*>(d_out), static_cast<const uint4*>(expert_out),
         slot_row, dots, d);
     return cudaGetLastError();
@@ -690,7 +690,7 @@ int64_t ElementBytes(ElementType dtype) {
 
 }  // namespace
 
-cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
+cudaError_t Dispatch(ElementType dtype, const void* x, const int32_t* slot_row,
                     const int32_t* group_sizes, const float* slot_weights,
                     void* recv_x, int64_t num_batches, int64_t num_tokens,
                     int64_t num_topk, int64_t num_experts, int64_t hidden,
@@ -709,12 +709,12 @@ cudaError_t Permute(ElementType dtype, const void* x, const int32_t* slot_row,
   const RowDims d =
       MakeRowDims(num_batches, num_tokens, num_topk, num_experts,
                   hidden * ElementBytes(dtype) / 16, capacity);
-  return DispatchDtype<PermuteLaunch>(dtype, x, slot_row, group_sizes,
+  return DispatchDtype<DispatchLaunch>(dtype, x, slot_row, group_sizes,
                                       slot_weights, recv_x, d, weighted,
                                       x_from_peers, placed, stream);
 }
 
-cudaError_t Unpermute(ElementType dtype, const void* expert_out,
+cudaError_t Combine(ElementType dtype, const void* expert_out,
                       const int32_t* slot_row, const float* slot_weights,
                       void* out, int64_t num_batches, int64_t num_tokens,
                       int64_t num_topk, int64_t hidden, int64_t capacity,
@@ -727,11 +727,11 @@ cudaError_t Unpermute(ElementType dtype, const void* expert_out,
   const RowDims d = MakeRowDims(num_batches, num_tokens, num_topk,
                                 /*num_experts=*/0,
                                 hidden * ElementBytes(dtype) / 16, capacity);
-  return DispatchDtype<UnpermuteLaunch>(dtype, expert_out, slot_row,
+  return DispatchDtype<CombineLaunch>(dtype, expert_out, slot_row,
                                         slot_weights, out, d, weighted, stream);
 }
 
-cudaError_t SlotDots(ElementType dtype, const void* d_out,
+cudaError_t CombineVjp(ElementType dtype, const void* d_out,
                      const void* expert_out, const int32_t* slot_row,
                      float* dots, int64_t num_batches, int64_t num_tokens,
                      int64_t num_topk, int64_t hidden, int64_t capacity,
@@ -743,7 +743,7 @@ cudaError_t SlotDots(ElementType dtype, const void* d_out,
   const RowDims d = MakeRowDims(num_batches, num_tokens, num_topk,
                                 /*num_experts=*/0,
                                 hidden * ElementBytes(dtype) / 16, capacity);
-  return DispatchDtype<SlotDotsLaunch>(dtype, d_out, expert_out, slot_row, dots,
+  return DispatchDtype<CombineVjpLaunch>(dtype, d_out, expert_out, slot_row, dots,
                                        d, stream);
 }
 
@@ -753,22 +753,22 @@ template <typename T>
 cudaError_t PreloadDtype() {
   cudaFuncAttributes attr;
   JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, PermuteKernel<T, false, false>));
+      cudaFuncGetAttributes(&attr, DispatchKernel<T, false, false>));
   JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, PermuteKernel<T, false, true>));
+      cudaFuncGetAttributes(&attr, DispatchKernel<T, false, true>));
   JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, PermuteKernel<T, true, false>));
+      cudaFuncGetAttributes(&attr, DispatchKernel<T, true, false>));
   JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, PermuteKernel<T, true, true>));
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, UnpermuteKernel<T>));
-  // Every top-k UnpermuteLaunch's switch builds the vector combine for.
+      cudaFuncGetAttributes(&attr, DispatchKernel<T, true, true>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, CombineKernel<T>));
+  // Every top-k CombineLaunch's switch builds the vector combine for.
   for (const auto kernel :
-       {UnpermuteVectorKernel<T, 1>, UnpermuteVectorKernel<T, 2>,
-        UnpermuteVectorKernel<T, 4>, UnpermuteVectorKernel<T, 6>,
-        UnpermuteVectorKernel<T, 8>}) {
+       {CombineVectorKernel<T, 1>, CombineVectorKernel<T, 2>,
+        CombineVectorKernel<T, 4>, CombineVectorKernel<T, 6>,
+        CombineVectorKernel<T, 8>}) {
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
   }
-  return cudaFuncGetAttributes(&attr, SlotDotsKernel<T>);
+  return cudaFuncGetAttributes(&attr, CombineVjpKernel<T>);
 }
 
 }  // namespace

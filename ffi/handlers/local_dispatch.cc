@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_local_permute` (kernels: ffi/kernels/local.cu).
+// FFI adapter of `jax_ep_local_dispatch` (kernels: ffi/kernels/local.cu).
 // Dispatch on one rank, and the weighted transpose of combine.
 //
 //   x            `[B..., T, H]` bf16/f16/f32 operand
@@ -29,9 +29,9 @@ using ffi_utils::CheckBatchDims;
 using ffi_utils::CheckDim;
 using ffi_utils::CheckRank;
 
-constexpr char kOp[] = "jax_ep_local_permute";
+constexpr char kOp[] = "jax_ep_local_dispatch";
 
-ffi::Error LocalPermuteImpl(cudaStream_t stream, ffi::AnyBuffer x,
+ffi::Error LocalDispatchImpl(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::S32> slot_row,
                             ffi::Buffer<ffi::S32> group_sizes,
                             ffi::Buffer<ffi::F32> slot_weights,
@@ -95,7 +95,7 @@ ffi::Error LocalPermuteImpl(cudaStream_t stream, ffi::AnyBuffer x,
 
   const int64_t num_batches = ffi_utils::NumBatches(x_dims, nb);
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
-      kOp, local::Permute(dtype, x.untyped_data(), slot_row.typed_data(),
+      kOp, local::Dispatch(dtype, x.untyped_data(), slot_row.typed_data(),
                           group_sizes.typed_data(), slot_weights.typed_data(),
                           recv_x->untyped_data(), num_batches, num_tokens,
                           num_topk, num_experts, hidden, capacity, weighted,
@@ -107,7 +107,7 @@ ffi::Error LocalPermuteImpl(cudaStream_t stream, ffi::AnyBuffer x,
 }  // namespace jax_ep
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpLocalPermute, jax_ep::LocalPermuteImpl,
+    JaxEpLocalDispatch, jax_ep::LocalDispatchImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
         .Arg<xla::ffi::AnyBuffer>()                     // x

@@ -1,12 +1,12 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_peer_dispatch_cached` (kernels:
+// FFI adapter of `jax_ep_intranode_dispatch_cached` (kernels:
 // ffi/kernels/intranode.cu): dispatch again with the layout of an earlier
-// jax_ep_peer_dispatch (backward passes). Sends rows only. Per rank, no
+// jax_ep_intranode_dispatch (backward passes). Sends rows only. Per rank, no
 // batch dims (R ranks, L = E / R, N = R * T_max):
 //
 //   x             `[T, H]` bf16/f16/f32 operand
-//   send_pos      `[T, R]` int32 operand      (from jax_ep_peer_dispatch)
+//   send_pos      `[T, R]` int32 operand      (from jax_ep_intranode_dispatch)
 //   entry_row     `[N, K]` int32 operand
 //   entry_weights `[N, K]` float32 operand (read only when `weighted`)
 //   recv_counts   `[R]` int32 operand
@@ -26,8 +26,8 @@
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/peer_common.h"
-#include "ffi/handlers/peer_group.h"
+#include "ffi/handlers/intranode_common.h"
+#include "ffi/handlers/intranode_group.h"
 #include "ffi/kernels/ep_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -35,20 +35,20 @@ namespace jax_ep {
 namespace {
 
 namespace ffi = ::xla::ffi;
-using peer_ffi::CheckShape;
-using peer_ffi::StorageRows;
+using intranode_ffi::CheckShape;
+using intranode_ffi::StorageRows;
 
-constexpr char kOp[] = "jax_ep_peer_dispatch_cached";
+constexpr char kOp[] = "jax_ep_intranode_dispatch_cached";
 
-ffi::Error PeerDispatchCachedImpl(
+ffi::Error IntranodeDispatchCachedImpl(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send_pos,
     ffi::Buffer<ffi::S32> entry_row, ffi::Buffer<ffi::F32> entry_weights,
     ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> group_sizes,
     ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::S32> status,
     int64_t group_id, int64_t capacity, bool weighted) {
-  std::shared_ptr<const peer::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::GetGroup(kOp, group_id, &group));
-  const peer::GroupConfig& c = group->config;
+  std::shared_ptr<const intranode_group::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(kOp, group_id, &group));
+  const intranode_group::GroupConfig& c = group->config;
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
   const int64_t num_ranks = c.num_ranks;
   const int64_t num_local = c.num_experts / num_ranks;
@@ -57,13 +57,13 @@ ffi::Error PeerDispatchCachedImpl(
   const auto x_dims = x.dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "x", x_dims, {-1, hidden}, "[T, H]"));
   const int64_t num_tokens = x_dims[0];
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckTokens(kOp, "x", num_tokens, *group));
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckTokens(kOp, "x", num_tokens, *group));
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(
-      peer_ffi::CheckGroupDtype(kOp, "x", x.element_type(), *group, &dtype));
+      intranode_ffi::CheckGroupDtype(kOp, "x", x.element_type(), *group, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos.dimensions(),
                                         {num_tokens, num_ranks}, "[T, R]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckReceivedEntries(
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckReceivedEntries(
       kOp, *group, entry_row.dimensions(), entry_weights.dimensions(),
       recv_counts.dimensions()));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
@@ -94,7 +94,7 @@ ffi::Error PeerDispatchCachedImpl(
 }  // namespace jax_ep
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpPeerDispatchCached, jax_ep::PeerDispatchCachedImpl,
+    JaxEpIntranodeDispatchCached, jax_ep::IntranodeDispatchCachedImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
         .Arg<xla::ffi::AnyBuffer>()                     // x

@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_local_slot_dots` (kernels: ffi/kernels/local.cu).
+// FFI adapter of `jax_ep_local_combine_vjp` (kernels: ffi/kernels/local.cu).
 // Gradient of combine w.r.t. the router weights.
 //
 //   d_out      `[B..., T, H]` bf16/f16/f32 operand (cotangent of combine)
@@ -28,9 +28,9 @@ using ffi_utils::CheckBatchDims;
 using ffi_utils::CheckDim;
 using ffi_utils::CheckRank;
 
-constexpr char kOp[] = "jax_ep_local_slot_dots";
+constexpr char kOp[] = "jax_ep_local_combine_vjp";
 
-ffi::Error LocalSlotDotsImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
+ffi::Error LocalCombineVjpImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
                              ffi::AnyBuffer expert_out,
                              ffi::Buffer<ffi::S32> slot_row,
                              ffi::ResultBuffer<ffi::F32> dots) {
@@ -82,7 +82,7 @@ ffi::Error LocalSlotDotsImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
 
   const int64_t num_batches = ffi_utils::NumBatches(d_dims, nb);
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
-      kOp, local::SlotDots(dtype, d_out.untyped_data(),
+      kOp, local::CombineVjp(dtype, d_out.untyped_data(),
                            expert_out.untyped_data(), slot_row.typed_data(),
                            dots->typed_data(), num_batches, num_tokens,
                            num_topk, hidden, capacity, stream));
@@ -93,7 +93,7 @@ ffi::Error LocalSlotDotsImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
 }  // namespace jax_ep
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpLocalSlotDots, jax_ep::LocalSlotDotsImpl,
+    JaxEpLocalCombineVjp, jax_ep::LocalCombineVjpImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
         .Arg<xla::ffi::AnyBuffer>()                     // d_out

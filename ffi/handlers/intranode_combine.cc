@@ -1,11 +1,11 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_peer_combine` (kernels: ffi/kernels/intranode.cu):
-// the reverse path of jax_ep_peer_dispatch. Per rank, no batch dims
+// FFI adapter of `jax_ep_intranode_combine` (kernels: ffi/kernels/intranode.cu):
+// the reverse path of jax_ep_intranode_dispatch. Per rank, no batch dims
 // (R ranks, N = R * T_max):
 //
 //   expert_out    `[capacity, H]` bf16/f16/f32 operand
-//   entry_row     `[N, K]` int32 operand      (from jax_ep_peer_dispatch)
+//   entry_row     `[N, K]` int32 operand      (from jax_ep_intranode_dispatch)
 //   entry_weights `[N, K]` float32 operand (read only when `weighted`)
 //   recv_counts   `[R]` int32 operand
 //   send_pos      `[T, R]` int32 operand
@@ -26,8 +26,8 @@
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/peer_common.h"
-#include "ffi/handlers/peer_group.h"
+#include "ffi/handlers/intranode_common.h"
+#include "ffi/handlers/intranode_group.h"
 #include "ffi/kernels/ep_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -35,11 +35,11 @@ namespace jax_ep {
 namespace {
 
 namespace ffi = ::xla::ffi;
-using peer_ffi::CheckShape;
+using intranode_ffi::CheckShape;
 
-constexpr char kOp[] = "jax_ep_peer_combine";
+constexpr char kOp[] = "jax_ep_intranode_combine";
 
-ffi::Error PeerCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
+ffi::Error IntranodeCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                            ffi::Buffer<ffi::S32> entry_row,
                            ffi::Buffer<ffi::F32> entry_weights,
                            ffi::Buffer<ffi::S32> recv_counts,
@@ -47,9 +47,9 @@ ffi::Error PeerCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                            ffi::Result<ffi::AnyBuffer> out,
                            ffi::ResultBuffer<ffi::S32> status,
                            int64_t group_id, bool weighted) {
-  std::shared_ptr<const peer::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::GetGroup(kOp, group_id, &group));
-  const peer::GroupConfig& c = group->config;
+  std::shared_ptr<const intranode_group::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(kOp, group_id, &group));
+  const intranode_group::GroupConfig& c = group->config;
   const int64_t num_ranks = c.num_ranks;
   const int64_t hidden = c.hidden;
 
@@ -58,9 +58,9 @@ ffi::Error PeerCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
       CheckShape(kOp, "expert_out", e_dims, {-1, hidden}, "[capacity, H]"));
   const int64_t capacity = e_dims[0];
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckGroupDtype(
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
       kOp, "expert_out", expert_out.element_type(), *group, &dtype));
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckReceivedEntries(
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckReceivedEntries(
       kOp, *group, entry_row.dimensions(), entry_weights.dimensions(),
       recv_counts.dimensions()));
   const auto pos_dims = send_pos.dimensions();
@@ -68,7 +68,7 @@ ffi::Error PeerCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
       CheckShape(kOp, "send_pos", pos_dims, {-1, num_ranks}, "[T, R]"));
   const int64_t num_tokens = pos_dims[0];
   JAX_EP_FFI_RETURN_IF_ERROR(
-      peer_ffi::CheckTokens(kOp, "send_pos", num_tokens, *group));
+      intranode_ffi::CheckTokens(kOp, "send_pos", num_tokens, *group));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "out", out->dimensions(),
                                         {num_tokens, hidden}, "[T, H]"));
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
@@ -95,7 +95,7 @@ ffi::Error PeerCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
 }  // namespace jax_ep
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpPeerCombine, jax_ep::PeerCombineImpl,
+    JaxEpIntranodeCombine, jax_ep::IntranodeCombineImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
         .Arg<xla::ffi::AnyBuffer>()                     // expert_out

@@ -1,11 +1,11 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
 // Helpers shared by the FFI adapters of the peer (intranode) ops,
-// ffi/handlers/peer_*.cc: the group of the current device, the error of an
+// ffi/handlers/intranode_*.cc: the group of the current device, the error of an
 // earlier timeout, and shape checks for ops that take no batch dims.
 
-#ifndef JAX_EP_FFI_HANDLERS_PEER_COMMON_H_
-#define JAX_EP_FFI_HANDLERS_PEER_COMMON_H_
+#ifndef JAX_EP_FFI_HANDLERS_INTRANODE_COMMON_H_
+#define JAX_EP_FFI_HANDLERS_INTRANODE_COMMON_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -18,16 +18,16 @@
 #include <cuda_runtime.h>
 
 #include "ffi/handlers/ffi_utils.h"
-#include "ffi/handlers/peer_group.h"
+#include "ffi/handlers/intranode_group.h"
 #include "ffi/kernels/ep_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace jax_ep::peer_ffi {
+namespace jax_ep::intranode_ffi {
 
 namespace ffi = ::xla::ffi;
 using ffi_utils::Dims;
 
-// Rows of the `[capacity, H]` buffers the peer ops take and produce: at least
+// Rows of the `[capacity, H]` buffers the intranode ops take and produce: at least
 // one. NOTES: XLA:GPU crashed (segfault while compiling, seen on the H200 with
 // jaxlib 0.11.2) on a side-effecting custom call with a zero-row result, so
 // with capacity 0 the Python layer passes one unused row and slices it off
@@ -41,20 +41,20 @@ inline int64_t StorageRows(int64_t capacity) {
 // capture, see kernel_utils.cuh). A group whose spins timed out earlier fails
 // every later call with the mailbox message (kDeadlineExceeded).
 inline ffi::Error GetGroup(std::string_view op, int64_t group_id,
-                           std::shared_ptr<const peer::Group>* group) {
+                           std::shared_ptr<const intranode_group::Group>* group) {
   int device = -1;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) {
     return ffi_utils::CudaError(op, "cudaGetDevice", err);
   }
-  peer::LookupResult found = peer::Lookup(group_id, device);
+  intranode_group::LookupResult found = intranode_group::Lookup(group_id, device);
   if (found.group == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(op) + ": " + found.error);
   }
-  if (std::optional<std::string> msg = peer::PendingError(*found.group)) {
+  if (std::optional<std::string> msg = intranode_group::PendingError(*found.group)) {
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                      std::string(op) + ": an earlier call on this peer group "
+                      std::string(op) + ": an earlier call on this intranode group "
                                         "timed out: " + *msg);
   }
   *group = std::move(found.group);
@@ -72,13 +72,13 @@ inline std::string ExpectedString(std::initializer_list<int64_t> expected) {
 }
 
 // `dims` must be exactly `expected` (-1: any size). More dims than expected
-// means a vmap added batch dims, which the peer ops do not take.
+// means a vmap added batch dims, which the intranode ops do not take.
 inline ffi::Error CheckShape(std::string_view op, std::string_view name,
                              Dims dims, std::initializer_list<int64_t> expected,
                              std::string_view shape_doc) {
   if (dims.size() > expected.size()) {
     return ffi_utils::InvalidArgument(
-        op, "vmap of peer ops is not supported yet: " + std::string(name) +
+        op, "vmap of intranode ops is not supported yet: " + std::string(name) +
                 " has shape " + ffi_utils::ShapeString(dims) + ", expected " +
                 std::string(shape_doc) + " with no leading batch dims (" +
                 std::to_string(dims.size() - expected.size()) +
@@ -108,7 +108,7 @@ inline ffi::Error CheckShape(std::string_view op, std::string_view name,
 
 // Activation dtype of `name`: bf16 / f16 / f32 with the group's itemsize.
 inline ffi::Error CheckGroupDtype(std::string_view op, std::string_view name,
-                                  ffi::DataType dtype, const peer::Group& g,
+                                  ffi::DataType dtype, const intranode_group::Group& g,
                                   ElementType* element_type) {
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckActivationDtype(op, name, dtype, element_type));
@@ -116,20 +116,20 @@ inline ffi::Error CheckGroupDtype(std::string_view op, std::string_view name,
   if (itemsize == g.config.itemsize) return ffi::Error::Success();
   return ffi_utils::InvalidArgument(
       op, std::string(name) + " has " + std::to_string(itemsize) +
-              "-byte elements but peer group " + std::to_string(g.id) +
+              "-byte elements but intranode group " + std::to_string(g.id) +
               " was created for itemsize " +
               std::to_string(g.config.itemsize));
 }
 
 inline ffi::Error CheckTokens(std::string_view op, std::string_view name,
-                              int64_t num_tokens, const peer::Group& g) {
+                              int64_t num_tokens, const intranode_group::Group& g) {
   if (num_tokens >= 0 && num_tokens <= g.config.max_tokens) {
     return ffi::Error::Success();
   }
   return ffi_utils::InvalidArgument(
       op, std::string(name) + " has T = " + std::to_string(num_tokens) +
               " tokens, expected T <= max_tokens_per_rank = " +
-              std::to_string(g.config.max_tokens) + " of peer group " +
+              std::to_string(g.config.max_tokens) + " of intranode group " +
               std::to_string(g.id));
 }
 
@@ -139,7 +139,7 @@ inline ffi::Error CheckAttrEquals(std::string_view op, std::string_view attr,
   if (value == expected) return ffi::Error::Success();
   return ffi_utils::InvalidArgument(
       op, "attribute " + std::string(attr) + " is " + std::to_string(value) +
-              " but the peer group has " + std::string(what) + " = " +
+              " but the intranode group has " + std::string(what) + " = " +
               std::to_string(expected));
 }
 
@@ -147,7 +147,7 @@ inline ffi::Error CheckAttrEquals(std::string_view op, std::string_view attr,
 // later ops take it: entry_row, entry_weights `[R * T_max, K]`, recv_counts
 // `[R]`.
 inline ffi::Error CheckReceivedEntries(std::string_view op,
-                                       const peer::Group& g,
+                                       const intranode_group::Group& g,
                                        Dims entry_row, Dims entry_weights,
                                        Dims recv_counts) {
   const int64_t num_rows = g.config.num_ranks * g.config.max_tokens;
@@ -161,6 +161,6 @@ inline ffi::Error CheckReceivedEntries(std::string_view op,
                     "[R]");
 }
 
-}  // namespace jax_ep::peer_ffi
+}  // namespace jax_ep::intranode_ffi
 
-#endif  // JAX_EP_FFI_HANDLERS_PEER_COMMON_H_
+#endif  // JAX_EP_FFI_HANDLERS_INTRANODE_COMMON_H_

@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_peer_combine_vjp` (kernels:
+// FFI adapter of `jax_ep_intranode_combine_vjp` (kernels:
 // ffi/kernels/intranode.cu): cotangents of the weighted combine, one
 // exchange of d_out serving both. Per rank, no batch dims (R ranks,
 // L = E / R, N = R * T_max):
@@ -8,7 +8,7 @@
 //   d_out         `[T, H]` operand, expert_out.dtype
 //   expert_out    `[capacity, H]` bf16/f16/f32 operand
 //   topk_idx      `[T, K]` int32 operand
-//   send_pos      `[T, R]` int32 operand      (from jax_ep_peer_dispatch)
+//   send_pos      `[T, R]` int32 operand      (from jax_ep_intranode_dispatch)
 //   entry_row     `[N, K]` int32 operand
 //   entry_weights `[N, K]` float32 operand
 //   recv_counts   `[R]` int32 operand
@@ -30,8 +30,8 @@
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/peer_common.h"
-#include "ffi/handlers/peer_group.h"
+#include "ffi/handlers/intranode_common.h"
+#include "ffi/handlers/intranode_group.h"
 #include "ffi/kernels/ep_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -39,12 +39,12 @@ namespace jax_ep {
 namespace {
 
 namespace ffi = ::xla::ffi;
-using peer_ffi::CheckShape;
-using peer_ffi::StorageRows;
+using intranode_ffi::CheckShape;
+using intranode_ffi::StorageRows;
 
-constexpr char kOp[] = "jax_ep_peer_combine_vjp";
+constexpr char kOp[] = "jax_ep_intranode_combine_vjp";
 
-ffi::Error PeerCombineVjpImpl(
+ffi::Error IntranodeCombineVjpImpl(
     cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyBuffer expert_out,
     ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_pos,
     ffi::Buffer<ffi::S32> entry_row, ffi::Buffer<ffi::F32> entry_weights,
@@ -52,10 +52,10 @@ ffi::Error PeerCombineVjpImpl(
     ffi::Result<ffi::AnyBuffer> d_expert_out,
     ffi::ResultBuffer<ffi::F32> d_weights, ffi::ResultBuffer<ffi::S32> status,
     int64_t group_id, int64_t num_experts, int64_t capacity) {
-  std::shared_ptr<const peer::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::GetGroup(kOp, group_id, &group));
-  const peer::GroupConfig& c = group->config;
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckAttrEquals(
+  std::shared_ptr<const intranode_group::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(kOp, group_id, &group));
+  const intranode_group::GroupConfig& c = group->config;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckAttrEquals(
       kOp, "num_experts", num_experts, "num_experts", c.num_experts));
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
   const int64_t num_ranks = c.num_ranks;
@@ -68,14 +68,14 @@ ffi::Error PeerCombineVjpImpl(
                                         {StorageRows(capacity), hidden},
                                         "[max(capacity, 1), H]"));
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckGroupDtype(
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
       kOp, "expert_out", expert_out.element_type(), *group, &dtype));
   const auto g_dims = d_out.dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(kOp, "d_out", g_dims, {-1, hidden}, "[T, H]"));
   const int64_t num_tokens = g_dims[0];
   JAX_EP_FFI_RETURN_IF_ERROR(
-      peer_ffi::CheckTokens(kOp, "d_out", num_tokens, *group));
+      intranode_ffi::CheckTokens(kOp, "d_out", num_tokens, *group));
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
       kOp, "d_out", d_out.element_type(), "expert_out",
       expert_out.element_type()));
@@ -83,7 +83,7 @@ ffi::Error PeerCombineVjpImpl(
                                         {num_tokens, num_topk}, "[T, K]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos.dimensions(),
                                         {num_tokens, num_ranks}, "[T, R]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckReceivedEntries(
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckReceivedEntries(
       kOp, *group, entry_row.dimensions(), entry_weights.dimensions(),
       recv_counts.dimensions()));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
@@ -123,7 +123,7 @@ ffi::Error PeerCombineVjpImpl(
 }  // namespace jax_ep
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpPeerCombineVjp, jax_ep::PeerCombineVjpImpl,
+    JaxEpIntranodeCombineVjp, jax_ep::IntranodeCombineVjpImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
         .Arg<xla::ffi::AnyBuffer>()                     // d_out

@@ -1,12 +1,12 @@
-"""The shared suite on the multi-rank cuda backend (peer transport), one EP rank per process.
+"""The shared suite on the multi-rank cuda backend (intranode transport), one EP rank per process.
 
 Runs under the launcher, on one GPU shared by N processes (CUDA MPS) or one GPU per process:
 
-  python -m jax_ep.launch -n 4 --share-gpu -- python -m pytest tests/test_cuda_peer.py -q
+  python -m jax_ep.launch -n 4 --share-gpu -- python -m pytest tests/test_cuda_intranode.py -q
 
 or in one process driving several GPUs:
 
-  python -m pytest tests/test_cuda_peer.py
+  python -m pytest tests/test_cuda_intranode.py
 
 Marked `gpu`: skipped where no CUDA GPU or extension is present, and skipped with one device
 (nothing to peer).
@@ -31,12 +31,12 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 NUM_RANKS = jax.device_count()
 
 
-@pytest.mark.skipif(NUM_RANKS < 2, reason="the peer transport needs at least 2 ranks")
-class TestCudaPeer(EPTestBase):
+@pytest.mark.skipif(NUM_RANKS < 2, reason="the intranode transport needs at least 2 ranks")
+class TestCudaIntranode(EPTestBase):
   backend = "cuda"
   rank_counts = (NUM_RANKS,)
   small_ranks = NUM_RANKS
-  vmap_one_round = False  # peer ops run one round per batch element under vmap (documented)
+  vmap_one_round = False  # intranode ops run one round per batch element under vmap (documented)
 
   def test_combine_partial_dtype(self):
     # bf16 activations: partials travel in bf16 (the combine tests allow for that rounding
@@ -128,7 +128,7 @@ def _p2p_atomics_cells() -> list[str]:
           for cell in row[1:]]
 
 
-WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "peer_fault_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "intranode_fault_worker.py")
 
 
 @pytest.mark.skipif(jax.process_count() > 1, reason="starts its own processes")
@@ -161,14 +161,14 @@ def test_single_process_pointer_table_on_one_gpu():
   ext = _ffi.extension()
   args = dict(num_ranks=2, num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
               itemsize=2, capacity=64, num_sms=2, timeout_s=1.0)
-  ids = [ext.peer_group_create(0, rank, *args.values()) for rank in range(2)]
+  ids = [ext.intranode_group_create(0, rank, *args.values()) for rank in range(2)]
   try:
-    assert ext.peer_group_pointer_table(ids[0]) == []  # nothing before connect
-    ext.peer_group_connect_local(ids)
-    tables = [ext.peer_group_pointer_table(i) for i in ids]
+    assert ext.intranode_group_pointer_table(ids[0]) == []  # nothing before connect
+    ext.intranode_group_connect_local(ids)
+    tables = [ext.intranode_group_pointer_table(i) for i in ids]
     assert tables[0] == tables[1] and len(tables[0]) == 2
     assert tables[0][0] != tables[0][1] and all(p != 0 for p in tables[0])
-    assert ext.peer_group_error(ids[0]) is None
+    assert ext.intranode_group_error(ids[0]) is None
   finally:
     for i in ids:
-      ext.peer_group_destroy(i)
+      ext.intranode_group_destroy(i)

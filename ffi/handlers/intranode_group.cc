@@ -1,9 +1,9 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// Peer groups: allocation, CUDA IPC, pointer tables, the registry and the
-// error mailbox. See peer_group.h.
+// Intranode groups: allocation, CUDA IPC, pointer tables, the registry and the
+// error mailbox. See intranode_group.h.
 
-#include "ffi/handlers/peer_group.h"
+#include "ffi/handlers/intranode_group.h"
 
 #include <dlfcn.h>
 
@@ -20,7 +20,7 @@
 
 #include <cuda_runtime.h>
 
-namespace jax_ep::peer {
+namespace jax_ep::intranode_group {
 namespace {
 
 // NOTES: written at offset 0 of every buffer at creation and read by every
@@ -88,7 +88,7 @@ std::shared_ptr<Group> FindOrThrow(int64_t group_id, const char* fn) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
   auto it = Registry().find(group_id);
   if (it == Registry().end()) {
-    throw std::invalid_argument(std::string(fn) + ": unknown peer group id " +
+    throw std::invalid_argument(std::string(fn) + ": unknown intranode group id " +
                                 std::to_string(group_id));
   }
   return it->second;
@@ -145,7 +145,7 @@ cudaError_t DeviceUuid(int device, unsigned char* uuid) {
   return err;
 }
 
-// Whether a dispatch may receive while it sends (PeerView::
+// Whether a dispatch may receive while it sends (GroupView::
 // receive_while_sending): the ranks' GPUs, given by their ordinals, are all
 // distinct, and every ordered pair has native P2P atomics (the senders add
 // chunk counts into the receivers' memory). Query failures count as no.
@@ -298,7 +298,7 @@ void FinishConnect(Group& g) {
     ThrowIfCuda(err, "cudaMemcpy of the peer pointer table");
   }
   g.table_device = static_cast<char**>(table);
-  intranode::PeerView& v = g.view;
+  intranode::GroupView& v = g.view;
   v.peers = g.table_device;
   v.own = static_cast<char*>(g.buffer);
   v.state = g.state;
@@ -344,19 +344,19 @@ void Release(Group& g) noexcept {
 }
 
 const char* OpName(int32_t op) {
-  switch (static_cast<intranode::PeerOp>(op)) {
-    case intranode::PeerOp::kDispatch:
+  switch (static_cast<intranode::OpCode>(op)) {
+    case intranode::OpCode::kDispatch:
       return "jax_ep.dispatch";
-    case intranode::PeerOp::kDispatchCached:
+    case intranode::OpCode::kDispatchCached:
       return "jax_ep.dispatch_cached";
-    case intranode::PeerOp::kCombine:
+    case intranode::OpCode::kCombine:
       return "jax_ep.combine";
-    case intranode::PeerOp::kCombineVjp:
+    case intranode::OpCode::kCombineVjp:
       return "jax_ep.combine_vjp";
-    case intranode::PeerOp::kNone:
+    case intranode::OpCode::kNone:
       break;
   }
-  return "jax_ep.peer_op";
+  return "jax_ep.intranode_op";
 }
 
 const char* RegionName(int32_t region) {
@@ -386,7 +386,7 @@ std::string FormatSeconds(double s) {
 
 int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
                     int64_t num_topk, int64_t itemsize) {
-  ValidateBufferArgs("peer_buffer_bytes", num_ranks, max_tokens, hidden,
+  ValidateBufferArgs("intranode_buffer_bytes", num_ranks, max_tokens, hidden,
                      num_topk, itemsize);
   return intranode::MakeBufferLayout(num_ranks, max_tokens, hidden, num_topk,
                                      itemsize)
@@ -394,7 +394,7 @@ int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
 }
 
 int64_t Create(const GroupConfig& c) {
-  const std::string fn = "peer_group_create";
+  const std::string fn = "intranode_group_create";
   ValidateBufferArgs(fn, c.num_ranks, c.max_tokens, c.hidden, c.num_topk,
                      c.itemsize);
   CheckRange(c.rank >= 0 && c.rank < c.num_ranks, fn,
@@ -430,7 +430,7 @@ int64_t Create(const GroupConfig& c) {
                                 c.num_topk, c.itemsize);
   DeviceGuard guard(c.device);
   try {
-    // NOTES: load every kernel the peer ops launch now: a lazy module load
+    // NOTES: load every kernel the intranode ops launch now: a lazy module load
     // while a peer spins could stall it past its timeout.
     ThrowIfCuda(intranode::PreloadKernels(),
                 fn + ": loading the peer-transport kernels on device " +
@@ -481,16 +481,16 @@ int64_t Create(const GroupConfig& c) {
 }
 
 std::string IpcHandle(int64_t group_id) {
-  auto g = FindOrThrow(group_id, "peer_group_ipc_handle");
+  auto g = FindOrThrow(group_id, "intranode_group_ipc_handle");
   DeviceGuard guard(g->config.device);
   cudaIpcMemHandle_t handle;
   ThrowIfCuda(cudaIpcGetMemHandle(&handle, g->buffer),
-              "peer_group_ipc_handle: cudaIpcGetMemHandle");
+              "intranode_group_ipc_handle: cudaIpcGetMemHandle");
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
 
 void Connect(int64_t group_id, const std::vector<std::string>& handles) {
-  const std::string fn = "peer_group_connect";
+  const std::string fn = "intranode_group_connect";
   auto g = FindOrThrow(group_id, fn.c_str());
   const GroupConfig& c = g->config;
   if (g->connected) {
@@ -570,7 +570,7 @@ void Connect(int64_t group_id, const std::vector<std::string>& handles) {
 }
 
 void ConnectLocal(const std::vector<int64_t>& group_ids) {
-  const std::string fn = "peer_group_connect_local";
+  const std::string fn = "intranode_group_connect_local";
   if (group_ids.empty()) {
     throw std::invalid_argument(fn + ": expected one group id per rank");
   }
@@ -656,21 +656,21 @@ void ConnectLocal(const std::vector<int64_t>& group_ids) {
 }
 
 std::vector<uint64_t> PointerTable(int64_t group_id) {
-  auto g = FindOrThrow(group_id, "peer_group_pointer_table");
+  auto g = FindOrThrow(group_id, "intranode_group_pointer_table");
   return g->table_host;
 }
 
 bool ReceivesWhileSending(int64_t group_id) {
-  return FindOrThrow(group_id, "peer_group_receives_while_sending")
+  return FindOrThrow(group_id, "intranode_group_receives_while_sending")
       ->receive_while_sending;
 }
 
 std::optional<std::string> ErrorMessage(int64_t group_id) {
-  auto g = FindOrThrow(group_id, "peer_group_error");
+  auto g = FindOrThrow(group_id, "intranode_group_error");
   if (std::optional<std::string> msg = PendingError(*g)) return msg;
   // NOTES: a ConnectLocal set is addressed by its primary id (the one group_id
   // of the program), but a timeout lands in the mailbox of the member whose
-  // device spun: look at every member, or PeerBackend's status check on a
+  // device spun: look at every member, or IntranodeBackend's status check on a
   // non-primary device would raise without the op / rank / peer message.
   std::vector<std::shared_ptr<Group>> members;
   {
@@ -705,7 +705,7 @@ LookupResult Lookup(int64_t group_id, int device) noexcept {
     auto& registry = Registry();
     auto it = registry.find(group_id);
     if (it == registry.end()) {
-      result.error = "unknown peer group id " + std::to_string(group_id) +
+      result.error = "unknown intranode group id " + std::to_string(group_id) +
                      " (destroyed, or created in another process)";
       return result;
     }
@@ -723,7 +723,7 @@ LookupResult Lookup(int64_t group_id, int device) noexcept {
       }
       if (matches != 1) {
         result.error =
-            "peer group " + std::to_string(group_id) + " lives on device " +
+            "intranode group " + std::to_string(group_id) + " lives on device " +
             std::to_string(g->config.device) +
             " but the op runs on device " + std::to_string(device) +
             (matches == 0 ? std::string(" (no group of its set is there)")
@@ -734,15 +734,15 @@ LookupResult Lookup(int64_t group_id, int device) noexcept {
       g = match;
     }
     if (!g->connected) {
-      result.error = "peer group " + std::to_string(g->id) +
-                     " is not connected (call peer_group_connect or "
-                     "peer_group_connect_local first)";
+      result.error = "intranode group " + std::to_string(g->id) +
+                     " is not connected (call intranode_group_connect or "
+                     "intranode_group_connect_local first)";
       return result;
     }
     result.group = std::move(g);
   } catch (...) {
     result.group = nullptr;
-    result.error = "peer group lookup failed";
+    result.error = "intranode group lookup failed";
   }
   return result;
 }
@@ -773,11 +773,11 @@ std::optional<std::string> PendingError(const Group& group) noexcept {
       msg += ": rank " + std::to_string(peer) + "'s " + RegionName(region) +
              " data did not arrive";
     }
-    msg += ". The peer group is unusable; recreate it.";
+    msg += ". The intranode group is unusable; recreate it.";
     return msg;
   } catch (...) {
-    return std::string("jax_ep: a peer op timed out");
+    return std::string("jax_ep: a intranode op timed out");
   }
 }
 
-}  // namespace jax_ep::peer
+}  // namespace jax_ep::intranode_group

@@ -1,4 +1,4 @@
-"""Set-up of the multi-rank peer transport: library-owned buffers and the peer-pointer table.
+"""Set-up of the multi-rank intranode transport: library-owned buffers and the peer-pointer table.
 
 The buffers are allocated once per group (never inside a handler). With one process per device
 (GPUs of one host, or several processes sharing one GPU under CUDA MPS) each process publishes
@@ -22,13 +22,13 @@ def buffer_bytes(config: EPConfig) -> int:
   ext = _ffi.extension()
   if ext is None or config.num_ranks == 1:
     return 0
-  return int(ext.peer_buffer_bytes(config.num_ranks, config.max_tokens_per_rank, config.hidden,
+  return int(ext.intranode_buffer_bytes(config.num_ranks, config.max_tokens_per_rank, config.hidden,
                                    config.num_topk, np.dtype(config.dtype).itemsize))
 
 
 @dataclasses.dataclass
-class PeerTransport:
-  """Owns the native peer groups of this process (one per local device of the mesh)."""
+class IntranodeTransport:
+  """Owns the native intranode groups of this process (one per local device of the mesh)."""
   group_ids: list[int]
   key: str
   # The processes that hold the mesh's devices (None: every process of the job).
@@ -43,12 +43,12 @@ class PeerTransport:
   def receives_while_sending(self) -> bool:
     """Whether every local group's dispatch places the other ranks' rows as they land."""
     ext = _ffi.extension()
-    return all(bool(ext.peer_group_receives_while_sending(gid)) for gid in self.group_ids)
+    return all(bool(ext.intranode_group_receives_while_sending(gid)) for gid in self.group_ids)
 
   def error(self) -> str | None:
     ext = _ffi.extension()
     for gid in self.group_ids:
-      message = ext.peer_group_error(gid)
+      message = ext.intranode_group_error(gid)
       if message:
         return message
     return None
@@ -61,13 +61,13 @@ class PeerTransport:
     client = _client()
     if client is not None and jax.process_count() > 1:
       try:
-        client.wait_at_barrier(f"jax_ep/peer/{self.key}/close", int(barrier_timeout_s * 1000),
+        client.wait_at_barrier(f"jax_ep/intranode/{self.key}/close", int(barrier_timeout_s * 1000),
                                process_ids=self.process_ids)
       except Exception:  # noqa: BLE001 - a vanished peer must not stop us freeing our memory
         pass
     ext = _ffi.extension()
     for gid in self.group_ids:
-      ext.peer_group_destroy(gid)
+      ext.intranode_group_destroy(gid)
 
 
 def _client():
@@ -77,7 +77,7 @@ def _client():
 
 def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
            process_ids: list[int] | None = None,
-           exchange_timeout_s: float = 60.0) -> PeerTransport:
+           exchange_timeout_s: float = 60.0) -> IntranodeTransport:
   """Allocates this process's buffers, exchanges handles with the peers and connects them.
 
   `process_ids`: the processes holding the mesh's devices when they are not all of the job's
@@ -88,7 +88,7 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
   if mesh.devices.ndim != 1:
     raise NotImplementedError(
-        f"jax_ep.Group(backend='cuda'): the peer transport takes a 1-D mesh over the EP axis for "
+        f"jax_ep.Group(backend='cuda'): the intranode transport takes a 1-D mesh over the EP axis for "
         f"now; got mesh axes {dict(mesh.shape)} (use backend='reference' for several axes)")
   devices = list(mesh.devices.flat)
   me = jax.process_index()
@@ -96,7 +96,7 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
   itemsize = np.dtype(config.dtype).itemsize
 
   def make(rank, device):
-    return int(ext.peer_group_create(
+    return int(ext.intranode_group_create(
         device.local_hardware_id, rank, config.num_ranks, config.num_experts, config.num_topk,
         config.hidden, config.max_tokens_per_rank, itemsize, config.capacity, num_sms,
         float(timeout_s)))
@@ -106,12 +106,12 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
     try:
       for rank, d in local:
         ids.append(make(rank, d))
-      ext.peer_group_connect_local(ids)
+      ext.intranode_group_connect_local(ids)
     except BaseException:
       for gid in ids:
-        ext.peer_group_destroy(gid)
+        ext.intranode_group_destroy(gid)
       raise
-    return PeerTransport(ids, key)
+    return IntranodeTransport(ids, key)
   if len(local) != 1:
     raise NotImplementedError(
         f"jax_ep.Group(backend='cuda'): process {me} holds {len(local)} of the group's "
@@ -119,25 +119,25 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
   rank, device = local[0]
   gid = make(rank, device)
   client = _client()
-  prefix = f"jax_ep/peer/{key}"
-  client.key_value_set_bytes(f"{prefix}/{rank}", bytes(ext.peer_group_ipc_handle(gid)))
+  prefix = f"jax_ep/intranode/{key}"
+  client.key_value_set_bytes(f"{prefix}/{rank}", bytes(ext.intranode_group_ipc_handle(gid)))
   handles = []
   for peer in range(config.num_ranks):
     try:
       handles.append(client.blocking_key_value_get_bytes(f"{prefix}/{peer}",
                                                          int(exchange_timeout_s * 1000)))
     except Exception as e:  # noqa: BLE001 - the KV client reports a timeout as a runtime error
-      ext.peer_group_destroy(gid)
+      ext.intranode_group_destroy(gid)
       raise TimeoutError(f"jax_ep.Group: rank {peer} did not publish its buffer handle within "
                          f"{exchange_timeout_s} s (key {prefix}/{peer}): {e}") from None
   try:
-    ext.peer_group_connect(gid, handles)
+    ext.intranode_group_connect(gid, handles)
   except BaseException:
-    ext.peer_group_destroy(gid)
+    ext.intranode_group_destroy(gid)
     raise
-  return PeerTransport([gid], key, process_ids)
+  return IntranodeTransport([gid], key, process_ids)
 
 
-def describe(transport: PeerTransport) -> str:
+def describe(transport: IntranodeTransport) -> str:
   ext = _ffi.extension()
-  return json.dumps({gid: ext.peer_group_pointer_table(gid) for gid in transport.group_ids})
+  return json.dumps({gid: ext.intranode_group_pointer_table(gid) for gid in transport.group_ids})

@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// Peer groups of the intranode transport: the library-owned buffer of one
+// Intranode groups of the intranode transport: the library-owned buffer of one
 // rank, its device state, error mailbox and peer-pointer table, kept in a
 // process-wide registry keyed by a process-unique group id.
 //
@@ -15,8 +15,8 @@
 // header, build the pointer table) -> ops -> Destroy. One process driving
 // several devices: Create per device, then ConnectLocal with all the ids.
 
-#ifndef JAX_EP_FFI_HANDLERS_PEER_GROUP_H_
-#define JAX_EP_FFI_HANDLERS_PEER_GROUP_H_
+#ifndef JAX_EP_FFI_HANDLERS_INTRANODE_GROUP_H_
+#define JAX_EP_FFI_HANDLERS_INTRANODE_GROUP_H_
 
 #include <cstdint>
 #include <memory>
@@ -26,7 +26,7 @@
 
 #include "ffi/kernels/ep_kernels.h"
 
-namespace jax_ep::peer {
+namespace jax_ep::intranode_group {
 
 struct GroupConfig {
   int device = 0;            // CUDA device ordinal of this rank
@@ -55,10 +55,10 @@ struct Group {
   std::vector<void*> ipc_opened;                 // to cudaIpcCloseMemHandle
   std::vector<int64_t> local_siblings;           // ConnectLocal group ids
   std::string device_uuid;  // cudaDeviceProp::uuid of config.device, 16 bytes
-  // PeerView::receive_while_sending (decided on connect).
+  // GroupView::receive_while_sending (decided on connect).
   bool receive_while_sending = false;
   bool connected = false;
-  intranode::PeerView view{};                    // valid once connected
+  intranode::GroupView view{};                    // valid once connected
 };
 
 // Bytes of one rank's buffer (intranode::MakeBufferLayout). Throws
@@ -112,6 +112,6 @@ LookupResult Lookup(int64_t group_id, int device) noexcept;
 // mapped memory, no sync).
 std::optional<std::string> PendingError(const Group& group) noexcept;
 
-}  // namespace jax_ep::peer
+}  // namespace jax_ep::intranode_group
 
-#endif  // JAX_EP_FFI_HANDLERS_PEER_GROUP_H_
+#endif  // JAX_EP_FFI_HANDLERS_INTRANODE_GROUP_H_

@@ -1,4 +1,4 @@
-"""Shapes the peer ops hand to XLA (CPU-checkable part of the multi-rank cuda path).
+"""Shapes the intranode ops hand to XLA (CPU-checkable part of the multi-rank cuda path).
 
 XLA:GPU segfaulted compiling a side-effecting custom call with a zero-row result (capacity 0 on
 the H200), so no peer custom call may take or produce a zero-row buffer: capacity 0 and T = 0
@@ -18,16 +18,16 @@ from jax_ep.config import EPConfig
 def calls(monkeypatch):
   seen = []
 
-  def fake_peer_call(target, result_shapes, *args, **attrs):
+  def fake_intranode_call(target, result_shapes, *args, **attrs):
     seen.append((target, [a.shape for a in args], [s.shape for s in result_shapes], args))
     return tuple(jnp.zeros(s.shape, s.dtype) for s in result_shapes)
 
   class FakeExtension:
     @staticmethod
-    def peer_dispatch_workspace_elems(*_):
+    def intranode_dispatch_workspace_elems(*_):
       return 16
 
-  monkeypatch.setattr(cuda_ops, "_peer_call", fake_peer_call)
+  monkeypatch.setattr(cuda_ops, "_intranode_call", fake_intranode_call)
   monkeypatch.setattr(cuda_ops._ffi, "extension", lambda: FakeExtension)
   return seen
 
@@ -39,13 +39,13 @@ def _no_zero_rows(seen):
 
 
 @pytest.mark.parametrize("num_tokens,capacity", [(0, 64), (5, 0), (0, 0), (5, 64)])
-def test_peer_ops_never_pass_zero_rows(calls, num_tokens, capacity):
+def test_intranode_ops_never_pass_zero_rows(calls, num_tokens, capacity):
   r, h, k = 2, 128, 2
   config = EPConfig("ep", r, 8, k, h, 16, np.dtype(jnp.bfloat16), capacity)
   x = jnp.ones((num_tokens, h), jnp.bfloat16)
   idx = jnp.zeros((num_tokens, k), jnp.int32)
   w = jnp.ones((num_tokens, k), jnp.float32)
-  recv_x, group_sizes, _, _, routing, _ = cuda_ops.peer_dispatch(config, 7, x, idx, w)
+  recv_x, group_sizes, _, _, routing, _ = cuda_ops.intranode_dispatch(config, 7, x, idx, w)
   assert recv_x.shape == (capacity, h) and group_sizes.shape == (4,)
   assert routing.send_pos.shape == (num_tokens, r) and routing.topk_idx.shape == (num_tokens, k)
   # The inert token row routes nowhere (-1) and carries zeros.
@@ -55,11 +55,11 @@ def test_peer_ops_never_pass_zero_rows(calls, num_tokens, capacity):
   if num_tokens == 0:
     np.testing.assert_array_equal(dispatch_args[1], -1)
     np.testing.assert_array_equal(dispatch_args[0].astype(np.float32), 0)
-  out, _ = cuda_ops.peer_combine(config, 7, recv_x, routing, weighted=True)
+  out, _ = cuda_ops.intranode_combine(config, 7, recv_x, routing, weighted=True)
   assert out.shape == (num_tokens, h)
-  again, _ = cuda_ops.peer_dispatch_cached(config, 7, x, routing, weighted=False)
+  again, _ = cuda_ops.intranode_dispatch_cached(config, 7, x, routing, weighted=False)
   assert again.shape == (capacity, h)
-  d_expert_out, d_weights, _ = cuda_ops.peer_combine_vjp(config, 7, out, recv_x, routing)
+  d_expert_out, d_weights, _ = cuda_ops.intranode_combine_vjp(config, 7, out, recv_x, routing)
   assert d_expert_out.shape == (capacity, h) and d_weights.shape == (num_tokens, k)
   _no_zero_rows(calls)
 
@@ -76,7 +76,7 @@ def test_dispatch_workspace_covers_every_token_count(max_tokens):
   send_tiles = max(1, -(-max_tokens // 512))  # intranode::DispatchSendTiles
   fixed = (4 * r + r * (max_tokens + 1) + 2 * r * max_tokens * k + 2 * e
            + (r + 1) * send_tiles)
-  layout_room = ext.peer_dispatch_workspace_elems(r, max_tokens, k, e) - fixed
+  layout_room = ext.intranode_dispatch_workspace_elems(r, max_tokens, k, e) - fixed
   candidates = {max_tokens, max(max_tokens - 64, 1), 65536, 98304, 1 << 16, 16384, 1}
   need = max(ext.local_layout_workspace_elems(t, k, e // r)
              for t in candidates if t <= max_tokens)

@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_peer_dispatch` (kernels: ffi/kernels/intranode.cu):
+// FFI adapter of `jax_ep_intranode_dispatch` (kernels: ffi/kernels/intranode.cu):
 // notify + dispatch + layout of the multi-rank high-throughput mode, one
 // custom call. Per rank, no batch dims (R ranks, L = E / R, N = R * T_max):
 //
@@ -17,7 +17,7 @@
 //   recv_counts   `[R]` int32: tokens received from each source
 //   status        `[]` int32: 0 ok, 1 the group has timed out (in this call
 //                 or an earlier one: the outputs are defined but not valid)
-//   workspace     `[W]` int32 scratch, W = peer_dispatch_workspace_elems
+//   workspace     `[W]` int32 scratch, W = intranode_dispatch_workspace_elems
 
 #include <cstdint>
 #include <memory>
@@ -27,8 +27,8 @@
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/peer_common.h"
-#include "ffi/handlers/peer_group.h"
+#include "ffi/handlers/intranode_common.h"
+#include "ffi/handlers/intranode_group.h"
 #include "ffi/kernels/ep_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -36,12 +36,12 @@ namespace jax_ep {
 namespace {
 
 namespace ffi = ::xla::ffi;
-using peer_ffi::CheckShape;
-using peer_ffi::StorageRows;
+using intranode_ffi::CheckShape;
+using intranode_ffi::StorageRows;
 
-constexpr char kOp[] = "jax_ep_peer_dispatch";
+constexpr char kOp[] = "jax_ep_intranode_dispatch";
 
-ffi::Error PeerDispatchImpl(
+ffi::Error IntranodeDispatchImpl(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
     ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> recv_x,
     ffi::ResultBuffer<ffi::S32> group_sizes,
@@ -52,10 +52,10 @@ ffi::Error PeerDispatchImpl(
     ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> status,
     ffi::ResultBuffer<ffi::S32> workspace, int64_t group_id,
     int64_t num_experts, int64_t capacity) {
-  std::shared_ptr<const peer::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::GetGroup(kOp, group_id, &group));
-  const peer::GroupConfig& c = group->config;
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckAttrEquals(
+  std::shared_ptr<const intranode_group::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(kOp, group_id, &group));
+  const intranode_group::GroupConfig& c = group->config;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckAttrEquals(
       kOp, "num_experts", num_experts, "num_experts", c.num_experts));
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
   const int64_t num_ranks = c.num_ranks;
@@ -66,10 +66,10 @@ ffi::Error PeerDispatchImpl(
   const auto x_dims = x.dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "x", x_dims, {-1, hidden}, "[T, H]"));
   const int64_t num_tokens = x_dims[0];
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckTokens(kOp, "x", num_tokens, *group));
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckTokens(kOp, "x", num_tokens, *group));
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(
-      peer_ffi::CheckGroupDtype(kOp, "x", x.element_type(), *group, &dtype));
+      intranode_ffi::CheckGroupDtype(kOp, "x", x.element_type(), *group, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_idx", topk_idx.dimensions(),
                                         {num_tokens, num_topk}, "[T, K]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_weights",
@@ -89,7 +89,7 @@ ffi::Error PeerDispatchImpl(
       CheckShape(kOp, "num_invalid", num_invalid->dimensions(), {}, "[]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos->dimensions(),
                                         {num_tokens, num_ranks}, "[T, R]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(peer_ffi::CheckReceivedEntries(
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckReceivedEntries(
       kOp, *group, entry_row->dimensions(), entry_weights->dimensions(),
       recv_counts->dimensions()));
   JAX_EP_FFI_RETURN_IF_ERROR(
@@ -98,7 +98,7 @@ ffi::Error PeerDispatchImpl(
       kOp, "workspace", workspace->dimensions(),
       {intranode::DispatchWorkspaceElems(num_ranks, c.max_tokens, num_topk,
                                          num_experts)},
-      "[peer_dispatch_workspace_elems(R, T_max, K, E)]"));
+      "[intranode_dispatch_workspace_elems(R, T_max, K, E)]"));
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kOp, "x", x.untyped_data()));
   JAX_EP_FFI_RETURN_IF_ERROR(
@@ -120,7 +120,7 @@ ffi::Error PeerDispatchImpl(
 }  // namespace jax_ep
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpPeerDispatch, jax_ep::PeerDispatchImpl,
+    JaxEpIntranodeDispatch, jax_ep::IntranodeDispatchImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
         .Arg<xla::ffi::AnyBuffer>()                     // x

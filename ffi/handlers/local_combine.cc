@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_local_unpermute` (kernels: ffi/kernels/local.cu).
+// FFI adapter of `jax_ep_local_combine` (kernels: ffi/kernels/local.cu).
 // Combine on one rank.
 //
 //   expert_out   `[B..., capacity, H]` bf16/f16/f32 operand
@@ -29,9 +29,9 @@ using ffi_utils::CheckBatchDims;
 using ffi_utils::CheckDim;
 using ffi_utils::CheckRank;
 
-constexpr char kOp[] = "jax_ep_local_unpermute";
+constexpr char kOp[] = "jax_ep_local_combine";
 
-ffi::Error LocalUnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
+ffi::Error LocalCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                               ffi::Buffer<ffi::S32> slot_row,
                               ffi::Buffer<ffi::F32> slot_weights,
                               ffi::Result<ffi::AnyBuffer> out, bool weighted) {
@@ -84,7 +84,7 @@ ffi::Error LocalUnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
 
   const int64_t num_batches = ffi_utils::NumBatches(e_dims, nb);
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
-      kOp, local::Unpermute(dtype, expert_out.untyped_data(),
+      kOp, local::Combine(dtype, expert_out.untyped_data(),
                             slot_row.typed_data(), slot_weights.typed_data(),
                             out->untyped_data(), num_batches, num_tokens,
                             num_topk, hidden, capacity, weighted, stream));
@@ -95,7 +95,7 @@ ffi::Error LocalUnpermuteImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
 }  // namespace jax_ep
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpLocalUnpermute, jax_ep::LocalUnpermuteImpl,
+    JaxEpLocalCombine, jax_ep::LocalCombineImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
         .Arg<xla::ffi::AnyBuffer>()                     // expert_out
