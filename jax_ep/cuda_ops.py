@@ -145,7 +145,7 @@ def _intranode_call(target, result_shapes, *args, **attrs):
 
 
 def _storage_rows(rows: int) -> int:
-  """Rows of a intranode op's row-indexed buffer (`[capacity, H]`, `[T, ...]`): at least one.
+  """Rows of an intranode op's row-indexed buffer (`[capacity, H]`, `[T, ...]`): at least one.
 
   NOTES: XLA:GPU (jaxlib 0.11.2) segfaulted compiling a side-effecting custom call with a
   zero-row result (capacity 0, seen on the H200; see StorageRows in ffi/handlers/intranode_common.h).

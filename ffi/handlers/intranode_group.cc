@@ -776,7 +776,7 @@ std::optional<std::string> PendingError(const Group& group) noexcept {
     msg += ". The intranode group is unusable; recreate it.";
     return msg;
   } catch (...) {
-    return std::string("jax_ep: a intranode op timed out");
+    return std::string("jax_ep: an intranode op timed out");
   }
 }
 

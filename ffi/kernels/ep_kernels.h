@@ -44,7 +44,7 @@ inline constexpr int64_t kMaxSlots = int64_t{1} << 30;
 inline constexpr int64_t kHiddenMultiple = 8;
 // Rows of `recv_x` (capacity): row indices are int32.
 inline constexpr int64_t kMaxCapacity = INT32_MAX;
-// The SM budget of a intranode group's send kernels (num_sms): far above any GPU's
+// The SM budget of an intranode group's send kernels (num_sms): far above any GPU's
 // multiprocessor count, and keeps every send grid well inside int32.
 inline constexpr int64_t kMaxNumSms = 1024;
 
