@@ -11,13 +11,13 @@
 // (ffi/handlers/intranode_group.h); their failures raise Python exceptions:
 // ValueError for arguments out of range, RuntimeError for CUDA errors.
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
-
-#include <cuda_runtime.h>
 
 #include "ffi/handlers/handlers.h"
 #include "ffi/handlers/intranode_group.h"
@@ -44,12 +44,16 @@ nb::dict Registrations() {
   dict["jax_ep_local_layout"] = EncapsulateFfiHandler(JaxEpLocalLayout);
   dict["jax_ep_local_dispatch"] = EncapsulateFfiHandler(JaxEpLocalDispatch);
   dict["jax_ep_local_combine"] = EncapsulateFfiHandler(JaxEpLocalCombine);
-  dict["jax_ep_local_combine_vjp"] = EncapsulateFfiHandler(JaxEpLocalCombineVjp);
-  dict["jax_ep_intranode_dispatch"] = EncapsulateFfiHandler(JaxEpIntranodeDispatch);
+  dict["jax_ep_local_combine_vjp"] =
+      EncapsulateFfiHandler(JaxEpLocalCombineVjp);
+  dict["jax_ep_intranode_dispatch"] =
+      EncapsulateFfiHandler(JaxEpIntranodeDispatch);
   dict["jax_ep_intranode_dispatch_cached"] =
       EncapsulateFfiHandler(JaxEpIntranodeDispatchCached);
-  dict["jax_ep_intranode_combine"] = EncapsulateFfiHandler(JaxEpIntranodeCombine);
-  dict["jax_ep_intranode_combine_vjp"] = EncapsulateFfiHandler(JaxEpIntranodeCombineVjp);
+  dict["jax_ep_intranode_combine"] =
+      EncapsulateFfiHandler(JaxEpIntranodeCombine);
+  dict["jax_ep_intranode_combine_vjp"] =
+      EncapsulateFfiHandler(JaxEpIntranodeCombineVjp);
   return dict;
 }
 
@@ -65,7 +69,7 @@ int64_t LocalLayoutWorkspaceElems(int64_t num_tokens, int64_t num_topk,
 }
 
 int64_t IntranodeDispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
-                                   int64_t num_topk, int64_t num_experts) {
+                                        int64_t num_topk, int64_t num_experts) {
   if (num_ranks < 1 || num_ranks > intranode::kMaxRanks || max_tokens < 1 ||
       num_topk < 1 || num_topk > kMaxTopk || num_experts < num_ranks ||
       num_experts % num_ranks != 0 || num_experts / num_ranks > kMaxExperts ||
@@ -81,9 +85,10 @@ int64_t IntranodeDispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
 }
 
 int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
-                        int64_t num_experts, int64_t num_topk, int64_t hidden,
-                        int64_t max_tokens, int64_t itemsize, int64_t capacity,
-                        int num_sms, double timeout_s) {
+                             int64_t num_experts, int64_t num_topk,
+                             int64_t hidden, int64_t max_tokens,
+                             int64_t itemsize, int64_t capacity, int num_sms,
+                             double timeout_s) {
   intranode_group::GroupConfig c;
   c.device = device_ordinal;
   c.rank = rank;
@@ -104,7 +109,8 @@ nb::bytes IntranodeGroupIpcHandle(int64_t group_id) {
   return nb::bytes(handle.data(), handle.size());
 }
 
-void IntranodeGroupConnect(int64_t group_id, const std::vector<nb::bytes>& handles) {
+void IntranodeGroupConnect(int64_t group_id,
+                           const std::vector<nb::bytes>& handles) {
   std::vector<std::string> raw;
   raw.reserve(handles.size());
   for (const nb::bytes& h : handles) {
@@ -172,10 +178,11 @@ NB_MODULE(_jax_ep_ffi, m) {
   m.def("cuda_runtime_version", &jax_ep::CudaRuntimeVersion,
         "CUDA runtime version the extension was built with, e.g. 13000.");
 
-  // --- Intranode transport (multi-rank, one NVLink domain). ---------------------
-  m.def("intranode_buffer_bytes", &jax_ep::intranode_group::BufferBytes, nb::arg("num_ranks"),
-        nb::arg("max_tokens_per_rank"), nb::arg("hidden"), nb::arg("num_topk"),
-        nb::arg("itemsize"),
+  // --- Intranode transport (multi-rank, one NVLink domain).
+  // ---------------------
+  m.def("intranode_buffer_bytes", &jax_ep::intranode_group::BufferBytes,
+        nb::arg("num_ranks"), nb::arg("max_tokens_per_rank"), nb::arg("hidden"),
+        nb::arg("num_topk"), nb::arg("itemsize"),
         "Bytes of one rank's peer buffer: header 256 + dispatch rows "
         "R*T_max*H*itemsize + dispatch meta, weights and grouped ranks "
         "R*T_max*K*4 each + notify counts R*1024*4 + chunk starts and chunk "
@@ -185,7 +192,8 @@ NB_MODULE(_jax_ep_ffi, m) {
         &jax_ep::IntranodeDispatchWorkspaceElems, nb::arg("num_ranks"),
         nb::arg("max_tokens_per_rank"), nb::arg("num_topk"),
         nb::arg("num_experts"),
-        "Elements W of the int32 `workspace` result of jax_ep_intranode_dispatch: "
+        "Elements W of the int32 `workspace` result of "
+        "jax_ep_intranode_dispatch: "
         "4R + R*(T_max+1) + 2*R*T_max*K + 2E + (R+1)*ceil(T_max/512) + R "
         "times the local layout's "
         "workspace for up to T_max tokens of K slots over E/R experts.");
@@ -200,8 +208,8 @@ NB_MODULE(_jax_ep_ffi, m) {
   m.def("intranode_group_ipc_handle", &jax_ep::IntranodeGroupIpcHandle,
         nb::arg("group_id"),
         "The 64-byte cudaIpcMemHandle_t of the group's buffer.");
-  m.def("intranode_group_connect", &jax_ep::IntranodeGroupConnect, nb::arg("group_id"),
-        nb::arg("handles"),
+  m.def("intranode_group_connect", &jax_ep::IntranodeGroupConnect,
+        nb::arg("group_id"), nb::arg("handles"),
         "Opens handles[r] of every rank r (the own one is ignored), checks "
         "each peer's configuration header and builds the pointer table.");
   m.def("intranode_group_connect_local", &jax_ep::intranode_group::ConnectLocal,
@@ -217,9 +225,11 @@ NB_MODULE(_jax_ep_ffi, m) {
         "Whether the group's dispatch places the other ranks' rows while it "
         "sends (every rank on a GPU of its own, native P2P atomics between "
         "them; decided on connect).");
-  m.def("intranode_group_error", &jax_ep::intranode_group::ErrorMessage, nb::arg("group_id"),
+  m.def("intranode_group_error", &jax_ep::intranode_group::ErrorMessage,
+        nb::arg("group_id"),
         "The message of the group's first timeout, or None (no sync).");
-  m.def("intranode_group_destroy", &jax_ep::intranode_group::Destroy, nb::arg("group_id"),
+  m.def("intranode_group_destroy", &jax_ep::intranode_group::Destroy,
+        nb::arg("group_id"),
         "Synchronizes the group's device and frees the group. Idempotent; "
         "unknown ids are a no-op.");
   m.def("limits", &jax_ep::Limits,

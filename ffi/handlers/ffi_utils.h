@@ -13,12 +13,12 @@
 #ifndef JAX_EP_FFI_HANDLERS_FFI_UTILS_H_
 #define JAX_EP_FFI_HANDLERS_FFI_UTILS_H_
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
-
-#include <cuda_runtime.h>
 
 #include "ffi/kernels/ep_kernels.h"
 #include "xla/ffi/api/ffi.h"
@@ -30,23 +30,23 @@ namespace ffi = ::xla::ffi;
 using Dims = ffi::Span<const int64_t>;
 
 // Returns the ffi::Error of `expr` if it is a failure.
-#define JAX_EP_FFI_RETURN_IF_ERROR(expr)             \
-  do {                                               \
-    ::xla::ffi::Error jax_ep_ffi_err_ = (expr);      \
-    if (jax_ep_ffi_err_.failure()) {                 \
-      return jax_ep_ffi_err_;                        \
-    }                                                \
+#define JAX_EP_FFI_RETURN_IF_ERROR(expr)        \
+  do {                                          \
+    ::xla::ffi::Error jax_ep_ffi_err_ = (expr); \
+    if (jax_ep_ffi_err_.failure()) {            \
+      return jax_ep_ffi_err_;                   \
+    }                                           \
   } while (0)
 
 // Wraps a kernel launcher (which returns cudaError_t and checks
 // cudaGetLastError after each of its launches): a failure becomes an
 // ffi::Error naming the op, the call and the CUDA error.
-#define JAX_EP_FFI_RETURN_IF_CUDA_ERROR(op, expr)                          \
-  do {                                                                     \
-    const cudaError_t jax_ep_cuda_err_ = (expr);                           \
-    if (jax_ep_cuda_err_ != cudaSuccess) {                                 \
+#define JAX_EP_FFI_RETURN_IF_CUDA_ERROR(op, expr)                           \
+  do {                                                                      \
+    const cudaError_t jax_ep_cuda_err_ = (expr);                            \
+    if (jax_ep_cuda_err_ != cudaSuccess) {                                  \
       return ::jax_ep::ffi_utils::CudaError((op), #expr, jax_ep_cuda_err_); \
-    }                                                                      \
+    }                                                                       \
   } while (0)
 
 inline ffi::Error CudaError(std::string_view op, std::string_view call,
@@ -81,8 +81,8 @@ inline ffi::Error InvalidArgument(std::string_view op, std::string msg) {
 // Operand `name` must have rank `num_batch_dims + trailing_rank`.
 // `shape_doc` is the documented shape, e.g. "[B..., T, K]".
 inline ffi::Error CheckRank(std::string_view op, std::string_view name,
-                           Dims dims, size_t num_batch_dims,
-                           size_t trailing_rank, std::string_view shape_doc) {
+                            Dims dims, size_t num_batch_dims,
+                            size_t trailing_rank, std::string_view shape_doc) {
   if (dims.size() == num_batch_dims + trailing_rank) {
     return ffi::Error::Success();
   }
@@ -95,8 +95,8 @@ inline ffi::Error CheckRank(std::string_view op, std::string_view name,
 
 // The first `num_batch_dims` dims of `dims` must equal those of `ref`.
 inline ffi::Error CheckBatchDims(std::string_view op, std::string_view name,
-                                Dims dims, std::string_view ref_name, Dims ref,
-                                size_t num_batch_dims) {
+                                 Dims dims, std::string_view ref_name, Dims ref,
+                                 size_t num_batch_dims) {
   for (size_t i = 0; i < num_batch_dims; ++i) {
     if (dims[i] != ref[i]) {
       return InvalidArgument(
@@ -117,8 +117,8 @@ inline ffi::Error CheckDim(std::string_view op, std::string_view name,
       op, std::string(name) + " dim " + std::to_string(axis) + " (" +
               std::string(dim_name) + ") is " + std::to_string(dims[axis]) +
               " but must equal " + std::string(what) + " = " +
-              std::to_string(expected) + "; " + std::string(name) +
-              " shape " + ShapeString(dims));
+              std::to_string(expected) + "; " + std::string(name) + " shape " +
+              ShapeString(dims));
 }
 
 // Per-slot operand `name`: shape `[B..., T, K]` with the batch dims of `ref`
@@ -148,8 +148,8 @@ inline ffi::Error CheckTopk(std::string_view op, std::string_view name,
   if (num_topk < 1 || num_topk > kMaxTopk) {
     return InvalidArgument(
         op, std::string(name) + " last dim K (top-k) is " +
-                std::to_string(num_topk) + ", expected 1 <= K <= " +
-                std::to_string(kMaxTopk));
+                std::to_string(num_topk) +
+                ", expected 1 <= K <= " + std::to_string(kMaxTopk));
   }
   if (num_tokens * num_topk > kMaxSlots) {
     return InvalidArgument(
@@ -165,10 +165,9 @@ inline ffi::Error CheckNumExperts(std::string_view op, std::string_view what,
   if (num_experts >= 1 && num_experts <= kMaxExperts) {
     return ffi::Error::Success();
   }
-  return InvalidArgument(op, std::string(what) + " (E) is " +
-                                 std::to_string(num_experts) +
-                                 ", expected 1 <= E <= " +
-                                 std::to_string(kMaxExperts));
+  return InvalidArgument(
+      op, std::string(what) + " (E) is " + std::to_string(num_experts) +
+              ", expected 1 <= E <= " + std::to_string(kMaxExperts));
 }
 
 inline ffi::Error CheckCapacity(std::string_view op, int64_t capacity) {
@@ -180,10 +179,9 @@ inline ffi::Error CheckCapacity(std::string_view op, int64_t capacity) {
 inline ffi::Error CheckHidden(std::string_view op, std::string_view name,
                               int64_t hidden) {
   if (hidden % kHiddenMultiple == 0) return ffi::Error::Success();
-  return InvalidArgument(op, std::string(name) + " hidden size H is " +
-                                 std::to_string(hidden) +
-                                 ", expected a multiple of " +
-                                 std::to_string(kHiddenMultiple));
+  return InvalidArgument(
+      op, std::string(name) + " hidden size H is " + std::to_string(hidden) +
+              ", expected a multiple of " + std::to_string(kHiddenMultiple));
 }
 
 inline std::optional<ElementType> ToElementType(ffi::DataType dtype) {
@@ -206,10 +204,9 @@ inline ffi::Error CheckActivationDtype(std::string_view op,
                                        ElementType* element_type) {
   const std::optional<ElementType> t = ToElementType(dtype);
   if (!t.has_value()) {
-    return InvalidArgument(
-        op, std::string(name) + " has dtype code " +
-                std::to_string(static_cast<int>(dtype)) +
-                ", expected bfloat16, float16 or float32");
+    return InvalidArgument(op, std::string(name) + " has dtype code " +
+                                   std::to_string(static_cast<int>(dtype)) +
+                                   ", expected bfloat16, float16 or float32");
   }
   *element_type = *t;
   return ffi::Error::Success();
@@ -219,19 +216,19 @@ inline ffi::Error CheckSameDtype(std::string_view op, std::string_view name,
                                  ffi::DataType dtype, std::string_view ref_name,
                                  ffi::DataType ref) {
   if (dtype == ref) return ffi::Error::Success();
-  return InvalidArgument(
-      op, std::string(name) + " dtype (code " +
-              std::to_string(static_cast<int>(dtype)) + ") must equal " +
-              std::string(ref_name) + " dtype (code " +
-              std::to_string(static_cast<int>(ref)) + ")");
+  return InvalidArgument(op, std::string(name) + " dtype (code " +
+                                 std::to_string(static_cast<int>(dtype)) +
+                                 ") must equal " + std::string(ref_name) +
+                                 " dtype (code " +
+                                 std::to_string(static_cast<int>(ref)) + ")");
 }
 
 // Rows are moved as 16-byte vectors.
 inline ffi::Error CheckAligned(std::string_view op, std::string_view name,
                                const void* ptr) {
   if (reinterpret_cast<uintptr_t>(ptr) % 16 == 0) return ffi::Error::Success();
-  return InvalidArgument(op, std::string(name) +
-                                 " buffer is not 16-byte aligned");
+  return InvalidArgument(op,
+                         std::string(name) + " buffer is not 16-byte aligned");
 }
 
 }  // namespace jax_ep::ffi_utils

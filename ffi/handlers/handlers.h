@@ -23,7 +23,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalCombineVjp);
 // Multi-rank intranode transport (state: ffi/handlers/intranode_group.h).
 // "jax_ep_intranode_dispatch"        — ffi/handlers/intranode_dispatch.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeDispatch);
-// "jax_ep_intranode_dispatch_cached" — ffi/handlers/intranode_dispatch_cached.cc
+// "jax_ep_intranode_dispatch_cached" —
+// ffi/handlers/intranode_dispatch_cached.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeDispatchCached);
 // "jax_ep_intranode_combine"         — ffi/handlers/intranode_combine.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeCombine);

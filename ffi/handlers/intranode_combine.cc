@@ -1,8 +1,8 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_intranode_combine` (kernels: ffi/kernels/intranode.cu):
-// the reverse path of jax_ep_intranode_dispatch. Per rank, no batch dims
-// (R ranks, N = R * T_max):
+// FFI adapter of `jax_ep_intranode_combine` (kernels:
+// ffi/kernels/intranode.cu): the reverse path of jax_ep_intranode_dispatch. Per
+// rank, no batch dims (R ranks, N = R * T_max):
 //
 //   expert_out    `[capacity, H]` bf16/f16/f32 operand
 //   entry_row     `[N, K]` int32 operand      (from jax_ep_intranode_dispatch)
@@ -18,11 +18,11 @@
 //   status        `[]` int32: 0 ok, 1 the group has timed out (in this call
 //                 or an earlier one: the outputs are defined but not valid)
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
-
-#include <cuda_runtime.h>
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
@@ -40,13 +40,13 @@ using intranode_ffi::CheckShape;
 constexpr char kOp[] = "jax_ep_intranode_combine";
 
 ffi::Error IntranodeCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
-                           ffi::Buffer<ffi::S32> entry_row,
-                           ffi::Buffer<ffi::F32> entry_weights,
-                           ffi::Buffer<ffi::S32> recv_counts,
-                           ffi::Buffer<ffi::S32> send_pos,
-                           ffi::Result<ffi::AnyBuffer> out,
-                           ffi::ResultBuffer<ffi::S32> status,
-                           int64_t group_id, bool weighted) {
+                                ffi::Buffer<ffi::S32> entry_row,
+                                ffi::Buffer<ffi::F32> entry_weights,
+                                ffi::Buffer<ffi::S32> recv_counts,
+                                ffi::Buffer<ffi::S32> send_pos,
+                                ffi::Result<ffi::AnyBuffer> out,
+                                ffi::ResultBuffer<ffi::S32> status,
+                                int64_t group_id, bool weighted) {
   std::shared_ptr<const intranode_group::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(kOp, group_id, &group));
   const intranode_group::GroupConfig& c = group->config;
@@ -71,8 +71,9 @@ ffi::Error IntranodeCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
       intranode_ffi::CheckTokens(kOp, "send_pos", num_tokens, *group));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "out", out->dimensions(),
                                         {num_tokens, hidden}, "[T, H]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
-      kOp, "out", out->element_type(), "expert_out", expert_out.element_type()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckSameDtype(kOp, "out", out->element_type(), "expert_out",
+                                expert_out.element_type()));
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(kOp, "status", status->dimensions(), {}, "[]"));
   JAX_EP_FFI_RETURN_IF_ERROR(
@@ -81,13 +82,12 @@ ffi::Error IntranodeCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
       ffi_utils::CheckAligned(kOp, "out", out->untyped_data()));
 
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
-      kOp, intranode::Combine(group->view, dtype, expert_out.untyped_data(),
-                              entry_row.typed_data(),
-                              entry_weights.typed_data(),
-                              recv_counts.typed_data(), send_pos.typed_data(),
-                              num_tokens, capacity, weighted,
-                              out->untyped_data(), status->typed_data(),
-                              stream));
+      kOp,
+      intranode::Combine(group->view, dtype, expert_out.untyped_data(),
+                         entry_row.typed_data(), entry_weights.typed_data(),
+                         recv_counts.typed_data(), send_pos.typed_data(),
+                         num_tokens, capacity, weighted, out->untyped_data(),
+                         status->typed_data(), stream));
   return ffi::Error::Success();
 }
 

@@ -22,11 +22,11 @@
 //   status        `[]` int32: 0 ok, 1 the group has timed out (in this call
 //                 or an earlier one: the outputs are defined but not valid)
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
-
-#include <cuda_runtime.h>
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
@@ -63,10 +63,9 @@ ffi::Error IntranodeCombineVjpImpl(
   const int64_t hidden = c.hidden;
   const int64_t num_topk = c.num_topk;
 
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "expert_out",
-                                        expert_out.dimensions(),
-                                        {StorageRows(capacity), hidden},
-                                        "[max(capacity, 1), H]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "expert_out", expert_out.dimensions(),
+                 {StorageRows(capacity), hidden}, "[max(capacity, 1), H]"));
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
       kOp, "expert_out", expert_out.element_type(), *group, &dtype));
@@ -76,9 +75,9 @@ ffi::Error IntranodeCombineVjpImpl(
   const int64_t num_tokens = g_dims[0];
   JAX_EP_FFI_RETURN_IF_ERROR(
       intranode_ffi::CheckTokens(kOp, "d_out", num_tokens, *group));
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
-      kOp, "d_out", d_out.element_type(), "expert_out",
-      expert_out.element_type()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckSameDtype(kOp, "d_out", d_out.element_type(),
+                                "expert_out", expert_out.element_type()));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_idx", topk_idx.dimensions(),
                                         {num_tokens, num_topk}, "[T, K]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos.dimensions(),
@@ -88,10 +87,9 @@ ffi::Error IntranodeCombineVjpImpl(
       recv_counts.dimensions()));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
       kOp, "group_sizes", group_sizes.dimensions(), {num_local}, "[E / R]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "d_expert_out",
-                                        d_expert_out->dimensions(),
-                                        {StorageRows(capacity), hidden},
-                                        "[max(capacity, 1), H]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "d_expert_out", d_expert_out->dimensions(),
+                 {StorageRows(capacity), hidden}, "[max(capacity, 1), H]"));
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
       kOp, "d_expert_out", d_expert_out->element_type(), "expert_out",
       expert_out.element_type()));
@@ -108,14 +106,14 @@ ffi::Error IntranodeCombineVjpImpl(
       kOp, "d_expert_out", d_expert_out->untyped_data()));
 
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
-      kOp, intranode::CombineVjp(
-               group->view, dtype, d_out.untyped_data(),
-               expert_out.untyped_data(), topk_idx.typed_data(),
-               send_pos.typed_data(), entry_row.typed_data(),
-               entry_weights.typed_data(), recv_counts.typed_data(),
-               group_sizes.typed_data(), num_tokens, num_experts, capacity,
-               d_expert_out->untyped_data(), d_weights->typed_data(),
-               status->typed_data(), stream));
+      kOp,
+      intranode::CombineVjp(
+          group->view, dtype, d_out.untyped_data(), expert_out.untyped_data(),
+          topk_idx.typed_data(), send_pos.typed_data(), entry_row.typed_data(),
+          entry_weights.typed_data(), recv_counts.typed_data(),
+          group_sizes.typed_data(), num_tokens, num_experts, capacity,
+          d_expert_out->untyped_data(), d_weights->typed_data(),
+          status->typed_data(), stream));
   return ffi::Error::Success();
 }
 

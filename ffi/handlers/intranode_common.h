@@ -7,6 +7,8 @@
 #ifndef JAX_EP_FFI_HANDLERS_INTRANODE_COMMON_H_
 #define JAX_EP_FFI_HANDLERS_INTRANODE_COMMON_H_
 
+#include <cuda_runtime.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <initializer_list>
@@ -14,8 +16,6 @@
 #include <optional>
 #include <string>
 #include <string_view>
-
-#include <cuda_runtime.h>
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/intranode_group.h"
@@ -27,10 +27,10 @@ namespace jax_ep::intranode_ffi {
 namespace ffi = ::xla::ffi;
 using ffi_utils::Dims;
 
-// Rows of the `[capacity, H]` buffers the intranode ops take and produce: at least
-// one. NOTES: XLA:GPU crashed (segfault while compiling, seen on the H200 with
-// jaxlib 0.11.2) on a side-effecting custom call with a zero-row result, so
-// with capacity 0 the Python layer passes one unused row and slices it off
+// Rows of the `[capacity, H]` buffers the intranode ops take and produce: at
+// least one. NOTES: XLA:GPU crashed (segfault while compiling, seen on the H200
+// with jaxlib 0.11.2) on a side-effecting custom call with a zero-row result,
+// so with capacity 0 the Python layer passes one unused row and slices it off
 // (it does the same for T = 0, see jax_ep/cuda_ops.py).
 inline int64_t StorageRows(int64_t capacity) {
   return capacity > 0 ? capacity : 1;
@@ -40,22 +40,27 @@ inline int64_t StorageRows(int64_t capacity) {
 // NOTES: cudaGetDevice, not cudaStreamGetDevice (illegal during command-buffer
 // capture, see kernel_utils.cuh). A group whose spins timed out earlier fails
 // every later call with the mailbox message (kDeadlineExceeded).
-inline ffi::Error GetGroup(std::string_view op, int64_t group_id,
-                           std::shared_ptr<const intranode_group::Group>* group) {
+inline ffi::Error GetGroup(
+    std::string_view op, int64_t group_id,
+    std::shared_ptr<const intranode_group::Group>* group) {
   int device = -1;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) {
     return ffi_utils::CudaError(op, "cudaGetDevice", err);
   }
-  intranode_group::LookupResult found = intranode_group::Lookup(group_id, device);
+  intranode_group::LookupResult found =
+      intranode_group::Lookup(group_id, device);
   if (found.group == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(op) + ": " + found.error);
   }
-  if (std::optional<std::string> msg = intranode_group::PendingError(*found.group)) {
+  if (std::optional<std::string> msg =
+          intranode_group::PendingError(*found.group)) {
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                      std::string(op) + ": an earlier call on this intranode group "
-                                        "timed out: " + *msg);
+                      std::string(op) +
+                          ": an earlier call on this intranode group "
+                          "timed out: " +
+                          *msg);
   }
   *group = std::move(found.group);
   return ffi::Error::Success();
@@ -94,12 +99,11 @@ inline ffi::Error CheckShape(std::string_view op, std::string_view name,
   for (int64_t e : expected) {
     if (e >= 0 && dims[i] != e) {
       return ffi_utils::InvalidArgument(
-          op, std::string(name) + " has shape " +
-                  ffi_utils::ShapeString(dims) + " but must have shape " +
-                  std::string(shape_doc) + " = " + ExpectedString(expected) +
-                  " (dim " + std::to_string(i) + " is " +
-                  std::to_string(dims[i]) + ", expected " + std::to_string(e) +
-                  ")");
+          op, std::string(name) + " has shape " + ffi_utils::ShapeString(dims) +
+                  " but must have shape " + std::string(shape_doc) + " = " +
+                  ExpectedString(expected) + " (dim " + std::to_string(i) +
+                  " is " + std::to_string(dims[i]) + ", expected " +
+                  std::to_string(e) + ")");
     }
     ++i;
   }
@@ -108,7 +112,8 @@ inline ffi::Error CheckShape(std::string_view op, std::string_view name,
 
 // Activation dtype of `name`: bf16 / f16 / f32 with the group's itemsize.
 inline ffi::Error CheckGroupDtype(std::string_view op, std::string_view name,
-                                  ffi::DataType dtype, const intranode_group::Group& g,
+                                  ffi::DataType dtype,
+                                  const intranode_group::Group& g,
                                   ElementType* element_type) {
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckActivationDtype(op, name, dtype, element_type));
@@ -117,12 +122,12 @@ inline ffi::Error CheckGroupDtype(std::string_view op, std::string_view name,
   return ffi_utils::InvalidArgument(
       op, std::string(name) + " has " + std::to_string(itemsize) +
               "-byte elements but intranode group " + std::to_string(g.id) +
-              " was created for itemsize " +
-              std::to_string(g.config.itemsize));
+              " was created for itemsize " + std::to_string(g.config.itemsize));
 }
 
 inline ffi::Error CheckTokens(std::string_view op, std::string_view name,
-                              int64_t num_tokens, const intranode_group::Group& g) {
+                              int64_t num_tokens,
+                              const intranode_group::Group& g) {
   if (num_tokens >= 0 && num_tokens <= g.config.max_tokens) {
     return ffi::Error::Success();
   }

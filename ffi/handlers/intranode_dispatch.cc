@@ -1,8 +1,9 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_intranode_dispatch` (kernels: ffi/kernels/intranode.cu):
-// notify + dispatch + layout of the multi-rank high-throughput mode, one
-// custom call. Per rank, no batch dims (R ranks, L = E / R, N = R * T_max):
+// FFI adapter of `jax_ep_intranode_dispatch` (kernels:
+// ffi/kernels/intranode.cu): notify + dispatch + layout of the multi-rank
+// high-throughput mode, one custom call. Per rank, no batch dims (R ranks, L =
+// E / R, N = R * T_max):
 //
 //   x             `[T, H]` bf16/f16/f32 operand (T <= T_max)
 //   topk_idx      `[T, K]` int32 operand
@@ -19,11 +20,11 @@
 //                 or an earlier one: the outputs are defined but not valid)
 //   workspace     `[W]` int32 scratch, W = intranode_dispatch_workspace_elems
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
-
-#include <cuda_runtime.h>
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
@@ -64,12 +65,14 @@ ffi::Error IntranodeDispatchImpl(
   const int64_t num_topk = c.num_topk;
 
   const auto x_dims = x.dimensions();
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "x", x_dims, {-1, hidden}, "[T, H]"));
-  const int64_t num_tokens = x_dims[0];
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckTokens(kOp, "x", num_tokens, *group));
-  ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(
-      intranode_ffi::CheckGroupDtype(kOp, "x", x.element_type(), *group, &dtype));
+      CheckShape(kOp, "x", x_dims, {-1, hidden}, "[T, H]"));
+  const int64_t num_tokens = x_dims[0];
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      intranode_ffi::CheckTokens(kOp, "x", num_tokens, *group));
+  ElementType dtype;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+      kOp, "x", x.element_type(), *group, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_idx", topk_idx.dimensions(),
                                         {num_tokens, num_topk}, "[T, K]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_weights",
@@ -94,11 +97,11 @@ ffi::Error IntranodeDispatchImpl(
       recv_counts->dimensions()));
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(kOp, "status", status->dimensions(), {}, "[]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
-      kOp, "workspace", workspace->dimensions(),
-      {intranode::DispatchWorkspaceElems(num_ranks, c.max_tokens, num_topk,
-                                         num_experts)},
-      "[intranode_dispatch_workspace_elems(R, T_max, K, E)]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "workspace", workspace->dimensions(),
+                 {intranode::DispatchWorkspaceElems(num_ranks, c.max_tokens,
+                                                    num_topk, num_experts)},
+                 "[intranode_dispatch_workspace_elems(R, T_max, K, E)]"));
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kOp, "x", x.untyped_data()));
   JAX_EP_FFI_RETURN_IF_ERROR(

@@ -18,11 +18,11 @@
 //   status        `[]` int32: 0 ok, 1 the group has timed out (in this call
 //                 or an earlier one: the outputs are defined but not valid)
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <memory>
 #include <string>
-
-#include <cuda_runtime.h>
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
@@ -55,12 +55,14 @@ ffi::Error IntranodeDispatchCachedImpl(
   const int64_t hidden = c.hidden;
 
   const auto x_dims = x.dimensions();
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "x", x_dims, {-1, hidden}, "[T, H]"));
-  const int64_t num_tokens = x_dims[0];
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckTokens(kOp, "x", num_tokens, *group));
-  ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(
-      intranode_ffi::CheckGroupDtype(kOp, "x", x.element_type(), *group, &dtype));
+      CheckShape(kOp, "x", x_dims, {-1, hidden}, "[T, H]"));
+  const int64_t num_tokens = x_dims[0];
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      intranode_ffi::CheckTokens(kOp, "x", num_tokens, *group));
+  ElementType dtype;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+      kOp, "x", x.element_type(), *group, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos.dimensions(),
                                         {num_tokens, num_ranks}, "[T, R]"));
   JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckReceivedEntries(

@@ -1,24 +1,23 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// Intranode groups: allocation, CUDA IPC, pointer tables, the registry and the
-// error mailbox. See intranode_group.h.
+// Intranode groups: allocation, CUDA IPC, pointer tables and the registry.
+// See intranode_group.h; the GPUs' P2P capabilities are asked in
+// intranode_topology.cc, the timeout message is built in intranode_errors.cc.
 
 #include "ffi/handlers/intranode_group.h"
 
-#include <dlfcn.h>
+#include <cuda_runtime.h>
 
 #include <atomic>
-#include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <map>
 #include <mutex>
-#include <stdexcept>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <utility>
 
-#include <cuda_runtime.h>
+#include "ffi/handlers/intranode_topology.h"
 
 namespace jax_ep::intranode_group {
 namespace {
@@ -88,7 +87,8 @@ std::shared_ptr<Group> FindOrThrow(int64_t group_id, const char* fn) {
   std::lock_guard<std::mutex> lock(RegistryMutex());
   auto it = Registry().find(group_id);
   if (it == Registry().end()) {
-    throw std::invalid_argument(std::string(fn) + ": unknown intranode group id " +
+    throw std::invalid_argument(std::string(fn) +
+                                ": unknown intranode group id " +
                                 std::to_string(group_id));
   }
   return it->second;
@@ -136,120 +136,6 @@ BufferHeader MakeHeader(const GroupConfig& c) {
   h.itemsize = c.itemsize;
   h.capacity = c.capacity;
   return h;
-}
-
-cudaError_t DeviceUuid(int device, unsigned char* uuid) {
-  cudaDeviceProp prop;
-  const cudaError_t err = cudaGetDeviceProperties(&prop, device);
-  if (err == cudaSuccess) std::memcpy(uuid, &prop.uuid, 16);
-  return err;
-}
-
-// Whether a dispatch may receive while it sends (GroupView::
-// receive_while_sending): the ranks' GPUs, given by their ordinals, are all
-// distinct, and every ordered pair has native P2P atomics (the senders add
-// chunk counts into the receivers' memory). Query failures count as no.
-bool ReceiveWhileSending(const std::vector<int>& devices) {
-  if (std::set<int>(devices.begin(), devices.end()).size() != devices.size()) {
-    return false;
-  }
-  for (int a : devices) {
-    for (int b : devices) {
-      if (a == b) continue;
-      int native = 0;
-      if (cudaDeviceGetP2PAttribute(&native,
-                                    cudaDevP2PAttrNativeAtomicSupported, a,
-                                    b) != cudaSuccess) {
-        cudaGetLastError();  // clear it
-        return false;
-      }
-      if (native == 0) return false;
-    }
-  }
-  return true;
-}
-
-// NVML's name of the GPU with this cudaDeviceProp::uuid: "GPU-" and the 16
-// bytes as 8-4-4-4-12 lowercase hex digits.
-std::string NvmlUuid(const std::string& uuid) {
-  static const char kHex[] = "0123456789abcdef";
-  std::string out = "GPU-";
-  for (int i = 0; i < 16; ++i) {
-    if (i == 4 || i == 6 || i == 8 || i == 10) out += '-';
-    const auto byte = static_cast<unsigned char>(uuid[i]);
-    out += kHex[byte >> 4];
-    out += kHex[byte & 15];
-  }
-  return out;
-}
-
-// Whether every ordered pair of these distinct GPUs (cudaDeviceProp::uuid)
-// has native P2P atomics, asked of NVML. NOTES: NVML sees every GPU of the
-// host whatever CUDA_VISIBLE_DEVICES hides from this process, so a process
-// narrowed to one GPU that way can still check its peers (CUDA can only ask
-// about the GPUs it sees). Where a container or cgroup hides the peers'
-// device nodes, NVML cannot see them either, and the answer is no. The
-// driver's libnvidia-ml.so.1 is loaded at run time, so nothing links against
-// it; any failure counts as no. (nvmlInit may take a while without
-// persistence mode; it runs once per connect, and only in this case.)
-bool NvmlP2PAtomics(const std::vector<std::string>& uuids) {
-  // The few declarations needed, from NVML's stable C API (nvml.h is not
-  // part of the CUDA toolkit's headers).
-  using NvmlDevice = void*;
-  constexpr int kNvmlSuccess = 0;
-  constexpr int kP2PCapsIndexAtomics = 3;  // NVML_P2P_CAPS_INDEX_ATOMICS
-  constexpr int kP2PStatusOk = 0;          // NVML_P2P_STATUS_OK
-  void* lib = dlopen("libnvidia-ml.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (lib == nullptr) return false;
-  using InitFn = int (*)();
-  using HandleFn = int (*)(const char*, NvmlDevice*);
-  using P2PFn = int (*)(NvmlDevice, NvmlDevice, int, int*);
-  const auto init = reinterpret_cast<InitFn>(dlsym(lib, "nvmlInit_v2"));
-  const auto shutdown = reinterpret_cast<InitFn>(dlsym(lib, "nvmlShutdown"));
-  const auto by_uuid =
-      reinterpret_cast<HandleFn>(dlsym(lib, "nvmlDeviceGetHandleByUUID"));
-  const auto p2p =
-      reinterpret_cast<P2PFn>(dlsym(lib, "nvmlDeviceGetP2PStatus"));
-  bool ok = init != nullptr && shutdown != nullptr && by_uuid != nullptr &&
-            p2p != nullptr && init() == kNvmlSuccess;
-  if (ok) {
-    std::vector<NvmlDevice> devices(uuids.size(), nullptr);
-    for (size_t i = 0; ok && i < uuids.size(); ++i) {
-      ok = by_uuid(NvmlUuid(uuids[i]).c_str(), &devices[i]) == kNvmlSuccess;
-    }
-    for (size_t a = 0; ok && a < devices.size(); ++a) {
-      for (size_t b = 0; ok && b < devices.size(); ++b) {
-        if (a == b) continue;
-        int status = -1;
-        ok = p2p(devices[a], devices[b], kP2PCapsIndexAtomics, &status) ==
-                 kNvmlSuccess &&
-             status == kP2PStatusOk;
-      }
-    }
-    shutdown();  // NVML counts its inits; this one is ours
-  }
-  dlclose(lib);
-  return ok;
-}
-
-// The ordinal of the visible device with this UUID, or -1.
-int DeviceWithUuid(const std::string& uuid) {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();
-    return -1;
-  }
-  for (int d = 0; d < count; ++d) {
-    unsigned char other[16];
-    if (DeviceUuid(d, other) != cudaSuccess) {
-      cudaGetLastError();
-      continue;
-    }
-    if (uuid.compare(0, 16, reinterpret_cast<const char*>(other), 16) == 0) {
-      return d;
-    }
-  }
-  return -1;
 }
 
 // Empty if `peer` (read from rank r's buffer) matches `mine` for rank r.
@@ -343,45 +229,6 @@ void Release(Group& g) noexcept {
   if (previous >= 0) cudaSetDevice(previous);
 }
 
-const char* OpName(int32_t op) {
-  switch (static_cast<intranode::OpCode>(op)) {
-    case intranode::OpCode::kDispatch:
-      return "jax_ep.dispatch";
-    case intranode::OpCode::kDispatchCached:
-      return "jax_ep.dispatch_cached";
-    case intranode::OpCode::kCombine:
-      return "jax_ep.combine";
-    case intranode::OpCode::kCombineVjp:
-      return "jax_ep.combine_vjp";
-    case intranode::OpCode::kNone:
-      break;
-  }
-  return "jax_ep.intranode_op";
-}
-
-const char* RegionName(int32_t region) {
-  switch (region) {
-    case intranode::kDispatchRegion:
-      return "dispatch";
-    case intranode::kCombineRegion:
-      return "combine";
-    case intranode::kDotsRegion:
-      return "combine-vjp dots";
-    default:
-      return "unknown";
-  }
-}
-
-std::string FormatSeconds(double s) {
-  char buf[64];
-  if (s == std::round(s * 10.0) / 10.0) {
-    std::snprintf(buf, sizeof(buf), "%.1f", s);
-  } else {
-    std::snprintf(buf, sizeof(buf), "%g", s);
-  }
-  return buf;
-}
-
 }  // namespace
 
 int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
@@ -421,13 +268,15 @@ int64_t Create(const GroupConfig& c) {
   int num_devices = 0;
   ThrowIfCuda(cudaGetDeviceCount(&num_devices), fn + ": cudaGetDeviceCount");
   CheckRange(c.device >= 0 && c.device < num_devices, fn,
-             "device_ordinal is " + std::to_string(c.device) + ", expected 0 <= "
-             "device_ordinal < " + std::to_string(num_devices));
+             "device_ordinal is " + std::to_string(c.device) +
+                 ", expected 0 <= "
+                 "device_ordinal < " +
+                 std::to_string(num_devices));
 
   auto g = std::make_shared<Group>();
   g->config = c;
-  g->buffer_bytes = BufferBytes(c.num_ranks, c.max_tokens, c.hidden,
-                                c.num_topk, c.itemsize);
+  g->buffer_bytes =
+      BufferBytes(c.num_ranks, c.max_tokens, c.hidden, c.num_topk, c.itemsize);
   DeviceGuard guard(c.device);
   try {
     // NOTES: load every kernel the intranode ops launch now: a lazy module load
@@ -444,14 +293,14 @@ int64_t Create(const GroupConfig& c) {
     ThrowIfCuda(cudaMemset(g->buffer, 0, static_cast<size_t>(g->buffer_bytes)),
                 fn + ": cudaMemset of the peer buffer");
     BufferHeader header = MakeHeader(c);
-    ThrowIfCuda(DeviceUuid(c.device, header.device_uuid),
-                fn + ": cudaGetDeviceProperties of device " +
-                    std::to_string(c.device));
+    ThrowIfCuda(
+        DeviceUuid(c.device, header.device_uuid),
+        fn + ": cudaGetDeviceProperties of device " + std::to_string(c.device));
     g->device_uuid.assign(reinterpret_cast<const char*>(header.device_uuid),
                           16);
-    ThrowIfCuda(cudaMemcpy(g->buffer, &header, sizeof(header),
-                           cudaMemcpyHostToDevice),
-                fn + ": cudaMemcpy of the buffer header");
+    ThrowIfCuda(
+        cudaMemcpy(g->buffer, &header, sizeof(header), cudaMemcpyHostToDevice),
+        fn + ": cudaMemcpy of the buffer header");
     void* state = nullptr;
     ThrowIfCuda(cudaMalloc(&state, sizeof(intranode::DeviceState)),
                 fn + ": cudaMalloc of the device state");
@@ -505,10 +354,10 @@ void Connect(int64_t group_id, const std::vector<std::string>& handles) {
   }
   for (int r = 0; r < c.num_ranks; ++r) {
     if (r != c.rank && handles[r].size() != sizeof(cudaIpcMemHandle_t)) {
-      throw std::invalid_argument(
-          fn + ": handles[" + std::to_string(r) + "] has " +
-          std::to_string(handles[r].size()) + " bytes, expected " +
-          std::to_string(sizeof(cudaIpcMemHandle_t)));
+      throw std::invalid_argument(fn + ": handles[" + std::to_string(r) +
+                                  "] has " + std::to_string(handles[r].size()) +
+                                  " bytes, expected " +
+                                  std::to_string(sizeof(cudaIpcMemHandle_t)));
     }
   }
   DeviceGuard guard(c.device);
@@ -526,40 +375,23 @@ void Connect(int64_t group_id, const std::vector<std::string>& handles) {
       cudaIpcMemHandle_t handle;
       std::memcpy(&handle, handles[r].data(), sizeof(handle));
       void* ptr = nullptr;
-      ThrowIfCuda(cudaIpcOpenMemHandle(&ptr, handle,
-                                       cudaIpcMemLazyEnablePeerAccess),
-                  fn + ": cudaIpcOpenMemHandle of rank " + std::to_string(r) +
-                      "'s buffer on device " + std::to_string(c.device));
+      ThrowIfCuda(
+          cudaIpcOpenMemHandle(&ptr, handle, cudaIpcMemLazyEnablePeerAccess),
+          fn + ": cudaIpcOpenMemHandle of rank " + std::to_string(r) +
+              "'s buffer on device " + std::to_string(c.device));
       opened.push_back(ptr);
       table[r] = reinterpret_cast<uint64_t>(ptr);
       BufferHeader peer;
-      ThrowIfCuda(cudaMemcpy(&peer, ptr, sizeof(peer), cudaMemcpyDefault),
-                  fn + ": reading rank " + std::to_string(r) +
-                      "'s buffer header");
+      ThrowIfCuda(
+          cudaMemcpy(&peer, ptr, sizeof(peer), cudaMemcpyDefault),
+          fn + ": reading rank " + std::to_string(r) + "'s buffer header");
       const std::string mismatch = HeaderMismatch(mine, peer, r);
       if (!mismatch.empty()) throw std::invalid_argument(fn + ": " + mismatch);
       uuids[r].assign(reinterpret_cast<const char*>(peer.device_uuid), 16);
     }
     g->table_host = table;
     g->ipc_opened = opened;
-    // NOTES: every rank reads every rank's GPU; ranks that see different
-    // sets of devices may decide differently, which is safe (senders always
-    // add the counts, only a rank's own receivers read them). Where this
-    // process cannot see every GPU of the group (one GPU per process through
-    // CUDA_VISIBLE_DEVICES), NVML answers for the atomics instead of CUDA.
-    std::vector<int> devices;
-    bool all_visible = true;
-    for (const std::string& uuid : uuids) {
-      const int d = DeviceWithUuid(uuid);
-      all_visible = all_visible && d >= 0;
-      devices.push_back(d);
-    }
-    const bool distinct =
-        std::set<std::string>(uuids.begin(), uuids.end()).size() ==
-        uuids.size();
-    g->receive_while_sending =
-        distinct && (all_visible ? ReceiveWhileSending(devices)
-                                 : NvmlP2PAtomics(uuids));
+    g->receive_while_sending = NativeP2PAtomicsByUuid(uuids);
     FinishConnect(*g);
   } catch (...) {
     for (void* p : opened) cudaIpcCloseMemHandle(p);
@@ -586,8 +418,8 @@ void ConnectLocal(const std::vector<int64_t>& group_ids) {
     if (g.config.num_ranks != num_ranks) {
       throw std::invalid_argument(
           fn + ": got " + std::to_string(num_ranks) + " group ids but group " +
-          std::to_string(g.id) + " has num_ranks = " +
-          std::to_string(g.config.num_ranks));
+          std::to_string(g.id) +
+          " has num_ranks = " + std::to_string(g.config.num_ranks));
     }
     const std::string mismatch =
         HeaderMismatch(MakeHeader(groups[0]->config), MakeHeader(g.config), r);
@@ -625,7 +457,7 @@ void ConnectLocal(const std::vector<int64_t>& group_ids) {
     table[r] = reinterpret_cast<uint64_t>(groups[r]->buffer);
     devices.push_back(groups[r]->config.device);
   }
-  const bool receive_while_sending = ReceiveWhileSending(devices);
+  const bool receive_while_sending = NativeP2PAtomics(devices);
   try {
     for (int r = 0; r < num_ranks; ++r) {
       Group& g = *groups[r];
@@ -677,7 +509,8 @@ std::optional<std::string> ErrorMessage(int64_t group_id) {
     std::lock_guard<std::mutex> lock(RegistryMutex());
     for (int64_t id : g->local_siblings) {
       auto it = Registry().find(id);
-      if (id != group_id && it != Registry().end()) members.push_back(it->second);
+      if (id != group_id && it != Registry().end())
+        members.push_back(it->second);
     }
   }
   for (const auto& member : members) {
@@ -723,8 +556,8 @@ LookupResult Lookup(int64_t group_id, int device) noexcept {
       }
       if (matches != 1) {
         result.error =
-            "intranode group " + std::to_string(group_id) + " lives on device " +
-            std::to_string(g->config.device) +
+            "intranode group " + std::to_string(group_id) +
+            " lives on device " + std::to_string(g->config.device) +
             " but the op runs on device " + std::to_string(device) +
             (matches == 0 ? std::string(" (no group of its set is there)")
                           : std::string(" (several groups of its set are "
@@ -745,39 +578,6 @@ LookupResult Lookup(int64_t group_id, int device) noexcept {
     result.error = "intranode group lookup failed";
   }
   return result;
-}
-
-std::optional<std::string> PendingError(const Group& group) noexcept {
-  const volatile intranode::Mailbox* m = group.mailbox_host;
-  if (m == nullptr || m->state == 0u) return std::nullopt;
-  std::atomic_thread_fence(std::memory_order_acquire);
-  try {
-    const int32_t op = m->op;
-    const int32_t rank = m->rank;
-    const int32_t peer = m->peer;
-    const int32_t what = m->wait_kind;
-    const int32_t region = m->region;
-    const unsigned long long seq = m->seq;
-    std::string msg = std::string(OpName(op)) + ": rank " +
-                      std::to_string(rank) + " timed out after " +
-                      FormatSeconds(group.config.timeout_s) +
-                      " s waiting for rank " + std::to_string(peer) +
-                      " (call " + std::to_string(seq) + ")";
-    if (what == static_cast<int32_t>(intranode::WaitKind::kConsumed)) {
-      msg += ": rank " + std::to_string(peer) + " did not release its " +
-             RegionName(region) + " buffer from the previous call";
-    } else if (what == static_cast<int32_t>(intranode::WaitKind::kCounts)) {
-      msg += ": rank " + std::to_string(peer) +
-             "'s dispatch counts (notify) did not arrive";
-    } else {
-      msg += ": rank " + std::to_string(peer) + "'s " + RegionName(region) +
-             " data did not arrive";
-    }
-    msg += ". The intranode group is unusable; recreate it.";
-    return msg;
-  } catch (...) {
-    return std::string("jax_ep: an intranode op timed out");
-  }
 }
 
 }  // namespace jax_ep::intranode_group

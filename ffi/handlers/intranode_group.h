@@ -29,17 +29,17 @@
 namespace jax_ep::intranode_group {
 
 struct GroupConfig {
-  int device = 0;            // CUDA device ordinal of this rank
+  int device = 0;  // CUDA device ordinal of this rank
   int rank = 0;
-  int num_ranks = 1;         // R
-  int64_t num_experts = 1;   // E (global)
-  int64_t num_topk = 1;      // K
-  int64_t hidden = 8;        // H
-  int64_t max_tokens = 1;    // T_max
-  int64_t itemsize = 2;      // bytes per activation element (2 or 4)
-  int64_t capacity = 0;      // rows of recv_x
-  int num_sms = 24;          // blocks of every communication kernel
-  double timeout_s = 60.0;   // every spin-wait gives up after this long
+  int num_ranks = 1;        // R
+  int64_t num_experts = 1;  // E (global)
+  int64_t num_topk = 1;     // K
+  int64_t hidden = 8;       // H
+  int64_t max_tokens = 1;   // T_max
+  int64_t itemsize = 2;     // bytes per activation element (2 or 4)
+  int64_t capacity = 0;     // rows of recv_x
+  int num_sms = 24;         // blocks of every communication kernel
+  double timeout_s = 60.0;  // every spin-wait gives up after this long
 };
 
 struct Group {
@@ -58,7 +58,7 @@ struct Group {
   // GroupView::receive_while_sending (decided on connect).
   bool receive_while_sending = false;
   bool connected = false;
-  intranode::GroupView view{};                    // valid once connected
+  intranode::GroupView view{};  // valid once connected
 };
 
 // Bytes of one rank's buffer (intranode::MakeBufferLayout). Throws

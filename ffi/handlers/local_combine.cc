@@ -11,10 +11,10 @@
 //                out[t] = sum_{k asc, slot_row >= 0} w[t, k] * expert_out[row]
 //                accumulated in fp32 (one fmaf per slot), rounded once.
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <string>
-
-#include <cuda_runtime.h>
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
@@ -32,15 +32,16 @@ using ffi_utils::CheckRank;
 constexpr char kOp[] = "jax_ep_local_combine";
 
 ffi::Error LocalCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
-                              ffi::Buffer<ffi::S32> slot_row,
-                              ffi::Buffer<ffi::F32> slot_weights,
-                              ffi::Result<ffi::AnyBuffer> out, bool weighted) {
+                            ffi::Buffer<ffi::S32> slot_row,
+                            ffi::Buffer<ffi::F32> slot_weights,
+                            ffi::Result<ffi::AnyBuffer> out, bool weighted) {
   const auto e_dims = expert_out.dimensions();
   if (e_dims.size() < 2) {
     return ffi_utils::InvalidArgument(
         kOp,
         "expert_out must have shape [B..., capacity, H] (rank >= 2), got "
-        "shape " + ffi_utils::ShapeString(e_dims));
+        "shape " +
+            ffi_utils::ShapeString(e_dims));
   }
   const size_t nb = e_dims.size() - 2;
   const int64_t capacity = e_dims[nb];
@@ -53,16 +54,16 @@ ffi::Error LocalCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
   const auto row_dims = slot_row.dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckRank(kOp, "slot_row", row_dims, nb, 2, "[B..., T, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckBatchDims(kOp, "slot_row", row_dims,
-                                            "expert_out", e_dims, nb));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckBatchDims(kOp, "slot_row", row_dims, "expert_out", e_dims, nb));
   const int64_t num_tokens = row_dims[nb];
   const int64_t num_topk = row_dims[nb + 1];
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckTopk(kOp, "slot_row", num_tokens, num_topk));
 
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSlotsShape(
-      kOp, "slot_weights", slot_weights.dimensions(), "expert_out", e_dims,
-      nb, num_tokens, "slot_row T", num_topk, "slot_row K"));
+      kOp, "slot_weights", slot_weights.dimensions(), "expert_out", e_dims, nb,
+      num_tokens, "slot_row T", num_topk, "slot_row K"));
 
   const auto out_dims = out->dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(
@@ -73,9 +74,9 @@ ffi::Error LocalCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
       CheckDim(kOp, "out", out_dims, nb, "T", num_tokens, "slot_row T"));
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckDim(kOp, "out", out_dims, nb + 1, "H", hidden, "expert_out H"));
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
-      kOp, "out", out->element_type(), "expert_out",
-      expert_out.element_type()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckSameDtype(kOp, "out", out->element_type(), "expert_out",
+                                expert_out.element_type()));
 
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kOp, "expert_out", expert_out.untyped_data()));
@@ -85,9 +86,9 @@ ffi::Error LocalCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
   const int64_t num_batches = ffi_utils::NumBatches(e_dims, nb);
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       kOp, local::Combine(dtype, expert_out.untyped_data(),
-                            slot_row.typed_data(), slot_weights.typed_data(),
-                            out->untyped_data(), num_batches, num_tokens,
-                            num_topk, hidden, capacity, weighted, stream));
+                          slot_row.typed_data(), slot_weights.typed_data(),
+                          out->untyped_data(), num_batches, num_tokens,
+                          num_topk, hidden, capacity, weighted, stream));
   return ffi::Error::Success();
 }
 

@@ -10,10 +10,10 @@
 //              dots[t, k] = <d_out[t], expert_out[slot_row[t, k]]> in fp32,
 //              0 where slot_row[t, k] < 0.
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <string>
-
-#include <cuda_runtime.h>
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
@@ -31,9 +31,9 @@ using ffi_utils::CheckRank;
 constexpr char kOp[] = "jax_ep_local_combine_vjp";
 
 ffi::Error LocalCombineVjpImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
-                             ffi::AnyBuffer expert_out,
-                             ffi::Buffer<ffi::S32> slot_row,
-                             ffi::ResultBuffer<ffi::F32> dots) {
+                               ffi::AnyBuffer expert_out,
+                               ffi::Buffer<ffi::S32> slot_row,
+                               ffi::ResultBuffer<ffi::F32> dots) {
   const auto d_dims = d_out.dimensions();
   if (d_dims.size() < 2) {
     return ffi_utils::InvalidArgument(
@@ -55,9 +55,9 @@ ffi::Error LocalCombineVjpImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
       CheckBatchDims(kOp, "expert_out", e_dims, "d_out", d_dims, nb));
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckDim(kOp, "expert_out", e_dims, nb + 1, "H", hidden, "d_out H"));
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
-      kOp, "expert_out", expert_out.element_type(), "d_out",
-      d_out.element_type()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckSameDtype(kOp, "expert_out", expert_out.element_type(),
+                                "d_out", d_out.element_type()));
   const int64_t capacity = e_dims[nb];
 
   const auto row_dims = slot_row.dimensions();
@@ -82,10 +82,10 @@ ffi::Error LocalCombineVjpImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
 
   const int64_t num_batches = ffi_utils::NumBatches(d_dims, nb);
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
-      kOp, local::CombineVjp(dtype, d_out.untyped_data(),
-                           expert_out.untyped_data(), slot_row.typed_data(),
-                           dots->typed_data(), num_batches, num_tokens,
-                           num_topk, hidden, capacity, stream));
+      kOp,
+      local::CombineVjp(dtype, d_out.untyped_data(), expert_out.untyped_data(),
+                        slot_row.typed_data(), dots->typed_data(), num_batches,
+                        num_tokens, num_topk, hidden, capacity, stream));
   return ffi::Error::Success();
 }
 

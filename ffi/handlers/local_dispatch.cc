@@ -11,10 +11,10 @@
 //   recv_x       `[B..., capacity, H]` x.dtype: recv_x[slot_row[t, k]] = x[t]
 //                (* slot_weights[t, k]); rows >= sum(group_sizes) are zero.
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <string>
-
-#include <cuda_runtime.h>
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
@@ -32,11 +32,11 @@ using ffi_utils::CheckRank;
 constexpr char kOp[] = "jax_ep_local_dispatch";
 
 ffi::Error LocalDispatchImpl(cudaStream_t stream, ffi::AnyBuffer x,
-                            ffi::Buffer<ffi::S32> slot_row,
-                            ffi::Buffer<ffi::S32> group_sizes,
-                            ffi::Buffer<ffi::F32> slot_weights,
-                            ffi::Result<ffi::AnyBuffer> recv_x,
-                            int64_t capacity, bool weighted) {
+                             ffi::Buffer<ffi::S32> slot_row,
+                             ffi::Buffer<ffi::S32> group_sizes,
+                             ffi::Buffer<ffi::F32> slot_weights,
+                             ffi::Result<ffi::AnyBuffer> recv_x,
+                             int64_t capacity, bool weighted) {
   const auto x_dims = x.dimensions();
   if (x_dims.size() < 2) {
     return ffi_utils::InvalidArgument(
@@ -69,8 +69,8 @@ ffi::Error LocalDispatchImpl(cudaStream_t stream, ffi::AnyBuffer x,
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckBatchDims(kOp, "group_sizes", gs_dims, "x", x_dims, nb));
   const int64_t num_experts = gs_dims[nb];
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckNumExperts(
-      kOp, "group_sizes last dim", num_experts));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckNumExperts(kOp, "group_sizes last dim", num_experts));
 
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSlotsShape(
       kOp, "slot_weights", slot_weights.dimensions(), "x", x_dims, nb,
@@ -95,11 +95,11 @@ ffi::Error LocalDispatchImpl(cudaStream_t stream, ffi::AnyBuffer x,
 
   const int64_t num_batches = ffi_utils::NumBatches(x_dims, nb);
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
-      kOp, local::Dispatch(dtype, x.untyped_data(), slot_row.typed_data(),
-                          group_sizes.typed_data(), slot_weights.typed_data(),
-                          recv_x->untyped_data(), num_batches, num_tokens,
-                          num_topk, num_experts, hidden, capacity, weighted,
-                          stream));
+      kOp,
+      local::Dispatch(dtype, x.untyped_data(), slot_row.typed_data(),
+                      group_sizes.typed_data(), slot_weights.typed_data(),
+                      recv_x->untyped_data(), num_batches, num_tokens, num_topk,
+                      num_experts, hidden, capacity, weighted, stream));
   return ffi::Error::Success();
 }
 

@@ -10,10 +10,10 @@
 //   num_invalid `[B...]`       int32: slots with id < -1 or id >= E
 //   workspace   `[B..., W]`    int32 scratch, W = local_layout_workspace_elems
 
+#include <cuda_runtime.h>
+
 #include <cstdint>
 #include <string>
-
-#include <cuda_runtime.h>
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
@@ -30,8 +30,7 @@ using ffi_utils::CheckRank;
 
 constexpr char kOp[] = "jax_ep_local_layout";
 
-ffi::Error LocalLayoutImpl(cudaStream_t stream,
-                           ffi::Buffer<ffi::S32> topk_idx,
+ffi::Error LocalLayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                            ffi::ResultBuffer<ffi::S32> slot_row,
                            ffi::ResultBuffer<ffi::S32> group_sizes,
                            ffi::ResultBuffer<ffi::S32> num_dropped,
@@ -60,8 +59,8 @@ ffi::Error LocalLayoutImpl(cudaStream_t stream,
   const auto gs_dims = group_sizes->dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckRank(kOp, "group_sizes", gs_dims, nb, 1, "[B..., E]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckBatchDims(kOp, "group_sizes", gs_dims,
-                                            "topk_idx", idx_dims, nb));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckBatchDims(kOp, "group_sizes", gs_dims, "topk_idx", idx_dims, nb));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckDim(kOp, "group_sizes", gs_dims, nb, "E",
                                       num_experts, "attribute num_experts"));
 
@@ -79,8 +78,8 @@ ffi::Error LocalLayoutImpl(cudaStream_t stream,
   const auto ws_dims = workspace->dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckRank(kOp, "workspace", ws_dims, nb, 1, "[B..., W]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckBatchDims(kOp, "workspace", ws_dims,
-                                            "topk_idx", idx_dims, nb));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckBatchDims(kOp, "workspace", ws_dims, "topk_idx", idx_dims, nb));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckDim(
       kOp, "workspace", ws_dims, nb, "W",
       layout::LocalLayoutWorkspaceElems(num_tokens, num_topk, num_experts),

@@ -22,9 +22,9 @@
 #ifndef JAX_EP_FFI_KERNELS_EP_KERNELS_H_
 #define JAX_EP_FFI_KERNELS_EP_KERNELS_H_
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 namespace jax_ep {
 
@@ -35,17 +35,17 @@ enum class ElementType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2 };
 inline constexpr int64_t kMaxExperts = 1024;
 inline constexpr int64_t kMaxTopk = 32;
 // Most slots (T * K) one call may have per batch element (per rank for the
-// intranode transport's received entries, R * T_max * K). NOTES: int32 slot indices
-// with headroom: the layout's last chunk ends at most one chunk (<= 2^22
-// slots) past T * K, which must still fit int32.
+// intranode transport's received entries, R * T_max * K). NOTES: int32 slot
+// indices with headroom: the layout's last chunk ends at most one chunk (<=
+// 2^22 slots) past T * K, which must still fit int32.
 inline constexpr int64_t kMaxSlots = int64_t{1} << 30;
 // Rows are moved as 16-byte vectors; `hidden` must be a multiple of this many
 // elements for every element type (8 x bf16 = 16 bytes, 8 x f32 = 2 vectors).
 inline constexpr int64_t kHiddenMultiple = 8;
 // Rows of `recv_x` (capacity): row indices are int32.
 inline constexpr int64_t kMaxCapacity = INT32_MAX;
-// The SM budget of an intranode group's send kernels (num_sms): far above any GPU's
-// multiprocessor count, and keeps every send grid well inside int32.
+// The SM budget of an intranode group's send kernels (num_sms): far above any
+// GPU's multiprocessor count, and keeps every send grid well inside int32.
 inline constexpr int64_t kMaxNumSms = 1024;
 
 // ---------------------------------------------------------------------------
@@ -58,9 +58,9 @@ namespace layout {
 // per chunk. The chunk grows with T * K so that there are never more than
 // `kMaxChunks` chunks: that bounds the serial part of the per-expert scan over
 // chunks. Both functions are pure host arithmetic, safe to call anywhere.
-inline constexpr int64_t kThreads = 256;          // 8 warps per block.
+inline constexpr int64_t kThreads = 256;  // 8 warps per block.
 inline constexpr int64_t kWarps = kThreads / 32;
-inline constexpr int64_t kMinChunkSlots = 1024;   // Multiple of kThreads.
+inline constexpr int64_t kMinChunkSlots = 1024;  // Multiple of kThreads.
 inline constexpr int64_t kMaxChunks = 512;
 
 inline int64_t LocalLayoutChunkSlots(int64_t num_slots) {
@@ -92,10 +92,9 @@ inline int64_t LocalLayoutMaxWorkspaceElems(int64_t max_tokens,
                                             int64_t num_topk,
                                             int64_t num_experts) {
   const int64_t max_slots = max_tokens * num_topk;
-  const int64_t chunks =
-      max_slots <= kMaxChunks * kMinChunkSlots
-          ? (max_slots + kMinChunkSlots - 1) / kMinChunkSlots
-          : kMaxChunks;
+  const int64_t chunks = max_slots <= kMaxChunks * kMinChunkSlots
+                             ? (max_slots + kMinChunkSlots - 1) / kMinChunkSlots
+                             : kMaxChunks;
   return (chunks + 1) * (num_experts + 1);
 }
 
@@ -116,8 +115,8 @@ cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
                         int32_t* group_sizes, int32_t* num_dropped,
                         int32_t* num_invalid, int32_t* workspace,
                         int64_t num_batches, int64_t num_tokens,
-                        int64_t num_topk, int64_t num_experts,
-                        int64_t capacity, cudaStream_t stream);
+                        int64_t num_topk, int64_t num_experts, int64_t capacity,
+                        cudaStream_t stream);
 
 // Forces the module load of every kernel of this family on the current
 // device (cudaFuncGetAttributes), so no lazy load happens later.
@@ -133,8 +132,8 @@ namespace local {
 // Tokens of a peer permute whose rows the caller has already placed in
 // `recv_x` (a dispatch places its own rank's tokens while its rows travel):
 // tokens n in [begin, begin + count) are neither read nor written. Only with
-// x_from_peers and one batch element (Dispatch refuses it otherwise, and a range
-// outside [0, num_tokens]).
+// x_from_peers and one batch element (Dispatch refuses it otherwise, and a
+// range outside [0, num_tokens]).
 struct PlacedTokens {
   int64_t begin = 0;
   int64_t count = 0;
@@ -156,11 +155,12 @@ struct PlacedTokens {
 // (L2, no L1 / non-coherent cache) instead of ld.global.nc.
 // `placed`: see PlacedTokens.
 cudaError_t Dispatch(ElementType dtype, const void* x, const int32_t* slot_row,
-                    const int32_t* group_sizes, const float* slot_weights,
-                    void* recv_x, int64_t num_batches, int64_t num_tokens,
-                    int64_t num_topk, int64_t num_experts, int64_t hidden,
-                    int64_t capacity, bool weighted, cudaStream_t stream,
-                    bool x_from_peers = false, const PlacedTokens& placed = {});
+                     const int32_t* group_sizes, const float* slot_weights,
+                     void* recv_x, int64_t num_batches, int64_t num_tokens,
+                     int64_t num_topk, int64_t num_experts, int64_t hidden,
+                     int64_t capacity, bool weighted, cudaStream_t stream,
+                     bool x_from_peers = false,
+                     const PlacedTokens& placed = {});
 
 // out[t] = sum_{k ascending, slot_row[t,k] >= 0} w[t,k] * expert_out[slot_row]
 // with w = slot_weights when `weighted`, else 1; fp32 accumulation with one
@@ -171,10 +171,10 @@ cudaError_t Dispatch(ElementType dtype, const void* x, const int32_t* slot_row,
 //   slot_weights `[T, K]` float32    in (not read when !weighted; may be null)
 //   out          `[T, H]` dtype      out
 cudaError_t Combine(ElementType dtype, const void* expert_out,
-                      const int32_t* slot_row, const float* slot_weights,
-                      void* out, int64_t num_batches, int64_t num_tokens,
-                      int64_t num_topk, int64_t hidden, int64_t capacity,
-                      bool weighted, cudaStream_t stream);
+                    const int32_t* slot_row, const float* slot_weights,
+                    void* out, int64_t num_batches, int64_t num_tokens,
+                    int64_t num_topk, int64_t hidden, int64_t capacity,
+                    bool weighted, cudaStream_t stream);
 
 // dots[t, k] = sum_h float(d_out[t, h]) * float(expert_out[slot_row[t, k], h])
 // in fp32 (fixed per-thread order, then a fixed tree), 0 where slot_row < 0.
@@ -183,10 +183,10 @@ cudaError_t Combine(ElementType dtype, const void* expert_out,
 //   slot_row     `[T, K]` int32      in
 //   dots         `[T, K]` float32    out
 cudaError_t CombineVjp(ElementType dtype, const void* d_out,
-                     const void* expert_out, const int32_t* slot_row,
-                     float* dots, int64_t num_batches, int64_t num_tokens,
-                     int64_t num_topk, int64_t hidden, int64_t capacity,
-                     cudaStream_t stream);
+                       const void* expert_out, const int32_t* slot_row,
+                       float* dots, int64_t num_batches, int64_t num_tokens,
+                       int64_t num_topk, int64_t hidden, int64_t capacity,
+                       cudaStream_t stream);
 
 // Forces the module load of every kernel of this family on the current
 // device (cudaFuncGetAttributes), so no lazy load happens later.
@@ -195,8 +195,8 @@ cudaError_t PreloadKernels();
 }  // namespace local
 
 // ---------------------------------------------------------------------------
-// Intranode (intranode transport): multi-rank dispatch / combine through a table of
-// peer pointers (CUDA IPC or P2P). Protocol: NOTES at the top of
+// Intranode (intranode transport): multi-rank dispatch / combine through a
+// table of peer pointers (CUDA IPC or P2P). Protocol: NOTES at the top of
 // ffi/kernels/intranode.cu. Host-side set-up (allocation, IPC, registry):
 // ffi/handlers/peer_group.{h,cc}.
 // ---------------------------------------------------------------------------
@@ -206,7 +206,8 @@ namespace intranode {
 // warp stages a token's destinations in two ballots).
 inline constexpr int64_t kMaxRanks = 64;
 inline constexpr int64_t kRegionAlign = 256;  // bytes; >= 16 for row vectors
-inline constexpr int64_t kHeaderBytes = 256;  // config header, checked on connect
+inline constexpr int64_t kHeaderBytes =
+    256;  // config header, checked on connect
 
 // Regions of a rank's buffer that peers write into. Each has its own sequence
 // counter, arrival flags and `consumed` counter, so their reuse is independent.
@@ -332,12 +333,12 @@ struct DeviceState {
 // Error mailbox in host-mapped pinned memory: the device writes it once
 // (fields, system fence, then `state` = 1); the host reads it without a sync.
 struct Mailbox {
-  unsigned int state;  // 0: no error, 1: the fields below are valid
-  int32_t op;          // OpCode
-  int32_t rank;        // this rank
-  int32_t peer;        // the rank waited for
-  int32_t wait_kind;   // WaitKind
-  int32_t region;      // Region
+  unsigned int state;      // 0: no error, 1: the fields below are valid
+  int32_t op;              // OpCode
+  int32_t rank;            // this rank
+  int32_t peer;            // the rank waited for
+  int32_t wait_kind;       // WaitKind
+  int32_t region;          // Region
   unsigned long long seq;  // the call (1-based, per region) that timed out
 };
 
@@ -345,29 +346,31 @@ struct Mailbox {
 // pointers are fixed at connect time (none changes per call), so launches are
 // safe to capture into CUDA graphs.
 struct GroupView {
-  char* const* peers;   // device array [R]: base of each rank's buffer
-  char* own;            // this rank's buffer (== peers[rank]), device memory
-  DeviceState* state;   // device memory
-  Mailbox* mailbox;     // device pointer of the host-mapped mailbox
+  char* const* peers;  // device array [R]: base of each rank's buffer
+  char* own;           // this rank's buffer (== peers[rank]), device memory
+  DeviceState* state;  // device memory
+  Mailbox* mailbox;    // device pointer of the host-mapped mailbox
   BufferLayout layout;
-  int64_t max_tokens;   // T_max
-  int64_t hidden;       // H
-  int64_t timeout_ns;   // every spin gives up after this long
+  int64_t max_tokens;  // T_max
+  int64_t hidden;      // H
+  int64_t timeout_ns;  // every spin gives up after this long
   int32_t rank;
-  int32_t num_ranks;    // R
-  int32_t num_topk;     // K
-  int32_t itemsize;     // bytes per activation element of the buffers
-  int32_t num_blocks;   // SM budget: send kernels run num_blocks times their
-                        // blocks per SM of sending blocks (intranode.cu), on
-                        // whichever SMs are free; it bounds their threads,
-                        // not which SMs (the dispatch's placing blocks use
-                        // the rest)
-  int32_t receive_while_sending;  // 1: every rank has a GPU of its own and
-                        // every pair has native P2P atomics, so a dispatch
-                        // receives in blocks that spin beside its sends
-                        // (intranode.cu); 0: ranks share a GPU (MPS), where a
-                        // spinning block could hold the SMs a peer's sender
-                        // needs, or chunk counts could not be added atomically
+  int32_t num_ranks;   // R
+  int32_t num_topk;    // K
+  int32_t itemsize;    // bytes per activation element of the buffers
+  int32_t num_blocks;  // SM budget: send kernels run num_blocks times their
+                       // blocks per SM of sending blocks (intranode.cu), on
+                       // whichever SMs are free; it bounds their threads,
+                       // not which SMs (the dispatch's placing blocks use
+                       // the rest)
+  int32_t
+      receive_while_sending;  // 1: every rank has a GPU of its own and
+                              // every pair has native P2P atomics, so a
+                              // dispatch receives in blocks that spin beside
+                              // its sends (intranode.cu); 0: ranks share a GPU
+                              // (MPS), where a spinning block could hold the
+                              // SMs a peer's sender needs, or chunk counts
+                              // could not be added atomically
 };
 
 // int32 elements of the `workspace` result of jax_ep_intranode_dispatch, in
@@ -395,8 +398,8 @@ inline int64_t DispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
                          max_tokens, num_topk, num_experts / num_ranks);
 }
 
-// Forces the module load of every kernel the intranode ops launch (this family's,
-// the layout kernels and the permute kernels) on the current device.
+// Forces the module load of every kernel the intranode ops launch (this
+// family's, the layout kernels and the permute kernels) on the current device.
 cudaError_t PreloadKernels();
 
 // Notify + dispatch + layout (jax_ep_intranode_dispatch). Per rank:
@@ -418,11 +421,13 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
                      int32_t* recv_counts, int32_t* status, int32_t* workspace,
                      cudaStream_t stream);
 
-// Dispatch with the layout of an earlier Dispatch (jax_ep_intranode_dispatch_cached):
-// rows only; entry (s, i, k) lands at entry_row (times entry_weights in fp32,
-// rounded once, when `weighted`); rows >= sum(group_sizes) are zero.
+// Dispatch with the layout of an earlier Dispatch
+// (jax_ep_intranode_dispatch_cached): rows only; entry (s, i, k) lands at
+// entry_row (times entry_weights in fp32, rounded once, when `weighted`); rows
+// >= sum(group_sizes) are zero.
 //   x `[T, H]`, send_pos `[T, R]`, entry_row / entry_weights `[R*T_max, K]`,
-//   recv_counts `[R]`, group_sizes `[L]` in; recv_x `[capacity, H]`, status out.
+//   recv_counts `[R]`, group_sizes `[L]` in; recv_x `[capacity, H]`, status
+//   out.
 cudaError_t DispatchCached(const GroupView& g, ElementType dtype, const void* x,
                            const int32_t* send_pos, const int32_t* entry_row,
                            const float* entry_weights,
@@ -442,8 +447,8 @@ cudaError_t Combine(const GroupView& g, ElementType dtype,
                     const void* expert_out, const int32_t* entry_row,
                     const float* entry_weights, const int32_t* recv_counts,
                     const int32_t* send_pos, int64_t num_tokens,
-                    int64_t capacity, bool weighted, void* out,
-                    int32_t* status, cudaStream_t stream);
+                    int64_t capacity, bool weighted, void* out, int32_t* status,
+                    cudaStream_t stream);
 
 // Cotangents of the weighted combine (jax_ep_intranode_combine_vjp):
 //   d_expert_out `[capacity, H]` = weighted cached dispatch of d_out `[T, H]`;

@@ -6,12 +6,12 @@
 // gradient's slot dots are taken on the expert side and sent home)
 // (docs/intranode.md).
 
-#include <algorithm>
-#include <cstdint>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
 
 #include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/intranode_launch.h"
@@ -83,7 +83,8 @@ __global__ void __launch_bounds__(kDotsThreads, kDotsSendBlocksPerSm)
           float f[kE];
           Vec16<T>::Unpack(v[u], f);
 #pragma unroll
-          for (int e = 0; e < kE; ++e) part[u] = __fmaf_rn(gf[e], f[e], part[u]);
+          for (int e = 0; e < kE; ++e)
+            part[u] = __fmaf_rn(gf[e], f[e], part[u]);
         }
       }
       float mine = 0.0f;
@@ -146,10 +147,10 @@ struct DotsLaunch {
                          int64_t capacity, cudaStream_t stream) {
     JAX_EP_CUDA_RETURN_IF_ERROR(
         LaunchWaitConsumed(g, OpCode::kCombineVjp, kDotsRegion, stream));
-    DotsSendKernel<T><<<g.num_blocks * kDotsSendBlocksPerSm, kDotsThreads, 0,
-                        stream>>>(
-        g, static_cast<const uint4*>(expert_out), entry_row, recv_counts,
-        capacity);
+    DotsSendKernel<T>
+        <<<g.num_blocks * kDotsSendBlocksPerSm, kDotsThreads, 0, stream>>>(
+            g, static_cast<const uint4*>(expert_out), entry_row, recv_counts,
+            capacity);
     return cudaGetLastError();
   }
 };
@@ -191,10 +192,10 @@ cudaError_t DispatchCached(const GroupView& g, ElementType dtype, const void* x,
     return cudaErrorInvalidValue;
   }
   const int64_t num_rows = g.num_ranks * g.max_tokens;
-  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend(
-      g, OpCode::kDispatchCached, x, send_pos, num_tokens, stream));
-  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, OpCode::kDispatchCached,
-                                         kDispatchRegion, nullptr, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend(g, OpCode::kDispatchCached, x,
+                                             send_pos, num_tokens, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      LaunchWait(g, OpCode::kDispatchCached, kDispatchRegion, nullptr, stream));
   JAX_EP_CUDA_RETURN_IF_ERROR(local::Dispatch(
       dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
       entry_weights, recv_x, /*num_batches=*/1, num_rows, g.num_topk,
@@ -219,10 +220,10 @@ cudaError_t CombineVjp(const GroupView& g, ElementType dtype, const void* d_out,
   const int64_t num_local = num_experts / g.num_ranks;
   const int64_t num_rows = g.num_ranks * g.max_tokens;
   // d_out rows travel like a cached dispatch (dispatch region).
-  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend(
-      g, OpCode::kCombineVjp, d_out, send_pos, num_tokens, stream));
-  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, OpCode::kCombineVjp,
-                                         kDispatchRegion, nullptr, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchRowsSend(g, OpCode::kCombineVjp, d_out,
+                                             send_pos, num_tokens, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      LaunchWait(g, OpCode::kCombineVjp, kDispatchRegion, nullptr, stream));
   // d_expert_out: the weighted placement of the received d_out rows.
   JAX_EP_CUDA_RETURN_IF_ERROR(local::Dispatch(
       dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
@@ -230,21 +231,21 @@ cudaError_t CombineVjp(const GroupView& g, ElementType dtype, const void* d_out,
       num_local, g.hidden, capacity, /*weighted=*/true, stream,
       /*x_from_peers=*/true));
   // Slot dots on the expert side, sent home (dots region).
-  JAX_EP_CUDA_RETURN_IF_ERROR(DispatchDtype<DotsLaunch>(
+  JAX_EP_CUDA_RETURN_IF_ERROR(detail::DispatchDtype<DotsLaunch>(
       dtype, g, expert_out, entry_row, recv_counts, capacity, stream));
   JAX_EP_CUDA_RETURN_IF_ERROR(
       LaunchWait(g, OpCode::kCombineVjp, kDotsRegion, nullptr, stream));
   if (num_tokens > 0) {
     unsigned grid = 0;
-    JAX_EP_CUDA_RETURN_IF_ERROR(ElementwiseGrid(
-        WeightGradKernel, 256, num_tokens * g.num_topk, &grid));
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        ElementwiseGrid(WeightGradKernel, 256, num_tokens * g.num_topk, &grid));
     WeightGradKernel<<<grid, 256, 0, stream>>>(
         g, topk_idx, send_pos, d_weights, static_cast<int32_t>(num_tokens),
         static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local));
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
-  return LaunchFinish(g, (1u << kDispatchRegion) | (1u << kDotsRegion),
-                      status, stream);
+  return LaunchFinish(g, (1u << kDispatchRegion) | (1u << kDotsRegion), status,
+                      stream);
 }
 
 }  // namespace jax_ep::intranode

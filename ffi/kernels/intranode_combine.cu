@@ -5,12 +5,12 @@
 // home rank waits for every rank's partials and adds them in rank order
 // (docs/intranode.md).
 
-#include <algorithm>
-#include <cstdint>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
 
 #include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/intranode_launch.h"
@@ -36,8 +36,8 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineSendBlocksPerSm)
     CombineSendKernel(GroupView g, const uint4* __restrict__ expert_out,
                       const int32_t* __restrict__ entry_row,
                       const float* __restrict__ entry_weights,
-                      const int32_t* __restrict__ recv_counts,
-                      int64_t capacity, bool weighted, int32_t num_senders) {
+                      const int32_t* __restrict__ recv_counts, int64_t capacity,
+                      bool weighted, int32_t num_senders) {
   using Wire = typename CombineWire<T>::Type;
   constexpr int kE = Vec16<T>::kElems;
   [[maybe_unused]] constexpr int kF4 = kE / 4;  // fp32 float4s per X vector
@@ -91,9 +91,9 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineSendBlocksPerSm)
     }
     __syncthreads();
     const int nv = s_num;
-    char* dst_row = s_peer[s] + g.layout.combine_rows +
-                    (me * t_max + i) * g.hidden * static_cast<int64_t>(
-                                                     sizeof(Wire));
+    char* dst_row =
+        s_peer[s] + g.layout.combine_rows +
+        (me * t_max + i) * g.hidden * static_cast<int64_t>(sizeof(Wire));
     for (int64_t j0 = threadIdx.x; j0 < rv;
          j0 += kCombineThreads * kCombinePasses) {
       float acc[kCombinePasses][kE];
@@ -108,8 +108,8 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineSendBlocksPerSm)
 #pragma unroll
           for (int c = 0; c < kF4; ++c) {
             dst[j * kF4 + c] =
-                make_float4(acc[p][4 * c], acc[p][4 * c + 1],
-                            acc[p][4 * c + 2], acc[p][4 * c + 3]);
+                make_float4(acc[p][4 * c], acc[p][4 * c + 1], acc[p][4 * c + 2],
+                            acc[p][4 * c + 3]);
           }
         } else {
           reinterpret_cast<uint4*>(dst_row)[j] = Vec16<T>::Pack(acc[p]);
@@ -117,8 +117,7 @@ __global__ void __launch_bounds__(kCombineThreads, kCombineSendBlocksPerSm)
       }
     }
   }
-  if (!ArriveLastBlock(&g.state->blocks_done[kCombineSendCounter],
-                       gridDim.x)) {
+  if (!ArriveLastBlock(&g.state->blocks_done[kCombineSendCounter], gridDim.x)) {
     return;
   }
   if (threadIdx.x < g.num_ranks) {
@@ -144,7 +143,8 @@ __global__ void __launch_bounds__(kReduceThreads)
   // NOTES: one decision per block (the loop below has barriers): `aborted`
   // is a volatile read that a concurrent kernel of the group could flip
   // between two threads' reads.
-  if (__syncthreads_or(Aborted(g))) return;  // outputs are garbage; status says so
+  if (__syncthreads_or(Aborted(g)))
+    return;  // outputs are garbage; status says so
   using Wire = typename CombineWire<T>::Type;
   // One of the two views is used, depending on the wire dtype.
   [[maybe_unused]] const float4* region =
@@ -246,9 +246,9 @@ struct CombineLaunch {
         LaunchWait(g, OpCode::kCombine, kCombineRegion, nullptr, stream));
     if (num_tokens > 0) {
       unsigned grid = 0;
-      JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
-          CombineReduceKernel<T>, kReduceThreads, kMaxBlocksPerSm, kMaxWaves,
-          num_tokens, &grid));
+      JAX_EP_CUDA_RETURN_IF_ERROR(
+          detail::BoundedGrid(CombineReduceKernel<T>, kReduceThreads,
+                              kMaxBlocksPerSm, kMaxWaves, num_tokens, &grid));
       CombineReduceKernel<T><<<grid, kReduceThreads, 0, stream>>>(
           g, send_pos, static_cast<uint4*>(out),
           static_cast<int32_t>(num_tokens));
@@ -282,15 +282,15 @@ cudaError_t Combine(const GroupView& g, ElementType dtype,
                     const void* expert_out, const int32_t* entry_row,
                     const float* entry_weights, const int32_t* recv_counts,
                     const int32_t* send_pos, int64_t num_tokens,
-                    int64_t capacity, bool weighted, void* out,
-                    int32_t* status, cudaStream_t stream) {
-  if (!launch::ValidView(g, dtype) || !launch::ValidTokens(g, num_tokens) || capacity < 0) {
+                    int64_t capacity, bool weighted, void* out, int32_t* status,
+                    cudaStream_t stream) {
+  if (!launch::ValidView(g, dtype) || !launch::ValidTokens(g, num_tokens) ||
+      capacity < 0) {
     return cudaErrorInvalidValue;
   }
-  return launch::DispatchDtype<CombineLaunch>(dtype, g, expert_out, entry_row,
-                                      entry_weights, recv_counts, send_pos,
-                                      num_tokens, capacity, weighted, out,
-                                      status, stream);
+  return detail::DispatchDtype<CombineLaunch>(
+      dtype, g, expert_out, entry_row, entry_weights, recv_counts, send_pos,
+      num_tokens, capacity, weighted, out, status, stream);
 }
 
 }  // namespace jax_ep::intranode

@@ -4,12 +4,12 @@
 // waits, the op's last kernel (FinishKernel) and the rows-only send; their
 // launch helpers; and PreloadKernels for the whole transport.
 
-#include <algorithm>
-#include <cstdint>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
 
 #include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/intranode_launch.h"
@@ -31,8 +31,8 @@ __global__ void __launch_bounds__(kWaitThreads)
   if (d >= g.num_ranks || Aborted(g)) return;
   const uint64_t seq = CurrentSeq(g, region);
   uint64_t v = 0;
-  SpinWait(g, ConsumedFlag(g.peers[d], g, region), WaitKind::kConsumed, seq,
-           op, region, d, &v);
+  SpinWait(g, ConsumedFlag(g.peers[d], g, region), WaitKind::kConsumed, seq, op,
+           region, d, &v);
 }
 
 // One block; thread s waits for source s's arrival flag of `region` in the
@@ -69,7 +69,6 @@ __global__ void FinishKernel(GroupView g, unsigned region_mask,
   }
   *status = aborted ? 1 : 0;
 }
-
 
 // Rows only (the cached dispatch and the combine VJP's d_out): items are
 // tokens (grid-stride over a fixed grid, see LaunchRowsSend). Token t is read
@@ -112,17 +111,13 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
 
 namespace launch {
 
-int64_t ElementBytes(ElementType dtype) {
-  return dtype == ElementType::kF32 ? 4 : 2;
-}
-
 bool ValidView(const GroupView& g, ElementType dtype) {
   return g.peers != nullptr && g.own != nullptr && g.state != nullptr &&
          g.mailbox != nullptr && g.num_ranks >= 1 && g.num_ranks <= kMaxR &&
          g.rank >= 0 && g.rank < g.num_ranks && g.num_topk >= 1 &&
          g.num_topk <= kMaxK && g.max_tokens >= 1 && g.hidden >= 1 &&
          g.hidden % kHiddenMultiple == 0 && g.num_blocks >= 1 &&
-         g.itemsize == ElementBytes(dtype) &&
+         g.itemsize == detail::ElementBytes(dtype) &&
          g.num_ranks * g.max_tokens * g.num_topk <= INT32_MAX &&
          g.hidden * g.itemsize / 16 <= INT32_MAX;  // 32-bit vector indices
 }
@@ -142,8 +137,7 @@ cudaError_t SmsOutsideBudget(const GroupView& g, int64_t* sms) {
 
 cudaError_t LaunchWait(const GroupView& g, OpCode op, int region,
                        int32_t* counts_out, cudaStream_t stream) {
-  WaitArrivalsKernel<<<1, kWaitThreads, 0, stream>>>(g, op, region,
-                                                     counts_out);
+  WaitArrivalsKernel<<<1, kWaitThreads, 0, stream>>>(g, op, region, counts_out);
   return cudaGetLastError();
 }
 
@@ -175,10 +169,8 @@ cudaError_t LaunchRowsSend(const GroupView& g, OpCode op, const void* x,
 cudaError_t PreloadCommonKernels() {
   cudaFuncAttributes attr;
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, RowsSendKernel));
-  JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, WaitArrivalsKernel));
-  JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, WaitConsumedKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, WaitArrivalsKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, WaitConsumedKernel));
   return cudaFuncGetAttributes(&attr, FinishKernel);
 }
 

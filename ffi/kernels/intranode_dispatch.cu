@@ -6,12 +6,12 @@
 // of its own, the other sources' rows chunk by chunk as they land; then the
 // arrival wait and the received entries' rows (docs/intranode.md).
 
-#include <algorithm>
-#include <cstdint>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
 
 #include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/intranode_launch.h"
@@ -71,8 +71,8 @@ __device__ bool BlockWaitCount(const GroupView& g, const unsigned* counter,
         break;
       }
       if (GlobalTimerNs() - start > static_cast<uint64_t>(g.timeout_ns)) {
-        RecordTimeout(g, OpCode::kDispatch, kDispatchRegion,
-                      WaitKind::kArrival, peer, CurrentSeq(g, kDispatchRegion));
+        RecordTimeout(g, OpCode::kDispatch, kDispatchRegion, WaitKind::kArrival,
+                      peer, CurrentSeq(g, kDispatchRegion));
         ok = 0;
         break;
       }
@@ -163,10 +163,10 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
         if (s == me || c >= source_chunks[s]) continue;
         any = true;
         const int32_t* start = chunks + s * (t_max + 1);
-        const int32_t begin = min(max(__ldcg(start + c), 0),
-                                  static_cast<int32_t>(t_max));
-        const int32_t end = min(max(__ldcg(start + c + 1), begin),
-                                static_cast<int32_t>(t_max));
+        const int32_t begin =
+            min(max(__ldcg(start + c), 0), static_cast<int32_t>(t_max));
+        const int32_t end =
+            min(max(__ldcg(start + c + 1), begin), static_cast<int32_t>(t_max));
         const int32_t n = end - begin;
         int32_t j = static_cast<int32_t>(
             (q - item % num_receivers + num_receivers) % num_receivers);
@@ -184,10 +184,10 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
             const int64_t at = entry * num_topk + threadIdx.x;
             const int32_t l = __ldcg(meta + at);
             if (l >= 0 && l < num_local) {
-              my_row = CheckedRow64(
-                  static_cast<int64_t>(offset[s * num_local + l]) +
-                      __ldcg(ranks + at),
-                  capacity);
+              my_row =
+                  CheckedRow64(static_cast<int64_t>(offset[s * num_local + l]) +
+                                   __ldcg(ranks + at),
+                               capacity);
             }
             s_row[threadIdx.x] = my_row;
           }
@@ -211,8 +211,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
         const int32_t e = topk_idx[at];
         if (e >= 0 && e < num_experts && e / num_local == me) {
           my_row = CheckedRow64(
-              static_cast<int64_t>(offset_me[e - me * num_local]) +
-                  rank_me[at],
+              static_cast<int64_t>(offset_me[e - me * num_local]) + rank_me[at],
               capacity);
         }
         s_row[threadIdx.x] = my_row;
@@ -223,8 +222,8 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     }
     if (!receive) return;  // the permute after the arrivals zeroes the tail
     // Zero tail: rows [min(sum(group_sizes), capacity), capacity).
-    const int64_t used = detail::UsedRows<kCommThreads>(
-        group_sizes, num_local, capacity, s_red);
+    const int64_t used =
+        detail::UsedRows<kCommThreads>(group_sizes, num_local, capacity, s_red);
     const uint4 zero = make_uint4(0, 0, 0, 0);
     for (int64_t row = used + (block - num_senders); row < capacity;
          row += num_placers) {
@@ -254,9 +253,9 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
       const int32_t e = topk_idx[at];
       s_idx[threadIdx.x] = e;
       s_w[threadIdx.x] = topk_weights[at];
-      s_row[threadIdx.x] =
-          e >= 0 && e < num_experts ? slot_rank[(e / num_local) * slots + at]
-                                    : -1;
+      s_row[threadIdx.x] = e >= 0 && e < num_experts
+                               ? slot_rank[(e / num_local) * slots + at]
+                               : -1;
     }
     __syncthreads();
     const int32_t n = s_num;  // block-uniform
@@ -264,8 +263,8 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     // Block-uniform: a token kept on this rank alone (or sent nowhere) moves
     // no row.
     const int32_t send_vecs = n == 0 || (n == 1 && s_dest[0] == me) ? 0 : rv;
-    PushRow</*kSkipSelf=*/true, /*kStreaming=*/true>(g, s_peer, s_dest, s_pos, n,
-                                                     src, rv, send_vecs);
+    PushRow</*kSkipSelf=*/true, /*kStreaming=*/true>(g, s_peer, s_dest, s_pos,
+                                                     n, src, rv, send_vecs);
     for (int32_t q = threadIdx.x; q < n * num_topk; q += kCommThreads) {
       const int32_t j = q / num_topk;
       const int32_t k = q - j * num_topk;
@@ -297,10 +296,10 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
         for (int d = 0; d < g.num_ranks; ++d) {
           const unsigned k = s_done[d];
           if (k == 0u || d == me) continue;
-          atomicAdd_system(reinterpret_cast<unsigned*>(s_peer[d] +
-                                                       g.layout.chunk_done) +
-                               me * stride + c,
-                           k);
+          atomicAdd_system(
+              reinterpret_cast<unsigned*>(s_peer[d] + g.layout.chunk_done) +
+                  me * stride + c,
+              k);
         }
         for (int d = 0; d < g.num_ranks; ++d) s_done[d] = 0u;
       }
@@ -349,9 +348,9 @@ __global__ void EntryRowsKernel(GroupView g,
     if (i < recv_counts[s]) {
       const int32_t l = __ldcg(meta + q);
       if (l >= 0 && l < num_local) {
-        row = CheckedRow64(static_cast<int64_t>(offset[s * num_local + l]) +
-                               __ldcg(ranks + q),
-                           capacity);
+        row = CheckedRow64(
+            static_cast<int64_t>(offset[s * num_local + l]) + __ldcg(ranks + q),
+            capacity);
         w = __ldcg(weights + q);
       }
     }
@@ -375,8 +374,7 @@ namespace launch {
 
 cudaError_t PreloadDispatchKernels() {
   cudaFuncAttributes attr;
-  JAX_EP_CUDA_RETURN_IF_ERROR(
-      cudaFuncGetAttributes(&attr, DispatchSendKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, DispatchSendKernel));
   return cudaFuncGetAttributes(&attr, EntryRowsKernel);
 }
 
@@ -474,21 +472,20 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
                        kCommThreads, 0, stream>>>(
       g, static_cast<const uint4*>(x), send_pos, topk_idx, topk_weights,
       count_to, slot_rank, offset, group_sizes, source_chunks,
-      static_cast<uint4*>(recv_x), capacity,
-      static_cast<int32_t>(num_tokens), static_cast<int32_t>(num_experts),
-      static_cast<int32_t>(num_local), num_senders, chunk_tokens,
-      static_cast<int32_t>(num_placers), receive);
+      static_cast<uint4*>(recv_x), capacity, static_cast<int32_t>(num_tokens),
+      static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local),
+      num_senders, chunk_tokens, static_cast<int32_t>(num_placers), receive);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // 6. Every source's flag: recv_counts.
-  JAX_EP_CUDA_RETURN_IF_ERROR(LaunchWait(g, OpCode::kDispatch, kDispatchRegion,
-                                         recv_counts, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      LaunchWait(g, OpCode::kDispatch, kDispatchRegion, recv_counts, stream));
   // 7. Rows and weights of the N*K received entries; chunk counters reset.
   unsigned grid = 0;
-  JAX_EP_CUDA_RETURN_IF_ERROR(ElementwiseGrid(
-      EntryRowsKernel, 256, num_rows * g.num_topk, &grid));
-  EntryRowsKernel<<<grid, 256, 0, stream>>>(
-      g, recv_counts, offset, static_cast<int32_t>(num_local), capacity,
-      entry_row, entry_weights);
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      ElementwiseGrid(EntryRowsKernel, 256, num_rows * g.num_topk, &grid));
+  EntryRowsKernel<<<grid, 256, 0, stream>>>(g, recv_counts, offset,
+                                            static_cast<int32_t>(num_local),
+                                            capacity, entry_row, entry_weights);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // 8. Without receivers: the other sources' rows from the receive buffer
   //    into recv_x, and the zero tail (the own tokens were placed in 5).

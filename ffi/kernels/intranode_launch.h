@@ -7,17 +7,14 @@
 #ifndef JAX_EP_FFI_KERNELS_INTRANODE_LAUNCH_H_
 #define JAX_EP_FFI_KERNELS_INTRANODE_LAUNCH_H_
 
-#include <cstdint>
-
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "ffi/kernels/ep_kernels.h"
 
 namespace jax_ep::intranode::launch {
 
-int64_t ElementBytes(ElementType dtype);
 // Whether the view and the dtype fit the kernels' limits (32-bit indices).
 bool ValidView(const GroupView& g, ElementType dtype);
 bool ValidTokens(const GroupView& g, int64_t num_tokens);
@@ -63,20 +60,6 @@ cudaError_t PreloadSendListKernels();
 cudaError_t PreloadDispatchKernels();
 cudaError_t PreloadCombineKernels();
 cudaError_t PreloadBackwardKernels();
-
-// Launch<T>::Run(args...) for the activation dtype.
-template <template <typename> class Launch, typename... Args>
-cudaError_t DispatchDtype(ElementType dtype, Args&&... args) {
-  switch (dtype) {
-    case ElementType::kBF16:
-      return Launch<__nv_bfloat16>::Run(args...);
-    case ElementType::kF16:
-      return Launch<__half>::Run(args...);
-    case ElementType::kF32:
-      return Launch<float>::Run(args...);
-  }
-  return cudaErrorInvalidValue;
-}
 
 }  // namespace jax_ep::intranode::launch
 

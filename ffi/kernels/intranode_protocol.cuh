@@ -74,8 +74,8 @@
 //   the first failing thread claims the mailbox (atomicCAS on device state),
 //   writes (op, rank, peer, seq, region, what) to host-mapped memory, fences,
 //   sets `state` = 1, and sets the sticky device flag `aborted`. Every send and
-//   wait kernel of an intranode op checks `aborted` and returns early (spins check
-//   it each turn; the local placing kernels run on, on defined inputs);
+//   wait kernel of an intranode op checks `aborted` and returns early (spins
+//   check it each turn; the local placing kernels run on, on defined inputs);
 //   FinishKernel then writes status = 1 and publishes nothing. The handler of
 //   any later call reads the mailbox first and fails with its message. Never
 //   a hang, never a trap.
@@ -96,16 +96,15 @@
 // * Determinism: positions come from scans, reductions have a fixed order;
 //   no atomic decides where data goes.
 
-
 #ifndef JAX_EP_FFI_KERNELS_INTRANODE_PROTOCOL_CUH_
 #define JAX_EP_FFI_KERNELS_INTRANODE_PROTOCOL_CUH_
-
-#include <cstdint>
-#include <type_traits>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
 
 #include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/kernel_utils.cuh"
@@ -213,15 +212,13 @@ __device__ __forceinline__ bool Aborted(const GroupView& g) {
 }
 
 // seq of the current call of `region` (FinishKernel advances the counter).
-__device__ __forceinline__ uint64_t CurrentSeq(const GroupView& g,
-                                               int region) {
+__device__ __forceinline__ uint64_t CurrentSeq(const GroupView& g, int region) {
   return *reinterpret_cast<const volatile unsigned long long*>(
              &g.state->seq[region]) +
          1ull;
 }
 
-__device__ __forceinline__ uint64_t* ArrivalFlag(char* base,
-                                                 const GroupView& g,
+__device__ __forceinline__ uint64_t* ArrivalFlag(char* base, const GroupView& g,
                                                  int region, int src) {
   return reinterpret_cast<uint64_t*>(base + g.layout.flags) +
          static_cast<int64_t>(region) * g.num_ranks + src;
@@ -273,15 +270,15 @@ __device__ void RecordTimeout(const GroupView& g, OpCode op, int region,
 // and kCounts its seq field equals `seq`, for kConsumed its value is
 // >= seq - 1. Returns false when the group aborted or the wait timed out
 // (then recorded).
-__device__ bool SpinWait(const GroupView& g, const uint64_t* flag, WaitKind what,
-                         uint64_t seq, OpCode op, int region, int peer,
-                         uint64_t* value) {
+__device__ bool SpinWait(const GroupView& g, const uint64_t* flag,
+                         WaitKind what, uint64_t seq, OpCode op, int region,
+                         int peer, uint64_t* value) {
   const uint64_t start = GlobalTimerNs();
   const uint64_t want_seq = seq & 0xffffffffull;
   while (true) {
     const uint64_t v = LoadAcquireSys(flag);
-    const bool done = what == WaitKind::kConsumed ? v + 1ull >= seq
-                                                  : (v >> 32) == want_seq;
+    const bool done =
+        what == WaitKind::kConsumed ? v + 1ull >= seq : (v >> 32) == want_seq;
     if (done) {
       *value = v;
       return true;
@@ -385,8 +382,8 @@ template <bool kSkipSelf, bool kStreaming, typename Index>
 __device__ __forceinline__ void PushRow(const GroupView& g, char* const* s_peer,
                                         const int32_t* s_dest,
                                         const int32_t* s_pos, int32_t n,
-                                        const uint4* __restrict__ src,
-                                        Index rv, Index send_vecs) {
+                                        const uint4* __restrict__ src, Index rv,
+                                        Index send_vecs) {
   const int me = g.rank;
   const int64_t t_max = g.max_tokens;
   for (Index v0 = 0; v0 < send_vecs; v0 += kCommThreads * kSendVecs) {

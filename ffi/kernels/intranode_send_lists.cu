@@ -5,12 +5,12 @@
 // every rank's buffer) and the wait for every source's counts, from which the
 // receive offsets follow before any row moves (docs/intranode.md).
 
-#include <algorithm>
-#include <cstdint>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
 
 #include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/intranode_launch.h"
@@ -101,17 +101,14 @@ __global__ void __launch_bounds__(kLayoutThreads)
 // position of the first token of chunk c that goes to d). The last tile's
 // blocks also write count_to[d] = the total and chunk_start[d, chunks] = it;
 // block (0, 0) writes num_invalid.
-__global__ void __launch_bounds__(kLayoutThreads)
-    SendPosKernel(const int32_t* __restrict__ topk_idx,
-                  const int32_t* __restrict__ tile_count,
-                  const int32_t* __restrict__ invalid_count,
-                  int32_t* __restrict__ send_pos,
-                  int32_t* __restrict__ count_to,
-                  int32_t* __restrict__ chunk_start,
-                  int32_t* __restrict__ num_invalid, int32_t num_tokens,
-                  int32_t num_topk, int32_t num_experts, int32_t num_local,
-                  int32_t num_ranks, int32_t num_tiles, int32_t chunk_tokens,
-                  int64_t chunk_stride) {
+__global__ void __launch_bounds__(kLayoutThreads) SendPosKernel(
+    const int32_t* __restrict__ topk_idx,
+    const int32_t* __restrict__ tile_count,
+    const int32_t* __restrict__ invalid_count, int32_t* __restrict__ send_pos,
+    int32_t* __restrict__ count_to, int32_t* __restrict__ chunk_start,
+    int32_t* __restrict__ num_invalid, int32_t num_tokens, int32_t num_topk,
+    int32_t num_experts, int32_t num_local, int32_t num_ranks,
+    int32_t num_tiles, int32_t chunk_tokens, int64_t chunk_stride) {
   constexpr int kWarps = kLayoutThreads / 32;
   __shared__ int32_t s_warp[kWarps];
   __shared__ int32_t s_before;
@@ -132,10 +129,9 @@ __global__ void __launch_bounds__(kLayoutThreads)
     if (lane == 0) s_before = before;
   }
   const int32_t t = tile * kLayoutThreads + static_cast<int32_t>(threadIdx.x);
-  const bool goes =
-      t < num_tokens &&
-      TokenGoesTo(topk_idx + static_cast<int64_t>(t) * num_topk, num_topk,
-                  num_experts, num_local, d);
+  const bool goes = t < num_tokens &&
+                    TokenGoesTo(topk_idx + static_cast<int64_t>(t) * num_topk,
+                                num_topk, num_experts, num_local, d);
   const unsigned ballot = __ballot_sync(kFullMask, goes);
   if (lane == 0) s_warp[warp] = __popc(ballot);
   __syncthreads();
@@ -195,8 +191,10 @@ __global__ void __launch_bounds__(kNotifyThreads)
   for (int32_t q = threadIdx.x; q < total; q += kNotifyThreads) {
     const int32_t d = q / num_local;
     const int32_t l = q - d * num_local;
-    reinterpret_cast<int32_t*>(s_peer[d] + g.layout.notify_counts)
-        [static_cast<int64_t>(me) * kMaxExperts + l] = counts[q];
+    reinterpret_cast<int32_t*>(
+        s_peer[d] +
+        g.layout.notify_counts)[static_cast<int64_t>(me) * kMaxExperts + l] =
+        counts[q];
   }
   const int64_t stride = g.max_tokens + 1;
   const int32_t per_rank = num_chunks + 1;
@@ -204,8 +202,9 @@ __global__ void __launch_bounds__(kNotifyThreads)
        q += kNotifyThreads) {
     const int32_t d = q / per_rank;
     const int32_t c = q - d * per_rank;
-    reinterpret_cast<int32_t*>(s_peer[d] + g.layout.notify_chunks)
-        [me * stride + c] = chunk_start[d * stride + c];
+    reinterpret_cast<int32_t*>(s_peer[d] +
+                               g.layout.notify_chunks)[me * stride + c] =
+        chunk_start[d * stride + c];
   }
   __threadfence_system();
   __syncthreads();
@@ -338,8 +337,7 @@ cudaError_t LaunchWaitCounts(const GroupView& g, int32_t num_local,
                              int32_t* group_sizes, int32_t* num_dropped,
                              int32_t* source_chunks, cudaStream_t stream) {
   WaitCountsKernel<<<1, kCountsThreads, 0, stream>>>(
-      g, num_local, capacity, offset, group_sizes, num_dropped,
-      source_chunks);
+      g, num_local, capacity, offset, group_sizes, num_dropped, source_chunks);
   return cudaGetLastError();
 }
 

@@ -6,11 +6,11 @@
 #ifndef JAX_EP_FFI_KERNELS_KERNEL_UTILS_CUH_
 #define JAX_EP_FFI_KERNELS_KERNEL_UTILS_CUH_
 
-#include <cstdint>
-
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "ffi/kernels/ep_kernels.h"
 
@@ -19,12 +19,12 @@ namespace jax_ep::detail {
 inline constexpr unsigned kFullMask = 0xffffffffu;
 
 // Returns on the first failed CUDA runtime call.
-#define JAX_EP_CUDA_RETURN_IF_ERROR(expr)      \
-  do {                                         \
-    const cudaError_t jax_ep_err_ = (expr);    \
-    if (jax_ep_err_ != cudaSuccess) {          \
-      return jax_ep_err_;                      \
-    }                                          \
+#define JAX_EP_CUDA_RETURN_IF_ERROR(expr)   \
+  do {                                      \
+    const cudaError_t jax_ep_err_ = (expr); \
+    if (jax_ep_err_ != cudaSuccess) {       \
+      return jax_ep_err_;                   \
+    }                                       \
   } while (0)
 
 // Number of SMs of the current device (the one XLA made current for the
@@ -265,6 +265,25 @@ __device__ __forceinline__ int32_t BlockExclusiveScan(int32_t value,
   }
   *all = sum;
   return before;
+}
+
+// Bytes of one activation element.
+inline int64_t ElementBytes(ElementType dtype) {
+  return dtype == ElementType::kF32 ? 4 : 2;
+}
+
+// Launch<T>::Run(args...) with T the activation dtype's element type.
+template <template <typename> class Launch, typename... Args>
+cudaError_t DispatchDtype(ElementType dtype, Args&&... args) {
+  switch (dtype) {
+    case ElementType::kBF16:
+      return Launch<__nv_bfloat16>::Run(args...);
+    case ElementType::kF16:
+      return Launch<__half>::Run(args...);
+    case ElementType::kF32:
+      return Launch<float>::Run(args...);
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace jax_ep::detail

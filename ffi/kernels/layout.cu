@@ -19,9 +19,9 @@
 // Every count is an integer, so the shared-memory atomics of step 1 cannot
 // change a result: the output is bit-identical run to run.
 
-#include <cstdint>
-
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/kernel_utils.cuh"
@@ -35,7 +35,7 @@ using detail::LaneMaskLt;
 constexpr int kBlock = static_cast<int>(kThreads);
 constexpr int kNumWarps = static_cast<int>(kWarps);
 constexpr int kMaxE = static_cast<int>(kMaxExperts);
-constexpr int kScanRows = kNumWarps;            // chunk groups in kernel 2
+constexpr int kScanRows = kNumWarps;  // chunk groups in kernel 2
 constexpr int kScanItemsPerThread = kMaxE / kBlock;
 static_assert(kMaxE % kBlock == 0, "expert scan assumes E <= 4 * kBlock");
 static_assert(kMinChunkSlots % kThreads == 0, "chunk must fill every warp");
@@ -91,8 +91,8 @@ __global__ void __launch_bounds__(kBlock)
       }
     }
     __syncthreads();
-    int32_t* counts = workspace + b * d.workspace_stride +
-                      static_cast<int64_t>(c) * num_cols;
+    int32_t* counts =
+        workspace + b * d.workspace_stride + static_cast<int64_t>(c) * num_cols;
     for (int e = threadIdx.x; e < num_cols; e += kBlock) counts[e] = s_hist[e];
   }
 }
@@ -274,8 +274,7 @@ __global__ void __launch_bounds__(kBlock)
     } else {
       for (int32_t base = begin; base < end; base += 32) {
         const int32_t s = base + lane;
-        CountSlots<false>(s < end ? idx[s] : -1, num_experts,
-                          s_next[warp]);
+        CountSlots<false>(s < end ? idx[s] : -1, num_experts, s_next[warp]);
       }
       totals = counts + static_cast<int64_t>(d.num_chunks) * num_cols;
     }
@@ -335,8 +334,8 @@ cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
                         int32_t* group_sizes, int32_t* num_dropped,
                         int32_t* num_invalid, int32_t* workspace,
                         int64_t num_batches, int64_t num_tokens,
-                        int64_t num_topk, int64_t num_experts,
-                        int64_t capacity, cudaStream_t stream) {
+                        int64_t num_topk, int64_t num_experts, int64_t capacity,
+                        cudaStream_t stream) {
   if (num_batches <= 0) return cudaSuccess;
   if (num_experts < 1 || num_experts > kMaxExperts || num_tokens < 0 ||
       num_topk < 0 || num_tokens * num_topk > kMaxSlots || capacity < 0) {
@@ -364,20 +363,20 @@ cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
     JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
         AssignRowsKernel<true>, kBlock, /*max_blocks_per_sm=*/8,
         /*max_waves=*/1, num_batches, &grid));
-    AssignRowsKernel<true><<<grid, kBlock, 0, stream>>>(
-        topk_idx, slot_row, group_sizes, num_dropped, num_invalid, workspace,
-        d);
+    AssignRowsKernel<true>
+        <<<grid, kBlock, 0, stream>>>(topk_idx, slot_row, group_sizes,
+                                      num_dropped, num_invalid, workspace, d);
     return cudaGetLastError();
   }
-  JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
-      ChunkHistogramKernel, kBlock, /*max_blocks_per_sm=*/8, /*max_waves=*/1,
-      num_batches * d.num_chunks, &grid));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      detail::BoundedGrid(ChunkHistogramKernel, kBlock, /*max_blocks_per_sm=*/8,
+                          /*max_waves=*/1, num_batches * d.num_chunks, &grid));
   ChunkHistogramKernel<<<grid, kBlock, 0, stream>>>(topk_idx, workspace, d);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   const int64_t num_tiles = (num_experts + 1 + 31) / 32;
-  JAX_EP_CUDA_RETURN_IF_ERROR(detail::BoundedGrid(
-      ChunkScanKernel, kBlock, /*max_blocks_per_sm=*/8, /*max_waves=*/1,
-      num_batches * num_tiles, &grid));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      detail::BoundedGrid(ChunkScanKernel, kBlock, /*max_blocks_per_sm=*/8,
+                          /*max_waves=*/1, num_batches * num_tiles, &grid));
   ChunkScanKernel<<<grid, kBlock, 0, stream>>>(workspace, d);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
 

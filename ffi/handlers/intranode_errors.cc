@@ -1,0 +1,93 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// The message of an intranode group's first timeout, read from its mailbox in
+// host-mapped memory without a sync (intranode_group.h: PendingError).
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <optional>
+#include <string>
+
+#include "ffi/handlers/intranode_group.h"
+#include "ffi/kernels/ep_kernels.h"
+
+namespace jax_ep::intranode_group {
+namespace {
+
+const char* OpName(int32_t op) {
+  switch (static_cast<intranode::OpCode>(op)) {
+    case intranode::OpCode::kDispatch:
+      return "jax_ep.dispatch";
+    case intranode::OpCode::kDispatchCached:
+      return "jax_ep.dispatch_cached";
+    case intranode::OpCode::kCombine:
+      return "jax_ep.combine";
+    case intranode::OpCode::kCombineVjp:
+      return "jax_ep.combine_vjp";
+    case intranode::OpCode::kNone:
+      break;
+  }
+  return "jax_ep.intranode_op";
+}
+
+const char* RegionName(int32_t region) {
+  switch (region) {
+    case intranode::kDispatchRegion:
+      return "dispatch";
+    case intranode::kCombineRegion:
+      return "combine";
+    case intranode::kDotsRegion:
+      return "combine-vjp dots";
+    default:
+      return "unknown";
+  }
+}
+
+std::string FormatSeconds(double s) {
+  char buf[64];
+  if (s == std::round(s * 10.0) / 10.0) {
+    std::snprintf(buf, sizeof(buf), "%.1f", s);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%g", s);
+  }
+  return buf;
+}
+
+}  // namespace
+
+std::optional<std::string> PendingError(const Group& group) noexcept {
+  const volatile intranode::Mailbox* m = group.mailbox_host;
+  if (m == nullptr || m->state == 0u) return std::nullopt;
+  std::atomic_thread_fence(std::memory_order_acquire);
+  try {
+    const int32_t op = m->op;
+    const int32_t rank = m->rank;
+    const int32_t peer = m->peer;
+    const int32_t what = m->wait_kind;
+    const int32_t region = m->region;
+    const unsigned long long seq = m->seq;
+    std::string msg = std::string(OpName(op)) + ": rank " +
+                      std::to_string(rank) + " timed out after " +
+                      FormatSeconds(group.config.timeout_s) +
+                      " s waiting for rank " + std::to_string(peer) +
+                      " (call " + std::to_string(seq) + ")";
+    if (what == static_cast<int32_t>(intranode::WaitKind::kConsumed)) {
+      msg += ": rank " + std::to_string(peer) + " did not release its " +
+             RegionName(region) + " buffer from the previous call";
+    } else if (what == static_cast<int32_t>(intranode::WaitKind::kCounts)) {
+      msg += ": rank " + std::to_string(peer) +
+             "'s dispatch counts (notify) did not arrive";
+    } else {
+      msg += ": rank " + std::to_string(peer) + "'s " + RegionName(region) +
+             " data did not arrive";
+    }
+    msg += ". The intranode group is unusable; recreate it.";
+    return msg;
+  } catch (...) {
+    return std::string("jax_ep: an intranode op timed out");
+  }
+}
+
+}  // namespace jax_ep::intranode_group
