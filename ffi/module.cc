@@ -62,26 +62,64 @@ int64_t LocalLayoutWorkspaceElems(int64_t num_tokens, int64_t num_topk,
   if (num_tokens < 0 || num_topk < 1 || num_experts < 1 ||
       num_experts > kMaxExperts) {
     throw nb::value_error(
-        "local_layout_workspace_elems: expected num_tokens >= 0, "
-        "num_topk >= 1 and 1 <= num_experts <= 1024");
+        ("local_layout_workspace_elems: expected num_tokens >= 0, num_topk >= "
+         "1 and 1 <= num_experts <= " +
+         std::to_string(kMaxExperts))
+            .c_str());
   }
   return layout::LocalLayoutWorkspaceElems(num_tokens, num_topk, num_experts);
 }
 
-int64_t IntranodeDispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
-                                        int64_t num_topk, int64_t num_experts) {
+void CheckDispatchWorkspaceArgs(const char* fn, int64_t num_ranks,
+                                int64_t max_tokens, int64_t num_topk,
+                                int64_t num_experts) {
   if (num_ranks < 1 || num_ranks > intranode::kMaxRanks || max_tokens < 1 ||
       num_topk < 1 || num_topk > kMaxTopk || num_experts < num_ranks ||
       num_experts % num_ranks != 0 || num_experts / num_ranks > kMaxExperts ||
-      num_ranks * max_tokens * num_topk > INT32_MAX) {
-    throw nb::value_error(
-        "intranode_dispatch_workspace_elems: expected 1 <= num_ranks <= 64, "
-        "max_tokens_per_rank >= 1, 1 <= num_topk <= 32, num_experts a "
-        "positive multiple of num_ranks with num_experts / num_ranks <= 1024, "
-        "and num_ranks * max_tokens_per_rank * num_topk < 2^31");
+      num_ranks * max_tokens * num_topk > kMaxSlots) {
+    throw std::invalid_argument(
+        std::string(fn) +
+        ": expected 1 <= num_ranks <= " + std::to_string(intranode::kMaxRanks) +
+        ", max_tokens_per_rank >= 1, 1 <= num_topk <= " +
+        std::to_string(kMaxTopk) +
+        ", num_experts a positive multiple of num_ranks with num_experts / "
+        "num_ranks <= " +
+        std::to_string(kMaxExperts) +
+        ", and num_ranks * max_tokens_per_rank * num_topk <= " +
+        std::to_string(kMaxSlots));
   }
+}
+
+int64_t IntranodeDispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
+                                        int64_t num_topk, int64_t num_experts) {
+  CheckDispatchWorkspaceArgs("intranode_dispatch_workspace_elems", num_ranks,
+                             max_tokens, num_topk, num_experts);
   return intranode::DispatchWorkspaceElems(num_ranks, max_tokens, num_topk,
                                            num_experts);
+}
+
+// The parts of intranode::DispatchWorkspace as {name: offset}, and "elems".
+nb::dict IntranodeDispatchWorkspace(int64_t num_ranks, int64_t max_tokens,
+                                    int64_t num_topk, int64_t num_experts) {
+  CheckDispatchWorkspaceArgs("intranode_dispatch_workspace", num_ranks,
+                             max_tokens, num_topk, num_experts);
+  const intranode::DispatchWorkspace w = intranode::MakeDispatchWorkspace(
+      num_ranks, max_tokens, num_topk, num_experts);
+  nb::dict d;
+  d["count_to"] = w.count_to;
+  d["layout_dropped"] = w.layout_dropped;
+  d["layout_invalid"] = w.layout_invalid;
+  d["source_chunks"] = w.source_chunks;
+  d["chunk_start"] = w.chunk_start;
+  d["dest_ids"] = w.dest_ids;
+  d["slot_rank"] = w.slot_rank;
+  d["dest_counts"] = w.dest_counts;
+  d["offset"] = w.offset;
+  d["tile_count"] = w.tile_count;
+  d["invalid_count"] = w.invalid_count;
+  d["layout"] = w.layout;
+  d["elems"] = w.elems;
+  return d;
 }
 
 int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
@@ -168,35 +206,31 @@ NB_MODULE(_jax_ep_ffi, m) {
         "CUDA custom call (register with platform='CUDA').");
   m.def("local_layout_workspace_elems", &jax_ep::LocalLayoutWorkspaceElems,
         nb::arg("num_tokens"), nb::arg("num_topk"), nb::arg("num_experts"),
-        "Elements W of the int32 `workspace` result of jax_ep_local_layout, "
-        "per batch element: (num_chunks + 1) * (num_experts + 1) with "
-        "num_chunks = ceil(T*K / chunk), chunk = max(1024, "
-        "round_up(ceil(T*K / 512), 256)).");
+        "Elements of the int32 `workspace` result of jax_ep_local_layout, "
+        "per batch element (layout::LocalLayoutWorkspaceElems).");
   m.def("preload_kernels", &jax_ep::PreloadKernels, nb::arg("device_ordinal"),
         "Loads every kernel (layout, local, intranode transport) on a device; "
         "called when a cuda group is created.");
   m.def("cuda_runtime_version", &jax_ep::CudaRuntimeVersion,
         "CUDA runtime version the extension was built with, e.g. 13000.");
 
-  // --- Intranode transport (multi-rank, one NVLink domain).
-  // ---------------------
+  // --- The intranode transport (multi-rank, one NVLink domain). ------------
   m.def("intranode_buffer_bytes", &jax_ep::intranode_group::BufferBytes,
         nb::arg("num_ranks"), nb::arg("max_tokens_per_rank"), nb::arg("hidden"),
         nb::arg("num_topk"), nb::arg("itemsize"),
-        "Bytes of one rank's peer buffer: header 256 + dispatch rows "
-        "R*T_max*H*itemsize + dispatch meta, weights and grouped ranks "
-        "R*T_max*K*4 each + notify counts R*1024*4 + chunk starts and chunk "
-        "counts R*(T_max+1)*4 each + combine rows R*T_max*H*4 (fp32) + dots "
-        "R*T_max*K*4 + flags (4R+3)*8, each region rounded up to 256 bytes.");
+        "Bytes of one rank's intranode buffer (intranode::BufferLayout in "
+        "ffi/kernels/ep_kernels.h; docs/intranode.md lists its regions).");
   m.def("intranode_dispatch_workspace_elems",
         &jax_ep::IntranodeDispatchWorkspaceElems, nb::arg("num_ranks"),
         nb::arg("max_tokens_per_rank"), nb::arg("num_topk"),
         nb::arg("num_experts"),
-        "Elements W of the int32 `workspace` result of "
-        "jax_ep_intranode_dispatch: "
-        "4R + R*(T_max+1) + 2*R*T_max*K + 2E + (R+1)*ceil(T_max/512) + R "
-        "times the local layout's "
-        "workspace for up to T_max tokens of K slots over E/R experts.");
+        "Elements of the int32 `workspace` result of "
+        "jax_ep_intranode_dispatch (intranode::DispatchWorkspace).");
+  m.def("intranode_dispatch_workspace", &jax_ep::IntranodeDispatchWorkspace,
+        nb::arg("num_ranks"), nb::arg("max_tokens_per_rank"),
+        nb::arg("num_topk"), nb::arg("num_experts"),
+        "intranode::DispatchWorkspace: {part: offset in int32 elements}, in "
+        "order, and 'elems', the total.");
   m.def("intranode_group_create", &jax_ep::IntranodeGroupCreate,
         nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("num_ranks"),
         nb::arg("num_experts"), nb::arg("num_topk"), nb::arg("hidden"),

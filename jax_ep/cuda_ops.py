@@ -198,8 +198,8 @@ def intranode_dispatch_cached(config: EPConfig, group_id: int, x, routing: Intra
   recv_x, status = _intranode_call(
       "jax_ep_intranode_dispatch_cached", shapes, _with_one_row(x, 0),
       _with_one_row(routing.send_pos, -1), routing.entry_row, routing.entry_weights,
-      routing.recv_counts, routing.group_sizes, group_id=np.int64(group_id),
-      capacity=np.int64(config.capacity), weighted=bool(weighted))
+      routing.group_sizes, group_id=np.int64(group_id), capacity=np.int64(config.capacity),
+      weighted=bool(weighted))
   return recv_x[:config.capacity], status
 
 

@@ -81,3 +81,29 @@ def test_dispatch_workspace_covers_every_token_count(max_tokens):
   need = max(ext.local_layout_workspace_elems(t, k, e // r)
              for t in candidates if t <= max_tokens)
   assert layout_room >= r * need, (max_tokens, layout_room, r * need)
+
+
+@pytest.mark.parametrize("num_ranks,max_tokens,num_topk,num_experts", [
+    (2, 4096, 8, 256), (8, 4096, 8, 256), (1, 1, 1, 1), (3, 1000, 6, 48), (64, 513, 32, 64)])
+def test_dispatch_workspace_is_sized_and_carved_in_one_place(num_ranks, max_tokens, num_topk,
+                                                             num_experts):
+  """The parts of the dispatch workspace follow each other without gaps or overlap, in the
+  documented order, and the size the handler allocates is where the last one ends."""
+  from jax_ep import _ffi
+  ext = _ffi.extension()
+  if ext is None:
+    pytest.skip("built without the CUDA extension")
+  parts = dict(ext.intranode_dispatch_workspace(num_ranks, max_tokens, num_topk, num_experts))
+  r, t, k, e = num_ranks, max_tokens, num_topk, num_experts
+  tiles = max(-(-t // 512), 1)
+  sizes = {"count_to": r, "layout_dropped": r, "layout_invalid": r, "source_chunks": r,
+           "chunk_start": r * (t + 1), "dest_ids": r * t * k, "slot_rank": r * t * k,
+           "dest_counts": e, "offset": e, "tile_count": r * tiles, "invalid_count": tiles}
+  at = 0
+  for name, size in sizes.items():
+    assert parts[name] == at, name
+    at += size
+  assert parts["layout"] == at
+  layout = r * ext.local_layout_workspace_elems(t, k, e // r)
+  assert parts["elems"] >= parts["layout"] + layout
+  assert parts["elems"] == ext.intranode_dispatch_workspace_elems(r, t, k, e)

@@ -1,7 +1,7 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
 // FFI adapter of `jax_ep_intranode_combine` (kernels:
-// ffi/kernels/intranode.cu): the reverse path of jax_ep_intranode_dispatch. Per
+// ffi/kernels/intranode_*.cu): the reverse path of jax_ep_intranode_dispatch. Per
 // rank, no batch dims (R ranks, N = R * T_max):
 //
 //   expert_out    `[capacity, H]` bf16/f16/f32 operand

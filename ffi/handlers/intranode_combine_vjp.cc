@@ -1,7 +1,7 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
 // FFI adapter of `jax_ep_intranode_combine_vjp` (kernels:
-// ffi/kernels/intranode.cu): cotangents of the weighted combine, one
+// ffi/kernels/intranode_*.cu): cotangents of the weighted combine, one
 // exchange of d_out serving both. Per rank, no batch dims (R ranks,
 // L = E / R, N = R * T_max):
 //

@@ -1,7 +1,7 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
 // FFI adapter of `jax_ep_intranode_dispatch` (kernels:
-// ffi/kernels/intranode.cu): notify + dispatch + layout of the multi-rank
+// ffi/kernels/intranode_*.cu): notify + dispatch + layout of the multi-rank
 // high-throughput mode, one custom call. Per rank, no batch dims (R ranks, L =
 // E / R, N = R * T_max):
 //

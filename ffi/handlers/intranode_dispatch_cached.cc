@@ -1,7 +1,7 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
 // FFI adapter of `jax_ep_intranode_dispatch_cached` (kernels:
-// ffi/kernels/intranode.cu): dispatch again with the layout of an earlier
+// ffi/kernels/intranode_*.cu): dispatch again with the layout of an earlier
 // jax_ep_intranode_dispatch (backward passes). Sends rows only. Per rank, no
 // batch dims (R ranks, L = E / R, N = R * T_max):
 //
@@ -9,7 +9,6 @@
 //   send_pos      `[T, R]` int32 operand      (from jax_ep_intranode_dispatch)
 //   entry_row     `[N, K]` int32 operand
 //   entry_weights `[N, K]` float32 operand (read only when `weighted`)
-//   recv_counts   `[R]` int32 operand
 //   group_sizes   `[L]` int32 operand
 //   attrs         group_id, capacity: int64; weighted: bool
 //   recv_x        `[capacity, H]` x.dtype: entry (s, i, k) at entry_row
@@ -43,9 +42,9 @@ constexpr char kOp[] = "jax_ep_intranode_dispatch_cached";
 ffi::Error IntranodeDispatchCachedImpl(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send_pos,
     ffi::Buffer<ffi::S32> entry_row, ffi::Buffer<ffi::F32> entry_weights,
-    ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> group_sizes,
-    ffi::Result<ffi::AnyBuffer> recv_x, ffi::ResultBuffer<ffi::S32> status,
-    int64_t group_id, int64_t capacity, bool weighted) {
+    ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> recv_x,
+    ffi::ResultBuffer<ffi::S32> status, int64_t group_id, int64_t capacity,
+    bool weighted) {
   std::shared_ptr<const intranode_group::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(kOp, group_id, &group));
   const intranode_group::GroupConfig& c = group->config;
@@ -65,9 +64,13 @@ ffi::Error IntranodeDispatchCachedImpl(
       kOp, "x", x.element_type(), *group, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos.dimensions(),
                                         {num_tokens, num_ranks}, "[T, R]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckReceivedEntries(
-      kOp, *group, entry_row.dimensions(), entry_weights.dimensions(),
-      recv_counts.dimensions()));
+  const int64_t num_rows = num_ranks * c.max_tokens;
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "entry_row", entry_row.dimensions(),
+                 {num_rows, c.num_topk}, "[R * T_max, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kOp, "entry_weights", entry_weights.dimensions(),
+                 {num_rows, c.num_topk}, "[R * T_max, K]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
       kOp, "group_sizes", group_sizes.dimensions(), {num_local}, "[E / R]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "recv_x", recv_x->dimensions(),
@@ -86,9 +89,8 @@ ffi::Error IntranodeDispatchCachedImpl(
       kOp, intranode::DispatchCached(
                group->view, dtype, x.untyped_data(), send_pos.typed_data(),
                entry_row.typed_data(), entry_weights.typed_data(),
-               recv_counts.typed_data(), group_sizes.typed_data(), num_tokens,
-               num_local, capacity, weighted, recv_x->untyped_data(),
-               status->typed_data(), stream));
+               group_sizes.typed_data(), num_tokens, num_local, capacity,
+               weighted, recv_x->untyped_data(), status->typed_data(), stream));
   return ffi::Error::Success();
 }
 
@@ -103,7 +105,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
         .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
         .Ret<xla::ffi::AnyBuffer>()                     // recv_x
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status

@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_local_combine` (kernels: ffi/kernels/local.cu).
+// FFI adapter of `jax_ep_local_combine` (kernels: ffi/kernels/local_*.cu).
 // Combine on one rank.
 //
 //   expert_out   `[B..., capacity, H]` bf16/f16/f32 operand

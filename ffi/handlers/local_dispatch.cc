@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_local_dispatch` (kernels: ffi/kernels/local.cu).
+// FFI adapter of `jax_ep_local_dispatch` (kernels: ffi/kernels/local_*.cu).
 // Dispatch on one rank, and the weighted transpose of combine.
 //
 //   x            `[B..., T, H]` bf16/f16/f32 operand

@@ -6,9 +6,11 @@
 // return `cudaError_t` and never throw. No XLA, nanobind or Python header may
 // be included here (the FFI adapters in ffi/handlers/ are the only layer that
 // knows about XLA). Launchers are grouped by op family, one namespace each,
-// and every launcher's kernels live in the .cu file of the same name
-// (`jax_ep::layout` -> ffi/kernels/layout.cu, `jax_ep::local` ->
-// ffi/kernels/local.cu, `jax_ep::intranode` -> ffi/kernels/intranode.cu).
+// and every launcher's kernels live in the .cu file of its op
+// (`layout::LocalLayout` -> ffi/kernels/layout.cu, `local::Combine` ->
+// ffi/kernels/local_combine.cu, `intranode::Dispatch` ->
+// ffi/kernels/intranode_dispatch.cu, the intranode backward ops ->
+// intranode_backward.cu).
 //
 // Batching: every layout / local launcher takes `num_batches`, the product of
 // the leading batch dims a `vmap` added to every operand. Batch element `b` of
@@ -196,9 +198,9 @@ cudaError_t PreloadKernels();
 
 // ---------------------------------------------------------------------------
 // Intranode (intranode transport): multi-rank dispatch / combine through a
-// table of peer pointers (CUDA IPC or P2P). Protocol: NOTES at the top of
-// ffi/kernels/intranode.cu. Host-side set-up (allocation, IPC, registry):
-// ffi/handlers/peer_group.{h,cc}.
+// table of peer pointers (CUDA IPC or P2P). Protocol: docs/intranode.md and
+// the NOTES of ffi/kernels/intranode_protocol.cuh. Host-side set-up
+// (allocation, IPC, registry): ffi/handlers/intranode_group.{h,cc}.
 // ---------------------------------------------------------------------------
 namespace intranode {
 
@@ -265,7 +267,8 @@ enum class WaitKind : int32_t {
 //                     source has finished (the receiver resets them)
 //   combine_rows      [R expert rank][T_max][H] partial sums, sized for
 //                     float32; they travel in bf16 for bf16 activations (half
-//                     the wire bytes), else in fp32 (CombineWire, intranode.cu)
+//                     the wire bytes), else in fp32 (CombineWire,
+//                     intranode_protocol.cuh)
 //   dots              [R expert rank][T_max][K] float32
 //   flags             arrival[kNumRegions][R] u64, consumed[kNumRegions] u64,
 //                     notify[R] u64 (dispatch counts, dispatch region's seq)
@@ -359,43 +362,82 @@ struct GroupView {
   int32_t num_topk;    // K
   int32_t itemsize;    // bytes per activation element of the buffers
   int32_t num_blocks;  // SM budget: send kernels run num_blocks times their
-                       // blocks per SM of sending blocks (intranode.cu), on
-                       // whichever SMs are free; it bounds their threads,
-                       // not which SMs (the dispatch's placing blocks use
-                       // the rest)
+                       // blocks per SM of sending blocks
+                       // (intranode_protocol.cuh), on whichever SMs are free;
+                       // it bounds their threads, not which SMs (the dispatch's
+                       // placing blocks use the rest)
   int32_t
       receive_while_sending;  // 1: every rank has a GPU of its own and
                               // every pair has native P2P atomics, so a
                               // dispatch receives in blocks that spin beside
-                              // its sends (intranode.cu); 0: ranks share a GPU
-                              // (MPS), where a spinning block could hold the
-                              // SMs a peer's sender needs, or chunk counts
-                              // could not be added atomically
+                              // its sends (intranode_dispatch.cu); 0: ranks
+                              // share a GPU (MPS), where a spinning block could
+                              // hold the SMs a peer's sender needs, or chunk
+                              // counts could not be added atomically
 };
 
-// int32 elements of the `workspace` result of jax_ep_intranode_dispatch, in
-// order: [R] tokens sent to each rank; [R] + [R] layout scratch; [R] chunks
-// of each source; [R, T_max + 1] the send position of each chunk's first
-// token per destination; [R, T_max, K] the slots' local expert ids per
-// destination (-1 for other ranks' slots); [R, T_max, K] each slot's row in
-// this rank's expert-grouped order of the slots it sends that destination;
-// [R, E/R] slots per (destination, local expert); [R, E/R] receive offsets per
-// (source, local expert); [R, tiles] tokens of each tile of kSendTileTokens
-// tokens that go to each rank and [tiles] invalid ids per tile (tiles =
-// ceil(T_max / kSendTileTokens), at least 1); then the batched local layout's
-// workspace (R batches of up to T_max rows of K slots over E/R experts).
+// The `workspace` result of jax_ep_intranode_dispatch (int32 elements),
+// sized and carved in this one place: offsets of its parts, in order, and the
+// total. NOTES: Dispatch carves its pointers from these offsets and the
+// handler sizes the result from `elems`, so the two cannot disagree.
 inline constexpr int64_t kSendTileTokens = 512;
 inline int64_t DispatchSendTiles(int64_t max_tokens) {
   const int64_t tiles = (max_tokens + kSendTileTokens - 1) / kSendTileTokens;
   return tiles > 1 ? tiles : 1;
 }
+struct DispatchWorkspace {
+  int64_t count_to;        // [R] tokens sent to each rank
+  int64_t layout_dropped;  // [R] layout scratch (never drops)
+  int64_t layout_invalid;  // [R] layout scratch (invalid ids counted apart)
+  int64_t source_chunks;   // [R] chunks of each source
+  int64_t chunk_start;     // [R, T_max + 1] send position of each chunk's
+                           // first token per destination
+  int64_t dest_ids;        // [R, T_max, K] the slots' local expert ids per
+                           // destination (-1 for other ranks' slots)
+  int64_t slot_rank;       // [R, T_max, K] each slot's row in this rank's
+                           // expert-grouped order of what it sends there
+  int64_t dest_counts;     // [R, E/R] slots per (destination, local expert)
+  int64_t offset;          // [R, E/R] receive offsets per (source, expert)
+  int64_t tile_count;      // [R, tiles] tokens of each tile of
+                           // kSendTileTokens tokens that go to each rank
+  int64_t invalid_count;   // [tiles] invalid ids per tile
+  int64_t layout;          // the batched local layout's workspace (R batches
+                           // of up to T_max rows of K slots over E/R experts)
+  int64_t elems;           // the total
+};
+inline DispatchWorkspace MakeDispatchWorkspace(int64_t num_ranks,
+                                               int64_t max_tokens,
+                                               int64_t num_topk,
+                                               int64_t num_experts) {
+  DispatchWorkspace w;
+  int64_t at = 0;
+  const auto take = [&at](int64_t elems) {
+    const int64_t here = at;
+    at += elems;
+    return here;
+  };
+  const int64_t slots = num_ranks * max_tokens * num_topk;
+  w.count_to = take(num_ranks);
+  w.layout_dropped = take(num_ranks);
+  w.layout_invalid = take(num_ranks);
+  w.source_chunks = take(num_ranks);
+  w.chunk_start = take(num_ranks * (max_tokens + 1));
+  w.dest_ids = take(slots);
+  w.slot_rank = take(slots);
+  w.dest_counts = take(num_experts);
+  w.offset = take(num_experts);
+  w.tile_count = take(num_ranks * DispatchSendTiles(max_tokens));
+  w.invalid_count = take(DispatchSendTiles(max_tokens));
+  w.layout =
+      take(num_ranks * layout::LocalLayoutMaxWorkspaceElems(
+                           max_tokens, num_topk, num_experts / num_ranks));
+  w.elems = at;
+  return w;
+}
 inline int64_t DispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
                                       int64_t num_topk, int64_t num_experts) {
-  return 4 * num_ranks + num_ranks * (max_tokens + 1) +
-         2 * num_ranks * max_tokens * num_topk + 2 * num_experts +
-         (num_ranks + 1) * DispatchSendTiles(max_tokens) +
-         num_ranks * layout::LocalLayoutMaxWorkspaceElems(
-                         max_tokens, num_topk, num_experts / num_ranks);
+  return MakeDispatchWorkspace(num_ranks, max_tokens, num_topk, num_experts)
+      .elems;
 }
 
 // Forces the module load of every kernel the intranode ops launch (this
@@ -425,13 +467,12 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
 // (jax_ep_intranode_dispatch_cached): rows only; entry (s, i, k) lands at
 // entry_row (times entry_weights in fp32, rounded once, when `weighted`); rows
 // >= sum(group_sizes) are zero.
-//   x `[T, H]`, send_pos `[T, R]`, entry_row / entry_weights `[R*T_max, K]`,
-//   recv_counts `[R]`, group_sizes `[L]` in; recv_x `[capacity, H]`, status
-//   out.
+//   x `[T, H]`, send_pos `[T, R]`, entry_row / entry_weights `[R*T_max, K]`
+//   (rows past each source's count are -1 there), group_sizes `[L]` in;
+//   recv_x `[capacity, H]`, status out.
 cudaError_t DispatchCached(const GroupView& g, ElementType dtype, const void* x,
                            const int32_t* send_pos, const int32_t* entry_row,
                            const float* entry_weights,
-                           const int32_t* recv_counts,
                            const int32_t* group_sizes, int64_t num_tokens,
                            int64_t num_local_experts, int64_t capacity,
                            bool weighted, void* recv_x, int32_t* status,

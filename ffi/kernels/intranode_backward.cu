@@ -180,12 +180,10 @@ using namespace launch;  // NOLINT: the shared launch helpers
 cudaError_t DispatchCached(const GroupView& g, ElementType dtype, const void* x,
                            const int32_t* send_pos, const int32_t* entry_row,
                            const float* entry_weights,
-                           const int32_t* recv_counts,
                            const int32_t* group_sizes, int64_t num_tokens,
                            int64_t num_local_experts, int64_t capacity,
                            bool weighted, void* recv_x, int32_t* status,
                            cudaStream_t stream) {
-  (void)recv_counts;  // entry_row already masks rows past each count
   if (!ValidView(g, dtype) || !ValidTokens(g, num_tokens) ||
       num_local_experts < 1 || num_local_experts > kMaxExperts ||
       capacity < 0) {

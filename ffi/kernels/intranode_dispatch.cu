@@ -398,20 +398,20 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
   const int64_t num_local = num_experts / g.num_ranks;
   const int64_t num_rows = g.num_ranks * g.max_tokens;  // N
   const int64_t chunk_stride = g.max_tokens + 1;
-  // Workspace: see DispatchWorkspaceElems.
-  int32_t* count_to = workspace;
-  int32_t* layout_dropped = count_to + g.num_ranks;  // never drops (INT32_MAX)
-  int32_t* layout_invalid = layout_dropped + g.num_ranks;  // counted in 1.
-  int32_t* source_chunks = layout_invalid + g.num_ranks;
-  int32_t* chunk_start = source_chunks + g.num_ranks;
-  int32_t* dest_ids = chunk_start + g.num_ranks * chunk_stride;
-  int32_t* slot_rank = dest_ids + g.num_ranks * g.max_tokens * g.num_topk;
-  int32_t* dest_counts = slot_rank + g.num_ranks * g.max_tokens * g.num_topk;
-  int32_t* offset = dest_counts + num_experts;
-  const int64_t max_tiles = DispatchSendTiles(g.max_tokens);
-  int32_t* tile_count = offset + num_experts;
-  int32_t* invalid_count = tile_count + g.num_ranks * max_tiles;
-  int32_t* layout_workspace = invalid_count + max_tiles;
+  const DispatchWorkspace w =
+      MakeDispatchWorkspace(g.num_ranks, g.max_tokens, g.num_topk, num_experts);
+  int32_t* count_to = workspace + w.count_to;
+  int32_t* layout_dropped = workspace + w.layout_dropped;
+  int32_t* layout_invalid = workspace + w.layout_invalid;
+  int32_t* source_chunks = workspace + w.source_chunks;
+  int32_t* chunk_start = workspace + w.chunk_start;
+  int32_t* dest_ids = workspace + w.dest_ids;
+  int32_t* slot_rank = workspace + w.slot_rank;
+  int32_t* dest_counts = workspace + w.dest_counts;
+  int32_t* offset = workspace + w.offset;
+  int32_t* tile_count = workspace + w.tile_count;
+  int32_t* invalid_count = workspace + w.invalid_count;
+  int32_t* layout_workspace = workspace + w.layout;
   // NOTES: the senders' grid is the same every call (the counter relies on
   // it). A chunk holds whole rounds of it (one token per sender each), about
   // kTargetChunks chunks a call: each costs every sender a system fence, and
