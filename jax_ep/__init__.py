@@ -14,6 +14,7 @@ from jax_ep import _ffi
 from jax_ep._status import CapacityOverflowError
 from jax_ep.config import default_capacity
 from jax_ep.group import Group, MemoryEstimate, memory_bytes
+from jax_ep.gmm import grouped_matmul, grouped_matmul_impl
 from jax_ep.layer import MoEParams, init_moe_params, moe_mlp, moe_mlp_per_shard
 from jax_ep.ops import (DispatchResult, Handle, LowLatencyHandle, LowLatencyResult, combine,
                         dispatch, low_latency_combine, low_latency_dispatch)
@@ -27,6 +28,7 @@ _ffi.extension()
 __all__ = [
     "Group", "CapacityOverflowError", "MemoryEstimate", "memory_bytes", "default_capacity",
     "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
+    "grouped_matmul", "grouped_matmul_impl",
     "DispatchResult", "Handle", "LowLatencyResult", "LowLatencyHandle",
     "MoEParams", "init_moe_params", "moe_mlp", "moe_mlp_per_shard",
 ]

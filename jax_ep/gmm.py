@@ -1,0 +1,335 @@
+"""Grouped matrix multiplication for the expert MLP: rows grouped by expert times each expert's
+weights, `[rows, K] x [G, K, N] -> [rows, N]`, as jax_ep's dispatch lays the rows out.
+
+Two implementations behind one function, `grouped_matmul`:
+- `mosaic`: jax's Mosaic GPU ragged dot (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`, and
+  `transposed_ragged_dot_mgpu` for the weight gradient), on Hopper GPUs (compute capability
+  9.0) for bf16 / f16 operands of one dtype whose sizes its tiles divide. Tiles come from a
+  table of shapes (`TILE_TABLE`) or, for the rest, a rule (`tile_config`); nothing is tuned at
+  call time.
+- `xla`: `jax.lax.ragged_dot` (and `ragged_dot_general` for the weight gradient), everywhere
+  else. NOTES: on NVIDIA GPUs XLA lowers it to a dense masked expansion, `G` times the work,
+  which runs out of memory at large expert counts: the reason for the Mosaic path.
+
+`grouped_matmul_impl(...)` says which one a shape gets and why; the first call of each choice
+is logged (`jax_ep` logger). Gradients are a `jax.custom_vjp` (`dx` is a grouped matmul of the
+cotangent with the transposed weights, `dw` a per-group `x^T dy`), and `jax.vmap` over a
+leading axis folds the batch into the rows and groups of one call (`jax.custom_batching`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_logger = logging.getLogger("jax_ep")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+  """Tiles of the Mosaic GPU kernels (see `ragged_dot_mgpu.ragged_dot`)."""
+  block_m: int
+  block_n: int
+  block_k: int
+  max_concurrent_steps: int
+  grid_block_n: int
+
+
+# Tiles for shapes `(groups, K, N)` measured on an H200 with `benchmarks/bench_layer.py
+# --tune`; shapes not listed take `tile_config`'s rule.
+TILE_TABLE: dict[tuple[int, int, int], TileConfig] = {}
+
+_MOSAIC_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+_SAID: set = set()
+
+
+def tile_config(rows: int, groups: int, k: int, n: int) -> TileConfig | None:
+  """The Mosaic kernel's tiles for `[rows, k] x [groups, k, n]`, or None where they cannot
+  divide it (`k` must be a multiple of `block_k`, `n` of `block_n`)."""
+  if (groups, k, n) in TILE_TABLE:
+    return TILE_TABLE[(groups, k, n)]
+  block_k = 64
+  if k % block_k:
+    return None
+  block_n = next((b for b in (128, 64) if n % b == 0), None)
+  if block_n is None:
+    return None
+  # Groups of fewer rows than a 128-row tile waste most of it on the group's boundary.
+  block_m = 128 if rows >= 128 * groups else 64
+  tiles_n = n // block_n
+  grid_block_n = next(b for b in (8, 4, 2, 1) if tiles_n % b == 0)
+  return TileConfig(block_m, block_n, block_k, max_concurrent_steps=4,
+                    grid_block_n=grid_block_n)
+
+
+def _on_hopper() -> bool:
+  try:
+    devices = jax.devices()
+  except RuntimeError:
+    return False
+  return bool(devices) and all(
+      d.platform == "gpu" and getattr(d, "compute_capability", "") == "9.0" for d in devices)
+
+
+def grouped_matmul_impl(rows: int, groups: int, k: int, n: int, dtype, w_dtype=None,
+                        *, transpose_w: bool = False, impl: str = "auto"):
+  """`(name, detail)` of the implementation `grouped_matmul` uses for this shape: `("mosaic",
+  TileConfig)` or `("xla", why the Mosaic kernel does not run it)`.
+
+  Args:
+    rows, groups, k, n: `x` is `[rows, k]`, the weights `[groups, k, n]`.
+    dtype, w_dtype: the operands' dtypes (`w_dtype` defaults to `dtype`).
+    transpose_w: the weights are stored `[groups, n, k]`.
+    impl: 'auto', 'mosaic' (raises where it cannot run) or 'xla'.
+  """
+  del transpose_w  # both layouts take the same tiles
+  if impl not in ("auto", "mosaic", "xla"):
+    raise ValueError(f"jax_ep.grouped_matmul: impl must be 'auto', 'mosaic' or 'xla', "
+                     f"got {impl!r}")
+  if impl == "xla":
+    return "xla", "asked for"
+  dtype = np.dtype(dtype)
+  w_dtype = dtype if w_dtype is None else np.dtype(w_dtype)
+  why = None
+  config = None
+  if not _on_hopper():
+    why = "the Mosaic GPU kernel needs Hopper GPUs (compute capability 9.0)"
+  elif dtype not in _MOSAIC_DTYPES or w_dtype != dtype:
+    why = f"the Mosaic GPU kernel takes bf16 or f16 operands of one dtype, got {dtype} and {w_dtype}"
+  else:
+    config = tile_config(rows, groups, k, n)
+    if config is None:
+      why = f"its tiles do not divide K={k} (multiples of 64) or N={n} (multiples of 64)"
+  if config is not None:
+    return "mosaic", config
+  if impl == "mosaic":
+    raise ValueError(f"jax_ep.grouped_matmul: impl='mosaic' cannot run [{rows}, {k}] x "
+                     f"[{groups}, {k}, {n}]: {why}")
+  return "xla", why
+
+
+def _say(name, detail, shape):
+  key = (name, str(detail), shape)
+  if key not in _SAID:
+    _SAID.add(key)
+    _logger.info("jax_ep.grouped_matmul %s: %s (%s)", shape, name, detail)
+
+
+# ----------------------------------------------------------------------------------------------
+# The two implementations of the forward product and of the weight gradient.
+
+def _mosaic_ragged_dot(x, w, group_sizes, transpose_w, config):
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+  return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, transpose_rhs=transpose_w,
+                                    **dataclasses.asdict(config))
+
+
+def _mosaic_transposed_ragged_dot(x, dy, group_sizes, config):
+  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
+  return transposed_ragged_dot_mgpu.transposed_ragged_dot(
+      x, dy, group_sizes=group_sizes, **dataclasses.asdict(config))
+
+
+def _rows_used(rows, group_sizes):
+  """`[rows, 1]` bool: rows inside the groups."""
+  return (jnp.arange(rows, dtype=jnp.int32) < jnp.sum(group_sizes))[:, None]
+
+
+def _product(x, w, group_sizes, transpose_w, out_dtype, impl):
+  """`[rows, N]` in out_dtype, zero past sum(group_sizes)."""
+  rows, k = x.shape
+  groups = w.shape[0]
+  n = w.shape[1] if transpose_w else w.shape[2]
+  name, detail = grouped_matmul_impl(rows, groups, k, n, x.dtype, w.dtype, impl=impl)
+  _say(name, detail, f"[{rows}, {k}] x [{groups}, {k}, {n}]")
+  if rows == 0:
+    return jnp.zeros((0, n), out_dtype)
+  if name == "mosaic":
+    # NOTES: the kernel stores only rows inside the groups (the rest of its output is
+    # uninitialised) and rounds its fp32 accumulator to the operands' dtype.
+    y = _mosaic_ragged_dot(x, w, group_sizes, transpose_w, detail)
+    return jnp.where(_rows_used(rows, group_sizes), y, jnp.zeros((), y.dtype)).astype(out_dtype)
+  w_kn = jnp.swapaxes(w, 1, 2) if transpose_w else w
+  return jax.lax.ragged_dot(x, w_kn, group_sizes, preferred_element_type=out_dtype)
+
+
+def _weight_grad(x, dy, group_sizes, transpose_w, w_dtype, impl):
+  """`[G, K, N]` (`[G, N, K]` with transpose_w): per group, `x^T dy` over its rows."""
+  rows, k = x.shape
+  n = dy.shape[1]
+  groups = group_sizes.shape[0]
+  lhs, rhs = (dy, x) if transpose_w else (x, dy)
+  if rows == 0:
+    return jnp.zeros((groups, lhs.shape[1], rhs.shape[1]), w_dtype)
+  name, detail = grouped_matmul_impl(rows, groups, k, n, x.dtype, dy.dtype, impl=impl)
+  if name == "mosaic":
+    config = tile_config(rows, groups, lhs.shape[1], rhs.shape[1])
+    # The transposed kernel tiles its output's two dims (M: block_m, N: block_n).
+    if config is not None and lhs.shape[1] % config.block_m == 0:
+      return _mosaic_transposed_ragged_dot(lhs, rhs, group_sizes, config).astype(w_dtype)
+  numbers = jax.lax.RaggedDotDimensionNumbers(
+      dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
+      rhs_group_dimensions=[])
+  return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers,
+                                    preferred_element_type=jnp.float32).astype(w_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# vmap: the batch folded into rows and groups, one call.
+
+def _fold_rows_by_group(group_sizes, rows):
+  """For `[B, G]` group sizes over `[B, rows]` rows: `(pos [B, rows], sizes [G])` where row r of
+  batch b goes to `pos[b, r]` of a `[B * rows]` layout whose group g holds every batch's rows of
+  g (batches in order), followed by every row outside the groups."""
+  ends = jnp.cumsum(group_sizes, axis=1)  # [B, G]
+  starts = ends - group_sizes
+  r = jnp.arange(rows, dtype=jnp.int32)
+  group = jax.vmap(lambda e: jnp.searchsorted(e, r, side="right"))(ends).astype(jnp.int32)
+  groups = group_sizes.shape[1]
+  inside = group < groups
+  g = jnp.minimum(group, groups - 1)
+  totals = jnp.sum(group_sizes, axis=0)  # [G]
+  group_start = jnp.cumsum(totals) - totals
+  before = jnp.cumsum(group_sizes, axis=0) - group_sizes  # [B, G]: earlier batches' rows of g
+  within = r[None, :] - jnp.take_along_axis(starts, g, axis=1)
+  pos_inside = group_start[g] + jnp.take_along_axis(before, g, axis=1) + within
+  used = ends[:, -1]  # [B]
+  tails = rows - used
+  tail_start = jnp.sum(totals) + jnp.cumsum(tails) - tails  # [B]
+  pos_tail = tail_start[:, None] + r[None, :] - used[:, None]
+  return jnp.where(inside, pos_inside, pos_tail).astype(jnp.int32), totals.astype(jnp.int32)
+
+
+def _inverse(pos):
+  flat = pos.reshape(-1)
+  return jnp.zeros_like(flat).at[flat].set(jnp.arange(flat.shape[0], dtype=flat.dtype),
+                                           unique_indices=True)
+
+
+def _broadcast(value, batched, axis_size):
+  return value if batched else jnp.broadcast_to(value, (axis_size, *value.shape))
+
+
+@functools.cache
+def _product_fn(transpose_w: bool, out_dtype, impl: str):
+  @jax.custom_batching.custom_vmap
+  def product(x, w, group_sizes):
+    return _product(x, w, group_sizes, transpose_w, out_dtype, impl)
+
+  @product.def_vmap
+  def product_vmap(axis_size, in_batched, x, w, group_sizes):
+    x_b, w_b, gs_b = in_batched
+    x = _broadcast(x, x_b, axis_size)
+    group_sizes = _broadcast(group_sizes, gs_b, axis_size)
+    batch, rows, k = x.shape
+    if w_b:
+      # Weights per batch element: every element's groups in turn, each element's rows past
+      # its groups given to its last group and zeroed afterwards.
+      groups = w.shape[1]
+      tails = rows - jnp.sum(group_sizes, axis=1)
+      sizes = group_sizes.at[:, -1].add(tails).reshape(-1)
+      y = product(x.reshape(batch * rows, k), w.reshape(batch * groups, *w.shape[2:]), sizes)
+      y = y.reshape(batch, rows, -1)
+      used = jnp.arange(rows)[None, :] < (rows - tails)[:, None]
+      return jnp.where(used[..., None], y, jnp.zeros((), y.dtype)), True
+    # Shared weights: rows reordered so that each group holds every element's rows of it.
+    pos, totals = _fold_rows_by_group(group_sizes, rows)
+    x_sorted = x.reshape(batch * rows, k)[_inverse(pos)]
+    y = product(x_sorted, w, totals)
+    return y[pos.reshape(-1)].reshape(batch, rows, -1), True
+
+  return product
+
+
+@functools.cache
+def _weight_grad_fn(transpose_w: bool, w_dtype, impl: str):
+  @jax.custom_batching.custom_vmap
+  def weight_grad(x, dy, group_sizes):
+    return _weight_grad(x, dy, group_sizes, transpose_w, w_dtype, impl)
+
+  @weight_grad.def_vmap
+  def weight_grad_vmap(axis_size, in_batched, x, dy, group_sizes):
+    x, dy, group_sizes = (_broadcast(v, b, axis_size)
+                          for v, b in zip((x, dy, group_sizes), in_batched))
+    batch, rows, _ = x.shape
+    groups = group_sizes.shape[1]
+    # One more group per element takes its rows past the groups; its block is dropped.
+    tails = rows - jnp.sum(group_sizes, axis=1, keepdims=True)
+    sizes = jnp.concatenate([group_sizes, tails], axis=1).reshape(-1)
+    dw = weight_grad(x.reshape(batch * rows, -1), dy.reshape(batch * rows, -1), sizes)
+    return dw.reshape(batch, groups + 1, *dw.shape[1:])[:, :groups], True
+
+  return weight_grad
+
+
+# ----------------------------------------------------------------------------------------------
+# The differentiable op.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped_matmul(x, w, group_sizes, transpose_w, out_dtype, impl):
+  return _product_fn(transpose_w, out_dtype, impl)(x, w, group_sizes)
+
+
+def _grouped_matmul_fwd(x, w, group_sizes, transpose_w, out_dtype, impl):
+  y = _product_fn(transpose_w, out_dtype, impl)(x, w, group_sizes)
+  return y, (x, w, group_sizes)
+
+
+def _grouped_matmul_bwd(transpose_w, out_dtype, impl, residuals, dy):
+  x, w, group_sizes = residuals
+  dy = dy.astype(x.dtype)
+  dx = _product_fn(not transpose_w, np.dtype(x.dtype), impl)(dy, w, group_sizes)
+  dw = _weight_grad_fn(transpose_w, np.dtype(w.dtype), impl)(x, dy, group_sizes)
+  d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
+  return dx, dw, d_sizes
+
+
+_grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
+
+
+def grouped_matmul(x, w, group_sizes, *, transpose_w: bool = False,
+                   preferred_element_type=None, impl: str = "auto"):
+  """Rows grouped by expert times each expert's weights.
+
+  Args:
+    x: `[rows, K]`, rows grouped contiguously: group g is the `group_sizes[g]` rows after those
+      of groups `< g` (what `jax_ep.dispatch` returns in `recv.x`).
+    w: `[G, K, N]`, or `[G, N, K]` with `transpose_w`, in `x`'s dtype.
+    group_sizes: `[G]` int32, summing to at most `rows`.
+    transpose_w: multiply by each `w[g]` transposed.
+    preferred_element_type: the result's dtype (default `x.dtype`); the product accumulates in
+      fp32 either way (the Mosaic path rounds it to `x.dtype` first).
+    impl: 'auto' (Mosaic GPU where it runs, see `grouped_matmul_impl`), 'mosaic' or 'xla'.
+
+  Returns:
+    `[rows, N]`: row r of group g is `x[r] @ w[g]`; rows past `sum(group_sizes)` are zero.
+    Differentiable in `x` and `w`; `jax.vmap` over a leading axis of any argument runs one call.
+  """
+  for name, value, ndim in (("x", x, 2), ("w", w, 3), ("group_sizes", group_sizes, 1)):
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+      raise TypeError(f"jax_ep.grouped_matmul: {name} must be an array, got "
+                      f"{type(value).__name__}")
+    if value.ndim != ndim:
+      raise ValueError(f"jax_ep.grouped_matmul: {name} must have {ndim} dimensions, got shape "
+                       f"{value.shape}")
+  k_w = w.shape[2] if transpose_w else w.shape[1]
+  if x.shape[1] != k_w:
+    layout = "[G, N, K]" if transpose_w else "[G, K, N]"
+    raise ValueError(f"jax_ep.grouped_matmul: x is {x.shape} and w {w.shape}: w must be "
+                     f"{layout} with K = {x.shape[1]}")
+  if group_sizes.shape != (w.shape[0],):
+    raise ValueError(f"jax_ep.grouped_matmul: group_sizes must have shape [G] = "
+                     f"{(w.shape[0],)}, got {group_sizes.shape}")
+  if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+    raise TypeError(f"jax_ep.grouped_matmul: group_sizes must be int32, got "
+                    f"{group_sizes.dtype}")
+  if np.dtype(w.dtype) != np.dtype(x.dtype):
+    raise TypeError(f"jax_ep.grouped_matmul: w must have x's dtype {x.dtype}, got {w.dtype}")
+  out_dtype = np.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
+  return _grouped_matmul(x, w, group_sizes.astype(jnp.int32), bool(transpose_w), out_dtype,
+                         impl)
