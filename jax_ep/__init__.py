@@ -15,7 +15,9 @@ from jax_ep._status import CapacityOverflowError
 from jax_ep.config import default_capacity
 from jax_ep.group import Group, MemoryEstimate, memory_bytes
 from jax_ep.gmm import grouped_matmul, grouped_matmul_impl
-from jax_ep.layer import MoEParams, init_moe_params, moe_mlp, moe_mlp_per_shard
+from jax_ep.layer import MoEOutput, MoEParams, init_moe_params, moe_mlp, moe_mlp_per_shard
+from jax_ep.routing import (Routing, expert_counts, load_balancing_loss, route,
+                            router_z_loss, update_router_bias)
 from jax_ep.ops import (DispatchResult, Handle, LowLatencyHandle, LowLatencyResult, combine,
                         dispatch, low_latency_combine, low_latency_dispatch)
 
@@ -30,5 +32,7 @@ __all__ = [
     "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
     "grouped_matmul", "grouped_matmul_impl",
     "DispatchResult", "Handle", "LowLatencyResult", "LowLatencyHandle",
-    "MoEParams", "init_moe_params", "moe_mlp", "moe_mlp_per_shard",
+    "MoEOutput", "MoEParams", "init_moe_params", "moe_mlp", "moe_mlp_per_shard",
+    "Routing", "route", "expert_counts", "load_balancing_loss", "router_z_loss",
+    "update_router_bias",
 ]

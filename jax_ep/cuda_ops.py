@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import _ffi
+from jax_ep._varying import vary_like_operands
 from jax_ep.config import EPConfig
 
 
@@ -28,33 +29,13 @@ class LocalRouting(NamedTuple):
   group_sizes: jax.Array
 
 
-def _varying_axes(value) -> frozenset:
-  manual = getattr(jax.typeof(value), "manual_axis_type", None)
-  return manual.varying if manual is not None else frozenset()
-
-
-def _vary_like_operands(outs, args):
-  """Types `outs` as varying over every shard_map axis any operand varies over.
-
-  NOTES: XLA FFI calls produce values typed as invariant across `shard_map` axes; inside
-  `shard_map(check_vma=True)` the custom_vjp rules then see cotangents whose type differs from
-  the primal's. A kernel's output depends on its (per-rank) inputs, so it varies wherever they do.
-  """
-  varying = frozenset().union(*(_varying_axes(a) for a in args))
-
-  def match(out):
-    missing = tuple(sorted(varying - _varying_axes(out)))
-    return jax.lax.pcast(out, missing, to="varying") if missing else out
-  return jax.tree.map(match, outs)
-
-
 def _call(target, result_shapes, *args, vmap_method="broadcast_all", has_side_effect=False,
           **attrs):
   if _ffi.extension() is None:
     raise RuntimeError(f"jax_ep: the CUDA extension is not built; cannot call {target}")
   outs = jax.ffi.ffi_call(target, result_shapes, vmap_method=vmap_method,
                           has_side_effect=has_side_effect)(*args, **attrs)
-  return _vary_like_operands(outs, args)
+  return vary_like_operands(outs, args)
 
 
 def layout_workspace_elems(config: EPConfig, num_tokens: int) -> int:

@@ -106,6 +106,8 @@ def _errors(loss, grads, dense_loss, dense_grads):
   loss_err = abs(float(loss) - float(dense_loss)) / max(abs(float(dense_loss)), 1e-30)
   grad_err = {}
   for name, g, d in zip(MoEParams._fields, grads, dense_grads):
+    if g is None:  # a field this layer does not have
+      continue
     g, d = np.asarray(g, np.float32), np.asarray(d, np.float32)
     grad_err[name] = float(np.abs(g - d).max() / max(np.abs(d).max(), 1e-30))
   return loss_err, grad_err
@@ -141,14 +143,15 @@ def main(argv=None) -> int:
   x = jax.random.normal(k_x, (num_tokens, HIDDEN), jnp.float32).astype(DTYPE)
   target = (0.5 * jax.random.normal(k_target, (num_tokens, HIDDEN), jnp.float32)).astype(DTYPE)
   # Lay everything out once: tokens split over the EP axis, experts split, router replicated.
-  specs = jax_ep.layer.param_specs("ep")
-  params = MoEParams(*(group.constrain(p, s) for p, s in zip(params, specs)))
+  specs = jax_ep.layer.param_specs("ep", params)
+  params = MoEParams(*(None if p is None else group.constrain(p, s)
+                       for p, s in zip(params, specs)))
   tokens = jax.sharding.PartitionSpec("ep")
   x_s, target_s = group.constrain(x, tokens), group.constrain(target, tokens)
 
   def loss_fn(params, x, target):
-    out, num_dropped = jax_ep.moe_mlp(group, params, x)
-    return _mse(out, target), num_dropped
+    result = jax_ep.moe_mlp(group, params, x)
+    return _mse(result.out, target), result.num_dropped
 
   opt_init, opt_update, opt_name, lr = _make_optimizer(args.lr)
 

@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep._varying import sum_to_primal
+
 _logger = logging.getLogger("jax_ep")
 
 
@@ -285,6 +287,8 @@ def _grouped_matmul_bwd(transpose_w, out_dtype, impl, residuals, dy):
   dy = dy.astype(x.dtype)
   dx = _product_fn(not transpose_w, np.dtype(x.dtype), impl)(dy, w, group_sizes)
   dw = _weight_grad_fn(transpose_w, np.dtype(w.dtype), impl)(x, dy, group_sizes)
+  # Inside shard_map, weights shared over data axes get the sum of every replica's gradient.
+  dx, dw = sum_to_primal(dx, x), sum_to_primal(dw, w)
   d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
   return dx, dw, d_sizes
 

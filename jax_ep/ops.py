@@ -114,8 +114,8 @@ def _check_tokens(group: Group, op: str, x, topk_idx, topk_weights=None) -> None
     raise ValueError(f"jax_ep.{op}: topk_idx must have shape [T, K] = {(num_tokens, c.num_topk)} "
                      f"(T from x, K = group num_topk), got {topk_idx.shape}")
   if topk_weights is not None:
-    _check_array(op, "topk_weights", topk_weights, ndim=2, dtypes=(jnp.float32,),
-                 shape=("T", "K"))
+    _check_array(op, "topk_weights", topk_weights, ndim=2,
+                 dtypes=(jnp.float32, jnp.bfloat16, jnp.float16), shape=("T", "K"))
     if topk_weights.shape != topk_idx.shape:
       raise ValueError(f"jax_ep.{op}: topk_weights shape {topk_weights.shape} must equal "
                        f"topk_idx shape {topk_idx.shape}")
@@ -175,7 +175,9 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
       that name the same expert are merged into one row whose weight is the sum of theirs
       (`merge_duplicate_slots`): combine gives the same result, each such slot's weight
       gradient is the dot product with that one row, and the default capacity never drops.
-    topk_weights: `[T, K]` float32 router weights, kept in the handle for `combine`.
+    topk_weights: `[T, K]` float32 router weights, kept in the handle for `combine` (bf16 and
+      f16 weights are accepted and cast to float32 first; their gradient comes back in their
+      dtype).
 
   Returns:
     `(DispatchResult, Handle)`. Differentiable in `x` (and, through combine, in topk_weights).
@@ -183,6 +185,7 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
   """
   _check_group(group, "dispatch")
   _check_tokens(group, "dispatch", x, topk_idx, topk_weights)
+  topk_weights = topk_weights.astype(jnp.float32)
   c = group.config
   if x.shape[0] == 0:
     # Shapes are static and equal on every rank, so no rank has a token: nothing moves, and no

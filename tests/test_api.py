@@ -151,7 +151,7 @@ class TestOpValidation:
       (dict(x_dtype=jnp.bfloat16), TypeError, "x must have dtype float32, got bfloat16"),
       (dict(idx_dtype=jnp.int64), TypeError, "topk_idx must have dtype int32"),
       (dict(idx_dtype=jnp.float32), TypeError, "topk_idx must have dtype int32, got float32"),
-      (dict(w_dtype=jnp.bfloat16), TypeError, "topk_weights must have dtype float32, got bfloat16"),
+      (dict(w_dtype=jnp.int32), TypeError, "topk_weights must have dtype float32 or bfloat16 or float16, got int32"),
       (dict(h=256), ValueError, r"x has hidden size 256 \(shape \(16, 256\)\) but the group has hidden=128"),
       (dict(t=17), ValueError, r"x has 17 tokens .* max_tokens_per_rank=16"),
       (dict(k=3), ValueError, r"topk_idx must have shape \[T, K\] = \(16, 2\)"),

@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ep.layer import MoEParams, route
+from jax_ep.layer import MoEParams, shared_mlp
+from jax_ep.routing import Routing, route
 
 
 def _replicated(a):
@@ -57,7 +58,7 @@ def dense_moe(params: MoEParams, x, topk_idx, topk_weights, *, capacity_free: bo
   """
   if not capacity_free:
     raise NotImplementedError("dense_moe models a layer that never drops rows (capacity_free=True)")
-  params = MoEParams(*(_replicated(p) for p in params))
+  params = MoEParams(*(None if p is None else _replicated(p) for p in params))
   x, topk_idx, topk_weights = (_replicated(a) for a in (x, topk_idx, topk_weights))
   num_experts = params.w_gate.shape[0]
   ys = _all_experts(params, x)  # [E, N, H]
@@ -66,21 +67,26 @@ def dense_moe(params: MoEParams, x, topk_idx, topk_weights, *, capacity_free: bo
   tokens = jnp.arange(x.shape[0])[:, None]
   picked = ys[safe, tokens].astype(jnp.float32)  # [N, K, H]
   w = jnp.where(valid, topk_weights.astype(jnp.float32), 0.0)
-  out = jnp.einsum("nk,nkh->nh", w, picked)
-  return out.astype(x.dtype)
+  out = jnp.einsum("nk,nkh->nh", w, picked).astype(x.dtype)
+  if params.shared_gate is not None:
+    out = out + shared_mlp(x, params.shared_gate, params.shared_up, params.shared_down)
+  return out
 
 
-def dense_moe_layer(params: MoEParams, x, num_topk: int):
-  """Router (`jax_ep.layer.route`) then `dense_moe`: the dense twin of `jax_ep.moe_mlp`.
+def dense_moe_layer(params: MoEParams, x, num_topk: int, routing: Routing = Routing()):
+  """Router (`jax_ep.routing.route`, with `params.router_bias`) then `dense_moe`: the dense
+  twin of `jax_ep.moe_mlp`.
 
   Args:
     params: global `MoEParams`, `router` `[H, E]` float32.
     x: `[N, H]` activations.
     num_topk: `K`.
+    routing: the `Routing` of the layer it stands in for.
 
   Returns:
     `[N, H]` in `x.dtype`.
   """
   x = _replicated(x)
-  topk_idx, topk_weights = route(x, _replicated(params.router), num_topk)
+  bias = None if params.router_bias is None else _replicated(params.router_bias)
+  topk_idx, topk_weights = route(x, _replicated(params.router), num_topk, routing, bias)
   return dense_moe(params, x, topk_idx, topk_weights)

@@ -142,3 +142,61 @@ def fp8_quantize(x, block: int = 128):
   scales = np.where(amax > 0, amax * np.float32(1.0 / 448.0), 1.0).astype(np.float32)
   q = (xb / scales[..., None]).astype(ml_dtypes.float8_e4m3fn)
   return q.reshape(shp), scales
+
+
+# ----------------------------------------------------------------------------------------------
+# Routers (numpy, token by token).
+
+def route(logits, num_topk: int, *, score: str = "softmax", renormalize: bool = True,
+          bias=None, num_groups: int = 1, topk_groups: int = 1,
+          routed_scaling_factor: float = 1.0):
+  """`(topk_idx [T, K], topk_weights [T, K], probs [T, E])` of `[T, E]` logits, one token at a
+  time: scores, a selection score with the bias, the kept groups, the top-k, the weights."""
+  logits = np.asarray(logits, np.float64)
+  num_tokens, num_experts = logits.shape
+  idx = np.zeros((num_tokens, num_topk), np.int32)
+  weights = np.zeros((num_tokens, num_topk))
+  probs = np.zeros_like(logits)
+  per_group = num_experts // num_groups
+  for t in range(num_tokens):
+    if score == "softmax":
+      e = np.exp(logits[t] - logits[t].max())
+      scores = e / e.sum()
+      probs[t] = scores
+    else:
+      scores = 1.0 / (1.0 + np.exp(-logits[t]))
+      probs[t] = scores / scores.sum()
+    select = scores + (0.0 if bias is None else np.asarray(bias, np.float64))
+    allowed = list(range(num_experts))
+    if num_groups > 1:
+      group_scores = [sorted(select[g * per_group:(g + 1) * per_group])[-2:]
+                      for g in range(num_groups)]
+      ranked = sorted(range(num_groups), key=lambda g: -sum(group_scores[g]))
+      kept = set(ranked[:topk_groups])
+      allowed = [e for e in range(num_experts) if e // per_group in kept]
+    chosen = sorted(allowed, key=lambda e: -select[e])[:num_topk]
+    w = np.array([scores[e] for e in chosen])
+    if renormalize:
+      w = w / w.sum()
+    idx[t] = chosen
+    weights[t] = w * routed_scaling_factor
+  return idx, weights, probs
+
+
+def load_balancing_loss(probs, topk_idx):
+  """`E * sum_e (slots routed to e / all slots) * (mean normalised score of e)`."""
+  probs = np.asarray(probs, np.float64)
+  num_tokens, num_experts = probs.shape
+  counts = np.zeros(num_experts)
+  for e in np.asarray(topk_idx).reshape(-1):
+    if 0 <= e < num_experts:
+      counts[e] += 1
+  fraction = counts / max(np.asarray(topk_idx).size, 1)
+  return num_experts * float(np.sum(fraction * probs.mean(axis=0)))
+
+
+def router_z_loss(logits):
+  logits = np.asarray(logits, np.float64)
+  m = logits.max(axis=-1, keepdims=True)
+  lse = (m + np.log(np.exp(logits - m).sum(axis=-1, keepdims=True)))[:, 0]
+  return float(np.mean(lse ** 2))

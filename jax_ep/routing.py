@@ -1,0 +1,153 @@
+"""Routers of MoE layers: scores -> top-k experts and weights, the auxiliary losses, the
+statistics a training loop watches, and auxiliary-loss-free balancing.
+
+Per-token functions of the router's logits; they run anywhere (inside `shard_map` on a rank's
+tokens, or on all tokens at once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+  """How tokens choose their experts (static, hashable).
+
+  Attributes:
+    score: 'softmax' (a distribution over all experts: Mixtral, Qwen3, Switch) or 'sigmoid'
+      (an independent gate per expert: DeepSeek-V3).
+    renormalize: rescale the chosen experts' scores to sum to one.
+    num_groups: group-limited selection (DeepSeek-V3): the experts form `num_groups` equal
+      groups of consecutive ids; a token first keeps the `topk_groups` groups whose two best
+      selection scores sum highest, then picks its experts among them. 1: every expert.
+    topk_groups: the groups a token keeps (with `num_groups`).
+    routed_scaling_factor: multiplies the final weights.
+  The per-expert selection bias (`route(..., bias=)`) is added to the scores for choosing the
+  experts only; the weights are the unbiased scores.
+  """
+  score: str = "softmax"
+  renormalize: bool = True
+  num_groups: int = 1
+  topk_groups: int = 1
+  routed_scaling_factor: float = 1.0
+
+  def __post_init__(self):
+    if self.score not in ("softmax", "sigmoid"):
+      raise ValueError(f"jax_ep.Routing: score must be 'softmax' or 'sigmoid', got "
+                       f"{self.score!r}")
+    if self.num_groups < 1 or not 1 <= self.topk_groups <= self.num_groups:
+      raise ValueError(f"jax_ep.Routing: need 1 <= topk_groups <= num_groups, got "
+                       f"topk_groups={self.topk_groups}, num_groups={self.num_groups}")
+
+  def check(self, num_experts: int, num_topk: int) -> None:
+    """Raises a ValueError where this routing cannot pick `num_topk` of `num_experts`."""
+    if num_experts % self.num_groups:
+      raise ValueError(f"jax_ep.Routing: num_groups={self.num_groups} must divide "
+                       f"num_experts={num_experts}")
+    per_group = num_experts // self.num_groups
+    if self.num_groups > 1 and per_group < 2:
+      raise ValueError(f"jax_ep.Routing: group-limited routing scores a group by its two best "
+                       f"experts; num_experts / num_groups = {per_group}")
+    if num_topk > self.topk_groups * per_group:
+      raise ValueError(f"jax_ep.Routing: num_topk={num_topk} is more than the "
+                       f"{self.topk_groups} kept groups of {per_group} experts hold")
+
+
+class Routed(NamedTuple):
+  """What a router decided for `T` tokens.
+
+  Attributes:
+    topk_idx: `[T, K]` int32 expert ids.
+    topk_weights: `[T, K]` float32 weights.
+    logits: `[T, E]` float32 router logits.
+    probs: `[T, E]` float32 scores normalised per token (softmax, or sigmoid gates over their
+      sum): what the load-balancing loss weighs.
+  """
+  topk_idx: jax.Array
+  topk_weights: jax.Array
+  logits: jax.Array
+  probs: jax.Array
+
+
+def route_logits(logits, num_topk: int, routing: Routing = Routing(), bias=None) -> Routed:
+  """Top-k experts and weights of `[T, E]` logits (see `Routing`); `bias` `[E]` is added to the
+  scores for selection only and gets no gradient."""
+  logits = logits.astype(jnp.float32)
+  num_experts = logits.shape[-1]
+  routing.check(num_experts, num_topk)
+  if routing.score == "softmax":
+    scores = jax.nn.softmax(logits, axis=-1)
+    probs = scores
+  else:
+    scores = jax.nn.sigmoid(logits)
+    probs = scores / jnp.maximum(jnp.sum(scores, axis=-1, keepdims=True), 1e-20)
+  select = scores
+  if bias is not None:
+    select = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+  select = jax.lax.stop_gradient(select)
+  if routing.num_groups > 1:
+    tokens = logits.shape[:-1]
+    grouped = select.reshape(*tokens, routing.num_groups, num_experts // routing.num_groups)
+    group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G]
+    _, kept = jax.lax.top_k(group_score, routing.topk_groups)
+    keep = jnp.any(jnp.arange(routing.num_groups) == kept[..., None], axis=-2)  # [T, G]
+    keep = jnp.repeat(keep, num_experts // routing.num_groups, axis=-1)
+    select = jnp.where(keep, select, -jnp.inf)
+  _, topk_idx = jax.lax.top_k(select, num_topk)
+  weights = jnp.take_along_axis(scores, topk_idx, axis=-1)
+  if routing.renormalize:
+    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  weights = weights * routing.routed_scaling_factor
+  return Routed(topk_idx.astype(jnp.int32), weights.astype(jnp.float32), logits, probs)
+
+
+def route(x, router, num_topk: int, routing: Routing = Routing(), bias=None):
+  """`(topk_idx [T, K] int32, topk_weights [T, K] float32)` of tokens `x [T, H]` under a
+  router `[H, E]` (float32 logits `x @ router`)."""
+  routed = route_logits(x.astype(jnp.float32) @ router.astype(jnp.float32), num_topk, routing,
+                        bias)
+  return routed.topk_idx, routed.topk_weights
+
+
+def expert_counts(topk_idx, num_experts: int):
+  """`[E]` int32: slots routed to each expert (ids outside `[0, E)` not counted)."""
+  valid = (topk_idx >= 0) & (topk_idx < num_experts)
+  return jnp.bincount(jnp.where(valid, topk_idx, num_experts).reshape(-1),
+                      length=num_experts + 1)[:num_experts].astype(jnp.int32)
+
+
+def load_balancing_loss(probs, topk_idx):
+  """Switch / GShard auxiliary loss `E * sum_e f_e * p_e` of `T` tokens: `f_e` the fraction of
+  the `T * K` slots routed to expert e, `p_e` its mean normalised score. 1 when balanced;
+  differentiable through `probs`."""
+  num_tokens, num_experts = probs.shape
+  num_slots = max(num_tokens * topk_idx.shape[-1], 1)
+  fraction = expert_counts(topk_idx, num_experts).astype(jnp.float32) / num_slots
+  mean_prob = jnp.sum(probs, axis=0) / max(num_tokens, 1)
+  return num_experts * jnp.sum(fraction * mean_prob)
+
+
+def router_z_loss(logits):
+  """ST-MoE's router z-loss: the mean over tokens of `logsumexp(logits)^2`."""
+  if logits.shape[0] == 0:
+    return jnp.zeros((), jnp.float32)
+  return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2)
+
+
+def update_router_bias(bias, counts, rate: float = 1e-3):
+  """DeepSeek-V3's auxiliary-loss-free balancing: each expert's selection bias moves by `rate`
+  towards balance (down when it got more than the mean count, up when fewer).
+
+  Args:
+    bias: `[E]` float32 selection bias (`route(..., bias=)`).
+    counts: `[E]` (or `[..., E]`, summed) slots routed to each expert, e.g. `expert_counts`.
+    rate: the step.
+  """
+  counts = jnp.asarray(counts, jnp.float32)
+  counts = counts.reshape(-1, counts.shape[-1]).sum(axis=0)
+  return bias + rate * jnp.sign(jnp.mean(counts) - counts)
