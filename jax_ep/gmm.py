@@ -19,6 +19,8 @@ leading axis folds the batch into the rows and groups of one call (`jax.custom_b
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import logging
@@ -48,6 +50,23 @@ TILE_TABLE: dict[tuple[int, int, int], TileConfig] = {}
 
 _MOSAIC_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _SAID: set = set()
+# What impl='auto' means inside `impl_override` (benchmarks compare the implementations in one
+# layer without threading an argument through it).
+_AUTO = contextvars.ContextVar("jax_ep_grouped_matmul_impl", default="auto")
+
+
+@contextlib.contextmanager
+def impl_override(impl: str):
+  """Within the block, `grouped_matmul(..., impl='auto')` traces as `impl` ('mosaic', 'xla' or
+  'auto'): e.g. a whole layer timed on either implementation."""
+  if impl not in ("auto", "mosaic", "xla"):
+    raise ValueError(f"jax_ep.gmm.impl_override: impl must be 'auto', 'mosaic' or 'xla', "
+                     f"got {impl!r}")
+  token = _AUTO.set(impl)
+  try:
+    yield
+  finally:
+    _AUTO.reset(token)
 
 
 def tile_config(rows: int, groups: int, k: int, n: int) -> TileConfig | None:
@@ -335,5 +354,7 @@ def grouped_matmul(x, w, group_sizes, *, transpose_w: bool = False,
   if np.dtype(w.dtype) != np.dtype(x.dtype):
     raise TypeError(f"jax_ep.grouped_matmul: w must have x's dtype {x.dtype}, got {w.dtype}")
   out_dtype = np.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
+  if impl == "auto":
+    impl = _AUTO.get()
   return _grouped_matmul(x, w, group_sizes.astype(jnp.int32), bool(transpose_w), out_dtype,
                          impl)

@@ -17,6 +17,8 @@
 #   bash scripts/gpu_round.sh layers  # the layer chain (bench_layers.py), defaults against the
 #                                     # debug checks: R=1, then LAYER_RANKS="2 8" emulated
 #                                     # (LAYER_ARGS passed to bench_layers.py)
+#   bash scripts/gpu_round.sh gemm    # the grouped GEMM and the whole MoE layer (bench_layer.py),
+#                                     # the GPU grouped-matmul tests, and the tile sweep (--tune)
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -37,7 +39,7 @@ drop_noise() { grep -v -E "$noise"; }
 # This round's records only (bench scripts append): the tracked benchmarks/results/*.jsonl keep
 # the history, and are extended here by hand from $OUT.
 rm -f benchmarks/results/gpu_round_local.jsonl benchmarks/results/gpu_round_intranode.jsonl \
-  benchmarks/results/gpu_round_layers.jsonl
+  benchmarks/results/gpu_round_layers.jsonl benchmarks/results/gpu_round_layer.jsonl
 step device; nvidia-smi -L
 python3 -c "import jax, jax_ep._ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available())"
 
@@ -111,6 +113,16 @@ if has layers; then
       ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layers_$n.log" | grep -E "^\[0\] " | tail -12
   done
   cp benchmarks/results/gpu_round_layers.jsonl "$OUT/" 2>/dev/null
+fi
+
+if has gemm; then
+  step "grouped matmul on the GPU: tests"
+  timeout 240 python3 -m pytest tests/test_grouped_matmul.py tests/test_routing.py -q -rf \
+    -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gemm.log" | tail -6
+  step "grouped matmul and MoE layer at model shapes (bench_layer.py)"
+  timeout 400 python3 benchmarks/bench_layer.py ${GEMM_ARGS:-} --out gpu_round_layer.jsonl \
+    --plot "$OUT/layer.png" 2>&1 | tee "$OUT/bench_layer.log" | tail -40
+  cp benchmarks/results/gpu_round_layer.jsonl "$OUT/" 2>/dev/null
 fi
 
 # Several GPUs. Per R in MULTI_RANKS: the suites (multi_suites) and the benchmark

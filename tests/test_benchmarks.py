@@ -227,3 +227,23 @@ def test_bench_layers_writes_layer_chain_records(tmp_path, num_devices):
     assert r["settings"] == "default" and r["raise_on_timeout"] is False
     assert r["capacity"] == num_devices * 16 * min(2, 16 // num_devices)
     assert r["timing"] == "host_clock_marginal" and r["median_us"] > 0
+
+
+def test_bench_layer_writes_grouped_matmul_and_layer_records(tmp_path):
+  out = tmp_path / "layer.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layer.py"), "--shapes",
+       "qwen3_30b_a3b", "mixtral", "--scale", "32", "--tokens", "128", "--repeats", "2",
+       "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "no Mosaic GPU run (the Mosaic GPU kernel needs Hopper GPUs" in result.stdout
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert {(r["op"], r["pass"], r["shape"]) for r in records} == {
+      (op, p, s) for op in ("grouped_matmul", "moe_layer") for p in ("fwd", "fwd_bwd")
+      for s in ("qwen3_30b_a3b", "mixtral")}
+  for r in records:
+    assert r["impl"] == "xla" and r["median_us"] > 0 and r["fraction"] > 0
+    assert {"tflops", "bound_tflops", "experts", "hidden", "ffn", "tokens_per_rank",
+            "ranks", "gpu", "jax", "date", "commit"} <= set(r)

@@ -249,3 +249,40 @@ def test_mosaic_path_under_vmap(emulated_mosaic):
   for b in range(2):
     np.testing.assert_allclose(np.asarray(got[b], np.float32), oracle(xs[b], ws[0], gss[b]),
                                rtol=2e-2, atol=3e-2)
+
+
+# ------------------------------------------------------------------ the Mosaic path, on a GPU
+
+GPU_SHAPES = [  # rows, groups, K, N, sizes: skewed, empty groups, rows past the groups
+    (1024, 8, 256, 512, [1000, 0, 0, 24, 0, 0, 0, 0]),
+    (777, 5, 128, 192, [0, 300, 0, 200, 150]),
+    (4096, 32, 512, 256, None),
+    (300, 3, 100, 128, [100, 100, 50]),    # K not a multiple of the tile: lax.ragged_dot
+    (300, 3, 128, 100, [0, 200, 50]),      # N not a multiple of the tile: lax.ragged_dot
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,groups,k,n,sizes", GPU_SHAPES)
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_on_the_gpu_against_lax_ragged_dot(rows, groups, k, n, sizes, transpose_w):
+  if not gmm_module._on_hopper():
+    pytest.skip("the Mosaic GPU kernel runs on Hopper GPUs")
+  x, w, gs = inputs(np.random.default_rng(rows), rows, groups, k, n, sizes,
+                    dtype=jnp.bfloat16, transpose_w=transpose_w)
+  cot = jnp.asarray(np.random.default_rng(1).standard_normal((rows, n)), jnp.bfloat16)
+
+  def loss(impl):
+    def f(x, w):
+      y = jax_ep.grouped_matmul(x, w, gs, transpose_w=transpose_w, impl=impl)
+      return jnp.sum(y.astype(jnp.float32) * cot.astype(jnp.float32)), y
+    return jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))
+  (_, y), (dx, dw) = loss("auto")(x, w)
+  (_, y_ref), (dx_ref, dw_ref) = loss("xla")(x, w)
+  scale = lambda a: float(np.abs(np.asarray(a, np.float32)).max()) + 1e-6
+  for got, want, what in ((y, y_ref, "y"), (dx, dx_ref, "dx"), (dw, dw_ref, "dw")):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    assert np.isfinite(got).all(), what
+    assert np.abs(got - want).max() <= 2e-2 * scale(want), what
+  used = int(np.asarray(gs).sum())
+  np.testing.assert_array_equal(np.asarray(y, np.float32)[used:], 0.0)

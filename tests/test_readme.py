@@ -30,7 +30,7 @@ def test_readme_python_blocks_run_as_written(tmp_path):
   assert result.returncode == 0, result.stdout + result.stderr
   assert "backend='reference'" in result.stdout  # the CPU has no cuda backend
   assert "(256, 128) [(128, 16), (16, 128, 256), (16, 256, 128)]" in result.stdout
-  assert "[0 0 0 0 0 0 0 0]" in result.stdout  # nothing dropped at the default capacity
+  assert "(256, 128) [0 0 0 0 0 0 0 0]" in result.stdout  # nothing dropped at the default capacity
 
 
 def test_readme_has_no_placeholders():

@@ -1,0 +1,253 @@
+"""One MoE layer with its experts, and its grouped matmul, at the shapes of real models:
+TF/s of the Mosaic GPU path and of `lax.ragged_dot`, against a batched GEMM of the same FLOPs.
+
+  python benchmarks/bench_layer.py                          # one GPU
+  python -m jax_ep.launch -n 2 -- python benchmarks/bench_layer.py  # the layer at R = 2
+  python benchmarks/bench_layer.py --tune                   # tiles for jax_ep.gmm.TILE_TABLE
+
+Per shape (experts x hidden x ffn, top-k; 4096 tokens per rank; balanced routing, every
+expert getting `tokens * k / experts` rows at one rank):
+- `grouped_matmul`: one `jax_ep.grouped_matmul` `[rows, H] x [E, H, F]`, forward
+  (`2 * rows * H * F` FLOPs) and forward + backward (three times that), per implementation;
+- `moe_layer`: `jax_ep.moe_mlp` (router, dispatch, three grouped matmuls, combine), forward and
+  forward + backward, per implementation of its grouped matmuls (`jax_ep.gmm.impl_override`);
+  its FLOPs are the three expert matmuls' (`6 * rows * H * F`, times three with the backward);
+- the bound: `einsum('gmk,gkn->gmn')` of the same FLOPs (dense, balanced), in the same run:
+  `bound_tflops`, and `fraction = tflops / bound_tflops`.
+A path that fails (e.g. out of memory: `lax.ragged_dot` expands densely on GPUs) is printed and
+left out. Times: medians of device spans (GPU trace) or of the host clock. Records go to
+`benchmarks/results/layer.jsonl`; `--plot FILE.png` draws TF/s per shape (needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from jax_ep import launch  # noqa: E402
+
+launch.initialize_from_env()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import reports  # noqa: E402
+import timers  # noqa: E402
+import jax_ep  # noqa: E402
+from jax_ep import gmm  # noqa: E402
+
+# name: (experts, hidden, ffn, top-k)
+SHAPES = {
+    "deepseek_v3": (256, 7168, 2048, 8),
+    "qwen3_30b_a3b": (128, 2048, 768, 8),
+    "e32_h4096_f1536": (32, 4096, 1536, 4),
+    "mixtral": (8, 4096, 14336, 2),
+}
+
+
+def balanced_sizes(rows: int, groups: int):
+  base = np.full(groups, rows // groups, np.int32)
+  base[: rows % groups] += 1
+  return jnp.asarray(base)
+
+
+_TIMINGS = itertools.count()
+
+
+def time_fn(fn, args, repeats):
+  """Median seconds of `fn(*args)`; the slowest process's (every process times the same calls
+  in the same order, so the n-th timing of one is the n-th of every other)."""
+  jax.block_until_ready(fn(*args))
+  seconds, _ = timers.time_batches(fn, args, repeats=repeats,
+                                   method="auto" if jax.process_count() == 1 else "host_clock")
+  return reports.gather_max(f"layer/{next(_TIMINGS)}", seconds)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+  parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+  parser.add_argument("--impls", nargs="+", choices=["mosaic", "xla"], default=["mosaic", "xla"])
+  parser.add_argument("--ops", nargs="+", choices=["grouped_matmul", "moe_layer"],
+                      default=["grouped_matmul", "moe_layer"])
+  parser.add_argument("--scale", type=int, default=1,
+                      help="divide every size by this (a smoke run on the CPU)")
+  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--tune", action="store_true",
+                      help="time the Mosaic kernel's tile configurations per shape and print "
+                      "the best as TILE_TABLE entries")
+  parser.add_argument("--plot", default=None, help="write TF/s per shape to this PNG")
+  parser.add_argument("--out", default="layer.jsonl")
+  args = parser.parse_args()
+
+  devices = jax.devices()
+  num_ranks = len(devices)
+  dtype = jnp.bfloat16
+  records = []
+  base = dict(mode="high_throughput", ranks=num_ranks,
+              process_model=reports.process_model(num_ranks), tokens_per_rank=args.tokens,
+              dtype="bfloat16", wire_dtype="bfloat16")
+
+  def add(op, pass_, name, experts, hidden, ffn, topk, impl, seconds, flops, bound_s):
+    tflops = flops / seconds / 1e12
+    bound_tflops = flops / bound_s / 1e12
+    records.append(reports.record(
+        op=op, **{"pass": pass_}, shape=name, experts=experts, hidden=hidden, ffn=ffn,
+        topk=topk, impl=impl, median_us=round(seconds * 1e6, 1), tflops=round(tflops, 1),
+        bound_tflops=round(bound_tflops, 1), fraction=round(tflops / bound_tflops, 3), **base))
+
+  for name in args.shapes:
+    experts, hidden, ffn, topk = (v // args.scale if i < 3 else v
+                                  for i, v in enumerate(SHAPES[name]))
+    experts = max(experts, topk)
+    tokens = max(args.tokens // args.scale, 1)
+    rows = tokens * topk
+    key = jax.random.key(0)
+    kx, kw, kd = jax.random.split(key, 3)
+    x = jax.random.normal(kx, (rows, hidden), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (experts, hidden, ffn), jnp.float32) * hidden ** -0.5).astype(dtype)
+    dy = jax.random.normal(kd, (rows, ffn), jnp.float32).astype(dtype)
+    sizes = balanced_sizes(rows, experts)
+    flops = 2.0 * rows * hidden * ffn
+    # The bound: a dense batched GEMM of the same FLOPs (every group the same size).
+    m = max(rows // experts, 1)
+    xb = x[: m * experts].reshape(experts, m, hidden)
+    einsum = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b,
+                                             preferred_element_type=jnp.float32).astype(dtype))
+    bound_s = time_fn(einsum, (xb, w), args.repeats) * rows / (m * experts)
+    if args.tune:
+      tune(name, x, w, sizes, args.repeats)
+    for impl in args.impls:
+      which, detail = jax_ep.grouped_matmul_impl(rows, experts, hidden, ffn, dtype, impl="auto")
+      if impl == "mosaic" and which != "mosaic":
+        print(f"{name}: no Mosaic GPU run ({detail})")
+        continue
+      if "grouped_matmul" in args.ops:
+        fwd = jax.jit(lambda x, w, s, impl=impl: jax_ep.grouped_matmul(x, w, s, impl=impl))
+
+        def fwd_bwd(x, w, s, dy, impl=impl):
+          y, vjp = jax.vjp(lambda x, w: jax_ep.grouped_matmul(x, w, s, impl=impl), x, w)
+          return y, vjp(dy)
+        for pass_, fn, fn_args, f in (("fwd", fwd, (x, w, sizes), flops),
+                                      ("fwd_bwd", jax.jit(fwd_bwd), (x, w, sizes, dy), 3 * flops)):
+          try:
+            seconds = time_fn(fn, fn_args, args.repeats)
+          except Exception as e:  # noqa: BLE001 - e.g. out of memory; the other paths run
+            print(f"{name} grouped_matmul {pass_} {impl}: failed: {type(e).__name__}: "
+                  f"{str(e).splitlines()[0][:200]}")
+            continue
+          add("grouped_matmul", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
+              bound_s * f / flops)
+      if "moe_layer" in args.ops:
+        layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks,
+                      args.repeats, flops, bound_s, add)
+
+  if jax.process_index() == 0:
+    path = reports.write_jsonl(records, args.out)
+    reports.print_table(records, ["op", "pass", "shape", "impl", "median_us", "tflops",
+                                  "bound_tflops", "fraction"])
+    print(f"wrote {path}")
+    if args.plot:
+      plot(records, args.plot)
+
+
+def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks, repeats,
+                  flops, bound_s, add):
+  """The whole layer (moe_mlp with its router) forward and forward + backward."""
+  devices = jax.devices()
+  mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices)
+  experts = max(experts - experts % num_ranks, num_ranks)
+  group = jax_ep.Group(mesh, "ep", num_experts=experts, num_topk=topk, hidden=hidden,
+                       max_tokens_per_rank=tokens, dtype=dtype)
+  params = jax_ep.init_moe_params(jax.random.key(1), num_experts=experts, hidden=hidden,
+                                  ffn=ffn, dtype=dtype)
+  specs = jax_ep.layer.param_specs("ep", params)
+  params = jax_ep.MoEParams(*(None if p is None else jax.device_put(p, NamedSharding(mesh, s))
+                              for p, s in zip(params, specs)))
+  x = jax.device_put(jax.random.normal(jax.random.key(2), (num_ranks * tokens, hidden),
+                                       jnp.float32).astype(dtype), NamedSharding(mesh, P("ep")))
+
+  def fwd(params, x):
+    with gmm.impl_override(impl):
+      return jax_ep.moe_mlp(group, params, x).out
+
+  def fwd_bwd(params, x):
+    with gmm.impl_override(impl):
+      loss = lambda p, x: jnp.mean(jax_ep.moe_mlp(group, p, x).out.astype(jnp.float32) ** 2)
+      return jax.grad(loss, (0, 1))(params, x)
+  layer_flops = 3 * flops  # gate, up, down
+  with jax.set_mesh(mesh):
+    for pass_, fn, f in (("fwd", fwd, layer_flops), ("fwd_bwd", fwd_bwd, 3 * layer_flops)):
+      try:
+        seconds = time_fn(jax.jit(fn), (params, x), repeats)
+      except Exception as e:  # noqa: BLE001 - e.g. out of memory; the other paths run
+        print(f"{name} moe_layer {pass_} {impl}: failed: {type(e).__name__}: "
+              f"{str(e).splitlines()[0][:200]}")
+        continue
+      add("moe_layer", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
+          bound_s * f / flops)
+  group.close()
+
+
+def tune(name, x, w, sizes, repeats):
+  """Every tile configuration the kernel takes for this shape; the fastest as a table entry."""
+  rows, k = x.shape
+  groups, _, n = w.shape
+  if jax.devices()[0].platform != "gpu":
+    print(f"{name}: --tune needs the GPU")
+    return
+  best = None
+  for bm, bn, bk, steps, gbn in itertools.product((64, 128), (64, 128, 256), (64,), (2, 4, 5),
+                                                  (1, 2, 4, 8)):
+    if n % bn or (n // bn) % gbn:
+      continue
+    config = gmm.TileConfig(bm, bn, bk, steps, gbn)
+    fn = jax.jit(lambda x, w, s, c=config: gmm._mosaic_ragged_dot(x, w, s, False, c))
+    try:
+      seconds = time_fn(fn, (x, w, sizes), repeats)
+    except Exception:  # noqa: BLE001 - e.g. a tile that does not fit shared memory
+      continue
+    if best is None or seconds < best[0]:
+      best = (seconds, config)
+  if best is not None:
+    seconds, c = best
+    print(f"    ({groups}, {k}, {n}): TileConfig({', '.join(str(v) for v in dataclasses.astuple(c))}),"
+          f"  # {name}: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
+
+
+def plot(records, path):
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print(f"no plot ({path}): matplotlib is not installed")
+    return
+  series = sorted({(r["op"], r["pass"], r["impl"]) for r in records})
+  shapes = sorted({r["shape"] for r in records})
+  fig, ax = plt.subplots(figsize=(10, 5))
+  width = 0.8 / max(len(series) + 1, 1)
+  for i, (op, pass_, impl) in enumerate(series):
+    values = [next((r["tflops"] for r in records if (r["op"], r["pass"], r["impl"], r["shape"])
+                    == (op, pass_, impl, s)), 0.0) for s in shapes]
+    ax.bar(np.arange(len(shapes)) + i * width, values, width, label=f"{op} {pass_} {impl}")
+  bounds = [max((r["bound_tflops"] for r in records if r["shape"] == s), default=0.0)
+            for s in shapes]
+  ax.bar(np.arange(len(shapes)) + len(series) * width, bounds, width, label="batched GEMM bound")
+  ax.set_xticks(np.arange(len(shapes)) + 0.4, shapes)
+  ax.set_ylabel("TF/s")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
