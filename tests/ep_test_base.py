@@ -51,6 +51,17 @@ def make_routing(rng, num_ranks, num_tokens, num_topk, num_experts, pattern):
   raise ValueError(pattern)
 
 
+def count_primitive(jaxpr, name):
+  """Equations of primitive `name` in `jaxpr` and every jaxpr nested in its parameters."""
+  import jax.extend
+  count = 0
+  for eqn in jaxpr.eqns:
+    count += eqn.primitive.name == name
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      count += count_primitive(sub, name)
+  return count
+
+
 def rank_devices(num_ranks):
   """The devices of a `num_ranks`-rank mesh, or a pytest skip when there are too few.
 

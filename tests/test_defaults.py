@@ -7,7 +7,6 @@ import time
 import types
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import jax_ep
 from jax_ep import _ffi, _status, group as group_module, intranode
 from jax_ep.config import EPConfig
 from jax_ep.limits import KernelLimits, cuda_violation
-from ep_test_base import rank_mesh
+from ep_test_base import count_primitive, rank_mesh
 
 LIMITS = KernelLimits(max_experts=1024, max_topk=32, max_slots=1 << 30, hidden_multiple=8,
                       max_capacity=2**31 - 1, max_intranode_ranks=64, max_num_sms=1024)
@@ -175,16 +174,6 @@ TIMEOUT = ("jax_ep.dispatch: rank 0 timed out after 2.0 s waiting for rank 1 (ca
            "dispatch data did not arrive. The intranode group is unusable; recreate it.")
 
 
-def _count_primitive(jaxpr, name):
-  """Equations of primitive `name` in `jaxpr` and every jaxpr nested in its parameters."""
-  count = 0
-  for eqn in jaxpr.eqns:
-    count += eqn.primitive.name == name
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      count += _count_primitive(sub, name)
-  return count
-
-
 def _wait_for(predicate, timeout_s=5.0):
   deadline = time.monotonic() + timeout_s
   while not predicate():
@@ -235,7 +224,7 @@ def test_close_raises_a_failure_nobody_saw(intranode_group):
 def test_no_host_callback_in_any_op_by_default(intranode_group):
   """The intranode ops' programs carry no host callback unless a debug setting asks for one."""
   def callbacks(group):
-    return _count_primitive(_trace_dispatch(group).jaxpr.jaxpr, "debug_callback")
+    return count_primitive(_trace_dispatch(group).jaxpr.jaxpr, "debug_callback")
   assert callbacks(intranode_group()[0]) == 0
   assert callbacks(intranode_group(raise_on_timeout=True)[0]) == 1
   assert callbacks(intranode_group(strict=True)[0]) == 1
@@ -244,7 +233,7 @@ def test_no_host_callback_in_any_op_by_default(intranode_group):
 def test_reference_ops_have_no_host_callback_by_default():
   group = jax_ep.Group(rank_mesh(2), "ep", num_experts=8, num_topk=2, hidden=128,
                        max_tokens_per_rank=4, backend="reference")
-  assert _count_primitive(_trace_dispatch(group).jaxpr.jaxpr, "debug_callback") == 0
+  assert count_primitive(_trace_dispatch(group).jaxpr.jaxpr, "debug_callback") == 0
 
 
 def test_status_aggregates_the_drops_of_one_call():

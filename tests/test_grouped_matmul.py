@@ -9,11 +9,11 @@ of the tiles, and nothing written past the groups (filled with NaN here).
 
 import numpy as np
 import jax
-import jax.extend
 import jax.numpy as jnp
 import pytest
 
 import jax_ep
+from ep_test_base import count_primitive
 from jax_ep import gmm as gmm_module
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -86,15 +86,6 @@ def test_preferred_element_type():
   assert jax_ep.grouped_matmul(x, w, gs).dtype == jnp.bfloat16
 
 
-def _count_primitive(jaxpr, name):
-  count = 0
-  for eqn in jaxpr.eqns:
-    count += eqn.primitive.name == name
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      count += _count_primitive(sub, name)
-  return count
-
-
 def _batched(rng, batch, rows, groups, k, n):
   xs, ws, gss = zip(*(inputs(rng, rows, groups, k, n) for _ in range(batch)))
   return jnp.stack(xs), jnp.stack(ws), jnp.stack(gss)
@@ -115,7 +106,7 @@ def test_vmap_folds_the_batch_into_one_call(batched):
     gs = gss if batched == "x_only" else gss[b]
     np.testing.assert_allclose(got[b], oracle(xs[b], w, gs), rtol=1e-5, atol=1e-5)
   # One grouped product in the program, not one per batch element.
-  assert _count_primitive(jax.make_jaxpr(fn)(*args).jaxpr, "ragged_dot_general") == 1
+  assert count_primitive(jax.make_jaxpr(fn)(*args).jaxpr, "ragged_dot_general") == 1
 
 
 def test_gradients_under_vmap_with_shared_weights():
