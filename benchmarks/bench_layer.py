@@ -5,11 +5,12 @@ TF/s of the Mosaic GPU path and of `lax.ragged_dot`, against a batched GEMM of t
   python -m jax_ep.launch -n 2 -- python benchmarks/bench_layer.py  # the layer at R = 2
   python benchmarks/bench_layer.py --tune                   # tiles for jax_ep.gmm.TILE_TABLE
 
-Per shape (experts x hidden x ffn, top-k; 4096 tokens per rank; balanced routing, every
-expert getting `tokens * k / experts` rows at one rank):
-- `grouped_matmul`: one `jax_ep.grouped_matmul` `[rows, H] x [E, H, F]`, forward
+Per shape (experts x hidden x ffn, top-k; 4096 tokens per rank):
+- `grouped_matmul`: one `jax_ep.grouped_matmul` `[rows, H] x [E, H, F]` over balanced groups
+  (every expert `tokens * k / experts` rows), forward
   (`2 * rows * H * F` FLOPs) and forward + backward (three times that), per implementation;
-- `moe_layer`: `jax_ep.moe_mlp` (router, dispatch, three grouped matmuls, combine), forward and
+- `moe_layer`: `jax_ep.moe_mlp` (its own router on random weights, so the groups are as the
+  router makes them; dispatch, three grouped matmuls, combine), forward and
   forward + backward, per implementation of its grouped matmuls (`jax_ep.gmm.impl_override`);
   its FLOPs are the three expert matmuls' (`6 * rows * H * F`, times three with the backward);
 - the bound: `einsum('gmk,gkn->gmn')` of the same FLOPs (dense, balanced), in the same run:
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import os
 import sys
 
@@ -61,13 +63,20 @@ def balanced_sizes(rows: int, groups: int):
 _TIMINGS = itertools.count()
 
 
-def time_fn(fn, args, repeats):
-  """Median seconds of `fn(*args)`; the slowest process's (every process times the same calls
-  in the same order, so the n-th timing of one is the n-th of every other)."""
-  jax.block_until_ready(fn(*args))
-  seconds, _ = timers.time_batches(fn, args, repeats=repeats,
-                                   method="auto" if jax.process_count() == 1 else "host_clock")
-  return reports.gather_max(f"layer/{next(_TIMINGS)}", seconds)
+def time_fn(fn, args, repeats, what):
+  """Median seconds of `fn(*args)`, the slowest process's; None where it failed on any process
+  (printed). Every process times the same calls in the same order, so the n-th timing of one
+  is the n-th of every other, failures included."""
+  key = f"layer/{next(_TIMINGS)}"
+  try:
+    jax.block_until_ready(fn(*args))
+    seconds, _ = timers.time_batches(fn, args, repeats=repeats,
+                                     method="auto" if jax.process_count() == 1 else "host_clock")
+  except Exception as e:  # noqa: BLE001 - e.g. out of memory; the other paths run
+    print(f"{what}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    seconds = math.inf
+  seconds = reports.gather_max(key, seconds)
+  return None if math.isinf(seconds) else seconds
 
 
 def main():
@@ -121,7 +130,10 @@ def main():
     xb = x[: m * experts].reshape(experts, m, hidden)
     einsum = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b,
                                              preferred_element_type=jnp.float32).astype(dtype))
-    bound_s = time_fn(einsum, (xb, w), args.repeats) * rows / (m * experts)
+    bound_s = time_fn(einsum, (xb, w), args.repeats, f"{name} bound")
+    if bound_s is None:
+      continue
+    bound_s *= rows / (m * experts)
     if args.tune:
       tune(name, x, w, sizes, args.repeats)
     for impl in args.impls:
@@ -137,11 +149,8 @@ def main():
           return y, vjp(dy)
         for pass_, fn, fn_args, f in (("fwd", fwd, (x, w, sizes), flops),
                                       ("fwd_bwd", jax.jit(fwd_bwd), (x, w, sizes, dy), 3 * flops)):
-          try:
-            seconds = time_fn(fn, fn_args, args.repeats)
-          except Exception as e:  # noqa: BLE001 - e.g. out of memory; the other paths run
-            print(f"{name} grouped_matmul {pass_} {impl}: failed: {type(e).__name__}: "
-                  f"{str(e).splitlines()[0][:200]}")
+          seconds = time_fn(fn, fn_args, args.repeats, f"{name} grouped_matmul {pass_} {impl}")
+          if seconds is None:
             continue
           add("grouped_matmul", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
               bound_s * f / flops)
@@ -185,11 +194,8 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
   layer_flops = 3 * flops  # gate, up, down
   with jax.set_mesh(mesh):
     for pass_, fn, f in (("fwd", fwd, layer_flops), ("fwd_bwd", fwd_bwd, 3 * layer_flops)):
-      try:
-        seconds = time_fn(jax.jit(fn), (params, x), repeats)
-      except Exception as e:  # noqa: BLE001 - e.g. out of memory; the other paths run
-        print(f"{name} moe_layer {pass_} {impl}: failed: {type(e).__name__}: "
-              f"{str(e).splitlines()[0][:200]}")
+      seconds = time_fn(jax.jit(fn), (params, x), repeats, f"{name} moe_layer {pass_} {impl}")
+      if seconds is None:
         continue
       add("moe_layer", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
           bound_s * f / flops)
@@ -210,9 +216,8 @@ def tune(name, x, w, sizes, repeats):
       continue
     config = gmm.TileConfig(bm, bn, bk, steps, gbn)
     fn = jax.jit(lambda x, w, s, c=config: gmm._mosaic_ragged_dot(x, w, s, False, c))
-    try:
-      seconds = time_fn(fn, (x, w, sizes), repeats)
-    except Exception:  # noqa: BLE001 - e.g. a tile that does not fit shared memory
+    seconds = time_fn(fn, (x, w, sizes), repeats, f"{name} tiles {config}")
+    if seconds is None:  # e.g. a tile that does not fit shared memory
       continue
     if best is None or seconds < best[0]:
       best = (seconds, config)

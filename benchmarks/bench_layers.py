@@ -9,8 +9,9 @@ Each program is a `lax.scan` over N layers; a layer dispatches the running activ
 that layer's routing, applies the expert, combines, and feeds the result to the next layer. The
 expert is `identity` (the received rows behind `lax.optimization_barrier`, so that XLA cannot
 fold dispatch into combine: communication only) or `swiglu` (`jax_ep.layer.expert_mlp` with one
-set of expert weights shared by every layer; the rows a token brings back are weighted by its
-router weights, which sum to one, so the chain's activations keep their scale). The time per
+set of expert weights shared by every layer, added to the layer's input as a residual). With
+the identity expert a token's rows come back weighted by its router weights, which sum to one,
+so the chain's activations keep their scale. The time per
 layer is marginal: `(t(2N) - t(N)) / N`, which leaves out what a program pays once (launch,
 the processes' start skew, the first layer's wait for it). `host_clock_marginal` records take t
 from the host clock around each run (the slowest process's median); `device_clock_marginal`
@@ -30,6 +31,7 @@ ops move through one GPU's memory (R = 1 or emulation).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -175,10 +177,13 @@ def main():
     (host_n, dev_n), (host_2n, dev_2n) = results
     for timing, first, second in (("host_clock_marginal", host_n, host_2n),
                                   ("device_clock_marginal", dev_n, dev_2n)):
-      if first is None or second is None:
+      # Every process gathers every value (a missing one as infinity), so that all of them
+      # make the same key-value store calls and take the same branch.
+      key = f"{backend}/{expert}/{settings}/{timing}"
+      first = reports.gather_max(f"{key}/n", math.inf if first is None else first)
+      second = reports.gather_max(f"{key}/2n", math.inf if second is None else second)
+      if math.isinf(first) or math.isinf(second):
         continue
-      first = reports.gather_max(f"{backend}/{expert}/{settings}/{timing}/n", first)
-      second = reports.gather_max(f"{backend}/{expert}/{settings}/{timing}/2n", second)
       per_layer_us = (second - first) / n * 1e6
       if per_layer_us <= 0:
         print(f"{backend} {expert}: no {timing} record (t(2N) <= t(N): timing noise)")
@@ -199,9 +204,13 @@ def main():
     inputs = (x, idx, w, *(params if expert == "swiglu" else ()))
     try:
       results = time_programs(programs, inputs, args.repeats, on_gpu)
+      failed = 0.0
     except Exception as err:  # noqa: BLE001 - e.g. a layer that does not fit; the others run
       print(f"{backend} {expert} ({settings}): failed: {type(err).__name__}: "
             f"{str(err).splitlines()[0][:300]}")
+      failed = 1.0
+    # All processes skip a layer that failed on any (its collectives would not meet).
+    if reports.gather_max(f"{backend}/{expert}/{settings}/failed", failed) > 0:
       return
     add(backend, expert, results, settings)
     if args.breakdown and on_gpu:

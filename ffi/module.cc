@@ -188,6 +188,24 @@ nb::dict Limits() {
   return d;
 }
 
+// Whether every ordered pair of these devices can access each other's memory
+// (cudaDeviceCanAccessPeer): what one process driving them through the
+// intranode transport needs. Query failures count as no.
+bool IntranodePeerAccess(const std::vector<int>& devices) {
+  for (int a : devices) {
+    for (int b : devices) {
+      if (a == b) continue;
+      int can = 0;
+      if (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess) {
+        cudaGetLastError();
+        return false;
+      }
+      if (!can) return false;
+    }
+  }
+  return true;
+}
+
 int CudaRuntimeVersion() {
   // Reports the (statically linked) runtime's version; does not touch the
   // driver or any device.
@@ -259,13 +277,18 @@ NB_MODULE(_jax_ep_ffi, m) {
         "Whether the group's dispatch places the other ranks' rows while it "
         "sends (every rank on a GPU of its own, native P2P atomics between "
         "them; decided on connect).");
+  m.def("intranode_peer_access", &jax_ep::IntranodePeerAccess,
+        nb::arg("device_ordinals"),
+        "Whether every ordered pair of these devices can access each other's "
+        "memory (cudaDeviceCanAccessPeer); False when a query fails.");
   m.def("intranode_group_error", &jax_ep::intranode_group::ErrorMessage,
         nb::arg("group_id"),
         "The message of the group's first timeout, or None (no sync).");
   m.def("intranode_group_destroy", &jax_ep::intranode_group::Destroy,
         nb::arg("group_id"),
-        "Synchronizes the group's device and frees the group. Idempotent; "
-        "unknown ids are a no-op.");
+        "Synchronizes the group's device, reads the message of its first "
+        "timeout (or None), and frees the group; returns the message. "
+        "Idempotent; unknown ids are a no-op (None).");
   m.def("limits", &jax_ep::Limits,
         "The kernels' limits, {name: value}; jax_ep.limits checks a group "
         "against them when it is created, the handlers check every call.");

@@ -120,3 +120,31 @@ def check_same_config(key: str, fields: dict[str, object], *, timeout_s: float =
             f"jax_ep.Group: configuration differs between processes: field {name!r} is "
             f"{mine_value!r} on process {me} but {their_value!r} on process {p} "
             f"(key {key})")
+
+
+def gather_values(key: str, value: str, *, process_ids: Sequence[int], timeout_s: float = 60.0
+                  ) -> list[str]:
+  """Every process's `value` under `key`, in the order of `process_ids` (this process's
+  included); a process that does not publish within `timeout_s` is a TimeoutError."""
+  state = jax_distributed.global_state
+  client = state.client
+  if client is None or len(process_ids) == 1:
+    return [value]
+  me = state.process_id
+  client.key_value_set_bytes(f"jax_ep/gather/{key}/{me}", value.encode())
+  deadline = time.monotonic() + timeout_s
+  values = []
+  for p in process_ids:
+    if p == me:
+      values.append(value)
+      continue
+    remaining_ms = max(1, int((deadline - time.monotonic()) * 1000))
+    try:
+      values.append(client.blocking_key_value_get_bytes(f"jax_ep/gather/{key}/{p}",
+                                                        remaining_ms).decode())
+    except Exception as e:  # noqa: BLE001 - the client reports an expired wait as an error
+      if not _is_deadline_error(e):
+        raise
+      raise TimeoutError(f"jax_ep.Group: process {p} did not publish {key} within "
+                         f"{timeout_s:g} s (seen from process {me})") from e
+  return values

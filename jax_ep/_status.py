@@ -6,8 +6,8 @@ once; the host reads that record with a plain load, no stream sync. A strict gro
 rows are recorded by the dispatch itself (see `jax_ep.ops`). `GroupStatus` holds the first
 failure of one group; one watchdog thread per process polls the open groups' error records and
 logs a failure through the `jax_ep` logger as soon as it appears. `Group.check()`, `close()` and
-the next op traced on the group raise it (and the next intranode op's handler fails with the same
-text, so a cached program raises too).
+the next op traced on the group raise it; after a timeout the next intranode op's handler fails
+with the same text too, so a compiled program raises as well.
 """
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ class GroupStatus:
     self._message: str | None = None  # the first timeout
     self._raised = False
     self._closed = False
-    # Strict-mode drops: calls seen per rank, and the ranks that dropped in the failing call.
-    self._strict_calls: dict[int, int] = {}
-    self._drop_call: int | None = None
-    self._drops: dict[int, tuple[int, int]] = {}
+    # Strict-mode drops: per shard, (rows dropped, the capacity that would fit them).
+    self._drops: dict[str, tuple[int, int]] = {}
     self._capacity = 0
 
   # ------------------------------------------------------------------ recording
@@ -71,39 +69,35 @@ class GroupStatus:
     if message:
       self.record(message)
 
-  def strict_dispatch(self, rank: int, num_dropped: int, capacity: int) -> None:
-    """Called on the host for every dispatch of a strict group, once per rank.
+  def strict_dispatch(self, shard: str, num_dropped: int, capacity: int) -> None:
+    """Called on the host by every dispatch of a strict group, once per shard (`shard` names
+    it: its EP rank, and its other mesh coordinates where there are any).
 
-    Records the rows `rank` dropped and logs them; raises `CapacityOverflowError` in a call
-    after the one that dropped, so that a cached program fails at its next dispatch.
-    NOTES: every rank issues the same dispatches in the same order, so the n-th call of one
-    rank is the n-th of every other: the call number tells "another rank of the failing call"
-    (which must not raise) from "a later call".
+    Records the rows the shard dropped (the first drop of each shard is logged at once); the
+    dispatch itself completes. NOTES: it never raises: a callback may run several times for
+    one dispatch (once per batch element under vmap, again when remat recomputes the forward
+    pass), so no count of callbacks can tell the call that dropped from a later one.
     """
+    if num_dropped <= 0:
+      return
     with self._lock:
-      call = self._strict_calls.get(rank, 0) + 1
-      self._strict_calls[rank] = call
-      if self._drop_call is not None and call > self._drop_call:
-        self._raised = True
-        raise CapacityOverflowError(self._drop_message())
-      if num_dropped <= 0:
-        return
-      self._drop_call = call
-      self._drops[rank] = (int(num_dropped), int(capacity) + int(num_dropped))
+      first = shard not in self._drops
+      self._drops[shard] = (int(num_dropped), int(capacity) + int(num_dropped))
       self._capacity = int(capacity)
-    _logger.error("jax_ep.dispatch (strict): rank %d dropped %d rows in call %d of %s: "
-                  "capacity=%d, a capacity of at least %d would fit them", rank,
-                  int(num_dropped), call, self.name, int(capacity),
-                  int(capacity) + int(num_dropped))
+    if first:
+      _logger.error("jax_ep.dispatch (strict): %s dropped %d rows in %s: capacity=%d, a "
+                    "capacity of at least %d would fit them", shard, int(num_dropped),
+                    self.name, int(capacity), int(capacity) + int(num_dropped))
 
   def _drop_message(self) -> str:
-    ranks = sorted(self._drops)
-    per_rank = ", ".join(f"rank {r}: {self._drops[r][0]} rows" for r in ranks)
-    need = max(self._drops[r][1] for r in ranks)
-    return (f"jax_ep.dispatch: call {self._drop_call} of {self.name} dropped rows that did not "
-            f"fit in capacity={self._capacity} ({per_rank}); a capacity of at least {need} "
-            f"would fit them. The group was created with strict=True: raise capacity, or pass "
-            f"strict=False to count drops in num_dropped instead")
+    shards = sorted(self._drops)
+    per_shard = ", ".join(f"{s}: {self._drops[s][0]} rows" for s in shards)
+    need = max(self._drops[s][1] for s in shards)
+    return (f"jax_ep.dispatch: {self.name} dropped rows that did not fit in "
+            f"capacity={self._capacity} ({per_shard}, in the last dispatch that dropped); a "
+            f"capacity of at least {need} would fit them. The group was created with "
+            f"strict=True: raise capacity, or pass strict=False to count drops in num_dropped "
+            f"instead")
 
   # ------------------------------------------------------------------ reporting
   def failure(self) -> tuple[str, type[Exception]] | None:
@@ -114,7 +108,7 @@ class GroupStatus:
     with self._lock:
       if self._message is not None:
         return self._message, TimeoutError
-      if self._drop_call is not None:
+      if self._drops:
         return self._drop_message(), CapacityOverflowError
       return None
 

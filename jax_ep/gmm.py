@@ -190,9 +190,12 @@ def _weight_grad(x, dy, group_sizes, transpose_w, w_dtype, impl):
   name, detail = grouped_matmul_impl(rows, groups, k, n, x.dtype, dy.dtype, impl=impl)
   if name == "mosaic":
     config = tile_config(rows, groups, lhs.shape[1], rhs.shape[1])
-    # The transposed kernel tiles its output's two dims (M: block_m, N: block_n).
+    # The transposed kernel tiles its output's two dims (M: block_m, N: block_n); a shape
+    # they do not divide takes ragged_dot_general (the log says so once).
     if config is not None and lhs.shape[1] % config.block_m == 0:
       return _mosaic_transposed_ragged_dot(lhs, rhs, group_sizes, config).astype(w_dtype)
+    _say("xla", f"the transposed kernel's tiles do not divide [{lhs.shape[1]}, "
+         f"{rhs.shape[1]}]", f"weight gradient [{groups}, {lhs.shape[1]}, {rhs.shape[1]}]")
   numbers = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
       rhs_group_dimensions=[])
@@ -248,6 +251,9 @@ def _product_fn(transpose_w: bool, out_dtype, impl: str):
     x = _broadcast(x, x_b, axis_size)
     group_sizes = _broadcast(group_sizes, gs_b, axis_size)
     batch, rows, k = x.shape
+    if rows == 0:
+      n = w.shape[-2] if transpose_w else w.shape[-1]
+      return jnp.zeros((batch, 0, n), out_dtype), True
     if w_b:
       # Weights per batch element: every element's groups in turn, each element's rows past
       # its groups given to its last group and zeroed afterwards.
@@ -279,6 +285,9 @@ def _weight_grad_fn(transpose_w: bool, w_dtype, impl: str):
                           for v, b in zip((x, dy, group_sizes), in_batched))
     batch, rows, _ = x.shape
     groups = group_sizes.shape[1]
+    if rows == 0:
+      lhs, rhs = (dy, x) if transpose_w else (x, dy)
+      return jnp.zeros((batch, groups, lhs.shape[-1], rhs.shape[-1]), w_dtype), True
     # One more group per element takes its rows past the groups; its block is dropped.
     tails = rows - jnp.sum(group_sizes, axis=1, keepdims=True)
     sizes = jnp.concatenate([group_sizes, tails], axis=1).reshape(-1)

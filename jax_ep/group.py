@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import operator
+import socket
 
 import jax
 import jax.numpy as jnp
@@ -72,14 +73,17 @@ def _check_backend_name(backend) -> None:
 
 
 def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | None = None,
-                 limits: KernelLimits | None = None,
-                 extension_built: bool | None = None) -> str | None:
+                 limits: KernelLimits | None = None, extension_built: bool | None = None,
+                 hosts: list[str] | None = None,
+                 peer_access: bool | None = None) -> str | None:
   """Why the cuda backend cannot run this group here, or None when it can.
 
   The process models it runs: one rank; one process per device (CUDA IPC between processes,
   whether each sees every GPU or only its own, or several share one GPU under MPS); one process
-  driving every device of the group (peer access). The keyword arguments stand in for this
-  process's facts (tests pass them; by default they are read from JAX and the extension).
+  driving every device of the group (peer access), all on one host. The keyword arguments
+  stand in for this process's facts (tests pass them; by default they are read from JAX and
+  the extension): `hosts`, the host name of each process of the group; `peer_access`, whether
+  a process driving several GPUs may access each from each.
   """
   devices = list(mesh.devices.flat)
   platforms = sorted({d.platform for d in devices})
@@ -103,8 +107,17 @@ def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | N
   me = jax.process_index() if process_index is None else process_index
   local = sum(d.process_index == me for d in devices)
   if local not in (1, len(devices)):
-    return (f"process {me} holds {local} of the group's {len(devices)} devices; the peer "
-            f"transport runs one process per device or one process for all of them")
+    return (f"process {me} holds {local} of the group's {len(devices)} devices; the "
+            f"intranode transport runs one process per device or one process for all of them")
+  if hosts is not None and len(set(hosts)) > 1:
+    return (f"the group's processes run on {len(set(hosts))} hosts; the intranode transport "
+            f"joins the GPUs of one host")
+  if local == len(devices):
+    if peer_access is None:
+      peer_access = bool(_ffi.extension().intranode_peer_access(
+          [d.local_hardware_id for d in devices]))
+    if not peer_access:
+      return "these GPUs cannot access each other's memory (no P2P between them)"
   return None
 
 
@@ -129,11 +142,12 @@ def _process_model(mesh) -> str:
   return f"one process per device, {len(devices)} ranks"
 
 
-def _resolve_backend(backend: str, mesh, config: EPConfig, num_sms: int) -> tuple[str, str]:
+def _resolve_backend(backend: str, mesh, config: EPConfig, num_sms: int,
+                     hosts: list[str] | None = None) -> tuple[str, str]:
   """`(backend name, why)` for the requested backend."""
   if backend == "reference":
     return "reference", "asked for"
-  why_not = cuda_support(mesh, config, num_sms)
+  why_not = cuda_support(mesh, config, num_sms, hosts=hosts)
   if backend == "cuda":
     if why_not is not None:
       raise ValueError(f"jax_ep.Group: backend='cuda' cannot run this group: {why_not}")
@@ -235,11 +249,12 @@ class Group:
       the reference; the choice and its reason go to the `jax_ep` logger once and stay in
       `backend_name` / `backend_reason`. 'reference' or 'cuda' force one ('cuda' raises a
       `ValueError` saying why where it cannot run).
-    strict: make any dropped row an error. The dispatch records the drop on the host (a host
-      callback per dispatch in this mode: a debug setting); it is logged at once, and
-      `check()`, `close()`, the next dispatch and the next op traced on the group raise
-      `jax_ep.CapacityOverflowError` naming the ranks, the rows dropped and the capacity that
-      would fit them.
+    strict: make any dropped row an error. Every dispatch reports its drops to the host (a
+      host callback per dispatch in this mode: a debug setting); a drop is logged at once, the
+      dispatch completes with it counted in `num_dropped`, and `check()`, `close()` and the
+      next op traced on the group raise `jax_ep.CapacityOverflowError` naming the shards, the
+      rows dropped and the capacity that would fit them (call `check()` in a loop over a
+      compiled step: it does not synchronise the device).
     config_timeout_s: how long group creation waits for peer processes' configurations.
     num_sms: multiprocessors' worth of the blocks that send to peers, 1 to 1024 (bounded grid:
       each send kernel sends from `num_sms` times the blocks one SM holds of it, 512 to 1024
@@ -295,9 +310,6 @@ class Group:
     self.mesh = mesh
     self.config = EPConfig(axis_name, num_ranks, num_experts, num_topk, hidden,
                            max_tokens_per_rank, dtype, capacity, bool(strict))
-    self.backend_name, self.backend_reason = _resolve_backend(backend, mesh, self.config,
-                                                              num_sms)
-    fields = dict(self.config.fingerprint(), backend=self.backend_name)
     # The processes holding the mesh's devices create the group together; a group over some of
     # the job's processes is checked and counted among them alone.
     members = sorted({d.process_index for d in mesh.devices.flat})
@@ -307,6 +319,16 @@ class Group:
           f"belong to processes {members}); create the group only on those processes")
     subset = members if len(members) < jax.process_count() else None
     key = _distributed.next_group_key("group", subset)
+    hosts = None
+    if (backend != "reference" and num_ranks > 1 and len(members) > 1
+        and all(d.platform == "gpu" for d in mesh.devices.flat)):
+      # Which hosts the processes run on decides whether the intranode transport can join
+      # them; every member asks the same question, so all decide alike.
+      hosts = _distributed.gather_values(f"{key}/hosts", socket.gethostname(),
+                                         process_ids=members, timeout_s=config_timeout_s)
+    self.backend_name, self.backend_reason = _resolve_backend(backend, mesh, self.config,
+                                                              num_sms, hosts)
+    fields = dict(self.config.fingerprint(), backend=self.backend_name)
     _distributed.check_same_config(key, fields, timeout_s=config_timeout_s, process_ids=subset)
     self._transport = None
     self._closed = False
@@ -408,14 +430,17 @@ class Group:
     if self._closed:
       return
     self._closed = True
-    failure = self._status.failure()
+    self._status.poll()
     self._status.close()
     _status.WATCHDOG.unwatch(self._status)
     if self._transport is not None:
-      if failure is not None or _effects.any_failure():
-        _effects.settle()  # see jax_ep/_effects.py
       _OPEN_TRANSPORTS.pop(id(self._transport), None)
-      self._transport.close()
+      late = self._transport.close()  # after the device finished: a late timeout counts
+      if late:
+        self._status.record(late)
+    failure = self._status.failure()
+    if self._transport is not None and (failure is not None or _effects.any_failure()):
+      _effects.settle()  # see jax_ep/_effects.py
     # In the debug mode every op raised its own timeout already.
     seen = self._status.raised or (self._raise_on_timeout and failure is not None
                                    and failure[1] is TimeoutError)
@@ -426,8 +451,13 @@ class Group:
   def __enter__(self):
     return self
 
-  def __exit__(self, *exc):
-    self.close()
+  def __exit__(self, exc_type, exc, tb):
+    try:
+      self.close()
+    except Exception as error:  # noqa: BLE001 - the block's own exception goes first
+      if exc_type is None:
+        raise
+      _logger.error("jax_ep.Group: closing after an exception: %s", error)
 
   def __repr__(self):
     c = self.config

@@ -53,21 +53,25 @@ class IntranodeTransport:
         return message
     return None
 
-  def close(self, barrier_timeout_s: float = 60.0) -> None:
-    """Waits for every process of the group to finish with the buffers, then frees them."""
+  def close(self, barrier_timeout_s: float = 60.0) -> str | None:
+    """Waits for every process of the group to finish with the buffers, then frees them.
+
+    Returns the message of a timeout the kernels recorded (read after the device finished its
+    work, so a kernel that was still running counts too), or None.
+    """
     if self.closed:
-      return
+      return None
     self.closed = True
     client = _client()
     if client is not None and jax.process_count() > 1:
       try:
-        client.wait_at_barrier(f"jax_ep/intranode/{self.key}/close", int(barrier_timeout_s * 1000),
-                               process_ids=self.process_ids)
+        client.wait_at_barrier(f"jax_ep/intranode/{self.key}/close",
+                               int(barrier_timeout_s * 1000), process_ids=self.process_ids)
       except Exception:  # noqa: BLE001 - a vanished peer must not stop us freeing our memory
         pass
     ext = _ffi.extension()
-    for gid in self.group_ids:
-      ext.intranode_group_destroy(gid)
+    messages = [ext.intranode_group_destroy(gid) for gid in self.group_ids]
+    return next((m for m in messages if m), None)
 
 
 def _client():

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _effects, primitives
+from jax_ep import primitives
+from jax_ep._varying import vary_like_operands
 from jax_ep.group import Group
 
 
@@ -40,7 +41,9 @@ class Handle(NamedTuple):
 
   Attributes:
     routing: backend-specific integer metadata.
-    topk_weights: `[T, K]` float32 router weights given to dispatch (differentiable).
+    topk_weights: `[T, K]` float32 router weights given to dispatch, after the merge of
+      duplicate slots (`merge_duplicate_slots`: a merged slot's weight is in the first slot
+      naming its expert, the later ones are 0); differentiable in the given weights.
   """
   routing: Any
   topk_weights: jax.Array
@@ -121,22 +124,34 @@ def _check_tokens(group: Group, op: str, x, topk_idx, topk_weights=None) -> None
                        f"topk_idx shape {topk_idx.shape}")
 
 
+def _shard_name(group: Group):
+  """A traced description of this shard for messages: its EP rank and any other mesh axes'
+  coordinates bound here (data axes beside the EP axis)."""
+  names, coords = ["rank"], [jax.lax.axis_index(group.axis_name)]
+  for axis in group.mesh.axis_names:
+    if axis == group.axis_name:
+      continue
+    try:
+      coords.append(jax.lax.axis_index(axis))
+      names.append(axis)
+    except NameError:  # an axis the enclosing shard_map does not bind
+      pass
+  return names, jnp.stack(coords)
+
+
 def _strict_check(group: Group, num_dropped):
-  """Strict groups: hands every rank's drop count to the group's status on the host."""
+  """Strict groups: hands every shard's drop count to the group's status on the host."""
   if not group.strict:
     return num_dropped
   status, capacity = group._status, group.capacity
+  names, coords = _shard_name(group)
 
-  def report(rank, dropped):
-    try:
-      status.strict_dispatch(int(rank), int(dropped), capacity)
-    except Exception:
-      _effects.note_failure()
-      raise
+  def report(coords, dropped):
+    shard = " ".join(f"{n} {int(c)}" for n, c in zip(names, coords))
+    status.strict_dispatch(shard, int(dropped), capacity)
   # A debug callback (not an io_callback), so that strict groups also work under
-  # `jax.checkpoint`; a recomputed forward pass reports its drops again under the same call
-  # number on every rank, which is harmless.
-  jax.debug.callback(report, jax.lax.axis_index(group.axis_name), num_dropped)
+  # `jax.checkpoint`; it only records, so running again (remat, vmap) changes nothing.
+  jax.debug.callback(report, coords, num_dropped)
   return num_dropped
 
 
@@ -193,6 +208,8 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
     zero = jnp.zeros((), jnp.int32)
     recv = DispatchResult(jnp.zeros((c.capacity, c.hidden), c.dtype),
                           jnp.zeros((c.num_local_experts,), jnp.int32), zero, zero)
+    # Typed like every other call's results (varying wherever the inputs do).
+    recv = DispatchResult(*vary_like_operands(tuple(recv), (x, topk_idx, topk_weights)))
     return recv, Handle((), topk_weights)
   topk_idx, topk_weights = merge_duplicate_slots(topk_idx, topk_weights, c.num_experts)
   recv_x, group_sizes, num_dropped, num_invalid, routing = primitives.dispatch_tokens(
@@ -224,7 +241,8 @@ def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):
     raise TypeError(f"jax_ep.combine: handle must be the Handle returned by jax_ep.dispatch, "
                     f"got {type(handle).__name__}")
   if handle.topk_weights.shape[0] == 0:  # see dispatch: no rank has a token
-    return jnp.zeros((0, c.hidden), c.dtype)
+    return vary_like_operands(jnp.zeros((0, c.hidden), c.dtype),
+                              (expert_out, handle.topk_weights))
   if weighted:
     return primitives.combine_weighted(group.backend, expert_out, handle.topk_weights,
                                        handle.routing)

@@ -13,6 +13,8 @@ import functools
 
 import jax
 
+from jax_ep._varying import sum_to_primal
+
 
 def _no_cotangent(tree):
   return jax.tree.map(lambda _: None, tree)
@@ -30,12 +32,13 @@ def dispatch_tokens(backend, x, topk_idx, topk_weights):
 
 def _dispatch_tokens_fwd(backend, x, topk_idx, topk_weights):
   outs = backend.dispatch_tokens(x, topk_idx, topk_weights)
-  return outs, outs[-1]
+  return outs, (outs[-1], x)
 
 
-def _dispatch_tokens_bwd(backend, routing, cotangents):
+def _dispatch_tokens_bwd(backend, residuals, cotangents):
+  routing, x = residuals
   d_recv_x = cotangents[0]
-  return backend.combine(d_recv_x, routing), None, None
+  return sum_to_primal(backend.combine(d_recv_x, routing), x), None, None
 
 
 dispatch_tokens.defvjp(_dispatch_tokens_fwd, _dispatch_tokens_bwd)
@@ -54,7 +57,11 @@ def _combine_weighted_fwd(backend, expert_out, topk_weights, routing):
 def _combine_weighted_bwd(backend, residuals, d_out):
   expert_out, topk_weights, routing = residuals
   d_expert_out, d_weights = backend.combine_vjp(d_out, expert_out, routing, topk_weights)
-  return d_expert_out, d_weights.astype(topk_weights.dtype), _no_cotangent(routing)
+  # NOTES: inside shard_map a cotangent must vary over the axes its primal does, no more:
+  # an input shared over some axes (weights made inside the body, say) gets their sum.
+  return (sum_to_primal(d_expert_out, expert_out),
+          sum_to_primal(d_weights.astype(topk_weights.dtype), topk_weights),
+          _no_cotangent(routing))
 
 
 combine_weighted.defvjp(_combine_weighted_fwd, _combine_weighted_bwd)
@@ -66,11 +73,12 @@ def combine_unweighted(backend, expert_out, routing):
 
 
 def _combine_unweighted_fwd(backend, expert_out, routing):
-  return backend.combine(expert_out, routing), routing
+  return backend.combine(expert_out, routing), (routing, expert_out)
 
 
-def _combine_unweighted_bwd(backend, routing, d_out):
-  return backend.dispatch(d_out, routing), _no_cotangent(routing)
+def _combine_unweighted_bwd(backend, residuals, d_out):
+  routing, expert_out = residuals
+  return sum_to_primal(backend.dispatch(d_out, routing), expert_out), _no_cotangent(routing)
 
 
 combine_unweighted.defvjp(_combine_unweighted_fwd, _combine_unweighted_bwd)

@@ -100,8 +100,8 @@ def route_logits(logits, num_topk: int, routing: Routing = Routing(), bias=None)
     select = jnp.where(keep, select, -jnp.inf)
   _, topk_idx = jax.lax.top_k(select, num_topk)
   weights = jnp.take_along_axis(scores, topk_idx, axis=-1)
-  if routing.renormalize:
-    weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+  if routing.renormalize:  # (gates that all underflowed give zeros, not NaN)
+    weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
   weights = weights * routing.routed_scaling_factor
   return Routed(topk_idx.astype(jnp.int32), weights.astype(jnp.float32), logits, probs)
 

@@ -366,8 +366,8 @@ class EPTestBase:
 
   def test_strict_reports_drops_without_failing_the_call(self):
     """A strict group's drop is counted in the call that dropped (its results stay defined);
-    then `check()` and the next dispatch of the same compiled program raise one message that
-    names the ranks, the rows and the capacity that would fit them."""
+    then `check()` and the next op traced on the group raise one message that names the
+    shards, the rows and the capacity that would fit them."""
     r = self.small_ranks
     group = self.make_group(r, num_experts=8, num_topk=2, hidden=128, max_tokens=19,
                             dtype=jnp.float32, capacity=3, strict=True)
@@ -382,7 +382,8 @@ class EPTestBase:
       return recv.num_dropped[None], jax_ep.combine(group, eo[0], handle)[None]
     step = jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep")))
     args = self.shard(group, x, idx, w, eo)
-    dropped, _ = (self.to_numpy(v) for v in step(*args))
+    for _ in range(2):  # the compiled step keeps running; every drop is recorded
+      dropped, _ = (self.to_numpy(v) for v in step(*args))
     expected = oracle.dispatch(x, idx, 8, 3)
     mine = self.local_ranks(group)
     for d in mine:
@@ -393,9 +394,7 @@ class EPTestBase:
                rf"would fit them")
     with pytest.raises(jax_ep.CapacityOverflowError, match=pattern):
       group.check()
-    with pytest.raises(Exception, match="CapacityOverflowError|did not fit in capacity"):
-      jax.block_until_ready(step(*args))
-    with pytest.raises(jax_ep.CapacityOverflowError):  # a new trace is refused as well
+    with pytest.raises(jax_ep.CapacityOverflowError):  # a new trace is refused
       self.dispatch_combine(group, x, idx, w, eo)
     group.close()  # already raised to the caller: close() just frees
 

@@ -46,6 +46,7 @@ class _FakeMesh:
 def _support(mesh, config, process_index=0, **kwargs):
   kwargs.setdefault("limits", LIMITS)
   kwargs.setdefault("extension_built", True)
+  kwargs.setdefault("peer_access", True)
   return group_module.cuda_support(mesh, config, 24, process_index=process_index, **kwargs)
 
 
@@ -74,6 +75,15 @@ def test_cuda_runs_every_process_model_of_the_transport(processes, me):
 ])
 def test_cuda_refusals_name_the_reason(mesh, config, why):
   assert why in _support(mesh, config)
+
+
+def test_cuda_needs_one_host_and_peer_access():
+  config = _config(num_ranks=4, num_experts=32)
+  why = _support(_FakeMesh([0, 1, 2, 3]), config, hosts=["a", "a", "b", "b"])
+  assert "the group's processes run on 2 hosts" in why
+  assert _support(_FakeMesh([0, 1, 2, 3]), config, hosts=["a"] * 4) is None
+  why = _support(_FakeMesh([0] * 4), config, peer_access=False)
+  assert "cannot access each other's memory" in why
 
 
 def test_cuda_needs_the_extension():
@@ -147,6 +157,9 @@ class _FakeTransport:
 
   def close(self):
     self.closed = True
+    return self.late  # what the mailbox says once the device has finished
+
+  late = None
 
 
 @pytest.fixture
@@ -220,6 +233,24 @@ def test_close_raises_a_failure_nobody_saw(intranode_group):
   assert transport.reads == reads  # a closed group's record is no longer read
 
 
+def test_close_raises_a_timeout_recorded_while_it_waited_for_the_device(intranode_group):
+  """A kernel still running when close() is called may time out while close() waits for the
+  device; its record is read before the mailbox is freed and raised."""
+  group, transport = intranode_group()
+  transport.late = TIMEOUT
+  with pytest.raises(TimeoutError, match="rank 0 timed out"):
+    group.close()
+
+
+def test_leaving_a_with_block_on_an_exception_keeps_that_exception(intranode_group):
+  group, transport = intranode_group()
+  transport.message = TIMEOUT
+  with pytest.raises(KeyError):
+    with group:
+      raise KeyError("the block's own error")
+  assert group.closed
+
+
 @pytest.mark.skipif(_ffi.extension() is None, reason="built without the CUDA extension")
 def test_no_host_callback_in_any_op_by_default(intranode_group):
   """The intranode ops' programs carry no host callback unless a debug setting asks for one."""
@@ -236,17 +267,50 @@ def test_reference_ops_have_no_host_callback_by_default():
   assert count_primitive(_trace_dispatch(group).jaxpr.jaxpr, "debug_callback") == 0
 
 
-def test_status_aggregates_the_drops_of_one_call():
-  """Every rank of the dropping call adds to one message; a later call raises it."""
+def test_status_aggregates_the_drops_of_every_shard():
+  """Every shard that dropped adds to one message; recording never raises (a callback may run
+  more than once per dispatch), check() does."""
   status = _status.GroupStatus("g")
-  status.strict_dispatch(0, 0, 10)   # call 1 on every rank; ranks 1 and 2 drop
-  status.strict_dispatch(1, 5, 10)
-  status.strict_dispatch(2, 7, 10)
+  status.strict_dispatch("rank 0", 0, 10)
+  status.strict_dispatch("rank 1", 5, 10)
+  status.strict_dispatch("rank 2 dp 1", 7, 10)
+  status.strict_dispatch("rank 1", 5, 10)  # the same dispatch again (vmap, remat)
   message, error_type = status.failure()
   assert error_type is jax_ep.CapacityOverflowError
-  assert ("call 1 of g dropped rows that did not fit in capacity=10 (rank 1: 5 rows, rank 2: 7 "
-          "rows); a capacity of at least 17 would fit them") in message
+  assert ("g dropped rows that did not fit in capacity=10 (rank 1: 5 rows, rank 2 dp 1: 7 "
+          "rows, in the last dispatch that dropped); a capacity of at least 17 would fit "
+          "them") in message
   assert not status.raised
-  with pytest.raises(jax_ep.CapacityOverflowError, match="rank 1: 5 rows, rank 2: 7 rows"):
-    status.strict_dispatch(0, 0, 10)  # call 2
+  with pytest.raises(jax_ep.CapacityOverflowError, match="rank 1: 5 rows"):
+    status.raise_if_failed()
   assert status.raised
+
+
+def test_strict_drops_on_a_data_axis_under_vmap_and_remat():
+  """Strict mode on a ('dp', 'ep') mesh, under vmap and jax.checkpoint (whose callbacks run
+  several times per dispatch): the dispatch that drops completes, and check() names each
+  shard that dropped once."""
+  if jax.process_count() > 1 or jax.device_count() < 4:
+    pytest.skip("needs 4 devices in one process")
+  mesh = jax.make_mesh((2, 2), ("dp", "ep"), devices=jax.devices()[:4])
+  group = jax_ep.Group(mesh, "ep", num_experts=4, num_topk=2, hidden=8, max_tokens_per_rank=6,
+                       capacity=2, strict=True, dtype=jnp.float32)
+
+  def layer(x):
+    idx = jnp.tile(jnp.array([0, 1], jnp.int32), (x.shape[0], 1))
+    recv, handle = jax_ep.dispatch(group, x, idx, jnp.ones(idx.shape, jnp.float32))
+    return jax_ep.combine(group, recv.x, handle)
+
+  def body(xs):
+    return jax.vmap(jax.checkpoint(layer))(xs)
+  xs = jax.device_put(jnp.ones((3, 24, 8)), jax.NamedSharding(mesh, P(None, ("dp", "ep"))))
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, ("dp", "ep")),
+                               out_specs=P(None, ("dp", "ep"))))
+  with jax.set_mesh(mesh):
+    jax.block_until_ready(jax.grad(lambda xs: jnp.sum(step(xs)))(xs))
+  with pytest.raises(jax_ep.CapacityOverflowError) as error:
+    group.check()
+  # Experts 0 and 1 live on EP rank 0: both of its data replicas dropped, each named once.
+  for dp in (0, 1):
+    assert str(error.value).count(f"rank 0 dp {dp}: 22 rows") == 1, str(error.value)
+  assert "rank 1" not in str(error.value)

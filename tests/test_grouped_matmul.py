@@ -109,6 +109,15 @@ def test_vmap_folds_the_batch_into_one_call(batched):
   assert count_primitive(jax.make_jaxpr(fn)(*args).jaxpr, "ragged_dot_general") == 1
 
 
+def test_vmap_with_no_rows():
+  x, w, gs = jnp.zeros((3, 0, 8)), jnp.ones((2, 8, 4)), jnp.zeros((3, 2), jnp.int32)
+  y = jax.vmap(jax_ep.grouped_matmul, in_axes=(0, None, 0))(x, w, gs)
+  assert y.shape == (3, 0, 4)
+  dw = jax.grad(lambda w: jnp.sum(jax.vmap(jax_ep.grouped_matmul, in_axes=(0, None, 0))(
+      x, w, gs)))(w)
+  np.testing.assert_array_equal(dw, 0.0)
+
+
 def test_gradients_under_vmap_with_shared_weights():
   rng = np.random.default_rng(8)
   xs, ws, gss = _batched(rng, 3, 21, 3, 8, 16)

@@ -148,6 +148,13 @@ def test_same_config_passes():
   assert result.stdout.count("config ok") == 2, _describe(result)
 
 
+def test_values_gathered_through_the_key_value_store():
+  result, _ = _launch(["-n", "2", "--timeout", "60"],
+                      [sys.executable, str(CONFIG_WORKER), "gather"])
+  assert result.returncode == 0, _describe(result)
+  assert result.stdout.count("gathered value-0 value-1") == 2, _describe(result)
+
+
 def test_different_config_fails_on_every_process():
   result, _ = _launch(["-n", "2", "--timeout", "60"],
                       [sys.executable, str(CONFIG_WORKER), "mismatch"])

@@ -519,16 +519,25 @@ std::optional<std::string> ErrorMessage(int64_t group_id) {
   return std::nullopt;
 }
 
-void Destroy(int64_t group_id) {
+std::optional<std::string> Destroy(int64_t group_id) {
   std::shared_ptr<Group> g;
   {
     std::lock_guard<std::mutex> lock(RegistryMutex());
     auto it = Registry().find(group_id);
-    if (it == Registry().end()) return;
+    if (it == Registry().end()) return std::nullopt;
     g = std::move(it->second);
     Registry().erase(it);
   }
+  // NOTES: the device first: a kernel still in flight may yet time out and fill
+  // the mailbox, whose message must be read before the mailbox is freed.
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) previous = -1;
+  if (cudaSetDevice(g->config.device) == cudaSuccess) cudaDeviceSynchronize();
+  cudaGetLastError();
+  if (previous >= 0) cudaSetDevice(previous);
+  std::optional<std::string> message = PendingError(*g);
   Release(*g);
+  return message;
 }
 
 LookupResult Lookup(int64_t group_id, int device) noexcept {

@@ -91,9 +91,11 @@ std::optional<std::string> ErrorMessage(int64_t group_id);
 // (decided on connect; false before it).
 bool ReceivesWhileSending(int64_t group_id);
 
-// cudaDeviceSynchronize on the group's device, close IPC handles, free
-// everything. Idempotent; unknown ids are a no-op.
-void Destroy(int64_t group_id);
+// cudaDeviceSynchronize on the group's device, then the mailbox message of
+// its first timeout if there was one (a kernel still running when Destroy was
+// called may have timed out meanwhile), then close IPC handles and free
+// everything. Idempotent; unknown ids are a no-op (nullopt).
+std::optional<std::string> Destroy(int64_t group_id);
 
 // --- For the FFI handlers (never throw). ---------------------------------
 

@@ -5,6 +5,7 @@ Usage: `python -m jax_ep.launch -n 2 -- python tests/mp_workers/config_worker.py
   mismatch  `hidden` differs between process 0 and the others      -> exit 17 (ValueError)
   timeout   process 1 never publishes; process 0 waits for 3 s     -> exit 18 on process 0
             (TimeoutError), 0 on the others
+  gather    every process publishes a value and reads every other's (prints them) -> exit 0
 The exception message is printed as `ValueError: ...` / `TimeoutError: ...` for the test to read.
 """
 
@@ -30,6 +31,11 @@ def main(mode: str) -> int:
   if mode == "timeout" and pid == 1:
     # Never publishes; stays alive past process 0's timeout.
     time.sleep(4.0)
+    return 0
+  if mode == "gather":
+    values = _distributed.gather_values("gather-test", f"value-{pid}", process_ids=[0, 1],
+                                        timeout_s=30.0)
+    print("gathered", " ".join(values), flush=True)
     return 0
   hidden = 128 if (mode == "match" or pid == 0) else 256
   try:
