@@ -117,20 +117,21 @@ class IntranodeBackend:
     jax.debug.callback(raise_if_failed, status)
 
   def dispatch_tokens(self, x, topk_idx, topk_weights):
-    *outs, status = cuda_ops.intranode_dispatch(self.config, self.group_id, x, topk_idx, topk_weights)
+    *outs, status = cuda_ops.intranode_dispatch(self.config, self.group_id, x, topk_idx,
+                                                topk_weights)
     self._checked(status)
     return tuple(outs)
 
   def dispatch(self, x, routing, slot_weights=None):
     # The weights of a weighted dispatch are the ones that travelled with the dispatch.
     recv_x, status = cuda_ops.intranode_dispatch_cached(self.config, self.group_id, x, routing,
-                                                   weighted=slot_weights is not None)
+                                                        weighted=slot_weights is not None)
     self._checked(status)
     return recv_x
 
   def combine(self, expert_out, routing, slot_weights=None):
     out, status = cuda_ops.intranode_combine(self.config, self.group_id, expert_out, routing,
-                                        weighted=slot_weights is not None)
+                                             weighted=slot_weights is not None)
     self._checked(status)
     return out
 

@@ -78,7 +78,7 @@ def local_dispatch(config: EPConfig, x: jax.Array, routing: LocalRouting, slot_w
 
 
 def local_combine(config: EPConfig, expert_out: jax.Array, routing: LocalRouting,
-                    slot_weights=None):
+                  slot_weights=None):
   weights, weighted = _weights_or_placeholder(routing, slot_weights)
   num_tokens = routing.slot_row.shape[0]
   shape = jax.ShapeDtypeStruct((num_tokens, expert_out.shape[-1]), expert_out.dtype)
@@ -87,7 +87,7 @@ def local_combine(config: EPConfig, expert_out: jax.Array, routing: LocalRouting
 
 
 def local_combine_vjp(config: EPConfig, d_out: jax.Array, expert_out: jax.Array,
-                    routing: LocalRouting):
+                      routing: LocalRouting):
   shape = jax.ShapeDtypeStruct(routing.slot_row.shape, jnp.float32)
   return _call("jax_ep_local_combine_vjp", shape, d_out.astype(expert_out.dtype), expert_out,
                routing.slot_row)
@@ -129,7 +129,8 @@ def _storage_rows(rows: int) -> int:
   """Rows of an intranode op's row-indexed buffer (`[capacity, H]`, `[T, ...]`): at least one.
 
   NOTES: XLA:GPU (jaxlib 0.11.2) segfaulted compiling a side-effecting custom call with a
-  zero-row result (capacity 0, seen on the H200; see StorageRows in ffi/handlers/intranode_common.h).
+  zero-row result (capacity 0, seen on the H200; see StorageRows in
+  ffi/handlers/intranode_common.h).
   Zero-row buffers therefore travel as one inert row (zeros, or -1 for routing: a token sent
   nowhere) and the results are sliced back here.
   """
@@ -172,7 +173,7 @@ def intranode_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weight
 
 
 def intranode_dispatch_cached(config: EPConfig, group_id: int, x, routing: IntranodeRouting,
-                         weighted: bool):
+                              weighted: bool):
   """Returns `(recv_x, status)`: rows placed by an earlier dispatch's layout."""
   shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
@@ -185,7 +186,7 @@ def intranode_dispatch_cached(config: EPConfig, group_id: int, x, routing: Intra
 
 
 def intranode_combine(config: EPConfig, group_id: int, expert_out, routing: IntranodeRouting,
-                 weighted: bool):
+                      weighted: bool):
   """Returns `(out [T, H], status)`."""
   num_tokens = routing.send_pos.shape[0]
   shapes = (jax.ShapeDtypeStruct((_storage_rows(num_tokens), expert_out.shape[-1]),
@@ -198,7 +199,8 @@ def intranode_combine(config: EPConfig, group_id: int, expert_out, routing: Intr
   return out[:num_tokens], status
 
 
-def intranode_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out, routing: IntranodeRouting):
+def intranode_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out,
+                          routing: IntranodeRouting):
   """Returns `(d_expert_out [C, H], d_weights [T, K] f32, status)`."""
   num_tokens, num_topk = routing.topk_idx.shape
   padded = _with_one_row(expert_out, 0)

@@ -121,7 +121,8 @@ def grouped_matmul_impl(rows: int, groups: int, k: int, n: int, dtype, w_dtype=N
   if not _on_hopper():
     why = "the Mosaic GPU kernel needs Hopper GPUs (compute capability 9.0)"
   elif dtype not in _MOSAIC_DTYPES or w_dtype != dtype:
-    why = f"the Mosaic GPU kernel takes bf16 or f16 operands of one dtype, got {dtype} and {w_dtype}"
+    why = (f"the Mosaic GPU kernel takes bf16 or f16 operands of one dtype, got {dtype} and "
+           f"{w_dtype}")
   else:
     config = tile_config(rows, groups, k, n)
     if config is None:

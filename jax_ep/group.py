@@ -69,7 +69,8 @@ _effects.add_failure_source(
 
 def _check_backend_name(backend) -> None:
   if backend not in ("auto", "reference", "cuda"):
-    raise ValueError(f"jax_ep.Group: backend must be 'auto', 'reference' or 'cuda'; got {backend!r}")
+    raise ValueError(f"jax_ep.Group: backend must be 'auto', 'reference' or 'cuda'; got "
+                     f"{backend!r}")
 
 
 def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | None = None,
@@ -334,8 +335,8 @@ class Group:
     self._closed = False
     self._raise_on_timeout = bool(raise_on_timeout)
     if self.backend_name == "cuda" and num_ranks > 1:
-      self._transport = intranode.create(self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s,
-                                    process_ids=subset)
+      self._transport = intranode.create(self.config, mesh, key, num_sms=num_sms,
+                                         timeout_s=timeout_s, process_ids=subset)
       _OPEN_TRANSPORTS[id(self._transport)] = self._transport
       self.backend = IntranodeBackend(self.config, self._transport.primary_id,
                                  bool(raise_on_timeout))

@@ -92,8 +92,8 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
   if mesh.devices.ndim != 1:
     raise NotImplementedError(
-        f"jax_ep.Group(backend='cuda'): the intranode transport takes a 1-D mesh over the EP axis for "
-        f"now; got mesh axes {dict(mesh.shape)} (use backend='reference' for several axes)")
+        f"jax_ep.Group(backend='cuda'): the intranode transport takes a 1-D mesh over the EP "
+        f"axis; got mesh axes {dict(mesh.shape)} (use backend='reference' for several axes)")
   devices = list(mesh.devices.flat)
   me = jax.process_index()
   local = [(rank, d) for rank, d in enumerate(devices) if d.process_index == me]

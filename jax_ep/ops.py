@@ -215,7 +215,8 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
   recv_x, group_sizes, num_dropped, num_invalid, routing = primitives.dispatch_tokens(
       group.backend, x, topk_idx, topk_weights)
   num_dropped = _strict_check(group, num_dropped)
-  return DispatchResult(recv_x, group_sizes, num_dropped, num_invalid), Handle(routing, topk_weights)
+  return (DispatchResult(recv_x, group_sizes, num_dropped, num_invalid),
+          Handle(routing, topk_weights))
 
 
 def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):
