@@ -55,8 +55,8 @@ class ReferenceBackend(_LayoutThenDispatch):
 class CudaBackend(_LayoutThenDispatch):
   """CUDA kernels through XLA FFI custom calls, at one rank (`R == 1`).
 
-  Dispatch and combine are purely local there (layout, permute, unpermute); `R > 1` uses
-  `IntranodeBackend`. The low-latency pair has no kernels yet and runs on the reference path (same
+  Dispatch and combine are purely local there (local_layout, local_dispatch, local_combine);
+  `R > 1` uses `IntranodeBackend`. The low-latency pair has no kernels yet and runs on the reference path (same
   semantics).
   """
   config: EPConfig

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Side-by-side ncu report of the T=128 combine: our unpermute and XLA's fused gather + weighted
+# Side-by-side ncu report of the T=128 combine: our local combine and XLA's fused gather + weighted
 # sum (the reference backend), each profiled once with the full section set (memory workload,
 # warp states, source counters), printed as text into $OUT/ncu_combine_t128.txt (one file).
 #   OUT=... bash scripts/ncu_combine_t128.sh            (on the GPU machine; ~1-2 min)

@@ -1,6 +1,6 @@
 """Runs one one-rank op a few times at the benchmark shape, for a kernel profiler (ncu).
 
-  ncu -k regex:Unpermute python3 scripts/profile_local_op.py --op combine --backend cuda
+  ncu -k regex:Combine python3 scripts/profile_local_op.py --op combine --backend cuda
 
 The shape and kind of inputs of benchmarks/bench_local.py (bf16, H=7168, top-8 of 256 experts,
 uniform routing; not its exact draws); one jitted call per run, so the profiler sees each kernel

@@ -1,4 +1,4 @@
-"""The shared suite on the cuda backend at one rank (local layout/permute/unpermute kernels).
+"""The shared suite on the cuda backend at one rank (the local layout / dispatch / combine kernels).
 
 Marked `gpu`: skipped where no CUDA GPU or no built extension is present (see conftest.py).
 Run on a GPU: `python -m pytest tests/test_cuda_local.py -v`.

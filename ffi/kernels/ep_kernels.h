@@ -131,11 +131,11 @@ cudaError_t PreloadKernels();
 // ---------------------------------------------------------------------------
 namespace local {
 
-// Tokens of a peer permute whose rows the caller has already placed in
-// `recv_x` (a dispatch places its own rank's tokens while its rows travel):
-// tokens n in [begin, begin + count) are neither read nor written. Only with
-// x_from_peers and one batch element (Dispatch refuses it otherwise, and a
-// range outside [0, num_tokens]).
+// Tokens of an intranode placement (local::Dispatch of received rows) whose
+// rows the caller has already placed in `recv_x` (a dispatch places its own
+// rank's tokens while its rows travel): tokens n in [begin, begin + count) are
+// neither read nor written. Only with x_from_peers and one batch element
+// (Dispatch refuses it otherwise, and a range outside [0, num_tokens]).
 struct PlacedTokens {
   int64_t begin = 0;
   int64_t count = 0;
@@ -441,7 +441,7 @@ inline int64_t DispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
 }
 
 // Forces the module load of every kernel the intranode ops launch (this
-// family's, the layout kernels and the permute kernels) on the current device.
+// family's, the layout kernels and the local kernels) on the current device.
 cudaError_t PreloadKernels();
 
 // Notify + dispatch + layout (jax_ep_intranode_dispatch). Per rank:

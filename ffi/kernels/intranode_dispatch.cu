@@ -110,7 +110,7 @@ __device__ bool BlockWaitCount(const GroupView& g, const unsigned* counter,
 // NOTES at the top).
 // NOTES: the placement needs every source's counts (the contract orders
 // sources inside an expert), hence the notify in front of this kernel; with
-// it the permute runs under the sends instead of after the arrivals. Pushes
+// it the placement runs under the sends instead of after the arrivals. Pushes
 // are evict-first stores.
 __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     DispatchSendKernel(GroupView g, const uint4* __restrict__ x,
@@ -220,7 +220,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
       PlaceRow<false>(x + static_cast<int64_t>(t) * rv, s_row, num_topk, rv,
                       recv_x);
     }
-    if (!receive) return;  // the permute after the arrivals zeroes the tail
+    if (!receive) return;  // local::Dispatch after the arrivals zeroes the tail
     // Zero tail: rows [min(sum(group_sizes), capacity), capacity).
     const int64_t used =
         detail::UsedRows<kCommThreads>(group_sizes, num_local, capacity, s_red);

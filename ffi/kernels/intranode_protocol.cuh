@@ -52,7 +52,7 @@
 //   a receiving block acquires that count until it reaches the chunk's
 //   positions. The op resets the counters after the arrival flags (every
 //   count of the call precedes them) and before its release. Where ranks
-//   share a GPU, the permute after the arrivals places the other sources'
+//   share a GPU, local::Dispatch after the arrivals places the other sources'
 //   rows instead (a spinning block there could hold the SMs a peer's sender
 //   needs).
 // * Receive. WaitArrivalsKernel spins (ld.acquire.sys) until the flag of
@@ -84,15 +84,15 @@
 //   many blocks as its registers let one SM hold, named in its launch bounds;
 //   a constant per kernel, which the monotonic counters rely on). The
 //   dispatch send kernel's placing and receiving blocks take the SMs outside
-//   the budget, as the permute they replace did; the receivers spin there
-//   while rows are in flight, so other streams' kernels get fewer SMs during
-//   a dispatch. The combine send kernel's local blocks (this rank's own
+//   the budget, as the local::Dispatch they replace did; the receivers spin
+//   there while rows are in flight, so other streams' kernels get fewer SMs
+//   during a dispatch. The combine send kernel's local blocks (this rank's own
 //   items, which stay in its region) take them too; they never spin. Each
 //   grid is the same every call (the SM counts are the device's), as the
 //   counters need.
 //   The waits run in one block each: where ranks share one GPU a rank never
 //   holds more than one spinning block, so they cannot starve each other of
-//   SMs. The local kernels (layout, permute, reduce) do not spin.
+//   SMs. The local kernels (layout, local::Dispatch, the reduce) do not spin.
 // * Determinism: positions come from scans, reductions have a fixed order;
 //   no atomic decides where data goes.
 

@@ -1,15 +1,15 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
 // jax_ep::local — row movement between token order `[T, H]` and the
-// expert-grouped order `[capacity, H]` on one rank: permute (dispatch and the
-// weighted transpose of combine), unpermute (combine) and slot dots (the
-// gradient of combine w.r.t. the router weights).
+// expert-grouped order `[capacity, H]` on one rank: local::Dispatch (dispatch,
+// and the weighted transpose of combine), local::Combine and
+// local::CombineVjp (the gradient of combine w.r.t. the router weights).
 //
 // All three are bandwidth kernels: one item per token (a 128-thread block for
-// permute / unpermute, a warp for slot dots; grid-stride over batch x tokens
+// dispatch / combine, a warp for combine_vjp; grid-stride over batch x tokens
 // on a bounded grid), rows moved as 16-byte vectors, coalesced, several
 // independent loads in flight per thread before any of them is consumed.
-// At decode sizes unpermute runs as CombineVectorKernel instead: a block per
+// At decode sizes combine runs as CombineVectorKernel instead: a block per
 // (token, row part), one vector per thread, no shared memory.
 // Reductions (combine's sum over k, combine_vjp's sum over h) have a fixed
 // order, so results are bit-identical run to run.
@@ -37,12 +37,12 @@ using detail::LoadVecNoL1;
 using detail::StoreMaybeStreaming;
 using detail::Vec16;
 
-// NOTES: permute and unpermute use one 128-thread block per token (the whole
+// NOTES: dispatch and combine use one 128-thread block per token (the whole
 // row per item, read or written as one contiguous stream, which keeps the DRAM
 // accesses of one item together); slot dots uses one warp per token (no block
 // barrier around its reduction). Smaller items (a warp per row segment) were
 // slower at large T (docs/performance.md).
-constexpr int kRowBlock = 128;        // permute / unpermute threads per token
+constexpr int kRowBlock = 128;        // dispatch / combine threads per token
 constexpr int kWarpBlock = 256;       // slot dots: 8 independent warps
 constexpr int kMaxBlocksPerSm = 16;   // upper bound; occupancy decides
 constexpr int kMaxWaves = 8;          // grid cap in resident waves
