@@ -108,7 +108,6 @@ def grouped_matmul_impl(rows: int, groups: int, k: int, n: int, dtype, w_dtype=N
     transpose_w: the weights are stored `[groups, n, k]`.
     impl: 'auto', 'mosaic' (raises where it cannot run) or 'xla'.
   """
-  del transpose_w  # both layouts take the same tiles
   if impl not in ("auto", "mosaic", "xla"):
     raise ValueError(f"jax_ep.grouped_matmul: impl must be 'auto', 'mosaic' or 'xla', "
                      f"got {impl!r}")
@@ -127,12 +126,34 @@ def grouped_matmul_impl(rows: int, groups: int, k: int, n: int, dtype, w_dtype=N
     config = tile_config(rows, groups, k, n)
     if config is None:
       why = f"its tiles do not divide K={k} (multiples of 64) or N={n} (multiples of 64)"
+    else:
+      why = _mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config)
+      if why is not None:
+        config = None
   if config is not None:
     return "mosaic", config
   if impl == "mosaic":
     raise ValueError(f"jax_ep.grouped_matmul: impl='mosaic' cannot run [{rows}, {k}] x "
                      f"[{groups}, {k}, {n}]: {why}")
   return "xla", why
+
+
+@functools.cache
+def _mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config) -> str | None:
+  """Why the Mosaic kernel does not compile for this shape (e.g. its tiles exceed shared
+  memory), or None. NOTES: compiled once per shape, on abstract operands, when the shape is
+  first traced: a kernel that cannot build sends the shape to lax.ragged_dot (logged) instead
+  of failing the user's whole program when XLA compiles it."""
+  w_shape = (groups, n, k) if transpose_w else (groups, k, n)
+  operands = (jax.ShapeDtypeStruct((rows, k), dtype), jax.ShapeDtypeStruct(w_shape, dtype),
+              jax.ShapeDtypeStruct((groups,), jnp.int32))
+  try:
+    jax.jit(lambda x, w, s: _mosaic_ragged_dot(x, w, s, transpose_w, config)).lower(
+        *operands).compile()
+  except Exception as e:  # noqa: BLE001 - any failure to build means: not this kernel
+    return f"the Mosaic GPU kernel did not compile for it ({type(e).__name__}: " \
+           f"{str(e).splitlines()[0][:200] if str(e) else ''})"
+  return None
 
 
 def _say(name, detail, shape):

@@ -200,7 +200,9 @@ def emulated_mosaic(monkeypatch):
   monkeypatch.setattr(gmm_module, "_on_hopper", lambda: True)
   monkeypatch.setattr(gmm_module, "_mosaic_ragged_dot", ragged_dot)
   monkeypatch.setattr(gmm_module, "_mosaic_transposed_ragged_dot", transposed)
-  return calls
+  gmm_module._mosaic_compile_error.cache_clear()
+  yield calls
+  gmm_module._mosaic_compile_error.cache_clear()
 
 
 @pytest.mark.parametrize("transpose_w", [False, True])
@@ -239,6 +241,17 @@ def test_mosaic_path_falls_back_where_the_tiles_do_not_divide(emulated_mosaic):
   assert emulated_mosaic == []
   name, why = jax_ep.grouped_matmul_impl(40, 2, 128, 128, jnp.float32)
   assert name == "xla" and "bf16 or f16" in why
+
+
+def test_mosaic_path_falls_back_where_the_kernel_does_not_compile(emulated_mosaic, monkeypatch):
+  def does_not_build(*args):
+    raise ValueError("Mosaic GPU kernel exceeds available shared memory")
+  monkeypatch.setattr(gmm_module, "_mosaic_ragged_dot", does_not_build)
+  name, why = jax_ep.grouped_matmul_impl(256, 4, 128, 256, jnp.bfloat16)
+  assert name == "xla" and "did not compile for it (ValueError: Mosaic GPU kernel exceeds" in why
+  x, w, gs = inputs(np.random.default_rng(9), 256, 4, 128, 256, [64] * 4, dtype=jnp.bfloat16)
+  np.testing.assert_allclose(np.asarray(jax_ep.grouped_matmul(x, w, gs), np.float32),
+                             oracle(x, w, gs), rtol=2e-2, atol=3e-2)
 
 
 def test_mosaic_path_under_vmap(emulated_mosaic):
