@@ -41,8 +41,8 @@ class ReferenceBackend(_LayoutThenDispatch):
   def combine_vjp(self, d_out, expert_out, routing, slot_weights):
     return reference.combine_vjp(self.config, d_out, expert_out, routing, slot_weights)
 
-  def low_latency_dispatch(self, x, topk_idx, use_fp8):
-    return reference.low_latency_dispatch(self.config, x, topk_idx, use_fp8)
+  def low_latency_dispatch(self, x, topk_idx, fp8):
+    return reference.low_latency_dispatch(self.config, x, topk_idx, fp8)
 
   def low_latency_combine(self, expert_out, routing, topk_weights):
     return reference.low_latency_combine(self.config, expert_out, routing, topk_weights)
@@ -75,8 +75,8 @@ class CudaBackend(_LayoutThenDispatch):
     d_expert_out = cuda_ops.local_dispatch(self.config, d_out, routing, slot_weights)
     return d_expert_out, cuda_ops.local_combine_vjp(self.config, d_out, expert_out, routing)
 
-  def low_latency_dispatch(self, x, topk_idx, use_fp8):
-    return reference.low_latency_dispatch(self.config, x, topk_idx, use_fp8)
+  def low_latency_dispatch(self, x, topk_idx, fp8):
+    return reference.low_latency_dispatch(self.config, x, topk_idx, fp8)
 
   def low_latency_combine(self, expert_out, routing, topk_weights):
     return reference.low_latency_combine(self.config, expert_out, routing, topk_weights)
@@ -141,8 +141,8 @@ class IntranodeBackend:
     self._checked(status)
     return d_expert_out, d_weights
 
-  def low_latency_dispatch(self, x, topk_idx, use_fp8):
-    return reference.low_latency_dispatch(self.config, x, topk_idx, use_fp8)
+  def low_latency_dispatch(self, x, topk_idx, fp8):
+    return reference.low_latency_dispatch(self.config, x, topk_idx, fp8)
 
   def low_latency_combine(self, expert_out, routing, topk_weights):
     return reference.low_latency_combine(self.config, expert_out, routing, topk_weights)

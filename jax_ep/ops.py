@@ -55,7 +55,8 @@ class LowLatencyResult(NamedTuple):
   Attributes:
     x: `[L, R*T_max, H]` (activation dtype, or float8_e4m3fn with `use_fp8`); rows of expert l
       packed at the front of slab l, ordered by (source rank, source token, slot).
-    scales: `[L, R*T_max, H/128]` float32 dequantisation scales with `use_fp8`, else None.
+    scales: `[L, R*T_max, H/128]` float32 dequantisation scales with `use_fp8` (UE8M0 packed
+      `[L, R*T_max, H/512]` int32 with `use_ue8m0`), else None.
     count: `[L]` int32 valid rows per local expert.
     num_dropped: `[]` int32 rows past a slab's `R*T_max` rows (only possible when a token names
       one expert in several slots).
@@ -250,12 +251,18 @@ def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):
   return primitives.combine_unweighted(group.backend, expert_out, handle.routing)
 
 
-def low_latency_dispatch(group: Group, x, topk_idx, *, use_fp8: bool = False):
+def low_latency_dispatch(group: Group, x, topk_idx, *, use_fp8: bool = False,
+                         round_scale: bool = False, use_ue8m0: bool = False):
   """Decode-time dispatch: every receiver keeps a slab of `R*T_max` rows per local expert.
 
   Args:
     group: the `Group`. x: `[T, H]`. topk_idx: `[T, K]` int32 (as in `dispatch`).
-    use_fp8: send float8_e4m3fn rows with one float32 scale per 128 channels (H % 128 == 0).
+    use_fp8: send float8_e4m3fn rows with one float32 scale per 128 channels (H % 128 == 0):
+      `scale = amax / 448` of the block (1 for an all-zero block), `q = e4m3(x / scale)`.
+    round_scale: with `use_fp8`, round every scale up to a power of two.
+    use_ue8m0: with `round_scale`, return the scales as UE8M0 exponents (`2^(e - 127)`), four
+      per int32 (the first channel block in the lowest byte): `scales` `[L, R*T_max, H/512]`
+      int32 (H % 512 == 0).
 
   Returns:
     `(LowLatencyResult, LowLatencyHandle)`.
@@ -265,8 +272,17 @@ def low_latency_dispatch(group: Group, x, topk_idx, *, use_fp8: bool = False):
   if use_fp8 and group.hidden % 128:
     raise ValueError(f"jax_ep.low_latency_dispatch: use_fp8=True needs hidden to be a multiple "
                      f"of 128 (one scale per 128 channels), got hidden={group.hidden}")
+  if (round_scale or use_ue8m0) and not use_fp8:
+    raise ValueError("jax_ep.low_latency_dispatch: round_scale and use_ue8m0 need use_fp8=True")
+  if use_ue8m0 and not round_scale:
+    raise ValueError("jax_ep.low_latency_dispatch: use_ue8m0=True needs round_scale=True (UE8M0 "
+                     "holds powers of two only)")
+  if use_ue8m0 and group.hidden % 512:
+    raise ValueError(f"jax_ep.low_latency_dispatch: use_ue8m0=True needs hidden to be a "
+                     f"multiple of 512 (four scales per int32), got hidden={group.hidden}")
+  fp8 = (bool(round_scale), bool(use_ue8m0)) if use_fp8 else None
   recv_x, scales, count, num_dropped, num_invalid, routing = group.backend.low_latency_dispatch(
-      x, topk_idx, bool(use_fp8))
+      x, topk_idx, fp8)
   num_dropped = _strict_check(group, num_dropped)
   return (LowLatencyResult(recv_x, scales, count, num_dropped, num_invalid),
           LowLatencyHandle(routing))

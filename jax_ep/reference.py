@@ -196,18 +196,39 @@ def combine_vjp(config: EPConfig, d_out: jax.Array, expert_out: jax.Array, routi
 # ----------------------------------------------------------------------------------------------
 # Low-latency mode
 
-def _fp8_quantize(x: jax.Array, block: int = 128):
-  """Per-token, per-`block`-channel e4m3 quantisation: `(q [T, H] f8, scales [T, H/block] f32)`."""
+def _fp8_quantize(x: jax.Array, block: int = 128, round_scale: bool = False):
+  """Per-token, per-`block`-channel e4m3 quantisation: `(q [T, H] f8, scales [T, H/block] f32)`.
+
+  `scale = amax / 448` (1 for an all-zero block); with `round_scale` the smallest power of two
+  at least that (so that a UE8M0 exponent holds it exactly)."""
   x32 = x.astype(jnp.float32)
   xb = x32.reshape(*x.shape[:-1], x.shape[-1] // block, block)
   amax = jnp.max(jnp.abs(xb), axis=-1)
   scales = jnp.where(amax > 0, amax * (1.0 / 448.0), 1.0).astype(jnp.float32)
+  if round_scale:
+    scales = jnp.exp2(jnp.ceil(jnp.log2(scales))).astype(jnp.float32)
   q = (xb / scales[..., None]).astype(jnp.float8_e4m3fn)
   return q.reshape(x.shape), scales
 
 
-def low_latency_dispatch(config: EPConfig, x: jax.Array, topk_idx: jax.Array, use_fp8: bool):
-  """Returns `(recv_x [L, R*T_max, H], scales or None, count [L], num_dropped, num_invalid, routing)`."""
+def pack_ue8m0(scales: jax.Array) -> jax.Array:
+  """Power-of-two float32 scales `[..., H/128]` as UE8M0 exponents (the float's biased exponent
+  byte, `2^(e - 127)`), four per int32, the first in the lowest byte: `[..., H/512]`. Zero
+  scales (rows nobody filled) pack as exponent 0."""
+  bits = jax.lax.bitcast_convert_type(scales.astype(jnp.float32), jnp.uint32)
+  exponents = (bits >> 23) & 0xFF
+  exponents = exponents.reshape(*scales.shape[:-1], scales.shape[-1] // 4, 4)
+  packed = (exponents[..., 0] | (exponents[..., 1] << 8) | (exponents[..., 2] << 16)
+            | (exponents[..., 3] << 24))
+  return jax.lax.bitcast_convert_type(packed.astype(jnp.uint32), jnp.int32)
+
+
+def low_latency_dispatch(config: EPConfig, x: jax.Array, topk_idx: jax.Array, fp8=None):
+  """Returns `(recv_x [L, R*T_max, H], scales or None, count [L], num_dropped, num_invalid,
+  routing)`. `fp8`: None (rows in x's dtype) or `(round_scale, use_ue8m0)`: e4m3 rows with
+  float32 scales `[L, R*T_max, H/128]`, or UE8M0 scales packed `[L, R*T_max, H/512]` int32."""
+  use_fp8 = fp8 is not None
+  round_scale, use_ue8m0 = fp8 if use_fp8 else (False, False)
   num_local, slab, hidden = config.num_local_experts, config.low_latency_slab, config.hidden
   dest, local_expert, num_invalid = _slot_destinations(config, topk_idx)
   recv_expert = _exchange(config, _per_destination(config, dest, local_expert, -1))  # [R, T, K]
@@ -225,7 +246,7 @@ def low_latency_dispatch(config: EPConfig, x: jax.Array, topk_idx: jax.Array, us
 
   payload, scales = (x, None)
   if use_fp8:
-    payload, scales = _fp8_quantize(x)
+    payload, scales = _fp8_quantize(x, round_scale=round_scale)
   recv_tokens = _exchange(config, _token_blocks(config, dest, payload)).reshape(-1, hidden)
   recv_x = jnp.where(slot_used.reshape(-1)[:, None], recv_tokens[token_of_slot],
                      jnp.zeros((), payload.dtype)).reshape(num_local, slab, hidden)
@@ -235,6 +256,8 @@ def low_latency_dispatch(config: EPConfig, x: jax.Array, topk_idx: jax.Array, us
     recv_s = _exchange(config, sblocks).reshape(-1, scales.shape[-1])
     recv_scales = jnp.where(slot_used.reshape(-1)[:, None], recv_s[token_of_slot], 0.0)
     recv_scales = recv_scales.reshape(num_local, slab, scales.shape[-1])
+    if use_ue8m0:
+      recv_scales = pack_ue8m0(recv_scales)
   count = jnp.minimum(counts, slab).astype(jnp.int32)
   num_dropped = jnp.sum(jnp.maximum(counts - slab, 0)).astype(jnp.int32)
   return (recv_x, recv_scales, count, num_dropped, num_invalid,

@@ -628,6 +628,46 @@ class EPTestBase:
     np.testing.assert_allclose(out[mine].astype(np.float64), want[mine], rtol=1.6e-2,
                                atol=1.6e-2)
 
+  @pytest.mark.parametrize("use_ue8m0", [False, True])
+  def test_low_latency_fp8_power_of_two_scales(self, use_ue8m0):
+    """round_scale: every scale is the power of two at or above amax / 448, and the rows are
+    quantised with it; use_ue8m0: the same scales as packed biased exponents."""
+    num_ranks, num_experts, num_topk, hidden, num_tokens = self.small_ranks, 8, 2, 512, 11
+    group = self.make_group(num_ranks, num_experts=num_experts, num_topk=num_topk,
+                            hidden=hidden, max_tokens=num_tokens, dtype=jnp.bfloat16)
+    self.skip_without_xla_collectives(group)
+    rng = np.random.default_rng(19)
+    x = random_inputs(rng, num_ranks, num_tokens, hidden, jnp.bfloat16).copy()
+    x[..., :128] = 0  # an all-zero block: scale 1
+    idx = make_routing(rng, num_ranks, num_tokens, num_topk, num_experts, "uniform")
+    recv = self.run_per_rank(group, lambda x, idx: jax_ep.low_latency_dispatch(
+        group, x, idx, use_fp8=True, round_scale=True, use_ue8m0=use_ue8m0)[0], x, idx)
+    q, scales = oracle.fp8_quantize(x, round_scale=True)
+    assert set(np.unique(np.log2(scales)) % 1) == {0.0}  # powers of two
+    expected_q = oracle.low_latency_dispatch(q, idx, num_experts, num_tokens)
+    expected_s = oracle.low_latency_dispatch(scales, idx, num_experts, num_tokens)
+    for d in self.local_ranks(group):
+      np.testing.assert_allclose(recv.x[d].astype(np.float32),
+                                 expected_q[d]["recv_x"].astype(np.float32), rtol=2**-3, atol=0)
+      want = expected_s[d]["recv_x"]
+      if use_ue8m0:
+        assert recv.scales.dtype == np.int32 and recv.scales.shape[-1] == hidden // 512
+        want = oracle.pack_ue8m0(want)
+      np.testing.assert_array_equal(recv.scales[d], want)
+
+  def test_low_latency_fp8_options_are_checked(self):
+    group = self.make_group(self.small_ranks, num_experts=8, num_topk=2, hidden=256,
+                            max_tokens=4, dtype=jnp.bfloat16)
+    x = np.zeros((self.small_ranks, 4, 256), jnp.bfloat16)
+    idx = np.zeros((self.small_ranks, 4, 2), np.int32)
+    for kwargs, message in [(dict(round_scale=True), "need use_fp8=True"),
+                            (dict(use_fp8=True, use_ue8m0=True), "needs round_scale=True"),
+                            (dict(use_fp8=True, round_scale=True, use_ue8m0=True),
+                             "multiple of 512")]:
+      with pytest.raises(ValueError, match=message):
+        self.run_per_rank(group, lambda x, idx, kwargs=kwargs: jax_ep.low_latency_dispatch(
+            group, x, idx, **kwargs)[0].count, x, idx)
+
   def test_low_latency_fp8(self):
     num_ranks, num_experts, num_topk, hidden, num_tokens = self.small_ranks, 8, 2, 256, 19
     group = self.make_group(num_ranks, num_experts=num_experts, num_topk=num_topk,
