@@ -204,5 +204,4 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
   out_specs = MoEOutput(tokens, tokens, tokens, tokens, tokens)
   result = jax.shard_map(body, mesh=group.mesh, in_specs=in_specs, out_specs=out_specs)(
       params, x, *routing_args)
-  del num_shards
   return result._replace(out=result.out.reshape(*lead, result.out.shape[-1]))
