@@ -9,11 +9,15 @@
   mismatch:        the processes pass different `hidden`; both must fail at group creation.
 """
 
+import faulthandler
 import sys
 import time
 
 from jax_ep import launch
 
+# Each mode finishes in ~20 s; a hang prints every thread's stack before the launcher's
+# timeout kills the process, so the log says where it stopped.
+faulthandler.dump_traceback_later(60, exit=False)
 launch.initialize_from_env()
 
 import jax  # noqa: E402
