@@ -54,6 +54,18 @@ nb::dict Registrations() {
       EncapsulateFfiHandler(JaxEpIntranodeCombine);
   dict["jax_ep_intranode_combine_vjp"] =
       EncapsulateFfiHandler(JaxEpIntranodeCombineVjp);
+  dict["jax_ep_low_latency_dispatch"] =
+      EncapsulateFfiHandler(JaxEpLowLatencyDispatch);
+  dict["jax_ep_low_latency_combine"] =
+      EncapsulateFfiHandler(JaxEpLowLatencyCombine);
+  dict["jax_ep_low_latency_dispatch_send"] =
+      EncapsulateFfiHandler(JaxEpLowLatencyDispatchSend);
+  dict["jax_ep_low_latency_dispatch_wait"] =
+      EncapsulateFfiHandler(JaxEpLowLatencyDispatchWait);
+  dict["jax_ep_low_latency_combine_send"] =
+      EncapsulateFfiHandler(JaxEpLowLatencyCombineSend);
+  dict["jax_ep_low_latency_combine_wait"] =
+      EncapsulateFfiHandler(JaxEpLowLatencyCombineWait);
   return dict;
 }
 
@@ -126,7 +138,7 @@ int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
                              int64_t num_experts, int64_t num_topk,
                              int64_t hidden, int64_t max_tokens,
                              int64_t itemsize, int64_t capacity, int num_sms,
-                             double timeout_s) {
+                             double timeout_s, bool low_latency) {
   intranode_group::GroupConfig c;
   c.device = device_ordinal;
   c.rank = rank;
@@ -139,6 +151,7 @@ int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
   c.capacity = capacity;
   c.num_sms = num_sms;
   c.timeout_s = timeout_s;
+  c.low_latency = low_latency;
   return intranode_group::Create(c);
 }
 
@@ -236,6 +249,7 @@ NB_MODULE(_jax_ep_ffi, m) {
   m.def("intranode_buffer_bytes", &jax_ep::intranode_group::BufferBytes,
         nb::arg("num_ranks"), nb::arg("max_tokens_per_rank"), nb::arg("hidden"),
         nb::arg("num_topk"), nb::arg("itemsize"),
+        nb::arg("low_latency_experts") = 0,
         "Bytes of one rank's intranode buffer (intranode::BufferLayout in "
         "ffi/kernels/ep_kernels.h; docs/intranode.md lists its regions).");
   m.def("intranode_dispatch_workspace_elems",
@@ -254,6 +268,7 @@ NB_MODULE(_jax_ep_ffi, m) {
         nb::arg("num_experts"), nb::arg("num_topk"), nb::arg("hidden"),
         nb::arg("max_tokens_per_rank"), nb::arg("itemsize"),
         nb::arg("capacity"), nb::arg("num_sms"), nb::arg("timeout_s"),
+        nb::arg("low_latency") = false,
         "Allocates this rank's peer buffer, device state and error mailbox on "
         "`device_ordinal`, loads every peer kernel there; returns a "
         "process-unique group id.");

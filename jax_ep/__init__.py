@@ -18,8 +18,11 @@ from jax_ep.gmm import grouped_matmul, grouped_matmul_impl
 from jax_ep.layer import MoEOutput, MoEParams, init_moe_params, moe_mlp, moe_mlp_per_shard
 from jax_ep.routing import (Routing, expert_counts, load_balancing_loss, route,
                             router_z_loss, update_router_bias)
-from jax_ep.ops import (DispatchResult, Handle, LowLatencyHandle, LowLatencyResult, combine,
-                        dispatch, low_latency_combine, low_latency_dispatch)
+from jax_ep.ops import (DispatchResult, Handle, LowLatencyHandle, LowLatencyResult,
+                        LowLatencySent, combine, dispatch, low_latency_combine,
+                        low_latency_combine_send, low_latency_combine_wait,
+                        low_latency_dispatch, low_latency_dispatch_send,
+                        low_latency_dispatch_wait)
 
 __version__ = "0.1.0"
 
@@ -30,6 +33,8 @@ _ffi.extension()
 __all__ = [
     "Group", "CapacityOverflowError", "MemoryEstimate", "memory_bytes", "default_capacity",
     "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
+    "low_latency_dispatch_send", "low_latency_dispatch_wait", "low_latency_combine_send",
+    "low_latency_combine_wait", "LowLatencySent",
     "grouped_matmul", "grouped_matmul_impl",
     "DispatchResult", "Handle", "LowLatencyResult", "LowLatencyHandle",
     "MoEOutput", "MoEParams", "init_moe_params", "moe_mlp", "moe_mlp_per_shard",

@@ -9,9 +9,100 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from jax_ep import _effects, _ffi, cuda_ops, reference
 from jax_ep.config import EPConfig
+
+
+class _ReferenceLowLatency:
+  """The low-latency pair through the reference (pure JAX). The split form computes everything
+  in the send and hands it to the wait (nothing of it can overlap on this path)."""
+
+  low_latency_kernels = False
+
+  def low_latency_dispatch(self, x, topk_idx, fp8):
+    return reference.low_latency_dispatch(self.config, x, topk_idx, fp8)
+
+  def low_latency_combine(self, expert_out, routing, topk_weights):
+    return reference.low_latency_combine(self.config, expert_out, routing, topk_weights)
+
+  def low_latency_dispatch_send(self, x, topk_idx, fp8):
+    return self.low_latency_dispatch(x, topk_idx, fp8)
+
+  def low_latency_dispatch_wait(self, sent, topk_idx, x_dtype, fp8):
+    del topk_idx, x_dtype, fp8
+    return sent
+
+  def low_latency_combine_send(self, expert_out, routing):
+    return (expert_out, routing)
+
+  def low_latency_combine_wait(self, sent, routing, topk_weights, dtype):
+    del routing, dtype
+    expert_out, routing = sent
+    return self.low_latency_combine(expert_out, routing, topk_weights)
+
+
+class _CudaLowLatency:
+  """The low-latency pair through its kernels (jax_ep/cuda_ops.py, ffi/kernels/low_latency.cu),
+  on the intranode group `ll_group_id` (a group created with `low_latency=True`)."""
+
+  low_latency_kernels = True
+
+  def _ll_group(self, op: str) -> int:
+    if self.ll_group_id is None:
+      raise ValueError(f"jax_ep.{op}: this cuda group has no low-latency buffers; create the "
+                       f"jax_ep.Group with low_latency=True (jax_ep.memory_bytes(..., "
+                       f"low_latency=True) reports their size)")
+    return self.ll_group_id
+
+  def _ll_checked(self, status):
+    if not self.raise_on_timeout:
+      return
+    group_id = self.ll_group_id
+
+    def raise_if_failed(value):
+      if value != 0:
+        message = _ffi.extension().intranode_group_error(group_id)
+        _effects.note_failure()
+        raise TimeoutError(message or f"jax_ep: low-latency op failed with status {int(value)}")
+    jax.debug.callback(raise_if_failed, status)
+
+  def low_latency_dispatch(self, x, topk_idx, fp8, slot_scale=None):
+    gid = self._ll_group("low_latency_dispatch")
+    recv_x, scales, count, num_invalid, routing, status = cuda_ops.low_latency_dispatch(
+        self.config, gid, x, topk_idx, fp8, slot_scale)
+    self._ll_checked(status)
+    # Slots naming one expert are merged, so a (source, expert) region never overflows.
+    return recv_x, scales, count, jnp.zeros((), jnp.int32), num_invalid, routing
+
+  def low_latency_combine(self, expert_out, routing, topk_weights, gather=False):
+    out, status = cuda_ops.low_latency_combine(
+        self.config, self._ll_group("low_latency_combine"), expert_out, routing, topk_weights,
+        gather)
+    self._ll_checked(status)
+    return out
+
+  def low_latency_dispatch_send(self, x, topk_idx, fp8):
+    return cuda_ops.low_latency_dispatch_send(
+        self.config, self._ll_group("low_latency_dispatch_send"), x, topk_idx, fp8)
+
+  def low_latency_dispatch_wait(self, sent, topk_idx, x_dtype, fp8):
+    recv_x, scales, count, routing, status = cuda_ops.low_latency_dispatch_wait(
+        self.config, self._ll_group("low_latency_dispatch_wait"), sent, topk_idx, x_dtype, fp8)
+    self._ll_checked(status)
+    return recv_x, scales, count, jnp.zeros((), jnp.int32), sent, routing
+
+  def low_latency_combine_send(self, expert_out, routing):
+    return cuda_ops.low_latency_combine_send(
+        self.config, self._ll_group("low_latency_combine_send"), expert_out, routing)
+
+  def low_latency_combine_wait(self, sent, routing, topk_weights, dtype):
+    out, status = cuda_ops.low_latency_combine_wait(
+        self.config, self._ll_group("low_latency_combine_wait"), sent, routing, topk_weights,
+        dtype)
+    self._ll_checked(status)
+    return out
 
 
 class _LayoutThenDispatch:
@@ -24,7 +115,7 @@ class _LayoutThenDispatch:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReferenceBackend(_LayoutThenDispatch):
+class ReferenceBackend(_ReferenceLowLatency, _LayoutThenDispatch):
   """Pure JAX; runs on every platform. The oracle-checked baseline for all other backends."""
   config: EPConfig
   name = "reference"
@@ -41,25 +132,22 @@ class ReferenceBackend(_LayoutThenDispatch):
   def combine_vjp(self, d_out, expert_out, routing, slot_weights):
     return reference.combine_vjp(self.config, d_out, expert_out, routing, slot_weights)
 
-  def low_latency_dispatch(self, x, topk_idx, fp8):
-    return reference.low_latency_dispatch(self.config, x, topk_idx, fp8)
-
-  def low_latency_combine(self, expert_out, routing, topk_weights):
-    return reference.low_latency_combine(self.config, expert_out, routing, topk_weights)
-
   def workspace_bytes(self) -> int:
     return reference.scratch_bytes(self.config)
 
 
 @dataclasses.dataclass(frozen=True)
-class CudaBackend(_LayoutThenDispatch):
+class CudaBackend(_CudaLowLatency, _LayoutThenDispatch):
   """CUDA kernels through XLA FFI custom calls, at one rank (`R == 1`).
 
   Dispatch and combine are purely local there (local_layout, local_dispatch, local_combine);
-  `R > 1` uses `IntranodeBackend`. The low-latency pair has no kernels yet and runs on the reference path (same
-  semantics).
+  `R > 1` uses `IntranodeBackend`. The low-latency pair runs its kernels on a one-rank
+  intranode group (`ll_group_id`, where the group was created with `low_latency=True`): its
+  rows never leave this GPU.
   """
   config: EPConfig
+  ll_group_id: int | None = None
+  raise_on_timeout: bool = False
   name = "cuda"
 
   def layout(self, topk_idx):
@@ -75,18 +163,12 @@ class CudaBackend(_LayoutThenDispatch):
     d_expert_out = cuda_ops.local_dispatch(self.config, d_out, routing, slot_weights)
     return d_expert_out, cuda_ops.local_combine_vjp(self.config, d_out, expert_out, routing)
 
-  def low_latency_dispatch(self, x, topk_idx, fp8):
-    return reference.low_latency_dispatch(self.config, x, topk_idx, fp8)
-
-  def low_latency_combine(self, expert_out, routing, topk_weights):
-    return reference.low_latency_combine(self.config, expert_out, routing, topk_weights)
-
   def workspace_bytes(self) -> int:
     return cuda_ops.layout_workspace_bytes(self.config)
 
 
 @dataclasses.dataclass(frozen=True)
-class IntranodeBackend:
+class IntranodeBackend(_CudaLowLatency):
   """CUDA kernels over peer memory for `R > 1` in one NVLink domain (see `jax_ep.intranode`).
 
   Attributes:
@@ -100,6 +182,7 @@ class IntranodeBackend:
   config: EPConfig
   group_id: int
   raise_on_timeout: bool = False
+  ll_group_id: int | None = None
   name = "cuda"
 
   def _checked(self, status):
@@ -140,12 +223,6 @@ class IntranodeBackend:
         self.config, self.group_id, d_out, expert_out, routing)
     self._checked(status)
     return d_expert_out, d_weights
-
-  def low_latency_dispatch(self, x, topk_idx, fp8):
-    return reference.low_latency_dispatch(self.config, x, topk_idx, fp8)
-
-  def low_latency_combine(self, expert_out, routing, topk_weights):
-    return reference.low_latency_combine(self.config, expert_out, routing, topk_weights)
 
   def workspace_bytes(self) -> int:
     ext = _ffi.extension()

@@ -214,3 +214,135 @@ def intranode_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out,
       group_id=np.int64(group_id), num_experts=np.int64(config.num_experts),
       capacity=np.int64(config.capacity))
   return d_expert_out[:config.capacity], d_weights[:num_tokens], status
+
+
+# ---------------------------------------------------------------------------------- low latency
+
+class LowLatencyRouting(NamedTuple):
+  """Routing metadata of the cuda low-latency pair (int32).
+
+  Attributes:
+    topk_idx: `[T, K]` the home rank's expert ids (the combine reduces its slots).
+    recv_src: `[L, R*T_max]` per received row `s * T_max * K + t * K + k` (source rank,
+      token, first slot naming the expert), -1 past `count`.
+    count: `[L]` rows per local expert.
+  """
+  topk_idx: jax.Array
+  recv_src: jax.Array
+  count: jax.Array
+
+
+# Row formats of the low-latency dispatch (low_latency::RowFormat).
+LL_PLAIN, LL_FP8, LL_FP8_POWER_OF_TWO = 0, 1, 2
+
+
+def low_latency_format(fp8) -> tuple[int, bool]:
+  """`(format, ue8m0)` of the backend's `fp8` argument (None or `(round_scale, use_ue8m0)`)."""
+  if fp8 is None:
+    return LL_PLAIN, False
+  round_scale, use_ue8m0 = fp8
+  return (LL_FP8_POWER_OF_TWO if round_scale else LL_FP8), bool(use_ue8m0)
+
+
+def _ll_call(target, result_shapes, *args, **attrs):
+  # NOTES: vmap_method=None: a batched split call would issue every batch element's send
+  # before any wait, which the protocol refuses (one outstanding send per op); the fused ops
+  # are batched above this layer instead (one send + wait per element). has_side_effect: see
+  # _intranode_call.
+  return _call(target, result_shapes, *args, vmap_method=None, has_side_effect=True, **attrs)
+
+
+def _ll_dispatch_shapes(config: EPConfig, x_dtype, fmt: int, ue8m0: bool):
+  num_local, slab, hidden = config.num_local_experts, config.low_latency_slab, config.hidden
+  i32 = jnp.int32
+  if fmt == LL_PLAIN:
+    rows = jax.ShapeDtypeStruct((num_local, slab, hidden), x_dtype)
+    scales = jax.ShapeDtypeStruct((1,), jnp.float32)  # not written
+  else:
+    rows = jax.ShapeDtypeStruct((num_local, slab, hidden), jnp.float8_e4m3fn)
+    scales = (jax.ShapeDtypeStruct((num_local, slab, hidden // 512), i32) if ue8m0 else
+              jax.ShapeDtypeStruct((num_local, slab, hidden // 128), jnp.float32))
+  return (rows, scales, jax.ShapeDtypeStruct((num_local,), i32),
+          jax.ShapeDtypeStruct((num_local, slab), i32), jax.ShapeDtypeStruct((), i32))
+
+
+def _ll_send_operands(x, topk_idx, slot_scale):
+  weighted = slot_scale is not None
+  scale = (slot_scale if weighted else jnp.zeros(topk_idx.shape, jnp.float32)).astype(jnp.float32)
+  return (_with_one_row(x, 0), _with_one_row(topk_idx.astype(jnp.int32), -1),
+          _with_one_row(scale, 0)), weighted
+
+
+def low_latency_dispatch(config: EPConfig, group_id: int, x, topk_idx, fp8=None,
+                         slot_scale=None):
+  """Send and wait in one call. Returns `(recv_x, scales or None, count, num_invalid, routing,
+  status)`; `slot_scale` `[T, K]` scales the row sent for each slot (plain rows only)."""
+  fmt, ue8m0 = low_latency_format(fp8)
+  operands, weighted = _ll_send_operands(x, topk_idx, slot_scale)
+  shapes = (jax.ShapeDtypeStruct((), jnp.int32), *_ll_dispatch_shapes(config, x.dtype, fmt, ue8m0))
+  num_invalid, recv_x, scales, count, recv_src, status = _call(
+      "jax_ep_low_latency_dispatch", shapes, *operands, vmap_method="sequential",
+      has_side_effect=True, group_id=np.int64(group_id), format=np.int32(fmt),
+      weighted=weighted, ue8m0=ue8m0)
+  routing = LowLatencyRouting(topk_idx.astype(jnp.int32), recv_src, count)
+  return recv_x, (None if fmt == LL_PLAIN else scales), count, num_invalid, routing, status
+
+
+def low_latency_dispatch_send(config: EPConfig, group_id: int, x, topk_idx, fp8=None):
+  """The send alone: returns `num_invalid` (the token the wait takes)."""
+  fmt, _ = low_latency_format(fp8)
+  operands, weighted = _ll_send_operands(x, topk_idx, None)
+  return _ll_call("jax_ep_low_latency_dispatch_send", jax.ShapeDtypeStruct((), jnp.int32),
+                  *operands, group_id=np.int64(group_id), format=np.int32(fmt),
+                  weighted=weighted)
+
+
+def low_latency_dispatch_wait(config: EPConfig, group_id: int, sent, topk_idx, x_dtype,
+                              fp8=None):
+  """The wait alone: `(recv_x, scales or None, count, routing, status)`."""
+  fmt, ue8m0 = low_latency_format(fp8)
+  recv_x, scales, count, recv_src, status = _ll_call(
+      "jax_ep_low_latency_dispatch_wait", _ll_dispatch_shapes(config, x_dtype, fmt, ue8m0), sent,
+      group_id=np.int64(group_id), format=np.int32(fmt), ue8m0=ue8m0)
+  routing = LowLatencyRouting(topk_idx.astype(jnp.int32), recv_src, count)
+  return recv_x, (None if fmt == LL_PLAIN else scales), count, routing, status
+
+
+def _ll_combine_shape(config: EPConfig, num_tokens: int, dtype, gather: bool):
+  rows = _storage_rows(num_tokens)
+  if gather:
+    return jax.ShapeDtypeStruct((rows, config.num_topk, config.hidden), dtype)
+  return jax.ShapeDtypeStruct((rows, config.hidden), dtype)
+
+
+def low_latency_combine(config: EPConfig, group_id: int, expert_out, routing: LowLatencyRouting,
+                        weights, gather: bool = False):
+  """Send and wait in one call: `(out [T, H] (or [T, K, H] with gather), status)`."""
+  num_tokens = routing.topk_idx.shape[0]
+  w = jnp.zeros(routing.topk_idx.shape, jnp.float32) if weights is None else weights
+  out, status = _call(
+      "jax_ep_low_latency_combine",
+      (_ll_combine_shape(config, num_tokens, expert_out.dtype, gather),
+       jax.ShapeDtypeStruct((), jnp.int32)),
+      expert_out, routing.recv_src, routing.count, _with_one_row(routing.topk_idx, -1),
+      _with_one_row(w.astype(jnp.float32), 0), vmap_method="sequential", has_side_effect=True,
+      group_id=np.int64(group_id), num_experts=np.int64(config.num_experts), gather=gather)
+  return out[:num_tokens], status
+
+
+def low_latency_combine_send(config: EPConfig, group_id: int, expert_out,
+                             routing: LowLatencyRouting):
+  return _ll_call("jax_ep_low_latency_combine_send", jax.ShapeDtypeStruct((), jnp.int32),
+                  expert_out, routing.recv_src, routing.count, group_id=np.int64(group_id))
+
+
+def low_latency_combine_wait(config: EPConfig, group_id: int, sent, routing: LowLatencyRouting,
+                             weights, dtype):
+  num_tokens = routing.topk_idx.shape[0]
+  out, status = _ll_call(
+      "jax_ep_low_latency_combine_wait",
+      (_ll_combine_shape(config, num_tokens, dtype, False), jax.ShapeDtypeStruct((), jnp.int32)),
+      sent, _with_one_row(routing.topk_idx, -1),
+      _with_one_row(weights.astype(jnp.float32), 0), group_id=np.int64(group_id),
+      num_experts=np.int64(config.num_experts), gather=False)
+  return out[:num_tokens], status

@@ -13,7 +13,7 @@ import numpy as np
 
 from jax_ep import _distributed, _effects, _ffi, _status, cuda_ops, intranode, reference
 from jax_ep import limits as jax_ep_limits
-from jax_ep.backends import BACKENDS, IntranodeBackend
+from jax_ep.backends import BACKENDS, CudaBackend, IntranodeBackend
 from jax_ep.config import EPConfig, default_capacity
 from jax_ep.limits import KernelLimits, kernel_limits
 
@@ -171,6 +171,9 @@ class MemoryEstimate:
     handle_bytes: routing metadata kept between dispatch and combine (the largest backend's).
     low_latency_recv_bytes: the low-latency dispatch output `[L, R*T_max, H]` (bf16 or fp8 plus
       scales, whichever asked).
+    low_latency_buffer_bytes: the part of `comm_buffer_bytes` that the low-latency buffers take
+      (two sets of `[L, R*T_max]` rows and `[T_max, K]` combine rows; cuda with
+      `low_latency=True` only).
     workspace_bytes: transient buffers of one call (the reference's exchange blocks, or the
       kernels' scratch).
     comm_buffer_bytes: library-owned communication buffers allocated once per group.
@@ -180,6 +183,7 @@ class MemoryEstimate:
   low_latency_recv_bytes: int
   workspace_bytes: int
   comm_buffer_bytes: int
+  low_latency_buffer_bytes: int = 0
 
   @property
   def total_bytes(self) -> int:
@@ -189,14 +193,16 @@ class MemoryEstimate:
 
 def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int,
                  max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
-                 backend: str = "reference", use_fp8: bool = False) -> MemoryEstimate:
+                 backend: str = "reference", use_fp8: bool = False,
+                 low_latency: bool = False) -> MemoryEstimate:
   """How much memory one rank needs for this configuration, before anything is allocated.
 
   Args:
     num_ranks: `R`. num_experts: `E` (divisible by `R`). num_topk: `K`. hidden: `H`.
     max_tokens_per_rank: `T_max`. dtype: activation dtype. capacity: receive rows per rank
       (default: `default_capacity`). backend: 'reference' or 'cuda'. use_fp8: size the
-      low-latency buffer for fp8 instead of the activation dtype.
+      low-latency output for fp8 instead of the activation dtype. low_latency: a cuda group
+      created with `low_latency=True` (its communication buffers include the low-latency ones).
   """
   dtype = _check_dtype(dtype)
   num_local = num_experts // num_ranks
@@ -209,18 +215,21 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   handle = 4 * (t * k + r * t * k + capacity) + 4 * t * k  # routing + the weights
   slab_rows = num_local * r * t
   if use_fp8:
-    low_latency = slab_rows * (hidden + 4 * (hidden // 128))
+    low_latency_rows = slab_rows * (hidden + 4 * (hidden // 128))
   else:
-    low_latency = slab_rows * hidden * dtype.itemsize
-  comm_buffers = 0
-  if backend == "cuda" and num_ranks == 1:
-    workspace = cuda_ops.layout_workspace_bytes(config)
-  elif backend == "cuda":
-    workspace = 0
-    comm_buffers = intranode.buffer_bytes(config)
+    low_latency_rows = slab_rows * hidden * dtype.itemsize
+  comm_buffers = ll_buffers = 0
+  if backend == "cuda":
+    workspace = cuda_ops.layout_workspace_bytes(config) if num_ranks == 1 else 0
+    comm_buffers = intranode.buffer_bytes(config, low_latency)
+    if low_latency:
+      ll_buffers = comm_buffers - intranode.buffer_bytes(config, False)
+      if num_ranks == 1:  # the one-rank group's buffer exists for the low-latency pair alone
+        ll_buffers = comm_buffers
   else:
     workspace = reference.scratch_bytes(config)
-  return MemoryEstimate(recv_x, handle, low_latency, workspace, comm_buffer_bytes=comm_buffers)
+  return MemoryEstimate(recv_x, handle, low_latency_rows, workspace,
+                        comm_buffer_bytes=comm_buffers, low_latency_buffer_bytes=ll_buffers)
 
 
 class Group:
@@ -273,12 +282,17 @@ class Group:
     raise_on_timeout: debug mode: after each multi-rank op, check its status on the host and
       raise `TimeoutError` right there (a host callback, one host synchronisation per op).
       Default False.
+    low_latency: allocate the low-latency buffers (cuda backend): the kernels of
+      `low_latency_dispatch` / `low_latency_combine` need them. Two sets of `L * R * T_max`
+      rows per rank (`memory_bytes(..., low_latency=True).low_latency_buffer_bytes`), so
+      off by default; the reference backend needs none.
   """
 
   def __init__(self, mesh, axis_name: str, *, num_experts: int, num_topk: int, hidden: int,
                max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
                backend: str = "auto", strict: bool = False, config_timeout_s: float = 60.0,
-               num_sms: int = 24, timeout_s: float = 60.0, raise_on_timeout: bool = False):
+               num_sms: int = 24, timeout_s: float = 60.0, raise_on_timeout: bool = False,
+               low_latency: bool = False):
     if axis_name not in mesh.axis_names:
       raise ValueError(f"jax_ep.Group: axis_name {axis_name!r} is not an axis of the mesh "
                        f"(mesh axes: {tuple(mesh.axis_names)})")
@@ -329,17 +343,24 @@ class Group:
                                          process_ids=members, timeout_s=config_timeout_s)
     self.backend_name, self.backend_reason = _resolve_backend(backend, mesh, self.config,
                                                               num_sms, hosts)
-    fields = dict(self.config.fingerprint(), backend=self.backend_name)
+    fields = dict(self.config.fingerprint(), backend=self.backend_name,
+                  low_latency=bool(low_latency))
+    self.low_latency = bool(low_latency)
     _distributed.check_same_config(key, fields, timeout_s=config_timeout_s, process_ids=subset)
     self._transport = None
     self._closed = False
     self._raise_on_timeout = bool(raise_on_timeout)
-    if self.backend_name == "cuda" and num_ranks > 1:
+    if self.backend_name == "cuda" and (num_ranks > 1 or self.low_latency):
       self._transport = intranode.create(self.config, mesh, key, num_sms=num_sms,
-                                         timeout_s=timeout_s, process_ids=subset)
+                                         timeout_s=timeout_s, process_ids=subset,
+                                         low_latency=self.low_latency)
       _OPEN_TRANSPORTS[id(self._transport)] = self._transport
-      self.backend = IntranodeBackend(self.config, self._transport.primary_id,
-                                 bool(raise_on_timeout))
+      ll_group = self._transport.primary_id if self.low_latency else None
+      if num_ranks > 1:
+        self.backend = IntranodeBackend(self.config, self._transport.primary_id,
+                                        bool(raise_on_timeout), ll_group)
+      else:  # one rank: local kernels, and the low-latency pair on the one-rank group
+        self.backend = CudaBackend(self.config, ll_group, bool(raise_on_timeout))
       self._status = _status.GroupStatus(repr(self), poll=self._transport.error)
       _status.WATCHDOG.watch(self._status)
     else:
@@ -393,7 +414,7 @@ class Group:
     return memory_bytes(num_ranks=c.num_ranks, num_experts=c.num_experts, num_topk=c.num_topk,
                         hidden=c.hidden, max_tokens_per_rank=c.max_tokens_per_rank,
                         dtype=c.dtype, capacity=c.capacity, backend=self.backend_name,
-                        use_fp8=use_fp8)
+                        use_fp8=use_fp8, low_latency=self.low_latency)
 
   def constrain(self, value, spec):
     """Lays `value` out as `spec` over the group's mesh, inside or outside `jit`.

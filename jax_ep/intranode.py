@@ -17,13 +17,15 @@ import numpy as np
 from jax_ep import _ffi
 from jax_ep.config import EPConfig
 
-def buffer_bytes(config: EPConfig) -> int:
-  """Bytes of one rank's library-owned communication buffer (0 without the extension)."""
+def buffer_bytes(config: EPConfig, low_latency: bool = False) -> int:
+  """Bytes of one rank's library-owned communication buffer (0 without the extension; at one
+  rank, only a group with the low-latency buffers has one)."""
   ext = _ffi.extension()
-  if ext is None or config.num_ranks == 1:
+  if ext is None or (config.num_ranks == 1 and not low_latency):
     return 0
   return int(ext.intranode_buffer_bytes(config.num_ranks, config.max_tokens_per_rank, config.hidden,
-                                   config.num_topk, np.dtype(config.dtype).itemsize))
+                                   config.num_topk, np.dtype(config.dtype).itemsize,
+                                   config.num_experts if low_latency else 0))
 
 
 @dataclasses.dataclass
@@ -80,7 +82,7 @@ def _client():
 
 
 def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
-           process_ids: list[int] | None = None,
+           process_ids: list[int] | None = None, low_latency: bool = False,
            exchange_timeout_s: float = 60.0) -> IntranodeTransport:
   """Allocates this process's buffers, exchanges handles with the peers and connects them.
 
@@ -103,7 +105,7 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
     return int(ext.intranode_group_create(
         device.local_hardware_id, rank, config.num_ranks, config.num_experts, config.num_topk,
         config.hidden, config.max_tokens_per_rank, itemsize, config.capacity, num_sms,
-        float(timeout_s)))
+        float(timeout_s), bool(low_latency)))
 
   if len(local) == len(devices):  # one process drives every device of the group
     ids = []

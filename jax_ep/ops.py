@@ -54,12 +54,16 @@ class LowLatencyResult(NamedTuple):
 
   Attributes:
     x: `[L, R*T_max, H]` (activation dtype, or float8_e4m3fn with `use_fp8`); rows of expert l
-      packed at the front of slab l, ordered by (source rank, source token, slot).
+      packed at the front of slab l, ordered by (source rank, source token); one row per
+      (token, expert). Rows past `count[l]`: zeros on the reference backend, unspecified on
+      the cuda backend (never read by `low_latency_combine`).
     scales: `[L, R*T_max, H/128]` float32 dequantisation scales with `use_fp8` (UE8M0 packed
       `[L, R*T_max, H/512]` int32 with `use_ue8m0`), else None.
-    count: `[L]` int32 valid rows per local expert.
-    num_dropped: `[]` int32 rows past a slab's `R*T_max` rows (only possible when a token names
-      one expert in several slots).
+    count: `[L]` int32 valid rows per local expert (the per-expert load of this call; sum it
+      over calls to monitor balance).
+    num_dropped: `[]` int32 rows that did not fit a slab: always 0 (a source brings at most
+      `T <= T_max` rows to each expert once duplicate slots are merged); kept so that code
+      written for `dispatch` reads the same field.
     num_invalid: `[]` int32 slots of this rank's `topk_idx` outside `[-1, E)`.
   """
   x: jax.Array
@@ -70,7 +74,15 @@ class LowLatencyResult(NamedTuple):
 
 
 class LowLatencyHandle(NamedTuple):
+  """Routing kept from `low_latency_dispatch` for `low_latency_combine` (a pytree of arrays).
+
+  Attributes:
+    routing: backend-specific integer metadata.
+    topk_idx: `[T, K]` the ids given to dispatch (combine merges the weights of slots that name
+      one expert, as dispatch merged their rows).
+  """
   routing: Any
+  topk_idx: jax.Array
 
 
 def _check_group(group, op: str) -> None:
@@ -251,9 +263,43 @@ def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):
   return primitives.combine_unweighted(group.backend, expert_out, handle.routing)
 
 
+def _low_latency_fp8(group: Group, op: str, use_fp8: bool, round_scale: bool, use_ue8m0: bool):
+  """The backends' `fp8` argument: None or `(round_scale, use_ue8m0)`, the options checked."""
+  if use_fp8 and group.hidden % 128:
+    raise ValueError(f"jax_ep.{op}: use_fp8=True needs hidden to be a multiple "
+                     f"of 128 (one scale per 128 channels), got hidden={group.hidden}")
+  if (round_scale or use_ue8m0) and not use_fp8:
+    raise ValueError(f"jax_ep.{op}: round_scale and use_ue8m0 need use_fp8=True")
+  if use_ue8m0 and not round_scale:
+    raise ValueError(f"jax_ep.{op}: use_ue8m0=True needs round_scale=True (UE8M0 "
+                     "holds powers of two only)")
+  if use_ue8m0 and group.hidden % 512:
+    raise ValueError(f"jax_ep.{op}: use_ue8m0=True needs hidden to be a "
+                     f"multiple of 512 (four scales per int32), got hidden={group.hidden}")
+  return (bool(round_scale), bool(use_ue8m0)) if use_fp8 else None
+
+
+def _merged_ids(group: Group, topk_idx):
+  """topk_idx with every later slot of a token that names the same expert set to -1."""
+  return merge_duplicate_slots(topk_idx, jnp.zeros(topk_idx.shape, jnp.float32),
+                               group.num_experts)[0]
+
+
+def _low_latency_outputs(group: Group, topk_idx, outs):
+  recv_x, scales, count, num_dropped, num_invalid, routing = outs
+  num_dropped = _strict_check(group, num_dropped)
+  return (LowLatencyResult(recv_x, scales, count, num_dropped, num_invalid),
+          LowLatencyHandle(routing, topk_idx))
+
+
 def low_latency_dispatch(group: Group, x, topk_idx, *, use_fp8: bool = False,
                          round_scale: bool = False, use_ue8m0: bool = False):
   """Decode-time dispatch: every receiver keeps a slab of `R*T_max` rows per local expert.
+
+  Slots of one token that name the same expert are one row (as in `dispatch`), so a source
+  brings at most `T` rows to a slab and nothing is ever dropped. On the cuda backend the group
+  must be created with `low_latency=True`; rows of a slab past `count` are then left
+  unspecified (the reference writes zeros): mask them before anything that mixes rows.
 
   Args:
     group: the `Group`. x: `[T, H]`. topk_idx: `[T, K]` int32 (as in `dispatch`).
@@ -269,41 +315,106 @@ def low_latency_dispatch(group: Group, x, topk_idx, *, use_fp8: bool = False,
   """
   _check_group(group, "low_latency_dispatch")
   _check_tokens(group, "low_latency_dispatch", x, topk_idx)
-  if use_fp8 and group.hidden % 128:
-    raise ValueError(f"jax_ep.low_latency_dispatch: use_fp8=True needs hidden to be a multiple "
-                     f"of 128 (one scale per 128 channels), got hidden={group.hidden}")
-  if (round_scale or use_ue8m0) and not use_fp8:
-    raise ValueError("jax_ep.low_latency_dispatch: round_scale and use_ue8m0 need use_fp8=True")
-  if use_ue8m0 and not round_scale:
-    raise ValueError("jax_ep.low_latency_dispatch: use_ue8m0=True needs round_scale=True (UE8M0 "
-                     "holds powers of two only)")
-  if use_ue8m0 and group.hidden % 512:
-    raise ValueError(f"jax_ep.low_latency_dispatch: use_ue8m0=True needs hidden to be a "
-                     f"multiple of 512 (four scales per int32), got hidden={group.hidden}")
-  fp8 = (bool(round_scale), bool(use_ue8m0)) if use_fp8 else None
-  recv_x, scales, count, num_dropped, num_invalid, routing = group.backend.low_latency_dispatch(
-      x, topk_idx, fp8)
-  num_dropped = _strict_check(group, num_dropped)
-  return (LowLatencyResult(recv_x, scales, count, num_dropped, num_invalid),
-          LowLatencyHandle(routing))
+  fp8 = _low_latency_fp8(group, "low_latency_dispatch", use_fp8, round_scale, use_ue8m0)
+  outs = primitives.low_latency_dispatch(group.backend, x, _merged_ids(group, topk_idx), fp8)
+  return _low_latency_outputs(group, topk_idx, outs)
+
+
+class LowLatencySent:
+  """What `low_latency_dispatch_send` / `low_latency_combine_send` return: the operation in
+  flight, to pass to the matching wait (a pytree; arrays only, the options are static)."""
+
+  def __init__(self, op: str, arrays, static):
+    self.op, self.arrays, self.static = op, arrays, static
+
+  def tree_flatten(self):
+    return (self.arrays,), (self.op, self.static)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(aux[0], children[0], aux[1])
+
+
+jax.tree_util.register_pytree_node_class(LowLatencySent)
+
+
+def low_latency_dispatch_send(group: Group, x, topk_idx, *, use_fp8: bool = False,
+                              round_scale: bool = False, use_ue8m0: bool = False):
+  """The send half of `low_latency_dispatch` (same arguments): the rows leave at once; work
+  placed between this and `low_latency_dispatch_wait` (which returns what
+  `low_latency_dispatch` returns) can run while they travel.
+
+  One send of each op may be outstanding per group: issue send, wait, send, wait; a second
+  send before the wait fails the group (`TimeoutError` naming the op). Not differentiable and
+  not batched by `vmap` (use `low_latency_dispatch` there).
+  """
+  _check_group(group, "low_latency_dispatch_send")
+  _check_tokens(group, "low_latency_dispatch_send", x, topk_idx)
+  fp8 = _low_latency_fp8(group, "low_latency_dispatch_send", use_fp8, round_scale, use_ue8m0)
+  merged = _merged_ids(group, topk_idx)
+  sent = group.backend.low_latency_dispatch_send(x, merged, fp8)
+  return LowLatencySent("dispatch", (sent, topk_idx, merged), (fp8, np.dtype(x.dtype).name))
+
+
+def low_latency_dispatch_wait(group: Group, sent: LowLatencySent):
+  """Receives what `low_latency_dispatch_send` sent: `(LowLatencyResult, LowLatencyHandle)`."""
+  _check_group(group, "low_latency_dispatch_wait")
+  if not isinstance(sent, LowLatencySent) or sent.op != "dispatch":
+    raise TypeError("jax_ep.low_latency_dispatch_wait: sent must be what "
+                    f"jax_ep.low_latency_dispatch_send returned, got {type(sent).__name__}")
+  state, topk_idx, merged = sent.arrays
+  fp8, dtype = sent.static
+  outs = group.backend.low_latency_dispatch_wait(state, merged, np.dtype(dtype), fp8)
+  return _low_latency_outputs(group, topk_idx, outs)
+
+
+def _check_low_latency_combine(group: Group, op: str, expert_out, handle):
+  _check_group(group, op)
+  c = group.config
+  want = (c.num_local_experts, c.low_latency_slab, c.hidden)
+  _check_array(op, "expert_out", expert_out, ndim=3, dtypes=(c.dtype,),
+               shape=("L", "R*T_max", "H"))
+  if expert_out.shape != want:
+    raise ValueError(f"jax_ep.{op}: expert_out must have shape [L, R*T_max, H] = "
+                     f"{want}, got {expert_out.shape}")
+  if not isinstance(handle, LowLatencyHandle):
+    raise TypeError(f"jax_ep.{op}: handle must be the LowLatencyHandle returned by "
+                    f"jax_ep.low_latency_dispatch, got {type(handle).__name__}")
+
+
+def _check_low_latency_weights(group: Group, op: str, handle, topk_weights):
+  _check_array(op, "topk_weights", topk_weights, ndim=2,
+               dtypes=(jnp.float32,), shape=("T", "K"))
+  if topk_weights.shape != handle.topk_idx.shape:
+    raise ValueError(f"jax_ep.{op}: topk_weights must have shape [T, K] = "
+                     f"{handle.topk_idx.shape}, got {topk_weights.shape}")
+  # A merged row carries the sum of the weights of the slots that name its expert.
+  return merge_duplicate_slots(handle.topk_idx, topk_weights, group.num_experts)[1]
 
 
 def low_latency_combine(group: Group, expert_out, handle: LowLatencyHandle, topk_weights):
-  """Decode-time combine: `expert_out` `[L, R*T_max, H]` -> `[T, H]`, weighted by `topk_weights`."""
-  _check_group(group, "low_latency_combine")
-  c = group.config
-  want = (c.num_local_experts, c.low_latency_slab, c.hidden)
-  _check_array("low_latency_combine", "expert_out", expert_out, ndim=3, dtypes=(c.dtype,),
-               shape=("L", "R*T_max", "H"))
-  if expert_out.shape != want:
-    raise ValueError(f"jax_ep.low_latency_combine: expert_out must have shape [L, R*T_max, H] = "
-                     f"{want}, got {expert_out.shape}")
-  if not isinstance(handle, LowLatencyHandle):
-    raise TypeError("jax_ep.low_latency_combine: handle must be the LowLatencyHandle returned by "
-                    f"jax_ep.low_latency_dispatch, got {type(handle).__name__}")
-  _check_array("low_latency_combine", "topk_weights", topk_weights, ndim=2,
-               dtypes=(jnp.float32,), shape=("T", "K"))
-  if topk_weights.shape != handle.routing.dest_rank.shape:
-    raise ValueError(f"jax_ep.low_latency_combine: topk_weights must have shape [T, K] = "
-                     f"{handle.routing.dest_rank.shape}, got {topk_weights.shape}")
-  return group.backend.low_latency_combine(expert_out, handle.routing, topk_weights)
+  """Decode-time combine: `expert_out` `[L, R*T_max, H]` -> `[T, H]`, weighted by `topk_weights`:
+  `out[t] = sum_k topk_weights[t, k] * expert_out[row(t, k)]` accumulated in fp32."""
+  _check_low_latency_combine(group, "low_latency_combine", expert_out, handle)
+  weights = _check_low_latency_weights(group, "low_latency_combine", handle, topk_weights)
+  return primitives.low_latency_combine(group.backend, expert_out, handle.routing, weights)
+
+
+def low_latency_combine_send(group: Group, expert_out, handle: LowLatencyHandle):
+  """The send half of `low_latency_combine`: the expert rows leave at once; pass the result and
+  the weights to `low_latency_combine_wait`. The rules of `low_latency_dispatch_send` apply."""
+  _check_low_latency_combine(group, "low_latency_combine_send", expert_out, handle)
+  sent = group.backend.low_latency_combine_send(expert_out, handle.routing)
+  return LowLatencySent("combine", (sent, handle), np.dtype(expert_out.dtype).name)
+
+
+def low_latency_combine_wait(group: Group, sent: LowLatencySent, topk_weights):
+  """Receives the rows `low_latency_combine_send` sent and reduces them: `[T, H]`."""
+  _check_group(group, "low_latency_combine_wait")
+  if not isinstance(sent, LowLatencySent) or sent.op != "combine":
+    raise TypeError("jax_ep.low_latency_combine_wait: sent must be what "
+                    f"jax_ep.low_latency_combine_send returned, got {type(sent).__name__}")
+  state, handle = sent.arrays
+  weights = _check_low_latency_weights(group, "low_latency_combine_wait", handle, topk_weights)
+  return group.backend.low_latency_combine_wait(state, handle.routing, weights,
+                                                np.dtype(sent.static))

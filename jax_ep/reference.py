@@ -196,6 +196,21 @@ def combine_vjp(config: EPConfig, d_out: jax.Array, expert_out: jax.Array, routi
 # ----------------------------------------------------------------------------------------------
 # Low-latency mode
 
+def _round_up_power_of_two(s: jax.Array) -> jax.Array:
+  """The smallest power of two >= s (positive finite float32), exactly, on the bits.
+
+  NOTES: not `exp2(ceil(log2(s)))`: XLA's exp2 is not exact (2^-17 came back one ulp low)."""
+  bits = jax.lax.bitcast_convert_type(s.astype(jnp.float32), jnp.uint32)
+  exponent = bits & 0x7F800000
+  mantissa = bits & 0x007FFFFF
+  normal = jnp.where(mantissa == 0, bits, exponent + 0x00800000)
+  # Subnormal: the next power of two of the mantissa.
+  high = (32 - jax.lax.clz(mantissa)).astype(jnp.uint32)
+  subnormal = jnp.where((mantissa & (mantissa - 1)) == 0, bits,
+                        jnp.left_shift(jnp.uint32(1), high))
+  return jax.lax.bitcast_convert_type(jnp.where(exponent == 0, subnormal, normal), jnp.float32)
+
+
 def _fp8_quantize(x: jax.Array, block: int = 128, round_scale: bool = False):
   """Per-token, per-`block`-channel e4m3 quantisation: `(q [T, H] f8, scales [T, H/block] f32)`.
 
@@ -206,7 +221,7 @@ def _fp8_quantize(x: jax.Array, block: int = 128, round_scale: bool = False):
   amax = jnp.max(jnp.abs(xb), axis=-1)
   scales = jnp.where(amax > 0, amax * (1.0 / 448.0), 1.0).astype(jnp.float32)
   if round_scale:
-    scales = jnp.exp2(jnp.ceil(jnp.log2(scales))).astype(jnp.float32)
+    scales = _round_up_power_of_two(scales)
   q = (xb / scales[..., None]).astype(jnp.float8_e4m3fn)
   return q.reshape(x.shape), scales
 

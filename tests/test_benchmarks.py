@@ -247,3 +247,20 @@ def test_bench_layer_writes_grouped_matmul_and_layer_records(tmp_path):
     assert r["impl"] == "xla" and r["median_us"] > 0 and r["fraction"] > 0
     assert {"tflops", "bound_tflops", "experts", "hidden", "ffn", "tokens_per_rank",
             "ranks", "gpu", "jax", "date", "commit"} <= set(r)
+
+
+def test_bench_low_latency_runs_on_the_reference_backend(tmp_path):
+  """No GPU here: the script runs the reference (no device trace, so no timed records) and
+  still reports the fp8 round trip's error against bf16."""
+  out = tmp_path / "ll.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_low_latency.py"), "--tokens", "4",
+       "--hidden", "256", "--experts", "16", "--topk", "4", "--layers", "2", "--repeats", "3",
+       "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  errors = [r for r in records if r["op"] == "fp8_error"]
+  assert errors and errors[0]["mode"] == "low_latency" and errors[0]["ranks"] == 2
+  assert 0 < errors[0]["max_rel_error"] < 0.1  # e4m3 rows: a few per cent at most

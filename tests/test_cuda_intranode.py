@@ -24,11 +24,18 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from ep_test_base import EPTestBase, make_routing, random_inputs
+from low_latency_test_base import CudaLowLatencyTests, run_graph_worker
 from jax_ep.testing import oracle
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
 NUM_RANKS = jax.device_count()
+
+
+@pytest.mark.skipif(NUM_RANKS < 2, reason="the intranode transport needs at least 2 ranks")
+class TestCudaIntranodeLowLatency(CudaLowLatencyTests):
+  rank_counts = (NUM_RANKS,)
+  small_ranks = NUM_RANKS
 
 
 @pytest.mark.skipif(NUM_RANKS < 2, reason="the intranode transport needs at least 2 ranks")
@@ -132,7 +139,16 @@ WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "intranode_fault_
 
 
 @pytest.mark.skipif(jax.process_count() > 1, reason="starts its own processes")
-@pytest.mark.parametrize("mode", ["skip_call", "skip_call_debug", "mismatch"])
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+def test_low_latency_decode_step_in_command_buffers(mode):
+  """Two ranks sharing GPU 0: a jitted decode step of several low-latency layers inside XLA
+  command buffers, 60 steps with changing routings, each checked against the oracle."""
+  run_graph_worker(mode, 2)
+
+
+@pytest.mark.skipif(jax.process_count() > 1, reason="starts its own processes")
+@pytest.mark.parametrize("mode", ["skip_call", "skip_call_debug", "mismatch",
+                                  "skip_low_latency"])
 def test_fault_cases_fail_fast(mode):
   """One rank skips a dispatch: with the defaults the watchdog logs the timeout and check()
   and the next call raise it; in the debug mode the op raises; either way naming op, rank and
@@ -147,6 +163,10 @@ def test_fault_cases_fail_fast(mode):
     assert "check() raised after" in log and "next call failed" in log, log
     # Logged by the watchdog, raised by check(), and the text of the next call's failure.
     assert log.count("jax_ep.dispatch: rank 0 timed out after 2.0 s waiting for rank 1") >= 3, log
+  elif mode == "skip_low_latency":
+    assert "check() raised after" in log, log
+    assert log.count("jax_ep.low_latency_dispatch: rank 0 timed out after 2.0 s waiting for "
+                     "rank 1") >= 2, log
   elif mode == "skip_call_debug":
     assert "raised after" in log and "rank 0 timed out" in log and "rank 1" in log, log
   else:

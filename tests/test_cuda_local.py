@@ -12,9 +12,20 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from ep_test_base import EPTestBase, assert_close, make_routing, random_inputs, tolerance
+from low_latency_test_base import CudaLowLatencyTests, run_graph_worker
 from jax_ep.testing import oracle
 
 pytestmark = pytest.mark.gpu
+
+
+
+class TestCudaLocalLowLatency(CudaLowLatencyTests):
+  rank_counts = (1,)
+  small_ranks = 1
+
+  @pytest.mark.parametrize("mode", ["bf16", "fp8"])
+  def test_decode_step_in_command_buffers(self, mode):
+    run_graph_worker(mode, 1)
 
 
 class TestCudaLocal(EPTestBase):

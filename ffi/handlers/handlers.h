@@ -31,4 +31,15 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeCombine);
 // "jax_ep_intranode_combine_vjp"     — ffi/handlers/intranode_combine_vjp.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeCombineVjp);
 
+// Low-latency pair over the same groups (ffi/handlers/low_latency.cc):
+// "jax_ep_low_latency_dispatch_send" / "_dispatch_wait" /
+// "_combine_send" / "_combine_wait", and each pair fused in one call:
+// "jax_ep_low_latency_dispatch" / "jax_ep_low_latency_combine".
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyDispatch);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyCombine);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyDispatchSend);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyDispatchWait);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyCombineSend);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyCombineWait);
+
 #endif  // JAX_EP_FFI_HANDLERS_HANDLERS_H_

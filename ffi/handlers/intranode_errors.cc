@@ -26,6 +26,10 @@ const char* OpName(int32_t op) {
       return "jax_ep.combine";
     case intranode::OpCode::kCombineVjp:
       return "jax_ep.combine_vjp";
+    case intranode::OpCode::kLowLatencyDispatch:
+      return "jax_ep.low_latency_dispatch";
+    case intranode::OpCode::kLowLatencyCombine:
+      return "jax_ep.low_latency_combine";
     case intranode::OpCode::kNone:
       break;
   }
@@ -68,6 +72,14 @@ std::optional<std::string> PendingError(const Group& group) noexcept {
     const int32_t what = m->wait_kind;
     const int32_t region = m->region;
     const unsigned long long seq = m->seq;
+    if (what == static_cast<int32_t>(intranode::WaitKind::kOutOfOrder)) {
+      return std::string(OpName(op)) + ": rank " + std::to_string(rank) +
+             " issued call " + std::to_string(seq) +
+             "'s send before the previous call's wait, or a wait with no "
+             "send before it: one send may be outstanding per low-latency "
+             "op (issue send, wait, send, wait). The intranode group is "
+             "unusable; recreate it.";
+    }
     std::string msg = std::string(OpName(op)) + ": rank " +
                       std::to_string(rank) + " timed out after " +
                       FormatSeconds(group.config.timeout_s) +

@@ -36,6 +36,7 @@ struct BufferHeader {
   int64_t max_tokens;
   int64_t itemsize;
   int64_t capacity;
+  int64_t low_latency;
   // The owner's GPU (cudaDeviceProp::uuid): not part of the configuration,
   // read on connect to tell whether every rank has a GPU of its own.
   unsigned char device_uuid[16];
@@ -135,6 +136,7 @@ BufferHeader MakeHeader(const GroupConfig& c) {
   h.max_tokens = c.max_tokens;
   h.itemsize = c.itemsize;
   h.capacity = c.capacity;
+  h.low_latency = c.low_latency ? 1 : 0;
   return h;
 }
 
@@ -157,6 +159,7 @@ std::string HeaderMismatch(const BufferHeader& mine, const BufferHeader& peer,
       {"max_tokens_per_rank", {mine.max_tokens, peer.max_tokens}},
       {"itemsize", {mine.itemsize, peer.itemsize}},
       {"capacity", {mine.capacity, peer.capacity}},
+      {"low_latency", {mine.low_latency, peer.low_latency}},
   };
   for (const auto& f : fields) {
     if (f.second.first != f.second.second) {
@@ -189,9 +192,10 @@ void FinishConnect(Group& g) {
   v.own = static_cast<char*>(g.buffer);
   v.state = g.state;
   v.mailbox = g.mailbox_device;
-  v.layout = intranode::MakeBufferLayout(g.config.num_ranks,
-                                         g.config.max_tokens, g.config.hidden,
-                                         g.config.num_topk, g.config.itemsize);
+  v.layout = intranode::MakeBufferLayout(
+      g.config.num_ranks, g.config.max_tokens, g.config.hidden,
+      g.config.num_topk, g.config.itemsize,
+      g.config.low_latency ? g.config.num_experts : 0);
   v.max_tokens = g.config.max_tokens;
   v.hidden = g.config.hidden;
   v.timeout_ns = static_cast<int64_t>(g.config.timeout_s * 1e9);
@@ -201,6 +205,8 @@ void FinishConnect(Group& g) {
   v.itemsize = static_cast<int32_t>(g.config.itemsize);
   v.num_blocks = g.config.num_sms;
   v.receive_while_sending = g.receive_while_sending ? 1 : 0;
+  v.num_local = static_cast<int32_t>(g.config.num_experts / num_ranks);
+  v.low_latency = g.config.low_latency ? 1 : 0;
   // Published under the registry lock: Lookup reads it under the same lock.
   std::lock_guard<std::mutex> lock(RegistryMutex());
   g.connected = true;
@@ -232,11 +238,19 @@ void Release(Group& g) noexcept {
 }  // namespace
 
 int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
-                    int64_t num_topk, int64_t itemsize) {
+                    int64_t num_topk, int64_t itemsize,
+                    int64_t low_latency_experts) {
   ValidateBufferArgs("intranode_buffer_bytes", num_ranks, max_tokens, hidden,
                      num_topk, itemsize);
+  CheckRange(low_latency_experts >= 0 &&
+                 low_latency_experts % num_ranks == 0 &&
+                 low_latency_experts / num_ranks <= kMaxExperts,
+             "intranode_buffer_bytes",
+             "low_latency_experts is " + std::to_string(low_latency_experts) +
+                 ", expected 0 or a multiple of num_ranks with at most " +
+                 std::to_string(kMaxExperts) + " per rank");
   return intranode::MakeBufferLayout(num_ranks, max_tokens, hidden, num_topk,
-                                     itemsize)
+                                     itemsize, low_latency_experts)
       .total;
 }
 
@@ -275,8 +289,9 @@ int64_t Create(const GroupConfig& c) {
 
   auto g = std::make_shared<Group>();
   g->config = c;
-  g->buffer_bytes =
-      BufferBytes(c.num_ranks, c.max_tokens, c.hidden, c.num_topk, c.itemsize);
+  g->buffer_bytes = BufferBytes(c.num_ranks, c.max_tokens, c.hidden,
+                                c.num_topk, c.itemsize,
+                                c.low_latency ? c.num_experts : 0);
   DeviceGuard guard(c.device);
   try {
     // NOTES: load every kernel the intranode ops launch now: a lazy module load

@@ -40,6 +40,8 @@ struct GroupConfig {
   int64_t capacity = 0;     // rows of recv_x
   int num_sms = 24;         // blocks of every communication kernel
   double timeout_s = 60.0;  // every spin-wait gives up after this long
+  bool low_latency = false;  // allocate the low-latency buffers (L * R * T_max
+                             // rows, two sets: BufferLayout::ll_*)
 };
 
 struct Group {
@@ -63,8 +65,10 @@ struct Group {
 
 // Bytes of one rank's buffer (intranode::MakeBufferLayout). Throws
 // std::invalid_argument on arguments out of range.
+// `low_latency_experts`: E with the low-latency buffers, else 0.
 int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
-                    int64_t num_topk, int64_t itemsize);
+                    int64_t num_topk, int64_t itemsize,
+                    int64_t low_latency_experts = 0);
 
 // Allocates and registers a group on config.device; returns its id.
 int64_t Create(const GroupConfig& config);

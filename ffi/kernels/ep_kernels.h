@@ -226,7 +226,21 @@ enum SendCounter : int32_t {
   kRowsSendCounter = 1,
   kCombineSendCounter = 2,
   kDotsSendCounter = 3,
-  kNumSendCounters = 4,
+  // The low-latency kernels (low_latency.cu): each of their four kernels
+  // finds its last block with one of these.
+  kLowLatencyDispatchSendCounter = 4,
+  kLowLatencyDispatchWaitCounter = 5,
+  kLowLatencyCombineSendCounter = 6,
+  kLowLatencyCombineWaitCounter = 7,
+  kNumSendCounters = 8,
+};
+
+// The two low-latency ops; each has its own sequence counter, buffer sets and
+// flags (DeviceState::ll_seq, BufferLayout::ll_*).
+enum LowLatencyOp : int32_t {
+  kLowLatencyDispatch = 0,
+  kLowLatencyCombine = 1,
+  kNumLowLatencyOps = 2,
 };
 
 // Op codes recorded in the error mailbox.
@@ -236,6 +250,8 @@ enum class OpCode : int32_t {
   kDispatchCached = 2,
   kCombine = 3,
   kCombineVjp = 4,
+  kLowLatencyDispatch = 5,
+  kLowLatencyCombine = 6,
 };
 
 // What a timed-out spin was waiting for.
@@ -244,6 +260,9 @@ enum class WaitKind : int32_t {
   kConsumed = 1,  // the peer to release its region from the previous call
   kArrival = 2,   // the peer's data of this call
   kCounts = 3,    // the peer's dispatch counts of this call (notify)
+  // Not a wait: a low-latency send issued before the wait of its previous
+  // call, or a wait with no send before it (`peer` is this rank).
+  kOutOfOrder = 4,
 };
 
 // Byte offsets of the regions of one rank's buffer (the receiver side).
@@ -272,7 +291,19 @@ enum class WaitKind : int32_t {
 //   dots              [R expert rank][T_max][K] float32
 //   flags             arrival[kNumRegions][R] u64, consumed[kNumRegions] u64,
 //                     notify[R] u64 (dispatch counts, dispatch region's seq)
-// each rounded up to kRegionAlign bytes.
+// and, only in a group created with low-latency buffers (L = E / R local
+// experts, two sets b = 0, 1 of each; see ffi/kernels/low_latency.cu):
+//   ll_dispatch_rows[b]  [L][R src][T_max] rows of ll_row_bytes = H * itemsize
+//                        (an fp8 row is H bytes of e4m3 then H / 128 float32
+//                        scales, which fit in H * itemsize for itemsize >= 2)
+//   ll_dispatch_meta[b]  [L][R src][T_max] int32  t * K + k of the row's token
+//                        and (first) slot on its source
+//   ll_combine_rows[b]   [T_max][K] rows of ll_row_bytes (the expert output
+//                        row of each of this rank's slots)
+//   ll_send_counts       [E] int32: rows per expert this rank sends in the
+//                        current call (only its own kernels touch it)
+//   ll_flags             dispatch[2][L][R src] u64, then combine[2][R] u64
+// each rounded up to kRegionAlign bytes (all zero without low-latency).
 struct BufferLayout {
   int64_t dispatch_rows;
   int64_t dispatch_meta;
@@ -284,6 +315,12 @@ struct BufferLayout {
   int64_t combine_rows;
   int64_t dots;
   int64_t flags;
+  int64_t ll_dispatch_rows[2];
+  int64_t ll_dispatch_meta[2];
+  int64_t ll_combine_rows[2];
+  int64_t ll_send_counts;
+  int64_t ll_flags;
+  int64_t ll_row_bytes;
   int64_t total;  // bytes of the whole buffer
 };
 
@@ -292,9 +329,11 @@ inline int64_t AlignRegion(int64_t bytes) {
 }
 
 // Pure host arithmetic; callers validate the arguments (all >= 1).
+// `num_experts` > 0 adds the low-latency buffers (0: none).
 inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
                                      int64_t hidden, int64_t num_topk,
-                                     int64_t itemsize) {
+                                     int64_t itemsize,
+                                     int64_t low_latency_experts = 0) {
   const int64_t rows = num_ranks * max_tokens;  // N
   BufferLayout l;
   int64_t at = kHeaderBytes;
@@ -318,6 +357,26 @@ inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
   at += AlignRegion(rows * num_topk * 4);
   l.flags = at;
   at += AlignRegion((kNumRegions * num_ranks + kNumRegions + num_ranks) * 8);
+  l.ll_row_bytes = low_latency_experts > 0 ? hidden * itemsize : 0;
+  const int64_t num_local =
+      low_latency_experts > 0 ? low_latency_experts / num_ranks : 0;
+  const int64_t slab_rows = num_local * num_ranks * max_tokens;
+  for (int b = 0; b < 2; ++b) {
+    l.ll_dispatch_rows[b] = at;
+    at += AlignRegion(slab_rows * l.ll_row_bytes);
+    l.ll_dispatch_meta[b] = at;
+    at += AlignRegion(slab_rows * 4);
+    l.ll_combine_rows[b] = at;
+    at += AlignRegion(low_latency_experts > 0
+                          ? max_tokens * num_topk * l.ll_row_bytes
+                          : 0);
+  }
+  l.ll_send_counts = at;
+  at += AlignRegion(low_latency_experts * 4);
+  l.ll_flags = at;
+  at += AlignRegion(low_latency_experts > 0
+                        ? (2 * num_local * num_ranks + 2 * num_ranks) * 8
+                        : 0);
   l.total = at;
   return l;
 }
@@ -327,6 +386,12 @@ inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
 struct DeviceState {
   unsigned long long seq[kNumRegions];  // completed calls per region
   unsigned long long blocks_done[kNumSendCounters];  // monotonic
+  // Completed calls of each low-latency op (its wait advances it; call n,
+  // 0-based, uses buffer set n % 2 and tags its flags with n + 1), and
+  // whether its send was issued and its wait not yet.
+  unsigned long long ll_seq[kNumLowLatencyOps];
+  unsigned int ll_pending[kNumLowLatencyOps];
+  unsigned int ll_invalid;  // invalid ids of the current dispatch send
   unsigned int aborted;        // sticky: a spin of this group timed out
                                // (never reset: send blocks that returned
                                // early left blocks_done out of phase)
@@ -374,6 +439,8 @@ struct GroupView {
                               // share a GPU (MPS), where a spinning block could
                               // hold the SMs a peer's sender needs, or chunk
                               // counts could not be added atomically
+  int32_t num_local;    // L = E / R local experts (low-latency ops)
+  int32_t low_latency;  // 1: the buffer has the low-latency regions
 };
 
 // The `workspace` result of jax_ep_intranode_dispatch (int32 elements),
@@ -505,6 +572,66 @@ cudaError_t CombineVjp(const GroupView& g, ElementType dtype, const void* d_out,
                        cudaStream_t stream);
 
 }  // namespace intranode
+
+// ---------------------------------------------------------------------------
+// Low-latency (decode) ops over the intranode group's low-latency buffers:
+// every address is known before the call, so the send is the first action;
+// each op is a send and a wait, two launchers (and two custom calls) so that
+// independent work can run between them. Protocol: ffi/kernels/low_latency.cu.
+// Slots of one token that name the same expert are one row (the first slot's).
+// ---------------------------------------------------------------------------
+namespace low_latency {
+
+// Rows of a low-latency dispatch's output: plain (x's dtype), or e4m3 with one
+// float32 scale per 128 channels (kFp8: amax / 448; kFp8PowerOfTwo: rounded up
+// to a power of two).
+enum class RowFormat : int32_t { kPlain = 0, kFp8 = 1, kFp8PowerOfTwo = 2 };
+
+// Sends every token's row to the rank of each expert it selects, at
+// ll_dispatch_rows[set][l][this rank][j] (j: the token's position among this
+// rank's tokens that select the expert), then each (rank, local expert)'s
+// count as its arrival flag. `slot_scale` (`[T, K]` float32, may be null;
+// plain rows only) multiplies the row sent for slot k (the weighted dispatch
+// of combine's gradient). num_invalid `[]` int32 out: ids < -1 or >= E.
+cudaError_t DispatchSend(const intranode::GroupView& g, ElementType dtype,
+                         RowFormat format, const void* x,
+                         const int32_t* topk_idx, const float* slot_scale,
+                         int64_t num_tokens, int32_t* num_invalid,
+                         cudaStream_t stream);
+
+// Waits for every source's counts and packs expert l's rows at the front of
+// recv_x[l] in (source rank, source token) order.
+//   recv_x     `[L, R*T_max, H]` x dtype or e4m3 out (rows past count[l] are
+//              left as they were)
+//   scales     `[L, R*T_max, H/128]` float32, or UE8M0 `[L, R*T_max, H/512]`
+//              int32 with `ue8m0` (fp8 formats only; may be null otherwise)
+//   count      `[L]` int32 out   recv_src `[L, R*T_max]` int32 out:
+//              s * T_max * K + t * K + k of each row, -1 past count
+//   status     `[]` int32 out: 0 ok, 1 the group failed
+cudaError_t DispatchWait(const intranode::GroupView& g, ElementType dtype,
+                         RowFormat format, bool ue8m0, void* recv_x,
+                         void* scales, int32_t* count, int32_t* recv_src,
+                         int32_t* status, cudaStream_t stream);
+
+// Sends each valid row (l, i < count[l]) of expert_out `[L, R*T_max, H]` to
+// its token's home rank (recv_src), then the arrival flag of every home.
+cudaError_t CombineSend(const intranode::GroupView& g, ElementType dtype,
+                        const void* expert_out, const int32_t* recv_src,
+                        const int32_t* count, cudaStream_t stream);
+
+// Waits for every rank's rows; out[t] = sum over k ascending of
+// weights[t, k] * row(t, k) in fp32, rounded once (`[T, H]`; the row of a
+// slot is the one of the first slot of t that names the same expert; slots
+// with ids outside [0, E) add nothing). With `gather`, out is `[T, K, H]`:
+// row(t, k) itself, zeros for slots that select nothing (weights unread).
+cudaError_t CombineWait(const intranode::GroupView& g, ElementType dtype,
+                        const int32_t* topk_idx, const float* weights,
+                        int64_t num_tokens, int64_t num_experts, bool gather,
+                        void* out, int32_t* status, cudaStream_t stream);
+
+cudaError_t PreloadKernels();
+
+}  // namespace low_latency
 
 }  // namespace jax_ep
 

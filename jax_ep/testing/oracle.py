@@ -104,15 +104,16 @@ def low_latency_dispatch(x, topk_idx, num_experts: int, max_tokens_per_rank: int
   slab = num_ranks * max_tokens_per_rank
   out = []
   for d in range(num_ranks):
-    slots = _routed_slots(topk_idx, num_experts, d, num_local, merge=False)
+    # Slots of one token naming the same expert are one row (merged, as in `dispatch`).
+    slots = _routed_slots(topk_idx, num_experts, d, num_local, merge=True)
     recv_x = np.zeros((num_local, slab, hidden), x.dtype)
     count = np.zeros(num_local, np.int32)
     rows = {}
     dropped = 0
-    for le, s, t, (k,) in slots:
+    for le, s, t, ks in slots:
       if count[le] < slab:
         recv_x[le, count[le]] = x[s, t]
-        rows[(s, t, k)] = (le, int(count[le]))
+        rows[(s, t, ks)] = (le, int(count[le]))
         count[le] += 1
       else:
         dropped += 1
@@ -127,8 +128,8 @@ def low_latency_combine(expert_out, dispatched, topk_weights, out_dtype):
   out = np.zeros((num_ranks, num_tokens, hidden), np.float64)
   for d, info in enumerate(dispatched):
     eo = np.asarray(expert_out[d], np.float64)
-    for (s, t, k), (le, j) in info["rows"].items():
-      out[s, t] += topk_weights[s, t, k] * eo[le, j]
+    for (s, t, ks), (le, j) in info["rows"].items():
+      out[s, t] += sum(topk_weights[s, t, k] for k in ks) * eo[le, j]
   return out.astype(out_dtype)
 
 

@@ -6,6 +6,7 @@
                    naming the op, rank 0 and rank 1, and the next call of the same program
                    fails at once with that text. Then both close the group and exit 0.
   skip_call_debug: the same with `raise_on_timeout=True`: the dispatch itself raises.
+  skip_low_latency: rank 1 never calls low_latency_dispatch; as skip_call (its wait times out).
   mismatch:        the processes pass different `hidden`; both must fail at group creation.
 """
 
@@ -36,7 +37,8 @@ def main(mode):
     group = jax_ep.Group(mesh, "ep", num_experts=8, num_topk=2, hidden=hidden,
                          max_tokens_per_rank=16, dtype=jnp.bfloat16, backend="cuda",
                          timeout_s=2.0, config_timeout_s=30,
-                         raise_on_timeout=mode == "skip_call_debug")
+                         raise_on_timeout=mode == "skip_call_debug",
+                         low_latency=mode == "skip_low_latency")
   except ValueError as e:
     print(f"process {me}: {e}", flush=True)
     return 0 if mode == "mismatch" else 1
@@ -54,7 +56,10 @@ def main(mode):
                                      lambda i: np.tile(np.array([0, 5], np.int32), (2, 16, 1))[i])
   w = jax.make_array_from_callback((2, 16, 2), sharding,
                                    lambda i: np.ones((2, 16, 2), np.float32)[i])
-  body = lambda x, i, w: jax_ep.dispatch(group, x[0], i[0], w[0])[0].x[None]
+  if mode == "skip_low_latency":
+    body = lambda x, i, w: jax_ep.low_latency_dispatch(group, x[0], i[0])[0].count[None]
+  else:
+    body = lambda x, i, w: jax_ep.dispatch(group, x[0], i[0], w[0])[0].x[None]
   step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
   start = time.monotonic()
   try:

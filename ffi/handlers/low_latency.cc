@@ -1,0 +1,417 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// FFI adapters of the low-latency pair (kernels: ffi/kernels/low_latency.cu),
+// two custom calls per op so that XLA can run independent work between the
+// send and the wait. Per rank, no batch dims (L local experts, S = R * T_max
+// rows per expert slab):
+//
+// jax_ep_low_latency_dispatch_send
+//   x `[T, H]` group dtype, topk_idx `[T, K]` int32, slot_scale `[T, K]` f32
+//   (read only when `weighted`; plain rows only) ->
+//   num_invalid `[]` int32 (the wait takes it: it orders the wait after the
+//   send). attrs: group_id, format (0 plain, 1 fp8, 2 fp8 with power-of-two
+//   scales), weighted.
+// jax_ep_low_latency_dispatch_wait
+//   sent `[]` int32 -> recv_x `[L, S, H]` (group dtype, or f8e4m3fn), scales
+//   (`[L, S, H/128]` f32, `[L, S, H/512]` s32 with ue8m0, any one-element
+//   array for plain rows), count `[L]` int32, recv_src `[L, S]` int32,
+//   status `[]` int32. attrs: group_id, format, ue8m0.
+// jax_ep_low_latency_combine_send
+//   expert_out `[L, S, H]`, recv_src `[L, S]`, count `[L]` -> sent `[]` int32
+//   (zero). attrs: group_id.
+// jax_ep_low_latency_combine_wait
+//   sent `[]`, topk_idx `[T, K]` int32, weights `[T, K]` f32 -> out `[T, H]`
+//   (or `[T, K, H]` with gather), status `[]`. attrs: group_id, num_experts,
+//   gather.
+// jax_ep_low_latency_dispatch / jax_ep_low_latency_combine: the pair fused in
+// one custom call (the operands of the send, the results of both).
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/handlers.h"
+#include "ffi/handlers/intranode_common.h"
+#include "ffi/handlers/intranode_group.h"
+#include "ffi/kernels/ep_kernels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_ep {
+namespace {
+
+namespace ffi = ::xla::ffi;
+using intranode_ffi::CheckShape;
+using low_latency::RowFormat;
+
+constexpr char kDispatchSend[] = "jax_ep_low_latency_dispatch_send";
+constexpr char kDispatchWait[] = "jax_ep_low_latency_dispatch_wait";
+constexpr char kCombineSend[] = "jax_ep_low_latency_combine_send";
+constexpr char kCombineWait[] = "jax_ep_low_latency_combine_wait";
+
+// The group, which must have been created with the low-latency buffers.
+ffi::Error GetLowLatencyGroup(
+    const char* op, int64_t group_id,
+    std::shared_ptr<const intranode_group::Group>* group) {
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(op, group_id, group));
+  if (!(*group)->config.low_latency) {
+    return ffi_utils::InvalidArgument(
+        op, "intranode group " + std::to_string(group_id) +
+                " has no low-latency buffers (create the jax_ep.Group with "
+                "low_latency=True)");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckFormat(const char* op, int32_t format,
+                       const intranode_group::Group& g) {
+  if (format < 0 || format > 2) {
+    return ffi_utils::InvalidArgument(
+        op, "attribute format is " + std::to_string(format) +
+                ", expected 0 (plain), 1 (fp8) or 2 (fp8, power-of-two "
+                "scales)");
+  }
+  if (format != 0 && g.config.hidden % 128 != 0) {
+    return ffi_utils::InvalidArgument(
+        op, "fp8 rows need hidden to be a multiple of 128, got hidden = " +
+                std::to_string(g.config.hidden));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error CheckTopk(const char* op, ffi_utils::Dims dims,
+                     const intranode_group::Group& g, int64_t* num_tokens) {
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(op, "topk_idx", dims, {-1, g.config.num_topk}, "[T, K]"));
+  *num_tokens = dims[0];
+  return intranode_ffi::CheckTokens(op, "topk_idx", *num_tokens, g);
+}
+
+ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                            ffi::Buffer<ffi::S32> topk_idx,
+                            ffi::Buffer<ffi::F32> slot_scale,
+                            ffi::ResultBuffer<ffi::S32> num_invalid,
+                            int64_t group_id, int32_t format, bool weighted) {
+  std::shared_ptr<const intranode_group::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      GetLowLatencyGroup(kDispatchSend, group_id, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckFormat(kDispatchSend, format, *group));
+  int64_t num_tokens = 0;
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckTopk(kDispatchSend, topk_idx.dimensions(), *group, &num_tokens));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kDispatchSend, "x", x.dimensions(),
+                                        {num_tokens, group->config.hidden},
+                                        "[T, H]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kDispatchSend, "slot_scale",
+                                        slot_scale.dimensions(),
+                                        {num_tokens, group->config.num_topk},
+                                        "[T, K]"));
+  ElementType dtype;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+      kDispatchSend, "x", x.element_type(), *group, &dtype));
+  if (weighted && format != 0) {
+    return ffi_utils::InvalidArgument(
+        kDispatchSend, "weighted=True takes plain rows (format 0), got format " +
+                           std::to_string(format));
+  }
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kDispatchSend, "x", x.untyped_data()));
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      kDispatchSend,
+      low_latency::DispatchSend(
+          group->view, dtype, static_cast<RowFormat>(format), x.untyped_data(),
+          topk_idx.typed_data(), weighted ? slot_scale.typed_data() : nullptr,
+          num_tokens, num_invalid->typed_data(), stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error DispatchWaitCore(cudaStream_t stream,
+                            ffi::Result<ffi::AnyBuffer> recv_x,
+                            ffi::Result<ffi::AnyBuffer> scales,
+                            ffi::ResultBuffer<ffi::S32> count,
+                            ffi::ResultBuffer<ffi::S32> recv_src,
+                            ffi::ResultBuffer<ffi::S32> status,
+                            int64_t group_id, int32_t format, bool ue8m0) {
+  std::shared_ptr<const intranode_group::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      GetLowLatencyGroup(kDispatchWait, group_id, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckFormat(kDispatchWait, format, *group));
+  const intranode_group::GroupConfig& c = group->config;
+  const int64_t num_local = c.num_experts / c.num_ranks;
+  const int64_t slab = c.num_ranks * c.max_tokens;
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kDispatchWait, "recv_x",
+                                        recv_x->dimensions(),
+                                        {num_local, slab, c.hidden},
+                                        "[L, R*T_max, H]"));
+  ElementType dtype = ElementType::kBF16;
+  if (format == 0) {
+    JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+        kDispatchWait, "recv_x", recv_x->element_type(), *group, &dtype));
+  } else {
+    if (recv_x->element_type() != ffi::DataType::F8E4M3FN) {
+      return ffi_utils::InvalidArgument(
+          kDispatchWait, "recv_x of fp8 rows must be float8_e4m3fn");
+    }
+    dtype = c.itemsize == 4 ? ElementType::kF32 : ElementType::kBF16;
+    if (ue8m0 && (format != 2 || c.hidden % 512 != 0)) {
+      return ffi_utils::InvalidArgument(
+          kDispatchWait,
+          "ue8m0 needs format 2 (power-of-two scales) and hidden a multiple "
+          "of 512, got format " +
+              std::to_string(format) + ", hidden " + std::to_string(c.hidden));
+    }
+    const int64_t per_row = ue8m0 ? c.hidden / 512 : c.hidden / 128;
+    JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
+        kDispatchWait, "scales", scales->dimensions(),
+        {num_local, slab, per_row},
+        ue8m0 ? "[L, R*T_max, H/512]" : "[L, R*T_max, H/128]"));
+    const ffi::DataType want =
+        ue8m0 ? ffi::DataType::S32 : ffi::DataType::F32;
+    if (scales->element_type() != want) {
+      return ffi_utils::InvalidArgument(
+          kDispatchWait, ue8m0 ? "scales must be int32 (packed UE8M0)"
+                               : "scales must be float32");
+    }
+  }
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
+      kDispatchWait, "count", count->dimensions(), {num_local}, "[L]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kDispatchWait, "recv_src",
+                                        recv_src->dimensions(),
+                                        {num_local, slab}, "[L, R*T_max]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kDispatchWait, "recv_x", recv_x->untyped_data()));
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      kDispatchWait,
+      low_latency::DispatchWait(group->view, dtype,
+                                static_cast<RowFormat>(format), ue8m0,
+                                recv_x->untyped_data(),
+                                format == 0 ? nullptr : scales->untyped_data(),
+                                count->typed_data(), recv_src->typed_data(),
+                                status->typed_data(), stream));
+  return ffi::Error::Success();
+}
+
+// `sent` orders the wait after its send (XLA sees the data dependence).
+ffi::Error DispatchWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
+                            ffi::Result<ffi::AnyBuffer> recv_x,
+                            ffi::Result<ffi::AnyBuffer> scales,
+                            ffi::ResultBuffer<ffi::S32> count,
+                            ffi::ResultBuffer<ffi::S32> recv_src,
+                            ffi::ResultBuffer<ffi::S32> status,
+                            int64_t group_id, int32_t format, bool ue8m0) {
+  (void)sent;
+  return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status,
+                          group_id, format, ue8m0);
+}
+
+ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
+                           ffi::Buffer<ffi::S32> recv_src,
+                           ffi::Buffer<ffi::S32> count,
+                           ffi::ResultBuffer<ffi::S32> sent, int64_t group_id) {
+  std::shared_ptr<const intranode_group::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kCombineSend, group_id, &group));
+  const intranode_group::GroupConfig& c = group->config;
+  const int64_t num_local = c.num_experts / c.num_ranks;
+  const int64_t slab = c.num_ranks * c.max_tokens;
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineSend, "expert_out",
+                                        expert_out.dimensions(),
+                                        {num_local, slab, c.hidden},
+                                        "[L, R*T_max, H]"));
+  ElementType dtype;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+      kCombineSend, "expert_out", expert_out.element_type(), *group, &dtype));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineSend, "recv_src",
+                                        recv_src.dimensions(),
+                                        {num_local, slab}, "[L, R*T_max]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineSend, "count",
+                                        count.dimensions(), {num_local}, "[L]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckAligned(
+      kCombineSend, "expert_out", expert_out.untyped_data()));
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      kCombineSend, cudaMemsetAsync(sent->typed_data(), 0, sizeof(int32_t),
+                                    stream));
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      kCombineSend,
+      low_latency::CombineSend(group->view, dtype, expert_out.untyped_data(),
+                               recv_src.typed_data(), count.typed_data(),
+                               stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error CombineWaitCore(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
+                           ffi::Buffer<ffi::F32> weights,
+                           ffi::Result<ffi::AnyBuffer> out,
+                           ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
+                           int64_t num_experts, bool gather) {
+  std::shared_ptr<const intranode_group::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kCombineWait, group_id, &group));
+  const intranode_group::GroupConfig& c = group->config;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckAttrEquals(
+      kCombineWait, "num_experts", num_experts, "num_experts", c.num_experts));
+  int64_t num_tokens = 0;
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckTopk(kCombineWait, topk_idx.dimensions(), *group, &num_tokens));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineWait, "weights",
+                                        weights.dimensions(),
+                                        {num_tokens, c.num_topk}, "[T, K]"));
+  if (gather) {
+    JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineWait, "out",
+                                          out->dimensions(),
+                                          {num_tokens, c.num_topk, c.hidden},
+                                          "[T, K, H]"));
+  } else {
+    JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineWait, "out",
+                                          out->dimensions(),
+                                          {num_tokens, c.hidden}, "[T, H]"));
+  }
+  ElementType dtype;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+      kCombineWait, "out", out->element_type(), *group, &dtype));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckAligned(kCombineWait, "out", out->untyped_data()));
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      kCombineWait,
+      low_latency::CombineWait(group->view, dtype, topk_idx.typed_data(),
+                               weights.typed_data(), num_tokens, num_experts,
+                               gather, out->untyped_data(),
+                               status->typed_data(), stream));
+  return ffi::Error::Success();
+}
+
+ffi::Error CombineWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
+                           ffi::Buffer<ffi::S32> topk_idx,
+                           ffi::Buffer<ffi::F32> weights,
+                           ffi::Result<ffi::AnyBuffer> out,
+                           ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
+                           int64_t num_experts, bool gather) {
+  (void)sent;
+  return CombineWaitCore(stream, topk_idx, weights, out, status, group_id,
+                         num_experts, gather);
+}
+
+// The fused ops (send then wait in one custom call): what a program that has
+// nothing to overlap uses, and the unit a vmap loops over (a vmap of the split
+// calls would issue every send before any wait).
+ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                        ffi::Buffer<ffi::S32> topk_idx,
+                        ffi::Buffer<ffi::F32> slot_scale,
+                        ffi::ResultBuffer<ffi::S32> num_invalid,
+                        ffi::Result<ffi::AnyBuffer> recv_x,
+                        ffi::Result<ffi::AnyBuffer> scales,
+                        ffi::ResultBuffer<ffi::S32> count,
+                        ffi::ResultBuffer<ffi::S32> recv_src,
+                        ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
+                        int32_t format, bool weighted, bool ue8m0) {
+  JAX_EP_FFI_RETURN_IF_ERROR(DispatchSendImpl(stream, x, topk_idx, slot_scale,
+                                              num_invalid, group_id, format,
+                                              weighted));
+  return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status,
+                          group_id, format, ue8m0);
+}
+
+ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
+                       ffi::Buffer<ffi::S32> recv_src,
+                       ffi::Buffer<ffi::S32> count,
+                       ffi::Buffer<ffi::S32> topk_idx,
+                       ffi::Buffer<ffi::F32> weights,
+                       ffi::Result<ffi::AnyBuffer> out,
+                       ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
+                       int64_t num_experts, bool gather) {
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CombineSendImpl(stream, expert_out, recv_src, count, status, group_id));
+  return CombineWaitCore(stream, topk_idx, weights, out, status, group_id,
+                         num_experts, gather);
+}
+
+}  // namespace
+}  // namespace jax_ep
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpLowLatencyDispatch, jax_ep::DispatchImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Arg<xla::ffi::AnyBuffer>()                // x
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // topk_idx
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // slot_scale
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // num_invalid
+        .Ret<xla::ffi::AnyBuffer>()                // recv_x
+        .Ret<xla::ffi::AnyBuffer>()                // scales
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // count
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // recv_src
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // status
+        .Attr<int64_t>("group_id")
+        .Attr<int32_t>("format")
+        .Attr<bool>("weighted")
+        .Attr<bool>("ue8m0"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpLowLatencyCombine, jax_ep::CombineImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Arg<xla::ffi::AnyBuffer>()                // expert_out
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // recv_src
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // count
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // topk_idx
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // weights
+        .Ret<xla::ffi::AnyBuffer>()                // out
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // status
+        .Attr<int64_t>("group_id")
+        .Attr<int64_t>("num_experts")
+        .Attr<bool>("gather"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpLowLatencyDispatchSend, jax_ep::DispatchSendImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Arg<xla::ffi::AnyBuffer>()                // x
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // topk_idx
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // slot_scale
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // num_invalid
+        .Attr<int64_t>("group_id")
+        .Attr<int32_t>("format")
+        .Attr<bool>("weighted"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpLowLatencyDispatchWait, jax_ep::DispatchWaitImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // sent
+        .Ret<xla::ffi::AnyBuffer>()                // recv_x
+        .Ret<xla::ffi::AnyBuffer>()                // scales
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // count
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // recv_src
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // status
+        .Attr<int64_t>("group_id")
+        .Attr<int32_t>("format")
+        .Attr<bool>("ue8m0"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpLowLatencyCombineSend, jax_ep::CombineSendImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Arg<xla::ffi::AnyBuffer>()                // expert_out
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // recv_src
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // count
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // sent
+        .Attr<int64_t>("group_id"),
+    {xla::ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxEpLowLatencyCombineWait, jax_ep::CombineWaitImpl,
+    xla::ffi::Ffi::Bind()
+        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // sent
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // topk_idx
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // weights
+        .Ret<xla::ffi::AnyBuffer>()                // out
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // status
+        .Attr<int64_t>("group_id")
+        .Attr<int64_t>("num_experts")
+        .Attr<bool>("gather"),
+    {xla::ffi::Traits::kCmdBufferCompatible});

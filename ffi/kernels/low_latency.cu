@@ -1,0 +1,775 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// jax_ep::low_latency: the decode-time dispatch / combine over an intranode
+// group's low-latency buffers (BufferLayout::ll_*, ep_kernels.h). Each op is a
+// send kernel and a wait kernel, launched by separate custom calls.
+//
+// NOTES: the protocol.
+// * Addresses known in advance. Receiver r keeps, per (local expert l, source
+//   s), a private region of T_max rows. A sender s knows where its token t's
+//   row for expert e lands without asking: rank e / L, expert e % L, row j =
+//   the number of s's tokens before t that select e (a warp ballot over the
+//   earlier tokens' ids; slots of one token naming the same expert are one
+//   row, the first slot's). No count exchange precedes the data, and no
+//   atomic decides a position: the receiver packs expert l's rows in (source,
+//   token) order from the per-source counts.
+// * Counts are the arrival flags. After its last row a sender's last block
+//   (blocks_done counter, as in the intranode protocol) stores, for every
+//   expert e, flag(set, l, s) = (seq << 32 | rows) on rank e / L with
+//   st.release.sys, after __threadfence_system in every block. Zero rows is
+//   (seq << 32), distinct from any earlier call's value, so a receiver never
+//   mistakes an old flag for a new one and nothing is cleared between calls.
+// * Two buffer sets. Call n (0-based, DeviceState::ll_seq[op] = n completed)
+//   uses set n % 2 and tag seq = n + 1. Why two are enough: a sender writes
+//   set n % 2 of rank r in call n + 2 only after its own wait of call n + 1,
+//   which needs r's flags of call n + 1, which r sends only after its wait of
+//   call n (stream order) finished reading set n % 2. Every rank waits for
+//   every rank's flags in every call (flags are sent with zero rows too), so
+//   the chain holds for all pairs.
+// * Sequence in device memory. The send reads ll_seq; the wait's last block
+//   advances it. Nothing per call is baked into a launch: replays of a CUDA
+//   graph stay correct. One send may be outstanding per op: a send while the
+//   previous send's wait has not run (ll_pending) would reuse that call's
+//   set and tag, so it is recorded as an error (WaitKind::kOutOfOrder) and
+//   the group aborts, as a wait with no send before it does.
+// * Combine. Each received row travels back to its token's home rank, to
+//   ll_combine_rows[set][t][k] (k the first slot of the token naming that
+//   expert); then one flag per (home, expert rank). The home reduces
+//   out[t] = sum_k w[t, k] * row(t, k) in fp32, k ascending, once every
+//   rank's flag arrived.
+// * Residency. Send kernels never spin. Each wait kernel runs a fixed grid of
+//   num_blocks * kWaitBlocksPerSm blocks that spin on flags in the own buffer
+//   and then copy; with R ranks sharing one GPU (MPS) the R wait grids plus a
+//   peer's send grid must fit the GPU at once, which the group's SM budget
+//   (num_sms) bounds. Every spin has the group's timeout (mailbox, abort), so
+//   a budget that does not fit ends in a timeout error, never a hang.
+// * Reads of peer-written data use ld.global.cg (L2), after the acquire.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_protocol.cuh"
+#include "ffi/kernels/kernel_utils.cuh"
+
+namespace jax_ep::low_latency {
+namespace {
+
+using detail::kFullMask;
+using detail::LaneMaskLt;
+using detail::Vec16;
+using intranode::GroupView;
+using intranode::kLowLatencyCombine;
+using intranode::kLowLatencyDispatch;
+using intranode::kMaxK;
+using intranode::kMaxR;
+using intranode::OpCode;
+using intranode::WaitKind;
+
+constexpr int kSendThreads = 128;  // dispatch / combine send: a block per row
+constexpr int kSendVecs = 8;       // row vectors each send thread holds
+constexpr int kSendBlocksPerSm = 4;
+constexpr int kWaitThreads = 256;
+constexpr int kWaitBlocksPerSm = 2;
+constexpr int kScaleBlock = 128;  // channels per fp8 scale
+constexpr float kFp8Max = 448.0f;
+
+__device__ __forceinline__ uint64_t CurrentSeq(const GroupView& g, int op) {
+  return *reinterpret_cast<const volatile unsigned long long*>(
+             &g.state->ll_seq[op]) +
+         1ull;
+}
+
+__device__ __forceinline__ int BufferSet(uint64_t seq) {
+  return static_cast<int>((seq - 1ull) & 1ull);
+}
+
+__device__ __forceinline__ uint64_t* DispatchFlag(char* base,
+                                                  const GroupView& g, int set,
+                                                  int l, int src) {
+  return reinterpret_cast<uint64_t*>(base + g.layout.ll_flags) +
+         (static_cast<int64_t>(set) * g.num_local + l) * g.num_ranks + src;
+}
+
+__device__ __forceinline__ uint64_t* CombineFlag(char* base, const GroupView& g,
+                                                 int set, int src) {
+  return reinterpret_cast<uint64_t*>(base + g.layout.ll_flags) +
+         2ll * g.num_local * g.num_ranks +
+         static_cast<int64_t>(set) * g.num_ranks + src;
+}
+
+__device__ __forceinline__ int Region(int op) {
+  return op == kLowLatencyDispatch ? intranode::kDispatchRegion
+                                   : intranode::kCombineRegion;
+}
+
+__device__ __forceinline__ OpCode Code(int op) {
+  return op == kLowLatencyDispatch ? OpCode::kLowLatencyDispatch
+                                   : OpCode::kLowLatencyCombine;
+}
+
+// Block 0, thread 0 of a send kernel: claims the op's one outstanding send.
+__device__ __forceinline__ void StartSend(const GroupView& g, int op,
+                                          uint64_t seq) {
+  volatile unsigned int* pending = &g.state->ll_pending[op];
+  if (*pending != 0u) {
+    intranode::RecordTimeout(g, Code(op), Region(op), WaitKind::kOutOfOrder,
+                             g.rank, seq);
+    return;
+  }
+  *pending = 1u;
+}
+
+// Thread 0 of every wait block: a wait needs its send before it.
+__device__ __forceinline__ void CheckWaitHasSend(const GroupView& g, int op,
+                                                 uint64_t seq) {
+  if (*reinterpret_cast<const volatile unsigned int*>(
+          &g.state->ll_pending[op]) == 0u) {
+    intranode::RecordTimeout(g, Code(op), Region(op), WaitKind::kOutOfOrder,
+                             g.rank, seq);
+  }
+}
+
+// The wait's last block: completes the call (unless the group aborted).
+__device__ __forceinline__ void FinishWait(const GroupView& g, int op,
+                                           uint64_t seq, int32_t* status) {
+  const bool aborted = intranode::Aborted(g);
+  if (!aborted) {
+    g.state->ll_pending[op] = 0u;
+    g.state->ll_seq[op] = seq;
+  }
+  *status = aborted ? 1 : 0;
+}
+
+// The smallest power of two >= s (s > 0 and finite), exactly.
+__device__ __forceinline__ float RoundUpPowerOfTwo(float s) {
+  const uint32_t bits = __float_as_uint(s);
+  const uint32_t exponent = bits & 0x7f800000u;
+  const uint32_t mantissa = bits & 0x007fffffu;
+  if (exponent == 0u) {  // subnormal: the next power of two of the mantissa
+    if ((mantissa & (mantissa - 1u)) == 0u) return s;
+    return __uint_as_float(1u << (32 - __clz(mantissa)));
+  }
+  if (mantissa == 0u) return s;
+  return __uint_as_float(exponent + 0x00800000u);
+}
+
+// Warp 0 (whole warp) stages token t's slots: s_expert[k] = e where slot k is
+// the token's first slot naming a valid expert e, else -1; s_pos[k] = j, the
+// number of earlier tokens selecting e. Returns (lane 0) invalid ids of t.
+__device__ __forceinline__ int32_t StageSlots(const int32_t* __restrict__ topk,
+                                              int32_t t, int32_t num_topk,
+                                              int32_t num_experts,
+                                              int32_t* s_expert,
+                                              int32_t* s_pos) {
+  const int lane = threadIdx.x & 31;
+  const int32_t e_lane = lane < num_topk ? topk[t * num_topk + lane] : -1;
+  const bool valid = e_lane >= 0 && e_lane < num_experts;
+  // The first slot of each expert: no lower lane holds the same id.
+  const unsigned same = __match_any_sync(kFullMask, e_lane);
+  const bool first = valid && (same & LaneMaskLt()) == 0u;
+  const int32_t invalid = __popc(
+      __ballot_sync(kFullMask, lane < num_topk && (e_lane < -1 ||
+                                                   e_lane >= num_experts)));
+  for (int k = 0; k < num_topk; ++k) {
+    const int32_t e = __shfl_sync(kFullMask, e_lane, k);
+    const bool use = __shfl_sync(kFullMask, first ? 1 : 0, k) != 0;
+    int32_t j = 0;
+    if (use) {  // warp-uniform
+      for (int32_t t0 = 0; t0 < t; t0 += 32) {
+        const int32_t u = t0 + lane;
+        bool hit = false;
+        if (u < t) {
+          for (int k2 = 0; k2 < num_topk; ++k2) {
+            hit |= topk[u * num_topk + k2] == e;
+          }
+        }
+        j += __popc(__ballot_sync(kFullMask, hit));
+      }
+    }
+    if (lane == 0) {
+      s_expert[k] = use ? e : -1;
+      s_pos[k] = j;
+    }
+  }
+  return invalid;
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch send.
+// ---------------------------------------------------------------------------
+
+// One token's rows, kSendVecs vectors per thread per pass: the plain rows, or
+// e4m3 with one scale per 128 channels. The Q = 128 / kElems vectors of one
+// scale block are Q consecutive lanes of one warp (pass starts are multiples
+// of kSendThreads vectors), so the block's amax is a Q-lane shuffle reduction.
+template <typename T, RowFormat kFormat>
+__global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
+    DispatchSendKernel(GroupView g, const uint4* __restrict__ x,
+                       const int32_t* __restrict__ topk,
+                       const float* __restrict__ slot_scale, int32_t num_tokens,
+                       int32_t* num_invalid, unsigned long long* counter) {
+  constexpr int kElems = Vec16<T>::kElems;
+  constexpr int kQ = kScaleBlock / kElems;  // vectors per scale block
+  static_assert(32 % kQ == 0, "a scale block spans whole lanes of one warp");
+  constexpr bool kFp8 = kFormat != RowFormat::kPlain;
+  __shared__ char* s_peer[kMaxR];
+  __shared__ int32_t s_expert[kMaxK];
+  __shared__ int32_t s_pos[kMaxK];
+  const int op = kLowLatencyDispatch;
+  const uint64_t seq = CurrentSeq(g, op);
+  const int set = BufferSet(seq);
+  if (blockIdx.x == 0 && threadIdx.x == 0) StartSend(g, op, seq);
+  if (intranode::BlockSeesAbort(g)) return;
+  if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
+  const int me = g.rank;
+  const int32_t num_topk = g.num_topk;
+  const int32_t num_local = g.num_local;
+  const int32_t num_experts = num_local * g.num_ranks;
+  const int64_t t_max = g.max_tokens;
+  const int64_t row_bytes = g.layout.ll_row_bytes;
+  const int32_t rv = static_cast<int32_t>(g.hidden / kElems);  // x vectors
+  int32_t* send_counts = reinterpret_cast<int32_t*>(g.own + g.layout.ll_send_counts);
+  int32_t invalid = 0;
+  for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    __syncthreads();  // the previous token's readers of shared are done
+    if (threadIdx.x < 32) {
+      const int32_t bad =
+          StageSlots(topk, t, num_topk, num_experts, s_expert, s_pos);
+      if (threadIdx.x == 0) {
+        invalid += bad;
+        for (int k = 0; k < num_topk; ++k) {
+          if (s_expert[k] >= 0) atomicAdd(send_counts + s_expert[k], 1);
+        }
+      }
+    }
+    __syncthreads();
+    const uint4* src = x + static_cast<int64_t>(t) * rv;
+    for (int32_t v0 = 0; v0 < rv; v0 += kSendThreads * kSendVecs) {
+      uint4 v[kSendVecs];
+#pragma unroll
+      for (int u = 0; u < kSendVecs; ++u) {
+        const int32_t j = v0 + u * kSendThreads + threadIdx.x;
+        v[u] = j < rv ? detail::LoadVec(src + j) : make_uint4(0, 0, 0, 0);
+      }
+      // fp8: quantise once per token, then send the same bytes everywhere.
+      uint32_t q[kSendVecs][kElems / 4];
+      float scale[kSendVecs];
+      if constexpr (kFp8) {
+#pragma unroll
+        for (int u = 0; u < kSendVecs; ++u) {
+          float f[kElems];
+          Vec16<T>::Unpack(v[u], f);
+          float amax = 0.0f;
+#pragma unroll
+          for (int i = 0; i < kElems; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+          for (int off = kQ / 2; off > 0; off >>= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
+          }
+          // The reference's rounding: amax * fp32(1 / 448), 1 for zeros.
+          float s = amax > 0.0f ? amax * static_cast<float>(1.0 / 448.0) : 1.0f;
+          if constexpr (kFormat == RowFormat::kFp8PowerOfTwo) {
+            s = RoundUpPowerOfTwo(s);
+          }
+          scale[u] = s;
+#pragma unroll
+          for (int i = 0; i < kElems / 4; ++i) {
+            uint32_t word = 0;
+#pragma unroll
+            for (int b = 0; b < 4; b += 2) {
+              // IEEE division (no fast math), e4m3 round-to-nearest-even,
+              // saturating at 448 like the reference's |x / s| <= 448.
+              const float2 pair = make_float2(f[4 * i + b] / s,
+                                              f[4 * i + b + 1] / s);
+              const __nv_fp8x2_storage_t p =
+                  __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
+              word |= static_cast<uint32_t>(p) << (8 * b);
+            }
+            q[u][i] = word;
+          }
+        }
+      }
+      for (int k = 0; k < num_topk; ++k) {
+        const int32_t e = s_expert[k];  // block-uniform
+        if (e < 0) continue;
+        const int d = e / num_local;
+        const int l = e - d * num_local;
+        const int64_t slot = (static_cast<int64_t>(l) * g.num_ranks + me) * t_max + s_pos[k];
+        char* row = s_peer[d] + g.layout.ll_dispatch_rows[set] + slot * row_bytes;
+        if (v0 == 0 && threadIdx.x == 0) {
+          reinterpret_cast<int32_t*>(s_peer[d] + g.layout.ll_dispatch_meta[set])[slot] =
+              t * num_topk + k;
+        }
+        float w = 1.0f;
+        if (!kFp8 && slot_scale != nullptr) w = slot_scale[t * num_topk + k];
+#pragma unroll
+        for (int u = 0; u < kSendVecs; ++u) {
+          const int32_t j = v0 + u * kSendThreads + threadIdx.x;
+          if (j >= rv) continue;
+          if constexpr (kFp8) {
+            if constexpr (kElems == 8) {
+              reinterpret_cast<uint2*>(row)[j] = make_uint2(q[u][0], q[u][1]);
+            } else {
+              reinterpret_cast<uint32_t*>(row)[j] = q[u][0];
+            }
+            if (j % kQ == 0) {
+              reinterpret_cast<float*>(row + g.hidden)[j / kQ] = scale[u];
+            }
+          } else {
+            uint4 out = v[u];
+            if (slot_scale != nullptr) {
+              float f[kElems];
+              Vec16<T>::Unpack(v[u], f);
+#pragma unroll
+              for (int i = 0; i < kElems; ++i) f[i] *= w;
+              out = Vec16<T>::Pack(f);
+            }
+            reinterpret_cast<uint4*>(row)[j] = out;
+          }
+        }
+      }
+    }
+  }
+  if (threadIdx.x == 0 && invalid != 0) {
+    atomicAdd(&g.state->ll_invalid, static_cast<unsigned>(invalid));
+  }
+  if (!intranode::ArriveLastBlock(counter, gridDim.x)) return;
+  // Every block's rows and counts are visible (ArriveLastBlock's fences).
+  for (int32_t e = threadIdx.x; e < num_experts; e += kSendThreads) {
+    const int32_t rows = atomicExch(send_counts + e, 0);
+    const int d = e / num_local;
+    intranode::StoreReleaseSys(
+        DispatchFlag(s_peer[d], g, set, e - d * num_local, me),
+        intranode::FlagValue(seq, rows));
+  }
+  if (threadIdx.x == 0) *num_invalid = static_cast<int32_t>(atomicExch(&g.state->ll_invalid, 0u));
+}
+
+// ---------------------------------------------------------------------------
+// Dispatch wait: items are (expert l, part p) of kParts(l) parts; each waits
+// for expert l's R flags, then copies rows i = p, p + parts, ... of the
+// expert's packed rows.
+// ---------------------------------------------------------------------------
+template <RowFormat kFormat, bool kUe8m0>
+__global__ void __launch_bounds__(kWaitThreads)
+    DispatchWaitKernel(GroupView g, char* __restrict__ recv_x,
+                       void* __restrict__ scales, int32_t* __restrict__ count,
+                       int32_t* __restrict__ recv_src, int32_t* status,
+                       unsigned long long* counter) {
+  constexpr bool kFp8 = kFormat != RowFormat::kPlain;
+  __shared__ int32_t s_start[kMaxR + 1];
+  const int op = kLowLatencyDispatch;
+  const uint64_t seq = CurrentSeq(g, op);
+  const int set = BufferSet(seq);
+  if (threadIdx.x == 0) CheckWaitHasSend(g, op, seq);
+  __syncthreads();
+  const int num_ranks = g.num_ranks;
+  const int32_t num_local = g.num_local;
+  const int64_t t_max = g.max_tokens;
+  const int64_t slab = num_ranks * t_max;
+  const int64_t hidden = g.hidden;
+  const int64_t row_bytes = g.layout.ll_row_bytes;
+  // Bytes of one output row and 16-byte vectors of it.
+  const int64_t out_bytes = kFp8 ? hidden : row_bytes;
+  const int32_t out_vecs = static_cast<int32_t>(out_bytes / 16);
+  const int32_t num_scales = static_cast<int32_t>(hidden / kScaleBlock);
+  const int parts = max(1, static_cast<int>(gridDim.x) / max(num_local, 1));
+  const char* rows = g.own + g.layout.ll_dispatch_rows[set];
+  const int32_t* meta =
+      reinterpret_cast<const int32_t*>(g.own + g.layout.ll_dispatch_meta[set]);
+  const int32_t code_stride = static_cast<int32_t>(t_max * g.num_topk);
+  for (int item = blockIdx.x; item < num_local * parts; item += gridDim.x) {
+    const int l = item / parts;
+    const int part = item - l * parts;
+    __syncthreads();  // s_start of the previous item is no longer read
+    if (threadIdx.x < num_ranks) {
+      const int s = threadIdx.x;
+      uint64_t v = 0;
+      int32_t n = 0;
+      if (!intranode::Aborted(g) &&
+          intranode::SpinWait(g, DispatchFlag(g.own, g, set, l, s),
+                              WaitKind::kArrival, seq, Code(op), Region(op), s,
+                              &v)) {
+        n = intranode::ClampCount(static_cast<int32_t>(v & 0xffffffffull), g);
+      }
+      s_start[s + 1] = n;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      s_start[0] = 0;
+      for (int s = 0; s < num_ranks; ++s) s_start[s + 1] += s_start[s];
+    }
+    __syncthreads();
+    const int32_t total = s_start[num_ranks];
+    if (part == 0) {
+      if (threadIdx.x == 0) count[l] = total;
+      for (int64_t i = total + threadIdx.x; i < slab; i += kWaitThreads) {
+        recv_src[l * slab + i] = -1;
+      }
+    }
+    for (int32_t i = part; i < total; i += parts) {
+      int s = 0;
+      while (i >= s_start[s + 1]) ++s;
+      const int64_t slot = (static_cast<int64_t>(l) * num_ranks + s) * t_max +
+                           (i - s_start[s]);
+      const uint4* src = reinterpret_cast<const uint4*>(rows + slot * row_bytes);
+      const int64_t out_row = static_cast<int64_t>(l) * slab + i;
+      uint4* dst = reinterpret_cast<uint4*>(recv_x + out_row * out_bytes);
+      for (int32_t j = threadIdx.x; j < out_vecs; j += kWaitThreads) {
+        dst[j] = __ldcg(src + j);
+      }
+      if constexpr (kFp8) {
+        const float* src_scales =
+            reinterpret_cast<const float*>(rows + slot * row_bytes + hidden);
+        if constexpr (kUe8m0) {
+          int32_t* dst_scales =
+              static_cast<int32_t*>(scales) + out_row * (num_scales / 4);
+          for (int32_t c = threadIdx.x; c < num_scales / 4; c += kWaitThreads) {
+            uint32_t packed = 0;
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+              const uint32_t bits = __float_as_uint(__ldcg(src_scales + 4 * c + b));
+              packed |= ((bits >> 23) & 0xffu) << (8 * b);
+            }
+            dst_scales[c] = static_cast<int32_t>(packed);
+          }
+        } else {
+          float* dst_scales = static_cast<float*>(scales) + out_row * num_scales;
+          for (int32_t c = threadIdx.x; c < num_scales; c += kWaitThreads) {
+            dst_scales[c] = __ldcg(src_scales + c);
+          }
+        }
+      }
+      if (threadIdx.x == 0) {
+        const int32_t code = __ldcg(meta + slot);
+        recv_src[out_row] = s * code_stride + min(max(code, 0), code_stride - 1);
+      }
+    }
+  }
+  if (!intranode::ArriveLastBlock(counter, gridDim.x)) return;
+  if (threadIdx.x == 0) FinishWait(g, op, seq, status);
+}
+
+// ---------------------------------------------------------------------------
+// Combine send: items are the valid rows (l, i < count[l]) in expert order.
+// ---------------------------------------------------------------------------
+__global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
+    CombineSendKernel(GroupView g, const uint4* __restrict__ expert_out,
+                      const int32_t* __restrict__ recv_src,
+                      const int32_t* __restrict__ count,
+                      unsigned long long* counter) {
+  __shared__ char* s_peer[kMaxR];
+  __shared__ int32_t s_start[kMaxExperts + 1];
+  __shared__ int32_t s_warp[kSendThreads / 32];
+  const int op = kLowLatencyCombine;
+  const uint64_t seq = CurrentSeq(g, op);
+  const int set = BufferSet(seq);
+  if (blockIdx.x == 0 && threadIdx.x == 0) StartSend(g, op, seq);
+  if (intranode::BlockSeesAbort(g)) return;
+  if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
+  const int me = g.rank;
+  const int32_t num_local = g.num_local;
+  const int64_t t_max = g.max_tokens;
+  const int64_t slab = g.num_ranks * t_max;
+  const int64_t row_bytes = g.layout.ll_row_bytes;
+  const int32_t rv = static_cast<int32_t>(row_bytes / 16);
+  const int32_t code_stride = static_cast<int32_t>(t_max * g.num_topk);
+  // s_start[l] = valid rows of experts < l (counts clamped to the slab).
+  int32_t run = 0;
+  for (int32_t l0 = 0; l0 < num_local; l0 += kSendThreads) {
+    const int32_t l = l0 + threadIdx.x;
+    const int32_t c =
+        l < num_local ? min(max(count[l], 0), static_cast<int32_t>(slab)) : 0;
+    int32_t all = 0;
+    const int32_t before = detail::BlockExclusiveScan<kSendThreads>(c, s_warp, &all);
+    if (l < num_local) s_start[l] = run + before;
+    run += all;
+    __syncthreads();  // s_warp is reused by the next chunk
+  }
+  if (threadIdx.x == 0) s_start[num_local] = run;
+  __syncthreads();
+  const int32_t total = run;
+  for (int32_t item = blockIdx.x; item < total; item += gridDim.x) {
+    int lo = 0, hi = num_local;  // the l with s_start[l] <= item < s_start[l+1]
+    while (hi - lo > 1) {
+      const int mid = (lo + hi) >> 1;
+      if (s_start[mid] <= item) lo = mid; else hi = mid;
+    }
+    const int64_t in_row = lo * slab + (item - s_start[lo]);
+    const int32_t code = recv_src[in_row];
+    if (code < 0 || code >= g.num_ranks * code_stride) continue;  // uniform
+    const int s = code / code_stride;
+    const int64_t tk = code - s * code_stride;
+    uint4* dst = reinterpret_cast<uint4*>(
+        s_peer[s] + g.layout.ll_combine_rows[set] + tk * row_bytes);
+    const uint4* src = expert_out + in_row * rv;
+    for (int32_t v0 = 0; v0 < rv; v0 += kSendThreads * kSendVecs) {
+      uint4 v[kSendVecs];
+#pragma unroll
+      for (int u = 0; u < kSendVecs; ++u) {
+        const int32_t j = v0 + u * kSendThreads + threadIdx.x;
+        if (j < rv) v[u] = detail::LoadVec(src + j);
+      }
+#pragma unroll
+      for (int u = 0; u < kSendVecs; ++u) {
+        const int32_t j = v0 + u * kSendThreads + threadIdx.x;
+        if (j < rv) dst[j] = v[u];
+      }
+    }
+  }
+  if (!intranode::ArriveLastBlock(counter, gridDim.x)) return;
+  if (threadIdx.x < g.num_ranks) {
+    intranode::StoreReleaseSys(CombineFlag(s_peer[threadIdx.x], g, set, me),
+                               intranode::FlagValue(seq, 0));
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Combine wait: every block waits for the R flags, then reduces (or gathers)
+// tokens t = blockIdx.x, + gridDim.x, ...
+// ---------------------------------------------------------------------------
+template <typename T, bool kGather>
+__global__ void __launch_bounds__(kWaitThreads)
+    CombineWaitKernel(GroupView g, const int32_t* __restrict__ topk,
+                      const float* __restrict__ weights, int32_t num_tokens,
+                      int32_t num_experts, uint4* __restrict__ out,
+                      int32_t* status, unsigned long long* counter) {
+  constexpr int kElems = Vec16<T>::kElems;
+  __shared__ int32_t s_first[kMaxK];
+  __shared__ float s_w[kMaxK];
+  const int op = kLowLatencyCombine;
+  const uint64_t seq = CurrentSeq(g, op);
+  const int set = BufferSet(seq);
+  if (threadIdx.x == 0) CheckWaitHasSend(g, op, seq);
+  if (threadIdx.x < g.num_ranks && !intranode::Aborted(g)) {
+    uint64_t v = 0;
+    intranode::SpinWait(g, CombineFlag(g.own, g, set, threadIdx.x),
+                        WaitKind::kArrival, seq, Code(op), Region(op),
+                        threadIdx.x, &v);
+  }
+  __syncthreads();
+  const int32_t num_topk = g.num_topk;
+  const int64_t row_bytes = g.layout.ll_row_bytes;
+  const int32_t rv = static_cast<int32_t>(row_bytes / 16);
+  const char* rows = g.own + g.layout.ll_combine_rows[set];
+  for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const int32_t e = lane < num_topk ? topk[t * num_topk + lane] : -1;
+      const bool valid = e >= 0 && e < num_experts;
+      const unsigned same = __match_any_sync(kFullMask, e);
+      if (lane < num_topk) {
+        s_first[lane] = valid ? __ffs(same) - 1 : -1;
+        s_w[lane] = (!kGather && valid) ? weights[t * num_topk + lane] : 0.0f;
+      }
+    }
+    __syncthreads();
+    if constexpr (kGather) {
+      for (int k = 0; k < num_topk; ++k) {
+        const int32_t first = s_first[k];
+        uint4* dst = out + (static_cast<int64_t>(t) * num_topk + k) * rv;
+        const uint4* src = reinterpret_cast<const uint4*>(
+            rows + (static_cast<int64_t>(t) * num_topk + max(first, 0)) * row_bytes);
+        for (int32_t j = threadIdx.x; j < rv; j += kWaitThreads) {
+          dst[j] = first >= 0 ? __ldcg(src + j) : make_uint4(0, 0, 0, 0);
+        }
+      }
+    } else {
+      for (int32_t j = threadIdx.x; j < rv; j += kWaitThreads) {
+        float acc[kElems];
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) acc[i] = 0.0f;
+        for (int k = 0; k < num_topk; ++k) {
+          const int32_t first = s_first[k];
+          if (first < 0) continue;
+          const uint4* src = reinterpret_cast<const uint4*>(
+              rows + (static_cast<int64_t>(t) * num_topk + first) * row_bytes);
+          float f[kElems];
+          Vec16<T>::Unpack(__ldcg(src + j), f);
+          const float w = s_w[k];
+#pragma unroll
+          for (int i = 0; i < kElems; ++i) acc[i] = fmaf(w, f[i], acc[i]);
+        }
+        out[static_cast<int64_t>(t) * rv + j] = Vec16<T>::Pack(acc);
+      }
+    }
+  }
+  if (!intranode::ArriveLastBlock(counter, gridDim.x)) return;
+  if (threadIdx.x == 0) FinishWait(g, op, seq, status);
+}
+
+bool ValidView(const GroupView& g, ElementType dtype) {
+  return g.low_latency != 0 && g.peers != nullptr && g.own != nullptr &&
+         g.state != nullptr && g.num_ranks >= 1 && g.num_ranks <= kMaxR &&
+         g.rank >= 0 && g.rank < g.num_ranks && g.num_local >= 1 &&
+         g.num_local <= kMaxExperts && g.num_topk >= 1 &&
+         g.num_topk <= kMaxK && g.hidden % kHiddenMultiple == 0 &&
+         g.itemsize == detail::ElementBytes(dtype) &&
+         g.layout.ll_row_bytes == g.hidden * g.itemsize &&
+         g.num_ranks * g.max_tokens * g.num_topk <= INT32_MAX;
+}
+
+unsigned SendGrid(const GroupView& g) {
+  return static_cast<unsigned>(g.num_blocks) * kSendBlocksPerSm;
+}
+
+unsigned WaitGrid(const GroupView& g) {
+  return static_cast<unsigned>(g.num_blocks) * kWaitBlocksPerSm;
+}
+
+template <typename T>
+struct LaunchDispatchSend {
+  static cudaError_t Run(const GroupView& g, RowFormat format, const void* x,
+                         const int32_t* topk, const float* slot_scale,
+                         int32_t num_tokens, int32_t* num_invalid,
+                         cudaStream_t stream) {
+    unsigned long long* counter =
+        &g.state->blocks_done[intranode::kLowLatencyDispatchSendCounter];
+    const uint4* xv = static_cast<const uint4*>(x);
+    // NOTES: always the same grid per kernel (the counters rely on it).
+    switch (format) {
+      case RowFormat::kPlain:
+        DispatchSendKernel<T, RowFormat::kPlain>
+            <<<SendGrid(g), kSendThreads, 0, stream>>>(
+                g, xv, topk, slot_scale, num_tokens, num_invalid, counter);
+        break;
+      case RowFormat::kFp8:
+        DispatchSendKernel<T, RowFormat::kFp8>
+            <<<SendGrid(g), kSendThreads, 0, stream>>>(
+                g, xv, topk, nullptr, num_tokens, num_invalid, counter);
+        break;
+      case RowFormat::kFp8PowerOfTwo:
+        DispatchSendKernel<T, RowFormat::kFp8PowerOfTwo>
+            <<<SendGrid(g), kSendThreads, 0, stream>>>(
+                g, xv, topk, nullptr, num_tokens, num_invalid, counter);
+        break;
+    }
+    return cudaGetLastError();
+  }
+};
+
+template <typename T>
+struct LaunchCombineWait {
+  static cudaError_t Run(const GroupView& g, const int32_t* topk,
+                         const float* weights, int32_t num_tokens,
+                         int32_t num_experts, bool gather, void* out,
+                         int32_t* status, cudaStream_t stream) {
+    unsigned long long* counter =
+        &g.state->blocks_done[intranode::kLowLatencyCombineWaitCounter];
+    uint4* o = static_cast<uint4*>(out);
+    if (gather) {
+      CombineWaitKernel<T, true><<<WaitGrid(g), kWaitThreads, 0, stream>>>(
+          g, topk, weights, num_tokens, num_experts, o, status, counter);
+    } else {
+      CombineWaitKernel<T, false><<<WaitGrid(g), kWaitThreads, 0, stream>>>(
+          g, topk, weights, num_tokens, num_experts, o, status, counter);
+    }
+    return cudaGetLastError();
+  }
+};
+
+template <typename T>
+struct PreloadTyped {
+  static cudaError_t Run() {
+    cudaFuncAttributes attr;
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
+        &attr, DispatchSendKernel<T, RowFormat::kPlain>));
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
+        &attr, DispatchSendKernel<T, RowFormat::kFp8>));
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
+        &attr, DispatchSendKernel<T, RowFormat::kFp8PowerOfTwo>));
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        cudaFuncGetAttributes(&attr, CombineWaitKernel<T, true>));
+    return cudaFuncGetAttributes(&attr, CombineWaitKernel<T, false>);
+  }
+};
+
+}  // namespace
+
+cudaError_t DispatchSend(const GroupView& g, ElementType dtype,
+                         RowFormat format, const void* x,
+                         const int32_t* topk_idx, const float* slot_scale,
+                         int64_t num_tokens, int32_t* num_invalid,
+                         cudaStream_t stream) {
+  if (!ValidView(g, dtype) || num_tokens < 0 || num_tokens > g.max_tokens ||
+      (format != RowFormat::kPlain && g.hidden % kScaleBlock != 0)) {
+    return cudaErrorInvalidValue;
+  }
+  return detail::DispatchDtype<LaunchDispatchSend>(
+      dtype, g, format, x, topk_idx, slot_scale,
+      static_cast<int32_t>(num_tokens), num_invalid, stream);
+}
+
+cudaError_t DispatchWait(const GroupView& g, ElementType dtype,
+                         RowFormat format, bool ue8m0, void* recv_x,
+                         void* scales, int32_t* count, int32_t* recv_src,
+                         int32_t* status, cudaStream_t stream) {
+  if (!ValidView(g, dtype) ||
+      (format != RowFormat::kPlain && g.hidden % kScaleBlock != 0) ||
+      (ue8m0 && (format != RowFormat::kFp8PowerOfTwo ||
+                 g.hidden % (4 * kScaleBlock) != 0))) {
+    return cudaErrorInvalidValue;
+  }
+  unsigned long long* counter =
+      &g.state->blocks_done[intranode::kLowLatencyDispatchWaitCounter];
+  char* out = static_cast<char*>(recv_x);
+  if (format == RowFormat::kPlain) {
+    DispatchWaitKernel<RowFormat::kPlain, false>
+        <<<WaitGrid(g), kWaitThreads, 0, stream>>>(g, out, scales, count,
+                                                   recv_src, status, counter);
+  } else if (ue8m0) {
+    DispatchWaitKernel<RowFormat::kFp8, true>
+        <<<WaitGrid(g), kWaitThreads, 0, stream>>>(g, out, scales, count,
+                                                   recv_src, status, counter);
+  } else {
+    DispatchWaitKernel<RowFormat::kFp8, false>
+        <<<WaitGrid(g), kWaitThreads, 0, stream>>>(g, out, scales, count,
+                                                   recv_src, status, counter);
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t CombineSend(const GroupView& g, ElementType dtype,
+                        const void* expert_out, const int32_t* recv_src,
+                        const int32_t* count, cudaStream_t stream) {
+  if (!ValidView(g, dtype)) return cudaErrorInvalidValue;
+  CombineSendKernel<<<SendGrid(g), kSendThreads, 0, stream>>>(
+      g, static_cast<const uint4*>(expert_out), recv_src, count,
+      &g.state->blocks_done[intranode::kLowLatencyCombineSendCounter]);
+  return cudaGetLastError();
+}
+
+cudaError_t CombineWait(const GroupView& g, ElementType dtype,
+                        const int32_t* topk_idx, const float* weights,
+                        int64_t num_tokens, int64_t num_experts, bool gather,
+                        void* out, int32_t* status, cudaStream_t stream) {
+  if (!ValidView(g, dtype) || num_tokens < 0 || num_tokens > g.max_tokens ||
+      num_experts != static_cast<int64_t>(g.num_local) * g.num_ranks) {
+    return cudaErrorInvalidValue;
+  }
+  return detail::DispatchDtype<LaunchCombineWait>(
+      dtype, g, topk_idx, weights, static_cast<int32_t>(num_tokens),
+      static_cast<int32_t>(num_experts), gather, out, status, stream);
+}
+
+cudaError_t PreloadKernels() {
+  cudaFuncAttributes attr;
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, CombineSendKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
+      &attr, DispatchWaitKernel<RowFormat::kPlain, false>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
+      &attr, DispatchWaitKernel<RowFormat::kFp8, false>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
+      &attr, DispatchWaitKernel<RowFormat::kFp8, true>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(PreloadTyped<__nv_bfloat16>::Run());
+  JAX_EP_CUDA_RETURN_IF_ERROR(PreloadTyped<__half>::Run());
+  return PreloadTyped<float>::Run();
+}
+
+}  // namespace jax_ep::low_latency

@@ -1,0 +1,399 @@
+"""Backend-independent tests of the low-latency pair (decode), checked against the numpy oracle.
+
+Subclassed per backend: tests/test_reference.py (CPU), tests/test_cuda_local.py (one rank),
+tests/test_cuda_intranode.py (R ranks under the launcher, emulated on one GPU or one per GPU).
+On the cuda backend the rows of a slab past `count` are unspecified, so only the packed rows are
+compared there (the reference's are zeros, which it checks).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_ep
+from ep_test_base import host_value, local_rank_mask, make_routing, random_inputs, rank_mesh
+from jax_ep.testing import oracle
+
+
+GRAPH_WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "low_latency_graph_worker.py")
+COMMAND_BUFFER_FLAGS = ("--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL "
+                        "--xla_gpu_graph_min_graph_size=1")
+
+
+def run_graph_worker(mode: str, num_ranks: int):
+  """The command-buffer decode worker, in this process's GPU set-up: one rank directly, or
+  `num_ranks` ranks sharing GPU 0 under the launcher."""
+  env = dict(os.environ, XLA_FLAGS=COMMAND_BUFFER_FLAGS)
+  cmd = [sys.executable, GRAPH_WORKER, mode]
+  if num_ranks > 1:
+    cmd = [sys.executable, "-m", "jax_ep.launch", "-n", str(num_ranks), "--share-gpu",
+           "--grace", "30", "--timeout", "250", "--", *cmd]
+  result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+  log = result.stdout + result.stderr
+  assert result.returncode == 0 and "60 steps ok" in log, log
+
+
+class LowLatencyTestBase:
+  backend = "reference"
+  rank_counts = (1, 2, 4, 8)
+  small_ranks = 2
+  # The kernels quantise with IEEE division and round-to-nearest-even: bit-exact against the
+  # oracle. XLA's own f32 -> e4m3 conversion (the reference) may differ by one step on ties.
+  fp8_exact = False
+
+  # ------------------------------------------------------------------ helpers
+  def make_group(self, num_ranks, *, num_experts, num_topk, hidden, max_tokens,
+                 dtype=jnp.bfloat16, **kwargs):
+    if num_ranks not in self.rank_counts:
+      pytest.skip(f"{self.backend} backend does not run at R={num_ranks} here")
+    return jax_ep.Group(rank_mesh(num_ranks), "ep", num_experts=num_experts,
+                        num_topk=num_topk, hidden=hidden, max_tokens_per_rank=max_tokens,
+                        dtype=dtype, backend=self.backend, low_latency=True, **kwargs)
+
+  @staticmethod
+  def shard(group, *arrays, spec=P("ep")):
+    sharding = jax.sharding.NamedSharding(group.mesh, spec)
+    return [jax.make_array_from_callback(np.shape(a), sharding, lambda i, a=a: np.asarray(a)[i])
+            for a in arrays]
+
+  def run_per_rank(self, group, fn, *arrays, jit=True):
+    def body(*blocks):
+      outs = fn(*(b[0] for b in blocks))
+      return jax.tree.map(lambda o: o[None], outs)
+    mapped = jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep"))
+    outs = (jax.jit(mapped) if jit else mapped)(*self.shard(group, *arrays))
+    return jax.tree.map(host_value, outs)
+
+  @staticmethod
+  def mine(group):
+    return [int(r) for r in np.flatnonzero(local_rank_mask(group.mesh))]
+
+  def check_rows(self, group, recv, expected, what="recv_x"):
+    """Each expert's packed rows equal the oracle's; past `count`, zeros on the reference."""
+    for d in self.mine(group):
+      want = expected[d]
+      np.testing.assert_array_equal(recv.count[d], want["count"], err_msg=f"count, rank {d}")
+      for le, n in enumerate(want["count"]):
+        np.testing.assert_array_equal(recv.x[d][le, :n], want["recv_x"][le, :n],
+                                      err_msg=f"{what} rows of expert {le}, rank {d}")
+        if self.backend == "reference":
+          assert not np.any(np.asarray(recv.x[d][le, n:], np.float32)), "padding must be zero"
+
+  @staticmethod
+  def inputs(rng, r, t, h, e, k, pattern):
+    x = random_inputs(rng, r, t, h, jnp.bfloat16)
+    idx = make_routing(rng, r, t, k, e, pattern)
+    w = rng.random((r, t, k)).astype(np.float32)
+    return x, idx, w
+
+  @staticmethod
+  def scaled_expert(recv_x, count, a):
+    """The identity expert times a per-expert factor, zero past count (what an expert layer
+    that masks its padding returns)."""
+    slab = recv_x.shape[1]
+    used = jnp.arange(slab)[None, :, None] < count[:, None, None]
+    out = recv_x.astype(jnp.float32) * a[:, None, None]
+    return jnp.where(used, out, 0.0).astype(recv_x.dtype)
+
+  # ------------------------------------------------------------------ tests
+  @pytest.mark.parametrize("num_tokens", [1, 7, 128])
+  @pytest.mark.parametrize("pattern", ["uniform", "one_expert", "unused_experts", "all_masked",
+                                       "duplicates", "invalid"])
+  def test_roundtrip(self, pattern, num_tokens):
+    r, e, k, h = self.small_ranks, 4 * self.small_ranks, 4, 256
+    group = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=num_tokens)
+    rng = np.random.default_rng(num_tokens)
+    x, idx, w = self.inputs(rng, r, num_tokens, h, e, k, pattern)
+    slab = r * num_tokens
+    eo = random_inputs(rng, r, e // r * slab, h, jnp.bfloat16).reshape(r, e // r, slab, h)
+
+    def fn(x, idx, w, eo):
+      recv, handle = jax_ep.low_latency_dispatch(group, x, idx)
+      return recv, jax_ep.low_latency_combine(group, eo, handle, w)
+    recv, out = self.run_per_rank(group, fn, x, idx, w, eo)
+    expected = oracle.low_latency_dispatch(x, idx, e, num_tokens)
+    self.check_rows(group, recv, expected)
+    invalid = ((idx < -1) | (idx >= e)).sum(axis=(1, 2))
+    for d in self.mine(group):
+      assert recv.num_dropped[d] == 0
+      assert recv.num_invalid[d] == invalid[d]
+    want = oracle.low_latency_combine(list(eo), expected, w, np.float64)
+    for d in self.mine(group):
+      np.testing.assert_allclose(out[d].astype(np.float64), want[d], rtol=1e-2,
+                                 atol=1e-2 * (np.abs(want[d]).max() + 1e-30))
+
+  @pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False),
+                                                     (True, True)])
+  @pytest.mark.parametrize("num_tokens", [1, 128])
+  def test_fp8(self, round_scale, use_ue8m0, num_tokens):
+    r, e, k, h = self.small_ranks, 4 * self.small_ranks, 4, 1024
+    group = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=num_tokens)
+    rng = np.random.default_rng(17)
+    x, idx, _ = self.inputs(rng, r, num_tokens, h, e, k, "uniform")
+    x = x.copy()
+    x[..., :128] = 0  # an all-zero block: scale 1
+    x[..., 128:256] *= 1e-3
+    recv = self.run_per_rank(group, lambda x, idx: jax_ep.low_latency_dispatch(
+        group, x, idx, use_fp8=True, round_scale=round_scale, use_ue8m0=use_ue8m0)[0], x, idx)
+    assert recv.x.dtype == jnp.float8_e4m3fn
+    q, scales = oracle.fp8_quantize(x, round_scale=round_scale)
+    if round_scale:
+      assert set(np.unique(np.log2(scales)) % 1) == {0.0}  # powers of two
+    expected_q = oracle.low_latency_dispatch(q, idx, e, num_tokens)
+    expected_s = oracle.low_latency_dispatch(scales, idx, e, num_tokens)
+    for d in self.mine(group):
+      for le, n in enumerate(expected_q[d]["count"]):
+        assert recv.count[d][le] == n
+        got = recv.x[d][le, :n].astype(np.float32)
+        want = expected_q[d]["recv_x"][le, :n].astype(np.float32)
+        if self.fp8_exact:
+          np.testing.assert_array_equal(got, want, err_msg=f"expert {le}, rank {d}")
+        else:  # one e4m3 step (3 mantissa bits) where x / scale sits on a tie
+          np.testing.assert_allclose(got, want, rtol=2**-3, atol=0)
+        want_s = expected_s[d]["recv_x"][le, :n]
+        if use_ue8m0:
+          assert recv.scales.dtype == np.int32 and recv.scales.shape[-1] == h // 512
+          want_s = oracle.pack_ue8m0(want_s)
+        np.testing.assert_array_equal(recv.scales[d][le, :n], want_s)
+        if not use_ue8m0:  # dequantised rows are within e4m3's precision of the inputs
+          s = recv.scales[d][le, :n, :, None]
+          deq = got.reshape(n, h // 128, 128) * s
+          src = oracle.low_latency_dispatch(x.astype(np.float32), idx, e, num_tokens)
+          src = src[d]["recv_x"][le, :n].reshape(n, h // 128, 128)
+          # Half an ulp of e4m3 (3 mantissa bits) relative, or of its subnormals (2^-9 of the
+          # scale) absolute.
+          assert np.all(np.abs(deq - src) <= 2**-4 * np.abs(src) + 2**-10 * s)
+
+  def test_fp8_options_are_checked(self):
+    r = self.small_ranks
+    group = self.make_group(r, num_experts=4 * r, num_topk=2, hidden=256, max_tokens=4)
+    x = np.zeros((r, 4, 256), jnp.bfloat16)
+    idx = np.zeros((r, 4, 2), np.int32)
+    for kwargs, message in [(dict(round_scale=True), "need use_fp8=True"),
+                            (dict(use_fp8=True, use_ue8m0=True), "needs round_scale=True"),
+                            (dict(use_fp8=True, round_scale=True, use_ue8m0=True),
+                             "multiple of 512")]:
+      with pytest.raises(ValueError, match=message):
+        self.run_per_rank(group, lambda x, idx, kwargs=kwargs: jax_ep.low_latency_dispatch(
+            group, x, idx, **kwargs)[0].count, x, idx)
+
+  def _layer_chain(self, group, xs, idxs, ws, scales, split):
+    """`len(idxs)` layers in one program: dispatch, scaled identity expert, combine; with
+    `split` each layer's dispatch is sent while the previous combine is outstanding."""
+    num_layers = idxs.shape[1]
+
+    def fn(x, idx, w, a):
+      if not split:
+        def layer(h, inputs):
+          i, wt, al = inputs
+          recv, handle = jax_ep.low_latency_dispatch(group, h, i)
+          eo = self.scaled_expert(recv.x, recv.count, al)
+          return jax_ep.low_latency_combine(group, eo, handle, wt), recv.count
+        return jax.lax.scan(layer, x, (idx, w, a))
+      h, counts, pending = x, [], None
+      sent = jax_ep.low_latency_dispatch_send(group, h, idx[0])
+      for n in range(num_layers):
+        recv, handle = jax_ep.low_latency_dispatch_wait(group, sent)
+        counts.append(recv.count)
+        eo = self.scaled_expert(recv.x, recv.count, a[n])
+        pending = jax_ep.low_latency_combine_send(group, eo, handle)
+        h = jax_ep.low_latency_combine_wait(group, pending, w[n])
+        if n + 1 < num_layers:
+          sent = jax_ep.low_latency_dispatch_send(group, h, idx[n + 1])
+      return h, jnp.stack(counts)
+    return self.run_per_rank(group, fn, xs, idxs, ws, scales)
+
+  @staticmethod
+  def _chain_oracle(xs, idxs, ws, scales, num_experts, t_max):
+    h = np.asarray(xs, np.float32)
+    counts = []
+    for n in range(idxs.shape[1]):
+      hb = h.astype(jnp.bfloat16)
+      dispatched = oracle.low_latency_dispatch(hb, idxs[:, n], num_experts, t_max)
+      counts.append(np.stack([d["count"] for d in dispatched]))
+      eo = [(d["recv_x"].astype(np.float32) * scales[r, n][:, None, None]).astype(jnp.bfloat16)
+            for r, d in enumerate(dispatched)]
+      h = oracle.low_latency_combine(eo, dispatched, ws[:, n], np.float64)
+    return h, np.stack(counts, axis=1)
+
+  @pytest.mark.parametrize("split", [False, True])
+  def test_back_to_back_layers(self, split):
+    """Six layers in one program (a scan, or the split form with each dispatch sent while the
+    previous combine is outstanding); every layer's routing differs."""
+    r, e, k, h, t, num_layers = self.small_ranks, 4 * self.small_ranks, 4, 256, 7, 6
+    group = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=t)
+    rng = np.random.default_rng(5)
+    xs = random_inputs(rng, r, t, h, jnp.bfloat16)
+    patterns = ["uniform", "duplicates", "one_expert", "invalid", "all_masked", "uniform"]
+    idxs = np.stack([make_routing(rng, r, t, k, e, p) for p in patterns], axis=1)
+    ws = rng.random((r, num_layers, t, k)).astype(np.float32) / k
+    scales = (1 + 0.1 * rng.standard_normal((r, num_layers, e // r))).astype(np.float32)
+    out, counts = self._layer_chain(group, xs, idxs, ws, scales, split)
+    want, want_counts = self._chain_oracle(xs, idxs, ws, scales, e, t)
+    for d in self.mine(group):
+      np.testing.assert_array_equal(counts[d], want_counts[d])
+      np.testing.assert_allclose(out[d].astype(np.float64), want[d], rtol=3e-2,
+                                 atol=3e-2 * (np.abs(want[d]).max() + 1e-30))
+
+  def test_split_matches_fused(self):
+    r, e, k, h, t = self.small_ranks, 4 * self.small_ranks, 4, 256, 9
+    group = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=t)
+    rng = np.random.default_rng(8)
+    x, idx, w = self.inputs(rng, r, t, h, e, k, "duplicates")
+
+    def fused(x, idx, w):
+      recv, handle = jax_ep.low_latency_dispatch(group, x, idx, use_fp8=True)
+      eo = self.scaled_expert(recv.x.astype(jnp.bfloat16), recv.count,
+                              jnp.ones((e // r,), jnp.float32))
+      return recv, jax_ep.low_latency_combine(group, eo, handle, w)
+
+    def split(x, idx, w):
+      recv, handle = jax_ep.low_latency_dispatch_wait(
+          group, jax_ep.low_latency_dispatch_send(group, x, idx, use_fp8=True))
+      eo = self.scaled_expert(recv.x.astype(jnp.bfloat16), recv.count,
+                              jnp.ones((e // r,), jnp.float32))
+      return recv, jax_ep.low_latency_combine_wait(
+          group, jax_ep.low_latency_combine_send(group, eo, handle), w)
+    a_recv, a_out = self.run_per_rank(group, fused, x, idx, w)
+    b_recv, b_out = self.run_per_rank(group, split, x, idx, w)
+    for d in self.mine(group):
+      np.testing.assert_array_equal(a_recv.count[d], b_recv.count[d])
+      for le, n in enumerate(a_recv.count[d]):
+        np.testing.assert_array_equal(a_recv.x[d][le, :n].astype(np.float32),
+                                      b_recv.x[d][le, :n].astype(np.float32))
+        np.testing.assert_array_equal(a_recv.scales[d][le, :n], b_recv.scales[d][le, :n])
+      np.testing.assert_array_equal(a_out[d].astype(np.float32), b_out[d].astype(np.float32))
+
+  def test_gradients(self):
+    """d/dx, d/d(expert_out) and d/d(topk_weights) against the closed form of
+    out[t] = sum_k w[t, k] * a[e_k] * x[t] (identity expert scaled per expert)."""
+    r, e, k, h, t = self.small_ranks, 4 * self.small_ranks, 4, 256, 6
+    group = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=t)
+    rng = np.random.default_rng(3)
+    x, idx, w = self.inputs(rng, r, t, h, e, k, "duplicates")
+    idx[:, 0, 1] = -1  # a slot that selects nothing
+    a = (1 + 0.2 * rng.standard_normal((r, e // r))).astype(np.float32)
+    g = random_inputs(rng, r, t, h, jnp.bfloat16)
+
+    def loss(x, w, a, idx, g):
+      recv, handle = jax_ep.low_latency_dispatch(group, x, idx)
+      eo = self.scaled_expert(recv.x, recv.count, a)
+      out = jax_ep.low_latency_combine(group, eo, handle, w)
+      return jnp.sum(out.astype(jnp.float32) * g.astype(jnp.float32))
+
+    def fn(x, w, a, idx, g):
+      return jax.grad(loss, argnums=(0, 1, 2))(x, w, a, idx, g)
+    dx, dw, da = self.run_per_rank(group, fn, x, w, a, idx, g)
+    xf, gf = x.astype(np.float64), g.astype(np.float64)
+    all_a = a.reshape(-1)  # global expert e has factor a[e // L, e % L]
+    valid = (idx >= 0) & (idx < e)
+    ae = np.where(valid, all_a[np.clip(idx, 0, e - 1)], 0.0)  # [R, T, K]
+    want_dx = np.einsum("rtk,rtk,rth->rth", w, ae, gf)
+    want_dw = np.where(valid, ae * np.einsum("rth,rth->rt", xf, gf)[..., None], 0.0)
+    for d in self.mine(group):
+      np.testing.assert_allclose(dx[d].astype(np.float64), want_dx[d], rtol=2e-2,
+                                 atol=2e-2 * np.abs(want_dx[d]).max())
+      np.testing.assert_allclose(dw[d], want_dw[d], rtol=2e-2,
+                                 atol=2e-2 * np.abs(want_dw[d]).max())
+    assert np.all(np.isfinite(da))
+
+  def test_vmap_matches_per_element(self):
+    r, e, k, h, t = self.small_ranks, 4 * self.small_ranks, 4, 256, 5
+    group = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=t)
+    rng = np.random.default_rng(11)
+    xs = np.stack([random_inputs(rng, r, t, h, jnp.bfloat16) for _ in range(2)], axis=1)
+    idxs = np.stack([make_routing(rng, r, t, k, e, "uniform") for _ in range(2)], axis=1)
+    ws = rng.random((r, 2, t, k)).astype(np.float32)
+
+    def roundtrip(x, idx, w):
+      recv, handle = jax_ep.low_latency_dispatch(group, x, idx)
+      eo = self.scaled_expert(recv.x, recv.count, jnp.ones((e // r,), jnp.float32))
+      return jax_ep.low_latency_combine(group, eo, handle, w)
+    batched = self.run_per_rank(group, jax.vmap(roundtrip), xs, idxs, ws)
+    for b in range(2):
+      single = self.run_per_rank(group, roundtrip, xs[:, b], idxs[:, b], ws[:, b])
+      for d in self.mine(group):
+        np.testing.assert_array_equal(batched[d, b].astype(np.float32),
+                                      single[d].astype(np.float32))
+
+
+class CudaLowLatencyTests(LowLatencyTestBase):
+  """What only the kernels have: the split ops as separate custom calls, the one-send rule,
+  the buffers a group must be created with."""
+
+  backend = "cuda"
+  fp8_exact = True
+
+  def test_needs_low_latency_buffers(self):
+    r = self.small_ranks
+    group = jax_ep.Group(rank_mesh(r), "ep", num_experts=4 * r, num_topk=2, hidden=256,
+                         max_tokens_per_rank=4, backend="cuda")
+    x = np.zeros((r, 4, 256), jnp.bfloat16)
+    idx = np.zeros((r, 4, 2), np.int32)
+    with pytest.raises(ValueError, match="low_latency=True"):
+      self.run_per_rank(group, lambda x, idx: jax_ep.low_latency_dispatch(group, x, idx)[0].count,
+                        x, idx)
+    group.close()
+    est = jax_ep.memory_bytes(num_ranks=r, num_experts=4 * r, num_topk=2, hidden=256,
+                              max_tokens_per_rank=4, backend="cuda", low_latency=True)
+    assert est.low_latency_buffer_bytes >= 2 * 4 * r * 4 * 256 * 2  # two sets of L*R*T rows
+
+  def test_independent_work_runs_between_send_and_wait(self):
+    """The split dispatch is two custom calls; a matmul that depends on neither is scheduled
+    between them in the compiled program, and the results are exact."""
+    r, e, k, h, t = self.small_ranks, 4 * self.small_ranks, 4, 256, 16
+    group = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=t)
+    rng = np.random.default_rng(2)
+    x, idx, _ = self.inputs(rng, r, t, h, e, k, "uniform")
+    m = rng.standard_normal((r, 512, 512)).astype(np.float32)
+
+    def body(x, idx, m):
+      sent = jax_ep.low_latency_dispatch_send(group, x[0], idx[0])
+      other = m[0] @ m[0]  # independent of the dispatch
+      recv, _ = jax_ep.low_latency_dispatch_wait(group, sent)
+      return recv.x[None], recv.count[None], other[None]
+    mapped = jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep")))
+    args = self.shard(group, x, idx, m)
+    text = mapped.lower(*args).compile().as_text()
+    send = text.find('custom_call_target="jax_ep_low_latency_dispatch_send"')
+    wait = text.find('custom_call_target="jax_ep_low_latency_dispatch_wait"')
+    assert 0 <= send < wait, "send and wait must be separate custom calls, in that order"
+    between = text[send:wait]
+    assert "gemm" in between or " dot(" in between, (
+        "the matmul is not scheduled between send and wait:\n" + between[:4000])
+    recv_x, count, other = jax.tree.map(host_value, mapped(*args))
+    expected = oracle.low_latency_dispatch(x, idx, e, t)
+    for d in self.mine(group):
+      np.testing.assert_array_equal(count[d], expected[d]["count"])
+      for le, n in enumerate(expected[d]["count"]):
+        np.testing.assert_array_equal(recv_x[d][le, :n], expected[d]["recv_x"][le, :n])
+      np.testing.assert_allclose(other[d], m[d] @ m[d], rtol=1e-2, atol=1e-2)
+
+  def test_second_send_before_wait_is_an_error(self):
+    r = self.small_ranks
+    group = self.make_group(r, num_experts=4 * r, num_topk=2, hidden=256, max_tokens=4,
+                            timeout_s=5.0)
+    x = np.ones((r, 4, 256), jnp.bfloat16)
+    idx = np.zeros((r, 4, 2), np.int32)
+
+    def body(x, idx):
+      first = jax_ep.low_latency_dispatch_send(group, x, idx)
+      second = jax_ep.low_latency_dispatch_send(group, x + 1, idx)
+      recv, _ = jax_ep.low_latency_dispatch_wait(group, second)
+      del first
+      return recv.count
+    try:
+      self.run_per_rank(group, body, x, idx)
+    except Exception:  # noqa: BLE001 - a later op of the failed group may raise too
+      pass
+    with pytest.raises(TimeoutError, match="before the previous call's wait"):
+      group.check()
+    group.close()  # already raised by check()
