@@ -24,6 +24,7 @@
 #include "ffi/kernels/ep_kernels.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/optional.h"
+#include "nanobind/stl/pair.h"
 #include "nanobind/stl/string.h"
 #include "nanobind/stl/vector.h"
 
@@ -246,6 +247,15 @@ NB_MODULE(_jax_ep_ffi, m) {
         "CUDA runtime version the extension was built with, e.g. 13000.");
 
   // --- The intranode transport (multi-rank, one NVLink domain). ------------
+  m.def(
+      "low_latency_handler_calls",
+      []() {
+        int64_t calls = 0, captured = 0;
+        jax_ep::LowLatencyHandlerCalls(&calls, &captured);
+        return std::make_pair(calls, captured);
+      },
+      "(calls, captured): invocations of the low-latency handlers in this "
+      "process, and those made while XLA recorded a command buffer.");
   m.def("intranode_buffer_bytes", &jax_ep::intranode_group::BufferBytes,
         nb::arg("num_ranks"), nb::arg("max_tokens_per_rank"), nb::arg("hidden"),
         nb::arg("num_topk"), nb::arg("itemsize"),

@@ -42,4 +42,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyDispatchWait);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyCombineSend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyCombineWait);
 
+namespace jax_ep {
+// Invocations of the low-latency handlers (a fused call counts once), and how
+// many of them ran while a command buffer was recorded.
+void LowLatencyHandlerCalls(int64_t* calls, int64_t* captured);
+}  // namespace jax_ep
+
 #endif  // JAX_EP_FFI_HANDLERS_HANDLERS_H_

@@ -28,6 +28,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -50,6 +51,22 @@ constexpr char kDispatchSend[] = "jax_ep_low_latency_dispatch_send";
 constexpr char kDispatchWait[] = "jax_ep_low_latency_dispatch_wait";
 constexpr char kCombineSend[] = "jax_ep_low_latency_combine_send";
 constexpr char kCombineWait[] = "jax_ep_low_latency_combine_wait";
+
+// Handler invocations, and those made while XLA recorded a command buffer
+// (stream capture): a replay of the recorded graph runs the kernels without
+// calling the handler, which is how a test tells that a decode step really
+// replays (LowLatencyHandlerCalls).
+std::atomic<int64_t> handler_calls{0};
+std::atomic<int64_t> captured_calls{0};
+
+void CountCall(cudaStream_t stream) {
+  handler_calls.fetch_add(1, std::memory_order_relaxed);
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) == cudaSuccess &&
+      status == cudaStreamCaptureStatusActive) {
+    captured_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+}
 
 // The group, which must have been created with the low-latency buffers.
 ffi::Error GetLowLatencyGroup(
@@ -94,6 +111,7 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::F32> slot_scale,
                             ffi::ResultBuffer<ffi::S32> num_invalid,
                             int64_t group_id, int32_t format, bool weighted) {
+  CountCall(stream);
   std::shared_ptr<const intranode_group::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(
       GetLowLatencyGroup(kDispatchSend, group_id, &group));
@@ -201,6 +219,7 @@ ffi::Error DispatchWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
                             ffi::ResultBuffer<ffi::S32> recv_src,
                             ffi::ResultBuffer<ffi::S32> status,
                             int64_t group_id, int32_t format, bool ue8m0) {
+  CountCall(stream);
   (void)sent;
   return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status,
                           group_id, format, ue8m0);
@@ -210,6 +229,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                            ffi::Buffer<ffi::S32> recv_src,
                            ffi::Buffer<ffi::S32> count,
                            ffi::ResultBuffer<ffi::S32> sent, int64_t group_id) {
+  CountCall(stream);
   std::shared_ptr<const intranode_group::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kCombineSend, group_id, &group));
   const intranode_group::GroupConfig& c = group->config;
@@ -286,6 +306,7 @@ ffi::Error CombineWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
                            ffi::Result<ffi::AnyBuffer> out,
                            ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
                            int64_t num_experts, bool gather) {
+  CountCall(stream);
   (void)sent;
   return CombineWaitCore(stream, topk_idx, weights, out, status, group_id,
                          num_experts, gather);
@@ -326,6 +347,12 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
 }
 
 }  // namespace
+
+void LowLatencyHandlerCalls(int64_t* calls, int64_t* captured) {
+  *calls = handler_calls.load();
+  *captured = captured_calls.load();
+}
+
 }  // namespace jax_ep
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
