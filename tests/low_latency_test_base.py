@@ -52,6 +52,8 @@ class LowLatencyTestBase:
                  dtype=jnp.bfloat16, **kwargs):
     if num_ranks not in self.rank_counts:
       pytest.skip(f"{self.backend} backend does not run at R={num_ranks} here")
+    # A short timeout: a wait that never ends is a test failure with the mailbox's message.
+    kwargs.setdefault("timeout_s", 20.0)
     return jax_ep.Group(rank_mesh(num_ranks), "ep", num_experts=num_experts,
                         num_topk=num_topk, hidden=hidden, max_tokens_per_rank=max_tokens,
                         dtype=dtype, backend=self.backend, low_latency=True, **kwargs)
@@ -118,6 +120,7 @@ class LowLatencyTestBase:
       recv, handle = jax_ep.low_latency_dispatch(group, x, idx)
       return recv, jax_ep.low_latency_combine(group, eo, handle, w)
     recv, out = self.run_per_rank(group, fn, x, idx, w, eo)
+    group.check()
     expected = oracle.low_latency_dispatch(x, idx, e, num_tokens)
     self.check_rows(group, recv, expected)
     invalid = ((idx < -1) | (idx >= e)).sum(axis=(1, 2))
@@ -142,6 +145,7 @@ class LowLatencyTestBase:
     x[..., 128:256] *= 1e-3
     recv = self.run_per_rank(group, lambda x, idx: jax_ep.low_latency_dispatch(
         group, x, idx, use_fp8=True, round_scale=round_scale, use_ue8m0=use_ue8m0)[0], x, idx)
+    group.check()  # a timed-out wait would leave the counts at zero: say so first
     assert recv.x.dtype == jnp.float8_e4m3fn
     q, scales = oracle.fp8_quantize(x, round_scale=round_scale)
     if round_scale:
@@ -361,7 +365,7 @@ class CudaLowLatencyTests(LowLatencyTestBase):
       # The matmul reads nothing the dispatch writes; the barriers pin it after the send and
       # before the wait (XLA's scheduler would otherwise be free to run it anywhere).
       sent, a = jax.lax.optimization_barrier((sent, m[0]))
-      other = a @ a
+      other = jnp.matmul(a, a, precision="highest")
       sent, other = jax.lax.optimization_barrier((sent, other))
       recv, _ = jax_ep.low_latency_dispatch_wait(group, sent)
       return recv.x[None], recv.count[None], other[None]
