@@ -45,10 +45,6 @@ def main(mode):
   if mode == "mismatch":
     return 1
 
-  if me == 1:
-    time.sleep(8)  # never dispatches; rank 0 must give up after timeout_s
-    group.close()
-    return 0
   sharding = NamedSharding(mesh, P("ep"))
   x = jax.make_array_from_callback((2, 16, 128), sharding,
                                    lambda i: np.ones((2, 16, 128), jnp.bfloat16)[i])
@@ -60,7 +56,16 @@ def main(mode):
     body = lambda x, i, w: jax_ep.low_latency_dispatch(group, x[0], i[0])[0].count[None]
   else:
     body = lambda x, i, w: jax_ep.dispatch(group, x[0], i[0], w[0])[0].x[None]
+  # NOTES: both processes compile the step: compiling a program over several processes' devices
+  # is itself collective (XLA shares autotuning results between the processes), so a process
+  # that never compiles it leaves the other stuck in compilation, before any jax_ep kernel runs
+  # (seen on the H200). The fault under test is a peer that skips the call at run time.
   step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+  step = step.lower(x, idx, w).compile()
+  if me == 1:
+    time.sleep(8)  # never dispatches; rank 0 must give up after timeout_s
+    group.close()
+    return 0
   start = time.monotonic()
   try:
     if mode == "skip_call_debug":
