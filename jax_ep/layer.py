@@ -95,6 +95,21 @@ def expert_mlp(x, w_gate, w_up, w_down, group_sizes):
   return grouped_matmul(h, w_down, group_sizes, preferred_element_type=f32).astype(x.dtype)
 
 
+def expert_mlp_slabs(rows, w_gate, w_up, w_down, count):
+  """SwiGLU experts over the low-latency slabs: `[L, S, H] -> [L, S, H]`, expert `l` on slab `l`
+  (its first `count[l]` rows; the others are masked to zero before any arithmetic, since the
+  kernels leave them unspecified). NOTES: a batched matmul over whole slabs, so it computes the
+  padding rows too (`S = R * T_max` per expert); a grouped GEMM that stops at `count` is the
+  remedy (docs/performance.md, open questions)."""
+  f32 = jnp.float32
+  used = jnp.arange(rows.shape[1], dtype=jnp.int32)[None, :, None] < count[:, None, None]
+  x = jnp.where(used, rows, jnp.zeros((), rows.dtype))
+  gate = jnp.einsum("lsh,lhf->lsf", x, w_gate, preferred_element_type=f32)
+  up = jnp.einsum("lsh,lhf->lsf", x, w_up, preferred_element_type=f32)
+  h = (jax.nn.silu(gate) * up).astype(x.dtype)
+  return jnp.einsum("lsf,lfh->lsh", h, w_down, preferred_element_type=f32).astype(x.dtype)
+
+
 def shared_mlp(x, w_gate, w_up, w_down):
   """The dense SwiGLU expert every token goes through, same precision as `expert_mlp`."""
   f32 = jnp.float32
@@ -105,7 +120,8 @@ def shared_mlp(x, w_gate, w_up, w_down):
 
 
 def moe_mlp_per_shard(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None,
-                      *, routing: Routing = Routing()) -> MoEOutput:
+                      *, routing: Routing = Routing(),
+                      mode: str = "high_throughput") -> MoEOutput:
   """The layer body, inside `shard_map` over the group's axis.
 
   Args:
@@ -116,10 +132,16 @@ def moe_mlp_per_shard(group: Group, params: MoEParams, x, topk_idx=None, topk_we
     topk_idx, topk_weights: optional routing (float32, or bf16 / f16, cast to float32); the
       router in `params` decides when they are omitted (the losses are then its, else zero).
     routing: how the router picks experts (`Routing`).
+    mode: "high_throughput" (`dispatch` / `combine`, experts on expert-grouped rows) or
+      "low_latency" (the decode pair, experts on the `[L, R*T_max, H]` slabs; the group needs
+      `low_latency=True` on the cuda backend).
 
   Returns:
     `MoEOutput` with scalars and `[E]` counts for this shard.
   """
+  if mode not in ("high_throughput", "low_latency"):
+    raise ValueError(f"jax_ep.moe_mlp: mode must be 'high_throughput' or 'low_latency', got "
+                     f"{mode!r}")
   zero = jnp.zeros((), jnp.float32)
   aux, z = zero, zero
   if topk_idx is None:
@@ -128,9 +150,14 @@ def moe_mlp_per_shard(group: Group, params: MoEParams, x, topk_idx=None, topk_we
     topk_idx, topk_weights = routed.topk_idx, routed.topk_weights
     aux = load_balancing_loss(routed.probs, topk_idx)
     z = router_z_loss(routed.logits)
-  recv, handle = ops.dispatch(group, x, topk_idx, topk_weights)
-  y = expert_mlp(recv.x, params.w_gate, params.w_up, params.w_down, recv.group_sizes)
-  out = ops.combine(group, y, handle)
+  if mode == "low_latency":
+    recv, handle = ops.low_latency_dispatch(group, x, topk_idx)
+    y = expert_mlp_slabs(recv.x, params.w_gate, params.w_up, params.w_down, recv.count)
+    out = ops.low_latency_combine(group, y, handle, topk_weights.astype(jnp.float32))
+  else:
+    recv, handle = ops.dispatch(group, x, topk_idx, topk_weights)
+    y = expert_mlp(recv.x, params.w_gate, params.w_up, params.w_down, recv.group_sizes)
+    out = ops.combine(group, y, handle)
   if params.shared_gate is not None:
     out = out + shared_mlp(x, params.shared_gate, params.shared_up, params.shared_down)
   return MoEOutput(out, recv.num_dropped, aux, z, expert_counts(topk_idx, group.num_experts))
@@ -155,7 +182,7 @@ def _token_axes(group: Group):
 
 
 def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None, *,
-            routing: Routing = Routing()) -> MoEOutput:
+            routing: Routing = Routing(), mode: str = "high_throughput") -> MoEOutput:
   """The whole layer on global arrays; enters `shard_map` over the group's mesh.
 
   Args:
@@ -167,6 +194,7 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
     topk_idx, topk_weights: optional routing shaped like `x` with `K` for `H` (else the router
       in `params` decides).
     routing: how the router picks experts (`Routing`).
+    mode: "high_throughput" or "low_latency" (see `moe_mlp_per_shard`).
 
   Returns:
     `MoEOutput`: `out` shaped like `x`; `num_dropped`, `aux_loss`, `z_loss` `[M]` and
@@ -195,7 +223,7 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
                        for p, s in zip(params, specs)))
 
   def body(params, x, *routing_args):
-    result = moe_mlp_per_shard(group, params, x, *routing_args, routing=routing)
+    result = moe_mlp_per_shard(group, params, x, *routing_args, routing=routing, mode=mode)
     return result._replace(num_dropped=result.num_dropped[None], aux_loss=result.aux_loss[None],
                            z_loss=result.z_loss[None],
                            expert_counts=result.expert_counts[None])

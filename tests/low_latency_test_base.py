@@ -328,6 +328,31 @@ class LowLatencyTestBase:
         np.testing.assert_array_equal(batched[d, b].astype(np.float32),
                                       single[d].astype(np.float32))
 
+  def test_moe_layer_low_latency_matches_high_throughput(self):
+    """`moe_mlp_per_shard(mode="low_latency")` (the experts on the decode slabs) against the
+    high-throughput layer on the same tokens, router and experts."""
+    r, e, k, h, f, t = self.small_ranks, 4 * self.small_ranks, 4, 128, 64, 12
+    group = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=t)
+    params = jax_ep.init_moe_params(jax.random.key(0), num_experts=e, hidden=h, ffn=f,
+                                    dtype=jnp.bfloat16)
+    per_rank = lambda w: np.asarray(w).reshape(r, e // r, *w.shape[1:])  # experts split
+    router = np.broadcast_to(np.asarray(params.router), (r, *params.router.shape))
+    rng = np.random.default_rng(4)
+    x = random_inputs(rng, r, t, h, jnp.bfloat16)
+
+    def fn(x, router, w_gate, w_up, w_down):
+      p = params._replace(router=router, w_gate=w_gate, w_up=w_up, w_down=w_down)
+      ht = jax_ep.moe_mlp_per_shard(group, p, x).out
+      ll = jax_ep.moe_mlp_per_shard(group, p, x, mode="low_latency").out
+      return ht, ll
+    ht, ll = self.run_per_rank(group, fn, x, router, per_rank(params.w_gate),
+                               per_rank(params.w_up), per_rank(params.w_down))
+    for d in self.mine(group):
+      scale = np.abs(ht[d].astype(np.float32)).max()
+      assert scale > 0
+      np.testing.assert_allclose(ll[d].astype(np.float32), ht[d].astype(np.float32),
+                                 rtol=0, atol=3e-2 * scale)
+
 
 class CudaLowLatencyTests(LowLatencyTestBase):
   """What only the kernels have: the split ops as separate custom calls, the one-send rule,

@@ -58,17 +58,20 @@ def _inputs(num_ranks, num_experts, hidden, ffn, tokens, dtype, seed=0):
 
 
 # ---------------------------------------------------------------------- moe_mlp vs dense
+@pytest.mark.parametrize("mode", ["high_throughput", "low_latency"])
 @pytest.mark.parametrize("num_ranks,dtype,rel", [
     (1, jnp.float32, 1e-4), (4, jnp.float32, 1e-4), (8, jnp.float32, 1e-4),
     (4, jnp.bfloat16, 3e-2)])
-def test_moe_mlp_matches_dense(num_ranks, dtype, rel):
+def test_moe_mlp_matches_dense(num_ranks, dtype, rel, mode):
+  """Both modes of the layer (the low-latency one runs the experts on the decode slabs)
+  against the dense model: values and gradients."""
   num_experts, num_topk, hidden, ffn, tokens = 16, 4, 64, 32, 8
   group = make_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
                      max_tokens=tokens, dtype=dtype)
   params, x, cot = _inputs(num_ranks, num_experts, hidden, ffn, tokens, dtype)
 
   def loss(params, x):
-    out, num_dropped = jax_ep.moe_mlp(group, params, x)[:2]
+    out, num_dropped = jax_ep.moe_mlp(group, params, x, mode=mode)[:2]
     return jnp.sum(out.astype(jnp.float32) * cot), (out, num_dropped)
 
   def dense_loss(params, x):
