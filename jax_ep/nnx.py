@@ -29,7 +29,7 @@ from jax_ep.routing import Routing, update_router_bias
 # `moe_mlp` under `jit`: inside a traced model this just nests, and an eager call (e.g.
 # `layer(x)` at the top level) runs one compiled program instead of op-by-op `shard_map`, which
 # is an order of magnitude slower.
-_moe_mlp = jax.jit(moe_mlp, static_argnums=(0,), static_argnames=("routing",))
+_moe_mlp = jax.jit(moe_mlp, static_argnums=(0,), static_argnames=("routing", "mode"))
 
 
 class MoEStats(nnx.Variable):
@@ -58,6 +58,8 @@ class MoE(nnx.Module):
       renormalisation, group-limited top-k, a routed scaling factor).
     router_bias: keep a per-expert selection bias (`RouterBias`), moved by `update_bias`.
     shared_ffn: inner size of a shared expert every token goes through (0: none).
+    mode: "high_throughput" (training, prefill) or "low_latency" (decode: the low-latency pair,
+      experts on its slabs; the group needs `low_latency=True` on the cuda backend).
 
   Attributes:
     router: `nnx.Param` `[H, E]` float32, replicated (sharding metadata `(None, None)`).
@@ -70,9 +72,14 @@ class MoE(nnx.Module):
   """
 
   def __init__(self, group: Group, *, ffn: int, rngs: nnx.Rngs, dtype=None,
-               routing: Routing = Routing(), router_bias: bool = False, shared_ffn: int = 0):
+               routing: Routing = Routing(), router_bias: bool = False, shared_ffn: int = 0,
+               mode: str = "high_throughput"):
+    if mode not in ("high_throughput", "low_latency"):
+      raise ValueError(f"jax_ep.nnx.MoE: mode must be 'high_throughput' or 'low_latency', got "
+                       f"{mode!r}")
     self.group = group
     self.routing = routing
+    self.mode = mode
     dtype = group.dtype if dtype is None else dtype
     params = init_moe_params(rngs.params(), num_experts=group.num_experts, hidden=group.hidden,
                              ffn=ffn, dtype=dtype, shared_ffn=shared_ffn,
@@ -121,7 +128,7 @@ class MoE(nnx.Module):
       The layer's output, shaped like `x`. The statistics go to the `MoEStats` attributes.
     """
     result = _moe_mlp(self.group, self.params, x, topk_idx, topk_weights,
-                      routing=self.routing)
+                      routing=self.routing, mode=self.mode)
     self.num_dropped.set_value(result.num_dropped)
     self.aux_loss.set_value(result.aux_loss)
     self.z_loss.set_value(result.z_loss)
