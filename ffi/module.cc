@@ -248,6 +248,13 @@ NB_MODULE(_jax_ep_ffi, m) {
 
   // --- The intranode transport (multi-rank, one NVLink domain). ------------
   m.def(
+      "low_latency_local_bytes",
+      []() {
+        return static_cast<int64_t>(jax_ep::low_latency::MaxLocalBytes());
+      },
+      "Local memory per thread of the most demanding low-latency kernel, as "
+      "the last kernel preload found it (0 by design; 0 before any preload).");
+  m.def(
       "low_latency_handler_calls",
       []() {
         int64_t calls = 0, captured = 0;

@@ -361,6 +361,13 @@ class CudaLowLatencyTests(LowLatencyTestBase):
   backend = "cuda"
   fp8_exact = True
 
+  def test_kernels_need_no_local_memory(self):
+    """A kernel that needs local memory can, at its first launch, wait for a GPU shared under
+    MPS to drain, peers' spinning waits included: none of the low-latency kernels may."""
+    r = self.small_ranks
+    self.make_group(r, num_experts=4 * r, num_topk=2, hidden=256, max_tokens=4)  # preloads
+    assert jax_ep._ffi.extension().low_latency_local_bytes() == 0
+
   def test_needs_low_latency_buffers(self):
     r = self.small_ranks
     group = jax_ep.Group(rank_mesh(r), "ep", num_experts=4 * r, num_topk=2, hidden=256,

@@ -242,8 +242,7 @@ int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
                     int64_t low_latency_experts) {
   ValidateBufferArgs("intranode_buffer_bytes", num_ranks, max_tokens, hidden,
                      num_topk, itemsize);
-  CheckRange(low_latency_experts >= 0 &&
-                 low_latency_experts % num_ranks == 0 &&
+  CheckRange(low_latency_experts >= 0 && low_latency_experts % num_ranks == 0 &&
                  low_latency_experts / num_ranks <= kMaxExperts,
              "intranode_buffer_bytes",
              "low_latency_experts is " + std::to_string(low_latency_experts) +
@@ -289,9 +288,8 @@ int64_t Create(const GroupConfig& c) {
 
   auto g = std::make_shared<Group>();
   g->config = c;
-  g->buffer_bytes = BufferBytes(c.num_ranks, c.max_tokens, c.hidden,
-                                c.num_topk, c.itemsize,
-                                c.low_latency ? c.num_experts : 0);
+  g->buffer_bytes = BufferBytes(c.num_ranks, c.max_tokens, c.hidden, c.num_topk,
+                                c.itemsize, c.low_latency ? c.num_experts : 0);
   DeviceGuard guard(c.device);
   try {
     // NOTES: load every kernel the intranode ops launch now: a lazy module load

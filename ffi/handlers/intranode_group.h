@@ -31,15 +31,15 @@ namespace jax_ep::intranode_group {
 struct GroupConfig {
   int device = 0;  // CUDA device ordinal of this rank
   int rank = 0;
-  int num_ranks = 1;        // R
-  int64_t num_experts = 1;  // E (global)
-  int64_t num_topk = 1;     // K
-  int64_t hidden = 8;       // H
-  int64_t max_tokens = 1;   // T_max
-  int64_t itemsize = 2;     // bytes per activation element (2 or 4)
-  int64_t capacity = 0;     // rows of recv_x
-  int num_sms = 24;         // blocks of every communication kernel
-  double timeout_s = 60.0;  // every spin-wait gives up after this long
+  int num_ranks = 1;         // R
+  int64_t num_experts = 1;   // E (global)
+  int64_t num_topk = 1;      // K
+  int64_t hidden = 8;        // H
+  int64_t max_tokens = 1;    // T_max
+  int64_t itemsize = 2;      // bytes per activation element (2 or 4)
+  int64_t capacity = 0;      // rows of recv_x
+  int num_sms = 24;          // blocks of every communication kernel
+  double timeout_s = 60.0;   // every spin-wait gives up after this long
   bool low_latency = false;  // allocate the low-latency buffers (L * R * T_max
                              // rows, two sets: BufferLayout::ll_*)
 };

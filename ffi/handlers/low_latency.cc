@@ -122,17 +122,17 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kDispatchSend, "x", x.dimensions(),
                                         {num_tokens, group->config.hidden},
                                         "[T, H]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kDispatchSend, "slot_scale",
-                                        slot_scale.dimensions(),
-                                        {num_tokens, group->config.num_topk},
-                                        "[T, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kDispatchSend, "slot_scale", slot_scale.dimensions(),
+                 {num_tokens, group->config.num_topk}, "[T, K]"));
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
       kDispatchSend, "x", x.element_type(), *group, &dtype));
   if (weighted && format != 0) {
     return ffi_utils::InvalidArgument(
-        kDispatchSend, "weighted=True takes plain rows (format 0), got format " +
-                           std::to_string(format));
+        kDispatchSend,
+        "weighted=True takes plain rows (format 0), got format " +
+            std::to_string(format));
   }
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kDispatchSend, "x", x.untyped_data()));
@@ -159,10 +159,9 @@ ffi::Error DispatchWaitCore(cudaStream_t stream,
   const intranode_group::GroupConfig& c = group->config;
   const int64_t num_local = c.num_experts / c.num_ranks;
   const int64_t slab = c.num_ranks * c.max_tokens;
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kDispatchWait, "recv_x",
-                                        recv_x->dimensions(),
-                                        {num_local, slab, c.hidden},
-                                        "[L, R*T_max, H]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kDispatchWait, "recv_x", recv_x->dimensions(),
+                 {num_local, slab, c.hidden}, "[L, R*T_max, H]"));
   ElementType dtype = ElementType::kBF16;
   if (format == 0) {
     JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
@@ -181,12 +180,11 @@ ffi::Error DispatchWaitCore(cudaStream_t stream,
               std::to_string(format) + ", hidden " + std::to_string(c.hidden));
     }
     const int64_t per_row = ue8m0 ? c.hidden / 512 : c.hidden / 128;
-    JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
-        kDispatchWait, "scales", scales->dimensions(),
-        {num_local, slab, per_row},
-        ue8m0 ? "[L, R*T_max, H/512]" : "[L, R*T_max, H/128]"));
-    const ffi::DataType want =
-        ue8m0 ? ffi::DataType::S32 : ffi::DataType::F32;
+    JAX_EP_FFI_RETURN_IF_ERROR(
+        CheckShape(kDispatchWait, "scales", scales->dimensions(),
+                   {num_local, slab, per_row},
+                   ue8m0 ? "[L, R*T_max, H/512]" : "[L, R*T_max, H/128]"));
+    const ffi::DataType want = ue8m0 ? ffi::DataType::S32 : ffi::DataType::F32;
     if (scales->element_type() != want) {
       return ffi_utils::InvalidArgument(
           kDispatchWait, ue8m0 ? "scales must be int32 (packed UE8M0)"
@@ -202,12 +200,11 @@ ffi::Error DispatchWaitCore(cudaStream_t stream,
       ffi_utils::CheckAligned(kDispatchWait, "recv_x", recv_x->untyped_data()));
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       kDispatchWait,
-      low_latency::DispatchWait(group->view, dtype,
-                                static_cast<RowFormat>(format), ue8m0,
-                                recv_x->untyped_data(),
-                                format == 0 ? nullptr : scales->untyped_data(),
-                                count->typed_data(), recv_src->typed_data(),
-                                status->typed_data(), stream));
+      low_latency::DispatchWait(
+          group->view, dtype, static_cast<RowFormat>(format), ue8m0,
+          recv_x->untyped_data(),
+          format == 0 ? nullptr : scales->untyped_data(), count->typed_data(),
+          recv_src->typed_data(), status->typed_data(), stream));
   return ffi::Error::Success();
 }
 
@@ -231,32 +228,31 @@ ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                            ffi::ResultBuffer<ffi::S32> sent, int64_t group_id) {
   CountCall(stream);
   std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kCombineSend, group_id, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      GetLowLatencyGroup(kCombineSend, group_id, &group));
   const intranode_group::GroupConfig& c = group->config;
   const int64_t num_local = c.num_experts / c.num_ranks;
   const int64_t slab = c.num_ranks * c.max_tokens;
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineSend, "expert_out",
-                                        expert_out.dimensions(),
-                                        {num_local, slab, c.hidden},
-                                        "[L, R*T_max, H]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kCombineSend, "expert_out", expert_out.dimensions(),
+                 {num_local, slab, c.hidden}, "[L, R*T_max, H]"));
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
       kCombineSend, "expert_out", expert_out.element_type(), *group, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineSend, "recv_src",
                                         recv_src.dimensions(),
                                         {num_local, slab}, "[L, R*T_max]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineSend, "count",
-                                        count.dimensions(), {num_local}, "[L]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
+      kCombineSend, "count", count.dimensions(), {num_local}, "[L]"));
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckAligned(
       kCombineSend, "expert_out", expert_out.untyped_data()));
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
-      kCombineSend, cudaMemsetAsync(sent->typed_data(), 0, sizeof(int32_t),
-                                    stream));
-  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       kCombineSend,
-      low_latency::CombineSend(group->view, dtype, expert_out.untyped_data(),
-                               recv_src.typed_data(), count.typed_data(),
-                               stream));
+      cudaMemsetAsync(sent->typed_data(), 0, sizeof(int32_t), stream));
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      kCombineSend, low_latency::CombineSend(
+                        group->view, dtype, expert_out.untyped_data(),
+                        recv_src.typed_data(), count.typed_data(), stream));
   return ffi::Error::Success();
 }
 
@@ -266,7 +262,8 @@ ffi::Error CombineWaitCore(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                            ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
                            int64_t num_experts, bool gather) {
   std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kCombineWait, group_id, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      GetLowLatencyGroup(kCombineWait, group_id, &group));
   const intranode_group::GroupConfig& c = group->config;
   JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckAttrEquals(
       kCombineWait, "num_experts", num_experts, "num_experts", c.num_experts));
@@ -277,10 +274,9 @@ ffi::Error CombineWaitCore(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                                         weights.dimensions(),
                                         {num_tokens, c.num_topk}, "[T, K]"));
   if (gather) {
-    JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineWait, "out",
-                                          out->dimensions(),
-                                          {num_tokens, c.num_topk, c.hidden},
-                                          "[T, K, H]"));
+    JAX_EP_FFI_RETURN_IF_ERROR(
+        CheckShape(kCombineWait, "out", out->dimensions(),
+                   {num_tokens, c.num_topk, c.hidden}, "[T, K, H]"));
   } else {
     JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineWait, "out",
                                           out->dimensions(),
@@ -292,11 +288,10 @@ ffi::Error CombineWaitCore(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kCombineWait, "out", out->untyped_data()));
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
-      kCombineWait,
-      low_latency::CombineWait(group->view, dtype, topk_idx.typed_data(),
-                               weights.typed_data(), num_tokens, num_experts,
-                               gather, out->untyped_data(),
-                               status->typed_data(), stream));
+      kCombineWait, low_latency::CombineWait(
+                        group->view, dtype, topk_idx.typed_data(),
+                        weights.typed_data(), num_tokens, num_experts, gather,
+                        out->untyped_data(), status->typed_data(), stream));
   return ffi::Error::Success();
 }
 
@@ -315,16 +310,13 @@ ffi::Error CombineWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
 // The fused ops (send then wait in one custom call): what a program that has
 // nothing to overlap uses, and the unit a vmap loops over (a vmap of the split
 // calls would issue every send before any wait).
-ffi::Error DispatchImpl(cudaStream_t stream, ffi::AnyBuffer x,
-                        ffi::Buffer<ffi::S32> topk_idx,
-                        ffi::Buffer<ffi::F32> slot_scale,
-                        ffi::ResultBuffer<ffi::S32> num_invalid,
-                        ffi::Result<ffi::AnyBuffer> recv_x,
-                        ffi::Result<ffi::AnyBuffer> scales,
-                        ffi::ResultBuffer<ffi::S32> count,
-                        ffi::ResultBuffer<ffi::S32> recv_src,
-                        ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
-                        int32_t format, bool weighted, bool ue8m0) {
+ffi::Error DispatchImpl(
+    cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+    ffi::Buffer<ffi::F32> slot_scale, ffi::ResultBuffer<ffi::S32> num_invalid,
+    ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> scales,
+    ffi::ResultBuffer<ffi::S32> count, ffi::ResultBuffer<ffi::S32> recv_src,
+    ffi::ResultBuffer<ffi::S32> status, int64_t group_id, int32_t format,
+    bool weighted, bool ue8m0) {
   JAX_EP_FFI_RETURN_IF_ERROR(DispatchSendImpl(stream, x, topk_idx, slot_scale,
                                               num_invalid, group_id, format,
                                               weighted));
@@ -359,15 +351,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxEpLowLatencyDispatch, jax_ep::DispatchImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()                // x
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // slot_scale
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // num_invalid
-        .Ret<xla::ffi::AnyBuffer>()                // recv_x
-        .Ret<xla::ffi::AnyBuffer>()                // scales
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // count
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // recv_src
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // status
+        .Arg<xla::ffi::AnyBuffer>()              // x
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // slot_scale
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // num_invalid
+        .Ret<xla::ffi::AnyBuffer>()              // recv_x
+        .Ret<xla::ffi::AnyBuffer>()              // scales
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // count
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
         .Attr<int64_t>("group_id")
         .Attr<int32_t>("format")
         .Attr<bool>("weighted")
@@ -378,13 +370,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxEpLowLatencyCombine, jax_ep::CombineImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()                // expert_out
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // recv_src
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // count
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // weights
-        .Ret<xla::ffi::AnyBuffer>()                // out
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // status
+        .Arg<xla::ffi::AnyBuffer>()              // expert_out
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // count
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
+        .Ret<xla::ffi::AnyBuffer>()              // out
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
         .Attr<int64_t>("group_id")
         .Attr<int64_t>("num_experts")
         .Attr<bool>("gather"),
@@ -394,10 +386,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxEpLowLatencyDispatchSend, jax_ep::DispatchSendImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()                // x
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // slot_scale
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // num_invalid
+        .Arg<xla::ffi::AnyBuffer>()              // x
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // slot_scale
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // num_invalid
         .Attr<int64_t>("group_id")
         .Attr<int32_t>("format")
         .Attr<bool>("weighted"),
@@ -407,12 +399,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxEpLowLatencyDispatchWait, jax_ep::DispatchWaitImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // sent
-        .Ret<xla::ffi::AnyBuffer>()                // recv_x
-        .Ret<xla::ffi::AnyBuffer>()                // scales
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // count
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // recv_src
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // status
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // sent
+        .Ret<xla::ffi::AnyBuffer>()              // recv_x
+        .Ret<xla::ffi::AnyBuffer>()              // scales
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // count
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
         .Attr<int64_t>("group_id")
         .Attr<int32_t>("format")
         .Attr<bool>("ue8m0"),
@@ -422,10 +414,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxEpLowLatencyCombineSend, jax_ep::CombineSendImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()                // expert_out
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // recv_src
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // count
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // sent
+        .Arg<xla::ffi::AnyBuffer>()              // expert_out
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // count
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // sent
         .Attr<int64_t>("group_id"),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
@@ -433,11 +425,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     JaxEpLowLatencyCombineWait, jax_ep::CombineWaitImpl,
     xla::ffi::Ffi::Bind()
         .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // sent
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    // weights
-        .Ret<xla::ffi::AnyBuffer>()                // out
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    // status
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // sent
+        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
+        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
+        .Ret<xla::ffi::AnyBuffer>()              // out
+        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
         .Attr<int64_t>("group_id")
         .Attr<int64_t>("num_experts")
         .Attr<bool>("gather"),

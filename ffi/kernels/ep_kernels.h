@@ -367,9 +367,8 @@ inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
     l.ll_dispatch_meta[b] = at;
     at += AlignRegion(slab_rows * 4);
     l.ll_combine_rows[b] = at;
-    at += AlignRegion(low_latency_experts > 0
-                          ? max_tokens * num_topk * l.ll_row_bytes
-                          : 0);
+    at += AlignRegion(
+        low_latency_experts > 0 ? max_tokens * num_topk * l.ll_row_bytes : 0);
   }
   l.ll_send_counts = at;
   at += AlignRegion(low_latency_experts * 4);
@@ -391,7 +390,7 @@ struct DeviceState {
   // whether its send was issued and its wait not yet.
   unsigned long long ll_seq[kNumLowLatencyOps];
   unsigned int ll_pending[kNumLowLatencyOps];
-  unsigned int ll_invalid;  // invalid ids of the current dispatch send
+  unsigned int ll_invalid;     // invalid ids of the current dispatch send
   unsigned int aborted;        // sticky: a spin of this group timed out
                                // (never reset: send blocks that returned
                                // early left blocks_done out of phase)
@@ -439,8 +438,8 @@ struct GroupView {
                               // share a GPU (MPS), where a spinning block could
                               // hold the SMs a peer's sender needs, or chunk
                               // counts could not be added atomically
-  int32_t num_local;    // L = E / R local experts (low-latency ops)
-  int32_t low_latency;  // 1: the buffer has the low-latency regions
+  int32_t num_local;          // L = E / R local experts (low-latency ops)
+  int32_t low_latency;        // 1: the buffer has the low-latency regions
 };
 
 // The `workspace` result of jax_ep_intranode_dispatch (int32 elements),
@@ -630,6 +629,12 @@ cudaError_t CombineWait(const intranode::GroupView& g, ElementType dtype,
                         void* out, int32_t* status, cudaStream_t stream);
 
 cudaError_t PreloadKernels();
+
+// Local memory per thread of the most demanding kernel above, as the last
+// PreloadKernels found it: 0 by design (a kernel that needs local memory can,
+// on its first launch, wait for a GPU shared under MPS to drain, peers'
+// spinning waits included).
+size_t MaxLocalBytes();
 
 }  // namespace low_latency
 

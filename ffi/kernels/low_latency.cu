@@ -74,6 +74,10 @@ constexpr int kSendThreads = 128;  // dispatch / combine send: a block per row
 constexpr int kSendVecs = 8;       // row vectors each send thread holds
 constexpr int kSendBlocksPerSm = 4;
 constexpr int kWaitThreads = 256;
+// NOTES: without a minimum of blocks per SM in its launch bounds, ptxas spilled
+// a few bytes of the fp8 row copy to local memory (nvcc 13.0); see SpinArrival
+// for why no wait-side kernel may use local memory.
+constexpr int kWaitBlocksPerSmBound = 4;
 constexpr int kWaitBlocksPerSm = 2;
 constexpr int kScaleBlock = 128;  // channels per fp8 scale
 constexpr float kFp8Max = 448.0f;
@@ -112,13 +116,58 @@ __device__ __forceinline__ OpCode Code(int op) {
                                    : OpCode::kLowLatencyCombine;
 }
 
+// intranode::RecordTimeout, inlined (see SpinArrival's NOTES: a call would
+// give the wait kernels a stack frame).
+__device__ __forceinline__ void RecordFailure(const GroupView& g, int op,
+                                              WaitKind what, int peer,
+                                              uint64_t seq) {
+  if (atomicCAS(&g.state->error_claimed, 0u, 1u) == 0u) {
+    volatile intranode::Mailbox* m = g.mailbox;
+    m->op = static_cast<int32_t>(Code(op));
+    m->rank = g.rank;
+    m->peer = peer;
+    m->wait_kind = static_cast<int32_t>(what);
+    m->region = Region(op);
+    m->seq = seq;
+    __threadfence_system();  // fields before state
+    m->state = 1u;
+  }
+  atomicExch(&g.state->aborted, 1u);
+  __threadfence_system();
+}
+
+// Spins until `flag` (acquire, system scope) carries this call's `seq`;
+// returns its row count (clamped to [0, T_max]), or 0 when the group aborted
+// or the wait timed out (then recorded in the mailbox).
+// NOTES: inlined and without a pointer out-parameter, so that no wait kernel
+// needs local memory: with ranks sharing one GPU under MPS, the first launch
+// of a kernel that does can wait for the whole GPU to drain, peers' spinning
+// waits included (suspected behind fp8 dispatch timeouts at R = 8).
+__device__ __forceinline__ int32_t SpinArrival(const GroupView& g,
+                                               const uint64_t* flag,
+                                               uint64_t seq, int op, int peer) {
+  const uint64_t start = intranode::GlobalTimerNs();
+  const uint64_t want = seq & 0xffffffffull;
+  while (true) {
+    const uint64_t v = intranode::LoadAcquireSys(flag);
+    if ((v >> 32) == want) {
+      return intranode::ClampCount(static_cast<int32_t>(v & 0xffffffffull), g);
+    }
+    if (intranode::Aborted(g)) return 0;
+    if (intranode::GlobalTimerNs() - start >
+        static_cast<uint64_t>(g.timeout_ns)) {
+      RecordFailure(g, op, WaitKind::kArrival, peer, seq);
+      return 0;
+    }
+  }
+}
+
 // Block 0, thread 0 of a send kernel: claims the op's one outstanding send.
 __device__ __forceinline__ void StartSend(const GroupView& g, int op,
                                           uint64_t seq) {
   volatile unsigned int* pending = &g.state->ll_pending[op];
   if (*pending != 0u) {
-    intranode::RecordTimeout(g, Code(op), Region(op), WaitKind::kOutOfOrder,
-                             g.rank, seq);
+    RecordFailure(g, op, WaitKind::kOutOfOrder, g.rank, seq);
     return;
   }
   *pending = 1u;
@@ -129,8 +178,7 @@ __device__ __forceinline__ void CheckWaitHasSend(const GroupView& g, int op,
                                                  uint64_t seq) {
   if (*reinterpret_cast<const volatile unsigned int*>(
           &g.state->ll_pending[op]) == 0u) {
-    intranode::RecordTimeout(g, Code(op), Region(op), WaitKind::kOutOfOrder,
-                             g.rank, seq);
+    RecordFailure(g, op, WaitKind::kOutOfOrder, g.rank, seq);
   }
 }
 
@@ -172,9 +220,8 @@ __device__ __forceinline__ int32_t StageSlots(const int32_t* __restrict__ topk,
   // The first slot of each expert: no lower lane holds the same id.
   const unsigned same = __match_any_sync(kFullMask, e_lane);
   const bool first = valid && (same & LaneMaskLt()) == 0u;
-  const int32_t invalid = __popc(
-      __ballot_sync(kFullMask, lane < num_topk && (e_lane < -1 ||
-                                                   e_lane >= num_experts)));
+  const int32_t invalid = __popc(__ballot_sync(
+      kFullMask, lane < num_topk && (e_lane < -1 || e_lane >= num_experts)));
   for (int k = 0; k < num_topk; ++k) {
     const int32_t e = __shfl_sync(kFullMask, e_lane, k);
     const bool use = __shfl_sync(kFullMask, first ? 1 : 0, k) != 0;
@@ -233,7 +280,8 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
   const int64_t t_max = g.max_tokens;
   const int64_t row_bytes = g.layout.ll_row_bytes;
   const int32_t rv = static_cast<int32_t>(g.hidden / kElems);  // x vectors
-  int32_t* send_counts = reinterpret_cast<int32_t*>(g.own + g.layout.ll_send_counts);
+  int32_t* send_counts =
+      reinterpret_cast<int32_t*>(g.own + g.layout.ll_send_counts);
   int32_t invalid = 0;
   for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
     __syncthreads();  // the previous token's readers of shared are done
@@ -284,8 +332,8 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
             for (int b = 0; b < 4; b += 2) {
               // IEEE division (no fast math), e4m3 round-to-nearest-even,
               // saturating at 448 like the reference's |x / s| <= 448.
-              const float2 pair = make_float2(f[4 * i + b] / s,
-                                              f[4 * i + b + 1] / s);
+              const float2 pair =
+                  make_float2(f[4 * i + b] / s, f[4 * i + b + 1] / s);
               const __nv_fp8x2_storage_t p =
                   __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
               word |= static_cast<uint32_t>(p) << (8 * b);
@@ -299,10 +347,13 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
         if (e < 0) continue;
         const int d = e / num_local;
         const int l = e - d * num_local;
-        const int64_t slot = (static_cast<int64_t>(l) * g.num_ranks + me) * t_max + s_pos[k];
-        char* row = s_peer[d] + g.layout.ll_dispatch_rows[set] + slot * row_bytes;
+        const int64_t slot =
+            (static_cast<int64_t>(l) * g.num_ranks + me) * t_max + s_pos[k];
+        char* row =
+            s_peer[d] + g.layout.ll_dispatch_rows[set] + slot * row_bytes;
         if (v0 == 0 && threadIdx.x == 0) {
-          reinterpret_cast<int32_t*>(s_peer[d] + g.layout.ll_dispatch_meta[set])[slot] =
+          reinterpret_cast<int32_t*>(s_peer[d] +
+                                     g.layout.ll_dispatch_meta[set])[slot] =
               t * num_topk + k;
         }
         float w = 1.0f;
@@ -347,7 +398,8 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
         DispatchFlag(s_peer[d], g, set, e - d * num_local, me),
         intranode::FlagValue(seq, rows));
   }
-  if (threadIdx.x == 0) *num_invalid = static_cast<int32_t>(atomicExch(&g.state->ll_invalid, 0u));
+  if (threadIdx.x == 0)
+    *num_invalid = static_cast<int32_t>(atomicExch(&g.state->ll_invalid, 0u));
 }
 
 // ---------------------------------------------------------------------------
@@ -356,7 +408,7 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
 // expert's packed rows.
 // ---------------------------------------------------------------------------
 template <RowFormat kFormat, bool kUe8m0>
-__global__ void __launch_bounds__(kWaitThreads)
+__global__ void __launch_bounds__(kWaitThreads, kWaitBlocksPerSmBound)
     DispatchWaitKernel(GroupView g, char* __restrict__ recv_x,
                        void* __restrict__ scales, int32_t* __restrict__ count,
                        int32_t* __restrict__ recv_src, int32_t* status,
@@ -389,15 +441,10 @@ __global__ void __launch_bounds__(kWaitThreads)
     __syncthreads();  // s_start of the previous item is no longer read
     if (threadIdx.x < num_ranks) {
       const int s = threadIdx.x;
-      uint64_t v = 0;
-      int32_t n = 0;
-      if (!intranode::Aborted(g) &&
-          intranode::SpinWait(g, DispatchFlag(g.own, g, set, l, s),
-                              WaitKind::kArrival, seq, Code(op), Region(op), s,
-                              &v)) {
-        n = intranode::ClampCount(static_cast<int32_t>(v & 0xffffffffull), g);
-      }
-      s_start[s + 1] = n;
+      s_start[s + 1] =
+          intranode::Aborted(g)
+              ? 0
+              : SpinArrival(g, DispatchFlag(g.own, g, set, l, s), seq, op, s);
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -415,9 +462,10 @@ __global__ void __launch_bounds__(kWaitThreads)
     for (int32_t i = part; i < total; i += parts) {
       int s = 0;
       while (i >= s_start[s + 1]) ++s;
-      const int64_t slot = (static_cast<int64_t>(l) * num_ranks + s) * t_max +
-                           (i - s_start[s]);
-      const uint4* src = reinterpret_cast<const uint4*>(rows + slot * row_bytes);
+      const int64_t slot =
+          (static_cast<int64_t>(l) * num_ranks + s) * t_max + (i - s_start[s]);
+      const uint4* src =
+          reinterpret_cast<const uint4*>(rows + slot * row_bytes);
       const int64_t out_row = static_cast<int64_t>(l) * slab + i;
       uint4* dst = reinterpret_cast<uint4*>(recv_x + out_row * out_bytes);
       for (int32_t j = threadIdx.x; j < out_vecs; j += kWaitThreads) {
@@ -433,13 +481,15 @@ __global__ void __launch_bounds__(kWaitThreads)
             uint32_t packed = 0;
 #pragma unroll
             for (int b = 0; b < 4; ++b) {
-              const uint32_t bits = __float_as_uint(__ldcg(src_scales + 4 * c + b));
+              const uint32_t bits =
+                  __float_as_uint(__ldcg(src_scales + 4 * c + b));
               packed |= ((bits >> 23) & 0xffu) << (8 * b);
             }
             dst_scales[c] = static_cast<int32_t>(packed);
           }
         } else {
-          float* dst_scales = static_cast<float*>(scales) + out_row * num_scales;
+          float* dst_scales =
+              static_cast<float*>(scales) + out_row * num_scales;
           for (int32_t c = threadIdx.x; c < num_scales; c += kWaitThreads) {
             dst_scales[c] = __ldcg(src_scales + c);
           }
@@ -447,7 +497,8 @@ __global__ void __launch_bounds__(kWaitThreads)
       }
       if (threadIdx.x == 0) {
         const int32_t code = __ldcg(meta + slot);
-        recv_src[out_row] = s * code_stride + min(max(code, 0), code_stride - 1);
+        recv_src[out_row] =
+            s * code_stride + min(max(code, 0), code_stride - 1);
       }
     }
   }
@@ -486,7 +537,8 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
     const int32_t c =
         l < num_local ? min(max(count[l], 0), static_cast<int32_t>(slab)) : 0;
     int32_t all = 0;
-    const int32_t before = detail::BlockExclusiveScan<kSendThreads>(c, s_warp, &all);
+    const int32_t before =
+        detail::BlockExclusiveScan<kSendThreads>(c, s_warp, &all);
     if (l < num_local) s_start[l] = run + before;
     run += all;
     __syncthreads();  // s_warp is reused by the next chunk
@@ -498,7 +550,10 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
     int lo = 0, hi = num_local;  // the l with s_start[l] <= item < s_start[l+1]
     while (hi - lo > 1) {
       const int mid = (lo + hi) >> 1;
-      if (s_start[mid] <= item) lo = mid; else hi = mid;
+      if (s_start[mid] <= item)
+        lo = mid;
+      else
+        hi = mid;
     }
     const int64_t in_row = lo * slab + (item - s_start[lo]);
     const int32_t code = recv_src[in_row];
@@ -547,10 +602,8 @@ __global__ void __launch_bounds__(kWaitThreads)
   const int set = BufferSet(seq);
   if (threadIdx.x == 0) CheckWaitHasSend(g, op, seq);
   if (threadIdx.x < g.num_ranks && !intranode::Aborted(g)) {
-    uint64_t v = 0;
-    intranode::SpinWait(g, CombineFlag(g.own, g, set, threadIdx.x),
-                        WaitKind::kArrival, seq, Code(op), Region(op),
-                        threadIdx.x, &v);
+    SpinArrival(g, CombineFlag(g.own, g, set, threadIdx.x), seq, op,
+                threadIdx.x);
   }
   __syncthreads();
   const int32_t num_topk = g.num_topk;
@@ -575,7 +628,8 @@ __global__ void __launch_bounds__(kWaitThreads)
         const int32_t first = s_first[k];
         uint4* dst = out + (static_cast<int64_t>(t) * num_topk + k) * rv;
         const uint4* src = reinterpret_cast<const uint4*>(
-            rows + (static_cast<int64_t>(t) * num_topk + max(first, 0)) * row_bytes);
+            rows +
+            (static_cast<int64_t>(t) * num_topk + max(first, 0)) * row_bytes);
         for (int32_t j = threadIdx.x; j < rv; j += kWaitThreads) {
           dst[j] = first >= 0 ? __ldcg(src + j) : make_uint4(0, 0, 0, 0);
         }
@@ -608,8 +662,8 @@ bool ValidView(const GroupView& g, ElementType dtype) {
   return g.low_latency != 0 && g.peers != nullptr && g.own != nullptr &&
          g.state != nullptr && g.num_ranks >= 1 && g.num_ranks <= kMaxR &&
          g.rank >= 0 && g.rank < g.num_ranks && g.num_local >= 1 &&
-         g.num_local <= kMaxExperts && g.num_topk >= 1 &&
-         g.num_topk <= kMaxK && g.hidden % kHiddenMultiple == 0 &&
+         g.num_local <= kMaxExperts && g.num_topk >= 1 && g.num_topk <= kMaxK &&
+         g.hidden % kHiddenMultiple == 0 &&
          g.itemsize == detail::ElementBytes(dtype) &&
          g.layout.ll_row_bytes == g.hidden * g.itemsize &&
          g.num_ranks * g.max_tokens * g.num_topk <= INT32_MAX;
@@ -674,19 +728,28 @@ struct LaunchCombineWait {
   }
 };
 
+// The most local memory (bytes per thread) any kernel of this file needs, as
+// the last PreloadKernels found it (must stay 0: see SpinArrival's NOTES).
+size_t max_local_bytes = 0;
+
+template <typename Kernel>
+cudaError_t Load(Kernel kernel) {
+  cudaFuncAttributes attr;
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+  if (attr.localSizeBytes > max_local_bytes)
+    max_local_bytes = attr.localSizeBytes;
+  return cudaSuccess;
+}
+
 template <typename T>
 struct PreloadTyped {
   static cudaError_t Run() {
-    cudaFuncAttributes attr;
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
-        &attr, DispatchSendKernel<T, RowFormat::kPlain>));
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
-        &attr, DispatchSendKernel<T, RowFormat::kFp8>));
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
-        &attr, DispatchSendKernel<T, RowFormat::kFp8PowerOfTwo>));
+    JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchSendKernel<T, RowFormat::kPlain>));
+    JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchSendKernel<T, RowFormat::kFp8>));
     JAX_EP_CUDA_RETURN_IF_ERROR(
-        cudaFuncGetAttributes(&attr, CombineWaitKernel<T, true>));
-    return cudaFuncGetAttributes(&attr, CombineWaitKernel<T, false>);
+        Load(DispatchSendKernel<T, RowFormat::kFp8PowerOfTwo>));
+    JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineWaitKernel<T, true>));
+    return Load(CombineWaitKernel<T, false>);
   }
 };
 
@@ -759,17 +822,17 @@ cudaError_t CombineWait(const GroupView& g, ElementType dtype,
 }
 
 cudaError_t PreloadKernels() {
-  cudaFuncAttributes attr;
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, CombineSendKernel));
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
-      &attr, DispatchWaitKernel<RowFormat::kPlain, false>));
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
-      &attr, DispatchWaitKernel<RowFormat::kFp8, false>));
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(
-      &attr, DispatchWaitKernel<RowFormat::kFp8, true>));
+  max_local_bytes = 0;
+  JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineSendKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      Load(DispatchWaitKernel<RowFormat::kPlain, false>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchWaitKernel<RowFormat::kFp8, false>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchWaitKernel<RowFormat::kFp8, true>));
   JAX_EP_CUDA_RETURN_IF_ERROR(PreloadTyped<__nv_bfloat16>::Run());
   JAX_EP_CUDA_RETURN_IF_ERROR(PreloadTyped<__half>::Run());
   return PreloadTyped<float>::Run();
 }
+
+size_t MaxLocalBytes() { return max_local_bytes; }
 
 }  // namespace jax_ep::low_latency
