@@ -19,6 +19,10 @@
 #                                     # (LAYER_ARGS passed to bench_layers.py)
 #   bash scripts/gpu_round.sh gemm    # the grouped GEMM and the whole MoE layer (bench_layer.py),
 #                                     # the GPU grouped-matmul tests, and the tile sweep (--tune)
+#   bash scripts/gpu_round.sh lowlatency  # the low-latency pair: its suites at R=1 and
+#                                     # LL_RANKS="2 4 8" emulated, compute-sanitizer memcheck and
+#                                     # racecheck at R=2, bench_low_latency.py at R=1 and
+#                                     # LL_BENCH_RANKS="8" (LL_BENCH_ARGS passed to it)
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -39,7 +43,8 @@ drop_noise() { grep -v -E "$noise"; }
 # This round's records only (bench scripts append): the tracked benchmarks/results/*.jsonl keep
 # the history, and are extended here by hand from $OUT.
 rm -f benchmarks/results/gpu_round_local.jsonl benchmarks/results/gpu_round_intranode.jsonl \
-  benchmarks/results/gpu_round_layers.jsonl benchmarks/results/gpu_round_layer.jsonl
+  benchmarks/results/gpu_round_layers.jsonl benchmarks/results/gpu_round_layer.jsonl \
+  benchmarks/results/gpu_round_low_latency.jsonl
 step device; nvidia-smi -L
 python3 -c "import jax, jax_ep._ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available())"
 
@@ -123,6 +128,40 @@ if has gemm; then
   timeout 400 python3 benchmarks/bench_layer.py ${GEMM_ARGS:-} --out gpu_round_layer.jsonl \
     --plot "$OUT/layer.png" 2>&1 | tee "$OUT/bench_layer.log" | tail -40
   cp benchmarks/results/gpu_round_layer.jsonl "$OUT/" 2>/dev/null
+fi
+
+if has lowlatency; then
+  step "low-latency suite, one rank"
+  timeout 150 python3 -m pytest tests/test_cuda_local.py -q -rf -k LowLatency -p no:cacheprovider \
+    2>&1 | tee "$OUT/pytest_ll_1.log" | tail -6
+  for n in ${LL_RANKS:-2 4 8}; do
+    step "low-latency suite, $n ranks emulated"
+    timeout 240 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 230 -- \
+      python3 -m pytest tests/test_cuda_intranode.py -q -rf -k LowLatency -p no:cacheprovider \
+      -o faulthandler_timeout=120 2>&1 | tee "$OUT/pytest_ll_$n.log" | drop_noise \
+      | grep -E " passed| failed|rror" | tail -$((n + 4))
+  done
+  step "low-latency command buffers and fault case (processes of their own)"
+  timeout 200 python3 -m pytest tests/test_cuda_intranode.py -q -rf -p no:cacheprovider \
+    -k "command_buffers or skip_low_latency" 2>&1 | tee "$OUT/pytest_ll_own.log" | tail -6
+  step "compute-sanitizer memcheck and racecheck on the low-latency pair, 2 ranks emulated"
+  for tool in memcheck racecheck; do
+    timeout 240 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 --timeout 230 -- \
+      compute-sanitizer --tool $tool --kernel-name kns=low_latency --print-limit 20 \
+      python3 -m pytest tests/test_cuda_intranode.py -q -x -p no:cacheprovider \
+      -k "LowLatency and test_roundtrip and uniform and 7" 2>&1 | tee "$OUT/sanitize_ll_$tool.log" \
+      | drop_noise | grep -E "ERROR SUMMARY|RACECHECK SUMMARY| passed| failed" | tail -6
+  done
+  step "low-latency benchmark, one rank"
+  timeout 200 python3 benchmarks/bench_low_latency.py --out gpu_round_low_latency.jsonl \
+    ${LL_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ll_1.log" | tail -40
+  for n in ${LL_BENCH_RANKS:-8}; do
+    step "low-latency benchmark, $n ranks emulated"
+    timeout 300 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 290 -- \
+      python3 benchmarks/bench_low_latency.py --out gpu_round_low_latency.jsonl \
+      ${LL_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ll_$n.log" | grep -E "^\[0\] " | tail -40
+  done
+  cp benchmarks/results/gpu_round_low_latency.jsonl "$OUT/" 2>/dev/null
 fi
 
 # Several GPUs. Per R in MULTI_RANKS: the suites (multi_suites) and the benchmark
