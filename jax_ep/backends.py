@@ -15,6 +15,20 @@ from jax_ep import _effects, _ffi, cuda_ops, reference
 from jax_ep.config import EPConfig
 
 
+def _raise_on_failure(status, group_id: int) -> None:
+  """The debug mode (`raise_on_timeout=True`): a host check of an intranode op's `status` right
+  after it, raising `TimeoutError` with the group's error record."""
+  def raise_if_failed(value):
+    if value != 0:
+      message = _ffi.extension().intranode_group_error(group_id)
+      _effects.note_failure()
+      raise TimeoutError(message or f"jax_ep: intranode op failed with status {int(value)}")
+  # NOTES: a debug callback, not an io_callback: its effect is allowed under `jax.checkpoint`
+  # (a layer stack under scan + remat), and a check that runs twice when the forward pass is
+  # recomputed is harmless.
+  jax.debug.callback(raise_if_failed, status)
+
+
 class _ReferenceLowLatency:
   """The low-latency pair through the reference (pure JAX). The split form computes everything
   in the send and hands it to the wait (nothing of it can overlap on this path)."""
@@ -57,16 +71,8 @@ class _CudaLowLatency:
     return self.ll_group_id
 
   def _ll_checked(self, status):
-    if not self.raise_on_timeout:
-      return
-    group_id = self.ll_group_id
-
-    def raise_if_failed(value):
-      if value != 0:
-        message = _ffi.extension().intranode_group_error(group_id)
-        _effects.note_failure()
-        raise TimeoutError(message or f"jax_ep: low-latency op failed with status {int(value)}")
-    jax.debug.callback(raise_if_failed, status)
+    if self.raise_on_timeout:
+      _raise_on_failure(status, self.ll_group_id)
 
   def low_latency_dispatch(self, x, topk_idx, fp8, slot_scale=None):
     gid = self._ll_group("low_latency_dispatch")
@@ -186,18 +192,8 @@ class IntranodeBackend(_CudaLowLatency):
   name = "cuda"
 
   def _checked(self, status):
-    if not self.raise_on_timeout:
-      return
-
-    def raise_if_failed(value):
-      if value != 0:
-        message = _ffi.extension().intranode_group_error(self.group_id)
-        _effects.note_failure()
-        raise TimeoutError(message or f"jax_ep: intranode op failed with status {int(value)}")
-    # NOTES: a debug callback, not an io_callback: its effect is allowed under
-    # `jax.checkpoint` (a layer stack under scan + remat), and a check that runs twice when the
-    # forward pass is recomputed is harmless.
-    jax.debug.callback(raise_if_failed, status)
+    if self.raise_on_timeout:
+      _raise_on_failure(status, self.group_id)
 
   def dispatch_tokens(self, x, topk_idx, topk_weights):
     *outs, status = cuda_ops.intranode_dispatch(self.config, self.group_id, x, topk_idx,
