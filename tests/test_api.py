@@ -103,6 +103,29 @@ class TestGroupValidation:
                                      max_tokens_per_rank=4096)
     assert standalone.recv_x_bytes == 8 * 4096 * 8 * 7168 * 2
 
+  def test_low_latency_buffer_bytes(self):
+    """Sizing the cuda group's low-latency buffers before anything is allocated (host
+    arithmetic of the extension): two sets of `L * R * T_max` rows plus their meta and the
+    `[T_max, K]` combine rows, 256-byte aligned regions, counts and flags."""
+    from jax_ep import _ffi
+    if _ffi.extension() is None:
+      pytest.skip("needs the built extension (host arithmetic only)")
+    r, e, k, h, t = 8, 256, 8, 7168, 128
+    est = jax_ep.memory_bytes(num_ranks=r, num_experts=e, num_topk=k, hidden=h,
+                              max_tokens_per_rank=t, backend="cuda", low_latency=True)
+    plain = jax_ep.memory_bytes(num_ranks=r, num_experts=e, num_topk=k, hidden=h,
+                                max_tokens_per_rank=t, backend="cuda")
+    align = lambda n: -(-n // 256) * 256
+    num_local, row = e // r, h * 2
+    per_set = align(num_local * r * t * row) + align(num_local * r * t * 4) + align(t * k * row)
+    want = 2 * per_set + align(e * 4) + align((2 * num_local * r + 2 * r) * 8)
+    assert est.low_latency_buffer_bytes == want
+    assert est.comm_buffer_bytes == plain.comm_buffer_bytes + want
+    assert plain.low_latency_buffer_bytes == 0
+    one = jax_ep.memory_bytes(num_ranks=1, num_experts=e, num_topk=k, hidden=h,
+                              max_tokens_per_rank=t, backend="cuda", low_latency=True)
+    assert one.low_latency_buffer_bytes == one.comm_buffer_bytes > 0
+
   def test_combine_partials_are_fp32_off_the_intranode_transport(self):
     # The reference backend never rounds a partial; only the cuda intranode transport sends bf16
     # partials for bf16 activations (tests/test_cuda_intranode.py checks that case on a GPU).
