@@ -22,7 +22,9 @@
 #   bash scripts/gpu_round.sh lowlatency  # the low-latency pair: its suites at R=1 and
 #                                     # LL_RANKS="2 4 8" emulated, compute-sanitizer memcheck and
 #                                     # racecheck at R=2, bench_low_latency.py at R=1 and
-#                                     # LL_BENCH_RANKS="8" (LL_BENCH_ARGS passed to it)
+#                                     # LL_BENCH_RANKS="8" (LL_BENCH_ARGS passed to it);
+#                                     # its stages one by one: ll1, ll2, ll4, ll8 (the
+#                                     # suites), llown, llsanitize, llbench
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -130,20 +132,27 @@ if has gemm; then
   cp benchmarks/results/gpu_round_layer.jsonl "$OUT/" 2>/dev/null
 fi
 
-if has lowlatency; then
+if has lowlatency || has ll1; then
   step "low-latency suite, one rank"
   timeout 150 python3 -m pytest tests/test_cuda_local.py -q -rf -k LowLatency -p no:cacheprovider \
     2>&1 | tee "$OUT/pytest_ll_1.log" | tail -6
-  for n in ${LL_RANKS:-2 4 8}; do
+fi
+for n in ${LL_RANKS:-2 4 8}; do
+  if has lowlatency || has ll$n; then
     step "low-latency suite, $n ranks emulated"
-    timeout 240 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 230 -- \
+    t=${LL_SUITE_TIMEOUT:-230}
+    timeout $((t + 10)) python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout $t -- \
       python3 -m pytest tests/test_cuda_intranode.py -q -rf -k LowLatency -p no:cacheprovider \
       -o faulthandler_timeout=120 2>&1 | tee "$OUT/pytest_ll_$n.log" | drop_noise \
       | grep -E " passed| failed|rror" | tail -$((n + 4))
-  done
+  fi
+done
+if has lowlatency || has llown; then
   step "low-latency command buffers and fault case (processes of their own)"
   timeout 200 python3 -m pytest tests/test_cuda_intranode.py -q -rf -p no:cacheprovider \
     -k "command_buffers or skip_low_latency" 2>&1 | tee "$OUT/pytest_ll_own.log" | tail -6
+fi
+if has lowlatency || has llsanitize; then
   step "compute-sanitizer memcheck and racecheck on the low-latency pair, 2 ranks emulated"
   for tool in memcheck racecheck; do
     timeout 240 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 --timeout 230 -- \
@@ -152,6 +161,8 @@ if has lowlatency; then
       -k "LowLatency and test_roundtrip and uniform and 7" 2>&1 | tee "$OUT/sanitize_ll_$tool.log" \
       | drop_noise | grep -E "ERROR SUMMARY|RACECHECK SUMMARY| passed| failed" | tail -6
   done
+fi
+if has lowlatency || has llbench; then
   step "low-latency benchmark, one rank"
   timeout 200 python3 benchmarks/bench_low_latency.py --out gpu_round_low_latency.jsonl \
     ${LL_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ll_1.log" | tail -40
