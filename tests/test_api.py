@@ -106,7 +106,8 @@ class TestGroupValidation:
   def test_low_latency_buffer_bytes(self):
     """Sizing the cuda group's low-latency buffers before anything is allocated (host
     arithmetic of the extension): two sets of `L * R * T_max` rows plus their meta and the
-    `[T_max, K]` combine rows, 256-byte aligned regions, counts and flags."""
+    `[T_max, K]` combine rows, 256-byte aligned regions, counts, the packed rows' starts and
+    flags."""
     from jax_ep import _ffi
     if _ffi.extension() is None:
       pytest.skip("needs the built extension (host arithmetic only)")
@@ -118,7 +119,8 @@ class TestGroupValidation:
     align = lambda n: -(-n // 256) * 256
     num_local, row = e // r, h * 2
     per_set = align(num_local * r * t * row) + align(num_local * r * t * 4) + align(t * k * row)
-    want = 2 * per_set + align(e * 4) + align((2 * num_local * r + 2 * r) * 8)
+    starts = align(num_local * (r + 1) * 4)  # where each source's rows start, per expert
+    want = 2 * per_set + align(e * 4) + starts + align((2 * num_local * r + 2 * r) * 8)
     assert est.low_latency_buffer_bytes == want
     assert est.comm_buffer_bytes == plain.comm_buffer_bytes + want
     assert plain.low_latency_buffer_bytes == 0

@@ -226,13 +226,10 @@ enum SendCounter : int32_t {
   kRowsSendCounter = 1,
   kCombineSendCounter = 2,
   kDotsSendCounter = 3,
-  // The low-latency kernels (low_latency.cu): each of their four kernels
-  // finds its last block with one of these.
+  // The low-latency send kernels (low_latency.cu).
   kLowLatencyDispatchSendCounter = 4,
-  kLowLatencyDispatchWaitCounter = 5,
-  kLowLatencyCombineSendCounter = 6,
-  kLowLatencyCombineWaitCounter = 7,
-  kNumSendCounters = 8,
+  kLowLatencyCombineSendCounter = 5,
+  kNumSendCounters = 6,
 };
 
 // The two low-latency ops; each has its own sequence counter, buffer sets and
@@ -302,6 +299,8 @@ enum class WaitKind : int32_t {
 //                        row of each of this rank's slots)
 //   ll_send_counts       [E] int32: rows per expert this rank sends in the
 //                        current call (only its own kernels touch it)
+//   ll_recv_start        [L][R + 1] int32: where each source's rows start in
+//                        an expert's packed rows, this call (own kernels only)
 //   ll_flags             dispatch[2][L][R src] u64, then combine[2][R] u64
 // each rounded up to kRegionAlign bytes (all zero without low-latency).
 struct BufferLayout {
@@ -319,6 +318,7 @@ struct BufferLayout {
   int64_t ll_dispatch_meta[2];
   int64_t ll_combine_rows[2];
   int64_t ll_send_counts;
+  int64_t ll_recv_start;
   int64_t ll_flags;
   int64_t ll_row_bytes;
   int64_t total;  // bytes of the whole buffer
@@ -372,6 +372,9 @@ inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
   }
   l.ll_send_counts = at;
   at += AlignRegion(low_latency_experts * 4);
+  l.ll_recv_start = at;
+  at += AlignRegion(low_latency_experts > 0 ? num_local * (num_ranks + 1) * 4
+                                            : 0);
   l.ll_flags = at;
   at += AlignRegion(low_latency_experts > 0
                         ? (2 * num_local * num_ranks + 2 * num_ranks) * 8

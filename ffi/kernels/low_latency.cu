@@ -37,12 +37,12 @@
 //   expert); then one flag per (home, expert rank). The home reduces
 //   out[t] = sum_k w[t, k] * row(t, k) in fp32, k ascending, once every
 //   rank's flag arrived.
-// * Residency. Send kernels never spin. Each wait kernel runs a fixed grid of
-//   num_blocks * kWaitBlocksPerSm blocks that spin on flags in the own buffer
-//   and then copy; with R ranks sharing one GPU (MPS) the R wait grids plus a
-//   peer's send grid must fit the GPU at once, which the group's SM budget
-//   (num_sms) bounds. Every spin has the group's timeout (mailbox, abort), so
-//   a budget that does not fit ends in a timeout error, never a hang.
+// * Residency. Send kernels never spin. Each wait spins in one block (flags
+//   only), then copies or reduces in a bounded grid that never spins, and a
+//   one-thread kernel completes the call: with R ranks sharing one GPU (MPS),
+//   R spinning blocks can never hold the SMs a peer's send needs (the rule of
+//   the high-throughput transport too). Every spin has the group's timeout
+//   (mailbox, abort): never a hang.
 // * Reads of peer-written data use ld.global.cg (L2), after the acquire.
 
 #include <cuda_bf16.h>
@@ -78,7 +78,6 @@ constexpr int kWaitThreads = 256;
 // a few bytes of the fp8 row copy to local memory (nvcc 13.0); see SpinArrival
 // for why no wait-side kernel may use local memory.
 constexpr int kWaitBlocksPerSmBound = 4;
-constexpr int kWaitBlocksPerSm = 2;
 constexpr int kScaleBlock = 128;  // channels per fp8 scale
 constexpr float kFp8Max = 448.0f;
 
@@ -403,18 +402,19 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
 }
 
 // ---------------------------------------------------------------------------
-// Dispatch wait: items are (expert l, part p) of kParts(l) parts; each waits
-// for expert l's R flags, then copies rows i = p, p + parts, ... of the
-// expert's packed rows.
+// Dispatch wait, in two kernels: one block spins on the flags (so that a rank
+// never holds more than one spinning block: with ranks sharing a GPU, many
+// spinning blocks could hold the SMs a peer's send needs), then a bounded
+// grid that never spins packs the rows.
 // ---------------------------------------------------------------------------
-template <RowFormat kFormat, bool kUe8m0>
-__global__ void __launch_bounds__(kWaitThreads, kWaitBlocksPerSmBound)
-    DispatchWaitKernel(GroupView g, char* __restrict__ recv_x,
-                       void* __restrict__ scales, int32_t* __restrict__ count,
-                       int32_t* __restrict__ recv_src, int32_t* status,
-                       unsigned long long* counter) {
-  constexpr bool kFp8 = kFormat != RowFormat::kPlain;
-  __shared__ int32_t s_start[kMaxR + 1];
+
+// One block of kFlagsThreads: thread i waits for the flags (l, s) with
+// l * R + s = i, i + kFlagsThreads, ...; then ll_recv_start[l][s] = rows of
+// sources < s, [R] = the expert's total, and count[l].
+constexpr int kFlagsThreads = 1024;
+
+__global__ void __launch_bounds__(kFlagsThreads)
+    DispatchFlagsKernel(GroupView g, int32_t* __restrict__ count) {
   const int op = kLowLatencyDispatch;
   const uint64_t seq = CurrentSeq(g, op);
   const int set = BufferSet(seq);
@@ -422,88 +422,111 @@ __global__ void __launch_bounds__(kWaitThreads, kWaitBlocksPerSmBound)
   __syncthreads();
   const int num_ranks = g.num_ranks;
   const int32_t num_local = g.num_local;
+  int32_t* start = reinterpret_cast<int32_t*>(g.own + g.layout.ll_recv_start);
+  for (int32_t i = threadIdx.x; i < num_local * num_ranks; i += kFlagsThreads) {
+    const int l = i / num_ranks;
+    const int s = i - l * num_ranks;
+    start[l * (num_ranks + 1) + s + 1] =
+        intranode::Aborted(g)
+            ? 0
+            : SpinArrival(g, DispatchFlag(g.own, g, set, l, s), seq, op, s);
+  }
+  __syncthreads();
+  for (int32_t l = threadIdx.x; l < num_local; l += kFlagsThreads) {
+    int32_t* row = start + l * (num_ranks + 1);
+    row[0] = 0;
+    for (int s = 0; s < num_ranks; ++s) row[s + 1] += row[s];
+    count[l] = row[num_ranks];
+  }
+}
+
+// A warp per output row (l, i) of the [L, R*T_max] slabs: rows past the
+// expert's total get recv_src = -1, the others their source's row.
+template <RowFormat kFormat, bool kUe8m0>
+__global__ void __launch_bounds__(kWaitThreads, kWaitBlocksPerSmBound)
+    DispatchPackKernel(GroupView g, char* __restrict__ recv_x,
+                       void* __restrict__ scales,
+                       int32_t* __restrict__ recv_src) {
+  constexpr bool kFp8 = kFormat != RowFormat::kPlain;
+  const int op = kLowLatencyDispatch;
+  const uint64_t seq = CurrentSeq(g, op);
+  const int set = BufferSet(seq);
+  const int lane = threadIdx.x & 31;
+  const int num_ranks = g.num_ranks;
   const int64_t t_max = g.max_tokens;
   const int64_t slab = num_ranks * t_max;
   const int64_t hidden = g.hidden;
   const int64_t row_bytes = g.layout.ll_row_bytes;
-  // Bytes of one output row and 16-byte vectors of it.
   const int64_t out_bytes = kFp8 ? hidden : row_bytes;
   const int32_t out_vecs = static_cast<int32_t>(out_bytes / 16);
   const int32_t num_scales = static_cast<int32_t>(hidden / kScaleBlock);
-  const int parts = max(1, static_cast<int>(gridDim.x) / max(num_local, 1));
   const char* rows = g.own + g.layout.ll_dispatch_rows[set];
   const int32_t* meta =
       reinterpret_cast<const int32_t*>(g.own + g.layout.ll_dispatch_meta[set]);
+  const int32_t* start =
+      reinterpret_cast<const int32_t*>(g.own + g.layout.ll_recv_start);
   const int32_t code_stride = static_cast<int32_t>(t_max * g.num_topk);
-  for (int item = blockIdx.x; item < num_local * parts; item += gridDim.x) {
-    const int l = item / parts;
-    const int part = item - l * parts;
-    __syncthreads();  // s_start of the previous item is no longer read
-    if (threadIdx.x < num_ranks) {
-      const int s = threadIdx.x;
-      s_start[s + 1] =
-          intranode::Aborted(g)
-              ? 0
-              : SpinArrival(g, DispatchFlag(g.own, g, set, l, s), seq, op, s);
+  const int64_t num_rows = static_cast<int64_t>(g.num_local) * slab;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (kWaitThreads / 32);
+  for (int64_t out_row =
+           (static_cast<int64_t>(blockIdx.x) * kWaitThreads + threadIdx.x) / 32;
+       out_row < num_rows; out_row += warps) {
+    const int64_t l = out_row / slab;
+    const int32_t i = static_cast<int32_t>(out_row - l * slab);
+    const int32_t* st = start + l * (num_ranks + 1);
+    if (i >= st[num_ranks]) {  // warp-uniform
+      if (lane == 0) recv_src[out_row] = -1;
+      continue;
     }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      s_start[0] = 0;
-      for (int s = 0; s < num_ranks; ++s) s_start[s + 1] += s_start[s];
+    // The source: the number of sources s >= 1 whose rows start at or before i.
+    int s = 0;
+    for (int s0 = 1; s0 <= num_ranks; s0 += 32) {
+      const int q = s0 + lane;
+      s += __popc(__ballot_sync(kFullMask, q < num_ranks && st[q] <= i));
     }
-    __syncthreads();
-    const int32_t total = s_start[num_ranks];
-    if (part == 0) {
-      if (threadIdx.x == 0) count[l] = total;
-      for (int64_t i = total + threadIdx.x; i < slab; i += kWaitThreads) {
-        recv_src[l * slab + i] = -1;
-      }
-    }
-    for (int32_t i = part; i < total; i += parts) {
-      int s = 0;
-      while (i >= s_start[s + 1]) ++s;
-      const int64_t slot =
-          (static_cast<int64_t>(l) * num_ranks + s) * t_max + (i - s_start[s]);
-      const uint4* src =
-          reinterpret_cast<const uint4*>(rows + slot * row_bytes);
-      const int64_t out_row = static_cast<int64_t>(l) * slab + i;
-      uint4* dst = reinterpret_cast<uint4*>(recv_x + out_row * out_bytes);
-      for (int32_t j = threadIdx.x; j < out_vecs; j += kWaitThreads) {
-        dst[j] = __ldcg(src + j);
-      }
-      if constexpr (kFp8) {
-        const float* src_scales =
-            reinterpret_cast<const float*>(rows + slot * row_bytes + hidden);
-        if constexpr (kUe8m0) {
-          int32_t* dst_scales =
-              static_cast<int32_t*>(scales) + out_row * (num_scales / 4);
-          for (int32_t c = threadIdx.x; c < num_scales / 4; c += kWaitThreads) {
-            uint32_t packed = 0;
+    const int64_t slot = (l * num_ranks + s) * t_max + (i - st[s]);
+    const uint4* src = reinterpret_cast<const uint4*>(rows + slot * row_bytes);
+    uint4* dst = reinterpret_cast<uint4*>(recv_x + out_row * out_bytes);
+    for (int32_t j = lane; j < out_vecs; j += 32) dst[j] = __ldcg(src + j);
+    if constexpr (kFp8) {
+      const float* src_scales =
+          reinterpret_cast<const float*>(rows + slot * row_bytes + hidden);
+      if constexpr (kUe8m0) {
+        int32_t* dst_scales =
+            static_cast<int32_t*>(scales) + out_row * (num_scales / 4);
+        for (int32_t c = lane; c < num_scales / 4; c += 32) {
+          uint32_t packed = 0;
 #pragma unroll
-            for (int b = 0; b < 4; ++b) {
-              const uint32_t bits =
-                  __float_as_uint(__ldcg(src_scales + 4 * c + b));
-              packed |= ((bits >> 23) & 0xffu) << (8 * b);
-            }
-            dst_scales[c] = static_cast<int32_t>(packed);
+          for (int b = 0; b < 4; ++b) {
+            const uint32_t bits =
+                __float_as_uint(__ldcg(src_scales + 4 * c + b));
+            packed |= ((bits >> 23) & 0xffu) << (8 * b);
           }
-        } else {
-          float* dst_scales =
-              static_cast<float*>(scales) + out_row * num_scales;
-          for (int32_t c = threadIdx.x; c < num_scales; c += kWaitThreads) {
-            dst_scales[c] = __ldcg(src_scales + c);
-          }
+          dst_scales[c] = static_cast<int32_t>(packed);
         }
+      } else {
+        float* dst_scales = static_cast<float*>(scales) + out_row * num_scales;
+        for (int32_t c = lane; c < num_scales; c += 32)
+          dst_scales[c] = __ldcg(src_scales + c);
       }
-      if (threadIdx.x == 0) {
-        const int32_t code = __ldcg(meta + slot);
-        recv_src[out_row] =
-            s * code_stride + min(max(code, 0), code_stride - 1);
-      }
+    }
+    if (lane == 0) {
+      const int32_t code = __ldcg(meta + slot);
+      recv_src[out_row] = s * code_stride + min(max(code, 0), code_stride - 1);
     }
   }
-  if (!intranode::ArriveLastBlock(counter, gridDim.x)) return;
-  if (threadIdx.x == 0) FinishWait(g, op, seq, status);
+}
+
+// Complete a low-latency call (unless the group aborted): the last kernel of
+// each wait; one name per op, so that a profile attributes it.
+__global__ void DispatchFinishKernel(GroupView g, int32_t* status) {
+  const int op = kLowLatencyDispatch;
+  if (threadIdx.x == 0) FinishWait(g, op, CurrentSeq(g, op), status);
+}
+
+__global__ void CombineFinishKernel(GroupView g, int32_t* status) {
+  const int op = kLowLatencyCombine;
+  if (threadIdx.x == 0) FinishWait(g, op, CurrentSeq(g, op), status);
 }
 
 // ---------------------------------------------------------------------------
@@ -585,27 +608,29 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
 }
 
 // ---------------------------------------------------------------------------
-// Combine wait: every block waits for the R flags, then reduces (or gathers)
-// tokens t = blockIdx.x, + gridDim.x, ...
+// Combine wait: one block waits for the R flags, then a bounded grid that
+// never spins reduces (or gathers) tokens t = blockIdx.x, + gridDim.x, ...
 // ---------------------------------------------------------------------------
+__global__ void __launch_bounds__(kMaxR) CombineFlagsKernel(GroupView g) {
+  const int op = kLowLatencyCombine;
+  const uint64_t seq = CurrentSeq(g, op);
+  if (threadIdx.x == 0) CheckWaitHasSend(g, op, seq);
+  __syncthreads();
+  if (threadIdx.x < g.num_ranks && !intranode::Aborted(g)) {
+    SpinArrival(g, CombineFlag(g.own, g, BufferSet(seq), threadIdx.x), seq, op,
+                threadIdx.x);
+  }
+}
+
 template <typename T, bool kGather>
 __global__ void __launch_bounds__(kWaitThreads)
-    CombineWaitKernel(GroupView g, const int32_t* __restrict__ topk,
-                      const float* __restrict__ weights, int32_t num_tokens,
-                      int32_t num_experts, uint4* __restrict__ out,
-                      int32_t* status, unsigned long long* counter) {
+    CombineReduceKernel(GroupView g, const int32_t* __restrict__ topk,
+                        const float* __restrict__ weights, int32_t num_tokens,
+                        int32_t num_experts, uint4* __restrict__ out) {
   constexpr int kElems = Vec16<T>::kElems;
   __shared__ int32_t s_first[kMaxK];
   __shared__ float s_w[kMaxK];
-  const int op = kLowLatencyCombine;
-  const uint64_t seq = CurrentSeq(g, op);
-  const int set = BufferSet(seq);
-  if (threadIdx.x == 0) CheckWaitHasSend(g, op, seq);
-  if (threadIdx.x < g.num_ranks && !intranode::Aborted(g)) {
-    SpinArrival(g, CombineFlag(g.own, g, set, threadIdx.x), seq, op,
-                threadIdx.x);
-  }
-  __syncthreads();
+  const int set = BufferSet(CurrentSeq(g, kLowLatencyCombine));
   const int32_t num_topk = g.num_topk;
   const int64_t row_bytes = g.layout.ll_row_bytes;
   const int32_t rv = static_cast<int32_t>(row_bytes / 16);
@@ -654,8 +679,6 @@ __global__ void __launch_bounds__(kWaitThreads)
       }
     }
   }
-  if (!intranode::ArriveLastBlock(counter, gridDim.x)) return;
-  if (threadIdx.x == 0) FinishWait(g, op, seq, status);
 }
 
 bool ValidView(const GroupView& g, ElementType dtype) {
@@ -671,10 +694,6 @@ bool ValidView(const GroupView& g, ElementType dtype) {
 
 unsigned SendGrid(const GroupView& g) {
   return static_cast<unsigned>(g.num_blocks) * kSendBlocksPerSm;
-}
-
-unsigned WaitGrid(const GroupView& g) {
-  return static_cast<unsigned>(g.num_blocks) * kWaitBlocksPerSm;
 }
 
 template <typename T>
@@ -714,16 +733,25 @@ struct LaunchCombineWait {
                          const float* weights, int32_t num_tokens,
                          int32_t num_experts, bool gather, void* out,
                          int32_t* status, cudaStream_t stream) {
-    unsigned long long* counter =
-        &g.state->blocks_done[intranode::kLowLatencyCombineWaitCounter];
+    CombineFlagsKernel<<<1, kMaxR, 0, stream>>>(g);
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     uint4* o = static_cast<uint4*>(out);
+    unsigned grid = 0;
     if (gather) {
-      CombineWaitKernel<T, true><<<WaitGrid(g), kWaitThreads, 0, stream>>>(
-          g, topk, weights, num_tokens, num_experts, o, status, counter);
+      JAX_EP_CUDA_RETURN_IF_ERROR(intranode::ElementwiseGrid(
+          CombineReduceKernel<T, true>, kWaitThreads,
+          static_cast<int64_t>(num_tokens) * kWaitThreads, &grid));
+      CombineReduceKernel<T, true><<<grid, kWaitThreads, 0, stream>>>(
+          g, topk, weights, num_tokens, num_experts, o);
     } else {
-      CombineWaitKernel<T, false><<<WaitGrid(g), kWaitThreads, 0, stream>>>(
-          g, topk, weights, num_tokens, num_experts, o, status, counter);
+      JAX_EP_CUDA_RETURN_IF_ERROR(intranode::ElementwiseGrid(
+          CombineReduceKernel<T, false>, kWaitThreads,
+          static_cast<int64_t>(num_tokens) * kWaitThreads, &grid));
+      CombineReduceKernel<T, false><<<grid, kWaitThreads, 0, stream>>>(
+          g, topk, weights, num_tokens, num_experts, o);
     }
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    CombineFinishKernel<<<1, 32, 0, stream>>>(g, status);
     return cudaGetLastError();
   }
 };
@@ -748,8 +776,8 @@ struct PreloadTyped {
     JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchSendKernel<T, RowFormat::kFp8>));
     JAX_EP_CUDA_RETURN_IF_ERROR(
         Load(DispatchSendKernel<T, RowFormat::kFp8PowerOfTwo>));
-    JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineWaitKernel<T, true>));
-    return Load(CombineWaitKernel<T, false>);
+    JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineReduceKernel<T, true>));
+    return Load(CombineReduceKernel<T, false>);
   }
 };
 
@@ -779,22 +807,33 @@ cudaError_t DispatchWait(const GroupView& g, ElementType dtype,
                  g.hidden % (4 * kScaleBlock) != 0))) {
     return cudaErrorInvalidValue;
   }
-  unsigned long long* counter =
-      &g.state->blocks_done[intranode::kLowLatencyDispatchWaitCounter];
+  DispatchFlagsKernel<<<1, kFlagsThreads, 0, stream>>>(g, count);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   char* out = static_cast<char*>(recv_x);
+  const int64_t rows =
+      static_cast<int64_t>(g.num_local) * g.num_ranks * g.max_tokens;
+  unsigned grid = 0;
   if (format == RowFormat::kPlain) {
-    DispatchWaitKernel<RowFormat::kPlain, false>
-        <<<WaitGrid(g), kWaitThreads, 0, stream>>>(g, out, scales, count,
-                                                   recv_src, status, counter);
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        intranode::ElementwiseGrid(DispatchPackKernel<RowFormat::kPlain, false>,
+                                   kWaitThreads, rows * 32, &grid));
+    DispatchPackKernel<RowFormat::kPlain, false>
+        <<<grid, kWaitThreads, 0, stream>>>(g, out, scales, recv_src);
   } else if (ue8m0) {
-    DispatchWaitKernel<RowFormat::kFp8, true>
-        <<<WaitGrid(g), kWaitThreads, 0, stream>>>(g, out, scales, count,
-                                                   recv_src, status, counter);
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        intranode::ElementwiseGrid(DispatchPackKernel<RowFormat::kFp8, true>,
+                                   kWaitThreads, rows * 32, &grid));
+    DispatchPackKernel<RowFormat::kFp8, true>
+        <<<grid, kWaitThreads, 0, stream>>>(g, out, scales, recv_src);
   } else {
-    DispatchWaitKernel<RowFormat::kFp8, false>
-        <<<WaitGrid(g), kWaitThreads, 0, stream>>>(g, out, scales, count,
-                                                   recv_src, status, counter);
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        intranode::ElementwiseGrid(DispatchPackKernel<RowFormat::kFp8, false>,
+                                   kWaitThreads, rows * 32, &grid));
+    DispatchPackKernel<RowFormat::kFp8, false>
+        <<<grid, kWaitThreads, 0, stream>>>(g, out, scales, recv_src);
   }
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  DispatchFinishKernel<<<1, 32, 0, stream>>>(g, status);
   return cudaGetLastError();
 }
 
@@ -824,10 +863,14 @@ cudaError_t CombineWait(const GroupView& g, ElementType dtype,
 cudaError_t PreloadKernels() {
   max_local_bytes = 0;
   JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineSendKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchFlagsKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineFlagsKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchFinishKernel));
+  JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineFinishKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(
-      Load(DispatchWaitKernel<RowFormat::kPlain, false>));
-  JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchWaitKernel<RowFormat::kFp8, false>));
-  JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchWaitKernel<RowFormat::kFp8, true>));
+      Load(DispatchPackKernel<RowFormat::kPlain, false>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchPackKernel<RowFormat::kFp8, false>));
+  JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchPackKernel<RowFormat::kFp8, true>));
   JAX_EP_CUDA_RETURN_IF_ERROR(PreloadTyped<__nv_bfloat16>::Run());
   JAX_EP_CUDA_RETURN_IF_ERROR(PreloadTyped<__half>::Run());
   return PreloadTyped<float>::Run();
