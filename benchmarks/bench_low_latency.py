@@ -12,8 +12,8 @@ per 128 channels; bf16), with combine in bf16 and the group's defaults otherwise
   bf16 slab (a dequantisation of the whole `[L, R*T_max, H]` slab, mostly padding, would time
   XLA's elementwise pass, not the transport).
 - `dispatch`, `combine`, `dispatch_send`, `dispatch_wait`, `combine_send`, `combine_wait`: the
-  device time of the op's kernels in one program of one layer, from a profiler trace (median
-  over `--repeats` traced runs of the per-run sum; the waits include waiting for the peers).
+  device time of the op's kernels per layer, from profiler traces of the same chains, marginal
+  between N and 2N layers (median of three; the waits include waiting for the peers' sends).
 - `fp8_error`: the relative error of an fp8 dispatch -> identity -> combine round trip against
   the bf16 one (the end-to-end cost of fp8 on the wire), max over elements, relative to the
   largest output.
@@ -48,9 +48,9 @@ import jax_ep  # noqa: E402
 
 # Each op's kernels, by the names the profiler shows (low_latency.cu).
 KERNELS = {"dispatch_send": ("DispatchSendKernel",),
-           "dispatch_wait": ("DispatchFlagsKernel", "DispatchPackKernel", "DispatchFinishKernel"),
+           "dispatch_wait": ("DispatchFlagsKernel", "DispatchPackKernel"),
            "combine_send": ("CombineSendKernel",),
-           "combine_wait": ("CombineFlagsKernel", "CombineReduceKernel", "CombineFinishKernel")}
+           "combine_wait": ("CombineFlagsKernel", "CombineReduceKernel")}
 
 
 def main():
@@ -121,9 +121,9 @@ def main():
                   process_model=reports.process_model(r), bound_gbps=round(bound_gbps, 1),
                   bound=bound_how, settings=settings or "default")
       # The chain: marginal device time per layer.
-      spans = {}
+      spans, fns = {}, {}
       for num_layers in (args.layers, 2 * args.layers):
-        fn = chain(num_layers, fmt)
+        fn = fns[num_layers] = chain(num_layers, fmt)
         outs[(fmt, num_layers)] = jax.block_until_ready(fn(*inputs))
         value = math.inf
         if on_gpu:
@@ -142,13 +142,19 @@ def main():
             median_us=round(per_layer * 1e6, 1), bytes=nbytes, min_hbm_bytes=2 * r * nbytes,
             gbps=round(nbytes / per_layer / 1e9, 1),
             roofline=round(2 * r * nbytes / (bound_gbps * 1e9) / per_layer, 3)))
-      # Per op: the kernels of one layer.
-      one = chain(1, fmt)
+      # Per op: its kernels' device time per layer, marginal between the chains of N and 2N
+      # layers like the chain's (the first layer's wait also waits out the processes' skew in
+      # starting the program, which says nothing about the op).
       per_kernel = {name: [] for name in KERNELS}
       for _ in range(3):
-        rows = timers.kernel_breakdown(one, inputs, repeats=max(3, args.repeats // 3))
-        for name, kernels in KERNELS.items():
-          per_kernel[name].append(sum(us for n, us, _ in rows if any(kn in n for kn in kernels)))
+        sums = []
+        for num_layers in (args.layers, 2 * args.layers):
+          rows = timers.kernel_breakdown(fns[num_layers], inputs,
+                                         repeats=max(3, args.repeats // 3))
+          sums.append({name: sum(us for n, us, _ in rows if any(kn in n for kn in kernels))
+                       for name, kernels in KERNELS.items()})
+        for name in KERNELS:
+          per_kernel[name].append((sums[1][name] - sums[0][name]) / args.layers)
       times = {name: reports.gather_max(f"ll/{t}/{fmt}/{name}", statistics.median(v))
                for name, v in per_kernel.items()}
       times["dispatch"] = times["dispatch_send"] + times["dispatch_wait"]
@@ -158,7 +164,7 @@ def main():
           continue
         nbytes = dispatch_bytes if op.startswith("dispatch") else combine_bytes
         records.append(reports.record(
-            **dict(base, op=op), timing="device_kernels_median", median_us=round(us, 1),
+            **dict(base, op=op), timing="device_kernels_marginal", median_us=round(us, 1),
             bytes=nbytes, min_hbm_bytes=2 * r * nbytes, gbps=round(nbytes / (us * 1e-6) / 1e9, 1),
             roofline=round(2 * r * nbytes / (bound_gbps * 1e9) / (us * 1e-6), 3)))
     if "fp8" in args.formats:

@@ -229,7 +229,11 @@ enum SendCounter : int32_t {
   // The low-latency send kernels (low_latency.cu).
   kLowLatencyDispatchSendCounter = 4,
   kLowLatencyCombineSendCounter = 5,
-  kNumSendCounters = 6,
+  // The low-latency waits' copying grids (not monotonic: the last block
+  // resets its counter, so their grids may differ between calls).
+  kLowLatencyDispatchPackCounter = 6,
+  kLowLatencyCombineReduceCounter = 7,
+  kNumSendCounters = 8,
 };
 
 // The two low-latency ops; each has its own sequence counter, buffer sets and

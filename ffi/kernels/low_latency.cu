@@ -78,6 +78,8 @@ constexpr int kWaitThreads = 256;
 // a few bytes of the fp8 row copy to local memory (nvcc 13.0); see SpinArrival
 // for why no wait-side kernel may use local memory.
 constexpr int kWaitBlocksPerSmBound = 4;
+constexpr int kPackVecs = 8;  // row vectors each lane of a packing warp holds
+constexpr int kCombineRows = 2;   // rows a combine send block moves at a time
 constexpr int kScaleBlock = 128;  // channels per fp8 scale
 constexpr float kFp8Max = 448.0f;
 
@@ -206,43 +208,69 @@ __device__ __forceinline__ float RoundUpPowerOfTwo(float s) {
 }
 
 // Warp 0 (whole warp) stages token t's slots: s_expert[k] = e where slot k is
-// the token's first slot naming a valid expert e, else -1; s_pos[k] = j, the
-// number of earlier tokens selecting e. Returns (lane 0) invalid ids of t.
-__device__ __forceinline__ int32_t StageSlots(const int32_t* __restrict__ topk,
-                                              int32_t t, int32_t num_topk,
-                                              int32_t num_experts,
-                                              int32_t* s_expert,
-                                              int32_t* s_pos) {
+// the token's first slot naming a valid expert e, else -1. Returns (lane 0)
+// the invalid ids of t.
+__device__ __forceinline__ int32_t
+StageExperts(const int32_t* __restrict__ topk, int32_t t, int32_t num_topk,
+             int32_t num_experts, int32_t* s_expert) {
   const int lane = threadIdx.x & 31;
   const int32_t e_lane = lane < num_topk ? topk[t * num_topk + lane] : -1;
   const bool valid = e_lane >= 0 && e_lane < num_experts;
   // The first slot of each expert: no lower lane holds the same id.
   const unsigned same = __match_any_sync(kFullMask, e_lane);
   const bool first = valid && (same & LaneMaskLt()) == 0u;
-  const int32_t invalid = __popc(__ballot_sync(
+  if (lane < num_topk) s_expert[lane] = first ? e_lane : -1;
+  return __popc(__ballot_sync(
       kFullMask, lane < num_topk && (e_lane < -1 || e_lane >= num_experts)));
+}
+
+// The whole block: s_pos[k] = the number of tokens before t that select
+// s_expert[k] (its row in the expert's region), one block-wide count per
+// slot and kSendThreads earlier tokens.
+template <int kThreads>
+__device__ __forceinline__ void StagePositions(const int32_t* __restrict__ topk,
+                                               int32_t t, int32_t num_topk,
+                                               const int32_t* s_expert,
+                                               int32_t* s_pos) {
   for (int k = 0; k < num_topk; ++k) {
-    const int32_t e = __shfl_sync(kFullMask, e_lane, k);
-    const bool use = __shfl_sync(kFullMask, first ? 1 : 0, k) != 0;
+    const int32_t e = s_expert[k];  // block-uniform
+    if (e < 0) continue;
     int32_t j = 0;
-    if (use) {  // warp-uniform
-      for (int32_t t0 = 0; t0 < t; t0 += 32) {
-        const int32_t u = t0 + lane;
-        bool hit = false;
-        if (u < t) {
-          for (int k2 = 0; k2 < num_topk; ++k2) {
-            hit |= topk[u * num_topk + k2] == e;
-          }
+    for (int32_t u0 = 0; u0 < t; u0 += kThreads) {
+      const int32_t u = u0 + threadIdx.x;
+      bool hit = false;
+      if (u < t) {
+        for (int k2 = 0; k2 < num_topk; ++k2) {
+          hit |= __ldg(topk + u * num_topk + k2) == e;
         }
-        j += __popc(__ballot_sync(kFullMask, hit));
       }
+      j += __syncthreads_count(hit);
     }
-    if (lane == 0) {
-      s_expert[k] = use ? e : -1;
-      s_pos[k] = j;
-    }
+    if (threadIdx.x == 0) s_pos[k] = j;
   }
-  return invalid;
+}
+
+// Relaxed system-scope store (callers fence before it).
+__device__ __forceinline__ void StoreRelaxedSys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v)
+               : "memory");
+}
+
+// Whether this block is the last of its grid to get here. For the waits'
+// copying grids, which never return early: the last block resets the
+// counter, so a later call may use another grid. The fence orders this
+// block's reads of the call's sequence before the count.
+__device__ __forceinline__ bool LastBlockOfGrid(unsigned long long* counter) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const bool last = atomicAdd(counter, 1ull) + 1ull == gridDim.x;
+    if (last) atomicExch(counter, 0ull);
+    s_last = last ? 1 : 0;
+  }
+  __syncthreads();
+  return s_last != 0;
 }
 
 // ---------------------------------------------------------------------------
@@ -286,7 +314,7 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
     __syncthreads();  // the previous token's readers of shared are done
     if (threadIdx.x < 32) {
       const int32_t bad =
-          StageSlots(topk, t, num_topk, num_experts, s_expert, s_pos);
+          StageExperts(topk, t, num_topk, num_experts, s_expert);
       if (threadIdx.x == 0) {
         invalid += bad;
         for (int k = 0; k < num_topk; ++k) {
@@ -294,6 +322,8 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
         }
       }
     }
+    __syncthreads();
+    StagePositions<kSendThreads>(topk, t, num_topk, s_expert, s_pos);
     __syncthreads();
     const uint4* src = x + static_cast<int64_t>(t) * rv;
     for (int32_t v0 = 0; v0 < rv; v0 += kSendThreads * kSendVecs) {
@@ -389,13 +419,16 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
     atomicAdd(&g.state->ll_invalid, static_cast<unsigned>(invalid));
   }
   if (!intranode::ArriveLastBlock(counter, gridDim.x)) return;
-  // Every block's rows and counts are visible (ArriveLastBlock's fences).
+  // Every block's rows and counts are visible (ArriveLastBlock's fences). One
+  // fence per thread, then relaxed flag stores: the order of a release store
+  // per flag at one fence (the reset of a count needs no order: the flag
+  // carries its value).
+  __threadfence_system();
   for (int32_t e = threadIdx.x; e < num_experts; e += kSendThreads) {
     const int32_t rows = atomicExch(send_counts + e, 0);
     const int d = e / num_local;
-    intranode::StoreReleaseSys(
-        DispatchFlag(s_peer[d], g, set, e - d * num_local, me),
-        intranode::FlagValue(seq, rows));
+    StoreRelaxedSys(DispatchFlag(s_peer[d], g, set, e - d * num_local, me),
+                    intranode::FlagValue(seq, rows));
   }
   if (threadIdx.x == 0)
     *num_invalid = static_cast<int32_t>(atomicExch(&g.state->ll_invalid, 0u));
@@ -446,7 +479,8 @@ template <RowFormat kFormat, bool kUe8m0>
 __global__ void __launch_bounds__(kWaitThreads, kWaitBlocksPerSmBound)
     DispatchPackKernel(GroupView g, char* __restrict__ recv_x,
                        void* __restrict__ scales,
-                       int32_t* __restrict__ recv_src) {
+                       int32_t* __restrict__ recv_src, int32_t* status,
+                       unsigned long long* counter) {
   constexpr bool kFp8 = kFormat != RowFormat::kPlain;
   const int op = kLowLatencyDispatch;
   const uint64_t seq = CurrentSeq(g, op);
@@ -487,7 +521,20 @@ __global__ void __launch_bounds__(kWaitThreads, kWaitBlocksPerSmBound)
     const int64_t slot = (l * num_ranks + s) * t_max + (i - st[s]);
     const uint4* src = reinterpret_cast<const uint4*>(rows + slot * row_bytes);
     uint4* dst = reinterpret_cast<uint4*>(recv_x + out_row * out_bytes);
-    for (int32_t j = lane; j < out_vecs; j += 32) dst[j] = __ldcg(src + j);
+    // kPackVecs loads in flight per lane (a row is 14 to 28 of its vectors).
+    for (int32_t j0 = lane; j0 < out_vecs; j0 += 32 * kPackVecs) {
+      uint4 v[kPackVecs];
+#pragma unroll
+      for (int u = 0; u < kPackVecs; ++u) {
+        const int32_t j = j0 + 32 * u;
+        if (j < out_vecs) v[u] = __ldcg(src + j);
+      }
+#pragma unroll
+      for (int u = 0; u < kPackVecs; ++u) {
+        const int32_t j = j0 + 32 * u;
+        if (j < out_vecs) dst[j] = v[u];
+      }
+    }
     if constexpr (kFp8) {
       const float* src_scales =
           reinterpret_cast<const float*>(rows + slot * row_bytes + hidden);
@@ -515,18 +562,9 @@ __global__ void __launch_bounds__(kWaitThreads, kWaitBlocksPerSmBound)
       recv_src[out_row] = s * code_stride + min(max(code, 0), code_stride - 1);
     }
   }
-}
-
-// Complete a low-latency call (unless the group aborted): the last kernel of
-// each wait; one name per op, so that a profile attributes it.
-__global__ void DispatchFinishKernel(GroupView g, int32_t* status) {
-  const int op = kLowLatencyDispatch;
-  if (threadIdx.x == 0) FinishWait(g, op, CurrentSeq(g, op), status);
-}
-
-__global__ void CombineFinishKernel(GroupView g, int32_t* status) {
-  const int op = kLowLatencyCombine;
-  if (threadIdx.x == 0) FinishWait(g, op, CurrentSeq(g, op), status);
+  if (LastBlockOfGrid(counter) && threadIdx.x == 0) {
+    FinishWait(g, op, seq, status);
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -569,34 +607,52 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
   if (threadIdx.x == 0) s_start[num_local] = run;
   __syncthreads();
   const int32_t total = run;
-  for (int32_t item = blockIdx.x; item < total; item += gridDim.x) {
-    int lo = 0, hi = num_local;  // the l with s_start[l] <= item < s_start[l+1]
-    while (hi - lo > 1) {
-      const int mid = (lo + hi) >> 1;
-      if (s_start[mid] <= item)
-        lo = mid;
-      else
-        hi = mid;
-    }
-    const int64_t in_row = lo * slab + (item - s_start[lo]);
-    const int32_t code = recv_src[in_row];
-    if (code < 0 || code >= g.num_ranks * code_stride) continue;  // uniform
-    const int s = code / code_stride;
-    const int64_t tk = code - s * code_stride;
-    uint4* dst = reinterpret_cast<uint4*>(
-        s_peer[s] + g.layout.ll_combine_rows[set] + tk * row_bytes);
-    const uint4* src = expert_out + in_row * rv;
-    for (int32_t v0 = 0; v0 < rv; v0 += kSendThreads * kSendVecs) {
-      uint4 v[kSendVecs];
+  // kCombineRows rows per block at a time: twice the loads in flight.
+  for (int32_t item0 = blockIdx.x * kCombineRows; item0 < total;
+       item0 += gridDim.x * kCombineRows) {
+    uint4* dst[kCombineRows];
+    const uint4* src[kCombineRows];
 #pragma unroll
-      for (int u = 0; u < kSendVecs; ++u) {
-        const int32_t j = v0 + u * kSendThreads + threadIdx.x;
-        if (j < rv) v[u] = detail::LoadVec(src + j);
+    for (int r = 0; r < kCombineRows; ++r) {
+      const int32_t item = item0 + r;
+      dst[r] = nullptr;
+      src[r] = nullptr;
+      if (item >= total) continue;  // block-uniform
+      int lo = 0, hi = num_local;   // the l: s_start[l] <= item < s_start[l+1]
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (s_start[mid] <= item)
+          lo = mid;
+        else
+          hi = mid;
+      }
+      const int64_t in_row = lo * slab + (item - s_start[lo]);
+      const int32_t code = recv_src[in_row];
+      if (code < 0 || code >= g.num_ranks * code_stride) continue;
+      const int s = code / code_stride;
+      const int64_t tk = code - s * code_stride;
+      dst[r] = reinterpret_cast<uint4*>(
+          s_peer[s] + g.layout.ll_combine_rows[set] + tk * row_bytes);
+      src[r] = expert_out + in_row * rv;
+    }
+    for (int32_t v0 = 0; v0 < rv; v0 += kSendThreads * kSendVecs) {
+      uint4 v[kCombineRows][kSendVecs];
+#pragma unroll
+      for (int r = 0; r < kCombineRows; ++r) {
+#pragma unroll
+        for (int u = 0; u < kSendVecs; ++u) {
+          const int32_t j = v0 + u * kSendThreads + threadIdx.x;
+          if (src[r] != nullptr && j < rv)
+            v[r][u] = detail::LoadVec(src[r] + j);
+        }
       }
 #pragma unroll
-      for (int u = 0; u < kSendVecs; ++u) {
-        const int32_t j = v0 + u * kSendThreads + threadIdx.x;
-        if (j < rv) dst[j] = v[u];
+      for (int r = 0; r < kCombineRows; ++r) {
+#pragma unroll
+        for (int u = 0; u < kSendVecs; ++u) {
+          const int32_t j = v0 + u * kSendThreads + threadIdx.x;
+          if (dst[r] != nullptr && j < rv) dst[r][j] = v[r][u];
+        }
       }
     }
   }
@@ -626,11 +682,14 @@ template <typename T, bool kGather>
 __global__ void __launch_bounds__(kWaitThreads)
     CombineReduceKernel(GroupView g, const int32_t* __restrict__ topk,
                         const float* __restrict__ weights, int32_t num_tokens,
-                        int32_t num_experts, uint4* __restrict__ out) {
+                        int32_t num_experts, uint4* __restrict__ out,
+                        int32_t* status, unsigned long long* counter) {
   constexpr int kElems = Vec16<T>::kElems;
   __shared__ int32_t s_first[kMaxK];
   __shared__ float s_w[kMaxK];
-  const int set = BufferSet(CurrentSeq(g, kLowLatencyCombine));
+  const int op = kLowLatencyCombine;
+  const uint64_t seq = CurrentSeq(g, op);
+  const int set = BufferSet(seq);
   const int32_t num_topk = g.num_topk;
   const int64_t row_bytes = g.layout.ll_row_bytes;
   const int32_t rv = static_cast<int32_t>(row_bytes / 16);
@@ -678,6 +737,9 @@ __global__ void __launch_bounds__(kWaitThreads)
         out[static_cast<int64_t>(t) * rv + j] = Vec16<T>::Pack(acc);
       }
     }
+  }
+  if (LastBlockOfGrid(counter) && threadIdx.x == 0) {
+    FinishWait(g, op, seq, status);
   }
 }
 
@@ -736,22 +798,22 @@ struct LaunchCombineWait {
     CombineFlagsKernel<<<1, kMaxR, 0, stream>>>(g);
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     uint4* o = static_cast<uint4*>(out);
+    unsigned long long* counter =
+        &g.state->blocks_done[intranode::kLowLatencyCombineReduceCounter];
     unsigned grid = 0;
     if (gather) {
       JAX_EP_CUDA_RETURN_IF_ERROR(intranode::ElementwiseGrid(
           CombineReduceKernel<T, true>, kWaitThreads,
           static_cast<int64_t>(num_tokens) * kWaitThreads, &grid));
       CombineReduceKernel<T, true><<<grid, kWaitThreads, 0, stream>>>(
-          g, topk, weights, num_tokens, num_experts, o);
+          g, topk, weights, num_tokens, num_experts, o, status, counter);
     } else {
       JAX_EP_CUDA_RETURN_IF_ERROR(intranode::ElementwiseGrid(
           CombineReduceKernel<T, false>, kWaitThreads,
           static_cast<int64_t>(num_tokens) * kWaitThreads, &grid));
       CombineReduceKernel<T, false><<<grid, kWaitThreads, 0, stream>>>(
-          g, topk, weights, num_tokens, num_experts, o);
+          g, topk, weights, num_tokens, num_experts, o, status, counter);
     }
-    JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    CombineFinishKernel<<<1, 32, 0, stream>>>(g, status);
     return cudaGetLastError();
   }
 };
@@ -810,6 +872,8 @@ cudaError_t DispatchWait(const GroupView& g, ElementType dtype,
   DispatchFlagsKernel<<<1, kFlagsThreads, 0, stream>>>(g, count);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   char* out = static_cast<char*>(recv_x);
+  unsigned long long* counter =
+      &g.state->blocks_done[intranode::kLowLatencyDispatchPackCounter];
   const int64_t rows =
       static_cast<int64_t>(g.num_local) * g.num_ranks * g.max_tokens;
   unsigned grid = 0;
@@ -818,22 +882,23 @@ cudaError_t DispatchWait(const GroupView& g, ElementType dtype,
         intranode::ElementwiseGrid(DispatchPackKernel<RowFormat::kPlain, false>,
                                    kWaitThreads, rows * 32, &grid));
     DispatchPackKernel<RowFormat::kPlain, false>
-        <<<grid, kWaitThreads, 0, stream>>>(g, out, scales, recv_src);
+        <<<grid, kWaitThreads, 0, stream>>>(g, out, scales, recv_src, status,
+                                            counter);
   } else if (ue8m0) {
     JAX_EP_CUDA_RETURN_IF_ERROR(
         intranode::ElementwiseGrid(DispatchPackKernel<RowFormat::kFp8, true>,
                                    kWaitThreads, rows * 32, &grid));
     DispatchPackKernel<RowFormat::kFp8, true>
-        <<<grid, kWaitThreads, 0, stream>>>(g, out, scales, recv_src);
+        <<<grid, kWaitThreads, 0, stream>>>(g, out, scales, recv_src, status,
+                                            counter);
   } else {
     JAX_EP_CUDA_RETURN_IF_ERROR(
         intranode::ElementwiseGrid(DispatchPackKernel<RowFormat::kFp8, false>,
                                    kWaitThreads, rows * 32, &grid));
     DispatchPackKernel<RowFormat::kFp8, false>
-        <<<grid, kWaitThreads, 0, stream>>>(g, out, scales, recv_src);
+        <<<grid, kWaitThreads, 0, stream>>>(g, out, scales, recv_src, status,
+                                            counter);
   }
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-  DispatchFinishKernel<<<1, 32, 0, stream>>>(g, status);
   return cudaGetLastError();
 }
 
@@ -865,8 +930,6 @@ cudaError_t PreloadKernels() {
   JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineSendKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchFlagsKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineFlagsKernel));
-  JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchFinishKernel));
-  JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineFinishKernel));
   JAX_EP_CUDA_RETURN_IF_ERROR(
       Load(DispatchPackKernel<RowFormat::kPlain, false>));
   JAX_EP_CUDA_RETURN_IF_ERROR(Load(DispatchPackKernel<RowFormat::kFp8, false>));
