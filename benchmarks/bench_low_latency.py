@@ -19,7 +19,8 @@ per 128 channels; bf16), with combine in bf16 and the group's defaults otherwise
   largest output.
 Records follow DESIGN.md section 6 (`mode: "low_latency"`); `bytes` counts one row per selected
 slot this rank sends (the field's accounting), `roofline` the share of the same run's copy bound
-that moving those rows once through one GPU's memory (written and read) would take.
+(one GPU's, measured by one process) that writing and reading those rows once would take, summed
+over the ranks when they share that GPU (`min_hbm_bytes`).
 """
 
 from __future__ import annotations
@@ -74,7 +75,16 @@ def main():
   sharding = NamedSharding(mesh, P("ep"))
   h, k, e = args.hidden, args.topk, args.experts
   num_local = e // r
-  bound_gbps, bound_how = bounds.copy_bound_gbps() if on_gpu else (math.nan, "none")
+  # The copy bound of one GPU, measured by one process alone (ranks sharing a GPU would each
+  # measure a share of it while the others copy); the roofline's bytes are those that GPU moves.
+  one_gpu = reports.process_model(r) in ("shared_gpu", "single_device")
+  if on_gpu:
+    bound_gbps, bound_how = (bounds.copy_bound_gbps() if jax.process_index() == 0
+                             else (0.0, "cudaMemcpy"))
+    bound_gbps = reports.gather_max("bound", bound_gbps, timeout_s=400)
+  else:
+    bound_gbps, bound_how = math.nan, "none"
+  gpu_ranks = r if one_gpu else 1  # the ranks whose rows one GPU's memory moves
   records = []
   settings = {} if args.num_sms is None else {"num_sms": args.num_sms}
 
@@ -139,9 +149,9 @@ def main():
         nbytes = dispatch_bytes + combine_bytes
         records.append(reports.record(
             **dict(base, op="chain"), timing="device_clock_marginal", layers=args.layers,
-            median_us=round(per_layer * 1e6, 1), bytes=nbytes, min_hbm_bytes=2 * r * nbytes,
-            gbps=round(nbytes / per_layer / 1e9, 1),
-            roofline=round(2 * r * nbytes / (bound_gbps * 1e9) / per_layer, 3)))
+            median_us=round(per_layer * 1e6, 1), bytes=nbytes,
+            min_hbm_bytes=2 * gpu_ranks * nbytes, gbps=round(nbytes / per_layer / 1e9, 1),
+            roofline=round(2 * gpu_ranks * nbytes / (bound_gbps * 1e9) / per_layer, 3)))
       # Per op: its kernels' device time per layer, marginal between the chains of N and 2N
       # layers like the chain's (the first layer's wait also waits out the processes' skew in
       # starting the program, which says nothing about the op).
@@ -165,8 +175,9 @@ def main():
         nbytes = dispatch_bytes if op.startswith("dispatch") else combine_bytes
         records.append(reports.record(
             **dict(base, op=op), timing="device_kernels_marginal", median_us=round(us, 1),
-            bytes=nbytes, min_hbm_bytes=2 * r * nbytes, gbps=round(nbytes / (us * 1e-6) / 1e9, 1),
-            roofline=round(2 * r * nbytes / (bound_gbps * 1e9) / (us * 1e-6), 3)))
+            bytes=nbytes, min_hbm_bytes=2 * gpu_ranks * nbytes,
+            gbps=round(nbytes / (us * 1e-6) / 1e9, 1),
+            roofline=round(2 * gpu_ranks * nbytes / (bound_gbps * 1e9) / (us * 1e-6), 3)))
     if "fp8" in args.formats:
       def roundtrip(fp8):
         def body(x, i, wt):
