@@ -38,8 +38,8 @@
 //   out[t] = sum_k w[t, k] * row(t, k) in fp32, k ascending, once every
 //   rank's flag arrived.
 // * Residency. Send kernels never spin. Each wait spins in one block (flags
-//   only), then copies or reduces in a bounded grid that never spins, and a
-//   one-thread kernel completes the call: with R ranks sharing one GPU (MPS),
+//   only), then copies or reduces in a bounded grid that never spins, whose
+//   last block completes the call: with R ranks sharing one GPU (MPS),
 //   R spinning blocks can never hold the SMs a peer's send needs (the rule of
 //   the high-throughput transport too). Every spin has the group's timeout
 //   (mailbox, abort): never a hang.
