@@ -25,6 +25,8 @@
 #                                     # LL_BENCH_RANKS="8" (LL_BENCH_ARGS passed to it);
 #                                     # its stages one by one: ll1, ll2, ll4, ll8 (the
 #                                     # suites), llown, llsanitize, llbench
+#   bash scripts/gpu_round.sh nvshmem  # NVSHMEM joined by unique id, a put-with-signal ring at
+#                                     # 2, 4 and 8 PEs on the GPU (tests/test_nvshmem.py)
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -173,6 +175,12 @@ if has lowlatency || has llbench; then
       ${LL_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ll_$n.log" | grep -E "^\[0\] " | tail -40
   done
   cp benchmarks/results/gpu_round_low_latency.jsonl "$OUT/" 2>/dev/null
+fi
+
+if has nvshmem; then
+  step "NVSHMEM: join by unique id and a put-with-signal ring, 2/4/8 PEs sharing the GPU (MPS)"
+  timeout 400 python3 -m pytest tests/test_nvshmem.py -q -rf -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest_nvshmem.log" | tail -8
 fi
 
 # Several GPUs. Per R in MULTI_RANKS: the suites (multi_suites) and the benchmark

@@ -24,7 +24,13 @@ python -m pip install -q --upgrade pip
 # without build isolation (its CMake reads the FFI headers from the installed jaxlib).
 python -m pip install -q "jax==0.11.2" "jaxlib==0.11.2" "scikit-build-core>=0.10" "nanobind>=2.4" \
   cmake ninja numpy pytest absl-py "flax>=0.12" optax
+# NVSHMEM (the network transport's engine), the GPU machine's version: with nvcc present the
+# build compiles and links jax_ep's NVSHMEM module against this wheel (JAX_EP_ENABLE_NVSHMEM).
+if command -v nvcc >/dev/null 2>&1 && [ "${JAX_EP_ENABLE_NVSHMEM:-AUTO}" != "OFF" ]; then
+  python -m pip install -q "nvidia-nvshmem-cu13==3.4.5"
+fi
 start=$(date +%s)
 python -m pip install -q --no-build-isolation --no-deps -e .
 echo "setup: jax_ep built and installed in $(( $(date +%s) - start )) s" \
-     "(CUDA extension: $(python -c 'import jax_ep._ffi as f; print("yes" if f.extension() else "no")'))"
+     "(CUDA extension: $(python -c 'import jax_ep._ffi as f; print("yes" if f.extension() else "no")')," \
+     "NVSHMEM module: $(python -c 'from jax_ep import nvshmem; print("yes" if nvshmem.available() else "no")'))"

@@ -81,7 +81,6 @@ constexpr int kWaitBlocksPerSmBound = 4;
 constexpr int kPackVecs = 8;  // row vectors each lane of a packing warp holds
 constexpr int kCombineRows = 2;   // rows a combine send block moves at a time
 constexpr int kScaleBlock = 128;  // channels per fp8 scale
-constexpr float kFp8Max = 448.0f;
 
 __device__ __forceinline__ uint64_t CurrentSeq(const GroupView& g, int op) {
   return *reinterpret_cast<const volatile unsigned long long*>(

@@ -1,0 +1,48 @@
+"""The network transport's map of the group (jax_ep/topology.py), from the ranks' host names."""
+
+import pytest
+
+from jax_ep import topology
+
+
+def test_one_host_is_one_host():
+  t = topology.discover(["a"] * 8)
+  assert t.hosts == (tuple(range(8)),) and t.num_hosts == 1 and not t.virtual
+
+
+def test_hosts_in_order_of_their_lowest_rank():
+  t = topology.discover(["b", "b", "a", "a", "b", "a"])
+  assert t.hosts == ((0, 1, 4), (2, 3, 5))
+  assert t.gpus_per_host == (3, 3)
+  assert [t.host_of(r) for r in range(6)] == [0, 0, 1, 1, 0, 1]
+  assert [t.local_index(r) for r in range(6)] == [0, 1, 0, 1, 2, 2]
+
+
+def test_uneven_hosts_and_r_not_a_multiple_of_eight():
+  t = topology.discover(["n0"] * 8 + ["n1"] * 4)
+  assert t.num_ranks == 12 and t.gpus_per_host == (8, 4)
+  # Same local index where the other host has it, else modulo its GPU count.
+  assert t.peer_on(1, 2) == 10
+  assert t.peer_on(1, 6) == 10
+  assert t.peer_on(0, 3) == 3
+
+
+@pytest.mark.parametrize("k,hosts", [(2, ((0, 1, 2, 3), (4, 5, 6, 7))),
+                                     (4, ((0, 1), (2, 3), (4, 5), (6, 7)))])
+def test_virtual_hosts_split_one_host(k, hosts):
+  t = topology.discover(["a"] * 8, virtual_hosts=k)
+  assert t.hosts == hosts and t.virtual
+  assert t.peer_on(1, t.local_index(0)) == hosts[1][0]
+
+
+def test_bad_arguments_name_the_argument():
+  with pytest.raises(ValueError, match="must divide the group's 8 ranks"):
+    topology.discover(["a"] * 8, virtual_hosts=3)
+  with pytest.raises(ValueError, match="splits the ranks of one host, but this group runs on 2"):
+    topology.discover(["a", "b"], virtual_hosts=2)
+  with pytest.raises(ValueError, match="positive int, got 0"):
+    topology.discover(["a"] * 2, virtual_hosts=0)
+  with pytest.raises(ValueError, match="at least one rank"):
+    topology.discover([])
+  with pytest.raises(ValueError, match="rank 9 is not in this group of 2"):
+    topology.discover(["a", "a"]).host_of(9)
