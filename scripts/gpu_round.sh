@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One build-check-benchmark round on a GPU machine, with the extension built elsewhere and
-# carried in as jax_ep/_jax_ep_ffi*.so (see README). Logs and results go to $OUT (or ./gpu_out).
+# carried in as jax_ep/_jax_ep_ffi*.so (and jax_ep/_jax_ep_nvshmem*.so for the nvshmem stage; see
+# README). Logs and results go to $OUT (or ./gpu_out).
 #   bash scripts/gpu_round.sh local   # one-rank kernels: suite, main job, sanitizer, benchmark
 #   bash scripts/gpu_round.sh intranode  # the intranode transport emulated on one GPU: suites,
 #                                        # faults, sanitizer, bench

@@ -22,7 +22,8 @@ python - "$work/wheel" "$dest/jax_ep" <<'PY'
 import glob, sys, zipfile
 wheel = glob.glob(sys.argv[1] + "/*.whl")[0]
 with zipfile.ZipFile(wheel) as z:
-  so = [n for n in z.namelist() if n.startswith("jax_ep/_jax_ep_ffi") and n.endswith(".so")][0]
-  open(sys.argv[2] + "/" + so.split("/")[-1], "wb").write(z.read(so))
+  # The extension, and the NVSHMEM module where the wheel was present at build time.
+  for so in [n for n in z.namelist() if n.startswith("jax_ep/_jax_ep_") and n.endswith(".so")]:
+    open(sys.argv[2] + "/" + so.split("/")[-1], "wb").write(z.read(so))
 PY
 echo "$dest: $(git rev-parse --short "$rev"), $(du -sh "$dest" | cut -f1)"
