@@ -48,9 +48,10 @@ import timers  # noqa: E402
 import jax_ep  # noqa: E402
 
 # Each op's kernels, by the names the profiler shows (low_latency.cu).
-KERNELS = {"dispatch_send": ("DispatchSendKernel",),
+# A send includes the network transport's put kernel where the group has one.
+KERNELS = {"dispatch_send": ("DispatchSendKernel", "DispatchPutKernel"),
            "dispatch_wait": ("DispatchFlagsKernel", "DispatchPackKernel"),
-           "combine_send": ("CombineSendKernel",),
+           "combine_send": ("CombineSendKernel", "CombinePutKernel"),
            "combine_wait": ("CombineFlagsKernel", "CombineReduceKernel")}
 
 
@@ -65,6 +66,9 @@ def main():
   parser.add_argument("--repeats", type=int, default=9)
   parser.add_argument("--num-sms", type=int, default=None,
                       help="the group's SM budget (default: the group's default)")
+  parser.add_argument("--virtual-hosts", type=int, default=None,
+                      help="split the ranks into this many virtual hosts whose traffic between "
+                           "them takes the network transport (NVSHMEM puts)")
   parser.add_argument("--out", default="low_latency.jsonl")
   args = parser.parse_args()
 
@@ -87,6 +91,8 @@ def main():
   gpu_ranks = r if one_gpu else 1  # the ranks whose rows one GPU's memory moves
   records = []
   settings = {} if args.num_sms is None else {"num_sms": args.num_sms}
+  if args.virtual_hosts not in (None, 1):
+    settings["virtual_hosts"] = args.virtual_hosts
 
   def global_array(shape, make):
     def shard(index):
@@ -121,6 +127,22 @@ def main():
 
     inputs = (x, idx, w, fixed)
     outs = {}
+    # Hosts, and the share of this rank's slots whose expert lives on another host (first
+    # layer's routing): the bytes that take the network path, beside those of the peer path.
+    topo = group.topology
+    hosts = topo.num_hosts if topo is not None else 1
+    gpus_per_host = list(topo.gpus_per_host) if topo is not None else [r]
+    network_share = 0.0
+    if topo is not None:
+      me = jax.process_index()
+      mine = np.asarray(idx.addressable_shards[0].data)[0, 0]
+      dest = mine[mine >= 0] // num_local
+      network_share = float(np.mean([topo.host_of(int(d)) != topo.host_of(me) for d in dest]))
+
+    def paths(nbytes):
+      network = round(nbytes * network_share)
+      return dict(network_bytes=network, peer_bytes=nbytes - network)
+
     for fmt in args.formats:
       row_bytes = h + 4 * (h // 128) if fmt == "fp8" else 2 * h
       dispatch_bytes, combine_bytes = t * k * row_bytes, t * k * 2 * h
@@ -128,7 +150,8 @@ def main():
                   tokens_per_rank=t, hidden=h, experts=e, topk=k, dtype="bfloat16",
                   wire_dtype="float8_e4m3fn" if fmt == "fp8" else "bfloat16",
                   dispatch_format=fmt, combine_format="bf16",
-                  process_model=reports.process_model(r), bound_gbps=round(bound_gbps, 1),
+                  process_model=reports.process_model(r), hosts=hosts,
+                  gpus_per_host=gpus_per_host, bound_gbps=round(bound_gbps, 1),
                   bound=bound_how, settings=settings or "default")
       # The chain: marginal device time per layer.
       spans, fns = {}, {}
@@ -149,7 +172,7 @@ def main():
         nbytes = dispatch_bytes + combine_bytes
         records.append(reports.record(
             **dict(base, op="chain"), timing="device_clock_marginal", layers=args.layers,
-            median_us=round(per_layer * 1e6, 1), bytes=nbytes,
+            median_us=round(per_layer * 1e6, 1), bytes=nbytes, **paths(nbytes),
             min_hbm_bytes=2 * gpu_ranks * nbytes, gbps=round(nbytes / per_layer / 1e9, 1),
             roofline=round(2 * gpu_ranks * nbytes / (bound_gbps * 1e9) / per_layer, 3)))
       # Per op: its kernels' device time per layer, marginal between the chains of N and 2N
@@ -175,7 +198,7 @@ def main():
         nbytes = dispatch_bytes if op.startswith("dispatch") else combine_bytes
         records.append(reports.record(
             **dict(base, op=op), timing="device_kernels_marginal", median_us=round(us, 1),
-            bytes=nbytes, min_hbm_bytes=2 * gpu_ranks * nbytes,
+            bytes=nbytes, **paths(nbytes), min_hbm_bytes=2 * gpu_ranks * nbytes,
             gbps=round(nbytes / (us * 1e-6) / 1e9, 1),
             roofline=round(2 * gpu_ranks * nbytes / (bound_gbps * 1e9) / (us * 1e-6), 3)))
     if "fp8" in args.formats:

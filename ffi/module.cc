@@ -139,7 +139,9 @@ int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
                              int64_t num_experts, int64_t num_topk,
                              int64_t hidden, int64_t max_tokens,
                              int64_t itemsize, int64_t capacity, int num_sms,
-                             double timeout_s, bool low_latency) {
+                             double timeout_s, bool low_latency,
+                             uint64_t network_buffer,
+                             int64_t network_buffer_bytes) {
   intranode_group::GroupConfig c;
   c.device = device_ordinal;
   c.rank = rank;
@@ -153,7 +155,9 @@ int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
   c.num_sms = num_sms;
   c.timeout_s = timeout_s;
   c.low_latency = low_latency;
-  return intranode_group::Create(c);
+  c.network = network_buffer != 0;
+  return intranode_group::Create(c, reinterpret_cast<void*>(network_buffer),
+                                 network_buffer_bytes);
 }
 
 nb::bytes IntranodeGroupIpcHandle(int64_t group_id) {
@@ -266,9 +270,10 @@ NB_MODULE(_jax_ep_ffi, m) {
   m.def("intranode_buffer_bytes", &jax_ep::intranode_group::BufferBytes,
         nb::arg("num_ranks"), nb::arg("max_tokens_per_rank"), nb::arg("hidden"),
         nb::arg("num_topk"), nb::arg("itemsize"),
-        nb::arg("low_latency_experts") = 0,
+        nb::arg("low_latency_experts") = 0, nb::arg("network") = false,
         "Bytes of one rank's intranode buffer (intranode::BufferLayout in "
-        "ffi/kernels/ep_kernels.h; docs/intranode.md lists its regions).");
+        "ffi/kernels/ep_kernels.h; docs/intranode.md lists its regions); "
+        "`network`: with the network transport's outbox.");
   m.def("intranode_dispatch_workspace_elems",
         &jax_ep::IntranodeDispatchWorkspaceElems, nb::arg("num_ranks"),
         nb::arg("max_tokens_per_rank"), nb::arg("num_topk"),
@@ -285,10 +290,20 @@ NB_MODULE(_jax_ep_ffi, m) {
         nb::arg("num_experts"), nb::arg("num_topk"), nb::arg("hidden"),
         nb::arg("max_tokens_per_rank"), nb::arg("itemsize"),
         nb::arg("capacity"), nb::arg("num_sms"), nb::arg("timeout_s"),
-        nb::arg("low_latency") = false,
+        nb::arg("low_latency") = false, nb::arg("network_buffer") = 0,
+        nb::arg("network_buffer_bytes") = 0,
         "Allocates this rank's peer buffer, device state and error mailbox on "
         "`device_ordinal`, loads every peer kernel there; returns a "
-        "process-unique group id.");
+        "process-unique group id. A network group (ranks on other hosts) "
+        "takes its buffer, `network_buffer` (a device address, e.g. in "
+        "NVSHMEM's symmetric heap, of `network_buffer_bytes`), and never "
+        "frees it.");
+  m.def("intranode_group_connect_table", &jax_ep::intranode_group::ConnectTable,
+        nb::arg("group_id"), nb::arg("table"), nb::arg("network_send"),
+        "Connects a network group: table[r] is rank r's buffer as this "
+        "process maps it, 0 for a rank reached through the network "
+        "transport; `network_send` is the address of the network transport's "
+        "low-latency put launcher (jax_ep._jax_ep_nvshmem).");
   m.def("intranode_group_ipc_handle", &jax_ep::IntranodeGroupIpcHandle,
         nb::arg("group_id"),
         "The 64-byte cudaIpcMemHandle_t of the group's buffer.");

@@ -227,4 +227,29 @@ class IntranodeBackend(_CudaLowLatency):
                                                      c.num_topk, c.num_experts))
 
 
+class NetworkBackend(IntranodeBackend):
+  """A cuda group whose ranks span several hosts (real, or virtual ones on one machine): the
+  low-latency pair runs its kernels, with the network transport (NVSHMEM puts) for the ranks on
+  other hosts; the high-throughput ops are not on the network transport."""
+
+  def _not_on_network(self, op):
+    raise NotImplementedError(
+        f"jax_ep.{op}: this group's ranks span several hosts, and only the low-latency ops "
+        f"(low_latency_dispatch / low_latency_combine) run on the network transport; create a "
+        f"group without virtual_hosts (one host), or use backend='reference' for the "
+        f"high-throughput ops across hosts")
+
+  def dispatch_tokens(self, x, topk_idx, topk_weights):
+    self._not_on_network("dispatch")
+
+  def dispatch(self, x, routing, slot_weights=None):
+    self._not_on_network("dispatch")
+
+  def combine(self, expert_out, routing, slot_weights=None):
+    self._not_on_network("combine")
+
+  def combine_vjp(self, d_out, expert_out, routing, slot_weights):
+    self._not_on_network("combine")
+
+
 BACKENDS = {"reference": ReferenceBackend, "cuda": CudaBackend}

@@ -13,7 +13,8 @@ import numpy as np
 
 from jax_ep import _distributed, _effects, _ffi, _status, cuda_ops, intranode, reference
 from jax_ep import limits as jax_ep_limits
-from jax_ep.backends import BACKENDS, CudaBackend, IntranodeBackend
+from jax_ep import topology as topology_lib
+from jax_ep.backends import BACKENDS, CudaBackend, IntranodeBackend, NetworkBackend
 from jax_ep.config import EPConfig, default_capacity
 from jax_ep.limits import KernelLimits, kernel_limits
 
@@ -286,13 +287,19 @@ class Group:
       `low_latency_dispatch` / `low_latency_combine` need them. Two sets of `L * R * T_max`
       rows per rank (`memory_bytes(..., low_latency=True).low_latency_buffer_bytes`), so
       off by default; the reference backend needs none.
+    virtual_hosts: split the ranks (of one host) into this many hosts of equal size, contiguous
+      in rank order, whose traffic between them takes the network transport (NVSHMEM puts)
+      instead of the peer transport: the emulation of a multi-host job on one machine, for
+      tests and benchmarks (docs/multihost.md). cuda backend with `low_latency=True`, one
+      process per device (rank r on process r); the low-latency ops run on it, the
+      high-throughput ops raise `NotImplementedError`. Default None (the real hosts).
   """
 
   def __init__(self, mesh, axis_name: str, *, num_experts: int, num_topk: int, hidden: int,
                max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
                backend: str = "auto", strict: bool = False, config_timeout_s: float = 60.0,
                num_sms: int = 24, timeout_s: float = 60.0, raise_on_timeout: bool = False,
-               low_latency: bool = False):
+               low_latency: bool = False, virtual_hosts: int | None = None):
     if axis_name not in mesh.axis_names:
       raise ValueError(f"jax_ep.Group: axis_name {axis_name!r} is not an axis of the mesh "
                        f"(mesh axes: {tuple(mesh.axis_names)})")
@@ -308,6 +315,17 @@ class Group:
                        f"of one GPU), got {num_sms}")
     timeout_s = _positive_seconds("timeout_s", timeout_s)
     config_timeout_s = _positive_seconds("config_timeout_s", config_timeout_s)
+    if virtual_hosts is not None:
+      virtual_hosts = _positive_int("virtual_hosts", virtual_hosts)
+      if num_ranks % virtual_hosts:
+        raise ValueError(f"jax_ep.Group: virtual_hosts={virtual_hosts} must divide the "
+                         f"{num_ranks} ranks of mesh axis {axis_name!r}")
+      if virtual_hosts > 1 and backend == "reference":
+        raise ValueError("jax_ep.Group: virtual_hosts emulates the cuda backend's network "
+                         "transport; backend='reference' has no transports")
+      if virtual_hosts > 1 and not low_latency:
+        raise ValueError("jax_ep.Group: virtual_hosts needs low_latency=True (the low-latency "
+                         "ops are the ones on the network transport)")
     if num_experts % num_ranks:
       raise ValueError(f"jax_ep.Group: num_experts={num_experts} must be divisible by the size "
                        f"of mesh axis {axis_name!r} ({num_ranks} ranks)")
@@ -336,27 +354,44 @@ class Group:
     key = _distributed.next_group_key("group", subset)
     hosts = None
     if (backend != "reference" and num_ranks > 1 and len(members) > 1
-        and all(d.platform == "gpu" for d in mesh.devices.flat)):
+        and all(d.platform == "gpu" for d in mesh.devices.flat)) or (virtual_hosts or 1) > 1:
       # Which hosts the processes run on decides whether the intranode transport can join
       # them; every member asks the same question, so all decide alike.
       hosts = _distributed.gather_values(f"{key}/hosts", socket.gethostname(),
                                          process_ids=members, timeout_s=config_timeout_s)
     self.backend_name, self.backend_reason = _resolve_backend(backend, mesh, self.config,
                                                               num_sms, hosts)
+    self.topology = None
+    if (virtual_hosts or 1) > 1:
+      if self.backend_name != "cuda":
+        raise ValueError(f"jax_ep.Group: virtual_hosts needs the cuda backend, which cannot run "
+                         f"this group here: {self.backend_reason}")
+      host_of_process = dict(zip(members, hosts or [socket.gethostname()] * len(members)))
+      self.topology = topology_lib.discover(
+          [host_of_process[d.process_index] for d in mesh.devices.flat],
+          virtual_hosts=virtual_hosts)
     fields = dict(self.config.fingerprint(), backend=self.backend_name,
-                  low_latency=bool(low_latency))
+                  low_latency=bool(low_latency), virtual_hosts=virtual_hosts or 1)
     self.low_latency = bool(low_latency)
     _distributed.check_same_config(key, fields, timeout_s=config_timeout_s, process_ids=subset)
     self._transport = None
     self._closed = False
     self._raise_on_timeout = bool(raise_on_timeout)
     if self.backend_name == "cuda" and (num_ranks > 1 or self.low_latency):
-      self._transport = intranode.create(self.config, mesh, key, num_sms=num_sms,
-                                         timeout_s=timeout_s, process_ids=subset,
-                                         low_latency=self.low_latency)
+      if self.topology is not None and self.topology.num_hosts > 1:
+        self._transport = intranode.create_network(
+            self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s,
+            topology=self.topology, exchange_timeout_s=config_timeout_s)
+      else:
+        self._transport = intranode.create(self.config, mesh, key, num_sms=num_sms,
+                                           timeout_s=timeout_s, process_ids=subset,
+                                           low_latency=self.low_latency)
       _OPEN_TRANSPORTS[id(self._transport)] = self._transport
       ll_group = self._transport.primary_id if self.low_latency else None
-      if num_ranks > 1:
+      if getattr(self._transport, "network_buffer", 0):
+        self.backend = NetworkBackend(self.config, self._transport.primary_id,
+                                      bool(raise_on_timeout), ll_group)
+      elif num_ranks > 1:
         self.backend = IntranodeBackend(self.config, self._transport.primary_id,
                                         bool(raise_on_timeout), ll_group)
       else:  # one rank: local kernels, and the low-latency pair on the one-rank group
@@ -392,6 +427,12 @@ class Group:
     backend, one rank). A performance property only; results are the same."""
     return (self._transport is not None and not self._transport.closed
             and self._transport.receives_while_sending)
+
+  @property
+  def network_ranks(self) -> tuple[int, ...]:
+    """The ranks this process reaches through the network transport (NVSHMEM puts): the ranks
+    on other hosts of a group created with `virtual_hosts`; empty elsewhere."""
+    return tuple(getattr(self._transport, "network_ranks", ()))
 
   @property
   def combine_partial_dtype(self) -> np.dtype:

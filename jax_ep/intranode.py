@@ -15,17 +15,20 @@ import jax
 import numpy as np
 
 from jax_ep import _ffi
+from jax_ep import topology as topology_lib
 from jax_ep.config import EPConfig
 
-def buffer_bytes(config: EPConfig, low_latency: bool = False) -> int:
+def buffer_bytes(config: EPConfig, low_latency: bool = False, network: bool = False) -> int:
   """Bytes of one rank's library-owned communication buffer (0 without the extension; at one
-  rank, only a group with the low-latency buffers has one)."""
+  rank, only a group with the low-latency buffers has one). `network`: a group with ranks on
+  other hosts (its low-latency buffers gain the outbox the network transport puts from)."""
   ext = _ffi.extension()
   if ext is None or (config.num_ranks == 1 and not low_latency):
     return 0
   return int(ext.intranode_buffer_bytes(config.num_ranks, config.max_tokens_per_rank, config.hidden,
                                    config.num_topk, np.dtype(config.dtype).itemsize,
-                                   config.num_experts if low_latency else 0))
+                                   config.num_experts if low_latency else 0,
+                                   bool(network and low_latency)))
 
 
 @dataclasses.dataclass
@@ -36,6 +39,12 @@ class IntranodeTransport:
   # The processes that hold the mesh's devices (None: every process of the job).
   process_ids: list[int] | None = None
   closed: bool = False
+  # The network transport (a group whose ranks span several hosts): the buffer's address in
+  # NVSHMEM's symmetric heap (0: none), the map of hosts, and the ranks this process reaches
+  # by puts.
+  network_buffer: int = 0
+  topology: topology_lib.Topology | None = None
+  network_ranks: tuple[int, ...] = ()
 
   @property
   def primary_id(self) -> int:
@@ -65,14 +74,22 @@ class IntranodeTransport:
       return None
     self.closed = True
     client = _client()
+    everyone_here = True
     if client is not None and jax.process_count() > 1:
       try:
         client.wait_at_barrier(f"jax_ep/intranode/{self.key}/close",
                                int(barrier_timeout_s * 1000), process_ids=self.process_ids)
       except Exception:  # noqa: BLE001 - a vanished peer must not stop us freeing our memory
-        pass
+        everyone_here = False
     ext = _ffi.extension()
     messages = [ext.intranode_group_destroy(gid) for gid in self.group_ids]
+    if self.network_buffer:
+      # nvshmem_free is collective: only when every process reached the close (otherwise the
+      # symmetric buffer stays allocated until the process ends, never a hang).
+      if everyone_here:
+        from jax_ep import nvshmem
+        nvshmem.load().symmetric_free(self.network_buffer)
+      self.network_buffer = 0
     return next((m for m in messages if m), None)
 
 
@@ -142,6 +159,78 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
     ext.intranode_group_destroy(gid)
     raise
   return IntranodeTransport([gid], key, process_ids)
+
+
+def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
+                   topology: topology_lib.Topology, exchange_timeout_s: float = 60.0,
+                   ) -> IntranodeTransport:
+  """A low-latency group whose ranks span several hosts (`topology`): the buffer in NVSHMEM's
+  symmetric heap, ranks on this rank's host reached by pointer (`nvshmem_ptr`), the others by
+  NVSHMEM puts (ffi/nvshmem/low_latency_puts.cu).
+
+  NVSHMEM's PEs are the job's processes: the group must hold every process, one device each,
+  rank r on process r. On virtual hosts (one machine) NVSHMEM gets the settings of PEs that
+  share a machine (`jax_ep.nvshmem.shared_gpu_env`) where the environment does not set them.
+  """
+  from jax_ep import nvshmem
+  ext = _ffi.extension()
+  if ext is None:
+    raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
+  devices = list(mesh.devices.flat)
+  if mesh.devices.ndim != 1:
+    raise NotImplementedError(
+        f"jax_ep.Group: the network transport takes a 1-D mesh over the EP axis; got mesh axes "
+        f"{dict(mesh.shape)}")
+  if (len(devices) != jax.process_count()
+      or any(d.process_index != r for r, d in enumerate(devices))):
+    raise NotImplementedError(
+        "jax_ep.Group: the network transport runs one process per device with rank r on "
+        f"process r (NVSHMEM's PEs are the job's processes); this mesh puts its "
+        f"{len(devices)} devices on processes {[d.process_index for d in devices]} of "
+        f"{jax.process_count()}")
+  module = nvshmem.load()
+  rank = jax.process_index()
+  device = devices[rank].local_hardware_id
+  nbytes = buffer_bytes(config, low_latency=True, network=True)
+  if topology.virtual:
+    nvshmem.apply_env(nvshmem.shared_gpu_env())
+  nvshmem.apply_env({"NVSHMEM_SYMMETRIC_SIZE": str(nvshmem.symmetric_heap_size(nbytes))})
+  member = nvshmem.join(f"group/{key}", rank, config.num_ranks, device,
+                        timeout_s=exchange_timeout_s)
+  if member.num_pes != config.num_ranks:
+    raise RuntimeError(f"jax_ep.Group: NVSHMEM has {member.num_pes} PEs, the group "
+                       f"{config.num_ranks} ranks")
+  buffer = int(module.symmetric_alloc(nbytes))  # collective, every process in group order
+  itemsize = np.dtype(config.dtype).itemsize
+  gid = int(ext.intranode_group_create(
+      device, rank, config.num_ranks, config.num_experts, config.num_topk, config.hidden,
+      config.max_tokens_per_rank, itemsize, config.capacity, num_sms, float(timeout_s), True,
+      network_buffer=buffer, network_buffer_bytes=nbytes))
+  try:
+    # Every rank's header is written before any rank reads its peers' (ConnectTable).
+    client = _client()
+    if client is not None and config.num_ranks > 1:
+      try:
+        client.wait_at_barrier(f"jax_ep/intranode/{key}/created", int(exchange_timeout_s * 1000))
+      except Exception as e:  # noqa: BLE001 - the KV client reports a timeout as a runtime error
+        raise TimeoutError(f"jax_ep.Group: not every rank created its network buffer within "
+                           f"{exchange_timeout_s} s: {e}") from None
+    host = topology.host_of(rank)
+    table = []
+    for r in range(config.num_ranks):
+      if r == rank:
+        table.append(buffer)
+      elif topology.host_of(r) == host:
+        table.append(int(module.peer_address(buffer, r)))  # 0: NVSHMEM maps it not; puts then
+      else:
+        table.append(0)
+    ext.intranode_group_connect_table(gid, table, int(module.low_latency_send_address()))
+    module.warm_put_kernels(device)
+  except BaseException:
+    ext.intranode_group_destroy(gid)
+    raise
+  return IntranodeTransport([gid], key, None, network_buffer=buffer, topology=topology,
+                            network_ranks=tuple(r for r, t in enumerate(table) if t == 0))
 
 
 def describe(transport: IntranodeTransport) -> str:

@@ -27,6 +27,7 @@ from jax._src import distributed as jax_distributed
 
 _KEY_PREFIX = "jax_ep/nvshmem"
 _UNIQUE_ID_BYTES = 128
+_STATUS_IS_INITIALIZED = 2  # NVSHMEM_STATUS_IS_INITIALIZED
 
 _lock = threading.Lock()
 _module = None
@@ -172,11 +173,25 @@ def join(key: str, rank: int, num_ranks: int, device: int, *, timeout_s: float =
   """Joins NVSHMEM as PE `rank` of `num_ranks` on local CUDA device `device`, by unique id
   through the key-value store (`key` unique per group and the same on every process)."""
   module = load()
-  uid = exchange_unique_id(key, rank, num_ranks, timeout_s=timeout_s,
-                           make_id=module.unique_id, client=client)
+  if module.init_status() >= _STATUS_IS_INITIALIZED:
+    # Already a PE (an earlier group, or another library): no new id; init checks the numbering.
+    uid = b""
+  else:
+    uid = exchange_unique_id(key, rank, num_ranks, timeout_s=timeout_s,
+                             make_id=module.unique_id, client=client)
   r = module.init(uid, rank, num_ranks, device)
   return Membership(pe=r["pe"], num_pes=r["num_pes"], status=r["status"],
                     joined_existing=r["joined"])
+
+
+def symmetric_heap_size(buffer_bytes: int) -> int:
+  """The symmetric heap jax_ep asks for when it initialises NVSHMEM for a group whose buffer
+  has `buffer_bytes` (NVSHMEM_SYMMETRIC_SIZE, unless set): NVSHMEM's heap is sized once, at
+  initialisation, and later groups of the process allocate from it too, so room for this
+  group's buffer four times over and at least 2 GiB, in whole MiB."""
+  mib = 1 << 20
+  want = max(2 << 30, 4 * int(buffer_bytes) + 64 * mib)
+  return (want + mib - 1) // mib * mib
 
 
 def ring_probe(num_bytes: int = 1 << 20, timeout_s: float = 20.0) -> bool:

@@ -28,6 +28,9 @@
 #                                     # suites), llown, llsanitize, llbench
 #   bash scripts/gpu_round.sh nvshmem  # NVSHMEM joined by unique id, a put-with-signal ring at
 #                                     # 2, 4 and 8 PEs on the GPU (tests/test_nvshmem.py)
+#   bash scripts/gpu_round.sh network  # the network transport between virtual hosts (8 ranks as
+#                                     # 2 x 4 and 4 x 2), command buffers, a skipped call,
+#                                     # memcheck (NET_HOSTS, NET_BENCH=1 adds the benchmark)
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -182,6 +185,36 @@ if has nvshmem; then
   step "NVSHMEM: join by unique id and a put-with-signal ring, 2/4/8 PEs sharing the GPU (MPS)"
   timeout 400 python3 -m pytest tests/test_nvshmem.py -q -rf -p no:cacheprovider 2>&1 \
     | tee "$OUT/pytest_nvshmem.log" | tail -8
+fi
+
+# The network transport: 8 ranks as virtual hosts (NET_HOSTS, default "2 4": 2 x 4 and 4 x 2),
+# then the tests that start their own ranks (command buffers, a peer that skips the call), then
+# memcheck of a small case at 2 x 1; NET_BENCH=1 adds the benchmark at 2 x 4.
+if has network; then
+  for k in ${NET_HOSTS:-2 4}; do
+    step "network transport: 8 ranks as $k virtual hosts"
+    JAX_EP_VIRTUAL_HOSTS=$k timeout ${NET_SUITE_TIMEOUT:-240} python3 -m jax_ep.launch -n 8 \
+      --share-gpu --grace 20 --timeout $(( ${NET_SUITE_TIMEOUT:-240} - 10 )) -- \
+      python3 -m pytest tests/test_cuda_network.py -q -rf -p no:cacheprovider ${NET_PYTEST_ARGS:-} \
+      2>&1 | tee "$OUT/pytest_network_$k.log" | drop_noise \
+      | grep -E " passed| failed|FAILED|Error" | sort | uniq -c | tail -12
+  done
+  step "network transport: command buffers and a peer that skips the call"
+  timeout 300 python3 -m pytest tests/test_cuda_network.py -q -rf -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest_network_own.log" | tail -6
+  step "network transport: compute-sanitizer memcheck, 2 ranks on 2 virtual hosts"
+  JAX_EP_VIRTUAL_HOSTS=2 timeout 240 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 \
+    --timeout 230 -- compute-sanitizer --tool memcheck --kernel-name kns=Put --print-limit 20 \
+    python3 -m pytest tests/test_cuda_network.py -q -x -p no:cacheprovider \
+    -k "test_roundtrip and uniform and 7" 2>&1 | tee "$OUT/sanitize_network.log" \
+    | drop_noise | grep -E "ERROR SUMMARY| passed| failed" | tail -6
+  if [ "${NET_BENCH:-0}" = 1 ]; then
+    step "low-latency benchmark, 8 ranks as 2 virtual hosts"
+    timeout 300 python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 --timeout 290 -- \
+      python3 benchmarks/bench_low_latency.py --virtual-hosts 2 --out gpu_round_low_latency.jsonl \
+      ${LL_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ll_net.log" | grep -E "^\[0\] " | tail -40
+    cp benchmarks/results/gpu_round_low_latency.jsonl "$OUT/" 2>/dev/null
+  fi
 fi
 
 # Several GPUs. Per R in MULTI_RANKS: the suites (multi_suites) and the benchmark

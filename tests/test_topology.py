@@ -46,3 +46,27 @@ def test_bad_arguments_name_the_argument():
     topology.discover([])
   with pytest.raises(ValueError, match="rank 9 is not in this group of 2"):
     topology.discover(["a", "a"]).host_of(9)
+
+
+def test_group_virtual_hosts_arguments_are_checked():
+  """`jax_ep.Group(virtual_hosts=k)`: k must divide R, the cuda backend's network transport
+  carries the low-latency ops only, and the reference backend has no transports."""
+  import jax
+  import jax_ep
+  mesh = jax.make_mesh((8,), ("ep",), devices=jax.devices()[:8])
+  kw = dict(num_experts=16, num_topk=2, hidden=128, max_tokens_per_rank=4)
+  with pytest.raises(ValueError, match="virtual_hosts=3 must divide the 8 ranks"):
+    jax_ep.Group(mesh, "ep", virtual_hosts=3, low_latency=True, **kw)
+  with pytest.raises(ValueError, match="virtual_hosts must be positive, got 0"):
+    jax_ep.Group(mesh, "ep", virtual_hosts=0, low_latency=True, **kw)
+  with pytest.raises(ValueError, match="backend='reference' has no transports"):
+    jax_ep.Group(mesh, "ep", virtual_hosts=2, low_latency=True, backend="reference", **kw)
+  with pytest.raises(ValueError, match="needs low_latency=True"):
+    jax_ep.Group(mesh, "ep", virtual_hosts=2, **kw)
+  if all(d.platform == "cpu" for d in mesh.devices.flat):
+    with pytest.raises(ValueError, match="needs the cuda backend, which cannot run this group"):
+      jax_ep.Group(mesh, "ep", virtual_hosts=2, low_latency=True, **kw)
+  # One virtual host is the real one: an ordinary group.
+  group = jax_ep.Group(mesh, "ep", virtual_hosts=1, low_latency=True, **kw)
+  assert group.topology is None and group.network_ranks == ()
+  group.close()

@@ -40,9 +40,12 @@ inline int64_t StorageRows(int64_t capacity) {
 // NOTES: cudaGetDevice, not cudaStreamGetDevice (illegal during command-buffer
 // capture, see kernel_utils.cuh). A group whose spins timed out earlier fails
 // every later call with the mailbox message (kDeadlineExceeded).
-inline ffi::Error GetGroup(
-    std::string_view op, int64_t group_id,
-    std::shared_ptr<const intranode_group::Group>* group) {
+// `network_ok`: the op runs on a group with ranks on other hosts (only the
+// low-latency ops do; the high-throughput kernels address every peer by
+// pointer).
+inline ffi::Error GetGroup(std::string_view op, int64_t group_id,
+                           std::shared_ptr<const intranode_group::Group>* group,
+                           bool network_ok = false) {
   int device = -1;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) {
@@ -61,6 +64,13 @@ inline ffi::Error GetGroup(
                           ": an earlier call on this intranode group "
                           "timed out: " +
                           *msg);
+  }
+  if (found.group->config.network && !network_ok) {
+    return ffi::Error(
+        ffi::ErrorCode::kUnimplemented,
+        std::string(op) + ": intranode group " + std::to_string(group_id) +
+            " has ranks on other hosts; only the low-latency ops run on the "
+            "network transport");
   }
   *group = std::move(found.group);
   return ffi::Error::Success();

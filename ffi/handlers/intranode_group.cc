@@ -37,6 +37,7 @@ struct BufferHeader {
   int64_t itemsize;
   int64_t capacity;
   int64_t low_latency;
+  int64_t network;
   // The owner's GPU (cudaDeviceProp::uuid): not part of the configuration,
   // read on connect to tell whether every rank has a GPU of its own.
   unsigned char device_uuid[16];
@@ -137,6 +138,7 @@ BufferHeader MakeHeader(const GroupConfig& c) {
   h.itemsize = c.itemsize;
   h.capacity = c.capacity;
   h.low_latency = c.low_latency ? 1 : 0;
+  h.network = c.network ? 1 : 0;
   return h;
 }
 
@@ -160,6 +162,7 @@ std::string HeaderMismatch(const BufferHeader& mine, const BufferHeader& peer,
       {"itemsize", {mine.itemsize, peer.itemsize}},
       {"capacity", {mine.capacity, peer.capacity}},
       {"low_latency", {mine.low_latency, peer.low_latency}},
+      {"network", {mine.network, peer.network}},
   };
   for (const auto& f : fields) {
     if (f.second.first != f.second.second) {
@@ -195,7 +198,7 @@ void FinishConnect(Group& g) {
   v.layout = intranode::MakeBufferLayout(
       g.config.num_ranks, g.config.max_tokens, g.config.hidden,
       g.config.num_topk, g.config.itemsize,
-      g.config.low_latency ? g.config.num_experts : 0);
+      g.config.low_latency ? g.config.num_experts : 0, g.config.network);
   v.max_tokens = g.config.max_tokens;
   v.hidden = g.config.hidden;
   v.timeout_ns = static_cast<int64_t>(g.config.timeout_s * 1e9);
@@ -207,6 +210,7 @@ void FinishConnect(Group& g) {
   v.receive_while_sending = g.receive_while_sending ? 1 : 0;
   v.num_local = static_cast<int32_t>(g.config.num_experts / num_ranks);
   v.low_latency = g.config.low_latency ? 1 : 0;
+  v.network = g.config.network ? 1 : 0;
   // Published under the registry lock: Lookup reads it under the same lock.
   std::lock_guard<std::mutex> lock(RegistryMutex());
   g.connected = true;
@@ -221,7 +225,7 @@ void Release(Group& g) noexcept {
     for (void* p : g.ipc_opened) cudaIpcCloseMemHandle(p);
     if (g.table_device != nullptr) cudaFree(g.table_device);
     if (g.state != nullptr) cudaFree(g.state);
-    if (g.buffer != nullptr) cudaFree(g.buffer);
+    if (g.buffer != nullptr && g.owns_buffer) cudaFree(g.buffer);
     if (g.mailbox_host != nullptr) cudaFreeHost(g.mailbox_host);
   }
   g.ipc_opened.clear();
@@ -239,7 +243,7 @@ void Release(Group& g) noexcept {
 
 int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
                     int64_t num_topk, int64_t itemsize,
-                    int64_t low_latency_experts) {
+                    int64_t low_latency_experts, bool network) {
   ValidateBufferArgs("intranode_buffer_bytes", num_ranks, max_tokens, hidden,
                      num_topk, itemsize);
   CheckRange(low_latency_experts >= 0 && low_latency_experts % num_ranks == 0 &&
@@ -248,12 +252,15 @@ int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
              "low_latency_experts is " + std::to_string(low_latency_experts) +
                  ", expected 0 or a multiple of num_ranks with at most " +
                  std::to_string(kMaxExperts) + " per rank");
+  CheckRange(!network || low_latency_experts > 0, "intranode_buffer_bytes",
+             "network buffers are the low-latency ones: low_latency_experts "
+             "must be > 0");
   return intranode::MakeBufferLayout(num_ranks, max_tokens, hidden, num_topk,
-                                     itemsize, low_latency_experts)
+                                     itemsize, low_latency_experts, network)
       .total;
 }
 
-int64_t Create(const GroupConfig& c) {
+int64_t Create(const GroupConfig& c, void* buffer, int64_t buffer_bytes) {
   const std::string fn = "intranode_group_create";
   ValidateBufferArgs(fn, c.num_ranks, c.max_tokens, c.hidden, c.num_topk,
                      c.itemsize);
@@ -286,10 +293,21 @@ int64_t Create(const GroupConfig& c) {
                  "device_ordinal < " +
                  std::to_string(num_devices));
 
+  CheckRange(!c.network || c.low_latency, fn,
+             "a network group carries the low-latency ops: low_latency must "
+             "be true");
   auto g = std::make_shared<Group>();
   g->config = c;
-  g->buffer_bytes = BufferBytes(c.num_ranks, c.max_tokens, c.hidden, c.num_topk,
-                                c.itemsize, c.low_latency ? c.num_experts : 0);
+  g->buffer_bytes =
+      BufferBytes(c.num_ranks, c.max_tokens, c.hidden, c.num_topk, c.itemsize,
+                  c.low_latency ? c.num_experts : 0, c.network);
+  CheckRange(c.network == (buffer != nullptr), fn,
+             c.network ? "a network group takes its buffer from the caller"
+                       : "only a network group takes the caller's buffer");
+  CheckRange(!c.network || buffer_bytes >= g->buffer_bytes, fn,
+             "the caller's buffer has " + std::to_string(buffer_bytes) +
+                 " bytes, expected at least " +
+                 std::to_string(g->buffer_bytes));
   DeviceGuard guard(c.device);
   try {
     // NOTES: load every kernel the intranode ops launch now: a lazy module load
@@ -297,10 +315,15 @@ int64_t Create(const GroupConfig& c) {
     ThrowIfCuda(intranode::PreloadKernels(),
                 fn + ": loading the peer-transport kernels on device " +
                     std::to_string(c.device));
-    ThrowIfCuda(cudaMalloc(&g->buffer, static_cast<size_t>(g->buffer_bytes)),
-                fn + ": cudaMalloc of " + std::to_string(g->buffer_bytes) +
-                    " bytes (the peer buffer) on device " +
-                    std::to_string(c.device));
+    if (c.network) {
+      g->buffer = buffer;
+      g->owns_buffer = false;
+    } else {
+      ThrowIfCuda(cudaMalloc(&g->buffer, static_cast<size_t>(g->buffer_bytes)),
+                  fn + ": cudaMalloc of " + std::to_string(g->buffer_bytes) +
+                      " bytes (the peer buffer) on device " +
+                      std::to_string(c.device));
+    }
     // The whole buffer is zeroed (flags, counters and data): a few ms once,
     // and the receive regions never hold another process's old memory.
     ThrowIfCuda(cudaMemset(g->buffer, 0, static_cast<size_t>(g->buffer_bytes)),
@@ -412,6 +435,50 @@ void Connect(int64_t group_id, const std::vector<std::string>& handles) {
     g->table_host.clear();
     throw;
   }
+}
+
+void ConnectTable(int64_t group_id, const std::vector<uint64_t>& table,
+                  uint64_t network_send) {
+  const std::string fn = "intranode_group_connect_table";
+  auto g = FindOrThrow(group_id, fn.c_str());
+  const GroupConfig& c = g->config;
+  if (!c.network) {
+    throw std::invalid_argument(fn + ": group " + std::to_string(group_id) +
+                                " is not a network group");
+  }
+  if (g->connected) {
+    throw std::invalid_argument(fn + ": group " + std::to_string(group_id) +
+                                " is already connected");
+  }
+  if (static_cast<int64_t>(table.size()) != c.num_ranks) {
+    throw std::invalid_argument(
+        fn + ": got " + std::to_string(table.size()) +
+        " table entries, expected one per rank (num_ranks = " +
+        std::to_string(c.num_ranks) + ")");
+  }
+  if (table[c.rank] != reinterpret_cast<uint64_t>(g->buffer)) {
+    throw std::invalid_argument(fn + ": table[" + std::to_string(c.rank) +
+                                "] must be the group's own buffer");
+  }
+  if (network_send == 0) {
+    throw std::invalid_argument(fn + ": network_send is null");
+  }
+  DeviceGuard guard(c.device);
+  const BufferHeader mine = MakeHeader(c);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    if (r == c.rank || table[r] == 0) continue;
+    BufferHeader peer;
+    ThrowIfCuda(
+        cudaMemcpy(&peer, reinterpret_cast<void*>(table[r]), sizeof(peer),
+                   cudaMemcpyDefault),
+        fn + ": reading rank " + std::to_string(r) + "'s buffer header");
+    const std::string mismatch = HeaderMismatch(mine, peer, r);
+    if (!mismatch.empty()) throw std::invalid_argument(fn + ": " + mismatch);
+  }
+  g->table_host = table;
+  g->network_send = reinterpret_cast<network::LowLatencySendFn>(network_send);
+  g->receive_while_sending = false;
+  FinishConnect(*g);
 }
 
 void ConnectLocal(const std::vector<int64_t>& group_ids) {

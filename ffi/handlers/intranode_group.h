@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/network.h"
 
 namespace jax_ep::intranode_group {
 
@@ -42,13 +43,17 @@ struct GroupConfig {
   double timeout_s = 60.0;   // every spin-wait gives up after this long
   bool low_latency = false;  // allocate the low-latency buffers (L * R * T_max
                              // rows, two sets: BufferLayout::ll_*)
+  bool network = false;      // some peers are on other hosts (the network
+                         // transport): the buffer has the outbox regions and
+                         // is given by the caller (NVSHMEM's symmetric heap)
 };
 
 struct Group {
   int64_t id = 0;
   GroupConfig config;
   int64_t buffer_bytes = 0;
-  void* buffer = nullptr;                        // cudaMalloc'd, own
+  void* buffer = nullptr;  // cudaMalloc'd, own; or the caller's (network)
+  bool owns_buffer = true;
   intranode::DeviceState* state = nullptr;       // cudaMalloc'd
   intranode::Mailbox* mailbox_host = nullptr;    // cudaHostAlloc(Mapped)
   intranode::Mailbox* mailbox_device = nullptr;  // its device pointer
@@ -59,6 +64,9 @@ struct Group {
   std::string device_uuid;  // cudaDeviceProp::uuid of config.device, 16 bytes
   // GroupView::receive_while_sending (decided on connect).
   bool receive_while_sending = false;
+  // The network transport's put launcher for the low-latency sends (network
+  // groups, set by ConnectTable); null otherwise.
+  network::LowLatencySendFn network_send = nullptr;
   bool connected = false;
   intranode::GroupView view{};  // valid once connected
 };
@@ -66,12 +74,17 @@ struct Group {
 // Bytes of one rank's buffer (intranode::MakeBufferLayout). Throws
 // std::invalid_argument on arguments out of range.
 // `low_latency_experts`: E with the low-latency buffers, else 0.
+// `network`: with the outbox of the network transport (low-latency only).
 int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
                     int64_t num_topk, int64_t itemsize,
-                    int64_t low_latency_experts = 0);
+                    int64_t low_latency_experts = 0, bool network = false);
 
-// Allocates and registers a group on config.device; returns its id.
-int64_t Create(const GroupConfig& config);
+// Allocates and registers a group on config.device; returns its id. A network
+// group (config.network) takes `buffer` (device memory of at least
+// BufferBytes(..., network=true) bytes that outlives the group, e.g. in
+// NVSHMEM's symmetric heap), zeroes it and never frees it.
+int64_t Create(const GroupConfig& config, void* buffer = nullptr,
+               int64_t buffer_bytes = 0);
 
 // The 64-byte cudaIpcMemHandle_t of the group's buffer.
 std::string IpcHandle(int64_t group_id);
@@ -79,6 +92,13 @@ std::string IpcHandle(int64_t group_id);
 // handles[r] for every rank r (the own one is ignored). Opens the peers'
 // handles, checks every peer's config header, builds the pointer table.
 void Connect(int64_t group_id, const std::vector<std::string>& handles);
+
+// A network group's peers: table[r] is rank r's buffer as this process maps
+// it, or 0 for a rank reached through the network transport (table[rank] is
+// the group's own buffer); `network_send` (a network::LowLatencySendFn) moves
+// the rows for the latter. Checks the header of every mapped peer.
+void ConnectTable(int64_t group_id, const std::vector<uint64_t>& table,
+                  uint64_t network_send);
 
 // Groups of this process, group_ids[r] = rank r (one per device, or several
 // on one device in tests); enables peer access between distinct devices.

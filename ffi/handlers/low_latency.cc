@@ -38,6 +38,7 @@
 #include "ffi/handlers/intranode_common.h"
 #include "ffi/handlers/intranode_group.h"
 #include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/network.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
@@ -72,13 +73,26 @@ void CountCall(cudaStream_t stream) {
 ffi::Error GetLowLatencyGroup(
     const char* op, int64_t group_id,
     std::shared_ptr<const intranode_group::Group>* group) {
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(op, group_id, group));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      intranode_ffi::GetGroup(op, group_id, group, /*network_ok=*/true));
   if (!(*group)->config.low_latency) {
     return ffi_utils::InvalidArgument(
         op, "intranode group " + std::to_string(group_id) +
                 " has no low-latency buffers (create the jax_ep.Group with "
                 "low_latency=True)");
   }
+  return ffi::Error::Success();
+}
+
+// A network group: the send kernel staged the rows for ranks on other hosts;
+// the network transport puts them, then their flags (same stream, after it).
+ffi::Error SendOverNetwork(const char* op, const intranode_group::Group& g,
+                           int32_t ll_op, const int32_t* recv_src,
+                           const int32_t* count, cudaStream_t stream) {
+  if (g.network_send == nullptr) return ffi::Error::Success();
+  const network::LowLatencySend send{ll_op, g.view, recv_src, count};
+  JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+      op, static_cast<cudaError_t>(g.network_send(&send, stream)));
   return ffi::Error::Success();
 }
 
@@ -142,7 +156,8 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
           group->view, dtype, static_cast<RowFormat>(format), x.untyped_data(),
           topk_idx.typed_data(), weighted ? slot_scale.typed_data() : nullptr,
           num_tokens, num_invalid->typed_data(), stream));
-  return ffi::Error::Success();
+  return SendOverNetwork(kDispatchSend, *group, intranode::kLowLatencyDispatch,
+                         nullptr, nullptr, stream);
 }
 
 ffi::Error DispatchWaitCore(cudaStream_t stream,
@@ -253,7 +268,8 @@ ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
       kCombineSend, low_latency::CombineSend(
                         group->view, dtype, expert_out.untyped_data(),
                         recv_src.typed_data(), count.typed_data(), stream));
-  return ffi::Error::Success();
+  return SendOverNetwork(kCombineSend, *group, intranode::kLowLatencyCombine,
+                         recv_src.typed_data(), count.typed_data(), stream);
 }
 
 ffi::Error CombineWaitCore(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,

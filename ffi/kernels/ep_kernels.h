@@ -233,7 +233,11 @@ enum SendCounter : int32_t {
   // resets its counter, so their grids may differ between calls).
   kLowLatencyDispatchPackCounter = 6,
   kLowLatencyCombineReduceCounter = 7,
-  kNumSendCounters = 8,
+  // The network transport's put kernels (ffi/nvshmem/low_latency_puts.cu;
+  // resetting, like the waits' grids).
+  kLowLatencyDispatchPutCounter = 8,
+  kLowLatencyCombinePutCounter = 9,
+  kNumSendCounters = 10,
 };
 
 // The two low-latency ops; each has its own sequence counter, buffer sets and
@@ -306,6 +310,17 @@ enum class WaitKind : int32_t {
 //   ll_recv_start        [L][R + 1] int32: where each source's rows start in
 //                        an expert's packed rows, this call (own kernels only)
 //   ll_flags             dispatch[2][L][R src] u64, then combine[2][R] u64
+// and, only in a group whose peers include ranks on other hosts (the network
+// transport: the buffer lives in NVSHMEM's symmetric heap, and a row for such
+// a rank is staged here, in memory the network can read, then put):
+//   ll_outbox_rows[op]   [L][R dst][T_max] rows of ll_row_bytes, one per op (so
+//                        that a dispatch and a combine in flight together never
+//                        share one): dispatch rows for rank d's local expert l
+//                        at (l, d, j); combine rows at the row of the expert
+//                        slab they come from
+//   ll_outbox_meta       [L][R dst][T_max] int32 (dispatch: t * K + k)
+//   ll_outbox_counts     [E] int32: the dispatch's rows per expert for ranks
+//                        reached through the network (the put kernel's flags)
 // each rounded up to kRegionAlign bytes (all zero without low-latency).
 struct BufferLayout {
   int64_t dispatch_rows;
@@ -324,6 +339,9 @@ struct BufferLayout {
   int64_t ll_send_counts;
   int64_t ll_recv_start;
   int64_t ll_flags;
+  int64_t ll_outbox_rows[2];  // [LowLatencyOp]
+  int64_t ll_outbox_meta;
+  int64_t ll_outbox_counts;
   int64_t ll_row_bytes;
   int64_t total;  // bytes of the whole buffer
 };
@@ -333,11 +351,13 @@ inline int64_t AlignRegion(int64_t bytes) {
 }
 
 // Pure host arithmetic; callers validate the arguments (all >= 1).
-// `num_experts` > 0 adds the low-latency buffers (0: none).
+// `num_experts` > 0 adds the low-latency buffers (0: none), `network` their
+// outbox (ll_outbox_*).
 inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
                                      int64_t hidden, int64_t num_topk,
                                      int64_t itemsize,
-                                     int64_t low_latency_experts = 0) {
+                                     int64_t low_latency_experts = 0,
+                                     bool network = false) {
   const int64_t rows = num_ranks * max_tokens;  // N
   BufferLayout l;
   int64_t at = kHeaderBytes;
@@ -383,6 +403,15 @@ inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
   at += AlignRegion(low_latency_experts > 0
                         ? (2 * num_local * num_ranks + 2 * num_ranks) * 8
                         : 0);
+  const bool outbox = network && low_latency_experts > 0;
+  for (int op = 0; op < 2; ++op) {
+    l.ll_outbox_rows[op] = at;
+    at += AlignRegion(outbox ? slab_rows * l.ll_row_bytes : 0);
+  }
+  l.ll_outbox_meta = at;
+  at += AlignRegion(outbox ? slab_rows * 4 : 0);
+  l.ll_outbox_counts = at;
+  at += AlignRegion(outbox ? low_latency_experts * 4 : 0);
   l.total = at;
   return l;
 }
@@ -420,7 +449,8 @@ struct Mailbox {
 // pointers are fixed at connect time (none changes per call), so launches are
 // safe to capture into CUDA graphs.
 struct GroupView {
-  char* const* peers;  // device array [R]: base of each rank's buffer
+  char* const* peers;  // device array [R]: base of each rank's buffer; null
+                       // for a rank reached through the network transport
   char* own;           // this rank's buffer (== peers[rank]), device memory
   DeviceState* state;  // device memory
   Mailbox* mailbox;    // device pointer of the host-mapped mailbox
@@ -447,6 +477,9 @@ struct GroupView {
                               // counts could not be added atomically
   int32_t num_local;          // L = E / R local experts (low-latency ops)
   int32_t low_latency;        // 1: the buffer has the low-latency regions
+  int32_t network;            // 1: some peers are reached through the network
+                              // transport (their peers[] entry is null; the
+                              // buffer has the ll_outbox_* regions)
 };
 
 // The `workspace` result of jax_ep_intranode_dispatch (int32 elements),

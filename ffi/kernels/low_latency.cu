@@ -55,6 +55,7 @@
 #include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/intranode_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/low_latency_protocol.cuh"
 
 namespace jax_ep::low_latency {
 namespace {
@@ -82,29 +83,11 @@ constexpr int kPackVecs = 8;  // row vectors each lane of a packing warp holds
 constexpr int kCombineRows = 2;   // rows a combine send block moves at a time
 constexpr int kScaleBlock = 128;  // channels per fp8 scale
 
-__device__ __forceinline__ uint64_t CurrentSeq(const GroupView& g, int op) {
-  return *reinterpret_cast<const volatile unsigned long long*>(
-             &g.state->ll_seq[op]) +
-         1ull;
-}
-
-__device__ __forceinline__ int BufferSet(uint64_t seq) {
-  return static_cast<int>((seq - 1ull) & 1ull);
-}
-
-__device__ __forceinline__ uint64_t* DispatchFlag(char* base,
-                                                  const GroupView& g, int set,
-                                                  int l, int src) {
-  return reinterpret_cast<uint64_t*>(base + g.layout.ll_flags) +
-         (static_cast<int64_t>(set) * g.num_local + l) * g.num_ranks + src;
-}
-
-__device__ __forceinline__ uint64_t* CombineFlag(char* base, const GroupView& g,
-                                                 int set, int src) {
-  return reinterpret_cast<uint64_t*>(base + g.layout.ll_flags) +
-         2ll * g.num_local * g.num_ranks +
-         static_cast<int64_t>(set) * g.num_ranks + src;
-}
+using protocol::BufferSet;
+using protocol::CombineFlag;
+using protocol::CurrentSeq;
+using protocol::DispatchFlag;
+using protocol::FlagValue;
 
 __device__ __forceinline__ int Region(int op) {
   return op == kLowLatencyDispatch ? intranode::kDispatchRegion
@@ -375,14 +358,19 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
         if (e < 0) continue;
         const int d = e / num_local;
         const int l = e - d * num_local;
+        // A rank on another host (no pointer): the row goes to the outbox at
+        // (l, d, j), and the network transport's put kernel moves it.
+        char* const base = s_peer[d];
         const int64_t slot =
-            (static_cast<int64_t>(l) * g.num_ranks + me) * t_max + s_pos[k];
-        char* row =
-            s_peer[d] + g.layout.ll_dispatch_rows[set] + slot * row_bytes;
+            (static_cast<int64_t>(l) * g.num_ranks + (base ? me : d)) * t_max +
+            s_pos[k];
+        char* row = base ? base + g.layout.ll_dispatch_rows[set]
+                         : g.own + g.layout.ll_outbox_rows[op];
+        row += slot * row_bytes;
         if (v0 == 0 && threadIdx.x == 0) {
-          reinterpret_cast<int32_t*>(s_peer[d] +
-                                     g.layout.ll_dispatch_meta[set])[slot] =
-              t * num_topk + k;
+          char* meta = base ? base + g.layout.ll_dispatch_meta[set]
+                            : g.own + g.layout.ll_outbox_meta;
+          reinterpret_cast<int32_t*>(meta)[slot] = t * num_topk + k;
         }
         float w = 1.0f;
         if (!kFp8 && slot_scale != nullptr) w = slot_scale[t * num_topk + k];
@@ -423,11 +411,17 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
   // per flag at one fence (the reset of a count needs no order: the flag
   // carries its value).
   __threadfence_system();
+  int32_t* outbox_counts =
+      reinterpret_cast<int32_t*>(g.own + g.layout.ll_outbox_counts);
   for (int32_t e = threadIdx.x; e < num_experts; e += kSendThreads) {
     const int32_t rows = atomicExch(send_counts + e, 0);
     const int d = e / num_local;
+    if (s_peer[d] == nullptr) {  // the put kernel sends it after the rows
+      outbox_counts[e] = rows;
+      continue;
+    }
     StoreRelaxedSys(DispatchFlag(s_peer[d], g, set, e - d * num_local, me),
-                    intranode::FlagValue(seq, rows));
+                    FlagValue(seq, rows));
   }
   if (threadIdx.x == 0)
     *num_invalid = static_cast<int32_t>(atomicExch(&g.state->ll_invalid, 0u));
@@ -630,8 +624,13 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
       if (code < 0 || code >= g.num_ranks * code_stride) continue;
       const int s = code / code_stride;
       const int64_t tk = code - s * code_stride;
+      // A home on another host: staged in the outbox at the row's own place,
+      // for the network transport's put kernel (the source of a put must be
+      // memory the network can read).
       dst[r] = reinterpret_cast<uint4*>(
-          s_peer[s] + g.layout.ll_combine_rows[set] + tk * row_bytes);
+          s_peer[s] != nullptr
+              ? s_peer[s] + g.layout.ll_combine_rows[set] + tk * row_bytes
+              : g.own + g.layout.ll_outbox_rows[op] + in_row * row_bytes);
       src[r] = expert_out + in_row * rv;
     }
     for (int32_t v0 = 0; v0 < rv; v0 += kSendThreads * kSendVecs) {
@@ -656,9 +655,9 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
     }
   }
   if (!intranode::ArriveLastBlock(counter, gridDim.x)) return;
-  if (threadIdx.x < g.num_ranks) {
+  if (threadIdx.x < g.num_ranks && s_peer[threadIdx.x] != nullptr) {
     intranode::StoreReleaseSys(CombineFlag(s_peer[threadIdx.x], g, set, me),
-                               intranode::FlagValue(seq, 0));
+                               FlagValue(seq, 0));
   }
 }
 

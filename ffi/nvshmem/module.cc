@@ -47,6 +47,21 @@ NB_MODULE(_jax_ep_nvshmem, m) {
         nb::arg("timeout_s"),
         "Collective: put-with-signal of `bytes` to the next PE; True when this "
         "PE's own arrived intact within `timeout_s`.");
+  m.def("symmetric_alloc", &jax_ep::nvshmem::SymmetricAlloc, nb::arg("bytes"),
+        "Collective: nvshmem_malloc of `bytes`, zeroed; its device address.");
+  m.def("symmetric_free", &jax_ep::nvshmem::SymmetricFree, nb::arg("address"),
+        "Collective: nvshmem_free of an address symmetric_alloc returned.");
+  m.def("peer_address", &jax_ep::nvshmem::PeerAddress, nb::arg("address"),
+        nb::arg("pe"),
+        "nvshmem_ptr: PE `pe`'s copy of a symmetric address as this process "
+        "maps it, or 0 where only puts reach it.");
+  m.def("low_latency_send_address", &jax_ep::nvshmem::LowLatencySendAddress,
+        "The address of the low-latency put launcher a network group calls "
+        "(intranode_group_connect_table's network_send).");
+  m.def("warm_put_kernels", &jax_ep::nvshmem::WarmPutKernels, nb::arg("device"),
+        "Launches the put kernels once (returning at once) on `device`.");
+  m.def("put_kernels_local_bytes", &jax_ep::nvshmem::PutKernelsLocalBytes,
+        "Local memory per thread of the put kernels (0 by design).");
   m.def("finalize", &jax_ep::nvshmem::Finalize,
         "Finalises NVSHMEM if jax_ep initialised it (collective).");
 }

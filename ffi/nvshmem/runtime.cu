@@ -211,6 +211,42 @@ bool RingProbe(int64_t bytes, double timeout_s) {
   return host_ok == 1;
 }
 
+uint64_t SymmetricAlloc(int64_t bytes) {
+  if (bytes < 1) {
+    throw std::invalid_argument("jax_ep.nvshmem: bytes must be >= 1, got " +
+                                std::to_string(bytes));
+  }
+  if (nvshmemx_init_status() < NVSHMEM_STATUS_IS_INITIALIZED) {
+    throw std::runtime_error("jax_ep.nvshmem: NVSHMEM is not initialised");
+  }
+  void* p = nvshmem_malloc(static_cast<size_t>(bytes));
+  if (p == nullptr) {
+    throw std::runtime_error(
+        "jax_ep.nvshmem: nvshmem_malloc of " + std::to_string(bytes) +
+        " bytes failed: the symmetric heap is too small (set "
+        "NVSHMEM_SYMMETRIC_SIZE before the first group on the network "
+        "transport is created)");
+  }
+  ThrowIfCuda(cudaMemset(p, 0, static_cast<size_t>(bytes)),
+              "cudaMemset of a symmetric buffer");
+  ThrowIfCuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+  return reinterpret_cast<uint64_t>(p);
+}
+
+void SymmetricFree(uint64_t address) {
+  if (address != 0) nvshmem_free(reinterpret_cast<void*>(address));
+}
+
+uint64_t PeerAddress(uint64_t address, int pe) {
+  if (pe < 0 || pe >= nvshmem_n_pes()) {
+    throw std::invalid_argument("jax_ep.nvshmem: pe " + std::to_string(pe) +
+                                " out of [0, " +
+                                std::to_string(nvshmem_n_pes()) + ")");
+  }
+  return reinterpret_cast<uint64_t>(
+      nvshmem_ptr(reinterpret_cast<void*>(address), pe));
+}
+
 void Finalize() {
   if (initialised_here &&
       nvshmemx_init_status() >= NVSHMEM_STATUS_IS_INITIALIZED) {

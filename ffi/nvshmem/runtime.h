@@ -9,6 +9,7 @@
 #ifndef JAX_EP_FFI_NVSHMEM_RUNTIME_H_
 #define JAX_EP_FFI_NVSHMEM_RUNTIME_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -48,6 +49,33 @@ bool RingProbe(int64_t bytes, double timeout_s);
 
 // Finalises NVSHMEM if this module initialised it (collective).
 void Finalize();
+
+// --- The symmetric heap (collective over all PEs, in the same order). -------
+
+// nvshmem_malloc of `bytes`, zeroed; its device address. Throws when the heap
+// cannot hold it (NVSHMEM_SYMMETRIC_SIZE).
+uint64_t SymmetricAlloc(int64_t bytes);
+
+// nvshmem_free of an address SymmetricAlloc returned.
+void SymmetricFree(uint64_t address);
+
+// nvshmem_ptr: PE `pe`'s copy of the symmetric `address` as this process can
+// load and store it, or 0 where only puts reach it (another host).
+uint64_t PeerAddress(uint64_t address, int pe);
+
+// --- The low-latency puts (low_latency_puts.cu). ----------------------------
+
+// The address of the network::LowLatencySendFn a network group calls after
+// each low-latency send kernel (intranode_group::ConnectTable).
+uint64_t LowLatencySendAddress();
+
+// Launches the put kernels once on `device` (returning at once) and waits, so
+// that no later first launch can wait for a GPU shared with spinning peers to
+// drain.
+void WarmPutKernels(int device);
+
+// Local memory per thread of the put kernels (0 by design).
+size_t PutKernelsLocalBytes();
 
 }  // namespace jax_ep::nvshmem
 

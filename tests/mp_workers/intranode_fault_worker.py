@@ -11,6 +11,7 @@
 """
 
 import faulthandler
+import os
 import sys
 import time
 
@@ -28,6 +29,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
 
+# The network transport between virtual hosts (tests/test_cuda_network.py), else the peer one.
+VIRTUAL_HOSTS = int(os.environ.get("JAX_EP_VIRTUAL_HOSTS", "1"))
+
 
 def main(mode):
   me = jax.process_index()
@@ -38,7 +42,8 @@ def main(mode):
                          max_tokens_per_rank=16, dtype=jnp.bfloat16, backend="cuda",
                          timeout_s=2.0, config_timeout_s=30,
                          raise_on_timeout=mode == "skip_call_debug",
-                         low_latency=mode == "skip_low_latency")
+                         low_latency=mode == "skip_low_latency",
+                         virtual_hosts=VIRTUAL_HOSTS if mode == "skip_low_latency" else None)
   except ValueError as e:
     print(f"process {me}: {e}", flush=True)
     return 0 if mode == "mismatch" else 1

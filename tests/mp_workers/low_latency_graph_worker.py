@@ -28,6 +28,8 @@ from ep_test_base import host_value, local_rank_mask, make_routing, random_input
 from low_latency_test_base import LowLatencyTestBase  # noqa: E402
 
 NUM_LAYERS, NUM_STEPS = 4, 60
+# The network transport between virtual hosts (tests/test_cuda_network.py), else the peer one.
+VIRTUAL_HOSTS = int(os.environ.get("JAX_EP_VIRTUAL_HOSTS", "1"))
 
 
 def main(use_fp8: bool) -> int:
@@ -35,7 +37,8 @@ def main(use_fp8: bool) -> int:
   mesh = jax.make_mesh((r,), ("ep",), devices=jax.devices())
   e, k, h, t = 4 * r, 4, 512, 8
   group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
-                       dtype=jnp.bfloat16, backend="cuda", low_latency=True, timeout_s=30.0)
+                       dtype=jnp.bfloat16, backend="cuda", low_latency=True, timeout_s=30.0,
+                       virtual_hosts=VIRTUAL_HOSTS)
 
   def body(x, idx, w, a):
     x, idx, w, a = x[0], idx[0], w[0], a[0]

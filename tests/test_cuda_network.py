@@ -1,0 +1,147 @@
+"""The low-latency pair on the network transport: NVSHMEM puts between virtual hosts.
+
+A group created with `virtual_hosts=k` splits its ranks into k hosts; a rank reaches the ranks
+of its own host by pointer (the peer transport) and every other rank only by NVSHMEM puts, so
+the shared low-latency suite checks the network path against the oracle. Runs under the
+launcher, one process per rank (sharing one GPU under CUDA MPS, or one GPU each):
+
+  JAX_EP_VIRTUAL_HOSTS=2 python -m jax_ep.launch -n 8 --share-gpu -- \
+      python -m pytest tests/test_cuda_network.py -q          # 2 hosts x 4 ranks
+  JAX_EP_VIRTUAL_HOSTS=4 python -m jax_ep.launch -n 8 --share-gpu -- \
+      python -m pytest tests/test_cuda_network.py -q          # 4 hosts x 2 ranks
+
+and, in one process, the tests that start their own processes (command buffers, a peer that
+skips the call). Marked `gpu`: skipped where no CUDA GPU, extension or NVSHMEM module is present.
+"""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+from ep_test_base import random_inputs, rank_mesh
+from low_latency_test_base import GRAPH_WORKER, CudaLowLatencyTests
+from jax_ep import nvshmem
+
+pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
+
+NUM_RANKS = jax.device_count()
+VIRTUAL_HOSTS = int(os.environ.get("JAX_EP_VIRTUAL_HOSTS", "2"))
+FAULT_WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "intranode_fault_worker.py")
+
+_on_network = (NUM_RANKS >= 2 and NUM_RANKS % VIRTUAL_HOSTS == 0 and VIRTUAL_HOSTS > 1
+               and jax.process_count() == NUM_RANKS)
+_why_not = (f"needs one process per rank under the launcher with R divisible by "
+            f"JAX_EP_VIRTUAL_HOSTS={VIRTUAL_HOSTS} (R={NUM_RANKS}, "
+            f"{jax.process_count()} processes)")
+
+
+def _needs_nvshmem():
+  if not nvshmem.available():
+    pytest.skip("jax_ep was built without its NVSHMEM module, or NVSHMEM is not installed")
+
+
+@pytest.mark.skipif(not _on_network, reason=_why_not)
+class TestNetworkLowLatency(CudaLowLatencyTests):
+  rank_counts = (NUM_RANKS,)
+  small_ranks = NUM_RANKS
+
+  def make_group(self, num_ranks, **kwargs):
+    _needs_nvshmem()
+    kwargs.setdefault("virtual_hosts", VIRTUAL_HOSTS)
+    return super().make_group(num_ranks, **kwargs)
+
+  def test_ranks_of_other_hosts_take_the_network(self):
+    """The ranks of the other virtual hosts have no pointer in this rank's table (so every row
+    for them is a put), the ranks of its own host have one; the put kernels need no local
+    memory (see low_latency.cu: a first launch that needs it can wait for a shared GPU to
+    drain)."""
+    r = NUM_RANKS
+    group = self.make_group(r, num_experts=4 * r, num_topk=2, hidden=256, max_tokens=4)
+    me = jax.process_index()
+    size = r // VIRTUAL_HOSTS
+    host = me // size
+    assert group.topology.num_hosts == VIRTUAL_HOSTS
+    assert group.topology.gpus_per_host == (size,) * VIRTUAL_HOSTS
+    others = tuple(q for q in range(r) if q // size != host)
+    assert group.network_ranks == others
+    table = jax_ep._ffi.extension().intranode_group_pointer_table(group._transport.primary_id)
+    assert [q for q in range(r) if table[q] == 0] == list(others)
+    assert nvshmem.load().put_kernels_local_bytes() == 0
+    group.close()
+
+  def test_high_throughput_ops_say_they_are_not_on_the_network(self):
+    r = NUM_RANKS
+    group = self.make_group(r, num_experts=4 * r, num_topk=2, hidden=256, max_tokens=4)
+    x = np.zeros((r, 4, 256), jnp.bfloat16)
+    idx = np.zeros((r, 4, 2), np.int32)
+    w = np.ones((r, 4, 2), np.float32)
+    with pytest.raises(NotImplementedError, match="only the low-latency ops"):
+      self.run_per_rank(group, lambda x, i, w: jax_ep.dispatch(group, x, i, w)[0].x, x, idx, w)
+    group.close()
+
+  def test_moe_layer_low_latency_matches_high_throughput(self):
+    """The low-latency layer across virtual hosts against the high-throughput layer of a
+    one-host group (the high-throughput ops are not on the network transport)."""
+    r, e, k, h, f, t = NUM_RANKS, 4 * NUM_RANKS, 4, 128, 64, 12
+    network = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=t)
+    one_host = jax_ep.Group(rank_mesh(r), "ep", num_experts=e, num_topk=k, hidden=h,
+                            max_tokens_per_rank=t, dtype=jnp.bfloat16, backend="cuda",
+                            timeout_s=20.0)
+    params = jax_ep.init_moe_params(jax.random.key(0), num_experts=e, hidden=h, ffn=f,
+                                    dtype=jnp.bfloat16)
+    per_rank = lambda w: np.asarray(w).reshape(r, e // r, *w.shape[1:])
+    router = np.broadcast_to(np.asarray(params.router), (r, *params.router.shape))
+    x = random_inputs(np.random.default_rng(4), r, t, h, jnp.bfloat16)
+    weights = (x, router, per_rank(params.w_gate), per_rank(params.w_up), per_rank(params.w_down))
+
+    def layer(group, mode):
+      def fn(x, router, w_gate, w_up, w_down):
+        p = params._replace(router=router, w_gate=w_gate, w_up=w_up, w_down=w_down)
+        return jax_ep.moe_mlp_per_shard(group, p, x, mode=mode).out
+      return self.run_per_rank(group, fn, *weights)
+    ll = layer(network, "low_latency")
+    ht = layer(one_host, "high_throughput")
+    for d in self.mine(network):
+      scale = np.abs(ht[d].astype(np.float32)).max()
+      assert scale > 0
+      np.testing.assert_allclose(ll[d].astype(np.float32), ht[d].astype(np.float32),
+                                 rtol=0, atol=3e-2 * scale)
+    network.close()
+    one_host.close()
+
+
+def _launch(worker_args, num_ranks, virtual_hosts, timeout=250):
+  env = dict(os.environ, JAX_EP_VIRTUAL_HOSTS=str(virtual_hosts))
+  cmd = [sys.executable, "-m", "jax_ep.launch", "-n", str(num_ranks), "--share-gpu",
+         "--grace", "30", "--timeout", str(timeout), "--", sys.executable, *worker_args]
+  result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout + 60)
+  return result.returncode, result.stdout + result.stderr
+
+
+@pytest.mark.skipif(jax.process_count() > 1, reason="starts its own processes")
+@pytest.mark.parametrize("mode", ["bf16", "fp8"])
+def test_decode_step_in_command_buffers_across_hosts(mode):
+  """Four ranks as two virtual hosts of two, sharing GPU 0: the jitted decode step of several
+  low-latency layers inside XLA command buffers, 60 steps with changing routings, each checked
+  against the oracle."""
+  _needs_nvshmem()
+  code, log = _launch([GRAPH_WORKER, mode], 4, 2)
+  assert code == 0 and "60 steps ok" in log, log
+
+
+@pytest.mark.skipif(jax.process_count() > 1, reason="starts its own processes")
+def test_peer_that_skips_the_call_is_a_timeout_across_hosts():
+  """Two ranks on two virtual hosts: rank 1 never calls low_latency_dispatch; rank 0's wait
+  gives up after the group's timeout with the op, rank and peer (no hang), and both exit."""
+  _needs_nvshmem()
+  code, log = _launch([FAULT_WORKER, "skip_low_latency"], 2, 2, timeout=120)
+  assert code == 0, log
+  assert "check() raised after" in log, log
+  assert log.count("jax_ep.low_latency_dispatch: rank 0 timed out after 2.0 s waiting for "
+                   "rank 1") >= 2, log
