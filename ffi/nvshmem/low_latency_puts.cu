@@ -20,9 +20,12 @@
 //   flag of those ranks with nvshmemx_signal_op. The receiver's wait is
 //   unchanged: it polls its own flags (acquire, system scope).
 // * Never spins: the kernels only put, so R ranks' kernels sharing one GPU
-//   cannot wait on each other. They are launched once at connect (returning
-//   at once) so that a first launch while a peer spins never has to wait for
-//   the GPU to drain (see low_latency.cu, SpinArrival).
+//   cannot wait on each other. NVSHMEM's device calls give them a stack
+//   (local memory), and the first launch of a kernel that needs more local
+//   memory than the context holds can wait for the GPU to drain, a peer's
+//   spinning wait included (see low_latency.cu, SpinArrival): so they are
+//   launched once when the group connects (WarmPutKernels, returning at
+//   once), before any wait of the group can spin.
 
 #include <cuda_runtime.h>
 #include <nvshmem.h>

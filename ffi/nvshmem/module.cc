@@ -61,7 +61,8 @@ NB_MODULE(_jax_ep_nvshmem, m) {
   m.def("warm_put_kernels", &jax_ep::nvshmem::WarmPutKernels, nb::arg("device"),
         "Launches the put kernels once (returning at once) on `device`.");
   m.def("put_kernels_local_bytes", &jax_ep::nvshmem::PutKernelsLocalBytes,
-        "Local memory per thread of the put kernels (0 by design).");
+        "Local memory per thread of the put kernels (reserved by "
+        "warm_put_kernels at connect).");
   m.def("finalize", &jax_ep::nvshmem::Finalize,
         "Finalises NVSHMEM if jax_ep initialised it (collective).");
 }

@@ -74,7 +74,8 @@ uint64_t LowLatencySendAddress();
 // drain.
 void WarmPutKernels(int device);
 
-// Local memory per thread of the put kernels (0 by design).
+// Local memory per thread of the put kernels (NVSHMEM's device calls need
+// some: the reason for WarmPutKernels).
 size_t PutKernelsLocalBytes();
 
 }  // namespace jax_ep::nvshmem
