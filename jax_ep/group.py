@@ -292,7 +292,10 @@ class Group:
       instead of the peer transport: the emulation of a multi-host job on one machine, for
       tests and benchmarks (docs/multihost.md). cuda backend with `low_latency=True`, one
       process per device (rank r on process r); the low-latency ops run on it, the
-      high-throughput ops raise `NotImplementedError`. Default None (the real hosts).
+      high-throughput ops raise `NotImplementedError`. Default None (the real hosts). A group
+      whose processes run on several real hosts takes the same network transport when created
+      with `backend='cuda', low_latency=True` (NVSHMEM installed and jax_ep built with it);
+      `backend='auto'` gives such a group the reference backend, which runs every op.
   """
 
   def __init__(self, mesh, axis_name: str, *, num_experts: int, num_topk: int, hidden: int,
@@ -359,10 +362,21 @@ class Group:
       # them; every member asks the same question, so all decide alike.
       hosts = _distributed.gather_values(f"{key}/hosts", socket.gethostname(),
                                          process_ids=members, timeout_s=config_timeout_s)
-    self.backend_name, self.backend_reason = _resolve_backend(backend, mesh, self.config,
-                                                              num_sms, hosts)
+    # Several real hosts: backend='cuda' with the low-latency buffers takes the network
+    # transport (the low-latency ops; 'auto' keeps the reference there, which runs every op).
+    several_hosts = hosts is not None and len(set(hosts)) > 1
+    network = (virtual_hosts or 1) > 1 or (several_hosts and backend == "cuda" and low_latency)
+    if network and several_hosts:
+      from jax_ep import nvshmem
+      try:
+        nvshmem.load()
+      except nvshmem.NvshmemUnavailable as e:
+        raise ValueError(f"jax_ep.Group: this group's processes run on {len(set(hosts))} hosts, "
+                         f"which takes the network transport: {e}") from None
+    self.backend_name, self.backend_reason = _resolve_backend(
+        backend, mesh, self.config, num_sms, None if network else hosts)
     self.topology = None
-    if (virtual_hosts or 1) > 1:
+    if network:
       if self.backend_name != "cuda":
         raise ValueError(f"jax_ep.Group: virtual_hosts needs the cuda backend, which cannot run "
                          f"this group here: {self.backend_reason}")
