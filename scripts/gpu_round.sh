@@ -31,6 +31,7 @@
 #   bash scripts/gpu_round.sh network  # the network transport between virtual hosts (8 ranks as
 #                                     # 2 x 4 and 4 x 2), command buffers, a skipped call,
 #                                     # memcheck (NET_HOSTS, NET_BENCH=1 adds the benchmark)
+#   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -179,6 +180,15 @@ if has lowlatency || has llbench; then
       ${LL_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ll_$n.log" | grep -E "^\[0\] " | tail -40
   done
   cp benchmarks/results/gpu_round_low_latency.jsonl "$OUT/" 2>/dev/null
+fi
+
+if has llncu; then
+  step "ncu: the low-latency kernels at one rank, T=128, fp8 dispatch (scripts/profile_low_latency.py)"
+  timeout 240 ncu --clock-control none --set detailed --profile-from-start off \
+    -k regex:"Dispatch|Combine" -c 6 --print-details all \
+    python3 scripts/profile_low_latency.py --profiler-range > "$OUT/ncu_ll.txt" 2>&1
+  grep -E "Kernel[<(]|^ +Duration|DRAM Throughput|^ +Memory Throughput|Achieved Occupancy|Grid Size|Registers Per|Waves Per SM" \
+    "$OUT/ncu_ll.txt" | cut -c1-150 | head -80
 fi
 
 if has nvshmem; then
