@@ -24,7 +24,10 @@
 //   (or `[T, K, H]` with gather), status `[]`. attrs: group_id, num_experts,
 //   gather.
 // jax_ep_low_latency_dispatch / jax_ep_low_latency_combine: the pair fused in
-// one custom call (the operands of the send, the results of both).
+// one custom call (the operands of the send, the results of both). At one
+// rank the fused ops use no transport: the dispatch writes its results
+// straight from x, the combine reduces straight from expert_out
+// (low_latency::DispatchLocal / CombineLocal).
 
 #include <cuda_runtime.h>
 
@@ -120,6 +123,36 @@ ffi::Error CheckTopk(const char* op, ffi_utils::Dims dims,
   return intranode_ffi::CheckTokens(op, "topk_idx", *num_tokens, g);
 }
 
+// The send's operands and attributes against the group; the group, T and the
+// element type out.
+ffi::Error CheckDispatchSend(
+    ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
+    ffi::Buffer<ffi::F32> slot_scale, int64_t group_id, int32_t format,
+    bool weighted, std::shared_ptr<const intranode_group::Group>* group,
+    int64_t* num_tokens, ElementType* dtype) {
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      GetLowLatencyGroup(kDispatchSend, group_id, group));
+  const intranode_group::Group& g = **group;
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckFormat(kDispatchSend, format, g));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckTopk(kDispatchSend, topk_idx.dimensions(), g, num_tokens));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kDispatchSend, "x", x.dimensions(),
+                                        {*num_tokens, g.config.hidden},
+                                        "[T, H]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kDispatchSend, "slot_scale", slot_scale.dimensions(),
+                 {*num_tokens, g.config.num_topk}, "[T, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+      kDispatchSend, "x", x.element_type(), g, dtype));
+  if (weighted && format != 0) {
+    return ffi_utils::InvalidArgument(
+        kDispatchSend,
+        "weighted=True takes plain rows (format 0), got format " +
+            std::to_string(format));
+  }
+  return ffi_utils::CheckAligned(kDispatchSend, "x", x.untyped_data());
+}
+
 ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::S32> topk_idx,
                             ffi::Buffer<ffi::F32> slot_scale,
@@ -127,29 +160,11 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
                             int64_t group_id, int32_t format, bool weighted) {
   CountCall(stream);
   std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      GetLowLatencyGroup(kDispatchSend, group_id, &group));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckFormat(kDispatchSend, format, *group));
   int64_t num_tokens = 0;
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckTopk(kDispatchSend, topk_idx.dimensions(), *group, &num_tokens));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kDispatchSend, "x", x.dimensions(),
-                                        {num_tokens, group->config.hidden},
-                                        "[T, H]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckShape(kDispatchSend, "slot_scale", slot_scale.dimensions(),
-                 {num_tokens, group->config.num_topk}, "[T, K]"));
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
-      kDispatchSend, "x", x.element_type(), *group, &dtype));
-  if (weighted && format != 0) {
-    return ffi_utils::InvalidArgument(
-        kDispatchSend,
-        "weighted=True takes plain rows (format 0), got format " +
-            std::to_string(format));
-  }
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      ffi_utils::CheckAligned(kDispatchSend, "x", x.untyped_data()));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckDispatchSend(x, topk_idx, slot_scale,
+                                               group_id, format, weighted,
+                                               &group, &num_tokens, &dtype));
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       kDispatchSend,
       low_latency::DispatchSend(
@@ -160,13 +175,24 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
                          nullptr, nullptr, stream);
 }
 
+// The wait's results against the group; `local` (one rank, the fused op)
+// writes them at once from the send's operands instead of waiting.
+struct LocalDispatch {
+  const void* x;
+  const int32_t* topk_idx;
+  const float* slot_scale;
+  int64_t num_tokens;
+  int32_t* num_invalid;
+};
+
 ffi::Error DispatchWaitCore(cudaStream_t stream,
                             ffi::Result<ffi::AnyBuffer> recv_x,
                             ffi::Result<ffi::AnyBuffer> scales,
                             ffi::ResultBuffer<ffi::S32> count,
                             ffi::ResultBuffer<ffi::S32> recv_src,
                             ffi::ResultBuffer<ffi::S32> status,
-                            int64_t group_id, int32_t format, bool ue8m0) {
+                            int64_t group_id, int32_t format, bool ue8m0,
+                            const LocalDispatch* local = nullptr) {
   std::shared_ptr<const intranode_group::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(
       GetLowLatencyGroup(kDispatchWait, group_id, &group));
@@ -213,6 +239,17 @@ ffi::Error DispatchWaitCore(cudaStream_t stream,
                                         {num_local, slab}, "[L, R*T_max]"));
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kDispatchWait, "recv_x", recv_x->untyped_data()));
+  if (local != nullptr) {
+    JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+        kDispatchWait, low_latency::DispatchLocal(
+                           group->view, dtype, static_cast<RowFormat>(format),
+                           ue8m0, local->x, local->topk_idx, local->slot_scale,
+                           local->num_tokens, recv_x->untyped_data(),
+                           format == 0 ? nullptr : scales->untyped_data(),
+                           count->typed_data(), recv_src->typed_data(),
+                           local->num_invalid, status->typed_data(), stream));
+    return ffi::Error::Success();
+  }
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       kDispatchWait,
       low_latency::DispatchWait(
@@ -237,6 +274,31 @@ ffi::Error DispatchWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
                           group_id, format, ue8m0);
 }
 
+// The combine send's operands against the group; the element type out.
+ffi::Error CheckCombineSend(ffi::AnyBuffer expert_out,
+                            ffi::Buffer<ffi::S32> recv_src,
+                            ffi::Buffer<ffi::S32> count,
+                            const intranode_group::Group& g,
+                            ElementType* dtype = nullptr) {
+  const intranode_group::GroupConfig& c = g.config;
+  const int64_t num_local = c.num_experts / c.num_ranks;
+  const int64_t slab = c.num_ranks * c.max_tokens;
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(kCombineSend, "expert_out", expert_out.dimensions(),
+                 {num_local, slab, c.hidden}, "[L, R*T_max, H]"));
+  ElementType type;
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+      kCombineSend, "expert_out", expert_out.element_type(), g, &type));
+  if (dtype != nullptr) *dtype = type;
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineSend, "recv_src",
+                                        recv_src.dimensions(),
+                                        {num_local, slab}, "[L, R*T_max]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
+      kCombineSend, "count", count.dimensions(), {num_local}, "[L]"));
+  return ffi_utils::CheckAligned(kCombineSend, "expert_out",
+                                 expert_out.untyped_data());
+}
+
 ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                            ffi::Buffer<ffi::S32> recv_src,
                            ffi::Buffer<ffi::S32> count,
@@ -245,22 +307,9 @@ ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
   std::shared_ptr<const intranode_group::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(
       GetLowLatencyGroup(kCombineSend, group_id, &group));
-  const intranode_group::GroupConfig& c = group->config;
-  const int64_t num_local = c.num_experts / c.num_ranks;
-  const int64_t slab = c.num_ranks * c.max_tokens;
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckShape(kCombineSend, "expert_out", expert_out.dimensions(),
-                 {num_local, slab, c.hidden}, "[L, R*T_max, H]"));
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
-      kCombineSend, "expert_out", expert_out.element_type(), *group, &dtype));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineSend, "recv_src",
-                                        recv_src.dimensions(),
-                                        {num_local, slab}, "[L, R*T_max]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
-      kCombineSend, "count", count.dimensions(), {num_local}, "[L]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckAligned(
-      kCombineSend, "expert_out", expert_out.untyped_data()));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckCombineSend(expert_out, recv_src, count, *group, &dtype));
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       kCombineSend,
       cudaMemsetAsync(sent->typed_data(), 0, sizeof(int32_t), stream));
@@ -272,11 +321,14 @@ ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                          recv_src.typed_data(), count.typed_data(), stream);
 }
 
+// `local_expert_out` (one rank, the fused op): reduce straight from the
+// expert outputs instead of waiting for the rows.
 ffi::Error CombineWaitCore(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                            ffi::Buffer<ffi::F32> weights,
                            ffi::Result<ffi::AnyBuffer> out,
                            ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
-                           int64_t num_experts, bool gather) {
+                           int64_t num_experts, bool gather,
+                           const void* local_expert_out = nullptr) {
   std::shared_ptr<const intranode_group::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(
       GetLowLatencyGroup(kCombineWait, group_id, &group));
@@ -303,6 +355,15 @@ ffi::Error CombineWaitCore(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
       kCombineWait, "out", out->element_type(), *group, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kCombineWait, "out", out->untyped_data()));
+  if (local_expert_out != nullptr) {
+    JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
+        kCombineWait,
+        low_latency::CombineLocal(
+            group->view, dtype, local_expert_out, topk_idx.typed_data(),
+            weights.typed_data(), num_tokens, num_experts, gather,
+            out->untyped_data(), status->typed_data(), stream));
+    return ffi::Error::Success();
+  }
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       kCombineWait, low_latency::CombineWait(
                         group->view, dtype, topk_idx.typed_data(),
@@ -333,6 +394,20 @@ ffi::Error DispatchImpl(
     ffi::ResultBuffer<ffi::S32> count, ffi::ResultBuffer<ffi::S32> recv_src,
     ffi::ResultBuffer<ffi::S32> status, int64_t group_id, int32_t format,
     bool weighted, bool ue8m0) {
+  std::shared_ptr<const intranode_group::Group> group;
+  int64_t num_tokens = 0;
+  ElementType dtype;
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckDispatchSend(x, topk_idx, slot_scale,
+                                               group_id, format, weighted,
+                                               &group, &num_tokens, &dtype));
+  if (group->config.num_ranks == 1) {  // no transport: straight to the outputs
+    CountCall(stream);
+    const LocalDispatch local{x.untyped_data(), topk_idx.typed_data(),
+                              weighted ? slot_scale.typed_data() : nullptr,
+                              num_tokens, num_invalid->typed_data()};
+    return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status,
+                            group_id, format, ue8m0, &local);
+  }
   JAX_EP_FFI_RETURN_IF_ERROR(DispatchSendImpl(stream, x, topk_idx, slot_scale,
                                               num_invalid, group_id, format,
                                               weighted));
@@ -348,6 +423,16 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                        ffi::Result<ffi::AnyBuffer> out,
                        ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
                        int64_t num_experts, bool gather) {
+  std::shared_ptr<const intranode_group::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      GetLowLatencyGroup(kCombineSend, group_id, &group));
+  if (group->config.num_ranks == 1) {  // no transport: straight from expert_out
+    CountCall(stream);
+    JAX_EP_FFI_RETURN_IF_ERROR(
+        CheckCombineSend(expert_out, recv_src, count, *group));
+    return CombineWaitCore(stream, topk_idx, weights, out, status, group_id,
+                           num_experts, gather, expert_out.untyped_data());
+  }
   JAX_EP_FFI_RETURN_IF_ERROR(
       CombineSendImpl(stream, expert_out, recv_src, count, status, group_id));
   return CombineWaitCore(stream, topk_idx, weights, out, status, group_id,

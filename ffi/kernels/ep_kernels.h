@@ -668,6 +668,27 @@ cudaError_t CombineWait(const intranode::GroupView& g, ElementType dtype,
                         int64_t num_tokens, int64_t num_experts, bool gather,
                         void* out, int32_t* status, cudaStream_t stream);
 
+// One rank (g.num_ranks == 1): the fused dispatch written straight into its
+// outputs (DispatchWait's, plus num_invalid), with no buffer, flags or copy;
+// rows past count[l] are left as they were, recv_src is -1 there. Takes
+// DispatchSend's inputs and needs no wait.
+cudaError_t DispatchLocal(const intranode::GroupView& g, ElementType dtype,
+                          RowFormat format, bool ue8m0, const void* x,
+                          const int32_t* topk_idx, const float* slot_scale,
+                          int64_t num_tokens, void* recv_x, void* scales,
+                          int32_t* count, int32_t* recv_src,
+                          int32_t* num_invalid, int32_t* status,
+                          cudaStream_t stream);
+
+// One rank: the fused combine, reading each slot's row straight from
+// expert_out `[L, T_max, H]` (where DispatchLocal / the packed slabs put it);
+// CombineWait's outputs and semantics.
+cudaError_t CombineLocal(const intranode::GroupView& g, ElementType dtype,
+                         const void* expert_out, const int32_t* topk_idx,
+                         const float* weights, int64_t num_tokens,
+                         int64_t num_experts, bool gather, void* out,
+                         int32_t* status, cudaStream_t stream);
+
 cudaError_t PreloadKernels();
 
 // Local memory per thread of the most demanding kernel above, as the last

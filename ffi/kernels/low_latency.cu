@@ -232,6 +232,62 @@ __device__ __forceinline__ void StagePositions(const int32_t* __restrict__ topk,
   }
 }
 
+// Vectors j = v0 + u * kThreads + threadIdx.x (u < kSendVecs) of one token's
+// row `src` (rv vectors): v[u] as loaded (zeros past the row) and, for fp8,
+// their e4m3 words q[u] with the scale of their 128-channel block. The Q = 128
+// / kElems vectors of one scale block are Q consecutive lanes of one warp
+// (v0 is a multiple of kThreads vectors), so a block's amax is a Q-lane
+// shuffle reduction; every lane of the warp must call it.
+template <typename T, RowFormat kFormat, int kThreads>
+__device__ __forceinline__ void LoadRowVecs(
+    const uint4* __restrict__ src, int32_t v0, int32_t rv,
+    uint4 (&v)[kSendVecs], uint32_t (&q)[kSendVecs][Vec16<T>::kElems / 4],
+    float (&scale)[kSendVecs]) {
+  constexpr int kElems = Vec16<T>::kElems;
+  constexpr int kQ = kScaleBlock / kElems;
+  static_assert(32 % kQ == 0, "a scale block spans whole lanes of one warp");
+#pragma unroll
+  for (int u = 0; u < kSendVecs; ++u) {
+    const int32_t j = v0 + u * kThreads + threadIdx.x;
+    v[u] = j < rv ? detail::LoadVec(src + j) : make_uint4(0, 0, 0, 0);
+  }
+  if constexpr (kFormat != RowFormat::kPlain) {
+#pragma unroll
+    for (int u = 0; u < kSendVecs; ++u) {
+      float f[kElems];
+      Vec16<T>::Unpack(v[u], f);
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < kElems; ++i) amax = fmaxf(amax, fabsf(f[i]));
+#pragma unroll
+      for (int off = kQ / 2; off > 0; off >>= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
+      }
+      // The reference's rounding: amax * fp32(1 / 448), 1 for zeros.
+      float s = amax > 0.0f ? amax * static_cast<float>(1.0 / 448.0) : 1.0f;
+      if constexpr (kFormat == RowFormat::kFp8PowerOfTwo) {
+        s = RoundUpPowerOfTwo(s);
+      }
+      scale[u] = s;
+#pragma unroll
+      for (int i = 0; i < kElems / 4; ++i) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int b = 0; b < 4; b += 2) {
+          // IEEE division (no fast math), e4m3 round-to-nearest-even,
+          // saturating at 448 like the reference's |x / s| <= 448.
+          const float2 pair =
+              make_float2(f[4 * i + b] / s, f[4 * i + b + 1] / s);
+          const __nv_fp8x2_storage_t p =
+              __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
+          word |= static_cast<uint32_t>(p) << (8 * b);
+        }
+        q[u][i] = word;
+      }
+    }
+  }
+}
+
 // Relaxed system-scope store (callers fence before it).
 __device__ __forceinline__ void StoreRelaxedSys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v)
@@ -309,50 +365,11 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
     __syncthreads();
     const uint4* src = x + static_cast<int64_t>(t) * rv;
     for (int32_t v0 = 0; v0 < rv; v0 += kSendThreads * kSendVecs) {
-      uint4 v[kSendVecs];
-#pragma unroll
-      for (int u = 0; u < kSendVecs; ++u) {
-        const int32_t j = v0 + u * kSendThreads + threadIdx.x;
-        v[u] = j < rv ? detail::LoadVec(src + j) : make_uint4(0, 0, 0, 0);
-      }
       // fp8: quantise once per token, then send the same bytes everywhere.
+      uint4 v[kSendVecs];
       uint32_t q[kSendVecs][kElems / 4];
       float scale[kSendVecs];
-      if constexpr (kFp8) {
-#pragma unroll
-        for (int u = 0; u < kSendVecs; ++u) {
-          float f[kElems];
-          Vec16<T>::Unpack(v[u], f);
-          float amax = 0.0f;
-#pragma unroll
-          for (int i = 0; i < kElems; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-          for (int off = kQ / 2; off > 0; off >>= 1) {
-            amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
-          }
-          // The reference's rounding: amax * fp32(1 / 448), 1 for zeros.
-          float s = amax > 0.0f ? amax * static_cast<float>(1.0 / 448.0) : 1.0f;
-          if constexpr (kFormat == RowFormat::kFp8PowerOfTwo) {
-            s = RoundUpPowerOfTwo(s);
-          }
-          scale[u] = s;
-#pragma unroll
-          for (int i = 0; i < kElems / 4; ++i) {
-            uint32_t word = 0;
-#pragma unroll
-            for (int b = 0; b < 4; b += 2) {
-              // IEEE division (no fast math), e4m3 round-to-nearest-even,
-              // saturating at 448 like the reference's |x / s| <= 448.
-              const float2 pair =
-                  make_float2(f[4 * i + b] / s, f[4 * i + b + 1] / s);
-              const __nv_fp8x2_storage_t p =
-                  __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
-              word |= static_cast<uint32_t>(p) << (8 * b);
-            }
-            q[u][i] = word;
-          }
-        }
-      }
+      LoadRowVecs<T, kFormat, kSendThreads>(src, v0, rv, v, q, scale);
       for (int k = 0; k < num_topk; ++k) {
         const int32_t e = s_expert[k];  // block-uniform
         if (e < 0) continue;
@@ -741,6 +758,239 @@ __global__ void __launch_bounds__(kWaitThreads)
   }
 }
 
+// ---------------------------------------------------------------------------
+// One rank: the fused ops straight into their outputs. With one source the
+// packed slab order (source rank, source token) is the token order, so a
+// token's row for expert e goes to recv_x[e][j] at once (j as in the send:
+// the tokens before it that select e); no buffer, no flags, no copy. The
+// combine finds each slot's row in expert_out the same way.
+// ---------------------------------------------------------------------------
+
+// A block per token. count, recv_src and num_invalid were cleared (0, -1, 0)
+// before it; the atomics only count (no position depends on them).
+template <typename T, RowFormat kFormat, bool kUe8m0>
+__global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
+    DispatchLocalKernel(const uint4* __restrict__ x,
+                        const int32_t* __restrict__ topk,
+                        const float* __restrict__ slot_scale,
+                        int32_t num_tokens, int32_t num_topk,
+                        int32_t num_experts, int32_t t_max, int32_t hidden,
+                        char* __restrict__ recv_x, void* __restrict__ scales,
+                        int32_t* __restrict__ count,
+                        int32_t* __restrict__ recv_src, int32_t* num_invalid) {
+  constexpr int kElems = Vec16<T>::kElems;
+  constexpr int kQ = kScaleBlock / kElems;
+  constexpr bool kFp8 = kFormat != RowFormat::kPlain;
+  __shared__ int32_t s_expert[kMaxK];
+  __shared__ int32_t s_pos[kMaxK];
+  const int32_t rv = hidden / kElems;
+  const int64_t out_bytes =
+      kFp8 ? hidden : static_cast<int64_t>(hidden) * sizeof(T);
+  const int32_t num_scales = hidden / kScaleBlock;
+  int32_t invalid = 0;
+  for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    __syncthreads();  // the previous token's readers of shared are done
+    if (threadIdx.x < 32) {
+      const int32_t bad =
+          StageExperts(topk, t, num_topk, num_experts, s_expert);
+      if (threadIdx.x == 0) invalid += bad;
+    }
+    __syncthreads();
+    StagePositions<kSendThreads>(topk, t, num_topk, s_expert, s_pos);
+    __syncthreads();
+    if (threadIdx.x < num_topk && s_expert[threadIdx.x] >= 0) {
+      const int32_t e = s_expert[threadIdx.x];
+      recv_src[static_cast<int64_t>(e) * t_max + s_pos[threadIdx.x]] =
+          t * num_topk + threadIdx.x;
+      atomicAdd(count + e, 1);
+    }
+    const uint4* src = x + static_cast<int64_t>(t) * rv;
+    for (int32_t v0 = 0; v0 < rv; v0 += kSendThreads * kSendVecs) {
+      uint4 v[kSendVecs];
+      uint32_t q[kSendVecs][kElems / 4];
+      float scale[kSendVecs];
+      LoadRowVecs<T, kFormat, kSendThreads>(src, v0, rv, v, q, scale);
+      for (int k = 0; k < num_topk; ++k) {
+        const int32_t e = s_expert[k];  // block-uniform
+        if (e < 0) continue;
+        const int64_t row = static_cast<int64_t>(e) * t_max + s_pos[k];
+        char* dst = recv_x + row * out_bytes;
+        float w = 1.0f;
+        if (!kFp8 && slot_scale != nullptr) w = slot_scale[t * num_topk + k];
+#pragma unroll
+        for (int u = 0; u < kSendVecs; ++u) {
+          const int32_t j = v0 + u * kSendThreads + threadIdx.x;
+          if (j >= rv) continue;
+          if constexpr (kFp8) {
+            if constexpr (kElems == 8) {
+              reinterpret_cast<uint2*>(dst)[j] = make_uint2(q[u][0], q[u][1]);
+            } else {
+              reinterpret_cast<uint32_t*>(dst)[j] = q[u][0];
+            }
+            if (j % kQ == 0) {
+              const int64_t c = row * num_scales + j / kQ;
+              if constexpr (kUe8m0) {  // byte c of the row's packed int32s
+                static_cast<uint8_t*>(scales)[c] = static_cast<uint8_t>(
+                    (__float_as_uint(scale[u]) >> 23) & 0xffu);
+              } else {
+                static_cast<float*>(scales)[c] = scale[u];
+              }
+            }
+          } else {
+            uint4 out = v[u];
+            if (slot_scale != nullptr) {
+              float f[kElems];
+              Vec16<T>::Unpack(v[u], f);
+#pragma unroll
+              for (int i = 0; i < kElems; ++i) f[i] *= w;
+              out = Vec16<T>::Pack(f);
+            }
+            reinterpret_cast<uint4*>(dst)[j] = out;
+          }
+        }
+      }
+    }
+  }
+  if (threadIdx.x == 0 && invalid != 0) atomicAdd(num_invalid, invalid);
+}
+
+// A block per token: out[t] = sum over k ascending of w[t, k] * row(t, k) in
+// fp32 (or, with kGather, out[t, k] = row(t, k)), row(t, k) the expert_out row
+// of the token's first slot naming the same expert.
+template <typename T, bool kGather>
+__global__ void __launch_bounds__(kWaitThreads)
+    CombineLocalKernel(const uint4* __restrict__ expert_out,
+                       const int32_t* __restrict__ topk,
+                       const float* __restrict__ weights, int32_t num_tokens,
+                       int32_t num_topk, int32_t num_experts, int32_t t_max,
+                       int32_t hidden, uint4* __restrict__ out) {
+  constexpr int kElems = Vec16<T>::kElems;
+  __shared__ int32_t s_expert[kMaxK];
+  __shared__ int32_t s_pos[kMaxK];
+  __shared__ int32_t s_first[kMaxK];
+  __shared__ float s_w[kMaxK];
+  const int32_t rv = hidden / kElems;
+  for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      StageExperts(topk, t, num_topk, num_experts, s_expert);
+      const int32_t e = lane < num_topk ? topk[t * num_topk + lane] : -1;
+      const bool valid = e >= 0 && e < num_experts;
+      const unsigned same = __match_any_sync(kFullMask, e);
+      if (lane < num_topk) {
+        s_first[lane] = valid ? __ffs(same) - 1 : -1;
+        s_w[lane] = (!kGather && valid) ? weights[t * num_topk + lane] : 0.0f;
+      }
+    }
+    __syncthreads();
+    StagePositions<kWaitThreads>(topk, t, num_topk, s_expert, s_pos);
+    __syncthreads();
+    if constexpr (kGather) {
+      for (int k = 0; k < num_topk; ++k) {
+        const int32_t first = s_first[k];
+        uint4* dst = out + (static_cast<int64_t>(t) * num_topk + k) * rv;
+        const uint4* src =
+            expert_out +
+            (first >= 0
+                 ? static_cast<int64_t>(s_expert[first]) * t_max + s_pos[first]
+                 : 0) *
+                rv;
+        for (int32_t j = threadIdx.x; j < rv; j += kWaitThreads) {
+          dst[j] =
+              first >= 0 ? detail::LoadVec(src + j) : make_uint4(0, 0, 0, 0);
+        }
+      }
+    } else {
+      for (int32_t j = threadIdx.x; j < rv; j += kWaitThreads) {
+        float acc[kElems];
+#pragma unroll
+        for (int i = 0; i < kElems; ++i) acc[i] = 0.0f;
+        for (int k = 0; k < num_topk; ++k) {
+          const int32_t first = s_first[k];
+          if (first < 0) continue;
+          const uint4* src =
+              expert_out +
+              (static_cast<int64_t>(s_expert[first]) * t_max + s_pos[first]) *
+                  rv;
+          float f[kElems];
+          Vec16<T>::Unpack(detail::LoadVec(src + j), f);
+          const float w = s_w[k];
+#pragma unroll
+          for (int i = 0; i < kElems; ++i) acc[i] = fmaf(w, f[i], acc[i]);
+        }
+        out[static_cast<int64_t>(t) * rv + j] = Vec16<T>::Pack(acc);
+      }
+    }
+  }
+}
+
+unsigned TokenGrid(int64_t num_tokens) {
+  return static_cast<unsigned>(num_tokens > 0 ? num_tokens : 1);
+}
+
+template <typename T>
+struct LaunchDispatchLocal {
+  static cudaError_t Run(const GroupView& g, RowFormat format, bool ue8m0,
+                         const void* x, const int32_t* topk,
+                         const float* slot_scale, int32_t num_tokens,
+                         void* recv_x, void* scales, int32_t* count,
+                         int32_t* recv_src, int32_t* num_invalid,
+                         cudaStream_t stream) {
+    const int32_t t_max = static_cast<int32_t>(g.max_tokens);
+    const int32_t num_experts = g.num_local;
+    const int32_t hidden = static_cast<int32_t>(g.hidden);
+    const uint4* xv = static_cast<const uint4*>(x);
+    char* out = static_cast<char*>(recv_x);
+    const unsigned grid = TokenGrid(num_tokens);
+#define JAX_EP_DISPATCH_LOCAL(FORMAT, UE8M0, SCALE)                         \
+  DispatchLocalKernel<T, FORMAT, UE8M0><<<grid, kSendThreads, 0, stream>>>( \
+      xv, topk, SCALE, num_tokens, g.num_topk, num_experts, t_max, hidden,  \
+      out, scales, count, recv_src, num_invalid)
+    switch (format) {
+      case RowFormat::kPlain:
+        JAX_EP_DISPATCH_LOCAL(RowFormat::kPlain, false, slot_scale);
+        break;
+      case RowFormat::kFp8:
+        JAX_EP_DISPATCH_LOCAL(RowFormat::kFp8, false, nullptr);
+        break;
+      case RowFormat::kFp8PowerOfTwo:
+        if (ue8m0) {
+          JAX_EP_DISPATCH_LOCAL(RowFormat::kFp8PowerOfTwo, true, nullptr);
+        } else {
+          JAX_EP_DISPATCH_LOCAL(RowFormat::kFp8PowerOfTwo, false, nullptr);
+        }
+        break;
+    }
+#undef JAX_EP_DISPATCH_LOCAL
+    return cudaGetLastError();
+  }
+};
+
+template <typename T>
+struct LaunchCombineLocal {
+  static cudaError_t Run(const GroupView& g, const void* expert_out,
+                         const int32_t* topk, const float* weights,
+                         int32_t num_tokens, bool gather, void* out,
+                         cudaStream_t stream) {
+    const int32_t t_max = static_cast<int32_t>(g.max_tokens);
+    const int32_t hidden = static_cast<int32_t>(g.hidden);
+    const uint4* eo = static_cast<const uint4*>(expert_out);
+    uint4* o = static_cast<uint4*>(out);
+    const unsigned grid = TokenGrid(num_tokens);
+    if (gather) {
+      CombineLocalKernel<T, true><<<grid, kWaitThreads, 0, stream>>>(
+          eo, topk, weights, num_tokens, g.num_topk, g.num_local, t_max, hidden,
+          o);
+    } else {
+      CombineLocalKernel<T, false><<<grid, kWaitThreads, 0, stream>>>(
+          eo, topk, weights, num_tokens, g.num_topk, g.num_local, t_max, hidden,
+          o);
+    }
+    return cudaGetLastError();
+  }
+};
+
 bool ValidView(const GroupView& g, ElementType dtype) {
   return g.low_latency != 0 && g.peers != nullptr && g.own != nullptr &&
          g.state != nullptr && g.num_ranks >= 1 && g.num_ranks <= kMaxR &&
@@ -837,7 +1087,17 @@ struct PreloadTyped {
     JAX_EP_CUDA_RETURN_IF_ERROR(
         Load(DispatchSendKernel<T, RowFormat::kFp8PowerOfTwo>));
     JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineReduceKernel<T, true>));
-    return Load(CombineReduceKernel<T, false>);
+    JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineReduceKernel<T, false>));
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        Load(DispatchLocalKernel<T, RowFormat::kPlain, false>));
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        Load(DispatchLocalKernel<T, RowFormat::kFp8, false>));
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        Load(DispatchLocalKernel<T, RowFormat::kFp8PowerOfTwo, false>));
+    JAX_EP_CUDA_RETURN_IF_ERROR(
+        Load(DispatchLocalKernel<T, RowFormat::kFp8PowerOfTwo, true>));
+    JAX_EP_CUDA_RETURN_IF_ERROR(Load(CombineLocalKernel<T, true>));
+    return Load(CombineLocalKernel<T, false>);
   }
 };
 
@@ -921,6 +1181,51 @@ cudaError_t CombineWait(const GroupView& g, ElementType dtype,
   return detail::DispatchDtype<LaunchCombineWait>(
       dtype, g, topk_idx, weights, static_cast<int32_t>(num_tokens),
       static_cast<int32_t>(num_experts), gather, out, status, stream);
+}
+
+cudaError_t DispatchLocal(const GroupView& g, ElementType dtype,
+                          RowFormat format, bool ue8m0, const void* x,
+                          const int32_t* topk_idx, const float* slot_scale,
+                          int64_t num_tokens, void* recv_x, void* scales,
+                          int32_t* count, int32_t* recv_src,
+                          int32_t* num_invalid, int32_t* status,
+                          cudaStream_t stream) {
+  if (!ValidView(g, dtype) || g.num_ranks != 1 || num_tokens < 0 ||
+      num_tokens > g.max_tokens ||
+      (format != RowFormat::kPlain && g.hidden % kScaleBlock != 0) ||
+      (ue8m0 && (format != RowFormat::kFp8PowerOfTwo ||
+                 g.hidden % (4 * kScaleBlock) != 0))) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t rows = static_cast<int64_t>(g.num_local) * g.max_tokens;
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(count, 0, sizeof(int32_t) * g.num_local, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(recv_src, 0xff, sizeof(int32_t) * rows, stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(num_invalid, 0, sizeof(int32_t), stream));
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(status, 0, sizeof(int32_t), stream));
+  return detail::DispatchDtype<LaunchDispatchLocal>(
+      dtype, g, format, ue8m0, x, topk_idx, slot_scale,
+      static_cast<int32_t>(num_tokens), recv_x, scales, count, recv_src,
+      num_invalid, stream);
+}
+
+cudaError_t CombineLocal(const GroupView& g, ElementType dtype,
+                         const void* expert_out, const int32_t* topk_idx,
+                         const float* weights, int64_t num_tokens,
+                         int64_t num_experts, bool gather, void* out,
+                         int32_t* status, cudaStream_t stream) {
+  if (!ValidView(g, dtype) || g.num_ranks != 1 || num_tokens < 0 ||
+      num_tokens > g.max_tokens || num_experts != g.num_local) {
+    return cudaErrorInvalidValue;
+  }
+  JAX_EP_CUDA_RETURN_IF_ERROR(
+      cudaMemsetAsync(status, 0, sizeof(int32_t), stream));
+  return detail::DispatchDtype<LaunchCombineLocal>(
+      dtype, g, expert_out, topk_idx, weights, static_cast<int32_t>(num_tokens),
+      gather, out, stream);
 }
 
 cudaError_t PreloadKernels() {
