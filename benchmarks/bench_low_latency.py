@@ -48,11 +48,15 @@ import timers  # noqa: E402
 import jax_ep  # noqa: E402
 
 # Each op's kernels, by the names the profiler shows (low_latency.cu).
-# A send includes the network transport's put kernel where the group has one.
+# A send includes the network transport's put kernel where the group has one. At one rank the
+# fused ops run one kernel each, with no send / wait split (`*_local`, counted in the op's
+# total only).
 KERNELS = {"dispatch_send": ("DispatchSendKernel", "DispatchPutKernel"),
            "dispatch_wait": ("DispatchFlagsKernel", "DispatchPackKernel"),
+           "dispatch_local": ("DispatchLocalKernel",),
            "combine_send": ("CombineSendKernel", "CombinePutKernel"),
-           "combine_wait": ("CombineFlagsKernel", "CombineReduceKernel")}
+           "combine_wait": ("CombineFlagsKernel", "CombineReduceKernel"),
+           "combine_local": ("CombineLocalKernel",)}
 
 
 def main():
@@ -190,8 +194,10 @@ def main():
           per_kernel[name].append((sums[1][name] - sums[0][name]) / args.layers)
       times = {name: reports.gather_max(f"ll/{t}/{fmt}/{name}", statistics.median(v))
                for name, v in per_kernel.items()}
-      times["dispatch"] = times["dispatch_send"] + times["dispatch_wait"]
-      times["combine"] = times["combine_send"] + times["combine_wait"]
+      times["dispatch"] = (times["dispatch_send"] + times["dispatch_wait"]
+                           + times.pop("dispatch_local"))
+      times["combine"] = (times["combine_send"] + times["combine_wait"]
+                          + times.pop("combine_local"))
       for op, us in times.items():
         if not us > 0:
           continue

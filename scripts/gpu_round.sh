@@ -186,7 +186,7 @@ if has llncu; then
   step "ncu: the low-latency kernels at one rank, T=128, fp8 dispatch (scripts/profile_low_latency.py)"
   timeout 240 ncu --clock-control none --set detailed --profile-from-start off \
     -k regex:"Dispatch|Combine" -c 6 --print-details all \
-    python3 scripts/profile_low_latency.py --profiler-range > "$OUT/ncu_ll.txt" 2>&1
+    python3 scripts/profile_low_latency.py --profiler-range --runs 3 > "$OUT/ncu_ll.txt" 2>&1
   grep -E "Kernel[<(]|^ +Duration|DRAM Throughput|^ +Memory Throughput|Achieved Occupancy|Grid Size|Registers Per|Waves Per SM" \
     "$OUT/ncu_ll.txt" | cut -c1-150 | head -80
 fi
