@@ -12,6 +12,10 @@ fp8 dispatch), with `--profiler-range` bracketing only those in cudaProfilerStar
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +23,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep.testing import reports
+import reports  # noqa: E402 - benchmarks/reports.py
 
 
 def main():

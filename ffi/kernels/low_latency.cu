@@ -82,6 +82,8 @@ constexpr int kWaitBlocksPerSmBound = 4;
 constexpr int kPackVecs = 8;  // row vectors each lane of a packing warp holds
 constexpr int kCombineRows = 2;   // rows a combine send block moves at a time
 constexpr int kScaleBlock = 128;  // channels per fp8 scale
+constexpr int kLocalVecs = 2;     // row vectors per thread, one-rank dispatch
+constexpr int kCombineSlots = 8;  // slots' loads in flight, one-rank combine
 
 using protocol::BufferSet;
 using protocol::CombineFlag;
@@ -232,28 +234,27 @@ __device__ __forceinline__ void StagePositions(const int32_t* __restrict__ topk,
   }
 }
 
-// Vectors j = v0 + u * kThreads + threadIdx.x (u < kSendVecs) of one token's
+// Vectors j = v0 + u * kThreads + threadIdx.x (u < kVecs) of one token's
 // row `src` (rv vectors): v[u] as loaded (zeros past the row) and, for fp8,
 // their e4m3 words q[u] with the scale of their 128-channel block. The Q = 128
 // / kElems vectors of one scale block are Q consecutive lanes of one warp
 // (v0 is a multiple of kThreads vectors), so a block's amax is a Q-lane
 // shuffle reduction; every lane of the warp must call it.
-template <typename T, RowFormat kFormat, int kThreads>
+template <typename T, RowFormat kFormat, int kThreads, int kVecs = kSendVecs>
 __device__ __forceinline__ void LoadRowVecs(
-    const uint4* __restrict__ src, int32_t v0, int32_t rv,
-    uint4 (&v)[kSendVecs], uint32_t (&q)[kSendVecs][Vec16<T>::kElems / 4],
-    float (&scale)[kSendVecs]) {
+    const uint4* __restrict__ src, int32_t v0, int32_t rv, uint4 (&v)[kVecs],
+    uint32_t (&q)[kVecs][Vec16<T>::kElems / 4], float (&scale)[kVecs]) {
   constexpr int kElems = Vec16<T>::kElems;
   constexpr int kQ = kScaleBlock / kElems;
   static_assert(32 % kQ == 0, "a scale block spans whole lanes of one warp");
 #pragma unroll
-  for (int u = 0; u < kSendVecs; ++u) {
+  for (int u = 0; u < kVecs; ++u) {
     const int32_t j = v0 + u * kThreads + threadIdx.x;
     v[u] = j < rv ? detail::LoadVec(src + j) : make_uint4(0, 0, 0, 0);
   }
   if constexpr (kFormat != RowFormat::kPlain) {
 #pragma unroll
-    for (int u = 0; u < kSendVecs; ++u) {
+    for (int u = 0; u < kVecs; ++u) {
       float f[kElems];
       Vec16<T>::Unpack(v[u], f);
       float amax = 0.0f;
@@ -766,8 +767,10 @@ __global__ void __launch_bounds__(kWaitThreads)
 // combine finds each slot's row in expert_out the same way.
 // ---------------------------------------------------------------------------
 
-// A block per token. count, recv_src and num_invalid were cleared (0, -1, 0)
-// before it; the atomics only count (no position depends on them).
+// A block per (token, kLocalVecs * kSendThreads vectors of its row): decode
+// sends few tokens, so the rows are spread over blocks, not the tokens alone.
+// count, recv_src and num_invalid were cleared (0, -1, 0) before; the
+// atomics only count (no position depends on them), in column block 0.
 template <typename T, RowFormat kFormat, bool kUe8m0>
 __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
     DispatchLocalKernel(const uint4* __restrict__ x,
@@ -787,8 +790,10 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
   const int64_t out_bytes =
       kFp8 ? hidden : static_cast<int64_t>(hidden) * sizeof(T);
   const int32_t num_scales = hidden / kScaleBlock;
+  const int32_t v0 = blockIdx.x * (kSendThreads * kLocalVecs);
+  const bool first_column = blockIdx.x == 0;
   int32_t invalid = 0;
-  for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+  for (int32_t t = blockIdx.y; t < num_tokens; t += gridDim.y) {
     __syncthreads();  // the previous token's readers of shared are done
     if (threadIdx.x < 32) {
       const int32_t bad =
@@ -798,65 +803,67 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
     __syncthreads();
     StagePositions<kSendThreads>(topk, t, num_topk, s_expert, s_pos);
     __syncthreads();
-    if (threadIdx.x < num_topk && s_expert[threadIdx.x] >= 0) {
+    if (first_column && threadIdx.x < num_topk && s_expert[threadIdx.x] >= 0) {
       const int32_t e = s_expert[threadIdx.x];
       recv_src[static_cast<int64_t>(e) * t_max + s_pos[threadIdx.x]] =
           t * num_topk + threadIdx.x;
       atomicAdd(count + e, 1);
     }
-    const uint4* src = x + static_cast<int64_t>(t) * rv;
-    for (int32_t v0 = 0; v0 < rv; v0 += kSendThreads * kSendVecs) {
-      uint4 v[kSendVecs];
-      uint32_t q[kSendVecs][kElems / 4];
-      float scale[kSendVecs];
-      LoadRowVecs<T, kFormat, kSendThreads>(src, v0, rv, v, q, scale);
-      for (int k = 0; k < num_topk; ++k) {
-        const int32_t e = s_expert[k];  // block-uniform
-        if (e < 0) continue;
-        const int64_t row = static_cast<int64_t>(e) * t_max + s_pos[k];
-        char* dst = recv_x + row * out_bytes;
-        float w = 1.0f;
-        if (!kFp8 && slot_scale != nullptr) w = slot_scale[t * num_topk + k];
+    uint4 v[kLocalVecs];
+    uint32_t q[kLocalVecs][kElems / 4];
+    float scale[kLocalVecs];
+    LoadRowVecs<T, kFormat, kSendThreads, kLocalVecs>(
+        x + static_cast<int64_t>(t) * rv, v0, rv, v, q, scale);
+    for (int k = 0; k < num_topk; ++k) {
+      const int32_t e = s_expert[k];  // block-uniform
+      if (e < 0) continue;
+      const int64_t row = static_cast<int64_t>(e) * t_max + s_pos[k];
+      char* dst = recv_x + row * out_bytes;
+      float w = 1.0f;
+      if (!kFp8 && slot_scale != nullptr) w = slot_scale[t * num_topk + k];
 #pragma unroll
-        for (int u = 0; u < kSendVecs; ++u) {
-          const int32_t j = v0 + u * kSendThreads + threadIdx.x;
-          if (j >= rv) continue;
-          if constexpr (kFp8) {
-            if constexpr (kElems == 8) {
-              reinterpret_cast<uint2*>(dst)[j] = make_uint2(q[u][0], q[u][1]);
-            } else {
-              reinterpret_cast<uint32_t*>(dst)[j] = q[u][0];
-            }
-            if (j % kQ == 0) {
-              const int64_t c = row * num_scales + j / kQ;
-              if constexpr (kUe8m0) {  // byte c of the row's packed int32s
-                static_cast<uint8_t*>(scales)[c] = static_cast<uint8_t>(
-                    (__float_as_uint(scale[u]) >> 23) & 0xffu);
-              } else {
-                static_cast<float*>(scales)[c] = scale[u];
-              }
-            }
+      for (int u = 0; u < kLocalVecs; ++u) {
+        const int32_t j = v0 + u * kSendThreads + threadIdx.x;
+        if (j >= rv) continue;
+        if constexpr (kFp8) {
+          if constexpr (kElems == 8) {
+            reinterpret_cast<uint2*>(dst)[j] = make_uint2(q[u][0], q[u][1]);
           } else {
-            uint4 out = v[u];
-            if (slot_scale != nullptr) {
-              float f[kElems];
-              Vec16<T>::Unpack(v[u], f);
-#pragma unroll
-              for (int i = 0; i < kElems; ++i) f[i] *= w;
-              out = Vec16<T>::Pack(f);
-            }
-            reinterpret_cast<uint4*>(dst)[j] = out;
+            reinterpret_cast<uint32_t*>(dst)[j] = q[u][0];
           }
+          if (j % kQ == 0) {
+            const int64_t c = row * num_scales + j / kQ;
+            if constexpr (kUe8m0) {  // byte c of the row's packed int32s
+              static_cast<uint8_t*>(scales)[c] = static_cast<uint8_t>(
+                  (__float_as_uint(scale[u]) >> 23) & 0xffu);
+            } else {
+              static_cast<float*>(scales)[c] = scale[u];
+            }
+          }
+        } else {
+          uint4 out = v[u];
+          if (slot_scale != nullptr) {
+            float f[kElems];
+            Vec16<T>::Unpack(v[u], f);
+#pragma unroll
+            for (int i = 0; i < kElems; ++i) f[i] *= w;
+            out = Vec16<T>::Pack(f);
+          }
+          reinterpret_cast<uint4*>(dst)[j] = out;
         }
       }
     }
   }
-  if (threadIdx.x == 0 && invalid != 0) atomicAdd(num_invalid, invalid);
+  if (first_column && threadIdx.x == 0 && invalid != 0) {
+    atomicAdd(num_invalid, invalid);
+  }
 }
 
-// A block per token: out[t] = sum over k ascending of w[t, k] * row(t, k) in
-// fp32 (or, with kGather, out[t, k] = row(t, k)), row(t, k) the expert_out row
-// of the token's first slot naming the same expert.
+// A block per (token, kWaitThreads vectors of its row), one vector per
+// thread with up to kCombineSlots slots' loads in flight: out[t] = sum over k
+// ascending of w[t, k] * row(t, k) in fp32 (or, with kGather, out[t, k] =
+// row(t, k)), row(t, k) the expert_out row of the token's first slot naming
+// the same expert.
 template <typename T, bool kGather>
 __global__ void __launch_bounds__(kWaitThreads)
     CombineLocalKernel(const uint4* __restrict__ expert_out,
@@ -867,66 +874,86 @@ __global__ void __launch_bounds__(kWaitThreads)
   constexpr int kElems = Vec16<T>::kElems;
   __shared__ int32_t s_expert[kMaxK];
   __shared__ int32_t s_pos[kMaxK];
-  __shared__ int32_t s_first[kMaxK];
+  __shared__ int64_t s_row[kMaxK];  // slot k's expert_out row, -1: none
   __shared__ float s_w[kMaxK];
   const int32_t rv = hidden / kElems;
-  for (int32_t t = blockIdx.x; t < num_tokens; t += gridDim.x) {
+  const int32_t j = blockIdx.x * kWaitThreads + threadIdx.x;
+  for (int32_t t = blockIdx.y; t < num_tokens; t += gridDim.y) {
     __syncthreads();
     if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
       StageExperts(topk, t, num_topk, num_experts, s_expert);
-      const int32_t e = lane < num_topk ? topk[t * num_topk + lane] : -1;
-      const bool valid = e >= 0 && e < num_experts;
-      const unsigned same = __match_any_sync(kFullMask, e);
-      if (lane < num_topk) {
-        s_first[lane] = valid ? __ffs(same) - 1 : -1;
-        s_w[lane] = (!kGather && valid) ? weights[t * num_topk + lane] : 0.0f;
-      }
     }
     __syncthreads();
     StagePositions<kWaitThreads>(topk, t, num_topk, s_expert, s_pos);
     __syncthreads();
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const int32_t e = lane < num_topk ? topk[t * num_topk + lane] : -1;
+      const bool valid = e >= 0 && e < num_experts;
+      const unsigned same = __match_any_sync(kFullMask, e);
+      if (lane < num_topk) {
+        const int first = __ffs(same) - 1;
+        s_row[lane] =
+            valid ? static_cast<int64_t>(e) * t_max + s_pos[first] : -1;
+        s_w[lane] = (!kGather && valid) ? weights[t * num_topk + lane] : 0.0f;
+      }
+    }
+    __syncthreads();
+    if (j >= rv) continue;
     if constexpr (kGather) {
-      for (int k = 0; k < num_topk; ++k) {
-        const int32_t first = s_first[k];
-        uint4* dst = out + (static_cast<int64_t>(t) * num_topk + k) * rv;
-        const uint4* src =
-            expert_out +
-            (first >= 0
-                 ? static_cast<int64_t>(s_expert[first]) * t_max + s_pos[first]
-                 : 0) *
-                rv;
-        for (int32_t j = threadIdx.x; j < rv; j += kWaitThreads) {
-          dst[j] =
-              first >= 0 ? detail::LoadVec(src + j) : make_uint4(0, 0, 0, 0);
+      for (int k0 = 0; k0 < num_topk; k0 += kCombineSlots) {
+        uint4 v[kCombineSlots];
+#pragma unroll
+        for (int u = 0; u < kCombineSlots; ++u) {
+          const int k = k0 + u;
+          const int64_t row = k < num_topk ? s_row[k] : -1;
+          v[u] = row >= 0 ? detail::LoadVec(expert_out + row * rv + j)
+                          : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < kCombineSlots; ++u) {
+          const int k = k0 + u;
+          if (k < num_topk) {
+            out[(static_cast<int64_t>(t) * num_topk + k) * rv + j] = v[u];
+          }
         }
       }
     } else {
-      for (int32_t j = threadIdx.x; j < rv; j += kWaitThreads) {
-        float acc[kElems];
+      float acc[kElems];
 #pragma unroll
-        for (int i = 0; i < kElems; ++i) acc[i] = 0.0f;
-        for (int k = 0; k < num_topk; ++k) {
-          const int32_t first = s_first[k];
-          if (first < 0) continue;
-          const uint4* src =
-              expert_out +
-              (static_cast<int64_t>(s_expert[first]) * t_max + s_pos[first]) *
-                  rv;
+      for (int i = 0; i < kElems; ++i) acc[i] = 0.0f;
+      for (int k0 = 0; k0 < num_topk; k0 += kCombineSlots) {
+        uint4 v[kCombineSlots];
+#pragma unroll
+        for (int u = 0; u < kCombineSlots; ++u) {
+          const int k = k0 + u;
+          const int64_t row = k < num_topk ? s_row[k] : -1;
+          if (row >= 0) v[u] = detail::LoadVec(expert_out + row * rv + j);
+        }
+#pragma unroll
+        for (int u = 0; u < kCombineSlots; ++u) {  // k ascending, as the waits
+          const int k = k0 + u;
+          if (k >= num_topk || s_row[k] < 0) continue;
           float f[kElems];
-          Vec16<T>::Unpack(detail::LoadVec(src + j), f);
+          Vec16<T>::Unpack(v[u], f);
           const float w = s_w[k];
 #pragma unroll
           for (int i = 0; i < kElems; ++i) acc[i] = fmaf(w, f[i], acc[i]);
         }
-        out[static_cast<int64_t>(t) * rv + j] = Vec16<T>::Pack(acc);
       }
+      out[static_cast<int64_t>(t) * rv + j] = Vec16<T>::Pack(acc);
     }
   }
 }
 
-unsigned TokenGrid(int64_t num_tokens) {
-  return static_cast<unsigned>(num_tokens > 0 ? num_tokens : 1);
+// (column blocks of a row, tokens): every token's row split over blocks of
+// `per_block` vectors (gridDim.y is at most 65535: the kernels loop over the
+// tokens past it).
+dim3 RowGrid(int64_t num_tokens, int32_t row_vecs, int32_t per_block) {
+  const int64_t tokens =
+      num_tokens < 1 ? 1 : (num_tokens > 65535 ? 65535 : num_tokens);
+  return dim3(static_cast<unsigned>((row_vecs + per_block - 1) / per_block),
+              static_cast<unsigned>(tokens));
 }
 
 template <typename T>
@@ -942,7 +969,8 @@ struct LaunchDispatchLocal {
     const int32_t hidden = static_cast<int32_t>(g.hidden);
     const uint4* xv = static_cast<const uint4*>(x);
     char* out = static_cast<char*>(recv_x);
-    const unsigned grid = TokenGrid(num_tokens);
+    const dim3 grid = RowGrid(num_tokens, hidden / Vec16<T>::kElems,
+                              kSendThreads * kLocalVecs);
 #define JAX_EP_DISPATCH_LOCAL(FORMAT, UE8M0, SCALE)                         \
   DispatchLocalKernel<T, FORMAT, UE8M0><<<grid, kSendThreads, 0, stream>>>( \
       xv, topk, SCALE, num_tokens, g.num_topk, num_experts, t_max, hidden,  \
@@ -977,7 +1005,8 @@ struct LaunchCombineLocal {
     const int32_t hidden = static_cast<int32_t>(g.hidden);
     const uint4* eo = static_cast<const uint4*>(expert_out);
     uint4* o = static_cast<uint4*>(out);
-    const unsigned grid = TokenGrid(num_tokens);
+    const dim3 grid =
+        RowGrid(num_tokens, hidden / Vec16<T>::kElems, kWaitThreads);
     if (gather) {
       CombineLocalKernel<T, true><<<grid, kWaitThreads, 0, stream>>>(
           eo, topk, weights, num_tokens, g.num_topk, g.num_local, t_max, hidden,
