@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ep
 import reports  # noqa: E402 - benchmarks/reports.py
@@ -42,10 +42,12 @@ def main():
   group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
                        dtype=jnp.bfloat16, backend="cuda", low_latency=True)
   rng = np.random.default_rng(0)
-  x = jnp.asarray(rng.standard_normal((1, t, h)), jnp.bfloat16)
-  idx = jnp.asarray(reports.uniform_topk(rng, t, e, k)[None])
-  w = jnp.asarray(rng.random((1, t, k)) / k, jnp.float32)
-  fixed = jnp.full((1, e, group.config.low_latency_slab, h), 0.01, jnp.bfloat16)
+  sharded = NamedSharding(mesh, P("ep"))
+  put = lambda a, dtype: jax.device_put(jnp.asarray(a, dtype), sharded)
+  x = put(rng.standard_normal((1, t, h)), jnp.bfloat16)
+  idx = put(reports.uniform_topk(rng, t, e, k)[None], jnp.int32)
+  w = put(rng.random((1, t, k)) / k, jnp.float32)
+  fixed = put(np.full((1, e, group.config.low_latency_slab, h), 0.01), jnp.bfloat16)
 
   def body(x, idx, w, fixed):
     recv, handle = jax_ep.low_latency_dispatch(group, x[0], idx[0], use_fp8=args.format == "fp8")
