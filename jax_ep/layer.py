@@ -9,6 +9,7 @@ models that are already inside a `shard_map`.
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import NamedTuple
 
@@ -16,11 +17,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import ops
+from jax_ep import ops, slab_mlp
 from jax_ep.gmm import grouped_matmul
 from jax_ep.group import Group
 from jax_ep.routing import (Routing, expert_counts, load_balancing_loss, route,  # noqa: F401
                             route_logits, router_z_loss, update_router_bias)
+
+_logger = logging.getLogger("jax_ep")
+_SAID_SLABS: set[str] = set()
 
 
 class MoEParams(NamedTuple):
@@ -95,19 +99,20 @@ def expert_mlp(x, w_gate, w_up, w_down, group_sizes):
   return grouped_matmul(h, w_down, group_sizes, preferred_element_type=f32).astype(x.dtype)
 
 
-def expert_mlp_slabs(rows, w_gate, w_up, w_down, count):
-  """SwiGLU experts over the low-latency slabs: `[L, S, H] -> [L, S, H]`, expert `l` on slab `l`
-  (its first `count[l]` rows; the others are masked to zero before any arithmetic, since the
-  kernels leave them unspecified). NOTES: a batched matmul over whole slabs, so it computes the
-  padding rows too (`S = R * T_max` per expert); a grouped GEMM that stops at `count` is the
-  remedy (docs/performance.md, open questions)."""
-  f32 = jnp.float32
-  used = jnp.arange(rows.shape[1], dtype=jnp.int32)[None, :, None] < count[:, None, None]
-  x = jnp.where(used, rows, jnp.zeros((), rows.dtype))
-  gate = jnp.einsum("lsh,lhf->lsf", x, w_gate, preferred_element_type=f32)
-  up = jnp.einsum("lsh,lhf->lsf", x, w_up, preferred_element_type=f32)
-  h = (jax.nn.silu(gate) * up).astype(x.dtype)
-  return jnp.einsum("lsf,lfh->lsh", h, w_down, preferred_element_type=f32).astype(x.dtype)
+def expert_mlp_slabs(rows, w_gate, w_up, w_down, count, *, impl: str = "auto"):
+  """SwiGLU experts over the low-latency slabs: `[L, S, H] -> [L, S, H]`, expert `l` on the first
+  `count[l]` rows of slab `l` (fp32 accumulation, the hidden activation rounded to the rows'
+  dtype); rows past `count[l]` are unspecified, as the dispatch leaves them.
+
+  On GPUs the experts stop at each count (jax_ep/slab_mlp.py: Pallas kernels that skip the row
+  tiles past it, so decode computes `T * K` rows rather than `L * S`); elsewhere, and for slabs
+  the kernels' tiles do not divide, a batched matmul over whole slabs with the padding masked.
+  `impl`: "auto", "pallas", "interpret" (the kernels in Pallas's interpreter) or "dense"."""
+  name = slab_mlp.resolve_impl(impl, rows.shape, w_gate.shape[2], rows.dtype)
+  if name not in _SAID_SLABS:
+    _SAID_SLABS.add(name)
+    _logger.info("jax_ep.expert_mlp_slabs %s: %s", list(rows.shape), name)
+  return slab_mlp.slab_mlp(rows, w_gate, w_up, w_down, count, impl=name)
 
 
 def shared_mlp(x, w_gate, w_up, w_down):

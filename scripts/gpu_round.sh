@@ -32,6 +32,7 @@
 #                                     # 2 x 4 and 4 x 2), command buffers, a skipped call,
 #                                     # memcheck (NET_HOSTS, NET_BENCH=1 adds the benchmark)
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
+#   bash scripts/gpu_round.sh slab     # the experts on the low-latency slabs: tests, benchmark
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -53,7 +54,7 @@ drop_noise() { grep -v -E "$noise"; }
 # the history, and are extended here by hand from $OUT.
 rm -f benchmarks/results/gpu_round_local.jsonl benchmarks/results/gpu_round_intranode.jsonl \
   benchmarks/results/gpu_round_layers.jsonl benchmarks/results/gpu_round_layer.jsonl \
-  benchmarks/results/gpu_round_low_latency.jsonl
+  benchmarks/results/gpu_round_low_latency.jsonl benchmarks/results/gpu_round_slab_mlp.jsonl
 step device; nvidia-smi -L
 python3 -c "import jax, jax_ep._ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available())"
 
@@ -180,6 +181,15 @@ if has lowlatency || has llbench; then
       ${LL_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ll_$n.log" | grep -E "^\[0\] " | tail -40
   done
   cp benchmarks/results/gpu_round_low_latency.jsonl "$OUT/" 2>/dev/null
+fi
+
+if has slab; then
+  step "experts on the low-latency slabs: kernels that stop at each count, against the dense batched matmul"
+  timeout 240 python3 -m pytest tests/test_slab_mlp.py -q -rf -p no:cacheprovider 2>&1 \
+    | tee "$OUT/pytest_slab.log" | tail -5
+  timeout 300 python3 benchmarks/bench_slab_mlp.py --out gpu_round_slab_mlp.jsonl 2>&1 \
+    | tee "$OUT/bench_slab.log" | tail -14
+  cp benchmarks/results/gpu_round_slab_mlp.jsonl "$OUT/" 2>/dev/null
 fi
 
 if has llncu; then
