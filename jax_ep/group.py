@@ -195,7 +195,7 @@ class MemoryEstimate:
 def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int,
                  max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
                  backend: str = "reference", use_fp8: bool = False,
-                 low_latency: bool = False) -> MemoryEstimate:
+                 low_latency: bool = False, network: bool = False) -> MemoryEstimate:
   """How much memory one rank needs for this configuration, before anything is allocated.
 
   Args:
@@ -204,6 +204,8 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
       (default: `default_capacity`). backend: 'reference' or 'cuda'. use_fp8: size the
       low-latency output for fp8 instead of the activation dtype. low_latency: a cuda group
       created with `low_latency=True` (its communication buffers include the low-latency ones).
+    network: a low-latency group whose ranks span several hosts (real or `virtual_hosts`):
+      its buffer, in NVSHMEM's symmetric heap, also holds the outbox the network puts from.
   """
   dtype = _check_dtype(dtype)
   num_local = num_experts // num_ranks
@@ -222,7 +224,7 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   comm_buffers = ll_buffers = 0
   if backend == "cuda":
     workspace = cuda_ops.layout_workspace_bytes(config) if num_ranks == 1 else 0
-    comm_buffers = intranode.buffer_bytes(config, low_latency)
+    comm_buffers = intranode.buffer_bytes(config, low_latency, network)
     if low_latency:
       ll_buffers = comm_buffers - intranode.buffer_bytes(config, False)
       if num_ranks == 1:  # the one-rank group's buffer exists for the low-latency pair alone
@@ -469,7 +471,8 @@ class Group:
     return memory_bytes(num_ranks=c.num_ranks, num_experts=c.num_experts, num_topk=c.num_topk,
                         hidden=c.hidden, max_tokens_per_rank=c.max_tokens_per_rank,
                         dtype=c.dtype, capacity=c.capacity, backend=self.backend_name,
-                        use_fp8=use_fp8, low_latency=self.low_latency)
+                        use_fp8=use_fp8, low_latency=self.low_latency,
+                        network=bool(getattr(self._transport, "network_buffer", 0)))
 
   def constrain(self, value, spec):
     """Lays `value` out as `spec` over the group's mesh, inside or outside `jit`.

@@ -70,3 +70,17 @@ def test_group_virtual_hosts_arguments_are_checked():
   group = jax_ep.Group(mesh, "ep", virtual_hosts=1, low_latency=True, **kw)
   assert group.topology is None and group.network_ranks == ()
   group.close()
+
+
+def test_memory_estimate_of_a_network_group_includes_the_outbox():
+  import jax_ep
+  if jax_ep._ffi.extension() is None:
+    pytest.skip("sizes come from the extension's buffer layout")
+  kw = dict(num_ranks=8, num_experts=64, num_topk=4, hidden=256, max_tokens_per_rank=16,
+            backend="cuda", low_latency=True)
+  one_host = jax_ep.memory_bytes(**kw)
+  network = jax_ep.memory_bytes(**kw, network=True)
+  # Two outboxes of L * R * T_max rows (one per op) and their codes and counts.
+  rows = 8 * 8 * 16
+  assert network.comm_buffer_bytes - one_host.comm_buffer_bytes >= 2 * rows * 256 * 2 + rows * 4
+  assert network.low_latency_buffer_bytes > one_host.low_latency_buffer_bytes
