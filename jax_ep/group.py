@@ -380,8 +380,9 @@ class Group:
     self.topology = None
     if network:
       if self.backend_name != "cuda":
-        raise ValueError(f"jax_ep.Group: virtual_hosts needs the cuda backend, which cannot run "
-                         f"this group here: {self.backend_reason}")
+        raise ValueError(f"jax_ep.Group: the network transport (virtual_hosts, or several "
+                         f"hosts) needs the cuda backend, which cannot run this group here: "
+                         f"{self.backend_reason}")
       host_of_process = dict(zip(members, hosts or [socket.gethostname()] * len(members)))
       self.topology = topology_lib.discover(
           [host_of_process[d.process_index] for d in mesh.devices.flat],
@@ -446,8 +447,8 @@ class Group:
 
   @property
   def network_ranks(self) -> tuple[int, ...]:
-    """The ranks this process reaches through the network transport (NVSHMEM puts): the ranks
-    on other hosts of a group created with `virtual_hosts`; empty elsewhere."""
+    """The ranks this process reaches through the network transport (NVSHMEM puts): those on
+    other hosts (real ones, or `virtual_hosts`); empty for a group on one host."""
     return tuple(getattr(self._transport, "network_ranks", ()))
 
   @property

@@ -221,7 +221,7 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
       if r == rank:
         table.append(buffer)
       elif topology.host_of(r) == host:
-        table.append(int(module.peer_address(buffer, r)))  # 0: NVSHMEM maps it not; puts then
+        table.append(int(module.peer_address(buffer, r)))  # 0 where NVSHMEM cannot map it: puts
       else:
         table.append(0)
     ext.intranode_group_connect_table(gid, table, int(module.low_latency_send_address()))

@@ -64,7 +64,7 @@ def test_group_virtual_hosts_arguments_are_checked():
   with pytest.raises(ValueError, match="needs low_latency=True"):
     jax_ep.Group(mesh, "ep", virtual_hosts=2, **kw)
   if all(d.platform == "cpu" for d in mesh.devices.flat):
-    with pytest.raises(ValueError, match="needs the cuda backend, which cannot run this group"):
+    with pytest.raises(ValueError, match="needs the cuda backend, which cannot run this group here"):
       jax_ep.Group(mesh, "ep", virtual_hosts=2, low_latency=True, **kw)
   # One virtual host is the real one: an ordinary group.
   group = jax_ep.Group(mesh, "ep", virtual_hosts=1, low_latency=True, **kw)
