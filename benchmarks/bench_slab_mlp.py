@@ -29,6 +29,10 @@ import numpy as np  # noqa: E402
 import reports  # noqa: E402
 import timers  # noqa: E402
 import jax_ep  # noqa: E402
+from jax_ep import slab_mlp  # noqa: E402
+
+DEFAULT_TILES = (slab_mlp.BLOCK_M, slab_mlp.BLOCK_N, slab_mlp.BLOCK_K, slab_mlp.NUM_WARPS,
+                 slab_mlp.NUM_STAGES)
 
 # name: (experts, hidden, ffn, top-k)
 SHAPES = {
@@ -55,6 +59,10 @@ def main():
                       help="divide experts, hidden and ffn by this (hidden and ffn kept "
                            "multiples of 128): small runs, e.g. on the CPU with --impls "
                            "interpret dense")
+  parser.add_argument("--tiles", nargs="+", default=None,
+                      help="tile settings of the kernels to compare, each BM,BN,BK,WARPS,STAGES "
+                           "(default: the module's); each is checked against the dense "
+                           "formulation on the bench's slabs before it is timed")
   parser.add_argument("--out", default="slab_mlp.jsonl")
   args = parser.parse_args()
   records = []
@@ -72,14 +80,37 @@ def main():
       w_up = jnp.full((num_local, h, f), 0.01, jnp.bfloat16)
       w_down = jnp.full((num_local, f, h), 0.01, jnp.bfloat16)
       routed = int(count.sum())
-      for impl in args.impls:
+      inputs = (rows, w_gate, w_up, w_down, count)
+      runs = [(impl, None) for impl in args.impls if impl not in ("pallas", "interpret")
+              or not args.tiles]
+      runs += [(impl, t) for impl in args.impls if impl in ("pallas", "interpret")
+               for t in (args.tiles or [])]
+      want = None
+      for impl, tiles in runs:
+        settings = "default"
+        if tiles is not None:
+          bm, bn, bk, warps, stages = (int(v) for v in tiles.split(","))
+          slab_mlp.BLOCK_M, slab_mlp.BLOCK_N, slab_mlp.BLOCK_K = bm, bn, bk
+          slab_mlp.NUM_WARPS, slab_mlp.NUM_STAGES = warps, stages
+          settings = {"tiles": tiles}
         fn = jax.jit(lambda *a, impl=impl: jax_ep.expert_mlp_slabs(*a, impl=impl))
-        inputs = (rows, w_gate, w_up, w_down, count)
         try:
+          if tiles is not None:  # a tile setting is timed only once it computes the right rows
+            if want is None:
+              want = np.asarray(slab_mlp.dense_mlp(*inputs), np.float32)
+            got = np.asarray(fn(*inputs), np.float32)
+            used = np.arange(slab)[None, :, None] < np.asarray(count)[:, None, None]
+            err = float(np.abs(np.where(used, got - want, 0.0)).max())
+            if not err <= 0.02 * float(np.abs(want).max()) + 1e-6:
+              print(f"{shape} R={r} {impl} tiles {tiles}: wrong rows (max error {err})")
+              continue
           seconds, method = timers.time_batches(fn, inputs, repeats=args.repeats)
         except Exception as err:  # noqa: BLE001 - a path that fails is reported, not fatal
-          print(f"{shape} R={r} {impl}: failed: {type(err).__name__}: {err}"[:400])
+          print(f"{shape} R={r} {impl} {tiles or ''}: failed: {type(err).__name__}: {err}"[:400])
           continue
+        finally:
+          slab_mlp.BLOCK_M, slab_mlp.BLOCK_N, slab_mlp.BLOCK_K = DEFAULT_TILES[:3]
+          slab_mlp.NUM_WARPS, slab_mlp.NUM_STAGES = DEFAULT_TILES[3:]
         us = seconds * 1e6
         weights = 3 * num_local * h * f * 2
         records.append(reports.record(
@@ -88,13 +119,13 @@ def main():
             experts_per_rank=num_local, slab=slab, rows=routed, slab_rows=num_local * slab,
             dtype="bfloat16", timing=method, median_us=round(us, 1),
             tflops=round(6 * routed * h * f / (us * 1e-6) / 1e12, 2),
-            weight_gbps=round(weights / (us * 1e-6) / 1e9, 1), settings="default"))
-        print(f"{shape} R={r} {impl}: {us:.1f} us ({routed} rows of {num_local * slab})",
-              flush=True)
+            weight_gbps=round(weights / (us * 1e-6) / 1e9, 1), settings=settings))
+        print(f"{shape} R={r} {impl} {tiles or ''}: {us:.1f} us ({routed} rows of "
+              f"{num_local * slab})", flush=True)
       del rows, w_gate, w_up, w_down
   path = reports.write_jsonl(records, args.out)
-  reports.print_table(records, ["shape", "ranks", "impl", "rows", "slab_rows", "median_us",
-                                "tflops", "weight_gbps"])
+  reports.print_table(records, ["shape", "ranks", "impl", "settings", "rows", "slab_rows",
+                                "median_us", "tflops", "weight_gbps"])
   print(f"wrote {path}")
 
 
