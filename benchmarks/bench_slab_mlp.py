@@ -31,9 +31,6 @@ import timers  # noqa: E402
 import jax_ep  # noqa: E402
 from jax_ep import slab_mlp  # noqa: E402
 
-DEFAULT_TILES = (slab_mlp.BLOCK_M, slab_mlp.BLOCK_N, slab_mlp.BLOCK_K, slab_mlp.NUM_WARPS,
-                 slab_mlp.NUM_STAGES)
-
 # name: (experts, hidden, ffn, top-k)
 SHAPES = {
     "deepseek_v3": (256, 7168, 2048, 8),
@@ -61,7 +58,7 @@ def main():
                            "interpret dense")
   parser.add_argument("--tiles", nargs="+", default=None,
                       help="tile settings of the kernels to compare, each BM,BN,BK,WARPS,STAGES "
-                           "(default: the module's); each is checked against the dense "
+                           "(default: the module's rule); each is checked against the dense "
                            "formulation on the bench's slabs before it is timed")
   parser.add_argument("--out", default="slab_mlp.jsonl")
   args = parser.parse_args()
@@ -75,10 +72,14 @@ def main():
       num_local, slab = e // r, r * args.tokens
       rng = np.random.default_rng(0)
       count = jnp.asarray(slab_counts(rng, r, args.tokens, e, k))
-      rows = jnp.full((num_local, slab, h), 0.5, jnp.bfloat16)
-      w_gate = jnp.full((num_local, h, f), 0.01, jnp.bfloat16)
-      w_up = jnp.full((num_local, h, f), 0.01, jnp.bfloat16)
-      w_down = jnp.full((num_local, f, h), 0.01, jnp.bfloat16)
+      # Random values (drawn on the device), so that the check of a tile setting against the
+      # dense formulation would see rows or experts mixed up.
+      keys = jax.random.split(jax.random.key(0), 4)
+      normal = lambda key, shape, s: (s * jax.random.normal(key, shape)).astype(jnp.bfloat16)
+      rows = normal(keys[0], (num_local, slab, h), 1.0)
+      w_gate = normal(keys[1], (num_local, h, f), 0.02)
+      w_up = normal(keys[2], (num_local, h, f), 0.02)
+      w_down = normal(keys[3], (num_local, f, h), 0.02)
       routed = int(count.sum())
       inputs = (rows, w_gate, w_up, w_down, count)
       runs = [(impl, None) for impl in args.impls if impl not in ("pallas", "interpret")
@@ -89,9 +90,7 @@ def main():
       for impl, tiles in runs:
         settings = "default"
         if tiles is not None:
-          bm, bn, bk, warps, stages = (int(v) for v in tiles.split(","))
-          slab_mlp.BLOCK_M, slab_mlp.BLOCK_N, slab_mlp.BLOCK_K = bm, bn, bk
-          slab_mlp.NUM_WARPS, slab_mlp.NUM_STAGES = warps, stages
+          slab_mlp.TILES_OVERRIDE = slab_mlp.Tiles(*(int(v) for v in tiles.split(",")))
           settings = {"tiles": tiles}
         fn = jax.jit(lambda *a, impl=impl: jax_ep.expert_mlp_slabs(*a, impl=impl))
         try:
@@ -109,8 +108,7 @@ def main():
           print(f"{shape} R={r} {impl} {tiles or ''}: failed: {type(err).__name__}: {err}"[:400])
           continue
         finally:
-          slab_mlp.BLOCK_M, slab_mlp.BLOCK_N, slab_mlp.BLOCK_K = DEFAULT_TILES[:3]
-          slab_mlp.NUM_WARPS, slab_mlp.NUM_STAGES = DEFAULT_TILES[3:]
+          slab_mlp.TILES_OVERRIDE = None
         us = seconds * 1e6
         weights = 3 * num_local * h * f * 2
         records.append(reports.record(

@@ -6,7 +6,7 @@ computes every padding row too: `L * S` rows where decode routes `T * K` (32× t
 T=128, top-8 of 256 experts, on one rank or eight). These kernels compute only the row tiles
 that hold rows: `gate_up` (both projections and `silu(gate) * up` in one pass over `x`) and
 `down`, each a Pallas kernel over (expert, row tile, column tile) whose tiles past `count[l]`
-do nothing. Rows past `count[l]` inside a computed tile come out zero; tiles past it are left
+do nothing; the tiles follow the slab size (`TILE_RULE`). Rows past `count[l]` inside a computed tile come out zero; tiles past it are left
 unwritten (the combine reads rows below `count` only).
 
 Gradients are those of the dense formulation (`dense_mlp`, masked rows), through a
@@ -18,6 +18,7 @@ CPU) or "dense".
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,10 +27,52 @@ import numpy as np
 from jax import lax
 
 _KERNEL_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
-# Tiles: decode puts a few rows per expert (T * K / E on average), so the row tile is small and
-# the weights, read once per row tile, set the time.
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 128, 64
-NUM_WARPS, NUM_STAGES = 4, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+  """The kernels' tiles: rows, columns and reduced dimension of one step, and Triton's warps
+  and pipeline stages."""
+  block_m: int
+  block_n: int
+  block_k: int
+  num_warps: int
+  num_stages: int
+
+
+# Decode reads every expert's weights once per call (the bound), and a column tile's weights
+# once per row tile: the row tile follows the rows an expert gets, about S * K / E of a slab of
+# S rows. Measured on an H200 (benchmarks/bench_slab_mlp.py --tiles, docs/performance.md): at
+# S = 128 the 16-row tile is fastest, at S = 1024 the 64 x 256 one (1.7x the 16-row tile's).
+# The first of these that divides the shape is taken, by slab size.
+TILE_RULE = (
+    (256, Tiles(16, 128, 64, 4, 3)),
+    (512, Tiles(32, 128, 64, 4, 3)),
+    (None, Tiles(64, 256, 64, 8, 3)),
+)
+# Set by benchmarks to time other tiles (None: the rule).
+TILES_OVERRIDE: Tiles | None = None
+
+
+def _divides(tiles: Tiles, slab: int, hidden: int, ffn: int) -> str | None:
+  for name, size, block in (("rows per slab", slab, tiles.block_m),
+                            ("hidden", hidden, tiles.block_k), ("hidden", hidden, tiles.block_n),
+                            ("ffn", ffn, tiles.block_k), ("ffn", ffn, tiles.block_n)):
+    if size % block:
+      return f"{name} = {size} is not a multiple of {block}"
+  return None
+
+
+def tiles_for(slab: int, hidden: int, ffn: int) -> Tiles | None:
+  """The tiles the kernels take for slabs of `slab` rows (TILE_RULE), or None when none of
+  them divides the shape."""
+  if TILES_OVERRIDE is not None:
+    return TILES_OVERRIDE if _divides(TILES_OVERRIDE, slab, hidden, ffn) is None else None
+  start = next(i for i, (most, _) in enumerate(TILE_RULE) if most is None or slab <= most)
+  for _, tiles in reversed(TILE_RULE[:start + 1]):
+    if _divides(tiles, slab, hidden, ffn) is None:
+      return tiles
+  return None
 
 
 def dense_mlp(rows, w_gate, w_up, w_down, count):
@@ -49,15 +92,13 @@ def kernel_fits(rows_shape, ffn: int, dtype) -> str | None:
   _, s, h = rows_shape
   if np.dtype(dtype) not in _KERNEL_DTYPES:
     return f"dtype {np.dtype(dtype).name} (the kernels take bfloat16 and float16)"
-  for name, size, block in (("rows per slab", s, BLOCK_M), ("hidden", h, BLOCK_K),
-                            ("hidden", h, BLOCK_N), ("ffn", ffn, BLOCK_K),
-                            ("ffn", ffn, BLOCK_N)):
-    if size % block:
-      return f"{name} = {size} is not a multiple of {block}"
+  if tiles_for(s, h, ffn) is None:
+    smallest = TILES_OVERRIDE or TILE_RULE[0][1]
+    return _divides(smallest, s, h, ffn)
   return None
 
 
-def _projection_kernel(x_ref, *refs, gated: bool, num_k: int):
+def _projection_kernel(x_ref, *refs, gated: bool, num_k: int, block_k: int):
   """One (expert, row tile, column tile): `silu(x @ w_gate) * (x @ w_up)` (gated) or
   `x @ w`, fp32 accumulation, over the rows below count; nothing for a tile past them."""
   from jax.experimental.pallas import triton as plgpu
@@ -76,7 +117,7 @@ def _projection_kernel(x_ref, *refs, gated: bool, num_k: int):
     row_mask = (first + jnp.arange(block_m, dtype=jnp.int32) < n)[:, None]
 
     def body(k, accs):
-      cols = pl.ds(k * BLOCK_K, BLOCK_K)
+      cols = pl.ds(k * block_k, block_k)
       x = plgpu.load(x_ref.at[:, cols], mask=row_mask, other=0.0)
       out = [accs[0] + plgpu.dot(x, plgpu.load(wg_ref.at[cols, :]))]
       if gated:
@@ -88,42 +129,45 @@ def _projection_kernel(x_ref, *refs, gated: bool, num_k: int):
     plgpu.store(out_ref, value.astype(out_ref.dtype))
 
 
-def _projection(x, weights, count, *, interpret: bool):
+def _projection(x, weights, count, tiles: Tiles, *, interpret: bool):
   """`[L, S, K] x [L, K, N] -> [L, S, N]` over the rows below count (gated with two weights)."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
   num_local, slab, k = x.shape
   n = weights[0].shape[2]
-  grid = (num_local, slab // BLOCK_M, n // BLOCK_N)
-  kernel = functools.partial(_projection_kernel, gated=len(weights) == 2, num_k=k // BLOCK_K)
-  in_specs = [pl.BlockSpec((None, BLOCK_M, k), lambda l, i, j: (l, i, 0))]
-  in_specs += [pl.BlockSpec((None, k, BLOCK_N), lambda l, i, j: (l, 0, j)) for _ in weights]
+  bm, bn = tiles.block_m, tiles.block_n
+  grid = (num_local, slab // bm, n // bn)
+  kernel = functools.partial(_projection_kernel, gated=len(weights) == 2,
+                             num_k=k // tiles.block_k, block_k=tiles.block_k)
+  in_specs = [pl.BlockSpec((None, bm, k), lambda l, i, j: (l, i, 0))]
+  in_specs += [pl.BlockSpec((None, k, bn), lambda l, i, j: (l, 0, j)) for _ in weights]
   in_specs.append(pl.BlockSpec((1,), lambda l, i, j: (l,)))
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs,
-      out_specs=pl.BlockSpec((None, BLOCK_M, BLOCK_N), lambda l, i, j: (l, i, j)),
+      out_specs=pl.BlockSpec((None, bm, bn), lambda l, i, j: (l, i, j)),
       out_shape=jax.ShapeDtypeStruct((num_local, slab, n), x.dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+      compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps,
+                                           num_stages=tiles.num_stages),
       interpret=interpret, name="jax_ep_slab_gate_up" if len(weights) == 2 else "jax_ep_slab_down",
   )(x, *weights, count.astype(jnp.int32))
 
 
-def _kernel_mlp(rows, w_gate, w_up, w_down, count, interpret):
-  h = _projection(rows, (w_gate, w_up), count, interpret=interpret)
-  return _projection(h, (w_down,), count, interpret=interpret)
+def _kernel_mlp(rows, w_gate, w_up, w_down, count, tiles, interpret):
+  h = _projection(rows, (w_gate, w_up), count, tiles, interpret=interpret)
+  return _projection(h, (w_down,), count, tiles, interpret=interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _mlp(rows, w_gate, w_up, w_down, count, interpret):
-  return _kernel_mlp(rows, w_gate, w_up, w_down, count, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _mlp(rows, w_gate, w_up, w_down, count, tiles, interpret):
+  return _kernel_mlp(rows, w_gate, w_up, w_down, count, tiles, interpret)
 
 
-def _mlp_fwd(rows, w_gate, w_up, w_down, count, interpret):
-  out = _kernel_mlp(rows, w_gate, w_up, w_down, count, interpret)
+def _mlp_fwd(rows, w_gate, w_up, w_down, count, tiles, interpret):
+  out = _kernel_mlp(rows, w_gate, w_up, w_down, count, tiles, interpret)
   return out, (rows, w_gate, w_up, w_down, count)
 
 
-def _mlp_bwd(interpret, residuals, d_out):
+def _mlp_bwd(tiles, interpret, residuals, d_out):
   rows, w_gate, w_up, w_down, count = residuals
   _, vjp = jax.vjp(lambda r, g, u, d: dense_mlp(r, g, u, d, count), rows, w_gate, w_up, w_down)
   # Rows past count are unspecified in the output: their cotangent contributes nothing.
@@ -157,4 +201,5 @@ def slab_mlp(rows, w_gate, w_up, w_down, count, impl: str = "auto"):
   name = resolve_impl(impl, rows.shape, w_gate.shape[2], rows.dtype)
   if name == "dense":
     return dense_mlp(rows, w_gate, w_up, w_down, count)
-  return _mlp(rows, w_gate, w_up, w_down, count.astype(jnp.int32), name == "interpret")
+  tiles = tiles_for(rows.shape[1], rows.shape[2], w_gate.shape[2])
+  return _mlp(rows, w_gate, w_up, w_down, count.astype(jnp.int32), tiles, name == "interpret")

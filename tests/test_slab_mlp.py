@@ -52,6 +52,29 @@ def test_kernels_match_the_dense_formulation(dtype):
   assert not np.any(np.asarray(out[0, 5:16], np.float32)), "rows past count in a tile"
 
 
+@pytest.mark.parametrize("tiles", [slab_mlp.Tiles(32, 128, 64, 4, 3),
+                                   slab_mlp.Tiles(64, 256, 64, 8, 3)])
+def test_every_tile_setting_of_the_rule_matches(tiles, monkeypatch):
+  """The larger tiles the rule takes for larger slabs, in the interpreter: a tile holds several
+  experts' worth of rows only up to its count, columns past one tile of 128."""
+  monkeypatch.setattr(slab_mlp, "TILES_OVERRIDE", tiles)
+  counts = [0, 1, 63, 64, 100, 128]
+  args = _slabs(np.random.default_rng(5), 6, 128, 256, 512, counts)
+  want = slab_mlp.dense_mlp(*args)
+  out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a, impl="interpret"))(*args)
+  scale = float(np.abs(np.asarray(want, np.float32)).max())
+  _check_rows(out, want, counts, rtol=2**-6, atol=1e-3 * scale)
+
+
+def test_the_tile_rule_follows_the_slab_size():
+  assert slab_mlp.tiles_for(128, 7168, 2048) == slab_mlp.Tiles(16, 128, 64, 4, 3)
+  assert slab_mlp.tiles_for(512, 7168, 2048) == slab_mlp.Tiles(32, 128, 64, 4, 3)
+  assert slab_mlp.tiles_for(1024, 7168, 2048) == slab_mlp.Tiles(64, 256, 64, 8, 3)
+  # A large slab whose columns the 256-wide tile does not divide takes the next rule's tiles.
+  assert slab_mlp.tiles_for(1024, 7168, 1408) == slab_mlp.Tiles(32, 128, 64, 4, 3)
+  assert slab_mlp.tiles_for(24, 7168, 2048) is None
+
+
 def test_gradients_are_the_dense_formulations():
   counts = [3, 16, 0]
   rows, wg, wu, wd, count = _slabs(np.random.default_rng(1), 3, 16, 128, 128, counts)
@@ -116,11 +139,12 @@ def test_compiled_kernels_on_the_gpu():
   if jax.default_backend() != "gpu":
     pytest.skip("needs a GPU")
   rng = np.random.default_rng(3)
-  counts = rng.integers(0, 40, size=8)
-  counts[0], counts[1] = 0, 128
-  args = _slabs(rng, 8, 128, 512, 256, counts)
-  assert slab_mlp.resolve_impl("auto", args[0].shape, 256, jnp.bfloat16) == "pallas"
-  want = slab_mlp.dense_mlp(*args)
-  out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a))(*args)
-  scale = float(np.abs(np.asarray(want, np.float32)).max())
-  _check_rows(out, want, counts, rtol=0.02, atol=0.02 * scale)
+  for slab in (128, 512, 1024):  # each of the tile rule's settings
+    counts = rng.integers(0, 3 * slab // 8, size=8)
+    counts[0], counts[1] = 0, slab
+    args = _slabs(rng, 8, slab, 512, 256, counts)
+    assert slab_mlp.resolve_impl("auto", args[0].shape, 256, jnp.bfloat16) == "pallas"
+    want = slab_mlp.dense_mlp(*args)
+    out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a))(*args)
+    scale = float(np.abs(np.asarray(want, np.float32)).max())
+    _check_rows(out, want, counts, rtol=0.02, atol=0.02 * scale)
