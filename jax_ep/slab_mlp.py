@@ -41,10 +41,9 @@ class Tiles:
 
 
 # Decode reads every expert's weights once per call (the bound), and a column tile's weights
-# once per row tile: the row tile follows the rows an expert gets, about S * K / E of a slab of
-# S rows. Measured on an H200 (benchmarks/bench_slab_mlp.py --tiles, docs/performance.md): at
-# S = 128 the 16-row tile is fastest, at S = 1024 the 64 x 256 one (1.7x the 16-row tile's).
-# The first of these that divides the shape is taken, by slab size.
+# once per row tile: so the row tile follows the rows an expert gets, about S * K / E of a slab
+# of S rows, while a small tile wastes no work on few rows. By slab size, the first of these
+# that divides the shape (the measurements behind them: docs/performance.md).
 TILE_RULE = (
     (256, Tiles(16, 128, 64, 4, 3)),
     (512, Tiles(32, 128, 64, 4, 3)),
