@@ -182,3 +182,24 @@ def test_ring_one_process_per_gpu():
   log = result.stdout + result.stderr
   assert result.returncode == 0, log
   assert log.count("ring ok") == 2, log
+
+
+def test_symmetric_heap_size_holds_the_groups_buffers():
+  """NVSHMEM sizes its heap once: room for the first group's buffer four times over, at least
+  2 GiB, in whole MiB."""
+  mib = 1 << 20
+  assert nvshmem.symmetric_heap_size(1) == 2 << 30
+  big = 3 << 30
+  size = nvshmem.symmetric_heap_size(big)
+  assert size >= 4 * big and size % mib == 0 and size - (4 * big + 64 * mib) < mib
+
+
+def test_the_high_throughput_ops_name_the_network_transport():
+  from jax_ep.backends import NetworkBackend
+  from jax_ep.config import EPConfig
+  backend = NetworkBackend(EPConfig("ep", 2, 4, 2, 128, 4, "bfloat16", 8), 1, False, 1)
+  for call in (lambda: backend.dispatch_tokens(None, None, None),
+               lambda: backend.dispatch(None, None), lambda: backend.combine(None, None),
+               lambda: backend.combine_vjp(None, None, None, None)):
+    with pytest.raises(NotImplementedError, match="only the low-latency ops"):
+      call()
