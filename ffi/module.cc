@@ -67,6 +67,7 @@ nb::dict Registrations() {
       EncapsulateFfiHandler(JaxEpLowLatencyCombineSend);
   dict["jax_ep_low_latency_combine_wait"] =
       EncapsulateFfiHandler(JaxEpLowLatencyCombineWait);
+  dict["jax_ep_rail_exchange"] = EncapsulateFfiHandler(JaxEpRailExchange);
   return dict;
 }
 
@@ -141,7 +142,7 @@ int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
                              int64_t itemsize, int64_t capacity, int num_sms,
                              double timeout_s, bool low_latency,
                              uint64_t network_buffer,
-                             int64_t network_buffer_bytes) {
+                             int64_t network_buffer_bytes, int num_hosts) {
   intranode_group::GroupConfig c;
   c.device = device_ordinal;
   c.rank = rank;
@@ -156,6 +157,7 @@ int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
   c.timeout_s = timeout_s;
   c.low_latency = low_latency;
   c.network = network_buffer != 0;
+  c.num_hosts = num_hosts;
   return intranode_group::Create(c, reinterpret_cast<void*>(network_buffer),
                                  network_buffer_bytes);
 }
@@ -271,9 +273,11 @@ NB_MODULE(_jax_ep_ffi, m) {
         nb::arg("num_ranks"), nb::arg("max_tokens_per_rank"), nb::arg("hidden"),
         nb::arg("num_topk"), nb::arg("itemsize"),
         nb::arg("low_latency_experts") = 0, nb::arg("network") = false,
+        nb::arg("num_hosts") = 0,
         "Bytes of one rank's intranode buffer (intranode::BufferLayout in "
         "ffi/kernels/ep_kernels.h; docs/intranode.md lists its regions); "
-        "`network`: with the network transport's outbox.");
+        "`network`: with the network transport's outbox; `num_hosts` >= 2: "
+        "with the rail exchange's regions.");
   m.def("intranode_dispatch_workspace_elems",
         &jax_ep::IntranodeDispatchWorkspaceElems, nb::arg("num_ranks"),
         nb::arg("max_tokens_per_rank"), nb::arg("num_topk"),
@@ -291,13 +295,13 @@ NB_MODULE(_jax_ep_ffi, m) {
         nb::arg("max_tokens_per_rank"), nb::arg("itemsize"),
         nb::arg("capacity"), nb::arg("num_sms"), nb::arg("timeout_s"),
         nb::arg("low_latency") = false, nb::arg("network_buffer") = 0,
-        nb::arg("network_buffer_bytes") = 0,
+        nb::arg("network_buffer_bytes") = 0, nb::arg("num_hosts") = 0,
         "Allocates this rank's peer buffer, device state and error mailbox on "
         "`device_ordinal`, loads every peer kernel there; returns a "
         "process-unique group id. A network group (ranks on other hosts) "
         "takes its buffer, `network_buffer` (a device address, e.g. in "
         "NVSHMEM's symmetric heap, of `network_buffer_bytes`), and never "
-        "frees it.");
+        "frees it; `num_hosts` >= 2 adds its rail exchange's regions.");
   m.def("intranode_group_connect_table", &jax_ep::intranode_group::ConnectTable,
         nb::arg("group_id"), nb::arg("table"), nb::arg("network_send"),
         "Connects a network group: table[r] is rank r's buffer as this "

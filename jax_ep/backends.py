@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _effects, _ffi, cuda_ops, reference
+from jax_ep import _effects, _ffi, cuda_ops, hierarchical, reference
 from jax_ep.config import EPConfig
 
 
@@ -227,29 +227,95 @@ class IntranodeBackend(_CudaLowLatency):
                                                      c.num_topk, c.num_experts))
 
 
-class NetworkBackend(IntranodeBackend):
-  """A cuda group whose ranks span several hosts (real, or virtual ones on one machine): the
-  low-latency pair runs its kernels, with the network transport (NVSHMEM puts) for the ranks on
-  other hosts; the high-throughput ops are not on the network transport."""
+@dataclasses.dataclass(frozen=True)
+class _RankTable:
+  """`table[axis_index(axis_name)]`: a per-rank constant looked up inside the per-shard
+  function (hashable, so that a backend holding it can be a custom_vjp's static argument)."""
+  axis_name: str
+  table: tuple
 
-  def _not_on_network(self, op):
-    raise NotImplementedError(
-        f"jax_ep.{op}: this group's ranks span several hosts, and only the low-latency ops "
-        f"(low_latency_dispatch / low_latency_combine) run on the network transport; create a "
-        f"group without virtual_hosts (one host), or use backend='reference' for the "
-        f"high-throughput ops across hosts")
+  def __call__(self):
+    return jnp.asarray(self.table, jnp.int32)[jax.lax.axis_index(self.axis_name)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _CudaRail:
+  """The rail exchange's kernels (`hierarchical.reference_rail`'s signature) on the network
+  group `group_id`; `pes()` is this rank's rail peer on each host."""
+  config: EPConfig
+  group_id: int
+  num_hosts: int
+  pes: _RankTable
+  raise_on_timeout: bool = False
+
+  def __call__(self, sources, index, counts):
+    received, recv_counts, status = cuda_ops.rail_exchange(
+        self.config, self.group_id, self.num_hosts, sources, index, counts, self.pes())
+    if self.raise_on_timeout:
+      _raise_on_failure(status, self.group_id)
+    return received, recv_counts
+
+
+@dataclasses.dataclass(frozen=True)
+class NetworkBackend(IntranodeBackend):
+  """A cuda group whose ranks span several hosts (real, or virtual ones on one machine).
+
+  The low-latency pair runs its kernels on the group itself, with the network transport
+  (NVSHMEM puts) for the ranks on other hosts. The high-throughput ops cross hosts once per
+  token and host (jax_ep/hierarchical.py): the rail exchange on this group, then the host's own
+  group (`host_group_id`, the peer transport; None on a host of one rank, which uses the local
+  kernels).
+
+  Attributes:
+    hosts: the ranks of each host (`Topology.hosts`); empty where the hosts hold different
+      numbers of ranks (no rail pairs them), where the high-throughput ops raise.
+  """
+  host_group_id: int | None = None
+  hosts: tuple = ()
+
+  def _hierarchy(self, op: str) -> hierarchical.Hierarchy:
+    if not self.hosts:
+      raise NotImplementedError(
+          f"jax_ep.{op}: this group's hosts hold different numbers of its ranks; the "
+          f"high-throughput ops across hosts pair each rank with the rank of the same local "
+          f"index on every other host, which needs hosts of equal size (the low-latency ops "
+          f"run on any hosts; backend='reference' runs every op)")
+    c = self.config
+    num_hosts = len(self.hosts)
+    host_cfg = hierarchical.host_config(c, num_hosts)
+    if self.host_group_id is None:
+      host_backend = CudaBackend(host_cfg, None, self.raise_on_timeout)
+    else:
+      host_backend = IntranodeBackend(host_cfg, self.host_group_id, self.raise_on_timeout)
+    host_of, pes = [0] * c.num_ranks, [()] * c.num_ranks
+    for h, ranks in enumerate(self.hosts):
+      for g, rank in enumerate(ranks):
+        host_of[rank] = h
+        pes[rank] = tuple(other[g] for other in self.hosts)
+    rail = _CudaRail(c, self.group_id, num_hosts, _RankTable(c.axis_name, tuple(pes)),
+                     self.raise_on_timeout)
+    return hierarchical.Hierarchy(c, self.hosts, host_backend, rail,
+                                  _RankTable(c.axis_name, tuple(host_of)))
 
   def dispatch_tokens(self, x, topk_idx, topk_weights):
-    self._not_on_network("dispatch")
+    return self._hierarchy("dispatch").dispatch_tokens(x, topk_idx, topk_weights)
 
   def dispatch(self, x, routing, slot_weights=None):
-    self._not_on_network("dispatch")
+    return self._hierarchy("dispatch").dispatch(x, routing, slot_weights)
 
   def combine(self, expert_out, routing, slot_weights=None):
-    self._not_on_network("combine")
+    return self._hierarchy("combine").combine(expert_out, routing, slot_weights)
 
   def combine_vjp(self, d_out, expert_out, routing, slot_weights):
-    self._not_on_network("combine")
+    return self._hierarchy("combine").combine_vjp(d_out, expert_out, routing, slot_weights)
+
+  def workspace_bytes(self) -> int:
+    if not self.hosts:
+      return 0
+    host_cfg = hierarchical.host_config(self.config, len(self.hosts))
+    if self.host_group_id is None:
+      return cuda_ops.layout_workspace_bytes(host_cfg)
+    return IntranodeBackend(host_cfg, self.host_group_id).workspace_bytes()
 
 
 BACKENDS = {"reference": ReferenceBackend, "cuda": CudaBackend}

@@ -216,6 +216,25 @@ def intranode_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out,
   return d_expert_out[:config.capacity], d_weights[:num_tokens], status
 
 
+def rail_exchange(config: EPConfig, group_id: int, num_hosts: int, sources, index, counts,
+                  pes):
+  """The rail exchange of a network group (ffi/kernels/rail_exchange.cu): block h of every
+  source (rows `index[h, j]`, `j < counts[h]`) to the rail peer on host h (`pes[h]`).
+
+  Returns `(received, recv_counts, status)`: per source `[Hn, T_max, ...]` (block h' from the
+  rail peer on host h', zero past its count), `[Hn]` those counts, and the status.
+  """
+  t_max, i32 = config.max_tokens_per_rank, jnp.int32
+  sources = tuple(_with_one_row(s, 0) for s in sources)
+  shapes = (jax.ShapeDtypeStruct((num_hosts,), i32), jax.ShapeDtypeStruct((), i32),
+            *(jax.ShapeDtypeStruct((num_hosts * t_max, *s.shape[1:]), s.dtype) for s in sources))
+  recv_counts, status, *outs = _intranode_call(
+      "jax_ep_rail_exchange", shapes, index.astype(i32), counts.astype(i32), pes.astype(i32),
+      *sources, group_id=np.int64(group_id))
+  received = tuple(o.reshape(num_hosts, t_max, *o.shape[1:]) for o in outs)
+  return received, recv_counts, status
+
+
 # ---------------------------------------------------------------------------------- low latency
 
 class LowLatencyRouting(NamedTuple):

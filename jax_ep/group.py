@@ -195,7 +195,8 @@ class MemoryEstimate:
 def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int,
                  max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
                  backend: str = "reference", use_fp8: bool = False,
-                 low_latency: bool = False, network: bool = False) -> MemoryEstimate:
+                 low_latency: bool = False, network: bool = False,
+                 num_hosts: int = 0) -> MemoryEstimate:
   """How much memory one rank needs for this configuration, before anything is allocated.
 
   Args:
@@ -204,8 +205,10 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
       (default: `default_capacity`). backend: 'reference' or 'cuda'. use_fp8: size the
       low-latency output for fp8 instead of the activation dtype. low_latency: a cuda group
       created with `low_latency=True` (its communication buffers include the low-latency ones).
-    network: a low-latency group whose ranks span several hosts (real or `virtual_hosts`):
-      its buffer, in NVSHMEM's symmetric heap, also holds the outbox the network puts from.
+    network: a cuda group whose ranks span `num_hosts` hosts (real or `virtual_hosts`): its
+      buffer, in NVSHMEM's symmetric heap, also holds the outbox the low-latency puts read and
+      the rail exchange's blocks, and each host's own group has a buffer for the
+      high-throughput ops' forwarding (jax_ep/hierarchical.py).
   """
   dtype = _check_dtype(dtype)
   num_local = num_experts // num_ranks
@@ -224,9 +227,10 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   comm_buffers = ll_buffers = 0
   if backend == "cuda":
     workspace = cuda_ops.layout_workspace_bytes(config) if num_ranks == 1 else 0
-    comm_buffers = intranode.buffer_bytes(config, low_latency, network)
+    comm_buffers = intranode.buffer_bytes(config, low_latency, network, num_hosts)
     if low_latency:
-      ll_buffers = comm_buffers - intranode.buffer_bytes(config, False)
+      ll_buffers = comm_buffers - intranode.buffer_bytes(
+          config, False, network and num_hosts >= 2, num_hosts)
       if num_ranks == 1:  # the one-rank group's buffer exists for the low-latency pair alone
         ll_buffers = comm_buffers
   else:
@@ -328,9 +332,6 @@ class Group:
       if virtual_hosts > 1 and backend == "reference":
         raise ValueError("jax_ep.Group: virtual_hosts emulates the cuda backend's network "
                          "transport; backend='reference' has no transports")
-      if virtual_hosts > 1 and not low_latency:
-        raise ValueError("jax_ep.Group: virtual_hosts needs low_latency=True (the low-latency "
-                         "ops are the ones on the network transport)")
     if num_experts % num_ranks:
       raise ValueError(f"jax_ep.Group: num_experts={num_experts} must be divisible by the size "
                        f"of mesh axis {axis_name!r} ({num_ranks} ranks)")
@@ -364,10 +365,10 @@ class Group:
       # them; every member asks the same question, so all decide alike.
       hosts = _distributed.gather_values(f"{key}/hosts", socket.gethostname(),
                                          process_ids=members, timeout_s=config_timeout_s)
-    # Several real hosts: backend='cuda' with the low-latency buffers takes the network
-    # transport (the low-latency ops; 'auto' keeps the reference there, which runs every op).
+    # Several real hosts: backend='cuda' takes the network transport ('auto' keeps the
+    # reference there: the network path has not run on real NICs here).
     several_hosts = hosts is not None and len(set(hosts)) > 1
-    network = (virtual_hosts or 1) > 1 or (several_hosts and backend == "cuda" and low_latency)
+    network = (virtual_hosts or 1) > 1 or (several_hosts and backend == "cuda")
     if network and several_hosts:
       from jax_ep import nvshmem
       try:
@@ -398,7 +399,8 @@ class Group:
       if self.topology is not None and self.topology.num_hosts > 1:
         self._transport = intranode.create_network(
             self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s,
-            topology=self.topology, exchange_timeout_s=config_timeout_s)
+            topology=self.topology, low_latency=self.low_latency,
+            exchange_timeout_s=config_timeout_s)
       else:
         self._transport = intranode.create(self.config, mesh, key, num_sms=num_sms,
                                            timeout_s=timeout_s, process_ids=subset,
@@ -406,8 +408,10 @@ class Group:
       _OPEN_TRANSPORTS[id(self._transport)] = self._transport
       ll_group = self._transport.primary_id if self.low_latency else None
       if getattr(self._transport, "network_buffer", 0):
-        self.backend = NetworkBackend(self.config, self._transport.primary_id,
-                                      bool(raise_on_timeout), ll_group)
+        self.backend = NetworkBackend(
+            self.config, self._transport.primary_id, bool(raise_on_timeout), ll_group,
+            host_group_id=self._transport.host_group_id,
+            hosts=self.topology.hosts if self._transport.equal_hosts else ())
       elif num_ranks > 1:
         self.backend = IntranodeBackend(self.config, self._transport.primary_id,
                                         bool(raise_on_timeout), ll_group)
@@ -461,11 +465,25 @@ class Group:
     side, so the result may differ from the fp32-partial sum by up to `2^-8 * sum_r |p_r|`
     per element, on top of the final rounding (docs/decisions.md). The same holds for the
     gradient of `dispatch` with respect to `x`, which is an unweighted combine.
+
+    Across hosts (`combine_partial_roundings` == 2) each host's sum of its ranks' partials is
+    rounded once more, to the activations' dtype, before it travels home: up to twice that
+    bound (`2^-7 * sum_r |p_r|` for bf16), and for f16 activations one f16 rounding.
     """
+    if self.combine_partial_roundings == 2:
+      return np.dtype(self.dtype)
     if (self.backend_name == "cuda" and self.num_ranks > 1
         and self.dtype == np.dtype(jnp.bfloat16)):
       return np.dtype(jnp.bfloat16)
     return np.dtype(np.float32)
+
+  @property
+  def combine_partial_roundings(self) -> int:
+    """How many times combine rounds a partial sum to `combine_partial_dtype` on its way home:
+    2 on a group over several hosts (per (token, rank), then per (token, host)), else 1."""
+    if self.topology is not None and self.topology.num_hosts > 1:
+      return 2
+    return 1
 
   def memory_bytes(self, use_fp8: bool = False) -> MemoryEstimate:
     c = self.config
@@ -473,7 +491,8 @@ class Group:
                         hidden=c.hidden, max_tokens_per_rank=c.max_tokens_per_rank,
                         dtype=c.dtype, capacity=c.capacity, backend=self.backend_name,
                         use_fp8=use_fp8, low_latency=self.low_latency,
-                        network=bool(getattr(self._transport, "network_buffer", 0)))
+                        network=bool(getattr(self._transport, "network_buffer", 0)),
+                        num_hosts=self.topology.num_hosts if self.topology else 0)
 
   def constrain(self, value, spec):
     """Lays `value` out as `spec` over the group's mesh, inside or outside `jit`.

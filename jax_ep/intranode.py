@@ -18,17 +18,28 @@ from jax_ep import _ffi
 from jax_ep import topology as topology_lib
 from jax_ep.config import EPConfig
 
-def buffer_bytes(config: EPConfig, low_latency: bool = False, network: bool = False) -> int:
+def buffer_bytes(config: EPConfig, low_latency: bool = False, network: bool = False,
+                 num_hosts: int = 0) -> int:
   """Bytes of one rank's library-owned communication buffer (0 without the extension; at one
   rank, only a group with the low-latency buffers has one). `network`: a group with ranks on
-  other hosts (its low-latency buffers gain the outbox the network transport puts from)."""
+  `num_hosts` hosts: its buffer (NVSHMEM's symmetric heap) gains the outbox the low-latency
+  puts read and the rail exchange's regions, and each host's own group for the
+  high-throughput ops has a buffer of its own (included)."""
   ext = _ffi.extension()
   if ext is None or (config.num_ranks == 1 and not low_latency):
     return 0
-  return int(ext.intranode_buffer_bytes(config.num_ranks, config.max_tokens_per_rank, config.hidden,
-                                   config.num_topk, np.dtype(config.dtype).itemsize,
-                                   config.num_experts if low_latency else 0,
-                                   bool(network and low_latency)))
+  itemsize = np.dtype(config.dtype).itemsize
+  hosts = num_hosts if network and num_hosts >= 2 else 0
+  total = int(ext.intranode_buffer_bytes(config.num_ranks, config.max_tokens_per_rank,
+                                         config.hidden, config.num_topk, itemsize,
+                                         config.num_experts if low_latency else 0,
+                                         bool(network), hosts))
+  if hosts:
+    from jax_ep import hierarchical
+    host_cfg = hierarchical.host_config(config, hosts)
+    if host_cfg.num_ranks > 1:
+      total += buffer_bytes(host_cfg)
+  return total
 
 
 @dataclasses.dataclass
@@ -45,6 +56,10 @@ class IntranodeTransport:
   network_buffer: int = 0
   topology: topology_lib.Topology | None = None
   network_ranks: tuple[int, ...] = ()
+  # This host's own group of a network transport (the high-throughput ops' forwarding; None
+  # on a host of one rank), and whether the hosts hold equally many ranks (which they need).
+  host_group_id: int | None = None
+  equal_hosts: bool = False
 
   @property
   def primary_id(self) -> int:
@@ -100,20 +115,22 @@ def _client():
 
 def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
            process_ids: list[int] | None = None, low_latency: bool = False,
-           exchange_timeout_s: float = 60.0) -> IntranodeTransport:
+           exchange_timeout_s: float = 60.0, devices=None) -> IntranodeTransport:
   """Allocates this process's buffers, exchanges handles with the peers and connects them.
 
   `process_ids`: the processes holding the mesh's devices when they are not all of the job's
   (the group's members, as `jax_ep.Group` found them); `close()` waits for those alone.
+  `devices`: the group's devices in rank order, when they are not the mesh's (one host's of a
+  network group).
   """
   ext = _ffi.extension()
   if ext is None:
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
-  if mesh.devices.ndim != 1:
+  if devices is None and mesh.devices.ndim != 1:
     raise NotImplementedError(
         f"jax_ep.Group(backend='cuda'): the intranode transport takes a 1-D mesh over the EP "
         f"axis; got mesh axes {dict(mesh.shape)} (use backend='reference' for several axes)")
-  devices = list(mesh.devices.flat)
+  devices = list(mesh.devices.flat) if devices is None else list(devices)
   me = jax.process_index()
   local = [(rank, d) for rank, d in enumerate(devices) if d.process_index == me]
   itemsize = np.dtype(config.dtype).itemsize
@@ -162,11 +179,12 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
 
 
 def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
-                   topology: topology_lib.Topology, exchange_timeout_s: float = 60.0,
-                   ) -> IntranodeTransport:
-  """A low-latency group whose ranks span several hosts (`topology`): the buffer in NVSHMEM's
-  symmetric heap, ranks on this rank's host reached by pointer (`nvshmem_ptr`), the others by
-  NVSHMEM puts (ffi/nvshmem/low_latency_puts.cu).
+                   topology: topology_lib.Topology, low_latency: bool = True,
+                   exchange_timeout_s: float = 60.0) -> IntranodeTransport:
+  """A group whose ranks span several hosts (`topology`): the buffer in NVSHMEM's symmetric
+  heap, ranks on this rank's host reached by pointer (`nvshmem_ptr`), the others by NVSHMEM
+  puts (ffi/nvshmem/); with hosts of equal size, also this host's own group (the peer
+  transport, `host_group_id`) for the high-throughput ops' forwarding (jax_ep/hierarchical.py).
 
   NVSHMEM's PEs are the job's processes: the group must hold every process, one device each,
   rank r on process r. On virtual hosts (one machine) NVSHMEM gets the settings of PEs that
@@ -191,7 +209,12 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
   module = nvshmem.load()
   rank = jax.process_index()
   device = devices[rank].local_hardware_id
-  nbytes = buffer_bytes(config, low_latency=True, network=True)
+  num_hosts = topology.num_hosts
+  sizes = set(topology.gpus_per_host)
+  itemsize = np.dtype(config.dtype).itemsize
+  nbytes = int(ext.intranode_buffer_bytes(
+      config.num_ranks, config.max_tokens_per_rank, config.hidden, config.num_topk, itemsize,
+      config.num_experts if low_latency else 0, True, num_hosts))
   if topology.virtual:
     nvshmem.apply_env(nvshmem.shared_gpu_env())
   nvshmem.apply_env({"NVSHMEM_SYMMETRIC_SIZE": str(nvshmem.symmetric_heap_size(nbytes))})
@@ -201,11 +224,12 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
     raise RuntimeError(f"jax_ep.Group: NVSHMEM has {member.num_pes} PEs, the group "
                        f"{config.num_ranks} ranks")
   buffer = int(module.symmetric_alloc(nbytes))  # collective, every process in group order
-  itemsize = np.dtype(config.dtype).itemsize
   gid = int(ext.intranode_group_create(
       device, rank, config.num_ranks, config.num_experts, config.num_topk, config.hidden,
-      config.max_tokens_per_rank, itemsize, config.capacity, num_sms, float(timeout_s), True,
-      network_buffer=buffer, network_buffer_bytes=nbytes))
+      config.max_tokens_per_rank, itemsize, config.capacity, num_sms, float(timeout_s),
+      bool(low_latency), network_buffer=buffer, network_buffer_bytes=nbytes,
+      num_hosts=num_hosts))
+  ids = [gid]
   try:
     # Every rank's header is written before any rank reads its peers' (ConnectTable).
     client = _client()
@@ -224,13 +248,26 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
         table.append(int(module.peer_address(buffer, r)))  # 0 where NVSHMEM cannot map it: puts
       else:
         table.append(0)
-    ext.intranode_group_connect_table(gid, table, int(module.low_latency_send_address()))
+    ext.intranode_group_connect_table(gid, table, int(module.send_address()))
     module.warm_put_kernels(device)
+    host_group_id = None
+    ranks = topology.hosts[host]
+    if len(sizes) == 1 and len(ranks) > 1:
+      # This host's own group: the high-throughput ops forward over it (peer transport).
+      from jax_ep import hierarchical
+      host_cfg = hierarchical.host_config(config, num_hosts)
+      sub = create(host_cfg, mesh, f"{key}/host{host}", num_sms=num_sms, timeout_s=timeout_s,
+                   process_ids=[devices[r].process_index for r in ranks],
+                   exchange_timeout_s=exchange_timeout_s, devices=[devices[r] for r in ranks])
+      host_group_id = sub.primary_id
+      ids.append(host_group_id)
   except BaseException:
-    ext.intranode_group_destroy(gid)
+    for i in ids:
+      ext.intranode_group_destroy(i)
     raise
-  return IntranodeTransport([gid], key, None, network_buffer=buffer, topology=topology,
-                            network_ranks=tuple(r for r, t in enumerate(table) if t == 0))
+  return IntranodeTransport(ids, key, None, network_buffer=buffer, topology=topology,
+                            network_ranks=tuple(r for r, t in enumerate(table) if t == 0),
+                            host_group_id=host_group_id, equal_hosts=len(sizes) == 1)
 
 
 def describe(transport: IntranodeTransport) -> str:

@@ -132,12 +132,13 @@ def partial_rounding_bound(group, expert_out, dispatched, topk_weights, *, weigh
 
   Each per-(token, rank) partial `p_r` is rounded once to `group.combine_partial_dtype`
   (relative error at most the unit roundoff `u`), so the sum moves by at most
-  `u * sum_r |p_r| <= u * sum_k |w_k * expert_out[row_k]|`. Zero for fp32 partials.
+  `u * sum_r |p_r| <= u * sum_k |w_k * expert_out[row_k]|`; a group over several hosts rounds
+  each host's sum once more (`group.combine_partial_roundings`). Zero for fp32 partials.
   """
   wire = group.combine_partial_dtype
   if wire == np.dtype(np.float32):
     return 0.0
-  unit = 2.0 ** -(jnp.finfo(wire).nmant + 1)
+  unit = 2.0 ** -(jnp.finfo(wire).nmant + 1) * getattr(group, "combine_partial_roundings", 1)
   magnitudes = [np.abs(np.asarray(e, np.float64)) for e in expert_out]
   return unit * oracle.combine(magnitudes, dispatched, np.abs(np.asarray(topk_weights)),
                                np.float64, weighted=weighted)

@@ -25,6 +25,7 @@ import pytest
 
 import jax_ep
 from ep_test_base import random_inputs, rank_mesh
+from ep_test_base import EPTestBase
 from low_latency_test_base import GRAPH_WORKER, CudaLowLatencyTests
 from jax_ep import nvshmem
 
@@ -72,19 +73,9 @@ class TestNetworkLowLatency(CudaLowLatencyTests):
     assert [q for q in range(r) if table[q] == 0] == list(others)
     group.close()
 
-  def test_high_throughput_ops_say_they_are_not_on_the_network(self):
-    r = NUM_RANKS
-    group = self.make_group(r, num_experts=4 * r, num_topk=2, hidden=256, max_tokens=4)
-    x = np.zeros((r, 4, 256), jnp.bfloat16)
-    idx = np.zeros((r, 4, 2), np.int32)
-    w = np.ones((r, 4, 2), np.float32)
-    with pytest.raises(NotImplementedError, match="only the low-latency ops"):
-      self.run_per_rank(group, lambda x, i, w: jax_ep.dispatch(group, x, i, w)[0].x, x, idx, w)
-    group.close()
-
   def test_moe_layer_low_latency_matches_high_throughput(self):
     """The low-latency layer across virtual hosts against the high-throughput layer of a
-    one-host group (the high-throughput ops are not on the network transport)."""
+    one-host group."""
     r, e, k, h, f, t = NUM_RANKS, 4 * NUM_RANKS, 4, 128, 64, 12
     network = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=t)
     one_host = jax_ep.Group(rank_mesh(r), "ep", num_experts=e, num_topk=k, hidden=h,
@@ -113,6 +104,33 @@ class TestNetworkLowLatency(CudaLowLatencyTests):
     one_host.close()
 
 
+@pytest.mark.skipif(not _on_network, reason=_why_not)
+class TestNetworkHighThroughput(EPTestBase):
+  """The shared high-throughput suite on virtual hosts: the rail exchange (NVSHMEM puts) to
+  the same local index on every host, the host's own group forwarding (jax_ep/hierarchical.py),
+  against the oracle, gradients and fault-free reuse included."""
+  backend = "cuda"
+  rank_counts = (NUM_RANKS,)
+  small_ranks = NUM_RANKS
+  vmap_one_round = False  # the cuda multi-rank ops run one round per batch element under vmap
+
+  def make_group(self, num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype,
+                 capacity=None, strict=False, num_sms=None, low_latency=False):
+    _needs_nvshmem()
+    extra = {} if num_sms is None else {"num_sms": num_sms}
+    return jax_ep.Group(rank_mesh(num_ranks), "ep", num_experts=num_experts, num_topk=num_topk,
+                        hidden=hidden, max_tokens_per_rank=max_tokens, dtype=dtype,
+                        capacity=capacity, backend="cuda", strict=strict,
+                        low_latency=low_latency, virtual_hosts=VIRTUAL_HOSTS, **extra)
+
+  def test_group_spans_the_virtual_hosts(self):
+    group = self.make_group(NUM_RANKS, num_experts=4 * NUM_RANKS, num_topk=2, hidden=128,
+                            max_tokens=4, dtype=jnp.bfloat16)
+    assert group.topology.num_hosts == VIRTUAL_HOSTS
+    assert group.combine_partial_roundings == 2
+    group.close()
+
+
 def _launch(worker_args, num_ranks, virtual_hosts, timeout=250):
   env = dict(os.environ, JAX_EP_VIRTUAL_HOSTS=str(virtual_hosts))
   cmd = [sys.executable, "-m", "jax_ep.launch", "-n", str(num_ranks), "--share-gpu",
@@ -130,6 +148,18 @@ def test_decode_step_in_command_buffers_across_hosts(mode):
   _needs_nvshmem()
   code, log = _launch([GRAPH_WORKER, mode], 4, 2)
   assert code == 0 and "60 steps ok" in log, log
+
+
+@pytest.mark.skipif(jax.process_count() > 1, reason="starts its own processes")
+def test_peer_that_skips_a_dispatch_is_a_timeout_in_the_rail_exchange():
+  """Two ranks on two virtual hosts: rank 1 never calls dispatch; rank 0's rail exchange
+  gives up after the group's timeout naming the op, rank and peer (no hang), and both exit."""
+  _needs_nvshmem()
+  code, log = _launch([FAULT_WORKER, "skip_call"], 2, 2, timeout=120)
+  assert code == 0, log
+  assert "check() raised after" in log and "next call failed" in log, log
+  assert log.count("jax_ep.rail_exchange: rank 0 timed out after 2.0 s waiting for "
+                   "rank 1") >= 2, log
 
 
 @pytest.mark.skipif(jax.process_count() > 1, reason="starts its own processes")

@@ -61,8 +61,6 @@ def test_group_virtual_hosts_arguments_are_checked():
     jax_ep.Group(mesh, "ep", virtual_hosts=0, low_latency=True, **kw)
   with pytest.raises(ValueError, match="backend='reference' has no transports"):
     jax_ep.Group(mesh, "ep", virtual_hosts=2, low_latency=True, backend="reference", **kw)
-  with pytest.raises(ValueError, match="needs low_latency=True"):
-    jax_ep.Group(mesh, "ep", virtual_hosts=2, **kw)
   if all(d.platform == "cpu" for d in mesh.devices.flat):
     with pytest.raises(ValueError, match="needs the cuda backend, which cannot run this group here"):
       jax_ep.Group(mesh, "ep", virtual_hosts=2, low_latency=True, **kw)
@@ -84,3 +82,11 @@ def test_memory_estimate_of_a_network_group_includes_the_outbox():
   rows = 8 * 8 * 16
   assert network.comm_buffer_bytes - one_host.comm_buffer_bytes >= 2 * rows * 256 * 2 + rows * 4
   assert network.low_latency_buffer_bytes > one_host.low_latency_buffer_bytes
+  # Across 2 hosts: the rail exchange's blocks (two inbox sets and the outbox of 2 x T_max
+  # records of a row, K ids and K weights) and each host's own group for the forwarding.
+  hosts = jax_ep.memory_bytes(**kw, network=True, num_hosts=2)
+  record = 256 * 2 + 2 * 16
+  host_group = jax_ep.memory_bytes(**dict(kw, num_ranks=4, num_experts=32, low_latency=False))
+  assert (hosts.comm_buffer_bytes - network.comm_buffer_bytes
+          >= 3 * 2 * 16 * record + host_group.comm_buffer_bytes)
+  assert hosts.low_latency_buffer_bytes == network.low_latency_buffer_bytes

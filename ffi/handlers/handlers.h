@@ -42,6 +42,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyDispatchWait);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyCombineSend);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyCombineWait);
 
+// The rail exchange of a network group (ffi/handlers/rail_exchange.cc):
+// "jax_ep_rail_exchange".
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpRailExchange);
+
 namespace jax_ep {
 // Invocations of the low-latency handlers (a fused call counts once), and how
 // many of them ran while a command buffer was recorded.

@@ -40,9 +40,10 @@ inline int64_t StorageRows(int64_t capacity) {
 // NOTES: cudaGetDevice, not cudaStreamGetDevice (illegal during command-buffer
 // capture, see kernel_utils.cuh). A group whose spins timed out earlier fails
 // every later call with the mailbox message (kDeadlineExceeded).
-// `network_ok`: the op runs on a group with ranks on other hosts (only the
-// low-latency ops do; the high-throughput kernels address every peer by
-// pointer).
+// `network_ok`: the op runs on a group with ranks on other hosts (the
+// low-latency ops and the rail exchange do; the high-throughput kernels
+// address every peer by pointer, so across hosts they run on each host's own
+// group, jax_ep/hierarchical.py).
 inline ffi::Error GetGroup(std::string_view op, int64_t group_id,
                            std::shared_ptr<const intranode_group::Group>* group,
                            bool network_ok = false) {
@@ -69,8 +70,8 @@ inline ffi::Error GetGroup(std::string_view op, int64_t group_id,
     return ffi::Error(
         ffi::ErrorCode::kUnimplemented,
         std::string(op) + ": intranode group " + std::to_string(group_id) +
-            " has ranks on other hosts; only the low-latency ops run on the "
-            "network transport");
+            " has ranks on other hosts: the high-throughput kernels run on "
+            "each host's own group there (jax_ep/hierarchical.py)");
   }
   *group = std::move(found.group);
   return ffi::Error::Success();

@@ -30,6 +30,9 @@ const char* OpName(int32_t op) {
       return "jax_ep.low_latency_dispatch";
     case intranode::OpCode::kLowLatencyCombine:
       return "jax_ep.low_latency_combine";
+    case intranode::OpCode::kRailExchange:
+      // The network hop of dispatch, combine and their gradients across hosts.
+      return "jax_ep.rail_exchange";
     case intranode::OpCode::kNone:
       break;
   }
@@ -44,6 +47,9 @@ const char* RegionName(int32_t region) {
       return "combine";
     case intranode::kDotsRegion:
       return "combine-vjp dots";
+    case intranode::kNumRegions:  // the rail exchange's inbox
+                                  // (rail_exchange.cu)
+      return "rail exchange";
     default:
       return "unknown";
   }

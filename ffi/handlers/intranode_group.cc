@@ -38,6 +38,7 @@ struct BufferHeader {
   int64_t capacity;
   int64_t low_latency;
   int64_t network;
+  int64_t num_hosts;
   // The owner's GPU (cudaDeviceProp::uuid): not part of the configuration,
   // read on connect to tell whether every rank has a GPU of its own.
   unsigned char device_uuid[16];
@@ -139,6 +140,7 @@ BufferHeader MakeHeader(const GroupConfig& c) {
   h.capacity = c.capacity;
   h.low_latency = c.low_latency ? 1 : 0;
   h.network = c.network ? 1 : 0;
+  h.num_hosts = c.num_hosts;
   return h;
 }
 
@@ -163,6 +165,7 @@ std::string HeaderMismatch(const BufferHeader& mine, const BufferHeader& peer,
       {"capacity", {mine.capacity, peer.capacity}},
       {"low_latency", {mine.low_latency, peer.low_latency}},
       {"network", {mine.network, peer.network}},
+      {"num_hosts", {mine.num_hosts, peer.num_hosts}},
   };
   for (const auto& f : fields) {
     if (f.second.first != f.second.second) {
@@ -198,7 +201,8 @@ void FinishConnect(Group& g) {
   v.layout = intranode::MakeBufferLayout(
       g.config.num_ranks, g.config.max_tokens, g.config.hidden,
       g.config.num_topk, g.config.itemsize,
-      g.config.low_latency ? g.config.num_experts : 0, g.config.network);
+      g.config.low_latency ? g.config.num_experts : 0, g.config.network,
+      g.config.num_hosts);
   v.max_tokens = g.config.max_tokens;
   v.hidden = g.config.hidden;
   v.timeout_ns = static_cast<int64_t>(g.config.timeout_s * 1e9);
@@ -211,6 +215,7 @@ void FinishConnect(Group& g) {
   v.num_local = static_cast<int32_t>(g.config.num_experts / num_ranks);
   v.low_latency = g.config.low_latency ? 1 : 0;
   v.network = g.config.network ? 1 : 0;
+  v.num_hosts = g.config.network ? g.config.num_hosts : 0;
   // Published under the registry lock: Lookup reads it under the same lock.
   std::lock_guard<std::mutex> lock(RegistryMutex());
   g.connected = true;
@@ -243,7 +248,8 @@ void Release(Group& g) noexcept {
 
 int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
                     int64_t num_topk, int64_t itemsize,
-                    int64_t low_latency_experts, bool network) {
+                    int64_t low_latency_experts, bool network,
+                    int64_t num_hosts) {
   ValidateBufferArgs("intranode_buffer_bytes", num_ranks, max_tokens, hidden,
                      num_topk, itemsize);
   CheckRange(low_latency_experts >= 0 && low_latency_experts % num_ranks == 0 &&
@@ -252,11 +258,21 @@ int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
              "low_latency_experts is " + std::to_string(low_latency_experts) +
                  ", expected 0 or a multiple of num_ranks with at most " +
                  std::to_string(kMaxExperts) + " per rank");
-  CheckRange(!network || low_latency_experts > 0, "intranode_buffer_bytes",
-             "network buffers are the low-latency ones: low_latency_experts "
-             "must be > 0");
+  CheckRange(!network || low_latency_experts > 0 || num_hosts >= 2,
+             "intranode_buffer_bytes",
+             "a network buffer holds the low-latency ops' regions or the rail "
+             "exchange's: low_latency_experts > 0 or num_hosts >= 2");
+  CheckRange(num_hosts == 0 || (network && num_hosts >= 2 &&
+                                num_hosts <= intranode::kMaxHosts &&
+                                num_ranks % num_hosts == 0),
+             "intranode_buffer_bytes",
+             "num_hosts is " + std::to_string(num_hosts) +
+                 ", expected 0, or for a network group 2 <= num_hosts <= " +
+                 std::to_string(intranode::kMaxHosts) +
+                 " dividing num_ranks = " + std::to_string(num_ranks));
   return intranode::MakeBufferLayout(num_ranks, max_tokens, hidden, num_topk,
-                                     itemsize, low_latency_experts, network)
+                                     itemsize, low_latency_experts, network,
+                                     num_hosts)
       .total;
 }
 
@@ -293,14 +309,11 @@ int64_t Create(const GroupConfig& c, void* buffer, int64_t buffer_bytes) {
                  "device_ordinal < " +
                  std::to_string(num_devices));
 
-  CheckRange(!c.network || c.low_latency, fn,
-             "a network group carries the low-latency ops: low_latency must "
-             "be true");
   auto g = std::make_shared<Group>();
   g->config = c;
   g->buffer_bytes =
       BufferBytes(c.num_ranks, c.max_tokens, c.hidden, c.num_topk, c.itemsize,
-                  c.low_latency ? c.num_experts : 0, c.network);
+                  c.low_latency ? c.num_experts : 0, c.network, c.num_hosts);
   CheckRange(c.network == (buffer != nullptr), fn,
              c.network ? "a network group takes its buffer from the caller"
                        : "only a network group takes the caller's buffer");
@@ -476,7 +489,7 @@ void ConnectTable(int64_t group_id, const std::vector<uint64_t>& table,
     if (!mismatch.empty()) throw std::invalid_argument(fn + ": " + mismatch);
   }
   g->table_host = table;
-  g->network_send = reinterpret_cast<network::LowLatencySendFn>(network_send);
+  g->network_send = reinterpret_cast<network::SendFn>(network_send);
   g->receive_while_sending = false;
   FinishConnect(*g);
 }

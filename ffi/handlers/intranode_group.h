@@ -46,6 +46,8 @@ struct GroupConfig {
   bool network = false;      // some peers are on other hosts (the network
                          // transport): the buffer has the outbox regions and
                          // is given by the caller (NVSHMEM's symmetric heap)
+  int num_hosts = 0;  // hosts of a network group (>= 2: the rail
+                      // exchange's regions), else 0
 };
 
 struct Group {
@@ -64,9 +66,9 @@ struct Group {
   std::string device_uuid;  // cudaDeviceProp::uuid of config.device, 16 bytes
   // GroupView::receive_while_sending (decided on connect).
   bool receive_while_sending = false;
-  // The network transport's put launcher for the low-latency sends (network
-  // groups, set by ConnectTable); null otherwise.
-  network::LowLatencySendFn network_send = nullptr;
+  // The network transport's put launcher (network groups, set by
+  // ConnectTable); null otherwise.
+  network::SendFn network_send = nullptr;
   bool connected = false;
   intranode::GroupView view{};  // valid once connected
 };
@@ -74,10 +76,12 @@ struct Group {
 // Bytes of one rank's buffer (intranode::MakeBufferLayout). Throws
 // std::invalid_argument on arguments out of range.
 // `low_latency_experts`: E with the low-latency buffers, else 0.
-// `network`: with the outbox of the network transport (low-latency only).
+// `network`: with the outbox of the network transport (low-latency only);
+// `num_hosts` >= 2 (network only): with the rail exchange's regions.
 int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
                     int64_t num_topk, int64_t itemsize,
-                    int64_t low_latency_experts = 0, bool network = false);
+                    int64_t low_latency_experts = 0, bool network = false,
+                    int64_t num_hosts = 0);
 
 // Allocates and registers a group on config.device; returns its id. A network
 // group (config.network) takes `buffer` (device memory of at least
@@ -95,7 +99,7 @@ void Connect(int64_t group_id, const std::vector<std::string>& handles);
 
 // A network group's peers: table[r] is rank r's buffer as this process maps
 // it, or 0 for a rank reached through the network transport (table[rank] is
-// the group's own buffer); `network_send` (a network::LowLatencySendFn) moves
+// the group's own buffer); `network_send` (a network::SendFn) moves
 // the rows for the latter. Checks the header of every mapped peer.
 void ConnectTable(int64_t group_id, const std::vector<uint64_t>& table,
                   uint64_t network_send);

@@ -93,7 +93,7 @@ ffi::Error SendOverNetwork(const char* op, const intranode_group::Group& g,
                            int32_t ll_op, const int32_t* recv_src,
                            const int32_t* count, cudaStream_t stream) {
   if (g.network_send == nullptr) return ffi::Error::Success();
-  const network::LowLatencySend send{ll_op, g.view, recv_src, count};
+  const network::Send send{ll_op, g.view, recv_src, count, nullptr, 0};
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       op, static_cast<cudaError_t>(g.network_send(&send, stream)));
   return ffi::Error::Success();

@@ -207,6 +207,8 @@ namespace intranode {
 // Ranks of one intranode group (a flag array per region is indexed by rank; one
 // warp stages a token's destinations in two ballots).
 inline constexpr int64_t kMaxRanks = 64;
+// Hosts of a network group (the rail exchange stages them in one warp pair).
+inline constexpr int64_t kMaxHosts = 64;
 inline constexpr int64_t kRegionAlign = 256;  // bytes; >= 16 for row vectors
 inline constexpr int64_t kHeaderBytes =
     256;  // config header, checked on connect
@@ -237,7 +239,9 @@ enum SendCounter : int32_t {
   // resetting, like the waits' grids).
   kLowLatencyDispatchPutCounter = 8,
   kLowLatencyCombinePutCounter = 9,
-  kNumSendCounters = 10,
+  // The rail exchange's put kernel (ffi/nvshmem/rail_puts.cu; resetting).
+  kRailPutCounter = 10,
+  kNumSendCounters = 11,
 };
 
 // The two low-latency ops; each has its own sequence counter, buffer sets and
@@ -257,6 +261,7 @@ enum class OpCode : int32_t {
   kCombineVjp = 4,
   kLowLatencyDispatch = 5,
   kLowLatencyCombine = 6,
+  kRailExchange = 7,
 };
 
 // What a timed-out spin was waiting for.
@@ -321,7 +326,13 @@ enum class WaitKind : int32_t {
 //   ll_outbox_meta       [L][R dst][T_max] int32 (dispatch: t * K + k)
 //   ll_outbox_counts     [E] int32: the dispatch's rows per expert for ranks
 //                        reached through the network (the put kernel's flags)
-// each rounded up to kRegionAlign bytes (all zero without low-latency).
+// and, only in a network group of Hn >= 2 hosts, the rail exchange's regions
+// (ffi/kernels/rail_exchange.cu; records of rail_record_bytes, the widest
+// being a dispatched token: its row, K expert ids and K weights):
+//   rail_inbox[b]        [Hn src host][T_max] records, two sets b = 0, 1
+//   rail_outbox          [Hn dst host][T_max] records (what is put)
+//   rail_flags           [2][Hn src host] u64: seq << 32 | rows
+// each rounded up to kRegionAlign bytes (all zero without them).
 struct BufferLayout {
   int64_t dispatch_rows;
   int64_t dispatch_meta;
@@ -342,6 +353,10 @@ struct BufferLayout {
   int64_t ll_outbox_rows[2];  // [LowLatencyOp]
   int64_t ll_outbox_meta;
   int64_t ll_outbox_counts;
+  int64_t rail_inbox[2];
+  int64_t rail_outbox;
+  int64_t rail_flags;
+  int64_t rail_record_bytes;
   int64_t ll_row_bytes;
   int64_t total;  // bytes of the whole buffer
 };
@@ -350,14 +365,25 @@ inline int64_t AlignRegion(int64_t bytes) {
   return (bytes + kRegionAlign - 1) / kRegionAlign * kRegionAlign;
 }
 
+// Bytes of one record of the rail exchange: fields start at 16-byte offsets.
+__host__ __device__ inline int64_t AlignRecord(int64_t bytes) {
+  return (bytes + 15) / 16 * 16;
+}
+inline int64_t RailRecordBytes(int64_t hidden, int64_t itemsize,
+                               int64_t num_topk) {
+  return AlignRecord(hidden * itemsize) + 2 * AlignRecord(num_topk * 4);
+}
+
 // Pure host arithmetic; callers validate the arguments (all >= 1).
 // `num_experts` > 0 adds the low-latency buffers (0: none), `network` their
-// outbox (ll_outbox_*).
+// outbox (ll_outbox_*), `num_hosts` >= 2 (network groups) the rail exchange's
+// regions.
 inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
                                      int64_t hidden, int64_t num_topk,
                                      int64_t itemsize,
                                      int64_t low_latency_experts = 0,
-                                     bool network = false) {
+                                     bool network = false,
+                                     int64_t num_hosts = 0) {
   const int64_t rows = num_ranks * max_tokens;  // N
   BufferLayout l;
   int64_t at = kHeaderBytes;
@@ -412,6 +438,18 @@ inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
   at += AlignRegion(outbox ? slab_rows * 4 : 0);
   l.ll_outbox_counts = at;
   at += AlignRegion(outbox ? low_latency_experts * 4 : 0);
+  const bool rail = network && num_hosts >= 2;
+  l.rail_record_bytes = rail ? RailRecordBytes(hidden, itemsize, num_topk) : 0;
+  const int64_t rail_bytes =
+      rail ? num_hosts * max_tokens * l.rail_record_bytes : 0;
+  for (int b = 0; b < 2; ++b) {
+    l.rail_inbox[b] = at;
+    at += AlignRegion(rail_bytes);
+  }
+  l.rail_outbox = at;
+  at += AlignRegion(rail_bytes);
+  l.rail_flags = at;
+  at += AlignRegion(rail ? 2 * num_hosts * 8 : 0);
   l.total = at;
   return l;
 }
@@ -431,6 +469,9 @@ struct DeviceState {
                                // (never reset: send blocks that returned
                                // early left blocks_done out of phase)
   unsigned int error_claimed;  // the first timeout fills the mailbox
+  // Completed rail exchanges (network groups; call n, 0-based, uses inbox set
+  // n % 2 and tags its flags with n + 1; its last kernel advances it).
+  unsigned long long rail_seq;
 };
 
 // Error mailbox in host-mapped pinned memory: the device writes it once
@@ -480,6 +521,8 @@ struct GroupView {
   int32_t network;            // 1: some peers are reached through the network
                               // transport (their peers[] entry is null; the
                               // buffer has the ll_outbox_* regions)
+  int32_t num_hosts;          // Hn >= 2 for a network group (the rail_*
+                              // regions), else 0
 };
 
 // The `workspace` result of jax_ep_intranode_dispatch (int32 elements),
@@ -698,6 +741,54 @@ cudaError_t PreloadKernels();
 size_t MaxLocalBytes();
 
 }  // namespace low_latency
+
+// ---------------------------------------------------------------------------
+// The rail exchange of a network group (ffi/kernels/rail_exchange.cu): every
+// rank sends one block of rows to the rank with its own local index on each
+// host (its rail peer there, `pes[h]`; this rank's own entry is itself), and
+// receives one from each. A row is a record of up to kMaxRailFields fields,
+// each field f taken from row index[h, j] of its source and written to row
+// h * T_max + j of its destination. The network transport puts the blocks
+// between the pack and the wait (network::Send, op kRailSend).
+// ---------------------------------------------------------------------------
+namespace rail {
+
+inline constexpr int kMaxRailFields = 3;
+
+struct Fields {
+  int32_t num = 0;
+  const void* src[kMaxRailFields] = {};  // [rows[f], bytes[f]]
+  int64_t rows[kMaxRailFields] = {};     // rows of src (bounds every index)
+  void* dst[kMaxRailFields] = {};        // [Hn * T_max, bytes[f]]
+  int64_t bytes[kMaxRailFields] = {};    // per row, multiples of 4
+};
+
+// Bytes of a record of these fields (16-byte aligned offsets); the group's
+// rail_record_bytes bounds it.
+__host__ __device__ inline int64_t RecordBytes(const Fields& f) {
+  int64_t total = 0;
+  for (int i = 0; i < f.num; ++i) total += intranode::AlignRecord(f.bytes[i]);
+  return total;
+}
+
+// Rows j < counts[h] of block h (index `[Hn, T_max]` int32, -1 rows are
+// zero) into the outbox, the own host's block straight into the own inbox.
+cudaError_t Pack(const intranode::GroupView& g, const Fields& f,
+                 const int32_t* index, const int32_t* counts,
+                 const int32_t* pes, cudaStream_t stream);
+
+// Waits for every other host's flag of this call: recv_counts `[Hn]` (the own
+// host's is counts[own]); then every destination row h * T_max + j is the
+// received record's field (zeros for j >= recv_counts[h]); advances the
+// call's sequence; status `[]` = 1 when the group failed, else 0.
+cudaError_t WaitAndUnpack(const intranode::GroupView& g, const Fields& f,
+                          const int32_t* counts, const int32_t* pes,
+                          int32_t* recv_counts, int32_t* status,
+                          cudaStream_t stream);
+
+cudaError_t PreloadKernels();
+
+}  // namespace rail
 
 }  // namespace jax_ep
 

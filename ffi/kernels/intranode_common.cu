@@ -184,6 +184,7 @@ cudaError_t PreloadKernels() {
   JAX_EP_CUDA_RETURN_IF_ERROR(launch::PreloadBackwardKernels());
   JAX_EP_CUDA_RETURN_IF_ERROR(layout::PreloadKernels());
   JAX_EP_CUDA_RETURN_IF_ERROR(low_latency::PreloadKernels());
+  JAX_EP_CUDA_RETURN_IF_ERROR(rail::PreloadKernels());
   return local::PreloadKernels();
 }
 

@@ -19,20 +19,30 @@
 
 namespace jax_ep::network {
 
-// A low-latency send kernel staged the rows for every rank whose peers[]
-// entry is null in the outbox (BufferLayout::ll_outbox_*); the hook, launched
-// next on the same stream, puts them into those ranks' buffers and then their
-// arrival flags, ordered after the data.
-struct LowLatencySend {
-  int32_t op;  // intranode::LowLatencyOp
+// What the hook puts, launched on the same stream right after the kernel
+// that staged it.
+enum SendOp : int32_t {
+  // A low-latency send kernel staged the rows for every rank whose peers[]
+  // entry is null in the outbox (BufferLayout::ll_outbox_*): they go into
+  // those ranks' buffers, then their arrival flags, ordered after the data.
+  kLowLatencyDispatchSend = intranode::kLowLatencyDispatch,
+  kLowLatencyCombineSend = intranode::kLowLatencyCombine,
+  // The rail exchange's pack staged one block per other host in the rail
+  // outbox: each goes to that host's rail peer, then its flag.
+  kRailSend = 2,
+};
+
+struct Send {
+  int32_t op;  // SendOp
   intranode::GroupView view;
-  const int32_t* recv_src;  // combine: `[L, R*T_max]` (the send's operand)
-  const int32_t* count;     // combine: `[L]`
+  const int32_t* recv_src;  // low-latency combine: `[L, R*T_max]`
+  const int32_t* count;     // low-latency combine: `[L]`; rail: `[Hn]` rows
+  const int32_t* pes;       // rail: `[Hn]` the rail peer on each host
+  int64_t record_bytes;     // rail: bytes of one staged record
 };
 
 // Returns a cudaError_t (as int: a C interface between the two modules).
-extern "C" typedef int (*LowLatencySendFn)(const LowLatencySend* send,
-                                           cudaStream_t stream);
+extern "C" typedef int (*SendFn)(const Send* send, cudaStream_t stream);
 
 }  // namespace jax_ep::network
 

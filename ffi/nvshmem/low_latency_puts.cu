@@ -38,10 +38,11 @@
 #include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/low_latency_protocol.cuh"
 #include "ffi/kernels/network.h"
+#include "ffi/nvshmem/put_utils.cuh"
 #include "ffi/nvshmem/runtime.h"
 
-extern "C" int JaxEpNvshmemLowLatencySend(
-    const jax_ep::network::LowLatencySend* send, cudaStream_t stream);
+extern "C" int JaxEpNvshmemSend(const jax_ep::network::Send* send,
+                                cudaStream_t stream);
 
 namespace jax_ep::nvshmem {
 namespace {
@@ -49,35 +50,11 @@ namespace {
 namespace protocol = low_latency::protocol;
 using intranode::GroupView;
 
-constexpr int kPutThreads = 256;
-constexpr int kPutWarps = kPutThreads / 32;
-
 void ThrowIfCudaError(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
     throw std::runtime_error(std::string("jax_ep.nvshmem: ") + what + ": " +
                              cudaGetErrorString(e));
   }
-}
-
-__device__ __forceinline__ bool Aborted(const GroupView& g) {
-  return *reinterpret_cast<const volatile unsigned int*>(&g.state->aborted) !=
-         0u;
-}
-
-// Whether this block is the last of its grid to get here; that block resets
-// the counter (so the grid may differ between calls). Every thread has
-// quieted its puts before.
-__device__ __forceinline__ bool LastBlock(unsigned long long* counter) {
-  __shared__ int s_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const bool last = atomicAdd(counter, 1ull) + 1ull == gridDim.x;
-    if (last) atomicExch(counter, 0ull);
-    s_last = last ? 1 : 0;
-  }
-  __syncthreads();
-  return s_last != 0;
 }
 
 __global__ void __launch_bounds__(kPutThreads)
@@ -165,14 +142,9 @@ __global__ void __launch_bounds__(kPutThreads)
   }
 }
 
-unsigned PutGrid(const GroupView& g) {
-  return static_cast<unsigned>(g.num_blocks > 0 ? g.num_blocks : 1);
-}
-
 }  // namespace
 
-cudaError_t LaunchLowLatencyPuts(const network::LowLatencySend& send,
-                                 cudaStream_t stream) {
+cudaError_t LaunchPuts(const network::Send& send, cudaStream_t stream) {
   const GroupView& g = send.view;
   if (g.state == nullptr || g.peers == nullptr || g.own == nullptr) {
     return cudaErrorInvalidValue;
@@ -187,6 +159,8 @@ cudaError_t LaunchLowLatencyPuts(const network::LowLatencySend& send,
     CombinePutKernel<<<PutGrid(g), kPutThreads, 0, stream>>>(
         g, send.recv_src, send.count,
         &g.state->blocks_done[intranode::kLowLatencyCombinePutCounter], 0);
+  } else if (send.op == network::kRailSend) {
+    return LaunchRailPuts(send, stream);
   } else {
     return cudaErrorInvalidValue;
   }
@@ -198,13 +172,12 @@ void WarmPutKernels(int device) {
   const GroupView none{};
   DispatchPutKernel<<<1, kPutThreads>>>(none, nullptr, 1);
   CombinePutKernel<<<1, kPutThreads>>>(none, nullptr, nullptr, nullptr, 1);
+  WarmRailPutKernel();
   ThrowIfCudaError(cudaGetLastError(), "launching the put kernels");
   ThrowIfCudaError(cudaDeviceSynchronize(), "the put kernels' first launch");
 }
 
-uint64_t LowLatencySendAddress() {
-  return reinterpret_cast<uint64_t>(&JaxEpNvshmemLowLatencySend);
-}
+uint64_t SendAddress() { return reinterpret_cast<uint64_t>(&JaxEpNvshmemSend); }
 
 size_t PutKernelsLocalBytes() {
   size_t most = 0;
@@ -217,13 +190,14 @@ size_t PutKernelsLocalBytes() {
       attr.localSizeBytes > most) {
     most = attr.localSizeBytes;
   }
-  return most;
+  const size_t rail = RailPutKernelLocalBytes();
+  return rail > most ? rail : most;
 }
 
 }  // namespace jax_ep::nvshmem
 
-extern "C" int JaxEpNvshmemLowLatencySend(
-    const jax_ep::network::LowLatencySend* send, cudaStream_t stream) {
+extern "C" int JaxEpNvshmemSend(const jax_ep::network::Send* send,
+                                cudaStream_t stream) {
   if (send == nullptr) return static_cast<int>(cudaErrorInvalidValue);
-  return static_cast<int>(jax_ep::nvshmem::LaunchLowLatencyPuts(*send, stream));
+  return static_cast<int>(jax_ep::nvshmem::LaunchPuts(*send, stream));
 }

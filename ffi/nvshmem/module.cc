@@ -55,8 +55,8 @@ NB_MODULE(_jax_ep_nvshmem, m) {
         nb::arg("pe"),
         "nvshmem_ptr: PE `pe`'s copy of a symmetric address as this process "
         "maps it, or 0 where only puts reach it.");
-  m.def("low_latency_send_address", &jax_ep::nvshmem::LowLatencySendAddress,
-        "The address of the low-latency put launcher a network group calls "
+  m.def("send_address", &jax_ep::nvshmem::SendAddress,
+        "The address of the put launcher a network group calls "
         "(intranode_group_connect_table's network_send).");
   m.def("warm_put_kernels", &jax_ep::nvshmem::WarmPutKernels, nb::arg("device"),
         "Launches the put kernels once (returning at once) on `device`.");

@@ -9,9 +9,13 @@
 #ifndef JAX_EP_FFI_NVSHMEM_RUNTIME_H_
 #define JAX_EP_FFI_NVSHMEM_RUNTIME_H_
 
+#include <cuda_runtime.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <string>
+
+#include "ffi/kernels/network.h"
 
 namespace jax_ep::nvshmem {
 
@@ -63,11 +67,20 @@ void SymmetricFree(uint64_t address);
 // load and store it, or 0 where only puts reach it (another host).
 uint64_t PeerAddress(uint64_t address, int pe);
 
-// --- The low-latency puts (low_latency_puts.cu). ----------------------------
+// --- The puts (low_latency_puts.cu, rail_puts.cu). ------------------------
 
-// The address of the network::LowLatencySendFn a network group calls after
-// each low-latency send kernel (intranode_group::ConnectTable).
-uint64_t LowLatencySendAddress();
+// The address of the network::SendFn a network group calls after each kernel
+// that staged rows for other hosts (intranode_group::ConnectTable).
+uint64_t SendAddress();
+
+// The rail exchange's puts (rail_puts.cu): network::Send with op kRailSend.
+cudaError_t LaunchRailPuts(const network::Send& send, cudaStream_t stream);
+
+// Launches the rail put kernel once on the current device (returning at
+// once), and its local memory per thread (WarmPutKernels,
+// PutKernelsLocalBytes).
+void WarmRailPutKernel();
+size_t RailPutKernelLocalBytes();
 
 // Launches the put kernels once on `device` (returning at once) and waits, so
 // that no later first launch can wait for a GPU shared with spinning peers to

@@ -7,6 +7,8 @@
                    fails at once with that text. Then both close the group and exit 0.
   skip_call_debug: the same with `raise_on_timeout=True`: the dispatch itself raises.
   skip_low_latency: rank 1 never calls low_latency_dispatch; as skip_call (its wait times out).
+  With JAX_EP_VIRTUAL_HOSTS=k the group spans k virtual hosts (the network transport): then
+  skip_call's dispatch waits in the rail exchange and skip_low_latency's in its own wait.
   mismatch:        the processes pass different `hidden`; both must fail at group creation.
 """
 
@@ -43,7 +45,7 @@ def main(mode):
                          timeout_s=2.0, config_timeout_s=30,
                          raise_on_timeout=mode == "skip_call_debug",
                          low_latency=mode == "skip_low_latency",
-                         virtual_hosts=VIRTUAL_HOSTS if mode == "skip_low_latency" else None)
+                         virtual_hosts=VIRTUAL_HOSTS if mode != "mismatch" else None)
   except ValueError as e:
     print(f"process {me}: {e}", flush=True)
     return 0 if mode == "mismatch" else 1
