@@ -228,9 +228,10 @@ if has network; then
     python3 -m pytest tests/test_cuda_network.py -q -x -p no:cacheprovider \
     -k "test_roundtrip and uniform and 7" 2>&1 | tee "$OUT/sanitize_network.log" \
     | drop_noise | grep -E "ERROR SUMMARY| passed| failed" | tail -6
+  # kns=ail: the rail kernels (namespace rail, RailPutKernel).
   step "network transport: compute-sanitizer memcheck of the rail exchange, 2 ranks on 2 virtual hosts"
   JAX_EP_VIRTUAL_HOSTS=2 timeout 200 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 \
-    --timeout 190 -- compute-sanitizer --tool memcheck --kernel-name kns=Rail --print-limit 20 \
+    --timeout 190 -- compute-sanitizer --tool memcheck --kernel-name kns=ail --print-limit 20 \
     python3 -m pytest tests/test_cuda_network.py -q -x -p no:cacheprovider \
     -k "HighThroughput and test_dispatch_combine_uniform and 7168" 2>&1 \
     | tee "$OUT/sanitize_network_rail.log" | drop_noise | grep -E "ERROR SUMMARY| passed| failed" \
