@@ -296,12 +296,12 @@ class Group:
     virtual_hosts: split the ranks (of one host) into this many hosts of equal size, contiguous
       in rank order, whose traffic between them takes the network transport (NVSHMEM puts)
       instead of the peer transport: the emulation of a multi-host job on one machine, for
-      tests and benchmarks (docs/multihost.md). cuda backend with `low_latency=True`, one
-      process per device (rank r on process r); the low-latency ops run on it, the
-      high-throughput ops raise `NotImplementedError`. Default None (the real hosts). A group
-      whose processes run on several real hosts takes the same network transport when created
-      with `backend='cuda', low_latency=True` (NVSHMEM installed and jax_ep built with it);
-      `backend='auto'` gives such a group the reference backend, which runs every op.
+      tests and benchmarks (docs/multihost.md). cuda backend, one process per device (rank r
+      on process r); both modes run on it, the high-throughput ops crossing hosts once per
+      token and host (jax_ep/hierarchical.py). Default None (the real hosts). A group whose
+      processes run on several real hosts takes the same network transport when created with
+      `backend='cuda'` (NVSHMEM installed and jax_ep built with it); `backend='auto'` gives
+      such a group the reference backend.
   """
 
   def __init__(self, mesh, axis_name: str, *, num_experts: int, num_topk: int, hidden: int,
