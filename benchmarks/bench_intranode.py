@@ -2,6 +2,8 @@
 
   # R ranks emulated on one GPU (CUDA MPS), one process each:
   python -m jax_ep.launch -n 8 --share-gpu -- python benchmarks/bench_intranode.py
+  # ... as 2 virtual hosts of 4, their traffic between hosts on the network transport:
+  python -m jax_ep.launch -n 8 --share-gpu -- python benchmarks/bench_intranode.py --virtual-hosts 2
   # one process per GPU, or one process for all GPUs of a host:
   python -m jax_ep.launch -n 8 -- python benchmarks/bench_intranode.py
   python benchmarks/bench_intranode.py
@@ -31,6 +33,11 @@ receives from other ranks (`nvlink_bytes`; its own tokens never cross NVLink) pe
 NVLink line rate measured in the same run (a 1 GiB one-direction GPU 0 -> GPU 1 copy, `bound` =
 "p2p_copy"). The plain-XLA baseline (`xla_baseline`, benchmarks/xla_pipeline.py:
 sort, counts, ragged all-to-all, local permute, and back) runs wherever XLA collectives do.
+`hosts`, `gpus_per_host`: the group's hosts (`--virtual-hosts`: the cuda group's ranks split
+into that many, the other backends left out); `network_bytes` and `peer_bytes` split the rows
+this rank receives by the path they took to it (benchmarks/reports.py, high_throughput_paths):
+a row from another host reaches its rail receiver there by the network path, and every rank but
+the one holding it by the peer path.
 """
 
 from __future__ import annotations
@@ -118,9 +125,17 @@ def main():
                       help="xla_baseline: updates per peer in each ragged_all_to_all")
   parser.add_argument("--num-sms", type=int, default=24,
                       help="the cuda group's SM budget for its communication kernels")
+  parser.add_argument("--virtual-hosts", type=int, default=1,
+                      help="split the cuda group's ranks into this many virtual hosts, their "
+                           "traffic between hosts on the network transport (NVSHMEM puts); "
+                           "the other backends are left out")
   args = parser.parse_args()
   if args.steady_calls < 0 or args.steady_calls == 1:
     parser.error(f"--steady-calls must be 0 (none) or at least 2, got {args.steady_calls}")
+  if args.virtual_hosts < 1:
+    parser.error(f"--virtual-hosts must be >= 1, got {args.virtual_hosts}")
+  if args.virtual_hosts > 1:
+    args.backends = [b for b in args.backends if b == "cuda"]
 
   devices = jax.devices()
   num_ranks = len(devices)
@@ -199,7 +214,7 @@ def main():
               min_hbm_bytes=min_hbm,
               bound_gbps=round(bound_gbps, 1), bound=bound_name, capacity=capacity,
               default_capacity=jax_ep.default_capacity(num_ranks, t, k, e // num_ranks),
-              num_sms=args.num_sms, routing=args.routing)
+              num_sms=args.num_sms, routing=args.routing, virtual_hosts=args.virtual_hosts)
   records = []
 
   # Fields a backend's group adds to its records (the cuda transport's receive mode).
@@ -255,17 +270,18 @@ def main():
       return
     add(op, backend, added, timing="host_clock_marginal", gathered=True, **extra)
 
-  def add_device_steady(op, backend, fn, sets):
+  def add_device_steady(op, backend, fn, sets, marker="FinishKernel"):
     """The period of back-to-back calls on the device clock, inside one program of
     `--steady-calls` calls (the input sets repeated): from one call's FinishKernel to the next's
-    (timers.steady_call_period_us). Host timing noise and the processes' start skew (the first
+    (timers.steady_call_period_us; across hosts the rail exchange's, which runs once per call
+    where the host groups' run once per source host). Host timing noise and the processes' start skew (the first
     call's wait) stay out; waiting for a slower peer stays in. The slowest process's median."""
     if args.steady_calls < 2 or devices[0].platform != "gpu":
       return
     repeat = -(-args.steady_calls // calls)
     period_us = timers.steady_call_period_us(
         batched(fn), [(list(s) * repeat)[:args.steady_calls] for s in sets],
-        calls_per_run=args.steady_calls, marker="FinishKernel")
+        calls_per_run=args.steady_calls, marker=marker)
     # Decided on every process's value, so that every process takes the same branch.
     if reports.gather_max(f"{backend}/{op}/steady_missing", float(period_us is None)) > 0:
       if jax.process_index() == 0:
@@ -287,12 +303,21 @@ def main():
   backends = [b for b in args.backends if b != "xla_baseline"
               and not (shared_gpu and b == "reference")]
   for backend in backends:
+    hosts = {"virtual_hosts": args.virtual_hosts} if args.virtual_hosts > 1 else {}
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
-                         dtype=dtype, backend=backend, capacity=capacity, num_sms=args.num_sms)
+                         dtype=dtype, backend=backend, capacity=capacity, num_sms=args.num_sms,
+                         **hosts)
+    topo = group.topology
+    marker = ("rail", "FinishKernel") if topo is not None and topo.num_hosts > 1 else "FinishKernel"
+    network_rows, peer_rows = reports.high_throughput_paths(dest, topo)
+    backend_fields[backend] = dict(
+        hosts=topo.num_hosts if topo else 1,
+        gpus_per_host=list(topo.gpus_per_host) if topo else [num_ranks],
+        network_bytes=int(network_rows * row_bytes), peer_bytes=int(peer_rows * row_bytes))
     if group.backend_name == "cuda" and num_ranks > 1:
       # Every rank decides on its own; the record says whether all of them receive.
       not_receiving = reports.gather_max("not_receiving", float(not group.receives_while_sending))
-      backend_fields[backend] = dict(receives_while_sending=not_receiving == 0.0)
+      backend_fields[backend]["receives_while_sending"] = not_receiving == 0.0
     per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     dispatch = per_shard(lambda x, i, w: jax.tree.map(
         lambda v: v[None], jax_ep.dispatch(group, x[0], i[0], w[0])))
@@ -306,7 +331,7 @@ def main():
     add_marginal("dispatch", backend, dispatch_recv, (xs, idxs, ws), seconds)
     breakdown(f"{backend} dispatch", batched(dispatch_recv), (xs, idxs, ws))
     if group.backend_name == "cuda":
-      add_device_steady("dispatch", backend, dispatch_recv, (xs, idxs, ws))
+      add_device_steady("dispatch", backend, dispatch_recv, (xs, idxs, ws), marker)
     add_aligned_single("dispatch", backend, dispatch_recv, (xs[0], idxs[0], ws[0]))
     results = [jax.jit(dispatch)(x, i, w) for x, i, w in zip(xs, idxs, ws)]
     eos = [recv.x for recv, _ in results]
@@ -319,7 +344,7 @@ def main():
     add_marginal("combine", backend, combine, (eos, handles), seconds)
     breakdown(f"{backend} combine", batched(combine), (eos, handles))
     if group.backend_name == "cuda":
-      add_device_steady("combine", backend, combine, (eos, handles))
+      add_device_steady("combine", backend, combine, (eos, handles), marker)
     add_aligned_single("combine", backend, combine, (eos[0], handles[0]))
     group.check()
     group.close()

@@ -107,6 +107,10 @@ def main():
                       choices=["cuda", "reference", "xla_baseline"])
   parser.add_argument("--debug-checks", action="store_true",
                       help="also time the cuda backend with raise_on_timeout=True")
+  parser.add_argument("--virtual-hosts", type=int, nargs="+", default=[1],
+                      help="cuda: also time groups whose ranks are split into this many virtual "
+                           "hosts, their traffic between hosts on the network transport "
+                           "(NVSHMEM); 1 is the group a user gets on one host")
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--breakdown", action="store_true",
                       help="print the device time per kernel of one 2N-layer run (GPU)")
@@ -114,6 +118,8 @@ def main():
   args = parser.parse_args()
   if args.layers < 1:
     parser.error(f"--layers must be >= 1, got {args.layers}")
+  if any(v < 1 for v in args.virtual_hosts):
+    parser.error(f"--virtual-hosts must be >= 1, got {args.virtual_hosts}")
 
   devices = jax.devices()
   num_ranks = len(devices)
@@ -173,7 +179,15 @@ def main():
               wire_dtype="bfloat16", layers=n, bytes=per_rank_bytes, min_hbm_bytes=min_hbm,
               bound_gbps=round(bound_gbps, 1), bound=bound)
 
-  def add(backend, expert, results, settings):
+  def paths(topology):
+    """The record's split of `bytes` into the rows that took the network path and those that
+    took the peer path (reports.high_throughput_paths), both ways."""
+    network, peer = reports.high_throughput_paths(dest, topology)
+    return dict(hosts=topology.num_hosts if topology else 1,
+                gpus_per_host=list(topology.gpus_per_host) if topology else [num_ranks],
+                network_bytes=int(2 * network * row_bytes), peer_bytes=int(2 * peer * row_bytes))
+
+  def add(backend, expert, results, settings, topology=None):
     (host_n, dev_n), (host_2n, dev_2n) = results
     for timing, first, second in (("host_clock_marginal", host_n, host_2n),
                                   ("device_clock_marginal", dev_n, dev_2n)):
@@ -195,11 +209,11 @@ def main():
           median_us=round(per_layer_us, 1), program_us=round(second * 1e6, 1),
           gbps=round(per_rank_bytes / (per_layer_us * 1e-6) / 1e9, 1),
           roofline=round(roofline, 3), settings=settings,
-          raise_on_timeout=settings == "debug_checks", capacity=capacity))
+          raise_on_timeout=settings == "debug_checks", capacity=capacity, **paths(topology)))
 
   params = expert_params(jax.random.key(0)) if "swiglu" in args.expert else []
 
-  def run(backend, expert, layer, settings="default"):
+  def run(backend, expert, layer, settings="default", topology=None):
     programs = [chain_program(layer, layers, mesh) for layers in (n, 2 * n)]
     inputs = (x, idx, w, *(params if expert == "swiglu" else ()))
     try:
@@ -212,7 +226,7 @@ def main():
     # All processes skip a layer that failed on any (its collectives would not meet).
     if reports.gather_max(f"{backend}/{expert}/{settings}/failed", failed) > 0:
       return
-    add(backend, expert, results, settings)
+    add(backend, expert, results, settings, topology)
     if args.breakdown and on_gpu:
       rows, activity = timers.trace_breakdown(programs[1], inputs)
       if jax.process_index() == 0:
@@ -228,29 +242,42 @@ def main():
       return jax.lax.optimization_barrier(rows)
     return expert_mlp(rows, *p, sizes)
 
-  groups = []
-  variants = [(b, "default") for b in args.backends if b != "xla_baseline"]
+  variants = [(b, "default", {}) for b in args.backends if b != "xla_baseline"]
   if args.debug_checks and "cuda" in args.backends:
-    variants.append(("cuda", "debug_checks"))
-  for backend, settings in variants:
+    variants.append(("cuda", "debug_checks", {"raise_on_timeout": True}))
+  if "cuda" in args.backends:
+    variants += [("cuda", f"virtual_hosts={v}", {"virtual_hosts": v})
+                 for v in args.virtual_hosts if v > 1]
+  for backend, settings, kw in variants:
     if backend == "reference" and shared_gpu and num_ranks > 1:
       print("reference: skipped (processes sharing one GPU cannot run XLA collectives)")
       continue
     # The cuda rows use the group a user gets (backend="auto"), which must have picked cuda.
-    kw = {"raise_on_timeout": True} if settings == "debug_checks" else {}
-    group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
-                         dtype=dtype, backend="auto" if backend == "cuda" else backend, **kw)
-    groups.append(group)
+    try:
+      group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h,
+                           max_tokens_per_rank=t, dtype=dtype,
+                           backend="auto" if backend == "cuda" else backend, **kw)
+    except ValueError as err:
+      if "virtual_hosts" not in kw:
+        raise
+      # Every process decides alike (the same mesh and build), so all skip it together.
+      print(f"cuda ({settings}): unavailable here: {err}")
+      continue
     if group.backend_name != backend:
       print(f"{backend}: unavailable here (backend='auto' picked {group.backend_name}: "
             f"{group.backend_reason})")
+      group.close()
       continue
     for expert in args.expert:
       def layer(hid, i, wt, p, group=group, expert=expert):
         recv, handle = jax_ep.dispatch(group, hid, i, wt)
         out = jax_ep.combine(group, apply_expert(expert, recv.x, recv.group_sizes, p), handle)
         return out if expert == "identity" else hid + out
-      run(backend, expert, layer, settings)
+      run(backend, expert, layer, settings, group.topology)
+    # One group's buffers at a time: at the standard shape each is several GB per rank, and
+    # ranks sharing one GPU hold theirs side by side. Every process is past its last call of
+    # this group here (each run ends in block_until_ready and a gather).
+    group.close()
 
   if "xla_baseline" in args.backends:
     if num_ranks > 1 and (not on_gpu or shared_gpu):
@@ -269,8 +296,6 @@ def main():
                                        axis="ep")
           return out if expert == "identity" else hid + out
         run("xla_baseline", expert, layer)
-  for group in groups:
-    group.close()
 
   if jax.process_index() == 0:
     path = reports.write_jsonl(records, args.out)

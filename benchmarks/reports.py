@@ -75,6 +75,37 @@ def uniform_topk(rng, num_tokens: int, num_experts: int, num_topk: int) -> np.nd
   return np.argsort(scores, axis=-1)[:, :num_topk].astype(np.int32)
 
 
+def high_throughput_paths(dest_ranks: np.ndarray, topology) -> tuple[float, float]:
+  """Per rank (mean over ranks): the rows that reach it in a high-throughput dispatch by the
+  network path and by the peer path, for `dest_ranks` `[R, T, K]` (each slot's destination
+  rank) on `topology` (jax_ep.topology.Topology; None: one host).
+
+  A token crosses to each other host that owns one of its experts once, to the rank there with
+  the source's local index (the rail receiver: a network row for that rank), which forwards it
+  to each rank of its host that needs it (a peer row for each of them except itself). A token
+  from the rank's own host arrives by the peer path unless it is the rank's own. Combine moves
+  the same rows back on the same paths."""
+  r = dest_ranks.shape[0]
+  network = np.zeros(r)
+  peer = np.zeros(r)
+  for src in range(r):
+    src_host = topology.host_of(src) if topology is not None else 0
+    local = topology.local_index(src) if topology is not None else src
+    for token in dest_ranks[src]:
+      dests = {int(d) for d in token if d >= 0}
+      hosts = {topology.host_of(d) if topology is not None else 0 for d in dests}
+      for h in hosts:
+        # The rank of host h that holds this token first: the source itself, or its rail
+        # receiver there.
+        holder = src if h == src_host else topology.peer_on(h, local)
+        if h != src_host:
+          network[holder] += 1
+        for d in dests:
+          if d != holder and (topology is None or topology.host_of(d) == h):
+            peer[d] += 1
+  return float(network.mean()), float(peer.mean())
+
+
 def process_model(num_ranks: int) -> str:
   """The records' `process_model`: how this job's processes hold its `num_ranks` devices."""
   from bounds import narrowed_to_one_gpu

@@ -205,10 +205,11 @@ def trace_breakdown(fn, args, *, repeats: int = 5):
 
 
 
-def steady_call_period_us(fn, args, *, calls_per_run: int, marker: str,
+def steady_call_period_us(fn, args, *, calls_per_run: int, marker: str | tuple[str, ...],
                           repeats: int = 5) -> float | None:
   """The device clock's period of back-to-back calls inside one program, in µs: `fn(*args)` runs
-  `calls_per_run` calls of an op whose kernels include one named with `marker` once per call.
+  `calls_per_run` calls of an op whose kernels include one named with `marker` once per call
+  (a tuple: a name holding each of its substrings, in the trace's spelling, mangled or not).
   Per GPU plane of a trace, each run's (last marker end - first marker end) / (calls_per_run -
   1); the median over runs, the largest over planes. The first call of a run also waits out the
   start skew of the processes (or of the host), which this leaves out; every later call still
@@ -226,11 +227,13 @@ def steady_call_period_us(fn, args, *, calls_per_run: int, marker: str,
 
 
 
-def _steady_period_us(events, calls_per_run: int, marker: str, repeats: int) -> float | None:
+def _steady_period_us(events, calls_per_run: int, marker: str | tuple[str, ...],
+                      repeats: int) -> float | None:
   """steady_call_period_us on `(name, start_ns, end_ns, plane)` events."""
+  parts = (marker,) if isinstance(marker, str) else tuple(marker)
   periods = []
   for plane in sorted({e[3] for e in events}):
-    ends = sorted(end for name, _, end, p in events if p == plane and marker in name)
+    ends = sorted(end for name, _, end, p in events if p == plane and all(m in name for m in parts))
     if not ends:
       continue  # a plane without the op (e.g. another GPU's copies seen by this process)
     if len(ends) != calls_per_run * repeats:

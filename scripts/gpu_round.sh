@@ -30,7 +30,10 @@
 #                                     # 2, 4 and 8 PEs on the GPU (tests/test_nvshmem.py)
 #   bash scripts/gpu_round.sh network  # the network transport between virtual hosts (8 ranks as
 #                                     # 2 x 4 and 4 x 2), command buffers, a skipped call,
-#                                     # memcheck (NET_HOSTS, NET_BENCH=1 adds the benchmark)
+#                                     # memcheck (NET_HOSTS, NET_BENCH=1 adds the benchmark);
+#                                     # netsanitize: the memcheck alone
+#   bash scripts/gpu_round.sh netbench  # the high-throughput ops across 2 virtual hosts beside
+#                                     # one host, 8 ranks: layer chain (netlayers), per op (netops)
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
 #   bash scripts/gpu_round.sh slab     # the experts on the low-latency slabs: tests, benchmark
 #   bash scripts/gpu_round.sh all
@@ -222,20 +225,27 @@ if has network; then
   step "network transport: command buffers and a peer that skips the call"
   timeout 300 python3 -m pytest tests/test_cuda_network.py -q -rf -p no:cacheprovider 2>&1 \
     | tee "$OUT/pytest_network_own.log" | tail -6
+fi
+if has network || has netsanitize; then
   step "network transport: compute-sanitizer memcheck, 2 ranks on 2 virtual hosts"
   JAX_EP_VIRTUAL_HOSTS=2 timeout 240 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 \
     --timeout 230 -- compute-sanitizer --tool memcheck --kernel-name kns=Put --print-limit 20 \
     python3 -m pytest tests/test_cuda_network.py -q -x -p no:cacheprovider \
     -k "test_roundtrip and uniform and 7" 2>&1 | tee "$OUT/sanitize_network.log" \
     | drop_noise | grep -E "ERROR SUMMARY| passed| failed" | tail -6
-  # kns=ail: the rail kernels (namespace rail, RailPutKernel).
-  step "network transport: compute-sanitizer memcheck of the rail exchange, 2 ranks on 2 virtual hosts"
-  JAX_EP_VIRTUAL_HOSTS=2 timeout 200 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 \
-    --timeout 190 -- compute-sanitizer --tool memcheck --kernel-name kns=ail --print-limit 20 \
-    python3 -m pytest tests/test_cuda_network.py -q -x -p no:cacheprovider \
-    -k "HighThroughput and test_dispatch_combine_uniform and 7168" 2>&1 \
-    | tee "$OUT/sanitize_network_rail.log" | drop_noise | grep -E "ERROR SUMMARY| passed| failed" \
-    | tail -6
+  # The rail exchange: kns=rail its pack / wait / unpack / finish kernels (namespace rail),
+  # kns=Put its put kernel (RailPutKernel) beside the low-latency ones.
+  for kns in rail Put; do
+    step "network transport: compute-sanitizer memcheck (kns=$kns) of the rail exchange, 2 ranks on 2 virtual hosts"
+    JAX_EP_VIRTUAL_HOSTS=2 timeout 200 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 \
+      --timeout 190 -- compute-sanitizer --tool memcheck --kernel-name kns=$kns --print-limit 20 \
+      python3 -m pytest tests/test_cuda_network.py -q -x -p no:cacheprovider \
+      -k "HighThroughput and test_dispatch_combine_uniform and 256" 2>&1 \
+      | tee "$OUT/sanitize_network_rail_$kns.log" | drop_noise \
+      | grep -E "ERROR SUMMARY| passed| failed|rror|ignal" | tail -8
+  done
+fi
+if has network; then
   if [ "${NET_BENCH:-0}" = 1 ]; then
     step "low-latency benchmark, 8 ranks as 2 virtual hosts"
     timeout 300 python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 --timeout 290 -- \
@@ -243,6 +253,28 @@ if has network; then
       ${LL_BENCH_ARGS:-} 2>&1 | tee "$OUT/bench_ll_net.log" | grep -E "^\[0\] " | tail -40
     cp benchmarks/results/gpu_round_low_latency.jsonl "$OUT/" 2>/dev/null
   fi
+fi
+
+# The high-throughput ops across virtual hosts, 8 ranks: the layer chain of the group a user
+# gets on one host beside the same ranks as 2 virtual hosts (one run), then the per-op numbers
+# of both (NETBENCH_ARGS passed to bench_intranode.py).
+if has netbench || has netlayers; then
+  step "layer chain, 8 ranks emulated: one host and 2 virtual hosts"
+  timeout 330 python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 --timeout 320 -- \
+    python3 benchmarks/bench_layers.py --backends cuda --virtual-hosts 1 2 \
+    --out gpu_round_layers.jsonl ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layers_net.log" \
+    | grep -E "^\[0\] " | drop_noise | tail -12
+  cp benchmarks/results/gpu_round_layers.jsonl "$OUT/" 2>/dev/null
+fi
+if has netbench || has netops; then
+  for v in 1 2; do
+    step "high-throughput ops, 8 ranks emulated as $v virtual host(s)"
+    timeout 240 python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 --timeout 230 -- \
+      python3 benchmarks/bench_intranode.py --backends cuda --virtual-hosts $v \
+      --out gpu_round_intranode.jsonl ${NETBENCH_ARGS:-} 2>&1 | tee "$OUT/bench_intranode_net_$v.log" \
+      | grep -E "^\[0\] (  |op |dispatch|combine|cuda|wrote)" | tail -40
+  done
+  cp benchmarks/results/gpu_round_intranode.jsonl "$OUT/" 2>/dev/null
 fi
 
 # Several GPUs. Per R in MULTI_RANKS: the suites (multi_suites) and the benchmark

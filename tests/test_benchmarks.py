@@ -11,6 +11,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import bounds  # noqa: E402
+import numpy as np  # noqa: E402
+import reports  # noqa: E402
 import timers  # noqa: E402
 
 REQUIRED_KEYS = {"op", "mode", "backend", "ranks", "process_model", "tokens_per_rank", "hidden",
@@ -77,6 +79,33 @@ def test_steady_period_skips_the_first_calls_wait_and_takes_the_slowest_device()
   # A marker that is on a plane other than once per call, or on none, gives no period.
   assert timers._steady_period_us(events[:-2], 3, "FinishKernel", 2) is None
   assert timers._steady_period_us(events, 3, "Absent", 2) is None
+
+
+def test_steady_period_marker_of_several_parts_matches_names_holding_each():
+  # Across hosts a call runs the host groups' FinishKernel once per source host and the rail
+  # exchange's once: the marker ("rail", "FinishKernel") counts the latter only.
+  events = [(name, c * 100 + off, c * 100 + off + 1, "/device:GPU:0") for r in range(2)
+            for c in range(r * 10, r * 10 + 3)
+            for name, off in (("intranode::FinishKernel", 10), ("intranode::FinishKernel", 20),
+                              ("jax_ep::rail::(anonymous namespace)::FinishKernel", 50))]
+  assert timers._steady_period_us(events, 3, ("rail", "FinishKernel"), 2) == 0.1
+  assert timers._steady_period_us(events, 3, "FinishKernel", 2) is None
+
+
+def test_high_throughput_paths_follow_the_rail_then_the_host():
+  from jax_ep import topology
+  # 4 ranks on 2 hosts {0, 1} {2, 3}, one token each, top-2 (destination ranks; -1: none).
+  dest = np.array([[[1, 3]], [[2, 3]], [[2, -1]], [[0, 1]]])
+  network, peer = reports.high_throughput_paths(dest, topology.discover(["a"] * 4,
+                                                                        virtual_hosts=2))
+  # Rank 0's token: to 1 by the peer path; to host 1 by the network to rank 2 (local index 0),
+  # which forwards it to 3. Rank 1's: to rank 3 by the network, forwarded to 2. Rank 2's stays
+  # home. Rank 3's: to rank 1 (local index 1) by the network, forwarded to 0.
+  assert (network, peer) == (3 / 4, 4 / 4)
+  # One host: every row from another rank takes the peer path; one rank per host: the network.
+  assert reports.high_throughput_paths(dest, None) == (0.0, 6 / 4)
+  assert reports.high_throughput_paths(dest, topology.discover(["a"] * 4, virtual_hosts=4)) == (
+      6 / 4, 0.0)
 
 
 def test_time_single_calls_cycles_through_the_input_sets():
@@ -155,6 +184,9 @@ def test_bench_intranode_remote_routing_sends_every_row_to_a_peer(tmp_path):
   for r in records:
     # No token picks an expert of its own rank, so every received row crossed from a peer.
     assert r["routing"] == "remote" and r["nvlink_bytes"] == r["bytes"] > 0
+    # One host: all of them by the peer path (to within the mean's rounding), none by the network.
+    assert r["hosts"] == 1 and r["network_bytes"] == 0
+    assert abs(r["peer_bytes"] - r["bytes"]) < 128 * 2
 
 
 def test_bench_intranode_remote_routing_rejects_topk_past_the_other_ranks_experts(tmp_path):
@@ -209,11 +241,13 @@ def test_bench_layers_writes_layer_chain_records(tmp_path, num_devices):
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layers.py"), "--tokens", "16",
        "--hidden", "128", "--experts", "16", "--topk", "2", "--ffn", "64", "--layers", "2",
-       "--repeats", "3", "--expert", "identity", "swiglu", "--out", str(out)],
+       "--repeats", "3", "--expert", "identity", "swiglu", "--virtual-hosts", "1", "2",
+       "--out", str(out)],
       env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
   # No GPU here: the cuda rows say why they are missing, and so does plain XLA across ranks.
   assert "cuda: unavailable here (backend='auto' picked reference" in result.stdout
+  assert "cuda (virtual_hosts=2): unavailable here: jax_ep.Group: " in result.stdout
   records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
   backends = {"reference"} | ({"xla_baseline"} if num_devices == 1 else set())
   # A marginal record is left out where CPU timing noise made t(2N) <= t(N); it says so.
@@ -227,6 +261,9 @@ def test_bench_layers_writes_layer_chain_records(tmp_path, num_devices):
     assert r["settings"] == "default" and r["raise_on_timeout"] is False
     assert r["capacity"] == num_devices * 16 * min(2, 16 // num_devices)
     assert r["timing"] == "host_clock_marginal" and r["median_us"] > 0
+    # One host: nothing took the network path.
+    assert (r["hosts"], r["gpus_per_host"], r["network_bytes"]) == (1, [num_devices], 0)
+    assert 0 <= r["peer_bytes"] <= r["bytes"]
 
 
 def test_bench_layer_writes_grouped_matmul_and_layer_records(tmp_path):
