@@ -111,6 +111,11 @@ class _CudaLowLatency:
     return out
 
 
+def _renamed(rows: jax.Array, row_map: jax.Array) -> jax.Array:
+  """Row indices of `recv_x` renamed through `row_map` (old row -> new row or -1); -1 stays."""
+  return jnp.where(rows >= 0, row_map[jnp.maximum(rows, 0)], -1).astype(jnp.int32)
+
+
 class _LayoutThenDispatch:
   """Backends whose layout is computable before any row moves (reference, one-rank cuda)."""
 
@@ -137,6 +142,11 @@ class ReferenceBackend(_ReferenceLowLatency, _LayoutThenDispatch):
 
   def combine_vjp(self, d_out, expert_out, routing, slot_weights):
     return reference.combine_vjp(self.config, d_out, expert_out, routing, slot_weights)
+
+  def rename_rows(self, routing, row_map):
+    """`routing` for a combine whose expert rows sit at `row_map[row]` of a larger array
+    (any row count; -1: none) instead of at `row` of `recv_x` (jax_ep/hierarchical.py)."""
+    return routing._replace(entry_row=_renamed(routing.entry_row, row_map))
 
   def workspace_bytes(self) -> int:
     return reference.scratch_bytes(self.config)
@@ -168,6 +178,10 @@ class CudaBackend(_CudaLowLatency, _LayoutThenDispatch):
   def combine_vjp(self, d_out, expert_out, routing, slot_weights):
     d_expert_out = cuda_ops.local_dispatch(self.config, d_out, routing, slot_weights)
     return d_expert_out, cuda_ops.local_combine_vjp(self.config, d_out, expert_out, routing)
+
+  def rename_rows(self, routing, row_map):
+    """As `ReferenceBackend.rename_rows` (local_combine takes expert rows of any count)."""
+    return routing._replace(slot_row=_renamed(routing.slot_row, row_map))
 
   def workspace_bytes(self) -> int:
     return cuda_ops.layout_workspace_bytes(self.config)
@@ -219,6 +233,11 @@ class IntranodeBackend(_CudaLowLatency):
         self.config, self.group_id, d_out, expert_out, routing)
     self._checked(status)
     return d_expert_out, d_weights
+
+  def rename_rows(self, routing, row_map):
+    """As `ReferenceBackend.rename_rows` (intranode_combine takes expert rows of any count;
+    its kernels treat a row past them as dropped)."""
+    return routing._replace(entry_row=_renamed(routing.entry_row, row_map))
 
   def workspace_bytes(self) -> int:
     ext = _ffi.extension()

@@ -208,10 +208,19 @@ class Hierarchy:
     return jnp.stack(row_of), gather, group_sizes, num_dropped
 
   def _merge_rows(self, blocks, gather, dtype):
-    """`[capacity, H]` rows of the merged layout from the host dispatches' `[C_h, H]` each."""
-    flat = jnp.concatenate(blocks, axis=0)
-    rows = flat[jnp.maximum(gather, 0)]
-    return jnp.where((gather >= 0)[:, None], rows, jnp.zeros((), dtype)).astype(dtype)
+    """`[capacity, H]` rows of the merged layout from the host dispatches' `[C_h, H]` each.
+
+    One select per block over gathers from the blocks themselves, never their concatenation:
+    at the default capacity most rows are the zero tail, and a concatenated copy of the blocks
+    would move every one of them twice more. A row taken from another block (or none) reads
+    row 0 of this one, so each output row reads one real row."""
+    cap_h = self._host_capacity()
+    block, row = gather // cap_h, gather % cap_h
+    out = jnp.zeros((gather.shape[0], blocks[0].shape[-1]), dtype)
+    for b, rows in enumerate(blocks):
+      take = (gather >= 0) & (block == b)
+      out = jnp.where(take[:, None], rows[jnp.where(take, row, 0)].astype(dtype), out)
+    return out
 
   def _split_rows(self, expert_out, row_of):
     """Per block, the `[C_h, H]` rows its host combine takes, from the merged layout."""
@@ -269,10 +278,20 @@ class Hierarchy:
     return self._merge_rows(blocks, routing.gather, x.dtype)
 
   def combine(self, expert_out, routing: NetworkRouting, slot_weights=None):
+    # Each host combine reads its block's rows where they sit in the merged layout (its routing
+    # renamed by `row_of`), not from a copy of them: the copies would move every block's zero
+    # tail too. A host backend without `rename_rows`, or a merged layout of no rows (capacity
+    # 0, which the host combines would receive as their operand), gets the copies.
+    host = self.host_backend
+    if hasattr(host, "rename_rows") and expert_out.shape[0]:
+      inputs = [(expert_out, host.rename_rows(routing.host_routing[b], routing.row_of[b]))
+                for b in range(self.num_hosts)]
+    else:
+      inputs = list(zip(self._split_rows(expert_out, routing.row_of), routing.host_routing))
     parts = []
-    for b, rows in enumerate(self._split_rows(expert_out, routing.row_of)):
+    for b, (rows, host_routing) in enumerate(inputs):
       weights = None if slot_weights is None else routing.recv_weights[b]
-      parts.append(self.host_backend.combine(rows, routing.host_routing[b], weights))
+      parts.append(host.combine(rows, host_routing, weights))
     (picked,) = self._rail_back((jnp.stack(parts),), routing)  # [T, Hn, H]
     total = picked[:, 0].astype(jnp.float32)
     for h in range(1, self.num_hosts):
