@@ -69,17 +69,21 @@ class NetworkRouting(NamedTuple):
 
 def host_config(config: EPConfig, num_hosts: int, axis_name: str | None = None) -> EPConfig:
   """The configuration of one host's group: its ranks, their experts, `T_max` tokens per
-  forwarded block, and the capacity that never drops (drops are decided after the merge, in
-  the whole group's row order)."""
+  forwarded block, and a capacity that drops no row the merge keeps.
+
+  Drops are decided after the merge, in the whole group's row order. A row at position p of a
+  block's own layout lands at p or later in the merged one, so a block needs at most the
+  group's capacity (or the most rows a block can hold, if fewer); `Hierarchy._merge_maps`
+  shows why the blocks' clipped sizes still place every kept row right."""
   if config.num_ranks % num_hosts:
     raise ValueError(f"jax_ep: {num_hosts} hosts must divide the group's {config.num_ranks} "
                      f"ranks")
   ranks = config.num_ranks // num_hosts
   num_local = config.num_local_experts
+  never_drops = default_capacity(ranks, config.max_tokens_per_rank, config.num_topk, num_local)
   return EPConfig(axis_name or config.axis_name, ranks, ranks * num_local, config.num_topk,
                   config.hidden, config.max_tokens_per_rank, config.dtype,
-                  default_capacity(ranks, config.max_tokens_per_rank, config.num_topk,
-                                   num_local))
+                  min(never_drops, config.capacity))
 
 
 def reference_rail(axis_name: str) -> Callable:
@@ -183,9 +187,18 @@ class Hierarchy:
     mine = valid & (host_of[rank] == self.host_index())
     return jnp.where(mine, local_of[rank] * num_local + recv_idx % num_local, -1)
 
-  def _merge_maps(self, host_sizes):
-    """From the host dispatches' group sizes `[Hn, L]`: `(row_of, gather, group_sizes,
-    num_dropped)` of the merged layout (experts ascending, then blocks in host order)."""
+  def _merge_maps(self, host_sizes, host_dropped):
+    """From the host dispatches' group sizes `[Hn, L]` and dropped rows `[Hn]`: `(row_of,
+    gather, group_sizes, num_dropped)` of the merged layout (experts ascending, then blocks in
+    host order).
+
+    A block that dropped rows (past the group's capacity in its own layout) reports clipped
+    sizes, yet every kept row lands where the unclipped sizes would put it. Let e be the lowest
+    expert any block clipped and b the first block that clipped it: the sizes of experts
+    before e, and of e in the blocks before b, are exact. Block b's kept rows fill `capacity`,
+    so `expert_start[e] + size_b[e] >= capacity` with b's clipped size: every row of e in later
+    blocks and of every later expert lands past the capacity, as it does with the true sizes.
+    The drop count adds the blocks' own drops back."""
     capacity, cap_h = self.config.capacity, self._host_capacity()
     totals = jnp.sum(host_sizes, axis=0)
     expert_start = jnp.cumsum(totals) - totals                           # [L]
@@ -204,7 +217,8 @@ class Hierarchy:
       gather = gather.at[jnp.where(final >= 0, final, capacity)].set(b * cap_h + rows,
                                                                      mode="drop")
     group_sizes = jnp.clip(capacity - expert_start, 0, totals).astype(jnp.int32)
-    num_dropped = jnp.maximum(jnp.sum(totals) - capacity, 0).astype(jnp.int32)
+    num_dropped = jnp.maximum(jnp.sum(totals) + jnp.sum(host_dropped) - capacity,
+                              0).astype(jnp.int32)
     return jnp.stack(row_of), gather, group_sizes, num_dropped
 
   def _merge_rows(self, blocks, gather, dtype):
@@ -215,7 +229,7 @@ class Hierarchy:
     would move every one of them twice more. A row taken from another block (or none) reads
     row 0 of this one, so each output row reads one real row."""
     cap_h = self._host_capacity()
-    block, row = gather // cap_h, gather % cap_h
+    block, row = gather // max(cap_h, 1), gather % max(cap_h, 1)
     out = jnp.zeros((gather.shape[0], blocks[0].shape[-1]), dtype)
     for b, rows in enumerate(blocks):
       take = (gather >= 0) & (block == b)
@@ -257,13 +271,15 @@ class Hierarchy:
         (x, clean.astype(jnp.int32), topk_weights.astype(jnp.float32)), rail_src, counts)
     host_idx = self._host_ids(recv_idx, recv_counts)
     recv_w = jnp.where(host_idx >= 0, recv_w, 0.0)
-    blocks, sizes, host_routing = [], [], []
+    blocks, sizes, dropped, host_routing = [], [], [], []
     for b in range(self.num_hosts):
       out = self.host_backend.dispatch_tokens(recv_x[b], host_idx[b], recv_w[b])
       blocks.append(out[0])
       sizes.append(out[1])
+      dropped.append(out[2])
       host_routing.append(out[-1])
-    row_of, gather, group_sizes, num_dropped = self._merge_maps(jnp.stack(sizes))
+    row_of, gather, group_sizes, num_dropped = self._merge_maps(jnp.stack(sizes),
+                                                                jnp.stack(dropped))
     routing = NetworkRouting(rail_pos, rail_src, counts, recv_counts, recv_w,
                              tuple(host_routing), row_of, gather)
     return (self._merge_rows(blocks, gather, x.dtype), group_sizes, num_dropped, invalid,
