@@ -111,11 +111,6 @@ class _CudaLowLatency:
     return out
 
 
-def _renamed(rows: jax.Array, row_map: jax.Array) -> jax.Array:
-  """Row indices of `recv_x` renamed through `row_map` (old row -> new row or -1); -1 stays."""
-  return jnp.where(rows >= 0, row_map[jnp.maximum(rows, 0)], -1).astype(jnp.int32)
-
-
 class _LayoutThenDispatch:
   """Backends whose layout is computable before any row moves (reference, one-rank cuda)."""
 
@@ -142,11 +137,6 @@ class ReferenceBackend(_ReferenceLowLatency, _LayoutThenDispatch):
 
   def combine_vjp(self, d_out, expert_out, routing, slot_weights):
     return reference.combine_vjp(self.config, d_out, expert_out, routing, slot_weights)
-
-  def rename_rows(self, routing, row_map):
-    """`routing` for a combine whose expert rows sit at `row_map[row]` of a larger array
-    (any row count; -1: none) instead of at `row` of `recv_x` (jax_ep/hierarchical.py)."""
-    return routing._replace(entry_row=_renamed(routing.entry_row, row_map))
 
   def workspace_bytes(self) -> int:
     return reference.scratch_bytes(self.config)
@@ -178,10 +168,6 @@ class CudaBackend(_CudaLowLatency, _LayoutThenDispatch):
   def combine_vjp(self, d_out, expert_out, routing, slot_weights):
     d_expert_out = cuda_ops.local_dispatch(self.config, d_out, routing, slot_weights)
     return d_expert_out, cuda_ops.local_combine_vjp(self.config, d_out, expert_out, routing)
-
-  def rename_rows(self, routing, row_map):
-    """As `ReferenceBackend.rename_rows` (local_combine takes expert rows of any count)."""
-    return routing._replace(slot_row=_renamed(routing.slot_row, row_map))
 
   def workspace_bytes(self) -> int:
     return cuda_ops.layout_workspace_bytes(self.config)
@@ -233,11 +219,6 @@ class IntranodeBackend(_CudaLowLatency):
         self.config, self.group_id, d_out, expert_out, routing)
     self._checked(status)
     return d_expert_out, d_weights
-
-  def rename_rows(self, routing, row_map):
-    """As `ReferenceBackend.rename_rows` (intranode_combine takes expert rows of any count;
-    its kernels treat a row past them as dropped)."""
-    return routing._replace(entry_row=_renamed(routing.entry_row, row_map))
 
   def workspace_bytes(self) -> int:
     ext = _ffi.extension()
@@ -295,10 +276,11 @@ class NetworkBackend(IntranodeBackend):
   def _hierarchy(self, op: str) -> hierarchical.Hierarchy:
     if not self.hosts:
       raise NotImplementedError(
-          f"jax_ep.{op}: this group's hosts hold different numbers of its ranks; the "
-          f"high-throughput ops across hosts pair each rank with the rank of the same local "
-          f"index on every other host, which needs hosts of equal size (the low-latency ops "
-          f"run on any hosts; backend='reference' runs every op)")
+          f"jax_ep.{op}: this group's hosts hold different numbers of its ranks, or ranks not "
+          f"contiguous in rank order; the high-throughput ops across hosts pair each rank with "
+          f"the rank of the same local index on every other host, which needs hosts of equal "
+          f"size, host h holding ranks h * G to h * G + G - 1 (the low-latency ops run on any "
+          f"hosts; backend='reference' runs every op)")
     c = self.config
     num_hosts = len(self.hosts)
     host_cfg = hierarchical.host_config(c, num_hosts)

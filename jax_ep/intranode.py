@@ -14,7 +14,7 @@ import json
 import jax
 import numpy as np
 
-from jax_ep import _ffi
+from jax_ep import _ffi, hierarchical
 from jax_ep import topology as topology_lib
 from jax_ep.config import EPConfig
 
@@ -35,7 +35,6 @@ def buffer_bytes(config: EPConfig, low_latency: bool = False, network: bool = Fa
                                          config.num_experts if low_latency else 0,
                                          bool(network), hosts))
   if hosts:
-    from jax_ep import hierarchical
     host_cfg = hierarchical.host_config(config, hosts)
     if host_cfg.num_ranks > 1:
       total += buffer_bytes(host_cfg)
@@ -57,7 +56,8 @@ class IntranodeTransport:
   topology: topology_lib.Topology | None = None
   network_ranks: tuple[int, ...] = ()
   # This host's own group of a network transport (the high-throughput ops' forwarding; None
-  # on a host of one rank), and whether the hosts hold equally many ranks (which they need).
+  # on a host of one rank), and whether the hosts are ones those ops run on: of equal size,
+  # contiguous in rank order (`hierarchical.contiguous_hosts`).
   host_group_id: int | None = None
   equal_hosts: bool = False
 
@@ -210,7 +210,7 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
   rank = jax.process_index()
   device = devices[rank].local_hardware_id
   num_hosts = topology.num_hosts
-  sizes = set(topology.gpus_per_host)
+  forwarding = hierarchical.contiguous_hosts(topology.hosts)
   itemsize = np.dtype(config.dtype).itemsize
   nbytes = int(ext.intranode_buffer_bytes(
       config.num_ranks, config.max_tokens_per_rank, config.hidden, config.num_topk, itemsize,
@@ -252,9 +252,8 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
     module.warm_put_kernels(device)
     host_group_id = None
     ranks = topology.hosts[host]
-    if len(sizes) == 1 and len(ranks) > 1:
+    if forwarding and len(ranks) > 1:
       # This host's own group: the high-throughput ops forward over it (peer transport).
-      from jax_ep import hierarchical
       host_cfg = hierarchical.host_config(config, num_hosts)
       sub = create(host_cfg, mesh, f"{key}/host{host}", num_sms=num_sms, timeout_s=timeout_s,
                    process_ids=[devices[r].process_index for r in ranks],
@@ -267,7 +266,7 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
     raise
   return IntranodeTransport(ids, key, None, network_buffer=buffer, topology=topology,
                             network_ranks=tuple(r for r, t in enumerate(table) if t == 0),
-                            host_group_id=host_group_id, equal_hosts=len(sizes) == 1)
+                            host_group_id=host_group_id, equal_hosts=forwarding)
 
 
 def describe(transport: IntranodeTransport) -> str:

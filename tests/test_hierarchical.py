@@ -1,9 +1,10 @@
 """The high-throughput ops across hosts (jax_ep/hierarchical.py) against the oracle, on the CPU.
 
 The composition (rail exchange to the same local index on each host, the host's own dispatch
-per source host, the merge into the whole group's row order, and the reverse path of combine
-and of the gradients) runs with the reference backend over each host's ranks and the reference
-rail exchange, on a two-axis mesh of host devices (`hosts` x `gpus`, rank = host * G + gpu).
+of the forwarded blocks with each expert numbered once per source host, which gives the whole
+group's row order, and the reverse path of combine and of the gradients) runs with the
+reference backend over each host's ranks and the reference rail exchange, on a two-axis mesh
+of host devices (`hosts` x `gpus`, rank = host * G + gpu).
 The cuda backend runs the same code with its kernels (tests/test_cuda_network.py).
 """
 
@@ -198,3 +199,30 @@ def test_rail_layout_sends_each_token_to_each_host_once():
   np.testing.assert_array_equal(rail_pos, [[0, -1], [-1, 0], [1, 1], [-1, -1]])
   np.testing.assert_array_equal(rail_src, [[0, 2, -1, -1], [1, 2, -1, -1]])
   np.testing.assert_array_equal(counts, [2, 2])
+
+
+def test_host_group_numbers_each_expert_once_per_source_host():
+  """The host group's experts: `(g * L + e) * Hn + h'` for expert e of host rank g and rows
+  from host h', so an expert's rows come ordered by (source host, local source, token), and
+  the host dispatch of the stacked blocks takes the group's capacity."""
+  config = EPConfig("ep", 4, 8, 2, 16, 3, np.dtype(np.float32), 10)
+  host = hierarchical.host_config(config, 2)
+  assert (host.num_ranks, host.num_experts, host.num_local_experts) == (2, 8, 4)
+  assert (host.max_tokens_per_rank, host.capacity) == (6, 10)
+  hosts = ((0, 1), (2, 3))
+  backend = hierarchical.Hierarchy(config, hosts, ReferenceBackend(host), None,
+                                   lambda: jnp.int32(1))
+  # Experts 0-3 on host 0, 4-7 on host 1 (rank 2: 4, 5; rank 3: 6, 7); this rank is on host 1.
+  recv_idx = jnp.array([[[4, 7], [0, 6], [5, 5]], [[6, 1], [-1, 4], [7, 7]]], jnp.int32)
+  got = backend._host_ids(recv_idx, jnp.array([2, 3], jnp.int32))
+  np.testing.assert_array_equal(got, [[[0, 6], [-1, 4], [-1, -1]], [[5, -1], [-1, 1], [7, 7]]])
+
+
+@pytest.mark.parametrize("hosts", [((0, 2), (1, 3)), ((0, 1), (2,)), ()])
+def test_hosts_must_be_equal_and_contiguous(hosts):
+  """A host's ranks must be contiguous for (host, local index) order to be rank order."""
+  assert not hierarchical.contiguous_hosts(hosts)
+  config = EPConfig("ep", 4, 8, 2, 16, 3, np.dtype(np.float32), 10)
+  with pytest.raises(ValueError, match="contiguous in rank order"):
+    hierarchical.Hierarchy(config, hosts, None, None, None)
+  assert hierarchical.contiguous_hosts(((0, 1), (2, 3)))
