@@ -31,7 +31,8 @@
 #   bash scripts/gpu_round.sh network  # the network transport between virtual hosts (8 ranks as
 #                                     # 2 x 4 and 4 x 2), command buffers, a skipped call,
 #                                     # memcheck (NET_HOSTS, NET_BENCH=1 adds the benchmark);
-#                                     # netsanitize: the memcheck alone
+#                                     # netsanitize: the memcheck alone; netrail: its rail
+#                                     # exchange part alone
 #   bash scripts/gpu_round.sh netbench  # the high-throughput ops across 2 virtual hosts beside
 #                                     # one host, 8 ranks: layer chain (netlayers), per op (netops)
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
@@ -233,6 +234,8 @@ if has network || has netsanitize; then
     python3 -m pytest tests/test_cuda_network.py -q -x -p no:cacheprovider \
     -k "test_roundtrip and uniform and 7" 2>&1 | tee "$OUT/sanitize_network.log" \
     | drop_noise | grep -E "ERROR SUMMARY| passed| failed" | tail -6
+fi
+if has network || has netsanitize || has netrail; then
   # The rail exchange: its pack / wait / unpack / finish kernels (namespace rail) and its put
   # kernel (RailPutKernel); the filters add up. Under compute-sanitizer (CUDA 13.0) this
   # process died in XLA's compile of its first program, with any filter (docs/multihost.md), so
