@@ -181,14 +181,15 @@ def merge_duplicate_slots(topk_idx, topk_weights, num_experts: int):
   num_topk = topk_idx.shape[-1]
   slots = jnp.arange(num_topk, dtype=jnp.int32)
   valid = (topk_idx >= 0) & (topk_idx < num_experts)
-  same = ((topk_idx[..., :, None] == topk_idx[..., None, :]) & valid[..., :, None]
-          | (slots[:, None] == slots[None, :]))  # [..., K (slot), K (other slot)]
-  first = jnp.argmax(same, axis=-1).astype(jnp.int32)  # first slot naming the same expert
-  merged_idx = jnp.where(first == slots, topk_idx, -1)
-  # NOTES: a masked sum rather than an einsum over a one-hot matrix, so that XLA fuses it with
-  # the comparisons instead of emitting a batched matrix product.
-  into = first[..., :, None] == slots  # [..., K (from), K (into)]
-  merged_w = jnp.sum(jnp.where(into, topk_weights[..., :, None], 0.0), axis=-2)
+  # same[..., k, j]: slot j names slot k's expert (k valid). Two plain reductions over j
+  # ("an earlier slot names it", "the weights of every slot naming it"): a search for the first
+  # slot (argmax) would be a variadic reduction, which XLA emits as a kernel of its own, and an
+  # einsum over a one-hot matrix a batched matrix product; these fuse with the comparisons.
+  same = (topk_idx[..., :, None] == topk_idx[..., None, :]) & valid[..., :, None]
+  duplicate = jnp.any(same & (slots[None, :] < slots[:, None]), axis=-1)
+  merged_idx = jnp.where(duplicate, -1, topk_idx)
+  summed = jnp.sum(jnp.where(same, topk_weights[..., None, :], 0.0), axis=-1)
+  merged_w = jnp.where(duplicate, 0.0, jnp.where(valid, summed, topk_weights))
   return merged_idx, merged_w.astype(topk_weights.dtype)
 
 

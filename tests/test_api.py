@@ -306,3 +306,46 @@ def test_group_on_a_process_without_its_devices_is_refused(monkeypatch):
                                        r"processes \[0\]"):
     jax_ep.Group(mesh, "ep", num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
                  backend="reference")
+
+
+def _merged_slots_oracle(idx, w, num_experts):
+  """Token by token: the first slot naming an expert keeps it with the sum of the weights of
+  every slot naming it; later ones become -1 with weight 0; ids outside [0, E) stay as given."""
+  out_idx, out_w = idx.copy(), np.zeros_like(w)
+  for t in range(idx.shape[0]):
+    seen = {}
+    for k, e in enumerate(idx[t]):
+      if not 0 <= e < num_experts:
+        out_w[t, k] = w[t, k]
+      elif e in seen:
+        out_idx[t, k] = -1
+        out_w[t, seen[e]] += w[t, k]
+      else:
+        seen[e] = k
+        out_w[t, k] = w[t, k]
+  return out_idx, out_w
+
+
+@pytest.mark.parametrize("num_topk", [1, 4, 8])
+def test_merge_duplicate_slots_matches_a_token_by_token_oracle(num_topk):
+  from jax_ep.ops import merge_duplicate_slots
+  rng = np.random.default_rng(num_topk)
+  num_experts = 6  # few experts: most tokens name one several times
+  idx = rng.integers(-3, num_experts + 2, size=(64, num_topk)).astype(np.int32)
+  w = rng.random((64, num_topk)).astype(np.float32)
+  got_idx, got_w = jax.jit(merge_duplicate_slots, static_argnums=2)(idx, w, num_experts)
+  want_idx, want_w = _merged_slots_oracle(idx, w, num_experts)
+  np.testing.assert_array_equal(got_idx, want_idx)
+  np.testing.assert_allclose(got_w, want_w, rtol=1e-6)
+  # The gradient of a merged weight reaches every slot it summed.
+  cot = rng.random((64, num_topk)).astype(np.float32)
+  grad = jax.grad(lambda w: jnp.sum(merge_duplicate_slots(idx, w, num_experts)[1] * cot))(w)
+  want = np.zeros_like(w)
+  for t in range(64):
+    first = {}
+    for k, e in enumerate(idx[t]):
+      valid = 0 <= e < num_experts
+      if valid and e not in first:
+        first[e] = k
+      want[t, k] = cot[t, first[e]] if valid else cot[t, k]
+  np.testing.assert_allclose(grad, want, rtol=1e-6)
