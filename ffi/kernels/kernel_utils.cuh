@@ -62,6 +62,23 @@ cudaError_t BoundedGrid(Kernel kernel, int block, int max_blocks_per_sm,
   return cudaSuccess;
 }
 
+// Whether this block is the last of its grid to get here; that block resets
+// the counter, so a later call may launch another grid size on it. Thread 0's
+// fence orders what the block did before (its reads of the call's sequence,
+// its quieted puts) before its count.
+__device__ __forceinline__ bool LastBlockOfGrid(unsigned long long* counter) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const bool last = atomicAdd(counter, 1ull) + 1ull == gridDim.x;
+    if (last) atomicExch(counter, 0ull);
+    s_last = last ? 1 : 0;
+  }
+  __syncthreads();
+  return s_last != 0;
+}
+
 __device__ __forceinline__ unsigned LaneMaskLt() {
   unsigned mask;
   asm("mov.u32 %0, %%lanemask_lt;" : "=r"(mask));

@@ -62,6 +62,7 @@ namespace {
 
 using detail::kFullMask;
 using detail::LaneMaskLt;
+using detail::LastBlockOfGrid;
 using detail::Vec16;
 using intranode::GroupView;
 using intranode::kLowLatencyCombine;
@@ -293,23 +294,6 @@ __device__ __forceinline__ void LoadRowVecs(
 __device__ __forceinline__ void StoreRelaxedSys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v)
                : "memory");
-}
-
-// Whether this block is the last of its grid to get here. For the waits'
-// copying grids, which never return early: the last block resets the
-// counter, so a later call may use another grid. The fence orders this
-// block's reads of the call's sequence before the count.
-__device__ __forceinline__ bool LastBlockOfGrid(unsigned long long* counter) {
-  __shared__ int s_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const bool last = atomicAdd(counter, 1ull) + 1ull == gridDim.x;
-    if (last) atomicExch(counter, 0ull);
-    s_last = last ? 1 : 0;
-  }
-  __syncthreads();
-  return s_last != 0;
 }
 
 // ---------------------------------------------------------------------------

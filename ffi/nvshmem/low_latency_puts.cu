@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kPutThreads)
                              d);
   }
   nvshmem_quiet();
-  if (!LastBlock(counter)) return;
+  if (!detail::LastBlockOfGrid(counter)) return;
   for (int i = threadIdx.x; i < num_ranks * num_local; i += kPutThreads) {
     const int d = i / num_local;
     if (g.peers[d] != nullptr) continue;
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kPutThreads)
     }
   }
   nvshmem_quiet();
-  if (!LastBlock(counter)) return;
+  if (!detail::LastBlockOfGrid(counter)) return;
   for (int s = threadIdx.x; s < num_ranks; s += kPutThreads) {
     if (g.peers[s] != nullptr) continue;
     nvshmemx_signal_op(protocol::CombineFlag(g.own, g, set, g.rank),

@@ -9,6 +9,7 @@
 #include <cuda_runtime.h>
 
 #include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/kernel_utils.cuh"
 
 namespace jax_ep::nvshmem {
 
@@ -18,22 +19,6 @@ constexpr int kPutWarps = kPutThreads / 32;
 __device__ __forceinline__ bool Aborted(const intranode::GroupView& g) {
   return *reinterpret_cast<const volatile unsigned int*>(&g.state->aborted) !=
          0u;
-}
-
-// Whether this block is the last of its grid to get here; that block resets
-// the counter (so the grid may differ between calls). Every thread has
-// quieted its puts before.
-__device__ __forceinline__ bool LastBlock(unsigned long long* counter) {
-  __shared__ int s_last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const bool last = atomicAdd(counter, 1ull) + 1ull == gridDim.x;
-    if (last) atomicExch(counter, 0ull);
-    s_last = last ? 1 : 0;
-  }
-  __syncthreads();
-  return s_last != 0;
 }
 
 // The put kernels' grid: the group's SM budget, one block per SM.

@@ -63,7 +63,7 @@ __global__ void __launch_bounds__(kPutThreads)
         protocol::Outbox(g.own, g, h) + first * record, rows * record, pes[h]);
   }
   nvshmem_quiet();
-  if (!LastBlock(counter)) return;
+  if (!detail::LastBlockOfGrid(counter)) return;
   for (int h = threadIdx.x; h < g.num_hosts; h += kPutThreads) {
     if (h == own) continue;
     const int32_t n = min(max(counts[h], 0), static_cast<int32_t>(t_max));
