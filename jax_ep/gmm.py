@@ -48,6 +48,10 @@ class TileConfig:
 # --tune`; shapes not listed take `tile_config`'s rule.
 TILE_TABLE: dict[tuple[int, int, int], TileConfig] = {}
 
+# The row tile of jax_ep's grouped GEMM on Hopper: capacities derived from `capacity_factor`
+# round up to it, so that the buffer is a whole number of tiles.
+ROW_TILE = 128
+
 _MOSAIC_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _SAID: set = set()
 # What impl='auto' means inside `impl_override` (benchmarks compare the implementations in one
