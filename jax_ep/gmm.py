@@ -2,14 +2,17 @@
 weights, `[rows, K] x [G, K, N] -> [rows, N]`, as jax_ep's dispatch lays the rows out.
 
 Two implementations behind one function, `grouped_matmul`:
-- `mosaic`: jax's Mosaic GPU ragged dot (`jax.experimental.pallas.ops.gpu.ragged_dot_mgpu`, and
-  `transposed_ragged_dot_mgpu` for the weight gradient), on Hopper GPUs (compute capability
-  9.0) for bf16 / f16 operands of one dtype whose sizes its tiles divide. Tiles come from a
-  table of shapes (`TILE_TABLE`) or, for the rest, a rule (`tile_config`); nothing is tuned at
-  call time.
+- `mosaic`: jax_ep's Pallas Mosaic GPU kernels (`jax_ep/gmm_kernels.py`: a work list of row
+  tiles built on the device, a persistent grid, no step for row tiles past the groups), on
+  Hopper GPUs (compute capability 9.0) for bf16 / f16 operands of one dtype whose sizes its
+  tiles divide. Tiles come from a table of shapes (`TILE_TABLE`) or, for the rest, a rule
+  (`tile_config`); nothing is tuned at call time.
 - `xla`: `jax.lax.ragged_dot` (and `ragged_dot_general` for the weight gradient), everywhere
   else. NOTES: on NVIDIA GPUs XLA lowers it to a dense masked expansion, `G` times the work,
   which runs out of memory at large expert counts: the reason for the Mosaic path.
+
+Rows past `sum(group_sizes)` are unspecified in the result and never reach any result or
+gradient: the worst-case capacity of a dispatch costs memory, not time.
 
 `grouped_matmul_impl(...)` says which one a shape gets and why; the first call of each choice
 is logged (`jax_ep` logger). Gradients are a `jax.custom_vjp` (`dx` is a grouped matmul of the
@@ -29,19 +32,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep._varying import sum_to_primal
+from jax_ep._varying import sum_to_primal, vary_like_operands
+from jax_ep.gmm_kernels import KernelTiles, grouped_matmul_kernel, grouped_weight_grad_kernel
 
 _logger = logging.getLogger("jax_ep")
 
 
-@dataclasses.dataclass(frozen=True)
-class TileConfig:
-  """Tiles of the Mosaic GPU kernels (see `ragged_dot_mgpu.ragged_dot`)."""
-  block_m: int
-  block_n: int
-  block_k: int
-  max_concurrent_steps: int
-  grid_block_n: int
+# The kernels' tiles (`jax_ep.gmm_kernels.KernelTiles`).
+TileConfig = KernelTiles
 
 
 # Tiles for shapes `(groups, K, N)` measured on an H200 with `benchmarks/bench_layer.py
@@ -74,8 +72,9 @@ def impl_override(impl: str):
 
 
 def tile_config(rows: int, groups: int, k: int, n: int) -> TileConfig | None:
-  """The Mosaic kernel's tiles for `[rows, k] x [groups, k, n]`, or None where they cannot
-  divide it (`k` must be a multiple of `block_k`, `n` of `block_n`)."""
+  """The kernels' tiles for `[rows, k] x [groups, k, n]`, or None where they cannot divide it
+  (`k` must be a multiple of `block_k`, `n` of `block_n`)."""
+  del rows  # the work list makes the row count matter only through the groups' boundaries
   if (groups, k, n) in TILE_TABLE:
     return TILE_TABLE[(groups, k, n)]
   block_k = 64
@@ -84,12 +83,7 @@ def tile_config(rows: int, groups: int, k: int, n: int) -> TileConfig | None:
   block_n = next((b for b in (128, 64) if n % b == 0), None)
   if block_n is None:
     return None
-  # Groups of fewer rows than a 128-row tile waste most of it on the group's boundary.
-  block_m = 128 if rows >= 128 * groups else 64
-  tiles_n = n // block_n
-  grid_block_n = next(b for b in (8, 4, 2, 1) if tiles_n % b == 0)
-  return TileConfig(block_m, block_n, block_k, max_concurrent_steps=4,
-                    grid_block_n=grid_block_n)
+  return TileConfig(block_m=ROW_TILE, block_n=block_n, block_k=block_k, stages=4, band=4)
 
 
 def _on_hopper() -> bool:
@@ -102,7 +96,7 @@ def _on_hopper() -> bool:
 
 
 def grouped_matmul_impl(rows: int, groups: int, k: int, n: int, dtype, w_dtype=None,
-                        *, transpose_w: bool = False, impl: str = "auto"):
+                        *, transpose_w: bool = False, impl: str = "auto", out_dtype=None):
   """`(name, detail)` of the implementation `grouped_matmul` uses for this shape: `("mosaic",
   TileConfig)` or `("xla", why the Mosaic kernel does not run it)`.
 
@@ -111,6 +105,7 @@ def grouped_matmul_impl(rows: int, groups: int, k: int, n: int, dtype, w_dtype=N
     dtype, w_dtype: the operands' dtypes (`w_dtype` defaults to `dtype`).
     transpose_w: the weights are stored `[groups, n, k]`.
     impl: 'auto', 'mosaic' (raises where it cannot run) or 'xla'.
+    out_dtype: the result's dtype (default `dtype`).
   """
   if impl not in ("auto", "mosaic", "xla"):
     raise ValueError(f"jax_ep.grouped_matmul: impl must be 'auto', 'mosaic' or 'xla', "
@@ -131,7 +126,8 @@ def grouped_matmul_impl(rows: int, groups: int, k: int, n: int, dtype, w_dtype=N
     if config is None:
       why = f"its tiles do not divide K={k} (multiples of 64) or N={n} (multiples of 64)"
     else:
-      why = _mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config)
+      out_dtype = dtype if out_dtype is None else np.dtype(out_dtype)
+      why = _mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config, out_dtype)
       if why is not None:
         config = None
   if config is not None:
@@ -143,7 +139,8 @@ def grouped_matmul_impl(rows: int, groups: int, k: int, n: int, dtype, w_dtype=N
 
 
 @functools.cache
-def _mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config) -> str | None:
+def _mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config,
+                          out_dtype) -> str | None:
   """Why the Mosaic kernel does not compile for this shape (e.g. its tiles exceed shared
   memory), or None. NOTES: compiled once per shape, on abstract operands, when the shape is
   first traced: a kernel that cannot build sends the shape to lax.ragged_dot (logged) instead
@@ -152,7 +149,7 @@ def _mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config) -> str
   operands = (jax.ShapeDtypeStruct((rows, k), dtype), jax.ShapeDtypeStruct(w_shape, dtype),
               jax.ShapeDtypeStruct((groups,), jnp.int32))
   try:
-    jax.jit(lambda x, w, s: _mosaic_ragged_dot(x, w, s, transpose_w, config)).lower(
+    jax.jit(lambda x, w, s: _mosaic_ragged_dot(x, w, s, transpose_w, config, out_dtype)).lower(
         *operands).compile()
   except Exception as e:  # noqa: BLE001 - any failure to build means: not this kernel
     return f"the Mosaic GPU kernel did not compile for it ({type(e).__name__}: " \
@@ -170,16 +167,13 @@ def _say(name, detail, shape):
 # ----------------------------------------------------------------------------------------------
 # The two implementations of the forward product and of the weight gradient.
 
-def _mosaic_ragged_dot(x, w, group_sizes, transpose_w, config):
-  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
-  return ragged_dot_mgpu.ragged_dot(x, w, group_sizes=group_sizes, transpose_rhs=transpose_w,
-                                    **dataclasses.asdict(config))
+def _mosaic_ragged_dot(x, w, group_sizes, transpose_w, config, out_dtype=None):
+  return grouped_matmul_kernel(x, w, group_sizes, transpose_w=transpose_w, tiles=config,
+                               out_dtype=out_dtype)
 
 
-def _mosaic_transposed_ragged_dot(x, dy, group_sizes, config):
-  from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
-  return transposed_ragged_dot_mgpu.transposed_ragged_dot(
-      x, dy, group_sizes=group_sizes, **dataclasses.asdict(config))
+def _mosaic_weight_grad(x, dy, group_sizes, config, out_dtype=None):
+  return grouped_weight_grad_kernel(x, dy, group_sizes, tiles=config, out_dtype=out_dtype)
 
 
 def _rows_used(rows, group_sizes):
@@ -188,25 +182,28 @@ def _rows_used(rows, group_sizes):
 
 
 def _product(x, w, group_sizes, transpose_w, out_dtype, impl):
-  """`[rows, N]` in out_dtype, zero past sum(group_sizes)."""
+  """`[rows, N]` in out_dtype; rows past sum(group_sizes) unspecified."""
   rows, k = x.shape
   groups = w.shape[0]
   n = w.shape[1] if transpose_w else w.shape[2]
-  name, detail = grouped_matmul_impl(rows, groups, k, n, x.dtype, w.dtype, impl=impl)
+  name, detail = grouped_matmul_impl(rows, groups, k, n, x.dtype, w.dtype, impl=impl,
+                                     out_dtype=out_dtype)
   _say(name, detail, f"[{rows}, {k}] x [{groups}, {k}, {n}]")
   if rows == 0:
     return jnp.zeros((0, n), out_dtype)
   if name == "mosaic":
-    # NOTES: the kernel stores only rows inside the groups (the rest of its output is
-    # uninitialised) and rounds its fp32 accumulator to the operands' dtype.
-    y = _mosaic_ragged_dot(x, w, group_sizes, transpose_w, detail)
-    return jnp.where(_rows_used(rows, group_sizes), y, jnp.zeros((), y.dtype)).astype(out_dtype)
+    # NOTES: a Pallas kernel's result is typed as invariant inside shard_map; it depends on
+    # the per-rank operands, so it varies wherever they do (and a custom_vjp cotangent must
+    # carry its primal's type).
+    y = _mosaic_ragged_dot(x, w, group_sizes, transpose_w, detail, out_dtype)
+    return vary_like_operands(y, (x, w, group_sizes))
   w_kn = jnp.swapaxes(w, 1, 2) if transpose_w else w
   return jax.lax.ragged_dot(x, w_kn, group_sizes, preferred_element_type=out_dtype)
 
 
 def _weight_grad(x, dy, group_sizes, transpose_w, w_dtype, impl):
-  """`[G, K, N]` (`[G, N, K]` with transpose_w): per group, `x^T dy` over its rows."""
+  """`[G, K, N]` (`[G, N, K]` with transpose_w): per group, `x^T dy` over its rows. Rows past
+  the groups never reach the result, whatever they hold."""
   rows, k = x.shape
   n = dy.shape[1]
   groups = group_sizes.shape[0]
@@ -216,12 +213,18 @@ def _weight_grad(x, dy, group_sizes, transpose_w, w_dtype, impl):
   name, detail = grouped_matmul_impl(rows, groups, k, n, x.dtype, dy.dtype, impl=impl)
   if name == "mosaic":
     config = tile_config(rows, groups, lhs.shape[1], rhs.shape[1])
-    # The transposed kernel tiles its output's two dims (M: block_m, N: block_n); a shape
+    # The weight-gradient kernel tiles its output's two dims (block_m, block_n); a shape
     # they do not divide takes ragged_dot_general (the log says so once).
     if config is not None and lhs.shape[1] % config.block_m == 0:
-      return _mosaic_transposed_ragged_dot(lhs, rhs, group_sizes, config).astype(w_dtype)
-    _say("xla", f"the transposed kernel's tiles do not divide [{lhs.shape[1]}, "
+      dw = _mosaic_weight_grad(lhs, rhs, group_sizes, config, np.dtype(w_dtype))
+      return vary_like_operands(dw, (x, dy, group_sizes))
+    _say("xla", f"the weight-gradient kernel's tiles do not divide [{lhs.shape[1]}, "
          f"{rhs.shape[1]}]", f"weight gradient [{groups}, {lhs.shape[1]}, {rhs.shape[1]}]")
+  # NOTES: ragged_dot_general may multiply the rows past the groups by zero, and NaN * 0 is
+  # NaN: select them away first (this path runs off Hopper, where the cost is accepted).
+  used = _rows_used(rows, group_sizes)
+  lhs = jnp.where(used, lhs, jnp.zeros((), lhs.dtype))
+  rhs = jnp.where(used, rhs, jnp.zeros((), rhs.dtype))
   numbers = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
       rhs_group_dimensions=[])
@@ -282,14 +285,13 @@ def _product_fn(transpose_w: bool, out_dtype, impl: str):
       return jnp.zeros((batch, 0, n), out_dtype), True
     if w_b:
       # Weights per batch element: every element's groups in turn, each element's rows past
-      # its groups given to its last group and zeroed afterwards.
+      # its groups given to its last group (computed there, unspecified like any row past the
+      # groups).
       groups = w.shape[1]
       tails = rows - jnp.sum(group_sizes, axis=1)
       sizes = group_sizes.at[:, -1].add(tails).reshape(-1)
       y = product(x.reshape(batch * rows, k), w.reshape(batch * groups, *w.shape[2:]), sizes)
-      y = y.reshape(batch, rows, -1)
-      used = jnp.arange(rows)[None, :] < (rows - tails)[:, None]
-      return jnp.where(used[..., None], y, jnp.zeros((), y.dtype)), True
+      return y.reshape(batch, rows, -1), True
     # Shared weights: rows reordered so that each group holds every element's rows of it.
     pos, totals = _fold_rows_by_group(group_sizes, rows)
     x_sorted = x.reshape(batch * rows, k)[_inverse(pos)]
@@ -361,11 +363,14 @@ def grouped_matmul(x, w, group_sizes, *, transpose_w: bool = False,
     group_sizes: `[G]` int32, summing to at most `rows`.
     transpose_w: multiply by each `w[g]` transposed.
     preferred_element_type: the result's dtype (default `x.dtype`); the product accumulates in
-      fp32 either way (the Mosaic path rounds it to `x.dtype` first).
-    impl: 'auto' (Mosaic GPU where it runs, see `grouped_matmul_impl`), 'mosaic' or 'xla'.
+      fp32 and is rounded once to it.
+    impl: 'auto' (jax_ep's Mosaic GPU kernels where they run, see `grouped_matmul_impl`),
+      'mosaic' or 'xla'.
 
   Returns:
-    `[rows, N]`: row r of group g is `x[r] @ w[g]`; rows past `sum(group_sizes)` are zero.
+    `[rows, N]`: row r of group g is `x[r] @ w[g]`; rows past `sum(group_sizes)` are
+    unspecified (on Hopper they are never computed: their cost is zero), and no result or
+    gradient depends on what `x` holds there.
     Differentiable in `x` and `w`; `jax.vmap` over a leading axis of any argument runs one call.
   """
   for name, value, ndim in (("x", x, 2), ("w", w, 3), ("group_sizes", group_sizes, 1)):
