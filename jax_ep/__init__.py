@@ -13,7 +13,8 @@ The contract is docs/DESIGN.md. Quick start::
 from jax_ep import _ffi
 from jax_ep._status import CapacityOverflowError
 from jax_ep.config import default_capacity
-from jax_ep.group import Group, MemoryEstimate, memory_bytes
+from jax_ep.group import Group
+from jax_ep.sizing import MemoryEstimate, capacity_from_factor, memory_bytes
 from jax_ep.gmm import grouped_matmul, grouped_matmul_impl
 from jax_ep.layer import (MoEOutput, MoEParams, expert_mlp_slabs, init_moe_params, moe_mlp,
                           moe_mlp_per_shard)
@@ -23,7 +24,7 @@ from jax_ep.ops import (DispatchResult, Handle, LowLatencyHandle, LowLatencyResu
                         LowLatencySent, combine, dispatch, low_latency_combine,
                         low_latency_combine_send, low_latency_combine_wait,
                         low_latency_dispatch, low_latency_dispatch_send,
-                        low_latency_dispatch_wait)
+                        low_latency_dispatch_wait, zero_padding)
 
 __version__ = "0.1.0"
 
@@ -33,11 +34,12 @@ _ffi.extension()
 
 __all__ = [
     "Group", "CapacityOverflowError", "MemoryEstimate", "memory_bytes", "default_capacity",
+    "capacity_from_factor",
     "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
     "low_latency_dispatch_send", "low_latency_dispatch_wait", "low_latency_combine_send",
     "low_latency_combine_wait", "LowLatencySent",
     "grouped_matmul", "grouped_matmul_impl", "expert_mlp_slabs",
-    "DispatchResult", "Handle", "LowLatencyResult", "LowLatencyHandle",
+    "DispatchResult", "Handle", "zero_padding", "LowLatencyResult", "LowLatencyHandle",
     "MoEOutput", "MoEParams", "init_moe_params", "moe_mlp", "moe_mlp_per_shard",
     "Routing", "route", "expert_counts", "load_balancing_loss", "router_z_loss",
     "update_router_bias",

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
+
+# The activation dtypes a group carries.
+DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +25,10 @@ class EPConfig:
     dtype: activation dtype (numpy dtype of bf16, f16 or f32).
     capacity: rows of the high-throughput receive buffer per rank.
     strict: raise at run time when any row is dropped.
+    capacity_factor: the factor `capacity` was derived from (`jax_ep.capacity_from_factor`),
+      or None when it was given in rows or left at the default. Informational: every layer
+      reads `capacity`, so it takes no part in equality, hashing or the fingerprint (two
+      processes that reach the same rows by different arguments build the same buffers).
   """
 
   axis_name: str
@@ -32,6 +40,7 @@ class EPConfig:
   dtype: np.dtype
   capacity: int
   strict: bool = False
+  capacity_factor: float | None = dataclasses.field(default=None, compare=False)
 
   @property
   def num_local_experts(self) -> int:
@@ -48,6 +57,18 @@ class EPConfig:
                 num_topk=self.num_topk, hidden=self.hidden,
                 max_tokens_per_rank=self.max_tokens_per_rank, dtype=str(np.dtype(self.dtype)),
                 capacity=self.capacity, strict=self.strict)
+
+
+def check_dtype(dtype, where: str = "jax_ep.Group") -> np.dtype:
+  """`dtype` as a numpy dtype, or a `TypeError` naming the dtypes a group takes."""
+  try:
+    dtype = np.dtype(dtype)
+  except TypeError:
+    raise TypeError(f"{where}: dtype must be one of bfloat16, float16, float32; "
+                    f"got {dtype!r}") from None
+  if dtype not in DTYPES:
+    raise TypeError(f"{where}: dtype must be one of bfloat16, float16, float32; got {dtype}")
+  return dtype
 
 
 def default_capacity(num_ranks: int, max_tokens_per_rank: int, num_topk: int,

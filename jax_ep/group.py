@@ -1,8 +1,7 @@
-"""`Group`: one expert-parallel communicator over a mesh axis, and the memory sizing helper."""
+"""`Group`: one expert-parallel communicator over a mesh axis."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import operator
 import socket
@@ -11,17 +10,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _distributed, _effects, _ffi, _status, cuda_ops, intranode, reference
+from jax_ep import _distributed, _effects, _ffi, _status, intranode
 from jax_ep import limits as jax_ep_limits
 from jax_ep import topology as topology_lib
 from jax_ep.backends import BACKENDS, CudaBackend, IntranodeBackend, NetworkBackend
-from jax_ep.config import EPConfig, default_capacity
+from jax_ep.config import EPConfig, check_dtype
 from jax_ep.limits import KernelLimits, kernel_limits
+# Re-exported: `from jax_ep.group import memory_bytes, MemoryEstimate` is how code imports them.
+from jax_ep.sizing import MemoryEstimate, memory_bytes, resolve_capacity  # noqa: F401
 
 _logger = logging.getLogger("jax_ep")
-
-_DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
-
 
 def _positive_int(name: str, value) -> int:
   try:
@@ -47,17 +45,6 @@ def _positive_seconds(name: str, value) -> float:
   if not 0.0 < value < 1e9:
     raise ValueError(f"jax_ep.Group: {name} must be a positive number of seconds, got {value}")
   return value
-
-
-def _check_dtype(dtype) -> np.dtype:
-  try:
-    dtype = np.dtype(dtype)
-  except TypeError:
-    raise TypeError(f"jax_ep.Group: dtype must be one of bfloat16, float16, float32; "
-                    f"got {dtype!r}") from None
-  if dtype not in _DTYPES:
-    raise TypeError(f"jax_ep.Group: dtype must be one of bfloat16, float16, float32; got {dtype}")
-  return dtype
 
 
 # Intranode transports of groups not yet closed: the exit hook of jax_ep/_effects.py settles JAX's
@@ -163,82 +150,6 @@ def _resolve_backend(backend: str, mesh, config: EPConfig, num_sms: int,
   return "reference", why_not
 
 
-@dataclasses.dataclass(frozen=True)
-class MemoryEstimate:
-  """Bytes one rank needs for a group configuration.
-
-  Attributes:
-    recv_x_bytes: the high-throughput dispatch output `[capacity, H]`.
-    handle_bytes: routing metadata kept between dispatch and combine (the largest backend's).
-    low_latency_recv_bytes: the low-latency dispatch output `[L, R*T_max, H]` (bf16 or fp8 plus
-      scales, whichever asked).
-    low_latency_buffer_bytes: the part of `comm_buffer_bytes` that the low-latency buffers take
-      (two sets of `[L, R*T_max]` rows and `[T_max, K]` combine rows; cuda with
-      `low_latency=True` only).
-    workspace_bytes: transient buffers of one call (the reference's exchange blocks, or the
-      kernels' scratch).
-    comm_buffer_bytes: library-owned communication buffers allocated once per group.
-  """
-  recv_x_bytes: int
-  handle_bytes: int
-  low_latency_recv_bytes: int
-  workspace_bytes: int
-  comm_buffer_bytes: int
-  low_latency_buffer_bytes: int = 0
-
-  @property
-  def total_bytes(self) -> int:
-    return (self.recv_x_bytes + self.handle_bytes + self.low_latency_recv_bytes
-            + self.workspace_bytes + self.comm_buffer_bytes)
-
-
-def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int,
-                 max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
-                 backend: str = "reference", use_fp8: bool = False,
-                 low_latency: bool = False, network: bool = False,
-                 num_hosts: int = 0) -> MemoryEstimate:
-  """How much memory one rank needs for this configuration, before anything is allocated.
-
-  Args:
-    num_ranks: `R`. num_experts: `E` (divisible by `R`). num_topk: `K`. hidden: `H`.
-    max_tokens_per_rank: `T_max`. dtype: activation dtype. capacity: receive rows per rank
-      (default: `default_capacity`). backend: 'reference' or 'cuda'. use_fp8: size the
-      low-latency output for fp8 instead of the activation dtype. low_latency: a cuda group
-      created with `low_latency=True` (its communication buffers include the low-latency ones).
-    network: a cuda group whose ranks span `num_hosts` hosts (real or `virtual_hosts`): its
-      buffer, in NVSHMEM's symmetric heap, also holds the outbox the low-latency puts read and
-      the rail exchange's blocks, and each host's own group has a buffer for the
-      high-throughput ops' forwarding (jax_ep/hierarchical.py).
-  """
-  dtype = _check_dtype(dtype)
-  num_local = num_experts // num_ranks
-  if capacity is None:
-    capacity = default_capacity(num_ranks, max_tokens_per_rank, num_topk, num_local)
-  config = EPConfig("ep", num_ranks, num_experts, num_topk, hidden, max_tokens_per_rank, dtype,
-                    capacity)
-  t, k, r = max_tokens_per_rank, num_topk, num_ranks
-  recv_x = capacity * hidden * dtype.itemsize
-  handle = 4 * (t * k + r * t * k + capacity) + 4 * t * k  # routing + the weights
-  slab_rows = num_local * r * t
-  if use_fp8:
-    low_latency_rows = slab_rows * (hidden + 4 * (hidden // 128))
-  else:
-    low_latency_rows = slab_rows * hidden * dtype.itemsize
-  comm_buffers = ll_buffers = 0
-  if backend == "cuda":
-    workspace = cuda_ops.layout_workspace_bytes(config) if num_ranks == 1 else 0
-    comm_buffers = intranode.buffer_bytes(config, low_latency, network, num_hosts)
-    if low_latency:
-      ll_buffers = comm_buffers - intranode.buffer_bytes(
-          config, False, network and num_hosts >= 2, num_hosts)
-      if num_ranks == 1:  # the one-rank group's buffer exists for the low-latency pair alone
-        ll_buffers = comm_buffers
-  else:
-    workspace = reference.scratch_bytes(config)
-  return MemoryEstimate(recv_x, handle, low_latency_rows, workspace,
-                        comm_buffer_bytes=comm_buffers, low_latency_buffer_bytes=ll_buffers)
-
-
 class Group:
   """An expert-parallel group over one mesh axis.
 
@@ -256,10 +167,18 @@ class Group:
     hidden: `H`.
     max_tokens_per_rank: `T_max`, the most tokens one rank passes per call.
     dtype: activation dtype (bfloat16, float16 or float32).
-    capacity: rows of the dispatch output per rank; default `R * T_max * min(K, E/R)`, the
-      exact worst case (a token's slots that name one expert share one row, so a token brings
-      at most `min(K, L)` rows to a rank): the default never drops. Smaller values save memory;
-      the excess is counted in `num_dropped` and contributes zero to combine.
+    capacity: rows of the dispatch output per rank, positive; default `R * T_max * min(K, E/R)`,
+      the exact worst case (a token's slots that name one expert share one row, so a token
+      brings at most `min(K, L)` rows to a rank): the default never drops. Smaller values save
+      memory (`memory_bytes()`, docs/memory.md); the excess is counted in `num_dropped`
+      and contributes zero to combine, and `strict` makes it an error.
+    capacity_factor: the alternative to `capacity` (pass at most one): a positive finite `f`
+      giving `ceil(f * T_max * K)` rows, `f` times what a rank receives when routing is
+      perfectly balanced, rounded up to a multiple of the grouped GEMM's row tile
+      (`jax_ep.gmm.ROW_TILE`) and clamped to the worst case above, which no rank can exceed
+      (`jax_ep.capacity_from_factor`). `group.capacity` is the rows it gave,
+      `group.capacity_factor` the factor (None when not given). Drops are counted and `strict`
+      raises exactly as with `capacity`.
     backend: 'auto' (default): cuda wherever it can run this group (CUDA GPUs with the
       extension built, a configuration inside the kernels' limits, one rank or a process model
       the intranode transport runs: one process per device, or one process for all of them), else
@@ -306,7 +225,7 @@ class Group:
 
   def __init__(self, mesh, axis_name: str, *, num_experts: int, num_topk: int, hidden: int,
                max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
-               backend: str = "auto", strict: bool = False, config_timeout_s: float = 60.0,
+               capacity_factor: float | None = None, backend: str = "auto", strict: bool = False, config_timeout_s: float = 60.0,
                num_sms: int = 24, timeout_s: float = 60.0, raise_on_timeout: bool = False,
                low_latency: bool = False, virtual_hosts: int | None = None):
     if axis_name not in mesh.axis_names:
@@ -338,17 +257,14 @@ class Group:
     if num_topk > num_experts:
       raise ValueError(f"jax_ep.Group: num_topk={num_topk} must be <= num_experts="
                        f"{num_experts} (a token selects at most every expert once)")
-    dtype = _check_dtype(dtype)
+    dtype = check_dtype(dtype)
     num_local = num_experts // num_ranks
-    if capacity is None:
-      capacity = default_capacity(num_ranks, max_tokens_per_rank, num_topk, num_local)
-    else:
-      capacity = operator.index(capacity)
-      if capacity < 0:
-        raise ValueError(f"jax_ep.Group: capacity must be >= 0, got {capacity}")
+    capacity, capacity_factor = resolve_capacity(capacity, capacity_factor, num_ranks,
+                                                 max_tokens_per_rank, num_topk, num_local)
     self.mesh = mesh
     self.config = EPConfig(axis_name, num_ranks, num_experts, num_topk, hidden,
-                           max_tokens_per_rank, dtype, capacity, bool(strict))
+                           max_tokens_per_rank, dtype, capacity, bool(strict),
+                           capacity_factor=capacity_factor)
     # The processes holding the mesh's devices create the group together; a group over some of
     # the job's processes is checked and counted among them alone.
     members = sorted({d.process_index for d in mesh.devices.flat})
@@ -437,6 +353,7 @@ class Group:
   max_tokens_per_rank = property(lambda self: self.config.max_tokens_per_rank)
   dtype = property(lambda self: self.config.dtype)
   capacity = property(lambda self: self.config.capacity)
+  capacity_factor = property(lambda self: self.config.capacity_factor)
   strict = property(lambda self: self.config.strict)
 
   @property
@@ -485,14 +402,18 @@ class Group:
       return 2
     return 1
 
-  def memory_bytes(self, use_fp8: bool = False) -> MemoryEstimate:
+  def memory_bytes(self, use_fp8: bool = False, *, ffn: int | None = None,
+                   activation: str = "swiglu") -> MemoryEstimate:
+    """`jax_ep.memory_bytes` for this group (its capacity, backend and transports); `ffn` and
+    `activation` also size what its expert layer keeps for the backward."""
     c = self.config
     return memory_bytes(num_ranks=c.num_ranks, num_experts=c.num_experts, num_topk=c.num_topk,
                         hidden=c.hidden, max_tokens_per_rank=c.max_tokens_per_rank,
                         dtype=c.dtype, capacity=c.capacity, backend=self.backend_name,
                         use_fp8=use_fp8, low_latency=self.low_latency,
                         network=bool(getattr(self._transport, "network_buffer", 0)),
-                        num_hosts=self.topology.num_hosts if self.topology else 0)
+                        num_hosts=self.topology.num_hosts if self.topology else 0,
+                        ffn=ffn, activation=activation)
 
   def constrain(self, value, spec):
     """Lays `value` out as `spec` over the group's mesh, inside or outside `jit`.
@@ -561,6 +482,7 @@ class Group:
 
   def __repr__(self):
     c = self.config
+    factor = "" if c.capacity_factor is None else f", capacity_factor={c.capacity_factor!r}"
     return (f"jax_ep.Group(axis={c.axis_name!r}, ranks={c.num_ranks}, experts={c.num_experts}, "
             f"topk={c.num_topk}, hidden={c.hidden}, max_tokens_per_rank={c.max_tokens_per_rank}, "
-            f"dtype={c.dtype}, capacity={c.capacity}, backend={self.backend_name!r})")
+            f"dtype={c.dtype}, capacity={c.capacity}{factor}, backend={self.backend_name!r})")

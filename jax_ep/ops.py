@@ -23,9 +23,12 @@ class DispatchResult(NamedTuple):
 
   Attributes:
     x: `[capacity, H]` rows grouped by local expert `0..L-1`; inside one expert ordered by
-      (source rank, source token); rows past `sum(group_sizes)` are zero. The input
-      `jax.lax.ragged_dot(x, w[L, ...], group_sizes)` expects. A token whose slots name one
-      expert several times has one row there (see `dispatch`).
+      (source rank, source token): the input `jax_ep.grouped_matmul(x, w[L, ...],
+      group_sizes)` takes. Rows past `sum(group_sizes)` are unspecified on the cuda backend
+      (dispatch does not write them; zeros on the reference backend): nothing in jax_ep reads
+      them, so the worst-case capacity costs memory and never time. Code of your own that
+      mixes rows masks them first (`valid_rows()`, `jax_ep.zero_padding`). A token whose slots
+      name one expert several times has one row there (see `dispatch`).
     group_sizes: `[L]` int32 rows per local expert.
     num_dropped: `[]` int32 rows that did not fit in `capacity` on this rank.
     num_invalid: `[]` int32 slots of *this rank's* `topk_idx` outside `[-1, E)` (treated as -1).
@@ -34,6 +37,22 @@ class DispatchResult(NamedTuple):
   group_sizes: jax.Array
   num_dropped: jax.Array
   num_invalid: jax.Array
+
+  def valid_rows(self) -> jax.Array:
+    """`[capacity]` bool: the rows of `x` that hold dispatched tokens (`< sum(group_sizes)`)."""
+    used = jnp.sum(self.group_sizes.astype(jnp.int32))
+    return jnp.arange(self.x.shape[-2], dtype=jnp.int32) < used
+
+
+def zero_padding(recv: DispatchResult) -> DispatchResult:
+  """`recv` with zeros in the rows of `recv.x` past `sum(group_sizes)`, for code of your own
+  that mixes rows (a reduction over all rows, `jax.lax.ragged_dot` on a GPU). It reads and
+  writes the whole `[capacity, H]` buffer: jax_ep's own ops never need it."""
+  if not isinstance(recv, DispatchResult):
+    raise TypeError(f"jax_ep.zero_padding: recv must be a DispatchResult, got "
+                    f"{type(recv).__name__}")
+  return recv._replace(x=jnp.where(recv.valid_rows()[:, None], recv.x,
+                                   jnp.zeros((), recv.x.dtype)))
 
 
 class Handle(NamedTuple):
@@ -384,11 +403,14 @@ def _check_low_latency_combine(group: Group, op: str, expert_out, handle):
 
 
 def _check_low_latency_weights(group: Group, op: str, handle, topk_weights):
+  # bf16 / f16 router weights, as `dispatch` takes them: the reduction is fp32 either way, and
+  # the cast's transpose returns their gradient in their own dtype.
   _check_array(op, "topk_weights", topk_weights, ndim=2,
-               dtypes=(jnp.float32,), shape=("T", "K"))
+               dtypes=(jnp.float32, jnp.bfloat16, jnp.float16), shape=("T", "K"))
   if topk_weights.shape != handle.topk_idx.shape:
     raise ValueError(f"jax_ep.{op}: topk_weights must have shape [T, K] = "
                      f"{handle.topk_idx.shape}, got {topk_weights.shape}")
+  topk_weights = topk_weights.astype(jnp.float32)
   # A merged row carries the sum of the weights of the slots that name its expert.
   return merge_duplicate_slots(handle.topk_idx, topk_weights, group.num_experts)[1]
 

@@ -18,6 +18,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ep
+from jax_ep.layer import expert_mlp
 from jax_ep.testing import oracle
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -99,6 +100,12 @@ def host_value(value):
   for shard in value.addressable_shards:
     out[shard.index] = np.asarray(shard.data)
   return out
+
+
+def used_rows(recv_x, group_sizes):
+  """The rows of a dispatch result that hold tokens: rows past `sum(group_sizes)` are
+  unspecified on the cuda backend (dispatch does not write them)."""
+  return np.asarray(recv_x)[:int(np.asarray(group_sizes).sum())]
 
 
 def random_inputs(rng, num_ranks, num_tokens, hidden, dtype):
@@ -206,7 +213,9 @@ class EPTestBase:
     for d, want in enumerate(expected):
       if d not in self.local_ranks(group):
         continue
-      np.testing.assert_array_equal(recv.x[d], want["recv_x"], err_msg=f"recv_x on rank {d}")
+      np.testing.assert_array_equal(used_rows(recv.x[d], want["group_sizes"]),
+                                    used_rows(want["recv_x"], want["group_sizes"]),
+                                    err_msg=f"recv_x on rank {d}")
       np.testing.assert_array_equal(recv.group_sizes[d], want["group_sizes"],
                                     err_msg=f"group_sizes on rank {d}")
       assert recv.num_dropped[d] == want["num_dropped"], f"num_dropped on rank {d}"
@@ -255,7 +264,7 @@ class EPTestBase:
     self._roundtrip(self.small_ranks, 5, 128, 2, 8, "uniform", jnp.float32, max_tokens=19)
 
   @pytest.mark.parametrize("num_ranks", [1, 4])
-  @pytest.mark.parametrize("capacity", [0, 7, 50])
+  @pytest.mark.parametrize("capacity", [1, 7, 50])
   def test_capacity_overflow_is_counted(self, num_ranks, capacity):
     _, _, expected = self._roundtrip(num_ranks, 19, 128, 4, 8, "hot", jnp.float32,
                                      capacity=capacity)
@@ -291,7 +300,7 @@ class EPTestBase:
     recv, out = self.dispatch_combine(group, x, idx, w, eo)
     assert out.shape == (r, 0, 128)
     for d in self.local_ranks(group):
-      np.testing.assert_array_equal(recv.x[d], np.zeros((group.capacity, 128), np.float32))
+      assert recv.x[d].shape == (group.capacity, 128)  # every row past the (empty) groups
       np.testing.assert_array_equal(recv.group_sizes[d],
                                     np.zeros(group.num_local_experts, np.int32))
       assert recv.num_dropped[d] == 0 and recv.num_invalid[d] == 0
@@ -489,6 +498,65 @@ class EPTestBase:
       return jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep"))(
           x, idx_s, w, a)
     jax.test_util.check_grads(f, (x_s, w_s, a_s), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+  # ------------------------------------------------------------------ rows past the groups
+  @pytest.mark.parametrize("num_ranks", [1, 4])
+  def test_rows_past_the_groups_never_reach_a_result(self, num_ranks):
+    """NaN in every row of recv.x past sum(group_sizes) (and in the cotangent of the experts'
+    output there) leaves the layer's output and every gradient unchanged and finite: combine,
+    grouped_matmul, expert_mlp and the backward rules never read those rows."""
+    num_experts, num_topk, hidden, ffn, num_tokens = 8, 2, 128, 128, 64
+    group = self.make_group(num_ranks, num_experts=num_experts, num_topk=num_topk,
+                            hidden=hidden, max_tokens=num_tokens, dtype=jnp.bfloat16)
+    rng = np.random.default_rng(17)
+    x = random_inputs(rng, num_ranks, num_tokens, hidden, jnp.bfloat16)
+    idx = make_routing(rng, num_ranks, num_tokens, num_topk, num_experts, "hot")
+    w = rng.random((num_ranks, num_tokens, num_topk)).astype(np.float32)
+    cot = rng.standard_normal((num_ranks, num_tokens, hidden)).astype(np.float32)
+    scale = hidden ** -0.5
+    weights = [np.asarray(jnp.asarray(rng.standard_normal(shape) * scale, jnp.bfloat16))
+               for shape in ((num_experts, hidden, ffn), (num_experts, hidden, ffn),
+                             (num_experts, ffn, hidden))]
+
+    @jax.custom_vjp
+    def poison_cotangent(y, valid):
+      return y
+
+    def poison_fwd(y, valid):
+      return y, valid
+
+    def poison_bwd(valid, dy):
+      return jnp.where(valid[:, None], dy, jnp.full((), jnp.nan, dy.dtype)), None
+    poison_cotangent.defvjp(poison_fwd, poison_bwd)
+
+    def run(poison):
+      def body(x, idx, w, cot, w_gate, w_up, w_down):
+        def loss(x, w, w_gate, w_up, w_down):
+          recv, handle = jax_ep.dispatch(group, x, idx[0], w)
+          rows = recv.x
+          valid = recv.valid_rows()
+          if poison:
+            rows = jnp.where(valid[:, None], rows, jnp.full((), jnp.nan, rows.dtype))
+          y = expert_mlp(rows, w_gate, w_up, w_down, recv.group_sizes)
+          if poison:
+            y = poison_cotangent(y, valid)
+          out = jax_ep.combine(group, y, handle)
+          return jnp.sum(out.astype(jnp.float32) * cot[0]), out
+        grads, out = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
+            x[0], w[0], w_gate, w_up, w_down)
+        return (out[None], grads[0][None], grads[1][None]) + tuple(grads[2:])
+      mapped = jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep"))
+      outs = jax.jit(mapped)(*self.shard(group, x, idx, w, cot, *weights))
+      return [np.asarray(self.to_numpy(o), np.float32) for o in outs]
+
+    clean, poisoned = run(False), run(True)
+    mine = self.local_mask(group)
+    for name, a, b in zip(("out", "d x", "d topk_weights", "d w_gate", "d w_up", "d w_down"),
+                          clean, poisoned):
+      if a.shape[0] == num_ranks:
+        a, b = a[mine], b[mine]
+      assert np.isfinite(b).all(), f"{name}: NaN from the rows past the groups"
+      np.testing.assert_array_equal(b, a, err_msg=name)
 
   # ------------------------------------------------------------------ transformations
   def test_vmap_matches_per_element_with_one_round(self):

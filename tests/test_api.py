@@ -83,9 +83,12 @@ class TestGroupValidation:
     with pytest.raises(ValueError, match="backend must be 'auto', 'reference' or 'cuda'; got 'tpu'"):
       _group(backend="tpu")
 
-  def test_negative_capacity(self):
-    with pytest.raises(ValueError, match="capacity must be >= 0, got -1"):
-      _group(capacity=-1)
+  @pytest.mark.parametrize("capacity", [-1, 0])
+  def test_non_positive_capacity(self, capacity):
+    # A zero-row buffer would drop every row; None is how to ask for the default.
+    with pytest.raises(ValueError, match=rf"capacity must be positive, got {capacity} \(leave "
+                                         r"it None for the worst case, .* = 64 rows"):
+      _group(capacity=capacity)
 
   def test_default_capacity_is_exact_worst_case(self):
     assert _group(ranks=4, num_experts=8, num_topk=8).capacity == 4 * 16 * 2  # min(K, L) = 2

@@ -13,7 +13,7 @@
 //   attrs         group_id, capacity: int64; weighted: bool
 //   recv_x        `[capacity, H]` x.dtype: entry (s, i, k) at entry_row
 //                 (times its weight in fp32, rounded once, when weighted);
-//                 rows >= sum(group_sizes) are zero
+//                 rows >= sum(group_sizes) are not written
 //   status        `[]` int32: 0 ok, 1 the group has timed out (in this call
 //                 or an earlier one: the outputs are defined but not valid)
 

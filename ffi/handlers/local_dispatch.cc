@@ -9,7 +9,7 @@
 //   slot_weights `[B..., T, K]` float32 operand, read only when `weighted`
 //   attrs        capacity: int64, weighted: bool
 //   recv_x       `[B..., capacity, H]` x.dtype: recv_x[slot_row[t, k]] = x[t]
-//                (* slot_weights[t, k]); rows >= sum(group_sizes) are zero.
+//                (* slot_weights[t, k]); rows >= sum(group_sizes) are not written.
 
 #include <cuda_runtime.h>
 
@@ -97,7 +97,7 @@ ffi::Error LocalDispatchImpl(cudaStream_t stream, ffi::AnyBuffer x,
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       kOp,
       local::Dispatch(dtype, x.untyped_data(), slot_row.typed_data(),
-                      group_sizes.typed_data(), slot_weights.typed_data(),
+                      slot_weights.typed_data(),
                       recv_x->untyped_data(), num_batches, num_tokens, num_topk,
                       num_experts, hidden, capacity, weighted, stream));
   return ffi::Error::Success();

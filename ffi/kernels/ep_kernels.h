@@ -142,12 +142,11 @@ struct PlacedTokens {
 };
 
 // recv_x[slot_row[t, k]] = x[t] (* slot_weights[t, k] in fp32, rounded once,
-// when `weighted`) for every slot with 0 <= slot_row < capacity; rows
-// [min(sum(group_sizes), capacity), capacity) are zero-filled. Each x row is
-// read once.
+// when `weighted`) for every slot with 0 <= slot_row < capacity; no other row
+// is written (rows past the used ones are unspecified). Each x row is read
+// once.
 //   x            `[T, H]` dtype      in
 //   slot_row     `[T, K]` int32      in
-//   group_sizes  `[E]`    int32      in
 //   slot_weights `[T, K]` float32    in (not read when !weighted; may be null)
 //   recv_x       `[capacity, H]` dtype out
 // All activation pointers must be 16-byte aligned and H % kHiddenMultiple == 0.
@@ -157,7 +156,7 @@ struct PlacedTokens {
 // (L2, no L1 / non-coherent cache) instead of ld.global.nc.
 // `placed`: see PlacedTokens.
 cudaError_t Dispatch(ElementType dtype, const void* x, const int32_t* slot_row,
-                     const int32_t* group_sizes, const float* slot_weights,
+                     const float* slot_weights,
                      void* recv_x, int64_t num_batches, int64_t num_tokens,
                      int64_t num_topk, int64_t num_experts, int64_t hidden,
                      int64_t capacity, bool weighted, cudaStream_t stream,
@@ -615,7 +614,7 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
 // Dispatch with the layout of an earlier Dispatch
 // (jax_ep_intranode_dispatch_cached): rows only; entry (s, i, k) lands at
 // entry_row (times entry_weights in fp32, rounded once, when `weighted`); rows
-// >= sum(group_sizes) are zero.
+// >= sum(group_sizes) are not written (unspecified).
 //   x `[T, H]`, send_pos `[T, R]`, entry_row / entry_weights `[R*T_max, K]`
 //   (rows past each source's count are -1 there), group_sizes `[L]` in;
 //   recv_x `[capacity, H]`, status out.

@@ -195,7 +195,7 @@ cudaError_t DispatchCached(const GroupView& g, ElementType dtype, const void* x,
   JAX_EP_CUDA_RETURN_IF_ERROR(
       LaunchWait(g, OpCode::kDispatchCached, kDispatchRegion, nullptr, stream));
   JAX_EP_CUDA_RETURN_IF_ERROR(local::Dispatch(
-      dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
+      dtype, g.own + g.layout.dispatch_rows, entry_row,
       entry_weights, recv_x, /*num_batches=*/1, num_rows, g.num_topk,
       num_local_experts, g.hidden, capacity, weighted, stream,
       /*x_from_peers=*/true));
@@ -224,7 +224,7 @@ cudaError_t CombineVjp(const GroupView& g, ElementType dtype, const void* d_out,
       LaunchWait(g, OpCode::kCombineVjp, kDispatchRegion, nullptr, stream));
   // d_expert_out: the weighted placement of the received d_out rows.
   JAX_EP_CUDA_RETURN_IF_ERROR(local::Dispatch(
-      dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
+      dtype, g.own + g.layout.dispatch_rows, entry_row,
       entry_weights, d_expert_out, /*num_batches=*/1, num_rows, g.num_topk,
       num_local, g.hidden, capacity, /*weighted=*/true, stream,
       /*x_from_peers=*/true));

@@ -99,7 +99,7 @@ __device__ bool BlockWaitCount(const GroupView& g, const unsigned* counter,
 // * Placers, blocks [num_senders, num_senders + num_placers): items are
 //   tokens t with slots on this rank; row t goes straight from x to
 //   recv_x[offset[me][l] + slot_rank[me, t, k]] for each (rows >= capacity
-//   dropped). With `receive`, they then zero the tail rows [used, capacity).
+//   dropped). Rows past the used ones are never written (unspecified).
 // * Receivers (only with `receive`), the remaining blocks: the other sources'
 //   positions, chunk by chunk (chunks ascending, then sources), spread over
 //   the receivers; a block waits until a chunk's tokens are all done
@@ -120,13 +120,11 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
                        const int32_t* __restrict__ count_to,
                        const int32_t* __restrict__ slot_rank,
                        const int32_t* __restrict__ offset,
-                       const int32_t* __restrict__ group_sizes,
                        const int32_t* __restrict__ source_chunks,
                        uint4* __restrict__ recv_x, int64_t capacity,
                        int32_t num_tokens, int32_t num_experts,
                        int32_t num_local, int32_t num_senders,
-                       int32_t chunk_tokens, int32_t num_placers,
-                       bool receive) {
+                       int32_t chunk_tokens, int32_t num_placers) {
   __shared__ char* s_peer[kMaxR];
   __shared__ int32_t s_dest[kMaxR];
   __shared__ int32_t s_pos[kMaxR];
@@ -134,7 +132,6 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
   __shared__ int32_t s_idx[kMaxK];
   __shared__ float s_w[kMaxK];
   __shared__ int32_t s_row[kMaxK];
-  __shared__ int64_t s_red[kCommThreads / 32];
   if (BlockSeesAbort(g)) return;
   const int me = g.rank;
   const int32_t num_topk = g.num_topk;
@@ -219,18 +216,6 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
       if (!__syncthreads_or(my_row >= 0)) continue;  // block-uniform
       PlaceRow<false>(x + static_cast<int64_t>(t) * rv, s_row, num_topk, rv,
                       recv_x);
-    }
-    if (!receive) return;  // local::Dispatch after the arrivals zeroes the tail
-    // Zero tail: rows [min(sum(group_sizes), capacity), capacity).
-    const int64_t used =
-        detail::UsedRows<kCommThreads>(group_sizes, num_local, capacity, s_red);
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int64_t row = used + (block - num_senders); row < capacity;
-         row += num_placers) {
-      uint4* dst = recv_x + row * rv;
-      for (int32_t j = threadIdx.x; j < rv; j += kCommThreads) {
-        StoreMaybeStreaming<true>(dst + j, zero);
-      }
     }
     return;
   }
@@ -471,10 +456,10 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
                                              num_receivers),
                        kCommThreads, 0, stream>>>(
       g, static_cast<const uint4*>(x), send_pos, topk_idx, topk_weights,
-      count_to, slot_rank, offset, group_sizes, source_chunks,
+      count_to, slot_rank, offset, source_chunks,
       static_cast<uint4*>(recv_x), capacity, static_cast<int32_t>(num_tokens),
       static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local),
-      num_senders, chunk_tokens, static_cast<int32_t>(num_placers), receive);
+      num_senders, chunk_tokens, static_cast<int32_t>(num_placers));
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // 6. Every source's flag: recv_counts.
   JAX_EP_CUDA_RETURN_IF_ERROR(
@@ -488,13 +473,13 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
                                             capacity, entry_row, entry_weights);
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   // 8. Without receivers: the other sources' rows from the receive buffer
-  //    into recv_x, and the zero tail (the own tokens were placed in 5).
+  //    into recv_x (the own tokens were placed in 5).
   if (!receive) {
     local::PlacedTokens placed;
     placed.begin = static_cast<int64_t>(g.rank) * g.max_tokens;
     placed.count = g.max_tokens;
     JAX_EP_CUDA_RETURN_IF_ERROR(local::Dispatch(
-        dtype, g.own + g.layout.dispatch_rows, entry_row, group_sizes,
+        dtype, g.own + g.layout.dispatch_rows, entry_row,
         /*slot_weights=*/nullptr, recv_x, /*num_batches=*/1, num_rows,
         g.num_topk, num_local, g.hidden, capacity, /*weighted=*/false, stream,
         /*x_from_peers=*/true, placed));

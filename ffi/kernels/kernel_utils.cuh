@@ -231,30 +231,6 @@ __device__ __forceinline__ void WeightedRowSums(
   }
 }
 
-// Kept rows of an expert-grouped buffer: min(sum(max(group_sizes, 0)),
-// capacity). Whole block of kThreads threads; the result is identical in
-// every thread. s_red: kThreads / 32 shared int64 (free to reuse on return).
-template <int kThreads>
-__device__ int64_t UsedRows(const int32_t* __restrict__ group_sizes,
-                            int32_t num_experts, int64_t capacity,
-                            int64_t* s_red) {
-  int64_t sum = 0;
-  for (int e = threadIdx.x; e < num_experts; e += kThreads) {
-    sum += max(group_sizes[e], 0);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    sum += __shfl_xor_sync(kFullMask, sum, off);
-  }
-  __syncthreads();  // s_red may still be read by a previous call
-  if ((threadIdx.x & 31) == 0) s_red[threadIdx.x >> 5] = sum;
-  __syncthreads();
-  int64_t used = 0;
-#pragma unroll
-  for (int w = 0; w < kThreads / 32; ++w) used += s_red[w];
-  return used < capacity ? used : capacity;
-}
-
 // Exclusive scan of one value per thread over a block of kThreads threads, in
 // thread order: returns the sum of the values of the threads before this one;
 // *all = the block's sum. s_warp: kThreads / 32 shared int32 (free to reuse

@@ -1,0 +1,264 @@
+"""How many rows and bytes a group configuration takes, before anything is allocated: the
+receive capacity (`capacity`, or `capacity_factor`), the buffers, and what the expert layer keeps
+for its backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import math
+import numbers
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_ep import cuda_ops, intranode, reference
+from jax_ep.config import EPConfig, check_dtype, default_capacity
+from jax_ep.gmm import ROW_TILE
+
+# Expert FFN activations `memory_bytes` sizes: (the function, whether it is gated). A gated one
+# multiplies the activation of a gate product by an up product (two `[rows, F]` GEMMs from the
+# same rows); a plain one applies the activation to one product. `jax_ep.moe_mlp` runs swiglu.
+ACTIVATIONS = {
+    "swiglu": (jax.nn.silu, True),
+    "geglu": (jax.nn.gelu, True),  # jax.nn.gelu's default, the tanh approximation
+    "gelu": (jax.nn.gelu, False),
+    "silu": (jax.nn.silu, False),
+}
+
+
+def check_capacity_factor(capacity_factor, where: str = "jax_ep.Group") -> float:
+  """`capacity_factor` as a float, or an error naming it and its value."""
+  if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real):
+    raise TypeError(f"{where}: capacity_factor must be a positive finite number, got "
+                    f"{capacity_factor!r} ({type(capacity_factor).__name__})")
+  value = float(capacity_factor)
+  if not (math.isfinite(value) and value > 0):
+    raise ValueError(f"{where}: capacity_factor must be a positive finite number, got "
+                     f"{capacity_factor!r}")
+  return value
+
+
+def capacity_from_factor(capacity_factor: float, num_ranks: int, max_tokens_per_rank: int,
+                         num_topk: int, num_local_experts: int) -> int:
+  """Receive rows for `capacity_factor=f`: `ceil(f * T_max * K)`, rounded up to a multiple of
+  the grouped GEMM's row tile (`jax_ep.gmm.ROW_TILE`), and never more than the worst case
+  `default_capacity(R, T_max, K, L)`.
+
+  `T_max * K` is what one rank receives on average when the router spreads the `R * T_max * K`
+  slots evenly over the `R` ranks, so `f` is the headroom over a perfectly balanced step
+  (`f = 1.25`: a quarter more). Whole tiles cost nothing the GEMM would not spend anyway; the
+  clamp holds because no rank can ever receive more than the worst case, so rows past it would
+  be memory that is never written. `f` counts as the decimal it prints as (1.1 is 11/10), so
+  the rounding never adds a row for a float's last bit.
+  """
+  exact = fractions.Fraction(repr(float(capacity_factor))) * max_tokens_per_rank * num_topk
+  rows = -(-math.ceil(exact) // ROW_TILE) * ROW_TILE
+  return min(rows, default_capacity(num_ranks, max_tokens_per_rank, num_topk,
+                                    num_local_experts))
+
+
+def resolve_capacity(capacity, capacity_factor, num_ranks: int, max_tokens_per_rank: int,
+                     num_topk: int, num_local_experts: int,
+                     where: str = "jax_ep.Group") -> tuple[int, float | None]:
+  """`(capacity in rows, capacity_factor or None)` from the arguments a user passed: at most
+  one of them; neither gives the worst case, which never drops."""
+  worst = default_capacity(num_ranks, max_tokens_per_rank, num_topk, num_local_experts)
+  if capacity is not None and capacity_factor is not None:
+    raise ValueError(f"{where}: pass capacity or capacity_factor, not both (got capacity="
+                     f"{capacity!r}, capacity_factor={capacity_factor!r})")
+  if capacity_factor is not None:
+    capacity_factor = check_capacity_factor(capacity_factor, where)
+    return capacity_from_factor(capacity_factor, num_ranks, max_tokens_per_rank, num_topk,
+                                num_local_experts), capacity_factor
+  if capacity is None:
+    return worst, None
+  try:
+    capacity = operator.index(capacity)
+  except TypeError:
+    raise TypeError(f"{where}: capacity must be an int (rows), got {capacity!r} "
+                    f"({type(capacity).__name__}); capacity_factor takes a fraction") from None
+  if capacity <= 0:
+    # A zero-row buffer would drop every row of every step; nobody means that.
+    raise ValueError(f"{where}: capacity must be positive, got {capacity} (leave it None for "
+                     f"the worst case, R * T_max * min(K, L) = {worst} rows, which never drops)")
+  return capacity, None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+  """Bytes one rank needs for a group configuration.
+
+  Attributes:
+    recv_x_bytes: the high-throughput dispatch output `[capacity, H]`.
+    handle_bytes: routing metadata kept between dispatch and combine (the largest backend's).
+    low_latency_recv_bytes: the low-latency dispatch output `[L, R*T_max, H]` (bf16 or fp8 plus
+      scales, whichever asked).
+    workspace_bytes: transient buffers of one call (the reference's exchange blocks, or the
+      kernels' scratch).
+    comm_buffer_bytes: library-owned communication buffers allocated once per group.
+    low_latency_buffer_bytes: the part of `comm_buffer_bytes` that the low-latency buffers take
+      (two sets of `[L, R*T_max]` rows and `[T_max, K]` combine rows; cuda with
+      `low_latency=True` only).
+    capacity: the receive rows all of the above were sized for.
+    expert_activation_bytes: what one high-throughput MoE layer (`jax_ep.moe_mlp`) keeps for
+      its backward, per layer (see `memory_bytes`); None without `ffn`.
+    expert_activation_bytes_remat: the same with the layer inside `jax.checkpoint`; None
+      without `ffn`.
+  """
+  recv_x_bytes: int
+  handle_bytes: int
+  low_latency_recv_bytes: int
+  workspace_bytes: int
+  comm_buffer_bytes: int
+  low_latency_buffer_bytes: int = 0
+  capacity: int | None = None
+  expert_activation_bytes: int | None = None
+  expert_activation_bytes_remat: int | None = None
+
+  @property
+  def total_bytes(self) -> int:
+    """The group's buffers and outputs. The expert activations are not in it: which of the two
+    figures applies depends on whether the model rematerialises the layer."""
+    return (self.recv_x_bytes + self.handle_bytes + self.low_latency_recv_bytes
+            + self.workspace_bytes + self.comm_buffer_bytes)
+
+
+def _nbytes(structs) -> int:
+  return sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in structs)
+
+
+def _saved_bytes(fn, *args) -> int:
+  """Bytes of the residuals jax's autodiff keeps for `fn`'s backward, differentiating in every
+  argument: `jax.vjp` traced on abstract values (no arithmetic, nothing allocated)."""
+  return _nbytes(jax.eval_shape(lambda *a: jax.tree.leaves(jax.vjp(fn, *a)[1]), *args))
+
+
+def activation_saved_bytes(activation: str, rows: int, ffn: int, dtype) -> int:
+  """What the expert FFN's activation keeps for its backward over `[rows, F]` float32 GEMM
+  outputs whose result is rounded to `dtype`: jax's own differentiation rules, traced. For
+  swiglu, five `[rows, F]` float32 arrays: the gate and up products, `silu(gate)`,
+  `sigmoid(gate)` and its derivative `sigmoid * (1 - sigmoid)`."""
+  fn, gated = ACTIVATIONS[activation]
+  product = jax.ShapeDtypeStruct((rows, ffn), jnp.float32)
+  if gated:
+    return _saved_bytes(lambda gate, up: (fn(gate) * up).astype(dtype), product, product)
+  return _saved_bytes(lambda up: fn(up).astype(dtype), product)
+
+
+def _merge_saved_bytes(num_tokens: int, num_topk: int, num_experts: int) -> int:
+  """What merging duplicate slots keeps for the router weights' gradient (`[T, K, K]` and
+  `[T, K]` masks), by jax's rules."""
+  from jax_ep.ops import merge_duplicate_slots  # ops imports the group, which imports this
+
+  def residuals(topk_idx, topk_weights):
+    merged = lambda w: merge_duplicate_slots(topk_idx, w, num_experts)[1]
+    return jax.tree.leaves(jax.vjp(merged, topk_weights)[1])
+  return _nbytes(jax.eval_shape(residuals, jax.ShapeDtypeStruct((num_tokens, num_topk), jnp.int32),
+                                jax.ShapeDtypeStruct((num_tokens, num_topk), jnp.float32)))
+
+
+def _check_ffn(ffn, activation) -> int:
+  try:
+    ffn = operator.index(ffn)
+  except TypeError:
+    raise TypeError(f"jax_ep.memory_bytes: ffn must be an int (the expert FFN's inner size), "
+                    f"got {ffn!r} ({type(ffn).__name__})") from None
+  if ffn <= 0:
+    raise ValueError(f"jax_ep.memory_bytes: ffn must be positive, got {ffn}")
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"jax_ep.memory_bytes: activation must be one of "
+                     f"{', '.join(map(repr, ACTIVATIONS))}; got {activation!r}")
+  return ffn
+
+
+def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int,
+                 max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
+                 capacity_factor: float | None = None, backend: str = "reference",
+                 use_fp8: bool = False, low_latency: bool = False, network: bool = False,
+                 num_hosts: int = 0, ffn: int | None = None,
+                 activation: str = "swiglu") -> MemoryEstimate:
+  """How much memory one rank needs for this configuration, before anything is allocated.
+
+  Args:
+    num_ranks: `R`. num_experts: `E` (divisible by `R`). num_topk: `K`. hidden: `H`.
+    max_tokens_per_rank: `T_max`. dtype: activation dtype.
+    capacity, capacity_factor: receive rows per rank, as `jax_ep.Group` takes them (at most one;
+      neither: `default_capacity`, the worst case). backend: 'reference' or 'cuda'. use_fp8:
+      size the low-latency output for fp8 instead of the activation dtype. low_latency: a cuda
+      group created with `low_latency=True` (its communication buffers include the low-latency
+      ones).
+    network: a cuda group whose ranks span `num_hosts` hosts (real or `virtual_hosts`): its
+      buffer, in NVSHMEM's symmetric heap, also holds the outbox the low-latency puts read and
+      the rail exchange's blocks, and each host's own group has a buffer for the
+      high-throughput ops' forwarding (jax_ep/hierarchical.py).
+    ffn: `F`, the experts' inner size: also size what the expert layer keeps for its backward.
+    activation: the experts' activation, 'swiglu' (what `jax_ep.moe_mlp` runs), 'geglu',
+      'gelu' or 'silu'.
+
+  With `ffn`, `expert_activation_bytes` counts what `jax.grad` of one `jax_ep.moe_mlp` layer
+  (high-throughput, routing given) keeps from its forward for its backward, besides the
+  weights, with `C` = capacity, at `T = T_max`:
+  - the layer input `[T, H]` (dispatch keeps it) and the routing: `handle_bytes` (metadata and
+    the merged router weights, which combine keeps) plus the masks of merging duplicate slots;
+  - the dispatched rows `[C, H]` and `group_sizes` `[L]` int32: the `(x, w, group_sizes)`
+    residuals of the gate and up `grouped_matmul` calls share them (the weights are
+    parameters, not counted);
+  - the activation's residuals over the `[C, F]` float32 products, by jax's differentiation
+    rules (`activation_saved_bytes`; swiglu: gate, up, silu(gate), sigmoid(gate) and its
+    derivative, five `[C, F]` float32 arrays; a plain activation has one product);
+  - the hidden activation `[C, F]` in `dtype` (the down `grouped_matmul`'s `x`);
+  - the experts' output `[C, H]` in `dtype` (combine keeps it for the weights' gradient).
+  These are the residuals `jax.vjp` and `jax.ad_checkpoint.print_saved_residuals` report; XLA
+  may fuse the activation's elementwise ones into the backward and hold fewer, never more.
+  The backward's own temporaries (cotangents of the same shapes) come on top while it runs.
+
+  `expert_activation_bytes_remat` is the same layer inside `jax.checkpoint`: only its inputs
+  stay, the layer input `[T, H]` and the routing given to it (`topk_idx` int32 and
+  `topk_weights` float32, `[T, K]` each; a router inside the checkpoint recomputes them too);
+  the backward recomputes the rest, so one layer's `expert_activation_bytes` exist again while
+  that layer's backward runs. A model of `N` such layers keeps `N` times the remat figure plus,
+  at its peak, one layer's full figure.
+  """
+  dtype = check_dtype(dtype, "jax_ep.memory_bytes")
+  num_local = num_experts // num_ranks
+  capacity, _ = resolve_capacity(capacity, capacity_factor, num_ranks, max_tokens_per_rank,
+                                 num_topk, num_local, where="jax_ep.memory_bytes")
+  config = EPConfig("ep", num_ranks, num_experts, num_topk, hidden, max_tokens_per_rank, dtype,
+                    capacity)
+  t, k, r = max_tokens_per_rank, num_topk, num_ranks
+  recv_x = capacity * hidden * dtype.itemsize
+  handle = 4 * (t * k + r * t * k + capacity) + 4 * t * k  # routing + the weights
+  slab_rows = num_local * r * t
+  if use_fp8:
+    low_latency_rows = slab_rows * (hidden + 4 * (hidden // 128))
+  else:
+    low_latency_rows = slab_rows * hidden * dtype.itemsize
+  comm_buffers = ll_buffers = 0
+  if backend == "cuda":
+    workspace = cuda_ops.layout_workspace_bytes(config) if num_ranks == 1 else 0
+    comm_buffers = intranode.buffer_bytes(config, low_latency, network, num_hosts)
+    if low_latency:
+      ll_buffers = comm_buffers - intranode.buffer_bytes(
+          config, False, network and num_hosts >= 2, num_hosts)
+      if num_ranks == 1:  # the one-rank group's buffer exists for the low-latency pair alone
+        ll_buffers = comm_buffers
+  else:
+    workspace = reference.scratch_bytes(config)
+  saved = saved_remat = None
+  if ffn is not None:
+    ffn = _check_ffn(ffn, activation)
+    layer_input = t * hidden * dtype.itemsize
+    saved = (layer_input + handle + _merge_saved_bytes(t, k, num_experts)
+             + recv_x + 4 * num_local
+             + activation_saved_bytes(activation, capacity, ffn, dtype)
+             + capacity * ffn * dtype.itemsize
+             + capacity * hidden * dtype.itemsize)
+    saved_remat = layer_input + t * k * (4 + 4)
+  return MemoryEstimate(recv_x, handle, low_latency_rows, workspace,
+                        comm_buffer_bytes=comm_buffers, low_latency_buffer_bytes=ll_buffers,
+                        capacity=capacity, expert_activation_bytes=saved,
+                        expert_activation_bytes_remat=saved_remat)
