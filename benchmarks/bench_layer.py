@@ -1,20 +1,26 @@
 """One MoE layer with its experts, and its grouped matmul, at the shapes of real models:
-TF/s of the Mosaic GPU path and of `lax.ragged_dot`, against a batched GEMM of the same FLOPs.
+TF/s of jax_ep's Mosaic GPU kernels (and of jax's, and `lax.ragged_dot`), against a dense GEMM
+of the same FLOPs in the same run.
 
   python benchmarks/bench_layer.py                          # one GPU
   python -m jax_ep.launch -n 2 -- python benchmarks/bench_layer.py  # the layer at R = 2
   python benchmarks/bench_layer.py --tune                   # tiles for jax_ep.gmm.TILE_TABLE
 
 Per shape (experts x hidden x ffn, top-k; 4096 tokens per rank):
-- `grouped_matmul`: one `jax_ep.grouped_matmul` `[rows, H] x [E, H, F]` over balanced groups
-  (every expert `tokens * k / experts` rows), forward
-  (`2 * rows * H * F` FLOPs) and forward + backward (three times that), per implementation;
+- `grouped_matmul`: one `jax_ep.grouped_matmul` `[rows, H] x [E, H, F]` over skewed groups (a
+  fixed Dirichlet draw with one empty group, as a router makes them; `--groups balanced` for
+  equal ones), forward (`2 * rows * H * F` FLOPs) and forward + backward (three times that),
+  per implementation (`mosaic`: jax_ep's kernels; `jax_mosaic`: jax's
+  `ragged_dot_mgpu`, for comparison; `xla`: `lax.ragged_dot`); and the padded case: the same
+  used rows in a buffer 8 times larger (what the default capacity gives at 8 ranks),
+  `padded_ratio` = its time over the exact buffer's;
 - `moe_layer`: `jax_ep.moe_mlp` (its own router on random weights, so the groups are as the
   router makes them; dispatch, three grouped matmuls, combine), forward and
   forward + backward, per implementation of its grouped matmuls (`jax_ep.gmm.impl_override`);
   its FLOPs are the three expert matmuls' (`6 * rows * H * F`, times three with the backward);
-- the bound: `einsum('gmk,gkn->gmn')` of the same FLOPs (dense, balanced), in the same run:
-  `bound_tflops`, and `fraction = tflops / bound_tflops`.
+- the bound: a dense `jnp.dot` `[rows, H] x [H, F]` of the same FLOPs in the same run
+  (`bound: dense_gemm`, `bound_tflops`, `fraction = tflops / bound_tflops`); a batched
+  `einsum('gmk,gkn->gmn')` of the same FLOPs is recorded beside it (`batched_tflops`).
 A path that fails (e.g. out of memory: `lax.ragged_dot` expands densely on GPUs) is printed and
 left out. Times: medians of device spans (GPU trace) or of the host clock. Records go to
 `benchmarks/results/layer.jsonl`; `--plot FILE.png` draws TF/s per shape (needs matplotlib).
@@ -60,6 +66,19 @@ def balanced_sizes(rows: int, groups: int):
   return jnp.asarray(base)
 
 
+def skewed_sizes(rows: int, groups: int, seed: int = 0):
+  """Group sizes summing to `rows`, drawn from a Dirichlet(0.5) (a few hot experts, many cold)
+  with group 1 empty: fixed per (rows, groups), so every run times the same groups."""
+  rng = np.random.default_rng([seed, rows, groups])
+  p = rng.dirichlet(np.full(groups, 0.5))
+  if groups > 1:
+    p[1] = 0.0
+    p /= p.sum()
+  sizes = np.floor(p * rows).astype(np.int64)
+  sizes[np.argmax(p)] += rows - sizes.sum()
+  return jnp.asarray(sizes.astype(np.int32))
+
+
 _TIMINGS = itertools.count()
 
 
@@ -83,7 +102,11 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
   parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-  parser.add_argument("--impls", nargs="+", choices=["mosaic", "xla"], default=["mosaic", "xla"])
+  parser.add_argument("--impls", nargs="+", choices=["mosaic", "jax_mosaic", "xla"],
+                      default=["mosaic", "jax_mosaic", "xla"])
+  parser.add_argument("--groups", choices=["skewed", "balanced"], default="skewed")
+  parser.add_argument("--pad", type=int, default=8,
+                      help="the padded case's buffer: this many times the used rows (0: none)")
   parser.add_argument("--ops", nargs="+", choices=["grouped_matmul", "moe_layer"],
                       default=["grouped_matmul", "moe_layer"])
   parser.add_argument("--scale", type=int, default=1,
@@ -104,13 +127,14 @@ def main():
               process_model=reports.process_model(num_ranks), tokens_per_rank=args.tokens,
               dtype="bfloat16", wire_dtype="bfloat16")
 
-  def add(op, pass_, name, experts, hidden, ffn, topk, impl, seconds, flops, bound_s):
+  def add(op, pass_, name, experts, hidden, ffn, topk, impl, seconds, flops, bound_s, **extra):
     tflops = flops / seconds / 1e12
     bound_tflops = flops / bound_s / 1e12
     records.append(reports.record(
         op=op, **{"pass": pass_}, shape=name, experts=experts, hidden=hidden, ffn=ffn,
-        topk=topk, impl=impl, median_us=round(seconds * 1e6, 1), tflops=round(tflops, 1),
-        bound_tflops=round(bound_tflops, 1), fraction=round(tflops / bound_tflops, 3), **base))
+        topk=topk, impl=impl, groups=args.groups, median_us=round(seconds * 1e6, 1),
+        tflops=round(tflops, 1), bound="dense_gemm", bound_tflops=round(bound_tflops, 1),
+        fraction=round(tflops / bound_tflops, 3), **extra, **base))
 
   for name in args.shapes:
     experts, hidden, ffn, topk = (v // args.scale if i < 3 else v
@@ -123,48 +147,91 @@ def main():
     x = jax.random.normal(kx, (rows, hidden), jnp.float32).astype(dtype)
     w = (jax.random.normal(kw, (experts, hidden, ffn), jnp.float32) * hidden ** -0.5).astype(dtype)
     dy = jax.random.normal(kd, (rows, ffn), jnp.float32).astype(dtype)
-    sizes = balanced_sizes(rows, experts)
+    sizes = (skewed_sizes if args.groups == "skewed" else balanced_sizes)(rows, experts)
     flops = 2.0 * rows * hidden * ffn
-    # The bound: a dense batched GEMM of the same FLOPs (every group the same size).
+    # The bound: a dense GEMM of the same FLOPs; beside it a batched one (equal groups).
+    dense = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(dtype))
+    bound_s = time_fn(dense, (x, w[0]), args.repeats, f"{name} bound")
+    if bound_s is None:
+      continue
     m = max(rows // experts, 1)
     xb = x[: m * experts].reshape(experts, m, hidden)
     einsum = jax.jit(lambda a, b: jnp.einsum("gmk,gkn->gmn", a, b,
                                              preferred_element_type=jnp.float32).astype(dtype))
-    bound_s = time_fn(einsum, (xb, w), args.repeats, f"{name} bound")
-    if bound_s is None:
-      continue
-    bound_s *= rows / (m * experts)
+    batched_s = time_fn(einsum, (xb, w), args.repeats, f"{name} batched")
+    batched = {} if batched_s is None else {
+        "batched_tflops": round(flops / (batched_s * rows / (m * experts)) / 1e12, 1)}
     if args.tune:
       tune(name, x, w, sizes, args.repeats)
     for impl in args.impls:
       which, detail = jax_ep.grouped_matmul_impl(rows, experts, hidden, ffn, dtype, impl="auto")
-      if impl == "mosaic" and which != "mosaic":
+      if impl in ("mosaic", "jax_mosaic") and which != "mosaic":
         print(f"{name}: no Mosaic GPU run ({detail})")
         continue
       if "grouped_matmul" in args.ops:
-        fwd = jax.jit(lambda x, w, s, impl=impl: jax_ep.grouped_matmul(x, w, s, impl=impl))
+        product = gemm_fn(impl, rows, experts, hidden, ffn)
+        fwd = jax.jit(product)
 
-        def fwd_bwd(x, w, s, dy, impl=impl):
-          y, vjp = jax.vjp(lambda x, w: jax_ep.grouped_matmul(x, w, s, impl=impl), x, w)
+        def fwd_bwd(x, w, s, dy, product=product):
+          y, vjp = jax.vjp(lambda x, w: product(x, w, s), x, w)
           return y, vjp(dy)
-        for pass_, fn, fn_args, f in (("fwd", fwd, (x, w, sizes), flops),
-                                      ("fwd_bwd", jax.jit(fwd_bwd), (x, w, sizes, dy), 3 * flops)):
+        exact = {}
+        cases = [("fwd", fwd, (x, w, sizes), flops)]
+        if impl != "jax_mosaic":  # jax's kernel has no gradient of its own
+          cases.append(("fwd_bwd", jax.jit(fwd_bwd), (x, w, sizes, dy), 3 * flops))
+        for pass_, fn, fn_args, f in cases:
           seconds = time_fn(fn, fn_args, args.repeats, f"{name} grouped_matmul {pass_} {impl}")
           if seconds is None:
             continue
+          exact[pass_] = seconds
           add("grouped_matmul", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
-              bound_s * f / flops)
-      if "moe_layer" in args.ops:
+              bound_s * f / flops, **batched)
+        if args.pad > 1 and impl != "xla":
+          # The same used rows at the front of a buffer `pad` times larger (NaN past them).
+          padded_rows = args.pad * rows
+          xp = jnp.concatenate([x, jnp.full((padded_rows - rows, hidden), jnp.nan, dtype)])
+          dyp = jnp.concatenate([dy, jnp.full((padded_rows - rows, ffn), jnp.nan, dtype)])
+          product = gemm_fn(impl, padded_rows, experts, hidden, ffn)
+
+          def fwd_bwd_padded(x, w, s, dy, product=product):
+            y, vjp = jax.vjp(lambda x, w: product(x, w, s), x, w)
+            return y, vjp(dy)
+          for pass_, fn, fn_args, f in (
+              ("fwd", jax.jit(product), (xp, w, sizes), flops),
+              ("fwd_bwd", jax.jit(fwd_bwd_padded), (xp, w, sizes, dyp), 3 * flops)):
+            if pass_ not in exact:
+              continue
+            seconds = time_fn(fn, fn_args, args.repeats,
+                              f"{name} grouped_matmul {pass_} {impl} padded x{args.pad}")
+            if seconds is None:
+              continue
+            add("grouped_matmul", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
+                bound_s * f / flops, padded_rows=padded_rows,
+                padded_ratio=round(seconds / exact[pass_], 3), **batched)
+      if "moe_layer" in args.ops and impl != "jax_mosaic":
         layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks,
                       args.repeats, flops, bound_s, add)
 
   if jax.process_index() == 0:
     path = reports.write_jsonl(records, args.out)
-    reports.print_table(records, ["op", "pass", "shape", "impl", "median_us", "tflops",
-                                  "bound_tflops", "fraction"])
+    reports.print_table(records, ["op", "pass", "shape", "impl", "padded_rows", "median_us",
+                                  "tflops", "bound_tflops", "fraction", "padded_ratio"])
     print(f"wrote {path}")
     if args.plot:
       plot(records, args.plot)
+
+
+def gemm_fn(impl, rows, experts, hidden, ffn):
+  """`(x, w, sizes) -> y` of one implementation."""
+  if impl == "jax_mosaic":
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    block_n = 128 if ffn % 128 == 0 else 64
+    tiles_n = ffn // block_n
+    band = next(b for b in (8, 4, 2, 1) if tiles_n % b == 0)
+    return lambda x, w, s: ragged_dot_mgpu.ragged_dot(
+        x, w, group_sizes=s, block_m=128, block_n=block_n, block_k=64, max_concurrent_steps=4,
+        grid_block_n=band)
+  return lambda x, w, s: jax_ep.grouped_matmul(x, w, s, impl=impl)
 
 
 def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks, repeats,
@@ -210,11 +277,11 @@ def tune(name, x, w, sizes, repeats):
     print(f"{name}: --tune needs the GPU")
     return
   best = None
-  for bm, bn, bk, steps, gbn in itertools.product((64, 128), (64, 128, 256), (64,), (2, 4, 5),
-                                                  (1, 2, 4, 8)):
-    if n % bn or (n // bn) % gbn:
+  for bm, bn, bk, steps, band in itertools.product((64, 128), (64, 128, 256), (64,), (2, 3, 4),
+                                                   (1, 2, 4, 8)):
+    if n % bn or (n // bn) % band:
       continue
-    config = gmm.TileConfig(bm, bn, bk, steps, gbn)
+    config = gmm.TileConfig(bm, bn, bk, steps, band)
     fn = jax.jit(lambda x, w, s, c=config: gmm._mosaic_ragged_dot(x, w, s, False, c))
     seconds = time_fn(fn, (x, w, sizes), repeats, f"{name} tiles {config}")
     if seconds is None:  # e.g. a tile that does not fit shared memory

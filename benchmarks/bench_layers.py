@@ -57,15 +57,24 @@ from bench_local import xla_combine, xla_dispatch  # noqa: E402
 from jax_ep.layer import expert_mlp  # noqa: E402
 
 
-def chain_program(layer, num_layers: int, mesh):
+def chain_program(layer, num_layers: int, mesh, backward: bool = False):
   """`jit(shard_map(...))` of `num_layers` scanned layers over `(x, idx, w, *params)`, all split
   over the EP axis (`x`, `idx`, `w` with a leading rank axis; expert weights by expert).
-  `layer(h, idx, w, params) -> h` is one layer on this shard's blocks."""
-  def body(x, idx, w, *params):
+  `layer(h, idx, w, params) -> h` is one layer on this shard's blocks. With `backward`, the
+  program is a training step's share: the gradient of `sum(out)` with respect to the input,
+  the router weights and the expert weights (forward and backward of every layer)."""
+  def forward(x, idx, w, params):
     def step(h, routing):
       return layer(h, *routing, params), None
-    out, _ = jax.lax.scan(step, x[0], (idx[0, :num_layers], w[0, :num_layers]))
-    return out[None]
+    out, _ = jax.lax.scan(step, x, (idx[:num_layers], w[:num_layers]))
+    return out
+
+  def body(x, idx, w, *params):
+    if not backward:
+      return (forward(x[0], idx[0], w[0], params)[None],)
+    loss = lambda x, w, params: jnp.sum(forward(x, idx[0], w, params).astype(jnp.float32))
+    dx, dw, dparams = jax.grad(loss, argnums=(0, 1, 2))(x[0], w[0], params)
+    return (dx[None], dw[None], *dparams)
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
 
 
@@ -103,6 +112,13 @@ def main():
                       help="N: programs of N and 2N layers are timed")
   parser.add_argument("--expert", nargs="+", choices=["identity", "swiglu"],
                       default=["identity"])
+  parser.add_argument("--passes", nargs="+", choices=["forward", "forward_backward"],
+                      default=["forward"],
+                      help="forward_backward: the gradient of the chain (a training step)")
+  parser.add_argument("--capacities", nargs="+", choices=["default", "tight"],
+                      default=["default"],
+                      help="tight: also a group of capacity_factor=1.1 (10%% over a balanced "
+                           "rank's T * K rows), timed beside the default in the same run")
   parser.add_argument("--backends", nargs="+", default=["cuda", "reference", "xla_baseline"],
                       choices=["cuda", "reference", "xla_baseline"])
   parser.add_argument("--debug-checks", action="store_true",
@@ -187,13 +203,14 @@ def main():
                 gpus_per_host=list(topology.gpus_per_host) if topology else [num_ranks],
                 network_bytes=int(2 * network * row_bytes), peer_bytes=int(2 * peer * row_bytes))
 
-  def add(backend, expert, results, settings, topology=None):
+  def add(backend, expert, results, settings, topology=None, capacity=capacity,
+          pass_="forward"):
     (host_n, dev_n), (host_2n, dev_2n) = results
     for timing, first, second in (("host_clock_marginal", host_n, host_2n),
                                   ("device_clock_marginal", dev_n, dev_2n)):
       # Every process gathers every value (a missing one as infinity), so that all of them
       # make the same key-value store calls and take the same branch.
-      key = f"{backend}/{expert}/{settings}/{timing}"
+      key = f"{backend}/{expert}/{settings}/{pass_}/{timing}"
       first = reports.gather_max(f"{key}/n", math.inf if first is None else first)
       second = reports.gather_max(f"{key}/2n", math.inf if second is None else second)
       if math.isinf(first) or math.isinf(second):
@@ -209,40 +226,50 @@ def main():
           median_us=round(per_layer_us, 1), program_us=round(second * 1e6, 1),
           gbps=round(per_rank_bytes / (per_layer_us * 1e-6) / 1e9, 1),
           roofline=round(roofline, 3), settings=settings,
-          raise_on_timeout=settings == "debug_checks", capacity=capacity, **paths(topology)))
+          raise_on_timeout=settings == "debug_checks", capacity=capacity, **{"pass": pass_},
+          **paths(topology)))
 
   params = expert_params(jax.random.key(0)) if "swiglu" in args.expert else []
 
-  def run(backend, expert, layer, settings="default", topology=None):
-    programs = [chain_program(layer, layers, mesh) for layers in (n, 2 * n)]
-    inputs = (x, idx, w, *(params if expert == "swiglu" else ()))
-    try:
-      results = time_programs(programs, inputs, args.repeats, on_gpu)
-      failed = 0.0
-    except Exception as err:  # noqa: BLE001 - e.g. a layer that does not fit; the others run
-      print(f"{backend} {expert} ({settings}): failed: {type(err).__name__}: "
-            f"{str(err).splitlines()[0][:300]}")
-      failed = 1.0
-    # All processes skip a layer that failed on any (its collectives would not meet).
-    if reports.gather_max(f"{backend}/{expert}/{settings}/failed", failed) > 0:
-      return
-    add(backend, expert, results, settings, topology)
-    if args.breakdown and on_gpu:
-      rows, activity = timers.trace_breakdown(programs[1], inputs)
-      if jax.process_index() == 0:
-        print(f"{backend} {expert} ({settings}): device time per layer by kernel "
-              "(process 0; us, launches)")
-        for name, us, launches in rows[:12]:
-          print(f"  {us / (2 * n):9.1f}  {launches / (2 * n):4.1f}  {name[:90]}")
-        for plane, busy, span in activity:
-          print(f"  {plane}: busy {busy / (2 * n):.1f} us of {span / (2 * n):.1f} us per layer")
+  def run(backend, expert, layer, settings="default", topology=None, capacity=capacity):
+    for pass_ in args.passes:
+      backward = pass_ == "forward_backward"
+      programs = [chain_program(layer, layers, mesh, backward) for layers in (n, 2 * n)]
+      inputs = (x, idx, w, *(params if expert == "swiglu" else ()))
+      what = f"{backend} {expert} ({settings}, {pass_})"
+      try:
+        results = time_programs(programs, inputs, args.repeats, on_gpu)
+        failed = 0.0
+      except Exception as err:  # noqa: BLE001 - e.g. a layer that does not fit; the others run
+        print(f"{what}: failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
+        failed = 1.0
+      # All processes skip a layer that failed on any (its collectives would not meet).
+      if reports.gather_max(f"{backend}/{expert}/{settings}/{pass_}/failed", failed) > 0:
+        continue
+      add(backend, expert, results, settings, topology, capacity, pass_)
+      if args.breakdown and on_gpu:
+        rows, activity = timers.trace_breakdown(programs[1], inputs)
+        if jax.process_index() == 0:
+          print(f"{what}: device time per layer by kernel (process 0; us, launches)")
+          for name, us, launches in rows[:12]:
+            print(f"  {us / (2 * n):9.1f}  {launches / (2 * n):4.1f}  {name[:90]}")
+          for plane, busy, span in activity:
+            print(f"  {plane}: busy {busy / (2 * n):.1f} us of {span / (2 * n):.1f} us per "
+                  "layer")
 
   def apply_expert(expert, rows, sizes, p):
     if expert == "identity":
       return jax.lax.optimization_barrier(rows)
     return expert_mlp(rows, *p, sizes)
 
-  variants = [(b, "default", {}) for b in args.backends if b != "xla_baseline"]
+  variants = []
+  for b in args.backends:
+    if b == "xla_baseline":
+      continue
+    variants += [(b, "default", {})] if "default" in args.capacities else []
+    # The tight group: what a user who sizes for balanced routing passes.
+    variants += ([(b, "capacity_factor=1.1", {"capacity_factor": 1.1})]
+                 if "tight" in args.capacities else [])
   if args.debug_checks and "cuda" in args.backends:
     variants.append(("cuda", "debug_checks", {"raise_on_timeout": True}))
   if "cuda" in args.backends:
@@ -273,7 +300,7 @@ def main():
         recv, handle = jax_ep.dispatch(group, hid, i, wt)
         out = jax_ep.combine(group, apply_expert(expert, recv.x, recv.group_sizes, p), handle)
         return out if expert == "identity" else hid + out
-      run(backend, expert, layer, settings, group.topology)
+      run(backend, expert, layer, settings, group.topology, group.capacity)
     # One group's buffers at a time: at the standard shape each is several GB per rank, and
     # ranks sharing one GPU hold theirs side by side. Every process is past its last call of
     # this group here (each run ends in block_until_ready and a gather).
@@ -299,8 +326,19 @@ def main():
 
   if jax.process_index() == 0:
     path = reports.write_jsonl(records, args.out)
-    reports.print_table(records, ["backend", "expert", "settings", "timing", "layers",
-                                 "median_us", "program_us", "gbps", "roofline"])
+    reports.print_table(records, ["backend", "expert", "settings", "pass", "timing", "layers",
+                                 "capacity", "median_us", "program_us", "gbps", "roofline"])
+    # Default against tight capacity, side by side (the same run): what the worst-case
+    # default costs in time.
+    for r in records:
+      if r["settings"] != "default":
+        continue
+      tight = [q for q in records if q["settings"] == "capacity_factor=1.1"
+               and all(q[f] == r[f] for f in ("backend", "expert", "pass", "timing"))]
+      if tight:
+        print(f"default / tight: {r['backend']} {r['expert']} {r['pass']} {r['timing']}: "
+              f"{r['median_us'] / tight[0]['median_us']:.3f} "
+              f"({r['median_us']} / {tight[0]['median_us']} us)")
     print(f"wrote {path}")
 
 
