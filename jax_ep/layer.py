@@ -1,14 +1,20 @@
-"""A whole MoE layer on dispatch/combine: router -> top-k -> dispatch -> SwiGLU experts
+"""A whole MoE layer on dispatch/combine: router -> top-k -> dispatch -> experts
 (`jax_ep.grouped_matmul`) -> combine, plus an optional shared expert, the auxiliary losses and
 the per-expert counts.
 
 `moe_mlp` takes global arrays (`[N, H]` or `[B, S, H]`, tokens split over every mesh axis,
 experts over the group's) and enters `shard_map` itself; `moe_mlp_per_shard` is the body, for
 models that are already inside a `shard_map`.
+
+Precision follows Flax's `param_dtype` / `dtype` split: parameters are stored in any floating
+dtype and cast to the group's dtype (the compute dtype, the one dispatch sends) inside the
+layer; `x` is cast to it for dispatch and the output comes back in `x`'s own dtype; the router
+runs in float32 on `x` as given.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import NamedTuple
@@ -26,21 +32,39 @@ from jax_ep.routing import (Routing, expert_counts, load_balancing_loss, route, 
 _logger = logging.getLogger("jax_ep")
 _SAID_SLABS: set[str] = set()
 
+# The experts' activations: the gated ones (`act(x @ w_gate) * (x @ w_up)`, three matrices) and
+# the plain two-matrix MLPs (`act(x @ w_gate)`, no `w_up`). GELU is jax.nn.gelu's default, the
+# tanh approximation (as in Flax, GPT-2 and Gemma's GeGLU).
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu")
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+# How the load-balancing loss groups tokens: all of a shard's tokens at once, or each sequence
+# of a `[B, S, H]` input on its own (Switch Transformer's and MaxText's form).
+AUX_LOSS_SCOPES = ("per_shard", "per_sequence")
+MODES = ("high_throughput", "low_latency")
+
 
 class MoEParams(NamedTuple):
   """Weights of one MoE layer (global shapes; experts are sharded over the EP axis).
 
+  Every weight may be stored in any floating dtype (float32 master weights, say): the layer
+  casts the experts' and the shared expert's to the group's dtype, and runs the router in
+  float32.
+
   Attributes:
-    router: `[H, E]` float32, replicated.
-    w_gate, w_up: `[E, H, F]`; w_down: `[E, F, H]`, in the activation dtype.
+    router: `[H, E]`, replicated.
+    w_gate: `[E, H, F]`: the gate projection of the gated activations ("swiglu", "geglu"),
+      the input projection of the plain ones ("gelu", "silu").
+    w_up: `[E, H, F]` up projection of the gated activations; None for the plain ones.
+    w_down: `[E, F, H]`.
     router_bias: optional `[E]` float32 selection bias (`Routing`; not trained by gradients:
       `update_router_bias` moves it), replicated.
-    shared_gate, shared_up: optional `[H, Fs]`; shared_down: `[Fs, H]`: a dense SwiGLU expert
-      every token goes through, added to the routed experts' output, replicated.
+    shared_gate, shared_up, shared_down: optional `[H, Fs]`, `[H, Fs]` (None for the plain
+      activations), `[Fs, H]`: a dense expert with the routed experts' activation that every
+      token goes through, added to their output, replicated.
   """
   router: jax.Array
   w_gate: jax.Array
-  w_up: jax.Array
+  w_up: jax.Array | None
   w_down: jax.Array
   router_bias: jax.Array | None = None
   shared_gate: jax.Array | None = None
@@ -50,27 +74,79 @@ class MoEParams(NamedTuple):
 
 class MoEOutput(NamedTuple):
   """What the layer returns. From `moe_mlp`, the statistics carry a leading axis of the shards
-  (`[S]`, `[S, E]`, one entry per shard of tokens): mean the losses and sum the counts over it.
+  (`[M]`, `[M, E]`, one entry per shard of tokens): mean the losses and sum the counts over it.
+  The per-token fields are shaped like the tokens (`x`'s shape without `H`). Read the fields by
+  name: more may be appended.
 
   Attributes:
-    out: the layer's output, shaped like its input.
+    out: the layer's output, shaped like its input, in its dtype.
     num_dropped: rows that did not fit the receive capacity (0 at the default capacity).
-    aux_loss: the load-balancing loss of the shard's tokens (`load_balancing_loss`; 1 when
-      balanced); multiply by your coefficient.
-    z_loss: the router z-loss of the shard's tokens (`router_z_loss`).
+    aux_loss: the load-balancing loss (`load_balancing_loss`; 1 when balanced) of the shard's
+      tokens ("per_shard"), or the mean of its sequences' losses ("per_sequence"; the mean over
+      all sequences where sequences cross shards); multiply by your coefficient. 0 when the
+      routing was given.
+    z_loss: the router z-loss of the shard's tokens (`router_z_loss`); 0 when the routing was
+      given.
     expert_counts: `[E]` int32 slots of the shard's tokens routed to each expert.
+    router_probs: `[..., E]` float32 normalised router scores (`Routed.probs`: what the
+      load-balancing loss weighs), differentiable; None when the routing was given.
+    topk_idx: `[..., K]` int32 experts each token chose (or was given).
+    topk_weights: `[..., K]` their weights: the router's in float32 (differentiable), or the
+      given ones.
   """
   out: jax.Array
   num_dropped: jax.Array
   aux_loss: jax.Array
   z_loss: jax.Array
   expert_counts: jax.Array
+  router_probs: jax.Array | None = None
+  topk_idx: jax.Array | None = None
+  topk_weights: jax.Array | None = None
+
+
+def _check_activation(fn: str, activation) -> None:
+  if not isinstance(activation, str) or activation not in ACTIVATIONS:
+    raise ValueError(f"jax_ep.{fn}: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
+                     f"got {activation!r}")
+
+
+def _check_up(fn: str, name: str, w_up, activation: str) -> None:
+  """A gated activation needs its up projection; a plain one must not get one (it would be
+  silently unused)."""
+  if activation in GATED_ACTIVATIONS and w_up is None:
+    raise ValueError(f"jax_ep.{fn}: activation={activation!r} is gated and needs {name}, got "
+                     f"None")
+  if activation not in GATED_ACTIVATIONS and w_up is not None:
+    raise ValueError(f"jax_ep.{fn}: activation={activation!r} is a two-matrix MLP with no up "
+                     f"projection: {name} must be None, got an array of shape "
+                     f"{getattr(w_up, 'shape', None)} (init_moe_params(..., "
+                     f"activation={activation!r}) leaves it out)")
+
+
+def _activate(gate, up, activation: str):
+  """The hidden activation of the fp32 projections."""
+  act = jax.nn.silu if activation in ("swiglu", "silu") else jax.nn.gelu
+  return act(gate) * up if activation in GATED_ACTIVATIONS else act(gate)
 
 
 def init_moe_params(key, *, num_experts: int, hidden: int, ffn: int, dtype=jnp.bfloat16,
-                    shared_ffn: int = 0, router_bias: bool = False) -> MoEParams:
-  """Random weights: normal, scaled by the fan-in; a zero router bias if asked; a shared expert
-  of inner size `shared_ffn` when it is positive."""
+                    shared_ffn: int = 0, router_bias: bool = False,
+                    activation: str = "swiglu") -> MoEParams:
+  """Random weights: normal, scaled by the fan-in.
+
+  Args:
+    key: a `jax.random` key.
+    num_experts, hidden, ffn: `E`, `H`, `F`.
+    dtype: the experts' and the shared expert's storage dtype (the router is float32).
+    shared_ffn: inner size `Fs` of a shared expert (0: none).
+    router_bias: add a zero `[E]` float32 selection bias.
+    activation: the experts' activation (`ACTIVATIONS`); the plain ones get no `w_up`.
+
+  Returns:
+    `MoEParams`.
+  """
+  _check_activation("init_moe_params", activation)
+  gated = activation in GATED_ACTIVATIONS
   k_router, k_gate, k_up, k_down, k_shared = jax.random.split(key, 5)
   scale_in, scale_out = hidden ** -0.5, ffn ** -0.5
   normal = jax.random.normal
@@ -79,23 +155,39 @@ def init_moe_params(key, *, num_experts: int, hidden: int, ffn: int, dtype=jnp.b
     ks = jax.random.split(k_shared, 3)
     shared = dict(
         shared_gate=(normal(ks[0], (hidden, shared_ffn)) * scale_in).astype(dtype),
-        shared_up=(normal(ks[1], (hidden, shared_ffn)) * scale_in).astype(dtype),
+        shared_up=((normal(ks[1], (hidden, shared_ffn)) * scale_in).astype(dtype)
+                   if gated else None),
         shared_down=(normal(ks[2], (shared_ffn, hidden)) * shared_ffn ** -0.5).astype(dtype))
   return MoEParams(
       router=normal(k_router, (hidden, num_experts), jnp.float32) * scale_in,
       w_gate=(normal(k_gate, (num_experts, hidden, ffn)) * scale_in).astype(dtype),
-      w_up=(normal(k_up, (num_experts, hidden, ffn)) * scale_in).astype(dtype),
+      w_up=(normal(k_up, (num_experts, hidden, ffn)) * scale_in).astype(dtype) if gated else None,
       w_down=(normal(k_down, (num_experts, ffn, hidden)) * scale_out).astype(dtype),
       router_bias=jnp.zeros((num_experts,), jnp.float32) if router_bias else None, **shared)
 
 
-def expert_mlp(x, w_gate, w_up, w_down, group_sizes):
-  """SwiGLU experts over expert-grouped rows: `[rows, H] -> [rows, H]` (fp32 accumulation, the
-  hidden activation rounded to `x.dtype`); rows past `sum(group_sizes)` stay zero."""
+def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, activation: str = "swiglu"):
+  """The experts over expert-grouped rows (`recv.x` of `dispatch`).
+
+  Args:
+    x: `[rows, H]` bf16, f16 or f32, grouped by expert.
+    w_gate: `[G, H, F]` in `x`'s dtype: gate (gated activations) or input projection.
+    w_up: `[G, H, F]` up projection of the gated activations; None for the plain ones.
+    w_down: `[G, F, H]`.
+    group_sizes: `[G]` int32 rows of each expert.
+    activation: one of `ACTIVATIONS`.
+
+  Returns:
+    `[rows, H]` in `x`'s dtype (fp32 accumulation, the hidden activation rounded to `x`'s
+    dtype). Rows past `sum(group_sizes)` are unspecified: no matmul reads them and the
+    activation is row-local, so no result depends on them.
+  """
+  _check_activation("expert_mlp", activation)
+  _check_up("expert_mlp", "w_up", w_up, activation)
   f32 = jnp.float32
   gate = grouped_matmul(x, w_gate, group_sizes, preferred_element_type=f32)
-  up = grouped_matmul(x, w_up, group_sizes, preferred_element_type=f32)
-  h = (jax.nn.silu(gate) * up).astype(x.dtype)
+  up = None if w_up is None else grouped_matmul(x, w_up, group_sizes, preferred_element_type=f32)
+  h = _activate(gate, up, activation).astype(x.dtype)
   return grouped_matmul(h, w_down, group_sizes, preferred_element_type=f32).astype(x.dtype)
 
 
@@ -115,57 +207,182 @@ def expert_mlp_slabs(rows, w_gate, w_up, w_down, count, *, impl: str = "auto"):
   return slab_mlp.slab_mlp(rows, w_gate, w_up, w_down, count, impl=name)
 
 
-def shared_mlp(x, w_gate, w_up, w_down):
-  """The dense SwiGLU expert every token goes through, same precision as `expert_mlp`."""
+def shared_mlp(x, w_gate, w_up, w_down, *, activation: str = "swiglu"):
+  """The dense expert every token goes through: `[T, H] -> [T, H]`, weights `[H, Fs]`,
+  `[H, Fs]` (None for the plain activations), `[Fs, H]` in `x`'s dtype; same precision as
+  `expert_mlp`."""
+  _check_activation("shared_mlp", activation)
+  _check_up("shared_mlp", "w_up", w_up, activation)
   f32 = jnp.float32
   gate = jnp.dot(x, w_gate, preferred_element_type=f32)
-  up = jnp.dot(x, w_up, preferred_element_type=f32)
-  h = (jax.nn.silu(gate) * up).astype(x.dtype)
+  up = None if w_up is None else jnp.dot(x, w_up, preferred_element_type=f32)
+  h = _activate(gate, up, activation).astype(x.dtype)
   return jnp.dot(h, w_down, preferred_element_type=f32).astype(x.dtype)
 
 
+def _check_options(fn: str, *, mode, activation, aux_loss_scope, remat) -> None:
+  """Raises where the layer's static options are not ones it takes, naming `fn`."""
+  if mode not in MODES:
+    raise ValueError(f"jax_ep.{fn}: mode must be 'high_throughput' or 'low_latency', got "
+                     f"{mode!r}")
+  _check_activation(fn, activation)
+  if aux_loss_scope not in AUX_LOSS_SCOPES:
+    raise ValueError(f"jax_ep.{fn}: aux_loss_scope must be 'per_shard' or 'per_sequence', got "
+                     f"{aux_loss_scope!r}")
+  if not isinstance(remat, bool):
+    raise TypeError(f"jax_ep.{fn}: remat must be a bool, got {remat!r}")
+  if mode == "low_latency" and activation != "swiglu":
+    raise NotImplementedError(
+        f"jax_ep.{fn}: activation={activation!r} with mode='low_latency': the experts on the "
+        f"decode slabs (expert_mlp_slabs) are SwiGLU only; use mode='high_throughput'")
+
+
+def _check_layer(fn: str, params, x, *, mode, activation, aux_loss_scope, remat) -> None:
+  """Trace-time checks of the layer's arguments, with errors that name `fn`."""
+  _check_options(fn, mode=mode, activation=activation, aux_loss_scope=aux_loss_scope,
+                 remat=remat)
+  if not isinstance(params, MoEParams):
+    raise TypeError(f"jax_ep.{fn}: params must be a jax_ep.MoEParams, got "
+                    f"{type(params).__name__}")
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"jax_ep.{fn}: x must be an array, got {type(x).__name__}")
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"jax_ep.{fn}: x must have a floating-point dtype (it is cast to the "
+                    f"group's dtype for dispatch), got {x.dtype}")
+  for name, value in params._asdict().items():
+    if value is not None and not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+      raise TypeError(f"jax_ep.{fn}: params.{name} must have a floating-point dtype, got "
+                      f"{jnp.result_type(value)}")
+  for name in ("router", "w_gate", "w_down"):
+    if getattr(params, name) is None:
+      raise ValueError(f"jax_ep.{fn}: params.{name} is None")
+  _check_up(fn, "params.w_up", params.w_up, activation)
+  if params.shared_gate is not None:
+    _check_up(fn, "params.shared_up", params.shared_up, activation)
+  if aux_loss_scope == "per_sequence" and x.ndim != 3:
+    raise ValueError(f"jax_ep.{fn}: aux_loss_scope='per_sequence' needs x as [B, S, H] "
+                     f"sequences, got shape {x.shape}")
+
+
+def _experts(group: Group, mode: str, activation: str, weights, x, topk_idx, topk_weights):
+  """dispatch -> experts -> combine, plus the shared expert, in the group's dtype:
+  `(out [T, H], num_dropped)`. Under `remat` this is what the backward recomputes; the casts
+  are inside so that only the inputs as stored are saved, not their compute-dtype copies."""
+  dtype = group.dtype
+  w_gate, w_up, w_down, s_gate, s_up, s_down = (None if w is None else w.astype(dtype)
+                                                for w in weights)
+  x = x.astype(dtype)
+  if mode == "low_latency":
+    recv, handle = ops.low_latency_dispatch(group, x, topk_idx)
+    y = expert_mlp_slabs(recv.x, w_gate, w_up, w_down, recv.count)
+    out = ops.low_latency_combine(group, y, handle, topk_weights)
+  else:
+    recv, handle = ops.dispatch(group, x, topk_idx, topk_weights)
+    y = expert_mlp(recv.x, w_gate, w_up, w_down, recv.group_sizes, activation=activation)
+    out = ops.combine(group, y, handle)
+  if s_gate is not None:
+    out = out + shared_mlp(x, s_gate, s_up, s_down, activation=activation)
+  return out, recv.num_dropped
+
+
+def _spanning_sequence_loss(probs, topk_idx, seq_len: int, num_sequences: int, token_axes):
+  """The per-sequence load-balancing loss when sequences cross shard boundaries: each
+  sequence's slot counts and score sums, summed over the shards (`token_axes`, in the order
+  `P(token_axes)` splits the tokens), then `load_balancing_loss`'s formula per sequence; the
+  mean over all sequences, the same on every shard."""
+  num_tokens, num_experts = probs.shape
+  num_topk = topk_idx.shape[1]
+  first = jax.lax.axis_index(token_axes) * num_tokens
+  sequence = (first + jnp.arange(num_tokens, dtype=jnp.int32)) // seq_len
+  valid = (topk_idx >= 0) & (topk_idx < num_experts)
+  counts = jnp.zeros((num_sequences, num_experts), jnp.float32).at[
+      jnp.broadcast_to(sequence[:, None], topk_idx.shape),
+      jnp.where(valid, topk_idx, num_experts)].add(1.0, mode="drop")
+  score_sums = jax.ops.segment_sum(probs, sequence, num_segments=num_sequences)
+  counts, score_sums = jax.lax.psum((counts, score_sums), token_axes)
+  fraction = counts / (seq_len * num_topk)
+  losses = num_experts * jnp.sum(fraction * (score_sums / seq_len), axis=-1)
+  return jnp.mean(losses)
+
+
+def _forward(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None, *, routing,
+             mode, activation, aux_loss_scope, remat, seq_len=None,
+             spanning=None) -> MoEOutput:
+  """The layer on this shard's tokens `x` `[T, H]` (checked by the caller); per-token fields
+  `[T, ...]`. `spanning`: `(num_sequences, token_axes)` when sequences of `seq_len` tokens
+  cross this shard's boundaries."""
+  aux = z = jnp.zeros((), jnp.float32)
+  probs = None
+  if topk_idx is None:
+    logits = x.astype(jnp.float32) @ params.router.astype(jnp.float32)
+    routed = route_logits(logits, group.num_topk, routing, params.router_bias)
+    topk_idx, topk_weights, probs = routed.topk_idx, routed.topk_weights, routed.probs
+    if aux_loss_scope == "per_shard":
+      aux = load_balancing_loss(probs, topk_idx)
+    elif spanning is None:
+      aux = load_balancing_loss(probs.reshape(-1, seq_len, probs.shape[-1]),
+                                topk_idx.reshape(-1, seq_len, topk_idx.shape[-1]))
+    else:
+      aux = _spanning_sequence_loss(probs, topk_idx, seq_len, *spanning)
+    z = router_z_loss(routed.logits)
+  experts = functools.partial(_experts, group, mode, activation)
+  if remat:
+    # Saves only the layer's input, the routing and the weights as stored: the backward runs
+    # dispatch, the experts and combine again (one more round of communication) instead of
+    # keeping the dispatched rows and the experts' hidden activations.
+    experts = jax.checkpoint(experts)
+  weights = (params.w_gate, params.w_up, params.w_down, params.shared_gate, params.shared_up,
+             params.shared_down)
+  out, num_dropped = experts(weights, x, topk_idx, topk_weights)
+  return MoEOutput(out.astype(x.dtype), num_dropped, aux, z,
+                   expert_counts(topk_idx, group.num_experts), probs, topk_idx, topk_weights)
+
+
 def moe_mlp_per_shard(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None,
-                      *, routing: Routing = Routing(),
-                      mode: str = "high_throughput") -> MoEOutput:
+                      *, routing: Routing = Routing(), mode: str = "high_throughput",
+                      activation: str = "swiglu", aux_loss_scope: str = "per_shard",
+                      remat: bool = False) -> MoEOutput:
   """The layer body, inside `shard_map` over the group's axis.
 
   Args:
     group: the `Group`.
     params: this shard's `MoEParams` (router, bias and shared expert replicated; expert
-      weights `[L, ...]`).
-    x: `[T, H]` this shard's tokens.
-    topk_idx, topk_weights: optional routing (float32, or bf16 / f16, cast to float32); the
-      router in `params` decides when they are omitted (the losses are then its, else zero).
+      weights `[L, ...]`), in any floating dtype (cast to the group's inside).
+    x: `[T, H]` this shard's tokens, or `[b, S, H]` whole sequences; any floating dtype (cast
+      to the group's for dispatch; the output comes back in it).
+    topk_idx, topk_weights: optional routing shaped like `x` with `K` for `H` (weights
+      float32, or bf16 / f16, cast to float32); the router in `params` decides when they are
+      omitted (the losses are then its, else zero).
     routing: how the router picks experts (`Routing`).
     mode: "high_throughput" (`dispatch` / `combine`, experts on expert-grouped rows) or
-      "low_latency" (the decode pair, experts on the `[L, R*T_max, H]` slabs; the group needs
-      `low_latency=True` on the cuda backend).
+      "low_latency" (the decode pair, experts on the `[L, R*T_max, H]` slabs, SwiGLU only; the
+      group needs `low_latency=True` on the cuda backend).
+    activation: the experts' (and shared expert's) activation, one of `ACTIVATIONS`:
+      "swiglu", "geglu" (gated, with `w_up`), "gelu", "silu" (two matrices, `w_up` None).
+    aux_loss_scope: "per_shard" (the load-balancing loss over all the shard's tokens) or
+      "per_sequence" (per sequence of `[b, S, H]` `x`, then averaged).
+    remat: recompute the dispatch, the experts and the combine in the backward instead of
+      saving their activations (`jax.checkpoint`): only the layer's input and the routing
+      are kept.
 
   Returns:
     `MoEOutput` with scalars and `[E]` counts for this shard.
   """
-  if mode not in ("high_throughput", "low_latency"):
-    raise ValueError(f"jax_ep.moe_mlp: mode must be 'high_throughput' or 'low_latency', got "
-                     f"{mode!r}")
-  zero = jnp.zeros((), jnp.float32)
-  aux, z = zero, zero
-  if topk_idx is None:
-    logits = x.astype(jnp.float32) @ params.router.astype(jnp.float32)
-    routed = route_logits(logits, group.num_topk, routing, params.router_bias)
-    topk_idx, topk_weights = routed.topk_idx, routed.topk_weights
-    aux = load_balancing_loss(routed.probs, topk_idx)
-    z = router_z_loss(routed.logits)
-  if mode == "low_latency":
-    recv, handle = ops.low_latency_dispatch(group, x, topk_idx)
-    y = expert_mlp_slabs(recv.x, params.w_gate, params.w_up, params.w_down, recv.count)
-    out = ops.low_latency_combine(group, y, handle, topk_weights.astype(jnp.float32))
-  else:
-    recv, handle = ops.dispatch(group, x, topk_idx, topk_weights)
-    y = expert_mlp(recv.x, params.w_gate, params.w_up, params.w_down, recv.group_sizes)
-    out = ops.combine(group, y, handle)
-  if params.shared_gate is not None:
-    out = out + shared_mlp(x, params.shared_gate, params.shared_up, params.shared_down)
-  return MoEOutput(out, recv.num_dropped, aux, z, expert_counts(topk_idx, group.num_experts))
+  _check_layer("moe_mlp_per_shard", params, x, mode=mode, activation=activation,
+               aux_loss_scope=aux_loss_scope, remat=remat)
+  if x.ndim not in (2, 3):
+    raise ValueError(f"jax_ep.moe_mlp_per_shard: x must be [T, H] or [b, S, H], got shape "
+                     f"{x.shape}")
+  lead, hidden = x.shape[:-1], x.shape[-1]
+  flat = lambda a: None if a is None else a.reshape(-1, a.shape[-1])  # noqa: E731
+  result = _forward(group, params, flat(x), flat(topk_idx), flat(topk_weights), routing=routing,
+                    mode=mode, activation=activation, aux_loss_scope=aux_loss_scope,
+                    remat=remat, seq_len=x.shape[1] if x.ndim == 3 else None)
+  shaped = lambda a: None if a is None else a.reshape(*lead, a.shape[-1])  # noqa: E731
+  return result._replace(out=result.out.reshape(*lead, hidden),
+                         router_probs=shaped(result.router_probs),
+                         topk_idx=shaped(result.topk_idx),
+                         topk_weights=shaped(result.topk_weights))
 
 
 def param_specs(axis_name: str, params: MoEParams | None = None) -> MoEParams:
@@ -186,25 +403,61 @@ def _token_axes(group: Group):
   return (*others, group.axis_name)
 
 
+def _unflatten(group: Group, value, lead, token_axes):
+  """`[N, C]` split over `token_axes` -> `[*lead, C]`. On Explicit mesh axes a batch of `B`
+  sequences that the shards do not divide has no sharding the split implies: the major token
+  axes whose sizes divide `B` split it and the rest split `S` where they divide it (rows move
+  only where the shards cut the sequences elsewhere)."""
+  from jax.sharding import AxisType, NamedSharding
+  if value is None:
+    return None
+  shape = (*lead, value.shape[-1])
+  sizes = [group.mesh.shape[a] for a in token_axes]
+  explicit = all(t == AxisType.Explicit for t in group.mesh.axis_types)
+  if len(lead) == 1 or lead[0] % math.prod(sizes) == 0 or not explicit:
+    return value.reshape(shape)
+  split = 0
+  while split < len(sizes) and lead[0] % math.prod(sizes[:split + 1]) == 0:
+    split += 1
+  rest = token_axes[split:] if lead[1] % math.prod(sizes[split:]) == 0 else ()
+  spec = P(token_axes[:split] or None, rest or None, None)
+  return jax.lax.reshape(value, shape, out_sharding=NamedSharding(group.mesh, spec))
+
+
 def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None, *,
-            routing: Routing = Routing(), mode: str = "high_throughput") -> MoEOutput:
+            routing: Routing = Routing(), mode: str = "high_throughput",
+            activation: str = "swiglu", aux_loss_scope: str = "per_shard",
+            remat: bool = False) -> MoEOutput:
   """The whole layer on global arrays; enters `shard_map` over the group's mesh.
 
   Args:
     group: the `Group`.
-    params: global `MoEParams` (`E` experts).
-    x: `[N, H]` or `[B, S, H]` tokens. They are split evenly over every axis of the group's
+    params: global `MoEParams` (`E` experts), in any floating dtype: the experts' and the
+      shared expert's weights are cast to the group's dtype inside the layer (their gradients
+      come back in their own dtype), the router runs in float32.
+    x: `[N, H]` or `[B, S, H]` tokens, any floating dtype (cast to the group's for dispatch;
+      the output comes back in `x`'s). They are split evenly over every axis of the group's
       mesh (the EP axis and, beside it, data axes): each of the `M` shards (`M` the mesh's
       device count) takes `N / M` tokens, at most `max_tokens_per_rank`.
     topk_idx, topk_weights: optional routing shaped like `x` with `K` for `H` (else the router
       in `params` decides).
     routing: how the router picks experts (`Routing`).
     mode: "high_throughput" or "low_latency" (see `moe_mlp_per_shard`).
+    activation: "swiglu" (default), "geglu", "gelu" or "silu" (see `moe_mlp_per_shard`).
+    aux_loss_scope: "per_shard" (default: the load-balancing loss of each shard's tokens) or
+      "per_sequence" (`[B, S, H]` `x` only: the loss of each sequence, averaged, wherever the
+      shards cut the sequences; Switch Transformer's and MaxText's form).
+    remat: recompute dispatch, experts and combine in the backward (`jax.checkpoint`), keeping
+      only the layer's input and the routing.
 
   Returns:
     `MoEOutput`: `out` shaped like `x`; `num_dropped`, `aux_loss`, `z_loss` `[M]` and
-    `expert_counts` `[M, E]`, one entry per shard.
+    `expert_counts` `[M, E]`, one entry per shard (mean `aux_loss` over them for the layer's
+    loss in either scope); `router_probs` `[..., E]`, `topk_idx` and `topk_weights`
+    `[..., K]` shaped like the tokens.
   """
+  _check_layer("moe_mlp", params, x, mode=mode, activation=activation,
+               aux_loss_scope=aux_loss_scope, remat=remat)
   token_axes = _token_axes(group)
   num_shards = math.prod(group.mesh.shape[a] for a in token_axes)
   lead = x.shape[:-1]
@@ -214,6 +467,11 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
   if num_tokens % num_shards:
     raise ValueError(f"jax_ep.moe_mlp: {num_tokens} tokens (x shape {x.shape}) must split "
                      f"evenly over the mesh's {num_shards} devices (axes {token_axes})")
+  seq_len = spanning = None
+  if aux_loss_scope == "per_sequence":
+    seq_len = x.shape[1]
+    if (num_tokens // num_shards) % seq_len:
+      spanning = (lead[0], token_axes)
   tokens = P(token_axes)
   x = group.constrain(x.reshape(num_tokens, x.shape[-1]), tokens)
   routing_args = ()
@@ -228,13 +486,20 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
                        for p, s in zip(params, specs)))
 
   def body(params, x, *routing_args):
-    result = moe_mlp_per_shard(group, params, x, *routing_args, routing=routing, mode=mode)
+    result = _forward(group, params, x, *routing_args, routing=routing, mode=mode,
+                      activation=activation, aux_loss_scope=aux_loss_scope, remat=remat,
+                      seq_len=seq_len, spanning=spanning)
     return result._replace(num_dropped=result.num_dropped[None], aux_loss=result.aux_loss[None],
                            z_loss=result.z_loss[None],
                            expert_counts=result.expert_counts[None])
 
   in_specs = (specs, tokens) + (tokens,) * len(routing_args)
-  out_specs = MoEOutput(tokens, tokens, tokens, tokens, tokens)
+  out_specs = MoEOutput(*(tokens,) * len(MoEOutput._fields))
+  if routing_args:  # no router ran: no probabilities to return
+    out_specs = out_specs._replace(router_probs=None)
   result = jax.shard_map(body, mesh=group.mesh, in_specs=in_specs, out_specs=out_specs)(
       params, x, *routing_args)
-  return result._replace(out=result.out.reshape(*lead, result.out.shape[-1]))
+  shaped = lambda a: _unflatten(group, a, lead, token_axes)  # noqa: E731
+  return result._replace(out=shaped(result.out), router_probs=shaped(result.router_probs),
+                         topk_idx=shaped(result.topk_idx),
+                         topk_weights=shaped(result.topk_weights))

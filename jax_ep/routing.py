@@ -122,13 +122,33 @@ def expert_counts(topk_idx, num_experts: int):
 
 
 def load_balancing_loss(probs, topk_idx):
-  """Switch / GShard auxiliary loss `E * sum_e f_e * p_e` of `T` tokens: `f_e` the fraction of
-  the `T * K` slots routed to expert e, `p_e` its mean normalised score. 1 when balanced;
-  differentiable through `probs`."""
+  """Switch / GShard auxiliary loss `E * sum_e f_e * p_e`: `f_e` the fraction of the `T * K`
+  slots routed to expert e, `p_e` its mean normalised score. 1 when balanced; differentiable
+  through `probs`.
+
+  Args:
+    probs: `[T, E]` float32 normalised router scores (`Routed.probs`) of one group of `T`
+      tokens, or `[..., S, E]`: then each sequence of `S` tokens is its own group and the
+      result is the mean of their losses (the per-sequence form of Switch and MaxText).
+    topk_idx: `[T, K]` (or `[..., S, K]`) int32 expert ids; ids outside `[0, E)` count in the
+      slots but route nowhere.
+
+  Returns:
+    A float32 scalar.
+  """
+  if probs.ndim < 2 or probs.shape[:-1] != topk_idx.shape[:-1]:
+    raise ValueError(f"jax_ep.load_balancing_loss: probs [..., T, E] and topk_idx [..., T, K] "
+                     f"must agree on their token axes, got shapes {probs.shape} and "
+                     f"{topk_idx.shape}")
+  if probs.ndim > 2:
+    probs = probs.reshape(-1, *probs.shape[-2:])
+    topk_idx = topk_idx.reshape(-1, *topk_idx.shape[-2:])
+    losses = jax.vmap(load_balancing_loss)(probs, topk_idx)
+    return jnp.sum(losses) / max(losses.shape[0], 1)
   num_tokens, num_experts = probs.shape
   num_slots = max(num_tokens * topk_idx.shape[-1], 1)
   fraction = expert_counts(topk_idx, num_experts).astype(jnp.float32) / num_slots
-  mean_prob = jnp.sum(probs, axis=0) / max(num_tokens, 1)
+  mean_prob = jnp.sum(probs.astype(jnp.float32), axis=0) / max(num_tokens, 1)
   return num_experts * jnp.sum(fraction * mean_prob)
 
 
