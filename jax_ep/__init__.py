@@ -16,8 +16,8 @@ from jax_ep.config import default_capacity
 from jax_ep.group import Group
 from jax_ep.sizing import MemoryEstimate, capacity_from_factor, memory_bytes
 from jax_ep.gmm import grouped_matmul, grouped_matmul_impl
-from jax_ep.layer import (MoEOutput, MoEParams, expert_mlp_slabs, init_moe_params, moe_mlp,
-                          moe_mlp_per_shard)
+from jax_ep.layer import (MoEOutput, MoEParams, expert_mlp, expert_mlp_slabs, init_moe_params,
+                          moe_mlp, moe_mlp_per_shard)
 from jax_ep.routing import (Routing, expert_counts, load_balancing_loss, route,
                             router_z_loss, update_router_bias)
 from jax_ep.ops import (DispatchResult, Handle, LowLatencyHandle, LowLatencyResult,
@@ -38,7 +38,7 @@ __all__ = [
     "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
     "low_latency_dispatch_send", "low_latency_dispatch_wait", "low_latency_combine_send",
     "low_latency_combine_wait", "LowLatencySent",
-    "grouped_matmul", "grouped_matmul_impl", "expert_mlp_slabs",
+    "grouped_matmul", "grouped_matmul_impl", "expert_mlp", "expert_mlp_slabs",
     "DispatchResult", "Handle", "zero_padding", "LowLatencyResult", "LowLatencyHandle",
     "MoEOutput", "MoEParams", "init_moe_params", "moe_mlp", "moe_mlp_per_shard",
     "Routing", "route", "expert_counts", "load_balancing_loss", "router_z_loss",
