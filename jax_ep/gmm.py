@@ -242,7 +242,8 @@ def _fold_rows_by_group(group_sizes, rows):
   ends = jnp.cumsum(group_sizes, axis=1)  # [B, G]
   starts = ends - group_sizes
   r = jnp.arange(rows, dtype=jnp.int32)
-  group = jax.vmap(lambda e: jnp.searchsorted(e, r, side="right"))(ends).astype(jnp.int32)
+  # Comparisons, not jnp.searchsorted (a while loop: a launch and host round trip per step).
+  group = jnp.sum(ends[:, None, :] <= r[None, :, None], axis=2, dtype=jnp.int32)
   groups = group_sizes.shape[1]
   inside = group < groups
   g = jnp.minimum(group, groups - 1)

@@ -77,7 +77,10 @@ def row_tiles(group_sizes, rows: int, block_m: int):
   item_end = jnp.cumsum(tiles_of)
   num_items = item_end[-1]
   i = jnp.arange(max_items, dtype=jnp.int32)
-  group = jnp.minimum(jnp.searchsorted(item_end, i, side="right"), groups - 1).astype(jnp.int32)
+  # NOTES: a comparison against every group's end, not jnp.searchsorted: its default method is
+  # a while loop, whose every step costs a launch and a host round trip on GPUs.
+  group = jnp.minimum(jnp.sum(item_end[None, :] <= i[:, None], axis=1, dtype=jnp.int32),
+                      groups - 1)
   tile = first_tile[group] + i - (item_end[group] - tiles_of[group])
   lo = jnp.maximum(starts[group], tile * block_m)
   hi = jnp.minimum(ends[group], (tile + 1) * block_m)
