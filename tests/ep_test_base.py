@@ -426,7 +426,10 @@ class EPTestBase:
       ends = jnp.cumsum(recv.group_sizes)
       row_expert = jnp.searchsorted(ends, jnp.arange(recv.x.shape[0]), side="right")
       scale = a_local[jnp.minimum(row_expert, a_local.shape[0] - 1)]
-      y = (recv.x.astype(jnp.float32) * scale).astype(recv.x.dtype)
+      # Rows past the groups are unspecified (the cuda dispatch leaves them): a model that
+      # reduces over rows (this one's gradient of `a`) selects them away first.
+      rows = jnp.where(recv.valid_rows()[:, None], recv.x, jnp.zeros((), recv.x.dtype))
+      y = (rows.astype(jnp.float32) * scale).astype(recv.x.dtype)
       return jax_ep.combine(group, y, handle)
     return model
 
