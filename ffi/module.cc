@@ -21,7 +21,10 @@
 
 #include "ffi/handlers/handlers.h"
 #include "ffi/handlers/intranode_group.h"
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/ep_common.h"
+#include "ffi/kernels/intranode_kernels.h"
+#include "ffi/kernels/layout_kernels.h"
+#include "ffi/kernels/low_latency_kernels.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/pair.h"
@@ -275,9 +278,9 @@ NB_MODULE(_jax_ep_ffi, m) {
         nb::arg("low_latency_experts") = 0, nb::arg("network") = false,
         nb::arg("num_hosts") = 0,
         "Bytes of one rank's intranode buffer (intranode::BufferLayout in "
-        "ffi/kernels/ep_kernels.h; docs/intranode.md lists its regions); "
-        "`network`: with the network transport's outbox; `num_hosts` >= 2: "
-        "with the rail exchange's regions.");
+        "ffi/kernels/intranode_buffer_layout.h; docs/intranode.md lists its "
+        "regions); `network`: with the network transport's outbox; "
+        "`num_hosts` >= 2: with the rail exchange's regions.");
   m.def("intranode_dispatch_workspace_elems",
         &jax_ep::IntranodeDispatchWorkspaceElems, nb::arg("num_ranks"),
         nb::arg("max_tokens_per_rank"), nb::arg("num_topk"),

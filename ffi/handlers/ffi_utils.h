@@ -20,7 +20,7 @@
 #include <string>
 #include <string_view>
 
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/ep_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep::ffi_utils {

@@ -28,7 +28,7 @@
 #include "ffi/handlers/handlers.h"
 #include "ffi/handlers/intranode_common.h"
 #include "ffi/handlers/intranode_group.h"
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {

@@ -19,7 +19,7 @@
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/intranode_group.h"
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/ep_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep::intranode_ffi {

@@ -11,7 +11,8 @@
 #include <string>
 
 #include "ffi/handlers/intranode_group.h"
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_buffer_layout.h"
+#include "ffi/kernels/intranode_mailbox.h"
 
 namespace jax_ep::intranode_group {
 namespace {

@@ -18,6 +18,8 @@
 #include <utility>
 
 #include "ffi/handlers/intranode_topology.h"
+#include "ffi/kernels/ep_common.h"
+#include "ffi/kernels/intranode_kernels.h"
 
 namespace jax_ep::intranode_group {
 namespace {

@@ -24,7 +24,7 @@
 #include <string>
 #include <vector>
 
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_group_view.h"
 #include "ffi/kernels/network.h"
 
 namespace jax_ep::intranode_group {

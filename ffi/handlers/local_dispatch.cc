@@ -18,7 +18,7 @@
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/local_kernels.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {

@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapters of the low-latency pair (kernels: ffi/kernels/low_latency.cu),
+// FFI adapters of the low-latency pair (kernels: ffi/kernels/low_latency_*.cu),
 // two custom calls per op so that XLA can run independent work between the
 // send and the wait. Per rank, no batch dims (L local experts, S = R * T_max
 // rows per expert slab):
@@ -40,7 +40,7 @@
 #include "ffi/handlers/handlers.h"
 #include "ffi/handlers/intranode_common.h"
 #include "ffi/handlers/intranode_group.h"
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/low_latency_kernels.h"
 #include "ffi/kernels/network.h"
 #include "xla/ffi/api/ffi.h"
 

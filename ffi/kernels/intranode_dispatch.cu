@@ -13,10 +13,12 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_kernels.h"
 #include "ffi/kernels/intranode_launch.h"
 #include "ffi/kernels/intranode_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/layout_kernels.h"
+#include "ffi/kernels/local_kernels.h"
 
 namespace jax_ep::intranode {
 namespace {

@@ -2,7 +2,8 @@
 //
 // Host-side launch helpers of the intranode transport, shared by its
 // translation units (intranode_*.cu); not part of the launcher API
-// (ep_kernels.h). The kernels stay private to the file that launches them.
+// (intranode_kernels.h). The kernels stay private to the file that launches
+// them.
 
 #ifndef JAX_EP_FFI_KERNELS_INTRANODE_LAUNCH_H_
 #define JAX_EP_FFI_KERNELS_INTRANODE_LAUNCH_H_
@@ -11,7 +12,7 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_kernels.h"
 
 namespace jax_ep::intranode::launch {
 

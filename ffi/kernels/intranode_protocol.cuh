@@ -10,8 +10,9 @@
 //
 // NOTES: the protocol.
 // * Buffers. Each rank owns one buffer (layout: intranode::BufferLayout in
-//   ep_kernels.h). Peers write into it; only its owner reads it. Regions are
-//   sized for the worst routing skew, so nothing waits for room.
+//   intranode_buffer_layout.h). Peers write into it; only its owner reads
+//   it. Regions are sized for the worst routing skew, so nothing waits for
+//   room.
 // * Regions and sequence numbers. Three regions (dispatch, combine, dots) are
 //   reused independently. Device state `seq[region]` counts completed calls
 //   that used the region; call n (0-based) of a region uses seq = n + 1. Every
@@ -106,7 +107,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_kernels.h"
 #include "ffi/kernels/kernel_utils.cuh"
 
 namespace jax_ep::intranode {

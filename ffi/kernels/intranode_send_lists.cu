@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_kernels.h"
 #include "ffi/kernels/intranode_launch.h"
 #include "ffi/kernels/intranode_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"

@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/ep_common.h"
 
 namespace jax_ep::detail {
 

@@ -23,8 +23,8 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/layout_kernels.h"
 
 namespace jax_ep::layout {
 namespace {

@@ -12,8 +12,8 @@
 #include <initializer_list>
 #include <type_traits>
 
-#include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/local_kernels.h"
 #include "ffi/kernels/local_rows.cuh"
 
 namespace jax_ep::local {

@@ -14,8 +14,8 @@
 #include <initializer_list>
 #include <type_traits>
 
-#include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/local_kernels.h"
 #include "ffi/kernels/local_rows.cuh"
 
 namespace jax_ep::local {
@@ -39,7 +39,7 @@ __device__ __forceinline__ uint4 Scale(const uint4& v, float w) {
 // kSplitRows: splits > 1. NOTES: a template parameter, so that the unsplit
 // instantiation (large T) carries none of the split arithmetic, which showed
 // in its time when it did.
-// placed (kPeerRows): see PlacedTokens in ep_kernels.h.
+// placed (kPeerRows): see PlacedTokens in local_kernels.h.
 // Stores: evict-first (st.global.cs) in the unsplit bf16 instantiations
 // only (kStreamRows). NOTES: rows written once and read once by a later
 // kernel; marking them evict-first keeps the rows still to be read cached.

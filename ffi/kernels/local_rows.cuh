@@ -25,8 +25,8 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/local_kernels.h"
 
 namespace jax_ep::local {
 namespace {

@@ -15,7 +15,7 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_group_view.h"
 
 namespace jax_ep::network {
 

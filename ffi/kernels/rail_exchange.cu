@@ -36,9 +36,9 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/ep_kernels.h"
 #include "ffi/kernels/intranode_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/rail_kernels.h"
 #include "ffi/kernels/rail_protocol.cuh"
 
 namespace jax_ep::rail {

@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_group_view.h"
 
 namespace jax_ep::rail::protocol {
 

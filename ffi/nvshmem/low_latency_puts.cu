@@ -1,10 +1,10 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
 // The network transport of the low-latency pair: the puts to ranks on other
-// hosts. The peer transport's send kernel (ffi/kernels/low_latency.cu) has
-// already stored the rows for ranks it reaches by pointer and the flags of
-// those ranks; for a rank with no pointer (peers[r] null: another host, or
-// another virtual host in the emulation) it staged the rows in its own
+// hosts. The peer transport's send kernels (ffi/kernels/low_latency_*.cu)
+// have already stored the rows for ranks they reach by pointer and the flags
+// of those ranks; for a rank with no pointer (peers[r] null: another host, or
+// another virtual host in the emulation) they staged the rows in their own
 // outbox, which lives in NVSHMEM's symmetric heap like the whole buffer. The
 // kernels here run next on the same stream and move them.
 //
@@ -23,9 +23,9 @@
 //   cannot wait on each other. NVSHMEM's device calls give them a stack
 //   (local memory), and the first launch of a kernel that needs more local
 //   memory than the context holds can wait for the GPU to drain, a peer's
-//   spinning wait included (see low_latency.cu, SpinArrival): so they are
-//   launched once when the group connects (WarmPutKernels, returning at
-//   once), before any wait of the group can spin.
+//   spinning wait included (see SpinArrival, low_latency_common.cuh): so
+//   they are launched once when the group connects (WarmPutKernels,
+//   returning at once), before any wait of the group can spin.
 
 #include <cuda_runtime.h>
 #include <nvshmem.h>
@@ -35,7 +35,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_group_view.h"
 #include "ffi/kernels/low_latency_protocol.cuh"
 #include "ffi/kernels/network.h"
 #include "ffi/nvshmem/put_utils.cuh"

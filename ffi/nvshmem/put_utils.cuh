@@ -8,7 +8,7 @@
 
 #include <cuda_runtime.h>
 
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_group_view.h"
 #include "ffi/kernels/kernel_utils.cuh"
 
 namespace jax_ep::nvshmem {

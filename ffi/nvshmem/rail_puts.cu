@@ -21,7 +21,7 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/ep_kernels.h"
+#include "ffi/kernels/intranode_group_view.h"
 #include "ffi/kernels/network.h"
 #include "ffi/kernels/rail_protocol.cuh"
 #include "ffi/nvshmem/put_utils.cuh"
