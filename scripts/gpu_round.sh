@@ -15,11 +15,16 @@
 #                                     # (MULTI_SEND_RECV=1: also XLA's send/recv fallback;
 #                                     # MULTI_PASSES="per_gpu isolated one_process": the
 #                                     # suites' process models, to split them over calls)
-#   bash scripts/gpu_round.sh layers  # the layer chain (bench_layers.py), defaults against the
-#                                     # debug checks: R=1, then LAYER_RANKS="2 8" emulated
-#                                     # (LAYER_ARGS passed to bench_layers.py)
+#   bash scripts/gpu_round.sh layers  # the layer chain (bench_layers.py): identity and SwiGLU
+#                                     # experts, forward and forward + backward, the default
+#                                     # capacity beside capacity_factor=1.1: R=1, then
+#                                     # LAYER_RANKS="2 8" emulated (LAYER_ARGS passed to it)
 #   bash scripts/gpu_round.sh gemm    # the grouped GEMM and the whole MoE layer (bench_layer.py),
-#                                     # the GPU grouped-matmul tests, and the tile sweep (--tune)
+#                                     # the GPU grouped-matmul tests (GEMM_ARGS="--tune": the
+#                                     # tile sweep)
+#   bash scripts/gpu_round.sh layer   # the MoE layer and the NNX module train at model shapes
+#                                     # against the dense model: R=1, then LAYER_TEST_RANKS="2 4"
+#                                     # emulated
 #   bash scripts/gpu_round.sh lowlatency  # the low-latency pair: its suites at R=1 and
 #                                     # LL_RANKS="2 4 8" emulated, compute-sanitizer memcheck and
 #                                     # racecheck at R=2, bench_low_latency.py at R=1 and
@@ -121,23 +126,38 @@ if has intranode || has bench; then
   cp benchmarks/results/gpu_round_intranode.jsonl "$OUT/" 2>/dev/null
 fi
 
+chain_args="--backends cuda --expert identity swiglu --passes forward forward_backward"
+chain_args="$chain_args --capacities default tight"
 if has layers; then
   step "layer chain, one rank"
-  timeout 200 python3 benchmarks/bench_layers.py --debug-checks --out gpu_round_layers.jsonl \
-    ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layers_1.log" | tail -12
+  XLA_PYTHON_CLIENT_MEM_FRACTION=.9 timeout 200 python3 benchmarks/bench_layers.py $chain_args \
+    --layers 2 --out gpu_round_layers.jsonl ${LAYER_ARGS:-} 2>&1 \
+    | tee "$OUT/bench_layers_1.log" | tail -16
   for n in ${LAYER_RANKS:-2 8}; do
     step "layer chain, $n ranks emulated"
     timeout 240 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 220 -- \
-      python3 benchmarks/bench_layers.py --debug-checks --out gpu_round_layers.jsonl \
-      ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layers_$n.log" | grep -E "^\[0\] " | tail -12
+      python3 benchmarks/bench_layers.py $chain_args --out gpu_round_layers.jsonl \
+      ${LAYER_ARGS:-} 2>&1 | tee "$OUT/bench_layers_$n.log" | grep -E "^\[0\] " | tail -16
   done
   cp benchmarks/results/gpu_round_layers.jsonl "$OUT/" 2>/dev/null
 fi
 
+if has layer; then
+  step "the MoE layer at model shapes against the dense model, one rank"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout 300 python3 -m pytest tests/test_gpu_layer.py -v \
+    -rf -p no:cacheprovider 2>&1 | tee "$OUT/pytest_layer_1.log" | grep -E "PASS|FAIL|passed|failed"
+  for n in ${LAYER_TEST_RANKS:-2 4}; do
+    step "the MoE layer at model shapes, $n ranks emulated"
+    timeout 400 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 390 -- \
+      python3 -m pytest tests/test_gpu_layer.py -q -rf -p no:cacheprovider 2>&1 \
+      | tee "$OUT/pytest_layer_$n.log" | drop_noise | grep -E " passed| failed|rror" | tail -$((n + 4))
+  done
+fi
+
 if has gemm; then
   step "grouped matmul on the GPU: tests"
-  timeout 240 python3 -m pytest tests/test_grouped_matmul.py tests/test_routing.py -q -rf \
-    -p no:cacheprovider 2>&1 | tee "$OUT/pytest_gemm.log" | tail -6
+  timeout 240 python3 -m pytest tests/test_grouped_matmul.py tests/test_routing.py -v -rf \
+    -p no:cacheprovider -m gpu 2>&1 | tee "$OUT/pytest_gemm.log" | grep -E "PASS|FAIL|passed|failed"
   step "grouped matmul and MoE layer at model shapes (bench_layer.py)"
   timeout 400 python3 benchmarks/bench_layer.py ${GEMM_ARGS:-} --out gpu_round_layer.jsonl \
     --plot "$OUT/layer.png" 2>&1 | tee "$OUT/bench_layer.log" | tail -40
