@@ -14,6 +14,11 @@
 // IpcHandle (publish) -> Connect (open every peer's handle, check its config
 // header, build the pointer table) -> ops -> Destroy. One process driving
 // several devices: Create per device, then ConnectLocal with all the ids.
+//
+// Defined in intranode_group.cc (BufferBytes, Create, IpcHandle, Destroy),
+// intranode_connect.cc (Connect, ConnectTable, ConnectLocal),
+// intranode_registry.cc (the registry, Lookup and the queries) and
+// intranode_errors.cc (PendingError).
 
 #ifndef JAX_EP_FFI_HANDLERS_INTRANODE_GROUP_H_
 #define JAX_EP_FFI_HANDLERS_INTRANODE_GROUP_H_
