@@ -230,7 +230,12 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, *, tiles: KernelTiles, out_dt
       def step_fn(idx, x_smem, dy_smem):
         step = idx[0]
 
-        @pl.when((step == 0) | (step == blocks - 1))
+        # Only a block that a group boundary cuts holds rows of another group (or past the
+        # groups): the first when the group starts inside it, the last when it ends inside it.
+        cut_first = (step == 0) & (start % bk != 0)
+        cut_last = (step == blocks - 1) & (end % bk != 0)
+
+        @pl.when(cut_first | cut_last)
         def _():
           keep_rows(x_smem, step)
           keep_rows(dy_smem, step)

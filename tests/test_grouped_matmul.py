@@ -260,7 +260,8 @@ def interpreted_kernels(monkeypatch):
 
 KERNEL_CASES = [  # rows, groups, K, N, sizes: skewed, empty, everything in one, nothing
     (300, 4, 128, 192, [40, 0, 100, 90]), (200, 3, 64, 128, [0, 200, 0]),
-    (130, 2, 128, 64, [0, 0]), (100, 1, 64, 64, [7])]
+    (130, 2, 128, 64, [0, 0]), (100, 1, 64, 64, [7]),
+    (300, 3, 64, 64, [64, 128, 50])]  # boundaries on the tiles: no block is cut but the last
 
 
 @pytest.mark.parametrize("rows,groups,k,n,sizes", KERNEL_CASES)
