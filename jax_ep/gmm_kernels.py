@@ -20,6 +20,9 @@ output rows past them are unspecified, as jax_ep's contract has them; a tile tha
 end reads up to `block_m - 1` rows past it, but their products land only in rows it does not
 store. The weight gradient sums over rows, so it selects (not multiplies: NaN * 0 is NaN) zeros
 into both operands' rows outside the group before the matrix instruction.
+
+Pallas's Mosaic GPU module is imported inside the kernel functions: it adds about half a second
+to `import jax_ep`, and only Hopper runs (and the interpreter's tests) trace the kernels.
 """
 
 from __future__ import annotations
@@ -53,6 +56,17 @@ def num_sms() -> int:
     return 132
 
 
+def group_blocks(group_sizes, block: int):
+  """Per group: its first row, its end, and its first row block and number of row blocks of
+  `block` rows (`[G]` int32 each; no blocks for an empty group)."""
+  sizes = group_sizes.astype(jnp.int32)
+  ends = jnp.cumsum(sizes)
+  starts = ends - sizes
+  first = starts // block
+  count = jnp.where(sizes > 0, (ends - 1) // block - first + 1, 0)
+  return starts, ends, first, count
+
+
 def row_tiles(group_sizes, rows: int, block_m: int):
   """The work list: items in row order, one per (row tile, group) pair holding rows of it.
 
@@ -67,13 +81,8 @@ def row_tiles(group_sizes, rows: int, block_m: int):
     `group[i]`; items `>= num_items` (`[1]` int32) are unused (zeros).
   """
   groups = group_sizes.shape[0]
-  max_items = pl_cdiv(rows, block_m) + groups - 1
-  sizes = group_sizes.astype(jnp.int32)
-  ends = jnp.cumsum(sizes)
-  starts = ends - sizes
-  first_tile = starts // block_m
-  # Tiles of group g: first_tile .. (end - 1) // block_m, none when it is empty.
-  tiles_of = jnp.where(sizes > 0, (ends - 1) // block_m - first_tile + 1, 0)
+  max_items = _cdiv(rows, block_m) + groups - 1
+  starts, ends, first_tile, tiles_of = group_blocks(group_sizes, block_m)
   item_end = jnp.cumsum(tiles_of)
   num_items = item_end[-1]
   i = jnp.arange(max_items, dtype=jnp.int32)
@@ -91,7 +100,7 @@ def row_tiles(group_sizes, rows: int, block_m: int):
           num_items.reshape(1).astype(jnp.int32))
 
 
-def pl_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
@@ -175,17 +184,6 @@ def grouped_matmul_kernel(x, w, group_sizes, *, transpose_w: bool, tiles: Kernel
   return kernel(*table, x, w)
 
 
-def group_blocks(group_sizes, block: int):
-  """Per group: its first row, its end, and its first row block and number of row blocks of
-  `block` rows (`[G]` int32 each; no blocks for an empty group)."""
-  sizes = group_sizes.astype(jnp.int32)
-  ends = jnp.cumsum(sizes)
-  starts = ends - sizes
-  first = starts // block
-  count = jnp.where(sizes > 0, (ends - 1) // block - first + 1, 0)
-  return starts, ends, first, count
-
-
 def grouped_weight_grad_kernel(x, dy, group_sizes, *, tiles: KernelTiles, out_dtype=None):
   """`dw[g] = x[rows of g]^T @ dy[rows of g]`: `[rows, K], [rows, N] -> [G, K, N]`, fp32
   accumulation rounded to `out_dtype` (default `x.dtype`); an empty group's block is zeros.
@@ -227,28 +225,24 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, *, tiles: KernelTiles, out_dt
         value = ref[...]
         ref[...] = jnp.where((row >= start) & (row < end), value, jnp.zeros_like(value))
 
-      def step_fn(idx, x_smem, dy_smem):
-        step = idx[0]
-
-        # Only a block that a group boundary cuts holds rows of another group (or past the
-        # groups): the first when the group starts inside it, the last when it ends inside it.
-        cut_first = (step == 0) & (start % bk != 0)
-        cut_last = (step == blocks - 1) & (end % bk != 0)
-
-        @pl.when(cut_first | cut_last)
-        def _():
-          keep_rows(x_smem, step)
-          keep_rows(dy_smem, step)
-          plgpu.commit_smem()
-
-        plgpu.wgmma(acc_ref_holder[0], x_smem.transpose((1, 0)), dy_smem)
-        if tiles.stages == 1:
-          plgpu.wgmma_wait(0)
-
-      acc_ref_holder = []
-
       def acc_scope(acc_ref):
-        acc_ref_holder.append(acc_ref)
+        def step_fn(idx, x_smem, dy_smem):
+          step = idx[0]
+          # Only a block that a group boundary cuts holds rows of another group (or past the
+          # groups): the first when the group starts inside it, the last when it ends inside.
+          cut_first = (step == 0) & (start % bk != 0)
+          cut_last = (step == blocks - 1) & (end % bk != 0)
+
+          @pl.when(cut_first | cut_last)
+          def _():
+            keep_rows(x_smem, step)
+            keep_rows(dy_smem, step)
+            plgpu.commit_smem()
+
+          plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
+          if tiles.stages == 1:
+            plgpu.wgmma_wait(0)
+
         release = 1 if tiles.stages > 1 else 0
 
         @pl.when(blocks > 0)
