@@ -10,7 +10,7 @@ The contract is docs/DESIGN.md. Quick start::
     return jax_ep.combine(group, y, handle)
 """
 
-from jax_ep import _ffi
+from jax_ep._native import ffi as _ffi
 from jax_ep._status import CapacityOverflowError
 from jax_ep.config import default_capacity
 from jax_ep.group import Group

@@ -11,7 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_ep import _effects, _ffi, cuda_ops, hierarchical, reference
+from jax_ep import cuda_ops, hierarchical, reference
+from jax_ep._native import effects, ffi
 from jax_ep.config import EPConfig
 
 
@@ -20,8 +21,8 @@ def _raise_on_failure(status, group_id: int) -> None:
   after it, raising `TimeoutError` with the group's error record."""
   def raise_if_failed(value):
     if value != 0:
-      message = _ffi.extension().intranode_group_error(group_id)
-      _effects.note_failure()
+      message = ffi.extension().intranode_group_error(group_id)
+      effects.note_failure()
       raise TimeoutError(message or f"jax_ep: intranode op failed with status {int(value)}")
   # NOTES: a debug callback, not an io_callback: its effect is allowed under `jax.checkpoint`
   # (a layer stack under scan + remat), and a check that runs twice when the forward pass is
@@ -221,7 +222,7 @@ class IntranodeBackend(_CudaLowLatency):
     return d_expert_out, d_weights
 
   def workspace_bytes(self) -> int:
-    ext = _ffi.extension()
+    ext = ffi.extension()
     c = self.config
     return 4 * int(ext.intranode_dispatch_workspace_elems(c.num_ranks, c.max_tokens_per_rank,
                                                      c.num_topk, c.num_experts))

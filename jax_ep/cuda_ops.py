@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _ffi
-from jax_ep._varying import vary_like_operands
+from jax_ep._native import ffi
+from jax_ep._native.varying import vary_like_operands
 from jax_ep.config import EPConfig
 
 
@@ -31,7 +31,7 @@ class LocalRouting(NamedTuple):
 
 def _call(target, result_shapes, *args, vmap_method="broadcast_all", has_side_effect=False,
           **attrs):
-  if _ffi.extension() is None:
+  if ffi.extension() is None:
     raise RuntimeError(f"jax_ep: the CUDA extension is not built; cannot call {target}")
   outs = jax.ffi.ffi_call(target, result_shapes, vmap_method=vmap_method,
                           has_side_effect=has_side_effect)(*args, **attrs)
@@ -39,12 +39,12 @@ def _call(target, result_shapes, *args, vmap_method="broadcast_all", has_side_ef
 
 
 def layout_workspace_elems(config: EPConfig, num_tokens: int) -> int:
-  ext = _ffi.extension()
+  ext = ffi.extension()
   return int(ext.local_layout_workspace_elems(num_tokens, config.num_topk, config.num_experts))
 
 
 def layout_workspace_bytes(config: EPConfig) -> int:
-  if _ffi.extension() is None:
+  if ffi.extension() is None:
     return 0
   return 4 * layout_workspace_elems(config, config.max_tokens_per_rank)
 
@@ -146,7 +146,7 @@ def _with_one_row(a, fill):
 
 def intranode_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
   """Returns `(recv_x, group_sizes, num_dropped, num_invalid, routing, status)`."""
-  ext = _ffi.extension()
+  ext = ffi.extension()
   num_tokens, num_topk = topk_idx.shape
   r, n, i32 = config.num_ranks, config.num_ranks * config.max_tokens_per_rank, jnp.int32
   workspace = int(ext.intranode_dispatch_workspace_elems(r, config.max_tokens_per_rank, num_topk,

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep._varying import sum_to_primal, vary_like_operands
+from jax_ep._native.varying import sum_to_primal, vary_like_operands
 from jax_ep.gmm_kernels import KernelTiles, grouped_matmul_kernel, grouped_weight_grad_kernel
 
 _logger = logging.getLogger("jax_ep")

@@ -10,12 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _distributed, _effects, _ffi, _status, intranode
-from jax_ep import limits as jax_ep_limits
+from jax_ep import _distributed, _status, intranode
+from jax_ep._native import effects, ffi
+from jax_ep._native import limits as jax_ep_limits
 from jax_ep import topology as topology_lib
 from jax_ep.backends import BACKENDS, CudaBackend, IntranodeBackend, NetworkBackend
 from jax_ep.config import EPConfig, check_dtype
-from jax_ep.limits import KernelLimits, kernel_limits
+from jax_ep._native.limits import KernelLimits, kernel_limits
 # Re-exported: `from jax_ep.group import memory_bytes, MemoryEstimate` is how code imports them.
 from jax_ep.sizing import MemoryEstimate, memory_bytes, resolve_capacity  # noqa: F401
 
@@ -47,11 +48,11 @@ def _positive_seconds(name: str, value) -> float:
   return value
 
 
-# Intranode transports of groups not yet closed: the exit hook of jax_ep/_effects.py settles JAX's
-# effect tokens when one of them recorded a timeout (strong references: a dropped group's native
-# buffers and error record live on until exit anyway).
+# Intranode transports of groups not yet closed: the exit hook of jax_ep/_native/effects.py
+# settles JAX's effect tokens when one of them recorded a timeout (strong references: a dropped
+# group's native buffers and error record live on until exit anyway).
 _OPEN_TRANSPORTS: dict[int, intranode.IntranodeTransport] = {}
-_effects.add_failure_source(
+effects.add_failure_source(
     lambda: any(t.error() for t in list(_OPEN_TRANSPORTS.values())))
 
 
@@ -79,7 +80,7 @@ def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | N
   if platforms != ["gpu"]:
     return f"the mesh has {', '.join(platforms)} devices, the cuda kernels need CUDA GPUs"
   if extension_built is None:
-    extension_built = _ffi.extension() is not None
+    extension_built = ffi.extension() is not None
   if not extension_built:
     return ("the CUDA extension is not built in this installation (no nvcc at build time, or "
             "JAX_EP_ENABLE_CUDA=OFF)")
@@ -103,7 +104,7 @@ def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | N
             f"joins the GPUs of one host")
   if local == len(devices):
     if peer_access is None:
-      peer_access = bool(_ffi.extension().intranode_peer_access(
+      peer_access = bool(ffi.extension().intranode_peer_access(
           [d.local_hardware_id for d in devices]))
     if not peer_access:
       return "these GPUs cannot access each other's memory (no P2P between them)"
@@ -341,7 +342,7 @@ class Group:
       if self.backend_name == "cuda":  # load the kernels now, not inside the first handler
         for device in mesh.devices.flat:
           if device.process_index == jax.process_index():
-            _ffi.extension().preload_kernels(device.local_hardware_id)
+            ffi.extension().preload_kernels(device.local_hardware_id)
 
   # Shorthands for the configuration.
   axis_name = property(lambda self: self.config.axis_name)
@@ -460,8 +461,8 @@ class Group:
       if late:
         self._status.record(late)
     failure = self._status.failure()
-    if self._transport is not None and (failure is not None or _effects.any_failure()):
-      _effects.settle()  # see jax_ep/_effects.py
+    if self._transport is not None and (failure is not None or effects.any_failure()):
+      effects.settle()  # see jax_ep/_native/effects.py
     # In the debug mode every op raised its own timeout already.
     seen = self._status.raised or (self._raise_on_timeout and failure is not None
                                    and failure[1] is TimeoutError)

@@ -14,7 +14,8 @@ import json
 import jax
 import numpy as np
 
-from jax_ep import _ffi, hierarchical
+from jax_ep import hierarchical
+from jax_ep._native import ffi
 from jax_ep import topology as topology_lib
 from jax_ep.config import EPConfig
 
@@ -25,7 +26,7 @@ def buffer_bytes(config: EPConfig, low_latency: bool = False, network: bool = Fa
   `num_hosts` hosts: its buffer (NVSHMEM's symmetric heap) gains the outbox the low-latency
   puts read and the rail exchange's regions, and each host's own group for the
   high-throughput ops has a buffer of its own (included)."""
-  ext = _ffi.extension()
+  ext = ffi.extension()
   if ext is None or (config.num_ranks == 1 and not low_latency):
     return 0
   itemsize = np.dtype(config.dtype).itemsize
@@ -68,11 +69,11 @@ class IntranodeTransport:
   @property
   def receives_while_sending(self) -> bool:
     """Whether every local group's dispatch places the other ranks' rows as they land."""
-    ext = _ffi.extension()
+    ext = ffi.extension()
     return all(bool(ext.intranode_group_receives_while_sending(gid)) for gid in self.group_ids)
 
   def error(self) -> str | None:
-    ext = _ffi.extension()
+    ext = ffi.extension()
     for gid in self.group_ids:
       message = ext.intranode_group_error(gid)
       if message:
@@ -96,7 +97,7 @@ class IntranodeTransport:
                                int(barrier_timeout_s * 1000), process_ids=self.process_ids)
       except Exception:  # noqa: BLE001 - a vanished peer must not stop us freeing our memory
         everyone_here = False
-    ext = _ffi.extension()
+    ext = ffi.extension()
     messages = [ext.intranode_group_destroy(gid) for gid in self.group_ids]
     if self.network_buffer:
       # nvshmem_free is collective: only when every process reached the close (otherwise the
@@ -123,7 +124,7 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
   `devices`: the group's devices in rank order, when they are not the mesh's (one host's of a
   network group).
   """
-  ext = _ffi.extension()
+  ext = ffi.extension()
   if ext is None:
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
   if devices is None and mesh.devices.ndim != 1:
@@ -191,7 +192,7 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
   share a machine (`jax_ep.nvshmem.shared_gpu_env`) where the environment does not set them.
   """
   from jax_ep import nvshmem
-  ext = _ffi.extension()
+  ext = ffi.extension()
   if ext is None:
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
   devices = list(mesh.devices.flat)
@@ -270,5 +271,5 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
 
 
 def describe(transport: IntranodeTransport) -> str:
-  ext = _ffi.extension()
+  ext = ffi.extension()
   return json.dumps({gid: ext.intranode_group_pointer_table(gid) for gid in transport.group_ids})

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep import primitives
-from jax_ep._varying import vary_like_operands
+from jax_ep._native.varying import vary_like_operands
 from jax_ep.group import Group
 
 

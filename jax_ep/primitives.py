@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_ep._varying import sum_to_primal
+from jax_ep._native.varying import sum_to_primal
 
 
 def _no_cotangent(tree):

@@ -65,7 +65,7 @@ rm -f benchmarks/results/gpu_round_local.jsonl benchmarks/results/gpu_round_intr
   benchmarks/results/gpu_round_layers.jsonl benchmarks/results/gpu_round_layer.jsonl \
   benchmarks/results/gpu_round_low_latency.jsonl benchmarks/results/gpu_round_slab_mlp.jsonl
 step device; nvidia-smi -L
-python3 -c "import jax, jax_ep._ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available())"
+python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available())"
 
 if has local; then
   step cuda one-rank suite

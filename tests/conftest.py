@@ -17,7 +17,7 @@ launch.initialize_from_env()
 
 
 def pytest_collection_modifyitems(config, items):
-  from jax_ep import _ffi
+  from jax_ep._native import ffi as _ffi
   if _ffi.cuda_available():
     return
   skip = pytest.mark.skip(reason="needs a CUDA GPU and the jax_ep CUDA extension")

@@ -366,7 +366,7 @@ class CudaLowLatencyTests(LowLatencyTestBase):
     MPS to drain, peers' spinning waits included: none of the low-latency kernels may."""
     r = self.small_ranks
     self.make_group(r, num_experts=4 * r, num_topk=2, hidden=256, max_tokens=4)  # preloads
-    assert jax_ep._ffi.extension().low_latency_local_bytes() == 0
+    assert jax_ep._native.ffi.extension().low_latency_local_bytes() == 0
 
   def test_needs_low_latency_buffers(self):
     r = self.small_ranks

@@ -111,7 +111,7 @@ class TestGroupValidation:
     arithmetic of the extension): two sets of `L * R * T_max` rows plus their meta and the
     `[T_max, K]` combine rows, 256-byte aligned regions, counts, the packed rows' starts and
     flags."""
-    from jax_ep import _ffi
+    from jax_ep._native import ffi as _ffi
     if _ffi.extension() is None:
       pytest.skip("needs the built extension (host arithmetic only)")
     r, e, k, h, t = 8, 256, 8, 7168, 128
@@ -274,7 +274,7 @@ def test_settling_effect_tokens_waits_on_each_and_forgets_failures(monkeypatch, 
   them, so interpreter exit does not take JAX's crash path (on a GPU job that aborted every
   process). A GPU failure keeps such a token; the CPU runtime keeps none, so these are fakes."""
   from jax._src import dispatch
-  from jax_ep import _effects
+  from jax_ep._native import effects as _effects
 
   class Token:
     def __init__(self, fails):

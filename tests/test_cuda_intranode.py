@@ -178,7 +178,7 @@ def test_fault_cases_fail_fast(mode):
 def test_single_process_pointer_table_on_one_gpu():
   """The one-process-all-GPUs path, as far as one GPU allows: two ranks' buffers on device 0,
   connected locally; every rank's table lists the same buffers in rank order."""
-  from jax_ep import _ffi
+  from jax_ep._native import ffi as _ffi
   ext = _ffi.extension()
   args = dict(num_ranks=2, num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
               itemsize=2, capacity=64, num_sms=2, timeout_s=1.0)

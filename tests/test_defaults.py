@@ -13,9 +13,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _ffi, _status, group as group_module, intranode
+from jax_ep import _status, group as group_module, intranode
+from jax_ep._native import ffi as _ffi
 from jax_ep.config import EPConfig
-from jax_ep.limits import KernelLimits, cuda_violation
+from jax_ep._native.limits import KernelLimits, cuda_violation
 from ep_test_base import count_primitive, rank_mesh
 
 LIMITS = KernelLimits(max_experts=1024, max_topk=32, max_slots=1 << 30, hidden_multiple=8,
@@ -95,7 +96,7 @@ def test_limits_are_the_extensions_table():
   ext = _ffi.extension()
   if ext is None:
     pytest.skip("built without the CUDA extension")
-  from jax_ep.limits import kernel_limits
+  from jax_ep._native.limits import kernel_limits
   assert kernel_limits() == LIMITS
   assert cuda_violation(_config(), kernel_limits(), 24) is None
 

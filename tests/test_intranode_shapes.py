@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ep import _ffi, cuda_ops
+from jax_ep import cuda_ops
+from jax_ep._native import ffi as _ffi
 from jax_ep.config import EPConfig
 
 
@@ -28,7 +29,7 @@ def calls(monkeypatch):
       return 16
 
   monkeypatch.setattr(cuda_ops, "_intranode_call", fake_intranode_call)
-  monkeypatch.setattr(cuda_ops._ffi, "extension", lambda: FakeExtension)
+  monkeypatch.setattr(cuda_ops.ffi, "extension", lambda: FakeExtension)
   return seen
 
 
@@ -89,7 +90,7 @@ def test_dispatch_workspace_is_sized_and_carved_in_one_place(num_ranks, max_toke
                                                              num_experts):
   """The parts of the dispatch workspace follow each other without gaps or overlap, in the
   documented order, and the size the handler allocates is where the last one ends."""
-  from jax_ep import _ffi
+  from jax_ep._native import ffi as _ffi
   ext = _ffi.extension()
   if ext is None:
     pytest.skip("built without the CUDA extension")

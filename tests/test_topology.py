@@ -72,7 +72,7 @@ def test_group_virtual_hosts_arguments_are_checked():
 
 def test_memory_estimate_of_a_network_group_includes_the_outbox():
   import jax_ep
-  if jax_ep._ffi.extension() is None:
+  if jax_ep._native.ffi.extension() is None:
     pytest.skip("sizes come from the extension's buffer layout")
   kw = dict(num_ranks=8, num_experts=64, num_topk=4, hidden=256, max_tokens_per_rank=16,
             backend="cuda", low_latency=True)

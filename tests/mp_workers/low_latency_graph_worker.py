@@ -3,8 +3,8 @@
 Run by tests/test_cuda_local.py (one rank) and tests/test_cuda_intranode.py (under the launcher).
 The step is compiled with command buffers on for fusions and custom calls; 60 steps, each with
 new tokens and a new routing, are checked against the numpy oracle, and the handlers' call
-counters (jax_ep._ffi.extension().low_latency_handler_calls()) must show that the steps replayed
-a recorded command buffer rather than calling the handlers each time. Prints "steps ok".
+counters (jax_ep._native.ffi.extension().low_latency_handler_calls()) must show that the steps
+replayed a recorded command buffer rather than calling the handlers each time. Prints "steps ok".
 """
 
 import faulthandler
@@ -64,7 +64,7 @@ def main(use_fp8: bool) -> int:
   a = (1 + 0.1 * rng.standard_normal((r, NUM_LAYERS, e // r))).astype(np.float32)
   shapes = [put(np.zeros((r, t, h), jnp.bfloat16)), put(np.zeros((r, NUM_LAYERS, t, k), np.int32)),
             put(np.zeros((r, NUM_LAYERS, t, k), np.float32)), put(a)]
-  ext = jax_ep._ffi.extension()
+  ext = jax_ep._native.ffi.extension()
   # Command buffers for fusions and custom calls, from sequences of any length.
   step = step.lower(*shapes).compile(compiler_options={
       "xla_gpu_enable_command_buffer": "FUSION,CUSTOM_CALL",
