@@ -26,6 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jax_ep._native.varying import vary_like_operands
+
 _KERNEL_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
@@ -141,10 +143,14 @@ def _projection(x, weights, count, tiles: Tiles, *, interpret: bool):
   in_specs = [pl.BlockSpec((None, bm, k), lambda l, i, j: (l, i, 0))]
   in_specs += [pl.BlockSpec((None, k, bn), lambda l, i, j: (l, 0, j)) for _ in weights]
   in_specs.append(pl.BlockSpec((1,), lambda l, i, j: (l,)))
+  # NOTES: inside shard_map a pallas_call's result must be given its varying axes: those of
+  # the operands (all of them cast to the union, so that the kernel sees one type).
+  x, *weights, count = vary_like_operands((x, *weights, count), (x, *weights, count))
+  manual = getattr(jax.typeof(x), "manual_axis_type", None)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=in_specs,
       out_specs=pl.BlockSpec((None, bm, bn), lambda l, i, j: (l, i, j)),
-      out_shape=jax.ShapeDtypeStruct((num_local, slab, n), x.dtype),
+      out_shape=jax.ShapeDtypeStruct((num_local, slab, n), x.dtype, manual_axis_type=manual),
       compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps,
                                            num_stages=tiles.num_stages),
       interpret=interpret, name="jax_ep_slab_gate_up" if len(weights) == 2 else "jax_ep_slab_down",
