@@ -159,3 +159,30 @@ def test_nnx_module_trains_at_model_shapes(name):
     got = getattr(d_model, field)[...]
     assert got.dtype == param_dtype, f"grad {field}: {got.dtype}"
     _assert_close(got, getattr(want_params, field), 3e-2, f"grad {field}")
+
+
+def test_moe_mlp_low_latency_trains_at_a_model_shape():
+  """The decode layer (`mode="low_latency"`: the low-latency pair, the experts on its slabs
+  through the Pallas slab kernels) forward and backward inside shard_map."""
+  mesh, num_ranks = _mesh()
+  e, h, f, k = SHAPES["e32"]
+  tokens = 128
+  params, x, cot = _inputs(e, h, f, num_ranks * tokens, seed=2)
+  want_out, (want_params, want_x) = _dense(params, x, cot, k)
+  with jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h,
+                    max_tokens_per_rank=tokens, dtype=jnp.bfloat16, low_latency=True) as group:
+    g_params = MoEParams(*(None if p is None else _global(mesh, p, s) for p, s in
+                           zip(params, jax_ep.layer.param_specs("ep", params))))
+    g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
+
+    def loss(params, x, cot):
+      out = jax_ep.moe_mlp(group, params, x, mode="low_latency").out
+      return jnp.sum(out.astype(jnp.float32) * cot), out
+    (_, out), (d_params, d_x) = jax.jit(
+        jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(g_params, g_x, g_cot)
+    jax.block_until_ready(d_x)
+    group.check()
+  _assert_close(out, want_out, 3e-2, "out")
+  _assert_close(d_x, want_x, 3e-2, "grad x")
+  for field in ("router", "w_gate", "w_up", "w_down"):
+    _assert_close(getattr(d_params, field), getattr(want_params, field), 3e-2, f"grad {field}")
