@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _distributed, _status, intranode
+from jax_ep import _status, intranode
 from jax_ep._native import effects, ffi
+from jax_ep.launch import _distributed
 from jax_ep._native import limits as jax_ep_limits
 from jax_ep import topology as topology_lib
 from jax_ep.backends import BACKENDS, CudaBackend, IntranodeBackend, NetworkBackend

@@ -113,7 +113,7 @@ def test_child_env_for_isolated_gpus():
 
 
 def test_visible_gpu_ids_follow_cuda_visible_devices(monkeypatch):
-  from jax_ep import launch
+  from jax_ep.launch import launcher as launch
   smi = subprocess.CompletedProcess(
       ["nvidia-smi", "-L"], 0, stdout="GPU 0: NVIDIA H200 (UUID: a)\nGPU 1: NVIDIA H200 (UUID: b)\n"
       "GPU 2: NVIDIA H200 (UUID: c)\n", stderr="")
@@ -179,7 +179,7 @@ def test_missing_peer_times_out():
 
 
 def test_group_keys_of_process_subsets_are_counted_apart():
-  from jax_ep import _distributed
+  from jax_ep.launch import _distributed
   first = _distributed.next_group_key("keys-test")
   assert _distributed.next_group_key("keys-test", [2, 0]) == "keys-test-p0.2-0"
   assert _distributed.next_group_key("keys-test", [0, 2]) == "keys-test-p0.2-1"
@@ -218,7 +218,7 @@ class _FakeChild:
 def test_supervisor_records_a_failure_that_lands_between_two_readings():
   """A child that fails right after its state was read must still fail the job: every reading
   of the children's states in one turn decides both "who failed" and "all exited"."""
-  from jax_ep import launch
+  from jax_ep.launch import launcher as launch
   for running_polls in range(4):
     children = [_FakeChild(0, 0, 0), _FakeChild(1, 18, running_polls)]
     assert launch._supervise(children, grace_s=5.0, timeout_s=None) == 18, running_polls
@@ -226,7 +226,7 @@ def test_supervisor_records_a_failure_that_lands_between_two_readings():
 
 def test_fast_failing_child_never_reports_success(monkeypatch):
   """Hundreds of launches whose one child fails at once: the exit code is never 0."""
-  from jax_ep import launch
+  from jax_ep.launch import launcher as launch
   monkeypatch.setattr(launch, "_POLL_INTERVAL_S", 0.001)
   cmd = ["sh", "-c", 'if [ "$JAX_EP_PROCESS_ID" = 1 ]; then exit 18; fi']
   codes = [launch.launch(cmd, 2, grace_s=5.0) for _ in range(200)]

@@ -17,7 +17,7 @@ import time
 # Run from a checkout without installing it.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
 
-from jax_ep import _distributed  # noqa: E402
+from jax_ep.launch import _distributed  # noqa: E402
 from jax_ep.launch import initialize_from_env  # noqa: E402
 
 EXIT_VALUE_ERROR = 17

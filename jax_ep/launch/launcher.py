@@ -41,7 +41,7 @@ else is unset, so e.g. the caller's NVLink-multicast settings reach the children
                              XLA_PYTHON_CLIENT_* allocator variable: N processes that each
                              preallocated 75% of the one GPU would run out of memory
 
-A child joins the job with `initialize_from_env()` (jax_ep/launch_env.py, re-exported here).
+A child joins the job with `jax_ep.launch.initialize_from_env()` (jax_ep/launch/env.py).
 Every output line of process `i` is prefixed with `[i] `. The launcher's exit code is the first
 non-zero exit code of a child (a child killed by signal `s` counts as `128 + s`); 124 when
 `--timeout` expired before any child failed; else 0. Installed as the `jax-ep-launch` command.
@@ -62,9 +62,8 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from jax_ep.launch_env import (CHILD_ENV_VARS, ENV_COORDINATOR, ENV_LOCAL_DEVICE_IDS,  # noqa: F401
-                               ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_SHARED_GPU,
-                               initialize_from_env)
+from jax_ep.launch.env import (CHILD_ENV_VARS, ENV_COORDINATOR, ENV_LOCAL_DEVICE_IDS,
+                               ENV_NUM_PROCESSES, ENV_PROCESS_ID, ENV_SHARED_GPU)
 
 EXIT_USAGE = 2
 EXIT_CANNOT_START = 127  # Shell convention for "command not found".
@@ -394,7 +393,3 @@ def main(argv: Sequence[str] | None = None) -> int:
   return launch(cmd, args.num_processes, share_gpu=args.share_gpu,
                 isolate_gpus=args.isolate_gpus, port=args.port, grace_s=args.grace,
                 timeout_s=args.timeout)
-
-
-if __name__ == "__main__":
-  sys.exit(main())

@@ -1,7 +1,7 @@
 """The child side of `python -m jax_ep.launch`: joining the job its environment describes.
 
-The launcher (`jax_ep/launch.py`) sets these variables in every process it starts; a process
-joins the `jax.distributed` job with `initialize_from_env()` (also reachable as
+The launcher (`jax_ep/launch/launcher.py`) sets these variables in every process it starts; a
+process joins the `jax.distributed` job with `initialize_from_env()` (exported as
 `jax_ep.launch.initialize_from_env`) before its first JAX computation.
 """
 
