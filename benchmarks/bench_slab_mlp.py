@@ -29,7 +29,7 @@ import numpy as np  # noqa: E402
 import reports  # noqa: E402
 import timers  # noqa: E402
 import jax_ep  # noqa: E402
-from jax_ep import slab_mlp  # noqa: E402
+from jax_ep.kernels import slab_mlp  # noqa: E402
 
 # name: (experts, hidden, ffn, top-k)
 SHAPES = {

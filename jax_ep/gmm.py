@@ -2,7 +2,7 @@
 weights, `[rows, K] x [G, K, N] -> [rows, N]`, as jax_ep's dispatch lays the rows out.
 
 Two implementations behind one function, `grouped_matmul`:
-- `mosaic`: jax_ep's Pallas Mosaic GPU kernels (`jax_ep/gmm_kernels.py`: a work list of row
+- `mosaic`: jax_ep's Pallas Mosaic GPU kernels (`jax_ep/kernels/gmm_kernels.py`: a work list of row
   tiles built on the device, a persistent grid, no step for row tiles past the groups), on
   Hopper GPUs (compute capability 9.0) for bf16 / f16 operands of one dtype whose sizes its
   tiles divide. Tiles come from a table of shapes (`TILE_TABLE`) or, for the rest, a rule
@@ -33,12 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep._native.varying import sum_to_primal, vary_like_operands
-from jax_ep.gmm_kernels import KernelTiles, grouped_matmul_kernel, grouped_weight_grad_kernel
+from jax_ep.kernels.gmm_kernels import KernelTiles, grouped_matmul_kernel, grouped_weight_grad_kernel
 
 _logger = logging.getLogger("jax_ep")
 
 
-# The kernels' tiles (`jax_ep.gmm_kernels.KernelTiles`).
+# The kernels' tiles (`jax_ep.kernels.gmm_kernels.KernelTiles`).
 TileConfig = KernelTiles
 
 

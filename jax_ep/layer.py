@@ -23,9 +23,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import ops, slab_mlp
+from jax_ep import ops
 from jax_ep.gmm import grouped_matmul
 from jax_ep.group import Group
+from jax_ep.kernels import slab_mlp
 from jax_ep.routing import (Routing, expert_counts, load_balancing_loss, route,  # noqa: F401
                             route_logits, router_z_loss, update_router_bias)
 
@@ -196,9 +197,10 @@ def expert_mlp_slabs(rows, w_gate, w_up, w_down, count, *, impl: str = "auto"):
   `count[l]` rows of slab `l` (fp32 accumulation, the hidden activation rounded to the rows'
   dtype); rows past `count[l]` are unspecified, as the dispatch leaves them.
 
-  On GPUs the experts stop at each count (jax_ep/slab_mlp.py: Pallas kernels that skip the row
-  tiles past it, so decode computes `T * K` rows rather than `L * S`); elsewhere, and for slabs
-  the kernels' tiles do not divide, a batched matmul over whole slabs with the padding masked.
+  On GPUs the experts stop at each count (jax_ep/kernels/slab_mlp.py: Pallas kernels that skip
+  the row tiles past it, so decode computes `T * K` rows rather than `L * S`); elsewhere, and for
+  slabs the kernels' tiles do not divide, a batched matmul over whole slabs with the padding
+  masked.
   `impl`: "auto", "pallas", "interpret" (the kernels in Pallas's interpreter) or "dense"."""
   name = slab_mlp.resolve_impl(impl, rows.shape, w_gate.shape[2], rows.dtype)
   if name not in _SAID_SLABS:

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ep_test_base import rank_mesh
-from jax_ep import slab_mlp
+from jax_ep.kernels import slab_mlp
 
 L, S, H, F = 4, 128, 256, 128  # per rank: experts, slab rows, hidden, ffn
 

@@ -20,7 +20,7 @@ import pytest
 import jax_ep
 from ep_test_base import count_primitive
 from jax_ep import gmm as gmm_module
-from jax_ep import gmm_kernels
+from jax_ep.kernels import gmm_kernels
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_ep
-from jax_ep import slab_mlp
+from jax_ep.kernels import slab_mlp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
