@@ -2,8 +2,9 @@
 //
 // Helpers shared by the XLA FFI adapters in ffi/handlers/: error macros that
 // turn a failed CUDA call into an `ffi::Error` (nothing is ever thrown across
-// the FFI boundary), and shape checks whose messages name the operand, its
-// shape and what was expected.
+// the FFI boundary), shape checks whose messages name the operand, its shape
+// and what was expected, and the prologue of the local ops' handlers
+// (CheckLeadingOperand; the group ops': intranode_common.h).
 //
 // Shape convention of every jax_ep op: operands and results may carry the
 // same extra LEADING batch dims `B...` (added by `vmap` with
@@ -221,6 +222,40 @@ inline ffi::Error CheckSameDtype(std::string_view op, std::string_view name,
                                  ") must equal " + std::string(ref_name) +
                                  " dtype (code " +
                                  std::to_string(static_cast<int>(ref)) + ")");
+}
+
+// The operand a local op takes its sizes from, `[B..., N, H]` (N: T, or the
+// capacity of expert_out): every other operand and result has its batch dims.
+struct LeadingOperand {
+  Dims dims;                  // the operand's shape
+  size_t num_batch_dims = 0;  // B...
+  int64_t num_rows = 0;       // N
+  int64_t hidden = 0;         // H, a multiple of kHiddenMultiple
+  ElementType dtype = ElementType::kBF16;  // bf16, f16 or f32
+};
+
+// The prologue of every local op's handler: operand `name` must have shape
+// `shape_doc` (rank >= 2), an activation dtype and H a multiple of
+// kHiddenMultiple.
+inline ffi::Error CheckLeadingOperand(std::string_view op,
+                                      std::string_view name,
+                                      std::string_view shape_doc,
+                                      const ffi::AnyBuffer& operand,
+                                      LeadingOperand* lead) {
+  const Dims dims = operand.dimensions();
+  if (dims.size() < 2) {
+    return InvalidArgument(op, std::string(name) + " must have shape " +
+                                   std::string(shape_doc) +
+                                   " (rank >= 2), got shape " +
+                                   ShapeString(dims));
+  }
+  lead->dims = dims;
+  lead->num_batch_dims = dims.size() - 2;
+  lead->num_rows = dims[lead->num_batch_dims];
+  lead->hidden = dims[lead->num_batch_dims + 1];
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckActivationDtype(op, name, operand.element_type(), &lead->dtype));
+  return CheckHidden(op, name, lead->hidden);
 }
 
 // Rows are moved as 16-byte vectors.

@@ -53,13 +53,11 @@ ffi::Error IntranodeCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
   const int64_t num_ranks = c.num_ranks;
   const int64_t hidden = c.hidden;
 
-  const auto e_dims = expert_out.dimensions();
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckShape(kOp, "expert_out", e_dims, {-1, hidden}, "[capacity, H]"));
-  const int64_t capacity = e_dims[0];
+  int64_t capacity = 0;
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
-      kOp, "expert_out", expert_out.element_type(), *group, &dtype));
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupRows(
+      kOp, *group, "expert_out", expert_out, /*num_rows=*/-1, "[capacity, H]",
+      &capacity, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckReceivedEntries(
       kOp, *group, entry_row.dimensions(), entry_weights.dimensions(),
       recv_counts.dimensions()));

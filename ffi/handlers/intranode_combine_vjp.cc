@@ -63,12 +63,10 @@ ffi::Error IntranodeCombineVjpImpl(
   const int64_t hidden = c.hidden;
   const int64_t num_topk = c.num_topk;
 
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckShape(kOp, "expert_out", expert_out.dimensions(),
-                 {StorageRows(capacity), hidden}, "[max(capacity, 1), H]"));
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
-      kOp, "expert_out", expert_out.element_type(), *group, &dtype));
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupRows(
+      kOp, *group, "expert_out", expert_out, StorageRows(capacity),
+      "[max(capacity, 1), H]", /*rows=*/nullptr, &dtype));
   const auto g_dims = d_out.dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(kOp, "d_out", g_dims, {-1, hidden}, "[T, H]"));

@@ -1,8 +1,10 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// Helpers shared by the FFI adapters of the peer (intranode) ops,
-// ffi/handlers/intranode_*.cc: the group of the current device, the error of an
-// earlier timeout, and shape checks for ops that take no batch dims.
+// Helpers shared by the FFI adapters of the ops on an intranode group
+// (ffi/handlers/intranode_*.cc, low_latency.cc, rail_exchange.cc): the group
+// of the current device, the error of an earlier timeout, and shape checks
+// for ops that take no batch dims; GetGroup, then CheckGroupTokens or
+// CheckGroupRows, is the prologue of their handlers.
 
 #ifndef JAX_EP_FFI_HANDLERS_INTRANODE_COMMON_H_
 #define JAX_EP_FFI_HANDLERS_INTRANODE_COMMON_H_
@@ -147,6 +149,39 @@ inline ffi::Error CheckTokens(std::string_view op, std::string_view name,
               " tokens, expected T <= max_tokens_per_rank = " +
               std::to_string(g.config.max_tokens) + " of intranode group " +
               std::to_string(g.id));
+}
+
+// With GetGroup, the prologue of the group ops' handlers: their leading
+// activation operand `name`, `[N, H]` with the group's H, has `num_rows` rows
+// (-1: any; their count into *rows when not null) and the group's element
+// type.
+inline ffi::Error CheckGroupRows(std::string_view op,
+                                 const intranode_group::Group& g,
+                                 std::string_view name,
+                                 const ffi::AnyBuffer& operand,
+                                 int64_t num_rows, std::string_view shape_doc,
+                                 int64_t* rows, ElementType* element_type) {
+  const Dims dims = operand.dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(op, name, dims, {num_rows, g.config.hidden}, shape_doc));
+  if (rows != nullptr) *rows = dims[0];
+  return CheckGroupDtype(op, name, operand.element_type(), g, element_type);
+}
+
+// The same for token rows `name` `[T, H]`: T (into *num_tokens) is at most
+// the group's T_max.
+inline ffi::Error CheckGroupTokens(std::string_view op,
+                                   const intranode_group::Group& g,
+                                   std::string_view name,
+                                   const ffi::AnyBuffer& operand,
+                                   int64_t* num_tokens,
+                                   ElementType* element_type) {
+  const Dims dims = operand.dimensions();
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckShape(op, name, dims, {-1, g.config.hidden}, "[T, H]"));
+  *num_tokens = dims[0];
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckTokens(op, name, *num_tokens, g));
+  return CheckGroupDtype(op, name, operand.element_type(), g, element_type);
 }
 
 inline ffi::Error CheckAttrEquals(std::string_view op, std::string_view attr,

@@ -64,15 +64,10 @@ ffi::Error IntranodeDispatchImpl(
   const int64_t hidden = c.hidden;
   const int64_t num_topk = c.num_topk;
 
-  const auto x_dims = x.dimensions();
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckShape(kOp, "x", x_dims, {-1, hidden}, "[T, H]"));
-  const int64_t num_tokens = x_dims[0];
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      intranode_ffi::CheckTokens(kOp, "x", num_tokens, *group));
+  int64_t num_tokens = 0;
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
-      kOp, "x", x.element_type(), *group, &dtype));
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupTokens(
+      kOp, *group, "x", x, &num_tokens, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_idx", topk_idx.dimensions(),
                                         {num_tokens, num_topk}, "[T, K]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_weights",

@@ -35,21 +35,14 @@ ffi::Error LocalCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                             ffi::Buffer<ffi::S32> slot_row,
                             ffi::Buffer<ffi::F32> slot_weights,
                             ffi::Result<ffi::AnyBuffer> out, bool weighted) {
-  const auto e_dims = expert_out.dimensions();
-  if (e_dims.size() < 2) {
-    return ffi_utils::InvalidArgument(
-        kOp,
-        "expert_out must have shape [B..., capacity, H] (rank >= 2), got "
-        "shape " +
-            ffi_utils::ShapeString(e_dims));
-  }
-  const size_t nb = e_dims.size() - 2;
-  const int64_t capacity = e_dims[nb];
-  const int64_t hidden = e_dims[nb + 1];
-  ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckActivationDtype(
-      kOp, "expert_out", expert_out.element_type(), &dtype));
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckHidden(kOp, "expert_out", hidden));
+  ffi_utils::LeadingOperand lead;
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckLeadingOperand(
+      kOp, "expert_out", "[B..., capacity, H]", expert_out, &lead));
+  const auto e_dims = lead.dims;
+  const size_t nb = lead.num_batch_dims;
+  const int64_t capacity = lead.num_rows;
+  const int64_t hidden = lead.hidden;
+  const ElementType dtype = lead.dtype;
 
   const auto row_dims = slot_row.dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(

@@ -34,19 +34,14 @@ ffi::Error LocalCombineVjpImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
                                ffi::AnyBuffer expert_out,
                                ffi::Buffer<ffi::S32> slot_row,
                                ffi::ResultBuffer<ffi::F32> dots) {
-  const auto d_dims = d_out.dimensions();
-  if (d_dims.size() < 2) {
-    return ffi_utils::InvalidArgument(
-        kOp, "d_out must have shape [B..., T, H] (rank >= 2), got shape " +
-                 ffi_utils::ShapeString(d_dims));
-  }
-  const size_t nb = d_dims.size() - 2;
-  const int64_t num_tokens = d_dims[nb];
-  const int64_t hidden = d_dims[nb + 1];
-  ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckActivationDtype(
-      kOp, "d_out", d_out.element_type(), &dtype));
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckHidden(kOp, "d_out", hidden));
+  ffi_utils::LeadingOperand lead;
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckLeadingOperand(
+      kOp, "d_out", "[B..., T, H]", d_out, &lead));
+  const auto d_dims = lead.dims;
+  const size_t nb = lead.num_batch_dims;
+  const int64_t num_tokens = lead.num_rows;
+  const int64_t hidden = lead.hidden;
+  const ElementType dtype = lead.dtype;
 
   const auto e_dims = expert_out.dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(

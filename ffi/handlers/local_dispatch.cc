@@ -37,19 +37,14 @@ ffi::Error LocalDispatchImpl(cudaStream_t stream, ffi::AnyBuffer x,
                              ffi::Buffer<ffi::F32> slot_weights,
                              ffi::Result<ffi::AnyBuffer> recv_x,
                              int64_t capacity, bool weighted) {
-  const auto x_dims = x.dimensions();
-  if (x_dims.size() < 2) {
-    return ffi_utils::InvalidArgument(
-        kOp, "x must have shape [B..., T, H] (rank >= 2), got shape " +
-                 ffi_utils::ShapeString(x_dims));
-  }
-  const size_t nb = x_dims.size() - 2;
-  const int64_t num_tokens = x_dims[nb];
-  const int64_t hidden = x_dims[nb + 1];
-  ElementType dtype;
+  ffi_utils::LeadingOperand lead;
   JAX_EP_FFI_RETURN_IF_ERROR(
-      ffi_utils::CheckActivationDtype(kOp, "x", x.element_type(), &dtype));
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckHidden(kOp, "x", hidden));
+      ffi_utils::CheckLeadingOperand(kOp, "x", "[B..., T, H]", x, &lead));
+  const auto x_dims = lead.dims;
+  const size_t nb = lead.num_batch_dims;
+  const int64_t num_tokens = lead.num_rows;
+  const int64_t hidden = lead.hidden;
+  const ElementType dtype = lead.dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
 
   const auto row_dims = slot_row.dimensions();
