@@ -40,6 +40,32 @@ def test_bazel_lists_every_ffi_source():
   assert not missing, f"BUILD.bazel does not list {missing}"
 
 
+def _listed_ffi_paths(text):
+  return sorted(set(re.findall(r"\bffi/[\w/]+\.(?:cc|cu|h|cuh)\b", text)))
+
+
+def test_build_files_list_no_missing_source():
+  # A file moved or removed must leave both descriptions (CMake would fail at configure time,
+  # Bazel only when the target is built).
+  for name in ("CMakeLists.txt", "BUILD.bazel"):
+    stale = [s for s in _listed_ffi_paths(_read(name)) if not os.path.isfile(os.path.join(ROOT, s))]
+    assert not stale, f"{name} lists files that do not exist: {stale}"
+
+
+def _readme_tree():
+  tree = re.search(r"```\nffi/\n(.*?)```", _read("ffi/README.md"), re.DOTALL)
+  assert tree, "ffi/README.md: no file tree"
+  return sorted("ffi/" + name for name in re.findall(r"^  (\S+)", tree.group(1), re.MULTILINE))
+
+
+def test_readme_lists_every_ffi_source():
+  listed = _readme_tree()
+  missing = [s for s in _ffi_sources() if s not in listed]
+  assert not missing, f"ffi/README.md's file tree does not list {missing}"
+  stale = [s for s in listed if not os.path.isfile(os.path.join(ROOT, s))]
+  assert not stale, f"ffi/README.md's file tree lists files that do not exist: {stale}"
+
+
 def test_no_globs_hide_ffi_sources():
   # Native sources are listed by name so a file added to one build cannot be missed by the other
   # (the Python package may be globbed: it is not compiled).
