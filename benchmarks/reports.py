@@ -78,7 +78,7 @@ def uniform_topk(rng, num_tokens: int, num_experts: int, num_topk: int) -> np.nd
 def high_throughput_paths(dest_ranks: np.ndarray, topology) -> tuple[float, float]:
   """Per rank (mean over ranks): the rows that reach it in a high-throughput dispatch by the
   network path and by the peer path, for `dest_ranks` `[R, T, K]` (each slot's destination
-  rank) on `topology` (jax_ep.topology.Topology; None: one host).
+  rank) on `topology` (jax_ep.backends.topology.Topology; None: one host).
 
   A token crosses to each other host that owns one of its experts once, to the rank there with
   the source's local index (the rail receiver: a network row for that rank), which forwards it

@@ -1,4 +1,10 @@
-"""`Group`: one expert-parallel communicator over a mesh axis."""
+"""`Group`: one expert-parallel communicator over a mesh axis.
+
+Creating a group checks its arguments, agrees on its configuration with the other processes,
+has jax_ep/backends/registry.py choose and make its backend (and the transport that owns its
+buffers), and watches for run-time failures (jax_ep/_status.py); the sizes of its buffers
+come from jax_ep/sizing.py.
+"""
 
 from __future__ import annotations
 
@@ -10,18 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import _status, intranode
-from jax_ep._native import effects, ffi
-from jax_ep.launch import _distributed
-from jax_ep._native import limits as jax_ep_limits
-from jax_ep import topology as topology_lib
-from jax_ep.backends import BACKENDS, CudaBackend, IntranodeBackend, NetworkBackend
+from jax_ep import _status
+from jax_ep._native import effects
+from jax_ep.backends import registry
+from jax_ep.backends.intranode import IntranodeTransport
 from jax_ep.config import EPConfig, check_dtype
-from jax_ep._native.limits import KernelLimits, kernel_limits
+from jax_ep.launch import _distributed
 # Re-exported: `from jax_ep.group import memory_bytes, MemoryEstimate` is how code imports them.
 from jax_ep.sizing import MemoryEstimate, memory_bytes, resolve_capacity  # noqa: F401
 
 _logger = logging.getLogger("jax_ep")
+
 
 def _positive_int(name: str, value) -> int:
   try:
@@ -52,104 +57,9 @@ def _positive_seconds(name: str, value) -> float:
 # Intranode transports of groups not yet closed: the exit hook of jax_ep/_native/effects.py
 # settles JAX's effect tokens when one of them recorded a timeout (strong references: a dropped
 # group's native buffers and error record live on until exit anyway).
-_OPEN_TRANSPORTS: dict[int, intranode.IntranodeTransport] = {}
+_OPEN_TRANSPORTS: dict[int, IntranodeTransport] = {}
 effects.add_failure_source(
     lambda: any(t.error() for t in list(_OPEN_TRANSPORTS.values())))
-
-
-def _check_backend_name(backend) -> None:
-  if backend not in ("auto", "reference", "cuda"):
-    raise ValueError(f"jax_ep.Group: backend must be 'auto', 'reference' or 'cuda'; got "
-                     f"{backend!r}")
-
-
-def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | None = None,
-                 limits: KernelLimits | None = None, extension_built: bool | None = None,
-                 hosts: list[str] | None = None,
-                 peer_access: bool | None = None) -> str | None:
-  """Why the cuda backend cannot run this group here, or None when it can.
-
-  The process models it runs: one rank; one process per device (CUDA IPC between processes,
-  whether each sees every GPU or only its own, or several share one GPU under MPS); one process
-  driving every device of the group (peer access), all on one host. The keyword arguments
-  stand in for this process's facts (tests pass them; by default they are read from JAX and
-  the extension): `hosts`, the host name of each process of the group; `peer_access`, whether
-  a process driving several GPUs may access each from each.
-  """
-  devices = list(mesh.devices.flat)
-  platforms = sorted({d.platform for d in devices})
-  if platforms != ["gpu"]:
-    return f"the mesh has {', '.join(platforms)} devices, the cuda kernels need CUDA GPUs"
-  if extension_built is None:
-    extension_built = ffi.extension() is not None
-  if not extension_built:
-    return ("the CUDA extension is not built in this installation (no nvcc at build time, or "
-            "JAX_EP_ENABLE_CUDA=OFF)")
-  if limits is None:
-    limits = kernel_limits()
-  violation = jax_ep_limits.cuda_violation(config, limits, num_sms)
-  if violation is not None:
-    return violation
-  if config.num_ranks == 1:
-    return None
-  if mesh.devices.ndim != 1:
-    return (f"the intranode transport takes a 1-D mesh over the EP axis; this mesh has axes "
-            f"{dict(mesh.shape)}")
-  me = jax.process_index() if process_index is None else process_index
-  local = sum(d.process_index == me for d in devices)
-  if local not in (1, len(devices)):
-    return (f"process {me} holds {local} of the group's {len(devices)} devices; the "
-            f"intranode transport runs one process per device or one process for all of them")
-  if hosts is not None and len(set(hosts)) > 1:
-    return (f"the group's processes run on {len(set(hosts))} hosts; the intranode transport "
-            f"joins the GPUs of one host")
-  if local == len(devices):
-    if peer_access is None:
-      peer_access = bool(ffi.extension().intranode_peer_access(
-          [d.local_hardware_id for d in devices]))
-    if not peer_access:
-      return "these GPUs cannot access each other's memory (no P2P between them)"
-  return None
-
-
-_SAID: set[tuple[str, str]] = set()
-
-
-def _say_choice(name: str, why: str, warn: bool) -> None:
-  """Logs the backend `auto` chose and why, once per process for each distinct choice."""
-  if (name, why) in _SAID:
-    return
-  _SAID.add((name, why))
-  log = _logger.warning if warn else _logger.info
-  log("jax_ep.Group(backend='auto'): %s backend (%s)", name, why)
-
-
-def _process_model(mesh) -> str:
-  devices = list(mesh.devices.flat)
-  if len(devices) == 1:
-    return "one rank"
-  if len({d.process_index for d in devices}) == 1:
-    return f"one process driving {len(devices)} devices"
-  return f"one process per device, {len(devices)} ranks"
-
-
-def _resolve_backend(backend: str, mesh, config: EPConfig, num_sms: int,
-                     hosts: list[str] | None = None) -> tuple[str, str]:
-  """`(backend name, why)` for the requested backend."""
-  if backend == "reference":
-    return "reference", "asked for"
-  why_not = cuda_support(mesh, config, num_sms, hosts=hosts)
-  if backend == "cuda":
-    if why_not is not None:
-      raise ValueError(f"jax_ep.Group: backend='cuda' cannot run this group: {why_not}")
-    return "cuda", "asked for"
-  if why_not is None:
-    why = f"CUDA GPUs, {_process_model(mesh)}"
-    _say_choice("cuda", why, warn=False)
-    return "cuda", why
-  on_gpu = all(d.platform == "gpu" for d in mesh.devices.flat)
-  _say_choice("reference", why_not, warn=on_gpu)
-  return "reference", why_not
 
 
 class Group:
@@ -219,21 +129,22 @@ class Group:
       instead of the peer transport: the emulation of a multi-host job on one machine, for
       tests and benchmarks (docs/multihost.md). cuda backend, one process per device (rank r
       on process r); both modes run on it, the high-throughput ops crossing hosts once per
-      token and host (jax_ep/hierarchical.py). Default None (the real hosts). A group whose
-      processes run on several real hosts takes the same network transport when created with
-      `backend='cuda'` (NVSHMEM installed and jax_ep built with it); `backend='auto'` gives
-      such a group the reference backend.
+      token and host (jax_ep/backends/hierarchical.py). Default None (the real hosts). A group
+      whose processes run on several real hosts takes the same network transport when created
+      with `backend='cuda'` (NVSHMEM installed and jax_ep built with it); `backend='auto'`
+      gives such a group the reference backend.
   """
 
   def __init__(self, mesh, axis_name: str, *, num_experts: int, num_topk: int, hidden: int,
                max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
-               capacity_factor: float | None = None, backend: str = "auto", strict: bool = False, config_timeout_s: float = 60.0,
-               num_sms: int = 24, timeout_s: float = 60.0, raise_on_timeout: bool = False,
-               low_latency: bool = False, virtual_hosts: int | None = None):
+               capacity_factor: float | None = None, backend: str = "auto", strict: bool = False,
+               config_timeout_s: float = 60.0, num_sms: int = 24, timeout_s: float = 60.0,
+               raise_on_timeout: bool = False, low_latency: bool = False,
+               virtual_hosts: int | None = None):
     if axis_name not in mesh.axis_names:
       raise ValueError(f"jax_ep.Group: axis_name {axis_name!r} is not an axis of the mesh "
                        f"(mesh axes: {tuple(mesh.axis_names)})")
-    _check_backend_name(backend)
+    registry.check_name(backend)
     num_ranks = int(mesh.shape[axis_name])
     num_experts = _positive_int("num_experts", num_experts)
     num_topk = _positive_int("num_topk", num_topk)
@@ -277,73 +188,29 @@ class Group:
     subset = members if len(members) < jax.process_count() else None
     key = _distributed.next_group_key("group", subset)
     hosts = None
-    if (backend != "reference" and num_ranks > 1 and len(members) > 1
-        and all(d.platform == "gpu" for d in mesh.devices.flat)) or (virtual_hosts or 1) > 1:
-      # Which hosts the processes run on decides whether the intranode transport can join
-      # them; every member asks the same question, so all decide alike.
+    if registry.needs_hosts(backend, mesh, self.config, members, virtual_hosts):
       hosts = _distributed.gather_values(f"{key}/hosts", socket.gethostname(),
                                          process_ids=members, timeout_s=config_timeout_s)
-    # Several real hosts: backend='cuda' takes the network transport ('auto' keeps the
-    # reference there: the network path has not run on real NICs here).
-    several_hosts = hosts is not None and len(set(hosts)) > 1
-    network = (virtual_hosts or 1) > 1 or (several_hosts and backend == "cuda")
-    if network and several_hosts:
-      from jax_ep import nvshmem
-      try:
-        nvshmem.load()
-      except nvshmem.NvshmemUnavailable as e:
-        raise ValueError(f"jax_ep.Group: this group's processes run on {len(set(hosts))} hosts, "
-                         f"which takes the network transport: {e}") from None
-    self.backend_name, self.backend_reason = _resolve_backend(
-        backend, mesh, self.config, num_sms, None if network else hosts)
-    self.topology = None
-    if network:
-      if self.backend_name != "cuda":
-        raise ValueError(f"jax_ep.Group: the network transport (virtual_hosts, or several "
-                         f"hosts) needs the cuda backend, which cannot run this group here: "
-                         f"{self.backend_reason}")
-      host_of_process = dict(zip(members, hosts or [socket.gethostname()] * len(members)))
-      self.topology = topology_lib.discover(
-          [host_of_process[d.process_index] for d in mesh.devices.flat],
-          virtual_hosts=virtual_hosts)
+    selection = registry.select(backend, mesh, self.config, num_sms, members=members,
+                                hosts=hosts, virtual_hosts=virtual_hosts)
+    self.backend_name, self.backend_reason = selection.name, selection.why
+    self.topology = selection.topology
     fields = dict(self.config.fingerprint(), backend=self.backend_name,
                   low_latency=bool(low_latency), virtual_hosts=virtual_hosts or 1)
     self.low_latency = bool(low_latency)
     _distributed.check_same_config(key, fields, timeout_s=config_timeout_s, process_ids=subset)
-    self._transport = None
     self._closed = False
     self._raise_on_timeout = bool(raise_on_timeout)
-    if self.backend_name == "cuda" and (num_ranks > 1 or self.low_latency):
-      if self.topology is not None and self.topology.num_hosts > 1:
-        self._transport = intranode.create_network(
-            self.config, mesh, key, num_sms=num_sms, timeout_s=timeout_s,
-            topology=self.topology, low_latency=self.low_latency,
-            exchange_timeout_s=config_timeout_s)
-      else:
-        self._transport = intranode.create(self.config, mesh, key, num_sms=num_sms,
-                                           timeout_s=timeout_s, process_ids=subset,
-                                           low_latency=self.low_latency)
+    self.backend, self._transport = registry.create(self.backend_name, registry.Request(
+        mesh, self.config, key, num_sms=num_sms, timeout_s=timeout_s,
+        config_timeout_s=config_timeout_s, process_ids=subset, low_latency=self.low_latency,
+        raise_on_timeout=self._raise_on_timeout, topology=self.topology))
+    if self._transport is not None:
       _OPEN_TRANSPORTS[id(self._transport)] = self._transport
-      ll_group = self._transport.primary_id if self.low_latency else None
-      if getattr(self._transport, "network_buffer", 0):
-        self.backend = NetworkBackend(
-            self.config, self._transport.primary_id, bool(raise_on_timeout), ll_group,
-            host_group_id=self._transport.host_group_id,
-            hosts=self.topology.hosts if self._transport.equal_hosts else ())
-      elif num_ranks > 1:
-        self.backend = IntranodeBackend(self.config, self._transport.primary_id,
-                                        bool(raise_on_timeout), ll_group)
-      else:  # one rank: local kernels, and the low-latency pair on the one-rank group
-        self.backend = CudaBackend(self.config, ll_group, bool(raise_on_timeout))
       self._status = _status.GroupStatus(repr(self), poll=self._transport.error)
       _status.WATCHDOG.watch(self._status)
     else:
-      self.backend = BACKENDS[self.backend_name](self.config)
       self._status = _status.GroupStatus(repr(self))
-      if self.backend_name == "cuda":  # load the kernels now, not inside the first handler
-        for device in mesh.devices.flat:
-          if device.process_index == jax.process_index():
-            ffi.extension().preload_kernels(device.local_hardware_id)
 
   # Shorthands for the configuration.
   axis_name = property(lambda self: self.config.axis_name)

@@ -1,5 +1,6 @@
 """Routers of MoE layers: scores -> top-k experts and weights, the auxiliary losses, the
-statistics a training loop watches, and auxiliary-loss-free balancing.
+statistics a training loop watches, auxiliary-loss-free balancing, and the merge of a token's
+slots that name one expert (`merge_duplicate_slots`, which every dispatch applies).
 
 Per-token functions of the router's logits; they run anywhere (inside `shard_map` on a rank's
 tokens, or on all tokens at once).
@@ -171,3 +172,28 @@ def update_router_bias(bias, counts, rate: float = 1e-3):
   counts = jnp.asarray(counts, jnp.float32)
   counts = counts.reshape(-1, counts.shape[-1]).sum(axis=0)
   return bias + rate * jnp.sign(jnp.mean(counts) - counts)
+
+
+def merge_duplicate_slots(topk_idx, topk_weights, num_experts: int):
+  """Slots of one token that name the same expert, merged into the first of them.
+
+  Returns `(topk_idx, topk_weights)` where every later duplicate slot is -1 and the first slot
+  of each expert carries the sum of the weights of the token's slots that name it. Ids outside
+  `[0, E)` are left as they are (the backends count and ignore them). Differentiable in
+  `topk_weights`: a merged slot's weight gradient is the gradient of the one row they share.
+  With it a token brings at most `min(K, L)` rows to a rank, so the default capacity is the
+  exact worst case.
+  """
+  num_topk = topk_idx.shape[-1]
+  slots = jnp.arange(num_topk, dtype=jnp.int32)
+  valid = (topk_idx >= 0) & (topk_idx < num_experts)
+  # same[..., k, j]: slot j names slot k's expert (k valid). Two plain reductions over j
+  # ("an earlier slot names it", "the weights of every slot naming it"): a search for the first
+  # slot (argmax) would be a variadic reduction, which XLA emits as a kernel of its own, and an
+  # einsum over a one-hot matrix a batched matrix product; these fuse with the comparisons.
+  same = (topk_idx[..., :, None] == topk_idx[..., None, :]) & valid[..., :, None]
+  duplicate = jnp.any(same & (slots[None, :] < slots[:, None]), axis=-1)
+  merged_idx = jnp.where(duplicate, -1, topk_idx)
+  summed = jnp.sum(jnp.where(same, topk_weights[..., None, :], 0.0), axis=-1)
+  merged_w = jnp.where(duplicate, 0.0, jnp.where(valid, summed, topk_weights))
+  return merged_idx, merged_w.astype(topk_weights.dtype)

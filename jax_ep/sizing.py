@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep import cuda_ops, intranode, reference
+from jax_ep.backends import cuda_ops, intranode, reference
 from jax_ep.config import EPConfig, check_dtype, default_capacity
 from jax_ep.gmm import ROW_TILE
+from jax_ep.routing import merge_duplicate_slots
 
 # Expert FFN activations `memory_bytes` sizes: (the function, whether it is gated). A gated one
 # multiplies the activation of a gate product by an up product (two `[rows, F]` GEMMs from the
@@ -152,8 +153,6 @@ def activation_saved_bytes(activation: str, rows: int, ffn: int, dtype) -> int:
 def _merge_saved_bytes(num_tokens: int, num_topk: int, num_experts: int) -> int:
   """What merging duplicate slots keeps for the router weights' gradient (`[T, K, K]` and
   `[T, K]` masks), by jax's rules."""
-  from jax_ep.ops import merge_duplicate_slots  # ops imports the group, which imports this
-
   def residuals(topk_idx, topk_weights):
     merged = lambda w: merge_duplicate_slots(topk_idx, w, num_experts)[1]
     return jax.tree.leaves(jax.vjp(merged, topk_weights)[1])
@@ -194,7 +193,7 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
     network: a cuda group whose ranks span `num_hosts` hosts (real or `virtual_hosts`): its
       buffer, in NVSHMEM's symmetric heap, also holds the outbox the low-latency puts read and
       the rail exchange's blocks, and each host's own group has a buffer for the
-      high-throughput ops' forwarding (jax_ep/hierarchical.py).
+      high-throughput ops' forwarding (jax_ep/backends/hierarchical.py).
     ffn: `F`, the experts' inner size: also size what the expert layer keeps for its backward.
     activation: the experts' activation, 'swiglu' (what `jax_ep.moe_mlp` runs), 'geglu',
       'gelu' or 'silu'.

@@ -33,4 +33,4 @@ start=$(date +%s)
 python -m pip install -q --no-build-isolation --no-deps -e .
 echo "setup: jax_ep built and installed in $(( $(date +%s) - start )) s" \
      "(CUDA extension: $(python -c 'import jax_ep._native.ffi as f; print("yes" if f.extension() else "no")')," \
-     "NVSHMEM module: $(python -c 'from jax_ep import nvshmem; print("yes" if nvshmem.available() else "no")'))"
+     "NVSHMEM module: $(python -c 'from jax_ep.backends import nvshmem; print("yes" if nvshmem.available() else "no")'))"

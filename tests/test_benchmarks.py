@@ -93,7 +93,7 @@ def test_steady_period_marker_of_several_parts_matches_names_holding_each():
 
 
 def test_high_throughput_paths_follow_the_rail_then_the_host():
-  from jax_ep import topology
+  from jax_ep.backends import topology
   # 4 ranks on 2 hosts {0, 1} {2, 3}, one token each, top-2 (destination ranks; -1: none).
   dest = np.array([[[1, 3]], [[2, 3]], [[2, -1]], [[0, 1]]])
   network, peer = reports.high_throughput_paths(dest, topology.discover(["a"] * 4,

@@ -27,7 +27,7 @@ import jax_ep
 from ep_test_base import random_inputs, rank_mesh
 from ep_test_base import EPTestBase
 from low_latency_test_base import GRAPH_WORKER, CudaLowLatencyTests
-from jax_ep import nvshmem
+from jax_ep.backends import nvshmem
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
@@ -108,8 +108,9 @@ class TestNetworkLowLatency(CudaLowLatencyTests):
 @pytest.mark.skipif(not _on_network, reason=_why_not)
 class TestNetworkHighThroughput(EPTestBase):
   """The shared high-throughput suite on virtual hosts: the rail exchange (NVSHMEM puts) to
-  the same local index on every host, the host's own group forwarding (jax_ep/hierarchical.py),
-  against the oracle, gradients and fault-free reuse included."""
+  the same local index on every host, the host's own group forwarding
+  (jax_ep/backends/hierarchical.py), against the oracle, gradients and fault-free reuse
+  included."""
   backend = "cuda"
   rank_counts = (NUM_RANKS,)
   small_ranks = NUM_RANKS

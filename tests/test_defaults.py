@@ -13,7 +13,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from jax_ep import _status, group as group_module, intranode
+from jax_ep import _status
+from jax_ep.backends import intranode, registry as group_module
 from jax_ep._native import ffi as _ffi
 from jax_ep.config import EPConfig
 from jax_ep._native.limits import KernelLimits, cuda_violation

@@ -1,4 +1,5 @@
-"""The high-throughput ops across hosts (jax_ep/hierarchical.py) against the oracle, on the CPU.
+"""The high-throughput ops across hosts (jax_ep/backends/hierarchical.py) against the oracle, on
+the CPU.
 
 The composition (rail exchange to the same local index on each host, the host's own dispatch
 of the forwarded blocks with each expert numbered once per source host, which gives the whole
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_ep import hierarchical, primitives
+from jax_ep.backends import hierarchical, primitives
 from jax_ep.backends import ReferenceBackend
 from jax_ep.config import EPConfig, default_capacity
 from jax_ep.ops import merge_duplicate_slots

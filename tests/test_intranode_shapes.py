@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_ep import cuda_ops
+from jax_ep.backends import cuda_ops
 from jax_ep._native import ffi as _ffi
 from jax_ep.config import EPConfig
 

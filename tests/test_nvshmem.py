@@ -1,4 +1,4 @@
-"""NVSHMEM for the network transport (jax_ep/nvshmem.py, ffi/nvshmem/).
+"""NVSHMEM for the network transport (jax_ep/backends/nvshmem.py, ffi/nvshmem/).
 
 On the CPU: the unique-id exchange through a key-value store (against an in-memory one), the
 errors a user sees when NVSHMEM is missing or mismatched, and, where jax_ep was built against the
@@ -18,7 +18,7 @@ import time
 import jax
 import pytest
 
-from jax_ep import nvshmem
+from jax_ep.backends import nvshmem
 
 RING_WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "nvshmem_ring_worker.py")
 

@@ -1,8 +1,9 @@
-"""The network transport's map of the group (jax_ep/topology.py), from the ranks' host names."""
+"""The network transport's map of the group (jax_ep/backends/topology.py), from the ranks' host
+names."""
 
 import pytest
 
-from jax_ep import topology
+from jax_ep.backends import topology
 
 
 def test_one_host_is_one_host():

@@ -15,7 +15,7 @@ launch.initialize_from_env()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_ep import intranode  # noqa: E402
+from jax_ep.backends import intranode  # noqa: E402
 from jax_ep._native import ffi as _ffi  # noqa: E402
 from jax_ep.config import EPConfig  # noqa: E402
 

@@ -1,6 +1,6 @@
 """NVSHMEM in jax_ep's processes: join by unique id through jax.distributed, then a put-with-signal
-ring over every PE (jax_ep.nvshmem.ring_probe). Run by tests/test_nvshmem.py under the launcher
-(several processes sharing one GPU, or one per GPU). Prints "ring ok" with the PE and the
+ring over every PE (jax_ep.backends.nvshmem.ring_probe). Run by tests/test_nvshmem.py under the
+launcher (several processes sharing one GPU, or one per GPU). Prints "ring ok" with the PE and the
 initialisation status.
 """
 
@@ -17,7 +17,7 @@ launch.initialize_from_env()
 
 import jax  # noqa: E402
 
-from jax_ep import nvshmem  # noqa: E402
+from jax_ep.backends import nvshmem  # noqa: E402
 
 
 def main() -> int:

@@ -1,7 +1,9 @@
-"""Backends: the per-shard operations every backend provides, behind one small interface.
+"""The cuda backend: the kernels through XLA FFI custom calls (jax_ep/backends/cuda_ops.py).
 
-`primitives.py` builds the differentiable ops (custom_vjp) on top of this interface only, so the
-gradient rules are written once and verified on the CPU through the reference backend.
+One class per transport of a group: `CudaBackend` at one rank (local kernels), `IntranodeBackend`
+over the peer transport (one NVLink domain), `NetworkBackend` across hosts (the network
+transport, and the hierarchy of jax_ep/backends/hierarchical.py for the high-throughput ops). The
+registry (jax_ep/backends/registry.py) makes the one a group runs.
 """
 
 from __future__ import annotations
@@ -11,8 +13,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_ep import cuda_ops, hierarchical, reference
 from jax_ep._native import effects, ffi
+from jax_ep.backends import cuda_ops, hierarchical
+from jax_ep.backends.base import Backend, LayoutThenDispatch
 from jax_ep.config import EPConfig
 
 
@@ -30,37 +33,10 @@ def _raise_on_failure(status, group_id: int) -> None:
   jax.debug.callback(raise_if_failed, status)
 
 
-class _ReferenceLowLatency:
-  """The low-latency pair through the reference (pure JAX). The split form computes everything
-  in the send and hands it to the wait (nothing of it can overlap on this path)."""
-
-  low_latency_kernels = False
-
-  def low_latency_dispatch(self, x, topk_idx, fp8):
-    return reference.low_latency_dispatch(self.config, x, topk_idx, fp8)
-
-  def low_latency_combine(self, expert_out, routing, topk_weights):
-    return reference.low_latency_combine(self.config, expert_out, routing, topk_weights)
-
-  def low_latency_dispatch_send(self, x, topk_idx, fp8):
-    return self.low_latency_dispatch(x, topk_idx, fp8)
-
-  def low_latency_dispatch_wait(self, sent, topk_idx, x_dtype, fp8):
-    del topk_idx, x_dtype, fp8
-    return sent
-
-  def low_latency_combine_send(self, expert_out, routing):
-    return (expert_out, routing)
-
-  def low_latency_combine_wait(self, sent, routing, topk_weights, dtype):
-    del routing, dtype
-    expert_out, routing = sent
-    return self.low_latency_combine(expert_out, routing, topk_weights)
-
-
 class _CudaLowLatency:
-  """The low-latency pair through its kernels (jax_ep/cuda_ops.py, ffi/kernels/low_latency.cu),
-  on the intranode group `ll_group_id` (a group created with `low_latency=True`)."""
+  """The low-latency pair through its kernels (jax_ep/backends/cuda_ops.py,
+  ffi/kernels/low_latency_*.cu), on the intranode group `ll_group_id` (a group created with
+  `low_latency=True`)."""
 
   low_latency_kernels = True
 
@@ -112,39 +88,8 @@ class _CudaLowLatency:
     return out
 
 
-class _LayoutThenDispatch:
-  """Backends whose layout is computable before any row moves (reference, one-rank cuda)."""
-
-  def dispatch_tokens(self, x, topk_idx, topk_weights):
-    del topk_weights  # travels with the handle; combine sends what it needs
-    routing, group_sizes, num_dropped, num_invalid = self.layout(topk_idx)
-    return self.dispatch(x, routing), group_sizes, num_dropped, num_invalid, routing
-
-
 @dataclasses.dataclass(frozen=True)
-class ReferenceBackend(_ReferenceLowLatency, _LayoutThenDispatch):
-  """Pure JAX; runs on every platform. The oracle-checked baseline for all other backends."""
-  config: EPConfig
-  name = "reference"
-
-  def layout(self, topk_idx):
-    return reference.layout(self.config, topk_idx)
-
-  def dispatch(self, x, routing, slot_weights=None):
-    return reference.dispatch(self.config, x, routing, slot_weights)
-
-  def combine(self, expert_out, routing, slot_weights=None):
-    return reference.combine(self.config, expert_out, routing, slot_weights)
-
-  def combine_vjp(self, d_out, expert_out, routing, slot_weights):
-    return reference.combine_vjp(self.config, d_out, expert_out, routing, slot_weights)
-
-  def workspace_bytes(self) -> int:
-    return reference.scratch_bytes(self.config)
-
-
-@dataclasses.dataclass(frozen=True)
-class CudaBackend(_CudaLowLatency, _LayoutThenDispatch):
+class CudaBackend(_CudaLowLatency, LayoutThenDispatch, Backend):
   """CUDA kernels through XLA FFI custom calls, at one rank (`R == 1`).
 
   Dispatch and combine are purely local there (local_layout, local_dispatch, local_combine);
@@ -170,13 +115,11 @@ class CudaBackend(_CudaLowLatency, _LayoutThenDispatch):
     d_expert_out = cuda_ops.local_dispatch(self.config, d_out, routing, slot_weights)
     return d_expert_out, cuda_ops.local_combine_vjp(self.config, d_out, expert_out, routing)
 
-  def workspace_bytes(self) -> int:
-    return cuda_ops.layout_workspace_bytes(self.config)
-
 
 @dataclasses.dataclass(frozen=True)
-class IntranodeBackend(_CudaLowLatency):
-  """CUDA kernels over peer memory for `R > 1` in one NVLink domain (see `jax_ep.intranode`).
+class IntranodeBackend(_CudaLowLatency, Backend):
+  """CUDA kernels over peer memory for `R > 1` in one NVLink domain (the peer transport,
+  jax_ep/backends/intranode.py).
 
   Attributes:
     config: the group configuration.
@@ -221,12 +164,6 @@ class IntranodeBackend(_CudaLowLatency):
     self._checked(status)
     return d_expert_out, d_weights
 
-  def workspace_bytes(self) -> int:
-    ext = ffi.extension()
-    c = self.config
-    return 4 * int(ext.intranode_dispatch_workspace_elems(c.num_ranks, c.max_tokens_per_rank,
-                                                     c.num_topk, c.num_experts))
-
 
 @dataclasses.dataclass(frozen=True)
 class _RankTable:
@@ -263,9 +200,9 @@ class NetworkBackend(IntranodeBackend):
 
   The low-latency pair runs its kernels on the group itself, with the network transport
   (NVSHMEM puts) for the ranks on other hosts. The high-throughput ops cross hosts once per
-  token and host (jax_ep/hierarchical.py): the rail exchange on this group, then the host's own
-  group (`host_group_id`, the peer transport; None on a host of one rank, which uses the local
-  kernels).
+  token and host (jax_ep/backends/hierarchical.py): the rail exchange on this group, then the
+  host's own group (`host_group_id`, the peer transport; None on a host of one rank, which uses
+  the local kernels).
 
   Attributes:
     hosts: the ranks of each host (`Topology.hosts`); empty where the hosts hold different
@@ -310,14 +247,3 @@ class NetworkBackend(IntranodeBackend):
 
   def combine_vjp(self, d_out, expert_out, routing, slot_weights):
     return self._hierarchy("combine").combine_vjp(d_out, expert_out, routing, slot_weights)
-
-  def workspace_bytes(self) -> int:
-    if not self.hosts:
-      return 0
-    host_cfg = hierarchical.host_config(self.config, len(self.hosts))
-    if self.host_group_id is None:
-      return cuda_ops.layout_workspace_bytes(host_cfg)
-    return IntranodeBackend(host_cfg, self.host_group_id).workspace_bytes()
-
-
-BACKENDS = {"reference": ReferenceBackend, "cuda": CudaBackend}

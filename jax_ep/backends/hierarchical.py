@@ -1,7 +1,7 @@
 """High-throughput dispatch and combine across hosts: one network crossing per token and host.
 
-A group whose ranks span several hosts (`jax_ep.topology`) moves a token to each host that owns
-one of its experts once, whatever the number of that host's ranks that need it:
+A group whose ranks span several hosts (`jax_ep.backends.topology`) moves a token to each host
+that owns one of its experts once, whatever the number of that host's ranks that need it:
 
 1. **Rail exchange** (network): rank `(h, l)` (host `h`, local index `l`) sends every token that
    selects an expert of host `h2` to `(h2, l)`, its *rail peer* there, with its `K` expert ids
@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep.backends.base import HighThroughputBackend
 from jax_ep.config import EPConfig
 
 
@@ -124,7 +125,7 @@ def reference_rail(axis_name: str) -> Callable:
 @dataclasses.dataclass(frozen=True)
 class Hierarchy:
   """The high-throughput backend interface (`dispatch_tokens`, `dispatch`, `combine`,
-  `combine_vjp`; see jax_ep/backends.py) of a group over several hosts, built from a host
+  `combine_vjp`; jax_ep/backends/base.py) of a group over several hosts, built from a host
   backend and a rail exchange.
 
   Attributes:
@@ -138,7 +139,7 @@ class Hierarchy:
   """
   config: EPConfig
   hosts: tuple
-  host_backend: object
+  host_backend: HighThroughputBackend
   rail: Callable
   host_index: Callable
 

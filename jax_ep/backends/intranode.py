@@ -9,14 +9,13 @@ peers'. One process driving all devices uses the pointers directly (peer access)
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax
 import numpy as np
 
-from jax_ep import hierarchical
 from jax_ep._native import ffi
-from jax_ep import topology as topology_lib
+from jax_ep.backends import hierarchical
+from jax_ep.backends import topology as topology_lib
 from jax_ep.config import EPConfig
 
 def buffer_bytes(config: EPConfig, low_latency: bool = False, network: bool = False,
@@ -103,7 +102,7 @@ class IntranodeTransport:
       # nvshmem_free is collective: only when every process reached the close (otherwise the
       # symmetric buffer stays allocated until the process ends, never a hang).
       if everyone_here:
-        from jax_ep import nvshmem
+        from jax_ep.backends import nvshmem
         nvshmem.load().symmetric_free(self.network_buffer)
       self.network_buffer = 0
     return next((m for m in messages if m), None)
@@ -185,13 +184,15 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
   """A group whose ranks span several hosts (`topology`): the buffer in NVSHMEM's symmetric
   heap, ranks on this rank's host reached by pointer (`nvshmem_ptr`), the others by NVSHMEM
   puts (ffi/nvshmem/); with hosts of equal size, also this host's own group (the peer
-  transport, `host_group_id`) for the high-throughput ops' forwarding (jax_ep/hierarchical.py).
+  transport, `host_group_id`) for the high-throughput ops' forwarding
+  (jax_ep/backends/hierarchical.py).
 
   NVSHMEM's PEs are the job's processes: the group must hold every process, one device each,
   rank r on process r. On virtual hosts (one machine) NVSHMEM gets the settings of PEs that
-  share a machine (`jax_ep.nvshmem.shared_gpu_env`) where the environment does not set them.
+  share a machine (`jax_ep.backends.nvshmem.shared_gpu_env`) where the environment does not
+  set them.
   """
-  from jax_ep import nvshmem
+  from jax_ep.backends import nvshmem
   ext = ffi.extension()
   if ext is None:
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
@@ -268,8 +269,3 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
   return IntranodeTransport(ids, key, None, network_buffer=buffer, topology=topology,
                             network_ranks=tuple(r for r, t in enumerate(table) if t == 0),
                             host_group_id=host_group_id, equal_hosts=forwarding)
-
-
-def describe(transport: IntranodeTransport) -> str:
-  ext = ffi.extension()
-  return json.dumps({gid: ext.intranode_group_pointer_table(gid) for gid in transport.group_ids})

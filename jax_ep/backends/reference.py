@@ -1,5 +1,8 @@
 """Reference backend: the contract's semantics in plain JAX, for any platform.
 
+The functions below take the group's `EPConfig`; `ReferenceBackend` at the end is the backend
+object (jax_ep/backends/base.py) a group on the reference backend holds.
+
 Per-shard functions, called inside `shard_map` over `config.axis_name`. Communication is
 `jax.lax.all_to_all` on padded per-destination blocks (one block of `T` rows per destination
 rank, every token sent at most once per rank), so nothing here needs `ragged_all_to_all` (not
@@ -13,12 +16,14 @@ flattened as `(s * T + t) * K + k`.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_ep.backends.base import Backend, LayoutThenDispatch
 from jax_ep.config import EPConfig
 
 
@@ -303,3 +308,58 @@ def scratch_bytes(config: EPConfig, num_tokens: int | None = None) -> int:
   token_blocks = 2 * config.num_ranks * t * config.hidden * itemsize  # send + receive
   partials = 2 * config.num_ranks * t * config.hidden * 4  # fp32 partial sums, send + receive
   return token_blocks + partials
+
+
+# ----------------------------------------------------------------------------------------------
+# The backend
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceBackend(LayoutThenDispatch, Backend):
+  """Pure JAX; runs on every platform. The oracle-checked baseline for all other backends.
+
+  JAX differentiates the low-latency pair as written (`low_latency_kernels` False), so it takes
+  no `slot_scale` and no `gather`. Its split form computes everything in the send and hands it
+  to the wait (nothing of it can overlap on this path).
+  """
+  config: EPConfig
+  name = "reference"
+  low_latency_kernels = False
+
+  def layout(self, topk_idx):
+    return layout(self.config, topk_idx)
+
+  def dispatch(self, x, routing, slot_weights=None):
+    return dispatch(self.config, x, routing, slot_weights)
+
+  def combine(self, expert_out, routing, slot_weights=None):
+    return combine(self.config, expert_out, routing, slot_weights)
+
+  def combine_vjp(self, d_out, expert_out, routing, slot_weights):
+    return combine_vjp(self.config, d_out, expert_out, routing, slot_weights)
+
+  def low_latency_dispatch(self, x, topk_idx, fp8, slot_scale=None):
+    if slot_scale is not None:
+      raise NotImplementedError("jax_ep: the reference backend's low-latency dispatch takes no "
+                                "slot_scale (JAX differentiates it as written)")
+    return low_latency_dispatch(self.config, x, topk_idx, fp8)
+
+  def low_latency_combine(self, expert_out, routing, topk_weights, gather=False):
+    if gather:
+      raise NotImplementedError("jax_ep: the reference backend's low-latency combine takes no "
+                                "gather (JAX differentiates it as written)")
+    return low_latency_combine(self.config, expert_out, routing, topk_weights)
+
+  def low_latency_dispatch_send(self, x, topk_idx, fp8):
+    return self.low_latency_dispatch(x, topk_idx, fp8)
+
+  def low_latency_dispatch_wait(self, sent, topk_idx, x_dtype, fp8):
+    del topk_idx, x_dtype, fp8
+    return sent
+
+  def low_latency_combine_send(self, expert_out, routing):
+    return (expert_out, routing)
+
+  def low_latency_combine_wait(self, sent, routing, topk_weights, dtype):
+    del routing, dtype
+    expert_out, routing = sent
+    return self.low_latency_combine(expert_out, routing, topk_weights)
