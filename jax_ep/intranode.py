@@ -1,0 +1,3 @@
+"""Deprecated: moved to `jax_ep.backends.intranode`."""
+from jax_ep._deprecated import alias
+alias(__name__, "jax_ep.backends.intranode")
