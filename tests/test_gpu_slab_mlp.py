@@ -1,5 +1,5 @@
-"""The decode experts' Pallas kernels (`jax_ep.expert_mlp_slabs`, jax_ep/slab_mlp.py) the way the
-layer calls them: inside `shard_map`, under `grad`, `vmap` and `jax.checkpoint`.
+"""The decode experts' Pallas kernels (`jax_ep.expert_mlp_slabs`, jax_ep/kernels/slab_mlp.py) the
+way the layer calls them: inside `shard_map`, under `grad`, `vmap` and `jax.checkpoint`.
 
 On the CPU the kernels are traced (not run) inside `shard_map`: a Pallas call's result must be
 given its varying axes there, which the trace checks as the GPU's does. On a GPU (marked `gpu`)

@@ -1,4 +1,4 @@
-"""The experts on the low-latency slabs (jax_ep/slab_mlp.py, `jax_ep.expert_mlp_slabs`).
+"""The experts on the low-latency slabs (jax_ep/kernels/slab_mlp.py, `jax_ep.expert_mlp_slabs`).
 
 Oracle: the dense formulation (padding rows masked, batched matmuls over whole slabs). On the
 CPU the kernels run in Pallas's interpreter; on a GPU (marked `gpu`) compiled, where `auto`
