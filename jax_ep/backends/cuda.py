@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from jax_ep._native import effects, ffi
 from jax_ep.backends import cuda_ops, hierarchical
-from jax_ep.backends.base import Backend, LayoutThenDispatch
+from jax_ep.backends.base import Backend, HighThroughputBackend, LayoutThenDispatch
 from jax_ep.config import EPConfig
 
 
@@ -37,6 +37,9 @@ class _CudaLowLatency:
   """The low-latency pair through its kernels (jax_ep/backends/cuda_ops.py,
   ffi/kernels/low_latency_*.cu), on the intranode group `ll_group_id` (a group created with
   `low_latency=True`)."""
+  config: EPConfig
+  ll_group_id: int | None
+  raise_on_timeout: bool
 
   low_latency_kernels = True
 
@@ -222,6 +225,7 @@ class NetworkBackend(IntranodeBackend):
     c = self.config
     num_hosts = len(self.hosts)
     host_cfg = hierarchical.host_config(c, num_hosts)
+    host_backend: HighThroughputBackend
     if self.host_group_id is None:
       host_backend = CudaBackend(host_cfg, None, self.raise_on_timeout)
     else:

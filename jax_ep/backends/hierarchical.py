@@ -123,7 +123,7 @@ def reference_rail(axis_name: str) -> Callable:
 
 
 @dataclasses.dataclass(frozen=True)
-class Hierarchy:
+class Hierarchy(HighThroughputBackend):
   """The high-throughput backend interface (`dispatch_tokens`, `dispatch`, `combine`,
   `combine_vjp`; jax_ep/backends/base.py) of a group over several hosts, built from a host
   backend and a rail exchange.

@@ -33,7 +33,7 @@ _logger = logging.getLogger("jax_ep")
 class Request:
   """What a backend is made for: the group's configuration and the settings of its transport
   (the arguments of `jax_ep.Group` of the same names)."""
-  mesh: object
+  mesh: jax.sharding.Mesh
   config: EPConfig
   key: str  # the group's key in the job (`jax_ep.launch._distributed.next_group_key`)
   num_sms: int
@@ -56,14 +56,14 @@ class BackendEntry:
       group's native buffers; None where there are none).
     describe: `mesh -> why`: the reason `auto` gives when it takes this backend first.
   """
-  supports: Callable[[object, EPConfig, int, Sequence[str] | None], str | None]
+  supports: Callable[[jax.sharding.Mesh, EPConfig, int, Sequence[str] | None], str | None]
   create: Callable[[Request], tuple[Backend, intranode.IntranodeTransport | None]]
-  describe: Callable[[object], str]
+  describe: Callable[[jax.sharding.Mesh], str]
 
 
 def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | None = None,
                  limits: KernelLimits | None = None, extension_built: bool | None = None,
-                 hosts: list[str] | None = None,
+                 hosts: Sequence[str] | None = None,
                  peer_access: bool | None = None) -> str | None:
   """Why the cuda backend cannot run this group here, or None when it can.
 
@@ -141,6 +141,7 @@ def _create_cuda(request: Request):
     transport = intranode.create(config, mesh, r.key, num_sms=r.num_sms, timeout_s=r.timeout_s,
                                  process_ids=r.process_ids, low_latency=r.low_latency)
   ll_group = transport.primary_id if r.low_latency else None
+  backend: Backend
   if getattr(transport, "network_buffer", 0):
     backend = NetworkBackend(
         config, transport.primary_id, r.raise_on_timeout, ll_group,
@@ -189,7 +190,7 @@ def _say_choice(name: str, why: str, warn: bool) -> None:
 
 
 def _resolve_backend(backend: str, mesh, config: EPConfig, num_sms: int,
-                     hosts: list[str] | None = None) -> tuple[str, str]:
+                     hosts: Sequence[str] | None = None) -> tuple[str, str]:
   """`(backend name, why)` for the requested backend ('auto' or a name of `BACKENDS`)."""
   if backend != "auto":
     why_not = BACKENDS[backend].supports(mesh, config, num_sms, hosts)
