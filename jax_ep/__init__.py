@@ -8,6 +8,9 @@ The contract is docs/DESIGN.md. Quick start::
     recv, handle = jax_ep.dispatch(group, x, topk_idx, topk_weights)
     y = expert_mlp(recv.x, recv.group_sizes)     # e.g. jax.lax.ragged_dot
     return jax_ep.combine(group, y, handle)
+
+The modules here are the public API; the layers under it are folders (backends/, kernels/,
+_native/, launch/), each importing only the ones below it (docs/layout.md).
 """
 
 from jax_ep._native import ffi as _ffi
