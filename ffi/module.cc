@@ -196,7 +196,7 @@ void PreloadKernels(int device_ordinal) {
   }
 }
 
-// NOTES: the one table of the kernels' limits. jax_ep/limits.py reads it to
+// NOTES: the one table of the kernels' limits. jax_ep/_native/limits.py reads it to
 // refuse a configuration when the group is created; the handlers check the
 // same constants on every call, so the two checks cannot disagree.
 nb::dict Limits() {

@@ -33,7 +33,7 @@ using ffi_utils::Dims;
 // least one. NOTES: XLA:GPU crashed (segfault while compiling, seen on the H200
 // with jaxlib 0.11.2) on a side-effecting custom call with a zero-row result,
 // so with capacity 0 the Python layer passes one unused row and slices it off
-// (it does the same for T = 0, see jax_ep/cuda_ops.py).
+// (it does the same for T = 0, see jax_ep/backends/cuda_ops.py).
 inline int64_t StorageRows(int64_t capacity) {
   return capacity > 0 ? capacity : 1;
 }
@@ -45,7 +45,7 @@ inline int64_t StorageRows(int64_t capacity) {
 // `network_ok`: the op runs on a group with ranks on other hosts (the
 // low-latency ops and the rail exchange do; the high-throughput kernels
 // address every peer by pointer, so across hosts they run on each host's own
-// group, jax_ep/hierarchical.py).
+// group, jax_ep/backends/hierarchical.py).
 inline ffi::Error GetGroup(std::string_view op, int64_t group_id,
                            std::shared_ptr<const intranode_group::Group>* group,
                            bool network_ok = false) {
@@ -73,7 +73,7 @@ inline ffi::Error GetGroup(std::string_view op, int64_t group_id,
         ffi::ErrorCode::kUnimplemented,
         std::string(op) + ": intranode group " + std::to_string(group_id) +
             " has ranks on other hosts: the high-throughput kernels run on "
-            "each host's own group there (jax_ep/hierarchical.py)");
+            "each host's own group there (jax_ep/backends/hierarchical.py)");
   }
   *group = std::move(found.group);
   return ffi::Error::Success();

@@ -2,7 +2,7 @@
 //
 // FFI adapter of the rail exchange (kernels: ffi/kernels/rail_exchange.cu;
 // puts: the network transport), the network hop of the high-throughput ops
-// across hosts (jax_ep/hierarchical.py). Per rank, on a network group of Hn
+// across hosts (jax_ep/backends/hierarchical.py). Per rank, on a network group of Hn
 // hosts, no batch dims:
 //
 // jax_ep_rail_exchange

@@ -2,7 +2,7 @@
 //
 // What every kernel family shares: the element types of the activations and
 // the limits the FFI handlers check on every call (ffi/module.cc exports them
-// as the one table of limits, jax_ep/limits.py reads it).
+// as the one table of limits, jax_ep/_native/limits.py reads it).
 //
 // Framework-free on purpose, as is every declaration header of ffi/kernels/:
 // raw device pointers, `cudaStream_t`, launchers return `cudaError_t` and

@@ -1,7 +1,7 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
 // jax_ep::rail: the rail exchange of a network group, the network hop of the
-// high-throughput ops across hosts (jax_ep/hierarchical.py). Every rank sends
+// high-throughput ops across hosts (jax_ep/backends/hierarchical.py). Every rank sends
 // one block of records to its rail peer on each host (the rank with its own
 // local index there) and receives one block from each.
 //

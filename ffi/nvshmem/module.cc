@@ -3,7 +3,7 @@
 // nanobind module `jax_ep._jax_ep_nvshmem`: NVSHMEM for jax_ep's network
 // transport (ffi/nvshmem/runtime.h). Built only when the nvidia-nvshmem wheel
 // is present at build time; it needs libnvshmem_host.so.3 loaded first
-// (jax_ep/nvshmem.py does that from the same wheel).
+// (jax_ep/backends/nvshmem.py does that from the same wheel).
 
 #include <string>
 

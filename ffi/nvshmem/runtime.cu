@@ -2,7 +2,7 @@
 //
 // NVSHMEM's life cycle for jax_ep (runtime.h). Compiled as relocatable device
 // code and device-linked with libnvshmem_device.a; the host library
-// (libnvshmem_host.so.3, from the same wheel) is loaded by jax_ep/nvshmem.py
+// (libnvshmem_host.so.3, from the same wheel) is loaded by jax_ep/backends/nvshmem.py
 // before this module.
 
 #include <cuda_runtime.h>
