@@ -15,7 +15,7 @@ _native/, launch/), each importing only the ones below it (docs/layout.md).
 
 from jax_ep._native import ffi as _ffi
 from jax_ep._status import CapacityOverflowError
-from jax_ep.config import default_capacity
+from jax_ep.config import RowFormat, default_capacity
 from jax_ep.group import Group
 from jax_ep.sizing import MemoryEstimate, capacity_from_factor, memory_bytes
 from jax_ep.gmm import grouped_matmul, grouped_matmul_impl
@@ -40,7 +40,7 @@ __all__ = [
     "capacity_from_factor",
     "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
     "low_latency_dispatch_send", "low_latency_dispatch_wait", "low_latency_combine_send",
-    "low_latency_combine_wait", "LowLatencySent",
+    "low_latency_combine_wait", "LowLatencySent", "RowFormat",
     "grouped_matmul", "grouped_matmul_impl", "expert_mlp", "expert_mlp_slabs",
     "DispatchResult", "Handle", "zero_padding", "LowLatencyResult", "LowLatencyHandle",
     "MoEOutput", "MoEParams", "init_moe_params", "moe_mlp", "moe_mlp_per_shard",

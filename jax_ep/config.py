@@ -3,12 +3,49 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import jax.numpy as jnp
 import numpy as np
 
 # The activation dtypes a group carries.
 DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+
+class RowFormat(enum.Enum):
+  """How the low-latency dispatch sends and returns its rows (`jax_ep.low_latency_dispatch`).
+
+  The fp8 formats quantise each token per block of 128 channels to float8_e4m3fn with
+  `scale = amax / 448` of the block (1 for an all-zero block), `q = e4m3(x / scale)`; they need
+  `H % 128 == 0` and have no gradient on the cuda backend. The kernels' `low_latency::RowFormat`
+  (`kPlain`, `kFp8`, `kFp8PowerOfTwo`, plus the `ue8m0` attribute) is the same choice.
+
+  Members:
+    PLAIN: rows in the activations' dtype (the group's: bf16, f16 or f32); no scales.
+    FP8: float8_e4m3fn rows; `scales` `[L, R*T_max, H/128]` float32.
+    FP8_POW2_SCALES: as FP8, every scale rounded up to a power of two.
+    FP8_UE8M0: as FP8_POW2_SCALES, the scales returned as UE8M0 exponents (`2^(e - 127)`),
+      four per int32, the first channel block in the lowest byte: `scales`
+      `[L, R*T_max, H/512]` int32 (`H % 512 == 0`).
+  """
+
+  PLAIN = "plain"
+  FP8 = "fp8"
+  FP8_POW2_SCALES = "fp8_pow2_scales"
+  FP8_UE8M0 = "fp8_ue8m0"
+
+  @property
+  def is_fp8(self) -> bool:
+    return self is not RowFormat.PLAIN
+
+  @property
+  def pow2_scales(self) -> bool:
+    """Whether every scale is a power of two (FP8_POW2_SCALES, FP8_UE8M0)."""
+    return self in (RowFormat.FP8_POW2_SCALES, RowFormat.FP8_UE8M0)
+
+  @property
+  def ue8m0(self) -> bool:
+    return self is RowFormat.FP8_UE8M0
 
 
 @dataclasses.dataclass(frozen=True)

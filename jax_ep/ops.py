@@ -7,6 +7,7 @@ what was expected.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -15,6 +16,7 @@ import numpy as np
 
 from jax_ep._native.varying import vary_like_operands
 from jax_ep.backends import primitives
+from jax_ep.config import RowFormat
 from jax_ep.group import Group
 from jax_ep.routing import merge_duplicate_slots
 
@@ -56,29 +58,40 @@ def zero_padding(recv: DispatchResult) -> DispatchResult:
                                    jnp.zeros((), recv.x.dtype)))
 
 
+def _deprecated_routing(cls: str):
+  warnings.warn(f"jax_ep.{cls}.routing is deprecated and will be removed in the next release; "
+                f"use {cls}.layout (the same value)", DeprecationWarning, stacklevel=3)
+
+
 class Handle(NamedTuple):
-  """Routing kept from `dispatch` for `combine` and the gradients (a pytree of arrays).
+  """What `combine` and the gradients reuse from `dispatch` (a pytree of arrays).
 
   Attributes:
-    routing: backend-specific integer metadata.
+    layout: backend-specific integer metadata: where dispatch put each row.
     topk_weights: `[T, K]` float32 router weights given to dispatch, after the merge of
       duplicate slots (`merge_duplicate_slots`: a merged slot's weight is in the first slot
       naming its expert, the later ones are 0); differentiable in the given weights.
   """
-  routing: Any
+  layout: Any
   topk_weights: jax.Array
+
+  @property
+  def routing(self):
+    """Deprecated name of `layout`."""
+    _deprecated_routing("Handle")
+    return self.layout
 
 
 class LowLatencyResult(NamedTuple):
   """What a rank receives from `low_latency_dispatch`.
 
   Attributes:
-    x: `[L, R*T_max, H]` (activation dtype, or float8_e4m3fn with `use_fp8`); rows of expert l
-      packed at the front of slab l, ordered by (source rank, source token); one row per
-      (token, expert). Rows past `count[l]`: zeros on the reference backend, unspecified on
+    x: `[L, R*T_max, H]` (activation dtype, or float8_e4m3fn with an fp8 `RowFormat`); rows of
+      expert l packed at the front of slab l, ordered by (source rank, source token); one row
+      per (token, expert). Rows past `count[l]`: zeros on the reference backend, unspecified on
       the cuda backend (never read by `low_latency_combine`).
-    scales: `[L, R*T_max, H/128]` float32 dequantisation scales with `use_fp8` (UE8M0 packed
-      `[L, R*T_max, H/512]` int32 with `use_ue8m0`), else None.
+    scales: `[L, R*T_max, H/128]` float32 dequantisation scales with an fp8 `RowFormat` (UE8M0
+      packed `[L, R*T_max, H/512]` int32 with `RowFormat.FP8_UE8M0`), else None.
     count: `[L]` int32 valid rows per local expert (the per-expert load of this call; sum it
       over calls to monitor balance).
     num_dropped: `[]` int32 rows that did not fit a slab: always 0 (a source brings at most
@@ -94,15 +107,21 @@ class LowLatencyResult(NamedTuple):
 
 
 class LowLatencyHandle(NamedTuple):
-  """Routing kept from `low_latency_dispatch` for `low_latency_combine` (a pytree of arrays).
+  """What `low_latency_combine` reuses from `low_latency_dispatch` (a pytree of arrays).
 
   Attributes:
-    routing: backend-specific integer metadata.
+    layout: backend-specific integer metadata: where dispatch put each row.
     topk_idx: `[T, K]` the ids given to dispatch (combine merges the weights of slots that name
       one expert, as dispatch merged their rows).
   """
-  routing: Any
+  layout: Any
   topk_idx: jax.Array
+
+  @property
+  def routing(self):
+    """Deprecated name of `layout`."""
+    _deprecated_routing("LowLatencyHandle")
+    return self.layout
 
 
 def _check_group(group, op: str) -> None:
@@ -221,11 +240,11 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
     recv = DispatchResult(*vary_like_operands(tuple(recv), (x, topk_idx, topk_weights)))
     return recv, Handle((), topk_weights)
   topk_idx, topk_weights = merge_duplicate_slots(topk_idx, topk_weights, c.num_experts)
-  recv_x, group_sizes, num_dropped, num_invalid, routing = primitives.dispatch_tokens(
+  recv_x, group_sizes, num_dropped, num_invalid, layout = primitives.dispatch(
       group.backend, x, topk_idx, topk_weights)
   num_dropped = _strict_check(group, num_dropped)
   return (DispatchResult(recv_x, group_sizes, num_dropped, num_invalid),
-          Handle(routing, topk_weights))
+          Handle(layout, topk_weights))
 
 
 def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):
@@ -253,26 +272,68 @@ def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):
   if handle.topk_weights.shape[0] == 0:  # see dispatch: no rank has a token
     return vary_like_operands(jnp.zeros((0, c.hidden), c.dtype),
                               (expert_out, handle.topk_weights))
-  if weighted:
-    return primitives.combine_weighted(group.backend, expert_out, handle.topk_weights,
-                                       handle.routing)
-  return primitives.combine_unweighted(group.backend, expert_out, handle.routing)
+  return primitives.combine(group.backend, expert_out, handle.layout,
+                            handle.topk_weights if weighted else None)
 
 
-def _low_latency_fp8(group: Group, op: str, use_fp8: bool, round_scale: bool, use_ue8m0: bool):
-  """The backends' `fp8` argument: None or `(round_scale, use_ue8m0)`, the options checked."""
-  if use_fp8 and group.hidden % 128:
-    raise ValueError(f"jax_ep.{op}: use_fp8=True needs hidden to be a multiple "
-                     f"of 128 (one scale per 128 channels), got hidden={group.hidden}")
+_DEPRECATED_FLAGS = ("use_fp8", "round_scale", "use_ue8m0")
+
+
+def _as_row_format(op: str, row_format) -> RowFormat:
+  """`row_format` as a `RowFormat`: a member, or its value or name as a string."""
+  if isinstance(row_format, RowFormat):
+    return row_format
+  members = ", ".join(f"RowFormat.{m.name}" for m in RowFormat)
+  if isinstance(row_format, str):
+    for member in RowFormat:
+      if row_format.lower() in (member.value, member.name.lower()):
+        return member
+    raise ValueError(f"jax_ep.{op}: row_format must be one of {members}, got {row_format!r}")
+  raise TypeError(f"jax_ep.{op}: row_format must be a jax_ep.RowFormat ({members}), got "
+                  f"{row_format!r} of type {type(row_format).__name__}")
+
+
+def _legacy_row_format(op: str, use_fp8: bool, round_scale: bool, use_ue8m0: bool
+                       ) -> RowFormat:
+  """The `RowFormat` the deprecated flags spell; the combinations they never allowed raise."""
   if (round_scale or use_ue8m0) and not use_fp8:
     raise ValueError(f"jax_ep.{op}: round_scale and use_ue8m0 need use_fp8=True")
   if use_ue8m0 and not round_scale:
     raise ValueError(f"jax_ep.{op}: use_ue8m0=True needs round_scale=True (UE8M0 "
                      "holds powers of two only)")
-  if use_ue8m0 and group.hidden % 512:
-    raise ValueError(f"jax_ep.{op}: use_ue8m0=True needs hidden to be a "
+  if not use_fp8:
+    return RowFormat.PLAIN
+  if use_ue8m0:
+    return RowFormat.FP8_UE8M0
+  return RowFormat.FP8_POW2_SCALES if round_scale else RowFormat.FP8
+
+
+def _row_format(group: Group, op: str, row_format, flags: dict) -> RowFormat:
+  """The dispatch's `RowFormat` from `row_format` or the deprecated flags (`use_fp8`,
+  `round_scale`, `use_ue8m0`; None where not passed), checked against the group's hidden."""
+  given = {name: value for name, value in flags.items() if value is not None}
+  if given and row_format is not None:
+    raise TypeError(f"jax_ep.{op}: pass row_format or the deprecated "
+                    f"{', '.join(given)}, not both")
+  if given:
+    fmt = _legacy_row_format(op, bool(flags["use_fp8"]), bool(flags["round_scale"]),
+                             bool(flags["use_ue8m0"]))
+    spelled = ", ".join(f"{name}={value!r}" for name, value in given.items())
+    # stacklevel 3: past this function and the public op, to the caller.
+    warnings.warn(f"jax_ep.{op}: {spelled} is deprecated and will be removed in the next "
+                  f"release; pass row_format=jax_ep.{fmt} instead", DeprecationWarning,
+                  stacklevel=3)
+    fp8_named, ue8m0_named = "use_fp8=True", "use_ue8m0=True"
+  else:
+    fmt = RowFormat.PLAIN if row_format is None else _as_row_format(op, row_format)
+    fp8_named = ue8m0_named = f"row_format={fmt}"
+  if fmt.is_fp8 and group.hidden % 128:
+    raise ValueError(f"jax_ep.{op}: {fp8_named} needs hidden to be a multiple "
+                     f"of 128 (one scale per 128 channels), got hidden={group.hidden}")
+  if fmt.ue8m0 and group.hidden % 512:
+    raise ValueError(f"jax_ep.{op}: {ue8m0_named} needs hidden to be a "
                      f"multiple of 512 (four scales per int32), got hidden={group.hidden}")
-  return (bool(round_scale), bool(use_ue8m0)) if use_fp8 else None
+  return fmt
 
 
 def _merged_ids(group: Group, topk_idx):
@@ -282,14 +343,15 @@ def _merged_ids(group: Group, topk_idx):
 
 
 def _low_latency_outputs(group: Group, topk_idx, outs):
-  recv_x, scales, count, num_dropped, num_invalid, routing = outs
+  recv_x, scales, count, num_dropped, num_invalid, layout = outs
   num_dropped = _strict_check(group, num_dropped)
   return (LowLatencyResult(recv_x, scales, count, num_dropped, num_invalid),
-          LowLatencyHandle(routing, topk_idx))
+          LowLatencyHandle(layout, topk_idx))
 
 
-def low_latency_dispatch(group: Group, x, topk_idx, *, use_fp8: bool = False,
-                         round_scale: bool = False, use_ue8m0: bool = False):
+def low_latency_dispatch(group: Group, x, topk_idx, *, row_format: RowFormat | None = None,
+                         use_fp8: bool | None = None, round_scale: bool | None = None,
+                         use_ue8m0: bool | None = None):
   """Decode-time dispatch: every receiver keeps a slab of `R*T_max` rows per local expert.
 
   Slots of one token that name the same expert are one row (as in `dispatch`), so a source
@@ -299,20 +361,23 @@ def low_latency_dispatch(group: Group, x, topk_idx, *, use_fp8: bool = False,
 
   Args:
     group: the `Group`. x: `[T, H]`. topk_idx: `[T, K]` int32 (as in `dispatch`).
-    use_fp8: send float8_e4m3fn rows with one float32 scale per 128 channels (H % 128 == 0):
-      `scale = amax / 448` of the block (1 for an all-zero block), `q = e4m3(x / scale)`.
-    round_scale: with `use_fp8`, round every scale up to a power of two.
-    use_ue8m0: with `round_scale`, return the scales as UE8M0 exponents (`2^(e - 127)`), four
-      per int32 (the first channel block in the lowest byte): `scales` `[L, R*T_max, H/512]`
-      int32 (H % 512 == 0).
+    row_format: how the rows travel and arrive (`jax_ep.RowFormat`; default PLAIN, the
+      activations' dtype): FP8 (float8_e4m3fn rows with one float32 scale per 128 channels,
+      H % 128 == 0), FP8_POW2_SCALES (those scales rounded up to powers of two), FP8_UE8M0
+      (those scales as UE8M0 exponents, four per int32: `scales` `[L, R*T_max, H/512]` int32,
+      H % 512 == 0). A member's value or name as a string is taken too.
+    use_fp8, round_scale, use_ue8m0: deprecated spelling of `row_format` (a
+      `DeprecationWarning`; not together with it): `use_fp8` is FP8, with `round_scale`
+      FP8_POW2_SCALES, with both FP8_UE8M0.
 
   Returns:
     `(LowLatencyResult, LowLatencyHandle)`.
   """
   _check_group(group, "low_latency_dispatch")
   _check_tokens(group, "low_latency_dispatch", x, topk_idx)
-  fp8 = _low_latency_fp8(group, "low_latency_dispatch", use_fp8, round_scale, use_ue8m0)
-  outs = primitives.low_latency_dispatch(group.backend, x, _merged_ids(group, topk_idx), fp8)
+  fmt = _row_format(group, "low_latency_dispatch", row_format,
+                    dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
+  outs = primitives.low_latency_dispatch(group.backend, x, _merged_ids(group, topk_idx), fmt)
   return _low_latency_outputs(group, topk_idx, outs)
 
 
@@ -334,8 +399,10 @@ class LowLatencySent:
 jax.tree_util.register_pytree_node_class(LowLatencySent)
 
 
-def low_latency_dispatch_send(group: Group, x, topk_idx, *, use_fp8: bool = False,
-                              round_scale: bool = False, use_ue8m0: bool = False):
+def low_latency_dispatch_send(group: Group, x, topk_idx, *,
+                              row_format: RowFormat | None = None,
+                              use_fp8: bool | None = None, round_scale: bool | None = None,
+                              use_ue8m0: bool | None = None):
   """The send half of `low_latency_dispatch` (same arguments): the rows leave at once; work
   placed between this and `low_latency_dispatch_wait` (which returns what
   `low_latency_dispatch` returns) can run while they travel.
@@ -346,10 +413,11 @@ def low_latency_dispatch_send(group: Group, x, topk_idx, *, use_fp8: bool = Fals
   """
   _check_group(group, "low_latency_dispatch_send")
   _check_tokens(group, "low_latency_dispatch_send", x, topk_idx)
-  fp8 = _low_latency_fp8(group, "low_latency_dispatch_send", use_fp8, round_scale, use_ue8m0)
+  fmt = _row_format(group, "low_latency_dispatch_send", row_format,
+                    dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
   merged = _merged_ids(group, topk_idx)
-  sent = group.backend.low_latency_dispatch_send(x, merged, fp8)
-  return LowLatencySent("dispatch", (sent, topk_idx, merged), (fp8, np.dtype(x.dtype).name))
+  sent = group.backend.low_latency_dispatch_send(x, merged, fmt)
+  return LowLatencySent("dispatch", (sent, topk_idx, merged), (fmt, np.dtype(x.dtype).name))
 
 
 def low_latency_dispatch_wait(group: Group, sent: LowLatencySent):
@@ -359,8 +427,8 @@ def low_latency_dispatch_wait(group: Group, sent: LowLatencySent):
     raise TypeError("jax_ep.low_latency_dispatch_wait: sent must be what "
                     f"jax_ep.low_latency_dispatch_send returned, got {type(sent).__name__}")
   state, topk_idx, merged = sent.arrays
-  fp8, dtype = sent.static
-  outs = group.backend.low_latency_dispatch_wait(state, merged, np.dtype(dtype), fp8)
+  fmt, dtype = sent.static
+  outs = group.backend.low_latency_dispatch_wait(state, merged, np.dtype(dtype), fmt)
   return _low_latency_outputs(group, topk_idx, outs)
 
 
@@ -395,15 +463,15 @@ def low_latency_combine(group: Group, expert_out, handle: LowLatencyHandle, topk
   """Decode-time combine: `expert_out` `[L, R*T_max, H]` -> `[T, H]`, weighted by `topk_weights`:
   `out[t] = sum_k topk_weights[t, k] * expert_out[row(t, k)]` accumulated in fp32."""
   _check_low_latency_combine(group, "low_latency_combine", expert_out, handle)
-  weights = _check_low_latency_weights(group, "low_latency_combine", handle, topk_weights)
-  return primitives.low_latency_combine(group.backend, expert_out, handle.routing, weights)
+  topk_weights = _check_low_latency_weights(group, "low_latency_combine", handle, topk_weights)
+  return primitives.low_latency_combine(group.backend, expert_out, handle.layout, topk_weights)
 
 
 def low_latency_combine_send(group: Group, expert_out, handle: LowLatencyHandle):
   """The send half of `low_latency_combine`: the expert rows leave at once; pass the result and
   the weights to `low_latency_combine_wait`. The rules of `low_latency_dispatch_send` apply."""
   _check_low_latency_combine(group, "low_latency_combine_send", expert_out, handle)
-  sent = group.backend.low_latency_combine_send(expert_out, handle.routing)
+  sent = group.backend.low_latency_combine_send(expert_out, handle.layout)
   return LowLatencySent("combine", (sent, handle), np.dtype(expert_out.dtype).name)
 
 
@@ -414,6 +482,7 @@ def low_latency_combine_wait(group: Group, sent: LowLatencySent, topk_weights):
     raise TypeError("jax_ep.low_latency_combine_wait: sent must be what "
                     f"jax_ep.low_latency_combine_send returned, got {type(sent).__name__}")
   state, handle = sent.arrays
-  weights = _check_low_latency_weights(group, "low_latency_combine_wait", handle, topk_weights)
-  return group.backend.low_latency_combine_wait(state, handle.routing, weights,
+  topk_weights = _check_low_latency_weights(group, "low_latency_combine_wait", handle,
+                                            topk_weights)
+  return group.backend.low_latency_combine_wait(state, handle.layout, topk_weights,
                                                 np.dtype(sent.static))

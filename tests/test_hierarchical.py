@@ -43,7 +43,7 @@ def _make(num_hosts, gpus, *, num_experts, num_topk, hidden, max_tokens, dtype, 
   hosts = tuple(tuple(range(h * gpus, (h + 1) * gpus)) for h in range(num_hosts))
   backend = hierarchical.Hierarchy(
       config, hosts, ReferenceBackend(hierarchical.host_config(config, num_hosts, "gpus")),
-      hierarchical.reference_rail("hosts"), _host_index)
+      hierarchical.reference_rail_exchange("hosts"), _host_index)
   mesh = jax.make_mesh((num_hosts, gpus), AXES, devices=jax.devices()[:r])
   return backend, mesh
 
@@ -65,11 +65,11 @@ def _dispatch_combine(backend, mesh, x, idx, w, eo, weighted=True):
 
   def fn(x, idx, w, eo):
     idx, w = merge_duplicate_slots(idx, w, num_experts)
-    recv_x, sizes, dropped, invalid, routing = primitives.dispatch_tokens(backend, x, idx, w)
+    recv_x, sizes, dropped, invalid, routing = primitives.dispatch(backend, x, idx, w)
     if weighted:
-      out = primitives.combine_weighted(backend, eo, w, routing)
+      out = primitives.combine(backend, eo, routing, w)
     else:
-      out = primitives.combine_unweighted(backend, eo, routing)
+      out = primitives.combine(backend, eo, routing)
     return recv_x, sizes, dropped, invalid, out
   return _run(mesh, fn, x, idx, w, eo)
 
@@ -166,12 +166,12 @@ def test_gradients_match_the_dense_model(num_hosts, gpus, pattern):
   def fn(x, idx, w, a, cot):
     def loss(x, w, a):
       merged_idx, merged_w = merge_duplicate_slots(idx, w, num_experts)
-      recv_x, sizes, _, _, routing = primitives.dispatch_tokens(backend, x, merged_idx,
+      recv_x, sizes, _, _, routing = primitives.dispatch(backend, x, merged_idx,
                                                                 merged_w)
       expert = jnp.searchsorted(jnp.cumsum(sizes), jnp.arange(capacity), side="right")
       scale = a[jnp.minimum(expert, a.shape[0] - 1)]
       expert_out = recv_x * scale
-      out = primitives.combine_weighted(backend, expert_out, merged_w, routing)
+      out = primitives.combine(backend, expert_out, routing, merged_w)
       return jnp.sum(out * cot)
     return jax.grad(loss, argnums=(0, 1, 2))(x, w, a)
 

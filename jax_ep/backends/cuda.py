@@ -54,38 +54,39 @@ class _CudaLowLatency:
     if self.raise_on_timeout:
       _raise_on_failure(status, self.ll_group_id)
 
-  def low_latency_dispatch(self, x, topk_idx, fp8, slot_scale=None):
+  def low_latency_dispatch(self, x, topk_idx, row_format, topk_weights=None):
     gid = self._ll_group("low_latency_dispatch")
-    recv_x, scales, count, num_invalid, routing, status = cuda_ops.low_latency_dispatch(
-        self.config, gid, x, topk_idx, fp8, slot_scale)
+    recv_x, scales, count, num_invalid, layout, status = cuda_ops.low_latency_dispatch(
+        self.config, gid, x, topk_idx, row_format, topk_weights)
     self._ll_checked(status)
     # Slots naming one expert are merged, so a (source, expert) region never overflows.
-    return recv_x, scales, count, jnp.zeros((), jnp.int32), num_invalid, routing
+    return recv_x, scales, count, jnp.zeros((), jnp.int32), num_invalid, layout
 
-  def low_latency_combine(self, expert_out, routing, topk_weights, gather=False):
+  def low_latency_combine(self, expert_out, layout, topk_weights, gather=False):
     out, status = cuda_ops.low_latency_combine(
-        self.config, self._ll_group("low_latency_combine"), expert_out, routing, topk_weights,
+        self.config, self._ll_group("low_latency_combine"), expert_out, layout, topk_weights,
         gather)
     self._ll_checked(status)
     return out
 
-  def low_latency_dispatch_send(self, x, topk_idx, fp8):
+  def low_latency_dispatch_send(self, x, topk_idx, row_format):
     return cuda_ops.low_latency_dispatch_send(
-        self.config, self._ll_group("low_latency_dispatch_send"), x, topk_idx, fp8)
+        self.config, self._ll_group("low_latency_dispatch_send"), x, topk_idx, row_format)
 
-  def low_latency_dispatch_wait(self, sent, topk_idx, x_dtype, fp8):
-    recv_x, scales, count, routing, status = cuda_ops.low_latency_dispatch_wait(
-        self.config, self._ll_group("low_latency_dispatch_wait"), sent, topk_idx, x_dtype, fp8)
+  def low_latency_dispatch_wait(self, sent, topk_idx, x_dtype, row_format):
+    recv_x, scales, count, layout, status = cuda_ops.low_latency_dispatch_wait(
+        self.config, self._ll_group("low_latency_dispatch_wait"), sent, topk_idx, x_dtype,
+        row_format)
     self._ll_checked(status)
-    return recv_x, scales, count, jnp.zeros((), jnp.int32), sent, routing
+    return recv_x, scales, count, jnp.zeros((), jnp.int32), sent, layout
 
-  def low_latency_combine_send(self, expert_out, routing):
+  def low_latency_combine_send(self, expert_out, layout):
     return cuda_ops.low_latency_combine_send(
-        self.config, self._ll_group("low_latency_combine_send"), expert_out, routing)
+        self.config, self._ll_group("low_latency_combine_send"), expert_out, layout)
 
-  def low_latency_combine_wait(self, sent, routing, topk_weights, dtype):
+  def low_latency_combine_wait(self, sent, layout, topk_weights, dtype):
     out, status = cuda_ops.low_latency_combine_wait(
-        self.config, self._ll_group("low_latency_combine_wait"), sent, routing, topk_weights,
+        self.config, self._ll_group("low_latency_combine_wait"), sent, layout, topk_weights,
         dtype)
     self._ll_checked(status)
     return out
@@ -108,15 +109,15 @@ class CudaBackend(_CudaLowLatency, LayoutThenDispatch, Backend):
   def layout(self, topk_idx):
     return cuda_ops.local_layout(self.config, topk_idx)
 
-  def dispatch(self, x, routing, slot_weights=None):
-    return cuda_ops.local_dispatch(self.config, x, routing, slot_weights)
+  def dispatch_cached(self, x, layout, topk_weights=None):
+    return cuda_ops.local_dispatch(self.config, x, layout, topk_weights)
 
-  def combine(self, expert_out, routing, slot_weights=None):
-    return cuda_ops.local_combine(self.config, expert_out, routing, slot_weights)
+  def combine(self, expert_out, layout, topk_weights=None):
+    return cuda_ops.local_combine(self.config, expert_out, layout, topk_weights)
 
-  def combine_vjp(self, d_out, expert_out, routing, slot_weights):
-    d_expert_out = cuda_ops.local_dispatch(self.config, d_out, routing, slot_weights)
-    return d_expert_out, cuda_ops.local_combine_vjp(self.config, d_out, expert_out, routing)
+  def combine_vjp(self, d_out, expert_out, layout, topk_weights):
+    d_expert_out = cuda_ops.local_dispatch(self.config, d_out, layout, topk_weights)
+    return d_expert_out, cuda_ops.local_combine_vjp(self.config, d_out, expert_out, layout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,30 +143,30 @@ class IntranodeBackend(_CudaLowLatency, Backend):
     if self.raise_on_timeout:
       _raise_on_failure(status, self.group_id)
 
-  def dispatch_tokens(self, x, topk_idx, topk_weights):
+  def dispatch(self, x, topk_idx, topk_weights):
     *outs, status = cuda_ops.intranode_dispatch(self.config, self.group_id, x, topk_idx,
                                                 topk_weights)
     self._checked(status)
     return tuple(outs)
 
-  def dispatch(self, x, routing, slot_weights=None):
+  def dispatch_cached(self, x, layout, topk_weights=None):
     # The weights of a weighted dispatch are the ones that travelled with the dispatch.
-    recv_x, status = cuda_ops.intranode_dispatch_cached(self.config, self.group_id, x, routing,
-                                                        weighted=slot_weights is not None)
+    recv_x, status = cuda_ops.intranode_dispatch_cached(self.config, self.group_id, x, layout,
+                                                        weighted=topk_weights is not None)
     self._checked(status)
     return recv_x
 
-  def combine(self, expert_out, routing, slot_weights=None):
-    out, status = cuda_ops.intranode_combine(self.config, self.group_id, expert_out, routing,
-                                             weighted=slot_weights is not None)
+  def combine(self, expert_out, layout, topk_weights=None):
+    out, status = cuda_ops.intranode_combine(self.config, self.group_id, expert_out, layout,
+                                             weighted=topk_weights is not None)
     self._checked(status)
     return out
 
-  def combine_vjp(self, d_out, expert_out, routing, slot_weights):
-    d_expert_out, d_weights, status = cuda_ops.intranode_combine_vjp(
-        self.config, self.group_id, d_out, expert_out, routing)
+  def combine_vjp(self, d_out, expert_out, layout, topk_weights):
+    d_expert_out, d_topk_weights, status = cuda_ops.intranode_combine_vjp(
+        self.config, self.group_id, d_out, expert_out, layout)
     self._checked(status)
-    return d_expert_out, d_weights
+    return d_expert_out, d_topk_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +181,9 @@ class _RankTable:
 
 
 @dataclasses.dataclass(frozen=True)
-class _CudaRail:
-  """The rail exchange's kernels (`hierarchical.reference_rail`'s signature) on the network
-  group `group_id`; `pes()` is this rank's rail peer on each host."""
+class _CudaRailExchange:
+  """The rail exchange's kernels (`hierarchical.reference_rail_exchange`'s signature) on the
+  network group `group_id`; `pes()` is this rank's rail peer on each host."""
   config: EPConfig
   group_id: int
   num_hosts: int
@@ -235,19 +236,19 @@ class NetworkBackend(IntranodeBackend):
       for g, rank in enumerate(ranks):
         host_of[rank] = h
         pes[rank] = tuple(other[g] for other in self.hosts)
-    rail = _CudaRail(c, self.group_id, num_hosts, _RankTable(c.axis_name, tuple(pes)),
-                     self.raise_on_timeout)
-    return hierarchical.Hierarchy(c, self.hosts, host_backend, rail,
+    rail_exchange = _CudaRailExchange(c, self.group_id, num_hosts,
+                                      _RankTable(c.axis_name, tuple(pes)), self.raise_on_timeout)
+    return hierarchical.Hierarchy(c, self.hosts, host_backend, rail_exchange,
                                   _RankTable(c.axis_name, tuple(host_of)))
 
-  def dispatch_tokens(self, x, topk_idx, topk_weights):
-    return self._hierarchy("dispatch").dispatch_tokens(x, topk_idx, topk_weights)
+  def dispatch(self, x, topk_idx, topk_weights):
+    return self._hierarchy("dispatch").dispatch(x, topk_idx, topk_weights)
 
-  def dispatch(self, x, routing, slot_weights=None):
-    return self._hierarchy("dispatch").dispatch(x, routing, slot_weights)
+  def dispatch_cached(self, x, layout, topk_weights=None):
+    return self._hierarchy("dispatch").dispatch_cached(x, layout, topk_weights)
 
-  def combine(self, expert_out, routing, slot_weights=None):
-    return self._hierarchy("combine").combine(expert_out, routing, slot_weights)
+  def combine(self, expert_out, layout, topk_weights=None):
+    return self._hierarchy("combine").combine(expert_out, layout, topk_weights)
 
-  def combine_vjp(self, d_out, expert_out, routing, slot_weights):
-    return self._hierarchy("combine").combine_vjp(d_out, expert_out, routing, slot_weights)
+  def combine_vjp(self, d_out, expert_out, layout, topk_weights):
+    return self._hierarchy("combine").combine_vjp(d_out, expert_out, layout, topk_weights)

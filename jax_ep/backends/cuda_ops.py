@@ -15,11 +15,11 @@ import numpy as np
 
 from jax_ep._native import ffi
 from jax_ep._native.varying import vary_like_operands
-from jax_ep.config import EPConfig
+from jax_ep.config import EPConfig, RowFormat
 
 
-class LocalRouting(NamedTuple):
-  """Routing metadata of the one-rank cuda path (int32).
+class LocalLayout(NamedTuple):
+  """Where the one-rank cuda dispatch put its rows, kept in the handle (int32).
 
   Attributes:
     slot_row: `[T, K]` row of `recv_x` holding each slot, -1 if it selects nothing or was dropped.
@@ -60,37 +60,37 @@ def local_layout(config: EPConfig, topk_idx: jax.Array):
   slot_row, group_sizes, num_dropped, num_invalid, _ = _call(
       "jax_ep_local_layout", shapes, topk_idx.astype(i32),
       num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity))
-  return LocalRouting(slot_row, group_sizes), group_sizes, num_dropped, num_invalid
+  return LocalLayout(slot_row, group_sizes), group_sizes, num_dropped, num_invalid
 
 
-def _weights_or_placeholder(routing: LocalRouting, slot_weights):
-  if slot_weights is not None:
-    return slot_weights.astype(jnp.float32), True
+def _weights_or_placeholder(layout: LocalLayout, topk_weights):
+  if topk_weights is not None:
+    return topk_weights.astype(jnp.float32), True
   # Not read by the kernels when weighted=False; the operand list is fixed per target.
-  return jnp.zeros(routing.slot_row.shape, jnp.float32), False
+  return jnp.zeros(layout.slot_row.shape, jnp.float32), False
 
 
-def local_dispatch(config: EPConfig, x: jax.Array, routing: LocalRouting, slot_weights=None):
-  weights, weighted = _weights_or_placeholder(routing, slot_weights)
+def local_dispatch(config: EPConfig, x: jax.Array, layout: LocalLayout, topk_weights=None):
+  weights, weighted = _weights_or_placeholder(layout, topk_weights)
   shape = jax.ShapeDtypeStruct((config.capacity, x.shape[-1]), x.dtype)
-  return _call("jax_ep_local_dispatch", shape, x, routing.slot_row, routing.group_sizes, weights,
+  return _call("jax_ep_local_dispatch", shape, x, layout.slot_row, layout.group_sizes, weights,
                capacity=np.int64(config.capacity), weighted=weighted)
 
 
-def local_combine(config: EPConfig, expert_out: jax.Array, routing: LocalRouting,
-                  slot_weights=None):
-  weights, weighted = _weights_or_placeholder(routing, slot_weights)
-  num_tokens = routing.slot_row.shape[0]
+def local_combine(config: EPConfig, expert_out: jax.Array, layout: LocalLayout,
+                  topk_weights=None):
+  weights, weighted = _weights_or_placeholder(layout, topk_weights)
+  num_tokens = layout.slot_row.shape[0]
   shape = jax.ShapeDtypeStruct((num_tokens, expert_out.shape[-1]), expert_out.dtype)
-  return _call("jax_ep_local_combine", shape, expert_out, routing.slot_row, weights,
+  return _call("jax_ep_local_combine", shape, expert_out, layout.slot_row, weights,
                weighted=weighted)
 
 
 def local_combine_vjp(config: EPConfig, d_out: jax.Array, expert_out: jax.Array,
-                      routing: LocalRouting):
-  shape = jax.ShapeDtypeStruct(routing.slot_row.shape, jnp.float32)
+                      layout: LocalLayout):
+  shape = jax.ShapeDtypeStruct(layout.slot_row.shape, jnp.float32)
   return _call("jax_ep_local_combine_vjp", shape, d_out.astype(expert_out.dtype), expert_out,
-               routing.slot_row)
+               layout.slot_row)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -98,16 +98,17 @@ def local_combine_vjp(config: EPConfig, d_out: jax.Array, expert_out: jax.Array,
 # into the peers' library-owned buffers. These ops take no leading batch dims: under vmap JAX
 # runs one round per batch element (`vmap_method="sequential"`).
 
-class IntranodeRouting(NamedTuple):
-  """Routing metadata of the multi-rank cuda path.
+class IntranodeLayout(NamedTuple):
+  """Where the multi-rank cuda dispatch put its rows, kept in the handle.
 
   Attributes:
     send_pos: `[T, R]` int32 position of token t in this rank's send list for rank d, or -1.
     entry_row: `[N, K]` int32 (N = R * T_max) row of `recv_x` holding received entry (s, i, k).
-    entry_weights: `[N, K]` float32 router weight that came with each received entry.
+    entry_weights: `[N, K]` float32 on the receiver: the `topk_weights` entry that came with
+      each received entry (s, i, k), 0 where none did.
     recv_counts: `[R]` int32 tokens received from each source rank.
     group_sizes: `[L]` int32 kept rows per local expert.
-    topk_idx: `[T, K]` int32 this rank's routing (the weight gradient places slots by it).
+    topk_idx: `[T, K]` int32 this rank's expert ids (the weight gradient places slots by them).
   """
   send_pos: jax.Array
   entry_row: jax.Array
@@ -131,7 +132,7 @@ def _storage_rows(rows: int) -> int:
   NOTES: XLA:GPU (jaxlib 0.11.2) segfaulted compiling a side-effecting custom call with a
   zero-row result (capacity 0, seen on the H200; see StorageRows in
   ffi/handlers/intranode_common.h).
-  Zero-row buffers therefore travel as one inert row (zeros, or -1 for routing: a token sent
+  Zero-row buffers therefore travel as one inert row (zeros, or -1 for ids and positions: a token sent
   nowhere) and the results are sliced back here.
   """
   return max(rows, 1)
@@ -145,7 +146,7 @@ def _with_one_row(a, fill):
 
 
 def intranode_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
-  """Returns `(recv_x, group_sizes, num_dropped, num_invalid, routing, status)`."""
+  """Returns `(recv_x, group_sizes, num_dropped, num_invalid, layout, status)`."""
   ext = ffi.extension()
   num_tokens, num_topk = topk_idx.shape
   r, n, i32 = config.num_ranks, config.num_ranks * config.max_tokens_per_rank, jnp.int32
@@ -167,53 +168,53 @@ def intranode_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weight
        "jax_ep_intranode_dispatch", shapes, _with_one_row(x, 0), _with_one_row(topk_idx, -1),
        _with_one_row(topk_weights.astype(jnp.float32), 0), group_id=np.int64(group_id),
        num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity))
-  routing = IntranodeRouting(send_pos[:num_tokens], entry_row, entry_weights, recv_counts,
+  layout = IntranodeLayout(send_pos[:num_tokens], entry_row, entry_weights, recv_counts,
                         group_sizes, topk_idx)
-  return recv_x[:config.capacity], group_sizes, num_dropped, num_invalid, routing, status
+  return recv_x[:config.capacity], group_sizes, num_dropped, num_invalid, layout, status
 
 
-def intranode_dispatch_cached(config: EPConfig, group_id: int, x, routing: IntranodeRouting,
+def intranode_dispatch_cached(config: EPConfig, group_id: int, x, layout: IntranodeLayout,
                               weighted: bool):
   """Returns `(recv_x, status)`: rows placed by an earlier dispatch's layout."""
   shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
   recv_x, status = _intranode_call(
       "jax_ep_intranode_dispatch_cached", shapes, _with_one_row(x, 0),
-      _with_one_row(routing.send_pos, -1), routing.entry_row, routing.entry_weights,
-      routing.group_sizes, group_id=np.int64(group_id), capacity=np.int64(config.capacity),
+      _with_one_row(layout.send_pos, -1), layout.entry_row, layout.entry_weights,
+      layout.group_sizes, group_id=np.int64(group_id), capacity=np.int64(config.capacity),
       weighted=bool(weighted))
   return recv_x[:config.capacity], status
 
 
-def intranode_combine(config: EPConfig, group_id: int, expert_out, routing: IntranodeRouting,
+def intranode_combine(config: EPConfig, group_id: int, expert_out, layout: IntranodeLayout,
                       weighted: bool):
   """Returns `(out [T, H], status)`."""
-  num_tokens = routing.send_pos.shape[0]
+  num_tokens = layout.send_pos.shape[0]
   shapes = (jax.ShapeDtypeStruct((_storage_rows(num_tokens), expert_out.shape[-1]),
                                  expert_out.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
   out, status = _intranode_call(
-      "jax_ep_intranode_combine", shapes, _with_one_row(expert_out, 0), routing.entry_row,
-      routing.entry_weights, routing.recv_counts, _with_one_row(routing.send_pos, -1),
+      "jax_ep_intranode_combine", shapes, _with_one_row(expert_out, 0), layout.entry_row,
+      layout.entry_weights, layout.recv_counts, _with_one_row(layout.send_pos, -1),
       group_id=np.int64(group_id), weighted=bool(weighted))
   return out[:num_tokens], status
 
 
 def intranode_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out,
-                          routing: IntranodeRouting):
-  """Returns `(d_expert_out [C, H], d_weights [T, K] f32, status)`."""
-  num_tokens, num_topk = routing.topk_idx.shape
+                          layout: IntranodeLayout):
+  """Returns `(d_expert_out [C, H], d_topk_weights [T, K] f32, status)`."""
+  num_tokens, num_topk = layout.topk_idx.shape
   padded = _with_one_row(expert_out, 0)
   shapes = (jax.ShapeDtypeStruct(padded.shape, expert_out.dtype),
             jax.ShapeDtypeStruct((_storage_rows(num_tokens), num_topk), jnp.float32),
             jax.ShapeDtypeStruct((), jnp.int32))
-  d_expert_out, d_weights, status = _intranode_call(
+  d_expert_out, d_topk_weights, status = _intranode_call(
       "jax_ep_intranode_combine_vjp", shapes, _with_one_row(d_out.astype(expert_out.dtype), 0),
-      padded, _with_one_row(routing.topk_idx, -1), _with_one_row(routing.send_pos, -1),
-      routing.entry_row, routing.entry_weights, routing.recv_counts, routing.group_sizes,
+      padded, _with_one_row(layout.topk_idx, -1), _with_one_row(layout.send_pos, -1),
+      layout.entry_row, layout.entry_weights, layout.recv_counts, layout.group_sizes,
       group_id=np.int64(group_id), num_experts=np.int64(config.num_experts),
       capacity=np.int64(config.capacity))
-  return d_expert_out[:config.capacity], d_weights[:num_tokens], status
+  return d_expert_out[:config.capacity], d_topk_weights[:num_tokens], status
 
 
 def rail_exchange(config: EPConfig, group_id: int, num_hosts: int, sources, index, counts,
@@ -237,8 +238,8 @@ def rail_exchange(config: EPConfig, group_id: int, num_hosts: int, sources, inde
 
 # ---------------------------------------------------------------------------------- low latency
 
-class LowLatencyRouting(NamedTuple):
-  """Routing metadata of the cuda low-latency pair (int32).
+class LowLatencyLayout(NamedTuple):
+  """Where the cuda low-latency dispatch put its rows, kept in the handle (int32).
 
   Attributes:
     topk_idx: `[T, K]` the home rank's expert ids (the combine reduces its slots).
@@ -251,16 +252,17 @@ class LowLatencyRouting(NamedTuple):
   count: jax.Array
 
 
-# Row formats of the low-latency dispatch (low_latency::RowFormat).
+# The kernels' row formats (low_latency::RowFormat: kPlain, kFp8, kFp8PowerOfTwo).
 LL_PLAIN, LL_FP8, LL_FP8_POWER_OF_TWO = 0, 1, 2
+# `RowFormat` -> the handlers' `(format, ue8m0)` attributes.
+_KERNEL_FORMATS = {RowFormat.PLAIN: (LL_PLAIN, False), RowFormat.FP8: (LL_FP8, False),
+                   RowFormat.FP8_POW2_SCALES: (LL_FP8_POWER_OF_TWO, False),
+                   RowFormat.FP8_UE8M0: (LL_FP8_POWER_OF_TWO, True)}
 
 
-def low_latency_format(fp8) -> tuple[int, bool]:
-  """`(format, ue8m0)` of the backend's `fp8` argument (None or `(round_scale, use_ue8m0)`)."""
-  if fp8 is None:
-    return LL_PLAIN, False
-  round_scale, use_ue8m0 = fp8
-  return (LL_FP8_POWER_OF_TWO if round_scale else LL_FP8), bool(use_ue8m0)
+def low_latency_format(row_format: RowFormat) -> tuple[int, bool]:
+  """`(format, ue8m0)`, the kernels' attributes for `row_format`."""
+  return _KERNEL_FORMATS[RowFormat(row_format)]
 
 
 def _ll_call(target, result_shapes, *args, **attrs):
@@ -285,31 +287,33 @@ def _ll_dispatch_shapes(config: EPConfig, x_dtype, fmt: int, ue8m0: bool):
           jax.ShapeDtypeStruct((num_local, slab), i32), jax.ShapeDtypeStruct((), i32))
 
 
-def _ll_send_operands(x, topk_idx, slot_scale):
-  weighted = slot_scale is not None
-  scale = (slot_scale if weighted else jnp.zeros(topk_idx.shape, jnp.float32)).astype(jnp.float32)
+def _ll_send_operands(x, topk_idx, topk_weights):
+  weighted = topk_weights is not None
+  scale = topk_weights if weighted else jnp.zeros(topk_idx.shape, jnp.float32)
+  scale = scale.astype(jnp.float32)
   return (_with_one_row(x, 0), _with_one_row(topk_idx.astype(jnp.int32), -1),
           _with_one_row(scale, 0)), weighted
 
 
-def low_latency_dispatch(config: EPConfig, group_id: int, x, topk_idx, fp8=None,
-                         slot_scale=None):
-  """Send and wait in one call. Returns `(recv_x, scales or None, count, num_invalid, routing,
-  status)`; `slot_scale` `[T, K]` scales the row sent for each slot (plain rows only)."""
-  fmt, ue8m0 = low_latency_format(fp8)
-  operands, weighted = _ll_send_operands(x, topk_idx, slot_scale)
+def low_latency_dispatch(config: EPConfig, group_id: int, x, topk_idx,
+                         row_format: RowFormat = RowFormat.PLAIN, topk_weights=None):
+  """Send and wait in one call. Returns `(recv_x, scales or None, count, num_invalid, layout,
+  status)`; `topk_weights` `[T, K]` scales the row sent for each slot (plain rows only)."""
+  fmt, ue8m0 = low_latency_format(row_format)
+  operands, weighted = _ll_send_operands(x, topk_idx, topk_weights)
   shapes = (jax.ShapeDtypeStruct((), jnp.int32), *_ll_dispatch_shapes(config, x.dtype, fmt, ue8m0))
   num_invalid, recv_x, scales, count, recv_src, status = _call(
       "jax_ep_low_latency_dispatch", shapes, *operands, vmap_method="sequential",
       has_side_effect=True, group_id=np.int64(group_id), format=np.int32(fmt),
       weighted=weighted, ue8m0=ue8m0)
-  routing = LowLatencyRouting(topk_idx.astype(jnp.int32), recv_src, count)
-  return recv_x, (None if fmt == LL_PLAIN else scales), count, num_invalid, routing, status
+  layout = LowLatencyLayout(topk_idx.astype(jnp.int32), recv_src, count)
+  return recv_x, (None if fmt == LL_PLAIN else scales), count, num_invalid, layout, status
 
 
-def low_latency_dispatch_send(config: EPConfig, group_id: int, x, topk_idx, fp8=None):
+def low_latency_dispatch_send(config: EPConfig, group_id: int, x, topk_idx,
+                              row_format: RowFormat = RowFormat.PLAIN):
   """The send alone: returns `num_invalid` (the token the wait takes)."""
-  fmt, _ = low_latency_format(fp8)
+  fmt, _ = low_latency_format(row_format)
   operands, weighted = _ll_send_operands(x, topk_idx, None)
   return _ll_call("jax_ep_low_latency_dispatch_send", jax.ShapeDtypeStruct((), jnp.int32),
                   *operands, group_id=np.int64(group_id), format=np.int32(fmt),
@@ -317,14 +321,14 @@ def low_latency_dispatch_send(config: EPConfig, group_id: int, x, topk_idx, fp8=
 
 
 def low_latency_dispatch_wait(config: EPConfig, group_id: int, sent, topk_idx, x_dtype,
-                              fp8=None):
-  """The wait alone: `(recv_x, scales or None, count, routing, status)`."""
-  fmt, ue8m0 = low_latency_format(fp8)
+                              row_format: RowFormat = RowFormat.PLAIN):
+  """The wait alone: `(recv_x, scales or None, count, layout, status)`."""
+  fmt, ue8m0 = low_latency_format(row_format)
   recv_x, scales, count, recv_src, status = _ll_call(
       "jax_ep_low_latency_dispatch_wait", _ll_dispatch_shapes(config, x_dtype, fmt, ue8m0), sent,
       group_id=np.int64(group_id), format=np.int32(fmt), ue8m0=ue8m0)
-  routing = LowLatencyRouting(topk_idx.astype(jnp.int32), recv_src, count)
-  return recv_x, (None if fmt == LL_PLAIN else scales), count, routing, status
+  layout = LowLatencyLayout(topk_idx.astype(jnp.int32), recv_src, count)
+  return recv_x, (None if fmt == LL_PLAIN else scales), count, layout, status
 
 
 def _ll_combine_shape(config: EPConfig, num_tokens: int, dtype, gather: bool):
@@ -334,34 +338,35 @@ def _ll_combine_shape(config: EPConfig, num_tokens: int, dtype, gather: bool):
   return jax.ShapeDtypeStruct((rows, config.hidden), dtype)
 
 
-def low_latency_combine(config: EPConfig, group_id: int, expert_out, routing: LowLatencyRouting,
-                        weights, gather: bool = False):
+def low_latency_combine(config: EPConfig, group_id: int, expert_out, layout: LowLatencyLayout,
+                        topk_weights, gather: bool = False):
   """Send and wait in one call: `(out [T, H] (or [T, K, H] with gather), status)`."""
-  num_tokens = routing.topk_idx.shape[0]
-  w = jnp.zeros(routing.topk_idx.shape, jnp.float32) if weights is None else weights
+  num_tokens = layout.topk_idx.shape[0]
+  w = (jnp.zeros(layout.topk_idx.shape, jnp.float32) if topk_weights is None
+       else topk_weights)
   out, status = _call(
       "jax_ep_low_latency_combine",
       (_ll_combine_shape(config, num_tokens, expert_out.dtype, gather),
        jax.ShapeDtypeStruct((), jnp.int32)),
-      expert_out, routing.recv_src, routing.count, _with_one_row(routing.topk_idx, -1),
+      expert_out, layout.recv_src, layout.count, _with_one_row(layout.topk_idx, -1),
       _with_one_row(w.astype(jnp.float32), 0), vmap_method="sequential", has_side_effect=True,
       group_id=np.int64(group_id), num_experts=np.int64(config.num_experts), gather=gather)
   return out[:num_tokens], status
 
 
 def low_latency_combine_send(config: EPConfig, group_id: int, expert_out,
-                             routing: LowLatencyRouting):
+                             layout: LowLatencyLayout):
   return _ll_call("jax_ep_low_latency_combine_send", jax.ShapeDtypeStruct((), jnp.int32),
-                  expert_out, routing.recv_src, routing.count, group_id=np.int64(group_id))
+                  expert_out, layout.recv_src, layout.count, group_id=np.int64(group_id))
 
 
-def low_latency_combine_wait(config: EPConfig, group_id: int, sent, routing: LowLatencyRouting,
-                             weights, dtype):
-  num_tokens = routing.topk_idx.shape[0]
+def low_latency_combine_wait(config: EPConfig, group_id: int, sent, layout: LowLatencyLayout,
+                             topk_weights, dtype):
+  num_tokens = layout.topk_idx.shape[0]
   out, status = _ll_call(
       "jax_ep_low_latency_combine_wait",
       (_ll_combine_shape(config, num_tokens, dtype, False), jax.ShapeDtypeStruct((), jnp.int32)),
-      sent, _with_one_row(routing.topk_idx, -1),
-      _with_one_row(weights.astype(jnp.float32), 0), group_id=np.int64(group_id),
+      sent, _with_one_row(layout.topk_idx, -1),
+      _with_one_row(topk_weights.astype(jnp.float32), 0), group_id=np.int64(group_id),
       num_experts=np.int64(config.num_experts), gather=False)
   return out[:num_tokens], status

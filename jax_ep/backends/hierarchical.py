@@ -32,8 +32,8 @@ the partials (`Group.combine_partial_dtype`).
 
 The composition here is backend-independent: `host_backend` is any backend over one host's
 ranks (the cuda intranode transport on GPUs, the reference on the CPU tests) and `rail` any
-exchange with `reference_rail`'s semantics, so the same code is checked against the oracle on
-the CPU and runs the kernels on GPUs.
+exchange with `reference_rail_exchange`'s semantics, so the same code is checked against the
+oracle on the CPU and runs the kernels on GPUs.
 """
 
 from __future__ import annotations
@@ -50,23 +50,25 @@ from jax_ep.backends.base import HighThroughputBackend
 from jax_ep.config import EPConfig
 
 
-class NetworkRouting(NamedTuple):
-  """Routing metadata of the high-throughput ops across hosts (int32 unless said).
+class NetworkLayout(NamedTuple):
+  """Where the high-throughput dispatch across hosts put its rows, kept in the handle (int32
+  unless said).
 
   Attributes:
     rail_pos: `[T, Hn]` row of token t in the block this rank sent host h2, or -1.
     rail_src: `[Hn, T_max]` the token of each of those rows, -1 past `rail_counts`.
     rail_counts: `[Hn]` tokens this rank sent each host.
     recv_counts: `[Hn]` tokens this rank received (and forwarded) from each host's rail peer.
-    recv_weights: `[Hn, T_max, K]` float32 their weights, 0 for slots of other hosts' experts.
-    host_routing: the host dispatch's routing of the forwarded blocks, stacked.
+    recv_weights: `[Hn, T_max, K]` float32 their `topk_weights` as received, 0 for slots of
+      other hosts' experts (the host dispatch's `topk_weights`, stacked).
+    host_layout: the host dispatch's layout of the forwarded blocks, stacked.
   """
   rail_pos: jax.Array
   rail_src: jax.Array
   rail_counts: jax.Array
   recv_counts: jax.Array
   recv_weights: jax.Array
-  host_routing: object
+  host_layout: object
 
 
 def host_config(config: EPConfig, num_hosts: int, axis_name: str | None = None) -> EPConfig:
@@ -91,7 +93,7 @@ def contiguous_hosts(hosts) -> bool:
                              for h, ranks in enumerate(hosts))
 
 
-def reference_rail(axis_name: str) -> Callable:
+def reference_rail_exchange(axis_name: str) -> Callable:
   """The rail exchange in plain JAX over a mesh axis whose index is the host (the CPU tests'
   two-axis mesh): `rail(sources, index, counts)`.
 
@@ -124,7 +126,7 @@ def reference_rail(axis_name: str) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class Hierarchy(HighThroughputBackend):
-  """The high-throughput backend interface (`dispatch_tokens`, `dispatch`, `combine`,
+  """The high-throughput backend interface (`dispatch`, `dispatch_cached`, `combine`,
   `combine_vjp`; jax_ep/backends/base.py) of a group over several hosts, built from a host
   backend and a rail exchange.
 
@@ -133,14 +135,14 @@ class Hierarchy(HighThroughputBackend):
     hosts: the ranks of each host, ascending; hosts of equal size, contiguous in rank order
       (`contiguous_hosts`), ordered by their ranks.
     host_backend: a backend over one host's ranks, configured by `host_config`.
-    rail: the rail exchange (`reference_rail`'s signature and semantics).
+    rail_exchange: the rail exchange (`reference_rail_exchange`'s signature and semantics).
     host_index: a traced function returning this rank's host (int32), called inside the
       per-shard function.
   """
   config: EPConfig
   hosts: tuple
   host_backend: HighThroughputBackend
-  rail: Callable
+  rail_exchange: Callable
   host_index: Callable
 
   def __post_init__(self):
@@ -206,59 +208,60 @@ class Hierarchy(HighThroughputBackend):
     """`[Hn * T_max, ...]` -> `[Hn, T_max, ...]`."""
     return stacked.reshape(self.num_hosts, self.config.max_tokens_per_rank, *stacked.shape[1:])
 
-  def _rail_back(self, blocks, routing: NetworkRouting):
+  def _rail_back(self, blocks, layout: NetworkLayout):
     """The forwarded blocks' per-(token, host) results `[Hn, T_max, ...]` home: each home token
     gets `[Hn, ...]`, its row of every host (zeros from hosts it did not go to)."""
     num_hosts, t_max = self.num_hosts, self.config.max_tokens_per_rank
     identity = (jnp.arange(num_hosts, dtype=jnp.int32)[:, None] * t_max
                 + jnp.arange(t_max, dtype=jnp.int32)[None, :])
     sources = tuple(b.reshape(num_hosts * t_max, *b.shape[2:]) for b in blocks)
-    back, _ = self.rail(sources, identity, routing.recv_counts)
+    back, _ = self.rail_exchange(sources, identity, layout.recv_counts)
     out = []
     for got in back:  # [Hn (host it was reduced on), T_max, ...]
-      pos = routing.rail_pos  # [T, Hn]
+      pos = layout.rail_pos  # [T, Hn]
       picked = got[jnp.arange(num_hosts)[None, :], jnp.maximum(pos, 0)]  # [T, Hn, ...]
       mask = (pos >= 0).reshape(*pos.shape, *([1] * (picked.ndim - 2)))
       out.append(jnp.where(mask, picked, jnp.zeros((), picked.dtype)))
     return out
 
   # ------------------------------------------------------------------ backend interface
-  def dispatch_tokens(self, x, topk_idx, topk_weights):
+  def dispatch(self, x, topk_idx, topk_weights):
     c = self.config
     invalid = jnp.sum((topk_idx < -1) | (topk_idx >= c.num_experts), dtype=jnp.int32)
     clean = jnp.where((topk_idx >= 0) & (topk_idx < c.num_experts), topk_idx, -1)
     rail_pos, rail_src, counts = self._rail_layout(clean)
-    (recv_x, recv_idx, recv_w), recv_counts = self.rail(
+    (recv_x, recv_idx, recv_w), recv_counts = self.rail_exchange(
         (x, clean.astype(jnp.int32), topk_weights.astype(jnp.float32)), rail_src, counts)
     host_idx = self._host_ids(recv_idx, recv_counts)
     recv_w = jnp.where(host_idx >= 0, recv_w, 0.0)
-    rows, host_sizes, num_dropped, _, host_routing = self.host_backend.dispatch_tokens(
+    rows, host_sizes, num_dropped, _, host_layout = self.host_backend.dispatch(
         self._stacked(recv_x), self._stacked(host_idx), self._stacked(recv_w))
     group_sizes = jnp.sum(host_sizes.reshape(c.num_local_experts, self.num_hosts), axis=1,
                           dtype=jnp.int32)
-    routing = NetworkRouting(rail_pos, rail_src, counts, recv_counts, recv_w, host_routing)
-    return rows, group_sizes, num_dropped, invalid, routing
+    layout = NetworkLayout(rail_pos, rail_src, counts, recv_counts, recv_w, host_layout)
+    return rows, group_sizes, num_dropped, invalid, layout
 
-  def dispatch(self, x, routing: NetworkRouting, slot_weights=None):
-    (recv_x,), _ = self.rail((x,), routing.rail_src, routing.rail_counts)
-    weights = None if slot_weights is None else self._stacked(routing.recv_weights)
-    return self.host_backend.dispatch(self._stacked(recv_x), routing.host_routing, weights)
+  def dispatch_cached(self, x, layout: NetworkLayout, topk_weights=None):
+    (recv_x,), _ = self.rail_exchange((x,), layout.rail_src, layout.rail_counts)
+    host_weights = None if topk_weights is None else self._stacked(layout.recv_weights)
+    return self.host_backend.dispatch_cached(self._stacked(recv_x), layout.host_layout,
+                                             host_weights)
 
-  def combine(self, expert_out, routing: NetworkRouting, slot_weights=None):
-    weights = None if slot_weights is None else self._stacked(routing.recv_weights)
-    part = self.host_backend.combine(expert_out, routing.host_routing, weights)
-    (picked,) = self._rail_back((self._blocks(part),), routing)  # [T, Hn, H]
+  def combine(self, expert_out, layout: NetworkLayout, topk_weights=None):
+    host_weights = None if topk_weights is None else self._stacked(layout.recv_weights)
+    part = self.host_backend.combine(expert_out, layout.host_layout, host_weights)
+    (picked,) = self._rail_back((self._blocks(part),), layout)  # [T, Hn, H]
     total = picked[:, 0].astype(jnp.float32)
     for h in range(1, self.num_hosts):
       total = total + picked[:, h].astype(jnp.float32)
     return total.astype(expert_out.dtype)
 
-  def combine_vjp(self, d_out, expert_out, routing: NetworkRouting, slot_weights):
-    (recv_d,), _ = self.rail((d_out.astype(expert_out.dtype),), routing.rail_src,
-                             routing.rail_counts)
+  def combine_vjp(self, d_out, expert_out, layout: NetworkLayout, topk_weights):
+    (recv_d,), _ = self.rail_exchange((d_out.astype(expert_out.dtype),), layout.rail_src,
+                                      layout.rail_counts)
     d_rows, d_w = self.host_backend.combine_vjp(self._stacked(recv_d), expert_out,
-                                                routing.host_routing,
-                                                self._stacked(routing.recv_weights))
-    (picked,) = self._rail_back((self._blocks(d_w.astype(jnp.float32)),), routing)  # [T, Hn, K]
+                                                layout.host_layout,
+                                                self._stacked(layout.recv_weights))
+    (picked,) = self._rail_back((self._blocks(d_w.astype(jnp.float32)),), layout)  # [T, Hn, K]
     # A slot's expert lives on one host: the other hosts' dots for it are zero.
     return d_rows, jnp.sum(picked, axis=1)

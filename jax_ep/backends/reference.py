@@ -24,11 +24,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep.backends.base import Backend, LayoutThenDispatch
-from jax_ep.config import EPConfig
+from jax_ep.config import EPConfig, RowFormat
 
 
-class Routing(NamedTuple):
-  """High-throughput routing metadata of the reference backend (all int32).
+class ReferenceLayout(NamedTuple):
+  """Where the reference backend's high-throughput dispatch put its rows, kept in the handle
+  (all int32).
 
   Attributes:
     dest_rank: `[T, K]` rank each of this rank's slots goes to, -1 for a slot that selects nothing.
@@ -42,11 +43,11 @@ class Routing(NamedTuple):
   row_entry: jax.Array
 
 
-class LowLatencyRouting(NamedTuple):
-  """Low-latency routing metadata (int32).
+class ReferenceLowLatencyLayout(NamedTuple):
+  """Where the reference backend's low-latency dispatch put its rows (int32).
 
   Attributes:
-    dest_rank: `[T, K]` as in `Routing`.
+    dest_rank: `[T, K]` as in `ReferenceLayout`.
     entry_slot: `[R, T, K]` on the receiver: flat index `le * (R * T_max) + j` of entry (s, t, k)
       in `recv_x.reshape(L * R * T_max, H)`, or -1.
   """
@@ -97,7 +98,7 @@ def _rank_within_group(keys: jax.Array, num_groups: int):
 def layout(config: EPConfig, topk_idx: jax.Array):
   """Notify + layout: exchange routing entries, assign every received entry its row.
 
-  Returns `(routing, group_sizes [L], num_dropped [], num_invalid [])`.
+  Returns `(layout, group_sizes [L], num_dropped [], num_invalid [])`.
   """
   num_local, capacity = config.num_local_experts, config.capacity
   dest, local_expert, num_invalid = _slot_destinations(config, topk_idx)
@@ -113,7 +114,7 @@ def layout(config: EPConfig, topk_idx: jax.Array):
   row_entry = jnp.where(rows < jnp.minimum(num_routed, capacity), padded, -1).astype(jnp.int32)
   group_sizes = jnp.clip(capacity - offsets, 0, counts).astype(jnp.int32)
   num_dropped = jnp.maximum(num_routed - capacity, 0).astype(jnp.int32)
-  return Routing(dest, entry_row, row_entry), group_sizes, num_dropped, num_invalid
+  return ReferenceLayout(dest, entry_row, row_entry), group_sizes, num_dropped, num_invalid
 
 
 def _place_rows(config: EPConfig, recv_tokens: jax.Array, row_entry: jax.Array,
@@ -128,18 +129,19 @@ def _place_rows(config: EPConfig, recv_tokens: jax.Array, row_entry: jax.Array,
   return jnp.where(used[:, None], rows, 0).astype(dtype)
 
 
-def dispatch(config: EPConfig, x: jax.Array, routing: Routing,
-             slot_weights: jax.Array | None = None) -> jax.Array:
-  """Rows of `x` into the receivers' expert-grouped layout `[C, H]`.
+def dispatch_cached(config: EPConfig, x: jax.Array, layout: ReferenceLayout,
+                    topk_weights: jax.Array | None = None) -> jax.Array:
+  """Rows of `x` into the receivers' expert-grouped rows `[C, H]`, placed by `layout`.
 
-  With `slot_weights` `[T, K]` each placed row is scaled by its slot's weight (fp32 product,
+  With `topk_weights` `[T, K]` each placed row is scaled by its slot's weight (fp32 product,
   rounded once): the transpose of the weighted combine.
   """
-  recv_tokens = _exchange(config, _token_blocks(config, routing.dest_rank, x))
+  recv_tokens = _exchange(config, _token_blocks(config, layout.dest_rank, x))
   entry_scale = None
-  if slot_weights is not None:
-    entry_scale = _exchange(config, _per_destination(config, routing.dest_rank, slot_weights, 0.0))
-  return _place_rows(config, recv_tokens, routing.row_entry, entry_scale, x.dtype)
+  if topk_weights is not None:
+    entry_scale = _exchange(config, _per_destination(config, layout.dest_rank, topk_weights,
+                                                     0.0))
+  return _place_rows(config, recv_tokens, layout.row_entry, entry_scale, x.dtype)
 
 
 def _gather_entries(expert_rows: jax.Array, entry_index: jax.Array, k: int) -> jax.Array:
@@ -160,38 +162,39 @@ def _sum_home(config: EPConfig, partial: jax.Array) -> jax.Array:
   return total
 
 
-def combine(config: EPConfig, expert_out: jax.Array, routing: Routing,
-            slot_weights: jax.Array | None = None) -> jax.Array:
+def combine(config: EPConfig, expert_out: jax.Array, layout: ReferenceLayout,
+            topk_weights: jax.Array | None = None) -> jax.Array:
   """Reverse path: `[C, H]` expert rows -> `[T, H]` on the home rank, fp32 accumulation.
 
   On the expert side each (source token) sums its local rows in slot order (weighted when
-  `slot_weights` is given); one fp32 row per (token, rank) travels home; home adds ranks in order.
+  `topk_weights` is given); one fp32 row per (token, rank) travels home; home adds ranks in order.
   """
   entry_weight = None
-  if slot_weights is not None:
-    entry_weight = _exchange(config, _per_destination(config, routing.dest_rank, slot_weights, 0.0))
+  if topk_weights is not None:
+    entry_weight = _exchange(config, _per_destination(config, layout.dest_rank, topk_weights,
+                                                      0.0))
   partial = None
   for k in range(config.num_topk):
-    rows = _gather_entries(expert_out, routing.entry_row, k)
+    rows = _gather_entries(expert_out, layout.entry_row, k)
     if entry_weight is not None:
       rows = rows * entry_weight[..., k][..., None]
     partial = rows if partial is None else partial + rows
   return _sum_home(config, partial).astype(expert_out.dtype)
 
 
-def combine_vjp(config: EPConfig, d_out: jax.Array, expert_out: jax.Array, routing: Routing,
-                slot_weights: jax.Array):
+def combine_vjp(config: EPConfig, d_out: jax.Array, expert_out: jax.Array,
+                layout: ReferenceLayout, topk_weights: jax.Array):
   """Cotangents of the weighted combine: `(d_expert_out [C, H], d_topk_weights [T, K] f32)`.
 
   One exchange of `d_out` serves both: d_expert_out is its weighted dispatch, and each slot's
   weight gradient `<d_out[t], expert_out[row]>` is a dot taken on the expert side and sent home.
   """
-  dest = routing.dest_rank
+  dest = layout.dest_rank
   recv_d = _exchange(config, _token_blocks(config, dest, d_out))  # [R, T, H]
-  entry_weight = _exchange(config, _per_destination(config, dest, slot_weights, 0.0))
-  d_expert_out = _place_rows(config, recv_d, routing.row_entry, entry_weight, expert_out.dtype)
+  entry_weight = _exchange(config, _per_destination(config, dest, topk_weights, 0.0))
+  d_expert_out = _place_rows(config, recv_d, layout.row_entry, entry_weight, expert_out.dtype)
   recv_d32 = recv_d.astype(jnp.float32)
-  dots = jnp.stack([jnp.sum(recv_d32 * _gather_entries(expert_out, routing.entry_row, k), axis=-1)
+  dots = jnp.stack([jnp.sum(recv_d32 * _gather_entries(expert_out, layout.entry_row, k), axis=-1)
                     for k in range(config.num_topk)], axis=-1)  # [R (src), T, K]
   home = _exchange(config, dots)  # [R (expert rank), T, K]
   picked = jnp.take_along_axis(home, jnp.maximum(dest, 0)[None], axis=0)[0]
@@ -243,12 +246,14 @@ def pack_ue8m0(scales: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(packed.astype(jnp.uint32), jnp.int32)
 
 
-def low_latency_dispatch(config: EPConfig, x: jax.Array, topk_idx: jax.Array, fp8=None):
+def low_latency_dispatch(config: EPConfig, x: jax.Array, topk_idx: jax.Array,
+                         row_format: RowFormat = RowFormat.PLAIN):
   """Returns `(recv_x [L, R*T_max, H], scales or None, count [L], num_dropped, num_invalid,
-  routing)`. `fp8`: None (rows in x's dtype) or `(round_scale, use_ue8m0)`: e4m3 rows with
-  float32 scales `[L, R*T_max, H/128]`, or UE8M0 scales packed `[L, R*T_max, H/512]` int32."""
-  use_fp8 = fp8 is not None
-  round_scale, use_ue8m0 = fp8 if use_fp8 else (False, False)
+  layout)`. `row_format` (`RowFormat`): PLAIN rows in x's dtype, or e4m3 rows with float32
+  scales `[L, R*T_max, H/128]` (powers of two with FP8_POW2_SCALES), or UE8M0 scales packed
+  `[L, R*T_max, H/512]` int32 (FP8_UE8M0)."""
+  use_fp8 = row_format.is_fp8
+  round_scale, use_ue8m0 = row_format.pow2_scales, row_format.ue8m0
   num_local, slab, hidden = config.num_local_experts, config.low_latency_slab, config.hidden
   dest, local_expert, num_invalid = _slot_destinations(config, topk_idx)
   recv_expert = _exchange(config, _per_destination(config, dest, local_expert, -1))  # [R, T, K]
@@ -281,22 +286,22 @@ def low_latency_dispatch(config: EPConfig, x: jax.Array, topk_idx: jax.Array, fp
   count = jnp.minimum(counts, slab).astype(jnp.int32)
   num_dropped = jnp.sum(jnp.maximum(counts - slab, 0)).astype(jnp.int32)
   return (recv_x, recv_scales, count, num_dropped, num_invalid,
-          LowLatencyRouting(dest, entry_slot))
+          ReferenceLowLatencyLayout(dest, entry_slot))
 
 
-def low_latency_combine(config: EPConfig, expert_out: jax.Array, routing: LowLatencyRouting,
-                        topk_weights: jax.Array) -> jax.Array:
+def low_latency_combine(config: EPConfig, expert_out: jax.Array,
+                        layout: ReferenceLowLatencyLayout, topk_weights: jax.Array) -> jax.Array:
   """Each selected slot's expert row travels home; home takes the fp32 weighted sum in slot order."""
   flat = expert_out.reshape(-1, expert_out.shape[-1])
-  rows = jnp.stack([_gather_entries(flat, routing.entry_slot, k) for k in range(config.num_topk)],
+  rows = jnp.stack([_gather_entries(flat, layout.entry_slot, k) for k in range(config.num_topk)],
                    axis=2)  # [R (src), T, K, H] fp32
   home = _exchange(config, rows.astype(expert_out.dtype))  # [R (expert rank), T, K, H]
-  dest = routing.dest_rank
+  dest = layout.dest_rank
   picked = jnp.take_along_axis(home, jnp.maximum(dest, 0)[None, :, :, None], axis=0)[0]
-  weights = jnp.where(dest >= 0, topk_weights, 0.0)
+  kept_weights = jnp.where(dest >= 0, topk_weights, 0.0)
   out = None
   for k in range(config.num_topk):
-    term = weights[:, k, None] * picked[:, k].astype(jnp.float32)
+    term = kept_weights[:, k, None] * picked[:, k].astype(jnp.float32)
     out = term if out is None else out + term
   return out.astype(expert_out.dtype)
 
@@ -318,7 +323,7 @@ class ReferenceBackend(LayoutThenDispatch, Backend):
   """Pure JAX; runs on every platform. The oracle-checked baseline for all other backends.
 
   JAX differentiates the low-latency pair as written (`low_latency_kernels` False), so it takes
-  no `slot_scale` and no `gather`. Its split form computes everything in the send and hands it
+  no `topk_weights` in its dispatch and no `gather`. Its split form computes everything in the send and hands it
   to the wait (nothing of it can overlap on this path).
   """
   config: EPConfig
@@ -328,38 +333,38 @@ class ReferenceBackend(LayoutThenDispatch, Backend):
   def layout(self, topk_idx):
     return layout(self.config, topk_idx)
 
-  def dispatch(self, x, routing, slot_weights=None):
-    return dispatch(self.config, x, routing, slot_weights)
+  def dispatch_cached(self, x, layout, topk_weights=None):
+    return dispatch_cached(self.config, x, layout, topk_weights)
 
-  def combine(self, expert_out, routing, slot_weights=None):
-    return combine(self.config, expert_out, routing, slot_weights)
+  def combine(self, expert_out, layout, topk_weights=None):
+    return combine(self.config, expert_out, layout, topk_weights)
 
-  def combine_vjp(self, d_out, expert_out, routing, slot_weights):
-    return combine_vjp(self.config, d_out, expert_out, routing, slot_weights)
+  def combine_vjp(self, d_out, expert_out, layout, topk_weights):
+    return combine_vjp(self.config, d_out, expert_out, layout, topk_weights)
 
-  def low_latency_dispatch(self, x, topk_idx, fp8, slot_scale=None):
-    if slot_scale is not None:
+  def low_latency_dispatch(self, x, topk_idx, row_format, topk_weights=None):
+    if topk_weights is not None:
       raise NotImplementedError("jax_ep: the reference backend's low-latency dispatch takes no "
-                                "slot_scale (JAX differentiates it as written)")
-    return low_latency_dispatch(self.config, x, topk_idx, fp8)
+                                "topk_weights (JAX differentiates it as written)")
+    return low_latency_dispatch(self.config, x, topk_idx, row_format)
 
-  def low_latency_combine(self, expert_out, routing, topk_weights, gather=False):
+  def low_latency_combine(self, expert_out, layout, topk_weights, gather=False):
     if gather:
       raise NotImplementedError("jax_ep: the reference backend's low-latency combine takes no "
                                 "gather (JAX differentiates it as written)")
-    return low_latency_combine(self.config, expert_out, routing, topk_weights)
+    return low_latency_combine(self.config, expert_out, layout, topk_weights)
 
-  def low_latency_dispatch_send(self, x, topk_idx, fp8):
-    return self.low_latency_dispatch(x, topk_idx, fp8)
+  def low_latency_dispatch_send(self, x, topk_idx, row_format):
+    return self.low_latency_dispatch(x, topk_idx, row_format)
 
-  def low_latency_dispatch_wait(self, sent, topk_idx, x_dtype, fp8):
-    del topk_idx, x_dtype, fp8
+  def low_latency_dispatch_wait(self, sent, topk_idx, x_dtype, row_format):
+    del topk_idx, x_dtype, row_format
     return sent
 
-  def low_latency_combine_send(self, expert_out, routing):
-    return (expert_out, routing)
+  def low_latency_combine_send(self, expert_out, layout):
+    return (expert_out, layout)
 
-  def low_latency_combine_wait(self, sent, routing, topk_weights, dtype):
-    del routing, dtype
-    expert_out, routing = sent
-    return self.low_latency_combine(expert_out, routing, topk_weights)
+  def low_latency_combine_wait(self, sent, layout, topk_weights, dtype):
+    del layout, dtype
+    expert_out, layout = sent
+    return self.low_latency_combine(expert_out, layout, topk_weights)
