@@ -117,7 +117,8 @@ def main():
                          lambda g, s: np.full(s, 0.01, jnp.bfloat16))
 
     def layer(hid, i, wt, eo_fixed, fmt):
-      recv, handle = jax_ep.low_latency_dispatch(group, hid, i, use_fp8=fmt == "fp8")
+      recv, handle = jax_ep.low_latency_dispatch(
+          group, hid, i, row_format=jax_ep.RowFormat.FP8 if fmt == "fp8" else None)
       eo = recv.x if fmt == "bf16" else eo_fixed
       return jax_ep.low_latency_combine(group, eo, handle, wt)
 
@@ -210,7 +211,8 @@ def main():
     if "fp8" in args.formats:
       def roundtrip(fp8):
         def body(x, i, wt):
-          recv, handle = jax_ep.low_latency_dispatch(group, x[0], i[0, 0], use_fp8=fp8)
+          recv, handle = jax_ep.low_latency_dispatch(
+              group, x[0], i[0, 0], row_format=jax_ep.RowFormat.FP8 if fp8 else None)
           rows = recv.x.astype(jnp.float32)
           if fp8:
             rows = (rows.reshape(*rows.shape[:-1], -1, 128) * recv.scales[..., None]).reshape(

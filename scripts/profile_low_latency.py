@@ -50,7 +50,8 @@ def main():
   fixed = put(np.full((1, e, group.config.low_latency_slab, h), 0.01), jnp.bfloat16)
 
   def body(x, idx, w, fixed):
-    recv, handle = jax_ep.low_latency_dispatch(group, x[0], idx[0], use_fp8=args.format == "fp8")
+    recv, handle = jax_ep.low_latency_dispatch(
+        group, x[0], idx[0], row_format=jax_ep.RowFormat.FP8 if args.format == "fp8" else None)
     eo = recv.x if args.format == "bf16" else fixed[0]
     return jax_ep.low_latency_combine(group, eo, handle, w[0])[None]
   step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
