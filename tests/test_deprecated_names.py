@@ -130,3 +130,12 @@ def test_handle_routing_is_layout():
     return x
   jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=(P("ep"),) * 3,
                         out_specs=P("ep")))(*_sharded(group, x, idx, w))
+
+
+def test_the_kernels_get_the_attributes_the_flags_gave():
+  """The cuda backend's `(format, ue8m0)` attributes per row format: what the flags mapped to
+  (`format` 2 is power-of-two scales; `ue8m0` only with it)."""
+  from jax_ep.backends import cuda_ops
+  want = {RowFormat.PLAIN: (0, False), RowFormat.FP8: (1, False),
+          RowFormat.FP8_POW2_SCALES: (2, False), RowFormat.FP8_UE8M0: (2, True)}
+  assert {fmt: cuda_ops.low_latency_format(fmt) for fmt in RowFormat} == want
