@@ -6,7 +6,7 @@ that owns one of its experts once, whatever the number of that host's ranks that
 1. **Rail exchange** (network): rank `(h, l)` (host `h`, local index `l`) sends every token that
    selects an expert of host `h2` to `(h2, l)`, its *rail peer* there, with its `K` expert ids
    and weights. Fixed addresses: a block of `T_max` rows per (source host, destination host),
-   the count sent after the rows (`rail` below; on the cuda backend NVSHMEM puts,
+   the count sent after the rows (`rail_exchange` below; on the cuda backend NVSHMEM puts,
    ffi/kernels/rail_exchange.cu).
 2. **Host dispatch** (peer transport): the rail peer forwards what it received over its host's
    own group in one dispatch of `Hn * T_max` tokens (block `h'`, the tokens of source rank
@@ -31,9 +31,9 @@ sums is host-major (one host's: rank-major), which changes the result within the
 the partials (`Group.combine_partial_dtype`).
 
 The composition here is backend-independent: `host_backend` is any backend over one host's
-ranks (the cuda intranode transport on GPUs, the reference on the CPU tests) and `rail` any
-exchange with `reference_rail_exchange`'s semantics, so the same code is checked against the
-oracle on the CPU and runs the kernels on GPUs.
+ranks (the cuda intranode transport on GPUs, the reference on the CPU tests) and
+`rail_exchange` any exchange with `reference_rail_exchange`'s semantics, so the same code is
+checked against the oracle on the CPU and runs the kernels on GPUs.
 """
 
 from __future__ import annotations
