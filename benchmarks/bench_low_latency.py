@@ -47,7 +47,7 @@ import reports  # noqa: E402
 import timers  # noqa: E402
 import jax_ep  # noqa: E402
 
-# Each op's kernels, by the names the profiler shows (low_latency.cu).
+# Each op's kernels, by the names the profiler shows (ffi/kernels/low_latency_*.cu).
 # A send includes the network transport's put kernel where the group has one. At one rank the
 # fused ops run one kernel each, with no send / wait split (`*_local`, counted in the op's
 # total only).
