@@ -19,7 +19,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from ep_test_base import host_value, local_rank_mask, make_routing, random_inputs, rank_mesh
+from ep_test_base import (ClosesGroups, host_value, local_rank_mask, make_routing, random_inputs,
+                          rank_mesh)
 from jax_ep.testing import oracle
 
 
@@ -39,7 +40,7 @@ def run_graph_worker(mode: str, num_ranks: int):
   assert result.returncode == 0 and "60 steps ok" in log, log
 
 
-class LowLatencyTestBase:
+class LowLatencyTestBase(ClosesGroups):
   backend = "reference"
   rank_counts = (1, 2, 4, 8)
   small_ranks = 2
@@ -54,9 +55,10 @@ class LowLatencyTestBase:
       pytest.skip(f"{self.backend} backend does not run at R={num_ranks} here")
     # A short timeout: a wait that never ends is a test failure with the mailbox's message.
     kwargs.setdefault("timeout_s", 20.0)
-    return jax_ep.Group(rank_mesh(num_ranks), "ep", num_experts=num_experts,
-                        num_topk=num_topk, hidden=hidden, max_tokens_per_rank=max_tokens,
-                        dtype=dtype, backend=self.backend, low_latency=True, **kwargs)
+    return self.closing(jax_ep.Group(
+        rank_mesh(num_ranks), "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+        max_tokens_per_rank=max_tokens, dtype=dtype, backend=self.backend, low_latency=True,
+        **kwargs))
 
   @staticmethod
   def shard(group, *arrays, spec=P("ep")):
@@ -370,8 +372,8 @@ class CudaLowLatencyTests(LowLatencyTestBase):
 
   def test_needs_low_latency_buffers(self):
     r = self.small_ranks
-    group = jax_ep.Group(rank_mesh(r), "ep", num_experts=4 * r, num_topk=2, hidden=256,
-                         max_tokens_per_rank=4, backend="cuda")
+    group = self.closing(jax_ep.Group(rank_mesh(r), "ep", num_experts=4 * r, num_topk=2,
+                                      hidden=256, max_tokens_per_rank=4, backend="cuda"))
     x = np.zeros((r, 4, 256), jnp.bfloat16)
     idx = np.zeros((r, 4, 2), np.int32)
     with pytest.raises(ValueError, match="low_latency=True"):

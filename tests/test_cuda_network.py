@@ -79,9 +79,9 @@ class TestNetworkLowLatency(CudaLowLatencyTests):
     one-host group."""
     r, e, k, h, f, t = NUM_RANKS, 4 * NUM_RANKS, 4, 128, 64, 12
     network = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=t)
-    one_host = jax_ep.Group(rank_mesh(r), "ep", num_experts=e, num_topk=k, hidden=h,
-                            max_tokens_per_rank=t, dtype=jnp.bfloat16, backend="cuda",
-                            timeout_s=20.0)
+    one_host = self.closing(jax_ep.Group(rank_mesh(r), "ep", num_experts=e, num_topk=k,
+                                         hidden=h, max_tokens_per_rank=t, dtype=jnp.bfloat16,
+                                         backend="cuda", timeout_s=20.0))
     params = jax_ep.init_moe_params(jax.random.key(0), num_experts=e, hidden=h, ffn=f,
                                     dtype=jnp.bfloat16)
     per_rank = lambda w: np.asarray(w).reshape(r, e // r, *w.shape[1:])
@@ -122,10 +122,10 @@ class TestNetworkHighThroughput(EPTestBase):
       pytest.skip(f"runs at R={NUM_RANKS} here")
     _needs_nvshmem()
     extra = {} if num_sms is None else {"num_sms": num_sms}
-    return jax_ep.Group(rank_mesh(num_ranks), "ep", num_experts=num_experts, num_topk=num_topk,
-                        hidden=hidden, max_tokens_per_rank=max_tokens, dtype=dtype,
-                        capacity=capacity, backend="cuda", strict=strict,
-                        low_latency=low_latency, virtual_hosts=VIRTUAL_HOSTS, **extra)
+    return self.closing(jax_ep.Group(
+        rank_mesh(num_ranks), "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+        max_tokens_per_rank=max_tokens, dtype=dtype, capacity=capacity, backend="cuda",
+        strict=strict, low_latency=low_latency, virtual_hosts=VIRTUAL_HOSTS, **extra))
 
   def test_group_spans_the_virtual_hosts(self):
     group = self.make_group(NUM_RANKS, num_experts=4 * NUM_RANKS, num_topk=2, hidden=128,

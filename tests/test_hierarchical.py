@@ -74,7 +74,8 @@ def _dispatch_combine(backend, mesh, x, idx, w, eo, weighted=True):
   return _run(mesh, fn, x, idx, w, eo)
 
 
-@pytest.mark.parametrize("num_hosts,gpus", [(2, 4), (4, 2), (2, 1), (8, 1)])
+@pytest.mark.ranks("num_hosts,gpus", [(2, 4), (4, 2), (2, 1), (8, 1)],
+                   count=lambda h, g: h * g)
 @pytest.mark.parametrize("pattern", ["uniform", "hot", "duplicates", "invalid", "all_masked",
                                      "unused_experts"])
 def test_dispatch_and_combine_match_the_oracle(num_hosts, gpus, pattern):
@@ -145,8 +146,8 @@ def test_unweighted_combine_and_bf16():
   assert_close(out, want, rtol=1.6e-2, atol=1.6e-2 + bound)
 
 
-@pytest.mark.parametrize("num_hosts,gpus,pattern", [(2, 4, "uniform"), (4, 2, "invalid"),
-                                                    (2, 2, "duplicates")])
+@pytest.mark.ranks("num_hosts,gpus,pattern", [(2, 4, "uniform"), (4, 2, "invalid"),
+                                              (2, 2, "duplicates")], count=lambda h, g, _: h * g)
 def test_gradients_match_the_dense_model(num_hosts, gpus, pattern):
   """jax.grad through dispatch -> per-expert scale -> weighted combine: the backward ops
   (the cached weighted dispatch, combine's dots, the unweighted combine) go through the rail

@@ -76,7 +76,7 @@ def _check_pipeline(num_ranks, pattern, dtype, ragged, tight=False):
   np.testing.assert_allclose(out[mine].astype(np.float64), want[mine], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("num_ranks,pattern,dtype", [
+@pytest.mark.ranks("num_ranks,pattern,dtype", [
     (2, "uniform", jnp.float32), (4, "hot", jnp.bfloat16), (4, "duplicates", jnp.float32),
     (8, "uniform", jnp.bfloat16)])
 def test_pipeline_matches_the_contract(num_ranks, pattern, dtype):
@@ -104,7 +104,7 @@ def test_split_updates_cuts_each_slice_into_contiguous_pieces():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+@pytest.mark.ranks("num_ranks", [2, 4, 8])
 def test_pipeline_with_the_real_collective(num_ranks):
   """On GPUs (one process driving them): the same checks through jax.lax.ragged_all_to_all."""
   devices = jax.devices()
