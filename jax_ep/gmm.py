@@ -147,10 +147,11 @@ def _mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config,
   of failing the user's whole program when XLA compiles it."""
   w_shape = (groups, n, k) if transpose_w else (groups, k, n)
   operands = (jax.ShapeDtypeStruct((rows, k), dtype), jax.ShapeDtypeStruct(w_shape, dtype),
+              jax.ShapeDtypeStruct((groups,), jnp.int32),
               jax.ShapeDtypeStruct((groups,), jnp.int32))
   try:
-    jax.jit(lambda x, w, s: _mosaic_ragged_dot(x, w, s, transpose_w, config, out_dtype)).lower(
-        *operands).compile()
+    jax.jit(lambda x, w, s, o: _mosaic_ragged_dot(x, w, s, o, transpose_w, config,
+                                                  out_dtype)).lower(*operands).compile()
   except Exception as e:  # noqa: BLE001 - any failure to build means: not this kernel
     return f"the Mosaic GPU kernel did not compile for it ({type(e).__name__}: " \
            f"{str(e).splitlines()[0][:200] if str(e) else ''})"
@@ -167,22 +168,34 @@ def _say(name, detail, shape):
 # ----------------------------------------------------------------------------------------------
 # The two implementations of the forward product and of the weight gradient.
 
-def _mosaic_ragged_dot(x, w, group_sizes, transpose_w, config, out_dtype=None):
-  return grouped_matmul_kernel(x, w, group_sizes, transpose_w=transpose_w, tiles=config,
-                               out_dtype=out_dtype)
+def _mosaic_ragged_dot(x, w, group_sizes, group_offsets, transpose_w, config, out_dtype=None):
+  return grouped_matmul_kernel(x, w, group_sizes, group_offsets, transpose_w=transpose_w,
+                               tiles=config, out_dtype=out_dtype)
 
 
-def _mosaic_weight_grad(x, dy, group_sizes, config, out_dtype=None):
-  return grouped_weight_grad_kernel(x, dy, group_sizes, tiles=config, out_dtype=out_dtype)
+def _mosaic_weight_grad(x, dy, group_sizes, group_offsets, config, out_dtype=None):
+  return grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets, tiles=config,
+                                    out_dtype=out_dtype)
 
 
-def _rows_used(rows, group_sizes):
-  """`[rows, 1]` bool: rows inside the groups."""
-  return (jnp.arange(rows, dtype=jnp.int32) < jnp.sum(group_sizes))[:, None]
+def _rows_inside(rows, group_sizes, group_offsets):
+  """`[rows, 1]` bool: the rows inside some group (the groups are ascending and disjoint)."""
+  starts, ends = group_offsets, group_offsets + group_sizes
+  edges = jnp.zeros((rows + 1,), jnp.int32).at[starts].add(1).at[ends].add(-1)
+  return (jnp.cumsum(edges)[:rows] > 0)[:, None]
 
 
-def _product(x, w, group_sizes, transpose_w, out_dtype, impl):
-  """`[rows, N]` in out_dtype; rows past sum(group_sizes) unspecified."""
+def _spans(rows, group_sizes, group_offsets):
+  """`[G]` sizes that give each group the rows from its start to the next group's start (the
+  first also the rows before it): `lax.ragged_dot`'s contiguous groups over a layout with gaps.
+  A gap's rows are multiplied by the group before it: unspecified rows, like the gap."""
+  starts = group_offsets
+  spans = jnp.concatenate([starts[1:] - starts[:-1], group_sizes[-1:]])
+  return spans.at[0].add(starts[0])
+
+
+def _product(x, w, group_sizes, group_offsets, transpose_w, out_dtype, impl):
+  """`[rows, N]` in out_dtype; rows outside the groups unspecified."""
   rows, k = x.shape
   groups = w.shape[0]
   n = w.shape[1] if transpose_w else w.shape[2]
@@ -195,15 +208,16 @@ def _product(x, w, group_sizes, transpose_w, out_dtype, impl):
     # NOTES: a Pallas kernel's result is typed as invariant inside shard_map; it depends on
     # the per-rank operands, so it varies wherever they do (and a custom_vjp cotangent must
     # carry its primal's type).
-    y = _mosaic_ragged_dot(x, w, group_sizes, transpose_w, detail, out_dtype)
-    return vary_like_operands(y, (x, w, group_sizes))
+    y = _mosaic_ragged_dot(x, w, group_sizes, group_offsets, transpose_w, detail, out_dtype)
+    return vary_like_operands(y, (x, w, group_sizes, group_offsets))
   w_kn = jnp.swapaxes(w, 1, 2) if transpose_w else w
-  return jax.lax.ragged_dot(x, w_kn, group_sizes, preferred_element_type=out_dtype)
+  return jax.lax.ragged_dot(x, w_kn, _spans(rows, group_sizes, group_offsets),
+                            preferred_element_type=out_dtype)
 
 
-def _weight_grad(x, dy, group_sizes, transpose_w, w_dtype, impl):
-  """`[G, K, N]` (`[G, N, K]` with transpose_w): per group, `x^T dy` over its rows. Rows past
-  the groups never reach the result, whatever they hold."""
+def _weight_grad(x, dy, group_sizes, group_offsets, transpose_w, w_dtype, impl):
+  """`[G, K, N]` (`[G, N, K]` with transpose_w): per group, `x^T dy` over its rows. Rows
+  outside the groups never reach the result, whatever they hold."""
   rows, k = x.shape
   n = dy.shape[1]
   groups = group_sizes.shape[0]
@@ -216,46 +230,49 @@ def _weight_grad(x, dy, group_sizes, transpose_w, w_dtype, impl):
     # The weight-gradient kernel tiles its output's two dims (block_m, block_n); a shape
     # they do not divide takes ragged_dot_general (the log says so once).
     if config is not None and lhs.shape[1] % config.block_m == 0:
-      dw = _mosaic_weight_grad(lhs, rhs, group_sizes, config, np.dtype(w_dtype))
-      return vary_like_operands(dw, (x, dy, group_sizes))
+      dw = _mosaic_weight_grad(lhs, rhs, group_sizes, group_offsets, config, np.dtype(w_dtype))
+      return vary_like_operands(dw, (x, dy, group_sizes, group_offsets))
     _say("xla", f"the weight-gradient kernel's tiles do not divide [{lhs.shape[1]}, "
          f"{rhs.shape[1]}]", f"weight gradient [{groups}, {lhs.shape[1]}, {rhs.shape[1]}]")
-  # NOTES: ragged_dot_general may multiply the rows past the groups by zero, and NaN * 0 is
-  # NaN: select them away first (this path runs off Hopper, where the cost is accepted).
-  used = _rows_used(rows, group_sizes)
-  lhs = jnp.where(used, lhs, jnp.zeros((), lhs.dtype))
-  rhs = jnp.where(used, rhs, jnp.zeros((), rhs.dtype))
+  # NOTES: ragged_dot_general may multiply the rows outside the groups by zero, and NaN * 0 is
+  # NaN: select them away first (this path runs off Hopper, where the cost is accepted); the
+  # zero rows of a gap then add nothing to the group before it.
+  inside = _rows_inside(rows, group_sizes, group_offsets)
+  lhs = jnp.where(inside, lhs, jnp.zeros((), lhs.dtype))
+  rhs = jnp.where(inside, rhs, jnp.zeros((), rhs.dtype))
   numbers = jax.lax.RaggedDotDimensionNumbers(
       dot_dimension_numbers=(((0,), (0,)), ((), ())), lhs_ragged_dimensions=[0],
       rhs_group_dimensions=[])
-  return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, numbers,
+  return jax.lax.ragged_dot_general(lhs, rhs, _spans(rows, group_sizes, group_offsets), numbers,
                                     preferred_element_type=jnp.float32).astype(w_dtype)
 
 
 # ----------------------------------------------------------------------------------------------
 # vmap: the batch folded into rows and groups, one call.
 
-def _fold_rows_by_group(group_sizes, rows):
-  """For `[B, G]` group sizes over `[B, rows]` rows: `(pos [B, rows], sizes [G])` where row r of
+def _fold_rows_by_group(group_sizes, group_offsets, rows):
+  """For `[B, G]` groups over `[B, rows]` rows: `(pos [B, rows], sizes [G])` where row r of
   batch b goes to `pos[b, r]` of a `[B * rows]` layout whose group g holds every batch's rows of
   g (batches in order), followed by every row outside the groups."""
-  ends = jnp.cumsum(group_sizes, axis=1)  # [B, G]
-  starts = ends - group_sizes
+  starts = group_offsets
+  ends = starts + group_sizes  # [B, G]
   r = jnp.arange(rows, dtype=jnp.int32)
-  # Comparisons, not jnp.searchsorted (a while loop: a launch and host round trip per step).
-  group = jnp.sum(ends[:, None, :] <= r[None, :, None], axis=2, dtype=jnp.int32)
   groups = group_sizes.shape[1]
-  inside = group < groups
-  g = jnp.minimum(group, groups - 1)
+  # The last group starting at or before the row (groups are ascending and disjoint; an empty
+  # group sharing a start with the next loses the tie). Comparisons, not jnp.searchsorted (a
+  # while loop: a launch and host round trip per step).
+  group = jnp.sum(starts[:, None, :] <= r[None, :, None], axis=2, dtype=jnp.int32) - 1
+  g = jnp.clip(group, 0, groups - 1)
+  inside = (group >= 0) & (r[None, :] < jnp.take_along_axis(ends, g, axis=1))
   totals = jnp.sum(group_sizes, axis=0)  # [G]
   group_start = jnp.cumsum(totals) - totals
   before = jnp.cumsum(group_sizes, axis=0) - group_sizes  # [B, G]: earlier batches' rows of g
   within = r[None, :] - jnp.take_along_axis(starts, g, axis=1)
   pos_inside = group_start[g] + jnp.take_along_axis(before, g, axis=1) + within
-  used = ends[:, -1]  # [B]
-  tails = rows - used
+  outside = ~inside
+  tails = jnp.sum(outside, axis=1, dtype=jnp.int32)  # [B]
   tail_start = jnp.sum(totals) + jnp.cumsum(tails) - tails  # [B]
-  pos_tail = tail_start[:, None] + r[None, :] - used[:, None]
+  pos_tail = tail_start[:, None] + jnp.cumsum(outside, axis=1, dtype=jnp.int32) - 1
   return jnp.where(inside, pos_inside, pos_tail).astype(jnp.int32), totals.astype(jnp.int32)
 
 
@@ -269,34 +286,39 @@ def _broadcast(value, batched, axis_size):
   return value if batched else jnp.broadcast_to(value, (axis_size, *value.shape))
 
 
+def _flat_groups(group_sizes, group_offsets, rows):
+  """`[B, G]` groups over `[B, rows]` rows as `[B * G]` groups over `B * rows` rows."""
+  batch = group_sizes.shape[0]
+  shift = (jnp.arange(batch, dtype=jnp.int32) * rows)[:, None]
+  return group_sizes.reshape(-1), (group_offsets + shift).reshape(-1)
+
+
 @functools.cache
 def _product_fn(transpose_w: bool, out_dtype, impl: str):
   @jax.custom_batching.custom_vmap
-  def product(x, w, group_sizes):
-    return _product(x, w, group_sizes, transpose_w, out_dtype, impl)
+  def product(x, w, group_sizes, group_offsets):
+    return _product(x, w, group_sizes, group_offsets, transpose_w, out_dtype, impl)
 
   @product.def_vmap
-  def product_vmap(axis_size, in_batched, x, w, group_sizes):
-    x_b, w_b, gs_b = in_batched
+  def product_vmap(axis_size, in_batched, x, w, group_sizes, group_offsets):
+    x_b, w_b, gs_b, go_b = in_batched
     x = _broadcast(x, x_b, axis_size)
     group_sizes = _broadcast(group_sizes, gs_b, axis_size)
+    group_offsets = _broadcast(group_offsets, go_b, axis_size)
     batch, rows, k = x.shape
     if rows == 0:
       n = w.shape[-2] if transpose_w else w.shape[-1]
       return jnp.zeros((batch, 0, n), out_dtype), True
     if w_b:
-      # Weights per batch element: every element's groups in turn, each element's rows past
-      # its groups given to its last group (computed there, unspecified like any row past the
-      # groups).
-      groups = w.shape[1]
-      tails = rows - jnp.sum(group_sizes, axis=1)
-      sizes = group_sizes.at[:, -1].add(tails).reshape(-1)
-      y = product(x.reshape(batch * rows, k), w.reshape(batch * groups, *w.shape[2:]), sizes)
+      # Weights per batch element: every element's groups in turn.
+      sizes, offsets = _flat_groups(group_sizes, group_offsets, rows)
+      y = product(x.reshape(batch * rows, k), w.reshape(batch * w.shape[1], *w.shape[2:]),
+                  sizes, offsets)
       return y.reshape(batch, rows, -1), True
     # Shared weights: rows reordered so that each group holds every element's rows of it.
-    pos, totals = _fold_rows_by_group(group_sizes, rows)
+    pos, totals = _fold_rows_by_group(group_sizes, group_offsets, rows)
     x_sorted = x.reshape(batch * rows, k)[_inverse(pos)]
-    y = product(x_sorted, w, totals)
+    y = product(x_sorted, w, totals, jnp.cumsum(totals) - totals)
     return y[pos.reshape(-1)].reshape(batch, rows, -1), True
 
   return product
@@ -305,23 +327,23 @@ def _product_fn(transpose_w: bool, out_dtype, impl: str):
 @functools.cache
 def _weight_grad_fn(transpose_w: bool, w_dtype, impl: str):
   @jax.custom_batching.custom_vmap
-  def weight_grad(x, dy, group_sizes):
-    return _weight_grad(x, dy, group_sizes, transpose_w, w_dtype, impl)
+  def weight_grad(x, dy, group_sizes, group_offsets):
+    return _weight_grad(x, dy, group_sizes, group_offsets, transpose_w, w_dtype, impl)
 
   @weight_grad.def_vmap
-  def weight_grad_vmap(axis_size, in_batched, x, dy, group_sizes):
-    x, dy, group_sizes = (_broadcast(v, b, axis_size)
-                          for v, b in zip((x, dy, group_sizes), in_batched))
+  def weight_grad_vmap(axis_size, in_batched, x, dy, group_sizes, group_offsets):
+    x, dy, group_sizes, group_offsets = (
+        _broadcast(v, b, axis_size)
+        for v, b in zip((x, dy, group_sizes, group_offsets), in_batched))
     batch, rows, _ = x.shape
     groups = group_sizes.shape[1]
     if rows == 0:
       lhs, rhs = (dy, x) if transpose_w else (x, dy)
       return jnp.zeros((batch, groups, lhs.shape[-1], rhs.shape[-1]), w_dtype), True
-    # One more group per element takes its rows past the groups; its block is dropped.
-    tails = rows - jnp.sum(group_sizes, axis=1, keepdims=True)
-    sizes = jnp.concatenate([group_sizes, tails], axis=1).reshape(-1)
-    dw = weight_grad(x.reshape(batch * rows, -1), dy.reshape(batch * rows, -1), sizes)
-    return dw.reshape(batch, groups + 1, *dw.shape[1:])[:, :groups], True
+    # Every element's groups in turn, over the elements' rows one after the other.
+    sizes, offsets = _flat_groups(group_sizes, group_offsets, rows)
+    dw = weight_grad(x.reshape(batch * rows, -1), dy.reshape(batch * rows, -1), sizes, offsets)
+    return dw.reshape(batch, groups, *dw.shape[1:]), True
 
   return weight_grad
 
@@ -329,31 +351,31 @@ def _weight_grad_fn(transpose_w: bool, w_dtype, impl: str):
 # ----------------------------------------------------------------------------------------------
 # The differentiable op.
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _grouped_matmul(x, w, group_sizes, transpose_w, out_dtype, impl):
-  return _product_fn(transpose_w, out_dtype, impl)(x, w, group_sizes)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _grouped_matmul(x, w, group_sizes, group_offsets, transpose_w, out_dtype, impl):
+  return _product_fn(transpose_w, out_dtype, impl)(x, w, group_sizes, group_offsets)
 
 
-def _grouped_matmul_fwd(x, w, group_sizes, transpose_w, out_dtype, impl):
-  y = _product_fn(transpose_w, out_dtype, impl)(x, w, group_sizes)
-  return y, (x, w, group_sizes)
+def _grouped_matmul_fwd(x, w, group_sizes, group_offsets, transpose_w, out_dtype, impl):
+  y = _product_fn(transpose_w, out_dtype, impl)(x, w, group_sizes, group_offsets)
+  return y, (x, w, group_sizes, group_offsets)
 
 
 def _grouped_matmul_bwd(transpose_w, out_dtype, impl, residuals, dy):
-  x, w, group_sizes = residuals
+  x, w, group_sizes, group_offsets = residuals
   dy = dy.astype(x.dtype)
-  dx = _product_fn(not transpose_w, np.dtype(x.dtype), impl)(dy, w, group_sizes)
-  dw = _weight_grad_fn(transpose_w, np.dtype(w.dtype), impl)(x, dy, group_sizes)
+  dx = _product_fn(not transpose_w, np.dtype(x.dtype), impl)(dy, w, group_sizes, group_offsets)
+  dw = _weight_grad_fn(transpose_w, np.dtype(w.dtype), impl)(x, dy, group_sizes, group_offsets)
   # Inside shard_map, weights shared over data axes get the sum of every replica's gradient.
   dx, dw = sum_to_primal(dx, x), sum_to_primal(dw, w)
-  d_sizes = np.zeros(group_sizes.shape, jax.dtypes.float0)
-  return dx, dw, d_sizes
+  float0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+  return dx, dw, float0(group_sizes), float0(group_offsets)
 
 
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
-def grouped_matmul(x, w, group_sizes, *, transpose_w: bool = False,
+def grouped_matmul(x, w, group_sizes, *, group_offsets=None, transpose_w: bool = False,
                    preferred_element_type=None, impl: str = "auto"):
   """Rows grouped by expert times each expert's weights.
 
@@ -362,6 +384,11 @@ def grouped_matmul(x, w, group_sizes, *, transpose_w: bool = False,
       of groups `< g` (what `jax_ep.dispatch` returns in `recv.x`).
     w: `[G, K, N]`, or `[G, N, K]` with `transpose_w`, in `x`'s dtype.
     group_sizes: `[G]` int32, summing to at most `rows`.
+    group_offsets: `[G]` int32, optional: group g is rows `[group_offsets[g], group_offsets[g]
+      + group_sizes[g])` instead (ascending, disjoint, ending at most at `rows`; rows between
+      groups are padding, unspecified like the rows past the groups). What
+      `jax_ep.dispatch` returns in `recv.group_offsets` (with `expert_alignment`, each
+      expert's rows start at a multiple of it).
     transpose_w: multiply by each `w[g]` transposed.
     preferred_element_type: the result's dtype (default `x.dtype`); the product accumulates in
       fp32 and is rounded once to it.
@@ -369,7 +396,7 @@ def grouped_matmul(x, w, group_sizes, *, transpose_w: bool = False,
       'mosaic' or 'xla'.
 
   Returns:
-    `[rows, N]`: row r of group g is `x[r] @ w[g]`; rows past `sum(group_sizes)` are
+    `[rows, N]`: row r of group g is `x[r] @ w[g]`; rows outside the groups are
     unspecified (on Hopper they are never computed: their cost is zero), and no result or
     gradient depends on what `x` holds there.
     Differentiable in `x` and `w`; `jax.vmap` over a leading axis of any argument runs one call.
@@ -392,10 +419,20 @@ def grouped_matmul(x, w, group_sizes, *, transpose_w: bool = False,
   if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
     raise TypeError(f"jax_ep.grouped_matmul: group_sizes must be int32, got "
                     f"{group_sizes.dtype}")
+  group_sizes = group_sizes.astype(jnp.int32)
+  if group_offsets is None:
+    group_offsets = jnp.cumsum(group_sizes) - group_sizes
+  else:
+    if not hasattr(group_offsets, "shape") or group_offsets.shape != group_sizes.shape:
+      raise ValueError(f"jax_ep.grouped_matmul: group_offsets must have shape [G] = "
+                       f"{group_sizes.shape}, got {getattr(group_offsets, 'shape', None)}")
+    if not jnp.issubdtype(group_offsets.dtype, jnp.integer):
+      raise TypeError(f"jax_ep.grouped_matmul: group_offsets must be int32, got "
+                      f"{group_offsets.dtype}")
+    group_offsets = group_offsets.astype(jnp.int32)
   if np.dtype(w.dtype) != np.dtype(x.dtype):
     raise TypeError(f"jax_ep.grouped_matmul: w must have x's dtype {x.dtype}, got {w.dtype}")
   out_dtype = np.dtype(x.dtype if preferred_element_type is None else preferred_element_type)
   if impl == "auto":
     impl = _AUTO.get()
-  return _grouped_matmul(x, w, group_sizes.astype(jnp.int32), bool(transpose_w), out_dtype,
-                         impl)
+  return _grouped_matmul(x, w, group_sizes, group_offsets, bool(transpose_w), out_dtype, impl)

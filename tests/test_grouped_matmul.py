@@ -244,6 +244,129 @@ def test_work_list_covers_each_groups_rows_once(sizes, rows):
   assert (count[num:] == 0).all()
 
 
+# ------------------------------------------------------------------ groups at offsets
+
+def aligned_layout(sizes, alignment, rows):
+  """`(offsets, inside)`: each group's rows start at a multiple of `alignment` (the layout
+  `expert_alignment` gives a dispatch) and the `[rows]` bool of the rows inside a group."""
+  offsets, start = [], 0
+  for size in sizes:
+    offsets.append(start)
+    start += -(-size // alignment) * alignment
+  inside = np.zeros(rows, bool)
+  for off, size in zip(offsets, sizes):
+    inside[off:off + size] = True
+  assert offsets[-1] + sizes[-1] <= rows
+  return jnp.asarray(offsets, jnp.int32), inside
+
+
+def _dense_at_offsets(x, w, sizes, offsets, cot, transpose_w):
+  """float64 y, dx (rows inside the groups; 0 elsewhere) and dw of sum(y * cot) over the
+  groups' rows, groups at `offsets`."""
+  xf = np.nan_to_num(np.asarray(x, np.float64))
+  wf = np.asarray(w, np.float64)
+  cf = np.nan_to_num(np.asarray(cot, np.float64))
+  w_kn = np.swapaxes(wf, 1, 2) if transpose_w else wf
+  y, dx = np.zeros((xf.shape[0], w_kn.shape[2])), np.zeros_like(xf)
+  dw = np.zeros_like(w_kn)
+  for g, (off, size) in enumerate(zip(np.asarray(offsets), np.asarray(sizes))):
+    r = slice(off, off + size)
+    y[r] = xf[r] @ w_kn[g]
+    dx[r] = cf[r] @ w_kn[g].T
+    dw[g] = xf[r].T @ cf[r]
+  return y, dx, (np.swapaxes(dw, 1, 2) if transpose_w else dw)
+
+
+def _check_at_offsets(rng, rows, k, n, sizes, alignment, transpose_w, dtype, tol, impl="auto"):
+  """Values and both gradients with the groups at aligned offsets; NaN in every row outside
+  the groups (the gaps and the tail) of the input and of the output's cotangent. Each result
+  is within `tol` times its largest magnitude of the float64 oracle."""
+  groups = len(sizes)
+  x, w, gs = inputs(rng, rows, groups, k, n, sizes, dtype=dtype, transpose_w=transpose_w)
+  offsets, inside = aligned_layout(sizes, alignment, rows)
+  mask = jnp.asarray(inside)[:, None]
+  x = jnp.where(mask, x, jnp.nan)
+  cot = jnp.where(mask, jnp.asarray(rng.standard_normal((rows, n)), dtype), jnp.nan)
+
+  def loss(x, w):
+    y = jax_ep.grouped_matmul(x, w, gs, group_offsets=offsets, transpose_w=transpose_w,
+                              impl=impl)
+    prod = y.astype(jnp.float32) * jnp.nan_to_num(cot.astype(jnp.float32))
+    return jnp.sum(jnp.where(mask, prod, 0.0)), y
+  (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
+  want_y, want_dx, want_dw = _dense_at_offsets(x, w, gs, offsets, cot, transpose_w)
+  for name, got, want in (("y", np.asarray(y, np.float64)[inside], want_y[inside]),
+                          ("dx", np.asarray(dx, np.float64)[inside], want_dx[inside]),
+                          ("dw", np.asarray(dw, np.float64), want_dw)):
+    assert np.isfinite(got).all(), name
+    scale = float(np.abs(want).max()) if want.size else 0.0
+    assert (float(np.abs(got - want).max()) if got.size else 0.0) <= tol * scale + 1e-6, name
+
+
+@pytest.mark.parametrize("sizes,rows,alignment", [
+    ([40, 0, 100, 90], 300, 8), ([3, 0, 0, 17], 96, 16), ([0, 0], 10, 4), ([33], 64, 32)])
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_groups_at_offsets_match_the_dense_oracle(sizes, rows, alignment, transpose_w):
+  _check_at_offsets(np.random.default_rng(rows), rows, 16, 24, sizes, alignment, transpose_w,
+                    jnp.float32, 1e-5)
+
+
+def test_work_list_skips_the_gaps_between_groups():
+  sizes, rows, block_m = [40, 0, 100, 90, 0, 1], 1024, 128
+  offsets, inside = aligned_layout(sizes, 128, rows)
+  tile, group, first, count, num = (np.asarray(a) for a in gmm_kernels.row_tiles(
+      jnp.asarray(sizes, jnp.int32), rows, block_m, offsets))
+  covered = set()
+  for i in range(int(num[0])):
+    base = tile[i] * block_m + first[i]
+    assert inside[base:base + count[i]].all()
+    covered |= {(group[i], r) for r in range(base, base + count[i])}
+  want = {(g, r) for g, (o, s) in enumerate(zip(np.asarray(offsets), sizes))
+          for r in range(o, o + s)}
+  assert covered == want
+  assert int(num[0]) == 4  # one tile per non-empty group: alignment to the row tile
+
+
+@pytest.mark.parametrize("w_batched", [False, True])
+def test_vmap_with_groups_at_offsets(w_batched):
+  rng = np.random.default_rng(21)
+  batch, rows, groups, k, n = 3, 40, 3, 8, 16
+  all_sizes = [[5, 0, 9], [0, 12, 3], [7, 7, 7]]
+  layouts = [aligned_layout(s, 8, rows) for s in all_sizes]
+  xs = jnp.stack([jnp.where(jnp.asarray(inside)[:, None],
+                            jnp.asarray(rng.standard_normal((rows, k)), jnp.float32), jnp.nan)
+                  for _, inside in layouts])
+  ws = jnp.asarray(rng.standard_normal((batch if w_batched else 1, groups, k, n)), jnp.float32)
+  w_arg = ws if w_batched else ws[0]
+  gss = jnp.asarray(all_sizes, jnp.int32)
+  offs = jnp.stack([o for o, _ in layouts])
+  cots = jnp.asarray(rng.standard_normal((batch, rows, n)), jnp.float32)
+  masks = jnp.stack([jnp.asarray(inside) for _, inside in layouts])[..., None]
+
+  def loss(x, w, gs, off, cot, mask):
+    y = jax_ep.grouped_matmul(x, w, gs, group_offsets=off)
+    return jnp.sum(jnp.where(mask, y * cot, 0.0)), y
+  in_axes = (0, 0 if w_batched else None, 0, 0, 0, 0)
+  grad_fn = jax.vmap(jax.value_and_grad(loss, (0, 1), has_aux=True), in_axes=in_axes)
+  (_, y), (dx, dw) = jax.jit(grad_fn)(xs, w_arg, gss, offs, cots, masks)
+  for b in range(batch):
+    w = ws[b] if w_batched else ws[0]
+    want_y, want_dx, want_dw = _dense_at_offsets(xs[b], w, gss[b], offs[b], cots[b], False)
+    inside = layouts[b][1]
+    np.testing.assert_allclose(np.asarray(y[b])[inside], want_y[inside], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dx[b])[inside], want_dx[inside], rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(dw[b], want_dw, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_group_offsets_are_named():
+  x, w, gs = jnp.zeros((4, 8)), jnp.zeros((3, 8, 5)), jnp.zeros((3,), jnp.int32)
+  with pytest.raises(ValueError, match="group_offsets must have shape \\[G\\] = \\(3,\\)"):
+    jax_ep.grouped_matmul(x, w, gs, group_offsets=jnp.zeros((2,), jnp.int32))
+  with pytest.raises(TypeError, match="group_offsets must be int32"):
+    jax_ep.grouped_matmul(x, w, gs, group_offsets=jnp.zeros((3,)))
+
+
 # ------------------------------------------------------------------ the kernels, interpreted
 
 @pytest.fixture
@@ -284,6 +407,21 @@ def test_kernels_interpreted_values_and_gradients(interpreted_kernels, rows, gro
   assert_rows_close(dx, want_dx, gs, 3e-2, 6e-2)
   assert np.isfinite(np.asarray(dw, np.float32)).all()
   np.testing.assert_allclose(np.asarray(dw, np.float32), want_dw, rtol=3e-2, atol=1e-1)
+
+
+@pytest.mark.parametrize("compute_wgs", [1, 2])
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_kernels_interpreted_groups_at_offsets(monkeypatch, compute_wgs, transpose_w):
+  """Both forward kernels (one warpgroup; warp-specialized with two compute warpgroups) and
+  the weight gradient with the groups at aligned offsets, NaN in the gaps."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  monkeypatch.setattr(gmm_module, "_on_hopper", lambda: True)
+  monkeypatch.setattr(gmm_module, "_mosaic_compile_error", lambda *args: None)
+  monkeypatch.setattr(gmm_module, "tile_config", lambda rows, groups, k, n: (
+      gmm_module.TileConfig(64, 64, 64, 2, 1, compute_wgs=compute_wgs)))
+  with plgpu.force_gpu_interpret_mode():
+    _check_at_offsets(np.random.default_rng(3), 384, 128, 128, [40, 0, 100, 1], 64,
+                      transpose_w, jnp.bfloat16, 2e-2, impl="mosaic")
 
 
 def test_kernels_interpreted_fall_back_where_the_tiles_do_not_divide(interpreted_kernels):
@@ -456,3 +594,22 @@ def test_on_the_gpu_inside_shard_map_under_grad(wrap):
   _, dx_ref, dw_ref = _f32_reference(x, w, gs, cot, False)
   _assert_close_to(dx, dx_ref, gs, "dx")
   _assert_close_to(dw, dw_ref, gs, "dw", rows_only=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [
+    dict(block_m=128, compute_wgs=1, stages=4), dict(block_m=64, compute_wgs=1, stages=4),
+    dict(block_m=128, compute_wgs=2, stages=3), dict(block_m=64, compute_wgs=2, stages=4)])
+@pytest.mark.parametrize("alignment", [1, 128])
+@pytest.mark.parametrize("transpose_w", [False, True])
+def test_on_the_gpu_kernel_variants_and_groups_at_offsets(monkeypatch, tiles, alignment,
+                                                          transpose_w):
+  """Each forward kernel (one warpgroup; warp-specialized) at both row tiles, the groups
+  contiguous or at offsets aligned to the row tile, skewed and empty groups, NaN outside."""
+  if not gmm_module._on_hopper():
+    pytest.skip("jax_ep's Mosaic GPU kernels run on Hopper GPUs")
+  config = gmm_module.TileConfig(block_n=128, block_k=64, band=4, **tiles)
+  monkeypatch.setattr(gmm_module, "tile_config", lambda rows, groups, k, n: config)
+  sizes = [900, 0, 0, 37, 1, 0, 300, 128, 0, 64, 2, 0, 0, 500, 0, 3]
+  _check_at_offsets(np.random.default_rng(alignment), 4096, 512, 768, sizes, alignment,
+                    transpose_w, jnp.bfloat16, 2e-2, impl="mosaic")

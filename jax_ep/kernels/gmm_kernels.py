@@ -39,12 +39,16 @@ from jax import lax
 class KernelTiles:
   """Tiles of the kernels: the output tile is `block_m x block_n`, the reduction steps
   `block_k` deep, `stages` of them in flight; `band` output column tiles are walked together
-  (a band of columns of one expert's weights stays in L2 while the row tiles pass)."""
+  (a band of columns of one expert's weights stays in L2 while the row tiles pass). With
+  `compute_wgs` 2 the forward kernel is warp-specialized: a memory warpgroup loads, two compute
+  warpgroups each multiply `block_n` of the CTA's `2 * block_n` columns (the weight gradient
+  kernel ignores it)."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
   stages: int = 4
   band: int = 4
+  compute_wgs: int = 1
 
 
 def num_sms() -> int:
@@ -56,23 +60,33 @@ def num_sms() -> int:
     return 132
 
 
-def group_blocks(group_sizes, block: int):
-  """Per group: its first row, its end, and its first row block and number of row blocks of
-  `block` rows (`[G]` int32 each; no blocks for an empty group)."""
+def group_bounds(group_sizes, group_offsets=None):
+  """`(starts, ends)` `[G]` int32: group g is rows `[starts[g], ends[g])`. Without
+  `group_offsets` the groups follow each other from row 0 (starts = exclusive cumsum)."""
   sizes = group_sizes.astype(jnp.int32)
-  ends = jnp.cumsum(sizes)
-  starts = ends - sizes
+  if group_offsets is None:
+    ends = jnp.cumsum(sizes)
+    return ends - sizes, ends
+  starts = group_offsets.astype(jnp.int32)
+  return starts, starts + sizes
+
+
+def group_blocks(starts, ends, block: int):
+  """Per group: its first row block and number of row blocks of `block` rows (`[G]` int32
+  each; no blocks for an empty group)."""
   first = starts // block
-  count = jnp.where(sizes > 0, (ends - 1) // block - first + 1, 0)
-  return starts, ends, first, count
+  count = jnp.where(ends > starts, (ends - 1) // block - first + 1, 0)
+  return first, count
 
 
-def row_tiles(group_sizes, rows: int, block_m: int):
+def row_tiles(group_sizes, rows: int, block_m: int, group_offsets=None):
   """The work list: items in row order, one per (row tile, group) pair holding rows of it.
 
   Args:
-    group_sizes: `[G]` int32, summing to at most `rows`.
+    group_sizes: `[G]` int32; the groups end at most at row `rows`.
     rows: the static row count. block_m: the row tile.
+    group_offsets: `[G]` int32 first row of each group, ascending (rows between groups are
+      padding: no item covers them); default: the groups follow each other from row 0.
 
   Returns:
     `(tile, group, first, count, num_items)`: `[max_items]` int32 each, with
@@ -82,7 +96,8 @@ def row_tiles(group_sizes, rows: int, block_m: int):
   """
   groups = group_sizes.shape[0]
   max_items = _cdiv(rows, block_m) + groups - 1
-  starts, ends, first_tile, tiles_of = group_blocks(group_sizes, block_m)
+  starts, ends = group_bounds(group_sizes, group_offsets)
+  first_tile, tiles_of = group_blocks(starts, ends, block_m)
   item_end = jnp.cumsum(tiles_of)
   num_items = item_end[-1]
   i = jnp.arange(max_items, dtype=jnp.int32)
@@ -109,7 +124,8 @@ def _store_rows(o_smem, o_gmem, row0, first, count, col, block_m: int, block_n: 
   """Stores rows `[first, first + count)` of the `[block_m, block_n]` tile in shared memory to
   rows `row0 + first + ...` of `o_gmem` at column `col`. NOTES: a bulk copy's shape is static,
   so the count is written as a sum of powers of two, one copy each (at most log2(block_m) + 1;
-  a whole tile is one)."""
+  a whole tile is one). The copies are left in flight: the caller waits before it reuses
+  `o_smem`."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   offset = first
@@ -123,25 +139,36 @@ def _store_rows(o_smem, o_gmem, row0, first, count, col, block_m: int, block_n: 
                               o_gmem.at[pl.ds(row0 + offset, size), pl.ds(col, block_n)])
     offset = offset + part
     size //= 2
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def grouped_matmul_kernel(x, w, group_sizes, *, transpose_w: bool, tiles: KernelTiles,
-                          out_dtype=None):
+def grouped_matmul_kernel(x, w, group_sizes, group_offsets=None, *, transpose_w: bool,
+                          tiles: KernelTiles, out_dtype=None):
   """`[rows, K] x [G, K, N] -> [rows, N]` (`w` `[G, N, K]` with `transpose_w`), fp32
-  accumulation rounded to `out_dtype` (default `x.dtype`); rows past the groups unspecified.
-  `K` must be a multiple of `block_k` and `N` of `block_n`."""
+  accumulation rounded to `out_dtype` (default `x.dtype`); rows outside the groups
+  unspecified. `K` must be a multiple of `block_k` and `N` of `block_n` (of `2 * block_n` with
+  two compute warpgroups)."""
+  rows, k = x.shape
+  n = w.shape[1] if transpose_w else w.shape[2]
+  bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+  cta_n = bn * tiles.compute_wgs
+  if k % bk or n % cta_n:
+    raise ValueError(f"grouped_matmul_kernel: K={k} must be a multiple of {bk} and N={n} of "
+                     f"{cta_n}")
+  out_dtype = x.dtype if out_dtype is None else out_dtype
+  table = row_tiles(group_sizes, rows, bm, group_offsets)
+  body = _forward_body_specialized if tiles.compute_wgs > 1 else _forward_body
+  return body(table, x, w, transpose_w=transpose_w, tiles=tiles, out_dtype=out_dtype)
+
+
+def _forward_body(table, x, w, *, transpose_w, tiles, out_dtype):
+  """One warpgroup per CTA: it loads (through `emit_pipeline`), multiplies and stores."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   rows, k = x.shape
   n = w.shape[1] if transpose_w else w.shape[2]
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-  if k % bk or n % bn:
-    raise ValueError(f"grouped_matmul_kernel: K={k} must be a multiple of {bk} and N={n} of {bn}")
-  out_dtype = x.dtype if out_dtype is None else out_dtype
   tiles_n = n // bn
-  band = max(b for b in (tiles.band, 8, 4, 2, 1) if b <= tiles_n and tiles_n % b == 0)
-  table = row_tiles(group_sizes, rows, bm)
+  band = _band(tiles.band, tiles_n)
 
   def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, w_gmem, o_gmem):
     num_items = num_gmem[0]
@@ -175,6 +202,7 @@ def grouped_matmul_kernel(x, w, group_sizes, *, transpose_w: bool, tiles: Kernel
         plgpu.commit_smem()
         _store_rows(o_smem, o_gmem, tile * bm, first_gmem[item], count_gmem[item], ni * bn,
                     bm, bn, rows)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((rows, n), out_dtype), grid=(num_sms(),),
@@ -184,7 +212,102 @@ def grouped_matmul_kernel(x, w, group_sizes, *, transpose_w: bool, tiles: Kernel
   return kernel(*table, x, w)
 
 
-def grouped_weight_grad_kernel(x, dy, group_sizes, *, tiles: KernelTiles, out_dtype=None):
+def _forward_body_specialized(table, x, w, *, transpose_w, tiles, out_dtype):
+  """Warp-specialized: per CTA a memory warpgroup streams the operands into a ring of
+  `stages` shared-memory slots while `compute_wgs` warpgroups multiply, each its own
+  `block_n` columns of the CTA's `block_m x (compute_wgs * block_n)` tile. A compute
+  warpgroup's store of one item overlaps the loads (and the other warpgroup's products) of the
+  next: only the previous store out of its own staging buffer is waited for."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  rows, k = x.shape
+  n = w.shape[1] if transpose_w else w.shape[2]
+  bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+  wgs = tiles.compute_wgs
+  cta_n = bn * wgs
+  tiles_n = n // cta_n
+  band = _band(tiles.band, tiles_n)
+  itemsize = jnp.dtype(x.dtype).itemsize
+  swizzle = plgpu.find_swizzle(bk * itemsize * 8)
+  transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
+                plgpu.SwizzleTransform(swizzle))
+
+  def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, w_gmem, o_gmem):
+
+    def pipeline(tile, ni, mma_body, compute_context):
+      return plgpu.emit_pipeline_warp_specialized(
+          mma_body,
+          grid=(k // bk,),
+          memory_registers=40,
+          in_specs=[
+              plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=transforms,
+                              memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((cta_n, bk) if transpose_w else (bk, cta_n),
+                              (lambda kk: (ni, kk)) if transpose_w else (lambda kk: (kk, ni)),
+                              transforms=transforms, memory_space=plgpu.SMEM),
+          ],
+          wg_axis="wg",
+          num_compute_wgs=wgs,
+          max_concurrent_steps=tiles.stages,
+          compute_context=compute_context,
+      )
+
+    ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(0, 0, ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
+        o_smem=plgpu.SMEM((wgs, bm, bn), out_dtype),
+        collective_axes="wg")
+    def _(allocations, o_smem):
+      wg = lax.axis_index("wg")
+      num_items = num_gmem[0]
+
+      @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
+      def _(info):
+        item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
+        tile = tile_gmem[item]
+        group = group_gmem[item]
+        cols = pl.ds(wg * bn, bn)
+
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+          def _(acc_ref):
+            eval_pipeline(acc_ref)
+            acc = acc_ref[...].astype(out_dtype)
+            # The previous item's store out of this warpgroup's buffer has read it.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem[wg] = acc
+            plgpu.commit_smem()
+            _store_rows(o_smem.at[wg], o_gmem, tile * bm, first_gmem[item], count_gmem[item],
+                        ni * cta_n + wg * bn, bm, bn, rows)
+
+        def mma_body(_, x_smem, w_smem, acc_ref):
+          w_part = (w_smem.at[cols].transpose((1, 0)) if transpose_w
+                    else w_smem.at[:, cols])
+          plgpu.wgmma(acc_ref, x_smem, w_part)
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        pipeline(tile, ni, mma_body, compute_context)(
+            x_gmem, w_gmem.at[group], allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((rows, n), out_dtype), grid=(num_sms(),),
+      grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return kernel(*table, x, w)
+
+
+def _band(band: int, tiles_n: int) -> int:
+  return max(b for b in (band, 8, 4, 2, 1) if b <= tiles_n and tiles_n % b == 0)
+
+
+def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles: KernelTiles,
+                               out_dtype=None):
   """`dw[g] = x[rows of g]^T @ dy[rows of g]`: `[rows, K], [rows, N] -> [G, K, N]`, fp32
   accumulation rounded to `out_dtype` (default `x.dtype`); an empty group's block is zeros.
   Rows outside a group are selected away in both operands (see the module NOTES). `K` must be
@@ -200,12 +323,13 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, *, tiles: KernelTiles, out_dt
                      f"of {bn}")
   out_dtype = x.dtype if out_dtype is None else out_dtype
   tiles_m, tiles_n = k // bm, n // bn
-  band = max(b for b in (tiles.band, 8, 4, 2, 1) if b <= tiles_n and tiles_n % b == 0)
+  band = _band(tiles.band, tiles_n)
   itemsize = jnp.dtype(x.dtype).itemsize
   swizzle = plgpu.find_swizzle(bk * itemsize * 8)
   transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                 plgpu.SwizzleTransform(swizzle))
-  starts, ends, first_block, num_blocks = group_blocks(group_sizes, bk)
+  starts, ends = group_bounds(group_sizes, group_offsets)
+  first_block, num_blocks = group_blocks(starts, ends, bk)
 
   def body(starts_gmem, ends_gmem, first_gmem, blocks_gmem, x_gmem, dy_gmem, o_gmem):
 
