@@ -105,6 +105,10 @@ def main():
   parser.add_argument("--impls", nargs="+", choices=["mosaic", "jax_mosaic", "xla"],
                       default=["mosaic", "jax_mosaic", "xla"])
   parser.add_argument("--groups", choices=["skewed", "balanced"], default="skewed")
+  parser.add_argument("--alignments", type=int, nargs="+", default=[1, 128],
+                      help="expert alignments of the grouped_matmul op's layout (jax_ep's "
+                      "kernels): 1 is contiguous groups; A > 1 starts each group at a multiple "
+                      "of A, as a dispatch with Group(expert_alignment=A) lays them out")
   parser.add_argument("--pad", type=int, default=8,
                       help="the padded case's buffer: this many times the used rows (0: none)")
   parser.add_argument("--ops", nargs="+", choices=["grouped_matmul", "moe_layer"],
@@ -185,7 +189,24 @@ def main():
             continue
           exact[pass_] = seconds
           add("grouped_matmul", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
-              bound_s * f / flops, **batched)
+              bound_s * f / flops, expert_alignment=1, **batched)
+        for alignment in (a for a in args.alignments if a > 1 and impl == "mosaic"):
+          # The same rows with each group starting at a multiple of `alignment` (NaN between).
+          xa, dya, offsets = aligned(x, dy, sizes, alignment)
+
+          def fwd_bwd_aligned(x, w, s, o, dy):
+            y, vjp = jax.vjp(lambda x, w: jax_ep.grouped_matmul(x, w, s, group_offsets=o), x, w)
+            return y, vjp(dy)
+          fwd_aligned = jax.jit(lambda x, w, s, o: jax_ep.grouped_matmul(x, w, s,
+                                                                         group_offsets=o))
+          for pass_, fn, fn_args, f in (
+              ("fwd", fwd_aligned, (xa, w, sizes, offsets), flops),
+              ("fwd_bwd", jax.jit(fwd_bwd_aligned), (xa, w, sizes, offsets, dya), 3 * flops)):
+            seconds = time_fn(fn, fn_args, args.repeats,
+                              f"{name} grouped_matmul {pass_} {impl} aligned to {alignment}")
+            if seconds is not None:
+              add("grouped_matmul", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
+                  bound_s * f / flops, expert_alignment=alignment, **batched)
         if args.pad > 1 and impl != "xla":
           # The same used rows at the front of a buffer `pad` times larger (NaN past them).
           padded_rows = args.pad * rows
@@ -214,11 +235,28 @@ def main():
 
   if jax.process_index() == 0:
     path = reports.write_jsonl(records, args.out)
-    reports.print_table(records, ["op", "pass", "shape", "impl", "padded_rows", "median_us",
-                                  "tflops", "bound_tflops", "fraction", "padded_ratio"])
+    reports.print_table(records, ["op", "pass", "shape", "impl", "expert_alignment",
+                                  "padded_rows", "median_us", "tflops", "bound_tflops",
+                                  "fraction", "padded_ratio"])
     print(f"wrote {path}")
     if args.plot:
       plot(records, args.plot)
+
+
+def aligned(x, dy, sizes, alignment):
+  """`x` and `dy`'s rows with each group starting at a multiple of `alignment`, in a buffer of
+  the worst case's rows (`rows + groups * (alignment - 1)`), NaN outside the groups; and the
+  groups' offsets."""
+  sizes_np = np.asarray(sizes)
+  spans = -(-sizes_np // alignment) * alignment
+  offsets = np.cumsum(spans) - spans
+  rows = x.shape[0]
+  buffer_rows = rows + len(sizes_np) * (alignment - 1)
+  dest = np.concatenate([offsets[g] + np.arange(n) for g, n in enumerate(sizes_np)] +
+                        [np.zeros(0, np.int64)]).astype(np.int32)
+  put = lambda a: jnp.full((buffer_rows, a.shape[1]), jnp.nan, a.dtype).at[dest].set(  # noqa
+      a[:len(dest)])
+  return put(x), put(dy), jnp.asarray(offsets.astype(np.int32))
 
 
 def gemm_fn(impl, rows, experts, hidden, ffn):
@@ -277,15 +315,19 @@ def tune(name, x, w, sizes, repeats):
     print(f"{name}: --tune needs the GPU")
     return
   best = None
-  for bm, bn, bk, steps, band in itertools.product((64, 128), (64, 128, 256), (64,), (2, 3, 4),
-                                                   (1, 2, 4, 8)):
-    if n % bn or (n // bn) % band:
+  # (block_n, stages, compute_wgs): one warpgroup, or two compute warpgroups (the CTA's
+  # columns twice block_n) fed by a memory warpgroup; the row tile and the column band apart.
+  kernels = ((128, 4, 1), (256, 3, 1), (128, 3, 2), (128, 4, 2), (64, 6, 2))
+  for bm, (bn, steps, wgs), band in itertools.product((64, 128), kernels, (1, 4)):
+    if n % (bn * wgs) or (n // (bn * wgs)) % band:
       continue
-    config = gmm.TileConfig(bm, bn, bk, steps, band)
-    fn = jax.jit(lambda x, w, s, c=config: gmm._mosaic_ragged_dot(x, w, s, False, c))
+    config = gmm.TileConfig(bm, bn, 64, steps, band, wgs)
+    offsets = jnp.cumsum(sizes) - sizes
+    fn = jax.jit(lambda x, w, s, c=config: gmm._mosaic_ragged_dot(x, w, s, offsets, False, c))
     seconds = time_fn(fn, (x, w, sizes), repeats, f"{name} tiles {config}")
     if seconds is None:  # e.g. a tile that does not fit shared memory
       continue
+    print(f"  {name} {config}: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
     if best is None or seconds < best[0]:
       best = (seconds, config)
   if best is not None:
