@@ -23,7 +23,7 @@ python -m pip install -q --upgrade pip
 # Pinned to the GPU machine's versions; build tools installed up front so the extension builds
 # without build isolation (its CMake reads the FFI headers from the installed jaxlib).
 python -m pip install -q "jax==0.11.2" "jaxlib==0.11.2" "scikit-build-core>=0.10" "nanobind>=2.4" \
-  cmake ninja numpy pytest absl-py "flax>=0.12" optax
+  cmake ninja numpy pytest absl-py "flax>=0.12" optax flatbuffers
 # NVSHMEM (the network transport's engine), the GPU machine's version: with nvcc present the
 # build compiles and links jax_ep's NVSHMEM module against this wheel (JAX_EP_ENABLE_NVSHMEM).
 if command -v nvcc >/dev/null 2>&1 && [ "${JAX_EP_ENABLE_NVSHMEM:-AUTO}" != "OFF" ]; then

@@ -9,7 +9,8 @@
 //   entry_weights `[N, K]` float32 operand (read only when `weighted`)
 //   recv_counts   `[R]` int32 operand
 //   send_pos      `[T, R]` int32 operand
-//   attrs         group_id: int64; weighted: bool
+//   attrs         group_id, group_config (intranode_common.h, GroupRef):
+//                 int64; weighted: bool
 //   out           `[T, H]` expert_out.dtype: out[t] = sum over ranks d
 //                 ascending of the partial d computed for t (its rows summed
 //                 over k ascending in fp32, weighted; it travels in bf16 for
@@ -46,9 +47,12 @@ ffi::Error IntranodeCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                                 ffi::Buffer<ffi::S32> send_pos,
                                 ffi::Result<ffi::AnyBuffer> out,
                                 ffi::ResultBuffer<ffi::S32> status,
-                                int64_t group_id, bool weighted) {
+                                int64_t group_id,
+                                ffi::Span<const int64_t> group_config,
+                                bool weighted) {
   std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(kOp, group_id, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      intranode_ffi::GetGroup(kOp, {group_id, group_config}, &group));
   const intranode_group::GroupConfig& c = group->config;
   const int64_t num_ranks = c.num_ranks;
   const int64_t hidden = c.hidden;
@@ -104,5 +108,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // out
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
         .Attr<int64_t>("group_id")                      // group_id
+        .Attr<xla::ffi::Span<const int64_t>>("group_config")
         .Attr<bool>("weighted"),                        // weighted
     {xla::ffi::Traits::kCmdBufferCompatible});

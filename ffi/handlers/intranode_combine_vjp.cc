@@ -13,7 +13,8 @@
 //   entry_weights `[N, K]` float32 operand
 //   recv_counts   `[R]` int32 operand
 //   group_sizes   `[L]` int32 operand
-//   attrs         group_id, num_experts (E), capacity: int64
+//   attrs         group_id, group_config (intranode_common.h, GroupRef),
+//                 num_experts (E), capacity: int64
 //   d_expert_out  `[capacity, H]` expert_out.dtype: the weighted cached
 //                 dispatch of d_out
 //   d_weights     `[T, K]` float32: <d_out[t], expert_out[row(t, k)]>, fp32
@@ -51,9 +52,11 @@ ffi::Error IntranodeCombineVjpImpl(
     ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> group_sizes,
     ffi::Result<ffi::AnyBuffer> d_expert_out,
     ffi::ResultBuffer<ffi::F32> d_weights, ffi::ResultBuffer<ffi::S32> status,
-    int64_t group_id, int64_t num_experts, int64_t capacity) {
+    int64_t group_id, ffi::Span<const int64_t> group_config,
+    int64_t num_experts, int64_t capacity) {
   std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(kOp, group_id, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      intranode_ffi::GetGroup(kOp, {group_id, group_config}, &group));
   const intranode_group::GroupConfig& c = group->config;
   JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckAttrEquals(
       kOp, "num_experts", num_experts, "num_experts", c.num_experts));
@@ -134,6 +137,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // d_weights
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
         .Attr<int64_t>("group_id")                      // group_id
+        .Attr<xla::ffi::Span<const int64_t>>("group_config")
         .Attr<int64_t>("num_experts")                   // num_experts (E)
         .Attr<int64_t>("capacity"),                     // capacity
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -2,7 +2,8 @@
 //
 // Helpers shared by the FFI adapters of the ops on an intranode group
 // (ffi/handlers/intranode_*.cc, low_latency.cc, rail_exchange.cc): the group
-// of the current device, the error of an earlier timeout, and shape checks
+// of the current device (checked against the configuration the program was
+// built for), the error of an earlier timeout, and shape checks
 // for ops that take no batch dims; GetGroup, then CheckGroupTokens or
 // CheckGroupRows, is the prologue of their handlers.
 
@@ -38,7 +39,65 @@ inline int64_t StorageRows(int64_t capacity) {
   return capacity > 0 ? capacity : 1;
 }
 
-// The connected group `group_id` on the current device.
+// The two attributes that name a group op's group: `group_id`, the group's
+// number in this process (intranode_group::Create), and `group_config`, the
+// configuration the program was built for, in the order of
+// kGroupConfigFields (jax_ep/backends/cuda_ops.py, group_attrs).
+// NOTES: the id is process-local. A program traced in this process names this
+// process's group (and jax's persistent compilation cache keys on the program
+// text, id included, so a cached executable is one this process would have
+// built); a program built in another process (exported, serialized) names
+// that process's numbering, which group_config catches wherever the group
+// found differs in configuration (docs/decisions.md, "Group ids").
+struct GroupRef {
+  int64_t id;
+  ffi::Span<const int64_t> config;
+};
+
+inline constexpr const char* kGroupConfigFields[] = {
+    "num_ranks", "num_experts",         "num_topk", "hidden",
+    "max_tokens_per_rank", "itemsize", "capacity"};
+inline constexpr size_t kNumGroupConfigFields =
+    sizeof(kGroupConfigFields) / sizeof(kGroupConfigFields[0]);
+
+// The program's `group_config` against the group `ref.id` names here, field
+// by field; the error names the group, the field, and both values.
+inline ffi::Error CheckGroupConfig(std::string_view op, const GroupRef& ref,
+                                   const intranode_group::Group& g) {
+  const intranode_group::GroupConfig& c = g.config;
+  const int64_t here[kNumGroupConfigFields] = {
+      c.num_ranks, c.num_experts, c.num_topk, c.hidden,
+      c.max_tokens, c.itemsize,   c.capacity};
+  if (ref.config.size() != kNumGroupConfigFields) {
+    std::string fields;
+    for (const char* f : kGroupConfigFields) {
+      fields += fields.empty() ? "" : ", ";
+      fields += f;
+    }
+    return ffi_utils::InvalidArgument(
+        op, "attribute group_config has " +
+                std::to_string(ref.config.size()) + " values, expected " +
+                std::to_string(kNumGroupConfigFields) + " (" + fields +
+                "): the program was built by another version of jax_ep");
+  }
+  for (size_t i = 0; i < kNumGroupConfigFields; ++i) {
+    if (ref.config[i] == here[i]) continue;
+    return ffi::Error(
+        ffi::ErrorCode::kFailedPrecondition,
+        std::string(op) + ": the program was built for intranode group " +
+            std::to_string(ref.id) + " with " + kGroupConfigFields[i] +
+            " = " + std::to_string(ref.config[i]) + ", but group " +
+            std::to_string(ref.id) + " of this process has " +
+            kGroupConfigFields[i] + " = " + std::to_string(here[i]) +
+            " (group ids are numbered per process: a program built in "
+            "another process, e.g. an exported or serialized one, names that "
+            "process's groups; trace the program in this process)");
+  }
+  return ffi::Error::Success();
+}
+
+// The connected group `ref.id` on the current device, once its configuration
+// matches the program's (CheckGroupConfig).
 // NOTES: cudaGetDevice, not cudaStreamGetDevice (illegal during command-buffer
 // capture, see kernel_utils.cuh). A group whose spins timed out earlier fails
 // every later call with the mailbox message (kDeadlineExceeded).
@@ -46,9 +105,10 @@ inline int64_t StorageRows(int64_t capacity) {
 // low-latency ops and the rail exchange do; the high-throughput kernels
 // address every peer by pointer, so across hosts they run on each host's own
 // group, jax_ep/backends/hierarchical.py).
-inline ffi::Error GetGroup(std::string_view op, int64_t group_id,
+inline ffi::Error GetGroup(std::string_view op, const GroupRef& ref,
                            std::shared_ptr<const intranode_group::Group>* group,
                            bool network_ok = false) {
+  const int64_t group_id = ref.id;
   int device = -1;
   const cudaError_t err = cudaGetDevice(&device);
   if (err != cudaSuccess) {
@@ -60,6 +120,7 @@ inline ffi::Error GetGroup(std::string_view op, int64_t group_id,
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(op) + ": " + found.error);
   }
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckGroupConfig(op, ref, *found.group));
   if (std::optional<std::string> msg =
           intranode_group::PendingError(*found.group)) {
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,

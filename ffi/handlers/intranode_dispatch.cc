@@ -8,7 +8,8 @@
 //   x             `[T, H]` bf16/f16/f32 operand (T <= T_max)
 //   topk_idx      `[T, K]` int32 operand
 //   topk_weights  `[T, K]` float32 operand
-//   attrs         group_id, num_experts (E), capacity: int64
+//   attrs         group_id, group_config (intranode_common.h, GroupRef),
+//                 num_experts (E), capacity: int64
 //   recv_x        `[capacity, H]` x.dtype: rows grouped by local expert,
 //                 (source rank, source token) ascending inside one expert
 //   group_sizes   `[L]` int32          num_dropped, num_invalid `[]` int32
@@ -52,9 +53,11 @@ ffi::Error IntranodeDispatchImpl(
     ffi::ResultBuffer<ffi::F32> entry_weights,
     ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> status,
     ffi::ResultBuffer<ffi::S32> workspace, int64_t group_id,
-    int64_t num_experts, int64_t capacity) {
+    ffi::Span<const int64_t> group_config, int64_t num_experts,
+    int64_t capacity) {
   std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(kOp, group_id, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      intranode_ffi::GetGroup(kOp, {group_id, group_config}, &group));
   const intranode_group::GroupConfig& c = group->config;
   JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckAttrEquals(
       kOp, "num_experts", num_experts, "num_experts", c.num_experts));
@@ -135,6 +138,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // workspace
         .Attr<int64_t>("group_id")                      // group_id
+        .Attr<xla::ffi::Span<const int64_t>>("group_config")
         .Attr<int64_t>("num_experts")                   // num_experts (E)
         .Attr<int64_t>("capacity"),                     // capacity
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -10,7 +10,8 @@
 //   entry_row     `[N, K]` int32 operand
 //   entry_weights `[N, K]` float32 operand (read only when `weighted`)
 //   group_sizes   `[L]` int32 operand
-//   attrs         group_id, capacity: int64; weighted: bool
+//   attrs         group_id, group_config (intranode_common.h, GroupRef),
+//                 capacity: int64; weighted: bool
 //   recv_x        `[capacity, H]` x.dtype: entry (s, i, k) at entry_row
 //                 (times its weight in fp32, rounded once, when weighted);
 //                 rows >= sum(group_sizes) are not written
@@ -43,10 +44,11 @@ ffi::Error IntranodeDispatchCachedImpl(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send_pos,
     ffi::Buffer<ffi::S32> entry_row, ffi::Buffer<ffi::F32> entry_weights,
     ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> recv_x,
-    ffi::ResultBuffer<ffi::S32> status, int64_t group_id, int64_t capacity,
-    bool weighted) {
+    ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
+    ffi::Span<const int64_t> group_config, int64_t capacity, bool weighted) {
   std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(kOp, group_id, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      intranode_ffi::GetGroup(kOp, {group_id, group_config}, &group));
   const intranode_group::GroupConfig& c = group->config;
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
   const int64_t num_ranks = c.num_ranks;
@@ -104,6 +106,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // recv_x
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
         .Attr<int64_t>("group_id")                      // group_id
+        .Attr<xla::ffi::Span<const int64_t>>("group_config")
         .Attr<int64_t>("capacity")                      // capacity
         .Attr<bool>("weighted"),                        // weighted
     {xla::ffi::Traits::kCmdBufferCompatible});

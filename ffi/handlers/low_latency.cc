@@ -23,6 +23,8 @@
 //   sent `[]`, topk_idx `[T, K]` int32, weights `[T, K]` f32 -> out `[T, H]`
 //   (or `[T, K, H]` with gather), status `[]`. attrs: group_id, num_experts,
 //   gather.
+// Every op also takes group_config, the configuration of the group the
+// program was built for (intranode_common.h, GroupRef).
 // jax_ep_low_latency_dispatch / jax_ep_low_latency_combine: the pair fused in
 // one custom call (the operands of the send, the results of both). At one
 // rank the fused ops use no transport: the dispatch writes its results
@@ -74,13 +76,13 @@ void CountCall(cudaStream_t stream) {
 
 // The group, which must have been created with the low-latency buffers.
 ffi::Error GetLowLatencyGroup(
-    const char* op, int64_t group_id,
+    const char* op, const intranode_ffi::GroupRef& ref,
     std::shared_ptr<const intranode_group::Group>* group) {
   JAX_EP_FFI_RETURN_IF_ERROR(
-      intranode_ffi::GetGroup(op, group_id, group, /*network_ok=*/true));
+      intranode_ffi::GetGroup(op, ref, group, /*network_ok=*/true));
   if (!(*group)->config.low_latency) {
     return ffi_utils::InvalidArgument(
-        op, "intranode group " + std::to_string(group_id) +
+        op, "intranode group " + std::to_string(ref.id) +
                 " has no low-latency buffers (create the jax_ep.Group with "
                 "low_latency=True)");
   }
@@ -127,11 +129,12 @@ ffi::Error CheckTopk(const char* op, ffi_utils::Dims dims,
 // element type out.
 ffi::Error CheckDispatchSend(
     ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
-    ffi::Buffer<ffi::F32> slot_scale, int64_t group_id, int32_t format,
+    ffi::Buffer<ffi::F32> slot_scale, const intranode_ffi::GroupRef& ref,
+    int32_t format,
     bool weighted, std::shared_ptr<const intranode_group::Group>* group,
     int64_t* num_tokens, ElementType* dtype) {
   JAX_EP_FFI_RETURN_IF_ERROR(
-      GetLowLatencyGroup(kDispatchSend, group_id, group));
+      GetLowLatencyGroup(kDispatchSend, ref, group));
   const intranode_group::Group& g = **group;
   JAX_EP_FFI_RETURN_IF_ERROR(CheckFormat(kDispatchSend, format, g));
   JAX_EP_FFI_RETURN_IF_ERROR(
@@ -157,14 +160,16 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::S32> topk_idx,
                             ffi::Buffer<ffi::F32> slot_scale,
                             ffi::ResultBuffer<ffi::S32> num_invalid,
-                            int64_t group_id, int32_t format, bool weighted) {
+                            int64_t group_id,
+                            ffi::Span<const int64_t> group_config,
+                            int32_t format, bool weighted) {
   CountCall(stream);
   std::shared_ptr<const intranode_group::Group> group;
   int64_t num_tokens = 0;
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckDispatchSend(x, topk_idx, slot_scale,
-                                               group_id, format, weighted,
-                                               &group, &num_tokens, &dtype));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckDispatchSend(
+      x, topk_idx, slot_scale, {group_id, group_config}, format, weighted,
+      &group, &num_tokens, &dtype));
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       kDispatchSend,
       low_latency::DispatchSend(
@@ -191,11 +196,11 @@ ffi::Error DispatchWaitCore(cudaStream_t stream,
                             ffi::ResultBuffer<ffi::S32> count,
                             ffi::ResultBuffer<ffi::S32> recv_src,
                             ffi::ResultBuffer<ffi::S32> status,
-                            int64_t group_id, int32_t format, bool ue8m0,
+                            const intranode_ffi::GroupRef& ref,
+                            int32_t format, bool ue8m0,
                             const LocalDispatch* local = nullptr) {
   std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      GetLowLatencyGroup(kDispatchWait, group_id, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kDispatchWait, ref, &group));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckFormat(kDispatchWait, format, *group));
   const intranode_group::GroupConfig& c = group->config;
   const int64_t num_local = c.num_experts / c.num_ranks;
@@ -267,11 +272,13 @@ ffi::Error DispatchWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
                             ffi::ResultBuffer<ffi::S32> count,
                             ffi::ResultBuffer<ffi::S32> recv_src,
                             ffi::ResultBuffer<ffi::S32> status,
-                            int64_t group_id, int32_t format, bool ue8m0) {
+                            int64_t group_id,
+                            ffi::Span<const int64_t> group_config,
+                            int32_t format, bool ue8m0) {
   CountCall(stream);
   (void)sent;
   return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status,
-                          group_id, format, ue8m0);
+                          {group_id, group_config}, format, ue8m0);
 }
 
 // The combine send's operands against the group; the element type out.
@@ -302,11 +309,12 @@ ffi::Error CheckCombineSend(ffi::AnyBuffer expert_out,
 ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                            ffi::Buffer<ffi::S32> recv_src,
                            ffi::Buffer<ffi::S32> count,
-                           ffi::ResultBuffer<ffi::S32> sent, int64_t group_id) {
+                           ffi::ResultBuffer<ffi::S32> sent, int64_t group_id,
+                           ffi::Span<const int64_t> group_config) {
   CountCall(stream);
   std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      GetLowLatencyGroup(kCombineSend, group_id, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(
+      kCombineSend, {group_id, group_config}, &group));
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckCombineSend(expert_out, recv_src, count, *group, &dtype));
@@ -326,12 +334,12 @@ ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
 ffi::Error CombineWaitCore(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                            ffi::Buffer<ffi::F32> weights,
                            ffi::Result<ffi::AnyBuffer> out,
-                           ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
+                           ffi::ResultBuffer<ffi::S32> status,
+                           const intranode_ffi::GroupRef& ref,
                            int64_t num_experts, bool gather,
                            const void* local_expert_out = nullptr) {
   std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      GetLowLatencyGroup(kCombineWait, group_id, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kCombineWait, ref, &group));
   const intranode_group::GroupConfig& c = group->config;
   JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckAttrEquals(
       kCombineWait, "num_experts", num_experts, "num_experts", c.num_experts));
@@ -377,11 +385,12 @@ ffi::Error CombineWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
                            ffi::Buffer<ffi::F32> weights,
                            ffi::Result<ffi::AnyBuffer> out,
                            ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
+                           ffi::Span<const int64_t> group_config,
                            int64_t num_experts, bool gather) {
   CountCall(stream);
   (void)sent;
-  return CombineWaitCore(stream, topk_idx, weights, out, status, group_id,
-                         num_experts, gather);
+  return CombineWaitCore(stream, topk_idx, weights, out, status,
+                         {group_id, group_config}, num_experts, gather);
 }
 
 // The fused ops (send then wait in one custom call): what a program that has
@@ -392,27 +401,29 @@ ffi::Error DispatchImpl(
     ffi::Buffer<ffi::F32> slot_scale, ffi::ResultBuffer<ffi::S32> num_invalid,
     ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> scales,
     ffi::ResultBuffer<ffi::S32> count, ffi::ResultBuffer<ffi::S32> recv_src,
-    ffi::ResultBuffer<ffi::S32> status, int64_t group_id, int32_t format,
-    bool weighted, bool ue8m0) {
+    ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
+    ffi::Span<const int64_t> group_config, int32_t format, bool weighted,
+    bool ue8m0) {
+  const intranode_ffi::GroupRef ref{group_id, group_config};
   std::shared_ptr<const intranode_group::Group> group;
   int64_t num_tokens = 0;
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckDispatchSend(x, topk_idx, slot_scale,
-                                               group_id, format, weighted,
-                                               &group, &num_tokens, &dtype));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckDispatchSend(x, topk_idx, slot_scale, ref,
+                                               format, weighted, &group,
+                                               &num_tokens, &dtype));
   if (group->config.num_ranks == 1) {  // no transport: straight to the outputs
     CountCall(stream);
     const LocalDispatch local{x.untyped_data(), topk_idx.typed_data(),
                               weighted ? slot_scale.typed_data() : nullptr,
                               num_tokens, num_invalid->typed_data()};
     return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status,
-                            group_id, format, ue8m0, &local);
+                            ref, format, ue8m0, &local);
   }
   JAX_EP_FFI_RETURN_IF_ERROR(DispatchSendImpl(stream, x, topk_idx, slot_scale,
-                                              num_invalid, group_id, format,
-                                              weighted));
-  return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status,
-                          group_id, format, ue8m0);
+                                              num_invalid, group_id,
+                                              group_config, format, weighted));
+  return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status, ref,
+                          format, ue8m0);
 }
 
 ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
@@ -422,20 +433,22 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                        ffi::Buffer<ffi::F32> weights,
                        ffi::Result<ffi::AnyBuffer> out,
                        ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
+                       ffi::Span<const int64_t> group_config,
                        int64_t num_experts, bool gather) {
+  const intranode_ffi::GroupRef ref{group_id, group_config};
   std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      GetLowLatencyGroup(kCombineSend, group_id, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kCombineSend, ref, &group));
   if (group->config.num_ranks == 1) {  // no transport: straight from expert_out
     CountCall(stream);
     JAX_EP_FFI_RETURN_IF_ERROR(
         CheckCombineSend(expert_out, recv_src, count, *group));
-    return CombineWaitCore(stream, topk_idx, weights, out, status, group_id,
+    return CombineWaitCore(stream, topk_idx, weights, out, status, ref,
                            num_experts, gather, expert_out.untyped_data());
   }
   JAX_EP_FFI_RETURN_IF_ERROR(
-      CombineSendImpl(stream, expert_out, recv_src, count, status, group_id));
-  return CombineWaitCore(stream, topk_idx, weights, out, status, group_id,
+      CombineSendImpl(stream, expert_out, recv_src, count, status, group_id,
+                      group_config));
+  return CombineWaitCore(stream, topk_idx, weights, out, status, ref,
                          num_experts, gather);
 }
 
@@ -462,6 +475,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
         .Attr<int64_t>("group_id")
+        .Attr<xla::ffi::Span<const int64_t>>("group_config")
         .Attr<int32_t>("format")
         .Attr<bool>("weighted")
         .Attr<bool>("ue8m0"),
@@ -479,6 +493,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()              // out
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
         .Attr<int64_t>("group_id")
+        .Attr<xla::ffi::Span<const int64_t>>("group_config")
         .Attr<int64_t>("num_experts")
         .Attr<bool>("gather"),
     {xla::ffi::Traits::kCmdBufferCompatible});
@@ -492,6 +507,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // slot_scale
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // num_invalid
         .Attr<int64_t>("group_id")
+        .Attr<xla::ffi::Span<const int64_t>>("group_config")
         .Attr<int32_t>("format")
         .Attr<bool>("weighted"),
     {xla::ffi::Traits::kCmdBufferCompatible});
@@ -507,6 +523,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
         .Attr<int64_t>("group_id")
+        .Attr<xla::ffi::Span<const int64_t>>("group_config")
         .Attr<int32_t>("format")
         .Attr<bool>("ue8m0"),
     {xla::ffi::Traits::kCmdBufferCompatible});
@@ -519,7 +536,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // count
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // sent
-        .Attr<int64_t>("group_id"),
+        .Attr<int64_t>("group_id")
+        .Attr<xla::ffi::Span<const int64_t>>("group_config"),
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -532,6 +550,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()              // out
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
         .Attr<int64_t>("group_id")
+        .Attr<xla::ffi::Span<const int64_t>>("group_config")
         .Attr<int64_t>("num_experts")
         .Attr<bool>("gather"),
     {xla::ffi::Traits::kCmdBufferCompatible});

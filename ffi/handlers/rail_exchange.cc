@@ -14,7 +14,7 @@
 //   recv_counts `[Hn]` int32, status `[]` int32 (0 ok, 1 the group failed),
 //   then per source `[Hn * T_max, ...]` of its element type and row size:
 //   row h * T_max + j is the row the rail peer on host h sent (zero for
-//   j >= recv_counts[h]). attrs: group_id.
+//   j >= recv_counts[h]). attrs: group_id, group_config.
 
 #include <cuda_runtime.h>
 
@@ -50,10 +50,11 @@ ffi::Error RailExchangeImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> index,
                             ffi::Buffer<ffi::S32> pes, ffi::RemainingArgs srcs,
                             ffi::ResultBuffer<ffi::S32> recv_counts,
                             ffi::ResultBuffer<ffi::S32> status,
-                            ffi::RemainingRets dsts, int64_t group_id) {
+                            ffi::RemainingRets dsts, int64_t group_id,
+                            ffi::Span<const int64_t> group_config) {
   std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      intranode_ffi::GetGroup(kOp, group_id, &group, /*network_ok=*/true));
+  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(
+      kOp, {group_id, group_config}, &group, /*network_ok=*/true));
   const intranode_group::Group& g = *group;
   const int64_t hosts = g.view.num_hosts;
   const int64_t t_max = g.config.max_tokens;
@@ -148,5 +149,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_counts
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
         .RemainingRets()                         // one per source
-        .Attr<int64_t>("group_id"),
+        .Attr<int64_t>("group_id")
+        .Attr<xla::ffi::Span<const int64_t>>("group_config"),
     {xla::ffi::Traits::kCmdBufferCompatible});

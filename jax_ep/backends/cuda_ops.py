@@ -118,6 +118,33 @@ class IntranodeLayout(NamedTuple):
   topk_idx: jax.Array
 
 
+# The fields of a group op's `group_config` attribute, in order (ffi/handlers/intranode_common.h,
+# kGroupConfigFields).
+GROUP_CONFIG_FIELDS = ("num_ranks", "num_experts", "num_topk", "hidden", "max_tokens_per_rank",
+                       "itemsize", "capacity")
+
+
+def group_config(config: EPConfig) -> np.ndarray:
+  """`config` as the `group_config` attribute: int64 values in `GROUP_CONFIG_FIELDS` order."""
+  return np.array([config.num_ranks, config.num_experts, config.num_topk, config.hidden,
+                   config.max_tokens_per_rank, np.dtype(config.dtype).itemsize, config.capacity],
+                  np.int64)
+
+
+def group_attrs(config: EPConfig, group_id: int) -> dict:
+  """The attributes that name an op's native group: `group_id`, its number in this process, and
+  `group_config`, the configuration this program is built for. The handler compares the two
+  with the group it finds and fails with a message naming the field that differs.
+
+  NOTES: ids are numbered per process. A program traced here carries this process's id, and
+  jax's persistent compilation cache keys on the program text (the id with it), so an
+  executable it returns is one this process would have compiled; `group_config` catches a
+  program built elsewhere (exported, serialized) whose id names a group of another
+  configuration here (docs/decisions.md, "Group ids").
+  """
+  return dict(group_id=np.int64(group_id), group_config=group_config(config))
+
+
 def _intranode_call(target, result_shapes, *args, **attrs):
   # NOTES: has_side_effect keeps XLA from dropping or merging a call whose results one rank
   # does not use: every rank must issue the same ops of a group in the same order, or its peers
@@ -166,7 +193,7 @@ def intranode_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weight
   (recv_x, group_sizes, num_dropped, num_invalid, send_pos, entry_row, entry_weights,
    recv_counts, status, _) = _intranode_call(
        "jax_ep_intranode_dispatch", shapes, _with_one_row(x, 0), _with_one_row(topk_idx, -1),
-       _with_one_row(topk_weights.astype(jnp.float32), 0), group_id=np.int64(group_id),
+       _with_one_row(topk_weights.astype(jnp.float32), 0), **group_attrs(config, group_id),
        num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity))
   layout = IntranodeLayout(send_pos[:num_tokens], entry_row, entry_weights, recv_counts,
                         group_sizes, topk_idx)
@@ -181,7 +208,7 @@ def intranode_dispatch_cached(config: EPConfig, group_id: int, x, layout: Intran
   recv_x, status = _intranode_call(
       "jax_ep_intranode_dispatch_cached", shapes, _with_one_row(x, 0),
       _with_one_row(layout.send_pos, -1), layout.entry_row, layout.entry_weights,
-      layout.group_sizes, group_id=np.int64(group_id), capacity=np.int64(config.capacity),
+      layout.group_sizes, **group_attrs(config, group_id), capacity=np.int64(config.capacity),
       weighted=bool(weighted))
   return recv_x[:config.capacity], status
 
@@ -196,7 +223,7 @@ def intranode_combine(config: EPConfig, group_id: int, expert_out, layout: Intra
   out, status = _intranode_call(
       "jax_ep_intranode_combine", shapes, _with_one_row(expert_out, 0), layout.entry_row,
       layout.entry_weights, layout.recv_counts, _with_one_row(layout.send_pos, -1),
-      group_id=np.int64(group_id), weighted=bool(weighted))
+      **group_attrs(config, group_id), weighted=bool(weighted))
   return out[:num_tokens], status
 
 
@@ -212,7 +239,7 @@ def intranode_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out,
       "jax_ep_intranode_combine_vjp", shapes, _with_one_row(d_out.astype(expert_out.dtype), 0),
       padded, _with_one_row(layout.topk_idx, -1), _with_one_row(layout.send_pos, -1),
       layout.entry_row, layout.entry_weights, layout.recv_counts, layout.group_sizes,
-      group_id=np.int64(group_id), num_experts=np.int64(config.num_experts),
+      **group_attrs(config, group_id), num_experts=np.int64(config.num_experts),
       capacity=np.int64(config.capacity))
   return d_expert_out[:config.capacity], d_topk_weights[:num_tokens], status
 
@@ -231,7 +258,7 @@ def rail_exchange(config: EPConfig, group_id: int, num_hosts: int, sources, inde
             *(jax.ShapeDtypeStruct((num_hosts * t_max, *s.shape[1:]), s.dtype) for s in sources))
   recv_counts, status, *outs = _intranode_call(
       "jax_ep_rail_exchange", shapes, index.astype(i32), counts.astype(i32), pes.astype(i32),
-      *sources, group_id=np.int64(group_id))
+      *sources, **group_attrs(config, group_id))
   received = tuple(o.reshape(num_hosts, t_max, *o.shape[1:]) for o in outs)
   return received, recv_counts, status
 
@@ -304,7 +331,7 @@ def low_latency_dispatch(config: EPConfig, group_id: int, x, topk_idx,
   shapes = (jax.ShapeDtypeStruct((), jnp.int32), *_ll_dispatch_shapes(config, x.dtype, fmt, ue8m0))
   num_invalid, recv_x, scales, count, recv_src, status = _call(
       "jax_ep_low_latency_dispatch", shapes, *operands, vmap_method="sequential",
-      has_side_effect=True, group_id=np.int64(group_id), format=np.int32(fmt),
+      has_side_effect=True, **group_attrs(config, group_id), format=np.int32(fmt),
       weighted=weighted, ue8m0=ue8m0)
   layout = LowLatencyLayout(topk_idx.astype(jnp.int32), recv_src, count)
   return recv_x, (None if fmt == LL_PLAIN else scales), count, num_invalid, layout, status
@@ -316,7 +343,7 @@ def low_latency_dispatch_send(config: EPConfig, group_id: int, x, topk_idx,
   fmt, _ = low_latency_format(row_format)
   operands, weighted = _ll_send_operands(x, topk_idx, None)
   return _ll_call("jax_ep_low_latency_dispatch_send", jax.ShapeDtypeStruct((), jnp.int32),
-                  *operands, group_id=np.int64(group_id), format=np.int32(fmt),
+                  *operands, **group_attrs(config, group_id), format=np.int32(fmt),
                   weighted=weighted)
 
 
@@ -326,7 +353,7 @@ def low_latency_dispatch_wait(config: EPConfig, group_id: int, sent, topk_idx, x
   fmt, ue8m0 = low_latency_format(row_format)
   recv_x, scales, count, recv_src, status = _ll_call(
       "jax_ep_low_latency_dispatch_wait", _ll_dispatch_shapes(config, x_dtype, fmt, ue8m0), sent,
-      group_id=np.int64(group_id), format=np.int32(fmt), ue8m0=ue8m0)
+      **group_attrs(config, group_id), format=np.int32(fmt), ue8m0=ue8m0)
   layout = LowLatencyLayout(topk_idx.astype(jnp.int32), recv_src, count)
   return recv_x, (None if fmt == LL_PLAIN else scales), count, layout, status
 
@@ -350,14 +377,14 @@ def low_latency_combine(config: EPConfig, group_id: int, expert_out, layout: Low
        jax.ShapeDtypeStruct((), jnp.int32)),
       expert_out, layout.recv_src, layout.count, _with_one_row(layout.topk_idx, -1),
       _with_one_row(w.astype(jnp.float32), 0), vmap_method="sequential", has_side_effect=True,
-      group_id=np.int64(group_id), num_experts=np.int64(config.num_experts), gather=gather)
+      **group_attrs(config, group_id), num_experts=np.int64(config.num_experts), gather=gather)
   return out[:num_tokens], status
 
 
 def low_latency_combine_send(config: EPConfig, group_id: int, expert_out,
                              layout: LowLatencyLayout):
   return _ll_call("jax_ep_low_latency_combine_send", jax.ShapeDtypeStruct((), jnp.int32),
-                  expert_out, layout.recv_src, layout.count, group_id=np.int64(group_id))
+                  expert_out, layout.recv_src, layout.count, **group_attrs(config, group_id))
 
 
 def low_latency_combine_wait(config: EPConfig, group_id: int, sent, layout: LowLatencyLayout,
@@ -367,6 +394,6 @@ def low_latency_combine_wait(config: EPConfig, group_id: int, sent, layout: LowL
       "jax_ep_low_latency_combine_wait",
       (_ll_combine_shape(config, num_tokens, dtype, False), jax.ShapeDtypeStruct((), jnp.int32)),
       sent, _with_one_row(layout.topk_idx, -1),
-      _with_one_row(topk_weights.astype(jnp.float32), 0), group_id=np.int64(group_id),
+      _with_one_row(topk_weights.astype(jnp.float32), 0), **group_attrs(config, group_id),
       num_experts=np.int64(config.num_experts), gather=False)
   return out[:num_tokens], status

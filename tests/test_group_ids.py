@@ -1,0 +1,227 @@
+"""How a compiled program names its native group, and why that is safe with jax's persistent
+compilation cache (docs/decisions.md, "Group ids").
+
+Every custom call on a group carries `group_id` (the group's number in the process that traced
+the program) and `group_config` (the configuration it was built for), which the handlers
+compare with the group they find. The CPU tests check what the program carries and that both
+are part of the cache key; the GPU tests run programs on groups created in different orders in
+two processes sharing one cache, and a program whose id names a group of another
+configuration.
+"""
+
+import dataclasses
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+from jax_ep.backends import cuda_ops
+from jax_ep.config import EPConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "mp_workers", "compilation_cache_worker.py")
+_HAS_FLATBUFFERS = importlib.util.find_spec("flatbuffers") is not None
+
+
+def _config(capacity=16, dtype=jnp.bfloat16):
+  return EPConfig("ep", 2, 8, 2, 128, 4, np.dtype(dtype), capacity)
+
+
+class _FakeExtension:
+  @staticmethod
+  def intranode_dispatch_workspace_elems(*_):
+    return 16
+
+
+def _group_ops(config, group_id):
+  """Every op on a native group, as `(name, fn)`: `fn()` issues it (T = 4 tokens)."""
+  t, k, h, r = 4, config.num_topk, config.hidden, config.num_ranks
+  n, local = r * config.max_tokens_per_rank, config.num_local_experts
+  slab = config.low_latency_slab
+  i32, f32, dt = jnp.int32, jnp.float32, config.dtype
+  x, idx, w = jnp.zeros((t, h), dt), jnp.zeros((t, k), i32), jnp.zeros((t, k), f32)
+  layout = cuda_ops.IntranodeLayout(jnp.zeros((t, r), i32), jnp.zeros((n, k), i32),
+                                    jnp.zeros((n, k), f32), jnp.zeros((r,), i32),
+                                    jnp.zeros((local,), i32), idx)
+  eo = jnp.zeros((config.capacity, h), dt)
+  ll_layout = cuda_ops.LowLatencyLayout(idx, jnp.zeros((local, slab), i32),
+                                        jnp.zeros((local,), i32))
+  slabs = jnp.zeros((local, slab, h), dt)
+  sent = jnp.zeros((), i32)
+  return [
+      ("intranode_dispatch", lambda: cuda_ops.intranode_dispatch(config, group_id, x, idx, w)),
+      ("intranode_dispatch_cached",
+       lambda: cuda_ops.intranode_dispatch_cached(config, group_id, x, layout, True)),
+      ("intranode_combine", lambda: cuda_ops.intranode_combine(config, group_id, eo, layout,
+                                                               True)),
+      ("intranode_combine_vjp",
+       lambda: cuda_ops.intranode_combine_vjp(config, group_id, x, eo, layout)),
+      ("rail_exchange", lambda: cuda_ops.rail_exchange(
+          config, group_id, 2, (x,), jnp.zeros((2, config.max_tokens_per_rank), i32),
+          jnp.zeros((2,), i32), jnp.zeros((2,), i32))),
+      ("low_latency_dispatch", lambda: cuda_ops.low_latency_dispatch(config, group_id, x, idx)),
+      ("low_latency_dispatch_send",
+       lambda: cuda_ops.low_latency_dispatch_send(config, group_id, x, idx)),
+      ("low_latency_dispatch_wait",
+       lambda: cuda_ops.low_latency_dispatch_wait(config, group_id, sent, idx, dt)),
+      ("low_latency_combine",
+       lambda: cuda_ops.low_latency_combine(config, group_id, slabs, ll_layout, w)),
+      ("low_latency_combine_send",
+       lambda: cuda_ops.low_latency_combine_send(config, group_id, slabs, ll_layout)),
+      ("low_latency_combine_wait",
+       lambda: cuda_ops.low_latency_combine_wait(config, group_id, sent, ll_layout, w, dt)),
+  ]
+
+
+def _lowered(fn):
+  return jax.jit(fn).lower()
+
+
+def _group_attributes(text):
+  """`(group_id, group_config)` of every jax_ep custom call in a lowered program's text."""
+  found = []
+  for line in text.splitlines():
+    if "stablehlo.custom_call @jax_ep_" not in line:
+      continue
+    gid = re.search(r"group_id = (-?\d+) : i64", line)
+    cfg = re.search(r"group_config = dense<\[([-\d, ]+)\]> : tensor<\d+xi64>", line)
+    found.append((int(gid.group(1)) if gid else None,
+                  [int(v) for v in cfg.group(1).split(",")] if cfg else None))
+  return found
+
+
+def test_the_config_fields_are_the_handlers():
+  """`GROUP_CONFIG_FIELDS` lists the fields in the order the handlers read them."""
+  with open(os.path.join(REPO, "ffi", "handlers", "intranode_common.h")) as f:
+    source = f.read()
+  table = re.search(r"kGroupConfigFields\[\] = \{(.*?)\};", source, re.S).group(1)
+  assert tuple(re.findall(r'"(\w+)"', table)) == cuda_ops.GROUP_CONFIG_FIELDS
+  config = _config(capacity=24, dtype=jnp.float32)
+  np.testing.assert_array_equal(cuda_ops.group_config(config), [2, 8, 2, 128, 4, 4, 24])
+
+
+def test_every_group_op_names_its_group_and_configuration(monkeypatch):
+  """Each op's custom call carries the group's id and the configuration it was traced with."""
+  monkeypatch.setattr(cuda_ops.ffi, "extension", lambda: _FakeExtension)
+  config = _config()
+  for name, fn in _group_ops(config, 7):
+    attrs = _group_attributes(_lowered(fn).as_text())
+    assert attrs, name
+    for gid, cfg in attrs:
+      assert gid == 7, name
+      assert cfg == cuda_ops.group_config(config).tolist(), name
+
+
+def test_the_compilation_cache_key_holds_the_group(monkeypatch):
+  """jax's persistent compilation cache keys on the program text, group id and configuration
+  included: a program traced on another group (another id here) or for another configuration
+  is another entry, so an executable the cache returns is one this process would have
+  compiled for the same group. (jax._src.cache_key: jax has no public API for the key.)"""
+  from jax._src import cache_key, compiler
+  monkeypatch.setattr(cuda_ops.ffi, "extension", lambda: _FakeExtension)
+  device = jax.devices()[0]
+  options = compiler.get_compile_options(num_replicas=1, num_partitions=1)
+
+  def key(config, group_id):
+    x = jnp.zeros((4, config.hidden), config.dtype)
+    idx = jnp.zeros((4, config.num_topk), jnp.int32)
+    module = jax.jit(lambda x, idx: cuda_ops.low_latency_dispatch(
+        config, group_id, x, idx)).lower(x, idx).compiler_ir("stablehlo")
+    return cache_key.get(module, np.array([device]), options, device.client)
+
+  same = key(_config(), 1)
+  assert key(_config(), 1) == same
+  assert key(_config(), 2) != same
+  # A capacity the low-latency op's shapes do not show: only group_config tells them apart.
+  assert key(_config(capacity=32), 1) != same
+
+
+def _run_worker(role, backend, mode, directory):
+  result = subprocess.run([sys.executable, WORKER, role, backend, mode, str(directory)],
+                          env=dict(os.environ), capture_output=True, text=True, timeout=300)
+  log = result.stdout + result.stderr
+  assert result.returncode == 0, log
+  lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
+  assert lines, log
+  return json.loads(lines[-1][len("RESULT "):]), log
+
+
+@pytest.mark.skipif(not _HAS_FLATBUFFERS, reason="jax.export's serialization needs flatbuffers")
+def test_reference_programs_are_shared_between_processes(tmp_path):
+  """The reference backend's programs hold no group: the second process finds the first
+  one's executable for both of its groups, and the results match the oracle."""
+  first, log = _run_worker("first", "reference", "high_throughput", tmp_path)
+  assert first["B"] == {"hits": 0, "ok": True, "error": None}, log
+  second, log = _run_worker("second", "reference", "high_throughput", tmp_path)
+  for name in ("B", "A"):
+    assert second[name]["ok"] and second[name]["hits"] >= 1, log
+  assert second["exported"]["ok"], log
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _HAS_FLATBUFFERS, reason="jax.export's serialization needs flatbuffers")
+@pytest.mark.parametrize("mode", ["low_latency", "high_throughput"])
+def test_cached_programs_run_on_this_process_groups(tmp_path, mode):
+  """Process 1 creates groups A then B (one configuration) and runs a step on B; process 2
+  creates B then A, sharing the persistent compilation cache. Its step on B has B's id here
+  (not process 1's), so it compiles anew; its step on A has the id B had in process 1, so it
+  loads process 1's executable, which runs on this process's A: results match the oracle.
+  Process 1's program, exported, runs in process 2 on A (its id there, one configuration). In
+  a third process the id names a group of a larger capacity: the handlers refuse it, naming
+  the group and the field."""
+  if jax.process_count() > 1:
+    pytest.skip("starts processes of its own; run it outside the launcher")
+  if mode == "high_throughput" and jax.device_count() < 2:
+    pytest.skip("at one rank the high-throughput ops run the local kernels, on no group")
+  first, log = _run_worker("first", "cuda", mode, tmp_path)
+  assert first["B"] == {"hits": 0, "ok": True, "error": None}, log
+  second, log = _run_worker("second", "cuda", mode, tmp_path)
+  assert second["B"] == {"hits": 0, "ok": True, "error": None}, log
+  assert second["A"]["ok"] and second["A"]["hits"] >= 1, log
+  assert second["exported"]["ok"], log
+  other, log = _run_worker("other", "cuda", mode, tmp_path)
+  error = other["exported"]["error"] or ""
+  assert not other["exported"]["ok"], log
+  assert re.search(r"the program was built for intranode group \d+ with capacity = \d+, but "
+                   r"group \d+ of this process has capacity = \d+", error), log
+
+
+@pytest.mark.gpu
+def test_a_program_built_for_another_configuration_is_refused(monkeypatch):
+  """A program whose group id names a group of another configuration fails before any kernel
+  runs, naming the group id, the field and both values; the group itself keeps working."""
+  from jax_ep._native import effects
+  mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+  group = jax_ep.Group(mesh, "ep", num_experts=8, num_topk=2, hidden=256,
+                       max_tokens_per_rank=8, dtype=jnp.bfloat16, backend="cuda",
+                       low_latency=True, timeout_s=20.0)
+  try:
+    gid, config = group.backend.ll_group_id, group.config
+    x, idx = jnp.ones((8, 256), jnp.bfloat16), jnp.zeros((8, 2), jnp.int32)
+
+    def count(cfg):
+      return jax.jit(lambda x, idx: cuda_ops.low_latency_dispatch(cfg, gid, x, idx)[2])(x, idx)
+
+    other = dataclasses.replace(config, capacity=config.capacity + 16)
+    with pytest.raises(Exception, match=(
+        f"the program was built for intranode group {gid} with capacity = {other.capacity}, "
+        f"but group {gid} of this process has capacity = {config.capacity}")):
+      jax.block_until_ready(count(other))
+    effects.settle()
+    monkeypatch.setattr(cuda_ops, "group_config", lambda c: np.array([1, 2, 3], np.int64))
+    with pytest.raises(Exception, match="attribute group_config has 3 values, expected 7"):
+      jax.block_until_ready(count(config))
+    effects.settle()
+    monkeypatch.undo()
+    # Both slots of every token name expert 0: one row per token there.
+    np.testing.assert_array_equal(np.asarray(count(config)), [8, 0, 0, 0, 0, 0, 0, 0])
+  finally:
+    group.close()
