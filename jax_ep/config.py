@@ -48,6 +48,21 @@ class RowFormat(enum.Enum):
     return self is RowFormat.FP8_UE8M0
 
 
+def as_row_format(row_format, where: str) -> RowFormat:
+  """`row_format` as a `RowFormat`: a member, or its value or name as a string (any case);
+  anything else raises an error that names `where`."""
+  if isinstance(row_format, RowFormat):
+    return row_format
+  members = ", ".join(f"RowFormat.{m.name}" for m in RowFormat)
+  if isinstance(row_format, str):
+    for member in RowFormat:
+      if row_format.lower() in (member.value, member.name.lower()):
+        return member
+    raise ValueError(f"{where}: row_format must be one of {members}, got {row_format!r}")
+  raise TypeError(f"{where}: row_format must be a jax_ep.RowFormat ({members}), got "
+                  f"{row_format!r} of type {type(row_format).__name__}")
+
+
 @dataclasses.dataclass(frozen=True)
 class EPConfig:
   """Everything a backend needs to know about a group, all static (hashable, trace-time).

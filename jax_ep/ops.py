@@ -16,7 +16,7 @@ import numpy as np
 
 from jax_ep._native.varying import vary_like_operands
 from jax_ep.backends import primitives
-from jax_ep.config import RowFormat
+from jax_ep.config import RowFormat, as_row_format
 from jax_ep.group import Group
 from jax_ep.routing import merge_duplicate_slots
 
@@ -281,16 +281,7 @@ _DEPRECATED_FLAGS = ("use_fp8", "round_scale", "use_ue8m0")
 
 def _as_row_format(op: str, row_format) -> RowFormat:
   """`row_format` as a `RowFormat`: a member, or its value or name as a string."""
-  if isinstance(row_format, RowFormat):
-    return row_format
-  members = ", ".join(f"RowFormat.{m.name}" for m in RowFormat)
-  if isinstance(row_format, str):
-    for member in RowFormat:
-      if row_format.lower() in (member.value, member.name.lower()):
-        return member
-    raise ValueError(f"jax_ep.{op}: row_format must be one of {members}, got {row_format!r}")
-  raise TypeError(f"jax_ep.{op}: row_format must be a jax_ep.RowFormat ({members}), got "
-                  f"{row_format!r} of type {type(row_format).__name__}")
+  return as_row_format(row_format, f"jax_ep.{op}")
 
 
 def _legacy_row_format(op: str, use_fp8: bool, round_scale: bool, use_ue8m0: bool

@@ -10,13 +10,14 @@ import fractions
 import math
 import numbers
 import operator
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jax_ep.backends import cuda_ops, intranode, reference
-from jax_ep.config import EPConfig, check_dtype, default_capacity
+from jax_ep.config import EPConfig, RowFormat, as_row_format, check_dtype, default_capacity
 from jax_ep.gmm import ROW_TILE
 from jax_ep.routing import merge_duplicate_slots
 
@@ -174,20 +175,48 @@ def _check_ffn(ffn, activation) -> int:
   return ffn
 
 
+def resolve_row_format(row_format, use_fp8, where: str = "jax_ep.memory_bytes",
+                       stacklevel: int = 3) -> RowFormat:
+  """The low-latency `RowFormat` to size: `row_format` (a member, or its value or name), else
+  the deprecated `use_fp8` (True: `RowFormat.FP8`), which warns; neither: `RowFormat.PLAIN`.
+  `stacklevel` points the warning at the caller of the public function."""
+  if use_fp8 is not None:
+    if row_format is not None:
+      raise TypeError(f"{where}: pass row_format or the deprecated use_fp8, not both")
+    fmt = RowFormat.FP8 if use_fp8 else RowFormat.PLAIN
+    warnings.warn(f"{where}: use_fp8={use_fp8!r} is deprecated and will be removed in the next "
+                  f"release; pass row_format=jax_ep.{fmt} instead", DeprecationWarning,
+                  stacklevel=stacklevel)
+    return fmt
+  return RowFormat.PLAIN if row_format is None else as_row_format(row_format, where)
+
+
+def low_latency_row_bytes(row_format: RowFormat, hidden: int, dtype) -> int:
+  """Bytes of one row of the low-latency output with its scale: `H` activations; fp8: `H`
+  bytes and a float32 scale per 128 channels (`FP8_UE8M0`: one exponent byte per 128 channels,
+  four to an int32)."""
+  if not row_format.is_fp8:
+    return hidden * np.dtype(dtype).itemsize
+  if row_format.ue8m0:
+    return hidden + 4 * (hidden // 512)
+  return hidden + 4 * (hidden // 128)
+
+
 def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int,
                  max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
                  capacity_factor: float | None = None, backend: str = "reference",
-                 use_fp8: bool = False, low_latency: bool = False, network: bool = False,
-                 num_hosts: int = 0, ffn: int | None = None,
-                 activation: str = "swiglu") -> MemoryEstimate:
+                 row_format: RowFormat | str | None = None, low_latency: bool = False,
+                 network: bool = False, num_hosts: int = 0, ffn: int | None = None,
+                 activation: str = "swiglu", use_fp8: bool | None = None) -> MemoryEstimate:
   """How much memory one rank needs for this configuration, before anything is allocated.
 
   Args:
     num_ranks: `R`. num_experts: `E` (divisible by `R`). num_topk: `K`. hidden: `H`.
     max_tokens_per_rank: `T_max`. dtype: activation dtype.
     capacity, capacity_factor: receive rows per rank, as `jax_ep.Group` takes them (at most one;
-      neither: `default_capacity`, the worst case). backend: 'reference' or 'cuda'. use_fp8:
-      size the low-latency output for fp8 instead of the activation dtype. low_latency: a cuda
+      neither: `default_capacity`, the worst case). backend: 'reference' or 'cuda'. row_format:
+      the low-latency rows' `jax_ep.RowFormat` (default PLAIN; fp8 formats count their scales),
+      which sizes `low_latency_recv_bytes`. low_latency: a cuda
       group created with `low_latency=True` (its communication buffers include the low-latency
       ones).
     network: a cuda group whose ranks span `num_hosts` hosts (real or `virtual_hosts`): its
@@ -197,6 +226,8 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
     ffn: `F`, the experts' inner size: also size what the expert layer keeps for its backward.
     activation: the experts' activation, 'swiglu' (what `jax_ep.moe_mlp` runs), 'geglu',
       'gelu' or 'silu'.
+    use_fp8: deprecated (one release, with a `DeprecationWarning`): `use_fp8=True` is
+      `row_format=RowFormat.FP8`, `False` is `RowFormat.PLAIN`; passing both is a `TypeError`.
 
   With `ffn`, `expert_activation_bytes` counts what `jax.grad` of one `jax_ep.moe_mlp` layer
   (high-throughput, routing given) keeps from its forward for its backward, besides the
@@ -223,6 +254,7 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   at its peak, one layer's full figure.
   """
   dtype = check_dtype(dtype, "jax_ep.memory_bytes")
+  row_format = resolve_row_format(row_format, use_fp8)
   num_local = num_experts // num_ranks
   capacity, _ = resolve_capacity(capacity, capacity_factor, num_ranks, max_tokens_per_rank,
                                  num_topk, num_local, where="jax_ep.memory_bytes")
@@ -232,10 +264,7 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   recv_x = capacity * hidden * dtype.itemsize
   handle = 4 * (t * k + r * t * k + capacity) + 4 * t * k  # routing + the weights
   slab_rows = num_local * r * t
-  if use_fp8:
-    low_latency_rows = slab_rows * (hidden + 4 * (hidden // 128))
-  else:
-    low_latency_rows = slab_rows * hidden * dtype.itemsize
+  low_latency_rows = slab_rows * low_latency_row_bytes(row_format, hidden, dtype)
   comm_buffers = ll_buffers = 0
   if backend == "cuda":
     workspace = cuda_ops.layout_workspace_bytes(config) if num_ranks == 1 else 0

@@ -100,8 +100,12 @@ class TestGroupValidation:
     assert est.recv_x_bytes == group.capacity * 128 * 4
     assert est.low_latency_recv_bytes == 4 * 2 * 16 * 128 * 4
     assert est.total_bytes >= est.recv_x_bytes + est.low_latency_recv_bytes
-    fp8 = group.memory_bytes(use_fp8=True)
+    fp8 = group.memory_bytes(row_format=jax_ep.RowFormat.FP8)
     assert fp8.low_latency_recv_bytes == 4 * 2 * 16 * (128 + 4)
+    # UE8M0: one exponent byte per 128 channels, four to an int32.
+    ue8m0 = jax_ep.memory_bytes(num_ranks=2, num_experts=8, num_topk=2, hidden=512,
+                                max_tokens_per_rank=16, row_format=jax_ep.RowFormat.FP8_UE8M0)
+    assert ue8m0.low_latency_recv_bytes == 4 * 2 * 16 * (512 + 4)
     standalone = jax_ep.memory_bytes(num_ranks=8, num_experts=256, num_topk=8, hidden=7168,
                                      max_tokens_per_rank=4096)
     assert standalone.recv_x_bytes == 8 * 4096 * 8 * 7168 * 2

@@ -139,3 +139,40 @@ def test_the_kernels_get_the_attributes_the_flags_gave():
   want = {RowFormat.PLAIN: (0, False), RowFormat.FP8: (1, False),
           RowFormat.FP8_POW2_SCALES: (2, False), RowFormat.FP8_UE8M0: (2, True)}
   assert {fmt: cuda_ops.low_latency_format(fmt) for fmt in RowFormat} == want
+
+
+MEMORY = dict(num_ranks=R, num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T)
+
+
+@pytest.mark.parametrize("use_fp8,fmt", [(True, RowFormat.FP8), (False, RowFormat.PLAIN)])
+def test_memory_bytes_use_fp8_is_its_row_format(use_fp8, fmt):
+  """`memory_bytes(use_fp8=...)` and the group's (by keyword, or a bool in `row_format`'s place,
+  the old positional form) size what `row_format` sizes, warning at the caller's line."""
+  group = _group()
+  calls = [("jax_ep.memory_bytes", lambda **kw: jax_ep.memory_bytes(**MEMORY, **kw),
+            lambda: jax_ep.memory_bytes(**MEMORY, use_fp8=use_fp8)),
+           ("jax_ep.Group.memory_bytes", group.memory_bytes,
+            lambda: group.memory_bytes(use_fp8=use_fp8)),
+           ("jax_ep.Group.memory_bytes", group.memory_bytes, lambda: group.memory_bytes(use_fp8))]
+  for where, new, old in calls:
+    with pytest.warns(DeprecationWarning,
+                      match=f"{where}: use_fp8={use_fp8} is deprecated .* pass "
+                            f"row_format=jax_ep.{fmt} instead") as record:
+      got = old()
+    assert [w.filename for w in record] == [__file__]
+    with warnings.catch_warnings():
+      warnings.simplefilter("error", DeprecationWarning)
+      assert got == new(row_format=fmt)
+
+
+def test_memory_bytes_row_format_values():
+  for spelling in ("fp8_ue8m0", "FP8_UE8M0", RowFormat.FP8_UE8M0):
+    est = jax_ep.memory_bytes(**MEMORY, row_format=spelling)
+    assert est.low_latency_recv_bytes == (E // R) * R * T * (H + H // 512 * 4)
+  with pytest.raises(TypeError, match="pass row_format or the deprecated use_fp8, not both"):
+    jax_ep.memory_bytes(**MEMORY, row_format=RowFormat.FP8, use_fp8=True)
+  with pytest.raises(TypeError, match="pass row_format or the deprecated use_fp8, not both"):
+    _group().memory_bytes(True, use_fp8=True)
+  with pytest.raises(ValueError, match=r"jax_ep.memory_bytes: row_format must be one of .*, "
+                                       r"got 'fp9'"):
+    jax_ep.memory_bytes(**MEMORY, row_format="fp9")
