@@ -19,6 +19,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep import RowFormat
 from ep_test_base import (ClosesGroups, host_value, local_rank_mask, make_routing, random_inputs,
                           rank_mesh)
 from jax_ep.testing import oracle
@@ -134,10 +135,11 @@ class LowLatencyTestBase(ClosesGroups):
       np.testing.assert_allclose(out[d].astype(np.float64), want[d], rtol=1e-2,
                                  atol=1e-2 * (np.abs(want[d]).max() + 1e-30))
 
-  @pytest.mark.parametrize("round_scale,use_ue8m0", [(False, False), (True, False),
-                                                     (True, True)])
+  @pytest.mark.parametrize("row_format", [RowFormat.FP8, RowFormat.FP8_POW2_SCALES,
+                                          RowFormat.FP8_UE8M0], ids=lambda f: f.name)
   @pytest.mark.parametrize("num_tokens", [1, 128])
-  def test_fp8(self, round_scale, use_ue8m0, num_tokens):
+  def test_fp8(self, row_format, num_tokens):
+    round_scale, use_ue8m0 = row_format.pow2_scales, row_format.ue8m0
     r, e, k, h = self.small_ranks, 4 * self.small_ranks, 4, 1024
     group = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=num_tokens)
     rng = np.random.default_rng(17)
@@ -146,7 +148,7 @@ class LowLatencyTestBase(ClosesGroups):
     x[..., :128] = 0  # an all-zero block: scale 1
     x[..., 128:256] *= 1e-3
     recv = self.run_per_rank(group, lambda x, idx: jax_ep.low_latency_dispatch(
-        group, x, idx, use_fp8=True, round_scale=round_scale, use_ue8m0=use_ue8m0)[0], x, idx)
+        group, x, idx, row_format=row_format)[0], x, idx)
     group.check()  # a timed-out wait would leave the counts at zero: say so first
     assert recv.x.dtype == jnp.float8_e4m3fn
     q, scales = oracle.fp8_quantize(x, round_scale=round_scale)
@@ -179,14 +181,13 @@ class LowLatencyTestBase(ClosesGroups):
           assert np.all(np.abs(deq - src) <= 2**-4 * np.abs(src) + 2**-10 * s)
 
   def test_fp8_options_are_checked(self):
+    # The deprecated flags' own combinations: tests/test_deprecated_names.py.
     r = self.small_ranks
     group = self.make_group(r, num_experts=4 * r, num_topk=2, hidden=256, max_tokens=4)
     x = np.zeros((r, 4, 256), jnp.bfloat16)
     idx = np.zeros((r, 4, 2), np.int32)
-    for kwargs, message in [(dict(round_scale=True), "need use_fp8=True"),
-                            (dict(use_fp8=True, use_ue8m0=True), "needs round_scale=True"),
-                            (dict(use_fp8=True, round_scale=True, use_ue8m0=True),
-                             "multiple of 512")]:
+    for kwargs, message in [(dict(row_format=RowFormat.FP8_UE8M0), "multiple of 512"),
+                            (dict(row_format="fp9"), "row_format must be one of")]:
       with pytest.raises(ValueError, match=message):
         self.run_per_rank(group, lambda x, idx, kwargs=kwargs: jax_ep.low_latency_dispatch(
             group, x, idx, **kwargs)[0].count, x, idx)
@@ -256,14 +257,14 @@ class LowLatencyTestBase(ClosesGroups):
     x, idx, w = self.inputs(rng, r, t, h, e, k, "duplicates")
 
     def fused(x, idx, w):
-      recv, handle = jax_ep.low_latency_dispatch(group, x, idx, use_fp8=True)
+      recv, handle = jax_ep.low_latency_dispatch(group, x, idx, row_format=RowFormat.FP8)
       eo = self.scaled_expert(recv.x.astype(jnp.bfloat16), recv.count,
                               jnp.ones((e // r,), jnp.float32))
       return recv, jax_ep.low_latency_combine(group, eo, handle, w)
 
     def split(x, idx, w):
       recv, handle = jax_ep.low_latency_dispatch_wait(
-          group, jax_ep.low_latency_dispatch_send(group, x, idx, use_fp8=True))
+          group, jax_ep.low_latency_dispatch_send(group, x, idx, row_format=RowFormat.FP8))
       eo = self.scaled_expert(recv.x.astype(jnp.bfloat16), recv.count,
                               jnp.ones((e // r,), jnp.float32))
       return recv, jax_ep.low_latency_combine_wait(

@@ -237,8 +237,10 @@ class TestOpValidation:
     group = _group(hidden=64)
 
     def fn(x, idx, w):
-      return jax_ep.low_latency_dispatch(group, x, idx, use_fp8=True)[0].count.sum()
-    with pytest.raises(ValueError, match="use_fp8=True needs hidden to be a multiple of 128.*hidden=64"):
+      return jax_ep.low_latency_dispatch(group, x, idx,
+                                         row_format=jax_ep.RowFormat.FP8)[0].count.sum()
+    with pytest.raises(ValueError, match="row_format=RowFormat.FP8 needs hidden to be a multiple "
+                                         "of 128.*hidden=64"):
       _trace(group, fn, *_inputs(h=64))
 
   def test_low_latency_combine_shapes(self):

@@ -32,7 +32,8 @@ NUM_LAYERS, NUM_STEPS = 4, 60
 VIRTUAL_HOSTS = int(os.environ.get("JAX_EP_VIRTUAL_HOSTS", "1"))
 
 
-def main(use_fp8: bool) -> int:
+def main(row_format: jax_ep.RowFormat) -> int:
+  fp8 = row_format.is_fp8
   r = jax.device_count()
   mesh = jax.make_mesh((r,), ("ep",), devices=jax.devices())
   e, k, h, t = 4 * r, 4, 512, 8
@@ -44,9 +45,9 @@ def main(use_fp8: bool) -> int:
     x, idx, w, a = x[0], idx[0], w[0], a[0]
     counts = []
     for n in range(NUM_LAYERS):
-      recv, handle = jax_ep.low_latency_dispatch(group, x, idx[n], use_fp8=use_fp8)
+      recv, handle = jax_ep.low_latency_dispatch(group, x, idx[n], row_format=row_format)
       rows = recv.x.astype(jnp.float32)
-      if use_fp8:
+      if fp8:
         rows = (rows.reshape(*rows.shape[:-1], -1, 128) * recv.scales[..., None]).reshape(
             rows.shape)
       used = jnp.arange(rows.shape[1])[None, :, None] < recv.count[:, None, None]
@@ -78,7 +79,7 @@ def main(use_fp8: bool) -> int:
                     for n in range(NUM_LAYERS)], axis=1)
     w = (rng.random((r, NUM_LAYERS, t, k)) / k).astype(np.float32)
     out, counts = jax.tree.map(host_value, step(put(x), put(idx), put(w), put(a)))
-    if use_fp8:  # the oracle chain of plain rows is close, not equal: check the counts only
+    if fp8:  # the oracle chain of plain rows is close, not equal: check the counts only
       want_counts = LowLatencyTestBase._chain_oracle(x, idx, w, a, e, t)[1]
       ok = all(np.array_equal(counts[d], want_counts[d]) for d in mine)
       ok = ok and bool(np.all(np.isfinite(out.astype(np.float32))))
@@ -105,4 +106,5 @@ def main(use_fp8: bool) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(len(sys.argv) > 1 and sys.argv[1] == "fp8"))
+  fp8 = len(sys.argv) > 1 and sys.argv[1] == "fp8"
+  sys.exit(main(jax_ep.RowFormat.FP8 if fp8 else jax_ep.RowFormat.PLAIN))
