@@ -207,7 +207,7 @@ def test_a_program_built_for_another_configuration_is_refused(monkeypatch):
                        low_latency=True, timeout_s=20.0)
   try:
     gid, config = group.backend.ll_group_id, group.config
-    x, idx = jnp.ones((8, 256), jnp.bfloat16), jnp.zeros((8, 2), jnp.int32)
+    x, idx = jnp.ones((8, 256), jnp.bfloat16), jnp.tile(jnp.arange(2, dtype=jnp.int32), (8, 1))
 
     def count(cfg):
       return jax.jit(lambda x, idx: cuda_ops.low_latency_dispatch(cfg, gid, x, idx)[2])(x, idx)
@@ -223,7 +223,7 @@ def test_a_program_built_for_another_configuration_is_refused(monkeypatch):
       jax.block_until_ready(count(config))
     effects.settle()
     monkeypatch.undo()
-    # Both slots of every token name expert 0: one row per token there.
-    np.testing.assert_array_equal(np.asarray(count(config)), [8, 0, 0, 0, 0, 0, 0, 0])
+    # Every token names experts 0 and 1: one row each there.
+    np.testing.assert_array_equal(np.asarray(count(config)), [8, 8, 0, 0, 0, 0, 0, 0])
   finally:
     group.close()
