@@ -44,6 +44,7 @@ class GroupStatus:
     # Strict-mode drops: per shard, (rows dropped, the capacity that would fit them).
     self._drops: dict[str, tuple[int, int]] = {}
     self._capacity = 0
+    self._padding = 0
 
   # ------------------------------------------------------------------ recording
   def record(self, message: str) -> bool:
@@ -69,9 +70,12 @@ class GroupStatus:
     if message:
       self.record(message)
 
-  def strict_dispatch(self, shard: str, num_dropped: int, capacity: int) -> None:
+  def strict_dispatch(self, shard: str, num_dropped: int, capacity: int,
+                      padding: int = 0) -> None:
     """Called on the host by every dispatch of a strict group, once per shard (`shard` names
-    it: its EP rank, and its other mesh coordinates where there are any).
+    it: its EP rank, and its other mesh coordinates where there are any). `padding`: the most
+    rows the group's `expert_alignment` adds between experts (`L * (A - 1)`), which the
+    capacity that would fit the dropped rows includes.
 
     Records the rows the shard dropped (the first drop of each shard is logged at once); the
     dispatch itself completes. NOTES: it never raises: a callback may run several times for
@@ -80,24 +84,32 @@ class GroupStatus:
     """
     if num_dropped <= 0:
       return
+    need = int(capacity) + int(num_dropped) + int(padding)
     with self._lock:
       first = shard not in self._drops
-      self._drops[shard] = (int(num_dropped), int(capacity) + int(num_dropped))
+      self._drops[shard] = (int(num_dropped), need)
       self._capacity = int(capacity)
+      self._padding = int(padding)
     if first:
-      _logger.error("jax_ep.dispatch (strict): %s dropped %d rows in %s: capacity=%d, a "
-                    "capacity of at least %d would fit them", shard, int(num_dropped),
-                    self.name, int(capacity), int(capacity) + int(num_dropped))
+      _logger.error("jax_ep.dispatch (strict): %s dropped %d rows in %s: capacity=%d, %s",
+                    shard, int(num_dropped), self.name, int(capacity),
+                    self._would_fit(need))
 
   def _drop_message(self) -> str:
     shards = sorted(self._drops)
     per_shard = ", ".join(f"{s}: {self._drops[s][0]} rows" for s in shards)
     need = max(self._drops[s][1] for s in shards)
     return (f"jax_ep.dispatch: {self.name} dropped rows that did not fit in "
-            f"capacity={self._capacity} ({per_shard}, in the last dispatch that dropped); a "
-            f"capacity of at least {need} would fit them. The group was created with "
+            f"capacity={self._capacity} ({per_shard}, in the last dispatch that dropped); "
+            f"{self._would_fit(need)}. The group was created with "
             f"strict=True: raise capacity, or pass strict=False to count drops in num_dropped "
             f"instead")
+
+  def _would_fit(self, need: int) -> str:
+    if not self._padding:
+      return f"a capacity of at least {need} would fit them"
+    return (f"a capacity of {need} would fit them (with the {self._padding} rows of padding "
+            f"expert_alignment can add)")
 
   # ------------------------------------------------------------------ reporting
   def failure(self) -> tuple[str, type[Exception]] | None:

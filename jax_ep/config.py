@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 
 import jax.numpy as jnp
 import numpy as np
@@ -77,6 +78,8 @@ class EPConfig:
     dtype: activation dtype (numpy dtype of bf16, f16 or f32).
     capacity: rows of the high-throughput receive buffer per rank.
     strict: raise at run time when any row is dropped.
+    expert_alignment: `A`: each local expert's rows of the high-throughput receive buffer start
+      at a multiple of it (1: the experts' rows follow each other without gaps).
     capacity_factor: the factor `capacity` was derived from (`jax_ep.capacity_from_factor`),
       or None when it was given in rows or left at the default. Informational: every layer
       reads `capacity`, so it takes no part in equality, hashing or the fingerprint (two
@@ -93,6 +96,7 @@ class EPConfig:
   capacity: int
   strict: bool = False
   capacity_factor: float | None = dataclasses.field(default=None, compare=False)
+  expert_alignment: int = 1
 
   @property
   def num_local_experts(self) -> int:
@@ -108,7 +112,8 @@ class EPConfig:
     return dict(axis_name=self.axis_name, num_ranks=self.num_ranks, num_experts=self.num_experts,
                 num_topk=self.num_topk, hidden=self.hidden,
                 max_tokens_per_rank=self.max_tokens_per_rank, dtype=str(np.dtype(self.dtype)),
-                capacity=self.capacity, strict=self.strict)
+                capacity=self.capacity, strict=self.strict,
+                expert_alignment=self.expert_alignment)
 
 
 def check_dtype(dtype, where: str = "jax_ep.Group") -> np.dtype:
@@ -123,12 +128,48 @@ def check_dtype(dtype, where: str = "jax_ep.Group") -> np.dtype:
   return dtype
 
 
+def alignment_padding(num_local_experts: int, expert_alignment: int = 1) -> int:
+  """Rows `expert_alignment` can add to a rank's receive buffer: `L * (A - 1)`.
+
+  Each expert's rows start at a multiple of `A`, so the gap before an expert (after the one
+  before it) is at most `A - 1` rows; counting the last expert's gap to the next multiple too,
+  every expert's rows rounded up to whole multiples of `A` lie inside the buffer.
+  """
+  return num_local_experts * (expert_alignment - 1)
+
+
+# The largest `expert_alignment` a group takes (the cuda kernels' `kMaxExpertAlignment`,
+# ffi/kernels/ep_common.h): far above any row tile, and small enough that a rank's rows plus
+# the padding stay inside int32 row indices at every size the kernels take.
+MAX_EXPERT_ALIGNMENT = 1 << 16
+
+
+def check_expert_alignment(expert_alignment, where: str = "jax_ep.Group") -> int:
+  """`expert_alignment` as an int in `[1, MAX_EXPERT_ALIGNMENT]`, or an error naming it."""
+  if isinstance(expert_alignment, bool):
+    raise TypeError(f"{where}: expert_alignment must be a positive int (rows), got "
+                    f"{expert_alignment!r}")
+  try:
+    value = operator.index(expert_alignment)
+  except TypeError:
+    raise TypeError(f"{where}: expert_alignment must be a positive int (rows), got "
+                    f"{expert_alignment!r} ({type(expert_alignment).__name__})") from None
+  if not 1 <= value <= MAX_EXPERT_ALIGNMENT:
+    raise ValueError(f"{where}: expert_alignment must be an int in [1, {MAX_EXPERT_ALIGNMENT}] "
+                     f"(1: no padding; a grouped GEMM's row tile, e.g. 64 or 128), got "
+                     f"{expert_alignment!r}")
+  return value
+
+
 def default_capacity(num_ranks: int, max_tokens_per_rank: int, num_topk: int,
-                     num_local_experts: int) -> int:
-  """The most rows one rank can receive: `R * T_max * min(K, L)`, the exact worst case.
+                     num_local_experts: int, expert_alignment: int = 1) -> int:
+  """The most rows one rank can need: `R * T_max * min(K, L) + L * (A - 1)`, the worst case.
 
   Each of the `R * T_max` tokens that can reach a rank brings at most `min(K, L)` rows there:
   its slots that name the same expert share one row (`jax_ep.dispatch`), so it has at most one
-  row per local expert and at most one per slot. A group with this capacity never drops.
+  row per local expert and at most one per slot. With `expert_alignment=A > 1` every expert's
+  rows start at a multiple of `A`, which adds at most `A - 1` rows of padding per expert
+  (`alignment_padding`). A group with this capacity never drops.
   """
-  return num_ranks * max_tokens_per_rank * min(num_topk, num_local_experts)
+  return (num_ranks * max_tokens_per_rank * min(num_topk, num_local_experts)
+          + alignment_padding(num_local_experts, expert_alignment))

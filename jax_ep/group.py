@@ -20,7 +20,7 @@ from jax_ep import _status
 from jax_ep._native import effects
 from jax_ep.backends import registry
 from jax_ep.backends.intranode import IntranodeTransport
-from jax_ep.config import EPConfig, RowFormat, check_dtype
+from jax_ep.config import EPConfig, RowFormat, check_dtype, check_expert_alignment
 from jax_ep.launch import _distributed
 # Re-exported: `from jax_ep.group import memory_bytes, MemoryEstimate` is how code imports them.
 from jax_ep.sizing import MemoryEstimate, memory_bytes, resolve_capacity  # noqa: F401
@@ -80,18 +80,27 @@ class Group:
     hidden: `H`.
     max_tokens_per_rank: `T_max`, the most tokens one rank passes per call.
     dtype: activation dtype (bfloat16, float16 or float32).
-    capacity: rows of the dispatch output per rank, positive; default `R * T_max * min(K, E/R)`,
-      the exact worst case (a token's slots that name one expert share one row, so a token
-      brings at most `min(K, L)` rows to a rank): the default never drops. Smaller values save
-      memory (`memory_bytes()`, docs/memory.md); the excess is counted in `num_dropped`
-      and contributes zero to combine, and `strict` makes it an error.
+    capacity: rows of the dispatch output per rank, positive; default `R * T_max * min(K, E/R)`
+      (plus `expert_alignment`'s padding), the exact worst case (a token's slots that name one
+      expert share one row, so a token brings at most `min(K, L)` rows to a rank): the default
+      never drops. Smaller values save memory (`memory_bytes()`, docs/memory.md); the excess
+      is counted in `num_dropped` and contributes zero to combine, and `strict` makes it an
+      error.
     capacity_factor: the alternative to `capacity` (pass at most one): a positive finite `f`
       giving `ceil(f * T_max * K)` rows, `f` times what a rank receives when routing is
-      perfectly balanced, rounded up to a multiple of the grouped GEMM's row tile
-      (`jax_ep.gmm.ROW_TILE`) and clamped to the worst case above, which no rank can exceed
-      (`jax_ep.capacity_from_factor`). `group.capacity` is the rows it gave,
-      `group.capacity_factor` the factor (None when not given). Drops are counted and `strict`
-      raises exactly as with `capacity`.
+      perfectly balanced (plus `expert_alignment`'s padding), rounded up to a multiple of the
+      grouped GEMM's row tile (`jax_ep.gmm.ROW_TILE`) and clamped to the worst case above,
+      which no rank can exceed (`jax_ep.capacity_from_factor`). `group.capacity` is the rows
+      it gave, `group.capacity_factor` the factor (None when not given). Drops are counted and
+      `strict` raises exactly as with `capacity`.
+    expert_alignment: `A`, a positive int (default 1): each local expert's rows in the
+      dispatch output start at a multiple of `A` (`DispatchResult.group_offsets` says where),
+      so that a grouped GEMM's row tile of `A` rows never holds two experts' rows. The rows
+      between one expert's last row and the next expert's first are padding, unspecified like
+      the rows past the groups. The default capacity and `capacity_factor`'s rows grow by the
+      most padding it can add, `L * (A - 1)` rows; a `capacity` given in rows is taken as it
+      is (a row that does not fit with the padding is dropped and counted). Not on the cuda
+      backend's network transport (`virtual_hosts`, several hosts).
     backend: 'auto' (default): cuda wherever it can run this group (CUDA GPUs with the
       extension built, a configuration inside the kernels' limits, one rank or a process model
       the intranode transport runs: one process per device, or one process for all of them), else
@@ -141,7 +150,7 @@ class Group:
                capacity_factor: float | None = None, backend: str = "auto", strict: bool = False,
                config_timeout_s: float = 60.0, num_sms: int = 24, timeout_s: float = 60.0,
                raise_on_timeout: bool = False, low_latency: bool = False,
-               virtual_hosts: int | None = None):
+               virtual_hosts: int | None = None, expert_alignment: int = 1):
     if axis_name not in mesh.axis_names:
       raise ValueError(f"jax_ep.Group: axis_name {axis_name!r} is not an axis of the mesh "
                        f"(mesh axes: {tuple(mesh.axis_names)})")
@@ -172,13 +181,15 @@ class Group:
       raise ValueError(f"jax_ep.Group: num_topk={num_topk} must be <= num_experts="
                        f"{num_experts} (a token selects at most every expert once)")
     dtype = check_dtype(dtype)
+    expert_alignment = check_expert_alignment(expert_alignment)
     num_local = num_experts // num_ranks
     capacity, capacity_factor = resolve_capacity(capacity, capacity_factor, num_ranks,
-                                                 max_tokens_per_rank, num_topk, num_local)
+                                                 max_tokens_per_rank, num_topk, num_local,
+                                                 expert_alignment=expert_alignment)
     self.mesh = mesh
     self.config = EPConfig(axis_name, num_ranks, num_experts, num_topk, hidden,
                            max_tokens_per_rank, dtype, capacity, bool(strict),
-                           capacity_factor=capacity_factor)
+                           capacity_factor=capacity_factor, expert_alignment=expert_alignment)
     # The processes holding the mesh's devices create the group together; a group over some of
     # the job's processes is checked and counted among them alone.
     members = sorted({d.process_index for d in mesh.devices.flat})
@@ -225,6 +236,7 @@ class Group:
   capacity = property(lambda self: self.config.capacity)
   capacity_factor = property(lambda self: self.config.capacity_factor)
   strict = property(lambda self: self.config.strict)
+  expert_alignment = property(lambda self: self.config.expert_alignment)
 
   @property
   def receives_while_sending(self) -> bool:
@@ -287,7 +299,8 @@ class Group:
     c = self.config
     return memory_bytes(num_ranks=c.num_ranks, num_experts=c.num_experts, num_topk=c.num_topk,
                         hidden=c.hidden, max_tokens_per_rank=c.max_tokens_per_rank,
-                        dtype=c.dtype, capacity=c.capacity, backend=self.backend_name,
+                        dtype=c.dtype, capacity=c.capacity,
+                        expert_alignment=c.expert_alignment, backend=self.backend_name,
                         row_format=row_format, low_latency=self.low_latency,
                         network=bool(getattr(self._transport, "network_buffer", 0)),
                         num_hosts=self.topology.num_hosts if self.topology else 0,
@@ -361,6 +374,8 @@ class Group:
   def __repr__(self):
     c = self.config
     factor = "" if c.capacity_factor is None else f", capacity_factor={c.capacity_factor!r}"
+    if c.expert_alignment != 1:
+      factor += f", expert_alignment={c.expert_alignment}"
     return (f"jax_ep.Group(axis={c.axis_name!r}, ranks={c.num_ranks}, experts={c.num_experts}, "
             f"topk={c.num_topk}, hidden={c.hidden}, max_tokens_per_rank={c.max_tokens_per_rank}, "
             f"dtype={c.dtype}, capacity={c.capacity}{factor}, backend={self.backend_name!r})")

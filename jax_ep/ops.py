@@ -16,7 +16,7 @@ import numpy as np
 
 from jax_ep._native.varying import vary_like_operands
 from jax_ep.backends import primitives
-from jax_ep.config import RowFormat, as_row_format
+from jax_ep.config import RowFormat, alignment_padding, as_row_format
 from jax_ep.group import Group
 from jax_ep.routing import merge_duplicate_slots
 
@@ -27,34 +27,67 @@ class DispatchResult(NamedTuple):
   Attributes:
     x: `[capacity, H]` rows grouped by local expert `0..L-1`; inside one expert ordered by
       (source rank, source token): the input `jax_ep.grouped_matmul(x, w[L, ...],
-      group_sizes)` takes. Rows past `sum(group_sizes)` are unspecified on the cuda backend
-      (dispatch does not write them; zeros on the reference backend): nothing in jax_ep reads
-      them, so the worst-case capacity costs memory and never time. Code of your own that
-      mixes rows masks them first (`valid_rows()`, `jax_ep.zero_padding`). A token whose slots
-      name one expert several times has one row there (see `dispatch`).
-    group_sizes: `[L]` int32 rows per local expert.
+      group_sizes, group_offsets=group_offsets)` takes. Expert `l`'s rows are
+      `x[group_offsets[l] : group_offsets[l] + group_sizes[l]]`. The other rows (past the
+      groups, and with `expert_alignment > 1` the padding between them) are unspecified on the
+      cuda backend (dispatch does not write them; zeros on the reference backend): nothing in
+      jax_ep reads them, so the worst-case capacity costs memory and never time. Code of your
+      own that mixes rows masks them first (`valid_rows()`, `jax_ep.zero_padding`). A token
+      whose slots name one expert several times has one row there (see `dispatch`).
+    group_sizes: `[L]` int32 rows per local expert (kept rows only).
     num_dropped: `[]` int32 rows that did not fit in `capacity` on this rank.
     num_invalid: `[]` int32 slots of *this rank's* `topk_idx` outside `[-1, E)` (treated as -1).
+    group_offsets: `[L]` int32 the row where each local expert's rows start: the exclusive
+      cumulative sum of `group_sizes`, each rounded up to a multiple of the group's
+      `expert_alignment` (with the default 1, of `group_sizes` itself), at most `capacity` (an
+      expert that kept no row because the buffer was full starts at `capacity`).
   """
   x: jax.Array
   group_sizes: jax.Array
   num_dropped: jax.Array
   num_invalid: jax.Array
+  group_offsets: jax.Array
 
   def valid_rows(self) -> jax.Array:
-    """`[capacity]` bool: the rows of `x` that hold dispatched tokens (`< sum(group_sizes)`)."""
-    used = jnp.sum(self.group_sizes.astype(jnp.int32))
-    return jnp.arange(self.x.shape[-2], dtype=jnp.int32) < used
+    """`[capacity]` bool: the rows of `x` that hold dispatched tokens (inside
+    `[group_offsets[l], group_offsets[l] + group_sizes[l])` for some expert `l`)."""
+    return rows_inside_groups(self.group_sizes, self.group_offsets, self.x.shape[-2])
+
+
+def group_offsets(group_sizes, expert_alignment: int, capacity: int) -> jax.Array:
+  """`[..., L]` int32: where each expert's rows start in a dispatch result with these (kept)
+  `group_sizes` `[..., L]`: `sum_{l' < l} roundup(group_sizes[l'], expert_alignment)`, at most
+  `capacity`."""
+  sizes = group_sizes.astype(jnp.int32)
+  padded = sizes
+  if expert_alignment > 1:
+    padded = (sizes + (expert_alignment - 1)) // expert_alignment * expert_alignment
+  starts = jnp.cumsum(padded, axis=-1, dtype=jnp.int32) - padded
+  return jnp.minimum(starts, capacity).astype(jnp.int32)
+
+
+def rows_inside_groups(group_sizes, group_offsets, num_rows: int) -> jax.Array:
+  """`[..., num_rows]` bool: rows inside some group (`[offset, offset + size)`; the groups do
+  not overlap), for `group_sizes` and `group_offsets` `[..., L]`."""
+  if group_sizes.ndim > 1:
+    return jax.vmap(lambda s, o: rows_inside_groups(s, o, num_rows))(group_sizes, group_offsets)
+  sizes = group_sizes.astype(jnp.int32)
+  starts = group_offsets.astype(jnp.int32)
+  # +1 where a group starts, -1 where it ends: the running sum is 1 inside a group, else 0.
+  delta = jnp.zeros((num_rows + 1,), jnp.int32)
+  delta = delta.at[starts].add(1, mode="drop").at[starts + sizes].add(-1, mode="drop")
+  return jnp.cumsum(delta)[:num_rows] > 0
 
 
 def zero_padding(recv: DispatchResult) -> DispatchResult:
-  """`recv` with zeros in the rows of `recv.x` past `sum(group_sizes)`, for code of your own
-  that mixes rows (a reduction over all rows, `jax.lax.ragged_dot` on a GPU). It reads and
-  writes the whole `[capacity, H]` buffer: jax_ep's own ops never need it."""
+  """`recv` with zeros in the rows of `recv.x` outside the groups (past them, and the padding
+  of `expert_alignment` between them), for code of your own that mixes rows (a reduction over
+  all rows, `jax.lax.ragged_dot` on a GPU). It reads and writes the whole `[capacity, H]`
+  buffer: jax_ep's own ops never need it."""
   if not isinstance(recv, DispatchResult):
     raise TypeError(f"jax_ep.zero_padding: recv must be a DispatchResult, got "
                     f"{type(recv).__name__}")
-  return recv._replace(x=jnp.where(recv.valid_rows()[:, None], recv.x,
+  return recv._replace(x=jnp.where(recv.valid_rows()[..., None], recv.x,
                                    jnp.zeros((), recv.x.dtype)))
 
 
@@ -196,11 +229,12 @@ def _strict_check(group: Group, num_dropped):
   if not group.strict:
     return num_dropped
   status, capacity = group._status, group.capacity
+  padding = alignment_padding(group.num_local_experts, group.expert_alignment)
   names, coords = _shard_name(group)
 
   def report(coords, dropped):
     shard = " ".join(f"{n} {int(c)}" for n, c in zip(names, coords))
-    status.strict_dispatch(shard, int(dropped), capacity)
+    status.strict_dispatch(shard, int(dropped), capacity, padding)
   # A debug callback (not an io_callback), so that strict groups also work under
   # `jax.checkpoint`; it only records, so running again (remat, vmap) changes nothing.
   jax.debug.callback(report, coords, num_dropped)
@@ -234,8 +268,9 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
     # Shapes are static and equal on every rank, so no rank has a token: nothing moves, and no
     # rank issues a communication op (which keeps the intranode groups' call counts in step).
     zero = jnp.zeros((), jnp.int32)
-    recv = DispatchResult(jnp.zeros((c.capacity, c.hidden), c.dtype),
-                          jnp.zeros((c.num_local_experts,), jnp.int32), zero, zero)
+    no_rows = jnp.zeros((c.num_local_experts,), jnp.int32)
+    recv = DispatchResult(jnp.zeros((c.capacity, c.hidden), c.dtype), no_rows, zero, zero,
+                          no_rows)
     # Typed like every other call's results (varying wherever the inputs do).
     recv = DispatchResult(*vary_like_operands(tuple(recv), (x, topk_idx, topk_weights)))
     return recv, Handle((), topk_weights)
@@ -243,7 +278,8 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
   recv_x, group_sizes, num_dropped, num_invalid, layout = primitives.dispatch(
       group.backend, x, topk_idx, topk_weights)
   num_dropped = _strict_check(group, num_dropped)
-  return (DispatchResult(recv_x, group_sizes, num_dropped, num_invalid),
+  offsets = group_offsets(group_sizes, c.expert_alignment, c.capacity)
+  return (DispatchResult(recv_x, group_sizes, num_dropped, num_invalid, offsets),
           Handle(layout, topk_weights))
 
 

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep.backends import cuda_ops, intranode, reference
-from jax_ep.config import EPConfig, RowFormat, as_row_format, check_dtype, default_capacity
+from jax_ep.config import (EPConfig, RowFormat, alignment_padding, as_row_format, check_dtype,
+                            check_expert_alignment, default_capacity)
 from jax_ep.gmm import ROW_TILE
 from jax_ep.routing import merge_duplicate_slots
 
@@ -45,10 +46,12 @@ def check_capacity_factor(capacity_factor, where: str = "jax_ep.Group") -> float
 
 
 def capacity_from_factor(capacity_factor: float, num_ranks: int, max_tokens_per_rank: int,
-                         num_topk: int, num_local_experts: int) -> int:
-  """Receive rows for `capacity_factor=f`: `ceil(f * T_max * K)`, rounded up to a multiple of
-  the grouped GEMM's row tile (`jax_ep.gmm.ROW_TILE`), and never more than the worst case
-  `default_capacity(R, T_max, K, L)`.
+                         num_topk: int, num_local_experts: int,
+                         expert_alignment: int = 1) -> int:
+  """Receive rows for `capacity_factor=f`: `ceil(f * T_max * K)` plus the padding
+  `expert_alignment=A` can add (`L * (A - 1)`, `jax_ep.config.alignment_padding`), rounded up
+  to a multiple of the grouped GEMM's row tile (`jax_ep.gmm.ROW_TILE`), and never more than the
+  worst case `default_capacity(R, T_max, K, L, A)`.
 
   `T_max * K` is what one rank receives on average when the router spreads the `R * T_max * K`
   slots evenly over the `R` ranks, so `f` is the headroom over a perfectly balanced step
@@ -58,24 +61,29 @@ def capacity_from_factor(capacity_factor: float, num_ranks: int, max_tokens_per_
   the rounding never adds a row for a float's last bit.
   """
   exact = fractions.Fraction(repr(float(capacity_factor))) * max_tokens_per_rank * num_topk
-  rows = -(-math.ceil(exact) // ROW_TILE) * ROW_TILE
+  rows = math.ceil(exact) + alignment_padding(num_local_experts, expert_alignment)
+  rows = -(-rows // ROW_TILE) * ROW_TILE
   return min(rows, default_capacity(num_ranks, max_tokens_per_rank, num_topk,
-                                    num_local_experts))
+                                    num_local_experts, expert_alignment))
 
 
 def resolve_capacity(capacity, capacity_factor, num_ranks: int, max_tokens_per_rank: int,
                      num_topk: int, num_local_experts: int,
-                     where: str = "jax_ep.Group") -> tuple[int, float | None]:
+                     where: str = "jax_ep.Group",
+                     expert_alignment: int = 1) -> tuple[int, float | None]:
   """`(capacity in rows, capacity_factor or None)` from the arguments a user passed: at most
-  one of them; neither gives the worst case, which never drops."""
-  worst = default_capacity(num_ranks, max_tokens_per_rank, num_topk, num_local_experts)
+  one of them; neither gives the worst case, which never drops. `expert_alignment` adds its
+  padding to the worst case and to the factor's rows; a capacity given in rows is taken as
+  it is."""
+  worst = default_capacity(num_ranks, max_tokens_per_rank, num_topk, num_local_experts,
+                           expert_alignment)
   if capacity is not None and capacity_factor is not None:
     raise ValueError(f"{where}: pass capacity or capacity_factor, not both (got capacity="
                      f"{capacity!r}, capacity_factor={capacity_factor!r})")
   if capacity_factor is not None:
     capacity_factor = check_capacity_factor(capacity_factor, where)
     return capacity_from_factor(capacity_factor, num_ranks, max_tokens_per_rank, num_topk,
-                                num_local_experts), capacity_factor
+                                num_local_experts, expert_alignment), capacity_factor
   if capacity is None:
     return worst, None
   try:
@@ -85,8 +93,10 @@ def resolve_capacity(capacity, capacity_factor, num_ranks: int, max_tokens_per_r
                     f"({type(capacity).__name__}); capacity_factor takes a fraction") from None
   if capacity <= 0:
     # A zero-row buffer would drop every row of every step; nobody means that.
+    padding = " + L * (A - 1)" if expert_alignment > 1 else ""
     raise ValueError(f"{where}: capacity must be positive, got {capacity} (leave it None for "
-                     f"the worst case, R * T_max * min(K, L) = {worst} rows, which never drops)")
+                     f"the worst case, R * T_max * min(K, L){padding} = {worst} rows, which "
+                     f"never drops)")
   return capacity, None
 
 
@@ -204,7 +214,8 @@ def low_latency_row_bytes(row_format: RowFormat, hidden: int, dtype) -> int:
 
 def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int,
                  max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
-                 capacity_factor: float | None = None, backend: str = "reference",
+                 capacity_factor: float | None = None, expert_alignment: int = 1,
+                 backend: str = "reference",
                  row_format: RowFormat | str | None = None, low_latency: bool = False,
                  network: bool = False, num_hosts: int = 0, ffn: int | None = None,
                  activation: str = "swiglu", use_fp8: bool | None = None) -> MemoryEstimate:
@@ -214,7 +225,9 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
     num_ranks: `R`. num_experts: `E` (divisible by `R`). num_topk: `K`. hidden: `H`.
     max_tokens_per_rank: `T_max`. dtype: activation dtype.
     capacity, capacity_factor: receive rows per rank, as `jax_ep.Group` takes them (at most one;
-      neither: `default_capacity`, the worst case). backend: 'reference' or 'cuda'. row_format:
+      neither: `default_capacity`, the worst case). expert_alignment: `A`, as `jax_ep.Group`
+      takes it: the worst case and the factor's rows grow by the padding `L * (A - 1)`, and so
+      does every figure sized by the capacity. backend: 'reference' or 'cuda'. row_format:
       the low-latency rows' `jax_ep.RowFormat` (default PLAIN; fp8 formats count their scales),
       which sizes `low_latency_recv_bytes`. low_latency: a cuda
       group created with `low_latency=True` (its communication buffers include the low-latency
@@ -256,10 +269,12 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   dtype = check_dtype(dtype, "jax_ep.memory_bytes")
   row_format = resolve_row_format(row_format, use_fp8)
   num_local = num_experts // num_ranks
+  expert_alignment = check_expert_alignment(expert_alignment, "jax_ep.memory_bytes")
   capacity, _ = resolve_capacity(capacity, capacity_factor, num_ranks, max_tokens_per_rank,
-                                 num_topk, num_local, where="jax_ep.memory_bytes")
+                                 num_topk, num_local, where="jax_ep.memory_bytes",
+                                 expert_alignment=expert_alignment)
   config = EPConfig("ep", num_ranks, num_experts, num_topk, hidden, max_tokens_per_rank, dtype,
-                    capacity)
+                    capacity, expert_alignment=expert_alignment)
   t, k, r = max_tokens_per_rank, num_topk, num_ranks
   recv_x = capacity * hidden * dtype.itemsize
   handle = 4 * (t * k + r * t * k + capacity) + 4 * t * k  # routing + the weights

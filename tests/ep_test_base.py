@@ -115,10 +115,16 @@ def host_value(value):
   return out
 
 
-def used_rows(recv_x, group_sizes):
-  """The rows of a dispatch result that hold tokens: rows past `sum(group_sizes)` are
+def used_rows(recv_x, group_sizes, group_offsets=None):
+  """The rows of a dispatch result that hold tokens, expert after expert: rows outside the
+  groups (past them, and `expert_alignment`'s padding between them, for `group_offsets`) are
   unspecified on the cuda backend (dispatch does not write them)."""
-  return np.asarray(recv_x)[:int(np.asarray(group_sizes).sum())]
+  recv_x, group_sizes = np.asarray(recv_x), np.asarray(group_sizes)
+  if group_offsets is None:
+    return recv_x[:int(group_sizes.sum())]
+  return np.concatenate([recv_x[int(o):int(o) + int(n)]
+                         for o, n in zip(np.asarray(group_offsets), group_sizes)]
+                        + [recv_x[:0]])
 
 
 def random_inputs(rng, num_ranks, num_tokens, hidden, dtype):
@@ -203,11 +209,14 @@ class EPTestBase(ClosesGroups):
 
   # ------------------------------------------------------------------ helpers
   def make_group(self, num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype,
-                 capacity=None, strict=False, num_sms=None, low_latency=False):
+                 capacity=None, strict=False, num_sms=None, low_latency=False,
+                 expert_alignment=1):
     if num_ranks not in self.rank_counts:
       pytest.skip(f"{self.backend} backend does not run at R={num_ranks} here")
     mesh = rank_mesh(num_ranks)
     extra = {} if num_sms is None else {"num_sms": num_sms}
+    if expert_alignment != 1:
+      extra["expert_alignment"] = expert_alignment
     return self.closing(jax_ep.Group(
         mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
         max_tokens_per_rank=max_tokens, dtype=dtype, capacity=capacity, backend=self.backend,
@@ -247,16 +256,20 @@ class EPTestBase(ClosesGroups):
     return self.run_per_rank(group, fn, x, idx, w, expert_out)
 
   def check_dispatch(self, group, x, idx, recv):
-    expected = oracle.dispatch(x, idx, group.num_experts, group.capacity)
+    expected = oracle.dispatch(x, idx, group.num_experts, group.capacity,
+                               expert_alignment=group.expert_alignment)
     invalid = oracle.num_invalid(idx, group.num_experts)
     for d, want in enumerate(expected):
       if d not in self.local_ranks(group):
         continue
-      np.testing.assert_array_equal(used_rows(recv.x[d], want["group_sizes"]),
-                                    used_rows(want["recv_x"], want["group_sizes"]),
-                                    err_msg=f"recv_x on rank {d}")
       np.testing.assert_array_equal(recv.group_sizes[d], want["group_sizes"],
                                     err_msg=f"group_sizes on rank {d}")
+      np.testing.assert_array_equal(recv.group_offsets[d], want["group_offsets"],
+                                    err_msg=f"group_offsets on rank {d}")
+      np.testing.assert_array_equal(
+          used_rows(recv.x[d], want["group_sizes"], want["group_offsets"]),
+          used_rows(want["recv_x"], want["group_sizes"], want["group_offsets"]),
+          err_msg=f"recv_x on rank {d}")
       assert recv.num_dropped[d] == want["num_dropped"], f"num_dropped on rank {d}"
       assert recv.num_invalid[d] == invalid[d], f"num_invalid on rank {d}"
     return expected
@@ -355,11 +368,13 @@ class EPTestBase(ClosesGroups):
     np.testing.assert_array_equal(self.to_numpy(grads[2])[self.local_mask(group)], 0.0)
 
   def _roundtrip(self, num_ranks, num_tokens, hidden, num_topk, num_experts, pattern, dtype,
-                 capacity=None, max_tokens=None, weighted=True, num_sms=None, group=None):
+                 capacity=None, max_tokens=None, weighted=True, num_sms=None, group=None,
+                 expert_alignment=1):
     if group is None:
       group = self.make_group(num_ranks, num_experts=num_experts, num_topk=num_topk,
                               hidden=hidden, max_tokens=max_tokens or num_tokens, dtype=dtype,
-                              capacity=capacity, num_sms=num_sms)
+                              capacity=capacity, num_sms=num_sms,
+                              expert_alignment=expert_alignment)
     # NOTES: a seed every process derives alike (str hashes are salted per process, so `hash`
     # would give each rank of a multi-process run different inputs).
     seed = zlib.crc32(repr((num_ranks, num_tokens, hidden, num_topk, pattern)).encode())
@@ -457,15 +472,111 @@ class EPTestBase(ClosesGroups):
     recv, _ = self.dispatch_combine(group, x, idx, w, eo)
     assert recv.num_dropped.sum() == 0
 
+  # ------------------------------------------------------------------ expert_alignment
+  @pytest.mark.parametrize("alignment,pattern,capacity", [
+      (8, "uniform", None), (16, "hot", None), (8, "unused_experts", None),
+      (4, "invalid", None), (8, "hot", 60), (128, "duplicates", None)])
+  def test_expert_alignment(self, alignment, pattern, capacity):
+    """Each local expert's rows start at a multiple of `expert_alignment` (`group_offsets`
+    says where): rows, sizes, offsets, drops and combine are the oracle's; `valid_rows()` is
+    the rows inside the groups and `zero_padding` zeros the others, the padding between the
+    groups included."""
+    recv, _, expected = self._roundtrip(self.small_ranks, 19, 128, 4, 16, pattern, jnp.float32,
+                                        capacity=capacity, expert_alignment=alignment)
+    group = self._last_group
+    if capacity is None:
+      assert group.capacity == oracle.default_capacity(
+          self.small_ranks, 19, 4, 16 // self.small_ranks, alignment)
+      assert all(e["num_dropped"] == 0 for e in expected)
+    else:
+      assert sum(e["num_dropped"] for e in expected) > 0
+    valid = np.asarray(recv.valid_rows())
+    zeroed = np.asarray(jax_ep.zero_padding(recv).x)
+    for d in self.local_ranks(group):
+      sizes, offsets = recv.group_sizes[d], recv.group_offsets[d]
+      assert (offsets[sizes > 0] % alignment == 0).all(), offsets
+      want = np.zeros(group.capacity, bool)
+      want[expected[d]["row_index"]] = True
+      np.testing.assert_array_equal(valid[d], want, err_msg=f"valid_rows on rank {d}")
+      np.testing.assert_array_equal(zeroed[d][~want], 0.0)
+      np.testing.assert_array_equal(zeroed[d][want], recv.x[d][want])
+
+  @pytest.mark.parametrize("pattern,capacity", [("hot", 300), ("invalid", None)])
+  def test_expert_alignment_past_one_layout_chunk(self, pattern, capacity):
+    # T*K = 1280 > 1024 slots: the layout's multi-chunk path (see
+    # test_routing_patterns_past_one_layout_chunk).
+    _, _, expected = self._roundtrip(self.small_ranks, 160, 128, 8, 16, pattern, jnp.float32,
+                                     capacity=capacity, expert_alignment=32)
+    if capacity is not None:
+      assert sum(e["num_dropped"] for e in expected) > 0
+
+  @pytest.mark.ranks("num_ranks", [1, 4])
+  def test_expert_alignment_ranks(self, num_ranks):
+    self._roundtrip(num_ranks, 19, 128, 8, 64, "uniform", jnp.bfloat16, expert_alignment=64)
+
+  def test_expert_alignment_padding_drops_rows(self):
+    """A capacity that holds every row but not the padding before the last expert: the rows
+    that do not fit with the padding drop, counted in num_dropped, and combine leaves them
+    out."""
+    r, alignment, num_tokens = self.small_ranks, 16, 5
+    # Every rank's tokens 0-2 go to rank 0's expert 0 and tokens 3-4 to its expert 1, so rank 0
+    # receives 3R rows of expert 0, then (from row roundup(3R, 16)) 2R of expert 1, of which
+    # R fit. Without the alignment all 5R rows would fit.
+    first = -(-3 * r // alignment) * alignment
+    capacity = first + r
+    assert capacity >= 5 * r
+    group = self.make_group(r, num_experts=2 * r, num_topk=1, hidden=128,
+                            max_tokens=num_tokens, dtype=jnp.float32, capacity=capacity,
+                            expert_alignment=alignment)
+    rng = np.random.default_rng(4)
+    x = random_inputs(rng, r, num_tokens, 128, jnp.float32)
+    idx = np.broadcast_to(np.array([0, 0, 0, 1, 1], np.int32)[None, :, None],
+                          (r, num_tokens, 1)).copy()
+    w = rng.random((r, num_tokens, 1)).astype(np.float32)
+    eo = random_inputs(rng, r, capacity, 128, jnp.float32)
+    recv, out = self.dispatch_combine(group, x, idx, w, eo)
+    expected = self.check_dispatch(group, x, idx, recv)
+    assert expected[0]["num_dropped"] == r
+    if 0 in self.local_ranks(group):
+      assert recv.num_dropped[0] == r
+      np.testing.assert_array_equal(recv.group_sizes[0], [3 * r, r])
+      np.testing.assert_array_equal(recv.group_offsets[0], [0, first])
+    want = oracle.combine(list(eo), expected, w, np.float64)
+    mine = self.local_mask(group)
+    assert_close(out[mine], want[mine], rtol=1e-5, atol=1e-5)
+
+  def test_expert_alignment_gradients(self):
+    self._check_gradients(self.small_ranks, "duplicates", expert_alignment=8)
+
+  def test_expert_alignment_vmap(self):
+    num_ranks = self.small_ranks
+    group = self.make_group(num_ranks, num_experts=8, num_topk=2, hidden=128, max_tokens=19,
+                            dtype=jnp.float32, expert_alignment=8)
+    xs, idxs, ws, eos = self._batched_inputs(group, np.random.default_rng(8), 19,
+                                             ("uniform", "hot", "unused_experts"))
+    one = self._dispatch_combine_fn(group)
+    batched = self.run_per_rank(group, jax.vmap(one), xs, idxs, ws, eos)
+    mine = self.local_mask(group)
+    for b in range(xs.shape[1]):
+      recv = jax.tree.map(lambda a: a[:, b], batched[0])
+      expected = self.check_dispatch(group, xs[:, b], idxs[:, b], recv)
+      for d in self.local_ranks(group):  # zero_padding under vmap: zeros outside the groups
+        np.testing.assert_array_equal(recv.x[d], expected[d]["recv_x"])
+      want = oracle.combine(list(eos[:, b]), expected, ws[:, b], np.float64)
+      assert_close(batched[1][:, b][mine], want[mine], rtol=1e-5, atol=1e-5)
+    if self.vmap_one_round:
+      self.assert_one_round_under_vmap(group, one, xs, idxs, ws, eos)
+
   # ------------------------------------------------------------------ gradients
   def _scaled_experts_model(self, group):
     """Per-shard model: each expert scales its rows by its own vector `a[e]` (a `[L, H]` shard)."""
     def model(x, idx, w, a_local):
       recv, handle = jax_ep.dispatch(group, x, idx, w)
-      ends = jnp.cumsum(recv.group_sizes)
-      row_expert = jnp.searchsorted(ends, jnp.arange(recv.x.shape[0]), side="right")
-      scale = a_local[jnp.minimum(row_expert, a_local.shape[0] - 1)]
-      # Rows past the groups are unspecified (the cuda dispatch leaves them): a model that
+      # Expert of each row: the number of experts after the first that start at or before it.
+      rows = jnp.arange(recv.x.shape[0], dtype=jnp.int32)
+      row_expert = jnp.sum(rows[:, None] >= recv.group_offsets[None, 1:], axis=1)
+      scale = a_local[row_expert]
+      # Rows outside the groups are unspecified (the cuda dispatch leaves them): a model that
       # reduces over rows (this one's gradient of `a`) selects them away first.
       rows = jnp.where(recv.valid_rows()[:, None], recv.x, jnp.zeros((), recv.x.dtype))
       y = (rows.astype(jnp.float32) * scale).astype(recv.x.dtype)
@@ -483,10 +594,15 @@ class EPTestBase(ClosesGroups):
   @pytest.mark.ranks("num_ranks,pattern", [(1, "uniform"), (2, "duplicates"),
                                                  (4, "invalid"), (8, "uniform")])
   def test_gradients_match_dense_model(self, num_ranks, pattern):
+    self._check_gradients(num_ranks, pattern)
+
+  def _check_gradients(self, num_ranks, pattern, expert_alignment=1):
     num_experts, num_topk, hidden, num_tokens = 16, 4, 128, 19
+    padding = num_experts // num_ranks * (expert_alignment - 1)
     group = self.make_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
                             max_tokens=num_tokens, dtype=jnp.float32,
-                            capacity=num_ranks * num_tokens * num_topk)
+                            capacity=num_ranks * num_tokens * num_topk + padding,
+                            expert_alignment=expert_alignment)
     rng = np.random.default_rng(11)
     x = random_inputs(rng, num_ranks, num_tokens, hidden, jnp.float32)
     idx = make_routing(rng, num_ranks, num_tokens, num_topk, num_experts, pattern)

@@ -110,6 +110,54 @@ def test_bad_memory_arguments_are_named(kwargs, error, message):
                         max_tokens_per_rank=16, **kwargs)
 
 
+# ------------------------------------------------------------------ expert_alignment
+
+@pytest.mark.parametrize("kwargs,rows", [
+    # L = 4 local experts, A = 16: the worst case grows by L * (A - 1) = 60 rows.
+    (dict(), 2 * 16 * 2 + 60),
+    (dict(capacity=40), 40),  # rows given: the user's, padding or not
+    # ceil(0.5 * 16 * 2) + 60 = 76 rows, up to one tile (128), clamped to the worst case 124.
+    (dict(capacity_factor=0.5), 2 * 16 * 2 + 60),
+])
+def test_expert_alignment_grows_the_default_and_factor_capacities(kwargs, rows):
+  group = _group(expert_alignment=16, **kwargs)
+  assert group.expert_alignment == group.config.expert_alignment == 16
+  assert group.capacity == rows
+  assert "expert_alignment=16" in repr(group) and "expert_alignment" not in repr(_group())
+  assert group.config.fingerprint()["expert_alignment"] == 16
+  assert group.config != _group(capacity=rows).config  # another layout of the rows
+  est = jax_ep.memory_bytes(num_ranks=2, num_experts=8, num_topk=2, hidden=64,
+                            max_tokens_per_rank=16, expert_alignment=16, **kwargs)
+  assert est.capacity == rows and est.recv_x_bytes == rows * 64 * 2
+  assert group.memory_bytes().capacity == rows
+
+
+@pytest.mark.parametrize("f,r,t,k,e,a,rows", [
+    (1.25, 8, 4096, 8, 256, 128, 45056),  # 40960 + 32 * 127 = 45024 rows, up to whole tiles
+    (1.0, 1, 4096, 8, 256, 128, 65280),   # one rank: 32768 + 256 * 127, the worst case itself
+    (1.0, 4, 100, 3, 16, 1, 384),                # A = 1: as without it
+])
+def test_capacity_from_factor_with_alignment(f, r, t, k, e, a, rows):
+  assert jax_ep.capacity_from_factor(f, r, t, k, e // r, a) == rows
+  assert jax_ep.default_capacity(r, t, k, e // r, a) == r * t * min(k, e // r) + e // r * (a - 1)
+
+
+@pytest.mark.parametrize("value,error,message", [
+    (0, ValueError, r"expert_alignment must be an int in \[1, 65536\] .*got 0"),
+    (-8, ValueError, r"expert_alignment must be an int in \[1, 65536\] .*got -8"),
+    (1 << 17, ValueError, r"expert_alignment must be an int in \[1, 65536\] .*got 131072"),
+    (8.0, TypeError, r"expert_alignment must be a positive int \(rows\), got 8.0 \(float\)"),
+    ("128", TypeError, r"expert_alignment must be a positive int \(rows\), got '128' \(str\)"),
+    (True, TypeError, r"expert_alignment must be a positive int \(rows\), got True"),
+])
+def test_bad_expert_alignment_is_named(value, error, message):
+  with pytest.raises(error, match="jax_ep.Group: " + message):
+    _group(expert_alignment=value)
+  with pytest.raises(error, match="jax_ep.memory_bytes: " + message):
+    jax_ep.memory_bytes(num_ranks=2, num_experts=8, num_topk=2, hidden=64,
+                        max_tokens_per_rank=16, expert_alignment=value)
+
+
 # ------------------------------------------------------------------ drops at a smaller capacity
 
 def _balanced_or_skewed(r, t, k, e, skewed):

@@ -288,6 +288,16 @@ def test_status_aggregates_the_drops_of_every_shard():
   assert status.raised
 
 
+def test_status_names_a_capacity_with_the_alignment_padding():
+  """With expert_alignment the rows that dropped may sit behind padding: the capacity named
+  includes the most padding the alignment adds."""
+  status = _status.GroupStatus("g")
+  status.strict_dispatch("rank 0", 3, 10, padding=60)
+  message, _ = status.failure()
+  assert ("a capacity of 73 would fit them (with the 60 rows of padding expert_alignment can "
+          "add)") in message
+
+
 def test_strict_drops_on_a_data_axis_under_vmap_and_remat():
   """Strict mode on a ('dp', 'ep') mesh, under vmap and jax.checkpoint (whose callbacks run
   several times per dispatch): the dispatch that drops completes, and check() names each

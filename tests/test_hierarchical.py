@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import jax_ep
 from jax_ep.backends import hierarchical, primitives
 from jax_ep.backends import ReferenceBackend
 from jax_ep.config import EPConfig, default_capacity
@@ -228,3 +229,21 @@ def test_hosts_must_be_equal_and_contiguous(hosts):
   with pytest.raises(ValueError, match="contiguous in rank order"):
     hierarchical.Hierarchy(config, hosts, None, None, None)
   assert hierarchical.contiguous_hosts(((0, 1), (2, 3)))
+
+
+def test_expert_alignment_is_refused_across_hosts():
+  """The host group lays out each expert as one host expert per source host, so no single
+  prefix sum places expert_alignment's padding: the composition refuses it, and so does a
+  group that would run it (virtual_hosts takes the cuda network transport)."""
+  config = EPConfig("ep", 4, 8, 2, 128, 16, np.dtype(np.float32), 256, expert_alignment=8)
+  hosts = ((0, 1), (2, 3))
+  with pytest.raises(ValueError, match="expert_alignment=8 is not implemented across hosts"):
+    hierarchical.Hierarchy(config, hosts, ReferenceBackend(hierarchical.host_config(config, 2)),
+                           hierarchical.reference_rail_exchange("hosts"), _host_index)
+  if len(jax.devices()) < 4:
+    pytest.skip("needs 4 devices")
+  mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices()[:4])
+  with pytest.raises(ValueError, match="expert_alignment=8 is not implemented on the cuda "
+                                       "backend's network transport"):
+    jax_ep.Group(mesh, "ep", num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
+                 virtual_hosts=2, expert_alignment=8)

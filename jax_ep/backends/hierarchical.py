@@ -146,6 +146,11 @@ class Hierarchy(HighThroughputBackend):
   host_index: Callable
 
   def __post_init__(self):
+    if self.config.expert_alignment > 1:
+      raise ValueError(
+          f"jax_ep.hierarchical: expert_alignment={self.config.expert_alignment} is not "
+          f"implemented across hosts (the host group lays out each expert's rows as one group "
+          f"per source host, so no one prefix sum places the padding); use expert_alignment=1")
     if not contiguous_hosts(self.hosts):
       raise ValueError(f"jax_ep.hierarchical: hosts must be of equal size and contiguous in "
                        f"rank order, got {self.hosts}")

@@ -35,8 +35,8 @@ class ReferenceLayout(NamedTuple):
     dest_rank: `[T, K]` rank each of this rank's slots goes to, -1 for a slot that selects nothing.
     entry_row: `[R, T, K]` on the receiver: row of `recv_x` holding entry (s, t, k), or -1
       (not routed here, invalid, or dropped).
-    row_entry: `[C]` on the receiver: the entry each row of `recv_x` came from, or -1 past the
-      used rows.
+    row_entry: `[C]` on the receiver: the entry each row of `recv_x` came from, or -1 for a
+      row no entry went to (past the groups, and `expert_alignment`'s padding between them).
   """
   dest_rank: jax.Array
   entry_row: jax.Array
@@ -95,8 +95,21 @@ def _rank_within_group(keys: jax.Array, num_groups: int):
   return position, rank_in_group, order, counts, offsets
 
 
+def expert_bases(counts: jax.Array, expert_alignment: int) -> jax.Array:
+  """`[L]` int32 first row of each expert's rows for `counts` `[L]` rows per expert (before any
+  drop): the exclusive cumulative sum of the counts, each rounded up to a multiple of
+  `expert_alignment`. Row j of expert l is `base[l] + j`, kept where it is `< capacity`."""
+  padded = counts.astype(jnp.int32)
+  if expert_alignment > 1:
+    padded = (padded + (expert_alignment - 1)) // expert_alignment * expert_alignment
+  return (jnp.cumsum(padded) - padded).astype(jnp.int32)
+
+
 def layout(config: EPConfig, topk_idx: jax.Array):
   """Notify + layout: exchange routing entries, assign every received entry its row.
+
+  Expert l's rows start at `expert_bases(...)[l]` (a multiple of `config.expert_alignment`),
+  in (source rank, token) order; a row at or past the capacity drops.
 
   Returns `(layout, group_sizes [L], num_dropped [], num_invalid [])`.
   """
@@ -104,16 +117,17 @@ def layout(config: EPConfig, topk_idx: jax.Array):
   dest, local_expert, num_invalid = _slot_destinations(config, topk_idx)
   recv_expert = _exchange(config, _per_destination(config, dest, local_expert, -1))  # [R, T, K]
   keys = jnp.where(recv_expert >= 0, recv_expert, num_local).reshape(-1)
-  position, _, order, counts, offsets = _rank_within_group(keys, num_local)
-  num_routed = jnp.sum(counts)
-  kept = (keys < num_local) & (position < capacity)
-  entry_row = jnp.where(kept, position, -1).reshape(recv_expert.shape).astype(jnp.int32)
-  num_entries = order.shape[0]
-  padded = jnp.pad(order, (0, max(capacity - num_entries, 0)), constant_values=-1)[:capacity]
-  rows = jnp.arange(capacity, dtype=jnp.int32)
-  row_entry = jnp.where(rows < jnp.minimum(num_routed, capacity), padded, -1).astype(jnp.int32)
-  group_sizes = jnp.clip(capacity - offsets, 0, counts).astype(jnp.int32)
-  num_dropped = jnp.maximum(num_routed - capacity, 0).astype(jnp.int32)
+  _, rank_in_group, _, counts, _ = _rank_within_group(keys, num_local)
+  base = expert_bases(counts, config.expert_alignment)
+  routed = keys < num_local
+  row = base[jnp.minimum(keys, num_local - 1)] + rank_in_group
+  kept = routed & (row < capacity)
+  entry_row = jnp.where(kept, row, -1).reshape(recv_expert.shape).astype(jnp.int32)
+  entries = jnp.arange(keys.shape[0], dtype=jnp.int32)
+  row_entry = jnp.full((capacity,), -1, jnp.int32).at[jnp.where(kept, row, capacity)].set(
+      entries, mode="drop")
+  group_sizes = jnp.clip(capacity - base, 0, counts).astype(jnp.int32)
+  num_dropped = (jnp.sum(counts) - jnp.sum(group_sizes)).astype(jnp.int32)
   return ReferenceLayout(dest, entry_row, row_entry), group_sizes, num_dropped, num_invalid
 
 

@@ -247,6 +247,13 @@ def select(backend: str, mesh, config: EPConfig, num_sms: int, *, members: Seque
   # reference there: the network path has not run on real NICs here).
   several_hosts = hosts is not None and len(set(hosts)) > 1
   network = (virtual_hosts or 1) > 1 or (several_hosts and backend == "cuda")
+  if network and config.expert_alignment > 1:
+    raise ValueError(
+        f"jax_ep.Group: expert_alignment={config.expert_alignment} is not implemented on the "
+        f"cuda backend's network transport (virtual_hosts, or processes on several hosts): "
+        f"its high-throughput ops (jax_ep/backends/hierarchical.py) lay out each expert's "
+        f"rows as one group per source host; pass expert_alignment=1 there, or "
+        f"backend='reference'")
   if network and several_hosts:
     from jax_ep.backends import nvshmem
     try:

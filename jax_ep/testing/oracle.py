@@ -10,8 +10,10 @@ from __future__ import annotations
 import numpy as np
 
 
-def default_capacity(num_ranks: int, max_tokens_per_rank: int, num_topk: int, num_local_experts: int) -> int:
-  return num_ranks * max_tokens_per_rank * min(num_topk, num_local_experts)
+def default_capacity(num_ranks: int, max_tokens_per_rank: int, num_topk: int,
+                     num_local_experts: int, expert_alignment: int = 1) -> int:
+  return (num_ranks * max_tokens_per_rank * min(num_topk, num_local_experts)
+          + num_local_experts * (expert_alignment - 1))
 
 
 def _routed_slots(topk_idx: np.ndarray, num_experts: int, dst: int, num_local_experts: int,
@@ -41,13 +43,16 @@ def _routed_slots(topk_idx: np.ndarray, num_experts: int, dst: int, num_local_ex
   return [(le, s, t, tuple(slots)) for rows in per_expert for (le, s, t, slots) in rows]
 
 
-def dispatch(x, topk_idx, num_experts: int, capacity: int, *, merge: bool = True):
+def dispatch(x, topk_idx, num_experts: int, capacity: int, *, merge: bool = True,
+             expert_alignment: int = 1):
   """High-throughput dispatch for every rank.
 
-  Returns a list over destination ranks of dicts with `recv_x` `[capacity, H]` (dtype of x),
-  `group_sizes` `[L]`, `num_dropped`, and `rows`: for each kept row the (src_rank, token,
-  slots) it came from (used by `combine`). `merge=False` gives one row per slot (the plain-XLA
-  baseline's layout) instead of the contract's one row per (token, expert).
+  Returns a list over destination ranks of dicts with `recv_x` `[capacity, H]` (dtype of x;
+  zeros in the rows no token went to), `group_sizes` `[L]`, `group_offsets` `[L]`,
+  `num_dropped`, `rows`: for each kept row the (src_rank, token, slots) it came from, and
+  `row_index`: the row of `recv_x` each of them is (both used by `combine`). `merge=False`
+  gives one row per slot (the plain-XLA baseline's layout) instead of the contract's one row
+  per (token, expert). `expert_alignment`: each expert's rows start at a multiple of it.
   """
   x = np.asarray(x)
   topk_idx = np.asarray(topk_idx)
@@ -56,16 +61,29 @@ def dispatch(x, topk_idx, num_experts: int, capacity: int, *, merge: bool = True
   out = []
   for d in range(num_ranks):
     slots = _routed_slots(topk_idx, num_experts, d, num_local, merge)
-    kept = slots[:capacity]
     recv_x = np.zeros((capacity, hidden), x.dtype)
-    for row, (_, s, t, _) in enumerate(kept):
-      recv_x[row] = x[s, t]
     group_sizes = np.zeros(num_local, np.int32)
-    for le, *_ in kept:
-      group_sizes[le] += 1
-    out.append(dict(recv_x=recv_x, group_sizes=group_sizes,
-                    num_dropped=np.int32(len(slots) - len(kept)),
-                    rows=[(s, t, ks) for (_, s, t, ks) in kept]))
+    group_offsets = np.zeros(num_local, np.int32)
+    per_expert = [[] for _ in range(num_local)]
+    for (le, s, t, ks) in slots:
+      per_expert[le].append((s, t, ks))
+    rows, row_index = [], []
+    start = 0  # where the next expert's rows start
+    for le in range(num_local):
+      group_offsets[le] = min(start, capacity)
+      row = start
+      for (s, t, ks) in per_expert[le]:
+        if row < capacity:  # a row that does not fit is dropped
+          recv_x[row] = x[s, t]
+          rows.append((s, t, ks))
+          row_index.append(row)
+          group_sizes[le] += 1
+        row += 1
+      kept = int(group_sizes[le])
+      start += -(-kept // expert_alignment) * expert_alignment
+    out.append(dict(recv_x=recv_x, group_sizes=group_sizes, group_offsets=group_offsets,
+                    num_dropped=np.int32(len(slots) - len(rows)), rows=rows,
+                    row_index=row_index))
   return out
 
 
@@ -89,7 +107,7 @@ def combine(expert_out, dispatched, topk_weights, out_dtype, *, weighted: bool =
   out = np.zeros((num_ranks, num_tokens, hidden), np.float64)
   for d, info in enumerate(dispatched):
     eo = np.asarray(expert_out[d], np.float64)
-    for row, (s, t, ks) in enumerate(info["rows"]):
+    for row, (s, t, ks) in zip(info.get("row_index", range(len(info["rows"]))), info["rows"]):
       w = sum(topk_weights[s, t, k] for k in ks) if weighted else 1.0
       out[s, t] += w * eo[row]
   return out.astype(out_dtype)
