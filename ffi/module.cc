@@ -145,7 +145,8 @@ int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
                              int64_t itemsize, int64_t capacity, int num_sms,
                              double timeout_s, bool low_latency,
                              uint64_t network_buffer,
-                             int64_t network_buffer_bytes, int num_hosts) {
+                             int64_t network_buffer_bytes, int num_hosts,
+                             int64_t expert_alignment) {
   intranode_group::GroupConfig c;
   c.device = device_ordinal;
   c.rank = rank;
@@ -161,6 +162,7 @@ int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
   c.low_latency = low_latency;
   c.network = network_buffer != 0;
   c.num_hosts = num_hosts;
+  c.expert_alignment = expert_alignment;
   return intranode_group::Create(c, reinterpret_cast<void*>(network_buffer),
                                  network_buffer_bytes);
 }
@@ -299,12 +301,15 @@ NB_MODULE(_jax_ep_ffi, m) {
         nb::arg("capacity"), nb::arg("num_sms"), nb::arg("timeout_s"),
         nb::arg("low_latency") = false, nb::arg("network_buffer") = 0,
         nb::arg("network_buffer_bytes") = 0, nb::arg("num_hosts") = 0,
+        nb::arg("expert_alignment") = 1,
         "Allocates this rank's peer buffer, device state and error mailbox on "
         "`device_ordinal`, loads every peer kernel there; returns a "
         "process-unique group id. A network group (ranks on other hosts) "
         "takes its buffer, `network_buffer` (a device address, e.g. in "
         "NVSHMEM's symmetric heap, of `network_buffer_bytes`), and never "
-        "frees it; `num_hosts` >= 2 adds its rail exchange's regions.");
+        "frees it; `num_hosts` >= 2 adds its rail exchange's regions. "
+        "`expert_alignment`: each local expert's rows of the dispatch output "
+        "start at a multiple of it.");
   m.def("intranode_group_connect_table", &jax_ep::intranode_group::ConnectTable,
         nb::arg("group_id"), nb::arg("table"), nb::arg("network_send"),
         "Connects a network group: table[r] is rank r's buffer as this "

@@ -72,15 +72,18 @@ class TestCudaIntranode(EPTestBase):
       pytest.skip(f"this host's GPUs do not all have P2P atomics ({sorted(set(cells))})")
     assert group.receives_while_sending
 
-  @pytest.mark.parametrize("capacity", [None, 150])
-  def test_dispatch_in_many_send_chunks(self, capacity):
+  @pytest.mark.parametrize("capacity,alignment", [(None, 1), (150, 1), (None, 64), (400, 64)])
+  def test_dispatch_in_many_send_chunks(self, capacity, alignment):
     """num_sms=1: 8 sending blocks, so 200 tokens go out in 7 chunks of 32 tokens. Where every
     rank has a GPU of its own, the receivers place each chunk's rows as it lands; one group runs
     four calls, so the per-chunk counters are reused (each call resets them). With capacity=150
-    rows are dropped, which moves every later source's rows."""
+    rows are dropped, which moves every later source's rows. With expert_alignment=64 each
+    expert's rows start at a multiple of 64 (the receivers place rows at the aligned offsets;
+    with capacity=400 the padding also pushes rows past the capacity)."""
     r = NUM_RANKS
     group = self.make_group(r, num_experts=8 * r, num_topk=4, hidden=256, max_tokens=200,
-                            dtype=jnp.bfloat16, capacity=capacity, num_sms=1)
+                            dtype=jnp.bfloat16, capacity=capacity, num_sms=1,
+                            expert_alignment=alignment)
     for pattern in ["uniform", "hot", "duplicates", "invalid"]:
       _, _, expected = self._roundtrip(r, 200, 256, 4, 8 * r, pattern, jnp.bfloat16,
                                        group=group)

@@ -39,6 +39,14 @@ class TestCudaLocal(EPTestBase):
   def test_sizes(self, num_tokens, num_experts, num_topk):
     self._roundtrip(1, num_tokens, 1024, num_topk, num_experts, "uniform", jnp.bfloat16)
 
+  @pytest.mark.parametrize("num_tokens", [19, 989, 4096])
+  @pytest.mark.parametrize("num_experts,num_topk", [(256, 8), (1024, 4), (33, 5)])
+  @pytest.mark.parametrize("alignment", [64, 128])
+  def test_sizes_with_expert_alignment(self, num_tokens, num_experts, num_topk, alignment):
+    # The one-launch and the chunked layout, each expert's first row a multiple of alignment.
+    self._roundtrip(1, num_tokens, 256, num_topk, num_experts, "uniform", jnp.bfloat16,
+                    expert_alignment=alignment)
+
   @pytest.mark.parametrize("hidden", [8, 136, 7168])
   @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16, jnp.bfloat16])
   def test_hidden_sizes(self, hidden, dtype):

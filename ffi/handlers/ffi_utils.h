@@ -177,6 +177,17 @@ inline ffi::Error CheckCapacity(std::string_view op, int64_t capacity) {
                                  ", expected capacity >= 0");
 }
 
+inline ffi::Error CheckExpertAlignment(std::string_view op,
+                                       int64_t expert_alignment) {
+  if (expert_alignment >= 1 && expert_alignment <= kMaxExpertAlignment) {
+    return ffi::Error::Success();
+  }
+  return InvalidArgument(op, "expert_alignment is " +
+                                 std::to_string(expert_alignment) +
+                                 ", expected 1 <= expert_alignment <= " +
+                                 std::to_string(kMaxExpertAlignment));
+}
+
 inline ffi::Error CheckHidden(std::string_view op, std::string_view name,
                               int64_t hidden) {
   if (hidden % kHiddenMultiple == 0) return ffi::Error::Success();

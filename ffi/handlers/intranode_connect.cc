@@ -51,6 +51,7 @@ std::string HeaderMismatch(const BufferHeader& mine, const BufferHeader& peer,
       {"max_tokens_per_rank", {mine.max_tokens, peer.max_tokens}},
       {"itemsize", {mine.itemsize, peer.itemsize}},
       {"capacity", {mine.capacity, peer.capacity}},
+      {"expert_alignment", {mine.expert_alignment, peer.expert_alignment}},
       {"low_latency", {mine.low_latency, peer.low_latency}},
       {"network", {mine.network, peer.network}},
       {"num_hosts", {mine.num_hosts, peer.num_hosts}},
@@ -101,6 +102,7 @@ void FinishConnect(Group& g) {
   v.num_blocks = g.config.num_sms;
   v.receive_while_sending = g.receive_while_sending ? 1 : 0;
   v.num_local = static_cast<int32_t>(g.config.num_experts / num_ranks);
+  v.expert_alignment = static_cast<int32_t>(g.config.expert_alignment);
   v.low_latency = g.config.low_latency ? 1 : 0;
   v.network = g.config.network ? 1 : 0;
   v.num_hosts = g.config.network ? g.config.num_hosts : 0;

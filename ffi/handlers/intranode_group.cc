@@ -136,6 +136,12 @@ int64_t Create(const GroupConfig& c, void* buffer, int64_t buffer_bytes) {
   CheckRange(c.capacity >= 0 && c.capacity <= kMaxCapacity, fn,
              "capacity is " + std::to_string(c.capacity) +
                  ", expected 0 <= capacity <= " + std::to_string(kMaxCapacity));
+  CheckRange(c.expert_alignment >= 1 &&
+                 c.expert_alignment <= kMaxExpertAlignment,
+             fn,
+             "expert_alignment is " + std::to_string(c.expert_alignment) +
+                 ", expected 1 <= expert_alignment <= " +
+                 std::to_string(kMaxExpertAlignment));
   CheckRange(c.num_sms >= 1 && c.num_sms <= kMaxNumSms, fn,
              "num_sms is " + std::to_string(c.num_sms) +
                  ", expected 1 <= num_sms <= " + std::to_string(kMaxNumSms));

@@ -44,6 +44,8 @@ struct GroupConfig {
   int64_t max_tokens = 1;    // T_max
   int64_t itemsize = 2;      // bytes per activation element (2 or 4)
   int64_t capacity = 0;      // rows of recv_x
+  int64_t expert_alignment = 1;  // each local expert's rows of recv_x start at
+                                 // a multiple of it (the dispatch's WaitCounts)
   int num_sms = 24;          // blocks of every communication kernel
   double timeout_s = 60.0;   // every spin-wait gives up after this long
   bool low_latency = false;  // allocate the low-latency buffers (L * R * T_max

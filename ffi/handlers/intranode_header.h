@@ -30,6 +30,7 @@ struct BufferHeader {
   int64_t max_tokens;
   int64_t itemsize;
   int64_t capacity;
+  int64_t expert_alignment;
   int64_t low_latency;
   int64_t network;
   int64_t num_hosts;
@@ -53,6 +54,7 @@ inline BufferHeader MakeHeader(const GroupConfig& c) {
   h.max_tokens = c.max_tokens;
   h.itemsize = c.itemsize;
   h.capacity = c.capacity;
+  h.expert_alignment = c.expert_alignment;
   h.low_latency = c.low_latency ? 1 : 0;
   h.network = c.network ? 1 : 0;
   h.num_hosts = c.num_hosts;

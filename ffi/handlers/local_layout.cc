@@ -3,7 +3,8 @@
 // FFI adapter of `jax_ep_local_layout` (kernels: ffi/kernels/layout.cu).
 //
 //   topk_idx    `[B..., T, K]` int32 operand
-//   attrs       num_experts: int64 (E), capacity: int64
+//   attrs       num_experts: int64 (E), capacity: int64, expert_alignment:
+//               int64 (each expert's first row is a multiple of it)
 //   slot_row    `[B..., T, K]` int32: row of the slot or -1 (invalid/dropped)
 //   group_sizes `[B..., E]`    int32: kept rows per expert
 //   num_dropped `[B...]`       int32: valid slots with row >= capacity
@@ -36,7 +37,8 @@ ffi::Error LocalLayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                            ffi::ResultBuffer<ffi::S32> num_dropped,
                            ffi::ResultBuffer<ffi::S32> num_invalid,
                            ffi::ResultBuffer<ffi::S32> workspace,
-                           int64_t num_experts, int64_t capacity) {
+                           int64_t num_experts, int64_t capacity,
+                           int64_t expert_alignment) {
   const auto idx_dims = topk_idx.dimensions();
   if (idx_dims.size() < 2) {
     return ffi_utils::InvalidArgument(
@@ -51,6 +53,8 @@ ffi::Error LocalLayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckNumExperts(kOp, "attribute num_experts", num_experts));
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      ffi_utils::CheckExpertAlignment(kOp, expert_alignment));
 
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSlotsShape(
       kOp, "slot_row", slot_row->dimensions(), "topk_idx", idx_dims, nb,
@@ -91,7 +95,8 @@ ffi::Error LocalLayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                topk_idx.typed_data(), slot_row->typed_data(),
                group_sizes->typed_data(), num_dropped->typed_data(),
                num_invalid->typed_data(), workspace->typed_data(), num_batches,
-               num_tokens, num_topk, num_experts, capacity, stream));
+               num_tokens, num_topk, num_experts, capacity, expert_alignment,
+               stream));
   return ffi::Error::Success();
 }
 
@@ -109,5 +114,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_invalid
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // workspace
         .Attr<int64_t>("num_experts")                   // num_experts (E)
-        .Attr<int64_t>("capacity"),                     // capacity
+        .Attr<int64_t>("capacity")                      // capacity
+        .Attr<int64_t>("expert_alignment"),             // expert_alignment
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -50,6 +50,11 @@ inline constexpr int64_t kMaxCapacity = INT32_MAX;
 // The SM budget of an intranode group's send kernels (num_sms): far above any
 // GPU's multiprocessor count, and keeps every send grid well inside int32.
 inline constexpr int64_t kMaxNumSms = 1024;
+// expert_alignment (each expert's rows of recv_x start at a multiple of it):
+// jax_ep.config.MAX_EXPERT_ALIGNMENT. NOTES: the rows plus the padding
+// (< kMaxExperts * kMaxExpertAlignment = 2^26 rows) stay inside int32 row
+// indices for every slot count up to kMaxSlots.
+inline constexpr int64_t kMaxExpertAlignment = int64_t{1} << 16;
 
 }  // namespace jax_ep
 

@@ -424,7 +424,7 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
   JAX_EP_CUDA_RETURN_IF_ERROR(layout::LocalLayout(
       dest_ids, slot_rank, dest_counts, layout_dropped, layout_invalid,
       layout_workspace, /*num_batches=*/g.num_ranks, num_tokens, g.num_topk,
-      num_local, /*capacity=*/INT32_MAX, stream));
+      num_local, /*capacity=*/INT32_MAX, /*expert_alignment=*/1, stream));
   // 3. Notify: counts and chunk starts into every rank's region, once it
   //    released it.
   JAX_EP_CUDA_RETURN_IF_ERROR(launch::LaunchNotify(

@@ -53,6 +53,8 @@ struct GroupView {
                               // hold the SMs a peer's sender needs, or chunk
                               // counts could not be added atomically
   int32_t num_local;          // L = E / R local experts (low-latency ops)
+  int32_t expert_alignment;   // each local expert's rows of the dispatch's
+                              // recv_x start at a multiple of it
   int32_t low_latency;        // 1: the buffer has the low-latency regions
   int32_t network;            // 1: some peers are reached through the network
                               // transport (their peers[] entry is null; the

@@ -216,10 +216,12 @@ __global__ void __launch_bounds__(kNotifyThreads)
 
 // Every source's counts (one block): thread s < R waits for source s's notify
 // flag and records its number of chunks in source_chunks[s]; then, with
-// c[s][l] its slot count for local expert l,
-//   total[l] = sum_s c[s][l]; base[l] = sum_{l' < l} total[l'] (the expert's
-//   first row); group_sizes[l] = min(max(capacity - base[l], 0), total[l]);
-//   num_dropped = max(sum_l total[l] - capacity, 0);
+// c[s][l] its slot count for local expert l and A the group's
+// expert_alignment,
+//   total[l] = sum_s c[s][l]; base[l] = sum_{l' < l} roundup(total[l'], A)
+//   (the expert's first row, a multiple of A); group_sizes[l] =
+//   min(max(capacity - base[l], 0), total[l]);
+//   num_dropped = sum_l (total[l] - group_sizes[l]);
 //   offset[s][l] = base[l] + sum_{s' < s} c[s'][l] - sum_{l' < l} c[s][l'].
 // A slot of source s for expert l with row r in the source's own grouped order
 // of the slots it sends here (dispatch_rank) lands at row offset[s][l] + r:
@@ -281,21 +283,30 @@ __global__ void __launch_bounds__(kCountsThreads)
   }
   // The scan's barrier also orders the offset stores above before the reads
   // below.
+  const int32_t align = g.expert_alignment > 1 ? g.expert_alignment : 1;
+  const int32_t padded = (total + align - 1) / align * align;
   int32_t all = 0;
   const int32_t base =
-      detail::BlockExclusiveScan<kCountsThreads>(total, s_warp, &all);
+      detail::BlockExclusiveScan<kCountsThreads>(padded, s_warp, &all);
+  int32_t dropped = 0;
   if (l < num_local) {
     const int64_t room = capacity - base > 0 ? capacity - base : 0;
-    group_sizes[l] = static_cast<int32_t>(room < total ? room : total);
+    const int32_t kept = static_cast<int32_t>(room < total ? room : total);
+    group_sizes[l] = kept;
+    dropped = total - kept;
     int32_t prefix = base;
     for (int s = 0; s < g.num_ranks; ++s) {
       offset[s * num_local + l] += prefix;
       prefix += __ldcg(counts + static_cast<int64_t>(s) * kMaxExperts + l);
     }
   }
-  if (threadIdx.x == 0) {
-    *num_dropped = all > capacity ? static_cast<int32_t>(all - capacity) : 0;
-  }
+  // With alignment the padding before an expert can push its rows past the
+  // capacity, so the drops are summed per expert (a second scan; its first
+  // barrier orders the first scan's reads of s_warp before its writes).
+  __syncthreads();
+  int32_t num_drops = 0;
+  detail::BlockExclusiveScan<kCountsThreads>(dropped, s_warp, &num_drops);
+  if (threadIdx.x == 0) *num_dropped = num_drops;
 }
 
 }  // namespace

@@ -11,8 +11,9 @@
 //      workspace `counts[chunk, E + 1]`.
 //   2. ChunkScanKernel: per expert, an exclusive scan of the counts over
 //      chunks (in place) and the expert's total into workspace `totals[E + 1]`.
-//   3. AssignRowsKernel: per chunk, expert bases (exclusive scan of totals)
-//      plus the chunk's offset, then each warp walks its slice of the chunk in
+//   3. AssignRowsKernel: per chunk, expert bases (exclusive scan of totals,
+//      each rounded up to a multiple of expert_alignment) plus the chunk's
+//      offset, then each warp walks its slice of the chunk in
 //      (t, k) order, ranking equal experts with __match_any_sync and advancing
 //      warp-private running counters. The chunk-0 block of each batch element
 //      also writes group_sizes / num_dropped / num_invalid.
@@ -47,6 +48,8 @@ struct LayoutDims {
   int32_t num_chunks;        // ceil(num_slots / chunk_slots), may be 0
   int32_t num_experts;       // E
   int32_t capacity;          // clamped to int32: rows never exceed T * K
+  int32_t alignment;         // expert_alignment: each expert's first row is
+                             // a multiple of it
   int64_t workspace_stride;  // workspace elements per batch element
 };
 
@@ -142,16 +145,20 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-// s_base[e] = sum(totals[0..e)) for e in [0, E]; s_base[E] = #valid slots.
+// s_base[e] = sum over e' < e of totals[e'] rounded up to a multiple of
+// `alignment`, for e in [0, E] (each expert's first row; s_base[E] is where
+// the rows end, the last expert's padding included).
 __device__ __forceinline__ void ExpertBases(const int32_t* __restrict__ totals,
                                             int32_t num_experts,
-                                            int32_t* s_base, int32_t* s_warp) {
+                                            int32_t alignment, int32_t* s_base,
+                                            int32_t* s_warp) {
   int32_t v[kScanItemsPerThread];
   int32_t thread_sum = 0;
 #pragma unroll
   for (int i = 0; i < kScanItemsPerThread; ++i) {
     const int e = threadIdx.x * kScanItemsPerThread + i;
     v[i] = e < num_experts ? totals[e] : 0;
+    if (alignment > 1) v[i] = (v[i] + alignment - 1) / alignment * alignment;
     thread_sum += v[i];
   }
   int32_t all = 0;
@@ -222,6 +229,7 @@ __global__ void __launch_bounds__(kBlock)
   // per-warp invalid counts.
   __shared__ int32_t s_total[kSingleChunk ? kMaxE + 1 : 1];
   __shared__ int32_t s_invalid[kSingleChunk ? kNumWarps : 1];
+  __shared__ int32_t s_dropped;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int32_t num_experts = d.num_experts;
@@ -278,16 +286,25 @@ __global__ void __launch_bounds__(kBlock)
       }
       totals = counts + static_cast<int64_t>(d.num_chunks) * num_cols;
     }
-    ExpertBases(totals, num_experts, s_base, s_scan);
+    ExpertBases(totals, num_experts, d.alignment, s_base, s_scan);
+    if (threadIdx.x == 0) s_dropped = 0;
     __syncthreads();
 
-    if (c == 0) {
+    if (c == 0) {  // block-uniform
+      // Row j of expert e is s_base[e] + j; the rows at or past the capacity
+      // drop (with alignment, the padding before an expert can push its rows
+      // there, so the drops are summed per expert).
+      int32_t dropped = 0;
       for (int e = threadIdx.x; e < num_experts; e += kBlock) {
         const int32_t room = max(d.capacity - s_base[e], 0);
-        group_sizes[b * num_experts + e] = min(room, totals[e]);
+        const int32_t kept = min(room, totals[e]);
+        group_sizes[b * num_experts + e] = kept;
+        dropped += totals[e] - kept;
       }
+      if (dropped != 0) atomicAdd(&s_dropped, dropped);  // integer: exact
+      __syncthreads();
       if (threadIdx.x == 0) {
-        num_dropped[b] = max(s_base[num_experts] - d.capacity, 0);
+        num_dropped[b] = s_dropped;
         num_invalid[b] = totals[num_experts];
       }
     }
@@ -335,10 +352,11 @@ cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
                         int32_t* num_invalid, int32_t* workspace,
                         int64_t num_batches, int64_t num_tokens,
                         int64_t num_topk, int64_t num_experts, int64_t capacity,
-                        cudaStream_t stream) {
+                        int64_t expert_alignment, cudaStream_t stream) {
   if (num_batches <= 0) return cudaSuccess;
   if (num_experts < 1 || num_experts > kMaxExperts || num_tokens < 0 ||
-      num_topk < 0 || num_tokens * num_topk > kMaxSlots || capacity < 0) {
+      num_topk < 0 || num_tokens * num_topk > kMaxSlots || capacity < 0 ||
+      expert_alignment < 1 || expert_alignment > kMaxExpertAlignment) {
     return cudaErrorInvalidValue;
   }
   const int64_t num_slots = num_tokens * num_topk;
@@ -350,6 +368,7 @@ cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
   d.num_experts = static_cast<int32_t>(num_experts);
   d.capacity =
       static_cast<int32_t>(capacity < INT32_MAX ? capacity : INT32_MAX);
+  d.alignment = static_cast<int32_t>(expert_alignment);
   d.workspace_stride =
       LocalLayoutWorkspaceElems(num_tokens, num_topk, num_experts);
 

@@ -62,7 +62,9 @@ inline int64_t LocalLayoutMaxWorkspaceElems(int64_t max_tokens,
 
 // Assigns every valid slot a row of the expert-grouped buffer (see DESIGN.md
 // and the `jax_ep_local_layout` handler): rows grouped by expert ascending,
-// (t, k) ascending inside one expert; rows >= capacity are dropped.
+// (t, k) ascending inside one expert, each expert's first row a multiple of
+// `expert_alignment` (the exclusive scan of the counts, each rounded up to a
+// multiple of it); rows >= capacity are dropped.
 //
 // Per batch element:
 //   topk_idx      `[T, K]` int32 in; ids < -1 or >= E are counted as invalid.
@@ -71,14 +73,15 @@ inline int64_t LocalLayoutMaxWorkspaceElems(int64_t max_tokens,
 //   num_dropped   `[]`     int32 out; valid slots with row >= capacity.
 //   num_invalid   `[]`     int32 out; slots with id < -1 or id >= E.
 //   workspace     `[LocalLayoutWorkspaceElems(T, K, E)]` int32 scratch.
-// Requires 1 <= E <= kMaxExperts, T * K <= kMaxSlots, capacity >= 0.
+// Requires 1 <= E <= kMaxExperts, T * K <= kMaxSlots, capacity >= 0,
+// 1 <= expert_alignment <= kMaxExpertAlignment.
 // Deterministic: no atomic decides an order.
 cudaError_t LocalLayout(const int32_t* topk_idx, int32_t* slot_row,
                         int32_t* group_sizes, int32_t* num_dropped,
                         int32_t* num_invalid, int32_t* workspace,
                         int64_t num_batches, int64_t num_tokens,
                         int64_t num_topk, int64_t num_experts, int64_t capacity,
-                        cudaStream_t stream);
+                        int64_t expert_alignment, cudaStream_t stream);
 
 // Forces the module load of every kernel of this family on the current
 // device (cudaFuncGetAttributes), so no lazy load happens later.

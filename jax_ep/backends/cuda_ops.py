@@ -23,7 +23,7 @@ class LocalLayout(NamedTuple):
 
   Attributes:
     slot_row: `[T, K]` row of `recv_x` holding each slot, -1 if it selects nothing or was dropped.
-    group_sizes: `[E]` kept rows per expert (the kernels zero rows past their sum).
+    group_sizes: `[E]` kept rows per expert.
   """
   slot_row: jax.Array
   group_sizes: jax.Array
@@ -59,7 +59,8 @@ def local_layout(config: EPConfig, topk_idx: jax.Array):
             jax.ShapeDtypeStruct((layout_workspace_elems(config, num_tokens),), i32))
   slot_row, group_sizes, num_dropped, num_invalid, _ = _call(
       "jax_ep_local_layout", shapes, topk_idx.astype(i32),
-      num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity))
+      num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity),
+      expert_alignment=np.int64(config.expert_alignment))
   return LocalLayout(slot_row, group_sizes), group_sizes, num_dropped, num_invalid
 
 

@@ -139,7 +139,7 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
     return int(ext.intranode_group_create(
         device.local_hardware_id, rank, config.num_ranks, config.num_experts, config.num_topk,
         config.hidden, config.max_tokens_per_rank, itemsize, config.capacity, num_sms,
-        float(timeout_s), bool(low_latency)))
+        float(timeout_s), bool(low_latency), expert_alignment=config.expert_alignment))
 
   if len(local) == len(devices):  # one process drives every device of the group
     ids = []

@@ -26,7 +26,7 @@ class FakeExtension:
   def __init__(self):
     self.calls = []
 
-  def intranode_group_create(self, device_ordinal, rank, num_ranks, *rest):
+  def intranode_group_create(self, device_ordinal, rank, num_ranks, *rest, **options):
     self.calls.append(("create", rank, num_ranks))
     return 100 + rank
 
