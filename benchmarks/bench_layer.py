@@ -334,6 +334,19 @@ def tune(name, x, w, sizes, repeats):
     seconds, c = best
     print(f"    ({groups}, {k}, {n}): TileConfig({', '.join(str(v) for v in dataclasses.astuple(c))}),"
           f"  # {name}: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
+  # The weight gradient's kernels (x^T dy per group): one warpgroup or warp-specialized.
+  dy = jnp.ones((rows, n), x.dtype)
+  offsets = jnp.cumsum(sizes) - sizes
+  for specialized, bn, steps in itertools.product((False, True), (64, 128), (2, 3, 4)):
+    if n % bn or k % 128:
+      continue
+    config = gmm.TileConfig(128, bn, 64, steps, 4)
+    fn = jax.jit(lambda x, dy, s, c=config, sp=specialized: gmm._mosaic_weight_grad(
+        x, dy, s, offsets, c, specialized=sp))
+    seconds = time_fn(fn, (x, dy, sizes), repeats, f"{name} weight grad {config}")
+    if seconds is not None:
+      print(f"  {name} weight grad specialized={specialized} {config}: "
+            f"{2.0 * rows * k * n / seconds / 1e12:.0f} TF/s ({seconds * 1e6:.0f} us)")
 
 
 def plot(records, path):

@@ -44,7 +44,16 @@ TileConfig = KernelTiles
 
 # Tiles for shapes `(groups, K, N)` measured on an H200 with `benchmarks/bench_layer.py
 # --tune`; shapes not listed take `tile_config`'s rule.
-TILE_TABLE: dict[tuple[int, int, int], TileConfig] = {}
+TILE_TABLE: dict[tuple[int, int, int], TileConfig] = {
+    (256, 7168, 2048): TileConfig(128, 128, 64, 3, 1, 2),  # DeepSeek-V3
+    (128, 2048, 768): TileConfig(128, 64, 64, 6, 1, 2),  # Qwen3-30B-A3B
+    (32, 4096, 1536): TileConfig(128, 64, 64, 6, 4, 2),
+    (8, 4096, 14336): TileConfig(128, 128, 64, 3, 1, 2),  # Mixtral 8x7B
+}
+
+# The weight gradient's kernel: warp-specialized (a memory warpgroup loads the next output
+# tile's row blocks while the compute warpgroup stores the last), or one warpgroup.
+WEIGHT_GRAD_SPECIALIZED = True
 
 # The row tile of jax_ep's grouped GEMM on Hopper: capacities derived from `capacity_factor`
 # round up to it, so that the buffer is a whole number of tiles.
@@ -80,10 +89,28 @@ def tile_config(rows: int, groups: int, k: int, n: int) -> TileConfig | None:
   block_k = 64
   if k % block_k:
     return None
+  # The warp-specialized kernel (two compute warpgroups of block_n columns each) where N
+  # holds its CTA tile: the fastest at every measured shape; the one-warpgroup kernel else.
+  if n % 256 == 0:
+    return TileConfig(block_m=ROW_TILE, block_n=128, block_k=block_k, stages=3, band=1,
+                      compute_wgs=2)
+  if n % 128 == 0:
+    return TileConfig(block_m=ROW_TILE, block_n=64, block_k=block_k, stages=6, band=4,
+                      compute_wgs=2)
+  if n % 64 == 0:
+    return TileConfig(block_m=ROW_TILE, block_n=64, block_k=block_k, stages=4, band=4)
+  return None
+
+
+def weight_grad_tiles(k: int, n: int) -> TileConfig | None:
+  """The weight-gradient kernel's tiles for `[G, k, n]`: its output tiled `block_m x block_n`,
+  the rows reduced `block_k` at a time; None where they do not divide `k` and `n`."""
+  if k % ROW_TILE:
+    return None
   block_n = next((b for b in (128, 64) if n % b == 0), None)
   if block_n is None:
     return None
-  return TileConfig(block_m=ROW_TILE, block_n=block_n, block_k=block_k, stages=4, band=4)
+  return TileConfig(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=4, band=4)
 
 
 def _on_hopper() -> bool:
@@ -173,9 +200,12 @@ def _mosaic_ragged_dot(x, w, group_sizes, group_offsets, transpose_w, config, ou
                                tiles=config, out_dtype=out_dtype)
 
 
-def _mosaic_weight_grad(x, dy, group_sizes, group_offsets, config, out_dtype=None):
+def _mosaic_weight_grad(x, dy, group_sizes, group_offsets, config, out_dtype=None,
+                        specialized=None):
+  if specialized is None:
+    specialized = WEIGHT_GRAD_SPECIALIZED
   return grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets, tiles=config,
-                                    out_dtype=out_dtype)
+                                    out_dtype=out_dtype, specialized=specialized)
 
 
 def _rows_inside(rows, group_sizes, group_offsets):
@@ -226,10 +256,10 @@ def _weight_grad(x, dy, group_sizes, group_offsets, transpose_w, w_dtype, impl):
     return jnp.zeros((groups, lhs.shape[1], rhs.shape[1]), w_dtype)
   name, detail = grouped_matmul_impl(rows, groups, k, n, x.dtype, dy.dtype, impl=impl)
   if name == "mosaic":
-    config = tile_config(rows, groups, lhs.shape[1], rhs.shape[1])
-    # The weight-gradient kernel tiles its output's two dims (block_m, block_n); a shape
-    # they do not divide takes ragged_dot_general (the log says so once).
-    if config is not None and lhs.shape[1] % config.block_m == 0:
+    config = weight_grad_tiles(lhs.shape[1], rhs.shape[1])
+    # A shape the weight-gradient kernel's tiles do not divide takes ragged_dot_general (the
+    # log says so once).
+    if config is not None:
       dw = _mosaic_weight_grad(lhs, rhs, group_sizes, group_offsets, config, np.dtype(w_dtype))
       return vary_like_operands(dw, (x, dy, group_sizes, group_offsets))
     _say("xla", f"the weight-gradient kernel's tiles do not divide [{lhs.shape[1]}, "

@@ -201,10 +201,18 @@ def test_impl_says_why_on_the_cpu():
 
 
 def test_tile_rule():
-  assert gmm_module.tile_config(32768, 256, 7168, 2048) == gmm_module.TileConfig(
-      128, 128, 64, 4, 4)
-  assert gmm_module.tile_config(100, 8, 64, 192).block_n == 64  # 192 % 128 != 0
+  assert gmm_module.tile_config(32768, 256, 7168, 2048) == gmm_module.TILE_TABLE[
+      (256, 7168, 2048)]
+  assert gmm_module.tile_config(100, 8, 64, 512) == gmm_module.TileConfig(
+      128, 128, 64, 3, 1, compute_wgs=2)
+  assert gmm_module.tile_config(100, 8, 64, 384) == gmm_module.TileConfig(
+      128, 64, 64, 6, 4, compute_wgs=2)
+  assert gmm_module.tile_config(100, 8, 64, 192) == gmm_module.TileConfig(
+      128, 64, 64, 4, 4)  # 192 % 128 != 0: one warpgroup
   assert gmm_module.tile_config(100, 8, 100, 128) is None  # K % 64 != 0
+  assert gmm_module.weight_grad_tiles(7168, 2048) == gmm_module.TileConfig(128, 128, 64, 4, 4)
+  assert gmm_module.weight_grad_tiles(256, 192).block_n == 64
+  assert gmm_module.weight_grad_tiles(64, 128) is None  # K % 128 != 0
   assert gmm_module.tile_config(100, 8, 64, 100) is None
 
 
@@ -375,8 +383,10 @@ def interpreted_kernels(monkeypatch):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   monkeypatch.setattr(gmm_module, "_on_hopper", lambda: True)
   monkeypatch.setattr(gmm_module, "_mosaic_compile_error", lambda *args: None)
-  monkeypatch.setattr(gmm_module, "tile_config", lambda rows, groups, k, n: (
-      gmm_module.TileConfig(64, 64, 64, 2, 1) if k % 64 == 0 and n % 64 == 0 else None))
+  small = lambda k, n: (  # noqa: E731 - tiles the small test shapes divide
+      gmm_module.TileConfig(64, 64, 64, 2, 1) if k % 64 == 0 and n % 64 == 0 else None)
+  monkeypatch.setattr(gmm_module, "tile_config", lambda rows, groups, k, n: small(k, n))
+  monkeypatch.setattr(gmm_module, "weight_grad_tiles", small)
   with plgpu.force_gpu_interpret_mode():
     yield
 
@@ -413,12 +423,17 @@ def test_kernels_interpreted_values_and_gradients(interpreted_kernels, rows, gro
 @pytest.mark.parametrize("transpose_w", [False, True])
 def test_kernels_interpreted_groups_at_offsets(monkeypatch, compute_wgs, transpose_w):
   """Both forward kernels (one warpgroup; warp-specialized with two compute warpgroups) and
-  the weight gradient with the groups at aligned offsets, NaN in the gaps."""
+  both weight-gradient kernels (one warpgroup; warp-specialized) with the groups at aligned
+  offsets, NaN in the gaps."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   monkeypatch.setattr(gmm_module, "_on_hopper", lambda: True)
   monkeypatch.setattr(gmm_module, "_mosaic_compile_error", lambda *args: None)
   monkeypatch.setattr(gmm_module, "tile_config", lambda rows, groups, k, n: (
       gmm_module.TileConfig(64, 64, 64, 2, 1, compute_wgs=compute_wgs)))
+  monkeypatch.setattr(gmm_module, "weight_grad_tiles", lambda k, n: (
+      gmm_module.TileConfig(64, 64, 64, 2, 1)))
+  # The weight gradient's two kernels: one warpgroup beside the forward's one-warpgroup kernel.
+  monkeypatch.setattr(gmm_module, "WEIGHT_GRAD_SPECIALIZED", compute_wgs == 2)
   with plgpu.force_gpu_interpret_mode():
     _check_at_offsets(np.random.default_rng(3), 384, 128, 128, [40, 0, 100, 1], 64,
                       transpose_w, jnp.bfloat16, 2e-2, impl="mosaic")
@@ -469,9 +484,15 @@ def _per_rank_loss(transpose_w=False):
 # NOTES: no jax.checkpoint here: the interpreter runs the kernels through ordered host
 # callbacks, which remat refuses; the GPU test below runs the compiled kernels under it.
 @pytest.mark.parametrize("wrap", ["plain", "vmap"])
-def test_kernels_interpreted_inside_shard_map_under_grad(interpreted_kernels, wrap):
+def test_kernels_interpreted_inside_shard_map_under_grad(interpreted_kernels, monkeypatch,
+                                                       wrap):
   """The way the layer calls them: per-rank operands inside shard_map, gradients through the
   custom_vjp (whose cotangents must carry the primals' varying axes), and under vmap."""
+  # NOTES: the one-warpgroup kernels: with two interpreted devices the interpreter reports a
+  # barrier of a warp-specialized kernel as still allocated at the kernel's end (one device
+  # runs them cleanly, above); the GPU test below runs the warp-specialized defaults inside
+  # shard_map.
+  monkeypatch.setattr(gmm_module, "WEIGHT_GRAD_SPECIALIZED", False)
   from jax.sharding import NamedSharding, PartitionSpec as P
   num_ranks = 2
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks])
@@ -604,12 +625,15 @@ def test_on_the_gpu_inside_shard_map_under_grad(wrap):
 @pytest.mark.parametrize("transpose_w", [False, True])
 def test_on_the_gpu_kernel_variants_and_groups_at_offsets(monkeypatch, tiles, alignment,
                                                           transpose_w):
-  """Each forward kernel (one warpgroup; warp-specialized) at both row tiles, the groups
-  contiguous or at offsets aligned to the row tile, skewed and empty groups, NaN outside."""
+  """Each forward kernel (one warpgroup; warp-specialized) at both row tiles and both
+  weight-gradient kernels, the groups contiguous or at offsets aligned to the row tile, skewed
+  and empty groups, NaN outside."""
   if not gmm_module._on_hopper():
     pytest.skip("jax_ep's Mosaic GPU kernels run on Hopper GPUs")
   config = gmm_module.TileConfig(block_n=128, block_k=64, band=4, **tiles)
   monkeypatch.setattr(gmm_module, "tile_config", lambda rows, groups, k, n: config)
+  # Both weight-gradient kernels (the warp-specialized one is the default elsewhere).
+  monkeypatch.setattr(gmm_module, "WEIGHT_GRAD_SPECIALIZED", tiles["block_m"] == 128)
   sizes = [900, 0, 0, 37, 1, 0, 300, 128, 0, 64, 2, 0, 0, 500, 0, 3]
   _check_at_offsets(np.random.default_rng(alignment), 4096, 512, 768, sizes, alignment,
                     transpose_w, jnp.bfloat16, 2e-2, impl="mosaic")

@@ -307,7 +307,7 @@ def _band(band: int, tiles_n: int) -> int:
 
 
 def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles: KernelTiles,
-                               out_dtype=None):
+                               out_dtype=None, specialized: bool = True):
   """`dw[g] = x[rows of g]^T @ dy[rows of g]`: `[rows, K], [rows, N] -> [G, K, N]`, fp32
   accumulation rounded to `out_dtype` (default `x.dtype`); an empty group's block is zeros.
   Rows outside a group are selected away in both operands (see the module NOTES). `K` must be
@@ -330,6 +330,16 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
                 plgpu.SwizzleTransform(swizzle))
   starts, ends = group_bounds(group_sizes, group_offsets)
   first_block, num_blocks = group_blocks(starts, ends, bk)
+  if specialized:
+    # An empty group's one step reads block 0, all of it selected away: a block of zeros.
+    first_block = jnp.where(num_blocks > 0, first_block, 0)
+    body = _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dtype)
+    kernel = plgpu.kernel(
+        body, out_type=jax.ShapeDtypeStruct((groups, k, n), out_dtype), grid=(num_sms(),),
+        grid_names=("sm",), num_threads=2, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return kernel(starts, ends, first_block, num_blocks, x, dy)
 
   def body(starts_gmem, ends_gmem, first_gmem, blocks_gmem, x_gmem, dy_gmem, o_gmem):
 
@@ -400,3 +410,101 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kernel(starts, ends, first_block, num_blocks, x, dy)
+
+
+def _keep_rows(ref, block, start, end, block_k: int):
+  """Rows of the `block_k`-row block `block` of an operand outside `[start, end)` become zeros
+  in shared memory: a select, so whatever they held (NaN outside the groups) cannot reach the
+  sum."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  row = block * block_k + plgpu.layout_cast(
+      lax.broadcasted_iota(jnp.int32, ref.shape, 0), plgpu.Layout.WGMMA)
+  value = ref[...]
+  ref[...] = jnp.where((row >= start) & (row < end), value, jnp.zeros_like(value))
+
+
+def _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dtype):
+  """The weight gradient warp-specialized: a memory warpgroup streams the group's row blocks
+  (and, while the compute warpgroup stores one output tile, the next tile's first blocks); one
+  compute warpgroup selects away the rows outside the group in a cut block (it alone touches
+  the slot, so the select needs no other warpgroup's barrier), then multiplies."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+  tiles_m, tiles_n = k // bm, n // bn
+  band = _band(tiles.band, tiles_n)
+  del rows
+
+  def body(starts_gmem, ends_gmem, first_gmem, blocks_gmem, x_gmem, dy_gmem, o_gmem):
+
+    def pipeline(first, steps, mi, ni, mma_body, compute_context):
+      return plgpu.emit_pipeline_warp_specialized(
+          mma_body,
+          grid=(steps,),
+          memory_registers=40,
+          in_specs=[
+              plgpu.BlockSpec((bk, bm), lambda s: (first + s, mi), transforms=transforms,
+                              memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((bk, bn), lambda s: (first + s, ni), transforms=transforms,
+                              memory_space=plgpu.SMEM),
+          ],
+          wg_axis="wg",
+          num_compute_wgs=1,
+          max_concurrent_steps=tiles.stages,
+          compute_context=compute_context,
+      )
+
+    ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
+    zero = jnp.int32(0)
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(zero, zero + 1, zero, zero, ignore, ignore).get_allocations(
+            x_gmem, dy_gmem),
+        o_smem=plgpu.SMEM((bm, bn), out_dtype, transforms=transforms),
+        collective_axes="wg")
+    def _(allocations, o_smem):
+
+      @plgpu.nd_loop((groups, tiles_m * tiles_n), collective_axes="sm")
+      def _(info):
+        g = info.index[0]
+        mi, ni = plgpu.planar_snake(info.index[1], (tiles_m, tiles_n), 1, band)
+        start, end = starts_gmem[g], ends_gmem[g]
+        first = first_gmem[g]
+        blocks = blocks_gmem[g]
+
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+          def _(acc_ref):
+            eval_pipeline(acc_ref)
+            acc = acc_ref[...].astype(out_dtype)
+            # The previous tile's store has read the staging buffer.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            o_smem[...] = acc
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[g, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+
+        def mma_body(idx, x_smem, dy_smem, acc_ref):
+          step = idx[0]
+          # Only a block that a group boundary cuts holds rows of another group (or outside the
+          # groups): the first when the group starts inside it, the last when it ends inside;
+          # an empty group's one block is all outside.
+          cut = (((step == 0) & (start % bk != 0)) | ((step == blocks - 1) & (end % bk != 0))
+                 | (blocks == 0))
+
+          @pl.when(cut)
+          def _():
+            _keep_rows(x_smem, first + step, start, end, bk)
+            _keep_rows(dy_smem, first + step, start, end, bk)
+            plgpu.commit_smem()
+
+          plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
+          plgpu.wgmma_wait(0)
+          return acc_ref
+
+        pipeline(first, jnp.maximum(blocks, 1), mi, ni, mma_body, compute_context)(
+            x_gmem, dy_gmem, allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return body
