@@ -116,9 +116,10 @@ def main():
   parser.add_argument("--scale", type=int, default=1,
                       help="divide every size by this (a smoke run on the CPU)")
   parser.add_argument("--repeats", type=int, default=10)
-  parser.add_argument("--tune", action="store_true",
-                      help="time the Mosaic kernel's tile configurations per shape and print "
-                      "the best as TILE_TABLE entries")
+  parser.add_argument("--tune", nargs="*", choices=["forward", "weight_grad"], default=None,
+                      help="time the Mosaic kernels' tile configurations per shape (both "
+                      "kernels, or those named) and print the forward's best as a TILE_TABLE "
+                      "entry")
   parser.add_argument("--plot", default=None, help="write TF/s per shape to this PNG")
   parser.add_argument("--out", default="layer.jsonl")
   args = parser.parse_args()
@@ -165,8 +166,8 @@ def main():
     batched_s = time_fn(einsum, (xb, w), args.repeats, f"{name} batched")
     batched = {} if batched_s is None else {
         "batched_tflops": round(flops / (batched_s * rows / (m * experts)) / 1e12, 1)}
-    if args.tune:
-      tune(name, x, w, sizes, args.repeats)
+    if args.tune is not None:
+      tune(name, x, w, sizes, args.repeats, args.tune or ["forward", "weight_grad"])
     for impl in args.impls:
       which, detail = jax_ep.grouped_matmul_impl(rows, experts, hidden, ffn, dtype, impl="auto")
       if impl in ("mosaic", "jax_mosaic") and which != "mosaic":
@@ -307,8 +308,9 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
   group.close()
 
 
-def tune(name, x, w, sizes, repeats):
-  """Every tile configuration the kernel takes for this shape; the fastest as a table entry."""
+def tune(name, x, w, sizes, repeats, parts):
+  """Every tile configuration the kernels take for this shape; the forward's fastest as a table
+  entry."""
   rows, k = x.shape
   groups, _, n = w.shape
   if jax.devices()[0].platform != "gpu":
@@ -318,7 +320,8 @@ def tune(name, x, w, sizes, repeats):
   # (block_n, stages, compute_wgs): one warpgroup, or two compute warpgroups (the CTA's
   # columns twice block_n) fed by a memory warpgroup; the row tile and the column band apart.
   kernels = ((128, 4, 1), (256, 3, 1), (128, 3, 2), (128, 4, 2), (64, 6, 2))
-  for bm, (bn, steps, wgs), band in itertools.product((64, 128), kernels, (1, 4)):
+  for bm, (bn, steps, wgs), band in itertools.product(
+      (64, 128), kernels if "forward" in parts else (), (1, 4)):
     if n % (bn * wgs) or (n // (bn * wgs)) % band:
       continue
     config = gmm.TileConfig(bm, bn, 64, steps, band, wgs)
@@ -338,7 +341,7 @@ def tune(name, x, w, sizes, repeats):
   dy = jnp.ones((rows, n), x.dtype)
   offsets = jnp.cumsum(sizes) - sizes
   for specialized, bn, steps in itertools.product((False, True), (64, 128), (2, 3, 4)):
-    if n % bn or k % 128:
+    if "weight_grad" not in parts or n % bn or k % 128:
       continue
     config = gmm.TileConfig(128, bn, 64, steps, 4)
     fn = jax.jit(lambda x, dy, s, c=config, sp=specialized: gmm._mosaic_weight_grad(
