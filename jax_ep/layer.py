@@ -167,7 +167,8 @@ def init_moe_params(key, *, num_experts: int, hidden: int, ffn: int, dtype=jnp.b
       router_bias=jnp.zeros((num_experts,), jnp.float32) if router_bias else None, **shared)
 
 
-def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, activation: str = "swiglu"):
+def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, group_offsets=None,
+               activation: str = "swiglu"):
   """The experts over expert-grouped rows (`recv.x` of `dispatch`).
 
   Args:
@@ -176,20 +177,29 @@ def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, activation: str = "swigl
     w_up: `[G, H, F]` up projection of the gated activations; None for the plain ones.
     w_down: `[G, F, H]`.
     group_sizes: `[G]` int32 rows of each expert.
+    group_offsets: `[G]` int32 first row of each expert (`recv.group_offsets`; with a group's
+      `expert_alignment` the experts' rows have padding between them); None: the experts' rows
+      follow each other from row 0.
     activation: one of `ACTIVATIONS`.
 
   Returns:
     `[rows, H]` in `x`'s dtype (fp32 accumulation, the hidden activation rounded to `x`'s
-    dtype). Rows past `sum(group_sizes)` are unspecified: no matmul reads them and the
-    activation is row-local, so no result depends on them.
+    dtype). Rows outside the groups (past them, and the padding between them) are
+    unspecified: no matmul reads them and the activation is row-local, so no result depends
+    on them.
   """
   _check_activation("expert_mlp", activation)
   _check_up("expert_mlp", "w_up", w_up, activation)
   f32 = jnp.float32
-  gate = grouped_matmul(x, w_gate, group_sizes, preferred_element_type=f32)
-  up = None if w_up is None else grouped_matmul(x, w_up, group_sizes, preferred_element_type=f32)
+  if group_offsets is None:  # computed once: the three products share it (one residual)
+    sizes = jnp.asarray(group_sizes).astype(jnp.int32)
+    group_offsets = jnp.cumsum(sizes, axis=-1) - sizes
+  matmul = functools.partial(grouped_matmul, group_offsets=group_offsets,
+                             preferred_element_type=f32)
+  gate = matmul(x, w_gate, group_sizes)
+  up = None if w_up is None else matmul(x, w_up, group_sizes)
   h = _activate(gate, up, activation).astype(x.dtype)
-  return grouped_matmul(h, w_down, group_sizes, preferred_element_type=f32).astype(x.dtype)
+  return matmul(h, w_down, group_sizes).astype(x.dtype)
 
 
 def expert_mlp_slabs(rows, w_gate, w_up, w_down, count, *, impl: str = "auto"):
@@ -280,7 +290,8 @@ def _experts(group: Group, mode: str, activation: str, weights, x, topk_idx, top
     out = ops.low_latency_combine(group, y, handle, topk_weights)
   else:
     recv, handle = ops.dispatch(group, x, topk_idx, topk_weights)
-    y = expert_mlp(recv.x, w_gate, w_up, w_down, recv.group_sizes, activation=activation)
+    y = expert_mlp(recv.x, w_gate, w_up, w_down, recv.group_sizes,
+                   group_offsets=recv.group_offsets, activation=activation)
     out = ops.combine(group, y, handle)
   if s_gate is not None:
     out = out + shared_mlp(x, s_gate, s_up, s_down, activation=activation)

@@ -247,9 +247,9 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   weights, with `C` = capacity, at `T = T_max`:
   - the layer input `[T, H]` (dispatch keeps it) and the routing: `handle_bytes` (metadata and
     the merged router weights, which combine keeps) plus the masks of merging duplicate slots;
-  - the dispatched rows `[C, H]` and `group_sizes` `[L]` int32: the `(x, w, group_sizes)`
-    residuals of the gate and up `grouped_matmul` calls share them (the weights are
-    parameters, not counted);
+  - the dispatched rows `[C, H]`, `group_sizes` and `group_offsets` `[L]` int32 each: the
+    `(x, w, group_sizes, group_offsets)` residuals of the gate and up `grouped_matmul` calls
+    share them (the weights are parameters, not counted);
   - the activation's residuals over the `[C, F]` float32 products, by jax's differentiation
     rules (`activation_saved_bytes`; swiglu: gate, up, silu(gate), sigmoid(gate) and its
     derivative, five `[C, F]` float32 arrays; a plain activation has one product);
@@ -296,7 +296,7 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
     ffn = _check_ffn(ffn, activation)
     layer_input = t * hidden * dtype.itemsize
     saved = (layer_input + handle + _merge_saved_bytes(t, k, num_experts)
-             + recv_x + 4 * num_local
+             + recv_x + 2 * 4 * num_local
              + activation_saved_bytes(activation, capacity, ffn, dtype)
              + capacity * ffn * dtype.itemsize
              + capacity * hidden * dtype.itemsize)

@@ -663,9 +663,17 @@ class EPTestBase(ClosesGroups):
     """NaN in every row of recv.x past sum(group_sizes) (and in the cotangent of the experts'
     output there) leaves the layer's output and every gradient unchanged and finite: combine,
     grouped_matmul, expert_mlp and the backward rules never read those rows."""
+    self._check_rows_outside_the_groups(num_ranks)
+
+  def test_alignment_padding_never_reaches_a_result(self):
+    """As above with expert_alignment: NaN also in the padding between the experts' rows."""
+    self._check_rows_outside_the_groups(self.small_ranks, expert_alignment=16)
+
+  def _check_rows_outside_the_groups(self, num_ranks, expert_alignment=1):
     num_experts, num_topk, hidden, ffn, num_tokens = 8, 2, 128, 128, 64
     group = self.make_group(num_ranks, num_experts=num_experts, num_topk=num_topk,
-                            hidden=hidden, max_tokens=num_tokens, dtype=jnp.bfloat16)
+                            hidden=hidden, max_tokens=num_tokens, dtype=jnp.bfloat16,
+                            expert_alignment=expert_alignment)
     rng = np.random.default_rng(17)
     x = random_inputs(rng, num_ranks, num_tokens, hidden, jnp.bfloat16)
     idx = make_routing(rng, num_ranks, num_tokens, num_topk, num_experts, "hot")
@@ -695,7 +703,8 @@ class EPTestBase(ClosesGroups):
           valid = recv.valid_rows()
           if poison:
             rows = jnp.where(valid[:, None], rows, jnp.full((), jnp.nan, rows.dtype))
-          y = expert_mlp(rows, w_gate, w_up, w_down, recv.group_sizes)
+          y = expert_mlp(rows, w_gate, w_up, w_down, recv.group_sizes,
+                         group_offsets=recv.group_offsets)
           if poison:
             y = poison_cotangent(y, valid)
           out = jax_ep.combine(group, y, handle)

@@ -232,7 +232,7 @@ def test_expert_activation_bytes_by_hand(capacity_factor, capacity):
   routing = (i32 * (T * K + R * T * K + c)            # the handle's metadata
              + f32 * T * K                            # the merged weights combine keeps
              + T * K * K * (1 + f32) + T * K * (1 + 1 + f32))  # the duplicate-slot merge's masks
-  rows = c * H * bf16 + i32 * (E // R)                # gate/up GEMMs' (x, group_sizes)
+  rows = c * H * bf16 + 2 * i32 * (E // R)   # gate/up GEMMs' (x, group_sizes, group_offsets)
   products = 5 * c * F * f32                          # gate, up, silu, sigmoid, sigmoid'
   hidden_act = c * F * bf16                           # the down GEMM's x
   expert_out = c * H * bf16                           # combine keeps it for the weights' grad
@@ -301,13 +301,16 @@ def _expert_ffn(activation):
 
   def ffn(x, w_gate, w_up, w_down, group_sizes):
     f32 = jnp.float32
-    up = grouped_matmul(x, w_up, group_sizes, preferred_element_type=f32)
+    offsets = jnp.cumsum(group_sizes) - group_sizes  # once, as expert_mlp does
+    up = grouped_matmul(x, w_up, group_sizes, group_offsets=offsets, preferred_element_type=f32)
     if gated:
-      gate = grouped_matmul(x, w_gate, group_sizes, preferred_element_type=f32)
+      gate = grouped_matmul(x, w_gate, group_sizes, group_offsets=offsets,
+                            preferred_element_type=f32)
       h = (fn(gate) * up).astype(x.dtype)
     else:
       h = fn(up).astype(x.dtype)
-    return grouped_matmul(h, w_down, group_sizes, preferred_element_type=f32).astype(x.dtype)
+    return grouped_matmul(h, w_down, group_sizes, group_offsets=offsets,
+                          preferred_element_type=f32).astype(x.dtype)
   return ffn
 
 

@@ -27,7 +27,7 @@ from jax_ep.testing.dense import dense_moe, dense_moe_layer
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def make_group(num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype):
+def make_group(num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype, **options):
   if jax.process_count() > 1 and num_ranks > jax.local_device_count():
     # The tests here feed whole host arrays and compare whole outputs and gradients with the
     # dense model; with one process per device a process cannot read the others' shards. The
@@ -35,7 +35,8 @@ def make_group(num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype):
     pytest.skip("compares whole global arrays; single-process (or R=1 per process) only")
   mesh = rank_mesh(num_ranks)
   return jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-                      max_tokens_per_rank=max_tokens, dtype=dtype, backend="reference")
+                      max_tokens_per_rank=max_tokens, dtype=dtype, backend="reference",
+                      **options)
 
 
 def assert_close_to_scale(got, want, rel, what):
@@ -94,6 +95,35 @@ def test_moe_mlp_matches_dense(num_ranks, dtype, rel, mode):
       continue
     assert g.dtype == d.dtype, f"grad {name}: dtype {g.dtype} != {d.dtype}"
     assert_close_to_scale(g, d, rel, f"grad {name}")
+
+
+@pytest.mark.parametrize("num_ranks", [1, 4])
+def test_moe_mlp_with_expert_alignment_matches_dense(num_ranks):
+  """The layer on a group with expert_alignment: the experts' GEMMs take the dispatch's
+  group_offsets (padding between the experts' rows), values and gradients as the dense
+  model's."""
+  num_experts, num_topk, hidden, ffn, tokens = 16, 4, 64, 32, 8
+  group = make_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+                     max_tokens=tokens, dtype=jnp.float32, expert_alignment=16)
+  params, x, cot = _inputs(num_ranks, num_experts, hidden, ffn, tokens, jnp.float32, seed=3)
+
+  def loss(params, x):
+    out = jax_ep.moe_mlp(group, params, x).out
+    return jnp.sum(out * cot), out
+
+  def dense_loss(params, x):
+    out = dense_moe_layer(params, x, num_topk)
+    return jnp.sum(out * cot), out
+
+  (_, out), (g_params, g_x) = jax.jit(
+      jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+  (_, want), (d_params, d_x) = jax.jit(
+      jax.value_and_grad(dense_loss, argnums=(0, 1), has_aux=True))(params, x)
+  assert_close_to_scale(out, want, 1e-4, "forward")
+  assert_close_to_scale(g_x, d_x, 1e-4, "grad x")
+  for name, g, d in zip(MoEParams._fields, g_params, d_params):
+    if g is not None:
+      assert_close_to_scale(g, d, 1e-4, f"grad {name}")
 
 
 def test_moe_mlp_given_routing_with_masked_slots():
