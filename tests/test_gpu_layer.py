@@ -96,13 +96,14 @@ def _dense(params, x, cot, num_topk):
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
-def test_moe_mlp_trains_at_model_shapes(name):
+def test_moe_mlp_trains_at_model_shapes(name, expert_alignment=1):
   mesh, num_ranks = _mesh()
   e, h, f, k = _shape(name, num_ranks)
   params, x, cot = _inputs(e, h, f, num_ranks * TOKENS)
   want_out, (want_params, want_x) = _dense(params, x, cot, k)
   with jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h,
-                    max_tokens_per_rank=TOKENS, dtype=jnp.bfloat16) as group:
+                    max_tokens_per_rank=TOKENS, dtype=jnp.bfloat16,
+                    expert_alignment=expert_alignment) as group:
     assert group.backend_name == "cuda", group.backend_reason
     g_params = MoEParams(*(None if p is None else _global(mesh, p, s) for p, s in
                            zip(params, jax_ep.layer.param_specs("ep", params))))
@@ -123,6 +124,14 @@ def test_moe_mlp_trains_at_model_shapes(name):
     got, want = getattr(d_params, field), getattr(want_params, field)
     assert got.dtype == want.dtype, f"grad {field}: {got.dtype} != {want.dtype}"
     _assert_close(got, want, 3e-2, f"grad {field}")
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b", "e32"])
+@pytest.mark.parametrize("expert_alignment", [64, 128])
+def test_moe_mlp_trains_with_expert_alignment(name, expert_alignment):
+  """As above on a group whose experts' rows start at multiples of a row tile: the grouped
+  GEMM's kernels take the dispatch's group_offsets (padding between the experts' rows)."""
+  test_moe_mlp_trains_at_model_shapes(name, expert_alignment)
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
