@@ -145,8 +145,15 @@ def test_the_compilation_cache_key_holds_the_group(monkeypatch):
 
 
 def _run_worker(role, backend, mode, directory):
+  env = dict(os.environ)
+  if backend == "reference":
+    # The reference backend's two ranks are host devices, also on a machine with one GPU.
+    env["JAX_PLATFORMS"] = "cpu"
+    flags = env.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+      env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
   result = subprocess.run([sys.executable, WORKER, role, backend, mode, str(directory)],
-                          env=dict(os.environ), capture_output=True, text=True, timeout=300)
+                          env=env, capture_output=True, text=True, timeout=300)
   log = result.stdout + result.stderr
   assert result.returncode == 0, log
   lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
