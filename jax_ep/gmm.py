@@ -52,8 +52,11 @@ TILE_TABLE: dict[tuple[int, int, int], TileConfig] = {
 }
 
 # The weight gradient's kernel: warp-specialized (a memory warpgroup loads the next output
-# tile's row blocks while the compute warpgroup stores the last), or one warpgroup.
-WEIGHT_GRAD_SPECIALIZED = True
+# tile's row blocks while the compute warpgroup stores the last), or one warpgroup. NOTES: the
+# one-warpgroup kernel with 4 stages was as fast or faster at the four model shapes on an H200
+# (e.g. 561 vs 483 TF/s at Mixtral, 164 vs 158 at DeepSeek-V3): there the output tile's store
+# and the operands' re-reads from L2, not the pipeline's fill, bound the time.
+WEIGHT_GRAD_SPECIALIZED = False
 
 # The row tile of jax_ep's grouped GEMM on Hopper: capacities derived from `capacity_factor`
 # round up to it, so that the buffer is a whole number of tiles.

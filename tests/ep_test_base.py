@@ -576,10 +576,12 @@ class EPTestBase(ClosesGroups):
       rows = jnp.arange(recv.x.shape[0], dtype=jnp.int32)
       row_expert = jnp.sum(rows[:, None] >= recv.group_offsets[None, 1:], axis=1)
       scale = a_local[row_expert]
-      # Rows outside the groups are unspecified (the cuda dispatch leaves them): a model that
-      # reduces over rows (this one's gradient of `a`) selects them away first.
-      rows = jnp.where(recv.valid_rows()[:, None], recv.x, jnp.zeros((), recv.x.dtype))
-      y = (rows.astype(jnp.float32) * scale).astype(recv.x.dtype)
+      # Rows outside the groups are unspecified (the cuda dispatch leaves them, and the
+      # backward of combine leaves their cotangent): a model that reduces over rows (this one's
+      # gradient of `a`) selects them away in both directions: a select, not a multiply.
+      valid = recv.valid_rows()[:, None]
+      rows = jnp.where(valid, recv.x, jnp.zeros((), recv.x.dtype))
+      y = jnp.where(valid, rows.astype(jnp.float32) * scale, 0.0).astype(recv.x.dtype)
       return jax_ep.combine(group, y, handle)
     return model
 
