@@ -1,9 +1,12 @@
 """jax_ep's grouped GEMM kernels for Hopper GPUs (Pallas Mosaic GPU, wgmma).
 
 Two kernels over rows grouped by expert (`x [rows, K]`, group g the `group_sizes[g]` rows after
-those of groups `< g`):
+those of groups `< g`, or from `group_offsets[g]` on: rows between groups are padding):
 - `grouped_matmul_kernel`: `y[r] = x[r] @ w[g(r)]`, `[rows, K] x [G, K, N] -> [rows, N]`.
 - `grouped_weight_grad_kernel`: `dw[g] = x[rows of g]^T @ dy[rows of g]`, `-> [G, K, N]`.
+Each has a one-warpgroup form (`emit_pipeline`) and a warp-specialized one (a memory warpgroup
+streams the operands while compute warpgroups multiply and store); `KernelTiles` and the
+`specialized` flag choose.
 
 Both are driven by a work list built on the device before the kernel (`row_tiles`): one item per
 (row tile, group) pair that holds rows of that group, in row order. A tile that holds rows of
