@@ -157,15 +157,38 @@ def grouped_matmul_impl(rows: int, groups: int, k: int, n: int, dtype, w_dtype=N
       why = f"its tiles do not divide K={k} (multiples of 64) or N={n} (multiples of 64)"
     else:
       out_dtype = dtype if out_dtype is None else np.dtype(out_dtype)
-      why = _mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config, out_dtype)
-      if why is not None:
-        config = None
+      first_why = None
+      for candidate in _fallback_tiles(config, n):
+        why = _mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, candidate,
+                                    out_dtype)
+        if why is None:
+          config = candidate
+          break
+        first_why = first_why or why
+      else:
+        config, why = None, first_why
   if config is not None:
     return "mosaic", config
   if impl == "mosaic":
     raise ValueError(f"jax_ep.grouped_matmul: impl='mosaic' cannot run [{rows}, {k}] x "
                      f"[{groups}, {k}, {n}]: {why}")
   return "xla", why
+
+
+def _fallback_tiles(config: TileConfig, n: int):
+  """`config`, then tiles that need less shared memory, in the order tried where it does not
+  build (e.g. a float32 result's staging buffers beside the warp-specialized kernel's
+  stages): fewer stages of the same kernel, then the one-warpgroup kernel."""
+  yield config
+  if config.compute_wgs > 1:
+    for stages in range(config.stages - 1, 1, -1):
+      yield dataclasses.replace(config, stages=stages)
+  block_n = 128 if n % 128 == 0 else 64
+  for stages in (4, 3, 2):
+    plain = TileConfig(block_m=config.block_m, block_n=block_n, block_k=config.block_k,
+                       stages=stages, band=4)
+    if plain != config:
+      yield plain
 
 
 @functools.cache

@@ -12,6 +12,8 @@ keep the rows past the groups out of the weight gradient, the result's typing in
 `shard_map`); the `gpu`-marked tests run the compiled kernels.
 """
 
+import dataclasses
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -462,6 +464,32 @@ def test_falls_back_where_the_kernel_does_not_compile(monkeypatch):
     assert_rows_close(jax_ep.grouped_matmul(x, w, gs), oracle(x, w, gs), gs, 2e-2, 3e-2)
   finally:
     gmm_module._mosaic_compile_error.cache_clear()
+
+
+def test_tiles_that_do_not_build_fall_back_to_smaller_ones(monkeypatch):
+  """A float32 result beside the warp-specialized kernel's stages can exceed shared memory:
+  fewer stages are tried, then the one-warpgroup kernel, before lax.ragged_dot."""
+  monkeypatch.setattr(gmm_module, "_on_hopper", lambda: True)
+  tried = []
+
+  def builds_below(limit):
+    def error(rows, groups, k, n, dtype, transpose_w, config, out_dtype):
+      tried.append(config)
+      if np.dtype(out_dtype).itemsize == 4 and config.compute_wgs * config.stages > limit:
+        return "exceeds available shared memory"
+      return None
+    return error
+  shape = (32768, 256, 7168, 2048)
+  table = gmm_module.TILE_TABLE[shape[1:]]
+  monkeypatch.setattr(gmm_module, "_mosaic_compile_error", builds_below(4))
+  assert jax_ep.grouped_matmul_impl(*shape, jnp.bfloat16) == ("mosaic", table)
+  name, config = jax_ep.grouped_matmul_impl(*shape, jnp.bfloat16, out_dtype=jnp.float32)
+  assert name == "mosaic" and config == dataclasses.replace(table, stages=2)
+  monkeypatch.setattr(gmm_module, "_mosaic_compile_error", builds_below(0))
+  tried.clear()
+  name, why = jax_ep.grouped_matmul_impl(*shape, jnp.bfloat16, out_dtype=jnp.float32)
+  assert name == "xla" and "exceeds available shared memory" in why
+  assert [c.compute_wgs for c in tried] == [2, 2, 1, 1, 1]  # 3 and 2 stages, then one warpgroup
 
 
 def _shard_map_case(num_ranks, rng, rows=192, groups=2, k=64, n=128):
