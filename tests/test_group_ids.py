@@ -105,7 +105,9 @@ def test_the_config_fields_are_the_handlers():
   table = re.search(r"kGroupConfigFields\[\] = \{(.*?)\};", source, re.S).group(1)
   assert tuple(re.findall(r'"(\w+)"', table)) == cuda_ops.GROUP_CONFIG_FIELDS
   config = _config(capacity=24, dtype=jnp.float32)
-  np.testing.assert_array_equal(cuda_ops.group_config(config), [2, 8, 2, 128, 4, 4, 24])
+  np.testing.assert_array_equal(cuda_ops.group_config(config), [2, 8, 2, 128, 4, 4, 24, 1])
+  aligned = dataclasses.replace(config, expert_alignment=16)
+  assert cuda_ops.group_config(aligned)[-1] == 16
 
 
 def test_every_group_op_names_its_group_and_configuration(monkeypatch):

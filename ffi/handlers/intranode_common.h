@@ -55,8 +55,8 @@ struct GroupRef {
 };
 
 inline constexpr const char* kGroupConfigFields[] = {
-    "num_ranks", "num_experts",         "num_topk", "hidden",
-    "max_tokens_per_rank", "itemsize", "capacity"};
+    "num_ranks", "num_experts", "num_topk",  "hidden",
+    "max_tokens_per_rank", "itemsize", "capacity", "expert_alignment"};
 inline constexpr size_t kNumGroupConfigFields =
     sizeof(kGroupConfigFields) / sizeof(kGroupConfigFields[0]);
 
@@ -66,8 +66,8 @@ inline ffi::Error CheckGroupConfig(std::string_view op, const GroupRef& ref,
                                    const intranode_group::Group& g) {
   const intranode_group::GroupConfig& c = g.config;
   const int64_t here[kNumGroupConfigFields] = {
-      c.num_ranks, c.num_experts, c.num_topk, c.hidden,
-      c.max_tokens, c.itemsize,   c.capacity};
+      c.num_ranks,  c.num_experts, c.num_topk, c.hidden,
+      c.max_tokens, c.itemsize,    c.capacity, c.expert_alignment};
   if (ref.config.size() != kNumGroupConfigFields) {
     std::string fields;
     for (const char* f : kGroupConfigFields) {

@@ -122,14 +122,14 @@ class IntranodeLayout(NamedTuple):
 # The fields of a group op's `group_config` attribute, in order (ffi/handlers/intranode_common.h,
 # kGroupConfigFields).
 GROUP_CONFIG_FIELDS = ("num_ranks", "num_experts", "num_topk", "hidden", "max_tokens_per_rank",
-                       "itemsize", "capacity")
+                       "itemsize", "capacity", "expert_alignment")
 
 
 def group_config(config: EPConfig) -> np.ndarray:
   """`config` as the `group_config` attribute: int64 values in `GROUP_CONFIG_FIELDS` order."""
   return np.array([config.num_ranks, config.num_experts, config.num_topk, config.hidden,
-                   config.max_tokens_per_rank, np.dtype(config.dtype).itemsize, config.capacity],
-                  np.int64)
+                   config.max_tokens_per_rank, np.dtype(config.dtype).itemsize, config.capacity,
+                   config.expert_alignment], np.int64)
 
 
 def group_attrs(config: EPConfig, group_id: int) -> dict:
