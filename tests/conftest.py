@@ -1,21 +1,58 @@
 """Test set-up: 8 host devices on the CPU, and `jax.distributed` when started by jax_ep.launch.
 
-Also: the `ranks` marker generates only the rank counts this run can build; GPU-only tests are
-skipped where there is no GPU.
+Also: on a machine without a GPU, XLA's CPU backend compiles without LLVM optimisation (the
+tests' programs are small, and compiling is most of their time) and compiled programs are shared
+between the tests of one run through a persistent compilation cache; the `ranks` marker
+generates only the rank counts this run can build; GPU-only tests are skipped where there is no
+GPU; with several pytest-xdist workers the slow tests start first.
 """
 
+import atexit
+import glob
 import os
+import shutil
+import tempfile
 
 # Must happen before jax is imported anywhere: 8 host devices stand in for 8 EP ranks on the CPU.
 # Under jax_ep.launch each process is one rank with its own device instead.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags and "JAX_EP_PROCESS_ID" not in os.environ:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+  _flags += " --xla_force_host_platform_device_count=8"
+# Where there is no NVIDIA GPU (the CPU suite; a GPU machine's runs are left as they are):
+_CPU_ONLY = (os.environ.get("JAX_PLATFORMS", "").lower() == "cpu"
+             or not glob.glob("/dev/nvidia[0-9]*"))
+if _CPU_ONLY:
+  # The CPU backend's code generation without LLVM's optimisation passes: the same HLO (every
+  # XLA pass still runs), IEEE arithmetic either way (fast math is off by default), about a
+  # third less compile time, which is most of these tests' time. Only flags not already set.
+  for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
+    if _flag.split("=")[0] not in _flags:
+      _flags += " " + _flag
+os.environ["XLA_FLAGS"] = _flags.strip()
+
+# One persistent compilation cache per run, shared by its processes (pytest-xdist's workers
+# inherit the directory through the environment; the process that created it removes it when
+# it exits): tests that build the same program (same shapes, other values) compile it once.
+# The processes of a job started by jax_ep.launch each use a directory of their own.
+# JAX_EP_TEST_COMPILATION_CACHE=off compiles every program; a directory keeps the cache there.
+_CACHE_ENV = "JAX_EP_TEST_COMPILATION_CACHE"
+if _CPU_ONLY and os.environ.get(_CACHE_ENV) is None:
+  os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jax_ep_test_cache_")
+  atexit.register(shutil.rmtree, os.environ[_CACHE_ENV], ignore_errors=True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 from jax_ep import launch  # noqa: E402
+
+if os.environ.get(_CACHE_ENV, "off") != "off":
+  _cache_dir = os.environ[_CACHE_ENV]
+  if "JAX_EP_PROCESS_ID" in os.environ:
+    # (jax_share_binary_between_hosts is left off: on the CPU each process's cache key of a
+    # program over several processes differs, so the others would wait for a key never set.)
+    _cache_dir = os.path.join(_cache_dir, "process-" + os.environ["JAX_EP_PROCESS_ID"])
+  jax.config.update("jax_compilation_cache_dir", _cache_dir)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 launch.initialize_from_env()
 
@@ -56,6 +93,10 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_collection_modifyitems(config, items):
+  # With several workers (pytest-xdist), the long tests start first so that none is left
+  # running alone at the end; the order is the same on every worker, as xdist requires.
+  if config.getoption("numprocesses", None):
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
   from jax_ep._native import ffi as _ffi
   if _ffi.cuda_available():
     return

@@ -266,6 +266,7 @@ def test_bench_layers_writes_layer_chain_records(tmp_path, num_devices):
     assert 0 <= r["peer_bytes"] <= r["bytes"]
 
 
+@pytest.mark.slow
 def test_bench_layer_writes_grouped_matmul_and_layer_records(tmp_path):
   out = tmp_path / "layer.jsonl"
   env = dict(os.environ, JAX_PLATFORMS="cpu",

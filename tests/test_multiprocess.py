@@ -71,6 +71,7 @@ def _run_suites_under_launcher(num_processes, suites, *pytest_args, timeout=420)
     assert summary and " failed" not in summary[-1], f"process {p}: {summary}\n{output[-5000:]}"
 
 
+@pytest.mark.slow
 def test_backend_suites_pass_with_one_process_per_rank():
   """The reference, API, layer and XLA-pipeline suites under `jax_ep.launch -n 2`, as on a
   multi-GPU host with one process per GPU: each process checks the ranks it holds and runs its
@@ -79,6 +80,7 @@ def test_backend_suites_pass_with_one_process_per_rank():
                                  "test_xla_pipeline.py"])
 
 
+@pytest.mark.slow
 def test_groups_over_some_of_the_processes():
   """Four processes, groups of 1, 2 and 4 ranks: a group over some of the processes is created,
   checked and counted by its members alone (test_experts_equal_ranks creates two groups in a

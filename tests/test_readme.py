@@ -18,6 +18,7 @@ def _python_blocks():
   return re.findall(r"^```python\n(.*?)^```", README.read_text(), re.MULTILINE | re.DOTALL)
 
 
+@pytest.mark.slow
 def test_readme_python_blocks_run_as_written(tmp_path):
   blocks = _python_blocks()
   assert len(blocks) >= 2, "the README's quick start went missing"
