@@ -17,18 +17,18 @@ import tempfile
 # Under jax_ep.launch each process is one rank with its own device instead.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags and "JAX_EP_PROCESS_ID" not in os.environ:
-  _flags += " --xla_force_host_platform_device_count=8"
+  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 # Where there is no NVIDIA GPU (the CPU suite; a GPU machine's runs are left as they are):
 _CPU_ONLY = (os.environ.get("JAX_PLATFORMS", "").lower() == "cpu"
              or not glob.glob("/dev/nvidia[0-9]*"))
 if _CPU_ONLY:
-  # The CPU backend's code generation without LLVM's optimisation passes: the same HLO (every
-  # XLA pass still runs), IEEE arithmetic either way (fast math is off by default), about a
-  # third less compile time, which is most of these tests' time. Only flags not already set.
-  for _flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
-    if _flag.split("=")[0] not in _flags:
-      _flags += " " + _flag
-os.environ["XLA_FLAGS"] = _flags.strip()
+  # XLA's CPU backend generates code without LLVM's optimisation passes
+  # (--xla_backend_optimization_level=0, --xla_llvm_disable_expensive_passes): the same HLO
+  # (every XLA pass still runs), IEEE arithmetic either way (fast math is off by default), about
+  # a third less compile time, which is most of these tests' time. Set through jax's variable,
+  # not XLA_FLAGS, so that the processes the tests start inherit it whatever XLA_FLAGS they pass.
+  # JAX_DISABLE_MOST_OPTIMIZATIONS=0 compiles as users do.
+  os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 # One persistent compilation cache per run, shared by its processes (pytest-xdist's workers
 # inherit the directory through the environment; the process that created it removes it when
