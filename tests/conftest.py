@@ -1,10 +1,11 @@
 """Test set-up: 8 host devices on the CPU, and `jax.distributed` when started by jax_ep.launch.
 
-Also: on a machine without a GPU, XLA's CPU backend compiles without LLVM optimisation (the
-tests' programs are small, and compiling is most of their time) and compiled programs are shared
-between the tests of one run through a persistent compilation cache; the `ranks` marker
-generates only the rank counts this run can build; GPU-only tests are skipped where there is no
-GPU; with several pytest-xdist workers the slow tests start first.
+Also: on a machine without a GPU, XLA's CPU backend compiles without LLVM optimisation and
+with its older fusion emitter (the tests' programs are small, and compiling is most of their
+time), and compiled programs are shared between the tests of one run through a persistent
+compilation cache; the `ranks` marker generates only the rank counts this run can build;
+GPU-only tests are skipped where there is no GPU; with several pytest-xdist workers the slow
+tests start first.
 """
 
 import atexit
@@ -17,10 +18,17 @@ import tempfile
 # Under jax_ep.launch each process is one rank with its own device instead.
 _flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in _flags and "JAX_EP_PROCESS_ID" not in os.environ:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+  _flags += " --xla_force_host_platform_device_count=8"
 # Where there is no NVIDIA GPU (the CPU suite; a GPU machine's runs are left as they are):
 _CPU_ONLY = (os.environ.get("JAX_PLATFORMS", "").lower() == "cpu"
              or not glob.glob("/dev/nvidia[0-9]*"))
+if _CPU_ONLY and "xla_backend_extra_options" not in _flags:
+  # XLA's CPU backend emits each fusion with its older LLVM IR emitter instead of the MLIR
+  # fusion emitters, which create and destroy MLIR contexts in every compilation: the same HLO,
+  # each op's code from the older emitter, about half the compile time of these tests' small
+  # programs. Also in the processes of a job started by jax_ep.launch (this file adds it there).
+  _flags += " --xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters"
+os.environ["XLA_FLAGS"] = _flags.strip()
 if _CPU_ONLY:
   # XLA's CPU backend generates code without LLVM's optimisation passes
   # (--xla_backend_optimization_level=0, --xla_llvm_disable_expensive_passes): the same HLO
