@@ -117,6 +117,14 @@ def test_time_single_calls_cycles_through_the_input_sets():
   assert seen == [0, 1, 2] + [0, 1, 2, 0, 1]  # one warm-up call per set, then the timed runs
 
 
+def _xla_flags(devices):
+  """XLA_FLAGS for a benchmark on `devices` CPU devices, keeping this run's other XLA flags
+  (tests/conftest.py's compile settings)."""
+  kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+          if not f.startswith("--xla_force_host_platform_device_count")]
+  return " ".join(kept + [f"--xla_force_host_platform_device_count={devices}"])
+
+
 def test_bench_local_runs_and_writes_contract_records(tmp_path):
   out = tmp_path / "local.jsonl"
   env = dict(os.environ, JAX_PLATFORMS="cpu")
@@ -141,7 +149,7 @@ def test_bench_local_runs_and_writes_contract_records(tmp_path):
 def _run_bench_intranode_on_cpu(*args):
   """bench_intranode.py on 4 CPU devices in one process (the reference backend's collectives)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+             XLA_FLAGS=_xla_flags(devices=4))
   return subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_intranode.py"), "--backends",
        "reference", "--tokens", "16", "--hidden", "128", *args],
@@ -237,7 +245,7 @@ def test_narrowed_to_one_gpu_reads_cuda_visible_devices(monkeypatch, value, narr
 def test_bench_layers_writes_layer_chain_records(tmp_path, num_devices):
   out = tmp_path / "layers.jsonl"
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}")
+             XLA_FLAGS=_xla_flags(devices=num_devices))
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layers.py"), "--tokens", "16",
        "--hidden", "128", "--experts", "16", "--topk", "2", "--ffn", "64", "--layers", "2",
@@ -270,7 +278,7 @@ def test_bench_layers_writes_layer_chain_records(tmp_path, num_devices):
 def test_bench_layer_writes_grouped_matmul_and_layer_records(tmp_path):
   out = tmp_path / "layer.jsonl"
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1")
+             XLA_FLAGS=_xla_flags(devices=1))
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layer.py"), "--shapes",
        "qwen3_30b_a3b", "mixtral", "--scale", "32", "--tokens", "128", "--repeats", "2",
@@ -292,7 +300,7 @@ def test_bench_low_latency_runs_on_the_reference_backend(tmp_path):
   still reports the fp8 round trip's error against bf16."""
   out = tmp_path / "ll.jsonl"
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=2")
+             XLA_FLAGS=_xla_flags(devices=2))
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_low_latency.py"), "--tokens", "4",
        "--hidden", "256", "--experts", "16", "--topk", "4", "--layers", "2", "--repeats", "3",

@@ -13,9 +13,15 @@ WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "dispatch_worker.
 pytestmark = pytest.mark.multiprocess
 
 
+def _one_device_per_process():
+  """This run's XLA_FLAGS (tests/conftest.py's compile settings) less the host device count:
+  one CPU device per process."""
+  return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                  if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 def _launch(num_processes, *worker_args, timeout=240):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)  # one CPU device per process
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_one_device_per_process())
   cmd = [sys.executable, "-m", "jax_ep.launch", "-n", str(num_processes), "--grace", "20",
          "--timeout", str(timeout - 20), "--", sys.executable, WORKER, *worker_args]
   return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -38,8 +44,7 @@ def test_configuration_mismatch_fails_at_group_creation():
 
 def test_intranode_transport_bootstrap_exchanges_handles_in_rank_order():
   worker = os.path.join(os.path.dirname(__file__), "mp_workers", "intranode_bootstrap_worker.py")
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_one_device_per_process())
   cmd = [sys.executable, "-m", "jax_ep.launch", "-n", "3", "--grace", "20", "--timeout", "100",
          "--", sys.executable, worker]
   result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
@@ -57,8 +62,7 @@ def _run_suites_under_launcher(num_processes, suites, *pytest_args, timeout=420)
   if os.environ.get(launch.ENV_PROCESS_ID) is not None:
     pytest.skip("already one process of a launched job: would start a job per process")
   paths = [os.path.join(os.path.dirname(__file__), name) for name in suites]
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_one_device_per_process())
   cmd = [sys.executable, "-m", "jax_ep.launch", "-n", str(num_processes), "--grace", "20",
          "--timeout", str(timeout - 20), "--", sys.executable, "-m", "pytest", "-q", "-p",
          "no:cacheprovider", *pytest_args, *paths]
