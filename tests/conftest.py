@@ -4,7 +4,8 @@ Also: on a machine without a GPU, XLA's CPU backend compiles without LLVM optimi
 with its older fusion emitter (the tests' programs are small, and compiling is most of their
 time), and compiled programs are shared between the tests of one run through a persistent
 compilation cache; the `ranks` marker generates only the rank counts this run can build;
-GPU-only tests are skipped where there is no GPU; with several pytest-xdist workers the slow
+GPU-only tests are skipped where there is no GPU (and fail the run where JAX_EP_REQUIRE_GPU=1
+says there must be one); with several pytest-xdist workers the slow
 tests start first.
 """
 
@@ -108,7 +109,12 @@ def pytest_collection_modifyitems(config, items):
   from jax_ep._native import ffi as _ffi
   if _ffi.cuda_available():
     return
+  gpu_items = [item for item in items if "gpu" in item.keywords]
+  if gpu_items and os.environ.get("JAX_EP_REQUIRE_GPU") == "1":
+    # The GPU round: a machine that should run these tests and cannot (a stale or mismatched
+    # extension, no GPU visible) fails the run, saying why, instead of skipping them all.
+    raise pytest.UsageError(f"JAX_EP_REQUIRE_GPU=1, but {len(gpu_items)} GPU tests cannot run "
+                            f"here: {_ffi.why_unavailable()}")
   skip = pytest.mark.skip(reason="needs a CUDA GPU and the jax_ep CUDA extension")
-  for item in items:
-    if "gpu" in item.keywords:
-      item.add_marker(skip)
+  for item in gpu_items:
+    item.add_marker(skip)

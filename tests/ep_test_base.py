@@ -8,6 +8,7 @@ gradients).
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import jax
@@ -46,6 +47,8 @@ def make_routing(rng, num_ranks, num_tokens, num_topk, num_experts, pattern):
     return idx.astype(np.int32)
   if pattern == "one_expert":  # every slot of every token on one expert: overflows capacity
     return np.full(shape, num_experts - 1, np.int32)
+  if pattern == "fill_rank0":  # every token on experts 0..K-1: K distinct rows each, one rank
+    return np.broadcast_to(np.arange(num_topk, dtype=np.int32), shape).copy()
   if pattern == "invalid":  # -1, in-range and out-of-range ids mixed
     return rng.integers(-3, num_experts + 3, shape).astype(np.int32)
   raise ValueError(pattern)
@@ -60,6 +63,55 @@ def count_primitive(jaxpr, name):
     for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       count += count_primitive(sub, name)
   return count
+
+
+# The GPU round sets JAX_EP_REQUIRE_GPU=1: there a missing GPU, extension, NVSHMEM module or
+# Hopper chip is a broken set-up, and a test that would skip for it fails instead.
+REQUIRE_GPU = os.environ.get("JAX_EP_REQUIRE_GPU") == "1"
+
+
+def skip_unless_present(reason: str):
+  """Skips the test for something this machine lacks (`reason` says what); fails it where
+  JAX_EP_REQUIRE_GPU=1 says the machine must have it."""
+  if REQUIRE_GPU:
+    pytest.fail(f"JAX_EP_REQUIRE_GPU=1, but {reason}", pytrace=False)
+  pytest.skip(reason)
+
+
+def require_gpu():
+  """A skip (a failure under JAX_EP_REQUIRE_GPU=1) where JAX sees no GPU or the extension
+  did not load."""
+  from jax_ep._native import ffi
+  if not ffi.cuda_available():
+    skip_unless_present(f"needs a CUDA GPU and the jax_ep CUDA extension ({ffi.why_unavailable()})")
+
+
+def require_hopper():
+  """As `require_gpu`, for jax_ep's Mosaic GPU kernels, which run on Hopper GPUs."""
+  from jax_ep import gmm
+  require_gpu()
+  if not gmm._on_hopper():
+    skip_unless_present("jax_ep's Mosaic GPU kernels run on Hopper GPUs (compute capability "
+                        f"9.0), this machine has {[d.device_kind for d in jax.devices()]}")
+
+
+def require_nvshmem():
+  """As `require_gpu`, for the network transport, which needs jax_ep's NVSHMEM module."""
+  from jax_ep.backends import nvshmem
+  try:
+    nvshmem.load()
+  except nvshmem.NvshmemUnavailable as e:
+    skip_unless_present(f"the network transport needs NVSHMEM: {e}")
+
+
+def grouped_matmul_kernels(fn, *args):
+  """`(pallas, ragged)`: the Pallas kernel calls (jax_ep's Mosaic GPU grouped GEMM, on Hopper)
+  and the `lax.ragged_dot` products (its fallback) in the program `fn(*args)` traces, its
+  backward included where `fn` takes a gradient. A test that claims to run the kernels asserts
+  `ragged == 0` and the number of kernel calls: a fallback would otherwise be compared with
+  `lax.ragged_dot` itself and pass."""
+  jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+  return count_primitive(jaxpr, "pallas_call"), count_primitive(jaxpr, "ragged_dot_general")
 
 
 def rank_count_runs(num_ranks):
@@ -136,9 +188,9 @@ def tolerance(dtype):
   return {jnp.float32: 1e-5, jnp.float16: 2e-3, jnp.bfloat16: 1.6e-2}[dtype]
 
 
-def assert_close(actual, desired, *, rtol, atol):
+def assert_close(actual, desired, *, rtol, atol, what=""):
   """`|actual - desired| <= atol + rtol * |desired|` elementwise, where `atol` may be an array
-  (np.testing.assert_allclose takes only a scalar atol); names the worst element."""
+  (np.testing.assert_allclose takes only a scalar atol); names the worst element (and `what`)."""
   actual = np.asarray(actual, np.float64)
   desired = np.asarray(desired, np.float64)
   assert actual.shape == desired.shape, (actual.shape, desired.shape)
@@ -148,7 +200,8 @@ def assert_close(actual, desired, *, rtol, atol):
     worst = np.unravel_index(np.nanargmax(np.where(np.isnan(excess), np.inf, excess)),
                              excess.shape)
     raise AssertionError(
-        f"{int((~(excess <= 0)).sum())} of {actual.size} elements differ by more than allowed; "
+        f"{what + ': ' if what else ''}{int((~(excess <= 0)).sum())} of {actual.size} "
+        f"elements differ by more than allowed; "
         f"worst at {tuple(int(i) for i in worst)}: got {float(actual[worst])!r}, want "
         f"{float(desired[worst])!r}, allowed difference {float(allowed[worst])!r}")
 
@@ -206,21 +259,38 @@ class EPTestBase(ClosesGroups):
   # Whether vmap keeps one communication round (backends that document a per-element loop
   # under vmap set False; their per-element results are still checked).
   vmap_one_round = True
+  # Extra `jax_ep.Group` arguments of a suite (e.g. the network transport's `virtual_hosts`).
+  group_options: dict = {}
+  # Where a suite's transport refuses `expert_alignment > 1` by design: words of the error
+  # `Group` must raise (checked), after which the test is skipped. None: supported.
+  expert_alignment_refused: str | None = None
 
   # ------------------------------------------------------------------ helpers
+  def require(self):
+    """Hook run before each group is made: a suite raises (or skips) where its transport's
+    engine is missing."""
+
   def make_group(self, num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype,
                  capacity=None, strict=False, num_sms=None, low_latency=False,
                  expert_alignment=1):
     if num_ranks not in self.rank_counts:
       pytest.skip(f"{self.backend} backend does not run at R={num_ranks} here")
+    self.require()
     mesh = rank_mesh(num_ranks)
-    extra = {} if num_sms is None else {"num_sms": num_sms}
+    extra = dict(self.group_options)
+    if num_sms is not None:
+      extra["num_sms"] = num_sms
     if expert_alignment != 1:
       extra["expert_alignment"] = expert_alignment
-    return self.closing(jax_ep.Group(
+    make = lambda: jax_ep.Group(
         mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
         max_tokens_per_rank=max_tokens, dtype=dtype, capacity=capacity, backend=self.backend,
-        strict=strict, low_latency=low_latency, **extra))
+        strict=strict, low_latency=low_latency, **extra)
+    if expert_alignment != 1 and self.expert_alignment_refused is not None:
+      with pytest.raises(ValueError, match=self.expert_alignment_refused):
+        make()
+      pytest.skip(f"expert_alignment={expert_alignment} is refused here, as documented")
+    return self.closing(make())
 
   @staticmethod
   def shard(group, *arrays, spec=P("ep")):
@@ -286,7 +356,7 @@ class EPTestBase(ClosesGroups):
 
   @pytest.mark.parametrize("pattern", ["hot", "unused_experts", "all_masked", "duplicates",
                                        "invalid"])
-  @pytest.mark.ranks("num_ranks", [1, 4])
+  @pytest.mark.ranks("num_ranks", [1, 2, 4, 8])
   def test_routing_patterns(self, num_ranks, pattern):
     self._roundtrip(num_ranks, 19, 128, 4, 16, pattern, jnp.float32)
 
@@ -315,19 +385,27 @@ class EPTestBase(ClosesGroups):
   def test_tokens_fewer_than_max(self):
     self._roundtrip(self.small_ranks, 5, 128, 2, 8, "uniform", jnp.float32, max_tokens=19)
 
-  @pytest.mark.ranks("num_ranks", [1, 4])
+  @pytest.mark.ranks("num_ranks", [1, 2, 4, 8])
   @pytest.mark.parametrize("capacity", [1, 7, 50])
   def test_capacity_overflow_is_counted(self, num_ranks, capacity):
     _, _, expected = self._roundtrip(num_ranks, 19, 128, 4, 8, "hot", jnp.float32,
                                      capacity=capacity)
     assert sum(e["num_dropped"] for e in expected) > 0  # the case overflows somewhere
 
-  def test_default_capacity_never_drops(self):
-    # Every slot of every token names the same expert: K rows per token on one rank, which is
-    # exactly the default capacity R * T_max * min(K, L) when L >= K (here L = K = 4).
-    r = 4 if 4 in self.rank_counts and rank_count_runs(4) else self.small_ranks
-    _, _, expected = self._roundtrip(r, 19, 128, 4, 4 * r, "one_expert", jnp.float32)
+  @pytest.mark.ranks("num_ranks", [1, 2, 4, 8])
+  def test_default_capacity_filled_exactly(self, num_ranks):
+    """Every token of every rank picks K distinct experts of rank 0 (L = K = 4): rank 0
+    receives R * T_max * K rows, exactly the default capacity R * T_max * min(K, L), and
+    keeps every one of them."""
+    r, num_tokens, num_topk = num_ranks, 19, 4
+    recv, _, expected = self._roundtrip(r, num_tokens, 128, num_topk, num_topk * r,
+                                        "fill_rank0", jnp.float32)
+    group = self._last_group
+    assert group.capacity == r * num_tokens * num_topk
+    assert expected[0]["group_sizes"].sum() == group.capacity
     assert all(e["num_dropped"] == 0 for e in expected)
+    if 0 in self.local_ranks(group):
+      assert recv.group_sizes[0].sum() == group.capacity and recv.num_dropped[0] == 0
 
   @pytest.mark.parametrize("pattern", ["duplicates", "one_expert"])
   def test_default_capacity_never_drops_with_duplicate_slots(self, pattern):
@@ -406,9 +484,12 @@ class EPTestBase(ClosesGroups):
     idx = make_routing(rng, r, 64, 4, 16, "uniform")
     w = rng.random((r, 64, 4)).astype(np.float32)
     eo = random_inputs(rng, r, group.capacity, 256, jnp.bfloat16)
-    first = self.dispatch_combine(group, x, idx, w, eo)
-    second = self.dispatch_combine(group, x, idx, w, eo)
-    jax.tree.map(np.testing.assert_array_equal, first, second)
+    # The rows outside the groups are unspecified (the cuda dispatch does not write them):
+    # compared as zeros.
+    first, second = (self.run_per_rank(group, self._dispatch_combine_fn(group), x, idx, w, eo)
+                     for _ in range(2))
+    mine = self.local_mask(group)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a[mine], b[mine]), first, second)
 
   def test_consecutive_calls_with_different_routings(self):
     r = self.small_ranks
@@ -660,7 +741,7 @@ class EPTestBase(ClosesGroups):
     jax.test_util.check_grads(f, (x_s, w_s, a_s), order=1, modes=("rev",), atol=1e-2, rtol=1e-2)
 
   # ------------------------------------------------------------------ rows past the groups
-  @pytest.mark.ranks("num_ranks", [1, 4])
+  @pytest.mark.ranks("num_ranks", [1, 2, 4, 8])
   def test_rows_past_the_groups_never_reach_a_result(self, num_ranks):
     """NaN in every row of recv.x past sum(group_sizes) (and in the cotangent of the experts'
     output there) leaves the layer's output and every gradient unchanged and finite: combine,

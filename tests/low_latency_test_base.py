@@ -48,12 +48,20 @@ class LowLatencyTestBase(ClosesGroups):
   # The kernels quantise with IEEE division and round-to-nearest-even: bit-exact against the
   # oracle. XLA's own f32 -> e4m3 conversion (the reference) may differ by one step on ties.
   fp8_exact = False
+  # Extra `jax_ep.Group` arguments of a suite (e.g. the network transport's `virtual_hosts`).
+  group_options: dict = {}
 
   # ------------------------------------------------------------------ helpers
+  def require(self):
+    """Hook run before each group is made: a suite raises (or skips) where its transport's
+    engine is missing."""
+
   def make_group(self, num_ranks, *, num_experts, num_topk, hidden, max_tokens,
                  dtype=jnp.bfloat16, **kwargs):
     if num_ranks not in self.rank_counts:
       pytest.skip(f"{self.backend} backend does not run at R={num_ranks} here")
+    self.require()
+    kwargs = {**self.group_options, **kwargs}
     # A short timeout: a wait that never ends is a test failure with the mailbox's message.
     kwargs.setdefault("timeout_s", 20.0)
     return self.closing(jax_ep.Group(
@@ -219,11 +227,18 @@ class LowLatencyTestBase(ClosesGroups):
     return self.run_per_rank(group, fn, xs, idxs, ws, scales)
 
   @staticmethod
-  def _chain_oracle(xs, idxs, ws, scales, num_experts, t_max):
+  def _chain_oracle(xs, idxs, ws, scales, num_experts, t_max, fp8=False):
+    """The layer chain in numpy: each layer dispatches the bf16 activations (with `fp8`, their
+    e4m3 rows times their per-128-channel scales, as the kernels quantise them: exactly),
+    scales each expert's rows, rounds them to bf16 and combines in float64."""
     h = np.asarray(xs, np.float32)
     counts = []
     for n in range(idxs.shape[1]):
       hb = h.astype(jnp.bfloat16)
+      if fp8:
+        q, s = oracle.fp8_quantize(hb)
+        blocks = q.astype(np.float32).reshape(*q.shape[:-1], -1, 128) * s[..., None]
+        hb = blocks.reshape(q.shape)
       dispatched = oracle.low_latency_dispatch(hb, idxs[:, n], num_experts, t_max)
       counts.append(np.stack([d["count"] for d in dispatched]))
       eo = [(d["recv_x"].astype(np.float32) * scales[r, n][:, None, None]).astype(jnp.bfloat16)
@@ -304,13 +319,20 @@ class LowLatencyTestBase(ClosesGroups):
     valid = (idx >= 0) & (idx < e)
     ae = np.where(valid, all_a[np.clip(idx, 0, e - 1)], 0.0)  # [R, T, K]
     want_dx = np.einsum("rtk,rtk,rth->rth", w, ae, gf)
-    want_dw = np.where(valid, ae * np.einsum("rth,rth->rt", xf, gf)[..., None], 0.0)
+    xg = np.einsum("rth,rth->rt", xf, gf)
+    want_dw = np.where(valid, ae * xg[..., None], 0.0)
+    # d a[e] = sum over the slots that chose e of w * <x, g>: every rank's tokens.
+    slot_terms = np.where(valid, w * xg[..., None], 0.0)
+    want_da = np.bincount(np.where(valid, idx, 0).reshape(-1), weights=slot_terms.reshape(-1),
+                          minlength=e).reshape(r, e // r)
     for d in self.mine(group):
       np.testing.assert_allclose(dx[d].astype(np.float64), want_dx[d], rtol=2e-2,
                                  atol=2e-2 * np.abs(want_dx[d]).max())
       np.testing.assert_allclose(dw[d], want_dw[d], rtol=2e-2,
                                  atol=2e-2 * np.abs(want_dw[d]).max())
-    assert np.all(np.isfinite(da))
+      np.testing.assert_allclose(da[d], want_da[d], rtol=2e-2,
+                                 atol=2e-2 * np.abs(want_da).max(),
+                                 err_msg=f"gradient of the experts' scales, rank {d}")
 
   def test_vmap_matches_per_element(self):
     r, e, k, h, t = self.small_ranks, 4 * self.small_ranks, 4, 256, 5

@@ -23,7 +23,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from ep_test_base import EPTestBase, make_routing, random_inputs, used_rows
+from ep_test_base import EPTestBase, assert_close, make_routing, random_inputs, used_rows
 from low_latency_test_base import CudaLowLatencyTests, run_graph_worker
 from jax_ep.testing import oracle
 
@@ -93,20 +93,25 @@ class TestCudaIntranode(EPTestBase):
   def test_back_to_back_rounds_reuse_regions(self):
     """Many rounds of dispatch, combine and their backward ops (dispatch_cached, combine_vjp)
     through one compiled step, a new routing each round: every receive region is reused many
-    times, so a broken hand-off between calls shows up as wrong rows or a timeout."""
+    times, so a broken hand-off between calls shows up as wrong rows, wrong gradients or a
+    timeout. Rows are the oracle's exactly; gradients the dense model's to bf16 rounding."""
     r, num_tokens, hidden, num_experts, num_topk = NUM_RANKS, 64, 256, 8 * NUM_RANKS, 4
     group = self.make_group(r, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
                             max_tokens=num_tokens, dtype=jnp.bfloat16)
     model = self._scaled_experts_model(group)
 
-    def body(x, idx, w, a):
+    def body(x, idx, w, a, cot):
       recv, _ = jax_ep.dispatch(group, x[0], idx[0], w[0])
-      loss = lambda x, w, a: jnp.sum(model(x, idx[0], w, a).astype(jnp.float32) ** 2)
+      loss = lambda x, w, a: jnp.sum(model(x, idx[0], w, a).astype(jnp.float32) * cot[0])
       grads = jax.grad(loss, argnums=(0, 1, 2))(x[0], w[0], a)
       return recv.x[None], recv.group_sizes[None], grads[0][None], grads[1][None], grads[2]
 
     step = jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep")))
+    dense_grads = jax.jit(jax.grad(
+        lambda x, w, a, idx, cot: jnp.sum(
+            self._dense_scaled_experts(x, idx, w, a, num_experts) * cot), argnums=(0, 1, 2)))
     rng = np.random.default_rng(21)
+    mine = self.local_mask(group)
     patterns = ["uniform", "hot", "duplicates", "invalid", "all_masked", "unused_experts"]
     for round_index in range(60):
       pattern = patterns[round_index % len(patterns)]
@@ -114,14 +119,22 @@ class TestCudaIntranode(EPTestBase):
       idx = make_routing(rng, r, num_tokens, num_topk, num_experts, pattern)
       w = rng.random((r, num_tokens, num_topk)).astype(np.float32)
       a = (1 + 0.1 * rng.standard_normal((num_experts, hidden))).astype(np.float32)
-      outs = [self.to_numpy(o) for o in step(*self.shard(group, x, idx, w, a))]
+      cot = rng.standard_normal((r, num_tokens, hidden)).astype(np.float32)
+      outs = [self.to_numpy(o) for o in step(*self.shard(group, x, idx, w, a, cot))]
       expected = oracle.dispatch(x, idx, num_experts, group.capacity)
+      where = f"round {round_index} ({pattern})"
       for d in self.local_ranks(group):
         np.testing.assert_array_equal(used_rows(outs[0][d], expected[d]["group_sizes"]),
                                       used_rows(expected[d]["recv_x"], expected[d]["group_sizes"]),
-                                      err_msg=f"round {round_index} ({pattern}), rank {d}")
+                                      err_msg=f"{where}, rank {d}")
         np.testing.assert_array_equal(outs[1][d], expected[d]["group_sizes"])
-      assert all(np.isfinite(o).all() for o in outs[2:])
+      want = [np.asarray(g, np.float64) for g in dense_grads(x.astype(np.float32), w, a, idx, cot)]
+      got = [np.asarray(g, np.float64) for g in outs[2:]]
+      want[2], got[2] = (g.reshape(r, -1, hidden) for g in (want[2], got[2]))
+      for name, g, v in zip(("x", "topk_weights", "expert scales"), got, want):
+        # A few bf16 roundings per element (the cotangent, the weighted rows, the products).
+        assert_close(g[mine], v[mine], rtol=3e-2, atol=1e-2 * (np.abs(v).max() + 1e-30),
+                     what=f"{where}: gradient w.r.t. {name}")
     group.check()
 
 

@@ -24,10 +24,8 @@ import numpy as np
 import pytest
 
 import jax_ep
-from ep_test_base import random_inputs, rank_mesh
-from ep_test_base import EPTestBase
+from ep_test_base import EPTestBase, random_inputs, rank_mesh, require_nvshmem
 from low_latency_test_base import GRAPH_WORKER, CudaLowLatencyTests
-from jax_ep.backends import nvshmem
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
@@ -42,20 +40,12 @@ _why_not = (f"needs one process per rank under the launcher with R divisible by 
             f"{jax.process_count()} processes)")
 
 
-def _needs_nvshmem():
-  if not nvshmem.available():
-    pytest.skip("jax_ep was built without its NVSHMEM module, or NVSHMEM is not installed")
-
-
 @pytest.mark.skipif(not _on_network, reason=_why_not)
 class TestNetworkLowLatency(CudaLowLatencyTests):
   rank_counts = (NUM_RANKS,)
   small_ranks = NUM_RANKS
-
-  def make_group(self, num_ranks, **kwargs):
-    _needs_nvshmem()
-    kwargs.setdefault("virtual_hosts", VIRTUAL_HOSTS)
-    return super().make_group(num_ranks, **kwargs)
+  group_options = {"virtual_hosts": VIRTUAL_HOSTS}
+  require = staticmethod(require_nvshmem)
 
   def test_ranks_of_other_hosts_take_the_network(self):
     """The ranks of the other virtual hosts have no pointer in this rank's table (so every row
@@ -115,17 +105,10 @@ class TestNetworkHighThroughput(EPTestBase):
   rank_counts = (NUM_RANKS,)
   small_ranks = NUM_RANKS
   vmap_one_round = False  # the cuda multi-rank ops run one round per batch element under vmap
-
-  def make_group(self, num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype,
-                 capacity=None, strict=False, num_sms=None, low_latency=False):
-    if num_ranks not in self.rank_counts:
-      pytest.skip(f"runs at R={NUM_RANKS} here")
-    _needs_nvshmem()
-    extra = {} if num_sms is None else {"num_sms": num_sms}
-    return self.closing(jax_ep.Group(
-        rank_mesh(num_ranks), "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-        max_tokens_per_rank=max_tokens, dtype=dtype, capacity=capacity, backend="cuda",
-        strict=strict, low_latency=low_latency, virtual_hosts=VIRTUAL_HOSTS, **extra))
+  group_options = {"virtual_hosts": VIRTUAL_HOSTS}
+  require = staticmethod(require_nvshmem)
+  # The host group lays out each expert's rows as one group per source host (docs/multihost.md).
+  expert_alignment_refused = "not implemented on the cuda backend's network transport"
 
   def test_group_spans_the_virtual_hosts(self):
     group = self.make_group(NUM_RANKS, num_experts=4 * NUM_RANKS, num_topk=2, hidden=128,
@@ -149,7 +132,7 @@ def test_decode_step_in_command_buffers_across_hosts(mode):
   """Four ranks as two virtual hosts of two, sharing GPU 0: the jitted decode step of several
   low-latency layers inside XLA command buffers, 60 steps with changing routings, each checked
   against the oracle."""
-  _needs_nvshmem()
+  require_nvshmem()
   code, log = _launch([GRAPH_WORKER, mode], 4, 2)
   assert code == 0 and "60 steps ok" in log, log
 
@@ -158,7 +141,7 @@ def test_decode_step_in_command_buffers_across_hosts(mode):
 def test_peer_that_skips_a_dispatch_is_a_timeout_in_the_rail_exchange():
   """Two ranks on two virtual hosts: rank 1 never calls dispatch; rank 0's rail exchange
   gives up after the group's timeout naming the op, rank and peer (no hang), and both exit."""
-  _needs_nvshmem()
+  require_nvshmem()
   code, log = _launch([FAULT_WORKER, "skip_call"], 2, 2, timeout=120)
   assert code == 0, log
   assert "check() raised after" in log and "next call failed" in log, log
@@ -170,7 +153,7 @@ def test_peer_that_skips_a_dispatch_is_a_timeout_in_the_rail_exchange():
 def test_peer_that_skips_the_call_is_a_timeout_across_hosts():
   """Two ranks on two virtual hosts: rank 1 never calls low_latency_dispatch; rank 0's wait
   gives up after the group's timeout with the op, rank and peer (no hang), and both exit."""
-  _needs_nvshmem()
+  require_nvshmem()
   code, log = _launch([FAULT_WORKER, "skip_low_latency"], 2, 2, timeout=120)
   assert code == 0, log
   assert "check() raised after" in log, log

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ep_test_base import rank_mesh
+from ep_test_base import rank_mesh, require_gpu
 from jax_ep.kernels import slab_mlp
 
 L, S, H, F = 4, 128, 256, 128  # per rank: experts, slab rows, hidden, ffn
@@ -75,8 +75,7 @@ def test_kernels_trace_inside_shard_map(wrap):
 @pytest.mark.gpu
 @pytest.mark.parametrize("wrap", ["plain", "checkpoint", "vmap"])
 def test_compiled_kernels_inside_shard_map_under_grad(wrap):
-  if jax.default_backend() != "gpu":
-    pytest.skip("needs a GPU")
+  require_gpu()
   mesh = rank_mesh(1)
   args = _put(mesh, *_operands(1, seed=5))
   assert slab_mlp.resolve_impl("auto", (L, S, H), F, jnp.bfloat16) == "pallas"

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import pytest
 
 import jax_ep
-from ep_test_base import count_primitive
+from ep_test_base import count_primitive, grouped_matmul_kernels, require_hopper
 from jax_ep import gmm as gmm_module
 from jax_ep.kernels import gmm_kernels
 
@@ -557,13 +557,13 @@ def test_kernels_interpreted_inside_shard_map_under_grad(interpreted_kernels, mo
 
 # ------------------------------------------------------------------ the kernels, on a GPU
 
-GPU_SHAPES = [  # rows, groups, K, N, sizes: skewed, empty groups, rows past the groups
-    (1024, 8, 256, 512, [1000, 0, 0, 24, 0, 0, 0, 0]),
-    (777, 5, 128, 192, [0, 300, 0, 200, 150]),
-    (4096, 32, 512, 256, None),
-    (2048, 4, 256, 256, [0, 0, 0, 0]),
-    (300, 3, 100, 128, [100, 100, 50]),    # K not a multiple of the tile: lax.ragged_dot
-    (300, 3, 128, 100, [0, 200, 50]),      # N not a multiple of the tile: lax.ragged_dot
+GPU_SHAPES = [  # rows, groups, K, N, sizes: skewed, empty groups, rows past the groups; kernel
+    (1024, 8, 256, 512, [1000, 0, 0, 24, 0, 0, 0, 0], True),
+    (777, 5, 128, 192, [0, 300, 0, 200, 150], True),
+    (4096, 32, 512, 256, None, True),
+    (2048, 4, 256, 256, [0, 0, 0, 0], True),
+    (300, 3, 100, 128, [100, 100, 50], False),    # K not a multiple of the tile: lax.ragged_dot
+    (300, 3, 128, 100, [0, 200, 50], False),      # N not a multiple of the tile: lax.ragged_dot
 ]
 
 
@@ -579,21 +579,53 @@ def _f32_reference(x, w, gs, cot, transpose_w):
   return y, dx, dw
 
 
+# The kernels accumulate in float32 and round once to bf16 (relative error at most 2^-9 an
+# element): each group's relative error against the float32 product stays far below this,
+# and a 1 % change of a result exceeds it (each check shows that too).
+GROUP_BOUND = 5e-3
+
+
+def _group_errors(got, want, gs, per_row_groups, scale=1.0):
+  """Relative error `|scale * got - want| / |want|` of each group: its rows (`per_row_groups`:
+  `y`, `dx`) or its slice of the leading axis (`dw`); nan for an all-zero reference."""
+  got, want = np.asarray(got, np.float64) * scale, np.asarray(want, np.float64)
+  if per_row_groups:
+    bounds = np.concatenate([[0], np.cumsum(np.asarray(gs))])
+    blocks = [(got[a:b], want[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+  else:
+    blocks = list(zip(got, want))
+  return np.array([np.linalg.norm(g - w) / np.linalg.norm(w) if np.any(w) else
+                   (0.0 if not np.any(g) else np.inf) for g, w in blocks])
+
+
 def _assert_close_to(got, want, gs, what, rows_only=True):
-  got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-  if rows_only:
-    got, want = used_rows(got, gs), used_rows(want, gs)
-  assert np.isfinite(got).all(), what
-  scale = float(np.abs(want).max()) + 1e-6 if want.size else 1.0
-  assert (np.abs(got - want).max() if got.size else 0.0) <= 2e-2 * scale, what
+  assert np.isfinite(np.asarray(used_rows(got, gs) if rows_only else got, np.float64)).all(), (
+      f"{what}: not finite")
+  errors = _group_errors(got, want, gs, rows_only)
+  assert (errors[~np.isnan(errors)] <= GROUP_BOUND).all(), (
+      f"{what}: relative error per group {np.round(errors, 5).tolist()} > {GROUP_BOUND:g}")
+  mutated = _group_errors(got, want, gs, rows_only, scale=1.01)
+  if np.any(np.asarray(gs) > 0):
+    assert not (mutated[~np.isnan(mutated)] <= GROUP_BOUND).all(), (
+        f"{what}: the bound does not see a 1 % change")
+
+
+def _assert_kernels(fn, args, kernel, calls=3):
+  """The products ran where the test says: jax_ep's Mosaic GPU kernels (`calls` of them: the
+  forward, the input and the weight gradients) and no lax.ragged_dot, or (`kernel` False, a
+  shape its tiles do not divide) lax.ragged_dot alone."""
+  pallas, ragged = grouped_matmul_kernels(fn, *args)
+  if kernel:
+    assert pallas >= calls and ragged == 0, (pallas, ragged)
+  else:
+    assert pallas == 0 and ragged == calls, (pallas, ragged)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,groups,k,n,sizes", GPU_SHAPES)
+@pytest.mark.parametrize("rows,groups,k,n,sizes,kernel", GPU_SHAPES)
 @pytest.mark.parametrize("transpose_w", [False, True])
-def test_on_the_gpu_against_f32_ragged_dot(rows, groups, k, n, sizes, transpose_w):
-  if not gmm_module._on_hopper():
-    pytest.skip("jax_ep's Mosaic GPU kernels run on Hopper GPUs")
+def test_on_the_gpu_against_f32_ragged_dot(rows, groups, k, n, sizes, kernel, transpose_w):
+  require_hopper()
   rng = np.random.default_rng(rows)
   x, w, gs = inputs(rng, rows, groups, k, n, sizes, dtype=jnp.bfloat16, transpose_w=transpose_w)
   x = poison_tail(x, gs)
@@ -602,7 +634,9 @@ def test_on_the_gpu_against_f32_ragged_dot(rows, groups, k, n, sizes, transpose_
   def loss(x, w):
     y = jax_ep.grouped_matmul(x, w, gs, transpose_w=transpose_w)
     return _masked_loss(y, cot, gs), y
-  (_, y), (dx, dw) = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))(x, w)
+  step = jax.jit(jax.value_and_grad(loss, (0, 1), has_aux=True))
+  _assert_kernels(step, (x, w), kernel)
+  (_, y), (dx, dw) = step(x, w)
   y_ref, dx_ref, dw_ref = _f32_reference(x, w, gs, cot, transpose_w)
   _assert_close_to(y, y_ref, gs, "y")
   _assert_close_to(dx, dx_ref, gs, "dx")
@@ -614,8 +648,7 @@ def test_on_the_gpu_against_f32_ragged_dot(rows, groups, k, n, sizes, transpose_
 def test_on_the_gpu_inside_shard_map_under_grad(wrap):
   """The kernels as the layer calls them on one GPU: inside shard_map (R = 1), under grad,
   jax.checkpoint and vmap, rows past the groups NaN."""
-  if not gmm_module._on_hopper():
-    pytest.skip("jax_ep's Mosaic GPU kernels run on Hopper GPUs")
+  require_hopper()
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
   rng = np.random.default_rng(12)
@@ -639,7 +672,9 @@ def test_on_the_gpu_inside_shard_map_under_grad(wrap):
   put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4,
                              out_specs=(P("ep"), P("ep"))))
-  dx, dw = fn(put(x), put(w), put(gs), put(cot))
+  args = (put(x), put(w), put(gs), put(cot))
+  _assert_kernels(fn, args, True)  # (jax.checkpoint runs the forward twice)
+  dx, dw = fn(*args)
   _, dx_ref, dw_ref = _f32_reference(x, w, gs, cot, False)
   _assert_close_to(dx, dx_ref, gs, "dx")
   _assert_close_to(dw, dw_ref, gs, "dw", rows_only=False)
@@ -656,8 +691,7 @@ def test_on_the_gpu_kernel_variants_and_groups_at_offsets(monkeypatch, tiles, al
   """Each forward kernel (one warpgroup; warp-specialized) at both row tiles and both
   weight-gradient kernels, the groups contiguous or at offsets aligned to the row tile, skewed
   and empty groups, NaN outside."""
-  if not gmm_module._on_hopper():
-    pytest.skip("jax_ep's Mosaic GPU kernels run on Hopper GPUs")
+  require_hopper()
   config = gmm_module.TileConfig(block_n=128, block_k=64, band=4, **tiles)
   monkeypatch.setattr(gmm_module, "tile_config", lambda rows, groups, k, n: config)
   # Both weight-gradient kernels (the warp-specialized one is the default elsewhere).

@@ -18,6 +18,7 @@ import time
 import jax
 import pytest
 
+from ep_test_base import require_nvshmem
 from jax_ep.backends import nvshmem
 
 RING_WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "nvshmem_ring_worker.py")
@@ -162,8 +163,7 @@ def _launch(num_ranks: int, share_gpu: bool) -> subprocess.CompletedProcess:
 def test_ring_on_one_gpu(num_ranks):
   """`num_ranks` processes share GPU 0 under MPS, each its own PE (NVSHMEM's several PEs per
   GPU), joined by unique id; every PE's put-with-signal arrives intact at the next."""
-  if not nvshmem.available():
-    pytest.skip("jax_ep is not built with NVSHMEM here")
+  require_nvshmem()
   result = _launch(num_ranks, share_gpu=True)
   log = result.stdout + result.stderr
   assert result.returncode == 0, log
@@ -174,8 +174,7 @@ def test_ring_on_one_gpu(num_ranks):
 @pytest.mark.multiprocess
 @pytest.mark.skipif(jax.process_count() > 1, reason="starts its own processes")
 def test_ring_one_process_per_gpu():
-  if not nvshmem.available():
-    pytest.skip("jax_ep is not built with NVSHMEM here")
+  require_nvshmem()
   if len([d for d in jax.devices() if d.platform == "gpu"]) < 2:
     pytest.skip("needs two GPUs")
   result = _launch(2, share_gpu=False)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jax_ep
+from ep_test_base import require_gpu
 from jax_ep.kernels import slab_mlp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -136,8 +137,7 @@ def test_bench_slab_mlp_writes_records(tmp_path):
 def test_compiled_kernels_on_the_gpu():
   """The kernels compiled (Triton) against the dense formulation at a decode-like shape, and
   `auto` takes them there."""
-  if jax.default_backend() != "gpu":
-    pytest.skip("needs a GPU")
+  require_gpu()
   rng = np.random.default_rng(3)
   for slab in (128, 512, 1024):  # each of the tile rule's settings
     counts = rng.integers(0, 3 * slab // 8, size=8)
