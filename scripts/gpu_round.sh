@@ -42,17 +42,41 @@
 #                                     # one host, 8 ranks: layer chain (netlayers), per op (netops)
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
 #   bash scripts/gpu_round.sh slab     # the experts on the low-latency slabs: tests, benchmark
+#   bash scripts/gpu_round.sh check     # every GPU suite, nothing else: check1 ... check5, each
+#                                     # part under 10 minutes on one H200 (below)
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
-# and the benchmark records name the commit they measured.
+# and the benchmark and suite records name the commit they measured.
+#
+# Every test run goes through scripts/gpu_suite.py: JAX_EP_REQUIRE_GPU=1 (a missing GPU,
+# extension, NVSHMEM module or Hopper chip fails instead of skipping), a junit report per process
+# under $OUT/junit/, the whole output under $OUT/logs/, and one `gpu_suite` record per run in
+# $OUT/gpu_suites.jsonl (append those of a commit's full check to
+# benchmarks/results/gpu_suites.jsonl). The round exits non-zero if any suite failed, and a
+# summary of every suite closes it.
+#   check1  one rank: the cuda suite, the grouped GEMM, the layer, the slab and group-id tests,
+#           the NVSHMEM ring, memcheck of a one-rank round
+#   check2  the peer transport's suite in one process (faults, command buffers), at 2 and 4
+#           ranks emulated
+#   check3  the peer transport's suite at 8 ranks; memcheck and racecheck of both modes at 2
+#   check4  the layer at 2 and 4 ranks emulated
+#   check5  the network transport at 2 x 4 and 4 x 2 virtual hosts, in one process, memcheck
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES=" ${*:-all} "
 has() { [[ "$STAGES" == *" $1 "* ]] || [[ "$STAGES" == *" all "* ]]; }
+# `check` is check1 ... check5.
+checks() { has check || [[ "$STAGES" == *" $1 "* ]]; }
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date +%T))"; }
+# suite [gpu_suite.py options] -- command: one suite, recorded; a failure fails the round.
+status=0
+suite() { python3 scripts/gpu_suite.py --out "$OUT" "$@" || status=1; }
+# A benchmark or other command whose exit status counts (its output piped elsewhere).
+counts() { [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "FAILED: $1"; status=1; }; }
+PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider"
 # The distributed runtime logs glog warnings as processes exit ("W1129 ... WatchTasksAsync
 # failed ... CANCELLED", "UNAVAILABLE: failed to connect"): they are not test results, and they
 # match "failed", so they go before any grep for pass/fail lines.
@@ -65,55 +89,133 @@ rm -f benchmarks/results/gpu_round_local.jsonl benchmarks/results/gpu_round_intr
   benchmarks/results/gpu_round_layers.jsonl benchmarks/results/gpu_round_layer.jsonl \
   benchmarks/results/gpu_round_low_latency.jsonl benchmarks/results/gpu_round_slab_mlp.jsonl
 step device; nvidia-smi -L
-python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available())"
+python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available(), f.why_unavailable() or '')"
+
+# ---------------------------------------------------------------------------------- the suites
+# One function per suite (or family), shared by the check parts and the named stages below.
+local_suite() { suite --timeout 400 -- $PYTEST tests/test_cuda_local.py; }
+gemm_suite() { suite --timeout 300 -- $PYTEST tests/test_grouped_matmul.py tests/test_routing.py -m gpu; }
+layer_suite() {  # $1: ranks (one process takes most of the GPU: DeepSeek-V3's dense twin)
+  if [ "$1" = 1 ]; then
+    XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_gpu_layer.py
+  else
+    suite --ranks "$1" --timeout $((300 + 60 * $1)) -- $PYTEST tests/test_gpu_layer.py
+  fi
+}
+slab_suite() {
+  suite --timeout 300 -- $PYTEST tests/test_gpu_slab_mlp.py tests/test_slab_mlp.py tests/test_group_ids.py -m gpu
+}
+nvshmem_suite() { suite --timeout 400 -- $PYTEST tests/test_nvshmem.py; }
+local_memcheck() {
+  suite --sanitizer memcheck --kernels kns=jax_ep --timeout 200 -- python3 scripts/sanitize_local.py
+}
+# The peer transport's suite in one process: the pointer table, the fault cases and the decode
+# step in command buffers, each starting the ranks it needs.
+intranode_own_suite() { suite --timeout 400 -- $PYTEST tests/test_cuda_intranode.py; }
+intranode_suite() {  # $1: ranks; PYTEST_K narrows it (a count of a narrowed run is not a check)
+  suite --ranks "$1" --timeout $((240 + 40 * $1)) -- $PYTEST tests/test_cuda_intranode.py \
+    -o faulthandler_timeout=200 ${PYTEST_K:+-k "$PYTEST_K"}
+}
+intranode_sanitize() {
+  for tool in memcheck racecheck; do
+    suite --ranks 2 --sanitizer $tool --kernels kns=jax_ep --timeout 240 -- $PYTEST \
+      tests/test_cuda_intranode.py -k "test_dispatch_combine_uniform and 128-3-8"
+  done
+}
+low_latency_sanitize() {
+  for tool in memcheck racecheck; do
+    suite --ranks 2 --sanitizer $tool --kernels kns=low_latency --timeout 240 -- $PYTEST \
+      tests/test_cuda_intranode.py -k "LowLatency and test_roundtrip and uniform and 7"
+  done
+}
+network_suite() {  # $1: virtual hosts of 8 ranks
+  suite --ranks 8 --virtual-hosts "$1" --timeout ${NET_SUITE_TIMEOUT:-360} -- $PYTEST \
+    tests/test_cuda_network.py ${NET_PYTEST_ARGS:-}
+}
+# The tests that start their own ranks (command buffers, a peer that skips the call).
+network_own_suite() { suite --timeout 360 -- $PYTEST tests/test_cuda_network.py; }
+network_memcheck() {
+  suite --ranks 2 --virtual-hosts 2 --sanitizer memcheck --kernels kns=Put --timeout 240 -- \
+    $PYTEST tests/test_cuda_network.py -k "test_roundtrip and uniform and 7"
+}
+# The rail exchange: its pack / wait / unpack / finish kernels (namespace rail) and its put
+# kernel (RailPutKernel); the filters add up. Under compute-sanitizer (CUDA 13.0) this process
+# died in XLA's compile of its first program, with any filter (docs/multihost.md), so one run
+# without it first fills a persistent compilation cache that the sanitized run then loads its
+# programs from.
+rail_memcheck() {
+  local rail_k="HighThroughput and test_dispatch_combine_uniform and 128-3-8" cache
+  cache=$(mktemp -d)
+  JAX_COMPILATION_CACHE_DIR=$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1 JAX_EP_VIRTUAL_HOSTS=2 timeout 150 \
+    python3 -m jax_ep.launch -n 2 --share-gpu --grace 10 --timeout 140 -- python3 -m pytest -q \
+    -p no:cacheprovider tests/test_cuda_network.py -k "$rail_k" 2>&1 | drop_noise \
+    | grep -E " passed| failed" | tail -3
+  echo "compilation cache: $(ls "$cache" | wc -l) entries"
+  JAX_COMPILATION_CACHE_DIR=$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1 suite --ranks 2 --virtual-hosts 2 \
+    --sanitizer memcheck --kernels kns=rail kns=RailPut --timeout 240 -- $PYTEST \
+    tests/test_cuda_network.py -k "$rail_k"
+  rm -rf "$cache"
+}
+
+if checks check1; then
+  step "check1: one rank"
+  local_suite; gemm_suite; layer_suite 1; slab_suite; nvshmem_suite; local_memcheck
+fi
+if checks check2; then
+  step "check2: the peer transport in one process, at 2 and 4 ranks emulated"
+  intranode_own_suite; intranode_suite 2; intranode_suite 4
+fi
+if checks check3; then
+  step "check3: the peer transport at 8 ranks emulated; sanitizers at 2"
+  intranode_suite 8; intranode_sanitize; low_latency_sanitize
+fi
+if checks check4; then
+  step "check4: the layer at 2 and 4 ranks emulated"
+  layer_suite 2; layer_suite 4
+fi
+if checks check5; then
+  step "check5: the network transport between virtual hosts"
+  network_suite 2; network_suite 4; network_own_suite; network_memcheck; rail_memcheck
+fi
 
 if has local; then
   step cuda one-rank suite
-  timeout 240 python3 -m pytest tests/test_cuda_local.py -q -rf -p no:cacheprovider 2>&1 | tee "$OUT/pytest_cuda.log" | tail -15
+  local_suite
   step benchmark, one rank
   timeout 300 python3 benchmarks/bench_local.py --timing single batch --out gpu_round_local.jsonl 2>&1 | tee "$OUT/bench_local.log" | tail -60
+  counts bench_local.py
   cp benchmarks/results/gpu_round_local.jsonl "$OUT/" 2>/dev/null
   step main job on the GPU
   timeout 60 python3 -m jax_ep.demo --steps 5 2>&1 | tail -12
+  counts "jax_ep.demo"
   step compute-sanitizer memcheck, one rank
-  timeout 100 compute-sanitizer --tool memcheck --kernel-name kns=jax_ep \
-    --print-limit 20 python3 scripts/sanitize_local.py 2>&1 | tail -6
+  local_memcheck
 fi
 
 if has smoke; then
   step intranode smoke: single-process pointer table, then one small case at N=2
-  timeout 60 python3 -m pytest tests/test_cuda_intranode.py -q -rf -x -p no:cacheprovider \
-    -k pointer_table 2>&1 | tail -5
-  timeout 150 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 --timeout 140 -- \
-    python3 -m pytest tests/test_cuda_intranode.py -q -rf -x -p no:cacheprovider \
-    -k "test_dispatch_combine_uniform" 2>&1 | tee "$OUT/pytest_smoke.log" | tail -40
+  suite --timeout 60 -- $PYTEST tests/test_cuda_intranode.py -k pointer_table
+  suite --ranks 2 --timeout 150 -- $PYTEST tests/test_cuda_intranode.py \
+    -k "test_dispatch_combine_uniform"
 fi
 
 if has intranode || has faults; then
   step intranode transport, one process: pointer table and fault cases
-  timeout 300 python3 -m pytest tests/test_cuda_intranode.py -q -rf -p no:cacheprovider 2>&1 \
-    | tee "$OUT/pytest_intranode_faults.log" | tail -6
+  intranode_own_suite
 fi
 
 for n in 2 4 8; do
   if has intranode || has intranode$n; then
     step intranode suite, $n ranks emulated on one GPU
-    timeout 300 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 280 -- \
-      python3 -m pytest tests/test_cuda_intranode.py -q -rf -x -p no:cacheprovider \
-      ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 \
-      | tee "$OUT/pytest_intranode_$n.log" | drop_noise | grep -E " passed| failed|rror" | tail -$((n + 4))
+    intranode_suite $n
   fi
 done
 
 if has intranode || has sanitize; then
   step compute-sanitizer memcheck and racecheck, 2 ranks emulated
-  for tool in memcheck racecheck; do
-    timeout 240 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 --timeout 230 -- \
-      compute-sanitizer --tool $tool --kernel-name kns=jax_ep --print-limit 20 \
-      python3 -m pytest tests/test_cuda_intranode.py -q -x -p no:cacheprovider \
-      -k "test_dispatch_combine_uniform and 128-3-8" 2>&1 | tee "$OUT/sanitize_$tool.log" \
-      | drop_noise | grep -E "ERROR SUMMARY|RACECHECK SUMMARY| passed| failed" | tail -6
-  done
+  intranode_sanitize
 fi
 
 if has intranode || has bench; then
@@ -143,56 +245,40 @@ if has layers; then
 fi
 
 if has layer; then
-  step "the MoE layer at model shapes against the dense model, one rank"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout 300 python3 -m pytest tests/test_gpu_layer.py -v \
-    -rf -p no:cacheprovider 2>&1 | tee "$OUT/pytest_layer_1.log" | grep -E "PASS|FAIL|passed|failed"
-  for n in ${LAYER_TEST_RANKS:-2 4}; do
-    step "the MoE layer at model shapes, $n ranks emulated"
-    timeout 400 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 390 -- \
-      python3 -m pytest tests/test_gpu_layer.py -q -rf -p no:cacheprovider 2>&1 \
-      | tee "$OUT/pytest_layer_$n.log" | drop_noise | grep -E " passed| failed|rror" | tail -$((n + 4))
+  for n in 1 ${LAYER_TEST_RANKS:-2 4}; do
+    step "the MoE layer at model shapes against the dense model, $n rank(s)"
+    layer_suite $n
   done
 fi
 
 if has gemm; then
   step "grouped matmul on the GPU: tests"
-  timeout 240 python3 -m pytest tests/test_grouped_matmul.py tests/test_routing.py -v -rf \
-    -p no:cacheprovider -m gpu 2>&1 | tee "$OUT/pytest_gemm.log" | grep -E "PASS|FAIL|passed|failed"
+  gemm_suite
   step "grouped matmul and MoE layer at model shapes (bench_layer.py)"
   timeout 400 python3 benchmarks/bench_layer.py ${GEMM_ARGS:-} --out gpu_round_layer.jsonl \
     --plot "$OUT/layer.png" 2>&1 | tee "$OUT/bench_layer.log" | tail -40
+  counts bench_layer.py
   cp benchmarks/results/gpu_round_layer.jsonl "$OUT/" 2>/dev/null
 fi
 
 if has lowlatency || has ll1; then
   step "low-latency suite, one rank"
-  timeout 150 python3 -m pytest tests/test_cuda_local.py -q -rf -k LowLatency -p no:cacheprovider \
-    2>&1 | tee "$OUT/pytest_ll_1.log" | tail -6
+  suite --timeout 200 -- $PYTEST tests/test_cuda_local.py -k LowLatency
 fi
 for n in ${LL_RANKS:-2 4 8}; do
   if has lowlatency || has ll$n; then
     step "low-latency suite, $n ranks emulated"
-    t=${LL_SUITE_TIMEOUT:-230}
-    timeout $((t + 10)) python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout $t -- \
-      python3 -m pytest tests/test_cuda_intranode.py -q -rf -k LowLatency -p no:cacheprovider \
-      -o faulthandler_timeout=120 2>&1 | tee "$OUT/pytest_ll_$n.log" | drop_noise \
-      | grep -E " passed| failed|rror" | tail -$((n + 4))
+    suite --ranks $n --timeout ${LL_SUITE_TIMEOUT:-240} -- $PYTEST tests/test_cuda_intranode.py \
+      -k LowLatency -o faulthandler_timeout=120
   fi
 done
 if has lowlatency || has llown; then
   step "low-latency command buffers and fault case (processes of their own)"
-  timeout 200 python3 -m pytest tests/test_cuda_intranode.py -q -rf -p no:cacheprovider \
-    -k "command_buffers or skip_low_latency" 2>&1 | tee "$OUT/pytest_ll_own.log" | tail -6
+  suite --timeout 240 -- $PYTEST tests/test_cuda_intranode.py -k "command_buffers or skip_low_latency"
 fi
 if has lowlatency || has llsanitize; then
   step "compute-sanitizer memcheck and racecheck on the low-latency pair, 2 ranks emulated"
-  for tool in memcheck racecheck; do
-    timeout 240 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 --timeout 230 -- \
-      compute-sanitizer --tool $tool --kernel-name kns=low_latency --print-limit 20 \
-      python3 -m pytest tests/test_cuda_intranode.py -q -x -p no:cacheprovider \
-      -k "LowLatency and test_roundtrip and uniform and 7" 2>&1 | tee "$OUT/sanitize_ll_$tool.log" \
-      | drop_noise | grep -E "ERROR SUMMARY|RACECHECK SUMMARY| passed| failed" | tail -6
-  done
+  low_latency_sanitize
 fi
 if has lowlatency || has llbench; then
   step "low-latency benchmark, one rank"
@@ -209,8 +295,7 @@ fi
 
 if has slab; then
   step "experts on the low-latency slabs: kernels that stop at each count, against the dense batched matmul"
-  timeout 240 python3 -m pytest tests/test_slab_mlp.py -q -rf -p no:cacheprovider 2>&1 \
-    | tee "$OUT/pytest_slab.log" | tail -5
+  slab_suite
   timeout 300 python3 benchmarks/bench_slab_mlp.py --out gpu_round_slab_mlp.jsonl 2>&1 \
     | tee "$OUT/bench_slab.log" | tail -14
   cp benchmarks/results/gpu_round_slab_mlp.jsonl "$OUT/" 2>/dev/null
@@ -227,8 +312,7 @@ fi
 
 if has nvshmem; then
   step "NVSHMEM: join by unique id and a put-with-signal ring, 2/4/8 PEs sharing the GPU (MPS)"
-  timeout 400 python3 -m pytest tests/test_nvshmem.py -q -rf -p no:cacheprovider 2>&1 \
-    | tee "$OUT/pytest_nvshmem.log" | tail -8
+  nvshmem_suite
 fi
 
 # The network transport: 8 ranks as virtual hosts (NET_HOSTS, default "2 4": 2 x 4 and 4 x 2),
@@ -237,49 +321,18 @@ fi
 if has network; then
   for k in ${NET_HOSTS:-2 4}; do
     step "network transport: 8 ranks as $k virtual hosts"
-    JAX_EP_VIRTUAL_HOSTS=$k timeout ${NET_SUITE_TIMEOUT:-240} python3 -m jax_ep.launch -n 8 \
-      --share-gpu --grace 20 --timeout $(( ${NET_SUITE_TIMEOUT:-240} - 10 )) -- \
-      python3 -m pytest tests/test_cuda_network.py -q -rf -p no:cacheprovider ${NET_PYTEST_ARGS:-} \
-      2>&1 | tee "$OUT/pytest_network_$k.log" | drop_noise \
-      | grep -E " passed| failed|FAILED|Error" | sort | uniq -c | tail -12
+    network_suite $k
   done
   step "network transport: command buffers and a peer that skips the call"
-  timeout 300 python3 -m pytest tests/test_cuda_network.py -q -rf -p no:cacheprovider 2>&1 \
-    | tee "$OUT/pytest_network_own.log" | tail -6
+  network_own_suite
 fi
 if has network || has netsanitize; then
   step "network transport: compute-sanitizer memcheck, 2 ranks on 2 virtual hosts"
-  JAX_EP_VIRTUAL_HOSTS=2 timeout 240 python3 -m jax_ep.launch -n 2 --share-gpu --grace 20 \
-    --timeout 230 -- compute-sanitizer --tool memcheck --kernel-name kns=Put --print-limit 20 \
-    python3 -m pytest tests/test_cuda_network.py -q -x -p no:cacheprovider \
-    -k "test_roundtrip and uniform and 7" 2>&1 | tee "$OUT/sanitize_network.log" \
-    | drop_noise | grep -E "ERROR SUMMARY| passed| failed" | tail -6
+  network_memcheck
 fi
 if has network || has netsanitize || has netrail; then
-  # The rail exchange: its pack / wait / unpack / finish kernels (namespace rail) and its put
-  # kernel (RailPutKernel); the filters add up. Under compute-sanitizer (CUDA 13.0) this
-  # process died in XLA's compile of its first program, with any filter (docs/multihost.md), so
-  # one run without it first fills a persistent compilation cache that the sanitized run then
-  # loads its programs from.
-  rail_k="HighThroughput and test_dispatch_combine_uniform and 128-3-8"
-  cache=$(mktemp -d)
-  export JAX_COMPILATION_CACHE_DIR=$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
-  export JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1
-  step "network transport: the rail case without the sanitizer, filling the compilation cache"
-  JAX_EP_VIRTUAL_HOSTS=2 timeout 120 python3 -m jax_ep.launch -n 2 --share-gpu --grace 10 \
-    --timeout 110 -- python3 -m pytest tests/test_cuda_network.py -q -x -p no:cacheprovider \
-    -k "$rail_k" 2>&1 | drop_noise | grep -E " passed| failed" | tail -3
-  echo "cache: $(ls "$cache" | wc -l) entries"
   step "network transport: compute-sanitizer memcheck of the rail exchange, 2 ranks on 2 virtual hosts"
-  JAX_EP_VIRTUAL_HOSTS=2 timeout 200 python3 -m jax_ep.launch -n 2 --share-gpu --grace 10 \
-    --timeout 190 -- compute-sanitizer --tool memcheck --kernel-name kns=rail \
-    --kernel-name kns=RailPut --print-limit 20 \
-    python3 -m pytest tests/test_cuda_network.py -q -x -p no:cacheprovider -k "$rail_k" 2>&1 \
-    | tee "$OUT/sanitize_network_rail.log" | drop_noise \
-    | grep -E "ERROR SUMMARY| passed| failed|exited|Segmentation|signal" | tail -8
-  unset JAX_COMPILATION_CACHE_DIR JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS
-  unset JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES
-  rm -rf "$cache"
+  rail_memcheck
 fi
 if has network; then
   if [ "${NET_BENCH:-0}" = 1 ]; then
@@ -384,3 +437,18 @@ for n in ${MULTI_RANKS:-2 4 8}; do
     done
   fi
 done
+
+if [ -s "$OUT/gpu_suites.jsonl" ]; then
+  step "suites of this round (records in $OUT/gpu_suites.jsonl)"
+  python3 - "$OUT/gpu_suites.jsonl" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+  r = json.loads(line)
+  ok = r["failed"] == 0 and r["errors"] == 0
+  hosts = f" x{r['virtual_hosts']} hosts" if r["virtual_hosts"] else ""
+  print(f"{'PASS' if ok else 'FAIL'}  R={r['ranks']}{hosts:10s} {r['passed']:4d} passed "
+        f"{r['failed']:3d} failed {r['skipped']:3d} skipped {r['errors']:2d} errors "
+        f"{r['wall_s']:6.0f} s  {r['suite']}")
+PY
+fi
+exit $status

@@ -66,6 +66,15 @@ if os.environ.get(_CACHE_ENV, "off") != "off":
 launch.initialize_from_env()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+  # JAX_EP_JUNIT_PREFIX (scripts/gpu_suite.py): each process of a launched job writes its own
+  # junit report, PREFIX.pN.xml for process N, before pytest's junitxml plugin reads the path.
+  prefix = os.environ.get("JAX_EP_JUNIT_PREFIX")
+  if prefix and not config.option.xmlpath:
+    config.option.xmlpath = f"{prefix}.p{os.environ.get('JAX_EP_PROCESS_ID', '0')}.xml"
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_generate_tests(metafunc):
   """`@pytest.mark.ranks(argnames, values, count=...)`: `parametrize(argnames, values)` with only
