@@ -73,7 +73,17 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 step() { echo; echo "=== $* ($(date +%T))"; }
 # suite [gpu_suite.py options] -- command: one suite, recorded; a failure fails the round.
 status=0
-suite() { python3 scripts/gpu_suite.py --out "$OUT" "$@" || status=1; }
+ROUND_START=$(date +%s)
+suite() {
+  local left=""
+  if [ -n "${DEADLINE_S:-}" ]; then
+    left=$((DEADLINE_S - ($(date +%s) - ROUND_START)))
+    if [ "$left" -lt 60 ]; then
+      echo "NOT RUN (the round's deadline): gpu_suite.py $*"; status=1; return
+    fi
+  fi
+  python3 scripts/gpu_suite.py --out "$OUT" ${left:+--max-seconds $((left - 10))} "$@" || status=1
+}
 # A benchmark or other command whose exit status counts (its output piped elsewhere).
 counts() { [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "FAILED: $1"; status=1; }; }
 PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider"
@@ -159,26 +169,36 @@ rail_memcheck() {
   rm -rf "$cache"
 }
 
-if checks check1; then
-  step "check1: one rank"
-  local_suite; gemm_suite; layer_suite 1; slab_suite; nvshmem_suite; local_memcheck
-fi
-if checks check2; then
-  step "check2: the peer transport in one process, at 2 and 4 ranks emulated"
-  intranode_own_suite; intranode_suite 2; intranode_suite 4
-fi
-if checks check3; then
-  step "check3: the peer transport at 8 ranks emulated; sanitizers at 2"
-  intranode_suite 8; intranode_sanitize; low_latency_sanitize
-fi
-if checks check4; then
-  step "check4: the layer at 2 and 4 ranks emulated"
-  layer_suite 2; layer_suite 4
-fi
-if checks check5; then
-  step "check5: the network transport between virtual hosts"
-  network_suite 2; network_suite 4; network_own_suite; network_memcheck; rail_memcheck
-fi
+# The check's steps, in order; `check` runs all of them, `checkN` its part, `step:NAME` one step
+# (to resume a check cut by a call's time limit). DEADLINE_S=S: steps that would start after S
+# seconds of the round are not run (and fail it), and each step's time is cut to what is left.
+CHECK1="local gemm layer1 slab nvshmem localmem"
+CHECK2="intranode_own intranode2 intranode4"
+CHECK3="intranode8 intranode_sanitize low_latency_sanitize"
+CHECK4="layer2 layer4"
+CHECK5="network2 network4 network_own network_memcheck rail_memcheck"
+run_step() {
+  case $1 in
+    local) local_suite ;; gemm) gemm_suite ;; layer1) layer_suite 1 ;; slab) slab_suite ;;
+    nvshmem) nvshmem_suite ;; localmem) local_memcheck ;;
+    intranode_own) intranode_own_suite ;; intranode[248]) intranode_suite "${1#intranode}" ;;
+    intranode_sanitize) intranode_sanitize ;; low_latency_sanitize) low_latency_sanitize ;;
+    layer[24]) layer_suite "${1#layer}" ;;
+    network[24]) network_suite "${1#network}" ;; network_own) network_own_suite ;;
+    network_memcheck) network_memcheck ;; rail_memcheck) rail_memcheck ;;
+    *) echo "unknown check step $1"; status=1 ;;
+  esac
+}
+n=0
+for part in "$CHECK1" "$CHECK2" "$CHECK3" "$CHECK4" "$CHECK5"; do
+  n=$((n + 1))
+  for name in $part; do
+    if checks check$n || [[ "$STAGES" == *" step:$name "* ]]; then
+      step "check$n: $name"
+      run_step "$name"
+    fi
+  done
+done
 
 if has local; then
   step cuda one-rank suite

@@ -98,6 +98,8 @@ def main(argv=None) -> int:
   parser.add_argument("--kernels", nargs="*", default=[],
                       help="compute-sanitizer --kernel-name filters (e.g. kns=jax_ep)")
   parser.add_argument("--timeout", type=float, default=540.0)
+  parser.add_argument("--max-seconds", type=float, default=None,
+                      help="a cap on --timeout (the time left of a round)")
   parser.add_argument("--no-share-gpu", dest="share_gpu", action="store_false",
                       help="launch the ranks without --share-gpu (a CPU trial of this script)")
   parser.add_argument("--out", default=None)
@@ -105,6 +107,8 @@ def main(argv=None) -> int:
   parser.add_argument("command", nargs=argparse.REMAINDER)
   args = parser.parse_args(argv)
   command = args.command[1:] if args.command[:1] == ["--"] else args.command
+  if args.max_seconds is not None:
+    args.timeout = min(args.timeout, args.max_seconds)
   if not command:
     parser.error("give the suite's command after --")
   out = args.out or os.environ.get("OUT") or "gpu_out"
@@ -149,14 +153,20 @@ def main(argv=None) -> int:
   log_path = os.path.join(out, "logs", f"{name}.log")
   with open(log_path, "w") as log_file:
     # A process group of its own, so that a run past its time goes with everything it started.
-    proc = subprocess.Popen(full, cwd=REPO, env=env, stdout=log_file, stderr=subprocess.STDOUT,
-                            start_new_session=True)
     try:
-      code = proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-      os.killpg(proc.pid, signal.SIGKILL)
-      proc.wait()
-      code = 124
+      proc = subprocess.Popen(full, cwd=REPO, env=env, stdout=log_file,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    except OSError as e:  # e.g. compute-sanitizer not installed
+      log_file.write(f"gpu_suite.py: cannot start {full[0]}: {e}\n")
+      proc = None
+      code = 127
+    if proc is not None:
+      try:
+        code = proc.wait(timeout=args.timeout)
+      except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        code = 124
   wall = time.monotonic() - start
   log = open(log_path).read()
 
