@@ -471,4 +471,9 @@ for line in open(sys.argv[1]):
         f"{r['wall_s']:6.0f} s  {r['suite']}")
 PY
 fi
+# The logs and reports as one file (a call brings a few files back, not one per suite).
+if [ -d "$OUT/logs" ] || [ -d "$OUT/junit" ]; then
+  tar -czf "$OUT/round_logs.tgz" -C "$OUT" $(cd "$OUT" && ls -d logs junit 2>/dev/null) \
+    && rm -rf "$OUT/logs" "$OUT/junit"
+fi
 exit $status

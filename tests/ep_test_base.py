@@ -105,13 +105,13 @@ def require_nvshmem():
 
 
 def grouped_matmul_kernels(fn, *args):
-  """`(pallas, ragged)`: the Pallas kernel calls (jax_ep's Mosaic GPU grouped GEMM, on Hopper)
-  and the `lax.ragged_dot` products (its fallback) in the program `fn(*args)` traces, its
-  backward included where `fn` takes a gradient. A test that claims to run the kernels asserts
-  `ragged == 0` and the number of kernel calls: a fallback would otherwise be compared with
-  `lax.ragged_dot` itself and pass."""
+  """`(mosaic, ragged)`: the calls of jax_ep's Mosaic GPU grouped GEMM kernels (on Hopper;
+  `plgpu.kernel` traces to an `mpmd_map`) and the `lax.ragged_dot` products (its fallback) in
+  the program `fn(*args)` traces, its backward included where `fn` takes a gradient. A test
+  that claims to run the kernels asserts `ragged == 0` and the number of kernel calls: a
+  fallback would otherwise be compared with `lax.ragged_dot` itself and pass."""
   jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
-  return count_primitive(jaxpr, "pallas_call"), count_primitive(jaxpr, "ragged_dot_general")
+  return count_primitive(jaxpr, "mpmd_map"), count_primitive(jaxpr, "ragged_dot_general")
 
 
 def rank_count_runs(num_ranks):

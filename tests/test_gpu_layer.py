@@ -179,10 +179,10 @@ def _gathered(array):
 def _assert_grouped_gemm_kernels(fn, args, calls):
   """The experts' products ran jax_ep's Mosaic GPU grouped GEMM: `calls` kernel calls and no
   `lax.ragged_dot` in the traced program (its fallback)."""
-  pallas, ragged = grouped_matmul_kernels(fn, *args)
-  assert (pallas, ragged) == (calls, 0), (
-      f"expected {calls} Mosaic GPU grouped GEMM calls and no lax.ragged_dot, traced {pallas} "
-      f"Pallas calls and {ragged} ragged_dot products")
+  mosaic, ragged = grouped_matmul_kernels(fn, *args)
+  assert (mosaic, ragged) == (calls, 0), (
+      f"expected {calls} Mosaic GPU grouped GEMM calls and no lax.ragged_dot, traced {mosaic} "
+      f"kernel calls and {ragged} ragged_dot products")
 
 
 def _check_layer(result, d_params, d_x, want, what=""):
