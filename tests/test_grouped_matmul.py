@@ -559,7 +559,7 @@ def test_kernels_interpreted_inside_shard_map_under_grad(interpreted_kernels, mo
 
 GPU_SHAPES = [  # rows, groups, K, N, sizes: skewed, empty groups, rows past the groups; kernel
     (1024, 8, 256, 512, [1000, 0, 0, 24, 0, 0, 0, 0], True),
-    # Rows not a multiple of the row tile: the kernel does not build (logged), lax.ragged_dot.
+    # Rows not a multiple of 8 (the kernel's row tiling): it does not build (logged), ragged_dot.
     (777, 5, 128, 192, [0, 300, 0, 200, 150], False),
     (4096, 32, 512, 256, None, True),
     (2048, 4, 256, 256, [0, 0, 0, 0], True),
