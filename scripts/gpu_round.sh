@@ -42,7 +42,7 @@
 #                                     # one host, 8 ranks: layer chain (netlayers), per op (netops)
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
 #   bash scripts/gpu_round.sh slab     # the experts on the low-latency slabs: tests, benchmark
-#   bash scripts/gpu_round.sh check     # every GPU suite, nothing else: check1 ... check5, each
+#   bash scripts/gpu_round.sh check     # every GPU suite, nothing else: check1 ... check6, each
 #                                     # part under 10 minutes on one H200 (below)
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
@@ -55,18 +55,19 @@
 # $OUT/gpu_suites.jsonl (append those of a commit's full check to
 # benchmarks/results/gpu_suites.jsonl). The round exits non-zero if any suite failed, and a
 # summary of every suite closes it.
-#   check1  one rank: the cuda suite, the grouped GEMM, the layer, the slab and group-id tests,
-#           the NVSHMEM ring, memcheck of a one-rank round
+#   check1  one rank: the cuda suite, the grouped GEMM, the slab and group-id tests, the NVSHMEM
+#           ring, memcheck of a one-rank round
 #   check2  the peer transport's suite in one process (faults, command buffers), at 2 and 4
 #           ranks emulated
 #   check3  the peer transport's suite at 8 ranks; memcheck and racecheck of both modes at 2
-#   check4  the layer at 2 and 4 ranks emulated
-#   check5  the network transport at 2 x 4 and 4 x 2 virtual hosts, in one process, memcheck
+#   check4  the layer at model shapes at 1 and 2 ranks
+#   check5  the layer at 4 ranks; the network tests that start their own ranks
+#   check6  the network transport at 2 x 4 and 4 x 2 virtual hosts, memcheck of its kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES=" ${*:-all} "
 has() { [[ "$STAGES" == *" $1 "* ]] || [[ "$STAGES" == *" all "* ]]; }
-# `check` is check1 ... check5.
+# `check` is check1 ... check6.
 checks() { has check || [[ "$STAGES" == *" $1 "* ]]; }
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -172,11 +173,14 @@ rail_memcheck() {
 # The check's steps, in order; `check` runs all of them, `checkN` its part, `step:NAME` one step
 # (to resume a check cut by a call's time limit). DEADLINE_S=S: steps that would start after S
 # seconds of the round are not run (and fail it), and each step's time is cut to what is left.
-CHECK1="local gemm layer1 slab nvshmem localmem"
+# Measured on one H200 (seconds): local 106, gemm 232, slab 34, nvshmem 22, localmem 7, layer1
+# 243, intranode2 74, intranode8 86, network2 106, network4 112; the rest not yet timed.
+CHECK1="local gemm slab nvshmem localmem"
 CHECK2="intranode_own intranode2 intranode4"
 CHECK3="intranode8 intranode_sanitize low_latency_sanitize"
-CHECK4="layer2 layer4"
-CHECK5="network2 network4 network_own network_memcheck rail_memcheck"
+CHECK4="layer1 layer2"
+CHECK5="layer4 network_own"
+CHECK6="network2 network4 network_memcheck rail_memcheck"
 run_step() {
   case $1 in
     local) local_suite ;; gemm) gemm_suite ;; layer1) layer_suite 1 ;; slab) slab_suite ;;
@@ -190,7 +194,7 @@ run_step() {
   esac
 }
 n=0
-for part in "$CHECK1" "$CHECK2" "$CHECK3" "$CHECK4" "$CHECK5"; do
+for part in "$CHECK1" "$CHECK2" "$CHECK3" "$CHECK4" "$CHECK5" "$CHECK6"; do
   n=$((n + 1))
   for name in $part; do
     if checks check$n || [[ "$STAGES" == *" step:$name "* ]]; then

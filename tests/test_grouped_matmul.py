@@ -555,6 +555,25 @@ def test_kernels_interpreted_inside_shard_map_under_grad(interpreted_kernels, mo
     np.testing.assert_allclose(got_dw, want_dw, rtol=3e-2, atol=1e-1)
 
 
+@pytest.mark.parametrize("hidden,ffn", [(7168, 2048), (2048, 768), (4096, 1536), (4096, 14336)])
+def test_the_layer_traces_to_the_kernels_on_hopper(monkeypatch, hidden, ffn):
+  """At the models' hidden and ffn sizes (DeepSeek-V3, Qwen3-30B-A3B, 32 x 4096 x 1536,
+  Mixtral) the layer's forward and backward trace to nine kernel calls (gate, up, down, and
+  each one's input and weight gradients) and no lax.ragged_dot, as on a Hopper GPU (traced
+  here, not run: tests/test_gpu_layer.py runs them and asserts the same there)."""
+  monkeypatch.setattr(gmm_module, "_on_hopper", lambda: True)
+  monkeypatch.setattr(gmm_module, "_mosaic_compile_error", lambda *args: None)
+  num_experts, num_topk, tokens = 8, 2, 64
+  mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+  group = jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+                       max_tokens_per_rank=tokens, dtype=jnp.bfloat16, backend="reference")
+  params = jax.eval_shape(lambda: jax_ep.init_moe_params(
+      jax.random.key(0), num_experts=num_experts, hidden=hidden, ffn=ffn, dtype=jnp.bfloat16))
+  x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
+  loss = lambda p, x: jnp.sum(jax_ep.moe_mlp(group, p, x).out.astype(jnp.float32))
+  assert grouped_matmul_kernels(jax.value_and_grad(loss, (0, 1)), params, x) == (9, 0)
+
+
 # ------------------------------------------------------------------ the kernels, on a GPU
 
 GPU_SHAPES = [  # rows, groups, K, N, sizes: skewed, empty groups, rows past the groups; kernel
