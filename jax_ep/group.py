@@ -174,6 +174,7 @@ class Group:
           f"belong to processes {members}); create the group only on those processes")
     subset = members if len(members) < jax.process_count() else None
     key = _distributed.next_group_key("group", subset)
+    self._key = key  # its handles carry it: a combine tells its own from another group's
     hosts = None
     if registry.needs_hosts(backend, mesh, self.config, members, virtual_hosts):
       hosts = _distributed.gather_values(f"{key}/hosts", socket.gethostname(),
