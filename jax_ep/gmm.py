@@ -443,7 +443,7 @@ def _known(value) -> np.ndarray | None:
 def _group_rules(rows: int, sizes, offsets, xp, where: str):
   """`(holds, message, *values)` for each rule the groups over `rows` rows follow (`offsets`
   None: the groups follow each other from row 0), on numpy values (`xp=np`, checked at once)
-  or traced ones (`xp=jnp`, under `checkify`): one list of rules, one wording."""
+  or traced ones (`xp=jnp`, checked by `checkify`): one list of rules, one wording."""
   sizes_rule = (xp.all(sizes >= 0), f"{where}: group_sizes must be >= 0, got {{}}", sizes)
   if offsets is None:
     return (sizes_rule,
@@ -461,21 +461,43 @@ def _group_rules(rows: int, sizes, offsets, xp, where: str):
   )
 
 
+# Whether traces check traced group values (`check_traced_groups`).
+_CHECK_TRACED = contextvars.ContextVar("jax_ep_check_traced_groups", default=False)
+
+
+@contextlib.contextmanager
+def check_traced_groups():
+  """Within the block, `grouped_matmul` (and `expert_mlp`, the layer's experts) traced with
+  `group_sizes` / `group_offsets` whose values are unknown until the program runs checks them
+  on the device by the rules known values are checked by at trace time (`checkify.check`: a few
+  `[G]` reductions). Trace the program inside the block and run it under
+  `jax.experimental.checkify.checkify(f, errors=checkify.user_checks)`: the error it returns
+  names the rule that failed and the values (`jax_ep.moe_mlp` too, on a mesh whose axes are
+  Auto: checkify does not take `shard_map` over Explicit axes). A function jax traced before
+  the block keeps that trace (jax's cache does not see the block): trace a function of its own
+  inside. Off by default: a program with checks carries checkify's effect, which needs
+  `checkify.checkify` to run and which `jax.export` cannot serialise."""
+  token = _CHECK_TRACED.set(True)
+  try:
+    yield
+  finally:
+    _CHECK_TRACED.reset(token)
+
+
 def check_groups(rows: int, group_sizes, group_offsets,
                  where: str = "jax_ep.grouped_matmul") -> None:
   """Raises where known `group_sizes` / `group_offsets` (None: none given) break the layout
   (a negative size, a group past the rows, overlapping groups): the product would silently
-  take other rows. Traced values are checked in programs under
-  `jax.experimental.checkify.checkify` (`checkify.debug_check`: nothing is computed
-  otherwise)."""
+  take other rows. Traced values are checked on the device inside `check_traced_groups`."""
   if np.ndim(group_sizes) != 1 or (group_offsets is not None
                                    and np.shape(group_offsets) != np.shape(group_sizes)):
     return  # shapes the caller's own checks refuse by name
   sizes = _known(group_sizes)
   offsets = None if group_offsets is None else _known(group_offsets)
   if sizes is None or (group_offsets is not None and offsets is None):
-    for holds, message, *values in _group_rules(rows, group_sizes, group_offsets, jnp, where):
-      checkify.debug_check(holds, message, *values)
+    if _CHECK_TRACED.get():
+      for holds, message, *values in _group_rules(rows, group_sizes, group_offsets, jnp, where):
+        checkify.check(holds, message, *values)
     return
   for holds, message, *values in _group_rules(rows, sizes, offsets, np, where):
     if not holds:
@@ -514,10 +536,9 @@ def grouped_matmul(x, w, group_sizes, *, group_offsets=None, transpose_w: bool =
       traced (an eager call, or constants under `jit`), for a negative size or offset, a group
       that ends past `rows`, or groups that overlap or are not in ascending order. Under `jit`
       traced values are not checked by default (breaking these rules then gives results
-      other than the caller meant, with no error); inside a function wrapped in
-      `jax.experimental.checkify.checkify(f, errors=checkify.user_checks)` they are checked on
-      the device by the same rules (a few `[G]` reductions) and the returned error says which
-      one failed. Outside `checkify` those checks compute nothing.
+      other than the caller meant, with no error); a program traced inside
+      `jax_ep.gmm.check_traced_groups()` checks them on the device by the same rules, run
+      under `jax.experimental.checkify.checkify`.
   """
   for name, value, ndim in (("x", x, 2), ("w", w, 3), ("group_sizes", group_sizes, 1)):
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):

@@ -338,21 +338,55 @@ def test_expert_mlp_names_the_weight(weights, message):
                    _struct((4,), jnp.int32))
 
 
-def test_grouped_matmul_under_jit_is_checked_in_checkify():
-  """Traced sizes are unknown when the program is built: unchecked by default, checked in a
-  program under `checkify.checkify`."""
+def test_grouped_matmul_under_jit_checks_traced_groups_on_request():
+  """Traced sizes are unknown when the program is built: unchecked by default (the program
+  carries no check, so jax.export serialises it), checked on the device by the same rules in
+  a program traced inside `check_traced_groups` and run under `checkify.checkify`."""
+  from jax import export
   from jax.experimental import checkify
+  from jax_ep.gmm import check_traced_groups
   x, w = jnp.ones((16, 64), jnp.bfloat16), jnp.ones((4, 64, 64), jnp.bfloat16)
-  sizes = jnp.array([4, 4, 6, 6], jnp.int32)
-  product = jax.jit(jax_ep.grouped_matmul)
-  assert product(x, w, sizes).shape == (16, 64)
-  error, _ = checkify.checkify(product, errors=checkify.user_checks)(x, w, sizes)
+  past_rows = jnp.array([4, 4, 6, 6], jnp.int32)
+  product = lambda *a: jax_ep.grouped_matmul(*a)  # noqa: E731
+  assert jax.jit(product)(x, w, past_rows).shape == (16, 64)
+  export.export(jax.jit(product))(x, w, past_rows).serialize()
+  with check_traced_groups():
+    # A function of its own: jax reuses the trace of one already traced outside the block.
+    checked = checkify.checkify(jax.jit(lambda *a: jax_ep.grouped_matmul(*a)),
+                                errors=checkify.user_checks)
+    error, _ = checked(x, w, past_rows)
+    fine, _ = checked(x, w, jnp.array([4, 4, 4, 4], jnp.int32))
   with pytest.raises(checkify.JaxRuntimeError, match=r"jax_ep.grouped_matmul: group_sizes must "
                                                      r"sum to at most x's 16 rows"):
     error.throw()
-  fine, _ = checkify.checkify(product, errors=checkify.user_checks)(
-      x, w, jnp.array([4, 4, 4, 4], jnp.int32))
   assert fine.get() is None
+
+
+@pytest.mark.parametrize("capacity,expert_alignment", [(None, 1), (None, 3), (12, 3)],
+                         ids=["default", "aligned", "aligned_dropping"])
+def test_dispatch_layouts_pass_the_traced_group_checks(capacity, expert_alignment):
+  """Every layout dispatch gives (padding between experts, experts cut off by a full buffer)
+  follows the rules the checks hold the experts' groups to, forward and backward. (checkify
+  takes shard_map over Auto mesh axes.)"""
+  from jax.experimental import checkify
+  from jax.sharding import AxisType
+  from jax_ep.gmm import check_traced_groups
+  mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2], axis_types=(AxisType.Auto,))
+  group = jax_ep.Group(mesh, "ep", num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T,
+                       dtype=jnp.float32, backend="reference", capacity=capacity,
+                       expert_alignment=expert_alignment)
+  params = jax_ep.init_moe_params(jax.random.key(0), num_experts=E, hidden=H, ffn=F,
+                                  dtype=jnp.float32)
+  x = jax.random.normal(jax.random.key(1), (2 * T, H))
+
+  def loss(params, x):
+    result = jax_ep.moe_mlp(group, params, x)
+    return result.out.sum(), result.num_dropped.sum()
+  with check_traced_groups():
+    error, ((_, dropped), _) = checkify.checkify(
+        jax.jit(jax.value_and_grad(loss, has_aux=True)), errors=checkify.user_checks)(params, x)
+  assert error.get() is None
+  assert (int(dropped) > 0) == (capacity is not None)
 
 
 class TestInputChecks(InputChecks):
