@@ -116,6 +116,20 @@ class EPConfig:
                 expert_alignment=self.expert_alignment)
 
 
+def positive_int(name: str, value, where: str = "jax_ep.Group") -> int:
+  """`value` as a positive int, or an error naming `name` and its value."""
+  if isinstance(value, bool):  # an int to Python, never a count here
+    raise TypeError(f"{where}: {name} must be an int, got {value!r}")
+  try:
+    value = operator.index(value)
+  except TypeError:
+    raise TypeError(f"{where}: {name} must be an int, got {value!r} "
+                    f"({type(value).__name__})") from None
+  if value <= 0:
+    raise ValueError(f"{where}: {name} must be positive, got {value}")
+  return value
+
+
 def check_dtype(dtype, where: str = "jax_ep.Group") -> np.dtype:
   """`dtype` as a numpy dtype, or a `TypeError` naming the dtypes a group takes."""
   try:

@@ -31,6 +31,7 @@ import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from jax_ep._native.varying import sum_to_primal, vary_like_operands
 from jax_ep.kernels.gmm_kernels import KernelTiles, grouped_matmul_kernel, grouped_weight_grad_kernel
@@ -431,6 +432,78 @@ def _grouped_matmul_bwd(transpose_w, out_dtype, impl, residuals, dy):
 _grouped_matmul.defvjp(_grouped_matmul_fwd, _grouped_matmul_bwd)
 
 
+def _known(value) -> np.ndarray | None:
+  """`value`'s numbers where they are known while tracing (an eager call, or a constant under
+  `jit`), else None."""
+  if isinstance(value, jax.core.Tracer) or not getattr(value, "is_fully_addressable", True):
+    return None
+  return np.asarray(value)
+
+
+def _group_rules(rows: int, sizes, offsets, xp, where: str):
+  """`(holds, message, *values)` for each rule the groups over `rows` rows follow (`offsets`
+  None: the groups follow each other from row 0), on numpy values (`xp=np`, checked at once)
+  or traced ones (`xp=jnp`, checked by `checkify`): one list of rules, one wording."""
+  sizes_rule = (xp.all(sizes >= 0), f"{where}: group_sizes must be >= 0, got {{}}", sizes)
+  if offsets is None:
+    return (sizes_rule,
+            (xp.sum(sizes) <= rows, f"{where}: group_sizes must sum to at most x's {rows} rows, "
+             f"got {{}} (sum {{}})", sizes, xp.sum(sizes)))
+  ends = offsets + sizes
+  return (
+      sizes_rule,
+      (xp.all(offsets >= 0), f"{where}: group_offsets must be >= 0, got {{}}", offsets),
+      (xp.all(ends <= rows), f"{where}: every group must end inside x's {rows} rows, got "
+       f"group_offsets + group_sizes = {{}}", ends),
+      (xp.all(offsets[1:] >= ends[:-1]), f"{where}: the groups must be ascending and disjoint "
+       f"(group_offsets[g] >= group_offsets[g-1] + group_sizes[g-1]), got group_offsets = {{}} "
+       f"and group_offsets + group_sizes = {{}}", offsets, ends),
+  )
+
+
+# Whether traces check traced group values (`check_traced_groups`).
+_CHECK_TRACED = contextvars.ContextVar("jax_ep_check_traced_groups", default=False)
+
+
+@contextlib.contextmanager
+def check_traced_groups():
+  """Within the block, `grouped_matmul` (and `expert_mlp`, the layer's experts) traced with
+  `group_sizes` / `group_offsets` whose values are unknown until the program runs checks them
+  on the device by the rules known values are checked by at trace time (`checkify.check`: a few
+  `[G]` reductions). Trace the program inside the block and run it under
+  `jax.experimental.checkify.checkify(f, errors=checkify.user_checks)`: the error it returns
+  names the rule that failed and the values (`jax_ep.moe_mlp` too, on a mesh whose axes are
+  Auto: checkify does not take `shard_map` over Explicit axes). A function jax traced before
+  the block keeps that trace (jax's cache does not see the block): trace a function of its own
+  inside. Off by default: a program with checks carries checkify's effect, which needs
+  `checkify.checkify` to run and which `jax.export` cannot serialise."""
+  token = _CHECK_TRACED.set(True)
+  try:
+    yield
+  finally:
+    _CHECK_TRACED.reset(token)
+
+
+def check_groups(rows: int, group_sizes, group_offsets,
+                 where: str = "jax_ep.grouped_matmul") -> None:
+  """Raises where known `group_sizes` / `group_offsets` (None: none given) break the layout
+  (a negative size, a group past the rows, overlapping groups): the product would silently
+  take other rows. Traced values are checked on the device inside `check_traced_groups`."""
+  if np.ndim(group_sizes) != 1 or (group_offsets is not None
+                                   and np.shape(group_offsets) != np.shape(group_sizes)):
+    return  # shapes the caller's own checks refuse by name
+  sizes = _known(group_sizes)
+  offsets = None if group_offsets is None else _known(group_offsets)
+  if sizes is None or (group_offsets is not None and offsets is None):
+    if _CHECK_TRACED.get():
+      for holds, message, *values in _group_rules(rows, group_sizes, group_offsets, jnp, where):
+        checkify.check(holds, message, *values)
+    return
+  for holds, message, *values in _group_rules(rows, sizes, offsets, np, where):
+    if not holds:
+      raise ValueError(message.format(*(np.asarray(v).tolist() for v in values)))
+
+
 def grouped_matmul(x, w, group_sizes, *, group_offsets=None, transpose_w: bool = False,
                    preferred_element_type=None, impl: str = "auto"):
   """Rows grouped by expert times each expert's weights.
@@ -456,6 +529,16 @@ def grouped_matmul(x, w, group_sizes, *, group_offsets=None, transpose_w: bool =
     unspecified (on Hopper they are never computed: their cost is zero), and no result or
     gradient depends on what `x` holds there.
     Differentiable in `x` and `w`; `jax.vmap` over a leading axis of any argument runs one call.
+
+  Raises:
+    ValueError / TypeError: naming the argument, for shapes and dtypes that do not fit; and,
+      where the values of `group_sizes` (and `group_offsets`) are known when the call is
+      traced (an eager call, or constants under `jit`), for a negative size or offset, a group
+      that ends past `rows`, or groups that overlap or are not in ascending order. Under `jit`
+      traced values are not checked by default (breaking these rules then gives results
+      other than the caller meant, with no error); a program traced inside
+      `jax_ep.gmm.check_traced_groups()` checks them on the device by the same rules, run
+      under `jax.experimental.checkify.checkify`.
   """
   for name, value, ndim in (("x", x, 2), ("w", w, 3), ("group_sizes", group_sizes, 1)):
     if not hasattr(value, "shape") or not hasattr(value, "dtype"):
@@ -477,6 +560,7 @@ def grouped_matmul(x, w, group_sizes, *, group_offsets=None, transpose_w: bool =
                     f"{group_sizes.dtype}")
   group_sizes = group_sizes.astype(jnp.int32)
   if group_offsets is None:
+    check_groups(x.shape[0], group_sizes, None)
     group_offsets = jnp.cumsum(group_sizes) - group_sizes
   else:
     if not hasattr(group_offsets, "shape") or group_offsets.shape != group_sizes.shape:
@@ -486,6 +570,7 @@ def grouped_matmul(x, w, group_sizes, *, group_offsets=None, transpose_w: bool =
       raise TypeError(f"jax_ep.grouped_matmul: group_offsets must be int32, got "
                       f"{group_offsets.dtype}")
     group_offsets = group_offsets.astype(jnp.int32)
+    check_groups(x.shape[0], group_sizes, group_offsets)
   if np.dtype(w.dtype) != np.dtype(x.dtype):
     raise TypeError(f"jax_ep.grouped_matmul: w must have x's dtype {x.dtype}, got {w.dtype}")
   out_dtype = np.dtype(x.dtype if preferred_element_type is None else preferred_element_type)

@@ -9,7 +9,6 @@ come from jax_ep/sizing.py.
 from __future__ import annotations
 
 import logging
-import operator
 import socket
 
 import jax
@@ -20,24 +19,13 @@ from jax_ep import _status
 from jax_ep._native import effects
 from jax_ep.backends import registry
 from jax_ep.backends.intranode import IntranodeTransport
-from jax_ep.config import EPConfig, RowFormat, check_dtype, check_expert_alignment
+from jax_ep.config import RowFormat, positive_int
 from jax_ep.launch import _distributed
 # Re-exported: `from jax_ep.group import memory_bytes, MemoryEstimate` is how code imports them.
 from jax_ep.sizing import MemoryEstimate, memory_bytes, resolve_capacity  # noqa: F401
-from jax_ep.sizing import resolve_row_format
+from jax_ep.sizing import check_configuration, resolve_row_format
 
 _logger = logging.getLogger("jax_ep")
-
-
-def _positive_int(name: str, value) -> int:
-  try:
-    value = operator.index(value)
-  except TypeError:
-    raise TypeError(f"jax_ep.Group: {name} must be an int, got {value!r} "
-                    f"({type(value).__name__})") from None
-  if value <= 0:
-    raise ValueError(f"jax_ep.Group: {name} must be positive, got {value}")
-  return value
 
 
 # Far above any GPU's multiprocessor count; keeps every send kernel's grid (num_sms times its
@@ -156,40 +144,27 @@ class Group:
                        f"(mesh axes: {tuple(mesh.axis_names)})")
     registry.check_name(backend)
     num_ranks = int(mesh.shape[axis_name])
-    num_experts = _positive_int("num_experts", num_experts)
-    num_topk = _positive_int("num_topk", num_topk)
-    hidden = _positive_int("hidden", hidden)
-    max_tokens_per_rank = _positive_int("max_tokens_per_rank", max_tokens_per_rank)
-    num_sms = _positive_int("num_sms", num_sms)
+    config = check_configuration(
+        "jax_ep.Group", axis_name, num_ranks=num_ranks, num_experts=num_experts,
+        num_topk=num_topk, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank, dtype=dtype,
+        capacity=capacity, capacity_factor=capacity_factor, expert_alignment=expert_alignment,
+        strict=strict, ranks=f"the size of mesh axis {axis_name!r} ({num_ranks} ranks)")
+    num_sms = positive_int("num_sms", num_sms)
     if num_sms > MAX_NUM_SMS:
       raise ValueError(f"jax_ep.Group: num_sms must be <= {MAX_NUM_SMS} (multiprocessors' worth "
                        f"of one GPU), got {num_sms}")
     timeout_s = _positive_seconds("timeout_s", timeout_s)
     config_timeout_s = _positive_seconds("config_timeout_s", config_timeout_s)
     if virtual_hosts is not None:
-      virtual_hosts = _positive_int("virtual_hosts", virtual_hosts)
+      virtual_hosts = positive_int("virtual_hosts", virtual_hosts)
       if num_ranks % virtual_hosts:
         raise ValueError(f"jax_ep.Group: virtual_hosts={virtual_hosts} must divide the "
                          f"{num_ranks} ranks of mesh axis {axis_name!r}")
       if virtual_hosts > 1 and backend == "reference":
         raise ValueError("jax_ep.Group: virtual_hosts emulates the cuda backend's network "
                          "transport; backend='reference' has no transports")
-    if num_experts % num_ranks:
-      raise ValueError(f"jax_ep.Group: num_experts={num_experts} must be divisible by the size "
-                       f"of mesh axis {axis_name!r} ({num_ranks} ranks)")
-    if num_topk > num_experts:
-      raise ValueError(f"jax_ep.Group: num_topk={num_topk} must be <= num_experts="
-                       f"{num_experts} (a token selects at most every expert once)")
-    dtype = check_dtype(dtype)
-    expert_alignment = check_expert_alignment(expert_alignment)
-    num_local = num_experts // num_ranks
-    capacity, capacity_factor = resolve_capacity(capacity, capacity_factor, num_ranks,
-                                                 max_tokens_per_rank, num_topk, num_local,
-                                                 expert_alignment=expert_alignment)
     self.mesh = mesh
-    self.config = EPConfig(axis_name, num_ranks, num_experts, num_topk, hidden,
-                           max_tokens_per_rank, dtype, capacity, bool(strict),
-                           capacity_factor=capacity_factor, expert_alignment=expert_alignment)
+    self.config = config
     # The processes holding the mesh's devices create the group together; a group over some of
     # the job's processes is checked and counted among them alone.
     members = sorted({d.process_index for d in mesh.devices.flat})
@@ -199,6 +174,7 @@ class Group:
           f"belong to processes {members}); create the group only on those processes")
     subset = members if len(members) < jax.process_count() else None
     key = _distributed.next_group_key("group", subset)
+    self._key = key  # its handles carry it: a combine tells its own from another group's
     hosts = None
     if registry.needs_hosts(backend, mesh, self.config, members, virtual_hosts):
       hosts = _distributed.gather_values(f"{key}/hosts", socket.gethostname(),

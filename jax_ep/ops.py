@@ -7,6 +7,7 @@ what was expected.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any, NamedTuple
 
@@ -96,6 +97,38 @@ def _deprecated_routing(cls: str):
                 f"use {cls}.layout (the same value)", DeprecationWarning, stacklevel=3)
 
 
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class HandleOrigin:
+  """The group a handle was made on. Static (part of the pytree's structure, no arrays), so it
+  stays with the handle through `jit`, `shard_map`, `scan` and `grad`; the combines refuse a
+  handle of another group, whose layout indexes rows and buffers that are not theirs.
+
+  Attributes:
+    key: the group's identity, one per group created in this process.
+    group: the group's description, for messages (not compared).
+  """
+  key: str
+  group: str = dataclasses.field(compare=False)
+
+
+def _origin(group: Group) -> HandleOrigin:
+  return HandleOrigin(group._key, repr(group))
+
+
+def _check_origin(group: Group, op: str, origin, made_by: str, what: str = "handle") -> None:
+  """Raises unless `origin` (of a handle or a send in flight) is `group`'s."""
+  if not isinstance(origin, HandleOrigin):
+    raise TypeError(f"jax_ep.{op}: {what} must be what jax_ep.{made_by} returned; this one "
+                    f"does not say which group made it (origin {origin!r})")
+  if origin.key != group._key:
+    same = " (a group of the same configuration: each has its own layout and buffers)" if (
+        origin.group == repr(group)) else ""
+    raise ValueError(f"jax_ep.{op}: {what} was made by jax_ep.{made_by} on another group, "
+                     f"{origin.group}{same}; this call's group is {group!r}. Pass the group "
+                     f"that made it")
+
+
 class Handle(NamedTuple):
   """What `combine` and the gradients reuse from `dispatch` (a pytree of arrays).
 
@@ -104,9 +137,12 @@ class Handle(NamedTuple):
     topk_weights: `[T, K]` float32 router weights given to dispatch, after the merge of
       duplicate slots (`merge_duplicate_slots`: a merged slot's weight is in the first slot
       naming its expert, the later ones are 0); differentiable in the given weights.
+    origin: the group dispatch ran on (`HandleOrigin`, no arrays); `combine` refuses the
+      handle on any other group.
   """
   layout: Any
   topk_weights: jax.Array
+  origin: HandleOrigin | None = None
 
   @property
   def routing(self):
@@ -146,9 +182,12 @@ class LowLatencyHandle(NamedTuple):
     layout: backend-specific integer metadata: where dispatch put each row.
     topk_idx: `[T, K]` the ids given to dispatch (combine merges the weights of slots that name
       one expert, as dispatch merged their rows).
+    origin: the group dispatch ran on (`HandleOrigin`, no arrays); the low-latency combines
+      refuse the handle on any other group.
   """
   layout: Any
   topk_idx: jax.Array
+  origin: HandleOrigin | None = None
 
   @property
   def routing(self):
@@ -176,18 +215,22 @@ def _check_group(group, op: str) -> None:
 
 
 def _check_array(op: str, name: str, value, *, ndim: int, dtypes, shape=None) -> None:
+  spelled = "[" + ", ".join(shape) + "]" if shape else ""
   if not hasattr(value, "shape") or not hasattr(value, "dtype"):
-    raise TypeError(f"jax_ep.{op}: {name} must be an array, got {type(value).__name__}")
+    got = "None" if value is None else type(value).__name__
+    raise TypeError(f"jax_ep.{op}: {name} must be an array {spelled}, got {got}")
   if value.ndim != ndim:
-    raise ValueError(f"jax_ep.{op}: {name} must have {ndim} dimensions "
-                     f"{'[' + ', '.join(shape) + ']' if shape else ''}, got shape {value.shape}")
+    raise ValueError(f"jax_ep.{op}: {name} must have {ndim} dimensions {spelled}, got shape "
+                     f"{value.shape}")
   dtypes = tuple(np.dtype(d) for d in dtypes)
   if np.dtype(value.dtype) not in dtypes:
     want = " or ".join(str(d) for d in dtypes)
     raise TypeError(f"jax_ep.{op}: {name} must have dtype {want}, got {value.dtype}")
 
 
-def _check_tokens(group: Group, op: str, x, topk_idx, topk_weights=None) -> None:
+def _check_tokens(group: Group, op: str, x, topk_idx, topk_weights=None, *,
+                  weighted: bool = False) -> None:
+  """Checks the tokens and their routing; `weighted`: `topk_weights` is required."""
   c = group.config
   _check_array(op, "x", x, ndim=2, dtypes=(c.dtype,), shape=("T", "H"))
   _check_array(op, "topk_idx", topk_idx, ndim=2, dtypes=(jnp.int32,), shape=("T", "K"))
@@ -201,7 +244,7 @@ def _check_tokens(group: Group, op: str, x, topk_idx, topk_weights=None) -> None
   if topk_idx.shape != (num_tokens, c.num_topk):
     raise ValueError(f"jax_ep.{op}: topk_idx must have shape [T, K] = {(num_tokens, c.num_topk)} "
                      f"(T from x, K = group num_topk), got {topk_idx.shape}")
-  if topk_weights is not None:
+  if weighted or topk_weights is not None:
     _check_array(op, "topk_weights", topk_weights, ndim=2,
                  dtypes=(jnp.float32, jnp.bfloat16, jnp.float16), shape=("T", "K"))
     if topk_weights.shape != topk_idx.shape:
@@ -261,7 +304,7 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
     `T = 0` is allowed: nothing moves (every rank has the same static `T`).
   """
   _check_group(group, "dispatch")
-  _check_tokens(group, "dispatch", x, topk_idx, topk_weights)
+  _check_tokens(group, "dispatch", x, topk_idx, topk_weights, weighted=True)
   topk_weights = topk_weights.astype(jnp.float32)
   c = group.config
   if x.shape[0] == 0:
@@ -273,14 +316,14 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
                           no_rows)
     # Typed like every other call's results (varying wherever the inputs do).
     recv = DispatchResult(*vary_like_operands(tuple(recv), (x, topk_idx, topk_weights)))
-    return recv, Handle((), topk_weights)
+    return recv, Handle((), topk_weights, _origin(group))
   topk_idx, topk_weights = merge_duplicate_slots(topk_idx, topk_weights, c.num_experts)
   recv_x, group_sizes, num_dropped, num_invalid, layout = primitives.dispatch(
       group.backend, x, topk_idx, topk_weights)
   num_dropped = _strict_check(group, num_dropped)
   offsets = group_offsets(group_sizes, c.expert_alignment, c.capacity)
   return (DispatchResult(recv_x, group_sizes, num_dropped, num_invalid, offsets),
-          Handle(layout, topk_weights))
+          Handle(layout, topk_weights, _origin(group)))
 
 
 def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):
@@ -305,6 +348,7 @@ def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):
   if not isinstance(handle, Handle):
     raise TypeError(f"jax_ep.combine: handle must be the Handle returned by jax_ep.dispatch, "
                     f"got {type(handle).__name__}")
+  _check_origin(group, "combine", handle.origin, "dispatch")
   if handle.topk_weights.shape[0] == 0:  # see dispatch: no rank has a token
     return vary_like_operands(jnp.zeros((0, c.hidden), c.dtype),
                               (expert_out, handle.topk_weights))
@@ -373,7 +417,7 @@ def _low_latency_outputs(group: Group, topk_idx, outs):
   recv_x, scales, count, num_dropped, num_invalid, layout = outs
   num_dropped = _strict_check(group, num_dropped)
   return (LowLatencyResult(recv_x, scales, count, num_dropped, num_invalid),
-          LowLatencyHandle(layout, topk_idx))
+          LowLatencyHandle(layout, topk_idx, _origin(group)))
 
 
 def low_latency_dispatch(group: Group, x, topk_idx, *, row_format: RowFormat | None = None,
@@ -444,7 +488,8 @@ def low_latency_dispatch_send(group: Group, x, topk_idx, *,
                     dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
   merged = _merged_ids(group, topk_idx)
   sent = group.backend.low_latency_dispatch_send(x, merged, fmt)
-  return LowLatencySent("dispatch", (sent, topk_idx, merged), (fmt, np.dtype(x.dtype).name))
+  return LowLatencySent("dispatch", (sent, topk_idx, merged, _origin(group)),
+                        (fmt, np.dtype(x.dtype).name))
 
 
 def low_latency_dispatch_wait(group: Group, sent: LowLatencySent):
@@ -453,7 +498,8 @@ def low_latency_dispatch_wait(group: Group, sent: LowLatencySent):
   if not isinstance(sent, LowLatencySent) or sent.op != "dispatch":
     raise TypeError("jax_ep.low_latency_dispatch_wait: sent must be what "
                     f"jax_ep.low_latency_dispatch_send returned, got {type(sent).__name__}")
-  state, topk_idx, merged = sent.arrays
+  state, topk_idx, merged, origin = sent.arrays
+  _check_origin(group, "low_latency_dispatch_wait", origin, "low_latency_dispatch_send", "sent")
   fmt, dtype = sent.static
   outs = group.backend.low_latency_dispatch_wait(state, merged, np.dtype(dtype), fmt)
   return _low_latency_outputs(group, topk_idx, outs)
@@ -471,6 +517,7 @@ def _check_low_latency_combine(group: Group, op: str, expert_out, handle):
   if not isinstance(handle, LowLatencyHandle):
     raise TypeError(f"jax_ep.{op}: handle must be the LowLatencyHandle returned by "
                     f"jax_ep.low_latency_dispatch, got {type(handle).__name__}")
+  _check_origin(group, op, handle.origin, "low_latency_dispatch")
 
 
 def _check_low_latency_weights(group: Group, op: str, handle, topk_weights):
@@ -509,6 +556,8 @@ def low_latency_combine_wait(group: Group, sent: LowLatencySent, topk_weights):
     raise TypeError("jax_ep.low_latency_combine_wait: sent must be what "
                     f"jax_ep.low_latency_combine_send returned, got {type(sent).__name__}")
   state, handle = sent.arrays
+  _check_origin(group, "low_latency_combine_wait", handle.origin, "low_latency_combine_send",
+                "sent")
   topk_weights = _check_low_latency_weights(group, "low_latency_combine_wait", handle,
                                             topk_weights)
   return group.backend.low_latency_combine_wait(state, handle.layout, topk_weights,

@@ -14,6 +14,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jax_ep.config import positive_int
+
 
 @dataclasses.dataclass(frozen=True)
 class Routing:
@@ -107,9 +109,33 @@ def route_logits(logits, num_topk: int, routing: Routing = Routing(), bias=None)
   return Routed(topk_idx.astype(jnp.int32), weights.astype(jnp.float32), logits, probs)
 
 
+def _check_route(x, router, num_topk, bias) -> None:
+  """`route`'s arguments, each named with its shape and what it must be."""
+  for name, value in (("x", x), ("router", router)):
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+      raise TypeError(f"jax_ep.route: {name} must be an array, got {type(value).__name__}")
+  if router.ndim != 2:
+    raise ValueError(f"jax_ep.route: router must have shape [H, E], got shape {router.shape}")
+  hidden, num_experts = router.shape
+  if x.ndim < 1 or x.shape[-1] != hidden:
+    raise ValueError(f"jax_ep.route: x must be [T, H] with the router's H = {hidden} (router "
+                     f"shape {router.shape}), got shape {x.shape}")
+  positive_int("num_topk", num_topk, "jax_ep.route")
+  if num_topk > num_experts:
+    raise ValueError(f"jax_ep.route: num_topk={num_topk} must be <= the router's "
+                     f"E = {num_experts} experts (router shape {router.shape})")
+  if bias is not None and getattr(bias, "shape", None) != (num_experts,):
+    raise ValueError(f"jax_ep.route: bias must have shape [E] = ({num_experts},) (router shape "
+                     f"{router.shape}), got {getattr(bias, 'shape', type(bias).__name__)}")
+
+
 def route(x, router, num_topk: int, routing: Routing = Routing(), bias=None):
   """`(topk_idx [T, K] int32, topk_weights [T, K] float32)` of tokens `x [T, H]` under a
-  router `[H, E]` (float32 logits `x @ router`)."""
+  router `[H, E]` (float32 logits `x @ router`).
+
+  Raises a `ValueError` / `TypeError` naming `x`, `router`, `num_topk` or `bias` where their
+  shapes do not agree."""
+  _check_route(x, router, num_topk, bias)
   routed = route_logits(x.astype(jnp.float32) @ router.astype(jnp.float32), num_topk, routing,
                         bias)
   return routed.topk_idx, routed.topk_weights

@@ -18,7 +18,7 @@ import numpy as np
 
 from jax_ep.backends import cuda_ops, intranode, reference
 from jax_ep.config import (EPConfig, RowFormat, alignment_padding, as_row_format, check_dtype,
-                            check_expert_alignment, default_capacity)
+                            check_expert_alignment, default_capacity, positive_int)
 from jax_ep.gmm import ROW_TILE
 from jax_ep.routing import merge_duplicate_slots
 
@@ -100,6 +100,36 @@ def resolve_capacity(capacity, capacity_factor, num_ranks: int, max_tokens_per_r
   return capacity, None
 
 
+def check_configuration(where: str, axis_name: str, *, num_ranks: int, num_experts, num_topk,
+                        hidden, max_tokens_per_rank, dtype, capacity, capacity_factor,
+                        expert_alignment, strict: bool = False,
+                        ranks: str | None = None) -> EPConfig:
+  """The `EPConfig` of a group's arguments, or the error that names the first one a group
+  cannot take: the one rule `jax_ep.Group` and `jax_ep.memory_bytes` both apply, so that a
+  configuration is sized only where it can be created. `ranks` says where `num_ranks` came
+  from in messages (default `num_ranks=R`, the argument)."""
+  num_ranks = positive_int("num_ranks", num_ranks, where)
+  ranks = ranks or f"num_ranks={num_ranks}"
+  num_experts = positive_int("num_experts", num_experts, where)
+  num_topk = positive_int("num_topk", num_topk, where)
+  hidden = positive_int("hidden", hidden, where)
+  max_tokens_per_rank = positive_int("max_tokens_per_rank", max_tokens_per_rank, where)
+  if num_experts % num_ranks:
+    raise ValueError(f"{where}: num_experts={num_experts} must be divisible by {ranks}")
+  if num_topk > num_experts:
+    raise ValueError(f"{where}: num_topk={num_topk} must be <= num_experts={num_experts} (a "
+                     f"token selects at most every expert once)")
+  dtype = check_dtype(dtype, where)
+  expert_alignment = check_expert_alignment(expert_alignment, where)
+  capacity, capacity_factor = resolve_capacity(capacity, capacity_factor, num_ranks,
+                                               max_tokens_per_rank, num_topk,
+                                               num_experts // num_ranks, where=where,
+                                               expert_alignment=expert_alignment)
+  return EPConfig(axis_name, num_ranks, num_experts, num_topk, hidden, max_tokens_per_rank,
+                  dtype, capacity, bool(strict), capacity_factor=capacity_factor,
+                  expert_alignment=expert_alignment)
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
   """Bytes one rank needs for a group configuration.
@@ -137,6 +167,11 @@ class MemoryEstimate:
     figures applies depends on whether the model rematerialises the layer."""
     return (self.recv_x_bytes + self.handle_bytes + self.low_latency_recv_bytes
             + self.workspace_bytes + self.comm_buffer_bytes)
+
+
+# The backends `memory_bytes` sizes: a created group's `backend_name` ('auto' is a choice made
+# when a group is created, on its devices).
+MEMORY_BACKENDS = ("reference", "cuda")
 
 
 def _nbytes(structs) -> int:
@@ -266,15 +301,20 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   that layer's backward runs. A model of `N` such layers keeps `N` times the remat figure plus,
   at its peak, one layer's full figure.
   """
-  dtype = check_dtype(dtype, "jax_ep.memory_bytes")
+  where = "jax_ep.memory_bytes"
+  config = check_configuration(where, "ep", num_ranks=num_ranks, num_experts=num_experts,
+                               num_topk=num_topk, hidden=hidden,
+                               max_tokens_per_rank=max_tokens_per_rank, dtype=dtype,
+                               capacity=capacity, capacity_factor=capacity_factor,
+                               expert_alignment=expert_alignment)
+  if backend not in MEMORY_BACKENDS:
+    raise ValueError(f"{where}: backend must be {' or '.join(map(repr, MEMORY_BACKENDS))} (the "
+                     f"group's `backend_name`); got {backend!r}")
   row_format = resolve_row_format(row_format, use_fp8)
-  num_local = num_experts // num_ranks
-  expert_alignment = check_expert_alignment(expert_alignment, "jax_ep.memory_bytes")
-  capacity, _ = resolve_capacity(capacity, capacity_factor, num_ranks, max_tokens_per_rank,
-                                 num_topk, num_local, where="jax_ep.memory_bytes",
-                                 expert_alignment=expert_alignment)
-  config = EPConfig("ep", num_ranks, num_experts, num_topk, hidden, max_tokens_per_rank, dtype,
-                    capacity, expert_alignment=expert_alignment)
+  num_ranks, num_experts, num_topk, hidden, max_tokens_per_rank, dtype, capacity = (
+      config.num_ranks, config.num_experts, config.num_topk, config.hidden,
+      config.max_tokens_per_rank, config.dtype, config.capacity)
+  num_local = config.num_local_experts
   t, k, r = max_tokens_per_rank, num_topk, num_ranks
   recv_x = capacity * hidden * dtype.itemsize
   handle = 4 * (t * k + r * t * k + capacity) + 4 * t * k  # routing + the weights
