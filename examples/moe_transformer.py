@@ -288,12 +288,11 @@ def main(argv=None) -> int:
   mesh = make_mesh(args.mesh, cfg.experts)
   num_devices = mesh.devices.size
   decode_batch = -(-cfg.decode_batch // num_devices) * num_devices
-  if (cfg.batch % num_devices or cfg.batch * cfg.seq_len % num_devices
-      or decode_batch * cfg.prompt_len % num_devices):
+  if cfg.batch % num_devices:
     raise SystemExit(f"batch={cfg.batch} must split over the {num_devices} devices")
   group = jax_ep.Group(mesh, "expert", num_experts=cfg.experts, num_topk=cfg.topk,
-                       hidden=cfg.hidden, max_tokens_per_rank=cfg.batch * cfg.seq_len // num_devices,
-                       dtype=COMPUTE)
+                       hidden=cfg.hidden, dtype=COMPUTE,
+                       max_tokens_per_rank=cfg.batch * cfg.seq_len // num_devices)
   # Decode passes one token per sequence: a group sized for that, with the low-latency buffers
   # the cuda kernels need (the reference backend allocates none).
   decode_group = jax_ep.Group(mesh, "expert", num_experts=cfg.experts, num_topk=cfg.topk,

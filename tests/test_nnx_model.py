@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType
+from jax.sharding import AxisType, PartitionSpec as P
 
 import jax_ep
 from jax_ep.layer import MoEParams
@@ -239,3 +239,18 @@ def test_strict_group_refuses_every_new_trace():
                lambda: nnx.jit(lambda m, x: m(x) + 1)(model, x)):
     with pytest.raises(jax_ep.CapacityOverflowError, match="capacity=2"):
       call()
+
+
+def test_layout_is_metadata_where_eager_sharding_is_off():
+  mesh = _mesh(AxisType.Explicit)
+  group = _group(mesh)
+  with nnx.use_eager_sharding(False):
+    model = MoE(group, ffn=F, rngs=nnx.Rngs(0))
+  assert len(model.w_gate[...].sharding.device_set) == 1  # placed nowhere but by the caller
+  specs = nnx.get_partition_spec(nnx.state(model))
+  assert specs["w_gate"].get_value() == P("expert", None, None)
+  assert specs["expert_counts"].get_value() == P(("data", "expert"), None)
+  x = jax.random.normal(jax.random.key(6), (2 * 4 * TOKENS, H), jnp.float32)
+  params = MoEParams(*(None if p is None else np.asarray(p) for p in model.params))
+  np.testing.assert_allclose(model(x), dense_moe_layer(params, np.asarray(x), K), rtol=1e-4,
+                             atol=1e-5)
