@@ -35,6 +35,9 @@ restored model matches and decode ran; 1 otherwise (the reason on stderr).
 from __future__ import annotations
 
 import os
+import time
+
+STARTED = time.perf_counter()  # imports (jax_ep's loads its CUDA extension) count from here
 
 # Before jax creates its backends: 8 host devices stand in for 8 GPUs on a CPU (the flag only
 # touches the host platform, so it changes nothing on GPUs).
@@ -48,7 +51,6 @@ import functools  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -62,6 +64,42 @@ import jax_ep  # noqa: E402
 from jax_ep.nnx import MoE  # noqa: E402
 
 COMPUTE = jnp.bfloat16  # activations and matmuls; parameters are float32
+
+
+class CompileClock:
+  """Where a first call's time goes, from jax's monitoring events: tracing to a jaxpr (the
+  outermost trace holds the nested ones, so the longest), lowering to StableHLO, and XLA's
+  compilation (or, with the persistent compilation cache, loading it: `cache_hits`)."""
+
+  EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+            "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+            "/jax/core/compile/backend_compile_duration": "compile"}
+
+  def __init__(self):
+    self.spent = dict.fromkeys(("trace", "lower", "compile"), 0.0)
+    self.cache_hits = 0
+    jax.monitoring.register_event_duration_secs_listener(self._duration)
+    jax.monitoring.register_event_listener(self._event)
+
+  def _duration(self, event, seconds, **_):
+    name = self.EVENTS.get(event)
+    if name == "trace":
+      self.spent[name] = max(self.spent[name], seconds)
+    elif name:
+      self.spent[name] += seconds
+
+  def _event(self, event, **_):
+    self.cache_hits += event == "/jax/compilation_cache/cache_hits"
+
+  def reset(self):
+    self.spent = dict.fromkeys(self.spent, 0.0)
+    self.cache_hits = 0
+
+  def report(self, total: float) -> str:
+    rest = total - sum(self.spent.values())
+    cached = f", {self.cache_hits} from the persistent cache" if self.cache_hits else ""
+    return (f"trace {self.spent['trace']:.1f} s, lower {self.spent['lower']:.1f} s, "
+            f"XLA compile {self.spent['compile']:.1f} s{cached}, run and the rest {rest:.1f} s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,6 +323,7 @@ def main(argv=None) -> int:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
+  clock = CompileClock()
   mesh = make_mesh(args.mesh, cfg.experts)
   num_devices = mesh.devices.size
   decode_batch = -(-cfg.decode_batch // num_devices) * num_devices
@@ -299,7 +338,8 @@ def main(argv=None) -> int:
                               hidden=cfg.hidden, max_tokens_per_rank=decode_batch // num_devices,
                               dtype=COMPUTE, low_latency=True)
   print(f"mesh {dict(mesh.shape)} of {num_devices} x {jax.devices()[0].platform}, jax_ep "
-        f"backend {group.backend_name!r} ({group.backend_reason})")
+        f"backend {group.backend_name!r} ({group.backend_reason}); imports, devices and groups "
+        f"{time.perf_counter() - STARTED:.1f} s")
   print(f"config {args.config}: {cfg}")
 
   def build():
@@ -325,6 +365,7 @@ def main(argv=None) -> int:
   eval_tokens = batch(cfg.batch, cfg.seq_len + 1)  # held out: a fresh walk of the chain
   with jax.set_mesh(mesh):
     first_loss = float(eval_loss(model, eval_tokens))
+  clock.reset()
   log_every = max(1, cfg.steps // 10)
   losses, times = [], []
   with jax.set_mesh(mesh):
@@ -334,7 +375,8 @@ def main(argv=None) -> int:
       losses.append(float(train_step(model, optimizer, tokens, cfg.aux_coef)))
       times.append(time.perf_counter() - start)
       if step == 0:
-        print(f"step    0  loss {losses[0]:.3f}  compile + first step {times[0]:.1f} s")
+        print(f"step    0  loss {losses[0]:.3f}  compile + first step {times[0]:.1f} s "
+              f"({clock.report(times[0])})")
       elif (step + 1) % log_every == 0 or step + 1 == cfg.steps:
         recent = np.median(times[max(1, step + 1 - log_every):])
         dropped = int(np.asarray(model.blocks.moe.num_dropped[...]).sum())

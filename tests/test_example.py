@@ -1,6 +1,7 @@
 """examples/moe_transformer.py, the end-to-end model, runs its small configuration on the CPU:
 the loss falls, the checkpoint restores bit-exactly, greedy decode picks the chain's likely
-tokens, and the training step compiles once."""
+tokens, the training step compiles once, and a second run takes it from JAX's persistent
+compilation cache."""
 
 import os
 import pathlib
@@ -17,13 +18,17 @@ pytestmark = pytest.mark.skipif("JAX_EP_PROCESS_ID" in os.environ,
                                 reason="runs its own process; once per launched job is enough")
 
 
-@pytest.mark.slow
-def test_small_configuration_trains_restores_and_decodes(tmp_path):
+def _run(tmp_path, *args):
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_EXPLAIN_CACHE_MISSES="1")
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-  proc = subprocess.run([sys.executable, str(EXAMPLE), "--config", "small",
-                         "--checkpoint-dir", str(tmp_path)],
+  return subprocess.run([sys.executable, str(EXAMPLE), "--config", "small",
+                         "--compilation-cache", str(tmp_path / "jax_cache"), *args],
                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_small_configuration_trains_restores_and_decodes(tmp_path):
+  proc = _run(tmp_path, "--checkpoint-dir", str(tmp_path))
   output = proc.stdout + proc.stderr
   assert proc.returncode == 0, f"the example exited {proc.returncode}:\n{output}"
   assert "PASSED" in proc.stdout, output
@@ -43,3 +48,10 @@ def test_small_configuration_trains_restores_and_decodes(tmp_path):
                       proc.stderr)
   steps = [m for m in misses if "train_step" in m[1] or "train_step" in m[0]]
   assert len(steps) == 1, f"train_step traced {len(steps)} times:\n{proc.stderr[-4000:]}"
+  assert "compile + first step" in proc.stdout and "XLA compile" in proc.stdout, output
+
+  # A second run loads the compiled step from JAX's persistent compilation cache.
+  again = _run(tmp_path, "--steps", "3")
+  assert again.returncode == 0, again.stdout + again.stderr
+  first_step = re.search(r"^step    0 .*$", again.stdout, re.M).group(0)
+  assert "from the persistent cache" in first_step, again.stdout
