@@ -180,6 +180,46 @@ def test_nnx_module_trains_at_model_shapes(name):
     _assert_close(got, getattr(want_params, field), 3e-2, f"grad {field}")
 
 
+def test_nnx_module_trains_and_decodes_on_one_set_of_weights():
+  """One `jax_ep.nnx.MoE` for training and decode: a training step (dispatch, the grouped GEMM,
+  combine) and a decode call (`mode="low_latency"` on its decode group: the low-latency kernels
+  and the slab experts) on the same weights, each against the dense model."""
+  nnx = pytest.importorskip("flax.nnx")
+  from jax_ep.nnx import MoE
+  mesh, num_ranks = _mesh()
+  e, h, f, k = SHAPES["e32"]
+  decode_tokens = 8  # per rank
+  params, x, cot = _inputs(e, h, f, num_ranks * TOKENS, seed=3, param_dtype=jnp.float32,
+                           key=nnx.Rngs(0).params())
+  _, (want_params, want_x) = _dense(params, x, cot, k)
+  x_decode = x[:num_ranks * decode_tokens]
+  want_decode = jax.jit(lambda p, x: dense_moe_layer(p, x, k, dtype=jnp.bfloat16))(params,
+                                                                                    x_decode)
+  options = dict(num_experts=e, num_topk=k, hidden=h, dtype=jnp.bfloat16)
+  with jax_ep.Group(mesh, "ep", max_tokens_per_rank=TOKENS, **options) as group, \
+       jax_ep.Group(mesh, "ep", max_tokens_per_rank=decode_tokens, low_latency=True,
+                    **options) as decode_group:
+    assert decode_group.backend_name == "cuda", decode_group.backend_reason
+    model = MoE(group, ffn=f, rngs=nnx.Rngs(0), decode_group=decode_group)
+    del params
+    g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
+
+    @nnx.jit
+    def step(model, x, cot):
+      def loss(model, x):
+        return jnp.sum(model(x).astype(jnp.float32) * cot)
+      return nnx.grad(loss, argnums=(0, 1))(model, x)
+    d_model, d_x = step(model, g_x, g_cot)
+    decoded = nnx.jit(lambda m, x: m(x, mode="low_latency"))(model,
+                                                              _global(mesh, x_decode, P("ep")))
+    jax.block_until_ready((d_x, decoded))
+    group.check()
+    decode_group.check()
+  _assert_close(d_x, want_x, 3e-2, "grad x")
+  _assert_close(d_model.w_gate[...], want_params.w_gate, 3e-2, "grad w_gate")
+  _assert_close(decoded, want_decode, 3e-2, "decoded out")
+
+
 def test_moe_mlp_low_latency_trains_at_a_model_shape():
   """The decode layer (`mode="low_latency"`: the low-latency pair, the experts on its slabs
   through the Pallas slab kernels) forward and backward inside shard_map."""
