@@ -36,7 +36,7 @@ from jax_ep.layer import (MODES, MoEOutput, MoEParams, _check_options, _token_ax
 from jax_ep.routing import Routing, update_router_bias
 
 _logger = logging.getLogger("jax_ep")
-_SAID_UNRECORDED: list[bool] = []
+_SAID: set[str] = set()
 
 # `moe_mlp` under `jit`: inside a traced model this just nests, and an eager call (e.g.
 # `layer(x)` at the top level) runs one compiled program instead of op-by-op `shard_map`, which
@@ -101,13 +101,14 @@ def _check_call(group: Group, which: str, mode: str, x, topk_idx, topk_weights) 
   if topk_idx is None:
     return
   want = (*x.shape[:-1], group.num_topk)
-  for name, value, kind in (("topk_idx", topk_idx, jnp.integer),
-                            ("topk_weights", topk_weights, jnp.floating)):
+  for name, value, kind, kind_name in (("topk_idx", topk_idx, jnp.integer, "an integer"),
+                                       ("topk_weights", topk_weights, jnp.floating,
+                                        "a floating-point")):
     if not hasattr(value, "shape") or tuple(value.shape) != want:
       raise ValueError(f"{fn}: {name} must have shape {want} (x's tokens, K={group.num_topk}), "
                        f"got {getattr(value, 'shape', type(value).__name__)}")
     if not jnp.issubdtype(value.dtype, kind):
-      raise TypeError(f"{fn}: {name} must have an {kind.__name__} dtype, got {value.dtype}")
+      raise TypeError(f"{fn}: {name} must have {kind_name} dtype, got {value.dtype}")
 
 
 class MoE(nnx.Module):
@@ -302,8 +303,8 @@ class MoE(nnx.Module):
     except TraceContextError:
       # A jax.lax loop body that closes over the module: Flax lets no variable created outside
       # it change there. The statistics stay those of the last call outside such a loop.
-      if not _SAID_UNRECORDED:
-        _SAID_UNRECORDED.append(True)
+      if "unrecorded" not in _SAID:
+        _SAID.add("unrecorded")
         _logger.info("jax_ep.nnx.MoE: statistics not recorded inside a jax.lax loop that "
                      "closes over the module (nnx.fori_loop / nnx.scan record them; "
                      "statistics=False records none)")

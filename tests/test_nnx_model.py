@@ -194,6 +194,9 @@ def test_one_module_trains_and_decodes():
     model(x[:12])
   with pytest.raises(ValueError, match=r"jax_ep.nnx.MoE: topk_idx must have shape \(64, 2\)"):
     model(x, jnp.zeros((64, 3), jnp.int32), jnp.ones((64, 3)))
+  with pytest.raises(TypeError, match="jax_ep.nnx.MoE: topk_idx must have an integer dtype, got "
+                                      "float32"):
+    model(x, jnp.zeros((64, 2)), jnp.ones((64, 2)))
   with pytest.raises(ValueError, match="jax_ep.nnx.MoE: mode must be None, 'high_throughput' or "
                                        "'low_latency', got 'decode'"):
     model(x, mode="decode")
