@@ -105,6 +105,19 @@ def _dense(params, x, cot, num_topk):
   return out, grads
 
 
+def _nnx_grads(model, x, cot):
+  """The gradients of `sum(model(x) * cot)` with respect to the module and `x`, in one compiled
+  step."""
+  nnx = pytest.importorskip("flax.nnx")
+
+  @nnx.jit
+  def step(model, x, cot):
+    def loss(model, x):
+      return jnp.sum(model(x).astype(jnp.float32) * cot)
+    return nnx.grad(loss, argnums=(0, 1))(model, x)
+  return step(model, x, cot)
+
+
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_moe_mlp_trains_at_model_shapes(name, expert_alignment=1):
   mesh, num_ranks = _mesh()
@@ -164,13 +177,7 @@ def test_nnx_module_trains_at_model_shapes(name):
     _assert_close(model.w_gate[...], params.w_gate, 0.0, "the module's weights")
     del params
     g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
-
-    @nnx.jit
-    def step(model, x, cot):
-      def loss(model, x):
-        return jnp.sum(model(x).astype(jnp.float32) * cot)
-      return nnx.grad(loss, argnums=(0, 1))(model, x)
-    d_model, d_x = step(model, g_x, g_cot)
+    d_model, d_x = _nnx_grads(model, g_x, g_cot)
     jax.block_until_ready(d_x)
     group.check()
   _assert_close(d_x, want_x, 3e-2, "grad x")
@@ -203,13 +210,7 @@ def test_nnx_module_trains_and_decodes_on_one_set_of_weights():
     model = MoE(group, ffn=f, rngs=nnx.Rngs(0), decode_group=decode_group)
     del params
     g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
-
-    @nnx.jit
-    def step(model, x, cot):
-      def loss(model, x):
-        return jnp.sum(model(x).astype(jnp.float32) * cot)
-      return nnx.grad(loss, argnums=(0, 1))(model, x)
-    d_model, d_x = step(model, g_x, g_cot)
+    d_model, d_x = _nnx_grads(model, g_x, g_cot)
     decoded = nnx.jit(lambda m, x: m(x, mode="low_latency"))(model,
                                                               _global(mesh, x_decode, P("ep")))
     jax.block_until_ready((d_x, decoded))
