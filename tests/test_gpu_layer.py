@@ -204,6 +204,21 @@ def _check_layer(result, d_params, d_x, want, what=""):
                   per_slice=field != "router")
 
 
+def _nnx_grads(model, x, cot):
+  """The gradients of `sum(model(x) * cot)` with respect to the module and `x`, in one compiled
+  step, and the experts the module's router chose (`topk_idx`)."""
+  nnx = pytest.importorskip("flax.nnx")
+
+  @nnx.jit
+  def step(model, x, cot):
+    def loss(model, x):
+      result = model(x, return_output=True)
+      return jnp.sum(result.out.astype(jnp.float32) * cot), result.topk_idx
+    return nnx.grad(loss, argnums=(0, 1), has_aux=True)(model, x)
+  (d_model, d_x), topk_idx = step(model, x, cot)
+  return d_model, d_x, topk_idx
+
+
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_moe_mlp_trains_at_model_shapes(name, expert_alignment=1):
   mesh, num_ranks = _mesh()
@@ -258,14 +273,7 @@ def test_nnx_module_trains_at_model_shapes(name):
     model = MoE(group, ffn=f, rngs=nnx.Rngs(0), param_dtype=param_dtype)
     _assert_close(model.w_gate[...], params.w_gate, 0.0, "the module's weights")
     g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
-
-    @nnx.jit
-    def step(model, x, cot):
-      def loss(model, x):
-        result = model(x, return_output=True)
-        return jnp.sum(result.out.astype(jnp.float32) * cot), result.topk_idx
-      return nnx.grad(loss, argnums=(0, 1), has_aux=True)(model, x)
-    (d_model, d_x), topk_idx = step(model, g_x, g_cot)
+    d_model, d_x, topk_idx = _nnx_grads(model, g_x, g_cot)
     jax.block_until_ready(d_x)
     group.check()
   want = _dense(params, x, cot, _gathered(topk_idx))
@@ -275,6 +283,40 @@ def test_nnx_module_trains_at_model_shapes(name):
   for field in ("w_gate", "w_down"):
     assert getattr(d_params, field).dtype == param_dtype, f"grad {field}"
   _check_layer(None, d_params, d_x, want, "nnx: ")
+
+
+def test_nnx_module_trains_and_decodes_on_one_set_of_weights():
+  """One `jax_ep.nnx.MoE` for training and decode: a training step (dispatch, the grouped GEMM,
+  combine) and a decode call (`mode="low_latency"` on its decode group: the low-latency kernels
+  and the slab experts) on the same weights, each against the dense model."""
+  nnx = pytest.importorskip("flax.nnx")
+  from jax_ep.nnx import MoE
+  mesh, num_ranks = _mesh()
+  e, h, f, k = SHAPES["e32"]
+  decode_tokens = 8  # per rank
+  params, x, cot = _inputs(e, h, f, num_ranks * TOKENS, seed=3, param_dtype=jnp.float32,
+                           key=nnx.Rngs(0).params())
+  x_decode = x[:num_ranks * decode_tokens]
+  options = dict(num_experts=e, num_topk=k, hidden=h, dtype=jnp.bfloat16)
+  with jax_ep.Group(mesh, "ep", max_tokens_per_rank=TOKENS, **options) as group, \
+       jax_ep.Group(mesh, "ep", max_tokens_per_rank=decode_tokens, low_latency=True,
+                    **options) as decode_group:
+    assert decode_group.backend_name == "cuda", decode_group.backend_reason
+    model = MoE(group, ffn=f, rngs=nnx.Rngs(0), decode_group=decode_group)
+    g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
+    d_model, d_x, topk_idx = _nnx_grads(model, g_x, g_cot)
+    decoded = nnx.jit(lambda m, x: m(x, mode="low_latency", return_output=True))(
+        model, _global(mesh, x_decode, P("ep")))
+    jax.block_until_ready((d_x, decoded.out))
+    group.check()
+    decode_group.check()
+  want = _dense(params, x, cot, _gathered(topk_idx))
+  want_decode, _ = _dense(params, x_decode, jnp.zeros(x_decode.shape, jnp.float32),
+                          _gathered(decoded.topk_idx))
+  del params
+  d_params = MoEParams(*[None] * len(MoEParams._fields))._replace(w_gate=d_model.w_gate[...])
+  _check_layer(None, d_params, d_x, want, "train: ")
+  _assert_close(decoded.out, want_decode, OUT_BOUND, "decoded out", mutation=True)
 
 
 def test_moe_mlp_low_latency_trains_at_a_model_shape():
