@@ -207,13 +207,7 @@ def _merge_saved_bytes(num_tokens: int, num_topk: int, num_experts: int) -> int:
 
 
 def _check_ffn(ffn, activation) -> int:
-  try:
-    ffn = operator.index(ffn)
-  except TypeError:
-    raise TypeError(f"jax_ep.memory_bytes: ffn must be an int (the expert FFN's inner size), "
-                    f"got {ffn!r} ({type(ffn).__name__})") from None
-  if ffn <= 0:
-    raise ValueError(f"jax_ep.memory_bytes: ffn must be positive, got {ffn}")
+  ffn = positive_int("ffn", ffn, "jax_ep.memory_bytes")
   if activation not in ACTIVATIONS:
     raise ValueError(f"jax_ep.memory_bytes: activation must be one of "
                      f"{', '.join(map(repr, ACTIVATIONS))}; got {activation!r}")

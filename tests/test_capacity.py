@@ -100,7 +100,7 @@ def test_bad_capacity_arguments_are_named(kwargs, error, message):
 
 @pytest.mark.parametrize("kwargs,error,message", [
     (dict(ffn=0), ValueError, "ffn must be positive, got 0"),
-    (dict(ffn=2.5), TypeError, r"ffn must be an int \(the expert FFN's inner size\), got 2.5"),
+    (dict(ffn=2.5), TypeError, r"ffn must be an int, got 2.5"),
     (dict(ffn=64, activation="relu"), ValueError,
      "activation must be one of 'swiglu', 'geglu', 'gelu', 'silu'; got 'relu'"),
 ])
