@@ -19,11 +19,11 @@ from jax_ep import _status
 from jax_ep._native import effects
 from jax_ep.backends import registry
 from jax_ep.backends.intranode import IntranodeTransport
-from jax_ep.config import RowFormat, positive_int
+from jax_ep.config import RowFormat, as_row_format, positive_int
 from jax_ep.launch import _distributed
 # Re-exported: `from jax_ep.group import memory_bytes, MemoryEstimate` is how code imports them.
 from jax_ep.sizing import MemoryEstimate, memory_bytes, resolve_capacity  # noqa: F401
-from jax_ep.sizing import check_configuration, resolve_row_format
+from jax_ep.sizing import check_configuration
 
 _logger = logging.getLogger("jax_ep")
 
@@ -261,17 +261,12 @@ class Group:
     return 1
 
   def memory_bytes(self, row_format: RowFormat | str | None = None, *, ffn: int | None = None,
-                   activation: str = "swiglu", use_fp8: bool | None = None) -> MemoryEstimate:
+                   activation: str = "swiglu") -> MemoryEstimate:
     """`jax_ep.memory_bytes` for this group (its capacity, backend and transports), the
     low-latency output in `row_format` (default PLAIN); `ffn` and `activation` also size what
-    its expert layer keeps for the backward. `use_fp8`, or a bool in `row_format`'s place (the
-    old positional form), is deprecated: `True` is `RowFormat.FP8`."""
-    if isinstance(row_format, bool):  # memory_bytes(True): the old positional use_fp8
-      if use_fp8 is not None:
-        raise TypeError("jax_ep.Group.memory_bytes: pass row_format or the deprecated use_fp8, "
-                        "not both")
-      row_format, use_fp8 = None, row_format
-    row_format = resolve_row_format(row_format, use_fp8, "jax_ep.Group.memory_bytes")
+    its expert layer keeps for the backward."""
+    row_format = (RowFormat.PLAIN if row_format is None
+                  else as_row_format(row_format, "jax_ep.Group.memory_bytes"))
     c = self.config
     return memory_bytes(num_ranks=c.num_ranks, num_experts=c.num_experts, num_topk=c.num_topk,
                         hidden=c.hidden, max_tokens_per_rank=c.max_tokens_per_rank,

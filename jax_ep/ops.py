@@ -8,7 +8,6 @@ what was expected.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -92,11 +91,6 @@ def zero_padding(recv: DispatchResult) -> DispatchResult:
                                    jnp.zeros((), recv.x.dtype)))
 
 
-def _deprecated_routing(cls: str):
-  warnings.warn(f"jax_ep.{cls}.routing is deprecated and will be removed in the next release; "
-                f"use {cls}.layout (the same value)", DeprecationWarning, stacklevel=3)
-
-
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
 class HandleOrigin:
@@ -144,12 +138,6 @@ class Handle(NamedTuple):
   topk_weights: jax.Array
   origin: HandleOrigin | None = None
 
-  @property
-  def routing(self):
-    """Deprecated name of `layout`."""
-    _deprecated_routing("Handle")
-    return self.layout
-
 
 class LowLatencyResult(NamedTuple):
   """What a rank receives from `low_latency_dispatch`.
@@ -188,12 +176,6 @@ class LowLatencyHandle(NamedTuple):
   layout: Any
   topk_idx: jax.Array
   origin: HandleOrigin | None = None
-
-  @property
-  def routing(self):
-    """Deprecated name of `layout`."""
-    _deprecated_routing("LowLatencyHandle")
-    return self.layout
 
 
 def _check_group(group, op: str) -> None:
@@ -356,53 +338,15 @@ def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):
                             handle.topk_weights if weighted else None)
 
 
-_DEPRECATED_FLAGS = ("use_fp8", "round_scale", "use_ue8m0")
-
-
-def _as_row_format(op: str, row_format) -> RowFormat:
-  """`row_format` as a `RowFormat`: a member, or its value or name as a string."""
-  return as_row_format(row_format, f"jax_ep.{op}")
-
-
-def _legacy_row_format(op: str, use_fp8: bool, round_scale: bool, use_ue8m0: bool
-                       ) -> RowFormat:
-  """The `RowFormat` the deprecated flags spell; the combinations they never allowed raise."""
-  if (round_scale or use_ue8m0) and not use_fp8:
-    raise ValueError(f"jax_ep.{op}: round_scale and use_ue8m0 need use_fp8=True")
-  if use_ue8m0 and not round_scale:
-    raise ValueError(f"jax_ep.{op}: use_ue8m0=True needs round_scale=True (UE8M0 "
-                     "holds powers of two only)")
-  if not use_fp8:
-    return RowFormat.PLAIN
-  if use_ue8m0:
-    return RowFormat.FP8_UE8M0
-  return RowFormat.FP8_POW2_SCALES if round_scale else RowFormat.FP8
-
-
-def _row_format(group: Group, op: str, row_format, flags: dict) -> RowFormat:
-  """The dispatch's `RowFormat` from `row_format` or the deprecated flags (`use_fp8`,
-  `round_scale`, `use_ue8m0`; None where not passed), checked against the group's hidden."""
-  given = {name: value for name, value in flags.items() if value is not None}
-  if given and row_format is not None:
-    raise TypeError(f"jax_ep.{op}: pass row_format or the deprecated "
-                    f"{', '.join(given)}, not both")
-  if given:
-    fmt = _legacy_row_format(op, bool(flags["use_fp8"]), bool(flags["round_scale"]),
-                             bool(flags["use_ue8m0"]))
-    spelled = ", ".join(f"{name}={value!r}" for name, value in given.items())
-    # stacklevel 3: past this function and the public op, to the caller.
-    warnings.warn(f"jax_ep.{op}: {spelled} is deprecated and will be removed in the next "
-                  f"release; pass row_format=jax_ep.{fmt} instead", DeprecationWarning,
-                  stacklevel=3)
-    fp8_named, ue8m0_named = "use_fp8=True", "use_ue8m0=True"
-  else:
-    fmt = RowFormat.PLAIN if row_format is None else _as_row_format(op, row_format)
-    fp8_named = ue8m0_named = f"row_format={fmt}"
+def _row_format(group: Group, op: str, row_format) -> RowFormat:
+  """The dispatch's `RowFormat` (a member, or its value or name as a string; None: PLAIN),
+  checked against the group's hidden."""
+  fmt = RowFormat.PLAIN if row_format is None else as_row_format(row_format, f"jax_ep.{op}")
   if fmt.is_fp8 and group.hidden % 128:
-    raise ValueError(f"jax_ep.{op}: {fp8_named} needs hidden to be a multiple "
+    raise ValueError(f"jax_ep.{op}: row_format={fmt} needs hidden to be a multiple "
                      f"of 128 (one scale per 128 channels), got hidden={group.hidden}")
   if fmt.ue8m0 and group.hidden % 512:
-    raise ValueError(f"jax_ep.{op}: {ue8m0_named} needs hidden to be a "
+    raise ValueError(f"jax_ep.{op}: row_format={fmt} needs hidden to be a "
                      f"multiple of 512 (four scales per int32), got hidden={group.hidden}")
   return fmt
 
@@ -420,9 +364,7 @@ def _low_latency_outputs(group: Group, topk_idx, outs):
           LowLatencyHandle(layout, topk_idx, _origin(group)))
 
 
-def low_latency_dispatch(group: Group, x, topk_idx, *, row_format: RowFormat | None = None,
-                         use_fp8: bool | None = None, round_scale: bool | None = None,
-                         use_ue8m0: bool | None = None):
+def low_latency_dispatch(group: Group, x, topk_idx, *, row_format: RowFormat | None = None):
   """Decode-time dispatch: every receiver keeps a slab of `R*T_max` rows per local expert.
 
   Slots of one token that name the same expert are one row (as in `dispatch`), so a source
@@ -437,17 +379,13 @@ def low_latency_dispatch(group: Group, x, topk_idx, *, row_format: RowFormat | N
       H % 128 == 0), FP8_POW2_SCALES (those scales rounded up to powers of two), FP8_UE8M0
       (those scales as UE8M0 exponents, four per int32: `scales` `[L, R*T_max, H/512]` int32,
       H % 512 == 0). A member's value or name as a string is taken too.
-    use_fp8, round_scale, use_ue8m0: deprecated spelling of `row_format` (a
-      `DeprecationWarning`; not together with it): `use_fp8` is FP8, with `round_scale`
-      FP8_POW2_SCALES, with both FP8_UE8M0.
 
   Returns:
     `(LowLatencyResult, LowLatencyHandle)`.
   """
   _check_group(group, "low_latency_dispatch")
   _check_tokens(group, "low_latency_dispatch", x, topk_idx)
-  fmt = _row_format(group, "low_latency_dispatch", row_format,
-                    dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
+  fmt = _row_format(group, "low_latency_dispatch", row_format)
   outs = primitives.low_latency_dispatch(group.backend, x, _merged_ids(group, topk_idx), fmt)
   return _low_latency_outputs(group, topk_idx, outs)
 
@@ -471,9 +409,7 @@ jax.tree_util.register_pytree_node_class(LowLatencySent)
 
 
 def low_latency_dispatch_send(group: Group, x, topk_idx, *,
-                              row_format: RowFormat | None = None,
-                              use_fp8: bool | None = None, round_scale: bool | None = None,
-                              use_ue8m0: bool | None = None):
+                              row_format: RowFormat | None = None):
   """The send half of `low_latency_dispatch` (same arguments): the rows leave at once; work
   placed between this and `low_latency_dispatch_wait` (which returns what
   `low_latency_dispatch` returns) can run while they travel.
@@ -484,8 +420,7 @@ def low_latency_dispatch_send(group: Group, x, topk_idx, *,
   """
   _check_group(group, "low_latency_dispatch_send")
   _check_tokens(group, "low_latency_dispatch_send", x, topk_idx)
-  fmt = _row_format(group, "low_latency_dispatch_send", row_format,
-                    dict(use_fp8=use_fp8, round_scale=round_scale, use_ue8m0=use_ue8m0))
+  fmt = _row_format(group, "low_latency_dispatch_send", row_format)
   merged = _merged_ids(group, topk_idx)
   sent = group.backend.low_latency_dispatch_send(x, merged, fmt)
   return LowLatencySent("dispatch", (sent, topk_idx, merged, _origin(group)),

@@ -10,7 +10,6 @@ import fractions
 import math
 import numbers
 import operator
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -214,22 +213,6 @@ def _check_ffn(ffn, activation) -> int:
   return ffn
 
 
-def resolve_row_format(row_format, use_fp8, where: str = "jax_ep.memory_bytes",
-                       stacklevel: int = 3) -> RowFormat:
-  """The low-latency `RowFormat` to size: `row_format` (a member, or its value or name), else
-  the deprecated `use_fp8` (True: `RowFormat.FP8`), which warns; neither: `RowFormat.PLAIN`.
-  `stacklevel` points the warning at the caller of the public function."""
-  if use_fp8 is not None:
-    if row_format is not None:
-      raise TypeError(f"{where}: pass row_format or the deprecated use_fp8, not both")
-    fmt = RowFormat.FP8 if use_fp8 else RowFormat.PLAIN
-    warnings.warn(f"{where}: use_fp8={use_fp8!r} is deprecated and will be removed in the next "
-                  f"release; pass row_format=jax_ep.{fmt} instead", DeprecationWarning,
-                  stacklevel=stacklevel)
-    return fmt
-  return RowFormat.PLAIN if row_format is None else as_row_format(row_format, where)
-
-
 def low_latency_row_bytes(row_format: RowFormat, hidden: int, dtype) -> int:
   """Bytes of one row of the low-latency output with its scale: `H` activations; fp8: `H`
   bytes and a float32 scale per 128 channels (`FP8_UE8M0`: one exponent byte per 128 channels,
@@ -247,7 +230,7 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
                  backend: str = "reference",
                  row_format: RowFormat | str | None = None, low_latency: bool = False,
                  network: bool = False, num_hosts: int = 0, ffn: int | None = None,
-                 activation: str = "swiglu", use_fp8: bool | None = None) -> MemoryEstimate:
+                 activation: str = "swiglu") -> MemoryEstimate:
   """How much memory one rank needs for this configuration, before anything is allocated.
 
   Args:
@@ -268,8 +251,6 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
     ffn: `F`, the experts' inner size: also size what the expert layer keeps for its backward.
     activation: the experts' activation, 'swiglu' (what `jax_ep.moe_mlp` runs), 'geglu',
       'gelu' or 'silu'.
-    use_fp8: deprecated (one release, with a `DeprecationWarning`): `use_fp8=True` is
-      `row_format=RowFormat.FP8`, `False` is `RowFormat.PLAIN`; passing both is a `TypeError`.
 
   With `ffn`, `expert_activation_bytes` counts what `jax.grad` of one `jax_ep.moe_mlp` layer
   (high-throughput, routing given) keeps from its forward for its backward, besides the
@@ -304,7 +285,7 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   if backend not in MEMORY_BACKENDS:
     raise ValueError(f"{where}: backend must be {' or '.join(map(repr, MEMORY_BACKENDS))} (the "
                      f"group's `backend_name`); got {backend!r}")
-  row_format = resolve_row_format(row_format, use_fp8)
+  row_format = RowFormat.PLAIN if row_format is None else as_row_format(row_format, where)
   num_ranks, num_experts, num_topk, hidden, max_tokens_per_rank, dtype, capacity = (
       config.num_ranks, config.num_experts, config.num_topk, config.hidden,
       config.max_tokens_per_rank, config.dtype, config.capacity)

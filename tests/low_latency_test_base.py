@@ -189,7 +189,7 @@ class LowLatencyTestBase(ClosesGroups):
           assert np.all(np.abs(deq - src) <= 2**-4 * np.abs(src) + 2**-10 * s)
 
   def test_fp8_options_are_checked(self):
-    # The deprecated flags' own combinations: tests/test_deprecated_names.py.
+    # How a row format may be spelled: tests/test_row_format.py.
     r = self.small_ranks
     group = self.make_group(r, num_experts=4 * r, num_topk=2, hidden=256, max_tokens=4)
     x = np.zeros((r, 4, 256), jnp.bfloat16)

@@ -2,11 +2,11 @@
 # Stages a branch (or any commit) for a GPU round beside the working tree: its files and its
 # built extension under .devcarry/NAME/ (ignored by git), so one device call can run main and a
 # branch A/B without touching the editable install here. Builds in a throwaway worktree.
-#   bash scripts/stage_branch.sh perf/combine-inflight inflight
+#   bash scripts/dev/stage_branch.sh perf/combine-inflight inflight
 #   then, in the device call (carry [".devcarry/inflight", ...]):
 #   (cd .devcarry/inflight && JAX_EP_COMMIT=<hash> bash scripts/gpu_round.sh intranode8 bench)
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 rev=${1:?usage: stage_branch.sh REV NAME}
 name=${2:?usage: stage_branch.sh REV NAME}
 dest=.devcarry/$name

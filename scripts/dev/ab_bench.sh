@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # A/B of one benchmark across source trees in one device call: trees staged beside the working
-# tree with scripts/stage_branch.sh (each with its built extension), run interleaved ROUNDS
+# tree with scripts/dev/stage_branch.sh (each with its built extension), run interleaved ROUNDS
 # times (default 2: A B A B), so drift of the GPU shows up as drift, not as a difference.
-#   bash scripts/ab_bench.sh local "--tokens 128 4096 --backends cuda --timing single batch" \
+#   bash scripts/dev/ab_bench.sh local "--tokens 128 4096 --backends cuda --timing single batch" \
 #     main=. ptrs=.devcarry/ptrs
-#   bash scripts/ab_bench.sh intranode8 "--no-breakdown --backends cuda" main=. own=.devcarry/own
-#   bash scripts/ab_bench.sh gpus2 "--no-breakdown --backends cuda" \
+#   bash scripts/dev/ab_bench.sh intranode8 "--no-breakdown --backends cuda" main=. own=.devcarry/own
+#   bash scripts/dev/ab_bench.sh gpus2 "--no-breakdown --backends cuda" \
 #     one=.devcarry/slots "two=.devcarry/slots@--comm-slots 2"
 # BENCH: `local` (benchmarks/bench_local.py, one GPU), `intranodeN` (benchmarks/
 # bench_intranode.py, N ranks emulated on one GPU under CUDA MPS) or `gpusN` (the same with one
@@ -14,7 +14,7 @@
 # $OUT/ab.jsonl (two files, whatever the number of runs). A tree's commit comes from the
 # .jax_ep_commit that stage_branch.sh writes, else from its own .git, else "unknown".
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 bench=${1:?usage: ab_bench.sh BENCH "ARGS" NAME=TREE [NAME=TREE ...]}
 args=${2?usage: ab_bench.sh BENCH "ARGS" NAME=TREE [NAME=TREE ...]}
 shift 2

@@ -1,7 +1,7 @@
 """Digests of the kernels' machine code (SASS), to show that a change left the kernels as they were.
 
-  python scripts/sass_digest.py [TREE] > after.json          # TREE: a checkout (default: here)
-  python scripts/sass_digest.py --compare before.json after.json
+  python scripts/dev/sass_digest.py [TREE] > after.json          # TREE: a checkout (default: here)
+  python scripts/dev/sass_digest.py --compare before.json after.json
 
 Compiles every `ffi/kernels/*.cu` of TREE for sm_90a with the flags of CMakeLists.txt, dumps the
 SASS with `cuobjdump -sass`, and prints one digest per kernel of its instructions (addresses and
@@ -107,7 +107,7 @@ def compare(before: dict[str, str], after: dict[str, str]) -> int:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("tree", nargs="?", default=os.path.dirname(os.path.dirname(
-      os.path.abspath(__file__))))
+      os.path.dirname(os.path.abspath(__file__)))))
   parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"))
   args = parser.parse_args()
   if args.compare:

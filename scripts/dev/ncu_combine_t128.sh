@@ -2,12 +2,12 @@
 # Side-by-side ncu report of the T=128 combine: our local combine and XLA's fused gather + weighted
 # sum (the reference backend), each profiled once with the full section set (memory workload,
 # warp states, source counters), printed as text into $OUT/ncu_combine_t128.txt (one file).
-#   OUT=... bash scripts/ncu_combine_t128.sh            (on the GPU machine; ~1-2 min)
+#   OUT=... bash scripts/dev/ncu_combine_t128.sh            (on the GPU machine; ~1-2 min)
 # Clocks are left as they are (--clock-control none): the benchmark runs at the GPU's own clocks.
 # NCU_ARGS adds ncu options, e.g. NCU_ARGS="--cache-control none" keeps the caches as the
 # previous run left them (ncu flushes them before each pass by default).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 report="$OUT/ncu_combine_t128.txt"
 : > "$report"

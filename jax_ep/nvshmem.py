@@ -1,3 +1,0 @@
-"""Deprecated: moved to `jax_ep.backends.nvshmem`."""
-from jax_ep._deprecated import alias
-alias(__name__, "jax_ep.backends.nvshmem")

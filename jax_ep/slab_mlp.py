@@ -1,3 +1,0 @@
-"""Deprecated: moved to `jax_ep.kernels.slab_mlp`."""
-from jax_ep._deprecated import alias
-alias(__name__, "jax_ep.kernels.slab_mlp")
