@@ -117,7 +117,7 @@ def main():
                       help="forward_backward: the gradient of the chain (a training step)")
   parser.add_argument("--capacities", nargs="+", choices=["default", "tight"],
                       default=["default"],
-                      help="tight: also a group of capacity_factor=1.1 (10%% over a balanced "
+                      help="tight: also a group of buffer_factor=1.1 (10%% over a balanced "
                            "rank's T * K rows), timed beside the default in the same run")
   parser.add_argument("--backends", nargs="+", default=["cuda", "reference", "xla_baseline"],
                       choices=["cuda", "reference", "xla_baseline"])
@@ -268,7 +268,7 @@ def main():
       continue
     variants += [(b, "default", {})] if "default" in args.capacities else []
     # The tight group: what a user who sizes for balanced routing passes.
-    variants += ([(b, "capacity_factor=1.1", {"capacity_factor": 1.1})]
+    variants += ([(b, "buffer_factor=1.1", {"buffer_factor": 1.1})]
                  if "tight" in args.capacities else [])
   if args.debug_checks and "cuda" in args.backends:
     variants.append(("cuda", "debug_checks", {"raise_on_timeout": True}))
@@ -333,7 +333,7 @@ def main():
     for r in records:
       if r["settings"] != "default":
         continue
-      tight = [q for q in records if q["settings"] == "capacity_factor=1.1"
+      tight = [q for q in records if q["settings"] == "buffer_factor=1.1"
                and all(q[f] == r[f] for f in ("backend", "expert", "pass", "timing"))]
       if tight:
         print(f"default / tight: {r['backend']} {r['expert']} {r['pass']} {r['timing']}: "

@@ -17,12 +17,12 @@ from jax_ep._native import ffi as _ffi
 from jax_ep._status import CapacityOverflowError
 from jax_ep.config import RowFormat, default_capacity
 from jax_ep.group import Group
-from jax_ep.sizing import MemoryEstimate, capacity_from_factor, memory_bytes
+from jax_ep.sizing import MemoryEstimate, capacity_from_buffer_factor, memory_bytes
 from jax_ep.gmm import grouped_matmul, grouped_matmul_impl
 from jax_ep.layer import (MoEOutput, MoEParams, expert_mlp, expert_mlp_slabs, init_moe_params,
                           moe_mlp, moe_mlp_per_shard)
-from jax_ep.routing import (Routing, expert_counts, load_balancing_loss, route,
-                            router_z_loss, update_router_bias)
+from jax_ep.routing import (Routing, expert_capacity, expert_counts, limit_expert_capacity,
+                            load_balancing_loss, route, router_z_loss, update_router_bias)
 from jax_ep.ops import (DispatchResult, Handle, LowLatencyHandle, LowLatencyResult,
                         LowLatencySent, combine, dispatch, low_latency_combine,
                         low_latency_combine_send, low_latency_combine_wait,
@@ -37,13 +37,14 @@ _ffi.extension()
 
 __all__ = [
     "Group", "CapacityOverflowError", "MemoryEstimate", "memory_bytes", "default_capacity",
-    "capacity_from_factor",
+    "capacity_from_buffer_factor",
     "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
     "low_latency_dispatch_send", "low_latency_dispatch_wait", "low_latency_combine_send",
     "low_latency_combine_wait", "LowLatencySent", "RowFormat",
     "grouped_matmul", "grouped_matmul_impl", "expert_mlp", "expert_mlp_slabs",
     "DispatchResult", "Handle", "zero_padding", "LowLatencyResult", "LowLatencyHandle",
     "MoEOutput", "MoEParams", "init_moe_params", "moe_mlp", "moe_mlp_per_shard",
-    "Routing", "route", "expert_counts", "load_balancing_loss", "router_z_loss",
+    "Routing", "route", "expert_counts", "limit_expert_capacity", "expert_capacity",
+    "load_balancing_loss", "router_z_loss",
     "update_router_bias",
 ]

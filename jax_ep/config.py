@@ -80,7 +80,7 @@ class EPConfig:
     strict: raise at run time when any row is dropped.
     expert_alignment: `A`: each local expert's rows of the high-throughput receive buffer start
       at a multiple of it (1: the experts' rows follow each other without gaps).
-    capacity_factor: the factor `capacity` was derived from (`jax_ep.capacity_from_factor`),
+    buffer_factor: the factor `capacity` was derived from (`jax_ep.capacity_from_buffer_factor`),
       or None when it was given in rows or left at the default. Informational: every layer
       reads `capacity`, so it takes no part in equality, hashing or the fingerprint (two
       processes that reach the same rows by different arguments build the same buffers).
@@ -95,7 +95,7 @@ class EPConfig:
   dtype: np.dtype
   capacity: int
   strict: bool = False
-  capacity_factor: float | None = dataclasses.field(default=None, compare=False)
+  buffer_factor: float | None = dataclasses.field(default=None, compare=False)
   expert_alignment: int = 1
 
   @property

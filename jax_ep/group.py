@@ -23,7 +23,7 @@ from jax_ep.config import RowFormat, as_row_format, positive_int
 from jax_ep.launch import _distributed
 # Re-exported: `from jax_ep.group import memory_bytes, MemoryEstimate` is how code imports them.
 from jax_ep.sizing import MemoryEstimate, memory_bytes, resolve_capacity  # noqa: F401
-from jax_ep.sizing import check_configuration
+from jax_ep.sizing import check_configuration, refuse_capacity_factor
 
 _logger = logging.getLogger("jax_ep")
 
@@ -74,18 +74,18 @@ class Group:
       never drops. Smaller values save memory (`memory_bytes()`, docs/memory.md); the excess
       is counted in `num_dropped` and contributes zero to combine, and `strict` makes it an
       error.
-    capacity_factor: the alternative to `capacity` (pass at most one): a positive finite `f`
+    buffer_factor: the alternative to `capacity` (pass at most one): a positive finite `f`
       giving `ceil(f * T_max * K)` rows, `f` times what a rank receives when routing is
       perfectly balanced (plus `expert_alignment`'s padding), rounded up to a multiple of the
       grouped GEMM's row tile (`jax_ep.gmm.ROW_TILE`) and clamped to the worst case above,
-      which no rank can exceed (`jax_ep.capacity_from_factor`). `group.capacity` is the rows
-      it gave, `group.capacity_factor` the factor (None when not given). Drops are counted and
+      which no rank can exceed (`jax_ep.capacity_from_buffer_factor`). `group.capacity` is the rows
+      it gave, `group.buffer_factor` the factor (None when not given). Drops are counted and
       `strict` raises exactly as with `capacity`.
     expert_alignment: `A`, a positive int (default 1): each local expert's rows in the
       dispatch output start at a multiple of `A` (`DispatchResult.group_offsets` says where),
       so that a grouped GEMM's row tile of `A` rows never holds two experts' rows. The rows
       between one expert's last row and the next expert's first are padding, unspecified like
-      the rows past the groups. The default capacity and `capacity_factor`'s rows grow by the
+      the rows past the groups. The default capacity and `buffer_factor`'s rows grow by the
       most padding it can add, `L * (A - 1)` rows; a `capacity` given in rows is taken as it
       is (a row that does not fit with the padding is dropped and counted). Not on the cuda
       backend's network transport (`virtual_hosts`, several hosts).
@@ -131,23 +131,29 @@ class Group:
       whose processes run on several real hosts takes the same network transport when created
       with `backend='cuda'` (NVSHMEM installed and jax_ep built with it); `backend='auto'`
       gives such a group the reference backend.
+    capacity_factor: not taken: a `TypeError` says which of `buffer_factor` (this rank's
+      receive buffer, MaxText's `ragged_buffer_factor`) and `jax_ep.limit_expert_capacity`
+      (each expert's slots per sequence, MaxText's and GShard's `capacity_factor`) a config
+      that names it means.
   """
 
   def __init__(self, mesh, axis_name: str, *, num_experts: int, num_topk: int, hidden: int,
                max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
-               capacity_factor: float | None = None, backend: str = "auto", strict: bool = False,
+               buffer_factor: float | None = None, backend: str = "auto", strict: bool = False,
                config_timeout_s: float = 60.0, num_sms: int = 24, timeout_s: float = 60.0,
                raise_on_timeout: bool = False, low_latency: bool = False,
-               virtual_hosts: int | None = None, expert_alignment: int = 1):
+               virtual_hosts: int | None = None, expert_alignment: int = 1,
+               capacity_factor: None = None):
     if axis_name not in mesh.axis_names:
       raise ValueError(f"jax_ep.Group: axis_name {axis_name!r} is not an axis of the mesh "
                        f"(mesh axes: {tuple(mesh.axis_names)})")
+    refuse_capacity_factor(capacity_factor, "jax_ep.Group")
     registry.check_name(backend)
     num_ranks = int(mesh.shape[axis_name])
     config = check_configuration(
         "jax_ep.Group", axis_name, num_ranks=num_ranks, num_experts=num_experts,
         num_topk=num_topk, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank, dtype=dtype,
-        capacity=capacity, capacity_factor=capacity_factor, expert_alignment=expert_alignment,
+        capacity=capacity, buffer_factor=buffer_factor, expert_alignment=expert_alignment,
         strict=strict, ranks=f"the size of mesh axis {axis_name!r} ({num_ranks} ranks)")
     num_sms = positive_int("num_sms", num_sms)
     if num_sms > MAX_NUM_SMS:
@@ -210,7 +216,7 @@ class Group:
   max_tokens_per_rank = property(lambda self: self.config.max_tokens_per_rank)
   dtype = property(lambda self: self.config.dtype)
   capacity = property(lambda self: self.config.capacity)
-  capacity_factor = property(lambda self: self.config.capacity_factor)
+  buffer_factor = property(lambda self: self.config.buffer_factor)
   strict = property(lambda self: self.config.strict)
   expert_alignment = property(lambda self: self.config.expert_alignment)
 
@@ -344,7 +350,7 @@ class Group:
 
   def __repr__(self):
     c = self.config
-    factor = "" if c.capacity_factor is None else f", capacity_factor={c.capacity_factor!r}"
+    factor = "" if c.buffer_factor is None else f", buffer_factor={c.buffer_factor!r}"
     if c.expert_alignment != 1:
       factor += f", expert_alignment={c.expert_alignment}"
     return (f"jax_ep.Group(axis={c.axis_name!r}, ranks={c.num_ranks}, experts={c.num_experts}, "

@@ -9,6 +9,8 @@ tokens, or on all tokens at once).
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import NamedTuple
 
 import jax
@@ -146,6 +148,69 @@ def expert_counts(topk_idx, num_experts: int):
   valid = (topk_idx >= 0) & (topk_idx < num_experts)
   return jnp.bincount(jnp.where(valid, topk_idx, num_experts).reshape(-1),
                       length=num_experts + 1)[:num_experts].astype(jnp.int32)
+
+
+def expert_capacity(sequence_length: int, num_topk: int, num_experts: int,
+                    capacity_factor: float) -> int:
+  """Slots each expert takes from one sequence under `limit_expert_capacity`:
+  `int(max(ceil(S * K / E) * f, f))`, MaxText's (and GShard's) per-expert capacity."""
+  return int(max(math.ceil(sequence_length * num_topk / num_experts) * capacity_factor,
+                 capacity_factor))
+
+
+def limit_expert_capacity(topk_idx, num_experts: int, capacity_factor: float, *,
+                          sequence_length: int | None = None):
+  """Drops the slots past each expert's capacity per sequence, as MaxText's and GShard's
+  `capacity_factor` does: a model ported from them routes the same slots with it.
+
+  Each sequence of `S` tokens gives each expert at most `C = expert_capacity(S, K, E, f)`
+  slots, taken in token order and, within a token, in slot order (slot `(s, k)` is kept when
+  fewer than `C` earlier slots of its sequence name its expert). A token's slots that name one
+  expert count once each, as there. This is not what `jax_ep.Group(buffer_factor=f)` does:
+  that sizes a rank's receive buffer for all of its experts together and drops only what does
+  not fit it, so at the same `f` it drops fewer slots (none, while no rank receives more than
+  `f` times a balanced share). Call it on the router's output before `dispatch` (or pass its
+  ids to `moe_mlp`); dropped slots become -1, which dispatch sends nowhere and combine weighs
+  zero, as MaxText's zeroed combine weights do.
+
+  Args:
+    topk_idx: `[T, K]` int32 expert ids (`T` tokens of this rank, whole sequences of
+      `sequence_length` tokens each, in order). Ids outside `[0, E)` are kept and not counted.
+    num_experts: `E`.
+    capacity_factor: `f`, positive.
+    sequence_length: `S`, dividing `T`; default `T` (all the tokens are one sequence).
+
+  Returns:
+    `(topk_idx, num_dropped)`: the ids with dropped slots set to -1, and the `[]` int32 count
+    of slots dropped.
+  """
+  where = "jax_ep.limit_expert_capacity"
+  if not hasattr(topk_idx, "shape") or len(topk_idx.shape) != 2:
+    raise ValueError(f"{where}: topk_idx must be [T, K], got "
+                     f"{getattr(topk_idx, 'shape', type(topk_idx).__name__)}")
+  num_experts = positive_int("num_experts", num_experts, where)
+  if (isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real)
+      or not math.isfinite(capacity_factor) or capacity_factor <= 0):
+    raise ValueError(f"{where}: capacity_factor must be a positive finite number, got "
+                     f"{capacity_factor!r}")
+  num_tokens, num_topk = topk_idx.shape
+  if sequence_length is None:
+    sequence_length = num_tokens
+  sequence_length = positive_int("sequence_length", sequence_length, where) if num_tokens else 1
+  if num_tokens % sequence_length:
+    raise ValueError(f"{where}: sequence_length={sequence_length} must divide the "
+                     f"{num_tokens} tokens of topk_idx (shape {topk_idx.shape})")
+  if num_tokens == 0:
+    return topk_idx, jnp.zeros((), jnp.int32)
+  capacity = expert_capacity(sequence_length, num_topk, num_experts, capacity_factor)
+  ids = topk_idx.reshape(num_tokens // sequence_length, sequence_length * num_topk)
+  valid = (ids >= 0) & (ids < num_experts)
+  one_hot = (ids[..., None] == jnp.arange(num_experts, dtype=ids.dtype)) & valid[..., None]
+  # The slot's 1-based place among its sequence's slots to its expert, in (token, slot) order.
+  place = jnp.sum(jnp.cumsum(one_hot.astype(jnp.int32), axis=1) * one_hot, axis=-1)
+  dropped = valid & (place > capacity)
+  limited = jnp.where(dropped, -1, ids).reshape(topk_idx.shape).astype(topk_idx.dtype)
+  return limited, jnp.sum(dropped).astype(jnp.int32)
 
 
 def load_balancing_loss(probs, topk_idx):

@@ -1,5 +1,5 @@
 """How many rows and bytes a group configuration takes, before anything is allocated: the
-receive capacity (`capacity`, or `capacity_factor`), the buffers, and what the expert layer keeps
+receive capacity (`capacity`, or `buffer_factor`), the buffers, and what the expert layer keeps
 for its backward.
 """
 
@@ -32,22 +32,38 @@ ACTIVATIONS = {
 }
 
 
-def check_capacity_factor(capacity_factor, where: str = "jax_ep.Group") -> float:
-  """`capacity_factor` as a float, or an error naming it and its value."""
-  if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, numbers.Real):
-    raise TypeError(f"{where}: capacity_factor must be a positive finite number, got "
-                    f"{capacity_factor!r} ({type(capacity_factor).__name__})")
-  value = float(capacity_factor)
+def check_buffer_factor(buffer_factor, where: str = "jax_ep.Group") -> float:
+  """`buffer_factor` as a float, or an error naming it and its value."""
+  if isinstance(buffer_factor, bool) or not isinstance(buffer_factor, numbers.Real):
+    raise TypeError(f"{where}: buffer_factor must be a positive finite number, got "
+                    f"{buffer_factor!r} ({type(buffer_factor).__name__})")
+  value = float(buffer_factor)
   if not (math.isfinite(value) and value > 0):
-    raise ValueError(f"{where}: capacity_factor must be a positive finite number, got "
-                     f"{capacity_factor!r}")
+    raise ValueError(f"{where}: buffer_factor must be a positive finite number, got "
+                     f"{buffer_factor!r}")
   return value
 
 
-def capacity_from_factor(capacity_factor: float, num_ranks: int, max_tokens_per_rank: int,
-                         num_topk: int, num_local_experts: int,
-                         expert_alignment: int = 1) -> int:
-  """Receive rows for `capacity_factor=f`: `ceil(f * T_max * K)` plus the padding
+def refuse_capacity_factor(capacity_factor, where: str) -> None:
+  """Raises where a caller passed `capacity_factor`, a name that means two different things in
+  other frameworks, saying which of jax_ep's two arguments gives which."""
+  if capacity_factor is None:
+    return
+  raise TypeError(
+      f"{where}: jax_ep takes no capacity_factor (got {capacity_factor!r}); it has two arguments "
+      f"for the two things the name means elsewhere. buffer_factor=f sizes each rank's receive "
+      f"buffer, ceil(f * T_max * K) rows, f times what a rank receives under balanced routing, "
+      f"and drops only what does not fit there (MaxText's ragged_buffer_factor). "
+      f"jax_ep.limit_expert_capacity(topk_idx, num_experts, capacity_factor=f, "
+      f"sequence_length=S) caps the slots each expert takes from each sequence, "
+      f"max(ceil(S * K / E) * f, f), before dispatch (MaxText's and GShard's capacity_factor, "
+      f"which drops more). docs/memory.md compares them")
+
+
+def capacity_from_buffer_factor(buffer_factor: float, num_ranks: int,
+                                max_tokens_per_rank: int, num_topk: int,
+                                num_local_experts: int, expert_alignment: int = 1) -> int:
+  """Receive rows for `buffer_factor=f`: `ceil(f * T_max * K)` plus the padding
   `expert_alignment=A` can add (`L * (A - 1)`, `jax_ep.config.alignment_padding`), rounded up
   to a multiple of the grouped GEMM's row tile (`jax_ep.gmm.ROW_TILE`), and never more than the
   worst case `default_capacity(R, T_max, K, L, A)`.
@@ -59,37 +75,38 @@ def capacity_from_factor(capacity_factor: float, num_ranks: int, max_tokens_per_
   be memory that is never written. `f` counts as the decimal it prints as (1.1 is 11/10), so
   the rounding never adds a row for a float's last bit.
   """
-  exact = fractions.Fraction(repr(float(capacity_factor))) * max_tokens_per_rank * num_topk
+  exact = fractions.Fraction(repr(float(buffer_factor))) * max_tokens_per_rank * num_topk
   rows = math.ceil(exact) + alignment_padding(num_local_experts, expert_alignment)
   rows = -(-rows // ROW_TILE) * ROW_TILE
   return min(rows, default_capacity(num_ranks, max_tokens_per_rank, num_topk,
                                     num_local_experts, expert_alignment))
 
 
-def resolve_capacity(capacity, capacity_factor, num_ranks: int, max_tokens_per_rank: int,
+def resolve_capacity(capacity, buffer_factor, num_ranks: int, max_tokens_per_rank: int,
                      num_topk: int, num_local_experts: int,
                      where: str = "jax_ep.Group",
                      expert_alignment: int = 1) -> tuple[int, float | None]:
-  """`(capacity in rows, capacity_factor or None)` from the arguments a user passed: at most
+  """`(capacity in rows, buffer_factor or None)` from the arguments a user passed: at most
   one of them; neither gives the worst case, which never drops. `expert_alignment` adds its
   padding to the worst case and to the factor's rows; a capacity given in rows is taken as
   it is."""
   worst = default_capacity(num_ranks, max_tokens_per_rank, num_topk, num_local_experts,
                            expert_alignment)
-  if capacity is not None and capacity_factor is not None:
-    raise ValueError(f"{where}: pass capacity or capacity_factor, not both (got capacity="
-                     f"{capacity!r}, capacity_factor={capacity_factor!r})")
-  if capacity_factor is not None:
-    capacity_factor = check_capacity_factor(capacity_factor, where)
-    return capacity_from_factor(capacity_factor, num_ranks, max_tokens_per_rank, num_topk,
-                                num_local_experts, expert_alignment), capacity_factor
+  if capacity is not None and buffer_factor is not None:
+    raise ValueError(f"{where}: pass capacity or buffer_factor, not both (got capacity="
+                     f"{capacity!r}, buffer_factor={buffer_factor!r})")
+  if buffer_factor is not None:
+    buffer_factor = check_buffer_factor(buffer_factor, where)
+    return capacity_from_buffer_factor(buffer_factor, num_ranks, max_tokens_per_rank,
+                                       num_topk, num_local_experts,
+                                       expert_alignment), buffer_factor
   if capacity is None:
     return worst, None
   try:
     capacity = operator.index(capacity)
   except TypeError:
     raise TypeError(f"{where}: capacity must be an int (rows), got {capacity!r} "
-                    f"({type(capacity).__name__}); capacity_factor takes a fraction") from None
+                    f"({type(capacity).__name__}); buffer_factor takes a fraction") from None
   if capacity <= 0:
     # A zero-row buffer would drop every row of every step; nobody means that.
     padding = " + L * (A - 1)" if expert_alignment > 1 else ""
@@ -100,7 +117,7 @@ def resolve_capacity(capacity, capacity_factor, num_ranks: int, max_tokens_per_r
 
 
 def check_configuration(where: str, axis_name: str, *, num_ranks: int, num_experts, num_topk,
-                        hidden, max_tokens_per_rank, dtype, capacity, capacity_factor,
+                        hidden, max_tokens_per_rank, dtype, capacity, buffer_factor,
                         expert_alignment, strict: bool = False,
                         ranks: str | None = None) -> EPConfig:
   """The `EPConfig` of a group's arguments, or the error that names the first one a group
@@ -120,12 +137,12 @@ def check_configuration(where: str, axis_name: str, *, num_ranks: int, num_exper
                      f"token selects at most every expert once)")
   dtype = check_dtype(dtype, where)
   expert_alignment = check_expert_alignment(expert_alignment, where)
-  capacity, capacity_factor = resolve_capacity(capacity, capacity_factor, num_ranks,
-                                               max_tokens_per_rank, num_topk,
-                                               num_experts // num_ranks, where=where,
-                                               expert_alignment=expert_alignment)
+  capacity, buffer_factor = resolve_capacity(capacity, buffer_factor, num_ranks,
+                                             max_tokens_per_rank, num_topk,
+                                             num_experts // num_ranks, where=where,
+                                             expert_alignment=expert_alignment)
   return EPConfig(axis_name, num_ranks, num_experts, num_topk, hidden, max_tokens_per_rank,
-                  dtype, capacity, bool(strict), capacity_factor=capacity_factor,
+                  dtype, capacity, bool(strict), buffer_factor=buffer_factor,
                   expert_alignment=expert_alignment)
 
 
@@ -226,18 +243,18 @@ def low_latency_row_bytes(row_format: RowFormat, hidden: int, dtype) -> int:
 
 def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int,
                  max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
-                 capacity_factor: float | None = None, expert_alignment: int = 1,
+                 buffer_factor: float | None = None, expert_alignment: int = 1,
                  backend: str = "reference",
                  row_format: RowFormat | str | None = None, low_latency: bool = False,
                  network: bool = False, num_hosts: int = 0, ffn: int | None = None,
-                 activation: str = "swiglu") -> MemoryEstimate:
+                 activation: str = "swiglu", capacity_factor: None = None) -> MemoryEstimate:
   """How much memory one rank needs for this configuration, before anything is allocated.
 
   Args:
     num_ranks: `R`. num_experts: `E` (divisible by `R`). num_topk: `K`. hidden: `H`.
     max_tokens_per_rank: `T_max`. dtype: activation dtype.
-    capacity, capacity_factor: receive rows per rank, as `jax_ep.Group` takes them (at most one;
-      neither: `default_capacity`, the worst case). expert_alignment: `A`, as `jax_ep.Group`
+    capacity, buffer_factor: receive rows per rank, as `jax_ep.Group` takes them (at most one;
+      neither: `default_capacity`, the worst case; `capacity_factor` is refused as there). expert_alignment: `A`, as `jax_ep.Group`
       takes it: the worst case and the factor's rows grow by the padding `L * (A - 1)`, and so
       does every figure sized by the capacity. backend: 'reference' or 'cuda'. row_format:
       the low-latency rows' `jax_ep.RowFormat` (default PLAIN; fp8 formats count their scales),
@@ -277,10 +294,11 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   at its peak, one layer's full figure.
   """
   where = "jax_ep.memory_bytes"
+  refuse_capacity_factor(capacity_factor, where)
   config = check_configuration(where, "ep", num_ranks=num_ranks, num_experts=num_experts,
                                num_topk=num_topk, hidden=hidden,
                                max_tokens_per_rank=max_tokens_per_rank, dtype=dtype,
-                               capacity=capacity, capacity_factor=capacity_factor,
+                               capacity=capacity, buffer_factor=buffer_factor,
                                expert_alignment=expert_alignment)
   if backend not in MEMORY_BACKENDS:
     raise ValueError(f"{where}: backend must be {' or '.join(map(repr, MEMORY_BACKENDS))} (the "

@@ -17,7 +17,7 @@
 #                                     # suites' process models, to split them over calls)
 #   bash scripts/gpu_round.sh layers  # the layer chain (bench_layers.py): identity and SwiGLU
 #                                     # experts, forward and forward + backward, the default
-#                                     # capacity beside capacity_factor=1.1: R=1, then
+#                                     # capacity beside buffer_factor=1.1: R=1, then
 #                                     # LAYER_RANKS="2 8" emulated (LAYER_ARGS passed to it)
 #   bash scripts/gpu_round.sh gemm    # the grouped GEMM and the whole MoE layer (bench_layer.py),
 #                                     # the GPU grouped-matmul tests (GEMM_ARGS="--tune": the

@@ -1,4 +1,4 @@
-"""Capacity as a knob: `capacity` and `capacity_factor` in rows, their errors, the drops a small
+"""Capacity as a knob: `capacity` and `buffer_factor` in rows, their errors, the drops a small
 capacity causes, and `memory_bytes`' report of what the expert layer keeps for its backward,
 against a hand count and against the residuals jax itself saves (reference backend, CPU)."""
 
@@ -36,7 +36,7 @@ def _rows_for_factor(f, r, t, k, num_local):
   return min(-(-rows // ROW_TILE) * ROW_TILE, r * t * min(k, num_local))
 
 
-# ------------------------------------------------------------------ capacity_factor in rows
+# ------------------------------------------------------------------ buffer_factor in rows
 
 @pytest.mark.parametrize("f,r,t,k,e,rows", [
     (1.25, 8, 4096, 8, 256, 40960),   # DeepSeek-V3 at 8 ranks: 1.25 * 4096 * 8, whole tiles
@@ -47,46 +47,46 @@ def _rows_for_factor(f, r, t, k, num_local):
     (2.0, 4, 64, 8, 8, 512),          # L = 2 < K: the worst case is 4 * 64 * min(8, 2) = 512
     (1.5, 1, 333, 4, 4, 1332),        # 1998 rows, 2048 in tiles: past the worst case 1 * 333 * 4
 ])
-def test_capacity_factor_rows(f, r, t, k, e, rows):
+def test_buffer_factor_rows(f, r, t, k, e, rows):
   assert _rows_for_factor(f, r, t, k, e // r) == rows
-  assert jax_ep.capacity_from_factor(f, r, t, k, e // r) == rows
+  assert jax_ep.capacity_from_buffer_factor(f, r, t, k, e // r) == rows
   est = jax_ep.memory_bytes(num_ranks=r, num_experts=e, num_topk=k, hidden=128,
-                            max_tokens_per_rank=t, capacity_factor=f)
+                            max_tokens_per_rank=t, buffer_factor=f)
   assert est.capacity == rows and est.recv_x_bytes == rows * 128 * 2
   if r <= 8:
     group = jax_ep.Group(rank_mesh(r), "ep", num_experts=e, num_topk=k, hidden=128,
-                         max_tokens_per_rank=t, capacity_factor=f, backend="reference")
+                         max_tokens_per_rank=t, buffer_factor=f, backend="reference")
     assert group.capacity == group.config.capacity == rows
-    assert group.capacity_factor == group.config.capacity_factor == f
+    assert group.buffer_factor == group.config.buffer_factor == f
 
 
-def test_capacity_factor_is_part_of_the_groups_configuration():
-  group = _group(num_topk=2, max_tokens_per_rank=256, capacity_factor=0.75)
+def test_buffer_factor_is_part_of_the_groups_configuration():
+  group = _group(num_topk=2, max_tokens_per_rank=256, buffer_factor=0.75)
   assert group.capacity == 384  # 0.75 * 256 * 2
-  assert "capacity=384, capacity_factor=0.75," in repr(group)
+  assert "capacity=384, buffer_factor=0.75," in repr(group)
   # Every process must agree on the rows; the factor that gave them builds the same buffers.
   assert group.config.fingerprint()["capacity"] == 384
-  assert "capacity_factor" not in group.config.fingerprint()
+  assert "buffer_factor" not in group.config.fingerprint()
   same_rows = _group(num_topk=2, max_tokens_per_rank=256, capacity=384)
-  assert same_rows.config == group.config and same_rows.capacity_factor is None
-  assert "capacity_factor" not in repr(same_rows)
-  assert _group().capacity_factor is None
+  assert same_rows.config == group.config and same_rows.buffer_factor is None
+  assert "buffer_factor" not in repr(same_rows)
+  assert _group().buffer_factor is None
   assert group.memory_bytes().capacity == 384
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
-    (dict(capacity=64, capacity_factor=1.0), ValueError,
-     r"pass capacity or capacity_factor, not both \(got capacity=64, capacity_factor=1.0\)"),
-    (dict(capacity_factor=0), ValueError, "capacity_factor must be a positive finite number, got 0"),
-    (dict(capacity_factor=-1.5), ValueError, "capacity_factor must be a positive finite number, got -1.5"),
-    (dict(capacity_factor=float("nan")), ValueError,
-     "capacity_factor must be a positive finite number, got nan"),
-    (dict(capacity_factor=float("inf")), ValueError,
-     "capacity_factor must be a positive finite number, got inf"),
-    (dict(capacity_factor="1.25"), TypeError,
-     r"capacity_factor must be a positive finite number, got '1.25' \(str\)"),
-    (dict(capacity_factor=True), TypeError,
-     r"capacity_factor must be a positive finite number, got True \(bool\)"),
+    (dict(capacity=64, buffer_factor=1.0), ValueError,
+     r"pass capacity or buffer_factor, not both \(got capacity=64, buffer_factor=1.0\)"),
+    (dict(buffer_factor=0), ValueError, "buffer_factor must be a positive finite number, got 0"),
+    (dict(buffer_factor=-1.5), ValueError, "buffer_factor must be a positive finite number, got -1.5"),
+    (dict(buffer_factor=float("nan")), ValueError,
+     "buffer_factor must be a positive finite number, got nan"),
+    (dict(buffer_factor=float("inf")), ValueError,
+     "buffer_factor must be a positive finite number, got inf"),
+    (dict(buffer_factor="1.25"), TypeError,
+     r"buffer_factor must be a positive finite number, got '1.25' \(str\)"),
+    (dict(buffer_factor=True), TypeError,
+     r"buffer_factor must be a positive finite number, got True \(bool\)"),
     (dict(capacity=0), ValueError, "capacity must be positive, got 0"),
     (dict(capacity=2.5), TypeError, r"capacity must be an int \(rows\), got 2.5 \(float\)"),
 ])
@@ -117,7 +117,7 @@ def test_bad_memory_arguments_are_named(kwargs, error, message):
     (dict(), 2 * 16 * 2 + 60),
     (dict(capacity=40), 40),  # rows given: the user's, padding or not
     # ceil(0.5 * 16 * 2) + 60 = 76 rows, up to one tile (128), clamped to the worst case 124.
-    (dict(capacity_factor=0.5), 2 * 16 * 2 + 60),
+    (dict(buffer_factor=0.5), 2 * 16 * 2 + 60),
 ])
 def test_expert_alignment_grows_the_default_and_factor_capacities(kwargs, rows):
   group = _group(expert_alignment=16, **kwargs)
@@ -137,8 +137,8 @@ def test_expert_alignment_grows_the_default_and_factor_capacities(kwargs, rows):
     (1.0, 1, 4096, 8, 256, 128, 65280),   # one rank: 32768 + 256 * 127, the worst case itself
     (1.0, 4, 100, 3, 16, 1, 384),                # A = 1: as without it
 ])
-def test_capacity_from_factor_with_alignment(f, r, t, k, e, a, rows):
-  assert jax_ep.capacity_from_factor(f, r, t, k, e // r, a) == rows
+def test_capacity_from_buffer_factor_with_alignment(f, r, t, k, e, a, rows):
+  assert jax_ep.capacity_from_buffer_factor(f, r, t, k, e // r, a) == rows
   assert jax_ep.default_capacity(r, t, k, e // r, a) == r * t * min(k, e // r) + e // r * (a - 1)
 
 
@@ -174,14 +174,14 @@ def _balanced_or_skewed(r, t, k, e, skewed):
 
 @pytest.mark.parametrize("factor,skewed", [(1.0, False), (0.5, False), (1.0, True)])
 @pytest.mark.parametrize("strict", [False, True])
-def test_capacity_factor_drops_are_counted_and_strict_raises(factor, skewed, strict):
-  """At capacity_factor=1 a perfectly balanced step fits exactly; half of it drops half of
+def test_buffer_factor_drops_are_counted_and_strict_raises(factor, skewed, strict):
+  """At buffer_factor=1 a perfectly balanced step fits exactly; half of it drops half of
   every rank's rows; a skewed step drops what does not fit rank 0. Drops match the oracle
   (the first `capacity` rows in contract order are kept), dropped rows add nothing to combine,
   and a strict group raises CapacityOverflowError from check()."""
   r, t, k, e, h = 2, 128, 2, 8, 16
   group = _group(ranks=r, num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
-                 capacity_factor=factor, strict=strict)
+                 buffer_factor=factor, strict=strict)
   assert group.capacity == int(factor * t * k)
   rng = np.random.default_rng(0)
   x = rng.standard_normal((r, t, h)).astype(np.float32)
@@ -220,12 +220,12 @@ def test_capacity_factor_drops_are_counted_and_strict_raises(factor, skewed, str
 R, E, K, H, F, T = 8, 256, 8, 7168, 2048, 4096  # DeepSeek-V3 at 8 ranks x 4096 tokens
 
 
-@pytest.mark.parametrize("capacity_factor,capacity", [(None, R * T * K), (1.25, 40960)])
-def test_expert_activation_bytes_by_hand(capacity_factor, capacity):
+@pytest.mark.parametrize("buffer_factor,capacity", [(None, R * T * K), (1.25, 40960)])
+def test_expert_activation_bytes_by_hand(buffer_factor, capacity):
   """SwiGLU, bf16, counted by hand from jax_ep/layer.py's `expert_mlp` and the custom_vjp
   residuals of dispatch, `grouped_matmul` and combine."""
   est = jax_ep.memory_bytes(num_ranks=R, num_experts=E, num_topk=K, hidden=H,
-                            max_tokens_per_rank=T, capacity_factor=capacity_factor, ffn=F)
+                            max_tokens_per_rank=T, buffer_factor=buffer_factor, ffn=F)
   assert est.capacity == capacity
   c, bf16, f32, i32 = capacity, 2, 4, 4
   layer_input = T * H * bf16                          # dispatch keeps x
@@ -268,14 +268,14 @@ def _residual_bytes(fn, *args, exclude=()):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("capacity_factor", [None, 1.0])
-def test_expert_activation_bytes_are_what_jax_saves(dtype, capacity_factor):
+@pytest.mark.parametrize("buffer_factor", [None, 1.0])
+def test_expert_activation_bytes_are_what_jax_saves(dtype, buffer_factor):
   """`jax.vjp` of `jax_ep.moe_mlp` on the reference backend: the residuals it keeps, weights
   aside, are `expert_activation_bytes` per rank; inside `jax.checkpoint`, the remat figure."""
   r, e, k, h, f, t = 2, 8, 2, 64, 96, 128
   group = _group(ranks=r, num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
-                 dtype=dtype, capacity_factor=capacity_factor)
-  assert group.capacity == (r * t * k if capacity_factor is None else 256)
+                 dtype=dtype, buffer_factor=buffer_factor)
+  assert group.capacity == (r * t * k if buffer_factor is None else 256)
   params = jax_ep.init_moe_params(jax.random.key(0), num_experts=e, hidden=h, ffn=f,
                                   dtype=dtype)
   x = jax.random.normal(jax.random.key(1), (r * t, h)).astype(dtype)
@@ -347,5 +347,5 @@ def test_the_deepseek_table_in_docs_is_what_memory_bytes_prints(capsys):
   code = re.search(r"```python\n(.*?)```", text, re.S).group(1)
   exec(compile(code, "docs/memory.md", "exec"), {})
   printed = capsys.readouterr().out.strip()
-  assert len(printed.splitlines()) == 4  # header, rule, the default and capacity_factor=1.25
+  assert len(printed.splitlines()) == 4  # header, rule, the default and buffer_factor=1.25
   assert "\n" + printed + "\n" in text

@@ -38,7 +38,7 @@ def test_memory_bytes_takes_what_a_group_takes(kwargs, error, message):
 @pytest.mark.parametrize("kwargs", [
     dict(num_experts=0), dict(hidden=-64), dict(num_topk=40), dict(max_tokens_per_rank=2.5),
     dict(dtype=jnp.int8), dict(expert_alignment=0), dict(capacity=0),
-    dict(capacity=64, capacity_factor=1.0)])
+    dict(capacity=64, buffer_factor=1.0)])
 def test_memory_bytes_refuses_what_a_group_refuses_in_the_same_words(kwargs):
   mesh = jax.make_mesh((8,), ("ep",), devices=jax.devices()[:8])
   config = dict(MEMORY, **kwargs)
