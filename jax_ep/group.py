@@ -19,6 +19,7 @@ from jax_ep import _status
 from jax_ep._native import effects
 from jax_ep.backends import registry
 from jax_ep.backends.intranode import IntranodeTransport
+from jax_ep.backends.options import CommOptions
 from jax_ep.config import RowFormat, as_row_format, positive_int
 from jax_ep.launch import _distributed
 # Re-exported: `from jax_ep.group import memory_bytes, MemoryEstimate` is how code imports them.
@@ -28,19 +29,6 @@ from jax_ep.sizing import check_configuration, refuse_capacity_factor
 _logger = logging.getLogger("jax_ep")
 
 
-# Far above any GPU's multiprocessor count; keeps every send kernel's grid (num_sms times its
-# blocks per SM) well inside int32 and the launch limits.
-MAX_NUM_SMS = 1024
-
-
-def _positive_seconds(name: str, value) -> float:
-  try:
-    value = float(value)
-  except (TypeError, ValueError):
-    raise TypeError(f"jax_ep.Group: {name} must be a number of seconds, got {value!r}") from None
-  if not 0.0 < value < 1e9:
-    raise ValueError(f"jax_ep.Group: {name} must be a positive number of seconds, got {value}")
-  return value
 
 
 # Intranode transports of groups not yet closed: the exit hook of jax_ep/_native/effects.py
@@ -155,12 +143,9 @@ class Group:
         num_topk=num_topk, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank, dtype=dtype,
         capacity=capacity, buffer_factor=buffer_factor, expert_alignment=expert_alignment,
         strict=strict, ranks=f"the size of mesh axis {axis_name!r} ({num_ranks} ranks)")
-    num_sms = positive_int("num_sms", num_sms)
-    if num_sms > MAX_NUM_SMS:
-      raise ValueError(f"jax_ep.Group: num_sms must be <= {MAX_NUM_SMS} (multiprocessors' worth "
-                       f"of one GPU), got {num_sms}")
-    timeout_s = _positive_seconds("timeout_s", timeout_s)
-    config_timeout_s = _positive_seconds("config_timeout_s", config_timeout_s)
+    options = CommOptions.checked(num_sms=num_sms, timeout_s=timeout_s,
+                                  config_timeout_s=config_timeout_s,
+                                  raise_on_timeout=raise_on_timeout)
     if virtual_hosts is not None:
       virtual_hosts = positive_int("virtual_hosts", virtual_hosts)
       if num_ranks % virtual_hosts:
@@ -171,6 +156,7 @@ class Group:
                          "transport; backend='reference' has no transports")
     self.mesh = mesh
     self.config = config
+    self.options = options
     # The processes holding the mesh's devices create the group together; a group over some of
     # the job's processes is checked and counted among them alone.
     members = sorted({d.process_index for d in mesh.devices.flat})
@@ -184,21 +170,20 @@ class Group:
     hosts = None
     if registry.needs_hosts(backend, mesh, self.config, members, virtual_hosts):
       hosts = _distributed.gather_values(f"{key}/hosts", socket.gethostname(),
-                                         process_ids=members, timeout_s=config_timeout_s)
-    selection = registry.select(backend, mesh, self.config, num_sms, members=members,
+                                         process_ids=members, timeout_s=options.config_timeout_s)
+    selection = registry.select(backend, mesh, self.config, options, members=members,
                                 hosts=hosts, virtual_hosts=virtual_hosts)
     self.backend_name, self.backend_reason = selection.name, selection.why
     self.topology = selection.topology
     fields = dict(self.config.fingerprint(), backend=self.backend_name,
                   low_latency=bool(low_latency), virtual_hosts=virtual_hosts or 1)
     self.low_latency = bool(low_latency)
-    _distributed.check_same_config(key, fields, timeout_s=config_timeout_s, process_ids=subset)
+    _distributed.check_same_config(key, fields, timeout_s=options.config_timeout_s,
+                                   process_ids=subset)
     self._closed = False
-    self._raise_on_timeout = bool(raise_on_timeout)
     self.backend, self._transport = registry.create(self.backend_name, registry.Request(
-        mesh, self.config, key, num_sms=num_sms, timeout_s=timeout_s,
-        config_timeout_s=config_timeout_s, process_ids=subset, low_latency=self.low_latency,
-        raise_on_timeout=self._raise_on_timeout, topology=self.topology))
+        mesh, self.config, options, key, process_ids=subset, low_latency=self.low_latency,
+        topology=self.topology))
     if self._transport is not None:
       _OPEN_TRANSPORTS[id(self._transport)] = self._transport
       self._status = _status.GroupStatus(repr(self), poll=self._transport.error)
@@ -331,7 +316,7 @@ class Group:
     if self._transport is not None and (failure is not None or effects.any_failure()):
       effects.settle()  # see jax_ep/_native/effects.py
     # In the debug mode every op raised its own timeout already.
-    seen = self._status.raised or (self._raise_on_timeout and failure is not None
+    seen = self._status.raised or (self.options.raise_on_timeout and failure is not None
                                    and failure[1] is TimeoutError)
     if failure is not None and not seen:
       message, error_type = failure

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep.backends import cuda_ops, intranode, reference
+from jax_ep.backends import registry
 from jax_ep.config import (EPConfig, RowFormat, alignment_padding, as_row_format, check_dtype,
                             check_expert_alignment, default_capacity, positive_int)
 from jax_ep.gmm import ROW_TILE
@@ -187,7 +187,6 @@ class MemoryEstimate:
 
 # The backends `memory_bytes` sizes: a created group's `backend_name` ('auto' is a choice made
 # when a group is created, on its devices).
-MEMORY_BACKENDS = ("reference", "cuda")
 
 
 def _nbytes(structs) -> int:
@@ -300,9 +299,9 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
                                max_tokens_per_rank=max_tokens_per_rank, dtype=dtype,
                                capacity=capacity, buffer_factor=buffer_factor,
                                expert_alignment=expert_alignment)
-  if backend not in MEMORY_BACKENDS:
-    raise ValueError(f"{where}: backend must be {' or '.join(map(repr, MEMORY_BACKENDS))} (the "
-                     f"group's `backend_name`); got {backend!r}")
+  if backend not in registry.BACKENDS:
+    raise ValueError(f"{where}: backend must be {' or '.join(map(repr, registry.BACKENDS))} "
+                     f"(the group's `backend_name`); got {backend!r}")
   row_format = RowFormat.PLAIN if row_format is None else as_row_format(row_format, where)
   num_ranks, num_experts, num_topk, hidden, max_tokens_per_rank, dtype, capacity = (
       config.num_ranks, config.num_experts, config.num_topk, config.hidden,
@@ -313,17 +312,8 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   handle = 4 * (t * k + r * t * k + capacity) + 4 * t * k  # routing + the weights
   slab_rows = num_local * r * t
   low_latency_rows = slab_rows * low_latency_row_bytes(row_format, hidden, dtype)
-  comm_buffers = ll_buffers = 0
-  if backend == "cuda":
-    workspace = cuda_ops.layout_workspace_bytes(config) if num_ranks == 1 else 0
-    comm_buffers = intranode.buffer_bytes(config, low_latency, network, num_hosts)
-    if low_latency:
-      ll_buffers = comm_buffers - intranode.buffer_bytes(
-          config, False, network and num_hosts >= 2, num_hosts)
-      if num_ranks == 1:  # the one-rank group's buffer exists for the low-latency pair alone
-        ll_buffers = comm_buffers
-  else:
-    workspace = reference.scratch_bytes(config)
+  buffers = registry.BACKENDS[backend].memory(config, low_latency=low_latency, network=network,
+                                               num_hosts=num_hosts)
   saved = saved_remat = None
   if ffn is not None:
     ffn = _check_ffn(ffn, activation)
@@ -334,7 +324,8 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
              + capacity * ffn * dtype.itemsize
              + capacity * hidden * dtype.itemsize)
     saved_remat = layer_input + t * k * (4 + 4)
-  return MemoryEstimate(recv_x, handle, low_latency_rows, workspace,
-                        comm_buffer_bytes=comm_buffers, low_latency_buffer_bytes=ll_buffers,
+  return MemoryEstimate(recv_x, handle, low_latency_rows, buffers.workspace_bytes,
+                        comm_buffer_bytes=buffers.comm_buffer_bytes,
+                        low_latency_buffer_bytes=buffers.low_latency_buffer_bytes,
                         capacity=capacity, expert_activation_bytes=saved,
                         expert_activation_bytes_remat=saved_remat)

@@ -16,6 +16,7 @@ import jax_ep
 from jax_ep import _status
 from jax_ep.backends import intranode, registry as group_module
 from jax_ep._native import ffi as _ffi
+from jax_ep.backends.options import CommOptions
 from jax_ep.config import EPConfig
 from jax_ep._native.limits import KernelLimits, cuda_violation
 from ep_test_base import count_primitive, rank_mesh
@@ -108,13 +109,14 @@ def test_auto_says_once_which_backend_and_why(monkeypatch, caplog):
   mesh = _FakeMesh([0, 0])
   with caplog.at_level(logging.INFO, logger="jax_ep"):
     for _ in range(3):
-      assert group_module._resolve_backend("auto", mesh, _config(), 24) == (
+      assert group_module._resolve_backend("auto", mesh, _config(), CommOptions()) == (
           "cuda", "CUDA GPUs, one process driving 2 devices")
   assert caplog.text.count("jax_ep.Group(backend='auto'): cuda backend (CUDA GPUs, one "
                            "process driving 2 devices)") == 1
   monkeypatch.setattr(group_module, "cuda_support", lambda *a, **k: "no GPU here")
   with caplog.at_level(logging.INFO, logger="jax_ep"):
-    assert group_module._resolve_backend("auto", _FakeMesh([0], "cpu"), _config(), 24) == (
+    assert group_module._resolve_backend("auto", _FakeMesh([0], "cpu"), _config(),
+                                         CommOptions()) == (
         "reference", "no GPU here")
   assert "reference backend (no GPU here)" in caplog.text
 

@@ -14,6 +14,13 @@ from jax_ep._native import ffi
 from jax_ep.config import EPConfig
 
 
+# The send kernels' SM budget bound, `kMaxNumSms` of ffi/kernels/ep_common.h (the extension's
+# `max_num_sms`; tests/test_defaults.py holds them equal): far above any GPU's multiprocessor
+# count, it keeps every send kernel's grid (num_sms times its blocks per SM) inside int32 and the
+# launch limits. Known without the extension, so a group checks `num_sms` on any machine.
+MAX_NUM_SMS = 1024
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelLimits:
   """Attributes:

@@ -1,8 +1,10 @@
 """Backend selection: the backends a group can run on, which one it gets and why, and making it.
 
 `BACKENDS` maps each name `jax_ep.Group(backend=...)` takes to its `BackendEntry`: `supports`
-says why that backend cannot run a group here (None when it can) and `create` makes the backend
-object, with the transport whose buffers it uses (None where it needs none). `backend='auto'`
+says why that backend cannot run a group here (None when it can), `create` makes the backend
+object, with the transport whose buffers it uses (None where it needs none), and `memory` says
+what a group of it allocates (for `jax_ep.memory_bytes`). The public API learns a backend's
+limits and memory only through these. `backend='auto'`
 takes the first of `AUTO_ORDER` that supports the group and says which and why through the
 `jax_ep` logger, once per process for each distinct choice. The hosts a group spans decide its
 transport: ranks on several hosts (real ones, or `virtual_hosts`) take the network transport.
@@ -21,7 +23,9 @@ from jax_ep._native import ffi
 from jax_ep._native.limits import KernelLimits, cuda_violation, kernel_limits
 from jax_ep.backends import intranode
 from jax_ep.backends import topology as topology_lib
+from jax_ep.backends import cuda_ops, reference
 from jax_ep.backends.base import Backend
+from jax_ep.backends.options import CommOptions
 from jax_ep.backends.cuda import CudaBackend, IntranodeBackend, NetworkBackend
 from jax_ep.backends.reference import ReferenceBackend
 from jax_ep.config import EPConfig
@@ -31,18 +35,30 @@ _logger = logging.getLogger("jax_ep")
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """What a backend is made for: the group's configuration and the settings of its transport
-  (the arguments of `jax_ep.Group` of the same names)."""
+  """What a backend is made for: the group's configuration, its transports' settings
+  (`options`) and where it runs."""
   mesh: jax.sharding.Mesh
   config: EPConfig
+  options: CommOptions
   key: str  # the group's key in the job (`jax_ep.launch._distributed.next_group_key`)
-  num_sms: int
-  timeout_s: float
-  config_timeout_s: float
   process_ids: list[int] | None  # the group's processes when not all of the job's
   low_latency: bool
-  raise_on_timeout: bool
   topology: topology_lib.Topology | None  # the hosts of a group on the network transport
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendMemory:
+  """What one rank of a group allocates besides its ops' outputs (bytes).
+
+  Attributes:
+    workspace_bytes: the ops' scratch (the one-rank layout's workspace, the reference's
+      intermediate arrays).
+    comm_buffer_bytes: the transport's buffers (peer or network), 0 where there are none.
+    low_latency_buffer_bytes: the part of those that exists for the low-latency pair.
+  """
+  workspace_bytes: int
+  comm_buffer_bytes: int = 0
+  low_latency_buffer_bytes: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +66,20 @@ class BackendEntry:
   """One backend of the registry.
 
   Attributes:
-    supports: `(mesh, config, num_sms, hosts) -> why not`: why this backend cannot run the
+    supports: `(mesh, config, options, hosts) -> why not`: why this backend cannot run the
       group here, None when it can (`hosts`: each process's host name, where known).
     create: makes the backend and its transport for a `Request` (the transport owns the
       group's native buffers; None where there are none).
     describe: `mesh -> why`: the reason `auto` gives when it takes this backend first.
+    memory: `(config, *, low_latency, network, num_hosts) -> BackendMemory`: what a group of
+      this backend allocates, on `num_hosts` hosts where `network`, with the low-latency
+      buffers where `low_latency`; computed on any machine.
   """
-  supports: Callable[[jax.sharding.Mesh, EPConfig, int, Sequence[str] | None], str | None]
+  supports: Callable[[jax.sharding.Mesh, EPConfig, CommOptions, Sequence[str] | None],
+                     str | None]
   create: Callable[[Request], tuple[Backend, intranode.IntranodeTransport | None]]
   describe: Callable[[jax.sharding.Mesh], str]
+  memory: Callable[..., BackendMemory]
 
 
 def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | None = None,
@@ -119,6 +140,25 @@ def _process_model(mesh) -> str:
   return f"one process per device, {len(devices)} ranks"
 
 
+def _reference_memory(config: EPConfig, *, low_latency: bool, network: bool,
+                      num_hosts: int) -> BackendMemory:
+  del low_latency, network, num_hosts  # no transport, no buffers of its own
+  return BackendMemory(reference.scratch_bytes(config))
+
+
+def _cuda_memory(config: EPConfig, *, low_latency: bool, network: bool,
+                 num_hosts: int) -> BackendMemory:
+  workspace = cuda_ops.layout_workspace_bytes(config) if config.num_ranks == 1 else 0
+  comm = intranode.buffer_bytes(config, low_latency, network, num_hosts)
+  low_latency_part = 0
+  if low_latency:
+    low_latency_part = comm - intranode.buffer_bytes(config, False, network and num_hosts >= 2,
+                                                     num_hosts)
+    if config.num_ranks == 1:  # the one-rank group's buffer exists for the low-latency pair alone
+      low_latency_part = comm
+  return BackendMemory(workspace, comm, low_latency_part)
+
+
 def _create_reference(request: Request):
   return ReferenceBackend(request.config), None
 
@@ -133,37 +173,40 @@ def _create_cuda(request: Request):
       if device.process_index == jax.process_index():
         ffi.extension().preload_kernels(device.local_hardware_id)
     return CudaBackend(config), None
+  o = r.options
   if r.topology is not None and r.topology.num_hosts > 1:
     transport = intranode.create_network(
-        config, mesh, r.key, num_sms=r.num_sms, timeout_s=r.timeout_s, topology=r.topology,
-        low_latency=r.low_latency, exchange_timeout_s=r.config_timeout_s)
+        config, mesh, r.key, num_sms=o.num_sms, timeout_s=o.timeout_s, topology=r.topology,
+        low_latency=r.low_latency, exchange_timeout_s=o.config_timeout_s)
   else:
-    transport = intranode.create(config, mesh, r.key, num_sms=r.num_sms, timeout_s=r.timeout_s,
+    transport = intranode.create(config, mesh, r.key, num_sms=o.num_sms, timeout_s=o.timeout_s,
                                  process_ids=r.process_ids, low_latency=r.low_latency)
   ll_group = transport.primary_id if r.low_latency else None
   backend: Backend
   if getattr(transport, "network_buffer", 0):
     backend = NetworkBackend(
-        config, transport.primary_id, r.raise_on_timeout, ll_group,
+        config, transport.primary_id, r.options.raise_on_timeout, ll_group,
         host_group_id=transport.host_group_id,
         hosts=r.topology.hosts if transport.equal_hosts else ())
   elif config.num_ranks > 1:
-    backend = IntranodeBackend(config, transport.primary_id, r.raise_on_timeout, ll_group)
+    backend = IntranodeBackend(config, transport.primary_id, r.options.raise_on_timeout, ll_group)
   else:  # one rank: local kernels, and the low-latency pair on the one-rank group
-    backend = CudaBackend(config, ll_group, r.raise_on_timeout)
+    backend = CudaBackend(config, ll_group, r.options.raise_on_timeout)
   return backend, transport
 
 
 BACKENDS: dict[str, BackendEntry] = {
-    "reference": BackendEntry(supports=lambda mesh, config, num_sms, hosts: None,
+    "reference": BackendEntry(supports=lambda mesh, config, options, hosts: None,
                               create=_create_reference,
-                              describe=lambda mesh: "pure JAX, any platform"),
+                              describe=lambda mesh: "pure JAX, any platform",
+                              memory=_reference_memory),
     # `cuda_support` looked up when called, so that tests can stand in for this machine's facts.
     "cuda": BackendEntry(
-        supports=lambda mesh, config, num_sms, hosts: cuda_support(mesh, config, num_sms,
-                                                                   hosts=hosts),
+        supports=lambda mesh, config, options, hosts: cuda_support(
+            mesh, config, options.num_sms, hosts=hosts),
         create=_create_cuda,
-        describe=lambda mesh: f"CUDA GPUs, {_process_model(mesh)}"),
+        describe=lambda mesh: f"CUDA GPUs, {_process_model(mesh)}",
+        memory=_cuda_memory),
 }
 # What `backend='auto'` tries, best first; the last one supports every group.
 AUTO_ORDER = ("cuda", "reference")
@@ -189,17 +232,17 @@ def _say_choice(name: str, why: str, warn: bool) -> None:
   log("jax_ep.Group(backend='auto'): %s backend (%s)", name, why)
 
 
-def _resolve_backend(backend: str, mesh, config: EPConfig, num_sms: int,
+def _resolve_backend(backend: str, mesh, config: EPConfig, options: CommOptions,
                      hosts: Sequence[str] | None = None) -> tuple[str, str]:
   """`(backend name, why)` for the requested backend ('auto' or a name of `BACKENDS`)."""
   if backend != "auto":
-    why_not = BACKENDS[backend].supports(mesh, config, num_sms, hosts)
+    why_not = BACKENDS[backend].supports(mesh, config, options, hosts)
     if why_not is not None:
       raise ValueError(f"jax_ep.Group: backend={backend!r} cannot run this group: {why_not}")
     return backend, "asked for"
   declined = []
   for name in AUTO_ORDER:
-    why_not = BACKENDS[name].supports(mesh, config, num_sms, hosts)
+    why_not = BACKENDS[name].supports(mesh, config, options, hosts)
     if why_not is None:
       break
     declined.append(why_not)
@@ -234,8 +277,9 @@ class Selection:
   topology: topology_lib.Topology | None
 
 
-def select(backend: str, mesh, config: EPConfig, num_sms: int, *, members: Sequence[int],
-           hosts: list[str] | None, virtual_hosts: int | None) -> Selection:
+def select(backend: str, mesh, config: EPConfig, options: CommOptions, *,
+           members: Sequence[int], hosts: list[str] | None,
+           virtual_hosts: int | None) -> Selection:
   """The backend `backend` ('auto' or a name) gives this group, and its transport's hosts.
 
   Args:
@@ -261,7 +305,7 @@ def select(backend: str, mesh, config: EPConfig, num_sms: int, *, members: Seque
     except nvshmem.NvshmemUnavailable as e:
       raise ValueError(f"jax_ep.Group: this group's processes run on {len(set(hosts))} hosts, "
                        f"which takes the network transport: {e}") from None
-  name, why = _resolve_backend(backend, mesh, config, num_sms, None if network else hosts)
+  name, why = _resolve_backend(backend, mesh, config, options, None if network else hosts)
   topology = None
   if network:
     if name != "cuda":

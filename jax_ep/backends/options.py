@@ -1,0 +1,57 @@
+"""`CommOptions`: how a group's communication runs, apart from what it computes.
+
+`EPConfig` (jax_ep/config.py) holds what decides the results and the buffers' shapes; these
+settings decide only how the transports move rows: the SMs their send kernels take from XLA's
+other kernels and how long a rank waits for its peers. The group checks them once, the registry
+gives them to the backend's `supports` and `create` (`registry.Request.options`), and the
+backend keeps them; a new setting of the transports (a stream of their own) is a field here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+from jax_ep._native.limits import MAX_NUM_SMS
+from jax_ep.config import positive_int
+
+
+def _positive_seconds(name: str, value, where: str) -> float:
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{where}: {name} must be a number of seconds, got {value!r}")
+  value = float(value)
+  if not 0.0 < value < 1e9:
+    raise ValueError(f"{where}: {name} must be a positive number of seconds, got {value}")
+  return value
+
+
+@dataclasses.dataclass(frozen=True)
+class CommOptions:
+  """The transports' settings of one group (`jax_ep.Group`'s arguments of the same names).
+
+  Attributes:
+    num_sms: multiprocessors' worth of blocks each send kernel of the peer transport runs
+      (1 to `MAX_NUM_SMS`), so XLA's other kernels keep the rest of the GPU.
+    timeout_s: how long a multi-rank kernel waits for a peer before it fails the group.
+    config_timeout_s: how long group creation waits for the other processes.
+    raise_on_timeout: raise a kernel's timeout at the op that hit it (else at `group.check()`).
+  """
+  num_sms: int = 24
+  timeout_s: float = 60.0
+  config_timeout_s: float = 60.0
+  raise_on_timeout: bool = False
+
+  @classmethod
+  def checked(cls, where: str = "jax_ep.Group", **settings) -> "CommOptions":
+    """The options of `settings`, or the error that names the first bad one and its value."""
+    num_sms = positive_int("num_sms", settings.get("num_sms", cls.num_sms), where)
+    if num_sms > MAX_NUM_SMS:
+      raise ValueError(f"{where}: num_sms must be <= {MAX_NUM_SMS} (multiprocessors' worth of "
+                       f"one GPU), got {num_sms}")
+    return cls(num_sms=num_sms,
+               timeout_s=_positive_seconds("timeout_s", settings.get("timeout_s", cls.timeout_s),
+                                           where),
+               config_timeout_s=_positive_seconds(
+                   "config_timeout_s", settings.get("config_timeout_s", cls.config_timeout_s),
+                   where),
+               raise_on_timeout=bool(settings.get("raise_on_timeout", cls.raise_on_timeout)))
