@@ -89,8 +89,7 @@ def source(record: dict, what: str, value) -> dict:
 
 
 def _model_shape(r: dict) -> bool:
-  return (r.get("tokens_per_rank") == MODEL["tokens_per_rank"] and r.get("hidden") == MODEL["hidden"]
-          and r.get("topk") == MODEL["topk"] and r.get("experts") == MODEL["experts"])
+  return all(r.get(k) == MODEL[k] for k in ("tokens_per_rank", "hidden", "topk", "experts"))
 
 
 def nvlink_inputs(results_dir: str, num_sms: int) -> dict:

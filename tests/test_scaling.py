@@ -84,21 +84,40 @@ def test_one_host_uses_only_nvlink(committed):
       assert b["layer_us"] > a["layer_us"]
 
 
-def test_inputs_come_from_the_committed_records(committed):
+def test_every_input_names_a_committed_record_that_holds_it(committed):
+  records = [r for name in os.listdir(scaling.RESULTS_DIR) if name.endswith(".jsonl")
+             for r in scaling.load_records(scaling.RESULTS_DIR, name)]
+  named = [s for s in committed["sources"] if s.get("commit")]
+  assert {s["op"] for s in named} >= {"p2p_copy", "dispatch", "combine"}
+  for s in named:
+    same = [r for r in records if r.get("commit") == s["commit"] and r.get("op") == s["op"]
+            and r.get("date") == s["date"]]
+    assert same, s
+    if s["op"] in ("p2p_copy", "moe_layer", "expert_mlp") or "local" in s["what"]:
+      assert any(s["value"] in (r.get("gbps"), r.get("median_us")) for r in same), s
   p = committed["params"]
-  assert p["nvlink_gbps"] == 345.1  # p2p.jsonl: SM stores, 24 SMs, both directions, 699e5ac
-  # intranode.jsonl, two H200s, 60ce3b5: 58447872 NVLink bytes in 294.0 / 295.4 µs
-  assert p["nvlink_efficiency"]["dispatch"] == pytest.approx(58447872 / 294.0e-6 / 345.1e9)
-  assert p["nvlink_efficiency"]["combine"] == pytest.approx(58447872 / 295.4e-6 / 345.1e9)
-  commits = {s.get("commit") for s in committed["sources"]}
-  assert {"699e5ac", "60ce3b5", "92fa2b4"} <= commits
-  # no record at the per-rank shape: the R=1 layer at 256 experts less its local ops
-  rows = _by(committed, "ep", "wire", "overlap")
-  assert rows[8, "bf16", "none"]["experts_basis"].startswith("upper bound")
-  assert rows[8, "fp8", "none"]["experts_basis"].startswith("assumed")
-  assert rows[8, "bf16", "none"]["experts_us"] == pytest.approx(41949.5 - 2 * (156.77 + 122.17))
-  assert rows[8, "fp8", "none"]["experts_us"] == pytest.approx(
-      rows[8, "bf16", "none"]["experts_us"] / 1.6)
+  p2p = [r for r in records if r.get("op") == "p2p_copy" and r.get("gbps") == p["nvlink_gbps"]]
+  assert p2p and all(r["engine"] == "sm_stores" and r["num_sms"] == 24 for r in p2p)
+  for op in ("dispatch", "combine"):
+    eff = p["nvlink_efficiency"][op]
+    assert any(r.get("op") == op and r.get("ranks") == 2 and r.get("nvlink_bytes")
+               and r["nvlink_bytes"] / (r["median_us"] * 1e-6) / 1e9 / p["nvlink_gbps"]
+               == pytest.approx(eff) for r in records)
+
+
+def test_the_experts_upper_bound_is_the_one_rank_layer_less_its_local_ops(committed):
+  layer = scaling.load_records(scaling.RESULTS_DIR, "layer.jsonl")
+  newest = lambda pass_: scaling.newest(layer, lambda r: (  # noqa: E731
+      r.get("op") == "moe_layer" and r.get("experts") == E and r.get("hidden") == H
+      and r.get("pass") == pass_))
+  local = sum(s["value"] for s in committed["sources"] if "R=1 local" in s["what"])
+  for r in committed["rows"]:
+    if r["experts_basis"].startswith("upper bound"):
+      assert r["wire"] == "bf16"
+      assert r["experts_us"] == pytest.approx(newest("fwd_bwd")["median_us"] - 2 * local)
+    if r["experts_basis"].startswith("assumed: bf16"):
+      bf16 = _by(committed, "ep", "wire", "overlap")[r["ep"], "bf16", r["overlap"]]
+      assert r["experts_us"] == pytest.approx(bf16["experts_us"] / 1.6)
 
 
 def test_a_case_by_hand():
