@@ -106,11 +106,12 @@ python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devi
 # One function per suite (or family), shared by the check parts and the named stages below.
 local_suite() { suite --timeout 400 -- $PYTEST tests/test_cuda_local.py; }
 gemm_suite() { suite --timeout 300 -- $PYTEST tests/test_grouped_matmul.py tests/test_routing.py -m gpu; }
+# The layer suite's GPU tests: its tests on the cuda backend and the model shapes.
 layer_suite() {  # $1: ranks (one process takes most of the GPU: DeepSeek-V3's dense twin)
   if [ "$1" = 1 ]; then
-    XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_gpu_layer.py
+    XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_layer.py -m gpu
   else
-    suite --ranks "$1" --timeout $((300 + 60 * $1)) -- $PYTEST tests/test_gpu_layer.py
+    suite --ranks "$1" --timeout $((300 + 60 * $1)) -- $PYTEST tests/test_layer.py -m gpu
   fi
 }
 slab_suite() {
@@ -400,7 +401,9 @@ fi
 # variants, MULTI_SEND_RECV=1 adds XLA's send/recv fallback, which hung there until the timeout).
 num_gpus=$(nvidia-smi -L | grep -c "^GPU ")
 multi_suites="tests/test_cuda_intranode.py tests/test_xla_pipeline.py tests/test_reference.py"
+# (The layer at model shapes is the `layer` stage's: left out here.)
 multi_suites="$multi_suites tests/test_api.py tests/test_layer.py"
+multi_suites="$multi_suites --deselect tests/test_layer.py::TestModelShapes"
 for n in ${MULTI_RANKS:-2 4 8}; do
   if ! { has multi || has multi_suites || has multi_bench; }; then break; fi
   [ "$n" -le "$num_gpus" ] || { echo "skip R=$n: $num_gpus GPUs"; continue; }
