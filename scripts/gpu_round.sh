@@ -115,7 +115,7 @@ layer_suite() {  # $1: ranks (one process takes most of the GPU: DeepSeek-V3's d
   fi
 }
 slab_suite() {
-  suite --timeout 300 -- $PYTEST tests/test_gpu_slab_mlp.py tests/test_slab_mlp.py tests/test_group_ids.py -m gpu
+  suite --timeout 300 -- $PYTEST tests/test_slab_mlp.py tests/test_group_ids.py -m gpu
 }
 nvshmem_suite() { suite --timeout 400 -- $PYTEST tests/test_nvshmem.py; }
 local_memcheck() {
