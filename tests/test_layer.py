@@ -42,11 +42,14 @@ from jax_ep.testing.dense import dense_moe, dense_moe_layer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
+# The cuda backend at whatever rank counts the job's GPUs make (one rank each).
 CUDA = Target("cuda backend", "cuda")
 
 
 def make_group(num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype, target=REFERENCE,
                **options):
+  """A group of `target` (by default the reference backend) for the layer tests here and in
+  the test_layer_*.py and test_routing.py files."""
   if jax.process_count() > 1 and num_ranks > jax.local_device_count():
     # The tests here feed whole host arrays and compare whole outputs and gradients with the
     # dense model; with one process per device a process cannot read the others' shards. The
@@ -67,8 +70,14 @@ def new_group(request):
     groups.append(make_group(num_ranks, target=request.param, **kwargs))
     return groups[-1]
   yield make
+  errors = []
   for group in reversed(groups):
-    group.close()
+    try:
+      group.close()
+    except Exception as error:  # noqa: BLE001 - close the others, then raise the first
+      errors.append(error)
+  if errors:
+    raise errors[0]
 
 
 def assert_close_to_scale(got, want, rel, what):
