@@ -105,11 +105,12 @@ def _inputs(num_ranks, num_experts, hidden, ffn, tokens, dtype, seed=0):
     (1, jnp.float32, 1e-4), (4, jnp.float32, 1e-4), (8, jnp.float32, 1e-4),
     (4, jnp.bfloat16, 3e-2)])
 def test_moe_mlp_matches_dense(new_group, num_ranks, dtype, rel, mode):
-  """Both modes of the layer (the low-latency one runs the experts on the decode slabs)
-  against the dense model: values and gradients."""
+  """Both modes of the layer (the low-latency one runs the experts on the decode slabs; its
+  group has the low-latency buffers, as the cuda backend needs) against the dense model:
+  values and gradients."""
   num_experts, num_topk, hidden, ffn, tokens = 16, 4, 64, 32, 8
   group = new_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-                    max_tokens=tokens, dtype=dtype)
+                    max_tokens=tokens, dtype=dtype, low_latency=mode == "low_latency")
   params, x, cot = _inputs(num_ranks, num_experts, hidden, ffn, tokens, dtype)
 
   def loss(params, x):
