@@ -60,7 +60,7 @@
 #   check2  the peer transport's suite in one process (faults, command buffers), at 2 and 4
 #           ranks emulated
 #   check3  the peer transport's suite at 8 ranks; memcheck and racecheck of both modes at 2
-#   check4  the layer at model shapes at 1 and 2 ranks
+#   check4  the layer suite on the cuda backend (model shapes included) at 1 and 2 ranks
 #   check5  the layer at 4 ranks; the network tests that start their own ranks
 #   check6  the network transport at 2 x 4 and 4 x 2 virtual hosts, memcheck of its kernels
 set -uo pipefail
@@ -271,7 +271,7 @@ fi
 
 if has layer; then
   for n in 1 ${LAYER_TEST_RANKS:-2 4}; do
-    step "the MoE layer at model shapes against the dense model, $n rank(s)"
+    step "the MoE layer on the cuda backend, model shapes included, against the dense model, $n rank(s)"
     layer_suite $n
   done
 fi
