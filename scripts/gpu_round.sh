@@ -60,7 +60,7 @@
 #   check2  the peer transport's suite in one process (faults, command buffers), at 2 and 4
 #           ranks emulated
 #   check3  the peer transport's suite at 8 ranks; memcheck and racecheck of both modes at 2
-#   check4  the layer at model shapes at 1 and 2 ranks
+#   check4  the layer suite on the cuda backend (model shapes included) at 1 and 2 ranks
 #   check5  the layer at 4 ranks; the network tests that start their own ranks
 #   check6  the network transport at 2 x 4 and 4 x 2 virtual hosts, memcheck of its kernels
 set -uo pipefail
@@ -106,15 +106,16 @@ python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devi
 # One function per suite (or family), shared by the check parts and the named stages below.
 local_suite() { suite --timeout 400 -- $PYTEST tests/test_cuda_local.py; }
 gemm_suite() { suite --timeout 300 -- $PYTEST tests/test_grouped_matmul.py tests/test_routing.py -m gpu; }
+# The layer suite's GPU tests: its tests on the cuda backend and the model shapes.
 layer_suite() {  # $1: ranks (one process takes most of the GPU: DeepSeek-V3's dense twin)
   if [ "$1" = 1 ]; then
-    XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_gpu_layer.py
+    XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_layer.py -m gpu
   else
-    suite --ranks "$1" --timeout $((300 + 60 * $1)) -- $PYTEST tests/test_gpu_layer.py
+    suite --ranks "$1" --timeout $((300 + 60 * $1)) -- $PYTEST tests/test_layer.py -m gpu
   fi
 }
 slab_suite() {
-  suite --timeout 300 -- $PYTEST tests/test_gpu_slab_mlp.py tests/test_slab_mlp.py tests/test_group_ids.py -m gpu
+  suite --timeout 300 -- $PYTEST tests/test_slab_mlp.py tests/test_group_ids.py -m gpu
 }
 nvshmem_suite() { suite --timeout 400 -- $PYTEST tests/test_nvshmem.py; }
 local_memcheck() {
@@ -270,7 +271,7 @@ fi
 
 if has layer; then
   for n in 1 ${LAYER_TEST_RANKS:-2 4}; do
-    step "the MoE layer at model shapes against the dense model, $n rank(s)"
+    step "the MoE layer on the cuda backend, model shapes included, against the dense model, $n rank(s)"
     layer_suite $n
   done
 fi
@@ -400,7 +401,9 @@ fi
 # variants, MULTI_SEND_RECV=1 adds XLA's send/recv fallback, which hung there until the timeout).
 num_gpus=$(nvidia-smi -L | grep -c "^GPU ")
 multi_suites="tests/test_cuda_intranode.py tests/test_xla_pipeline.py tests/test_reference.py"
+# (The layer at model shapes is the `layer` stage's: left out here.)
 multi_suites="$multi_suites tests/test_api.py tests/test_layer.py"
+multi_suites="$multi_suites --deselect tests/test_layer.py::TestModelShapes"
 for n in ${MULTI_RANKS:-2 4 8}; do
   if ! { has multi || has multi_suites || has multi_bench; }; then break; fi
   [ "$n" -le "$num_gpus" ] || { echo "skip R=$n: $num_gpus GPUs"; continue; }

@@ -78,10 +78,10 @@ def pytest_configure(config):
 @pytest.hookimpl(trylast=True)
 def pytest_generate_tests(metafunc):
   """`@pytest.mark.ranks(argnames, values, count=...)`: `parametrize(argnames, values)` with only
-  the values whose rank count this process can run (the class's `rank_counts`, when it has
-  them, and enough devices in the job; see `ep_test_base.rank_count_runs`). The rank count of a
-  value is its first element, or `count(*value)`. A test left with none is one skipped item
-  that says why."""
+  the values whose rank count this process can run (the `rank_counts` of the class's `target`,
+  when it has one, and enough devices in the job; see `ep_test_base.rank_count_runs`). The rank
+  count of a value is its first element, or `count(*value)`. A test left with none is one
+  skipped item that says why."""
   marker = metafunc.definition.get_closest_marker("ranks")
   if marker is None:
     return
@@ -89,7 +89,7 @@ def pytest_generate_tests(metafunc):
   argnames, values = marker.args
   count = marker.kwargs.get("count", lambda first, *rest: first)
   names = [n.strip() for n in argnames.split(",")]
-  allowed = getattr(metafunc.cls, "rank_counts", None)
+  allowed = getattr(getattr(metafunc.cls, "target", None), "rank_counts", None)
 
   def ranks_of(value):
     params = value.values if hasattr(value, "values") else (

@@ -1,4 +1,6 @@
-"""Shared test base: every backend's suite subclasses `EPTestBase` and sets `backend`.
+"""Shared test base: every suite is a base class (`EPTestBase` here, `LowLatencyTestBase` in
+low_latency_test_base.py) given a `Target` (the backend or transport, its group arguments and
+its capabilities).
 
 Each test builds a group over `R` devices, runs the ops inside `shard_map` (the same way users
 do), and compares with the dense oracle of `jax_ep.testing.oracle` (exact for dispatched rows,
@@ -8,8 +10,11 @@ gradients).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import zlib
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.test_util
@@ -249,48 +254,93 @@ class ClosesGroups:
     return group
 
 
-class EPTestBase(ClosesGroups):
-  """Backend-independent tests. Subclasses set `backend` and may narrow `rank_counts`."""
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """One backend or transport as the suites see it: the group arguments that select it and what
+  it refuses or does differently, by design and documented. A suite is a base class (the
+  high-throughput `EPTestBase`, the low-latency `LowLatencyTestBase`), a `Target` and the tests
+  only that target has; every suite of one transport takes the same `Target`."""
 
-  backend = "reference"
-  rank_counts = (1, 2, 4, 8)
+  # Its name in skip messages ("cuda backend's peer transport").
+  name: str
+  backend: str
+  # The rank counts its groups are made at (a test at another count skips).
+  rank_counts: tuple[int, ...] = (1, 2, 4, 8)
   # Rank count of the tests that are about one feature rather than about R.
-  small_ranks = 2
-  # Whether vmap keeps one communication round (backends that document a per-element loop
-  # under vmap set False; their per-element results are still checked).
-  vmap_one_round = True
-  # Extra `jax_ep.Group` arguments of a suite (e.g. the network transport's `virtual_hosts`).
-  group_options: dict = {}
-  # Where a suite's transport refuses `expert_alignment > 1` by design: words of the error
-  # `Group` must raise (checked), after which the test is skipped. None: supported.
+  small_ranks: int = 2
+  # Extra `jax_ep.Group` arguments (e.g. the network transport's `virtual_hosts`).
+  group_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  # Run before each group is made: raises (or skips) where the transport's engine is missing.
+  require: Callable[[], None] | None = None
+  # ---- capabilities
+  # Whether vmap keeps one communication round (a backend that documents a per-element loop
+  # under vmap has False; its per-element results are still checked).
+  vmap_one_round: bool = True
+  # Where `expert_alignment > 1` is refused by design: words of the error `Group` must raise
+  # (checked), after which the test is skipped. None: supported.
   expert_alignment_refused: str | None = None
+  # Whether the low-latency dispatch quantises to fp8 bit-exactly as the oracle (IEEE division,
+  # round-to-nearest-even); XLA's own f32 -> e4m3 conversion may differ by one step on ties.
+  fp8_exact: bool = False
+  # Whether the rows of a low-latency slab past `count` are zeros (else unspecified).
+  slab_padding_zeroed: bool = False
 
-  # ------------------------------------------------------------------ helpers
-  def require(self):
-    """Hook run before each group is made: a suite raises (or skips) where its transport's
-    engine is missing."""
 
-  def make_group(self, num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype,
-                 capacity=None, strict=False, num_sms=None, low_latency=False,
-                 expert_alignment=1):
-    if num_ranks not in self.rank_counts:
-      pytest.skip(f"{self.backend} backend does not run at R={num_ranks} here")
-    self.require()
-    mesh = rank_mesh(num_ranks)
-    extra = dict(self.group_options)
-    if num_sms is not None:
-      extra["num_sms"] = num_sms
-    if expert_alignment != 1:
-      extra["expert_alignment"] = expert_alignment
-    make = lambda: jax_ep.Group(
-        mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-        max_tokens_per_rank=max_tokens, dtype=dtype, capacity=capacity, backend=self.backend,
-        strict=strict, low_latency=low_latency, **extra)
-    if expert_alignment != 1 and self.expert_alignment_refused is not None:
-      with pytest.raises(ValueError, match=self.expert_alignment_refused):
-        make()
-      pytest.skip(f"expert_alignment={expert_alignment} is refused here, as documented")
-    return self.closing(make())
+REFERENCE = Target("reference backend", "reference", slab_padding_zeroed=True)
+# The cuda backend's one-rank group: its local kernels, no peer. (The peer and network
+# transports' targets depend on the job's devices: tests/test_cuda_intranode.py and
+# tests/test_cuda_network.py.)
+CUDA_LOCAL = Target("cuda backend at one rank", "cuda", rank_counts=(1,), small_ranks=1,
+                    fp8_exact=True)
+
+
+def make_target_group(target, num_ranks, *, num_experts, num_topk, hidden, max_tokens,
+                      dtype=jnp.bfloat16, **options):
+  """A `jax_ep.Group` of `target` over `rank_mesh(num_ranks)`, `options` over the target's
+  group arguments: a skip where the target does not run at `num_ranks` or lacks its engine;
+  where the target refuses an option by design, the error it must raise is checked, then the
+  test skips."""
+  if num_ranks not in target.rank_counts:
+    pytest.skip(f"the {target.name} does not run at R={num_ranks} here")
+  if target.require is not None:
+    target.require()
+  mesh = rank_mesh(num_ranks)
+  options = {**target.group_options, **options}
+  if options.get("num_sms", 0) is None:  # the group's default
+    del options["num_sms"]
+  make = lambda: jax_ep.Group(
+      mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+      max_tokens_per_rank=max_tokens, dtype=dtype, backend=target.backend, **options)
+  alignment = options.get("expert_alignment", 1)
+  if alignment != 1 and target.expert_alignment_refused is not None:
+    with pytest.raises(ValueError, match=target.expert_alignment_refused):
+      make()
+    pytest.skip(f"expert_alignment={alignment} is refused by the {target.name}, as documented")
+  return make()
+
+
+class BackendSuite(ClosesGroups):
+  """What every suite shares: its `target` (set by a subclass), the groups it makes and the
+  helpers that run per-rank code on them. The base classes add the tests."""
+
+  target: Target = REFERENCE
+  # Arguments of every group the suite makes (the low-latency suite's are low-latency groups).
+  suite_options: Mapping[str, Any] = {}
+
+  @property
+  def backend(self):
+    return self.target.backend
+
+  @property
+  def small_ranks(self):
+    return self.target.small_ranks
+
+  def make_group(self, num_ranks, *, num_experts, num_topk, hidden, max_tokens,
+                 dtype=jnp.bfloat16, **options):
+    """`make_target_group` of the suite's target and options, closed when the test ends."""
+    return self.closing(make_target_group(
+        self.target, num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+        max_tokens=max_tokens, dtype=dtype, **{**self.suite_options, **options}))
 
   @staticmethod
   def shard(group, *arrays, spec=P("ep")):
@@ -304,19 +354,24 @@ class EPTestBase(ClosesGroups):
     """Ranks whose device this process holds (all of them in a single-process run)."""
     return [int(r) for r in np.flatnonzero(local_rank_mask(group.mesh))]
 
-  def local_mask(self, group):
+  @staticmethod
+  def local_mask(group):
     return local_rank_mask(group.mesh)
 
   to_numpy = staticmethod(host_value)
 
-  def run_per_rank(self, group, fn, *arrays):
+  def run_per_rank(self, group, fn, *arrays, jit=True):
     """Runs `fn` on each rank's slice (leading axis R removed) and stacks its outputs over R."""
     def body(*blocks):
       outs = fn(*(b[0] for b in blocks))
       return jax.tree.map(lambda o: o[None], outs)
     mapped = jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep"))
-    outs = jax.jit(mapped)(*self.shard(group, *arrays))
+    outs = (jax.jit(mapped) if jit else mapped)(*self.shard(group, *arrays))
     return jax.tree.map(self.to_numpy, outs)
+
+
+class EPTestBase(BackendSuite):
+  """The high-throughput pair (dispatch, combine) and what is built on it, on any target."""
 
   def dispatch_combine(self, group, x, idx, w, expert_out, weighted=True):
     def fn(x, idx, w, eo):
@@ -645,7 +700,7 @@ class EPTestBase(ClosesGroups):
         np.testing.assert_array_equal(recv.x[d], expected[d]["recv_x"])
       want = oracle.combine(list(eos[:, b]), expected, ws[:, b], np.float64)
       assert_close(batched[1][:, b][mine], want[mine], rtol=1e-5, atol=1e-5)
-    if self.vmap_one_round:
+    if self.target.vmap_one_round:
       self.assert_one_round_under_vmap(group, one, xs, idxs, ws, eos)
 
   # ------------------------------------------------------------------ gradients
@@ -821,7 +876,7 @@ class EPTestBase(ClosesGroups):
       single = self.run_per_rank(group, one, xs[:, b], idxs[:, b], ws[:, b], eos[:, b])
       jax.tree.map(lambda got, want: np.testing.assert_array_equal(got[:, b], want),
                    batched, single)
-    if self.vmap_one_round:
+    if self.target.vmap_one_round:
       self.assert_one_round_under_vmap(group, one, xs, idxs, ws, eos)
 
   @staticmethod

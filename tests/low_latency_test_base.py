@@ -1,9 +1,10 @@
 """Backend-independent tests of the low-latency pair (decode), checked against the numpy oracle.
 
-Subclassed per backend: tests/test_reference.py (CPU), tests/test_cuda_local.py (one rank),
-tests/test_cuda_intranode.py (R ranks under the launcher, emulated on one GPU or one per GPU).
-On the cuda backend the rows of a slab past `count` are unspecified, so only the packed rows are
-compared there (the reference's are zeros, which it checks).
+Subclassed per target (`ep_test_base.Target`): tests/test_reference.py (CPU),
+tests/test_cuda_local.py (one rank), tests/test_cuda_intranode.py (R ranks under the launcher,
+emulated on one GPU or one per GPU), tests/test_cuda_network.py (virtual hosts). On the cuda
+backend the rows of a slab past `count` are unspecified, so only the packed rows are compared
+there (the reference's are zeros, which it checks: `Target.slab_padding_zeroed`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import RowFormat
-from ep_test_base import (ClosesGroups, host_value, local_rank_mask, make_routing, random_inputs,
-                          rank_mesh)
+from ep_test_base import BackendSuite, host_value, make_routing, random_inputs, rank_mesh
 from jax_ep.testing import oracle
 
 
@@ -41,61 +41,22 @@ def run_graph_worker(mode: str, num_ranks: int):
   assert result.returncode == 0 and "60 steps ok" in log, log
 
 
-class LowLatencyTestBase(ClosesGroups):
-  backend = "reference"
-  rank_counts = (1, 2, 4, 8)
-  small_ranks = 2
-  # The kernels quantise with IEEE division and round-to-nearest-even: bit-exact against the
-  # oracle. XLA's own f32 -> e4m3 conversion (the reference) may differ by one step on ties.
-  fp8_exact = False
-  # Extra `jax_ep.Group` arguments of a suite (e.g. the network transport's `virtual_hosts`).
-  group_options: dict = {}
+class LowLatencyTestBase(BackendSuite):
+  """The low-latency pair (decode) and what is built on it, on any target."""
+
+  # A short timeout: a wait that never ends is a test failure with the mailbox's message.
+  suite_options = {"low_latency": True, "timeout_s": 20.0}
 
   # ------------------------------------------------------------------ helpers
-  def require(self):
-    """Hook run before each group is made: a suite raises (or skips) where its transport's
-    engine is missing."""
-
-  def make_group(self, num_ranks, *, num_experts, num_topk, hidden, max_tokens,
-                 dtype=jnp.bfloat16, **kwargs):
-    if num_ranks not in self.rank_counts:
-      pytest.skip(f"{self.backend} backend does not run at R={num_ranks} here")
-    self.require()
-    kwargs = {**self.group_options, **kwargs}
-    # A short timeout: a wait that never ends is a test failure with the mailbox's message.
-    kwargs.setdefault("timeout_s", 20.0)
-    return self.closing(jax_ep.Group(
-        rank_mesh(num_ranks), "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-        max_tokens_per_rank=max_tokens, dtype=dtype, backend=self.backend, low_latency=True,
-        **kwargs))
-
-  @staticmethod
-  def shard(group, *arrays, spec=P("ep")):
-    sharding = jax.sharding.NamedSharding(group.mesh, spec)
-    return [jax.make_array_from_callback(np.shape(a), sharding, lambda i, a=a: np.asarray(a)[i])
-            for a in arrays]
-
-  def run_per_rank(self, group, fn, *arrays, jit=True):
-    def body(*blocks):
-      outs = fn(*(b[0] for b in blocks))
-      return jax.tree.map(lambda o: o[None], outs)
-    mapped = jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep"))
-    outs = (jax.jit(mapped) if jit else mapped)(*self.shard(group, *arrays))
-    return jax.tree.map(host_value, outs)
-
-  @staticmethod
-  def mine(group):
-    return [int(r) for r in np.flatnonzero(local_rank_mask(group.mesh))]
-
   def check_rows(self, group, recv, expected, what="recv_x"):
     """Each expert's packed rows equal the oracle's; past `count`, zeros on the reference."""
-    for d in self.mine(group):
+    for d in self.local_ranks(group):
       want = expected[d]
       np.testing.assert_array_equal(recv.count[d], want["count"], err_msg=f"count, rank {d}")
       for le, n in enumerate(want["count"]):
         np.testing.assert_array_equal(recv.x[d][le, :n], want["recv_x"][le, :n],
                                       err_msg=f"{what} rows of expert {le}, rank {d}")
-        if self.backend == "reference":
+        if self.target.slab_padding_zeroed:
           assert not np.any(np.asarray(recv.x[d][le, n:], np.float32)), "padding must be zero"
 
   @staticmethod
@@ -135,11 +96,11 @@ class LowLatencyTestBase(ClosesGroups):
     expected = oracle.low_latency_dispatch(x, idx, e, num_tokens)
     self.check_rows(group, recv, expected)
     invalid = ((idx < -1) | (idx >= e)).sum(axis=(1, 2))
-    for d in self.mine(group):
+    for d in self.local_ranks(group):
       assert recv.num_dropped[d] == 0
       assert recv.num_invalid[d] == invalid[d]
     want = oracle.low_latency_combine(list(eo), expected, w, np.float64)
-    for d in self.mine(group):
+    for d in self.local_ranks(group):
       np.testing.assert_allclose(out[d].astype(np.float64), want[d], rtol=1e-2,
                                  atol=1e-2 * (np.abs(want[d]).max() + 1e-30))
 
@@ -164,13 +125,13 @@ class LowLatencyTestBase(ClosesGroups):
       assert set(np.unique(np.log2(scales)) % 1) == {0.0}  # powers of two
     expected_q = oracle.low_latency_dispatch(q, idx, e, num_tokens)
     expected_s = oracle.low_latency_dispatch(scales, idx, e, num_tokens)
-    for d in self.mine(group):
+    for d in self.local_ranks(group):
       np.testing.assert_array_equal(recv.count[d], expected_q[d]["count"],
                                     err_msg=f"count, rank {d}")
       for le, n in enumerate(expected_q[d]["count"]):
         got = recv.x[d][le, :n].astype(np.float32)
         want = expected_q[d]["recv_x"][le, :n].astype(np.float32)
-        if self.fp8_exact:
+        if self.target.fp8_exact:
           np.testing.assert_array_equal(got, want, err_msg=f"expert {le}, rank {d}")
         else:  # one e4m3 step (3 mantissa bits) where x / scale sits on a tie
           np.testing.assert_allclose(got, want, rtol=2**-3, atol=0)
@@ -260,7 +221,7 @@ class LowLatencyTestBase(ClosesGroups):
     scales = (1 + 0.1 * rng.standard_normal((r, num_layers, e // r))).astype(np.float32)
     out, counts = self._layer_chain(group, xs, idxs, ws, scales, split)
     want, want_counts = self._chain_oracle(xs, idxs, ws, scales, e, t)
-    for d in self.mine(group):
+    for d in self.local_ranks(group):
       np.testing.assert_array_equal(counts[d], want_counts[d])
       np.testing.assert_allclose(out[d].astype(np.float64), want[d], rtol=3e-2,
                                  atol=3e-2 * (np.abs(want[d]).max() + 1e-30))
@@ -286,7 +247,7 @@ class LowLatencyTestBase(ClosesGroups):
           group, jax_ep.low_latency_combine_send(group, eo, handle), w)
     a_recv, a_out = self.run_per_rank(group, fused, x, idx, w)
     b_recv, b_out = self.run_per_rank(group, split, x, idx, w)
-    for d in self.mine(group):
+    for d in self.local_ranks(group):
       np.testing.assert_array_equal(a_recv.count[d], b_recv.count[d])
       for le, n in enumerate(a_recv.count[d]):
         np.testing.assert_array_equal(a_recv.x[d][le, :n].astype(np.float32),
@@ -325,7 +286,7 @@ class LowLatencyTestBase(ClosesGroups):
     slot_terms = np.where(valid, w * xg[..., None], 0.0)
     want_da = np.bincount(np.where(valid, idx, 0).reshape(-1), weights=slot_terms.reshape(-1),
                           minlength=e).reshape(r, e // r)
-    for d in self.mine(group):
+    for d in self.local_ranks(group):
       np.testing.assert_allclose(dx[d].astype(np.float64), want_dx[d], rtol=2e-2,
                                  atol=2e-2 * np.abs(want_dx[d]).max())
       np.testing.assert_allclose(dw[d], want_dw[d], rtol=2e-2,
@@ -349,7 +310,7 @@ class LowLatencyTestBase(ClosesGroups):
     batched = self.run_per_rank(group, jax.vmap(roundtrip), xs, idxs, ws)
     for b in range(2):
       single = self.run_per_rank(group, roundtrip, xs[:, b], idxs[:, b], ws[:, b])
-      for d in self.mine(group):
+      for d in self.local_ranks(group):
         np.testing.assert_array_equal(batched[d, b].astype(np.float32),
                                       single[d].astype(np.float32))
 
@@ -372,7 +333,7 @@ class LowLatencyTestBase(ClosesGroups):
       return ht, ll
     ht, ll = self.run_per_rank(group, fn, x, router, per_rank(params.w_gate),
                                per_rank(params.w_up), per_rank(params.w_down))
-    for d in self.mine(group):
+    for d in self.local_ranks(group):
       scale = np.abs(ht[d].astype(np.float32)).max()
       assert scale > 0
       np.testing.assert_allclose(ll[d].astype(np.float32), ht[d].astype(np.float32),
@@ -382,9 +343,6 @@ class LowLatencyTestBase(ClosesGroups):
 class CudaLowLatencyTests(LowLatencyTestBase):
   """What only the kernels have: the split ops as separate custom calls, the one-send rule,
   the buffers a group must be created with."""
-
-  backend = "cuda"
-  fp8_exact = True
 
   def test_kernels_need_no_local_memory(self):
     """A kernel that needs local memory can, at its first launch, wait for a GPU shared under
@@ -396,7 +354,7 @@ class CudaLowLatencyTests(LowLatencyTestBase):
   def test_needs_low_latency_buffers(self):
     r = self.small_ranks
     group = self.closing(jax_ep.Group(rank_mesh(r), "ep", num_experts=4 * r, num_topk=2,
-                                      hidden=256, max_tokens_per_rank=4, backend="cuda"))
+                                      hidden=256, max_tokens_per_rank=4, backend=self.backend))
     x = np.zeros((r, 4, 256), jnp.bfloat16)
     idx = np.zeros((r, 4, 2), np.int32)
     with pytest.raises(ValueError, match="low_latency=True"):
@@ -437,7 +395,7 @@ class CudaLowLatencyTests(LowLatencyTestBase):
         "the matmul is not scheduled between send and wait:\n" + between[:4000])
     recv_x, count, other = jax.tree.map(host_value, mapped(*args))
     expected = oracle.low_latency_dispatch(x, idx, e, t)
-    for d in self.mine(group):
+    for d in self.local_ranks(group):
       np.testing.assert_array_equal(count[d], expected[d]["count"])
       for le, n in enumerate(expected[d]["count"]):
         np.testing.assert_array_equal(recv_x[d][le, :n], expected[d]["recv_x"][le, :n])

@@ -23,7 +23,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from ep_test_base import EPTestBase, assert_close, make_routing, random_inputs, used_rows
+from ep_test_base import (EPTestBase, Target, assert_close, make_routing, random_inputs,
+                          used_rows)
 from low_latency_test_base import CudaLowLatencyTests, run_graph_worker
 from jax_ep.testing import oracle
 
@@ -31,19 +32,20 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
 NUM_RANKS = jax.device_count()
 
+# Every rank of the job, each reaching the others' buffers by pointer.
+PEER = Target("cuda backend's peer transport", "cuda", rank_counts=(NUM_RANKS,),
+              small_ranks=NUM_RANKS, fp8_exact=True,
+              vmap_one_round=False)  # one round per batch element under vmap (documented)
+
 
 @pytest.mark.skipif(NUM_RANKS < 2, reason="the intranode transport needs at least 2 ranks")
 class TestCudaIntranodeLowLatency(CudaLowLatencyTests):
-  rank_counts = (NUM_RANKS,)
-  small_ranks = NUM_RANKS
+  target = PEER
 
 
 @pytest.mark.skipif(NUM_RANKS < 2, reason="the intranode transport needs at least 2 ranks")
 class TestCudaIntranode(EPTestBase):
-  backend = "cuda"
-  rank_counts = (NUM_RANKS,)
-  small_ranks = NUM_RANKS
-  vmap_one_round = False  # intranode ops run one round per batch element under vmap (documented)
+  target = PEER
 
   def test_combine_partial_dtype(self):
     # bf16 activations: partials travel in bf16 (the combine tests allow for that rounding

@@ -11,18 +11,16 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from ep_test_base import (EPTestBase, assert_close, make_routing, random_inputs, tolerance,
-                          used_rows)
+from ep_test_base import (CUDA_LOCAL, EPTestBase, assert_close, make_routing, random_inputs,
+                          tolerance, used_rows)
 from low_latency_test_base import CudaLowLatencyTests, run_graph_worker
 from jax_ep.testing import oracle
 
 pytestmark = pytest.mark.gpu
 
 
-
 class TestCudaLocalLowLatency(CudaLowLatencyTests):
-  rank_counts = (1,)
-  small_ranks = 1
+  target = CUDA_LOCAL
 
   @pytest.mark.parametrize("mode", ["bf16", "fp8"])
   def test_decode_step_in_command_buffers(self, mode):
@@ -30,9 +28,7 @@ class TestCudaLocalLowLatency(CudaLowLatencyTests):
 
 
 class TestCudaLocal(EPTestBase):
-  backend = "cuda"
-  rank_counts = (1,)
-  small_ranks = 1
+  target = CUDA_LOCAL
 
   @pytest.mark.parametrize("num_tokens", [1, 19, 99, 989, 4096])
   @pytest.mark.parametrize("num_experts,num_topk", [(1, 1), (256, 8), (1024, 4), (33, 5)])

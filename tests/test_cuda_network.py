@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import jax_ep
-from ep_test_base import EPTestBase, random_inputs, rank_mesh, require_nvshmem
+from ep_test_base import EPTestBase, Target, random_inputs, rank_mesh, require_nvshmem
 from low_latency_test_base import GRAPH_WORKER, CudaLowLatencyTests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
@@ -39,13 +39,19 @@ _why_not = (f"needs one process per rank under the launcher with R divisible by 
             f"JAX_EP_VIRTUAL_HOSTS={VIRTUAL_HOSTS} (R={NUM_RANKS}, "
             f"{jax.process_count()} processes)")
 
+# Every rank of the job as VIRTUAL_HOSTS hosts: the ranks of another host only through NVSHMEM.
+NETWORK = Target(
+    "cuda backend's network transport", "cuda", rank_counts=(NUM_RANKS,), small_ranks=NUM_RANKS,
+    group_options={"virtual_hosts": VIRTUAL_HOSTS}, require=require_nvshmem, fp8_exact=True,
+    vmap_one_round=False,  # one round per batch element under vmap (documented)
+    # The host group lays out each expert's rows as one group per source host
+    # (docs/multihost.md).
+    expert_alignment_refused="not implemented on the cuda backend's network transport")
+
 
 @pytest.mark.skipif(not _on_network, reason=_why_not)
 class TestNetworkLowLatency(CudaLowLatencyTests):
-  rank_counts = (NUM_RANKS,)
-  small_ranks = NUM_RANKS
-  group_options = {"virtual_hosts": VIRTUAL_HOSTS}
-  require = staticmethod(require_nvshmem)
+  target = NETWORK
 
   def test_ranks_of_other_hosts_take_the_network(self):
     """The ranks of the other virtual hosts have no pointer in this rank's table (so every row
@@ -86,7 +92,7 @@ class TestNetworkLowLatency(CudaLowLatencyTests):
       return self.run_per_rank(group, fn, *weights)
     ll = layer(network, "low_latency")
     ht = layer(one_host, "high_throughput")
-    for d in self.mine(network):
+    for d in self.local_ranks(network):
       scale = np.abs(ht[d].astype(np.float32)).max()
       assert scale > 0
       np.testing.assert_allclose(ll[d].astype(np.float32), ht[d].astype(np.float32),
@@ -101,14 +107,7 @@ class TestNetworkHighThroughput(EPTestBase):
   the same local index on every host, the host's own group forwarding
   (jax_ep/backends/hierarchical.py), against the oracle, gradients and fault-free reuse
   included."""
-  backend = "cuda"
-  rank_counts = (NUM_RANKS,)
-  small_ranks = NUM_RANKS
-  vmap_one_round = False  # the cuda multi-rank ops run one round per batch element under vmap
-  group_options = {"virtual_hosts": VIRTUAL_HOSTS}
-  require = staticmethod(require_nvshmem)
-  # The host group lays out each expert's rows as one group per source host (docs/multihost.md).
-  expert_alignment_refused = "not implemented on the cuda backend's network transport"
+  target = NETWORK
 
   def test_group_spans_the_virtual_hosts(self):
     group = self.make_group(NUM_RANKS, num_experts=4 * NUM_RANKS, num_topk=2, hidden=128,

@@ -13,7 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from ep_test_base import ClosesGroups, host_value, rank_mesh
+from ep_test_base import CUDA_LOCAL, REFERENCE, BackendSuite, host_value, rank_mesh
 
 MEMORY = dict(num_ranks=8, num_experts=16, num_topk=2, hidden=64, max_tokens_per_rank=8)
 
@@ -92,17 +92,16 @@ LAYER_PARAMS = [
 ]
 
 
-class InputChecks(ClosesGroups):
-  """The checks that take a group, on `backend` at `num_ranks` ranks."""
+class InputChecks(BackendSuite):
+  """The checks that take a group, on the target's backend at its `small_ranks` ranks."""
 
-  backend = "reference"
-  num_ranks = 2
+  @property
+  def num_ranks(self):
+    return self.small_ranks
 
   def group(self, **overrides):
-    kwargs = dict(num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=T,
-                  dtype=jnp.float32, backend=self.backend)
-    kwargs.update(overrides)
-    return self.closing(jax_ep.Group(rank_mesh(self.num_ranks), "ep", **kwargs))
+    kwargs = dict(num_experts=E, num_topk=K, hidden=H, max_tokens=T, dtype=jnp.float32)
+    return self.make_group(self.num_ranks, **{**kwargs, **overrides})
 
   def trace(self, group, fn, *shapes):
     """Traces `fn` on one rank's `[T, ...]` inputs of these shapes, inside shard_map."""
@@ -390,10 +389,9 @@ def test_dispatch_layouts_pass_the_traced_group_checks(capacity, expert_alignmen
 
 
 class TestInputChecks(InputChecks):
-  pass
+  target = REFERENCE
 
 
 @pytest.mark.gpu
 class TestInputChecksCuda(InputChecks):
-  backend = "cuda"
-  num_ranks = 1
+  target = CUDA_LOCAL

@@ -1,13 +1,27 @@
-"""The whole MoE layer: `jax_ep.moe_mlp` and the NNX module against the dense reference, and the
-`python -m jax_ep.demo` main-job smoke test.
+"""The whole MoE layer: `jax_ep.moe_mlp` and the NNX module against the dense reference, on every
+backend, and the `python -m jax_ep.demo` main-job smoke test.
 
 The dense model (`jax_ep.testing.dense`) computes every expert on every token with no sharding and
 no communication; the expert-parallel layer must agree with it in value and in gradient (w.r.t.
-the activations, the router and every expert weight).
+the activations, the router and every expert weight). The tests that take a `backend` run on the
+reference backend and on the cuda backend (marked `gpu`: skipped on the CPU, a failure under
+JAX_EP_REQUIRE_GPU=1 where there is no GPU). `TestModelShapes` (GPU only) trains the layer at
+the expert shapes of real models; on Hopper the experts run jax_ep's Mosaic GPU grouped GEMM
+inside `shard_map`, the path whose backward the CPU cannot run. On a GPU:
+
+  python -m pytest tests/test_layer.py -m gpu -q                                   # R = 1
+  python -m jax_ep.launch -n 4 --share-gpu -- python -m pytest tests/test_layer.py -m gpu -q
+
+Under the launcher every process builds the same host arrays, runs the layer on the whole mesh,
+computes the dense model on its own device, and compares the shards it holds: its tokens'
+outputs and input gradients, its experts' weight gradients (`TestModelShapes`); the tests that
+compare whole global arrays run their one-rank groups only.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import pathlib
 import subprocess
@@ -17,26 +31,53 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ep
-from ep_test_base import rank_mesh
+from ep_test_base import (REFERENCE, Target, grouped_matmul_kernels, make_target_group,
+                          rank_mesh, require_gpu)
 from jax_ep import launch
 from jax_ep.layer import MoEParams
 from jax_ep.testing.dense import dense_moe, dense_moe_layer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
+# The cuda backend at whatever rank counts the job's GPUs make (one rank each).
+CUDA = Target("cuda backend", "cuda")
 
-def make_group(num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype, **options):
+
+def make_group(num_ranks, *, num_experts, num_topk, hidden, max_tokens, dtype, target=REFERENCE,
+               **options):
+  """A group of `target` (by default the reference backend) for the layer tests here and in
+  the test_layer_*.py and test_routing.py files."""
   if jax.process_count() > 1 and num_ranks > jax.local_device_count():
     # The tests here feed whole host arrays and compare whole outputs and gradients with the
     # dense model; with one process per device a process cannot read the others' shards. The
     # ops under these layers run multi-process in test_reference's suite.
     pytest.skip("compares whole global arrays; single-process (or R=1 per process) only")
-  mesh = rank_mesh(num_ranks)
-  return jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-                      max_tokens_per_rank=max_tokens, dtype=dtype, backend="reference",
-                      **options)
+  return make_target_group(target, num_ranks, num_experts=num_experts, num_topk=num_topk,
+                           hidden=hidden, max_tokens=max_tokens, dtype=dtype, **options)
+
+
+@pytest.fixture(params=[pytest.param(REFERENCE, id="reference"),
+                        pytest.param(CUDA, id="cuda", marks=pytest.mark.gpu)])
+def new_group(request):
+  """`new_group(num_ranks, **make_group's arguments)`: a group of the test's backend, closed
+  when the test ends (a run-time failure no op has raised yet fails its teardown)."""
+  groups = []
+
+  def make(num_ranks, **kwargs):
+    groups.append(make_group(num_ranks, target=request.param, **kwargs))
+    return groups[-1]
+  yield make
+  errors = []
+  for group in reversed(groups):
+    try:
+      group.close()
+    except Exception as error:  # noqa: BLE001 - close the others, then raise the first
+      errors.append(error)
+  if errors:
+    raise errors[0]
 
 
 def assert_close_to_scale(got, want, rel, what):
@@ -63,12 +104,13 @@ def _inputs(num_ranks, num_experts, hidden, ffn, tokens, dtype, seed=0):
 @pytest.mark.parametrize("num_ranks,dtype,rel", [
     (1, jnp.float32, 1e-4), (4, jnp.float32, 1e-4), (8, jnp.float32, 1e-4),
     (4, jnp.bfloat16, 3e-2)])
-def test_moe_mlp_matches_dense(num_ranks, dtype, rel, mode):
-  """Both modes of the layer (the low-latency one runs the experts on the decode slabs)
-  against the dense model: values and gradients."""
+def test_moe_mlp_matches_dense(new_group, num_ranks, dtype, rel, mode):
+  """Both modes of the layer (the low-latency one runs the experts on the decode slabs; its
+  group has the low-latency buffers, as the cuda backend needs) against the dense model:
+  values and gradients."""
   num_experts, num_topk, hidden, ffn, tokens = 16, 4, 64, 32, 8
-  group = make_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-                     max_tokens=tokens, dtype=dtype)
+  group = new_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+                    max_tokens=tokens, dtype=dtype, low_latency=mode == "low_latency")
   params, x, cot = _inputs(num_ranks, num_experts, hidden, ffn, tokens, dtype)
 
   def loss(params, x):
@@ -98,13 +140,13 @@ def test_moe_mlp_matches_dense(num_ranks, dtype, rel, mode):
 
 
 @pytest.mark.parametrize("num_ranks", [1, 4])
-def test_moe_mlp_with_expert_alignment_matches_dense(num_ranks):
+def test_moe_mlp_with_expert_alignment_matches_dense(new_group, num_ranks):
   """The layer on a group with expert_alignment: the experts' GEMMs take the dispatch's
   group_offsets (padding between the experts' rows), values and gradients as the dense
   model's."""
   num_experts, num_topk, hidden, ffn, tokens = 16, 4, 64, 32, 8
-  group = make_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-                     max_tokens=tokens, dtype=jnp.float32, expert_alignment=16)
+  group = new_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+                    max_tokens=tokens, dtype=jnp.float32, expert_alignment=16)
   params, x, cot = _inputs(num_ranks, num_experts, hidden, ffn, tokens, jnp.float32, seed=3)
 
   def loss(params, x):
@@ -126,12 +168,12 @@ def test_moe_mlp_with_expert_alignment_matches_dense(num_ranks):
       assert_close_to_scale(g, d, 1e-4, f"grad {name}")
 
 
-def test_moe_mlp_given_routing_with_masked_slots():
+def test_moe_mlp_given_routing_with_masked_slots(new_group):
   """Explicit routing with -1 and out-of-range slots (both select nothing): values and gradients
   w.r.t. x, the router weights and the experts."""
   num_ranks, num_experts, num_topk, hidden, ffn, tokens = 4, 8, 3, 64, 32, 8
-  group = make_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-                     max_tokens=tokens, dtype=jnp.float32)
+  group = new_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+                    max_tokens=tokens, dtype=jnp.float32)
   params, x, cot = _inputs(num_ranks, num_experts, hidden, ffn, tokens, jnp.float32, seed=1)
   rng = np.random.default_rng(0)
   n = num_ranks * tokens
@@ -159,13 +201,13 @@ def test_moe_mlp_given_routing_with_masked_slots():
 
 
 # ---------------------------------------------------------------------- NNX module
-def test_nnx_module_forward_and_training_step():
+def test_nnx_module_forward_and_training_step(new_group):
   nnx = pytest.importorskip("flax.nnx")
   from jax_ep.nnx import MoE, MoEStats
 
   num_ranks, num_experts, num_topk, hidden, ffn, tokens = 4, 8, 2, 64, 32, 16
-  group = make_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
-                     max_tokens=tokens, dtype=jnp.float32)
+  group = new_group(num_ranks, num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+                    max_tokens=tokens, dtype=jnp.float32)
   model = MoE(group, ffn=ffn, rngs=nnx.Rngs(0))
   assert model.w_gate[...].shape == (num_experts, hidden, ffn)
   assert model.w_down[...].shape == (num_experts, ffn, hidden)
@@ -197,6 +239,325 @@ def test_nnx_module_forward_and_training_step():
   loss1 = float(loss_fn(model, x, target))
   assert np.isfinite(loss0) and loss1 < loss0, f"loss did not go down: {loss0} -> {loss1}"
   assert model.w_gate[...].sharding.spec[0] == "ep"  # the update kept the layout
+
+
+# ---------------------------------------------------------------------- model shapes (GPU)
+# name: (experts, hidden, ffn, top-k); DeepSeek-V3's ffn is cut to 512 where the dense twin's
+# replicated weights (and their gradients) would not fit one GPU beside R processes' layers.
+SHAPES = {
+    "deepseek_v3": (256, 7168, 2048, 8),
+    "qwen3_30b_a3b": (128, 2048, 768, 8),
+    "e32": (32, 4096, 1536, 4),
+    "mixtral": (8, 4096, 14336, 2),
+}
+TOKENS = 256  # per rank
+
+
+def _shape(name, num_ranks):
+  e, h, f, k = SHAPES[name]
+  if name == "deepseek_v3" and num_ranks > 1:
+    f = 512
+  return e, h, f, k
+
+
+def _mesh():
+  require_gpu()
+  num_ranks = jax.device_count()
+  return rank_mesh(num_ranks), num_ranks
+
+
+def _model_inputs(num_experts, hidden, ffn, tokens, seed=0, param_dtype=jnp.bfloat16, key=None):
+  """Params, x and the output cotangent drawn on this process's device, the same values in every
+  process (one seed)."""
+  k_p, k_x, k_c = jax.random.split(jax.random.key(seed), 3)
+  params = jax_ep.init_moe_params(k_p if key is None else key, num_experts=num_experts,
+                                  hidden=hidden, ffn=ffn, dtype=param_dtype)
+  x = jax.random.normal(k_x, (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
+  cot = jax.random.normal(k_c, (tokens, hidden), jnp.float32)
+  return params, x, cot
+
+
+def _global(mesh, array, spec):
+  """`array` (on this process's device, the same in every process) as a global array laid out
+  by `spec` over `mesh`."""
+  sharding = NamedSharding(mesh, spec)
+  return jax.make_array_from_callback(array.shape, sharding, lambda i: array[i])
+
+
+def _chunks(array, max_bytes=1 << 30):
+  """Slices of `array`'s leading axis of at most `max_bytes` each as float32 (at least one row)."""
+  rows = array.shape[0] if array.ndim else 1
+  per_row = max(4 * array.size // max(rows, 1), 1)
+  step = max(1, max_bytes // per_row)
+  return [slice(i, min(i + step, rows)) for i in range(0, rows, step)] if array.ndim else [()]
+
+
+# Relative error bounds (`|got - want| / |want|`, per token row or per expert) against the
+# dense model given the layer's own routing, both computing in bf16 with fp32 accumulation:
+# they differ by the order of the fp32 sums (now and then one bf16 step of an element) and, in
+# the backward, where the cotangent is rounded to bf16. The output's bound fails a 1 % change
+# of the output (each check shows it: `mutation`); the gradients' allow the layer's bf16
+# cotangents (measured ~0.5 % per row beside the dense model's float32 ones).
+OUT_BOUND = 5e-3
+GRAD_BOUND = 1.5e-2
+
+
+def _relative_errors(got, want, per_slice, scale=1.0):
+  """`(errors, norms)`: per leading index of each shard of `got` this process holds (or of the
+  whole shard with `per_slice=False`), `|scale * got - want|` and `|want|` over that block of
+  the dense `want`. Computed on the device a slice at a time (float32 copies of DeepSeek-V3's
+  whole weight gradients do not fit beside the layer's)."""
+  f32 = jnp.float32
+  axes = lambda a: tuple(range(1, a.ndim)) if per_slice else tuple(range(a.ndim))
+  errors, norms = [], []
+  for shard in got.addressable_shards:
+    ref_all = jax.device_put(want[shard.index], shard.data.device)
+    err2 = norm2 = 0.0
+    for c in _chunks(shard.data):
+      block, ref = shard.data[c].astype(f32) * scale, ref_all[c].astype(f32)
+      assert bool(jnp.isfinite(block).all()), "not finite"
+      e2, n2 = jnp.sum((block - ref) ** 2, axes(block)), jnp.sum(ref ** 2, axes(ref))
+      if per_slice:
+        errors.append(np.sqrt(np.asarray(e2, np.float64)))
+        norms.append(np.sqrt(np.asarray(n2, np.float64)))
+      else:
+        err2, norm2 = err2 + float(e2), norm2 + float(n2)
+    if not per_slice:
+      errors.append(np.sqrt([err2]))
+      norms.append(np.sqrt([norm2]))
+  return np.concatenate(errors), np.concatenate(norms)
+
+
+def _assert_close(got, want, bound, what, per_slice=True, mutation=False):
+  """The relative error of each token row / expert (`per_slice`) or of each shard within
+  `bound`; a slice whose reference is zero must be zero. With `mutation`, also that the same
+  check fails for `got * 1.01` (the bound is tight enough to see a 1 % change)."""
+  assert got.shape == want.shape, f"{what}: shape {got.shape} != {want.shape}"
+  try:
+    errors, norms = _relative_errors(got, want, per_slice)
+  except AssertionError as e:
+    raise AssertionError(f"{what}: {e}") from None
+  assert norms.max() > 0, f"{what}: the dense reference is all zero"
+  ratio = errors / np.maximum(norms, 1e-30)
+  worst = int(np.argmax(ratio))
+  assert (errors <= bound * norms).all(), (
+      f"{what}: relative error {ratio[worst]:.3e} at slice {worst} > {bound:g} "
+      f"({int((errors > bound * norms).sum())} of {len(errors)} slices; median "
+      f"{np.median(ratio):.3e})")
+  if mutation:
+    m_errors, m_norms = _relative_errors(got, want, per_slice, scale=1.01)
+    assert not (m_errors <= bound * m_norms).all(), (
+        f"{what}: the bound {bound:g} does not see the output scaled by 1.01")
+
+
+def _dense(params, x, cot, topk_idx):
+  """The dense model on this process's device, computing in bf16 like the layer, given the
+  experts the layer's router chose (`topk_idx`, all tokens): its weights are the dense
+  router's softmax scores at them, renormalised (the layer's `Routing()`), so the router's
+  value and gradient are checked, and a token whose top-k differs by a rounding of its logits
+  (a near-tie) compares like the others. Returns the output and the gradients (params, x)."""
+  topk_idx = jnp.asarray(topk_idx)
+
+  def loss(params, x):
+    logits = x.astype(jnp.float32) @ params.router.astype(jnp.float32)
+    weights = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), topk_idx, axis=-1)
+    weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
+    out = dense_moe(params, x, topk_idx, weights, dtype=jnp.bfloat16)
+    return jnp.sum(out.astype(jnp.float32) * cot), out
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
+  return out, grads
+
+
+_GATHERS = itertools.count()
+
+
+def _gathered(array):
+  """A small global array (the routing) whole on the host, its shards from every process
+  through the job's key-value store (processes sharing one GPU cannot run XLA collectives)."""
+  if array.is_fully_addressable:
+    return np.asarray(array)
+  from jax_ep.launch import _distributed
+  mine = [(shard.index[0].start or 0, np.asarray(shard.data).tolist())
+          for shard in array.addressable_shards]
+  values = _distributed.gather_values(f"test_layer/{next(_GATHERS)}", json.dumps(mine),
+                                      process_ids=range(jax.process_count()))
+  whole = np.zeros(array.shape, array.dtype)
+  for value in values:
+    for start, rows in json.loads(value):
+      whole[start:start + len(rows)] = np.asarray(rows, array.dtype)
+  return whole
+
+
+def _assert_grouped_gemm_kernels(fn, args, calls):
+  """The experts' products ran jax_ep's Mosaic GPU grouped GEMM: `calls` kernel calls and no
+  `lax.ragged_dot` in the traced program (its fallback)."""
+  mosaic, ragged = grouped_matmul_kernels(fn, *args)
+  assert (mosaic, ragged) == (calls, 0), (
+      f"expected {calls} Mosaic GPU grouped GEMM calls and no lax.ragged_dot, traced {mosaic} "
+      f"kernel calls and {ragged} ragged_dot products")
+
+
+def _check_layer(result, d_params, d_x, want, what=""):
+  """The layer's output, input gradient and every parameter's gradient against the dense
+  model's (`want`: output, (params, x) gradients): per token row, per expert, per shard."""
+  want_out, (want_params, want_x) = want
+  if result is not None:
+    assert not any(int(s.data.sum()) for s in result.num_dropped.addressable_shards)
+    _assert_close(result.out, want_out, OUT_BOUND, f"{what}out", mutation=True)
+  _assert_close(d_x, want_x, GRAD_BOUND, f"{what}grad x")
+  for field in ("router", "w_gate", "w_up", "w_down"):
+    got = getattr(d_params, field)
+    if got is None:
+      continue
+    want_field = getattr(want_params, field)
+    assert got.dtype == want_field.dtype, f"grad {field}: {got.dtype} != {want_field.dtype}"
+    # The router's gradient as a whole (per shard); the experts' one expert at a time.
+    _assert_close(got, want_field, GRAD_BOUND, f"{what}grad {field}",
+                  per_slice=field != "router")
+
+
+def _nnx_grads(model, x, cot):
+  """The gradients of `sum(model(x) * cot)` with respect to the module and `x`, in one compiled
+  step, and the experts the module's router chose (`topk_idx`)."""
+  nnx = pytest.importorskip("flax.nnx")
+
+  @nnx.jit
+  def step(model, x, cot):
+    def loss(model, x):
+      result = model(x, return_output=True)
+      return jnp.sum(result.out.astype(jnp.float32) * cot), result.topk_idx
+    return nnx.grad(loss, argnums=(0, 1), has_aux=True)(model, x)
+  (d_model, d_x), topk_idx = step(model, x, cot)
+  return d_model, d_x, topk_idx
+
+
+@pytest.mark.gpu
+class TestModelShapes:
+  """The layer and the NNX module train at the expert shapes of real models against the dense
+  model on the cuda backend (GPU only: the CPU has no counterpart of these sizes)."""
+
+  @pytest.mark.parametrize("name", list(SHAPES))
+  def test_moe_mlp_trains_at_model_shapes(self, name):
+    self._train_at_model_shape(name)
+
+  @pytest.mark.parametrize("name", ["qwen3_30b_a3b", "e32"])
+  @pytest.mark.parametrize("expert_alignment", [64, 128])
+  def test_moe_mlp_trains_with_expert_alignment(self, name, expert_alignment):
+    """As above on a group whose experts' rows start at multiples of a row tile: the grouped
+    GEMM's kernels take the dispatch's group_offsets (padding between the experts' rows)."""
+    self._train_at_model_shape(name, expert_alignment)
+
+  @staticmethod
+  def _train_at_model_shape(name, expert_alignment=1):
+    mesh, num_ranks = _mesh()
+    e, h, f, k = _shape(name, num_ranks)
+    params, x, cot = _model_inputs(e, h, f, num_ranks * TOKENS)
+    with jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h,
+                      max_tokens_per_rank=TOKENS, dtype=jnp.bfloat16,
+                      expert_alignment=expert_alignment) as group:
+      assert group.backend_name == "cuda", group.backend_reason
+      g_params = MoEParams(*(None if p is None else _global(mesh, p, s) for p, s in
+                             zip(params, jax_ep.layer.param_specs("ep", params))))
+      g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
+
+      def loss(params, x, cot):
+        result = jax_ep.moe_mlp(group, params, x)
+        return jnp.sum(result.out.astype(jnp.float32) * cot), result
+      step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+      # gate, up and down forward, and each product's input and weight gradients.
+      _assert_grouped_gemm_kernels(step, (g_params, g_x, g_cot), 9)
+      (_, result), (d_params, d_x) = step(g_params, g_x, g_cot)
+      jax.block_until_ready(d_x)
+      group.check()
+    del g_params
+    want = _dense(params, x, cot, _gathered(result.topk_idx))
+    del params
+    _check_layer(result, d_params, d_x, want)
+
+  @pytest.mark.parametrize("name", list(SHAPES))
+  def test_nnx_module_trains_at_model_shapes(self, name):
+    """The NNX module's training step, its weights stored in float32 and computed in bf16 (the
+    group's dtype), as Flax layers do; DeepSeek-V3's stored in bf16 (float32 weights, their
+    gradients and the dense twin's would not fit one GPU)."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jax_ep.nnx import MoE
+    mesh, num_ranks = _mesh()
+    e, h, f, k = _shape(name, num_ranks)
+    param_dtype = jnp.bfloat16 if name == "deepseek_v3" else jnp.float32
+    # The module draws its weights from rngs.params() exactly so; every process draws the same.
+    params, x, cot = _model_inputs(e, h, f, num_ranks * TOKENS, seed=1, param_dtype=param_dtype,
+                             key=nnx.Rngs(0).params())
+    with jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h,
+                      max_tokens_per_rank=TOKENS, dtype=jnp.bfloat16) as group:
+      model = MoE(group, ffn=f, rngs=nnx.Rngs(0), param_dtype=param_dtype)
+      _assert_close(model.w_gate[...], params.w_gate, 0.0, "the module's weights")
+      g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
+      d_model, d_x, topk_idx = _nnx_grads(model, g_x, g_cot)
+      jax.block_until_ready(d_x)
+      group.check()
+    want = _dense(params, x, cot, _gathered(topk_idx))
+    del params
+    d_params = MoEParams(*[None] * len(MoEParams._fields))._replace(
+        w_gate=d_model.w_gate[...], w_down=d_model.w_down[...])
+    for field in ("w_gate", "w_down"):
+      assert getattr(d_params, field).dtype == param_dtype, f"grad {field}"
+    _check_layer(None, d_params, d_x, want, "nnx: ")
+
+  def test_nnx_module_trains_and_decodes_on_one_set_of_weights(self):
+    """One `jax_ep.nnx.MoE` for training and decode: a training step (dispatch, the grouped GEMM,
+    combine) and a decode call (`mode="low_latency"` on its decode group: the low-latency kernels
+    and the slab experts) on the same weights, each against the dense model."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jax_ep.nnx import MoE
+    mesh, num_ranks = _mesh()
+    e, h, f, k = SHAPES["e32"]
+    decode_tokens = 8  # per rank
+    params, x, cot = _model_inputs(e, h, f, num_ranks * TOKENS, seed=3, param_dtype=jnp.float32,
+                             key=nnx.Rngs(0).params())
+    x_decode = x[:num_ranks * decode_tokens]
+    options = dict(num_experts=e, num_topk=k, hidden=h, dtype=jnp.bfloat16)
+    with jax_ep.Group(mesh, "ep", max_tokens_per_rank=TOKENS, **options) as group, \
+         jax_ep.Group(mesh, "ep", max_tokens_per_rank=decode_tokens, low_latency=True,
+                      **options) as decode_group:
+      assert decode_group.backend_name == "cuda", decode_group.backend_reason
+      model = MoE(group, ffn=f, rngs=nnx.Rngs(0), decode_group=decode_group)
+      g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
+      d_model, d_x, topk_idx = _nnx_grads(model, g_x, g_cot)
+      decoded = nnx.jit(lambda m, x: m(x, mode="low_latency", return_output=True))(
+          model, _global(mesh, x_decode, P("ep")))
+      jax.block_until_ready((d_x, decoded.out))
+      group.check()
+      decode_group.check()
+    want = _dense(params, x, cot, _gathered(topk_idx))
+    want_decode, _ = _dense(params, x_decode, jnp.zeros(x_decode.shape, jnp.float32),
+                            _gathered(decoded.topk_idx))
+    del params
+    d_params = MoEParams(*[None] * len(MoEParams._fields))._replace(w_gate=d_model.w_gate[...])
+    _check_layer(None, d_params, d_x, want, "train: ")
+    _assert_close(decoded.out, want_decode, OUT_BOUND, "decoded out", mutation=True)
+
+  def test_moe_mlp_low_latency_trains_at_a_model_shape(self):
+    """The decode layer (`mode="low_latency"`: the low-latency pair, the experts on its slabs
+    through the Pallas slab kernels) forward and backward inside shard_map."""
+    mesh, num_ranks = _mesh()
+    e, h, f, k = SHAPES["e32"]
+    tokens = 128
+    params, x, cot = _model_inputs(e, h, f, num_ranks * tokens, seed=2)
+    with jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h,
+                      max_tokens_per_rank=tokens, dtype=jnp.bfloat16, low_latency=True) as group:
+      g_params = MoEParams(*(None if p is None else _global(mesh, p, s) for p, s in
+                             zip(params, jax_ep.layer.param_specs("ep", params))))
+      g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
+
+      def loss(params, x, cot):
+        result = jax_ep.moe_mlp(group, params, x, mode="low_latency")
+        return jnp.sum(result.out.astype(jnp.float32) * cot), result
+      (_, result), (d_params, d_x) = jax.jit(
+          jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(g_params, g_x, g_cot)
+      jax.block_until_ready(d_x)
+      group.check()
+    want = _dense(params, x, cot, _gathered(result.topk_idx))
+    _check_layer(result, d_params, d_x, want, "low latency: ")
 
 
 # ---------------------------------------------------------------------- main job

@@ -1,12 +1,12 @@
-"""The shared suite on the reference backend (CPU: 8 host devices)."""
+"""The shared suites on the reference backend (CPU: 8 host devices)."""
 
-from ep_test_base import EPTestBase
+from ep_test_base import REFERENCE, EPTestBase
 from low_latency_test_base import LowLatencyTestBase
 
 
 class TestReference(EPTestBase):
-  backend = "reference"
+  target = REFERENCE
 
 
 class TestReferenceLowLatency(LowLatencyTestBase):
-  backend = "reference"
+  target = REFERENCE

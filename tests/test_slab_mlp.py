@@ -1,8 +1,12 @@
 """The experts on the low-latency slabs (jax_ep/kernels/slab_mlp.py, `jax_ep.expert_mlp_slabs`).
 
-Oracle: the dense formulation (padding rows masked, batched matmuls over whole slabs). On the
-CPU the kernels run in Pallas's interpreter; on a GPU (marked `gpu`) compiled, where `auto`
-takes them.
+Oracle: the dense formulation (padding rows masked, batched matmuls over whole slabs). The tests
+that take `impl` run the kernels in Pallas's interpreter and, on a GPU (marked `gpu`: skipped on
+the CPU, a failure under JAX_EP_REQUIRE_GPU=1 where there is no GPU), compiled; the compiled
+results are held to the bounds of a compiled kernel (`TOLERANCE`). The layer's way of calling
+them, inside `shard_map` under `grad`, `vmap` and `jax.checkpoint`: compiled on a GPU, traced
+on the CPU (a Pallas call's result must be given its varying axes there, which the trace checks
+as the GPU's does).
 """
 
 import json
@@ -14,12 +18,26 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ep
-from ep_test_base import require_gpu
+from ep_test_base import rank_mesh, require_gpu
 from jax_ep.kernels import slab_mlp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Per implementation, `(rtol, atol relative to the output's scale)` against the dense
+# formulation. The interpreter adds the hidden dimension in tiles of 64 as the kernels do: an
+# element may round one ulp apart. Compiled, the products' own order of fp32 sums too.
+TOLERANCE = {"interpret": (2**-6, 1e-3), "pallas": (0.02, 0.02)}
+
+
+@pytest.fixture(params=["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def impl(request):
+  """The kernels in Pallas's interpreter, or compiled (on a GPU)."""
+  if request.param == "pallas":
+    require_gpu()
+  return request.param
 
 
 def _slabs(rng, num_local, slab, hidden, ffn, counts, dtype=jnp.bfloat16):
@@ -39,32 +57,35 @@ def _check_rows(out, want, counts, rtol=0.0, atol=0.0):
                                err_msg=f"expert {l}")
 
 
+def _check_close(out, want, counts, impl):
+  rtol, atol = TOLERANCE[impl]
+  scale = float(np.abs(np.asarray(want, np.float32)).max())
+  _check_rows(out, want, counts, rtol=rtol, atol=atol * scale)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_kernels_match_the_dense_formulation(dtype):
+def test_kernels_match_the_dense_formulation(dtype, impl):
   """Empty, partial, one-tile and full slabs; rows past count inside a computed tile are
   zero."""
   counts = [5, 0, 32, 16, 17]
   args = _slabs(np.random.default_rng(0), 5, 32, 128, 256, counts, dtype)
   want = slab_mlp.dense_mlp(*args)
-  out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a, impl="interpret"))(*args)
-  # The kernels add the hidden dimension in tiles of 64: an element may round one ulp apart.
-  scale = float(np.abs(np.asarray(want, np.float32)).max())
-  _check_rows(out, want, counts, rtol=2**-6, atol=1e-3 * scale)
+  out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a, impl=impl))(*args)
+  _check_close(out, want, counts, impl)
   assert not np.any(np.asarray(out[0, 5:16], np.float32)), "rows past count in a tile"
 
 
 @pytest.mark.parametrize("tiles", [slab_mlp.Tiles(32, 128, 64, 4, 3),
                                    slab_mlp.Tiles(64, 256, 64, 8, 3)])
-def test_every_tile_setting_of_the_rule_matches(tiles, monkeypatch):
-  """The larger tiles the rule takes for larger slabs, in the interpreter: a tile holds several
-  experts' worth of rows only up to its count, columns past one tile of 128."""
+def test_every_tile_setting_of_the_rule_matches(tiles, impl, monkeypatch):
+  """The larger tiles the rule takes for larger slabs: a tile holds several experts' worth of
+  rows only up to its count, columns past one tile of 128."""
   monkeypatch.setattr(slab_mlp, "TILES_OVERRIDE", tiles)
   counts = [0, 1, 63, 64, 100, 128]
   args = _slabs(np.random.default_rng(5), 6, 128, 256, 512, counts)
   want = slab_mlp.dense_mlp(*args)
-  out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a, impl="interpret"))(*args)
-  scale = float(np.abs(np.asarray(want, np.float32)).max())
-  _check_rows(out, want, counts, rtol=2**-6, atol=1e-3 * scale)
+  out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a, impl=impl))(*args)
+  _check_close(out, want, counts, impl)
 
 
 def test_the_tile_rule_follows_the_slab_size():
@@ -76,7 +97,10 @@ def test_the_tile_rule_follows_the_slab_size():
   assert slab_mlp.tiles_for(24, 7168, 2048) is None
 
 
-def test_gradients_are_the_dense_formulations():
+def test_gradients_are_the_dense_formulations(impl):
+  """The backward is the dense formulation's: exactly so in the interpreter (one program on
+  the CPU); compiled, to the order of XLA's fp32 sums in two programs (the bound of the
+  compiled check inside shard_map below)."""
   counts = [3, 16, 0]
   rows, wg, wu, wd, count = _slabs(np.random.default_rng(1), 3, 16, 128, 128, counts)
   used = jnp.arange(16)[None, :, None] < count[:, None, None]
@@ -86,19 +110,21 @@ def test_gradients_are_the_dense_formulations():
       y = jax_ep.expert_mlp_slabs(r, g, u, d, count, impl=impl).astype(jnp.float32)
       return jnp.sum(jnp.where(used, y, 0.0) * 0.1)
     return jax.grad(f, argnums=(0, 1, 2, 3))(rows, wg, wu, wd)
-  for got, want in zip(loss("interpret"), loss("dense")):
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  for got, want in zip(loss(impl), loss("dense")):
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    if impl == "interpret":
+      np.testing.assert_array_equal(got, want)
+    else:
+      assert float(np.abs(got - want).max()) <= 2e-2 * (float(np.abs(want).max()) + 1e-6)
 
 
-def test_vmap_over_a_leading_axis():
+def test_vmap_over_a_leading_axis(impl):
   counts = [[4, 16], [0, 9]]
   batch = [_slabs(np.random.default_rng(2 + b), 2, 16, 128, 128, counts[b]) for b in range(2)]
   stacked = [jnp.stack(parts) for parts in zip(*batch)]
-  out = jax.vmap(lambda *a: jax_ep.expert_mlp_slabs(*a, impl="interpret"))(*stacked)
+  out = jax.vmap(lambda *a: jax_ep.expert_mlp_slabs(*a, impl=impl))(*stacked)
   for b in range(2):
-    want = slab_mlp.dense_mlp(*batch[b])
-    scale = float(np.abs(np.asarray(want, np.float32)).max())
-    _check_rows(out[b], want, counts[b], rtol=2**-6, atol=1e-3 * scale)
+    _check_close(out[b], slab_mlp.dense_mlp(*batch[b]), counts[b], impl)
 
 
 def test_implementation_choice_and_its_errors():
@@ -148,3 +174,77 @@ def test_compiled_kernels_on_the_gpu():
     out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a))(*args)
     scale = float(np.abs(np.asarray(want, np.float32)).max())
     _check_rows(out, want, counts, rtol=0.02, atol=0.02 * scale)
+
+
+# ---------------------------------------------------------------------- inside shard_map
+L, S, H, F = 4, 128, 256, 128  # per rank: experts, slab rows, hidden, ffn
+
+
+def _operands(num_ranks, seed=0):
+  rng = np.random.default_rng(seed)
+  rows = jnp.asarray(rng.standard_normal((num_ranks * L, S, H)), jnp.bfloat16)
+  w_gate, w_up = (jnp.asarray(rng.standard_normal((num_ranks * L, H, F)) * H ** -0.5,
+                              jnp.bfloat16) for _ in range(2))
+  w_down = jnp.asarray(rng.standard_normal((num_ranks * L, F, H)) * F ** -0.5, jnp.bfloat16)
+  count = np.asarray(rng.integers(0, S, num_ranks * L), np.int32)
+  count[0], count[-1] = 0, S  # an expert with no row, one with a full slab
+  return rows, w_gate, w_up, w_down, jnp.asarray(count)
+
+
+def _body(impl, wrap):
+  """Per rank: the output's rows below count (zeros past them) and the gradient of their sum
+  w.r.t. the rows and the three weights."""
+  def loss(rows, w_gate, w_up, w_down, count):
+    out = slab_mlp.slab_mlp(rows, w_gate, w_up, w_down, count, impl=impl)
+    used = jnp.arange(S)[None, :, None] < count[:, None, None]
+    out = jnp.where(used, out.astype(jnp.float32), 0.0)
+    return jnp.sum(out * jnp.cos(jnp.arange(H, dtype=jnp.float32))), out
+  if wrap == "checkpoint":
+    loss = jax.checkpoint(loss)
+  grad = jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True)
+
+  def body(rows, w_gate, w_up, w_down, count):
+    if wrap == "vmap":  # two micro-batches of slabs, one set of experts
+      grads, out = jax.vmap(grad, in_axes=(0, None, None, None, 0))(
+          jnp.stack([rows, rows[:, ::-1]]), w_gate, w_up, w_down, jnp.stack([count, count // 2]))
+      return grads[0][0], jnp.sum(grads[1], 0), jnp.sum(grads[2], 0), jnp.sum(grads[3], 0), \
+          out[1]
+    grads, out = grad(rows, w_gate, w_up, w_down, count)
+    return (*grads, out)
+  return body
+
+
+def _mapped(mesh, impl, wrap):
+  return jax.jit(jax.shard_map(_body(impl, wrap), mesh=mesh, in_specs=P("ep"),
+                               out_specs=P("ep")))
+
+
+def _put(mesh, *arrays):
+  return [jax.device_put(a, NamedSharding(mesh, P("ep"))) for a in arrays]
+
+
+@pytest.mark.parametrize("wrap", ["plain", "checkpoint", "vmap"])
+def test_kernels_trace_inside_shard_map(wrap):
+  mesh = rank_mesh(2)
+  args = _put(mesh, *_operands(2))
+  out_avals = _mapped(mesh, "pallas", wrap).trace(*args).jaxpr.out_avals
+  assert [a.shape for a in out_avals] == [(2 * L, S, H), (2 * L, H, F), (2 * L, H, F),
+                                          (2 * L, F, H), (2 * L, S, H)]
+
+
+# GPU only: Pallas's interpreter refuses to run inside shard_map (its dynamic slices mix
+# varying and unvarying operands); on the CPU the trace above is what can be checked.
+@pytest.mark.gpu
+@pytest.mark.parametrize("wrap", ["plain", "checkpoint", "vmap"])
+def test_compiled_kernels_inside_shard_map_under_grad(wrap):
+  require_gpu()
+  mesh = rank_mesh(1)
+  args = _put(mesh, *_operands(1, seed=5))
+  assert slab_mlp.resolve_impl("auto", (L, S, H), F, jnp.bfloat16) == "pallas"
+  got = _mapped(mesh, "auto", wrap)(*args)
+  want = _mapped(mesh, "dense", wrap)(*args)
+  for name, g, w in zip(("d rows", "d w_gate", "d w_up", "d w_down", "out"), got, want):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    assert np.isfinite(g).all(), name
+    scale = float(np.abs(w).max()) + 1e-6
+    assert float(np.abs(g - w).max()) <= 2e-2 * scale, name

@@ -1,4 +1,5 @@
-"""The test base's own helpers: the elementwise closeness check and the bf16-wire error bound."""
+"""The test base's own helpers: the elementwise closeness check, the bf16-wire error bound and
+the groups a `Target` makes."""
 
 import types
 
@@ -52,3 +53,27 @@ def test_bf16_partials_stay_within_the_rounding_bound():
 
   fp32 = types.SimpleNamespace(combine_partial_dtype=np.dtype(np.float32))
   assert partial_rounding_bound(fp32, eo, expected, w) == 0.0
+
+
+def test_a_target_group_takes_the_targets_arguments_and_checks_its_refusals():
+  """`make_target_group`: the target's group options under the test's, a skip at a rank count
+  the target does not run, its `require` before the group, and an option the target refuses:
+  the error it must raise checked (the test fails where the group takes the option), then a
+  skip."""
+  import dataclasses
+  from ep_test_base import REFERENCE, make_target_group
+  shape = dict(num_experts=8, num_topk=2, hidden=64, max_tokens=4)
+  group = make_target_group(dataclasses.replace(REFERENCE, group_options={"capacity": 40}), 2,
+                            **shape, expert_alignment=4)
+  assert (group.capacity, group.expert_alignment, group.backend_name) == (40, 4, "reference")
+  group.close()
+  with pytest.raises(pytest.skip.Exception, match="does not run at R=4"):
+    make_target_group(dataclasses.replace(REFERENCE, rank_counts=(2,)), 4, **shape)
+  calls = []
+  make_target_group(dataclasses.replace(REFERENCE, require=lambda: calls.append(1)), 2, **shape)
+  assert calls == [1]
+  refuses = dataclasses.replace(REFERENCE, expert_alignment_refused="must be an int in")
+  with pytest.raises(pytest.skip.Exception, match="expert_alignment=131072 is refused"):
+    make_target_group(refuses, 2, **shape, expert_alignment=1 << 17)  # past the largest one
+  with pytest.raises(pytest.fail.Exception, match="DID NOT RAISE"):
+    make_target_group(refuses, 2, **shape, expert_alignment=4)  # taken: the target is wrong
