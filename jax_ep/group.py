@@ -18,7 +18,7 @@ import numpy as np
 from jax_ep import _status
 from jax_ep._native import effects
 from jax_ep.backends import registry
-from jax_ep.backends.intranode import IntranodeTransport
+from jax_ep.backends.transport import Transport
 from jax_ep.config import RowFormat, positive_int
 from jax_ep.launch import _distributed
 # Re-exported: `from jax_ep.group import memory_bytes, MemoryEstimate` is how code imports them.
@@ -43,10 +43,10 @@ def _positive_seconds(name: str, value) -> float:
   return value
 
 
-# Intranode transports of groups not yet closed: the exit hook of jax_ep/_native/effects.py
+# Transports of groups not yet closed: the exit hook of jax_ep/_native/effects.py
 # settles JAX's effect tokens when one of them recorded a timeout (strong references: a dropped
 # group's native buffers and error record live on until exit anyway).
-_OPEN_TRANSPORTS: dict[int, IntranodeTransport] = {}
+_OPEN_TRANSPORTS: dict[int, Transport] = {}
 effects.add_failure_source(
     lambda: any(t.error() for t in list(_OPEN_TRANSPORTS.values())))
 
@@ -91,7 +91,7 @@ class Group:
       backend's network transport (`virtual_hosts`, several hosts).
     backend: 'auto' (default): cuda wherever it can run this group (CUDA GPUs with the
       extension built, a configuration inside the kernels' limits, one rank or a process model
-      the intranode transport runs: one process per device, or one process for all of them), else
+      the peer transport runs: one process per device, or one process for all of them), else
       the reference; the choice and its reason go to the `jax_ep` logger once and stay in
       `backend_name` / `backend_reason`. 'reference' or 'cuda' force one ('cuda' raises a
       `ValueError` saying why where it cannot run).

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep.backends import cuda_ops, intranode, reference
+from jax_ep.backends import cuda_ops, reference, transport
 from jax_ep.config import (EPConfig, RowFormat, alignment_padding, as_row_format, check_dtype,
                             check_expert_alignment, default_capacity, positive_int)
 from jax_ep.gmm import ROW_TILE
@@ -317,9 +317,9 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   comm_buffers = ll_buffers = 0
   if backend == "cuda":
     workspace = cuda_ops.layout_workspace_bytes(config) if num_ranks == 1 else 0
-    comm_buffers = intranode.buffer_bytes(config, low_latency, network, num_hosts)
+    comm_buffers = transport.buffer_bytes(config, low_latency, network, num_hosts)
     if low_latency:
-      ll_buffers = comm_buffers - intranode.buffer_bytes(
+      ll_buffers = comm_buffers - transport.buffer_bytes(
           config, False, network and num_hosts >= 2, num_hosts)
       if num_ranks == 1:  # the one-rank group's buffer exists for the low-latency pair alone
         ll_buffers = comm_buffers

@@ -14,14 +14,14 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import _status
-from jax_ep.backends import intranode, registry as group_module
+from jax_ep.backends import registry as group_module, transport
 from jax_ep._native import ffi as _ffi
 from jax_ep.config import EPConfig
 from jax_ep._native.limits import KernelLimits, cuda_violation
 from ep_test_base import count_primitive, rank_mesh
 
 LIMITS = KernelLimits(max_experts=1024, max_topk=32, max_slots=1 << 30, hidden_multiple=8,
-                      max_capacity=2**31 - 1, max_intranode_ranks=64, max_num_sms=1024)
+                      max_capacity=2**31 - 1, max_ranks=64, max_num_sms=1024)
 
 
 def _config(num_ranks=2, num_experts=16, num_topk=4, hidden=128, max_tokens=32, capacity=None):
@@ -67,7 +67,7 @@ def test_cuda_runs_every_process_model_of_the_transport(processes, me):
     (_FakeMesh([0, 0, 1, 1]), _config(num_ranks=4),
      "process 0 holds 2 of the group's 4 devices"),
     (_FakeMesh([0, 1, 2, 3], shape=(2, 2)), _config(),
-     "the intranode transport takes a 1-D mesh over the EP axis"),
+     "the peer transport takes a 1-D mesh over the EP axis"),
     (_FakeMesh([0, 1]), _config(hidden=100), "hidden=100 is not a multiple of 8"),
     (_FakeMesh([0]), _config(num_ranks=1, num_topk=40, num_experts=64),
      "num_topk=40 is above the kernels' limit of 32"),
@@ -143,7 +143,7 @@ def test_cuda_refuses_a_hidden_size_the_kernels_cannot_take(monkeypatch):
 # ------------------------------------------------------------------------- run-time failures
 
 class _FakeTransport:
-  """Stands in for `intranode.IntranodeTransport`: an error record the test fills in."""
+  """Stands in for `transport.Transport`: an error record the test fills in."""
   group_ids = [1]
   primary_id = 1
   receives_while_sending = False
@@ -166,7 +166,7 @@ class _FakeTransport:
 
 @pytest.fixture
 def intranode_group(monkeypatch):
-  """A two-rank group wired to a fake intranode transport (the cuda backend's Python side)."""
+  """A two-rank group wired to a fake peer transport (the cuda backend's Python side)."""
   if jax.process_count() > 1:
     pytest.skip("single-process fake")
   transports = []
@@ -175,7 +175,7 @@ def intranode_group(monkeypatch):
     transports.append(_FakeTransport())
     return transports[-1]
   monkeypatch.setattr(group_module, "cuda_support", lambda *a, **k: None)
-  monkeypatch.setattr(intranode, "create", create)
+  monkeypatch.setattr(transport, "create_peer", create)
   monkeypatch.setattr(_status.WATCHDOG, "interval_s", 0.01)
 
   def make(**kwargs):
@@ -186,7 +186,7 @@ def intranode_group(monkeypatch):
 
 
 TIMEOUT = ("jax_ep.dispatch: rank 0 timed out after 2.0 s waiting for rank 1 (call 3): rank 1's "
-           "dispatch data did not arrive. The intranode group is unusable; recreate it.")
+           "dispatch data did not arrive. The group is unusable; recreate it.")
 
 
 def _wait_for(predicate, timeout_s=5.0):

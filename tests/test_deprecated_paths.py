@@ -11,7 +11,7 @@ import pytest
 MOVED = {
     "jax_ep.limits": "jax_ep._native.limits",
     "jax_ep.cuda_ops": "jax_ep.backends.cuda_ops",
-    "jax_ep.intranode": "jax_ep.backends.intranode",
+    "jax_ep.intranode": "jax_ep.backends.transport",
     "jax_ep.hierarchical": "jax_ep.backends.hierarchical",
     "jax_ep.nvshmem": "jax_ep.backends.nvshmem",
     "jax_ep.topology": "jax_ep.backends.topology",

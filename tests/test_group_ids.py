@@ -37,7 +37,7 @@ def _config(capacity=16, dtype=jnp.bfloat16):
 
 class _FakeExtension:
   @staticmethod
-  def intranode_dispatch_workspace_elems(*_):
+  def peer_dispatch_workspace_elems(*_):
     return 16
 
 
@@ -48,7 +48,7 @@ def _group_ops(config, group_id):
   slab = config.low_latency_slab
   i32, f32, dt = jnp.int32, jnp.float32, config.dtype
   x, idx, w = jnp.zeros((t, h), dt), jnp.zeros((t, k), i32), jnp.zeros((t, k), f32)
-  layout = cuda_ops.IntranodeLayout(jnp.zeros((t, r), i32), jnp.zeros((n, k), i32),
+  layout = cuda_ops.PeerLayout(jnp.zeros((t, r), i32), jnp.zeros((n, k), i32),
                                     jnp.zeros((n, k), f32), jnp.zeros((r,), i32),
                                     jnp.zeros((local,), i32), idx)
   eo = jnp.zeros((config.capacity, h), dt)
@@ -57,13 +57,13 @@ def _group_ops(config, group_id):
   slabs = jnp.zeros((local, slab, h), dt)
   sent = jnp.zeros((), i32)
   return [
-      ("intranode_dispatch", lambda: cuda_ops.intranode_dispatch(config, group_id, x, idx, w)),
-      ("intranode_dispatch_cached",
-       lambda: cuda_ops.intranode_dispatch_cached(config, group_id, x, layout, True)),
-      ("intranode_combine", lambda: cuda_ops.intranode_combine(config, group_id, eo, layout,
+      ("peer_dispatch", lambda: cuda_ops.peer_dispatch(config, group_id, x, idx, w)),
+      ("peer_dispatch_cached",
+       lambda: cuda_ops.peer_dispatch_cached(config, group_id, x, layout, True)),
+      ("peer_combine", lambda: cuda_ops.peer_combine(config, group_id, eo, layout,
                                                                True)),
-      ("intranode_combine_vjp",
-       lambda: cuda_ops.intranode_combine_vjp(config, group_id, x, eo, layout)),
+      ("peer_combine_vjp",
+       lambda: cuda_ops.peer_combine_vjp(config, group_id, x, eo, layout)),
       ("rail_exchange", lambda: cuda_ops.rail_exchange(
           config, group_id, 2, (x,), jnp.zeros((2, config.max_tokens_per_rank), i32),
           jnp.zeros((2,), i32), jnp.zeros((2,), i32))),
@@ -100,7 +100,7 @@ def _group_attributes(text):
 
 def test_the_config_fields_are_the_handlers():
   """`GROUP_CONFIG_FIELDS` lists the fields in the order the handlers read them."""
-  with open(os.path.join(REPO, "ffi", "handlers", "intranode_common.h")) as f:
+  with open(os.path.join(REPO, "ffi", "handlers", "group_common.h")) as f:
     source = f.read()
   table = re.search(r"kGroupConfigFields\[\] = \{(.*?)\};", source, re.S).group(1)
   assert tuple(re.findall(r'"(\w+)"', table)) == cuda_ops.GROUP_CONFIG_FIELDS
@@ -201,7 +201,7 @@ def test_cached_programs_run_on_this_process_groups(tmp_path, mode):
   other, log = _run_worker("other", "cuda", mode, tmp_path)
   error = other["exported"]["error"] or ""
   assert not other["exported"]["ok"], log
-  assert re.search(r"the program was built for intranode group \d+ with capacity = \d+, but "
+  assert re.search(r"the program was built for native group \d+ with capacity = \d+, but "
                    r"group \d+ of this process has capacity = \d+", error), log
 
 
@@ -223,7 +223,7 @@ def test_a_program_built_for_another_configuration_is_refused(monkeypatch):
 
     other = dataclasses.replace(config, capacity=config.capacity + 16)
     with pytest.raises(Exception, match=(
-        f"the program was built for intranode group {gid} with capacity = {other.capacity}, "
+        f"the program was built for native group {gid} with capacity = {other.capacity}, "
         f"but group {gid} of this process has capacity = {config.capacity}")):
       jax.block_until_ready(count(other))
     effects.settle()

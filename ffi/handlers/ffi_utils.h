@@ -4,7 +4,7 @@
 // turn a failed CUDA call into an `ffi::Error` (nothing is ever thrown across
 // the FFI boundary), shape checks whose messages name the operand, its shape
 // and what was expected, and the prologue of the local ops' handlers
-// (CheckLeadingOperand; the group ops': intranode_common.h).
+// (CheckLeadingOperand; the group ops': group_common.h).
 //
 // Shape convention of every jax_ep op: operands and results may carry the
 // same extra LEADING batch dims `B...` (added by `vmap` with

@@ -24,7 +24,7 @@
 //   (or `[T, K, H]` with gather), status `[]`. attrs: group_id, num_experts,
 //   gather.
 // Every op also takes group_config, the configuration of the group the
-// program was built for (intranode_common.h, GroupRef).
+// program was built for (group_common.h, GroupRef).
 // jax_ep_low_latency_dispatch / jax_ep_low_latency_combine: the pair fused in
 // one custom call (the operands of the send, the results of both). At one
 // rank the fused ops use no transport: the dispatch writes its results
@@ -40,8 +40,8 @@
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/intranode_common.h"
-#include "ffi/handlers/intranode_group.h"
+#include "ffi/handlers/group_common.h"
+#include "ffi/runtime/group.h"
 #include "ffi/kernels/low_latency_kernels.h"
 #include "ffi/kernels/network.h"
 #include "xla/ffi/api/ffi.h"
@@ -50,7 +50,7 @@ namespace jax_ep {
 namespace {
 
 namespace ffi = ::xla::ffi;
-using intranode_ffi::CheckShape;
+using group_ffi::CheckShape;
 using low_latency::RowFormat;
 
 constexpr char kDispatchSend[] = "jax_ep_low_latency_dispatch_send";
@@ -76,13 +76,13 @@ void CountCall(cudaStream_t stream) {
 
 // The group, which must have been created with the low-latency buffers.
 ffi::Error GetLowLatencyGroup(
-    const char* op, const intranode_ffi::GroupRef& ref,
-    std::shared_ptr<const intranode_group::Group>* group) {
+    const char* op, const group_ffi::GroupRef& ref,
+    std::shared_ptr<const runtime::Group>* group) {
   JAX_EP_FFI_RETURN_IF_ERROR(
-      intranode_ffi::GetGroup(op, ref, group, /*network_ok=*/true));
+      group_ffi::GetGroup(op, ref, group, /*network_ok=*/true));
   if (!(*group)->config.low_latency) {
     return ffi_utils::InvalidArgument(
-        op, "intranode group " + std::to_string(ref.id) +
+        op, "native group " + std::to_string(ref.id) +
                 " has no low-latency buffers (create the jax_ep.Group with "
                 "low_latency=True)");
   }
@@ -91,7 +91,7 @@ ffi::Error GetLowLatencyGroup(
 
 // A network group: the send kernel staged the rows for ranks on other hosts;
 // the network transport puts them, then their flags (same stream, after it).
-ffi::Error SendOverNetwork(const char* op, const intranode_group::Group& g,
+ffi::Error SendOverNetwork(const char* op, const runtime::Group& g,
                            int32_t ll_op, const int32_t* recv_src,
                            const int32_t* count, cudaStream_t stream) {
   if (g.network_send == nullptr) return ffi::Error::Success();
@@ -102,7 +102,7 @@ ffi::Error SendOverNetwork(const char* op, const intranode_group::Group& g,
 }
 
 ffi::Error CheckFormat(const char* op, int32_t format,
-                       const intranode_group::Group& g) {
+                       const runtime::Group& g) {
   if (format < 0 || format > 2) {
     return ffi_utils::InvalidArgument(
         op, "attribute format is " + std::to_string(format) +
@@ -118,24 +118,24 @@ ffi::Error CheckFormat(const char* op, int32_t format,
 }
 
 ffi::Error CheckTopk(const char* op, ffi_utils::Dims dims,
-                     const intranode_group::Group& g, int64_t* num_tokens) {
+                     const runtime::Group& g, int64_t* num_tokens) {
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(op, "topk_idx", dims, {-1, g.config.num_topk}, "[T, K]"));
   *num_tokens = dims[0];
-  return intranode_ffi::CheckTokens(op, "topk_idx", *num_tokens, g);
+  return group_ffi::CheckTokens(op, "topk_idx", *num_tokens, g);
 }
 
 // The send's operands and attributes against the group; the group, T and the
 // element type out.
 ffi::Error CheckDispatchSend(
     ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
-    ffi::Buffer<ffi::F32> slot_scale, const intranode_ffi::GroupRef& ref,
+    ffi::Buffer<ffi::F32> slot_scale, const group_ffi::GroupRef& ref,
     int32_t format,
-    bool weighted, std::shared_ptr<const intranode_group::Group>* group,
+    bool weighted, std::shared_ptr<const runtime::Group>* group,
     int64_t* num_tokens, ElementType* dtype) {
   JAX_EP_FFI_RETURN_IF_ERROR(
       GetLowLatencyGroup(kDispatchSend, ref, group));
-  const intranode_group::Group& g = **group;
+  const runtime::Group& g = **group;
   JAX_EP_FFI_RETURN_IF_ERROR(CheckFormat(kDispatchSend, format, g));
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckTopk(kDispatchSend, topk_idx.dimensions(), g, num_tokens));
@@ -145,7 +145,7 @@ ffi::Error CheckDispatchSend(
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(kDispatchSend, "slot_scale", slot_scale.dimensions(),
                  {*num_tokens, g.config.num_topk}, "[T, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckGroupDtype(
       kDispatchSend, "x", x.element_type(), g, dtype));
   if (weighted && format != 0) {
     return ffi_utils::InvalidArgument(
@@ -164,7 +164,7 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Span<const int64_t> group_config,
                             int32_t format, bool weighted) {
   CountCall(stream);
-  std::shared_ptr<const intranode_group::Group> group;
+  std::shared_ptr<const runtime::Group> group;
   int64_t num_tokens = 0;
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(CheckDispatchSend(
@@ -176,7 +176,7 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
           group->view, dtype, static_cast<RowFormat>(format), x.untyped_data(),
           topk_idx.typed_data(), weighted ? slot_scale.typed_data() : nullptr,
           num_tokens, num_invalid->typed_data(), stream));
-  return SendOverNetwork(kDispatchSend, *group, intranode::kLowLatencyDispatch,
+  return SendOverNetwork(kDispatchSend, *group, group::kLowLatencyDispatch,
                          nullptr, nullptr, stream);
 }
 
@@ -196,13 +196,13 @@ ffi::Error DispatchWaitCore(cudaStream_t stream,
                             ffi::ResultBuffer<ffi::S32> count,
                             ffi::ResultBuffer<ffi::S32> recv_src,
                             ffi::ResultBuffer<ffi::S32> status,
-                            const intranode_ffi::GroupRef& ref,
+                            const group_ffi::GroupRef& ref,
                             int32_t format, bool ue8m0,
                             const LocalDispatch* local = nullptr) {
-  std::shared_ptr<const intranode_group::Group> group;
+  std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kDispatchWait, ref, &group));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckFormat(kDispatchWait, format, *group));
-  const intranode_group::GroupConfig& c = group->config;
+  const runtime::GroupConfig& c = group->config;
   const int64_t num_local = c.num_experts / c.num_ranks;
   const int64_t slab = c.num_ranks * c.max_tokens;
   JAX_EP_FFI_RETURN_IF_ERROR(
@@ -210,7 +210,7 @@ ffi::Error DispatchWaitCore(cudaStream_t stream,
                  {num_local, slab, c.hidden}, "[L, R*T_max, H]"));
   ElementType dtype = ElementType::kBF16;
   if (format == 0) {
-    JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+    JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckGroupDtype(
         kDispatchWait, "recv_x", recv_x->element_type(), *group, &dtype));
   } else {
     if (recv_x->element_type() != ffi::DataType::F8E4M3FN) {
@@ -285,16 +285,16 @@ ffi::Error DispatchWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
 ffi::Error CheckCombineSend(ffi::AnyBuffer expert_out,
                             ffi::Buffer<ffi::S32> recv_src,
                             ffi::Buffer<ffi::S32> count,
-                            const intranode_group::Group& g,
+                            const runtime::Group& g,
                             ElementType* dtype = nullptr) {
-  const intranode_group::GroupConfig& c = g.config;
+  const runtime::GroupConfig& c = g.config;
   const int64_t num_local = c.num_experts / c.num_ranks;
   const int64_t slab = c.num_ranks * c.max_tokens;
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(kCombineSend, "expert_out", expert_out.dimensions(),
                  {num_local, slab, c.hidden}, "[L, R*T_max, H]"));
   ElementType type;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckGroupDtype(
       kCombineSend, "expert_out", expert_out.element_type(), g, &type));
   if (dtype != nullptr) *dtype = type;
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineSend, "recv_src",
@@ -312,7 +312,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                            ffi::ResultBuffer<ffi::S32> sent, int64_t group_id,
                            ffi::Span<const int64_t> group_config) {
   CountCall(stream);
-  std::shared_ptr<const intranode_group::Group> group;
+  std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(
       kCombineSend, {group_id, group_config}, &group));
   ElementType dtype;
@@ -325,7 +325,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
       kCombineSend, low_latency::CombineSend(
                         group->view, dtype, expert_out.untyped_data(),
                         recv_src.typed_data(), count.typed_data(), stream));
-  return SendOverNetwork(kCombineSend, *group, intranode::kLowLatencyCombine,
+  return SendOverNetwork(kCombineSend, *group, group::kLowLatencyCombine,
                          recv_src.typed_data(), count.typed_data(), stream);
 }
 
@@ -335,13 +335,13 @@ ffi::Error CombineWaitCore(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                            ffi::Buffer<ffi::F32> weights,
                            ffi::Result<ffi::AnyBuffer> out,
                            ffi::ResultBuffer<ffi::S32> status,
-                           const intranode_ffi::GroupRef& ref,
+                           const group_ffi::GroupRef& ref,
                            int64_t num_experts, bool gather,
                            const void* local_expert_out = nullptr) {
-  std::shared_ptr<const intranode_group::Group> group;
+  std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kCombineWait, ref, &group));
-  const intranode_group::GroupConfig& c = group->config;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckAttrEquals(
+  const runtime::GroupConfig& c = group->config;
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckAttrEquals(
       kCombineWait, "num_experts", num_experts, "num_experts", c.num_experts));
   int64_t num_tokens = 0;
   JAX_EP_FFI_RETURN_IF_ERROR(
@@ -359,7 +359,7 @@ ffi::Error CombineWaitCore(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                                           {num_tokens, c.hidden}, "[T, H]"));
   }
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckGroupDtype(
       kCombineWait, "out", out->element_type(), *group, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kCombineWait, "out", out->untyped_data()));
@@ -404,8 +404,8 @@ ffi::Error DispatchImpl(
     ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
     ffi::Span<const int64_t> group_config, int32_t format, bool weighted,
     bool ue8m0) {
-  const intranode_ffi::GroupRef ref{group_id, group_config};
-  std::shared_ptr<const intranode_group::Group> group;
+  const group_ffi::GroupRef ref{group_id, group_config};
+  std::shared_ptr<const runtime::Group> group;
   int64_t num_tokens = 0;
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(CheckDispatchSend(x, topk_idx, slot_scale, ref,
@@ -435,8 +435,8 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                        ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
                        ffi::Span<const int64_t> group_config,
                        int64_t num_experts, bool gather) {
-  const intranode_ffi::GroupRef ref{group_id, group_config};
-  std::shared_ptr<const intranode_group::Group> group;
+  const group_ffi::GroupRef ref{group_id, group_config};
+  std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kCombineSend, ref, &group));
   if (group->config.num_ranks == 1) {  // no transport: straight from expert_out
     CountCall(stream);

@@ -24,8 +24,8 @@
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/intranode_common.h"
-#include "ffi/handlers/intranode_group.h"
+#include "ffi/handlers/group_common.h"
+#include "ffi/runtime/group.h"
 #include "ffi/kernels/network.h"
 #include "ffi/kernels/rail_kernels.h"
 #include "xla/ffi/api/ffi.h"
@@ -34,7 +34,7 @@ namespace jax_ep {
 namespace {
 
 namespace ffi = ::xla::ffi;
-using intranode_ffi::CheckShape;
+using group_ffi::CheckShape;
 
 constexpr char kOp[] = "jax_ep_rail_exchange";
 
@@ -52,15 +52,15 @@ ffi::Error RailExchangeImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> index,
                             ffi::ResultBuffer<ffi::S32> status,
                             ffi::RemainingRets dsts, int64_t group_id,
                             ffi::Span<const int64_t> group_config) {
-  std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(
+  std::shared_ptr<const runtime::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::GetGroup(
       kOp, {group_id, group_config}, &group, /*network_ok=*/true));
-  const intranode_group::Group& g = *group;
+  const runtime::Group& g = *group;
   const int64_t hosts = g.view.num_hosts;
   const int64_t t_max = g.config.max_tokens;
   if (!g.config.network || hosts < 2 || g.network_send == nullptr) {
     return ffi_utils::InvalidArgument(
-        kOp, "intranode group " + std::to_string(group_id) +
+        kOp, "native group " + std::to_string(group_id) +
                  " is not a network group of several hosts");
   }
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "index", index.dimensions(),

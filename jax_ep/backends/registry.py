@@ -19,10 +19,10 @@ import jax
 
 from jax_ep._native import ffi
 from jax_ep._native.limits import KernelLimits, cuda_violation, kernel_limits
-from jax_ep.backends import intranode
+from jax_ep.backends import transport as transport_lib
 from jax_ep.backends import topology as topology_lib
 from jax_ep.backends.base import Backend
-from jax_ep.backends.cuda import CudaBackend, IntranodeBackend, NetworkBackend
+from jax_ep.backends.cuda import LocalBackend, PeerBackend, NetworkBackend
 from jax_ep.backends.reference import ReferenceBackend
 from jax_ep.config import EPConfig
 
@@ -57,7 +57,7 @@ class BackendEntry:
     describe: `mesh -> why`: the reason `auto` gives when it takes this backend first.
   """
   supports: Callable[[jax.sharding.Mesh, EPConfig, int, Sequence[str] | None], str | None]
-  create: Callable[[Request], tuple[Backend, intranode.IntranodeTransport | None]]
+  create: Callable[[Request], tuple[Backend, transport_lib.Transport | None]]
   describe: Callable[[jax.sharding.Mesh], str]
 
 
@@ -91,19 +91,19 @@ def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | N
   if config.num_ranks == 1:
     return None
   if mesh.devices.ndim != 1:
-    return (f"the intranode transport takes a 1-D mesh over the EP axis; this mesh has axes "
+    return (f"the peer transport takes a 1-D mesh over the EP axis; this mesh has axes "
             f"{dict(mesh.shape)}")
   me = jax.process_index() if process_index is None else process_index
   local = sum(d.process_index == me for d in devices)
   if local not in (1, len(devices)):
     return (f"process {me} holds {local} of the group's {len(devices)} devices; the "
-            f"intranode transport runs one process per device or one process for all of them")
+            f"peer transport runs one process per device or one process for all of them")
   if hosts is not None and len(set(hosts)) > 1:
-    return (f"the group's processes run on {len(set(hosts))} hosts; the intranode transport "
+    return (f"the group's processes run on {len(set(hosts))} hosts; the peer transport "
             f"joins the GPUs of one host")
   if local == len(devices):
     if peer_access is None:
-      peer_access = bool(ffi.extension().intranode_peer_access(
+      peer_access = bool(ffi.extension().peer_access(
           [d.local_hardware_id for d in devices]))
     if not peer_access:
       return "these GPUs cannot access each other's memory (no P2P between them)"
@@ -132,14 +132,14 @@ def _create_cuda(request: Request):
     for device in mesh.devices.flat:
       if device.process_index == jax.process_index():
         ffi.extension().preload_kernels(device.local_hardware_id)
-    return CudaBackend(config), None
+    return LocalBackend(config), None
   if r.topology is not None and r.topology.num_hosts > 1:
-    transport = intranode.create_network(
+    transport = transport_lib.create_network(
         config, mesh, r.key, num_sms=r.num_sms, timeout_s=r.timeout_s, topology=r.topology,
         low_latency=r.low_latency, exchange_timeout_s=r.config_timeout_s)
   else:
-    transport = intranode.create(config, mesh, r.key, num_sms=r.num_sms, timeout_s=r.timeout_s,
-                                 process_ids=r.process_ids, low_latency=r.low_latency)
+    transport = transport_lib.create_peer(config, mesh, r.key, num_sms=r.num_sms,
+                                          timeout_s=r.timeout_s, process_ids=r.process_ids, low_latency=r.low_latency)
   ll_group = transport.primary_id if r.low_latency else None
   backend: Backend
   if getattr(transport, "network_buffer", 0):
@@ -148,9 +148,9 @@ def _create_cuda(request: Request):
         host_group_id=transport.host_group_id,
         hosts=r.topology.hosts if transport.equal_hosts else ())
   elif config.num_ranks > 1:
-    backend = IntranodeBackend(config, transport.primary_id, r.raise_on_timeout, ll_group)
+    backend = PeerBackend(config, transport.primary_id, r.raise_on_timeout, ll_group)
   else:  # one rank: local kernels, and the low-latency pair on the one-rank group
-    backend = CudaBackend(config, ll_group, r.raise_on_timeout)
+    backend = LocalBackend(config, ll_group, r.raise_on_timeout)
   return backend, transport
 
 
@@ -218,7 +218,7 @@ def _resolve_backend(backend: str, mesh, config: EPConfig, num_sms: int,
 def needs_hosts(backend: str, mesh, config: EPConfig, members: Sequence[int],
                 virtual_hosts: int | None) -> bool:
   """Whether choosing the backend needs the host each process runs on: a multi-process GPU
-  group that may take the cuda backend (the intranode transport joins the GPUs of one host),
+  group that may take the cuda backend (the peer transport joins the GPUs of one host),
   or virtual hosts. Every member asks the same question, so all decide alike."""
   return ((backend != "reference" and config.num_ranks > 1 and len(members) > 1
            and all(d.platform == "gpu" for d in mesh.devices.flat))
@@ -275,6 +275,6 @@ def select(backend: str, mesh, config: EPConfig, num_sms: int, *, members: Seque
   return Selection(name, why, topology)
 
 
-def create(name: str, request: Request) -> tuple[Backend, intranode.IntranodeTransport | None]:
+def create(name: str, request: Request) -> tuple[Backend, transport_lib.Transport | None]:
   """The backend `name` for `request`, and the transport it uses (None where it has none)."""
   return BACKENDS[name].create(request)
