@@ -1,9 +1,9 @@
 """How a compiled program names its native group, and why that is safe with jax's persistent
 compilation cache (docs/decisions.md, "Group ids").
 
-Every custom call on a group carries `group_id` (the group's number in the process that traced
-the program) and `group_config` (the configuration it was built for), which the handlers
-compare with the group they find. The CPU tests check what the program carries and that both
+Every custom call on a group carries `group`, a dictionary attribute of the group's `id` (its
+number in the process that traced the program) and the configuration it was built for, which
+the handlers decode by field name and compare with the group they find. The CPU tests check what the program carries and that both
 are part of the cache key; the GPU tests run programs on groups created in different orders in
 two processes sharing one cache, and a program whose id names a group of another
 configuration.
@@ -86,28 +86,45 @@ def _lowered(fn):
 
 
 def _group_attributes(text):
-  """`(group_id, group_config)` of every jax_ep custom call in a lowered program's text."""
+  """The `group` attribute of every jax_ep custom call in a lowered program's text, as a dict of
+  its fields (None where a call has none); fails where the attribute is not a dictionary of
+  i64 fields."""
   found = []
   for line in text.splitlines():
     if "stablehlo.custom_call @jax_ep_" not in line:
       continue
-    gid = re.search(r"group_id = (-?\d+) : i64", line)
-    cfg = re.search(r"group_config = dense<\[([-\d, ]+)\]> : tensor<\d+xi64>", line)
-    found.append((int(gid.group(1)) if gid else None,
-                  [int(v) for v in cfg.group(1).split(",")] if cfg else None))
+    match = re.search(r"\bgroup = (\{[^}]*\}|[^,}]+)", line)
+    if match is None:
+      found.append(None)
+      continue
+    value = match.group(1)
+    assert value.startswith("{"), f"the group attribute is not a dictionary: {value}"
+    fields = re.findall(r"(\w+) = (-?\d+) : i64", value)
+    assert len(fields) == value.count("="), f"a field of the group attribute is not i64: {value}"
+    found.append({name: int(v) for name, v in fields})
   return found
 
 
-def test_the_config_fields_are_the_handlers():
-  """`GROUP_CONFIG_FIELDS` lists the fields in the order the handlers read them."""
+def _struct_members():
+  """The field names `XLA_FFI_REGISTER_STRUCT_ATTR_DECODING` decodes `group` into."""
   with open(os.path.join(REPO, "ffi", "handlers", "group_common.h")) as f:
     source = f.read()
-  table = re.search(r"kGroupConfigFields\[\] = \{(.*?)\};", source, re.S).group(1)
-  assert tuple(re.findall(r'"(\w+)"', table)) == cuda_ops.GROUP_CONFIG_FIELDS
+  registration = source.split("XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(", 1)[1].split(";", 1)[0]
+  return re.findall(r'StructMember<int64_t>\("(\w+)"\)', registration)
+
+
+def test_the_python_table_and_the_cpp_struct_name_the_same_fields():
+  """One table of fields in Python (`GROUP_FIELDS`), one struct in C++ (`GroupRef`): the same
+  names; the order does not matter, since both sides go by name."""
+  assert _struct_members() == ["id", *cuda_ops.GROUP_FIELDS]
   config = _config(capacity=24, dtype=jnp.float32)
-  np.testing.assert_array_equal(cuda_ops.group_config(config), [2, 8, 2, 128, 4, 4, 24, 1])
+  attrs = cuda_ops.group_attrs(config, 5)
+  assert set(attrs) == {"group"}
+  assert attrs["group"] == {"id": 5, "num_ranks": 2, "num_experts": 8, "num_topk": 2,
+                            "hidden": 128, "max_tokens_per_rank": 4, "itemsize": 4,
+                            "capacity": 24, "expert_alignment": 1}
   aligned = dataclasses.replace(config, expert_alignment=16)
-  assert cuda_ops.group_config(aligned)[-1] == 16
+  assert cuda_ops.group_attrs(aligned, 5)["group"]["expert_alignment"] == 16
 
 
 def test_every_group_op_names_its_group_and_configuration(monkeypatch):
@@ -117,9 +134,11 @@ def test_every_group_op_names_its_group_and_configuration(monkeypatch):
   for name, fn in _group_ops(config, 7):
     attrs = _group_attributes(_lowered(fn).as_text())
     assert attrs, name
-    for gid, cfg in attrs:
-      assert gid == 7, name
-      assert cfg == cuda_ops.group_config(config).tolist(), name
+    for group in attrs:
+      # An MLIR dictionary attribute with the named fields, the C++ struct's.
+      assert group is not None, name
+      assert sorted(group) == sorted(_struct_members()), name
+      assert group == cuda_ops.group_attrs(config, 7)["group"], name
 
 
 def test_the_compilation_cache_key_holds_the_group(monkeypatch):
@@ -142,7 +161,8 @@ def test_the_compilation_cache_key_holds_the_group(monkeypatch):
   same = key(_config(), 1)
   assert key(_config(), 1) == same
   assert key(_config(), 2) != same
-  # A capacity the low-latency op's shapes do not show: only group_config tells them apart.
+  # A capacity the low-latency op's shapes do not show: only the group attribute tells them
+  # apart.
   assert key(_config(capacity=32), 1) != same
 
 
@@ -227,10 +247,11 @@ def test_a_program_built_for_another_configuration_is_refused(monkeypatch):
         f"but group {gid} of this process has capacity = {config.capacity}")):
       jax.block_until_ready(count(other))
     effects.settle()
-    monkeypatch.setattr(cuda_ops, "group_config", lambda c: np.array([1, 2, 3], np.int64))
-    expected = len(cuda_ops.GROUP_CONFIG_FIELDS)
-    with pytest.raises(Exception,
-                       match=f"attribute group_config has 3 values, expected {expected}"):
+    # A program of another version of jax_ep, whose attribute lacks a field: XLA's decoding
+    # of the struct refuses it by name, before the handler runs.
+    monkeypatch.setattr(cuda_ops, "GROUP_FIELDS",
+                        {k: v for k, v in cuda_ops.GROUP_FIELDS.items() if k != "capacity"})
+    with pytest.raises(Exception, match="Wrong number of attributes"):
       jax.block_until_ready(count(config))
     effects.settle()
     monkeypatch.undo()

@@ -39,56 +39,56 @@ inline int64_t StorageRows(int64_t capacity) {
   return capacity > 0 ? capacity : 1;
 }
 
-// The two attributes that name a group op's group: `group_id`, the group's
-// number in this process (runtime::Create), and `group_config`, the
-// configuration the program was built for, in the order of
-// kGroupConfigFields (jax_ep/backends/cuda_ops.py, group_attrs).
+// The `group` attribute of every op on a native group: the group's number in
+// this process (runtime::Create) and the configuration the program was built
+// for, one named field each (an MLIR dictionary attribute, decoded by name;
+// Python builds it from GROUP_FIELDS in jax_ep/backends/cuda_ops.py).
 // NOTES: the id is process-local. A program traced in this process names this
 // process's group (and jax's persistent compilation cache keys on the program
 // text, id included, so a cached executable is one this process would have
 // built); a program built in another process (exported, serialized) names
-// that process's numbering, which group_config catches wherever the group
-// found differs in configuration (docs/decisions.md, "Group ids").
+// that process's numbering, which the configuration catches wherever the
+// group found differs (docs/decisions.md, "Group ids").
 struct GroupRef {
   int64_t id;
-  ffi::Span<const int64_t> config;
+  int64_t num_ranks;
+  int64_t num_experts;
+  int64_t num_topk;
+  int64_t hidden;
+  int64_t max_tokens_per_rank;
+  int64_t itemsize;
+  int64_t capacity;
+  int64_t expert_alignment;
 };
 
-inline constexpr const char* kGroupConfigFields[] = {
-    "num_ranks", "num_experts", "num_topk",  "hidden",
-    "max_tokens_per_rank", "itemsize", "capacity", "expert_alignment"};
-inline constexpr size_t kNumGroupConfigFields =
-    sizeof(kGroupConfigFields) / sizeof(kGroupConfigFields[0]);
-
-// The program's `group_config` against the group `ref.id` names here, field
+// The program's configuration against the group `ref.id` names here, field
 // by field; the error names the group, the field, and both values.
 inline ffi::Error CheckGroupConfig(std::string_view op, const GroupRef& ref,
                                    const runtime::Group& g) {
   const runtime::GroupConfig& c = g.config;
-  const int64_t here[kNumGroupConfigFields] = {
-      c.num_ranks,  c.num_experts, c.num_topk, c.hidden,
-      c.max_tokens, c.itemsize,    c.capacity, c.expert_alignment};
-  if (ref.config.size() != kNumGroupConfigFields) {
-    std::string fields;
-    for (const char* f : kGroupConfigFields) {
-      fields += fields.empty() ? "" : ", ";
-      fields += f;
-    }
-    return ffi_utils::InvalidArgument(
-        op, "attribute group_config has " +
-                std::to_string(ref.config.size()) + " values, expected " +
-                std::to_string(kNumGroupConfigFields) + " (" + fields +
-                "): the program was built by another version of jax_ep");
-  }
-  for (size_t i = 0; i < kNumGroupConfigFields; ++i) {
-    if (ref.config[i] == here[i]) continue;
+  struct Field {
+    const char* name;
+    int64_t program;
+    int64_t here;
+  };
+  const Field fields[] = {
+      {"num_ranks", ref.num_ranks, c.num_ranks},
+      {"num_experts", ref.num_experts, c.num_experts},
+      {"num_topk", ref.num_topk, c.num_topk},
+      {"hidden", ref.hidden, c.hidden},
+      {"max_tokens_per_rank", ref.max_tokens_per_rank, c.max_tokens},
+      {"itemsize", ref.itemsize, c.itemsize},
+      {"capacity", ref.capacity, c.capacity},
+      {"expert_alignment", ref.expert_alignment, c.expert_alignment}};
+  for (const Field& f : fields) {
+    if (f.program == f.here) continue;
     return ffi::Error(
         ffi::ErrorCode::kFailedPrecondition,
         std::string(op) + ": the program was built for native group " +
-            std::to_string(ref.id) + " with " + kGroupConfigFields[i] +
-            " = " + std::to_string(ref.config[i]) + ", but group " +
-            std::to_string(ref.id) + " of this process has " +
-            kGroupConfigFields[i] + " = " + std::to_string(here[i]) +
+            std::to_string(ref.id) + " with " + f.name + " = " +
+            std::to_string(f.program) + ", but group " +
+            std::to_string(ref.id) + " of this process has " + f.name +
+            " = " + std::to_string(f.here) +
             " (group ids are numbered per process: a program built in "
             "another process, e.g. an exported or serialized one, names that "
             "process's groups; trace the program in this process)");
@@ -274,5 +274,19 @@ inline ffi::Error CheckReceivedEntries(std::string_view op,
 }
 
 }  // namespace jax_ep::group_ffi
+
+// `group` decoded by field name: a field missing, added or of another type is
+// an error of XLA's attribute decoding, never a field read in the wrong place.
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::jax_ep::group_ffi::GroupRef,
+    ::xla::ffi::StructMember<int64_t>("id"),
+    ::xla::ffi::StructMember<int64_t>("num_ranks"),
+    ::xla::ffi::StructMember<int64_t>("num_experts"),
+    ::xla::ffi::StructMember<int64_t>("num_topk"),
+    ::xla::ffi::StructMember<int64_t>("hidden"),
+    ::xla::ffi::StructMember<int64_t>("max_tokens_per_rank"),
+    ::xla::ffi::StructMember<int64_t>("itemsize"),
+    ::xla::ffi::StructMember<int64_t>("capacity"),
+    ::xla::ffi::StructMember<int64_t>("expert_alignment"));
 
 #endif  // JAX_EP_FFI_HANDLERS_GROUP_COMMON_H_

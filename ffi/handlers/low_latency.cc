@@ -9,21 +9,21 @@
 //   x `[T, H]` group dtype, topk_idx `[T, K]` int32, slot_scale `[T, K]` f32
 //   (read only when `weighted`; plain rows only) ->
 //   num_invalid `[]` int32 (the wait takes it: it orders the wait after the
-//   send). attrs: group_id, format (0 plain, 1 fp8, 2 fp8 with power-of-two
+//   send). attrs: group, format (0 plain, 1 fp8, 2 fp8 with power-of-two
 //   scales), weighted.
 // jax_ep_low_latency_dispatch_wait
 //   sent `[]` int32 -> recv_x `[L, S, H]` (group dtype, or f8e4m3fn), scales
 //   (`[L, S, H/128]` f32, `[L, S, H/512]` s32 with ue8m0, any one-element
 //   array for plain rows), count `[L]` int32, recv_src `[L, S]` int32,
-//   status `[]` int32. attrs: group_id, format, ue8m0.
+//   status `[]` int32. attrs: group, format, ue8m0.
 // jax_ep_low_latency_combine_send
 //   expert_out `[L, S, H]`, recv_src `[L, S]`, count `[L]` -> sent `[]` int32
-//   (zero). attrs: group_id.
+//   (zero). attrs: group.
 // jax_ep_low_latency_combine_wait
 //   sent `[]`, topk_idx `[T, K]` int32, weights `[T, K]` f32 -> out `[T, H]`
-//   (or `[T, K, H]` with gather), status `[]`. attrs: group_id, num_experts,
+//   (or `[T, K, H]` with gather), status `[]`. attrs: group, num_experts,
 //   gather.
-// Every op also takes group_config, the configuration of the group the
+// Every op also takes `group`: the group's id and the configuration the
 // program was built for (group_common.h, GroupRef).
 // jax_ep_low_latency_dispatch / jax_ep_low_latency_combine: the pair fused in
 // one custom call (the operands of the send, the results of both). At one
@@ -160,15 +160,14 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::S32> topk_idx,
                             ffi::Buffer<ffi::F32> slot_scale,
                             ffi::ResultBuffer<ffi::S32> num_invalid,
-                            int64_t group_id,
-                            ffi::Span<const int64_t> group_config,
+                            group_ffi::GroupRef ref,
                             int32_t format, bool weighted) {
   CountCall(stream);
   std::shared_ptr<const runtime::Group> group;
   int64_t num_tokens = 0;
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(CheckDispatchSend(
-      x, topk_idx, slot_scale, {group_id, group_config}, format, weighted,
+      x, topk_idx, slot_scale, ref, format, weighted,
       &group, &num_tokens, &dtype));
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       kDispatchSend,
@@ -272,13 +271,12 @@ ffi::Error DispatchWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
                             ffi::ResultBuffer<ffi::S32> count,
                             ffi::ResultBuffer<ffi::S32> recv_src,
                             ffi::ResultBuffer<ffi::S32> status,
-                            int64_t group_id,
-                            ffi::Span<const int64_t> group_config,
+                            group_ffi::GroupRef ref,
                             int32_t format, bool ue8m0) {
   CountCall(stream);
   (void)sent;
   return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status,
-                          {group_id, group_config}, format, ue8m0);
+                          ref, format, ue8m0);
 }
 
 // The combine send's operands against the group; the element type out.
@@ -309,12 +307,12 @@ ffi::Error CheckCombineSend(ffi::AnyBuffer expert_out,
 ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                            ffi::Buffer<ffi::S32> recv_src,
                            ffi::Buffer<ffi::S32> count,
-                           ffi::ResultBuffer<ffi::S32> sent, int64_t group_id,
-                           ffi::Span<const int64_t> group_config) {
+                           ffi::ResultBuffer<ffi::S32> sent,
+                           group_ffi::GroupRef ref) {
   CountCall(stream);
   std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(
-      kCombineSend, {group_id, group_config}, &group));
+      kCombineSend, ref, &group));
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckCombineSend(expert_out, recv_src, count, *group, &dtype));
@@ -384,13 +382,13 @@ ffi::Error CombineWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
                            ffi::Buffer<ffi::S32> topk_idx,
                            ffi::Buffer<ffi::F32> weights,
                            ffi::Result<ffi::AnyBuffer> out,
-                           ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
-                           ffi::Span<const int64_t> group_config,
+                           ffi::ResultBuffer<ffi::S32> status,
+                           group_ffi::GroupRef ref,
                            int64_t num_experts, bool gather) {
   CountCall(stream);
   (void)sent;
   return CombineWaitCore(stream, topk_idx, weights, out, status,
-                         {group_id, group_config}, num_experts, gather);
+                         ref, num_experts, gather);
 }
 
 // The fused ops (send then wait in one custom call): what a program that has
@@ -401,10 +399,8 @@ ffi::Error DispatchImpl(
     ffi::Buffer<ffi::F32> slot_scale, ffi::ResultBuffer<ffi::S32> num_invalid,
     ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> scales,
     ffi::ResultBuffer<ffi::S32> count, ffi::ResultBuffer<ffi::S32> recv_src,
-    ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
-    ffi::Span<const int64_t> group_config, int32_t format, bool weighted,
-    bool ue8m0) {
-  const group_ffi::GroupRef ref{group_id, group_config};
+    ffi::ResultBuffer<ffi::S32> status, group_ffi::GroupRef ref,
+    int32_t format, bool weighted, bool ue8m0) {
   std::shared_ptr<const runtime::Group> group;
   int64_t num_tokens = 0;
   ElementType dtype;
@@ -419,9 +415,8 @@ ffi::Error DispatchImpl(
     return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status,
                             ref, format, ue8m0, &local);
   }
-  JAX_EP_FFI_RETURN_IF_ERROR(DispatchSendImpl(stream, x, topk_idx, slot_scale,
-                                              num_invalid, group_id,
-                                              group_config, format, weighted));
+  JAX_EP_FFI_RETURN_IF_ERROR(DispatchSendImpl(
+      stream, x, topk_idx, slot_scale, num_invalid, ref, format, weighted));
   return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status, ref,
                           format, ue8m0);
 }
@@ -432,10 +427,9 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                        ffi::Buffer<ffi::S32> topk_idx,
                        ffi::Buffer<ffi::F32> weights,
                        ffi::Result<ffi::AnyBuffer> out,
-                       ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
-                       ffi::Span<const int64_t> group_config,
+                       ffi::ResultBuffer<ffi::S32> status,
+                       group_ffi::GroupRef ref,
                        int64_t num_experts, bool gather) {
-  const group_ffi::GroupRef ref{group_id, group_config};
   std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kCombineSend, ref, &group));
   if (group->config.num_ranks == 1) {  // no transport: straight from expert_out
@@ -446,8 +440,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                            num_experts, gather, expert_out.untyped_data());
   }
   JAX_EP_FFI_RETURN_IF_ERROR(
-      CombineSendImpl(stream, expert_out, recv_src, count, status, group_id,
-                      group_config));
+      CombineSendImpl(stream, expert_out, recv_src, count, status, ref));
   return CombineWaitCore(stream, topk_idx, weights, out, status, ref,
                          num_experts, gather);
 }
@@ -474,8 +467,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // count
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
+        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
         .Attr<int32_t>("format")
         .Attr<bool>("weighted")
         .Attr<bool>("ue8m0"),
@@ -492,8 +484,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
         .Ret<xla::ffi::AnyBuffer>()              // out
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
+        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
         .Attr<int64_t>("num_experts")
         .Attr<bool>("gather"),
     {xla::ffi::Traits::kCmdBufferCompatible});
@@ -506,8 +497,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
         .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // slot_scale
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // num_invalid
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
+        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
         .Attr<int32_t>("format")
         .Attr<bool>("weighted"),
     {xla::ffi::Traits::kCmdBufferCompatible});
@@ -522,8 +512,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // count
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
+        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
         .Attr<int32_t>("format")
         .Attr<bool>("ue8m0"),
     {xla::ffi::Traits::kCmdBufferCompatible});
@@ -536,8 +525,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // count
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // sent
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config"),
+        .Attr<jax_ep::group_ffi::GroupRef>("group"),  // group_common.h
     {xla::ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(
@@ -549,8 +537,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
         .Ret<xla::ffi::AnyBuffer>()              // out
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
+        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
         .Attr<int64_t>("num_experts")
         .Attr<bool>("gather"),
     {xla::ffi::Traits::kCmdBufferCompatible});

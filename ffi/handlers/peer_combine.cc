@@ -9,7 +9,7 @@
 //   entry_weights `[N, K]` float32 operand (read only when `weighted`)
 //   recv_counts   `[R]` int32 operand
 //   send_pos      `[T, R]` int32 operand
-//   attrs         group_id, group_config (group_common.h, GroupRef):
+//   attrs         group (group_common.h, GroupRef):
 //                 int64; weighted: bool
 //   out           `[T, H]` expert_out.dtype: out[t] = sum over ranks d
 //                 ascending of the partial d computed for t (its rows summed
@@ -47,12 +47,11 @@ ffi::Error PeerCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                                 ffi::Buffer<ffi::S32> send_pos,
                                 ffi::Result<ffi::AnyBuffer> out,
                                 ffi::ResultBuffer<ffi::S32> status,
-                                int64_t group_id,
-                                ffi::Span<const int64_t> group_config,
+                                group_ffi::GroupRef ref,
                                 bool weighted) {
   std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(
-      group_ffi::GetGroup(kOp, {group_id, group_config}, &group));
+      group_ffi::GetGroup(kOp, ref, &group));
   const runtime::GroupConfig& c = group->config;
   const int64_t num_ranks = c.num_ranks;
   const int64_t hidden = c.hidden;
@@ -107,7 +106,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
         .Ret<xla::ffi::AnyBuffer>()                     // out
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
-        .Attr<int64_t>("group_id")                      // group_id
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
+        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
         .Attr<bool>("weighted"),                        // weighted
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -13,7 +13,7 @@
 //   entry_weights `[N, K]` float32 operand
 //   recv_counts   `[R]` int32 operand
 //   group_sizes   `[L]` int32 operand
-//   attrs         group_id, group_config (group_common.h, GroupRef),
+//   attrs         group (group_common.h, GroupRef),
 //                 num_experts (E), capacity: int64
 //   d_expert_out  `[capacity, H]` expert_out.dtype: the weighted cached
 //                 dispatch of d_out
@@ -52,11 +52,11 @@ ffi::Error PeerCombineVjpImpl(
     ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> group_sizes,
     ffi::Result<ffi::AnyBuffer> d_expert_out,
     ffi::ResultBuffer<ffi::F32> d_weights, ffi::ResultBuffer<ffi::S32> status,
-    int64_t group_id, ffi::Span<const int64_t> group_config,
+    group_ffi::GroupRef ref,
     int64_t num_experts, int64_t capacity) {
   std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(
-      group_ffi::GetGroup(kOp, {group_id, group_config}, &group));
+      group_ffi::GetGroup(kOp, ref, &group));
   const runtime::GroupConfig& c = group->config;
   JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckAttrEquals(
       kOp, "num_experts", num_experts, "num_experts", c.num_experts));
@@ -136,8 +136,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::AnyBuffer>()                     // d_expert_out
         .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // d_weights
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
-        .Attr<int64_t>("group_id")                      // group_id
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
+        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
         .Attr<int64_t>("num_experts")                   // num_experts (E)
         .Attr<int64_t>("capacity"),                     // capacity
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -8,7 +8,7 @@
 //   x             `[T, H]` bf16/f16/f32 operand (T <= T_max)
 //   topk_idx      `[T, K]` int32 operand
 //   topk_weights  `[T, K]` float32 operand
-//   attrs         group_id, group_config (group_common.h, GroupRef),
+//   attrs         group (group_common.h, GroupRef),
 //                 num_experts (E), capacity: int64
 //   recv_x        `[capacity, H]` x.dtype: rows grouped by local expert,
 //                 (source rank, source token) ascending inside one expert
@@ -52,12 +52,11 @@ ffi::Error PeerDispatchImpl(
     ffi::ResultBuffer<ffi::S32> send_pos, ffi::ResultBuffer<ffi::S32> entry_row,
     ffi::ResultBuffer<ffi::F32> entry_weights,
     ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> status,
-    ffi::ResultBuffer<ffi::S32> workspace, int64_t group_id,
-    ffi::Span<const int64_t> group_config, int64_t num_experts,
-    int64_t capacity) {
+    ffi::ResultBuffer<ffi::S32> workspace, group_ffi::GroupRef ref,
+    int64_t num_experts, int64_t capacity) {
   std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(
-      group_ffi::GetGroup(kOp, {group_id, group_config}, &group));
+      group_ffi::GetGroup(kOp, ref, &group));
   const runtime::GroupConfig& c = group->config;
   JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckAttrEquals(
       kOp, "num_experts", num_experts, "num_experts", c.num_experts));
@@ -137,8 +136,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // workspace
-        .Attr<int64_t>("group_id")                      // group_id
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
+        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
         .Attr<int64_t>("num_experts")                   // num_experts (E)
         .Attr<int64_t>("capacity"),                     // capacity
     {xla::ffi::Traits::kCmdBufferCompatible});

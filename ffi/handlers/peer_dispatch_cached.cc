@@ -10,7 +10,7 @@
 //   entry_row     `[N, K]` int32 operand
 //   entry_weights `[N, K]` float32 operand (read only when `weighted`)
 //   group_sizes   `[L]` int32 operand
-//   attrs         group_id, group_config (group_common.h, GroupRef),
+//   attrs         group (group_common.h, GroupRef),
 //                 capacity: int64; weighted: bool
 //   recv_x        `[capacity, H]` x.dtype: entry (s, i, k) at entry_row
 //                 (times its weight in fp32, rounded once, when weighted);
@@ -44,11 +44,11 @@ ffi::Error PeerDispatchCachedImpl(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send_pos,
     ffi::Buffer<ffi::S32> entry_row, ffi::Buffer<ffi::F32> entry_weights,
     ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> recv_x,
-    ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
-    ffi::Span<const int64_t> group_config, int64_t capacity, bool weighted) {
+    ffi::ResultBuffer<ffi::S32> status, group_ffi::GroupRef ref,
+    int64_t capacity, bool weighted) {
   std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(
-      group_ffi::GetGroup(kOp, {group_id, group_config}, &group));
+      group_ffi::GetGroup(kOp, ref, &group));
   const runtime::GroupConfig& c = group->config;
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
   const int64_t num_ranks = c.num_ranks;
@@ -105,8 +105,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
         .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
         .Ret<xla::ffi::AnyBuffer>()                     // recv_x
         .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
-        .Attr<int64_t>("group_id")                      // group_id
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
+        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
         .Attr<int64_t>("capacity")                      // capacity
         .Attr<bool>("weighted"),                        // weighted
     {xla::ffi::Traits::kCmdBufferCompatible});

@@ -7,6 +7,7 @@ element in one launch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -119,31 +120,34 @@ class PeerLayout(NamedTuple):
   topk_idx: jax.Array
 
 
-# The fields of a group op's `group_config` attribute, in order (ffi/handlers/group_common.h,
-# kGroupConfigFields).
-GROUP_CONFIG_FIELDS = ("num_ranks", "num_experts", "num_topk", "hidden", "max_tokens_per_rank",
-                       "itemsize", "capacity", "expert_alignment")
-
-
-def group_config(config: EPConfig) -> np.ndarray:
-  """`config` as the `group_config` attribute: int64 values in `GROUP_CONFIG_FIELDS` order."""
-  return np.array([config.num_ranks, config.num_experts, config.num_topk, config.hidden,
-                   config.max_tokens_per_rank, np.dtype(config.dtype).itemsize, config.capacity,
-                   config.expert_alignment], np.int64)
+# The configuration fields of the `group` attribute, by name (ffi/handlers/group_common.h,
+# GroupRef, decodes them by name), each read from the group's `EPConfig`.
+GROUP_FIELDS: dict[str, Callable[[EPConfig], int]] = {
+    "num_ranks": lambda c: c.num_ranks,
+    "num_experts": lambda c: c.num_experts,
+    "num_topk": lambda c: c.num_topk,
+    "hidden": lambda c: c.hidden,
+    "max_tokens_per_rank": lambda c: c.max_tokens_per_rank,
+    "itemsize": lambda c: np.dtype(c.dtype).itemsize,
+    "capacity": lambda c: c.capacity,
+    "expert_alignment": lambda c: c.expert_alignment,
+}
 
 
 def group_attrs(config: EPConfig, group_id: int) -> dict:
-  """The attributes that name an op's native group: `group_id`, its number in this process, and
-  `group_config`, the configuration this program is built for. The handler compares the two
-  with the group it finds and fails with a message naming the field that differs.
+  """The attribute that names an op's native group: `group`, a dictionary of the group's `id`
+  (its number in this process) and the configuration this program is built for
+  (`GROUP_FIELDS`). The handler compares the configuration with the group it finds and fails
+  with a message naming the field that differs.
 
   NOTES: ids are numbered per process. A program traced here carries this process's id, and
   jax's persistent compilation cache keys on the program text (the id with it), so an
-  executable it returns is one this process would have compiled; `group_config` catches a
+  executable it returns is one this process would have compiled; the configuration catches a
   program built elsewhere (exported, serialized) whose id names a group of another
   configuration here (docs/decisions.md, "Group ids").
   """
-  return dict(group_id=np.int64(group_id), group_config=group_config(config))
+  fields = {name: np.int64(get(config)) for name, get in GROUP_FIELDS.items()}
+  return {"group": {"id": np.int64(group_id), **fields}}
 
 
 def _group_call(target, result_shapes, *args, **attrs):
