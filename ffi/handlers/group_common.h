@@ -255,6 +255,19 @@ inline ffi::Error CheckAttrEquals(std::string_view op, std::string_view attr,
               std::to_string(expected));
 }
 
+// GetGroup for the peer ops that place rows by expert (dispatch,
+// combine_vjp): their `num_experts` attribute must be the group's, their
+// `capacity` a valid one.
+inline ffi::Error GetPlacingGroup(
+    std::string_view op, const GroupRef& ref, int64_t num_experts,
+    int64_t capacity, std::shared_ptr<const runtime::Group>* group) {
+  JAX_EP_FFI_RETURN_IF_ERROR(GetGroup(op, ref, group));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckAttrEquals(op, "num_experts", num_experts,
+                                             "num_experts",
+                                             (*group)->config.num_experts));
+  return ffi_utils::CheckCapacity(op, capacity);
+}
+
 // The per-entry routing of the received side, as dispatch returns it and the
 // later ops take it: entry_row, entry_weights `[R * T_max, K]`, recv_counts
 // `[R]`.

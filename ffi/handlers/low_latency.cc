@@ -454,90 +454,66 @@ void LowLatencyHandlerCalls(int64_t* calls, int64_t* captured) {
 
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+// The operands and results each op of the pair binds, in the order its
+// handler takes them; the fused ops bind their send's and their wait's.
+#define JAX_EP_LL_DISPATCH_SEND_ARGS                                         \
+  .Arg<xla::ffi::AnyBuffer>()                /* x */                         \
+  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    /* topk_idx */                  \
+  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    /* slot_scale */                \
+  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    /* num_invalid */
+#define JAX_EP_LL_DISPATCH_WAIT_RETS                                         \
+  .Ret<xla::ffi::AnyBuffer>()                /* recv_x */                    \
+  .Ret<xla::ffi::AnyBuffer>()                /* scales */                    \
+  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    /* count */                     \
+  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    /* recv_src */                  \
+  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    /* status */
+#define JAX_EP_LL_COMBINE_SEND_ARGS                                          \
+  .Arg<xla::ffi::AnyBuffer>()                /* expert_out */                \
+  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    /* recv_src */                  \
+  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    /* count */
+#define JAX_EP_LL_COMBINE_WAIT                                               \
+  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    /* topk_idx */                  \
+  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    /* weights */                   \
+  .Ret<xla::ffi::AnyBuffer>()                /* out */                       \
+  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    /* status */                    \
+  .Attr<jax_ep::group_ffi::GroupRef>("group")                                \
+  .Attr<int64_t>("num_experts")                                              \
+  .Attr<bool>("gather")
+
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLowLatencyDispatch, jax_ep::DispatchImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()              // x
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // slot_scale
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // num_invalid
-        .Ret<xla::ffi::AnyBuffer>()              // recv_x
-        .Ret<xla::ffi::AnyBuffer>()              // scales
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // count
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
-        .Attr<int32_t>("format")
-        .Attr<bool>("weighted")
-        .Attr<bool>("ue8m0"),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    JAX_EP_LL_DISPATCH_SEND_ARGS JAX_EP_LL_DISPATCH_WAIT_RETS
+    .Attr<jax_ep::group_ffi::GroupRef>("group")
+    .Attr<int32_t>("format")
+    .Attr<bool>("weighted")
+    .Attr<bool>("ue8m0"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLowLatencyCombine, jax_ep::CombineImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()              // expert_out
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // count
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
-        .Ret<xla::ffi::AnyBuffer>()              // out
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
-        .Attr<int64_t>("num_experts")
-        .Attr<bool>("gather"),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    JAX_EP_LL_COMBINE_SEND_ARGS JAX_EP_LL_COMBINE_WAIT);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLowLatencyDispatchSend, jax_ep::DispatchSendImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()              // x
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // slot_scale
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // num_invalid
-        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
-        .Attr<int32_t>("format")
-        .Attr<bool>("weighted"),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    JAX_EP_LL_DISPATCH_SEND_ARGS
+    .Attr<jax_ep::group_ffi::GroupRef>("group")
+    .Attr<int32_t>("format")
+    .Attr<bool>("weighted"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLowLatencyDispatchWait, jax_ep::DispatchWaitImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // sent
-        .Ret<xla::ffi::AnyBuffer>()              // recv_x
-        .Ret<xla::ffi::AnyBuffer>()              // scales
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // count
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
-        .Attr<int32_t>("format")
-        .Attr<bool>("ue8m0"),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // sent
+    JAX_EP_LL_DISPATCH_WAIT_RETS
+    .Attr<jax_ep::group_ffi::GroupRef>("group")
+    .Attr<int32_t>("format")
+    .Attr<bool>("ue8m0"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLowLatencyCombineSend, jax_ep::CombineSendImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()              // expert_out
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // count
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // sent
-        .Attr<jax_ep::group_ffi::GroupRef>("group"),  // group_common.h
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    JAX_EP_LL_COMBINE_SEND_ARGS
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // sent
+    .Attr<jax_ep::group_ffi::GroupRef>("group"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLowLatencyCombineWait, jax_ep::CombineWaitImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // sent
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
-        .Ret<xla::ffi::AnyBuffer>()              // out
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
-        .Attr<int64_t>("num_experts")
-        .Attr<bool>("gather"),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // sent
+    JAX_EP_LL_COMBINE_WAIT);

@@ -95,17 +95,14 @@ ffi::Error PeerCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpPeerCombine, jax_ep::PeerCombineImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Arg<xla::ffi::AnyBuffer>()                     // expert_out
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
-        .Ret<xla::ffi::AnyBuffer>()                     // out
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
-        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
-        .Attr<bool>("weighted"),                        // weighted
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::AnyBuffer>()                     // expert_out
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
+    .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
+    .Ret<xla::ffi::AnyBuffer>()                     // out
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+    .Attr<jax_ep::group_ffi::GroupRef>("group")     // group_common.h
+    .Attr<bool>("weighted"));                       // weighted

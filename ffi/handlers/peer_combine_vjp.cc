@@ -55,12 +55,9 @@ ffi::Error PeerCombineVjpImpl(
     group_ffi::GroupRef ref,
     int64_t num_experts, int64_t capacity) {
   std::shared_ptr<const runtime::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      group_ffi::GetGroup(kOp, ref, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::GetPlacingGroup(
+      kOp, ref, num_experts, capacity, &group));
   const runtime::GroupConfig& c = group->config;
-  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckAttrEquals(
-      kOp, "num_experts", num_experts, "num_experts", c.num_experts));
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
   const int64_t num_ranks = c.num_ranks;
   const int64_t num_local = num_experts / num_ranks;
   const int64_t hidden = c.hidden;
@@ -121,22 +118,19 @@ ffi::Error PeerCombineVjpImpl(
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpPeerCombineVjp, jax_ep::PeerCombineVjpImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Arg<xla::ffi::AnyBuffer>()                     // d_out
-        .Arg<xla::ffi::AnyBuffer>()                     // expert_out
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
-        .Ret<xla::ffi::AnyBuffer>()                     // d_expert_out
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // d_weights
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
-        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
-        .Attr<int64_t>("num_experts")                   // num_experts (E)
-        .Attr<int64_t>("capacity"),                     // capacity
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::AnyBuffer>()                     // d_out
+    .Arg<xla::ffi::AnyBuffer>()                     // expert_out
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
+    .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+    .Ret<xla::ffi::AnyBuffer>()                     // d_expert_out
+    .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // d_weights
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+    .Attr<jax_ep::group_ffi::GroupRef>("group")     // group_common.h
+    .Attr<int64_t>("num_experts")                   // num_experts (E)
+    .Attr<int64_t>("capacity"));                    // capacity

@@ -55,12 +55,9 @@ ffi::Error PeerDispatchImpl(
     ffi::ResultBuffer<ffi::S32> workspace, group_ffi::GroupRef ref,
     int64_t num_experts, int64_t capacity) {
   std::shared_ptr<const runtime::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      group_ffi::GetGroup(kOp, ref, &group));
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::GetPlacingGroup(
+      kOp, ref, num_experts, capacity, &group));
   const runtime::GroupConfig& c = group->config;
-  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckAttrEquals(
-      kOp, "num_experts", num_experts, "num_experts", c.num_experts));
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
   const int64_t num_ranks = c.num_ranks;
   const int64_t num_local = num_experts / num_ranks;
   const int64_t hidden = c.hidden;
@@ -119,24 +116,21 @@ ffi::Error PeerDispatchImpl(
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpPeerDispatch, jax_ep::PeerDispatchImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Arg<xla::ffi::AnyBuffer>()                     // x
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // topk_weights
-        .Ret<xla::ffi::AnyBuffer>()                     // recv_x
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_dropped
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_invalid
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // workspace
-        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
-        .Attr<int64_t>("num_experts")                   // num_experts (E)
-        .Attr<int64_t>("capacity"),                     // capacity
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::AnyBuffer>()                     // x
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
+    .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // topk_weights
+    .Ret<xla::ffi::AnyBuffer>()                     // recv_x
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_dropped
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_invalid
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
+    .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // workspace
+    .Attr<jax_ep::group_ffi::GroupRef>("group")     // group_common.h
+    .Attr<int64_t>("num_experts")                   // num_experts (E)
+    .Attr<int64_t>("capacity"));                    // capacity

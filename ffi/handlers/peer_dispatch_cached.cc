@@ -94,18 +94,15 @@ ffi::Error PeerDispatchCachedImpl(
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpPeerDispatchCached, jax_ep::PeerDispatchCachedImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Arg<xla::ffi::AnyBuffer>()                     // x
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
-        .Ret<xla::ffi::AnyBuffer>()                     // recv_x
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
-        .Attr<jax_ep::group_ffi::GroupRef>("group")  // group_common.h
-        .Attr<int64_t>("capacity")                      // capacity
-        .Attr<bool>("weighted"),                        // weighted
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::AnyBuffer>()                     // x
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
+    .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+    .Ret<xla::ffi::AnyBuffer>()                     // recv_x
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+    .Attr<jax_ep::group_ffi::GroupRef>("group")     // group_common.h
+    .Attr<int64_t>("capacity")                      // capacity
+    .Attr<bool>("weighted"));                       // weighted

@@ -137,16 +137,13 @@ ffi::Error RailExchangeImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> index,
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpRailExchange, jax_ep::RailExchangeImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // index
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // counts
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // pes
-        .RemainingArgs()                         // sources
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_counts
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .RemainingRets()                         // one per source
-        .Attr<jax_ep::group_ffi::GroupRef>("group"),  // group_common.h
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // index
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // counts
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // pes
+    .RemainingArgs()                                // sources
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+    .RemainingRets()                                // one per source
+    .Attr<jax_ep::group_ffi::GroupRef>("group"));   // group_common.h
