@@ -20,11 +20,11 @@
 #include <vector>
 
 #include "ffi/handlers/handlers.h"
-#include "ffi/runtime/group.h"
 #include "ffi/kernels/ep_common.h"
-#include "ffi/kernels/peer_kernels.h"
 #include "ffi/kernels/layout_kernels.h"
 #include "ffi/kernels/low_latency_kernels.h"
+#include "ffi/kernels/peer_kernels.h"
+#include "ffi/runtime/group.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/pair.h"

@@ -165,7 +165,7 @@ class _FakeTransport:
 
 
 @pytest.fixture
-def intranode_group(monkeypatch):
+def peer_group(monkeypatch):
   """A two-rank group wired to a fake peer transport (the cuda backend's Python side)."""
   if jax.process_count() > 1:
     pytest.skip("single-process fake")
@@ -208,8 +208,8 @@ def _trace_dispatch(group):
   return jax.jit(mapped).trace(*structs)
 
 
-def test_watchdog_logs_a_timeout_and_every_entry_point_raises_it(intranode_group, caplog):
-  group, transport = intranode_group()
+def test_watchdog_logs_a_timeout_and_every_entry_point_raises_it(peer_group, caplog):
+  group, transport = peer_group()
   with caplog.at_level(logging.ERROR, logger="jax_ep"):
     _wait_for(lambda: transport.reads > 0)  # the watchdog polls without being asked
     group.check()  # nothing yet
@@ -224,8 +224,8 @@ def test_watchdog_logs_a_timeout_and_every_entry_point_raises_it(intranode_group
   assert transport.closed
 
 
-def test_close_raises_a_failure_nobody_saw(intranode_group):
-  group, transport = intranode_group()
+def test_close_raises_a_failure_nobody_saw(peer_group):
+  group, transport = peer_group()
   transport.message = TIMEOUT
   with pytest.raises(TimeoutError, match="rank 0 timed out"):
     group.close()
@@ -235,17 +235,17 @@ def test_close_raises_a_failure_nobody_saw(intranode_group):
   assert transport.reads == reads  # a closed group's record is no longer read
 
 
-def test_close_raises_a_timeout_recorded_while_it_waited_for_the_device(intranode_group):
+def test_close_raises_a_timeout_recorded_while_it_waited_for_the_device(peer_group):
   """A kernel still running when close() is called may time out while close() waits for the
   device; its record is read before the mailbox is freed and raised."""
-  group, transport = intranode_group()
+  group, transport = peer_group()
   transport.late = TIMEOUT
   with pytest.raises(TimeoutError, match="rank 0 timed out"):
     group.close()
 
 
-def test_leaving_a_with_block_on_an_exception_keeps_that_exception(intranode_group):
-  group, transport = intranode_group()
+def test_leaving_a_with_block_on_an_exception_keeps_that_exception(peer_group):
+  group, transport = peer_group()
   transport.message = TIMEOUT
   with pytest.raises(KeyError):
     with group:
@@ -254,13 +254,13 @@ def test_leaving_a_with_block_on_an_exception_keeps_that_exception(intranode_gro
 
 
 @pytest.mark.skipif(_ffi.extension() is None, reason="built without the CUDA extension")
-def test_no_host_callback_in_any_op_by_default(intranode_group):
-  """The intranode ops' programs carry no host callback unless a debug setting asks for one."""
+def test_no_host_callback_in_any_op_by_default(peer_group):
+  """The peer ops' programs carry no host callback unless a debug setting asks for one."""
   def callbacks(group):
     return count_primitive(_trace_dispatch(group).jaxpr.jaxpr, "debug_callback")
-  assert callbacks(intranode_group()[0]) == 0
-  assert callbacks(intranode_group(raise_on_timeout=True)[0]) == 1
-  assert callbacks(intranode_group(strict=True)[0]) == 1
+  assert callbacks(peer_group()[0]) == 0
+  assert callbacks(peer_group(raise_on_timeout=True)[0]) == 1
+  assert callbacks(peer_group(strict=True)[0]) == 1
 
 
 def test_reference_ops_have_no_host_callback_by_default():

@@ -21,8 +21,8 @@
 #include <string_view>
 
 #include "ffi/handlers/ffi_utils.h"
-#include "ffi/runtime/group.h"
 #include "ffi/kernels/ep_common.h"
+#include "ffi/runtime/group.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep::group_ffi {

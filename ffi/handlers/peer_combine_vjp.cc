@@ -30,10 +30,10 @@
 #include <string>
 
 #include "ffi/handlers/ffi_utils.h"
-#include "ffi/handlers/handlers.h"
 #include "ffi/handlers/group_common.h"
-#include "ffi/runtime/group.h"
+#include "ffi/handlers/handlers.h"
 #include "ffi/kernels/peer_kernels.h"
+#include "ffi/runtime/group.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {

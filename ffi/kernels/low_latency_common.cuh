@@ -19,10 +19,10 @@
 
 #include "ffi/kernels/ep_common.h"
 #include "ffi/kernels/group_view.h"
-#include "ffi/kernels/peer_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
 #include "ffi/kernels/low_latency_kernels.h"
 #include "ffi/kernels/low_latency_protocol.cuh"
+#include "ffi/kernels/peer_protocol.cuh"
 
 namespace jax_ep::low_latency {
 namespace {

@@ -13,11 +13,11 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/local_kernels.h"
 #include "ffi/kernels/peer_kernels.h"
 #include "ffi/kernels/peer_launch.h"
 #include "ffi/kernels/peer_protocol.cuh"
-#include "ffi/kernels/kernel_utils.cuh"
-#include "ffi/kernels/local_kernels.h"
 
 namespace jax_ep::peer {
 namespace {

@@ -107,8 +107,8 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "ffi/kernels/peer_kernels.h"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/peer_kernels.h"
 
 namespace jax_ep::peer {
 namespace {

@@ -12,10 +12,10 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "ffi/kernels/kernel_utils.cuh"
 #include "ffi/kernels/peer_kernels.h"
 #include "ffi/kernels/peer_launch.h"
 #include "ffi/kernels/peer_protocol.cuh"
-#include "ffi/kernels/kernel_utils.cuh"
 
 namespace jax_ep::peer {
 namespace {

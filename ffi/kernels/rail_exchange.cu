@@ -36,8 +36,8 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/peer_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/peer_protocol.cuh"
 #include "ffi/kernels/rail_kernels.h"
 #include "ffi/kernels/rail_protocol.cuh"
 

@@ -16,13 +16,13 @@
 #include <utility>
 #include <vector>
 
+#include "ffi/kernels/group_buffer_layout.h"
+#include "ffi/kernels/group_view.h"
+#include "ffi/kernels/network.h"
 #include "ffi/runtime/group.h"
 #include "ffi/runtime/group_internal.h"
 #include "ffi/runtime/header.h"
 #include "ffi/runtime/topology.h"
-#include "ffi/kernels/group_buffer_layout.h"
-#include "ffi/kernels/group_view.h"
-#include "ffi/kernels/network.h"
 
 namespace jax_ep::runtime {
 namespace {

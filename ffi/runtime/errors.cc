@@ -10,9 +10,9 @@
 #include <optional>
 #include <string>
 
-#include "ffi/runtime/group.h"
 #include "ffi/kernels/group_buffer_layout.h"
 #include "ffi/kernels/group_mailbox.h"
+#include "ffi/runtime/group.h"
 
 namespace jax_ep::runtime {
 namespace {

@@ -18,13 +18,13 @@
 #include <stdexcept>
 #include <string>
 
-#include "ffi/runtime/group_internal.h"
-#include "ffi/runtime/header.h"
-#include "ffi/runtime/topology.h"
 #include "ffi/kernels/ep_common.h"
 #include "ffi/kernels/group_buffer_layout.h"
 #include "ffi/kernels/group_view.h"
 #include "ffi/kernels/peer_kernels.h"
+#include "ffi/runtime/group_internal.h"
+#include "ffi/runtime/header.h"
+#include "ffi/runtime/topology.h"
 
 namespace jax_ep::runtime {
 namespace {

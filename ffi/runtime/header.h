@@ -11,8 +11,8 @@
 #include <cstdint>
 #include <cstring>
 
-#include "ffi/runtime/group.h"
 #include "ffi/kernels/group_buffer_layout.h"
+#include "ffi/runtime/group.h"
 
 namespace jax_ep::runtime {
 
