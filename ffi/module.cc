@@ -50,14 +50,11 @@ nb::dict Registrations() {
   dict["jax_ep_local_combine"] = EncapsulateFfiHandler(JaxEpLocalCombine);
   dict["jax_ep_local_combine_vjp"] =
       EncapsulateFfiHandler(JaxEpLocalCombineVjp);
-  dict["jax_ep_peer_dispatch"] =
-      EncapsulateFfiHandler(JaxEpPeerDispatch);
+  dict["jax_ep_peer_dispatch"] = EncapsulateFfiHandler(JaxEpPeerDispatch);
   dict["jax_ep_peer_dispatch_cached"] =
       EncapsulateFfiHandler(JaxEpPeerDispatchCached);
-  dict["jax_ep_peer_combine"] =
-      EncapsulateFfiHandler(JaxEpPeerCombine);
-  dict["jax_ep_peer_combine_vjp"] =
-      EncapsulateFfiHandler(JaxEpPeerCombineVjp);
+  dict["jax_ep_peer_combine"] = EncapsulateFfiHandler(JaxEpPeerCombine);
+  dict["jax_ep_peer_combine_vjp"] = EncapsulateFfiHandler(JaxEpPeerCombineVjp);
   dict["jax_ep_low_latency_dispatch"] =
       EncapsulateFfiHandler(JaxEpLowLatencyDispatch);
   dict["jax_ep_low_latency_combine"] =
@@ -71,6 +68,13 @@ nb::dict Registrations() {
   dict["jax_ep_low_latency_combine_wait"] =
       EncapsulateFfiHandler(JaxEpLowLatencyCombineWait);
   dict["jax_ep_rail_exchange"] = EncapsulateFfiHandler(JaxEpRailExchange);
+  return dict;
+}
+
+// The XLA:CPU targets: the group attribute's probe (handlers/group_probe.cc).
+nb::dict CpuRegistrations() {
+  nb::dict dict;
+  dict["jax_ep_group_probe"] = EncapsulateFfiHandler(JaxEpGroupProbe);
   return dict;
 }
 
@@ -247,6 +251,10 @@ NB_MODULE(_jax_ep_ffi, m) {
   m.def("registrations", &jax_ep::Registrations,
         "Returns {ffi_target_name: PyCapsule of the XLA FFI handler} for every "
         "CUDA custom call (register with platform='CUDA').");
+  m.def("cpu_registrations", &jax_ep::CpuRegistrations,
+        "Returns {ffi_target_name: PyCapsule} of the XLA:CPU targets "
+        "(register with platform='cpu'): jax_ep_group_probe, which decodes the "
+        "group ops' `group` attribute and returns its fields.");
   m.def("local_layout_workspace_elems", &jax_ep::LocalLayoutWorkspaceElems,
         nb::arg("num_tokens"), nb::arg("num_topk"), nb::arg("num_experts"),
         "Elements of the int32 `workspace` result of jax_ep_local_layout, "

@@ -10,6 +10,7 @@ configuration.
 """
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -49,8 +50,8 @@ def _group_ops(config, group_id):
   i32, f32, dt = jnp.int32, jnp.float32, config.dtype
   x, idx, w = jnp.zeros((t, h), dt), jnp.zeros((t, k), i32), jnp.zeros((t, k), f32)
   layout = cuda_ops.PeerLayout(jnp.zeros((t, r), i32), jnp.zeros((n, k), i32),
-                                    jnp.zeros((n, k), f32), jnp.zeros((r,), i32),
-                                    jnp.zeros((local,), i32), idx)
+                               jnp.zeros((n, k), f32), jnp.zeros((r,), i32),
+                               jnp.zeros((local,), i32), idx)
   eo = jnp.zeros((config.capacity, h), dt)
   ll_layout = cuda_ops.LowLatencyLayout(idx, jnp.zeros((local, slab), i32),
                                         jnp.zeros((local,), i32))
@@ -125,6 +126,63 @@ def test_the_python_table_and_the_cpp_struct_name_the_same_fields():
                             "capacity": 24, "expert_alignment": 1}
   aligned = dataclasses.replace(config, expert_alignment=16)
   assert cuda_ops.group_attrs(aligned, 5)["group"]["expert_alignment"] == 16
+
+
+@functools.cache
+def _probe_registered() -> bool:
+  """Registers the extension's XLA:CPU targets (jax_ep_group_probe); False without it."""
+  from jax_ep._native import ffi
+  ext = ffi.extension()
+  if ext is None:
+    return False
+  for name, capsule in ext.cpu_registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  return True
+
+
+def _probe(attrs):
+  """The `group` attribute as XLA decodes it for the handlers (GroupRef), by field name."""
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    fields = jax.ffi.ffi_call("jax_ep_group_probe",
+                              jax.ShapeDtypeStruct((len(_struct_members()),), jnp.int32))(**attrs)
+  return dict(zip(_struct_members(), np.asarray(fields).tolist()))
+
+
+def test_the_handlers_decode_the_attribute_python_builds():
+  """XLA's decoding of `group` into the handlers' struct (the CPU probe decodes it as the group
+  ops do): every field arrives under its name, whatever the order of the Python table."""
+  if not _probe_registered():
+    pytest.skip("the CUDA extension is not built")
+  config = dataclasses.replace(_config(capacity=24, dtype=jnp.float32), expert_alignment=16)
+  attrs = cuda_ops.group_attrs(config, 7)
+  assert _probe(attrs) == {"id": 7, "num_ranks": 2, "num_experts": 8, "num_topk": 2,
+                           "hidden": 128, "max_tokens_per_rank": 4, "itemsize": 4,
+                           "capacity": 24, "expert_alignment": 16}
+  reordered = {"group": dict(reversed(list(attrs["group"].items())))}
+  assert _probe(reordered) == _probe(attrs)
+
+
+@pytest.mark.parametrize("change,message", [
+    ("missing", "Wrong number of attributes: expected 9 attributes but got 8"),
+    ("extra", "Wrong number of attributes: expected 9 attributes but got 10"),
+    ("not_i64", "expected S64 but got S32"),
+])
+def test_an_attribute_of_another_layout_is_refused_before_the_handler(change, message):
+  """A program built by another version of jax_ep (a field missing, added, or of another type)
+  fails in XLA's decoding of the struct, saying what differs, instead of reading a field in
+  the wrong place."""
+  if not _probe_registered():
+    pytest.skip("the CUDA extension is not built")
+  group = dict(cuda_ops.group_attrs(_config(), 7)["group"])
+  if change == "missing":
+    del group["capacity"]
+  elif change == "extra":
+    group["num_hosts"] = np.int64(1)
+  else:
+    group["capacity"] = np.int32(16)
+  with pytest.raises(Exception, match=message):
+    _probe({"group": group})
 
 
 def test_every_group_op_names_its_group_and_configuration(monkeypatch):

@@ -40,7 +40,11 @@ def _names(cell):
 
 
 def _registered_targets():
-  return set(re.findall(r'dict\["(jax_ep_[a-z_]+)"\]', (ROOT / "ffi" / "module.cc").read_text()))
+  """The CUDA targets `registrations()` returns (not the XLA:CPU probe of
+  `cpu_registrations()`, which no op calls)."""
+  source = (ROOT / "ffi" / "module.cc").read_text()
+  body = source.split("nb::dict Registrations() {", 1)[1].split("\n}\n", 1)[0]
+  return set(re.findall(r'dict\["(jax_ep_[a-z_]+)"\]', body))
 
 
 ROWS = _table()

@@ -46,6 +46,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyCombineWait);
 // "jax_ep_rail_exchange".
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpRailExchange);
 
+// XLA:CPU: the `group` attribute as the group ops decode it (group_probe.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupProbe);
+
 namespace jax_ep {
 // Invocations of the low-latency handlers (a fused call counts once), and how
 // many of them ran while a command buffer was recorded.
