@@ -153,7 +153,7 @@ def test_the_handlers_decode_the_attribute_python_builds():
   """XLA's decoding of `group` into the handlers' struct (the CPU probe decodes it as the group
   ops do): every field arrives under its name, whatever the order of the Python table."""
   if not _probe_registered():
-    pytest.skip("the CUDA extension is not built")
+    pytest.skip("needs the built extension (its XLA:CPU probe target)")
   config = dataclasses.replace(_config(capacity=24, dtype=jnp.float32), expert_alignment=16)
   attrs = cuda_ops.group_attrs(config, 7)
   assert _probe(attrs) == {"id": 7, "num_ranks": 2, "num_experts": 8, "num_topk": 2,
@@ -173,7 +173,7 @@ def test_an_attribute_of_another_layout_is_refused_before_the_handler(change, me
   fails in XLA's decoding of the struct, saying what differs, instead of reading a field in
   the wrong place."""
   if not _probe_registered():
-    pytest.skip("the CUDA extension is not built")
+    pytest.skip("needs the built extension (its XLA:CPU probe target)")
   group = dict(cuda_ops.group_attrs(_config(), 7)["group"])
   if change == "missing":
     del group["capacity"]
