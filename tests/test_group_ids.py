@@ -3,10 +3,11 @@ compilation cache (docs/decisions.md, "Group ids").
 
 Every custom call on a group carries `group`, a dictionary attribute of the group's `id` (its
 number in the process that traced the program) and the configuration it was built for, which
-the handlers decode by field name and compare with the group they find. The CPU tests check what the program carries and that both
-are part of the cache key; the GPU tests run programs on groups created in different orders in
-two processes sharing one cache, and a program whose id names a group of another
-configuration.
+the handlers decode by field name and compare with the group they find. The CPU tests check
+what the program carries, XLA's decoding of it (through the extension's XLA:CPU probe target)
+and that it is part of the cache key; the GPU tests run programs on groups created in
+different orders in two processes sharing one cache, and a program whose id names a group of
+another configuration.
 """
 
 import dataclasses

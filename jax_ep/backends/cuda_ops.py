@@ -163,9 +163,8 @@ def _storage_rows(rows: int) -> int:
 
   NOTES: XLA:GPU (jaxlib 0.11.2) segfaulted compiling a side-effecting custom call with a
   zero-row result (capacity 0, seen on the H200; see StorageRows in
-  ffi/handlers/group_common.h).
-  Zero-row buffers therefore travel as one inert row (zeros, or -1 for ids and positions: a token sent
-  nowhere) and the results are sliced back here.
+  ffi/handlers/group_common.h). Zero-row buffers therefore travel as one inert row (zeros, or
+  -1 for ids and positions: a token sent nowhere) and the results are sliced back here.
   """
   return max(rows, 1)
 

@@ -139,7 +139,8 @@ def _create_cuda(request: Request):
         low_latency=r.low_latency, exchange_timeout_s=r.config_timeout_s)
   else:
     transport = transport_lib.create_peer(config, mesh, r.key, num_sms=r.num_sms,
-                                          timeout_s=r.timeout_s, process_ids=r.process_ids, low_latency=r.low_latency)
+                                          timeout_s=r.timeout_s, process_ids=r.process_ids,
+                                          low_latency=r.low_latency)
   ll_group = transport.primary_id if r.low_latency else None
   backend: Backend
   if getattr(transport, "network_buffer", 0):
