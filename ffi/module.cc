@@ -7,8 +7,8 @@
 //   for name, capsule in _jax_ep_ffi.registrations().items():
 //     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
 //
-// The intranode_group_* functions manage the intranode transport's groups
-// (ffi/handlers/intranode_group.h); their failures raise Python exceptions:
+// The group_* functions manage the peer transport's groups
+// (ffi/runtime/group.h); their failures raise Python exceptions:
 // ValueError for arguments out of range, RuntimeError for CUDA errors.
 
 #include <cuda_runtime.h>
@@ -20,11 +20,11 @@
 #include <vector>
 
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/intranode_group.h"
 #include "ffi/kernels/ep_common.h"
-#include "ffi/kernels/intranode_kernels.h"
 #include "ffi/kernels/layout_kernels.h"
 #include "ffi/kernels/low_latency_kernels.h"
+#include "ffi/kernels/peer_kernels.h"
+#include "ffi/runtime/group.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/pair.h"
@@ -50,14 +50,11 @@ nb::dict Registrations() {
   dict["jax_ep_local_combine"] = EncapsulateFfiHandler(JaxEpLocalCombine);
   dict["jax_ep_local_combine_vjp"] =
       EncapsulateFfiHandler(JaxEpLocalCombineVjp);
-  dict["jax_ep_intranode_dispatch"] =
-      EncapsulateFfiHandler(JaxEpIntranodeDispatch);
-  dict["jax_ep_intranode_dispatch_cached"] =
-      EncapsulateFfiHandler(JaxEpIntranodeDispatchCached);
-  dict["jax_ep_intranode_combine"] =
-      EncapsulateFfiHandler(JaxEpIntranodeCombine);
-  dict["jax_ep_intranode_combine_vjp"] =
-      EncapsulateFfiHandler(JaxEpIntranodeCombineVjp);
+  dict["jax_ep_peer_dispatch"] = EncapsulateFfiHandler(JaxEpPeerDispatch);
+  dict["jax_ep_peer_dispatch_cached"] =
+      EncapsulateFfiHandler(JaxEpPeerDispatchCached);
+  dict["jax_ep_peer_combine"] = EncapsulateFfiHandler(JaxEpPeerCombine);
+  dict["jax_ep_peer_combine_vjp"] = EncapsulateFfiHandler(JaxEpPeerCombineVjp);
   dict["jax_ep_low_latency_dispatch"] =
       EncapsulateFfiHandler(JaxEpLowLatencyDispatch);
   dict["jax_ep_low_latency_combine"] =
@@ -71,6 +68,13 @@ nb::dict Registrations() {
   dict["jax_ep_low_latency_combine_wait"] =
       EncapsulateFfiHandler(JaxEpLowLatencyCombineWait);
   dict["jax_ep_rail_exchange"] = EncapsulateFfiHandler(JaxEpRailExchange);
+  return dict;
+}
+
+// The XLA:CPU targets: the group attribute's probe (handlers/group_probe.cc).
+nb::dict CpuRegistrations() {
+  nb::dict dict;
+  dict["jax_ep_group_probe"] = EncapsulateFfiHandler(JaxEpGroupProbe);
   return dict;
 }
 
@@ -90,13 +94,13 @@ int64_t LocalLayoutWorkspaceElems(int64_t num_tokens, int64_t num_topk,
 void CheckDispatchWorkspaceArgs(const char* fn, int64_t num_ranks,
                                 int64_t max_tokens, int64_t num_topk,
                                 int64_t num_experts) {
-  if (num_ranks < 1 || num_ranks > intranode::kMaxRanks || max_tokens < 1 ||
+  if (num_ranks < 1 || num_ranks > group::kMaxRanks || max_tokens < 1 ||
       num_topk < 1 || num_topk > kMaxTopk || num_experts < num_ranks ||
       num_experts % num_ranks != 0 || num_experts / num_ranks > kMaxExperts ||
       num_ranks * max_tokens * num_topk > kMaxSlots) {
     throw std::invalid_argument(
         std::string(fn) +
-        ": expected 1 <= num_ranks <= " + std::to_string(intranode::kMaxRanks) +
+        ": expected 1 <= num_ranks <= " + std::to_string(group::kMaxRanks) +
         ", max_tokens_per_rank >= 1, 1 <= num_topk <= " +
         std::to_string(kMaxTopk) +
         ", num_experts a positive multiple of num_ranks with num_experts / "
@@ -107,20 +111,20 @@ void CheckDispatchWorkspaceArgs(const char* fn, int64_t num_ranks,
   }
 }
 
-int64_t IntranodeDispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
+int64_t PeerDispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
                                         int64_t num_topk, int64_t num_experts) {
-  CheckDispatchWorkspaceArgs("intranode_dispatch_workspace_elems", num_ranks,
+  CheckDispatchWorkspaceArgs("peer_dispatch_workspace_elems", num_ranks,
                              max_tokens, num_topk, num_experts);
-  return intranode::DispatchWorkspaceElems(num_ranks, max_tokens, num_topk,
+  return peer::DispatchWorkspaceElems(num_ranks, max_tokens, num_topk,
                                            num_experts);
 }
 
-// The parts of intranode::DispatchWorkspace as {name: offset}, and "elems".
-nb::dict IntranodeDispatchWorkspace(int64_t num_ranks, int64_t max_tokens,
+// The parts of peer::DispatchWorkspace as {name: offset}, and "elems".
+nb::dict PeerDispatchWorkspace(int64_t num_ranks, int64_t max_tokens,
                                     int64_t num_topk, int64_t num_experts) {
-  CheckDispatchWorkspaceArgs("intranode_dispatch_workspace", num_ranks,
+  CheckDispatchWorkspaceArgs("peer_dispatch_workspace", num_ranks,
                              max_tokens, num_topk, num_experts);
-  const intranode::DispatchWorkspace w = intranode::MakeDispatchWorkspace(
+  const peer::DispatchWorkspace w = peer::MakeDispatchWorkspace(
       num_ranks, max_tokens, num_topk, num_experts);
   nb::dict d;
   d["count_to"] = w.count_to;
@@ -139,7 +143,7 @@ nb::dict IntranodeDispatchWorkspace(int64_t num_ranks, int64_t max_tokens,
   return d;
 }
 
-int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
+int64_t GroupCreate(int device_ordinal, int rank, int num_ranks,
                              int64_t num_experts, int64_t num_topk,
                              int64_t hidden, int64_t max_tokens,
                              int64_t itemsize, int64_t capacity, int num_sms,
@@ -147,7 +151,7 @@ int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
                              uint64_t network_buffer,
                              int64_t network_buffer_bytes, int num_hosts,
                              int64_t expert_alignment) {
-  intranode_group::GroupConfig c;
+  runtime::GroupConfig c;
   c.device = device_ordinal;
   c.rank = rank;
   c.num_ranks = num_ranks;
@@ -163,23 +167,23 @@ int64_t IntranodeGroupCreate(int device_ordinal, int rank, int num_ranks,
   c.network = network_buffer != 0;
   c.num_hosts = num_hosts;
   c.expert_alignment = expert_alignment;
-  return intranode_group::Create(c, reinterpret_cast<void*>(network_buffer),
+  return runtime::Create(c, reinterpret_cast<void*>(network_buffer),
                                  network_buffer_bytes);
 }
 
-nb::bytes IntranodeGroupIpcHandle(int64_t group_id) {
-  const std::string handle = intranode_group::IpcHandle(group_id);
+nb::bytes GroupIpcHandle(int64_t group_id) {
+  const std::string handle = runtime::IpcHandle(group_id);
   return nb::bytes(handle.data(), handle.size());
 }
 
-void IntranodeGroupConnect(int64_t group_id,
+void GroupConnect(int64_t group_id,
                            const std::vector<nb::bytes>& handles) {
   std::vector<std::string> raw;
   raw.reserve(handles.size());
   for (const nb::bytes& h : handles) {
     raw.emplace_back(static_cast<const char*>(h.data()), h.size());
   }
-  intranode_group::Connect(group_id, raw);
+  runtime::Connect(group_id, raw);
 }
 
 // Loads every kernel of the extension on `device_ordinal` (DESIGN: kernels are
@@ -189,7 +193,7 @@ void PreloadKernels(int device_ordinal) {
   int previous = 0;
   cudaError_t err = cudaGetDevice(&previous);
   if (err == cudaSuccess) err = cudaSetDevice(device_ordinal);
-  if (err == cudaSuccess) err = intranode::PreloadKernels();
+  if (err == cudaSuccess) err = peer::PreloadKernels();
   if (err == cudaSuccess) err = cudaSetDevice(previous);
   if (err != cudaSuccess) {
     throw std::runtime_error("jax_ep: loading the kernels on device " +
@@ -208,15 +212,15 @@ nb::dict Limits() {
   d["max_slots"] = kMaxSlots;  // T * K at one rank, R * T_max * K across ranks
   d["hidden_multiple"] = kHiddenMultiple;
   d["max_capacity"] = kMaxCapacity;
-  d["max_intranode_ranks"] = intranode::kMaxRanks;
+  d["max_ranks"] = group::kMaxRanks;
   d["max_num_sms"] = kMaxNumSms;
   return d;
 }
 
 // Whether every ordered pair of these devices can access each other's memory
 // (cudaDeviceCanAccessPeer): what one process driving them through the
-// intranode transport needs. Query failures count as no.
-bool IntranodePeerAccess(const std::vector<int>& devices) {
+// peer transport needs. Query failures count as no.
+bool PeerAccess(const std::vector<int>& devices) {
   for (int a : devices) {
     for (int b : devices) {
       if (a == b) continue;
@@ -247,17 +251,21 @@ NB_MODULE(_jax_ep_ffi, m) {
   m.def("registrations", &jax_ep::Registrations,
         "Returns {ffi_target_name: PyCapsule of the XLA FFI handler} for every "
         "CUDA custom call (register with platform='CUDA').");
+  m.def("cpu_registrations", &jax_ep::CpuRegistrations,
+        "Returns {ffi_target_name: PyCapsule} of the XLA:CPU targets "
+        "(register with platform='cpu'): jax_ep_group_probe, which decodes the "
+        "group ops' `group` attribute and returns its fields.");
   m.def("local_layout_workspace_elems", &jax_ep::LocalLayoutWorkspaceElems,
         nb::arg("num_tokens"), nb::arg("num_topk"), nb::arg("num_experts"),
         "Elements of the int32 `workspace` result of jax_ep_local_layout, "
         "per batch element (layout::LocalLayoutWorkspaceElems).");
   m.def("preload_kernels", &jax_ep::PreloadKernels, nb::arg("device_ordinal"),
-        "Loads every kernel (layout, local, intranode transport) on a device; "
+        "Loads every kernel (layout, local, peer transport) on a device; "
         "called when a cuda group is created.");
   m.def("cuda_runtime_version", &jax_ep::CudaRuntimeVersion,
         "CUDA runtime version the extension was built with, e.g. 13000.");
 
-  // --- The intranode transport (multi-rank, one NVLink domain). ------------
+  // --- The peer transport (multi-rank, one NVLink domain). ------------
   m.def(
       "low_latency_local_bytes",
       []() {
@@ -274,27 +282,27 @@ NB_MODULE(_jax_ep_ffi, m) {
       },
       "(calls, captured): invocations of the low-latency handlers in this "
       "process, and those made while XLA recorded a command buffer.");
-  m.def("intranode_buffer_bytes", &jax_ep::intranode_group::BufferBytes,
+  m.def("group_buffer_bytes", &jax_ep::runtime::BufferBytes,
         nb::arg("num_ranks"), nb::arg("max_tokens_per_rank"), nb::arg("hidden"),
         nb::arg("num_topk"), nb::arg("itemsize"),
         nb::arg("low_latency_experts") = 0, nb::arg("network") = false,
         nb::arg("num_hosts") = 0,
-        "Bytes of one rank's intranode buffer (intranode::BufferLayout in "
-        "ffi/kernels/intranode_buffer_layout.h; docs/intranode.md lists its "
+        "Bytes of one rank's group buffer (group::BufferLayout in "
+        "ffi/kernels/group_buffer_layout.h; docs/intranode.md lists its "
         "regions); `network`: with the network transport's outbox; "
         "`num_hosts` >= 2: with the rail exchange's regions.");
-  m.def("intranode_dispatch_workspace_elems",
-        &jax_ep::IntranodeDispatchWorkspaceElems, nb::arg("num_ranks"),
+  m.def("peer_dispatch_workspace_elems",
+        &jax_ep::PeerDispatchWorkspaceElems, nb::arg("num_ranks"),
         nb::arg("max_tokens_per_rank"), nb::arg("num_topk"),
         nb::arg("num_experts"),
         "Elements of the int32 `workspace` result of "
-        "jax_ep_intranode_dispatch (intranode::DispatchWorkspace).");
-  m.def("intranode_dispatch_workspace", &jax_ep::IntranodeDispatchWorkspace,
+        "jax_ep_peer_dispatch (peer::DispatchWorkspace).");
+  m.def("peer_dispatch_workspace", &jax_ep::PeerDispatchWorkspace,
         nb::arg("num_ranks"), nb::arg("max_tokens_per_rank"),
         nb::arg("num_topk"), nb::arg("num_experts"),
-        "intranode::DispatchWorkspace: {part: offset in int32 elements}, in "
+        "peer::DispatchWorkspace: {part: offset in int32 elements}, in "
         "order, and 'elems', the total.");
-  m.def("intranode_group_create", &jax_ep::IntranodeGroupCreate,
+  m.def("group_create", &jax_ep::GroupCreate,
         nb::arg("device_ordinal"), nb::arg("rank"), nb::arg("num_ranks"),
         nb::arg("num_experts"), nb::arg("num_topk"), nb::arg("hidden"),
         nb::arg("max_tokens_per_rank"), nb::arg("itemsize"),
@@ -310,40 +318,40 @@ NB_MODULE(_jax_ep_ffi, m) {
         "frees it; `num_hosts` >= 2 adds its rail exchange's regions. "
         "`expert_alignment`: each local expert's rows of the dispatch output "
         "start at a multiple of it.");
-  m.def("intranode_group_connect_table", &jax_ep::intranode_group::ConnectTable,
+  m.def("group_connect_table", &jax_ep::runtime::ConnectTable,
         nb::arg("group_id"), nb::arg("table"), nb::arg("network_send"),
         "Connects a network group: table[r] is rank r's buffer as this "
         "process maps it, 0 for a rank reached through the network "
         "transport; `network_send` is the address of the network transport's "
         "low-latency put launcher (jax_ep._jax_ep_nvshmem).");
-  m.def("intranode_group_ipc_handle", &jax_ep::IntranodeGroupIpcHandle,
+  m.def("group_ipc_handle", &jax_ep::GroupIpcHandle,
         nb::arg("group_id"),
         "The 64-byte cudaIpcMemHandle_t of the group's buffer.");
-  m.def("intranode_group_connect", &jax_ep::IntranodeGroupConnect,
+  m.def("group_connect", &jax_ep::GroupConnect,
         nb::arg("group_id"), nb::arg("handles"),
         "Opens handles[r] of every rank r (the own one is ignored), checks "
         "each peer's configuration header and builds the pointer table.");
-  m.def("intranode_group_connect_local", &jax_ep::intranode_group::ConnectLocal,
+  m.def("group_connect_local", &jax_ep::runtime::ConnectLocal,
         nb::arg("group_ids"),
         "Connects groups of this process, group_ids[r] = rank r, enabling "
         "peer access between distinct devices. An op given any id of the set "
         "runs with the member on its current device.");
-  m.def("intranode_group_pointer_table", &jax_ep::intranode_group::PointerTable,
+  m.def("group_pointer_table", &jax_ep::runtime::PointerTable,
         nb::arg("group_id"),
         "The group's peer pointer table as integers (empty before connect).");
-  m.def("intranode_group_receives_while_sending",
-        &jax_ep::intranode_group::ReceivesWhileSending, nb::arg("group_id"),
+  m.def("group_receives_while_sending",
+        &jax_ep::runtime::ReceivesWhileSending, nb::arg("group_id"),
         "Whether the group's dispatch places the other ranks' rows while it "
         "sends (every rank on a GPU of its own, native P2P atomics between "
         "them; decided on connect).");
-  m.def("intranode_peer_access", &jax_ep::IntranodePeerAccess,
+  m.def("peer_access", &jax_ep::PeerAccess,
         nb::arg("device_ordinals"),
         "Whether every ordered pair of these devices can access each other's "
         "memory (cudaDeviceCanAccessPeer); False when a query fails.");
-  m.def("intranode_group_error", &jax_ep::intranode_group::ErrorMessage,
+  m.def("group_error", &jax_ep::runtime::ErrorMessage,
         nb::arg("group_id"),
         "The message of the group's first timeout, or None (no sync).");
-  m.def("intranode_group_destroy", &jax_ep::intranode_group::Destroy,
+  m.def("group_destroy", &jax_ep::runtime::Destroy,
         nb::arg("group_id"),
         "Synchronizes the group's device, reads the message of its first "
         "timeout (or None), and frees the group; returns the message. "

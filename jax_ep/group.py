@@ -18,8 +18,8 @@ import numpy as np
 from jax_ep import _status
 from jax_ep._native import effects
 from jax_ep.backends import registry
-from jax_ep.backends.intranode import IntranodeTransport
 from jax_ep.backends.options import CommOptions
+from jax_ep.backends.transport import NetworkTransport, Transport
 from jax_ep.config import RowFormat, as_row_format, positive_int
 from jax_ep.launch import _distributed
 # Re-exported: `from jax_ep.group import memory_bytes, MemoryEstimate` is how code imports them.
@@ -31,10 +31,10 @@ _logger = logging.getLogger("jax_ep")
 
 
 
-# Intranode transports of groups not yet closed: the exit hook of jax_ep/_native/effects.py
+# Transports of groups not yet closed: the exit hook of jax_ep/_native/effects.py
 # settles JAX's effect tokens when one of them recorded a timeout (strong references: a dropped
 # group's native buffers and error record live on until exit anyway).
-_OPEN_TRANSPORTS: dict[int, IntranodeTransport] = {}
+_OPEN_TRANSPORTS: dict[int, Transport] = {}
 effects.add_failure_source(
     lambda: any(t.error() for t in list(_OPEN_TRANSPORTS.values())))
 
@@ -79,7 +79,7 @@ class Group:
       backend's network transport (`virtual_hosts`, several hosts).
     backend: 'auto' (default): cuda wherever it can run this group (CUDA GPUs with the
       extension built, a configuration inside the kernels' limits, one rank or a process model
-      the intranode transport runs: one process per device, or one process for all of them), else
+      the peer transport runs: one process per device, or one process for all of them), else
       the reference; the choice and its reason go to the `jax_ep` logger once and stay in
       `backend_name` / `backend_reason`. 'reference' or 'cuda' force one ('cuda' raises a
       `ValueError` saying why where it cannot run).
@@ -208,7 +208,7 @@ class Group:
   @property
   def receives_while_sending(self) -> bool:
     """Whether dispatch places the other ranks' rows into `recv.x` as they land, in the kernel
-    that sends (cuda intranode transport, every rank on a GPU of its own with native P2P atomics
+    that sends (cuda peer transport, every rank on a GPU of its own with native P2P atomics
     between them). False elsewhere: the rows are then placed after the last one arrived (one
     GPU shared under MPS, GPUs without P2P atomics), or no transport is involved (reference
     backend, one rank). A performance property only; results are the same."""
@@ -219,14 +219,16 @@ class Group:
   def network_ranks(self) -> tuple[int, ...]:
     """The ranks this process reaches through the network transport (NVSHMEM puts): those on
     other hosts (real ones, or `virtual_hosts`); empty for a group on one host."""
-    return tuple(getattr(self._transport, "network_ranks", ()))
+    if isinstance(self._transport, NetworkTransport):
+      return self._transport.network_ranks
+    return ()
 
   @property
   def combine_partial_dtype(self) -> np.dtype:
     """The dtype combine's per-(token, rank) partial sums travel home in.
 
     float32 (exact-first: the home rank adds fp32 partials and rounds once) except on the cuda
-    intranode transport with bfloat16 activations, where partials travel in bfloat16 (half of
+    peer transport with bfloat16 activations, where partials travel in bfloat16 (half of
     combine's wire bytes, as DeepEP does). Each bf16 partial `p` is rounded once on the expert
     side, so the result may differ from the fp32-partial sum by up to `2^-8 * sum_r |p_r|`
     per element, on top of the final rounding (docs/decisions.md). The same holds for the
@@ -264,7 +266,7 @@ class Group:
                         dtype=c.dtype, capacity=c.capacity,
                         expert_alignment=c.expert_alignment, backend=self.backend_name,
                         row_format=row_format, low_latency=self.low_latency,
-                        network=bool(getattr(self._transport, "network_buffer", 0)),
+                        network=isinstance(self._transport, NetworkTransport),
                         num_hosts=self.topology.num_hosts if self.topology else 0,
                         ffn=ffn, activation=activation)
 

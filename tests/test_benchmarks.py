@@ -86,7 +86,7 @@ def test_steady_period_marker_of_several_parts_matches_names_holding_each():
   # exchange's once: the marker ("rail", "FinishKernel") counts the latter only.
   events = [(name, c * 100 + off, c * 100 + off + 1, "/device:GPU:0") for r in range(2)
             for c in range(r * 10, r * 10 + 3)
-            for name, off in (("intranode::FinishKernel", 10), ("intranode::FinishKernel", 20),
+            for name, off in (("peer::FinishKernel", 10), ("peer::FinishKernel", 20),
                               ("jax_ep::rail::(anonymous namespace)::FinishKernel", 50))]
   assert timers._steady_period_us(events, 3, ("rail", "FinishKernel"), 2) == 0.1
   assert timers._steady_period_us(events, 3, "FinishKernel", 2) is None

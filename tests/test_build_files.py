@@ -3,6 +3,8 @@
 import os
 import re
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOURCE_SUFFIXES = (".cc", ".cu", ".h", ".cuh")
 
@@ -98,3 +100,26 @@ def test_bazel_builds_cmakes_architectures():
   want = [f"sm_{a.removesuffix('-real')}" for a in cmake_archs.group(1).split(";")]
   bazel_archs = re.search(r"--@rules_cuda//cuda:archs=(\S+)", _read(".bazelrc"))
   assert bazel_archs and bazel_archs.group(1).split(",") == want
+
+
+def _includes(path):
+  """The headers `path` includes, as written between the quotes or angle brackets."""
+  return re.findall(r'^#include\s+[<"]([^>"]+)[>"]', _read(path), re.M)
+
+
+@pytest.mark.parametrize("layer,forbidden", [
+    # The kernels know CUDA alone.
+    ("ffi/kernels/", ("xla/", "nanobind", "ffi/runtime/", "ffi/handlers/", "ffi/nvshmem/")),
+    # The native group (buffers, peers, IPC, NVSHMEM state, error mailbox, topology, registry)
+    # is host C++ over the kernels' types: no XLA header, no handler, no nanobind.
+    ("ffi/runtime/", ("xla/", "nanobind", "ffi/handlers/")),
+    # The handlers adapt XLA FFI to the runtime's public API, not its internals.
+    ("ffi/handlers/", ("nanobind", "ffi/runtime/group_internal.h")),
+])
+def test_each_ffi_layer_includes_only_the_layers_below(layer, forbidden):
+  sources = [s for s in _ffi_sources() if s.startswith(layer)]
+  assert sources, layer
+  for source in sources:
+    for header in _includes(source):
+      assert not header.startswith(forbidden) and not any(f in header for f in forbidden), (
+          f"{source} includes {header}")

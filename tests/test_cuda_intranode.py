@@ -200,14 +200,14 @@ def test_single_process_pointer_table_on_one_gpu():
   ext = _ffi.extension()
   args = dict(num_ranks=2, num_experts=8, num_topk=2, hidden=128, max_tokens_per_rank=16,
               itemsize=2, capacity=64, num_sms=2, timeout_s=1.0)
-  ids = [ext.intranode_group_create(0, rank, *args.values()) for rank in range(2)]
+  ids = [ext.group_create(0, rank, *args.values()) for rank in range(2)]
   try:
-    assert ext.intranode_group_pointer_table(ids[0]) == []  # nothing before connect
-    ext.intranode_group_connect_local(ids)
-    tables = [ext.intranode_group_pointer_table(i) for i in ids]
+    assert ext.group_pointer_table(ids[0]) == []  # nothing before connect
+    ext.group_connect_local(ids)
+    tables = [ext.group_pointer_table(i) for i in ids]
     assert tables[0] == tables[1] and len(tables[0]) == 2
     assert tables[0][0] != tables[0][1] and all(p != 0 for p in tables[0])
-    assert ext.intranode_group_error(ids[0]) is None
+    assert ext.group_error(ids[0]) is None
   finally:
     for i in ids:
-      ext.intranode_group_destroy(i)
+      ext.group_destroy(i)

@@ -65,7 +65,7 @@ class TestNetworkLowLatency(CudaLowLatencyTests):
     assert group.topology.gpus_per_host == (size,) * VIRTUAL_HOSTS
     others = tuple(q for q in range(r) if q // size != host)
     assert group.network_ranks == others
-    table = jax_ep._native.ffi.extension().intranode_group_pointer_table(
+    table = jax_ep._native.ffi.extension().group_pointer_table(
         group._transport.primary_id)
     assert [q for q in range(r) if table[q] == 0] == list(others)
     group.close()

@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep import _status
-from jax_ep.backends import intranode, registry as group_module
+from jax_ep.backends import registry as group_module, transport
 from jax_ep._native import ffi as _ffi
 from jax_ep.backends.options import CommOptions
 from jax_ep.config import EPConfig
@@ -22,7 +22,7 @@ from jax_ep._native.limits import KernelLimits, cuda_violation
 from ep_test_base import count_primitive, rank_mesh
 
 LIMITS = KernelLimits(max_experts=1024, max_topk=32, max_slots=1 << 30, hidden_multiple=8,
-                      max_capacity=2**31 - 1, max_intranode_ranks=64, max_num_sms=1024)
+                      max_capacity=2**31 - 1, max_ranks=64, max_num_sms=1024)
 
 
 def _config(num_ranks=2, num_experts=16, num_topk=4, hidden=128, max_tokens=32, capacity=None):
@@ -68,7 +68,7 @@ def test_cuda_runs_every_process_model_of_the_transport(processes, me):
     (_FakeMesh([0, 0, 1, 1]), _config(num_ranks=4),
      "process 0 holds 2 of the group's 4 devices"),
     (_FakeMesh([0, 1, 2, 3], shape=(2, 2)), _config(),
-     "the intranode transport takes a 1-D mesh over the EP axis"),
+     "the peer transport takes a 1-D mesh over the EP axis"),
     (_FakeMesh([0, 1]), _config(hidden=100), "hidden=100 is not a multiple of 8"),
     (_FakeMesh([0]), _config(num_ranks=1, num_topk=40, num_experts=64),
      "num_topk=40 is above the kernels' limit of 32"),
@@ -145,7 +145,7 @@ def test_cuda_refuses_a_hidden_size_the_kernels_cannot_take(monkeypatch):
 # ------------------------------------------------------------------------- run-time failures
 
 class _FakeTransport:
-  """Stands in for `intranode.IntranodeTransport`: an error record the test fills in."""
+  """Stands in for `transport.Transport`: an error record the test fills in."""
   group_ids = [1]
   primary_id = 1
   receives_while_sending = False
@@ -167,8 +167,8 @@ class _FakeTransport:
 
 
 @pytest.fixture
-def intranode_group(monkeypatch):
-  """A two-rank group wired to a fake intranode transport (the cuda backend's Python side)."""
+def peer_group(monkeypatch):
+  """A two-rank group wired to a fake peer transport (the cuda backend's Python side)."""
   if jax.process_count() > 1:
     pytest.skip("single-process fake")
   transports = []
@@ -177,7 +177,7 @@ def intranode_group(monkeypatch):
     transports.append(_FakeTransport())
     return transports[-1]
   monkeypatch.setattr(group_module, "cuda_support", lambda *a, **k: None)
-  monkeypatch.setattr(intranode, "create", create)
+  monkeypatch.setattr(transport, "create_peer", create)
   monkeypatch.setattr(_status.WATCHDOG, "interval_s", 0.01)
 
   def make(**kwargs):
@@ -188,7 +188,7 @@ def intranode_group(monkeypatch):
 
 
 TIMEOUT = ("jax_ep.dispatch: rank 0 timed out after 2.0 s waiting for rank 1 (call 3): rank 1's "
-           "dispatch data did not arrive. The intranode group is unusable; recreate it.")
+           "dispatch data did not arrive. The group is unusable; recreate it.")
 
 
 def _wait_for(predicate, timeout_s=5.0):
@@ -210,8 +210,8 @@ def _trace_dispatch(group):
   return jax.jit(mapped).trace(*structs)
 
 
-def test_watchdog_logs_a_timeout_and_every_entry_point_raises_it(intranode_group, caplog):
-  group, transport = intranode_group()
+def test_watchdog_logs_a_timeout_and_every_entry_point_raises_it(peer_group, caplog):
+  group, transport = peer_group()
   with caplog.at_level(logging.ERROR, logger="jax_ep"):
     _wait_for(lambda: transport.reads > 0)  # the watchdog polls without being asked
     group.check()  # nothing yet
@@ -226,8 +226,8 @@ def test_watchdog_logs_a_timeout_and_every_entry_point_raises_it(intranode_group
   assert transport.closed
 
 
-def test_close_raises_a_failure_nobody_saw(intranode_group):
-  group, transport = intranode_group()
+def test_close_raises_a_failure_nobody_saw(peer_group):
+  group, transport = peer_group()
   transport.message = TIMEOUT
   with pytest.raises(TimeoutError, match="rank 0 timed out"):
     group.close()
@@ -237,17 +237,17 @@ def test_close_raises_a_failure_nobody_saw(intranode_group):
   assert transport.reads == reads  # a closed group's record is no longer read
 
 
-def test_close_raises_a_timeout_recorded_while_it_waited_for_the_device(intranode_group):
+def test_close_raises_a_timeout_recorded_while_it_waited_for_the_device(peer_group):
   """A kernel still running when close() is called may time out while close() waits for the
   device; its record is read before the mailbox is freed and raised."""
-  group, transport = intranode_group()
+  group, transport = peer_group()
   transport.late = TIMEOUT
   with pytest.raises(TimeoutError, match="rank 0 timed out"):
     group.close()
 
 
-def test_leaving_a_with_block_on_an_exception_keeps_that_exception(intranode_group):
-  group, transport = intranode_group()
+def test_leaving_a_with_block_on_an_exception_keeps_that_exception(peer_group):
+  group, transport = peer_group()
   transport.message = TIMEOUT
   with pytest.raises(KeyError):
     with group:
@@ -256,13 +256,13 @@ def test_leaving_a_with_block_on_an_exception_keeps_that_exception(intranode_gro
 
 
 @pytest.mark.skipif(_ffi.extension() is None, reason="built without the CUDA extension")
-def test_no_host_callback_in_any_op_by_default(intranode_group):
-  """The intranode ops' programs carry no host callback unless a debug setting asks for one."""
+def test_no_host_callback_in_any_op_by_default(peer_group):
+  """The peer ops' programs carry no host callback unless a debug setting asks for one."""
   def callbacks(group):
     return count_primitive(_trace_dispatch(group).jaxpr.jaxpr, "debug_callback")
-  assert callbacks(intranode_group()[0]) == 0
-  assert callbacks(intranode_group(raise_on_timeout=True)[0]) == 1
-  assert callbacks(intranode_group(strict=True)[0]) == 1
+  assert callbacks(peer_group()[0]) == 0
+  assert callbacks(peer_group(raise_on_timeout=True)[0]) == 1
+  assert callbacks(peer_group(strict=True)[0]) == 1
 
 
 def test_reference_ops_have_no_host_callback_by_default():

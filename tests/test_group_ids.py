@@ -1,15 +1,17 @@
 """How a compiled program names its native group, and why that is safe with jax's persistent
 compilation cache (docs/decisions.md, "Group ids").
 
-Every custom call on a group carries `group_id` (the group's number in the process that traced
-the program) and `group_config` (the configuration it was built for), which the handlers
-compare with the group they find. The CPU tests check what the program carries and that both
-are part of the cache key; the GPU tests run programs on groups created in different orders in
-two processes sharing one cache, and a program whose id names a group of another
-configuration.
+Every custom call on a group carries `group`, a dictionary attribute of the group's `id` (its
+number in the process that traced the program) and the configuration it was built for, which
+the handlers decode by field name and compare with the group they find. The CPU tests check
+what the program carries, XLA's decoding of it (through the extension's XLA:CPU probe target)
+and that it is part of the cache key; the GPU tests run programs on groups created in
+different orders in two processes sharing one cache, and a program whose id names a group of
+another configuration.
 """
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import os
@@ -37,7 +39,7 @@ def _config(capacity=16, dtype=jnp.bfloat16):
 
 class _FakeExtension:
   @staticmethod
-  def intranode_dispatch_workspace_elems(*_):
+  def peer_dispatch_workspace_elems(*_):
     return 16
 
 
@@ -48,22 +50,22 @@ def _group_ops(config, group_id):
   slab = config.low_latency_slab
   i32, f32, dt = jnp.int32, jnp.float32, config.dtype
   x, idx, w = jnp.zeros((t, h), dt), jnp.zeros((t, k), i32), jnp.zeros((t, k), f32)
-  layout = cuda_ops.IntranodeLayout(jnp.zeros((t, r), i32), jnp.zeros((n, k), i32),
-                                    jnp.zeros((n, k), f32), jnp.zeros((r,), i32),
-                                    jnp.zeros((local,), i32), idx)
+  layout = cuda_ops.PeerLayout(jnp.zeros((t, r), i32), jnp.zeros((n, k), i32),
+                               jnp.zeros((n, k), f32), jnp.zeros((r,), i32),
+                               jnp.zeros((local,), i32), idx)
   eo = jnp.zeros((config.capacity, h), dt)
   ll_layout = cuda_ops.LowLatencyLayout(idx, jnp.zeros((local, slab), i32),
                                         jnp.zeros((local,), i32))
   slabs = jnp.zeros((local, slab, h), dt)
   sent = jnp.zeros((), i32)
   return [
-      ("intranode_dispatch", lambda: cuda_ops.intranode_dispatch(config, group_id, x, idx, w)),
-      ("intranode_dispatch_cached",
-       lambda: cuda_ops.intranode_dispatch_cached(config, group_id, x, layout, True)),
-      ("intranode_combine", lambda: cuda_ops.intranode_combine(config, group_id, eo, layout,
+      ("peer_dispatch", lambda: cuda_ops.peer_dispatch(config, group_id, x, idx, w)),
+      ("peer_dispatch_cached",
+       lambda: cuda_ops.peer_dispatch_cached(config, group_id, x, layout, True)),
+      ("peer_combine", lambda: cuda_ops.peer_combine(config, group_id, eo, layout,
                                                                True)),
-      ("intranode_combine_vjp",
-       lambda: cuda_ops.intranode_combine_vjp(config, group_id, x, eo, layout)),
+      ("peer_combine_vjp",
+       lambda: cuda_ops.peer_combine_vjp(config, group_id, x, eo, layout)),
       ("rail_exchange", lambda: cuda_ops.rail_exchange(
           config, group_id, 2, (x,), jnp.zeros((2, config.max_tokens_per_rank), i32),
           jnp.zeros((2,), i32), jnp.zeros((2,), i32))),
@@ -86,28 +88,102 @@ def _lowered(fn):
 
 
 def _group_attributes(text):
-  """`(group_id, group_config)` of every jax_ep custom call in a lowered program's text."""
+  """The `group` attribute of every jax_ep custom call in a lowered program's text, as a dict of
+  its fields (None where a call has none); fails where the attribute is not a dictionary of
+  i64 fields."""
   found = []
   for line in text.splitlines():
     if "stablehlo.custom_call @jax_ep_" not in line:
       continue
-    gid = re.search(r"group_id = (-?\d+) : i64", line)
-    cfg = re.search(r"group_config = dense<\[([-\d, ]+)\]> : tensor<\d+xi64>", line)
-    found.append((int(gid.group(1)) if gid else None,
-                  [int(v) for v in cfg.group(1).split(",")] if cfg else None))
+    match = re.search(r"\bgroup = (\{[^}]*\}|[^,}]+)", line)
+    if match is None:
+      found.append(None)
+      continue
+    value = match.group(1)
+    assert value.startswith("{"), f"the group attribute is not a dictionary: {value}"
+    fields = re.findall(r"(\w+) = (-?\d+) : i64", value)
+    assert len(fields) == value.count("="), f"a field of the group attribute is not i64: {value}"
+    found.append({name: int(v) for name, v in fields})
   return found
 
 
-def test_the_config_fields_are_the_handlers():
-  """`GROUP_CONFIG_FIELDS` lists the fields in the order the handlers read them."""
-  with open(os.path.join(REPO, "ffi", "handlers", "intranode_common.h")) as f:
+def _struct_members():
+  """The field names `XLA_FFI_REGISTER_STRUCT_ATTR_DECODING` decodes `group` into."""
+  with open(os.path.join(REPO, "ffi", "handlers", "group_common.h")) as f:
     source = f.read()
-  table = re.search(r"kGroupConfigFields\[\] = \{(.*?)\};", source, re.S).group(1)
-  assert tuple(re.findall(r'"(\w+)"', table)) == cuda_ops.GROUP_CONFIG_FIELDS
+  registration = source.split("XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(", 1)[1].split(";", 1)[0]
+  return re.findall(r'StructMember<int64_t>\("(\w+)"\)', registration)
+
+
+def test_the_python_table_and_the_cpp_struct_name_the_same_fields():
+  """One table of fields in Python (`GROUP_FIELDS`), one struct in C++ (`GroupRef`): the same
+  names; the order does not matter, since both sides go by name."""
+  assert _struct_members() == ["id", *cuda_ops.GROUP_FIELDS]
   config = _config(capacity=24, dtype=jnp.float32)
-  np.testing.assert_array_equal(cuda_ops.group_config(config), [2, 8, 2, 128, 4, 4, 24, 1])
+  attrs = cuda_ops.group_attrs(config, 5)
+  assert set(attrs) == {"group"}
+  assert attrs["group"] == {"id": 5, "num_ranks": 2, "num_experts": 8, "num_topk": 2,
+                            "hidden": 128, "max_tokens_per_rank": 4, "itemsize": 4,
+                            "capacity": 24, "expert_alignment": 1}
   aligned = dataclasses.replace(config, expert_alignment=16)
-  assert cuda_ops.group_config(aligned)[-1] == 16
+  assert cuda_ops.group_attrs(aligned, 5)["group"]["expert_alignment"] == 16
+
+
+@functools.cache
+def _probe_registered() -> bool:
+  """Registers the extension's XLA:CPU targets (jax_ep_group_probe); False without it."""
+  from jax_ep._native import ffi
+  ext = ffi.extension()
+  if ext is None:
+    return False
+  for name, capsule in ext.cpu_registrations().items():
+    jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+  return True
+
+
+def _probe(attrs):
+  """The `group` attribute as XLA decodes it for the handlers (GroupRef), by field name."""
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    fields = jax.ffi.ffi_call("jax_ep_group_probe",
+                              jax.ShapeDtypeStruct((len(_struct_members()),), jnp.int32))(**attrs)
+  return dict(zip(_struct_members(), np.asarray(fields).tolist()))
+
+
+def test_the_handlers_decode_the_attribute_python_builds():
+  """XLA's decoding of `group` into the handlers' struct (the CPU probe decodes it as the group
+  ops do): every field arrives under its name, whatever the order of the Python table."""
+  if not _probe_registered():
+    pytest.skip("needs the built extension (its XLA:CPU probe target)")
+  config = dataclasses.replace(_config(capacity=24, dtype=jnp.float32), expert_alignment=16)
+  attrs = cuda_ops.group_attrs(config, 7)
+  assert _probe(attrs) == {"id": 7, "num_ranks": 2, "num_experts": 8, "num_topk": 2,
+                           "hidden": 128, "max_tokens_per_rank": 4, "itemsize": 4,
+                           "capacity": 24, "expert_alignment": 16}
+  reordered = {"group": dict(reversed(list(attrs["group"].items())))}
+  assert _probe(reordered) == _probe(attrs)
+
+
+@pytest.mark.parametrize("change,message", [
+    ("missing", "Wrong number of attributes: expected 9 attributes but got 8"),
+    ("extra", "Wrong number of attributes: expected 9 attributes but got 10"),
+    ("not_i64", "expected S64 but got S32"),
+])
+def test_an_attribute_of_another_layout_is_refused_before_the_handler(change, message):
+  """A program built by another version of jax_ep (a field missing, added, or of another type)
+  fails in XLA's decoding of the struct, saying what differs, instead of reading a field in
+  the wrong place."""
+  if not _probe_registered():
+    pytest.skip("needs the built extension (its XLA:CPU probe target)")
+  group = dict(cuda_ops.group_attrs(_config(), 7)["group"])
+  if change == "missing":
+    del group["capacity"]
+  elif change == "extra":
+    group["num_hosts"] = np.int64(1)
+  else:
+    group["capacity"] = np.int32(16)
+  with pytest.raises(Exception, match=message):
+    _probe({"group": group})
 
 
 def test_every_group_op_names_its_group_and_configuration(monkeypatch):
@@ -117,9 +193,11 @@ def test_every_group_op_names_its_group_and_configuration(monkeypatch):
   for name, fn in _group_ops(config, 7):
     attrs = _group_attributes(_lowered(fn).as_text())
     assert attrs, name
-    for gid, cfg in attrs:
-      assert gid == 7, name
-      assert cfg == cuda_ops.group_config(config).tolist(), name
+    for group in attrs:
+      # An MLIR dictionary attribute with the named fields, the C++ struct's.
+      assert group is not None, name
+      assert sorted(group) == sorted(_struct_members()), name
+      assert group == cuda_ops.group_attrs(config, 7)["group"], name
 
 
 def test_the_compilation_cache_key_holds_the_group(monkeypatch):
@@ -142,7 +220,8 @@ def test_the_compilation_cache_key_holds_the_group(monkeypatch):
   same = key(_config(), 1)
   assert key(_config(), 1) == same
   assert key(_config(), 2) != same
-  # A capacity the low-latency op's shapes do not show: only group_config tells them apart.
+  # A capacity the low-latency op's shapes do not show: only the group attribute tells them
+  # apart.
   assert key(_config(capacity=32), 1) != same
 
 
@@ -201,7 +280,7 @@ def test_cached_programs_run_on_this_process_groups(tmp_path, mode):
   other, log = _run_worker("other", "cuda", mode, tmp_path)
   error = other["exported"]["error"] or ""
   assert not other["exported"]["ok"], log
-  assert re.search(r"the program was built for intranode group \d+ with capacity = \d+, but "
+  assert re.search(r"the program was built for native group \d+ with capacity = \d+, but "
                    r"group \d+ of this process has capacity = \d+", error), log
 
 
@@ -223,14 +302,15 @@ def test_a_program_built_for_another_configuration_is_refused(monkeypatch):
 
     other = dataclasses.replace(config, capacity=config.capacity + 16)
     with pytest.raises(Exception, match=(
-        f"the program was built for intranode group {gid} with capacity = {other.capacity}, "
+        f"the program was built for native group {gid} with capacity = {other.capacity}, "
         f"but group {gid} of this process has capacity = {config.capacity}")):
       jax.block_until_ready(count(other))
     effects.settle()
-    monkeypatch.setattr(cuda_ops, "group_config", lambda c: np.array([1, 2, 3], np.int64))
-    expected = len(cuda_ops.GROUP_CONFIG_FIELDS)
-    with pytest.raises(Exception,
-                       match=f"attribute group_config has 3 values, expected {expected}"):
+    # A program of another version of jax_ep, whose attribute lacks a field: XLA's decoding
+    # of the struct refuses it by name, before the handler runs.
+    monkeypatch.setattr(cuda_ops, "GROUP_FIELDS",
+                        {k: v for k, v in cuda_ops.GROUP_FIELDS.items() if k != "capacity"})
+    with pytest.raises(Exception, match="Wrong number of attributes"):
       jax.block_until_ready(count(config))
     effects.settle()
     monkeypatch.undo()

@@ -25,10 +25,10 @@ def calls(monkeypatch):
 
   class FakeExtension:
     @staticmethod
-    def intranode_dispatch_workspace_elems(*_):
+    def peer_dispatch_workspace_elems(*_):
       return 16
 
-  monkeypatch.setattr(cuda_ops, "_intranode_call", fake_intranode_call)
+  monkeypatch.setattr(cuda_ops, "_group_call", fake_intranode_call)
   monkeypatch.setattr(cuda_ops.ffi, "extension", lambda: FakeExtension)
   return seen
 
@@ -46,7 +46,7 @@ def test_intranode_ops_never_pass_zero_rows(calls, num_tokens, capacity):
   x = jnp.ones((num_tokens, h), jnp.bfloat16)
   idx = jnp.zeros((num_tokens, k), jnp.int32)
   w = jnp.ones((num_tokens, k), jnp.float32)
-  recv_x, group_sizes, _, _, routing, _ = cuda_ops.intranode_dispatch(config, 7, x, idx, w)
+  recv_x, group_sizes, _, _, routing, _ = cuda_ops.peer_dispatch(config, 7, x, idx, w)
   assert recv_x.shape == (capacity, h) and group_sizes.shape == (4,)
   assert routing.send_pos.shape == (num_tokens, r) and routing.topk_idx.shape == (num_tokens, k)
   # The inert token row routes nowhere (-1) and carries zeros.
@@ -56,11 +56,11 @@ def test_intranode_ops_never_pass_zero_rows(calls, num_tokens, capacity):
   if num_tokens == 0:
     np.testing.assert_array_equal(dispatch_args[1], -1)
     np.testing.assert_array_equal(dispatch_args[0].astype(np.float32), 0)
-  out, _ = cuda_ops.intranode_combine(config, 7, recv_x, routing, weighted=True)
+  out, _ = cuda_ops.peer_combine(config, 7, recv_x, routing, weighted=True)
   assert out.shape == (num_tokens, h)
-  again, _ = cuda_ops.intranode_dispatch_cached(config, 7, x, routing, weighted=False)
+  again, _ = cuda_ops.peer_dispatch_cached(config, 7, x, routing, weighted=False)
   assert again.shape == (capacity, h)
-  d_expert_out, d_weights, _ = cuda_ops.intranode_combine_vjp(config, 7, out, recv_x, routing)
+  d_expert_out, d_weights, _ = cuda_ops.peer_combine_vjp(config, 7, out, recv_x, routing)
   assert d_expert_out.shape == (capacity, h) and d_weights.shape == (num_tokens, k)
   _no_zero_rows(calls)
 
@@ -74,10 +74,10 @@ def test_dispatch_workspace_covers_every_token_count(max_tokens):
   T=65536), which a workspace sized from T_max alone got wrong."""
   ext = _ffi.extension()
   r, k, e = 8, 8, 256
-  send_tiles = max(1, -(-max_tokens // 512))  # intranode::DispatchSendTiles
+  send_tiles = max(1, -(-max_tokens // 512))  # peer::DispatchSendTiles
   fixed = (4 * r + r * (max_tokens + 1) + 2 * r * max_tokens * k + 2 * e
            + (r + 1) * send_tiles)
-  layout_room = ext.intranode_dispatch_workspace_elems(r, max_tokens, k, e) - fixed
+  layout_room = ext.peer_dispatch_workspace_elems(r, max_tokens, k, e) - fixed
   candidates = {max_tokens, max(max_tokens - 64, 1), 65536, 98304, 1 << 16, 16384, 1}
   need = max(ext.local_layout_workspace_elems(t, k, e // r)
              for t in candidates if t <= max_tokens)
@@ -94,7 +94,7 @@ def test_dispatch_workspace_is_sized_and_carved_in_one_place(num_ranks, max_toke
   ext = _ffi.extension()
   if ext is None:
     pytest.skip("built without the CUDA extension")
-  parts = dict(ext.intranode_dispatch_workspace(num_ranks, max_tokens, num_topk, num_experts))
+  parts = dict(ext.peer_dispatch_workspace(num_ranks, max_tokens, num_topk, num_experts))
   r, t, k, e = num_ranks, max_tokens, num_topk, num_experts
   tiles = max(-(-t // 512), 1)
   sizes = {"count_to": r, "layout_dropped": r, "layout_invalid": r, "source_chunks": r,
@@ -107,4 +107,4 @@ def test_dispatch_workspace_is_sized_and_carved_in_one_place(num_ranks, max_toke
   assert parts["layout"] == at
   layout = r * ext.local_layout_workspace_elems(t, k, e // r)
   assert parts["elems"] >= parts["layout"] + layout
-  assert parts["elems"] == ext.intranode_dispatch_workspace_elems(r, t, k, e)
+  assert parts["elems"] == ext.peer_dispatch_workspace_elems(r, t, k, e)

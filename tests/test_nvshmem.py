@@ -195,8 +195,9 @@ def test_symmetric_heap_size_holds_the_groups_buffers():
 
 def test_the_high_throughput_ops_need_hosts_of_equal_size():
   from jax_ep.backends import NetworkBackend
+  from jax_ep.backends.options import CommOptions
   from jax_ep.config import EPConfig
-  backend = NetworkBackend(EPConfig("ep", 2, 4, 2, 128, 4, "bfloat16", 8), 1, False, 1)
+  backend = NetworkBackend(EPConfig("ep", 2, 4, 2, 128, 4, "bfloat16", 8), 1, CommOptions(), 1)
   for call in (lambda: backend.dispatch(None, None, None),
                lambda: backend.dispatch_cached(None, None), lambda: backend.combine(None, None),
                lambda: backend.combine_vjp(None, None, None, None)):

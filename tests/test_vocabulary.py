@@ -8,26 +8,30 @@ import re
 import pytest
 
 import jax_ep
-from jax_ep.backends import base, cuda, cuda_ops, hierarchical, primitives, reference
+from jax_ep.backends import base, cuda, cuda_ops, hierarchical, primitives, reference, transport
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MODULES = {"cuda_ops": cuda_ops, "primitives": primitives, "reference": reference,
            "hierarchical": hierarchical, "cuda": cuda}
 
 
-def _table():
+def _table(after="### Names across the layers", header="op"):
+  """The rows of the first table after `after` in docs/DESIGN.md whose first column is
+  `header`."""
   text = (ROOT / "docs" / "DESIGN.md").read_text()
-  section = text.split("### Names across the layers", 1)[1]
-  rows = []
+  section = text.split(after, 1)[1]
+  rows, inside = [], False
   for line in section.splitlines():
     if not line.startswith("|"):
       if rows:
         break
       continue
     cells = [c.strip() for c in line.strip().strip("|").split("|")]
-    if cells[0] in ("op", "---"):
+    if cells[0] == header:
+      inside = True
       continue
-    rows.append(cells)
+    if inside and cells[0] != "---":
+      rows.append(cells)
   return rows
 
 
@@ -36,7 +40,11 @@ def _names(cell):
 
 
 def _registered_targets():
-  return set(re.findall(r'dict\["(jax_ep_[a-z_]+)"\]', (ROOT / "ffi" / "module.cc").read_text()))
+  """The CUDA targets `registrations()` returns (not the XLA:CPU probe of
+  `cpu_registrations()`, which no op calls)."""
+  source = (ROOT / "ffi" / "module.cc").read_text()
+  body = source.split("nb::dict Registrations() {", 1)[1].split("\n}\n", 1)[0]
+  return set(re.findall(r'dict\["(jax_ep_[a-z_]+)"\]', body))
 
 
 ROWS = _table()
@@ -64,7 +72,7 @@ def test_every_name_exists(row):
         assert hasattr(MODULES[owner], attr), name
     else:
       assert any(hasattr(cls, name) for cls in (base.Backend, reference.ReferenceBackend,
-                                                cuda.CudaBackend)), name
+                                                cuda.LocalBackend)), name
   for name in _names(wrappers):
     module, attr = name.split(".")
     assert hasattr(MODULES[module], attr), name
@@ -91,3 +99,48 @@ def test_the_backend_protocol_uses_the_public_names():
   methods = {name for name in vars(base.HighThroughputBackend) if not name.startswith("_")}
   assert {"dispatch", "dispatch_cached", "combine", "combine_vjp"} <= methods
   assert not hasattr(base.Backend, "dispatch_tokens")
+
+
+KINDS = _table(header="kind")
+
+
+def test_the_kinds_table_names_one_class_and_transport_per_kind():
+  assert [row[0] for row in KINDS] == ["local", "peer", "network"]
+  for kind, _, backend, transports, native in KINDS:
+    for name in _names(backend):
+      cls = getattr(cuda, name)
+      assert cls.name == "cuda" and base.Backend in cls.__mro__, name
+    for name in _names(transports):
+      if name.endswith(".py"):
+        continue
+      assert hasattr(transport, name), name
+    for name in _names(native):
+      if name.startswith("jax_ep::"):
+        namespace = name.removeprefix("jax_ep::")
+        sources = "".join(p.read_text() for p in (ROOT / "ffi").rglob("*") if p.is_file())
+        assert f"namespace jax_ep::{namespace}" in sources, name
+      else:
+        assert list((ROOT / "ffi").glob(name)), name
+
+
+def test_the_network_backend_composes_the_peer_backend_rather_than_extending_it():
+  assert not issubclass(cuda.NetworkBackend, cuda.PeerBackend)
+  assert issubclass(transport.PeerTransport, transport.Transport)
+  assert issubclass(transport.NetworkTransport, transport.Transport)
+  assert not issubclass(transport.NetworkTransport, transport.PeerTransport)
+
+
+def test_no_name_says_intranode():
+  """"Intranode" meant the peer transport, the network transport and the one-rank group at
+  once; each has its own name now (peer, network, local; the native group for what they
+  share)."""
+  for target in _registered_targets():
+    assert "intranode" not in target, target
+  for path in list((ROOT / "ffi").rglob("*")) + list((ROOT / "jax_ep" / "backends").rglob("*")):
+    assert "intranode" not in path.name, path
+  for module in (cuda, cuda_ops, transport):
+    for name in vars(module):
+      assert "intranode" not in name.lower(), (module.__name__, name)
+  for path in (ROOT / "ffi").rglob("*"):
+    if path.suffix in (".h", ".cc", ".cu", ".cuh"):
+      assert "namespace jax_ep::intranode" not in path.read_text(), path

@@ -4,7 +4,7 @@
 // turn a failed CUDA call into an `ffi::Error` (nothing is ever thrown across
 // the FFI boundary), shape checks whose messages name the operand, its shape
 // and what was expected, and the prologue of the local ops' handlers
-// (CheckLeadingOperand; the group ops': intranode_common.h).
+// (CheckLeadingOperand; the group ops': group_common.h).
 //
 // Shape convention of every jax_ep op: operands and results may carry the
 // same extra LEADING batch dims `B...` (added by `vmap` with
@@ -237,6 +237,7 @@ inline ffi::Error CheckSameDtype(std::string_view op, std::string_view name,
 
 // The operand a local op takes its sizes from, `[B..., N, H]` (N: T, or the
 // capacity of expert_out): every other operand and result has its batch dims.
+// Handlers unpack it with a structured binding, in this order.
 struct LeadingOperand {
   Dims dims;                  // the operand's shape
   size_t num_batch_dims = 0;  // B...
@@ -269,6 +270,29 @@ inline ffi::Error CheckLeadingOperand(std::string_view op,
   return CheckHidden(op, name, lead->hidden);
 }
 
+// The routing operand `name` of a local op, `[B..., T, K]` int32, beside the
+// leading operand `lead_name` (whose batch dims it has): T (which must be
+// `expected_tokens`, named `tokens_doc`, when that is >= 0; into *num_tokens
+// when not null) and K (into *num_topk), within the kernels' limits.
+inline ffi::Error CheckSlotRows(std::string_view op, std::string_view name,
+                                Dims dims, std::string_view lead_name,
+                                const LeadingOperand& lead,
+                                int64_t expected_tokens,
+                                std::string_view tokens_doc,
+                                int64_t* num_tokens, int64_t* num_topk) {
+  const size_t nb = lead.num_batch_dims;
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckRank(op, name, dims, nb, 2, "[B..., T, K]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(
+      CheckBatchDims(op, name, dims, lead_name, lead.dims, nb));
+  if (expected_tokens >= 0) {
+    JAX_EP_FFI_RETURN_IF_ERROR(
+        CheckDim(op, name, dims, nb, "T", expected_tokens, tokens_doc));
+  }
+  if (num_tokens != nullptr) *num_tokens = dims[nb];
+  *num_topk = dims[nb + 1];
+  return CheckTopk(op, name, dims[nb], *num_topk);
+}
+
 // Rows are moved as 16-byte vectors.
 inline ffi::Error CheckAligned(std::string_view op, std::string_view name,
                                const void* ptr) {
@@ -276,6 +300,21 @@ inline ffi::Error CheckAligned(std::string_view op, std::string_view name,
   return InvalidArgument(op,
                          std::string(name) + " buffer is not 16-byte aligned");
 }
+
+// The start of every handler's binding: the CUDA stream XLA runs the op on.
+inline auto BindOp() {
+  return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>();
+}
+
+// Defines the handler symbol `symbol` of `impl`: the stream (BindOp), then
+// `binding`, the operands, results and attributes in the order `impl` takes
+// them (`.Arg<...>() .Ret<...>() .Attr<...>("name")`, one comment each).
+// Every jax_ep handler is command-buffer compatible: no allocation, no sync,
+// no host state per call (ffi/README.md).
+#define JAX_EP_FFI_DEFINE_HANDLER(symbol, impl, binding)              \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl,                         \
+                                ::jax_ep::ffi_utils::BindOp() binding, \
+                                {::xla::ffi::Traits::kCmdBufferCompatible})
 
 }  // namespace jax_ep::ffi_utils
 

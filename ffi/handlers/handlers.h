@@ -20,16 +20,16 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalCombine);
 // "jax_ep_local_combine_vjp"  — ffi/handlers/local_combine_vjp.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalCombineVjp);
 
-// Multi-rank intranode transport (state: ffi/handlers/intranode_group.h).
-// "jax_ep_intranode_dispatch"        — ffi/handlers/intranode_dispatch.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeDispatch);
-// "jax_ep_intranode_dispatch_cached" —
-// ffi/handlers/intranode_dispatch_cached.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeDispatchCached);
-// "jax_ep_intranode_combine"         — ffi/handlers/intranode_combine.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeCombine);
-// "jax_ep_intranode_combine_vjp"     — ffi/handlers/intranode_combine_vjp.cc
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpIntranodeCombineVjp);
+// Multi-rank peer transport (state: ffi/runtime/group.h).
+// "jax_ep_peer_dispatch"        — ffi/handlers/peer_dispatch.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerDispatch);
+// "jax_ep_peer_dispatch_cached" —
+// ffi/handlers/peer_dispatch_cached.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerDispatchCached);
+// "jax_ep_peer_combine"         — ffi/handlers/peer_combine.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerCombine);
+// "jax_ep_peer_combine_vjp"     — ffi/handlers/peer_combine_vjp.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerCombineVjp);
 
 // Low-latency pair over the same groups (ffi/handlers/low_latency.cc):
 // "jax_ep_low_latency_dispatch_send" / "_dispatch_wait" /
@@ -45,6 +45,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyCombineWait);
 // The rail exchange of a network group (ffi/handlers/rail_exchange.cc):
 // "jax_ep_rail_exchange".
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpRailExchange);
+
+// XLA:CPU: the `group` attribute as the group ops decode it (group_probe.cc).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupProbe);
 
 namespace jax_ep {
 // Invocations of the low-latency handlers (a fused call counts once), and how

@@ -38,21 +38,13 @@ ffi::Error LocalCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
   ffi_utils::LeadingOperand lead;
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckLeadingOperand(
       kOp, "expert_out", "[B..., capacity, H]", expert_out, &lead));
-  const auto e_dims = lead.dims;
-  const size_t nb = lead.num_batch_dims;
-  const int64_t capacity = lead.num_rows;
-  const int64_t hidden = lead.hidden;
-  const ElementType dtype = lead.dtype;
+  const auto& [e_dims, nb, capacity, hidden, dtype] = lead;
 
-  const auto row_dims = slot_row.dimensions();
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckRank(kOp, "slot_row", row_dims, nb, 2, "[B..., T, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckBatchDims(kOp, "slot_row", row_dims, "expert_out", e_dims, nb));
-  const int64_t num_tokens = row_dims[nb];
-  const int64_t num_topk = row_dims[nb + 1];
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      ffi_utils::CheckTopk(kOp, "slot_row", num_tokens, num_topk));
+  int64_t num_tokens = 0;
+  int64_t num_topk = 0;
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSlotRows(
+      kOp, "slot_row", slot_row.dimensions(), "expert_out", lead, -1, "",
+      &num_tokens, &num_topk));
 
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSlotsShape(
       kOp, "slot_weights", slot_weights.dimensions(), "expert_out", e_dims, nb,
@@ -88,13 +80,10 @@ ffi::Error LocalCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLocalCombine, jax_ep::LocalCombineImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Arg<xla::ffi::AnyBuffer>()                     // expert_out
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // slot_weights
-        .Ret<xla::ffi::AnyBuffer>()                     // out
-        .Attr<bool>("weighted"),                        // weighted
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::AnyBuffer>()                     // expert_out
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row
+    .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // slot_weights
+    .Ret<xla::ffi::AnyBuffer>()                     // out
+    .Attr<bool>("weighted"));                       // weighted

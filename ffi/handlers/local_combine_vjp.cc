@@ -37,11 +37,7 @@ ffi::Error LocalCombineVjpImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
   ffi_utils::LeadingOperand lead;
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckLeadingOperand(
       kOp, "d_out", "[B..., T, H]", d_out, &lead));
-  const auto d_dims = lead.dims;
-  const size_t nb = lead.num_batch_dims;
-  const int64_t num_tokens = lead.num_rows;
-  const int64_t hidden = lead.hidden;
-  const ElementType dtype = lead.dtype;
+  const auto& [d_dims, nb, num_tokens, hidden, dtype] = lead;
 
   const auto e_dims = expert_out.dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(
@@ -55,16 +51,10 @@ ffi::Error LocalCombineVjpImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
                                 "d_out", d_out.element_type()));
   const int64_t capacity = e_dims[nb];
 
-  const auto row_dims = slot_row.dimensions();
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckRank(kOp, "slot_row", row_dims, nb, 2, "[B..., T, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckBatchDims(kOp, "slot_row", row_dims, "d_out", d_dims, nb));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckDim(kOp, "slot_row", row_dims, nb, "T", num_tokens, "d_out T"));
-  const int64_t num_topk = row_dims[nb + 1];
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      ffi_utils::CheckTopk(kOp, "slot_row", num_tokens, num_topk));
+  int64_t num_topk = 0;
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSlotRows(
+      kOp, "slot_row", slot_row.dimensions(), "d_out", lead, num_tokens,
+      "d_out T", nullptr, &num_topk));
 
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSlotsShape(
       kOp, "dots", dots->dimensions(), "d_out", d_dims, nb, num_tokens,
@@ -87,12 +77,9 @@ ffi::Error LocalCombineVjpImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLocalCombineVjp, jax_ep::LocalCombineVjpImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Arg<xla::ffi::AnyBuffer>()                     // d_out
-        .Arg<xla::ffi::AnyBuffer>()                     // expert_out
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>(),        // dots
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::AnyBuffer>()                     // d_out
+    .Arg<xla::ffi::AnyBuffer>()                     // expert_out
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row
+    .Ret<xla::ffi::Buffer<xla::ffi::F32>>());       // dots

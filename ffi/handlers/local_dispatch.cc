@@ -40,23 +40,13 @@ ffi::Error LocalDispatchImpl(cudaStream_t stream, ffi::AnyBuffer x,
   ffi_utils::LeadingOperand lead;
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckLeadingOperand(kOp, "x", "[B..., T, H]", x, &lead));
-  const auto x_dims = lead.dims;
-  const size_t nb = lead.num_batch_dims;
-  const int64_t num_tokens = lead.num_rows;
-  const int64_t hidden = lead.hidden;
-  const ElementType dtype = lead.dtype;
+  const auto& [x_dims, nb, num_tokens, hidden, dtype] = lead;
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
 
-  const auto row_dims = slot_row.dimensions();
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckRank(kOp, "slot_row", row_dims, nb, 2, "[B..., T, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckBatchDims(kOp, "slot_row", row_dims, "x", x_dims, nb));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckDim(kOp, "slot_row", row_dims, nb, "T", num_tokens, "x T"));
-  const int64_t num_topk = row_dims[nb + 1];
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      ffi_utils::CheckTopk(kOp, "slot_row", num_tokens, num_topk));
+  int64_t num_topk = 0;
+  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSlotRows(
+      kOp, "slot_row", slot_row.dimensions(), "x", lead, num_tokens, "x T",
+      nullptr, &num_topk));
 
   const auto gs_dims = group_sizes.dimensions();
   JAX_EP_FFI_RETURN_IF_ERROR(
@@ -101,15 +91,12 @@ ffi::Error LocalDispatchImpl(cudaStream_t stream, ffi::AnyBuffer x,
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLocalDispatch, jax_ep::LocalDispatchImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Arg<xla::ffi::AnyBuffer>()                     // x
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // slot_weights
-        .Ret<xla::ffi::AnyBuffer>()                     // recv_x
-        .Attr<int64_t>("capacity")                      // capacity
-        .Attr<bool>("weighted"),                        // weighted
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::AnyBuffer>()                     // x
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+    .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // slot_weights
+    .Ret<xla::ffi::AnyBuffer>()                     // recv_x
+    .Attr<int64_t>("capacity")                      // capacity
+    .Attr<bool>("weighted"));                       // weighted

@@ -103,17 +103,14 @@ ffi::Error LocalLayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLocalLayout, jax_ep::LocalLayoutImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_dropped
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_invalid
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // workspace
-        .Attr<int64_t>("num_experts")                   // num_experts (E)
-        .Attr<int64_t>("capacity")                      // capacity
-        .Attr<int64_t>("expert_alignment"),             // expert_alignment
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_dropped
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_invalid
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // workspace
+    .Attr<int64_t>("num_experts")                   // num_experts (E)
+    .Attr<int64_t>("capacity")                      // capacity
+    .Attr<int64_t>("expert_alignment"));            // expert_alignment

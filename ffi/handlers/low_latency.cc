@@ -9,22 +9,22 @@
 //   x `[T, H]` group dtype, topk_idx `[T, K]` int32, slot_scale `[T, K]` f32
 //   (read only when `weighted`; plain rows only) ->
 //   num_invalid `[]` int32 (the wait takes it: it orders the wait after the
-//   send). attrs: group_id, format (0 plain, 1 fp8, 2 fp8 with power-of-two
+//   send). attrs: group, format (0 plain, 1 fp8, 2 fp8 with power-of-two
 //   scales), weighted.
 // jax_ep_low_latency_dispatch_wait
 //   sent `[]` int32 -> recv_x `[L, S, H]` (group dtype, or f8e4m3fn), scales
 //   (`[L, S, H/128]` f32, `[L, S, H/512]` s32 with ue8m0, any one-element
 //   array for plain rows), count `[L]` int32, recv_src `[L, S]` int32,
-//   status `[]` int32. attrs: group_id, format, ue8m0.
+//   status `[]` int32. attrs: group, format, ue8m0.
 // jax_ep_low_latency_combine_send
 //   expert_out `[L, S, H]`, recv_src `[L, S]`, count `[L]` -> sent `[]` int32
-//   (zero). attrs: group_id.
+//   (zero). attrs: group.
 // jax_ep_low_latency_combine_wait
 //   sent `[]`, topk_idx `[T, K]` int32, weights `[T, K]` f32 -> out `[T, H]`
-//   (or `[T, K, H]` with gather), status `[]`. attrs: group_id, num_experts,
+//   (or `[T, K, H]` with gather), status `[]`. attrs: group, num_experts,
 //   gather.
-// Every op also takes group_config, the configuration of the group the
-// program was built for (intranode_common.h, GroupRef).
+// Every op also takes `group`: the group's id and the configuration the
+// program was built for (group_common.h, GroupRef).
 // jax_ep_low_latency_dispatch / jax_ep_low_latency_combine: the pair fused in
 // one custom call (the operands of the send, the results of both). At one
 // rank the fused ops use no transport: the dispatch writes its results
@@ -39,18 +39,18 @@
 #include <string>
 
 #include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/group_common.h"
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/intranode_common.h"
-#include "ffi/handlers/intranode_group.h"
 #include "ffi/kernels/low_latency_kernels.h"
 #include "ffi/kernels/network.h"
+#include "ffi/runtime/group.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
 namespace {
 
 namespace ffi = ::xla::ffi;
-using intranode_ffi::CheckShape;
+using group_ffi::CheckShape;
 using low_latency::RowFormat;
 
 constexpr char kDispatchSend[] = "jax_ep_low_latency_dispatch_send";
@@ -76,13 +76,13 @@ void CountCall(cudaStream_t stream) {
 
 // The group, which must have been created with the low-latency buffers.
 ffi::Error GetLowLatencyGroup(
-    const char* op, const intranode_ffi::GroupRef& ref,
-    std::shared_ptr<const intranode_group::Group>* group) {
+    const char* op, const group_ffi::GroupRef& ref,
+    std::shared_ptr<const runtime::Group>* group) {
   JAX_EP_FFI_RETURN_IF_ERROR(
-      intranode_ffi::GetGroup(op, ref, group, /*network_ok=*/true));
+      group_ffi::GetGroup(op, ref, group, /*network_ok=*/true));
   if (!(*group)->config.low_latency) {
     return ffi_utils::InvalidArgument(
-        op, "intranode group " + std::to_string(ref.id) +
+        op, "native group " + std::to_string(ref.id) +
                 " has no low-latency buffers (create the jax_ep.Group with "
                 "low_latency=True)");
   }
@@ -91,7 +91,7 @@ ffi::Error GetLowLatencyGroup(
 
 // A network group: the send kernel staged the rows for ranks on other hosts;
 // the network transport puts them, then their flags (same stream, after it).
-ffi::Error SendOverNetwork(const char* op, const intranode_group::Group& g,
+ffi::Error SendOverNetwork(const char* op, const runtime::Group& g,
                            int32_t ll_op, const int32_t* recv_src,
                            const int32_t* count, cudaStream_t stream) {
   if (g.network_send == nullptr) return ffi::Error::Success();
@@ -102,7 +102,7 @@ ffi::Error SendOverNetwork(const char* op, const intranode_group::Group& g,
 }
 
 ffi::Error CheckFormat(const char* op, int32_t format,
-                       const intranode_group::Group& g) {
+                       const runtime::Group& g) {
   if (format < 0 || format > 2) {
     return ffi_utils::InvalidArgument(
         op, "attribute format is " + std::to_string(format) +
@@ -118,24 +118,24 @@ ffi::Error CheckFormat(const char* op, int32_t format,
 }
 
 ffi::Error CheckTopk(const char* op, ffi_utils::Dims dims,
-                     const intranode_group::Group& g, int64_t* num_tokens) {
+                     const runtime::Group& g, int64_t* num_tokens) {
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(op, "topk_idx", dims, {-1, g.config.num_topk}, "[T, K]"));
   *num_tokens = dims[0];
-  return intranode_ffi::CheckTokens(op, "topk_idx", *num_tokens, g);
+  return group_ffi::CheckTokens(op, "topk_idx", *num_tokens, g);
 }
 
 // The send's operands and attributes against the group; the group, T and the
 // element type out.
 ffi::Error CheckDispatchSend(
     ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
-    ffi::Buffer<ffi::F32> slot_scale, const intranode_ffi::GroupRef& ref,
+    ffi::Buffer<ffi::F32> slot_scale, const group_ffi::GroupRef& ref,
     int32_t format,
-    bool weighted, std::shared_ptr<const intranode_group::Group>* group,
+    bool weighted, std::shared_ptr<const runtime::Group>* group,
     int64_t* num_tokens, ElementType* dtype) {
   JAX_EP_FFI_RETURN_IF_ERROR(
       GetLowLatencyGroup(kDispatchSend, ref, group));
-  const intranode_group::Group& g = **group;
+  const runtime::Group& g = **group;
   JAX_EP_FFI_RETURN_IF_ERROR(CheckFormat(kDispatchSend, format, g));
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckTopk(kDispatchSend, topk_idx.dimensions(), g, num_tokens));
@@ -145,7 +145,7 @@ ffi::Error CheckDispatchSend(
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(kDispatchSend, "slot_scale", slot_scale.dimensions(),
                  {*num_tokens, g.config.num_topk}, "[T, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckGroupDtype(
       kDispatchSend, "x", x.element_type(), g, dtype));
   if (weighted && format != 0) {
     return ffi_utils::InvalidArgument(
@@ -160,15 +160,14 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
                             ffi::Buffer<ffi::S32> topk_idx,
                             ffi::Buffer<ffi::F32> slot_scale,
                             ffi::ResultBuffer<ffi::S32> num_invalid,
-                            int64_t group_id,
-                            ffi::Span<const int64_t> group_config,
+                            group_ffi::GroupRef ref,
                             int32_t format, bool weighted) {
   CountCall(stream);
-  std::shared_ptr<const intranode_group::Group> group;
+  std::shared_ptr<const runtime::Group> group;
   int64_t num_tokens = 0;
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(CheckDispatchSend(
-      x, topk_idx, slot_scale, {group_id, group_config}, format, weighted,
+      x, topk_idx, slot_scale, ref, format, weighted,
       &group, &num_tokens, &dtype));
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       kDispatchSend,
@@ -176,7 +175,7 @@ ffi::Error DispatchSendImpl(cudaStream_t stream, ffi::AnyBuffer x,
           group->view, dtype, static_cast<RowFormat>(format), x.untyped_data(),
           topk_idx.typed_data(), weighted ? slot_scale.typed_data() : nullptr,
           num_tokens, num_invalid->typed_data(), stream));
-  return SendOverNetwork(kDispatchSend, *group, intranode::kLowLatencyDispatch,
+  return SendOverNetwork(kDispatchSend, *group, group::kLowLatencyDispatch,
                          nullptr, nullptr, stream);
 }
 
@@ -196,13 +195,13 @@ ffi::Error DispatchWaitCore(cudaStream_t stream,
                             ffi::ResultBuffer<ffi::S32> count,
                             ffi::ResultBuffer<ffi::S32> recv_src,
                             ffi::ResultBuffer<ffi::S32> status,
-                            const intranode_ffi::GroupRef& ref,
+                            const group_ffi::GroupRef& ref,
                             int32_t format, bool ue8m0,
                             const LocalDispatch* local = nullptr) {
-  std::shared_ptr<const intranode_group::Group> group;
+  std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kDispatchWait, ref, &group));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckFormat(kDispatchWait, format, *group));
-  const intranode_group::GroupConfig& c = group->config;
+  const runtime::GroupConfig& c = group->config;
   const int64_t num_local = c.num_experts / c.num_ranks;
   const int64_t slab = c.num_ranks * c.max_tokens;
   JAX_EP_FFI_RETURN_IF_ERROR(
@@ -210,7 +209,7 @@ ffi::Error DispatchWaitCore(cudaStream_t stream,
                  {num_local, slab, c.hidden}, "[L, R*T_max, H]"));
   ElementType dtype = ElementType::kBF16;
   if (format == 0) {
-    JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+    JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckGroupDtype(
         kDispatchWait, "recv_x", recv_x->element_type(), *group, &dtype));
   } else {
     if (recv_x->element_type() != ffi::DataType::F8E4M3FN) {
@@ -272,29 +271,28 @@ ffi::Error DispatchWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
                             ffi::ResultBuffer<ffi::S32> count,
                             ffi::ResultBuffer<ffi::S32> recv_src,
                             ffi::ResultBuffer<ffi::S32> status,
-                            int64_t group_id,
-                            ffi::Span<const int64_t> group_config,
+                            group_ffi::GroupRef ref,
                             int32_t format, bool ue8m0) {
   CountCall(stream);
   (void)sent;
   return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status,
-                          {group_id, group_config}, format, ue8m0);
+                          ref, format, ue8m0);
 }
 
 // The combine send's operands against the group; the element type out.
 ffi::Error CheckCombineSend(ffi::AnyBuffer expert_out,
                             ffi::Buffer<ffi::S32> recv_src,
                             ffi::Buffer<ffi::S32> count,
-                            const intranode_group::Group& g,
+                            const runtime::Group& g,
                             ElementType* dtype = nullptr) {
-  const intranode_group::GroupConfig& c = g.config;
+  const runtime::GroupConfig& c = g.config;
   const int64_t num_local = c.num_experts / c.num_ranks;
   const int64_t slab = c.num_ranks * c.max_tokens;
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(kCombineSend, "expert_out", expert_out.dimensions(),
                  {num_local, slab, c.hidden}, "[L, R*T_max, H]"));
   ElementType type;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckGroupDtype(
       kCombineSend, "expert_out", expert_out.element_type(), g, &type));
   if (dtype != nullptr) *dtype = type;
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kCombineSend, "recv_src",
@@ -309,12 +307,12 @@ ffi::Error CheckCombineSend(ffi::AnyBuffer expert_out,
 ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                            ffi::Buffer<ffi::S32> recv_src,
                            ffi::Buffer<ffi::S32> count,
-                           ffi::ResultBuffer<ffi::S32> sent, int64_t group_id,
-                           ffi::Span<const int64_t> group_config) {
+                           ffi::ResultBuffer<ffi::S32> sent,
+                           group_ffi::GroupRef ref) {
   CountCall(stream);
-  std::shared_ptr<const intranode_group::Group> group;
+  std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(
-      kCombineSend, {group_id, group_config}, &group));
+      kCombineSend, ref, &group));
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckCombineSend(expert_out, recv_src, count, *group, &dtype));
@@ -325,7 +323,7 @@ ffi::Error CombineSendImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
       kCombineSend, low_latency::CombineSend(
                         group->view, dtype, expert_out.untyped_data(),
                         recv_src.typed_data(), count.typed_data(), stream));
-  return SendOverNetwork(kCombineSend, *group, intranode::kLowLatencyCombine,
+  return SendOverNetwork(kCombineSend, *group, group::kLowLatencyCombine,
                          recv_src.typed_data(), count.typed_data(), stream);
 }
 
@@ -335,13 +333,13 @@ ffi::Error CombineWaitCore(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                            ffi::Buffer<ffi::F32> weights,
                            ffi::Result<ffi::AnyBuffer> out,
                            ffi::ResultBuffer<ffi::S32> status,
-                           const intranode_ffi::GroupRef& ref,
+                           const group_ffi::GroupRef& ref,
                            int64_t num_experts, bool gather,
                            const void* local_expert_out = nullptr) {
-  std::shared_ptr<const intranode_group::Group> group;
+  std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kCombineWait, ref, &group));
-  const intranode_group::GroupConfig& c = group->config;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckAttrEquals(
+  const runtime::GroupConfig& c = group->config;
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckAttrEquals(
       kCombineWait, "num_experts", num_experts, "num_experts", c.num_experts));
   int64_t num_tokens = 0;
   JAX_EP_FFI_RETURN_IF_ERROR(
@@ -359,7 +357,7 @@ ffi::Error CombineWaitCore(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
                                           {num_tokens, c.hidden}, "[T, H]"));
   }
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupDtype(
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckGroupDtype(
       kCombineWait, "out", out->element_type(), *group, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kCombineWait, "out", out->untyped_data()));
@@ -384,13 +382,13 @@ ffi::Error CombineWaitImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> sent,
                            ffi::Buffer<ffi::S32> topk_idx,
                            ffi::Buffer<ffi::F32> weights,
                            ffi::Result<ffi::AnyBuffer> out,
-                           ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
-                           ffi::Span<const int64_t> group_config,
+                           ffi::ResultBuffer<ffi::S32> status,
+                           group_ffi::GroupRef ref,
                            int64_t num_experts, bool gather) {
   CountCall(stream);
   (void)sent;
   return CombineWaitCore(stream, topk_idx, weights, out, status,
-                         {group_id, group_config}, num_experts, gather);
+                         ref, num_experts, gather);
 }
 
 // The fused ops (send then wait in one custom call): what a program that has
@@ -401,11 +399,9 @@ ffi::Error DispatchImpl(
     ffi::Buffer<ffi::F32> slot_scale, ffi::ResultBuffer<ffi::S32> num_invalid,
     ffi::Result<ffi::AnyBuffer> recv_x, ffi::Result<ffi::AnyBuffer> scales,
     ffi::ResultBuffer<ffi::S32> count, ffi::ResultBuffer<ffi::S32> recv_src,
-    ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
-    ffi::Span<const int64_t> group_config, int32_t format, bool weighted,
-    bool ue8m0) {
-  const intranode_ffi::GroupRef ref{group_id, group_config};
-  std::shared_ptr<const intranode_group::Group> group;
+    ffi::ResultBuffer<ffi::S32> status, group_ffi::GroupRef ref,
+    int32_t format, bool weighted, bool ue8m0) {
+  std::shared_ptr<const runtime::Group> group;
   int64_t num_tokens = 0;
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(CheckDispatchSend(x, topk_idx, slot_scale, ref,
@@ -419,9 +415,8 @@ ffi::Error DispatchImpl(
     return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status,
                             ref, format, ue8m0, &local);
   }
-  JAX_EP_FFI_RETURN_IF_ERROR(DispatchSendImpl(stream, x, topk_idx, slot_scale,
-                                              num_invalid, group_id,
-                                              group_config, format, weighted));
+  JAX_EP_FFI_RETURN_IF_ERROR(DispatchSendImpl(
+      stream, x, topk_idx, slot_scale, num_invalid, ref, format, weighted));
   return DispatchWaitCore(stream, recv_x, scales, count, recv_src, status, ref,
                           format, ue8m0);
 }
@@ -432,11 +427,10 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                        ffi::Buffer<ffi::S32> topk_idx,
                        ffi::Buffer<ffi::F32> weights,
                        ffi::Result<ffi::AnyBuffer> out,
-                       ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
-                       ffi::Span<const int64_t> group_config,
+                       ffi::ResultBuffer<ffi::S32> status,
+                       group_ffi::GroupRef ref,
                        int64_t num_experts, bool gather) {
-  const intranode_ffi::GroupRef ref{group_id, group_config};
-  std::shared_ptr<const intranode_group::Group> group;
+  std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(GetLowLatencyGroup(kCombineSend, ref, &group));
   if (group->config.num_ranks == 1) {  // no transport: straight from expert_out
     CountCall(stream);
@@ -446,8 +440,7 @@ ffi::Error CombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
                            num_experts, gather, expert_out.untyped_data());
   }
   JAX_EP_FFI_RETURN_IF_ERROR(
-      CombineSendImpl(stream, expert_out, recv_src, count, status, group_id,
-                      group_config));
+      CombineSendImpl(stream, expert_out, recv_src, count, status, ref));
   return CombineWaitCore(stream, topk_idx, weights, out, status, ref,
                          num_experts, gather);
 }
@@ -461,96 +454,66 @@ void LowLatencyHandlerCalls(int64_t* calls, int64_t* captured) {
 
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+// The operands and results each op of the pair binds, in the order its
+// handler takes them; the fused ops bind their send's and their wait's.
+#define JAX_EP_LL_DISPATCH_SEND_ARGS                                         \
+  .Arg<xla::ffi::AnyBuffer>()                /* x */                         \
+  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    /* topk_idx */                  \
+  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    /* slot_scale */                \
+  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    /* num_invalid */
+#define JAX_EP_LL_DISPATCH_WAIT_RETS                                         \
+  .Ret<xla::ffi::AnyBuffer>()                /* recv_x */                    \
+  .Ret<xla::ffi::AnyBuffer>()                /* scales */                    \
+  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    /* count */                     \
+  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    /* recv_src */                  \
+  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    /* status */
+#define JAX_EP_LL_COMBINE_SEND_ARGS                                          \
+  .Arg<xla::ffi::AnyBuffer>()                /* expert_out */                \
+  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    /* recv_src */                  \
+  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    /* count */
+#define JAX_EP_LL_COMBINE_WAIT                                               \
+  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()    /* topk_idx */                  \
+  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()    /* weights */                   \
+  .Ret<xla::ffi::AnyBuffer>()                /* out */                       \
+  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()    /* status */                    \
+  .Attr<jax_ep::group_ffi::GroupRef>("group")                                \
+  .Attr<int64_t>("num_experts")                                              \
+  .Attr<bool>("gather")
+
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLowLatencyDispatch, jax_ep::DispatchImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()              // x
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // slot_scale
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // num_invalid
-        .Ret<xla::ffi::AnyBuffer>()              // recv_x
-        .Ret<xla::ffi::AnyBuffer>()              // scales
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // count
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
-        .Attr<int32_t>("format")
-        .Attr<bool>("weighted")
-        .Attr<bool>("ue8m0"),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    JAX_EP_LL_DISPATCH_SEND_ARGS JAX_EP_LL_DISPATCH_WAIT_RETS
+    .Attr<jax_ep::group_ffi::GroupRef>("group")
+    .Attr<int32_t>("format")
+    .Attr<bool>("weighted")
+    .Attr<bool>("ue8m0"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLowLatencyCombine, jax_ep::CombineImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()              // expert_out
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // count
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
-        .Ret<xla::ffi::AnyBuffer>()              // out
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
-        .Attr<int64_t>("num_experts")
-        .Attr<bool>("gather"),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    JAX_EP_LL_COMBINE_SEND_ARGS JAX_EP_LL_COMBINE_WAIT);
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLowLatencyDispatchSend, jax_ep::DispatchSendImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()              // x
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // slot_scale
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // num_invalid
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
-        .Attr<int32_t>("format")
-        .Attr<bool>("weighted"),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    JAX_EP_LL_DISPATCH_SEND_ARGS
+    .Attr<jax_ep::group_ffi::GroupRef>("group")
+    .Attr<int32_t>("format")
+    .Attr<bool>("weighted"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLowLatencyDispatchWait, jax_ep::DispatchWaitImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // sent
-        .Ret<xla::ffi::AnyBuffer>()              // recv_x
-        .Ret<xla::ffi::AnyBuffer>()              // scales
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // count
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
-        .Attr<int32_t>("format")
-        .Attr<bool>("ue8m0"),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // sent
+    JAX_EP_LL_DISPATCH_WAIT_RETS
+    .Attr<jax_ep::group_ffi::GroupRef>("group")
+    .Attr<int32_t>("format")
+    .Attr<bool>("ue8m0"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLowLatencyCombineSend, jax_ep::CombineSendImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::AnyBuffer>()              // expert_out
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_src
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // count
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // sent
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config"),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    JAX_EP_LL_COMBINE_SEND_ARGS
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // sent
+    .Attr<jax_ep::group_ffi::GroupRef>("group"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpLowLatencyCombineWait, jax_ep::CombineWaitImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // sent
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // weights
-        .Ret<xla::ffi::AnyBuffer>()              // out
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
-        .Attr<int64_t>("num_experts")
-        .Attr<bool>("gather"),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // sent
+    JAX_EP_LL_COMBINE_WAIT);

@@ -14,7 +14,7 @@
 //   recv_counts `[Hn]` int32, status `[]` int32 (0 ok, 1 the group failed),
 //   then per source `[Hn * T_max, ...]` of its element type and row size:
 //   row h * T_max + j is the row the rail peer on host h sent (zero for
-//   j >= recv_counts[h]). attrs: group_id, group_config.
+//   j >= recv_counts[h]). attrs: group.
 
 #include <cuda_runtime.h>
 
@@ -23,18 +23,18 @@
 #include <string>
 
 #include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/group_common.h"
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/intranode_common.h"
-#include "ffi/handlers/intranode_group.h"
 #include "ffi/kernels/network.h"
 #include "ffi/kernels/rail_kernels.h"
+#include "ffi/runtime/group.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
 namespace {
 
 namespace ffi = ::xla::ffi;
-using intranode_ffi::CheckShape;
+using group_ffi::CheckShape;
 
 constexpr char kOp[] = "jax_ep_rail_exchange";
 
@@ -50,17 +50,16 @@ ffi::Error RailExchangeImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> index,
                             ffi::Buffer<ffi::S32> pes, ffi::RemainingArgs srcs,
                             ffi::ResultBuffer<ffi::S32> recv_counts,
                             ffi::ResultBuffer<ffi::S32> status,
-                            ffi::RemainingRets dsts, int64_t group_id,
-                            ffi::Span<const int64_t> group_config) {
-  std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::GetGroup(
-      kOp, {group_id, group_config}, &group, /*network_ok=*/true));
-  const intranode_group::Group& g = *group;
+                            ffi::RemainingRets dsts, group_ffi::GroupRef ref) {
+  std::shared_ptr<const runtime::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::GetGroup(
+      kOp, ref, &group, /*network_ok=*/true));
+  const runtime::Group& g = *group;
   const int64_t hosts = g.view.num_hosts;
   const int64_t t_max = g.config.max_tokens;
   if (!g.config.network || hosts < 2 || g.network_send == nullptr) {
     return ffi_utils::InvalidArgument(
-        kOp, "intranode group " + std::to_string(group_id) +
+        kOp, "native group " + std::to_string(ref.id) +
                  " is not a network group of several hosts");
   }
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "index", index.dimensions(),
@@ -138,17 +137,13 @@ ffi::Error RailExchangeImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> index,
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
+JAX_EP_FFI_DEFINE_HANDLER(
     JaxEpRailExchange, jax_ep::RailExchangeImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // index
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // counts
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // pes
-        .RemainingArgs()                         // sources
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // recv_counts
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-        .RemainingRets()                         // one per source
-        .Attr<int64_t>("group_id")
-        .Attr<xla::ffi::Span<const int64_t>>("group_config"),
-    {xla::ffi::Traits::kCmdBufferCompatible});
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // index
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // counts
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // pes
+    .RemainingArgs()                                // sources
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+    .RemainingRets()                                // one per source
+    .Attr<jax_ep::group_ffi::GroupRef>("group"));   // group_common.h

@@ -9,13 +9,13 @@
 // never throw. No XLA, nanobind or Python header may be included here (the
 // FFI adapters in ffi/handlers/ are the only layer that knows about XLA).
 // Launchers are declared per op family, one header and namespace each:
-// layout_kernels.h (layout), local_kernels.h (local), intranode_kernels.h
-// (intranode), low_latency_kernels.h (low_latency), rail_kernels.h (rail).
+// layout_kernels.h (layout), local_kernels.h (local), peer_kernels.h
+// (peer), low_latency_kernels.h (low_latency), rail_kernels.h (rail).
 //
 // Batching: every layout / local launcher takes `num_batches`, the product of
 // the leading batch dims a `vmap` added to every operand. Batch element `b` of
 // an operand of per-element size `n` starts at `ptr + b * n`; all batch
-// elements run in one launch. The peer launchers (intranode, low_latency,
+// elements run in one launch. The peer launchers (peer, low_latency,
 // rail) take no batch.
 //
 // Shape names follow DESIGN.md: `num_tokens` (T), `num_topk` (K),
@@ -38,7 +38,7 @@ enum class ElementType : int32_t { kBF16 = 0, kF16 = 1, kF32 = 2 };
 inline constexpr int64_t kMaxExperts = 1024;
 inline constexpr int64_t kMaxTopk = 32;
 // Most slots (T * K) one call may have per batch element (per rank for the
-// intranode transport's received entries, R * T_max * K). NOTES: int32 slot
+// peer transport's received entries, R * T_max * K). NOTES: int32 slot
 // indices with headroom: the layout's last chunk ends at most one chunk (<=
 // 2^22 slots) past T * K, which must still fit int32.
 inline constexpr int64_t kMaxSlots = int64_t{1} << 30;
@@ -47,7 +47,7 @@ inline constexpr int64_t kMaxSlots = int64_t{1} << 30;
 inline constexpr int64_t kHiddenMultiple = 8;
 // Rows of `recv_x` (capacity): row indices are int32.
 inline constexpr int64_t kMaxCapacity = INT32_MAX;
-// The SM budget of an intranode group's send kernels (num_sms): far above any
+// The SM budget of a native group's send kernels (num_sms): far above any
 // GPU's multiprocessor count, and keeps every send grid well inside int32.
 inline constexpr int64_t kMaxNumSms = 1024;
 // expert_alignment (each expert's rows of recv_x start at a multiple of it):

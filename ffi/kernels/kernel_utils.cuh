@@ -181,7 +181,7 @@ __device__ __forceinline__ void StoreMaybeStreaming(uint4* p, const uint4& v) {
 // row_vecs (the others are left at zero). kLoads loads in flight: kLoads /
 // kPasses slots at a time, each for all passes.
 // NOTES: fixed order — slots k ascending, one fmaf per element each — so the
-// one-rank combine and the intranode combine's partial sums agree bit for bit.
+// one-rank combine and the peer combine's partial sums agree bit for bit.
 // Several passes per thread keep loads in flight when a token has few slots
 // on this rank (about 1.5 of 8 at R=8): with one pass at a time the peer
 // combine's send is bound by memory latency, not bandwidth.

@@ -1,7 +1,7 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
 // jax_ep::local::Dispatch: rows from token order `[T, H]` into the
-// expert-grouped `[capacity, H]` (dispatch at one rank, the intranode
+// expert-grouped `[capacity, H]` (dispatch at one rank, the peer
 // dispatch's placement of received rows, and the weighted transpose of
 // combine). Rows past the placed ones are not written: they are unspecified
 // (nothing in jax_ep reads them), so a worst-case capacity costs no time.

@@ -2,7 +2,7 @@
 //
 // jax_ep::local: row movement at one rank between token order and the
 // expert-grouped order (kernels: ffi/kernels/local_*.cu; handlers:
-// jax_ep_local_dispatch, _combine, _combine_vjp). The intranode transport
+// jax_ep_local_dispatch, _combine, _combine_vjp). The peer transport
 // places received rows with local::Dispatch too. Element types, limits and
 // the batching convention: ep_common.h.
 
@@ -17,7 +17,7 @@
 
 namespace jax_ep::local {
 
-// Tokens of an intranode placement (local::Dispatch of received rows) whose
+// Tokens of a peer placement (local::Dispatch of received rows) whose
 // rows the caller has already placed in `recv_x` (a dispatch places its own
 // rank's tokens while its rows travel): tokens n in [begin, begin + count) are
 // neither read nor written. Only with x_from_peers and one batch element

@@ -1,7 +1,7 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
 // low_latency::CombineSend and CombineWait: the decode combine over an
-// intranode group's low-latency buffers (protocol: the NOTES of
+// native group's low-latency buffers (protocol: the NOTES of
 // low_latency_protocol.cuh). The send returns every row a dispatch delivered
 // to its token's home rank (or the outbox, for the network transport), then
 // one flag per home; the wait spins on the R flags in one block and reduces
@@ -14,12 +14,12 @@
 #include <cstdint>
 
 #include "ffi/kernels/ep_common.h"
-#include "ffi/kernels/intranode_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
 #include "ffi/kernels/low_latency_common.cuh"
 #include "ffi/kernels/low_latency_kernels.h"
 #include "ffi/kernels/low_latency_launch.h"
 #include "ffi/kernels/low_latency_protocol.cuh"
+#include "ffi/kernels/peer_protocol.cuh"
 
 namespace jax_ep::low_latency {
 namespace {
@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
   const uint64_t seq = CurrentSeq(g, op);
   const int set = BufferSet(seq);
   if (blockIdx.x == 0 && threadIdx.x == 0) StartSend(g, op, seq);
-  if (intranode::BlockSeesAbort(g)) return;
+  if (peer::BlockSeesAbort(g)) return;
   if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
   const int me = g.rank;
   const int32_t num_local = g.num_local;
@@ -122,9 +122,9 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
       }
     }
   }
-  if (!intranode::ArriveLastBlock(counter, gridDim.x)) return;
+  if (!peer::ArriveLastBlock(counter, gridDim.x)) return;
   if (threadIdx.x < g.num_ranks && s_peer[threadIdx.x] != nullptr) {
-    intranode::StoreReleaseSys(CombineFlag(s_peer[threadIdx.x], g, set, me),
+    peer::StoreReleaseSys(CombineFlag(s_peer[threadIdx.x], g, set, me),
                                FlagValue(seq, 0));
   }
 }
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kMaxR) CombineFlagsKernel(GroupView g) {
   const uint64_t seq = CurrentSeq(g, op);
   if (threadIdx.x == 0) CheckWaitHasSend(g, op, seq);
   __syncthreads();
-  if (threadIdx.x < g.num_ranks && !intranode::Aborted(g)) {
+  if (threadIdx.x < g.num_ranks && !peer::Aborted(g)) {
     SpinArrival(g, CombineFlag(g.own, g, BufferSet(seq), threadIdx.x), seq, op,
                 threadIdx.x);
   }
@@ -219,16 +219,16 @@ struct LaunchCombineWait {
     JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     uint4* o = static_cast<uint4*>(out);
     unsigned long long* counter =
-        &g.state->blocks_done[intranode::kLowLatencyCombineReduceCounter];
+        &g.state->blocks_done[group::kLowLatencyCombineReduceCounter];
     unsigned grid = 0;
     if (gather) {
-      JAX_EP_CUDA_RETURN_IF_ERROR(intranode::ElementwiseGrid(
+      JAX_EP_CUDA_RETURN_IF_ERROR(peer::ElementwiseGrid(
           CombineReduceKernel<T, true>, kWaitThreads,
           static_cast<int64_t>(num_tokens) * kWaitThreads, &grid));
       CombineReduceKernel<T, true><<<grid, kWaitThreads, 0, stream>>>(
           g, topk, weights, num_tokens, num_experts, o, status, counter);
     } else {
-      JAX_EP_CUDA_RETURN_IF_ERROR(intranode::ElementwiseGrid(
+      JAX_EP_CUDA_RETURN_IF_ERROR(peer::ElementwiseGrid(
           CombineReduceKernel<T, false>, kWaitThreads,
           static_cast<int64_t>(num_tokens) * kWaitThreads, &grid));
       CombineReduceKernel<T, false><<<grid, kWaitThreads, 0, stream>>>(
@@ -252,7 +252,7 @@ cudaError_t CombineSend(const GroupView& g, ElementType dtype,
   if (!ValidView(g, dtype)) return cudaErrorInvalidValue;
   CombineSendKernel<<<SendGrid(g), kSendThreads, 0, stream>>>(
       g, static_cast<const uint4*>(expert_out), recv_src, count,
-      &g.state->blocks_done[intranode::kLowLatencyCombineSendCounter]);
+      &g.state->blocks_done[group::kLowLatencyCombineSendCounter]);
   return cudaGetLastError();
 }
 

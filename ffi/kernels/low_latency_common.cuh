@@ -18,11 +18,11 @@
 #include <cstdint>
 
 #include "ffi/kernels/ep_common.h"
-#include "ffi/kernels/intranode_group_view.h"
-#include "ffi/kernels/intranode_protocol.cuh"
+#include "ffi/kernels/group_view.h"
 #include "ffi/kernels/kernel_utils.cuh"
 #include "ffi/kernels/low_latency_kernels.h"
 #include "ffi/kernels/low_latency_protocol.cuh"
+#include "ffi/kernels/peer_protocol.cuh"
 
 namespace jax_ep::low_latency {
 namespace {
@@ -31,13 +31,13 @@ using detail::kFullMask;
 using detail::LaneMaskLt;
 using detail::LastBlockOfGrid;
 using detail::Vec16;
-using intranode::GroupView;
-using intranode::kLowLatencyCombine;
-using intranode::kLowLatencyDispatch;
-using intranode::kMaxK;
-using intranode::kMaxR;
-using intranode::OpCode;
-using intranode::WaitKind;
+using group::GroupView;
+using group::kLowLatencyCombine;
+using group::kLowLatencyDispatch;
+using peer::kMaxK;
+using peer::kMaxR;
+using group::OpCode;
+using group::WaitKind;
 
 constexpr int kSendThreads = 128;  // dispatch / combine send: a block per row
 constexpr int kSendVecs = 8;       // row vectors each send thread holds
@@ -52,8 +52,8 @@ using protocol::DispatchFlag;
 using protocol::FlagValue;
 
 __device__ __forceinline__ int Region(int op) {
-  return op == kLowLatencyDispatch ? intranode::kDispatchRegion
-                                   : intranode::kCombineRegion;
+  return op == kLowLatencyDispatch ? group::kDispatchRegion
+                                   : group::kCombineRegion;
 }
 
 __device__ __forceinline__ OpCode Code(int op) {
@@ -61,13 +61,13 @@ __device__ __forceinline__ OpCode Code(int op) {
                                    : OpCode::kLowLatencyCombine;
 }
 
-// intranode::RecordTimeout, inlined (see SpinArrival's NOTES: a call would
+// peer::RecordTimeout, inlined (see SpinArrival's NOTES: a call would
 // give the wait kernels a stack frame).
 __device__ __forceinline__ void RecordFailure(const GroupView& g, int op,
                                               WaitKind what, int peer,
                                               uint64_t seq) {
   if (atomicCAS(&g.state->error_claimed, 0u, 1u) == 0u) {
-    volatile intranode::Mailbox* m = g.mailbox;
+    volatile group::Mailbox* m = g.mailbox;
     m->op = static_cast<int32_t>(Code(op));
     m->rank = g.rank;
     m->peer = peer;
@@ -91,15 +91,15 @@ __device__ __forceinline__ void RecordFailure(const GroupView& g, int op,
 __device__ __forceinline__ int32_t SpinArrival(const GroupView& g,
                                                const uint64_t* flag,
                                                uint64_t seq, int op, int peer) {
-  const uint64_t start = intranode::GlobalTimerNs();
+  const uint64_t start = peer::GlobalTimerNs();
   const uint64_t want = seq & 0xffffffffull;
   while (true) {
-    const uint64_t v = intranode::LoadAcquireSys(flag);
+    const uint64_t v = peer::LoadAcquireSys(flag);
     if ((v >> 32) == want) {
-      return intranode::ClampCount(static_cast<int32_t>(v & 0xffffffffull), g);
+      return peer::ClampCount(static_cast<int32_t>(v & 0xffffffffull), g);
     }
-    if (intranode::Aborted(g)) return 0;
-    if (intranode::GlobalTimerNs() - start >
+    if (peer::Aborted(g)) return 0;
+    if (peer::GlobalTimerNs() - start >
         static_cast<uint64_t>(g.timeout_ns)) {
       RecordFailure(g, op, WaitKind::kArrival, peer, seq);
       return 0;
@@ -130,7 +130,7 @@ __device__ __forceinline__ void CheckWaitHasSend(const GroupView& g, int op,
 // The wait's last block: completes the call (unless the group aborted).
 __device__ __forceinline__ void FinishWait(const GroupView& g, int op,
                                            uint64_t seq, int32_t* status) {
-  const bool aborted = intranode::Aborted(g);
+  const bool aborted = peer::Aborted(g);
   if (!aborted) {
     g.state->ll_pending[op] = 0u;
     g.state->ll_seq[op] = seq;

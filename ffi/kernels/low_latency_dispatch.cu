@@ -1,7 +1,7 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
 // low_latency::DispatchSend and DispatchWait: the decode dispatch over an
-// intranode group's low-latency buffers (protocol: the NOTES of
+// native group's low-latency buffers (protocol: the NOTES of
 // low_latency_protocol.cuh). The send puts every token's row straight into
 // its expert's region on the expert's rank (or the outbox, for the network
 // transport) and then each (rank, expert)'s count as its arrival flag; the
@@ -16,12 +16,12 @@
 #include <cstdint>
 
 #include "ffi/kernels/ep_common.h"
-#include "ffi/kernels/intranode_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
 #include "ffi/kernels/low_latency_common.cuh"
 #include "ffi/kernels/low_latency_kernels.h"
 #include "ffi/kernels/low_latency_launch.h"
 #include "ffi/kernels/low_latency_protocol.cuh"
+#include "ffi/kernels/peer_protocol.cuh"
 
 namespace jax_ep::low_latency {
 namespace {
@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
   const uint64_t seq = CurrentSeq(g, op);
   const int set = BufferSet(seq);
   if (blockIdx.x == 0 && threadIdx.x == 0) StartSend(g, op, seq);
-  if (intranode::BlockSeesAbort(g)) return;
+  if (peer::BlockSeesAbort(g)) return;
   if (threadIdx.x < g.num_ranks) s_peer[threadIdx.x] = g.peers[threadIdx.x];
   const int me = g.rank;
   const int32_t num_topk = g.num_topk;
@@ -151,7 +151,7 @@ __global__ void __launch_bounds__(kSendThreads, kSendBlocksPerSm)
   if (threadIdx.x == 0 && invalid != 0) {
     atomicAdd(&g.state->ll_invalid, static_cast<unsigned>(invalid));
   }
-  if (!intranode::ArriveLastBlock(counter, gridDim.x)) return;
+  if (!peer::ArriveLastBlock(counter, gridDim.x)) return;
   // Every block's rows and counts are visible (ArriveLastBlock's fences). One
   // fence per thread, then relaxed flag stores: the order of a release store
   // per flag at one fence (the reset of a count needs no order: the flag
@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kFlagsThreads)
     const int l = i / num_ranks;
     const int s = i - l * num_ranks;
     start[l * (num_ranks + 1) + s + 1] =
-        intranode::Aborted(g)
+        peer::Aborted(g)
             ? 0
             : SpinArrival(g, DispatchFlag(g.own, g, set, l, s), seq, op, s);
   }
@@ -313,7 +313,7 @@ struct LaunchDispatchSend {
                          int32_t num_tokens, int32_t* num_invalid,
                          cudaStream_t stream) {
     unsigned long long* counter =
-        &g.state->blocks_done[intranode::kLowLatencyDispatchSendCounter];
+        &g.state->blocks_done[group::kLowLatencyDispatchSendCounter];
     const uint4* xv = static_cast<const uint4*>(x);
     // NOTES: always the same grid per kernel (the counters rely on it).
     switch (format) {
@@ -376,27 +376,27 @@ cudaError_t DispatchWait(const GroupView& g, ElementType dtype,
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   char* out = static_cast<char*>(recv_x);
   unsigned long long* counter =
-      &g.state->blocks_done[intranode::kLowLatencyDispatchPackCounter];
+      &g.state->blocks_done[group::kLowLatencyDispatchPackCounter];
   const int64_t rows =
       static_cast<int64_t>(g.num_local) * g.num_ranks * g.max_tokens;
   unsigned grid = 0;
   if (format == RowFormat::kPlain) {
     JAX_EP_CUDA_RETURN_IF_ERROR(
-        intranode::ElementwiseGrid(DispatchPackKernel<RowFormat::kPlain, false>,
+        peer::ElementwiseGrid(DispatchPackKernel<RowFormat::kPlain, false>,
                                    kWaitThreads, rows * 32, &grid));
     DispatchPackKernel<RowFormat::kPlain, false>
         <<<grid, kWaitThreads, 0, stream>>>(g, out, scales, recv_src, status,
                                             counter);
   } else if (ue8m0) {
     JAX_EP_CUDA_RETURN_IF_ERROR(
-        intranode::ElementwiseGrid(DispatchPackKernel<RowFormat::kFp8, true>,
+        peer::ElementwiseGrid(DispatchPackKernel<RowFormat::kFp8, true>,
                                    kWaitThreads, rows * 32, &grid));
     DispatchPackKernel<RowFormat::kFp8, true>
         <<<grid, kWaitThreads, 0, stream>>>(g, out, scales, recv_src, status,
                                             counter);
   } else {
     JAX_EP_CUDA_RETURN_IF_ERROR(
-        intranode::ElementwiseGrid(DispatchPackKernel<RowFormat::kFp8, false>,
+        peer::ElementwiseGrid(DispatchPackKernel<RowFormat::kFp8, false>,
                                    kWaitThreads, rows * 32, &grid));
     DispatchPackKernel<RowFormat::kFp8, false>
         <<<grid, kWaitThreads, 0, stream>>>(g, out, scales, recv_src, status,

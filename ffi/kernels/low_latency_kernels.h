@@ -1,7 +1,7 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// jax_ep::low_latency: the decode-time dispatch / combine over an intranode
-// group's low-latency buffers (BufferLayout::ll_*, intranode_buffer_layout.h):
+// jax_ep::low_latency: the decode-time dispatch / combine over a native
+// group's low-latency buffers (BufferLayout::ll_*, group_buffer_layout.h):
 // every address is known before the call, so the send is the first action;
 // each op is a send and a wait, two launchers (and two custom calls) so that
 // independent work can run between them. Protocol: the NOTES of
@@ -18,7 +18,7 @@
 #include <cstdint>
 
 #include "ffi/kernels/ep_common.h"
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_view.h"
 
 namespace jax_ep::low_latency {
 
@@ -33,7 +33,7 @@ enum class RowFormat : int32_t { kPlain = 0, kFp8 = 1, kFp8PowerOfTwo = 2 };
 // count as its arrival flag. `slot_scale` (`[T, K]` float32, may be null;
 // plain rows only) multiplies the row sent for slot k (the weighted dispatch
 // of combine's gradient). num_invalid `[]` int32 out: ids < -1 or >= E.
-cudaError_t DispatchSend(const intranode::GroupView& g, ElementType dtype,
+cudaError_t DispatchSend(const group::GroupView& g, ElementType dtype,
                          RowFormat format, const void* x,
                          const int32_t* topk_idx, const float* slot_scale,
                          int64_t num_tokens, int32_t* num_invalid,
@@ -48,14 +48,14 @@ cudaError_t DispatchSend(const intranode::GroupView& g, ElementType dtype,
 //   count      `[L]` int32 out   recv_src `[L, R*T_max]` int32 out:
 //              s * T_max * K + t * K + k of each row, -1 past count
 //   status     `[]` int32 out: 0 ok, 1 the group failed
-cudaError_t DispatchWait(const intranode::GroupView& g, ElementType dtype,
+cudaError_t DispatchWait(const group::GroupView& g, ElementType dtype,
                          RowFormat format, bool ue8m0, void* recv_x,
                          void* scales, int32_t* count, int32_t* recv_src,
                          int32_t* status, cudaStream_t stream);
 
 // Sends each valid row (l, i < count[l]) of expert_out `[L, R*T_max, H]` to
 // its token's home rank (recv_src), then the arrival flag of every home.
-cudaError_t CombineSend(const intranode::GroupView& g, ElementType dtype,
+cudaError_t CombineSend(const group::GroupView& g, ElementType dtype,
                         const void* expert_out, const int32_t* recv_src,
                         const int32_t* count, cudaStream_t stream);
 
@@ -64,7 +64,7 @@ cudaError_t CombineSend(const intranode::GroupView& g, ElementType dtype,
 // slot is the one of the first slot of t that names the same expert; slots
 // with ids outside [0, E) add nothing). With `gather`, out is `[T, K, H]`:
 // row(t, k) itself, zeros for slots that select nothing (weights unread).
-cudaError_t CombineWait(const intranode::GroupView& g, ElementType dtype,
+cudaError_t CombineWait(const group::GroupView& g, ElementType dtype,
                         const int32_t* topk_idx, const float* weights,
                         int64_t num_tokens, int64_t num_experts, bool gather,
                         void* out, int32_t* status, cudaStream_t stream);
@@ -73,7 +73,7 @@ cudaError_t CombineWait(const intranode::GroupView& g, ElementType dtype,
 // outputs (DispatchWait's, plus num_invalid), with no buffer, flags or copy;
 // rows past count[l] are left as they were, recv_src is -1 there. Takes
 // DispatchSend's inputs and needs no wait.
-cudaError_t DispatchLocal(const intranode::GroupView& g, ElementType dtype,
+cudaError_t DispatchLocal(const group::GroupView& g, ElementType dtype,
                           RowFormat format, bool ue8m0, const void* x,
                           const int32_t* topk_idx, const float* slot_scale,
                           int64_t num_tokens, void* recv_x, void* scales,
@@ -84,7 +84,7 @@ cudaError_t DispatchLocal(const intranode::GroupView& g, ElementType dtype,
 // One rank: the fused combine, reading each slot's row straight from
 // expert_out `[L, T_max, H]` (where DispatchLocal / the packed slabs put it);
 // CombineWait's outputs and semantics.
-cudaError_t CombineLocal(const intranode::GroupView& g, ElementType dtype,
+cudaError_t CombineLocal(const group::GroupView& g, ElementType dtype,
                          const void* expert_out, const int32_t* topk_idx,
                          const float* weights, int64_t num_tokens,
                          int64_t num_experts, bool gather, void* out,

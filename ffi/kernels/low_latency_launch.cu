@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "ffi/kernels/ep_common.h"
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_view.h"
 #include "ffi/kernels/kernel_utils.cuh"
 #include "ffi/kernels/low_latency_kernels.h"
 #include "ffi/kernels/low_latency_launch.h"
@@ -27,10 +27,10 @@ size_t max_local_bytes = 0;
 
 namespace launch {
 
-bool ValidView(const intranode::GroupView& g, ElementType dtype) {
+bool ValidView(const group::GroupView& g, ElementType dtype) {
   return g.low_latency != 0 && g.peers != nullptr && g.own != nullptr &&
          g.state != nullptr && g.num_ranks >= 1 &&
-         g.num_ranks <= intranode::kMaxRanks && g.rank >= 0 &&
+         g.num_ranks <= group::kMaxRanks && g.rank >= 0 &&
          g.rank < g.num_ranks && g.num_local >= 1 &&
          g.num_local <= kMaxExperts && g.num_topk >= 1 &&
          g.num_topk <= kMaxTopk && g.hidden % kHiddenMultiple == 0 &&

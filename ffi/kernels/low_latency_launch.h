@@ -13,13 +13,13 @@
 #include <cstddef>
 
 #include "ffi/kernels/ep_common.h"
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_view.h"
 
 namespace jax_ep::low_latency::launch {
 
 // Whether the view (a group with the low-latency buffers) and the dtype fit
 // the kernels' limits (32-bit indices); every launcher checks it first.
-bool ValidView(const intranode::GroupView& g, ElementType dtype);
+bool ValidView(const group::GroupView& g, ElementType dtype);
 
 // Raises the most local memory per thread seen by the current PreloadKernels
 // (MaxLocalBytes) to `bytes`.

@@ -5,7 +5,7 @@
 // transport's kernels (low_latency_dispatch.cu, low_latency_combine.cu) and
 // the network transport's put kernels (ffi/nvshmem/low_latency_puts.cu),
 // which must agree on every offset. The buffers: BufferLayout::ll_* in
-// intranode_buffer_layout.h; the launchers: low_latency_kernels.h.
+// group_buffer_layout.h; the launchers: low_latency_kernels.h.
 //
 // NOTES: the protocol.
 // * Addresses known in advance. Receiver r keeps, per (local expert l, source
@@ -17,7 +17,7 @@
 //   atomic decides a position: the receiver packs expert l's rows in (source,
 //   token) order from the per-source counts.
 // * Counts are the arrival flags. After its last row a sender's last block
-//   (blocks_done counter, as in the intranode protocol) stores, for every
+//   (blocks_done counter, as in the peer protocol) stores, for every
 //   expert e, flag(set, l, s) = (seq << 32 | rows) on rank e / L with
 //   st.release.sys, after __threadfence_system in every block. Zero rows is
 //   (seq << 32), distinct from any earlier call's value, so a receiver never
@@ -55,12 +55,12 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_view.h"
 
 namespace jax_ep::low_latency::protocol {
 
 // The current call of `op` (1-based): completed calls + 1.
-__device__ __forceinline__ uint64_t CurrentSeq(const intranode::GroupView& g,
+__device__ __forceinline__ uint64_t CurrentSeq(const group::GroupView& g,
                                                int op) {
   return *reinterpret_cast<const volatile unsigned long long*>(
              &g.state->ll_seq[op]) +
@@ -73,7 +73,7 @@ __device__ __forceinline__ int BufferSet(uint64_t seq) {
 
 // Source src's count of rows for local expert l, in buffer set `set`.
 __device__ __forceinline__ uint64_t* DispatchFlag(char* base,
-                                                  const intranode::GroupView& g,
+                                                  const group::GroupView& g,
                                                   int set, int l, int src) {
   return reinterpret_cast<uint64_t*>(base + g.layout.ll_flags) +
          (static_cast<int64_t>(set) * g.num_local + l) * g.num_ranks + src;
@@ -81,7 +81,7 @@ __device__ __forceinline__ uint64_t* DispatchFlag(char* base,
 
 // Expert rank src's combine rows have all arrived, in buffer set `set`.
 __device__ __forceinline__ uint64_t* CombineFlag(char* base,
-                                                 const intranode::GroupView& g,
+                                                 const group::GroupView& g,
                                                  int set, int src) {
   return reinterpret_cast<uint64_t*>(base + g.layout.ll_flags) +
          2ll * g.num_local * g.num_ranks +

@@ -5,7 +5,7 @@
 // live on other hosts. The two are separate shared objects built from this
 // tree: the main extension loads where NVSHMEM is not installed, and the
 // NVSHMEM module registers its entry point with a group when it connects one
-// (intranode_group::ConnectTable), so the handlers call it through this
+// (runtime::ConnectTable), so the handlers call it through this
 // plain-C interface.
 
 #ifndef JAX_EP_FFI_KERNELS_NETWORK_H_
@@ -15,7 +15,7 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_view.h"
 
 namespace jax_ep::network {
 
@@ -25,8 +25,8 @@ enum SendOp : int32_t {
   // A low-latency send kernel staged the rows for every rank whose peers[]
   // entry is null in the outbox (BufferLayout::ll_outbox_*): they go into
   // those ranks' buffers, then their arrival flags, ordered after the data.
-  kLowLatencyDispatchSend = intranode::kLowLatencyDispatch,
-  kLowLatencyCombineSend = intranode::kLowLatencyCombine,
+  kLowLatencyDispatchSend = group::kLowLatencyDispatch,
+  kLowLatencyCombineSend = group::kLowLatencyCombine,
   // The rail exchange's pack staged one block per other host in the rail
   // outbox: each goes to that host's rail peer, then its flag.
   kRailSend = 2,
@@ -34,7 +34,7 @@ enum SendOp : int32_t {
 
 struct Send {
   int32_t op;  // SendOp
-  intranode::GroupView view;
+  group::GroupView view;
   const int32_t* recv_src;  // low-latency combine: `[L, R*T_max]`
   const int32_t* count;     // low-latency combine: `[L]`; rail: `[Hn]` rows
   const int32_t* pes;       // rail: `[Hn]` the rail peer on each host

@@ -36,18 +36,18 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/intranode_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/peer_protocol.cuh"
 #include "ffi/kernels/rail_kernels.h"
 #include "ffi/kernels/rail_protocol.cuh"
 
 namespace jax_ep::rail {
 namespace {
 
-using intranode::GroupView;
+using group::GroupView;
 
 constexpr int kCopyThreads = 128;  // a block per record
-constexpr int kWaitThreads = static_cast<int>(intranode::kMaxHosts);
+constexpr int kWaitThreads = static_cast<int>(group::kMaxHosts);
 
 // Copies `bytes` (a multiple of 4) from src to dst with the block: 16-byte
 // vectors where both are 16-byte aligned and the size allows, else words.
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kCopyThreads)
     PackKernel(GroupView g, Fields f, const int32_t* __restrict__ index,
                const int32_t* __restrict__ counts,
                const int32_t* __restrict__ pes) {
-  if (intranode::BlockSeesAbort(g)) return;
+  if (peer::BlockSeesAbort(g)) return;
   const uint64_t seq = protocol::CurrentSeq(g);
   const int set = protocol::InboxSet(seq);
   const int own = protocol::OwnHost(g, pes);
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kCopyThreads)
       } else {
         ZeroBytes(dst + at, f.bytes[i]);
       }
-      at += intranode::AlignRecord(f.bytes[i]);
+      at += group::AlignRecord(f.bytes[i]);
     }
   }
 }
@@ -132,9 +132,9 @@ __global__ void __launch_bounds__(kWaitThreads)
     return;
   }
   uint64_t value = 0;
-  const bool ok = intranode::SpinWait(
-      g, protocol::Flag(g.own, g, set, h), intranode::WaitKind::kArrival, seq,
-      intranode::OpCode::kRailExchange, intranode::kNumRegions, pes[h], &value);
+  const bool ok = peer::SpinWait(
+      g, protocol::Flag(g.own, g, set, h), group::WaitKind::kArrival, seq,
+      group::OpCode::kRailExchange, group::kNumRegions, pes[h], &value);
   recv_counts[h] =
       ok ? ClampRows(static_cast<int32_t>(value & 0xffffffffull), g) : 0;
 }
@@ -161,13 +161,13 @@ __global__ void __launch_bounds__(kCopyThreads)
       } else {
         ZeroBytes(dst, f.bytes[i]);
       }
-      at += intranode::AlignRecord(f.bytes[i]);
+      at += group::AlignRecord(f.bytes[i]);
     }
   }
 }
 
 __global__ void FinishKernel(GroupView g, int32_t* __restrict__ status) {
-  *status = intranode::Aborted(g) ? 1 : 0;
+  *status = peer::Aborted(g) ? 1 : 0;
   g.state->rail_seq += 1ull;
 }
 
@@ -191,7 +191,7 @@ bool ValidFields(const GroupView& g, const Fields& f) {
 
 bool ValidView(const GroupView& g) {
   return g.network != 0 && g.num_hosts >= 2 &&
-         g.num_hosts <= intranode::kMaxHosts && g.own != nullptr &&
+         g.num_hosts <= group::kMaxHosts && g.own != nullptr &&
          g.state != nullptr && g.layout.rail_record_bytes > 0;
 }
 

@@ -16,8 +16,8 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/intranode_buffer_layout.h"
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_buffer_layout.h"
+#include "ffi/kernels/group_view.h"
 
 namespace jax_ep::rail {
 
@@ -35,13 +35,13 @@ struct Fields {
 // rail_record_bytes bounds it.
 __host__ __device__ inline int64_t RecordBytes(const Fields& f) {
   int64_t total = 0;
-  for (int i = 0; i < f.num; ++i) total += intranode::AlignRecord(f.bytes[i]);
+  for (int i = 0; i < f.num; ++i) total += group::AlignRecord(f.bytes[i]);
   return total;
 }
 
 // Rows j < counts[h] of block h (index `[Hn, T_max]` int32, -1 rows are
 // zero) into the outbox, the own host's block straight into the own inbox.
-cudaError_t Pack(const intranode::GroupView& g, const Fields& f,
+cudaError_t Pack(const group::GroupView& g, const Fields& f,
                  const int32_t* index, const int32_t* counts,
                  const int32_t* pes, cudaStream_t stream);
 
@@ -49,7 +49,7 @@ cudaError_t Pack(const intranode::GroupView& g, const Fields& f,
 // host's is counts[own]); then every destination row h * T_max + j is the
 // received record's field (zeros for j >= recv_counts[h]); advances the
 // call's sequence; status `[]` = 1 when the group failed, else 0.
-cudaError_t WaitAndUnpack(const intranode::GroupView& g, const Fields& f,
+cudaError_t WaitAndUnpack(const group::GroupView& g, const Fields& f,
                           const int32_t* counts, const int32_t* pes,
                           int32_t* recv_counts, int32_t* status,
                           cudaStream_t stream);

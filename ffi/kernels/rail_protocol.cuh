@@ -12,12 +12,12 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_view.h"
 
 namespace jax_ep::rail::protocol {
 
 // The current call (1-based): completed calls + 1.
-__device__ __forceinline__ uint64_t CurrentSeq(const intranode::GroupView& g) {
+__device__ __forceinline__ uint64_t CurrentSeq(const group::GroupView& g) {
   return *reinterpret_cast<const volatile unsigned long long*>(
              &g.state->rail_seq) +
          1ull;
@@ -30,7 +30,7 @@ __device__ __forceinline__ int InboxSet(uint64_t seq) {
 // Block `host` (the source host) of inbox set `set` (room for T_max records
 // of the widest call; a call's rows are at its own record stride).
 __device__ __forceinline__ char* Inbox(char* base,
-                                       const intranode::GroupView& g, int set,
+                                       const group::GroupView& g, int set,
                                        int host) {
   return base + g.layout.rail_inbox[set] +
          static_cast<int64_t>(host) * g.max_tokens * g.layout.rail_record_bytes;
@@ -38,7 +38,7 @@ __device__ __forceinline__ char* Inbox(char* base,
 
 // Block `host` (the destination host) of the outbox.
 __device__ __forceinline__ char* Outbox(char* base,
-                                        const intranode::GroupView& g,
+                                        const group::GroupView& g,
                                         int host) {
   return base + g.layout.rail_outbox +
          static_cast<int64_t>(host) * g.max_tokens * g.layout.rail_record_bytes;
@@ -46,7 +46,7 @@ __device__ __forceinline__ char* Outbox(char* base,
 
 // Source host `host`'s rows of this call have arrived, in set `set`.
 __device__ __forceinline__ uint64_t* Flag(char* base,
-                                          const intranode::GroupView& g,
+                                          const group::GroupView& g,
                                           int set, int host) {
   return reinterpret_cast<uint64_t*>(base + g.layout.rail_flags) +
          static_cast<int64_t>(set) * g.num_hosts + host;
@@ -58,7 +58,7 @@ __device__ __forceinline__ uint64_t FlagValue(uint64_t seq, int32_t rows) {
 }
 
 // This rank's host: the one whose rail peer it is itself (-1 if none).
-__device__ __forceinline__ int OwnHost(const intranode::GroupView& g,
+__device__ __forceinline__ int OwnHost(const group::GroupView& g,
                                        const int32_t* pes) {
   for (int h = 0; h < g.num_hosts; ++h) {
     if (pes[h] == g.rank) return h;

@@ -35,7 +35,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_view.h"
 #include "ffi/kernels/low_latency_protocol.cuh"
 #include "ffi/kernels/network.h"
 #include "ffi/nvshmem/put_utils.cuh"
@@ -48,7 +48,7 @@ namespace jax_ep::nvshmem {
 namespace {
 
 namespace protocol = low_latency::protocol;
-using intranode::GroupView;
+using group::GroupView;
 
 void ThrowIfCudaError(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
@@ -60,7 +60,7 @@ void ThrowIfCudaError(cudaError_t e, const char* what) {
 __global__ void __launch_bounds__(kPutThreads)
     DispatchPutKernel(GroupView g, unsigned long long* counter, int warm) {
   if (warm) return;
-  const int op = intranode::kLowLatencyDispatch;
+  const int op = group::kLowLatencyDispatch;
   const uint64_t seq = protocol::CurrentSeq(g, op);
   const int set = protocol::BufferSet(seq);
   if (__syncthreads_or(Aborted(g))) return;  // the peers time out and say so
@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kPutThreads)
                      const int32_t* __restrict__ count,
                      unsigned long long* counter, int warm) {
   if (warm) return;
-  const int op = intranode::kLowLatencyCombine;
+  const int op = group::kLowLatencyCombine;
   const uint64_t seq = protocol::CurrentSeq(g, op);
   const int set = protocol::BufferSet(seq);
   if (__syncthreads_or(Aborted(g))) return;
@@ -149,16 +149,16 @@ cudaError_t LaunchPuts(const network::Send& send, cudaStream_t stream) {
   if (g.state == nullptr || g.peers == nullptr || g.own == nullptr) {
     return cudaErrorInvalidValue;
   }
-  if (send.op == intranode::kLowLatencyDispatch) {
+  if (send.op == group::kLowLatencyDispatch) {
     DispatchPutKernel<<<PutGrid(g), kPutThreads, 0, stream>>>(
-        g, &g.state->blocks_done[intranode::kLowLatencyDispatchPutCounter], 0);
-  } else if (send.op == intranode::kLowLatencyCombine) {
+        g, &g.state->blocks_done[group::kLowLatencyDispatchPutCounter], 0);
+  } else if (send.op == group::kLowLatencyCombine) {
     if (send.recv_src == nullptr || send.count == nullptr) {
       return cudaErrorInvalidValue;
     }
     CombinePutKernel<<<PutGrid(g), kPutThreads, 0, stream>>>(
         g, send.recv_src, send.count,
-        &g.state->blocks_done[intranode::kLowLatencyCombinePutCounter], 0);
+        &g.state->blocks_done[group::kLowLatencyCombinePutCounter], 0);
   } else if (send.op == network::kRailSend) {
     return LaunchRailPuts(send, stream);
   } else {

@@ -57,7 +57,7 @@ NB_MODULE(_jax_ep_nvshmem, m) {
         "maps it, or 0 where only puts reach it.");
   m.def("send_address", &jax_ep::nvshmem::SendAddress,
         "The address of the put launcher a network group calls "
-        "(intranode_group_connect_table's network_send).");
+        "(group_connect_table's network_send).");
   m.def("warm_put_kernels", &jax_ep::nvshmem::WarmPutKernels, nb::arg("device"),
         "Launches the put kernels once (returning at once) on `device`.");
   m.def("put_kernels_local_bytes", &jax_ep::nvshmem::PutKernelsLocalBytes,

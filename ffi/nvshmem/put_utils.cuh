@@ -8,7 +8,7 @@
 
 #include <cuda_runtime.h>
 
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_view.h"
 #include "ffi/kernels/kernel_utils.cuh"
 
 namespace jax_ep::nvshmem {
@@ -16,13 +16,13 @@ namespace jax_ep::nvshmem {
 constexpr int kPutThreads = 256;
 constexpr int kPutWarps = kPutThreads / 32;
 
-__device__ __forceinline__ bool Aborted(const intranode::GroupView& g) {
+__device__ __forceinline__ bool Aborted(const group::GroupView& g) {
   return *reinterpret_cast<const volatile unsigned int*>(&g.state->aborted) !=
          0u;
 }
 
 // The put kernels' grid: the group's SM budget, one block per SM.
-inline unsigned PutGrid(const intranode::GroupView& g) {
+inline unsigned PutGrid(const group::GroupView& g) {
   return static_cast<unsigned>(g.num_blocks > 0 ? g.num_blocks : 1);
 }
 

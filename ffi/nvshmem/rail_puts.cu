@@ -21,7 +21,7 @@
 
 #include <cstdint>
 
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_view.h"
 #include "ffi/kernels/network.h"
 #include "ffi/kernels/rail_protocol.cuh"
 #include "ffi/nvshmem/put_utils.cuh"
@@ -31,7 +31,7 @@ namespace jax_ep::nvshmem {
 namespace {
 
 namespace protocol = rail::protocol;
-using intranode::GroupView;
+using group::GroupView;
 
 constexpr int64_t kChunkBytes = 64 * 1024;
 
@@ -83,7 +83,7 @@ cudaError_t LaunchRailPuts(const network::Send& send, cudaStream_t stream) {
   }
   RailPutKernel<<<PutGrid(g), kPutThreads, 0, stream>>>(
       g, send.count, send.pes, send.record_bytes,
-      &g.state->blocks_done[intranode::kRailPutCounter], 0);
+      &g.state->blocks_done[group::kRailPutCounter], 0);
   return cudaGetLastError();
 }
 

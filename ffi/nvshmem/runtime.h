@@ -70,7 +70,7 @@ uint64_t PeerAddress(uint64_t address, int pe);
 // --- The puts (low_latency_puts.cu, rail_puts.cu). ------------------------
 
 // The address of the network::SendFn a network group calls after each kernel
-// that staged rows for other hosts (intranode_group::ConnectTable).
+// that staged rows for other hosts (runtime::ConnectTable).
 uint64_t SendAddress();
 
 // The rail exchange's puts (rail_puts.cu): network::Send with op kRailSend.

@@ -1,6 +1,6 @@
 """Settling JAX's runtime effect tokens after a jax_ep check failed inside a computation.
 
-NOTES: a jax_ep host check that raises (an intranode op's timeout, a strict-mode drop), and a peer
+NOTES: a jax_ep host check that raises (an group op's timeout, a strict-mode drop), and a peer
 handler that fails because an earlier call timed out, fail their XLA execution; the caller gets
 the error. JAX keeps that execution's runtime token and waits on it again in its exit hook,
 where the re-raised error takes the crash path: on a GPU job the coordination service then
@@ -31,7 +31,7 @@ def note_failure() -> None:
 
 
 def add_failure_source(source: Callable[[], bool]) -> None:
-  """Registers a check the exit hook consults (e.g. "has an open intranode group timed out")."""
+  """Registers a check the exit hook consults (e.g. "has an open native group timed out")."""
   _failure_sources.append(source)
 
 

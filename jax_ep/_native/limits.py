@@ -29,7 +29,7 @@ class KernelLimits:
     max_slots: slots of one call: `T_max * K` at one rank, `R * T_max * K` across ranks.
     hidden_multiple: `H` must be a multiple of it (rows move as 16-byte vectors).
     max_capacity: rows of `recv_x` (int32 row indices).
-    max_intranode_ranks: `R` of the intranode transport.
+    max_ranks: `R` of a native group (either transport).
     max_num_sms: the send kernels' SM budget `num_sms`.
   """
   max_experts: int
@@ -37,7 +37,7 @@ class KernelLimits:
   max_slots: int
   hidden_multiple: int
   max_capacity: int
-  max_intranode_ranks: int
+  max_ranks: int
   max_num_sms: int
 
 
@@ -68,9 +68,9 @@ def cuda_violation(config: EPConfig, limits: KernelLimits, num_sms: int) -> str 
       return (f"max_tokens_per_rank * num_topk = {slots} slots is above the kernels' limit of "
               f"{limits.max_slots}")
     return None
-  if c.num_ranks > limits.max_intranode_ranks:
-    return (f"{c.num_ranks} ranks is above the intranode transport's limit of "
-            f"{limits.max_intranode_ranks}")
+  if c.num_ranks > limits.max_ranks:
+    return (f"{c.num_ranks} ranks is above the kernels' limit of "
+            f"{limits.max_ranks}")
   if c.num_local_experts > limits.max_experts:
     return (f"num_experts / ranks = {c.num_local_experts} local experts is above the kernels' "
             f"limit of {limits.max_experts}")

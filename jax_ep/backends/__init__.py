@@ -4,8 +4,8 @@
   written once on it; `registry`: which backends exist, which one a group gets and why.
 - `reference`: the contract in plain JAX, for every platform (the oracle-checked baseline).
 - the cuda backend: `cuda` (one class per transport), `cuda_ops` (the `ffi_call` wrappers of the
-  kernels), `intranode` (the group's native buffers and peer tables: the peer transport, and
-  the network transport's set-up), `nvshmem` (loading and joining NVSHMEM), `topology` (which
+  kernels), `transport` (the group's native groups and buffers: the peer transport and
+  the network transport), `nvshmem` (loading and joining NVSHMEM), `topology` (which
   ranks share a host), `hierarchical` (the high-throughput ops across hosts, composed from a
   host backend and a rail exchange).
 
@@ -14,8 +14,8 @@ May import: `jax_ep._native`, `jax_ep.config`, and each other; never the public 
 """
 
 from jax_ep.backends.base import Backend, HighThroughputBackend
-from jax_ep.backends.cuda import CudaBackend, IntranodeBackend, NetworkBackend
+from jax_ep.backends.cuda import LocalBackend, PeerBackend, NetworkBackend
 from jax_ep.backends.reference import ReferenceBackend
 
-__all__ = ["Backend", "CudaBackend", "HighThroughputBackend", "IntranodeBackend",
+__all__ = ["Backend", "LocalBackend", "HighThroughputBackend", "PeerBackend",
            "NetworkBackend", "ReferenceBackend"]

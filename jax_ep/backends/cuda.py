@@ -1,6 +1,6 @@
 """The cuda backend: the kernels through XLA FFI custom calls (jax_ep/backends/cuda_ops.py).
 
-One class per transport of a group: `CudaBackend` at one rank (local kernels), `IntranodeBackend`
+One class per transport of a group: `LocalBackend` at one rank (local kernels), `PeerBackend`
 over the peer transport (one NVLink domain), `NetworkBackend` across hosts (the network
 transport, and the hierarchy of jax_ep/backends/hierarchical.py for the high-throughput ops). The
 registry (jax_ep/backends/registry.py) makes the one a group runs.
@@ -16,17 +16,18 @@ import jax.numpy as jnp
 from jax_ep._native import effects, ffi
 from jax_ep.backends import cuda_ops, hierarchical
 from jax_ep.backends.base import Backend, HighThroughputBackend, LayoutThenDispatch
+from jax_ep.backends.options import CommOptions
 from jax_ep.config import EPConfig
 
 
 def _raise_on_failure(status, group_id: int) -> None:
-  """The debug mode (`raise_on_timeout=True`): a host check of an intranode op's `status` right
+  """The debug mode (`raise_on_timeout=True`): a host check of an group op's `status` right
   after it, raising `TimeoutError` with the group's error record."""
   def raise_if_failed(value):
     if value != 0:
-      message = ffi.extension().intranode_group_error(group_id)
+      message = ffi.extension().group_error(group_id)
       effects.note_failure()
-      raise TimeoutError(message or f"jax_ep: intranode op failed with status {int(value)}")
+      raise TimeoutError(message or f"jax_ep: group op failed with status {int(value)}")
   # NOTES: a debug callback, not an io_callback: its effect is allowed under `jax.checkpoint`
   # (a layer stack under scan + remat), and a check that runs twice when the forward pass is
   # recomputed is harmless.
@@ -35,11 +36,11 @@ def _raise_on_failure(status, group_id: int) -> None:
 
 class _CudaLowLatency:
   """The low-latency pair through its kernels (jax_ep/backends/cuda_ops.py,
-  ffi/kernels/low_latency_*.cu), on the intranode group `ll_group_id` (a group created with
+  ffi/kernels/low_latency_*.cu), on the native group `ll_group_id` (a group created with
   `low_latency=True`)."""
   config: EPConfig
   ll_group_id: int | None
-  raise_on_timeout: bool
+  options: CommOptions
 
   low_latency_kernels = True
 
@@ -51,7 +52,7 @@ class _CudaLowLatency:
     return self.ll_group_id
 
   def _ll_checked(self, status):
-    if self.raise_on_timeout:
+    if self.options.raise_on_timeout:
       _raise_on_failure(status, self.ll_group_id)
 
   def low_latency_dispatch(self, x, topk_idx, row_format, topk_weights=None):
@@ -93,17 +94,17 @@ class _CudaLowLatency:
 
 
 @dataclasses.dataclass(frozen=True)
-class CudaBackend(_CudaLowLatency, LayoutThenDispatch, Backend):
+class LocalBackend(_CudaLowLatency, LayoutThenDispatch, Backend):
   """CUDA kernels through XLA FFI custom calls, at one rank (`R == 1`).
 
   Dispatch and combine are purely local there (local_layout, local_dispatch, local_combine);
-  `R > 1` uses `IntranodeBackend`. The low-latency pair runs its kernels on a one-rank
-  intranode group (`ll_group_id`, where the group was created with `low_latency=True`): its
+  `R > 1` uses `PeerBackend`. The low-latency pair runs its kernels on a one-rank
+  native group (`ll_group_id`, where the group was created with `low_latency=True`): its
   rows never leave this GPU.
   """
   config: EPConfig
   ll_group_id: int | None = None
-  raise_on_timeout: bool = False
+  options: CommOptions = CommOptions()
   name = "cuda"
 
   def layout(self, topk_idx):
@@ -121,49 +122,50 @@ class CudaBackend(_CudaLowLatency, LayoutThenDispatch, Backend):
 
 
 @dataclasses.dataclass(frozen=True)
-class IntranodeBackend(_CudaLowLatency, Backend):
+class PeerBackend(_CudaLowLatency, Backend):
   """CUDA kernels over peer memory for `R > 1` in one NVLink domain (the peer transport,
-  jax_ep/backends/intranode.py).
+  jax_ep/backends/transport.py).
 
   Attributes:
     config: the group configuration.
-    group_id: the native intranode group the handlers look up (the primary one of this process).
-    raise_on_timeout: debug mode: check each op's status on the host right after it (a
-      `jax.debug.callback`, i.e. one host synchronisation per op) and raise `TimeoutError`
-      naming op, rank and peer (surfacing wrapped in JAX's runtime error). Off by default: a
-      timeout then reaches the host through the group's error record (jax_ep/_status.py).
+    group_id: the native group the handlers look up (the primary one of this process).
+    options: the group's `CommOptions`. With `raise_on_timeout` (debug mode) each op's status
+      is checked on the host right after it (a `jax.debug.callback`, i.e. one host
+      synchronisation per op), raising `TimeoutError` naming op, rank and peer (surfacing
+      wrapped in JAX's runtime error). Off by default: a timeout then reaches the host through
+      the group's error record (jax_ep/_status.py).
   """
   config: EPConfig
   group_id: int
-  raise_on_timeout: bool = False
+  options: CommOptions = CommOptions()
   ll_group_id: int | None = None
   name = "cuda"
 
   def _checked(self, status):
-    if self.raise_on_timeout:
+    if self.options.raise_on_timeout:
       _raise_on_failure(status, self.group_id)
 
   def dispatch(self, x, topk_idx, topk_weights):
-    *outs, status = cuda_ops.intranode_dispatch(self.config, self.group_id, x, topk_idx,
+    *outs, status = cuda_ops.peer_dispatch(self.config, self.group_id, x, topk_idx,
                                                 topk_weights)
     self._checked(status)
     return tuple(outs)
 
   def dispatch_cached(self, x, layout, topk_weights=None):
     # The weights of a weighted dispatch are the ones that travelled with the dispatch.
-    recv_x, status = cuda_ops.intranode_dispatch_cached(self.config, self.group_id, x, layout,
+    recv_x, status = cuda_ops.peer_dispatch_cached(self.config, self.group_id, x, layout,
                                                         weighted=topk_weights is not None)
     self._checked(status)
     return recv_x
 
   def combine(self, expert_out, layout, topk_weights=None):
-    out, status = cuda_ops.intranode_combine(self.config, self.group_id, expert_out, layout,
+    out, status = cuda_ops.peer_combine(self.config, self.group_id, expert_out, layout,
                                              weighted=topk_weights is not None)
     self._checked(status)
     return out
 
   def combine_vjp(self, d_out, expert_out, layout, topk_weights):
-    d_expert_out, d_topk_weights, status = cuda_ops.intranode_combine_vjp(
+    d_expert_out, d_topk_weights, status = cuda_ops.peer_combine_vjp(
         self.config, self.group_id, d_out, expert_out, layout)
     self._checked(status)
     return d_expert_out, d_topk_weights
@@ -199,7 +201,7 @@ class _CudaRailExchange:
 
 
 @dataclasses.dataclass(frozen=True)
-class NetworkBackend(IntranodeBackend):
+class NetworkBackend(_CudaLowLatency, Backend):
   """A cuda group whose ranks span several hosts (real, or virtual ones on one machine).
 
   The low-latency pair runs its kernels on the group itself, with the network transport
@@ -208,12 +210,27 @@ class NetworkBackend(IntranodeBackend):
   host's own group (`host_group_id`, the peer transport; None on a host of one rank, which uses
   the local kernels).
 
+  It composes the other backends rather than extending one: the high-throughput ops are a
+  `hierarchical.Hierarchy` of the rail exchange on this group and the host's own backend
+  (`PeerBackend`, or `LocalBackend` on a host of one rank).
+
   Attributes:
+    config: the group configuration.
+    group_id: the network group the low-latency pair and the rail exchange run on.
+    options: as `PeerBackend`'s.
+    ll_group_id: the group of the low-latency pair (`group_id` where the group has the
+      low-latency buffers, else None).
+    host_group_id: this host's own group (the peer transport), None on a host of one rank.
     hosts: the ranks of each host (`Topology.hosts`); empty where the hosts hold different
       numbers of ranks (no rail pairs them), where the high-throughput ops raise.
   """
+  config: EPConfig
+  group_id: int
+  options: CommOptions = CommOptions()
+  ll_group_id: int | None = None
   host_group_id: int | None = None
   hosts: tuple = ()
+  name = "cuda"
 
   def _hierarchy(self, op: str) -> hierarchical.Hierarchy:
     if not self.hosts:
@@ -228,16 +245,17 @@ class NetworkBackend(IntranodeBackend):
     host_cfg = hierarchical.host_config(c, num_hosts)
     host_backend: HighThroughputBackend
     if self.host_group_id is None:
-      host_backend = CudaBackend(host_cfg, None, self.raise_on_timeout)
+      host_backend = LocalBackend(host_cfg, None, self.options)
     else:
-      host_backend = IntranodeBackend(host_cfg, self.host_group_id, self.raise_on_timeout)
+      host_backend = PeerBackend(host_cfg, self.host_group_id, self.options)
     host_of, pes = [0] * c.num_ranks, [()] * c.num_ranks
     for h, ranks in enumerate(self.hosts):
       for g, rank in enumerate(ranks):
         host_of[rank] = h
         pes[rank] = tuple(other[g] for other in self.hosts)
     rail_exchange = _CudaRailExchange(c, self.group_id, num_hosts,
-                                      _RankTable(c.axis_name, tuple(pes)), self.raise_on_timeout)
+                                      _RankTable(c.axis_name, tuple(pes)),
+                                      self.options.raise_on_timeout)
     return hierarchical.Hierarchy(c, self.hosts, host_backend, rail_exchange,
                                   _RankTable(c.axis_name, tuple(host_of)))
 

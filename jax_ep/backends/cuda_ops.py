@@ -7,6 +7,7 @@ element in one launch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -95,11 +96,11 @@ def local_combine_vjp(config: EPConfig, d_out: jax.Array, expert_out: jax.Array,
 
 
 # ----------------------------------------------------------------------------------------------
-# Multi-rank intranode transport. One custom call per op; the kernels move rows straight
+# Multi-rank peer transport. One custom call per op; the kernels move rows straight
 # into the peers' library-owned buffers. These ops take no leading batch dims: under vmap JAX
 # runs one round per batch element (`vmap_method="sequential"`).
 
-class IntranodeLayout(NamedTuple):
+class PeerLayout(NamedTuple):
   """Where the multi-rank cuda dispatch put its rows, kept in the handle.
 
   Attributes:
@@ -119,34 +120,37 @@ class IntranodeLayout(NamedTuple):
   topk_idx: jax.Array
 
 
-# The fields of a group op's `group_config` attribute, in order (ffi/handlers/intranode_common.h,
-# kGroupConfigFields).
-GROUP_CONFIG_FIELDS = ("num_ranks", "num_experts", "num_topk", "hidden", "max_tokens_per_rank",
-                       "itemsize", "capacity", "expert_alignment")
-
-
-def group_config(config: EPConfig) -> np.ndarray:
-  """`config` as the `group_config` attribute: int64 values in `GROUP_CONFIG_FIELDS` order."""
-  return np.array([config.num_ranks, config.num_experts, config.num_topk, config.hidden,
-                   config.max_tokens_per_rank, np.dtype(config.dtype).itemsize, config.capacity,
-                   config.expert_alignment], np.int64)
+# The configuration fields of the `group` attribute, by name (ffi/handlers/group_common.h,
+# GroupRef, decodes them by name), each read from the group's `EPConfig`.
+GROUP_FIELDS: dict[str, Callable[[EPConfig], int]] = {
+    "num_ranks": lambda c: c.num_ranks,
+    "num_experts": lambda c: c.num_experts,
+    "num_topk": lambda c: c.num_topk,
+    "hidden": lambda c: c.hidden,
+    "max_tokens_per_rank": lambda c: c.max_tokens_per_rank,
+    "itemsize": lambda c: np.dtype(c.dtype).itemsize,
+    "capacity": lambda c: c.capacity,
+    "expert_alignment": lambda c: c.expert_alignment,
+}
 
 
 def group_attrs(config: EPConfig, group_id: int) -> dict:
-  """The attributes that name an op's native group: `group_id`, its number in this process, and
-  `group_config`, the configuration this program is built for. The handler compares the two
-  with the group it finds and fails with a message naming the field that differs.
+  """The attribute that names an op's native group: `group`, a dictionary of the group's `id`
+  (its number in this process) and the configuration this program is built for
+  (`GROUP_FIELDS`). The handler compares the configuration with the group it finds and fails
+  with a message naming the field that differs.
 
   NOTES: ids are numbered per process. A program traced here carries this process's id, and
   jax's persistent compilation cache keys on the program text (the id with it), so an
-  executable it returns is one this process would have compiled; `group_config` catches a
+  executable it returns is one this process would have compiled; the configuration catches a
   program built elsewhere (exported, serialized) whose id names a group of another
   configuration here (docs/decisions.md, "Group ids").
   """
-  return dict(group_id=np.int64(group_id), group_config=group_config(config))
+  fields = {name: np.int64(get(config)) for name, get in GROUP_FIELDS.items()}
+  return {"group": {"id": np.int64(group_id), **fields}}
 
 
-def _intranode_call(target, result_shapes, *args, **attrs):
+def _group_call(target, result_shapes, *args, **attrs):
   # NOTES: has_side_effect keeps XLA from dropping or merging a call whose results one rank
   # does not use: every rank must issue the same ops of a group in the same order, or its peers
   # wait for data that never comes. No batch dims in the kernels: vmap loops.
@@ -155,13 +159,12 @@ def _intranode_call(target, result_shapes, *args, **attrs):
 
 
 def _storage_rows(rows: int) -> int:
-  """Rows of an intranode op's row-indexed buffer (`[capacity, H]`, `[T, ...]`): at least one.
+  """Rows of a group op's row-indexed buffer (`[capacity, H]`, `[T, ...]`): at least one.
 
   NOTES: XLA:GPU (jaxlib 0.11.2) segfaulted compiling a side-effecting custom call with a
   zero-row result (capacity 0, seen on the H200; see StorageRows in
-  ffi/handlers/intranode_common.h).
-  Zero-row buffers therefore travel as one inert row (zeros, or -1 for ids and positions: a token sent
-  nowhere) and the results are sliced back here.
+  ffi/handlers/group_common.h). Zero-row buffers therefore travel as one inert row (zeros, or
+  -1 for ids and positions: a token sent nowhere) and the results are sliced back here.
   """
   return max(rows, 1)
 
@@ -173,13 +176,13 @@ def _with_one_row(a, fill):
   return jnp.full((1, *a.shape[1:]), fill, a.dtype)
 
 
-def intranode_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
+def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
   """Returns `(recv_x, group_sizes, num_dropped, num_invalid, layout, status)`."""
   ext = ffi.extension()
   num_tokens, num_topk = topk_idx.shape
   r, n, i32 = config.num_ranks, config.num_ranks * config.max_tokens_per_rank, jnp.int32
-  workspace = int(ext.intranode_dispatch_workspace_elems(r, config.max_tokens_per_rank, num_topk,
-                                                    config.num_experts))
+  workspace = int(ext.peer_dispatch_workspace_elems(r, config.max_tokens_per_rank, num_topk,
+                                                     config.num_experts))
   t_rows = _storage_rows(num_tokens)
   shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
             jax.ShapeDtypeStruct((config.num_local_experts,), i32),          # group_sizes
@@ -192,52 +195,52 @@ def intranode_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weight
             jax.ShapeDtypeStruct((), i32),                                   # status
             jax.ShapeDtypeStruct((workspace,), i32))                         # workspace
   (recv_x, group_sizes, num_dropped, num_invalid, send_pos, entry_row, entry_weights,
-   recv_counts, status, _) = _intranode_call(
-       "jax_ep_intranode_dispatch", shapes, _with_one_row(x, 0), _with_one_row(topk_idx, -1),
+   recv_counts, status, _) = _group_call(
+       "jax_ep_peer_dispatch", shapes, _with_one_row(x, 0), _with_one_row(topk_idx, -1),
        _with_one_row(topk_weights.astype(jnp.float32), 0), **group_attrs(config, group_id),
        num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity))
-  layout = IntranodeLayout(send_pos[:num_tokens], entry_row, entry_weights, recv_counts,
-                        group_sizes, topk_idx)
+  layout = PeerLayout(send_pos[:num_tokens], entry_row, entry_weights, recv_counts,
+                      group_sizes, topk_idx)
   return recv_x[:config.capacity], group_sizes, num_dropped, num_invalid, layout, status
 
 
-def intranode_dispatch_cached(config: EPConfig, group_id: int, x, layout: IntranodeLayout,
+def peer_dispatch_cached(config: EPConfig, group_id: int, x, layout: PeerLayout,
                               weighted: bool):
   """Returns `(recv_x, status)`: rows placed by an earlier dispatch's layout."""
   shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
-  recv_x, status = _intranode_call(
-      "jax_ep_intranode_dispatch_cached", shapes, _with_one_row(x, 0),
+  recv_x, status = _group_call(
+      "jax_ep_peer_dispatch_cached", shapes, _with_one_row(x, 0),
       _with_one_row(layout.send_pos, -1), layout.entry_row, layout.entry_weights,
       layout.group_sizes, **group_attrs(config, group_id), capacity=np.int64(config.capacity),
       weighted=bool(weighted))
   return recv_x[:config.capacity], status
 
 
-def intranode_combine(config: EPConfig, group_id: int, expert_out, layout: IntranodeLayout,
+def peer_combine(config: EPConfig, group_id: int, expert_out, layout: PeerLayout,
                       weighted: bool):
   """Returns `(out [T, H], status)`."""
   num_tokens = layout.send_pos.shape[0]
   shapes = (jax.ShapeDtypeStruct((_storage_rows(num_tokens), expert_out.shape[-1]),
                                  expert_out.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
-  out, status = _intranode_call(
-      "jax_ep_intranode_combine", shapes, _with_one_row(expert_out, 0), layout.entry_row,
+  out, status = _group_call(
+      "jax_ep_peer_combine", shapes, _with_one_row(expert_out, 0), layout.entry_row,
       layout.entry_weights, layout.recv_counts, _with_one_row(layout.send_pos, -1),
       **group_attrs(config, group_id), weighted=bool(weighted))
   return out[:num_tokens], status
 
 
-def intranode_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out,
-                          layout: IntranodeLayout):
+def peer_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out,
+                     layout: PeerLayout):
   """Returns `(d_expert_out [C, H], d_topk_weights [T, K] f32, status)`."""
   num_tokens, num_topk = layout.topk_idx.shape
   padded = _with_one_row(expert_out, 0)
   shapes = (jax.ShapeDtypeStruct(padded.shape, expert_out.dtype),
             jax.ShapeDtypeStruct((_storage_rows(num_tokens), num_topk), jnp.float32),
             jax.ShapeDtypeStruct((), jnp.int32))
-  d_expert_out, d_topk_weights, status = _intranode_call(
-      "jax_ep_intranode_combine_vjp", shapes, _with_one_row(d_out.astype(expert_out.dtype), 0),
+  d_expert_out, d_topk_weights, status = _group_call(
+      "jax_ep_peer_combine_vjp", shapes, _with_one_row(d_out.astype(expert_out.dtype), 0),
       padded, _with_one_row(layout.topk_idx, -1), _with_one_row(layout.send_pos, -1),
       layout.entry_row, layout.entry_weights, layout.recv_counts, layout.group_sizes,
       **group_attrs(config, group_id), num_experts=np.int64(config.num_experts),
@@ -257,7 +260,7 @@ def rail_exchange(config: EPConfig, group_id: int, num_hosts: int, sources, inde
   sources = tuple(_with_one_row(s, 0) for s in sources)
   shapes = (jax.ShapeDtypeStruct((num_hosts,), i32), jax.ShapeDtypeStruct((), i32),
             *(jax.ShapeDtypeStruct((num_hosts * t_max, *s.shape[1:]), s.dtype) for s in sources))
-  recv_counts, status, *outs = _intranode_call(
+  recv_counts, status, *outs = _group_call(
       "jax_ep_rail_exchange", shapes, index.astype(i32), counts.astype(i32), pes.astype(i32),
       *sources, **group_attrs(config, group_id))
   received = tuple(o.reshape(num_hosts, t_max, *o.shape[1:]) for o in outs)
@@ -297,7 +300,7 @@ def _ll_call(target, result_shapes, *args, **attrs):
   # NOTES: vmap_method=None: a batched split call would issue every batch element's send
   # before any wait, which the protocol refuses (one outstanding send per op); the fused ops
   # are batched above this layer instead (one send + wait per element). has_side_effect: see
-  # _intranode_call.
+  # _group_call.
   return _call(target, result_shapes, *args, vmap_method=None, has_side_effect=True, **attrs)
 
 

@@ -31,7 +31,7 @@ sums is host-major (one host's: rank-major), which changes the result within the
 the partials (`Group.combine_partial_dtype`).
 
 The composition here is backend-independent: `host_backend` is any backend over one host's
-ranks (the cuda intranode transport on GPUs, the reference on the CPU tests) and
+ranks (the cuda peer transport on GPUs, the reference on the CPU tests) and
 `rail_exchange` any exchange with `reference_rail_exchange`'s semantics, so the same code is
 checked against the oracle on the CPU and runs the kernels on GPUs.
 """

@@ -21,12 +21,12 @@ import jax
 
 from jax_ep._native import ffi
 from jax_ep._native.limits import KernelLimits, cuda_violation, kernel_limits
-from jax_ep.backends import intranode
+from jax_ep.backends import transport as transport_lib
 from jax_ep.backends import topology as topology_lib
 from jax_ep.backends import cuda_ops, reference
 from jax_ep.backends.base import Backend
+from jax_ep.backends.cuda import LocalBackend, NetworkBackend, PeerBackend
 from jax_ep.backends.options import CommOptions
-from jax_ep.backends.cuda import CudaBackend, IntranodeBackend, NetworkBackend
 from jax_ep.backends.reference import ReferenceBackend
 from jax_ep.config import EPConfig
 
@@ -77,7 +77,7 @@ class BackendEntry:
   """
   supports: Callable[[jax.sharding.Mesh, EPConfig, CommOptions, Sequence[str] | None],
                      str | None]
-  create: Callable[[Request], tuple[Backend, intranode.IntranodeTransport | None]]
+  create: Callable[[Request], tuple[Backend, transport_lib.Transport | None]]
   describe: Callable[[jax.sharding.Mesh], str]
   memory: Callable[..., BackendMemory]
 
@@ -112,19 +112,19 @@ def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | N
   if config.num_ranks == 1:
     return None
   if mesh.devices.ndim != 1:
-    return (f"the intranode transport takes a 1-D mesh over the EP axis; this mesh has axes "
+    return (f"the peer transport takes a 1-D mesh over the EP axis; this mesh has axes "
             f"{dict(mesh.shape)}")
   me = jax.process_index() if process_index is None else process_index
   local = sum(d.process_index == me for d in devices)
   if local not in (1, len(devices)):
     return (f"process {me} holds {local} of the group's {len(devices)} devices; the "
-            f"intranode transport runs one process per device or one process for all of them")
+            f"peer transport runs one process per device or one process for all of them")
   if hosts is not None and len(set(hosts)) > 1:
-    return (f"the group's processes run on {len(set(hosts))} hosts; the intranode transport "
+    return (f"the group's processes run on {len(set(hosts))} hosts; the peer transport "
             f"joins the GPUs of one host")
   if local == len(devices):
     if peer_access is None:
-      peer_access = bool(ffi.extension().intranode_peer_access(
+      peer_access = bool(ffi.extension().peer_access(
           [d.local_hardware_id for d in devices]))
     if not peer_access:
       return "these GPUs cannot access each other's memory (no P2P between them)"
@@ -149,11 +149,11 @@ def _reference_memory(config: EPConfig, *, low_latency: bool, network: bool,
 def _cuda_memory(config: EPConfig, *, low_latency: bool, network: bool,
                  num_hosts: int) -> BackendMemory:
   workspace = cuda_ops.layout_workspace_bytes(config) if config.num_ranks == 1 else 0
-  comm = intranode.buffer_bytes(config, low_latency, network, num_hosts)
+  comm = transport_lib.buffer_bytes(config, low_latency, network, num_hosts)
   low_latency_part = 0
   if low_latency:
-    low_latency_part = comm - intranode.buffer_bytes(config, False, network and num_hosts >= 2,
-                                                     num_hosts)
+    low_latency_part = comm - transport_lib.buffer_bytes(
+        config, False, network and num_hosts >= 2, num_hosts)
     if config.num_ranks == 1:  # the one-rank group's buffer exists for the low-latency pair alone
       low_latency_part = comm
   return BackendMemory(workspace, comm, low_latency_part)
@@ -172,26 +172,27 @@ def _create_cuda(request: Request):
     for device in mesh.devices.flat:
       if device.process_index == jax.process_index():
         ffi.extension().preload_kernels(device.local_hardware_id)
-    return CudaBackend(config), None
+    return LocalBackend(config, None, r.options), None
   o = r.options
   if r.topology is not None and r.topology.num_hosts > 1:
-    transport = intranode.create_network(
+    transport = transport_lib.create_network(
         config, mesh, r.key, num_sms=o.num_sms, timeout_s=o.timeout_s, topology=r.topology,
         low_latency=r.low_latency, exchange_timeout_s=o.config_timeout_s)
   else:
-    transport = intranode.create(config, mesh, r.key, num_sms=o.num_sms, timeout_s=o.timeout_s,
-                                 process_ids=r.process_ids, low_latency=r.low_latency)
+    transport = transport_lib.create_peer(config, mesh, r.key, num_sms=o.num_sms,
+                                          timeout_s=o.timeout_s, process_ids=r.process_ids,
+                                          low_latency=r.low_latency)
   ll_group = transport.primary_id if r.low_latency else None
   backend: Backend
-  if getattr(transport, "network_buffer", 0):
+  if isinstance(transport, transport_lib.NetworkTransport):
     backend = NetworkBackend(
-        config, transport.primary_id, r.options.raise_on_timeout, ll_group,
+        config, transport.primary_id, r.options, ll_group,
         host_group_id=transport.host_group_id,
         hosts=r.topology.hosts if transport.equal_hosts else ())
   elif config.num_ranks > 1:
-    backend = IntranodeBackend(config, transport.primary_id, r.options.raise_on_timeout, ll_group)
+    backend = PeerBackend(config, transport.primary_id, r.options, ll_group)
   else:  # one rank: local kernels, and the low-latency pair on the one-rank group
-    backend = CudaBackend(config, ll_group, r.options.raise_on_timeout)
+    backend = LocalBackend(config, ll_group, r.options)
   return backend, transport
 
 
@@ -261,7 +262,7 @@ def _resolve_backend(backend: str, mesh, config: EPConfig, options: CommOptions,
 def needs_hosts(backend: str, mesh, config: EPConfig, members: Sequence[int],
                 virtual_hosts: int | None) -> bool:
   """Whether choosing the backend needs the host each process runs on: a multi-process GPU
-  group that may take the cuda backend (the intranode transport joins the GPUs of one host),
+  group that may take the cuda backend (the peer transport joins the GPUs of one host),
   or virtual hosts. Every member asks the same question, so all decide alike."""
   return ((backend != "reference" and config.num_ranks > 1 and len(members) > 1
            and all(d.platform == "gpu" for d in mesh.devices.flat))
@@ -319,6 +320,6 @@ def select(backend: str, mesh, config: EPConfig, options: CommOptions, *,
   return Selection(name, why, topology)
 
 
-def create(name: str, request: Request) -> tuple[Backend, intranode.IntranodeTransport | None]:
+def create(name: str, request: Request) -> tuple[Backend, transport_lib.Transport | None]:
   """The backend `name` for `request`, and the transport it uses (None where it has none)."""
   return BACKENDS[name].create(request)

@@ -1,4 +1,4 @@
-"""Bootstrap of the intranode transport across processes, with the native extension faked.
+"""Bootstrap of the peer transport across processes, with the native extension faked.
 
 Checks the Python wiring that a GPU run relies on: every rank publishes its buffer handle
 through the key-value store, every rank connects with all handles in rank order, and close()
@@ -15,7 +15,7 @@ launch.initialize_from_env()
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jax_ep.backends import intranode  # noqa: E402
+from jax_ep.backends import transport as transport_lib  # noqa: E402
 from jax_ep._native import ffi as _ffi  # noqa: E402
 from jax_ep.config import EPConfig  # noqa: E402
 
@@ -26,20 +26,20 @@ class FakeExtension:
   def __init__(self):
     self.calls = []
 
-  def intranode_group_create(self, device_ordinal, rank, num_ranks, *rest, **options):
+  def group_create(self, device_ordinal, rank, num_ranks, *rest, **options):
     self.calls.append(("create", rank, num_ranks))
     return 100 + rank
 
-  def intranode_group_ipc_handle(self, group_id):
+  def group_ipc_handle(self, group_id):
     return f"handle-of-{group_id}".encode()
 
-  def intranode_group_connect(self, group_id, handles):
+  def group_connect(self, group_id, handles):
     self.calls.append(("connect", group_id, [bytes(h) for h in handles]))
 
-  def intranode_group_error(self, group_id):
+  def group_error(self, group_id):
     return None
 
-  def intranode_group_destroy(self, group_id):
+  def group_destroy(self, group_id):
     self.calls.append(("destroy", group_id))
 
 
@@ -50,7 +50,7 @@ def main():
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices())
   config = EPConfig("ep", num_ranks, 4 * num_ranks, 2, 128, 16, np.dtype(np.float32),
                     num_ranks * 16 * 2)
-  transport = intranode.create(config, mesh, "bootstrap-test", num_sms=4, timeout_s=5.0)
+  transport = transport_lib.create_peer(config, mesh, "bootstrap-test", num_sms=4, timeout_s=5.0)
   assert transport.group_ids == [100 + me], transport.group_ids
   want = [f"handle-of-{100 + r}".encode() for r in range(num_ranks)]
   assert fake.calls[:2] == [("create", me, num_ranks), ("connect", 100 + me, want)], fake.calls
@@ -66,8 +66,8 @@ def main():
     fake.calls.clear()
     sub_mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2])
     sub_config = EPConfig("ep", 2, 8, 2, 128, 16, np.dtype(np.float32), 2 * 16 * 2)
-    sub = intranode.create(sub_config, sub_mesh, "bootstrap-subset", num_sms=4, timeout_s=5.0,
-                      process_ids=[0, 1])
+    sub = transport_lib.create_peer(sub_config, sub_mesh, "bootstrap-subset", num_sms=4,
+                                    timeout_s=5.0, process_ids=[0, 1])
     want = [f"handle-of-{100 + r}".encode() for r in range(2)]
     assert fake.calls == [("create", me, 2), ("connect", 100 + me, want)], fake.calls
     start = time.monotonic()

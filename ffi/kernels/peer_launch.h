@@ -1,20 +1,20 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// Host-side launch helpers of the intranode transport, shared by its
-// translation units (intranode_*.cu); not part of the launcher API
-// (intranode_kernels.h). The kernels stay private to the file that launches
+// Host-side launch helpers of the peer transport, shared by its
+// translation units (peer_*.cu); not part of the launcher API
+// (peer_kernels.h). The kernels stay private to the file that launches
 // them.
 
-#ifndef JAX_EP_FFI_KERNELS_INTRANODE_LAUNCH_H_
-#define JAX_EP_FFI_KERNELS_INTRANODE_LAUNCH_H_
+#ifndef JAX_EP_FFI_KERNELS_PEER_LAUNCH_H_
+#define JAX_EP_FFI_KERNELS_PEER_LAUNCH_H_
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "ffi/kernels/intranode_kernels.h"
+#include "ffi/kernels/peer_kernels.h"
 
-namespace jax_ep::intranode::launch {
+namespace jax_ep::peer::launch {
 
 // Whether the view and the dtype fit the kernels' limits (32-bit indices).
 bool ValidView(const GroupView& g, ElementType dtype);
@@ -24,7 +24,7 @@ bool ValidTokens(const GroupView& g, int64_t num_tokens);
 // there are none), in SMs: where a send kernel's local roles run.
 cudaError_t SmsOutsideBudget(const GroupView& g, int64_t* sms);
 
-// The shared kernels (intranode_common.cu): the arrival wait (counts_out, if
+// The shared kernels (peer_common.cu): the arrival wait (counts_out, if
 // not null, gets each source's count), the consumed wait, the op's last
 // kernel, and the rows-only send of the cached dispatch and the combine VJP.
 cudaError_t LaunchWait(const GroupView& g, OpCode op, int region,
@@ -37,8 +37,8 @@ cudaError_t LaunchRowsSend(const GroupView& g, OpCode op, const void* x,
                            const int32_t* send_pos, int64_t num_tokens,
                            cudaStream_t stream);
 
-// The dispatch's send lists, notify and counts (intranode_send_lists.cu);
-// arguments as intranode::Dispatch carves them from its workspace.
+// The dispatch's send lists, notify and counts (peer_send_lists.cu);
+// arguments as peer::Dispatch carves them from its workspace.
 cudaError_t LaunchSendLists(const int32_t* topk_idx, int32_t* dest_ids,
                             int32_t* tile_count, int32_t* invalid_count,
                             int32_t* send_pos, int32_t* count_to,
@@ -55,13 +55,13 @@ cudaError_t LaunchWaitCounts(const GroupView& g, int32_t num_local,
                              int32_t* group_sizes, int32_t* num_dropped,
                              int32_t* source_chunks, cudaStream_t stream);
 
-// Loads the kernels of each translation unit (see intranode::PreloadKernels).
+// Loads the kernels of each translation unit (see peer::PreloadKernels).
 cudaError_t PreloadCommonKernels();
 cudaError_t PreloadSendListKernels();
 cudaError_t PreloadDispatchKernels();
 cudaError_t PreloadCombineKernels();
 cudaError_t PreloadBackwardKernels();
 
-}  // namespace jax_ep::intranode::launch
+}  // namespace jax_ep::peer::launch
 
-#endif  // JAX_EP_FFI_KERNELS_INTRANODE_LAUNCH_H_
+#endif  // JAX_EP_FFI_KERNELS_PEER_LAUNCH_H_

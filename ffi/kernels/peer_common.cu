@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// jax_ep::intranode, the kernels every op shares: the consumed and arrival
+// jax_ep::peer, the kernels every op shares: the consumed and arrival
 // waits, the op's last kernel (FinishKernel) and the rows-only send; their
 // launch helpers; and PreloadKernels for the whole transport.
 
@@ -11,16 +11,16 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "ffi/kernels/intranode_kernels.h"
-#include "ffi/kernels/intranode_launch.h"
-#include "ffi/kernels/intranode_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
 #include "ffi/kernels/layout_kernels.h"
 #include "ffi/kernels/local_kernels.h"
 #include "ffi/kernels/low_latency_kernels.h"
+#include "ffi/kernels/peer_kernels.h"
+#include "ffi/kernels/peer_launch.h"
+#include "ffi/kernels/peer_protocol.cuh"
 #include "ffi/kernels/rail_kernels.h"
 
-namespace jax_ep::intranode {
+namespace jax_ep::peer {
 namespace {
 
 // Runs (one block) before every send kernel: thread d < R waits for rank d to
@@ -192,4 +192,4 @@ cudaError_t PreloadKernels() {
   return local::PreloadKernels();
 }
 
-}  // namespace jax_ep::intranode
+}  // namespace jax_ep::peer

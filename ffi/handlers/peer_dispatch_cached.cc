@@ -1,16 +1,16 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_intranode_dispatch_cached` (kernels:
-// ffi/kernels/intranode_*.cu): dispatch again with the layout of an earlier
-// jax_ep_intranode_dispatch (backward passes). Sends rows only. Per rank, no
+// FFI adapter of `jax_ep_peer_dispatch_cached` (kernels:
+// ffi/kernels/peer_*.cu): dispatch again with the layout of an earlier
+// jax_ep_peer_dispatch (backward passes). Sends rows only. Per rank, no
 // batch dims (R ranks, L = E / R, N = R * T_max):
 //
 //   x             `[T, H]` bf16/f16/f32 operand
-//   send_pos      `[T, R]` int32 operand      (from jax_ep_intranode_dispatch)
+//   send_pos      `[T, R]` int32 operand      (from jax_ep_peer_dispatch)
 //   entry_row     `[N, K]` int32 operand
 //   entry_weights `[N, K]` float32 operand (read only when `weighted`)
 //   group_sizes   `[L]` int32 operand
-//   attrs         group_id, group_config (intranode_common.h, GroupRef),
+//   attrs         group (group_common.h, GroupRef),
 //                 capacity: int64; weighted: bool
 //   recv_x        `[capacity, H]` x.dtype: entry (s, i, k) at entry_row
 //                 (times its weight in fp32, rounded once, when weighted);
@@ -25,31 +25,31 @@
 #include <string>
 
 #include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/group_common.h"
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/intranode_common.h"
-#include "ffi/handlers/intranode_group.h"
-#include "ffi/kernels/intranode_kernels.h"
+#include "ffi/kernels/peer_kernels.h"
+#include "ffi/runtime/group.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
 namespace {
 
 namespace ffi = ::xla::ffi;
-using intranode_ffi::CheckShape;
-using intranode_ffi::StorageRows;
+using group_ffi::CheckShape;
+using group_ffi::StorageRows;
 
-constexpr char kOp[] = "jax_ep_intranode_dispatch_cached";
+constexpr char kOp[] = "jax_ep_peer_dispatch_cached";
 
-ffi::Error IntranodeDispatchCachedImpl(
+ffi::Error PeerDispatchCachedImpl(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send_pos,
     ffi::Buffer<ffi::S32> entry_row, ffi::Buffer<ffi::F32> entry_weights,
     ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> recv_x,
-    ffi::ResultBuffer<ffi::S32> status, int64_t group_id,
-    ffi::Span<const int64_t> group_config, int64_t capacity, bool weighted) {
-  std::shared_ptr<const intranode_group::Group> group;
+    ffi::ResultBuffer<ffi::S32> status, group_ffi::GroupRef ref,
+    int64_t capacity, bool weighted) {
+  std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(
-      intranode_ffi::GetGroup(kOp, {group_id, group_config}, &group));
-  const intranode_group::GroupConfig& c = group->config;
+      group_ffi::GetGroup(kOp, ref, &group));
+  const runtime::GroupConfig& c = group->config;
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
   const int64_t num_ranks = c.num_ranks;
   const int64_t num_local = c.num_experts / num_ranks;
@@ -57,7 +57,7 @@ ffi::Error IntranodeDispatchCachedImpl(
 
   int64_t num_tokens = 0;
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupTokens(
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckGroupTokens(
       kOp, *group, "x", x, &num_tokens, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos.dimensions(),
                                         {num_tokens, num_ranks}, "[T, R]"));
@@ -83,7 +83,7 @@ ffi::Error IntranodeDispatchCachedImpl(
       ffi_utils::CheckAligned(kOp, "recv_x", recv_x->untyped_data()));
 
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
-      kOp, intranode::DispatchCached(
+      kOp, peer::DispatchCached(
                group->view, dtype, x.untyped_data(), send_pos.typed_data(),
                entry_row.typed_data(), entry_weights.typed_data(),
                group_sizes.typed_data(), num_tokens, num_local, capacity,
@@ -94,19 +94,15 @@ ffi::Error IntranodeDispatchCachedImpl(
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpIntranodeDispatchCached, jax_ep::IntranodeDispatchCachedImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Arg<xla::ffi::AnyBuffer>()                     // x
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
-        .Ret<xla::ffi::AnyBuffer>()                     // recv_x
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
-        .Attr<int64_t>("group_id")                      // group_id
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
-        .Attr<int64_t>("capacity")                      // capacity
-        .Attr<bool>("weighted"),                        // weighted
-    {xla::ffi::Traits::kCmdBufferCompatible});
+JAX_EP_FFI_DEFINE_HANDLER(
+    JaxEpPeerDispatchCached, jax_ep::PeerDispatchCachedImpl,
+    .Arg<xla::ffi::AnyBuffer>()                     // x
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
+    .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+    .Ret<xla::ffi::AnyBuffer>()                     // recv_x
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+    .Attr<jax_ep::group_ffi::GroupRef>("group")     // group_common.h
+    .Attr<int64_t>("capacity")                      // capacity
+    .Attr<bool>("weighted"));                       // weighted

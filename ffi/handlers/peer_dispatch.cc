@@ -1,14 +1,14 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_intranode_dispatch` (kernels:
-// ffi/kernels/intranode_*.cu): notify + dispatch + layout of the multi-rank
+// FFI adapter of `jax_ep_peer_dispatch` (kernels:
+// ffi/kernels/peer_*.cu): notify + dispatch + layout of the multi-rank
 // high-throughput mode, one custom call. Per rank, no batch dims (R ranks, L =
 // E / R, N = R * T_max):
 //
 //   x             `[T, H]` bf16/f16/f32 operand (T <= T_max)
 //   topk_idx      `[T, K]` int32 operand
 //   topk_weights  `[T, K]` float32 operand
-//   attrs         group_id, group_config (intranode_common.h, GroupRef),
+//   attrs         group (group_common.h, GroupRef),
 //                 num_experts (E), capacity: int64
 //   recv_x        `[capacity, H]` x.dtype: rows grouped by local expert,
 //                 (source rank, source token) ascending inside one expert
@@ -19,7 +19,7 @@
 //   recv_counts   `[R]` int32: tokens received from each source
 //   status        `[]` int32: 0 ok, 1 the group has timed out (in this call
 //                 or an earlier one: the outputs are defined but not valid)
-//   workspace     `[W]` int32 scratch, W = intranode_dispatch_workspace_elems
+//   workspace     `[W]` int32 scratch, W = peer_dispatch_workspace_elems
 
 #include <cuda_runtime.h>
 
@@ -28,22 +28,22 @@
 #include <string>
 
 #include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/group_common.h"
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/intranode_common.h"
-#include "ffi/handlers/intranode_group.h"
-#include "ffi/kernels/intranode_kernels.h"
+#include "ffi/kernels/peer_kernels.h"
+#include "ffi/runtime/group.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
 namespace {
 
 namespace ffi = ::xla::ffi;
-using intranode_ffi::CheckShape;
-using intranode_ffi::StorageRows;
+using group_ffi::CheckShape;
+using group_ffi::StorageRows;
 
-constexpr char kOp[] = "jax_ep_intranode_dispatch";
+constexpr char kOp[] = "jax_ep_peer_dispatch";
 
-ffi::Error IntranodeDispatchImpl(
+ffi::Error PeerDispatchImpl(
     cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> topk_idx,
     ffi::Buffer<ffi::F32> topk_weights, ffi::Result<ffi::AnyBuffer> recv_x,
     ffi::ResultBuffer<ffi::S32> group_sizes,
@@ -52,16 +52,12 @@ ffi::Error IntranodeDispatchImpl(
     ffi::ResultBuffer<ffi::S32> send_pos, ffi::ResultBuffer<ffi::S32> entry_row,
     ffi::ResultBuffer<ffi::F32> entry_weights,
     ffi::ResultBuffer<ffi::S32> recv_counts, ffi::ResultBuffer<ffi::S32> status,
-    ffi::ResultBuffer<ffi::S32> workspace, int64_t group_id,
-    ffi::Span<const int64_t> group_config, int64_t num_experts,
-    int64_t capacity) {
-  std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      intranode_ffi::GetGroup(kOp, {group_id, group_config}, &group));
-  const intranode_group::GroupConfig& c = group->config;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckAttrEquals(
-      kOp, "num_experts", num_experts, "num_experts", c.num_experts));
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
+    ffi::ResultBuffer<ffi::S32> workspace, group_ffi::GroupRef ref,
+    int64_t num_experts, int64_t capacity) {
+  std::shared_ptr<const runtime::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::GetPlacingGroup(
+      kOp, ref, num_experts, capacity, &group));
+  const runtime::GroupConfig& c = group->config;
   const int64_t num_ranks = c.num_ranks;
   const int64_t num_local = num_experts / num_ranks;
   const int64_t hidden = c.hidden;
@@ -69,7 +65,7 @@ ffi::Error IntranodeDispatchImpl(
 
   int64_t num_tokens = 0;
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupTokens(
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckGroupTokens(
       kOp, *group, "x", x, &num_tokens, &dtype));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_idx", topk_idx.dimensions(),
                                         {num_tokens, num_topk}, "[T, K]"));
@@ -90,23 +86,23 @@ ffi::Error IntranodeDispatchImpl(
       CheckShape(kOp, "num_invalid", num_invalid->dimensions(), {}, "[]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos->dimensions(),
                                         {num_tokens, num_ranks}, "[T, R]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckReceivedEntries(
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckReceivedEntries(
       kOp, *group, entry_row->dimensions(), entry_weights->dimensions(),
       recv_counts->dimensions()));
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(kOp, "status", status->dimensions(), {}, "[]"));
   JAX_EP_FFI_RETURN_IF_ERROR(
       CheckShape(kOp, "workspace", workspace->dimensions(),
-                 {intranode::DispatchWorkspaceElems(num_ranks, c.max_tokens,
+                 {peer::DispatchWorkspaceElems(num_ranks, c.max_tokens,
                                                     num_topk, num_experts)},
-                 "[intranode_dispatch_workspace_elems(R, T_max, K, E)]"));
+                 "[peer_dispatch_workspace_elems(R, T_max, K, E)]"));
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kOp, "x", x.untyped_data()));
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kOp, "recv_x", recv_x->untyped_data()));
 
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
-      kOp, intranode::Dispatch(
+      kOp, peer::Dispatch(
                group->view, dtype, x.untyped_data(), topk_idx.typed_data(),
                topk_weights.typed_data(), num_tokens, num_experts, capacity,
                recv_x->untyped_data(), group_sizes->typed_data(),
@@ -120,25 +116,21 @@ ffi::Error IntranodeDispatchImpl(
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpIntranodeDispatch, jax_ep::IntranodeDispatchImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Arg<xla::ffi::AnyBuffer>()                     // x
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // topk_weights
-        .Ret<xla::ffi::AnyBuffer>()                     // recv_x
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_dropped
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_invalid
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // workspace
-        .Attr<int64_t>("group_id")                      // group_id
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
-        .Attr<int64_t>("num_experts")                   // num_experts (E)
-        .Attr<int64_t>("capacity"),                     // capacity
-    {xla::ffi::Traits::kCmdBufferCompatible});
+JAX_EP_FFI_DEFINE_HANDLER(
+    JaxEpPeerDispatch, jax_ep::PeerDispatchImpl,
+    .Arg<xla::ffi::AnyBuffer>()                     // x
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
+    .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // topk_weights
+    .Ret<xla::ffi::AnyBuffer>()                     // recv_x
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_dropped
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // num_invalid
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
+    .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // workspace
+    .Attr<jax_ep::group_ffi::GroupRef>("group")     // group_common.h
+    .Attr<int64_t>("num_experts")                   // num_experts (E)
+    .Attr<int64_t>("capacity"));                    // capacity

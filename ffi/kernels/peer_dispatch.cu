@@ -1,7 +1,7 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// jax_ep::intranode, Dispatch: after the send lists and the counts
-// (intranode_send_lists.cu), one kernel sends the rows to every rank while
+// jax_ep::peer, Dispatch: after the send lists and the counts
+// (peer_send_lists.cu), one kernel sends the rows to every rank while
 // other blocks place this rank's own tokens, and, where every rank has a GPU
 // of its own, the other sources' rows chunk by chunk as they land; then the
 // arrival wait and the received entries' rows (docs/intranode.md).
@@ -13,14 +13,14 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "ffi/kernels/intranode_kernels.h"
-#include "ffi/kernels/intranode_launch.h"
-#include "ffi/kernels/intranode_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
 #include "ffi/kernels/layout_kernels.h"
 #include "ffi/kernels/local_kernels.h"
+#include "ffi/kernels/peer_kernels.h"
+#include "ffi/kernels/peer_launch.h"
+#include "ffi/kernels/peer_protocol.cuh"
 
-namespace jax_ep::intranode {
+namespace jax_ep::peer {
 namespace {
 
 // Copies one row (rv 16-byte vectors) from src to each of the rows s_row[0..K)
@@ -490,4 +490,4 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
   return LaunchFinish(g, 1u << kDispatchRegion, status, stream);
 }
 
-}  // namespace jax_ep::intranode
+}  // namespace jax_ep::peer

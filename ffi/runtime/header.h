@@ -1,25 +1,25 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// The configuration header at offset 0 of every intranode buffer (the
-// intranode::kHeaderBytes region of intranode_buffer_layout.h): the group's
-// creation writes it (intranode_group.cc), every peer reads it on connect
-// (intranode_connect.cc). Host C++ only.
+// The configuration header at offset 0 of every group's buffer (the
+// group::kHeaderBytes region of group_buffer_layout.h): the group's
+// creation writes it (runtime/group.cc), every peer reads it on connect
+// (runtime/connect.cc). Host C++ only.
 
-#ifndef JAX_EP_FFI_HANDLERS_INTRANODE_HEADER_H_
-#define JAX_EP_FFI_HANDLERS_INTRANODE_HEADER_H_
+#ifndef JAX_EP_FFI_RUNTIME_HEADER_H_
+#define JAX_EP_FFI_RUNTIME_HEADER_H_
 
 #include <cstdint>
 #include <cstring>
 
-#include "ffi/handlers/intranode_group.h"
-#include "ffi/kernels/intranode_buffer_layout.h"
+#include "ffi/kernels/group_buffer_layout.h"
+#include "ffi/runtime/group.h"
 
-namespace jax_ep::intranode_group {
+namespace jax_ep::runtime {
 
 // NOTES: written at offset 0 of every buffer at creation and read by every
 // peer on connect, so ranks created with different configurations (or a
 // handle list in the wrong order) fail at connect time instead of hanging
-// or corrupting memory later. Fits intranode::kHeaderBytes.
+// or corrupting memory later. Fits group::kHeaderBytes.
 struct BufferHeader {
   uint64_t magic;
   int64_t rank;
@@ -38,7 +38,7 @@ struct BufferHeader {
   // read on connect to tell whether every rank has a GPU of its own.
   unsigned char device_uuid[16];
 };
-static_assert(sizeof(BufferHeader) <= intranode::kHeaderBytes,
+static_assert(sizeof(BufferHeader) <= group::kHeaderBytes,
               "header must fit its region");
 inline constexpr uint64_t kHeaderMagic = 0x6a61785f65705031ull;  // "jax_epP1"
 
@@ -61,6 +61,6 @@ inline BufferHeader MakeHeader(const GroupConfig& c) {
   return h;
 }
 
-}  // namespace jax_ep::intranode_group
+}  // namespace jax_ep::runtime
 
-#endif  // JAX_EP_FFI_HANDLERS_INTRANODE_HEADER_H_
+#endif  // JAX_EP_FFI_RUNTIME_HEADER_H_

@@ -1,9 +1,9 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// The registry of the intranode groups: every group of this process by its
+// The registry of the native groups: every group of this process by its
 // process-unique id, the lookup the FFI handlers make on every call (never
 // throws), and the queries of the management API that only read a group
-// (intranode_group.h).
+// (runtime/group.h).
 
 #include <atomic>
 #include <cstdint>
@@ -16,10 +16,10 @@
 #include <utility>
 #include <vector>
 
-#include "ffi/handlers/intranode_group.h"
-#include "ffi/handlers/intranode_group_internal.h"
+#include "ffi/runtime/group.h"
+#include "ffi/runtime/group_internal.h"
 
-namespace jax_ep::intranode_group {
+namespace jax_ep::runtime {
 namespace {
 
 std::map<int64_t, std::shared_ptr<Group>>& Registry() {
@@ -62,7 +62,7 @@ std::shared_ptr<Group> FindOrThrow(int64_t group_id, const char* fn) {
   auto it = Registry().find(group_id);
   if (it == Registry().end()) {
     throw std::invalid_argument(std::string(fn) +
-                                ": unknown intranode group id " +
+                                ": unknown native group id " +
                                 std::to_string(group_id));
   }
   return it->second;
@@ -71,21 +71,21 @@ std::shared_ptr<Group> FindOrThrow(int64_t group_id, const char* fn) {
 }  // namespace detail
 
 std::vector<uint64_t> PointerTable(int64_t group_id) {
-  auto g = FindOrThrow(group_id, "intranode_group_pointer_table");
+  auto g = FindOrThrow(group_id, "group_pointer_table");
   return g->table_host;
 }
 
 bool ReceivesWhileSending(int64_t group_id) {
-  return FindOrThrow(group_id, "intranode_group_receives_while_sending")
+  return FindOrThrow(group_id, "group_receives_while_sending")
       ->receive_while_sending;
 }
 
 std::optional<std::string> ErrorMessage(int64_t group_id) {
-  auto g = FindOrThrow(group_id, "intranode_group_error");
+  auto g = FindOrThrow(group_id, "group_error");
   if (std::optional<std::string> msg = PendingError(*g)) return msg;
   // NOTES: a ConnectLocal set is addressed by its primary id (the one group_id
   // of the program), but a timeout lands in the mailbox of the member whose
-  // device spun: look at every member, or IntranodeBackend's status check on a
+  // device spun: look at every member, or PeerBackend's status check on a
   // non-primary device would raise without the op / rank / peer message.
   std::vector<std::shared_ptr<Group>> members;
   {
@@ -109,7 +109,7 @@ LookupResult Lookup(int64_t group_id, int device) noexcept {
     auto& registry = Registry();
     auto it = registry.find(group_id);
     if (it == registry.end()) {
-      result.error = "unknown intranode group id " + std::to_string(group_id) +
+      result.error = "unknown native group id " + std::to_string(group_id) +
                      " (destroyed, or created in another process)";
       return result;
     }
@@ -127,7 +127,7 @@ LookupResult Lookup(int64_t group_id, int device) noexcept {
       }
       if (matches != 1) {
         result.error =
-            "intranode group " + std::to_string(group_id) +
+            "native group " + std::to_string(group_id) +
             " lives on device " + std::to_string(g->config.device) +
             " but the op runs on device " + std::to_string(device) +
             (matches == 0 ? std::string(" (no group of its set is there)")
@@ -138,17 +138,17 @@ LookupResult Lookup(int64_t group_id, int device) noexcept {
       g = match;
     }
     if (!g->connected) {
-      result.error = "intranode group " + std::to_string(g->id) +
-                     " is not connected (call intranode_group_connect or "
-                     "intranode_group_connect_local first)";
+      result.error = "native group " + std::to_string(g->id) +
+                     " is not connected (call group_connect or "
+                     "group_connect_local first)";
       return result;
     }
     result.group = std::move(g);
   } catch (...) {
     result.group = nullptr;
-    result.error = "intranode group lookup failed";
+    result.error = "native group lookup failed";
   }
   return result;
 }
 
-}  // namespace jax_ep::intranode_group
+}  // namespace jax_ep::runtime

@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// jax_ep::intranode, Combine: the expert side reduces each received token's
+// jax_ep::peer, Combine: the expert side reduces each received token's
 // rows (weighted, fp32) and sends one partial row home per (token, rank); the
 // home rank waits for every rank's partials and adds them in rank order
 // (docs/intranode.md).
@@ -12,12 +12,12 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "ffi/kernels/intranode_kernels.h"
-#include "ffi/kernels/intranode_launch.h"
-#include "ffi/kernels/intranode_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/peer_kernels.h"
+#include "ffi/kernels/peer_launch.h"
+#include "ffi/kernels/peer_protocol.cuh"
 
-namespace jax_ep::intranode {
+namespace jax_ep::peer {
 namespace {
 
 // Expert side. Items: received (s, i). partial = sum over k ascending of
@@ -293,4 +293,4 @@ cudaError_t Combine(const GroupView& g, ElementType dtype,
       num_tokens, capacity, weighted, out, status, stream);
 }
 
-}  // namespace jax_ep::intranode
+}  // namespace jax_ep::peer

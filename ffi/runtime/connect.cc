@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// Connecting intranode groups: each rank's table of its peers' buffers
+// Connecting native groups: each rank's table of its peers' buffers
 // (opened from their CUDA IPC handles, given by the network transport, or
 // the buffers of this process's own groups), checked against every peer's
 // configuration header, and the kernels' GroupView built from it.
@@ -16,15 +16,15 @@
 #include <utility>
 #include <vector>
 
-#include "ffi/handlers/intranode_group.h"
-#include "ffi/handlers/intranode_group_internal.h"
-#include "ffi/handlers/intranode_header.h"
-#include "ffi/handlers/intranode_topology.h"
-#include "ffi/kernels/intranode_buffer_layout.h"
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_buffer_layout.h"
+#include "ffi/kernels/group_view.h"
 #include "ffi/kernels/network.h"
+#include "ffi/runtime/group.h"
+#include "ffi/runtime/group_internal.h"
+#include "ffi/runtime/header.h"
+#include "ffi/runtime/topology.h"
 
-namespace jax_ep::intranode_group {
+namespace jax_ep::runtime {
 namespace {
 
 using detail::DeviceGuard;
@@ -82,12 +82,12 @@ void FinishConnect(Group& g) {
     ThrowIfCuda(err, "cudaMemcpy of the peer pointer table");
   }
   g.table_device = static_cast<char**>(table);
-  intranode::GroupView& v = g.view;
+  group::GroupView& v = g.view;
   v.peers = g.table_device;
   v.own = static_cast<char*>(g.buffer);
   v.state = g.state;
   v.mailbox = g.mailbox_device;
-  v.layout = intranode::MakeBufferLayout(
+  v.layout = group::MakeBufferLayout(
       g.config.num_ranks, g.config.max_tokens, g.config.hidden,
       g.config.num_topk, g.config.itemsize,
       g.config.low_latency ? g.config.num_experts : 0, g.config.network,
@@ -114,7 +114,7 @@ void FinishConnect(Group& g) {
 }  // namespace
 
 void Connect(int64_t group_id, const std::vector<std::string>& handles) {
-  const std::string fn = "intranode_group_connect";
+  const std::string fn = "group_connect";
   auto g = FindOrThrow(group_id, fn.c_str());
   const GroupConfig& c = g->config;
   if (g->connected) {
@@ -178,7 +178,7 @@ void Connect(int64_t group_id, const std::vector<std::string>& handles) {
 
 void ConnectTable(int64_t group_id, const std::vector<uint64_t>& table,
                   uint64_t network_send) {
-  const std::string fn = "intranode_group_connect_table";
+  const std::string fn = "group_connect_table";
   auto g = FindOrThrow(group_id, fn.c_str());
   const GroupConfig& c = g->config;
   if (!c.network) {
@@ -221,7 +221,7 @@ void ConnectTable(int64_t group_id, const std::vector<uint64_t>& table,
 }
 
 void ConnectLocal(const std::vector<int64_t>& group_ids) {
-  const std::string fn = "intranode_group_connect_local";
+  const std::string fn = "group_connect_local";
   if (group_ids.empty()) {
     throw std::invalid_argument(fn + ": expected one group id per rank");
   }
@@ -306,4 +306,4 @@ void ConnectLocal(const std::vector<int64_t>& group_ids) {
   }
 }
 
-}  // namespace jax_ep::intranode_group
+}  // namespace jax_ep::runtime

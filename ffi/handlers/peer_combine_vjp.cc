@@ -1,19 +1,19 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// FFI adapter of `jax_ep_intranode_combine_vjp` (kernels:
-// ffi/kernels/intranode_*.cu): cotangents of the weighted combine, one
+// FFI adapter of `jax_ep_peer_combine_vjp` (kernels:
+// ffi/kernels/peer_*.cu): cotangents of the weighted combine, one
 // exchange of d_out serving both. Per rank, no batch dims (R ranks,
 // L = E / R, N = R * T_max):
 //
 //   d_out         `[T, H]` operand, expert_out.dtype
 //   expert_out    `[capacity, H]` bf16/f16/f32 operand
 //   topk_idx      `[T, K]` int32 operand
-//   send_pos      `[T, R]` int32 operand      (from jax_ep_intranode_dispatch)
+//   send_pos      `[T, R]` int32 operand      (from jax_ep_peer_dispatch)
 //   entry_row     `[N, K]` int32 operand
 //   entry_weights `[N, K]` float32 operand
 //   recv_counts   `[R]` int32 operand
 //   group_sizes   `[L]` int32 operand
-//   attrs         group_id, group_config (intranode_common.h, GroupRef),
+//   attrs         group (group_common.h, GroupRef),
 //                 num_experts (E), capacity: int64
 //   d_expert_out  `[capacity, H]` expert_out.dtype: the weighted cached
 //                 dispatch of d_out
@@ -30,44 +30,41 @@
 #include <string>
 
 #include "ffi/handlers/ffi_utils.h"
+#include "ffi/handlers/group_common.h"
 #include "ffi/handlers/handlers.h"
-#include "ffi/handlers/intranode_common.h"
-#include "ffi/handlers/intranode_group.h"
-#include "ffi/kernels/intranode_kernels.h"
+#include "ffi/kernels/peer_kernels.h"
+#include "ffi/runtime/group.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep {
 namespace {
 
 namespace ffi = ::xla::ffi;
-using intranode_ffi::CheckShape;
-using intranode_ffi::StorageRows;
+using group_ffi::CheckShape;
+using group_ffi::StorageRows;
 
-constexpr char kOp[] = "jax_ep_intranode_combine_vjp";
+constexpr char kOp[] = "jax_ep_peer_combine_vjp";
 
-ffi::Error IntranodeCombineVjpImpl(
+ffi::Error PeerCombineVjpImpl(
     cudaStream_t stream, ffi::AnyBuffer d_out, ffi::AnyBuffer expert_out,
     ffi::Buffer<ffi::S32> topk_idx, ffi::Buffer<ffi::S32> send_pos,
     ffi::Buffer<ffi::S32> entry_row, ffi::Buffer<ffi::F32> entry_weights,
     ffi::Buffer<ffi::S32> recv_counts, ffi::Buffer<ffi::S32> group_sizes,
     ffi::Result<ffi::AnyBuffer> d_expert_out,
     ffi::ResultBuffer<ffi::F32> d_weights, ffi::ResultBuffer<ffi::S32> status,
-    int64_t group_id, ffi::Span<const int64_t> group_config,
+    group_ffi::GroupRef ref,
     int64_t num_experts, int64_t capacity) {
-  std::shared_ptr<const intranode_group::Group> group;
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      intranode_ffi::GetGroup(kOp, {group_id, group_config}, &group));
-  const intranode_group::GroupConfig& c = group->config;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckAttrEquals(
-      kOp, "num_experts", num_experts, "num_experts", c.num_experts));
-  JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckCapacity(kOp, capacity));
+  std::shared_ptr<const runtime::Group> group;
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::GetPlacingGroup(
+      kOp, ref, num_experts, capacity, &group));
+  const runtime::GroupConfig& c = group->config;
   const int64_t num_ranks = c.num_ranks;
   const int64_t num_local = num_experts / num_ranks;
   const int64_t hidden = c.hidden;
   const int64_t num_topk = c.num_topk;
 
   ElementType dtype;
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckGroupRows(
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckGroupRows(
       kOp, *group, "expert_out", expert_out, StorageRows(capacity),
       "[max(capacity, 1), H]", /*rows=*/nullptr, &dtype));
   const auto g_dims = d_out.dimensions();
@@ -75,7 +72,7 @@ ffi::Error IntranodeCombineVjpImpl(
       CheckShape(kOp, "d_out", g_dims, {-1, hidden}, "[T, H]"));
   const int64_t num_tokens = g_dims[0];
   JAX_EP_FFI_RETURN_IF_ERROR(
-      intranode_ffi::CheckTokens(kOp, "d_out", num_tokens, *group));
+      group_ffi::CheckTokens(kOp, "d_out", num_tokens, *group));
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckSameDtype(kOp, "d_out", d_out.element_type(),
                                 "expert_out", expert_out.element_type()));
@@ -83,7 +80,7 @@ ffi::Error IntranodeCombineVjpImpl(
                                         {num_tokens, num_topk}, "[T, K]"));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos.dimensions(),
                                         {num_tokens, num_ranks}, "[T, R]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(intranode_ffi::CheckReceivedEntries(
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckReceivedEntries(
       kOp, *group, entry_row.dimensions(), entry_weights.dimensions(),
       recv_counts.dimensions()));
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
@@ -108,7 +105,7 @@ ffi::Error IntranodeCombineVjpImpl(
 
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR(
       kOp,
-      intranode::CombineVjp(
+      peer::CombineVjp(
           group->view, dtype, d_out.untyped_data(), expert_out.untyped_data(),
           topk_idx.typed_data(), send_pos.typed_data(), entry_row.typed_data(),
           entry_weights.typed_data(), recv_counts.typed_data(),
@@ -121,23 +118,19 @@ ffi::Error IntranodeCombineVjpImpl(
 }  // namespace
 }  // namespace jax_ep
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(
-    JaxEpIntranodeCombineVjp, jax_ep::IntranodeCombineVjpImpl,
-    xla::ffi::Ffi::Bind()
-        .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()  // stream
-        .Arg<xla::ffi::AnyBuffer>()                     // d_out
-        .Arg<xla::ffi::AnyBuffer>()                     // expert_out
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
-        .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
-        .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
-        .Ret<xla::ffi::AnyBuffer>()                     // d_expert_out
-        .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // d_weights
-        .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
-        .Attr<int64_t>("group_id")                      // group_id
-        .Attr<xla::ffi::Span<const int64_t>>("group_config")
-        .Attr<int64_t>("num_experts")                   // num_experts (E)
-        .Attr<int64_t>("capacity"),                     // capacity
-    {xla::ffi::Traits::kCmdBufferCompatible});
+JAX_EP_FFI_DEFINE_HANDLER(
+    JaxEpPeerCombineVjp, jax_ep::PeerCombineVjpImpl,
+    .Arg<xla::ffi::AnyBuffer>()                     // d_out
+    .Arg<xla::ffi::AnyBuffer>()                     // expert_out
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row
+    .Arg<xla::ffi::Buffer<xla::ffi::F32>>()         // entry_weights
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // recv_counts
+    .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // group_sizes
+    .Ret<xla::ffi::AnyBuffer>()                     // d_expert_out
+    .Ret<xla::ffi::Buffer<xla::ffi::F32>>()         // d_weights
+    .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // status
+    .Attr<jax_ep::group_ffi::GroupRef>("group")     // group_common.h
+    .Attr<int64_t>("num_experts")                   // num_experts (E)
+    .Attr<int64_t>("capacity"));                    // capacity

@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// Intranode groups of the intranode transport: the library-owned buffer of one
+// Native groups of the peer transport: the library-owned buffer of one
 // rank, its device state, error mailbox and peer-pointer table, kept in a
 // process-wide registry keyed by a process-unique group id.
 //
@@ -15,13 +15,13 @@
 // header, build the pointer table) -> ops -> Destroy. One process driving
 // several devices: Create per device, then ConnectLocal with all the ids.
 //
-// Defined in intranode_group.cc (BufferBytes, Create, IpcHandle, Destroy),
-// intranode_connect.cc (Connect, ConnectTable, ConnectLocal),
-// intranode_registry.cc (the registry, Lookup and the queries) and
-// intranode_errors.cc (PendingError).
+// Defined in runtime/group.cc (BufferBytes, Create, IpcHandle, Destroy),
+// runtime/connect.cc (Connect, ConnectTable, ConnectLocal),
+// runtime/registry.cc (the registry, Lookup and the queries) and
+// runtime/errors.cc (PendingError).
 
-#ifndef JAX_EP_FFI_HANDLERS_INTRANODE_GROUP_H_
-#define JAX_EP_FFI_HANDLERS_INTRANODE_GROUP_H_
+#ifndef JAX_EP_FFI_RUNTIME_GROUP_H_
+#define JAX_EP_FFI_RUNTIME_GROUP_H_
 
 #include <cstdint>
 #include <memory>
@@ -29,10 +29,10 @@
 #include <string>
 #include <vector>
 
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_view.h"
 #include "ffi/kernels/network.h"
 
-namespace jax_ep::intranode_group {
+namespace jax_ep::runtime {
 
 struct GroupConfig {
   int device = 0;  // CUDA device ordinal of this rank
@@ -63,9 +63,9 @@ struct Group {
   int64_t buffer_bytes = 0;
   void* buffer = nullptr;  // cudaMalloc'd, own; or the caller's (network)
   bool owns_buffer = true;
-  intranode::DeviceState* state = nullptr;       // cudaMalloc'd
-  intranode::Mailbox* mailbox_host = nullptr;    // cudaHostAlloc(Mapped)
-  intranode::Mailbox* mailbox_device = nullptr;  // its device pointer
+  group::DeviceState* state = nullptr;       // cudaMalloc'd
+  group::Mailbox* mailbox_host = nullptr;    // cudaHostAlloc(Mapped)
+  group::Mailbox* mailbox_device = nullptr;  // its device pointer
   char** table_device = nullptr;                 // [R] peer bases
   std::vector<uint64_t> table_host;              // the same, on the host
   std::vector<void*> ipc_opened;                 // to cudaIpcCloseMemHandle
@@ -77,10 +77,10 @@ struct Group {
   // ConnectTable); null otherwise.
   network::SendFn network_send = nullptr;
   bool connected = false;
-  intranode::GroupView view{};  // valid once connected
+  group::GroupView view{};  // valid once connected
 };
 
-// Bytes of one rank's buffer (intranode::MakeBufferLayout). Throws
+// Bytes of one rank's buffer (group::MakeBufferLayout). Throws
 // std::invalid_argument on arguments out of range.
 // `low_latency_experts`: E with the low-latency buffers, else 0.
 // `network`: with the outbox of the network transport (low-latency only);
@@ -149,6 +149,6 @@ LookupResult Lookup(int64_t group_id, int device) noexcept;
 // mapped memory, no sync).
 std::optional<std::string> PendingError(const Group& group) noexcept;
 
-}  // namespace jax_ep::intranode_group
+}  // namespace jax_ep::runtime
 
-#endif  // JAX_EP_FFI_HANDLERS_INTRANODE_GROUP_H_
+#endif  // JAX_EP_FFI_RUNTIME_GROUP_H_

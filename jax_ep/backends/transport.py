@@ -1,9 +1,16 @@
-"""Set-up of the multi-rank intranode transport: library-owned buffers and the peer-pointer table.
+"""The cuda backend's transports: the native groups (ffi/runtime/) a `jax_ep.Group` owns, their
+library-owned buffers and how the ranks reach each other's.
 
-The buffers are allocated once per group (never inside a handler). With one process per device
-(GPUs of one host, or several processes sharing one GPU under CUDA MPS) each process publishes
-the CUDA IPC handle of its buffer through the `jax.distributed` key-value store and opens its
-peers'. One process driving all devices uses the pointers directly (peer access).
+- the peer transport (`create_peer`, `PeerTransport`): the ranks of one NVLink domain, through a
+  table of peer pointers. With one process per device (GPUs of one host, or several processes
+  sharing one GPU under CUDA MPS) each process publishes the CUDA IPC handle of its buffer
+  through the `jax.distributed` key-value store and opens its peers'. One process driving all
+  devices uses the pointers directly (peer access). A one-rank group with the low-latency
+  buffers is a peer transport of one rank.
+- the network transport (`create_network`, `NetworkTransport`): ranks on several hosts, the
+  buffer in NVSHMEM's symmetric heap, the other hosts' ranks reached by NVSHMEM puts.
+
+The buffers are allocated once per group, never inside a handler.
 """
 
 from __future__ import annotations
@@ -30,10 +37,10 @@ def buffer_bytes(config: EPConfig, low_latency: bool = False, network: bool = Fa
     return 0
   itemsize = np.dtype(config.dtype).itemsize
   hosts = num_hosts if network and num_hosts >= 2 else 0
-  total = int(ext.intranode_buffer_bytes(config.num_ranks, config.max_tokens_per_rank,
-                                         config.hidden, config.num_topk, itemsize,
-                                         config.num_experts if low_latency else 0,
-                                         bool(network), hosts))
+  total = int(ext.group_buffer_bytes(config.num_ranks, config.max_tokens_per_rank,
+                                     config.hidden, config.num_topk, itemsize,
+                                     config.num_experts if low_latency else 0,
+                                     bool(network), hosts))
   if hosts:
     host_cfg = hierarchical.host_config(config, hosts)
     if host_cfg.num_ranks > 1:
@@ -42,24 +49,17 @@ def buffer_bytes(config: EPConfig, low_latency: bool = False, network: bool = Fa
 
 
 @dataclasses.dataclass
-class IntranodeTransport:
-  """Owns the native intranode groups of this process (one per local device of the mesh)."""
+class Transport:
+  """The native groups of this process for one `jax_ep.Group` (one per local device of the
+  mesh), what both transports share: their ids, the error records, and the close."""
   group_ids: list[int]
   key: str
   # The processes that hold the mesh's devices (None: every process of the job).
   process_ids: list[int] | None = None
   closed: bool = False
-  # The network transport (a group whose ranks span several hosts): the buffer's address in
-  # NVSHMEM's symmetric heap (0: none), the map of hosts, and the ranks this process reaches
-  # by puts.
-  network_buffer: int = 0
-  topology: topology_lib.Topology | None = None
-  network_ranks: tuple[int, ...] = ()
-  # This host's own group of a network transport (the high-throughput ops' forwarding; None
-  # on a host of one rank), and whether the hosts are ones those ops run on: of equal size,
-  # contiguous in rank order (`hierarchical.contiguous_hosts`).
-  host_group_id: int | None = None
-  equal_hosts: bool = False
+
+  # Where this transport's keys live in the `jax.distributed` key-value store.
+  _KV_PREFIX = "jax_ep/group"
 
   @property
   def primary_id(self) -> int:
@@ -69,12 +69,12 @@ class IntranodeTransport:
   def receives_while_sending(self) -> bool:
     """Whether every local group's dispatch places the other ranks' rows as they land."""
     ext = ffi.extension()
-    return all(bool(ext.intranode_group_receives_while_sending(gid)) for gid in self.group_ids)
+    return all(bool(ext.group_receives_while_sending(gid)) for gid in self.group_ids)
 
   def error(self) -> str | None:
     ext = ffi.extension()
     for gid in self.group_ids:
-      message = ext.intranode_group_error(gid)
+      message = ext.group_error(gid)
       if message:
         return message
     return None
@@ -92,12 +92,50 @@ class IntranodeTransport:
     everyone_here = True
     if client is not None and jax.process_count() > 1:
       try:
-        client.wait_at_barrier(f"jax_ep/intranode/{self.key}/close",
+        client.wait_at_barrier(f"{self._KV_PREFIX}/{self.key}/close",
                                int(barrier_timeout_s * 1000), process_ids=self.process_ids)
       except Exception:  # noqa: BLE001 - a vanished peer must not stop us freeing our memory
         everyone_here = False
     ext = ffi.extension()
-    messages = [ext.intranode_group_destroy(gid) for gid in self.group_ids]
+    messages = [ext.group_destroy(gid) for gid in self.group_ids]
+    self._release(everyone_here)
+    return next((m for m in messages if m), None)
+
+  def _release(self, everyone_here: bool) -> None:
+    """Frees what the transport holds beside the native groups (after they are destroyed)."""
+
+
+@dataclasses.dataclass
+class PeerTransport(Transport):
+  """The peer transport: the ranks of one NVLink domain reach each other's buffers by pointer
+  (CUDA IPC between processes, peer access inside one)."""
+  _KV_PREFIX = "jax_ep/peer"
+
+
+@dataclasses.dataclass
+class NetworkTransport(Transport):
+  """The network transport: a group whose ranks span several hosts. Its buffer lies in
+  NVSHMEM's symmetric heap; ranks on this rank's host are reached by pointer, the others by
+  NVSHMEM puts.
+
+  Attributes:
+    network_buffer: the buffer's address in the symmetric heap (0 once freed).
+    topology: the map of hosts.
+    network_ranks: the ranks this process reaches by puts.
+    host_group_id: this host's own group (the peer transport, over which the high-throughput
+      ops forward; None on a host of one rank).
+    equal_hosts: whether the hosts are ones those ops run on: of equal size, contiguous in rank
+      order (`hierarchical.contiguous_hosts`).
+  """
+  network_buffer: int = 0
+  topology: topology_lib.Topology | None = None
+  network_ranks: tuple[int, ...] = ()
+  host_group_id: int | None = None
+  equal_hosts: bool = False
+
+  _KV_PREFIX = "jax_ep/network"
+
+  def _release(self, everyone_here: bool) -> None:
     if self.network_buffer:
       # nvshmem_free is collective: only when every process reached the close (otherwise the
       # symmetric buffer stays allocated until the process ends, never a hang).
@@ -105,7 +143,6 @@ class IntranodeTransport:
         from jax_ep.backends import nvshmem
         nvshmem.load().symmetric_free(self.network_buffer)
       self.network_buffer = 0
-    return next((m for m in messages if m), None)
 
 
 def _client():
@@ -113,9 +150,9 @@ def _client():
   return distributed.global_state.client
 
 
-def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
-           process_ids: list[int] | None = None, low_latency: bool = False,
-           exchange_timeout_s: float = 60.0, devices=None) -> IntranodeTransport:
+def create_peer(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
+                process_ids: list[int] | None = None, low_latency: bool = False,
+                exchange_timeout_s: float = 60.0, devices=None) -> PeerTransport:
   """Allocates this process's buffers, exchanges handles with the peers and connects them.
 
   `process_ids`: the processes holding the mesh's devices when they are not all of the job's
@@ -128,7 +165,7 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
   if devices is None and mesh.devices.ndim != 1:
     raise NotImplementedError(
-        f"jax_ep.Group(backend='cuda'): the intranode transport takes a 1-D mesh over the EP "
+        f"jax_ep.Group(backend='cuda'): the peer transport takes a 1-D mesh over the EP "
         f"axis; got mesh axes {dict(mesh.shape)} (use backend='reference' for several axes)")
   devices = list(mesh.devices.flat) if devices is None else list(devices)
   me = jax.process_index()
@@ -136,7 +173,7 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
   itemsize = np.dtype(config.dtype).itemsize
 
   def make(rank, device):
-    return int(ext.intranode_group_create(
+    return int(ext.group_create(
         device.local_hardware_id, rank, config.num_ranks, config.num_experts, config.num_topk,
         config.hidden, config.max_tokens_per_rank, itemsize, config.capacity, num_sms,
         float(timeout_s), bool(low_latency), expert_alignment=config.expert_alignment))
@@ -146,12 +183,12 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
     try:
       for rank, d in local:
         ids.append(make(rank, d))
-      ext.intranode_group_connect_local(ids)
+      ext.group_connect_local(ids)
     except BaseException:
       for gid in ids:
-        ext.intranode_group_destroy(gid)
+        ext.group_destroy(gid)
       raise
-    return IntranodeTransport(ids, key)
+    return PeerTransport(ids, key)
   if len(local) != 1:
     raise NotImplementedError(
         f"jax_ep.Group(backend='cuda'): process {me} holds {len(local)} of the group's "
@@ -159,28 +196,28 @@ def create(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
   rank, device = local[0]
   gid = make(rank, device)
   client = _client()
-  prefix = f"jax_ep/intranode/{key}"
-  client.key_value_set_bytes(f"{prefix}/{rank}", bytes(ext.intranode_group_ipc_handle(gid)))
+  prefix = f"{PeerTransport._KV_PREFIX}/{key}"
+  client.key_value_set_bytes(f"{prefix}/{rank}", bytes(ext.group_ipc_handle(gid)))
   handles = []
   for peer in range(config.num_ranks):
     try:
       handles.append(client.blocking_key_value_get_bytes(f"{prefix}/{peer}",
                                                          int(exchange_timeout_s * 1000)))
     except Exception as e:  # noqa: BLE001 - the KV client reports a timeout as a runtime error
-      ext.intranode_group_destroy(gid)
+      ext.group_destroy(gid)
       raise TimeoutError(f"jax_ep.Group: rank {peer} did not publish its buffer handle within "
                          f"{exchange_timeout_s} s (key {prefix}/{peer}): {e}") from None
   try:
-    ext.intranode_group_connect(gid, handles)
+    ext.group_connect(gid, handles)
   except BaseException:
-    ext.intranode_group_destroy(gid)
+    ext.group_destroy(gid)
     raise
-  return IntranodeTransport([gid], key, process_ids)
+  return PeerTransport([gid], key, process_ids)
 
 
 def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
                    topology: topology_lib.Topology, low_latency: bool = True,
-                   exchange_timeout_s: float = 60.0) -> IntranodeTransport:
+                   exchange_timeout_s: float = 60.0) -> NetworkTransport:
   """A group whose ranks span several hosts (`topology`): the buffer in NVSHMEM's symmetric
   heap, ranks on this rank's host reached by pointer (`nvshmem_ptr`), the others by NVSHMEM
   puts (ffi/nvshmem/); with hosts of equal size, also this host's own group (the peer
@@ -214,7 +251,7 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
   num_hosts = topology.num_hosts
   forwarding = hierarchical.contiguous_hosts(topology.hosts)
   itemsize = np.dtype(config.dtype).itemsize
-  nbytes = int(ext.intranode_buffer_bytes(
+  nbytes = int(ext.group_buffer_bytes(
       config.num_ranks, config.max_tokens_per_rank, config.hidden, config.num_topk, itemsize,
       config.num_experts if low_latency else 0, True, num_hosts))
   if topology.virtual:
@@ -226,7 +263,7 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
     raise RuntimeError(f"jax_ep.Group: NVSHMEM has {member.num_pes} PEs, the group "
                        f"{config.num_ranks} ranks")
   buffer = int(module.symmetric_alloc(nbytes))  # collective, every process in group order
-  gid = int(ext.intranode_group_create(
+  gid = int(ext.group_create(
       device, rank, config.num_ranks, config.num_experts, config.num_topk, config.hidden,
       config.max_tokens_per_rank, itemsize, config.capacity, num_sms, float(timeout_s),
       bool(low_latency), network_buffer=buffer, network_buffer_bytes=nbytes,
@@ -237,7 +274,8 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
     client = _client()
     if client is not None and config.num_ranks > 1:
       try:
-        client.wait_at_barrier(f"jax_ep/intranode/{key}/created", int(exchange_timeout_s * 1000))
+        client.wait_at_barrier(f"{NetworkTransport._KV_PREFIX}/{key}/created",
+                               int(exchange_timeout_s * 1000))
       except Exception as e:  # noqa: BLE001 - the KV client reports a timeout as a runtime error
         raise TimeoutError(f"jax_ep.Group: not every rank created its network buffer within "
                            f"{exchange_timeout_s} s: {e}") from None
@@ -250,22 +288,24 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
         table.append(int(module.peer_address(buffer, r)))  # 0 where NVSHMEM cannot map it: puts
       else:
         table.append(0)
-    ext.intranode_group_connect_table(gid, table, int(module.send_address()))
+    ext.group_connect_table(gid, table, int(module.send_address()))
     module.warm_put_kernels(device)
     host_group_id = None
     ranks = topology.hosts[host]
     if forwarding and len(ranks) > 1:
       # This host's own group: the high-throughput ops forward over it (peer transport).
       host_cfg = hierarchical.host_config(config, num_hosts)
-      sub = create(host_cfg, mesh, f"{key}/host{host}", num_sms=num_sms, timeout_s=timeout_s,
-                   process_ids=[devices[r].process_index for r in ranks],
-                   exchange_timeout_s=exchange_timeout_s, devices=[devices[r] for r in ranks])
+      sub = create_peer(host_cfg, mesh, f"{key}/host{host}", num_sms=num_sms,
+                        timeout_s=timeout_s,
+                        process_ids=[devices[r].process_index for r in ranks],
+                        exchange_timeout_s=exchange_timeout_s,
+                        devices=[devices[r] for r in ranks])
       host_group_id = sub.primary_id
       ids.append(host_group_id)
   except BaseException:
     for i in ids:
-      ext.intranode_group_destroy(i)
+      ext.group_destroy(i)
     raise
-  return IntranodeTransport(ids, key, None, network_buffer=buffer, topology=topology,
+  return NetworkTransport(ids, key, None, network_buffer=buffer, topology=topology,
                             network_ranks=tuple(r for r, t in enumerate(table) if t == 0),
                             host_group_id=host_group_id, equal_hosts=forwarding)

@@ -1,22 +1,22 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// intranode::GroupView: everything a peer kernel (intranode transport,
+// group::GroupView: everything a peer kernel (peer transport,
 // low-latency pair, rail exchange, the network transport's puts) needs about
 // its group, and the group's limits. Host-side set-up (allocation, IPC,
-// registry): ffi/handlers/intranode_group.h.
+// registry): ffi/runtime/group.h.
 
-#ifndef JAX_EP_FFI_KERNELS_INTRANODE_GROUP_VIEW_H_
-#define JAX_EP_FFI_KERNELS_INTRANODE_GROUP_VIEW_H_
+#ifndef JAX_EP_FFI_KERNELS_GROUP_VIEW_H_
+#define JAX_EP_FFI_KERNELS_GROUP_VIEW_H_
 
 #include <cstdint>
 
-#include "ffi/kernels/intranode_buffer_layout.h"
-#include "ffi/kernels/intranode_mailbox.h"
-#include "ffi/kernels/intranode_state.h"
+#include "ffi/kernels/group_buffer_layout.h"
+#include "ffi/kernels/group_mailbox.h"
+#include "ffi/kernels/group_state.h"
 
-namespace jax_ep::intranode {
+namespace jax_ep::group {
 
-// Ranks of one intranode group (a flag array per region is indexed by rank; one
+// Ranks of one native group (a flag array per region is indexed by rank; one
 // warp stages a token's destinations in two ballots).
 inline constexpr int64_t kMaxRanks = 64;
 // Hosts of a network group (the rail exchange stages them in one warp pair).
@@ -41,14 +41,14 @@ struct GroupView {
   int32_t itemsize;    // bytes per activation element of the buffers
   int32_t num_blocks;  // SM budget: send kernels run num_blocks times their
                        // blocks per SM of sending blocks
-                       // (intranode_protocol.cuh), on whichever SMs are free;
+                       // (peer_protocol.cuh), on whichever SMs are free;
                        // it bounds their threads, not which SMs (the dispatch's
                        // placing blocks use the rest)
   int32_t
       receive_while_sending;  // 1: every rank has a GPU of its own and
                               // every pair has native P2P atomics, so a
                               // dispatch receives in blocks that spin beside
-                              // its sends (intranode_dispatch.cu); 0: ranks
+                              // its sends (peer_dispatch.cu); 0: ranks
                               // share a GPU (MPS), where a spinning block could
                               // hold the SMs a peer's sender needs, or chunk
                               // counts could not be added atomically
@@ -63,6 +63,6 @@ struct GroupView {
                               // regions), else 0
 };
 
-}  // namespace jax_ep::intranode
+}  // namespace jax_ep::group
 
-#endif  // JAX_EP_FFI_KERNELS_INTRANODE_GROUP_VIEW_H_
+#endif  // JAX_EP_FFI_KERNELS_GROUP_VIEW_H_

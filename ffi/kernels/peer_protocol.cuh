@@ -1,16 +1,16 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// jax_ep::intranode, device side of the protocol: constants, flag and timeout
-// helpers and the row-staging helpers shared by the intranode transport's
-// kernels (intranode_*.cu). Multi-rank dispatch / combine where every rank's
+// jax_ep::peer, device side of the protocol: constants, flag and timeout
+// helpers and the row-staging helpers shared by the peer transport's
+// kernels (peer_*.cu). Multi-rank dispatch / combine where every rank's
 // kernels write straight into the other ranks' library-owned buffers through
 // a table of peer pointers (CUDA IPC or P2P, one NVLink domain; several
 // processes sharing one GPU under MPS use the same path). The whole protocol,
 // buffer by buffer and op by op: docs/intranode.md.
 //
 // NOTES: the protocol.
-// * Buffers. Each rank owns one buffer (layout: intranode::BufferLayout in
-//   intranode_buffer_layout.h). Peers write into it; only its owner reads
+// * Buffers. Each rank owns one buffer (layout: group::BufferLayout in
+//   group_buffer_layout.h). Peers write into it; only its owner reads
 //   it. Regions are sized for the worst routing skew, so nothing waits for
 //   room.
 // * Regions and sequence numbers. Three regions (dispatch, combine, dots) are
@@ -75,7 +75,7 @@
 //   the first failing thread claims the mailbox (atomicCAS on device state),
 //   writes (op, rank, peer, seq, region, what) to host-mapped memory, fences,
 //   sets `state` = 1, and sets the sticky device flag `aborted`. Every send and
-//   wait kernel of an intranode op checks `aborted` and returns early (spins
+//   wait kernel of a group op checks `aborted` and returns early (spins
 //   check it each turn; the local placing kernels run on, on defined inputs);
 //   FinishKernel then writes status = 1 and publishes nothing. The handler of
 //   any later call reads the mailbox first and fails with its message. Never
@@ -97,8 +97,8 @@
 // * Determinism: positions come from scans, reductions have a fixed order;
 //   no atomic decides where data goes.
 
-#ifndef JAX_EP_FFI_KERNELS_INTRANODE_PROTOCOL_CUH_
-#define JAX_EP_FFI_KERNELS_INTRANODE_PROTOCOL_CUH_
+#ifndef JAX_EP_FFI_KERNELS_PEER_PROTOCOL_CUH_
+#define JAX_EP_FFI_KERNELS_PEER_PROTOCOL_CUH_
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -107,10 +107,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "ffi/kernels/intranode_kernels.h"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/peer_kernels.h"
 
-namespace jax_ep::intranode {
+namespace jax_ep::peer {
 namespace {
 
 using detail::kFullMask;
@@ -421,6 +421,6 @@ cudaError_t ElementwiseGrid(Kernel kernel, int block, int64_t num_items,
 }
 
 }  // namespace
-}  // namespace jax_ep::intranode
+}  // namespace jax_ep::peer
 
-#endif  // JAX_EP_FFI_KERNELS_INTRANODE_PROTOCOL_CUH_
+#endif  // JAX_EP_FFI_KERNELS_PEER_PROTOCOL_CUH_

@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// jax_ep::intranode, the backward ops: DispatchCached (rows placed by an
+// jax_ep::peer, the backward ops: DispatchCached (rows placed by an
 // earlier dispatch's layout, optionally weighted: the transposes of combine)
 // and CombineVjp (d_out's rows travel as in DispatchCached; the weight
 // gradient's slot dots are taken on the expert side and sent home)
@@ -13,13 +13,13 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "ffi/kernels/intranode_kernels.h"
-#include "ffi/kernels/intranode_launch.h"
-#include "ffi/kernels/intranode_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
 #include "ffi/kernels/local_kernels.h"
+#include "ffi/kernels/peer_kernels.h"
+#include "ffi/kernels/peer_launch.h"
+#include "ffi/kernels/peer_protocol.cuh"
 
-namespace jax_ep::intranode {
+namespace jax_ep::peer {
 namespace {
 
 // Expert side. Items: received (s, i), one warp each. dots[k] = <d_out row
@@ -247,4 +247,4 @@ cudaError_t CombineVjp(const GroupView& g, ElementType dtype, const void* d_out,
                       stream);
 }
 
-}  // namespace jax_ep::intranode
+}  // namespace jax_ep::peer

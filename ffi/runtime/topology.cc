@@ -1,8 +1,8 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// See intranode_topology.h.
+// See runtime/topology.h.
 
-#include "ffi/handlers/intranode_topology.h"
+#include "ffi/runtime/topology.h"
 
 #include <cuda_runtime.h>
 #include <dlfcn.h>
@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace jax_ep::intranode_group {
+namespace jax_ep::runtime {
 namespace {
 
 // NVML's name of the GPU with this cudaDeviceProp::uuid: "GPU-" and the 16
@@ -150,4 +150,4 @@ bool NativeP2PAtomicsByUuid(const std::vector<std::string>& uuids) {
          (all_visible ? NativeP2PAtomics(devices) : NvmlP2PAtomics(uuids));
 }
 
-}  // namespace jax_ep::intranode_group
+}  // namespace jax_ep::runtime

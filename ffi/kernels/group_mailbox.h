@@ -1,16 +1,16 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// The error mailbox of an intranode group: what the first timed-out spin of
+// The error mailbox of a native group: what the first timed-out spin of
 // any of its kernels records (op, rank, peer, what it waited for) for the
-// host to read without a sync (ffi/handlers/intranode_errors.cc builds the
+// host to read without a sync (ffi/runtime/errors.cc builds the
 // message from it).
 
-#ifndef JAX_EP_FFI_KERNELS_INTRANODE_MAILBOX_H_
-#define JAX_EP_FFI_KERNELS_INTRANODE_MAILBOX_H_
+#ifndef JAX_EP_FFI_KERNELS_GROUP_MAILBOX_H_
+#define JAX_EP_FFI_KERNELS_GROUP_MAILBOX_H_
 
 #include <cstdint>
 
-namespace jax_ep::intranode {
+namespace jax_ep::group {
 
 // Op codes recorded in the error mailbox.
 enum class OpCode : int32_t {
@@ -47,6 +47,6 @@ struct Mailbox {
   unsigned long long seq;  // the call (1-based, per region) that timed out
 };
 
-}  // namespace jax_ep::intranode
+}  // namespace jax_ep::group
 
-#endif  // JAX_EP_FFI_KERNELS_INTRANODE_MAILBOX_H_
+#endif  // JAX_EP_FFI_KERNELS_GROUP_MAILBOX_H_

@@ -1,19 +1,19 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// The device state of an intranode group: per region and per low-latency op
+// The device state of a native group: per region and per low-latency op
 // the completed calls (the sequence every flag is tagged with), the
 // "blocks done" counter of each send kernel, and the low-latency ops'
 // pending sends and the sticky abort flag. Device memory of the group's
 // device; only this rank's kernels (and its put kernels) touch it.
 
-#ifndef JAX_EP_FFI_KERNELS_INTRANODE_STATE_H_
-#define JAX_EP_FFI_KERNELS_INTRANODE_STATE_H_
+#ifndef JAX_EP_FFI_KERNELS_GROUP_STATE_H_
+#define JAX_EP_FFI_KERNELS_GROUP_STATE_H_
 
 #include <cstdint>
 
-#include "ffi/kernels/intranode_buffer_layout.h"
+#include "ffi/kernels/group_buffer_layout.h"
 
-namespace jax_ep::intranode {
+namespace jax_ep::group {
 
 // Monotonic "blocks done" counters, one per communication (send) kernel.
 enum SendCounter : int32_t {
@@ -66,6 +66,6 @@ struct DeviceState {
   unsigned long long rail_seq;
 };
 
-}  // namespace jax_ep::intranode
+}  // namespace jax_ep::group
 
-#endif  // JAX_EP_FFI_KERNELS_INTRANODE_STATE_H_
+#endif  // JAX_EP_FFI_KERNELS_GROUP_STATE_H_

@@ -1,25 +1,29 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// jax_ep::intranode: multi-rank dispatch / combine through a table of peer
+// jax_ep::peer: multi-rank dispatch / combine through a table of peer
 // pointers (CUDA IPC or P2P). Protocol: docs/intranode.md and the NOTES of
-// ffi/kernels/intranode_protocol.cuh; kernels: ffi/kernels/intranode_*.cu.
-// The group these launchers take: intranode_group_view.h; its host-side
-// set-up (allocation, IPC, registry): ffi/handlers/intranode_group.h.
+// ffi/kernels/peer_protocol.cuh; kernels: ffi/kernels/peer_*.cu.
+// The group these launchers take: group_view.h; its host-side
+// set-up (allocation, IPC, registry): ffi/runtime/group.h.
 
-#ifndef JAX_EP_FFI_KERNELS_INTRANODE_KERNELS_H_
-#define JAX_EP_FFI_KERNELS_INTRANODE_KERNELS_H_
+#ifndef JAX_EP_FFI_KERNELS_PEER_KERNELS_H_
+#define JAX_EP_FFI_KERNELS_PEER_KERNELS_H_
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
 #include "ffi/kernels/ep_common.h"
-#include "ffi/kernels/intranode_group_view.h"
+#include "ffi/kernels/group_view.h"
 #include "ffi/kernels/layout_kernels.h"
 
-namespace jax_ep::intranode {
+namespace jax_ep::peer {
 
-// The `workspace` result of jax_ep_intranode_dispatch (int32 elements),
+// The group's types (its view, buffer layout, state and mailbox) are the peer
+// protocol's vocabulary: named here unqualified, as in group_view.h.
+using namespace ::jax_ep::group;  // NOLINT(build/namespaces)
+
+// The `workspace` result of jax_ep_peer_dispatch (int32 elements),
 // sized and carved in this one place: offsets of its parts, in order, and the
 // total. NOTES: Dispatch carves its pointers from these offsets and the
 // handler sizes the result from `elems`, so the two cannot disagree.
@@ -83,11 +87,11 @@ inline int64_t DispatchWorkspaceElems(int64_t num_ranks, int64_t max_tokens,
       .elems;
 }
 
-// Forces the module load of every kernel the intranode ops launch (this
+// Forces the module load of every kernel the peer ops launch (this
 // family's, the layout kernels and the local kernels) on the current device.
 cudaError_t PreloadKernels();
 
-// Notify + dispatch + layout (jax_ep_intranode_dispatch). Per rank:
+// Notify + dispatch + layout (jax_ep_peer_dispatch). Per rank:
 //   x             `[T, H]`   dtype   in      topk_idx `[T, K]` int32 in
 //   topk_weights  `[T, K]`   float32 in
 //   recv_x        `[capacity, H]` dtype out  group_sizes `[E/R]` int32 out
@@ -107,7 +111,7 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
                      cudaStream_t stream);
 
 // Dispatch with the layout of an earlier Dispatch
-// (jax_ep_intranode_dispatch_cached): rows only; entry (s, i, k) lands at
+// (jax_ep_peer_dispatch_cached): rows only; entry (s, i, k) lands at
 // entry_row (times entry_weights in fp32, rounded once, when `weighted`); rows
 // >= sum(group_sizes) are not written (unspecified).
 //   x `[T, H]`, send_pos `[T, R]`, entry_row / entry_weights `[R*T_max, K]`
@@ -121,7 +125,7 @@ cudaError_t DispatchCached(const GroupView& g, ElementType dtype, const void* x,
                            bool weighted, void* recv_x, int32_t* status,
                            cudaStream_t stream);
 
-// Combine (jax_ep_intranode_combine): expert side reduces each received token's
+// Combine (jax_ep_peer_combine): expert side reduces each received token's
 // rows over k ascending in fp32 (weighted or not) and writes one partial row
 // to its home (bf16 for bf16 activations, else fp32: CombineWire); home sums
 // the partials of ranks d ascending in fp32, rounds once.
@@ -134,7 +138,7 @@ cudaError_t Combine(const GroupView& g, ElementType dtype,
                     int64_t capacity, bool weighted, void* out, int32_t* status,
                     cudaStream_t stream);
 
-// Cotangents of the weighted combine (jax_ep_intranode_combine_vjp):
+// Cotangents of the weighted combine (jax_ep_peer_combine_vjp):
 //   d_expert_out `[capacity, H]` = weighted cached dispatch of d_out `[T, H]`;
 //   d_weights `[T, K]` float32 = <d_out[t], expert_out[row(t, k)]> (0 for
 //   slots that select nothing or were dropped), dot taken on the expert side.
@@ -147,6 +151,6 @@ cudaError_t CombineVjp(const GroupView& g, ElementType dtype, const void* d_out,
                        void* d_expert_out, float* d_weights, int32_t* status,
                        cudaStream_t stream);
 
-}  // namespace jax_ep::intranode
+}  // namespace jax_ep::peer
 
-#endif  // JAX_EP_FFI_KERNELS_INTRANODE_KERNELS_H_
+#endif  // JAX_EP_FFI_KERNELS_PEER_KERNELS_H_

@@ -1,6 +1,6 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// jax_ep::intranode, the dispatch's first phase: the send lists (which tokens
+// jax_ep::peer, the dispatch's first phase: the send lists (which tokens
 // go to which rank, at which position), the notify (this rank's counts into
 // every rank's buffer) and the wait for every source's counts, from which the
 // receive offsets follow before any row moves (docs/intranode.md).
@@ -12,12 +12,12 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "ffi/kernels/intranode_kernels.h"
-#include "ffi/kernels/intranode_launch.h"
-#include "ffi/kernels/intranode_protocol.cuh"
 #include "ffi/kernels/kernel_utils.cuh"
+#include "ffi/kernels/peer_kernels.h"
+#include "ffi/kernels/peer_launch.h"
+#include "ffi/kernels/peer_protocol.cuh"
 
-namespace jax_ep::intranode {
+namespace jax_ep::peer {
 namespace {
 
 // The send lists of a dispatch, in two kernels over (token tile, destination)
@@ -361,4 +361,4 @@ cudaError_t PreloadSendListKernels() {
 }
 
 }  // namespace launch
-}  // namespace jax_ep::intranode
+}  // namespace jax_ep::peer

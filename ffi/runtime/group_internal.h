@@ -1,13 +1,13 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// What the files of the intranode groups share (intranode_group.cc: create,
-// IPC handle, destroy; intranode_connect.cc: the pointer tables;
-// intranode_registry.cc: the registry and the lookups): CUDA failures as
+// What the files of the native groups share (runtime/group.cc: create,
+// IPC handle, destroy; runtime/connect.cc: the pointer tables;
+// runtime/registry.cc: the registry and the lookups): CUDA failures as
 // exceptions, the device guard, and the registry's entry points. Internal to
-// those files; the management API is intranode_group.h.
+// those files; the management API is runtime/group.h.
 
-#ifndef JAX_EP_FFI_HANDLERS_INTRANODE_GROUP_INTERNAL_H_
-#define JAX_EP_FFI_HANDLERS_INTRANODE_GROUP_INTERNAL_H_
+#ifndef JAX_EP_FFI_RUNTIME_GROUP_INTERNAL_H_
+#define JAX_EP_FFI_RUNTIME_GROUP_INTERNAL_H_
 
 #include <cuda_runtime.h>
 
@@ -17,9 +17,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "ffi/handlers/intranode_group.h"
+#include "ffi/runtime/group.h"
 
-namespace jax_ep::intranode_group::detail {
+namespace jax_ep::runtime::detail {
 
 inline std::string CudaMessage(const std::string& what, cudaError_t err) {
   return what + ": " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
@@ -48,7 +48,7 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
-// The registry (intranode_registry.cc): every group of this process by id.
+// The registry (runtime/registry.cc): every group of this process by id.
 // Its lock also publishes a group's `connected` (Lookup reads it under it).
 std::mutex& RegistryMutex();
 
@@ -61,6 +61,6 @@ std::shared_ptr<Group> Unregister(int64_t group_id);
 // Group `group_id`; throws std::invalid_argument naming `fn` if unknown.
 std::shared_ptr<Group> FindOrThrow(int64_t group_id, const char* fn);
 
-}  // namespace jax_ep::intranode_group::detail
+}  // namespace jax_ep::runtime::detail
 
-#endif  // JAX_EP_FFI_HANDLERS_INTRANODE_GROUP_INTERNAL_H_
+#endif  // JAX_EP_FFI_RUNTIME_GROUP_INTERNAL_H_

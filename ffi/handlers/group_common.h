@@ -1,14 +1,14 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// Helpers shared by the FFI adapters of the ops on an intranode group
-// (ffi/handlers/intranode_*.cc, low_latency.cc, rail_exchange.cc): the group
+// Helpers shared by the FFI adapters of the ops on a native group
+// (ffi/handlers/peer_*.cc, low_latency.cc, rail_exchange.cc): the group
 // of the current device (checked against the configuration the program was
 // built for), the error of an earlier timeout, and shape checks
 // for ops that take no batch dims; GetGroup, then CheckGroupTokens or
 // CheckGroupRows, is the prologue of their handlers.
 
-#ifndef JAX_EP_FFI_HANDLERS_INTRANODE_COMMON_H_
-#define JAX_EP_FFI_HANDLERS_INTRANODE_COMMON_H_
+#ifndef JAX_EP_FFI_HANDLERS_GROUP_COMMON_H_
+#define JAX_EP_FFI_HANDLERS_GROUP_COMMON_H_
 
 #include <cuda_runtime.h>
 
@@ -21,16 +21,16 @@
 #include <string_view>
 
 #include "ffi/handlers/ffi_utils.h"
-#include "ffi/handlers/intranode_group.h"
 #include "ffi/kernels/ep_common.h"
+#include "ffi/runtime/group.h"
 #include "xla/ffi/api/ffi.h"
 
-namespace jax_ep::intranode_ffi {
+namespace jax_ep::group_ffi {
 
 namespace ffi = ::xla::ffi;
 using ffi_utils::Dims;
 
-// Rows of the `[capacity, H]` buffers the intranode ops take and produce: at
+// Rows of the `[capacity, H]` buffers the peer ops take and produce: at
 // least one. NOTES: XLA:GPU crashed (segfault while compiling, seen on the H200
 // with jaxlib 0.11.2) on a side-effecting custom call with a zero-row result,
 // so with capacity 0 the Python layer passes one unused row and slices it off
@@ -39,56 +39,56 @@ inline int64_t StorageRows(int64_t capacity) {
   return capacity > 0 ? capacity : 1;
 }
 
-// The two attributes that name a group op's group: `group_id`, the group's
-// number in this process (intranode_group::Create), and `group_config`, the
-// configuration the program was built for, in the order of
-// kGroupConfigFields (jax_ep/backends/cuda_ops.py, group_attrs).
+// The `group` attribute of every op on a native group: the group's number in
+// this process (runtime::Create) and the configuration the program was built
+// for, one named field each (an MLIR dictionary attribute, decoded by name;
+// Python builds it from GROUP_FIELDS in jax_ep/backends/cuda_ops.py).
 // NOTES: the id is process-local. A program traced in this process names this
 // process's group (and jax's persistent compilation cache keys on the program
 // text, id included, so a cached executable is one this process would have
 // built); a program built in another process (exported, serialized) names
-// that process's numbering, which group_config catches wherever the group
-// found differs in configuration (docs/decisions.md, "Group ids").
+// that process's numbering, which the configuration catches wherever the
+// group found differs (docs/decisions.md, "Group ids").
 struct GroupRef {
   int64_t id;
-  ffi::Span<const int64_t> config;
+  int64_t num_ranks;
+  int64_t num_experts;
+  int64_t num_topk;
+  int64_t hidden;
+  int64_t max_tokens_per_rank;
+  int64_t itemsize;
+  int64_t capacity;
+  int64_t expert_alignment;
 };
 
-inline constexpr const char* kGroupConfigFields[] = {
-    "num_ranks", "num_experts", "num_topk",  "hidden",
-    "max_tokens_per_rank", "itemsize", "capacity", "expert_alignment"};
-inline constexpr size_t kNumGroupConfigFields =
-    sizeof(kGroupConfigFields) / sizeof(kGroupConfigFields[0]);
-
-// The program's `group_config` against the group `ref.id` names here, field
+// The program's configuration against the group `ref.id` names here, field
 // by field; the error names the group, the field, and both values.
 inline ffi::Error CheckGroupConfig(std::string_view op, const GroupRef& ref,
-                                   const intranode_group::Group& g) {
-  const intranode_group::GroupConfig& c = g.config;
-  const int64_t here[kNumGroupConfigFields] = {
-      c.num_ranks,  c.num_experts, c.num_topk, c.hidden,
-      c.max_tokens, c.itemsize,    c.capacity, c.expert_alignment};
-  if (ref.config.size() != kNumGroupConfigFields) {
-    std::string fields;
-    for (const char* f : kGroupConfigFields) {
-      fields += fields.empty() ? "" : ", ";
-      fields += f;
-    }
-    return ffi_utils::InvalidArgument(
-        op, "attribute group_config has " +
-                std::to_string(ref.config.size()) + " values, expected " +
-                std::to_string(kNumGroupConfigFields) + " (" + fields +
-                "): the program was built by another version of jax_ep");
-  }
-  for (size_t i = 0; i < kNumGroupConfigFields; ++i) {
-    if (ref.config[i] == here[i]) continue;
+                                   const runtime::Group& g) {
+  const runtime::GroupConfig& c = g.config;
+  struct Field {
+    const char* name;
+    int64_t program;
+    int64_t here;
+  };
+  const Field fields[] = {
+      {"num_ranks", ref.num_ranks, c.num_ranks},
+      {"num_experts", ref.num_experts, c.num_experts},
+      {"num_topk", ref.num_topk, c.num_topk},
+      {"hidden", ref.hidden, c.hidden},
+      {"max_tokens_per_rank", ref.max_tokens_per_rank, c.max_tokens},
+      {"itemsize", ref.itemsize, c.itemsize},
+      {"capacity", ref.capacity, c.capacity},
+      {"expert_alignment", ref.expert_alignment, c.expert_alignment}};
+  for (const Field& f : fields) {
+    if (f.program == f.here) continue;
     return ffi::Error(
         ffi::ErrorCode::kFailedPrecondition,
-        std::string(op) + ": the program was built for intranode group " +
-            std::to_string(ref.id) + " with " + kGroupConfigFields[i] +
-            " = " + std::to_string(ref.config[i]) + ", but group " +
-            std::to_string(ref.id) + " of this process has " +
-            kGroupConfigFields[i] + " = " + std::to_string(here[i]) +
+        std::string(op) + ": the program was built for native group " +
+            std::to_string(ref.id) + " with " + f.name + " = " +
+            std::to_string(f.program) + ", but group " +
+            std::to_string(ref.id) + " of this process has " + f.name +
+            " = " + std::to_string(f.here) +
             " (group ids are numbered per process: a program built in "
             "another process, e.g. an exported or serialized one, names that "
             "process's groups; trace the program in this process)");
@@ -106,7 +106,7 @@ inline ffi::Error CheckGroupConfig(std::string_view op, const GroupRef& ref,
 // address every peer by pointer, so across hosts they run on each host's own
 // group, jax_ep/backends/hierarchical.py).
 inline ffi::Error GetGroup(std::string_view op, const GroupRef& ref,
-                           std::shared_ptr<const intranode_group::Group>* group,
+                           std::shared_ptr<const runtime::Group>* group,
                            bool network_ok = false) {
   const int64_t group_id = ref.id;
   int device = -1;
@@ -114,25 +114,25 @@ inline ffi::Error GetGroup(std::string_view op, const GroupRef& ref,
   if (err != cudaSuccess) {
     return ffi_utils::CudaError(op, "cudaGetDevice", err);
   }
-  intranode_group::LookupResult found =
-      intranode_group::Lookup(group_id, device);
+  runtime::LookupResult found =
+      runtime::Lookup(group_id, device);
   if (found.group == nullptr) {
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       std::string(op) + ": " + found.error);
   }
   JAX_EP_FFI_RETURN_IF_ERROR(CheckGroupConfig(op, ref, *found.group));
   if (std::optional<std::string> msg =
-          intranode_group::PendingError(*found.group)) {
+          runtime::PendingError(*found.group)) {
     return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
                       std::string(op) +
-                          ": an earlier call on this intranode group "
+                          ": an earlier call on this native group "
                           "timed out: " +
                           *msg);
   }
   if (found.group->config.network && !network_ok) {
     return ffi::Error(
         ffi::ErrorCode::kUnimplemented,
-        std::string(op) + ": intranode group " + std::to_string(group_id) +
+        std::string(op) + ": native group " + std::to_string(group_id) +
             " has ranks on other hosts: the high-throughput kernels run on "
             "each host's own group there (jax_ep/backends/hierarchical.py)");
   }
@@ -151,13 +151,13 @@ inline std::string ExpectedString(std::initializer_list<int64_t> expected) {
 }
 
 // `dims` must be exactly `expected` (-1: any size). More dims than expected
-// means a vmap added batch dims, which the intranode ops do not take.
+// means a vmap added batch dims, which the peer ops do not take.
 inline ffi::Error CheckShape(std::string_view op, std::string_view name,
                              Dims dims, std::initializer_list<int64_t> expected,
                              std::string_view shape_doc) {
   if (dims.size() > expected.size()) {
     return ffi_utils::InvalidArgument(
-        op, "vmap of intranode ops is not supported yet: " + std::string(name) +
+        op, "vmap of peer ops is not supported yet: " + std::string(name) +
                 " has shape " + ffi_utils::ShapeString(dims) + ", expected " +
                 std::string(shape_doc) + " with no leading batch dims (" +
                 std::to_string(dims.size() - expected.size()) +
@@ -187,7 +187,7 @@ inline ffi::Error CheckShape(std::string_view op, std::string_view name,
 // Activation dtype of `name`: bf16 / f16 / f32 with the group's itemsize.
 inline ffi::Error CheckGroupDtype(std::string_view op, std::string_view name,
                                   ffi::DataType dtype,
-                                  const intranode_group::Group& g,
+                                  const runtime::Group& g,
                                   ElementType* element_type) {
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckActivationDtype(op, name, dtype, element_type));
@@ -195,20 +195,20 @@ inline ffi::Error CheckGroupDtype(std::string_view op, std::string_view name,
   if (itemsize == g.config.itemsize) return ffi::Error::Success();
   return ffi_utils::InvalidArgument(
       op, std::string(name) + " has " + std::to_string(itemsize) +
-              "-byte elements but intranode group " + std::to_string(g.id) +
+              "-byte elements but native group " + std::to_string(g.id) +
               " was created for itemsize " + std::to_string(g.config.itemsize));
 }
 
 inline ffi::Error CheckTokens(std::string_view op, std::string_view name,
                               int64_t num_tokens,
-                              const intranode_group::Group& g) {
+                              const runtime::Group& g) {
   if (num_tokens >= 0 && num_tokens <= g.config.max_tokens) {
     return ffi::Error::Success();
   }
   return ffi_utils::InvalidArgument(
       op, std::string(name) + " has T = " + std::to_string(num_tokens) +
               " tokens, expected T <= max_tokens_per_rank = " +
-              std::to_string(g.config.max_tokens) + " of intranode group " +
+              std::to_string(g.config.max_tokens) + " of native group " +
               std::to_string(g.id));
 }
 
@@ -217,7 +217,7 @@ inline ffi::Error CheckTokens(std::string_view op, std::string_view name,
 // (-1: any; their count into *rows when not null) and the group's element
 // type.
 inline ffi::Error CheckGroupRows(std::string_view op,
-                                 const intranode_group::Group& g,
+                                 const runtime::Group& g,
                                  std::string_view name,
                                  const ffi::AnyBuffer& operand,
                                  int64_t num_rows, std::string_view shape_doc,
@@ -232,7 +232,7 @@ inline ffi::Error CheckGroupRows(std::string_view op,
 // The same for token rows `name` `[T, H]`: T (into *num_tokens) is at most
 // the group's T_max.
 inline ffi::Error CheckGroupTokens(std::string_view op,
-                                   const intranode_group::Group& g,
+                                   const runtime::Group& g,
                                    std::string_view name,
                                    const ffi::AnyBuffer& operand,
                                    int64_t* num_tokens,
@@ -251,15 +251,28 @@ inline ffi::Error CheckAttrEquals(std::string_view op, std::string_view attr,
   if (value == expected) return ffi::Error::Success();
   return ffi_utils::InvalidArgument(
       op, "attribute " + std::string(attr) + " is " + std::to_string(value) +
-              " but the intranode group has " + std::string(what) + " = " +
+              " but the native group has " + std::string(what) + " = " +
               std::to_string(expected));
+}
+
+// GetGroup for the peer ops that place rows by expert (dispatch,
+// combine_vjp): their `num_experts` attribute must be the group's, their
+// `capacity` a valid one.
+inline ffi::Error GetPlacingGroup(
+    std::string_view op, const GroupRef& ref, int64_t num_experts,
+    int64_t capacity, std::shared_ptr<const runtime::Group>* group) {
+  JAX_EP_FFI_RETURN_IF_ERROR(GetGroup(op, ref, group));
+  JAX_EP_FFI_RETURN_IF_ERROR(CheckAttrEquals(op, "num_experts", num_experts,
+                                             "num_experts",
+                                             (*group)->config.num_experts));
+  return ffi_utils::CheckCapacity(op, capacity);
 }
 
 // The per-entry routing of the received side, as dispatch returns it and the
 // later ops take it: entry_row, entry_weights `[R * T_max, K]`, recv_counts
 // `[R]`.
 inline ffi::Error CheckReceivedEntries(std::string_view op,
-                                       const intranode_group::Group& g,
+                                       const runtime::Group& g,
                                        Dims entry_row, Dims entry_weights,
                                        Dims recv_counts) {
   const int64_t num_rows = g.config.num_ranks * g.config.max_tokens;
@@ -273,6 +286,20 @@ inline ffi::Error CheckReceivedEntries(std::string_view op,
                     "[R]");
 }
 
-}  // namespace jax_ep::intranode_ffi
+}  // namespace jax_ep::group_ffi
 
-#endif  // JAX_EP_FFI_HANDLERS_INTRANODE_COMMON_H_
+// `group` decoded by field name: a field missing, added or of another type is
+// an error of XLA's attribute decoding, never a field read in the wrong place.
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    ::jax_ep::group_ffi::GroupRef,
+    ::xla::ffi::StructMember<int64_t>("id"),
+    ::xla::ffi::StructMember<int64_t>("num_ranks"),
+    ::xla::ffi::StructMember<int64_t>("num_experts"),
+    ::xla::ffi::StructMember<int64_t>("num_topk"),
+    ::xla::ffi::StructMember<int64_t>("hidden"),
+    ::xla::ffi::StructMember<int64_t>("max_tokens_per_rank"),
+    ::xla::ffi::StructMember<int64_t>("itemsize"),
+    ::xla::ffi::StructMember<int64_t>("capacity"),
+    ::xla::ffi::StructMember<int64_t>("expert_alignment"));
+
+#endif  // JAX_EP_FFI_HANDLERS_GROUP_COMMON_H_

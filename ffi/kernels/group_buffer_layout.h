@@ -1,13 +1,13 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// The wire format of an intranode group's buffer: where each region of one
-// rank's buffer lies, the buffer its peers write into (intranode transport,
+// The wire format of a native group's buffer: where each region of one
+// rank's buffer lies, the buffer its peers write into (peer transport,
 // low-latency pair, network outbox, rail exchange). Pure host arithmetic,
 // shared by the kernels, the put kernels of ffi/nvshmem/ and the group's
-// set-up (ffi/handlers/intranode_group.cc), which must agree on every offset.
+// set-up (ffi/runtime/group.cc), which must agree on every offset.
 
-#ifndef JAX_EP_FFI_KERNELS_INTRANODE_BUFFER_LAYOUT_H_
-#define JAX_EP_FFI_KERNELS_INTRANODE_BUFFER_LAYOUT_H_
+#ifndef JAX_EP_FFI_KERNELS_GROUP_BUFFER_LAYOUT_H_
+#define JAX_EP_FFI_KERNELS_GROUP_BUFFER_LAYOUT_H_
 
 #include <cuda_runtime.h>
 
@@ -15,11 +15,11 @@
 
 #include "ffi/kernels/ep_common.h"
 
-namespace jax_ep::intranode {
+namespace jax_ep::group {
 
 inline constexpr int64_t kRegionAlign = 256;  // bytes; >= 16 for row vectors
 // The configuration header at offset 0, checked by every peer on connect
-// (ffi/handlers/intranode_header.h).
+// (ffi/runtime/header.h).
 inline constexpr int64_t kHeaderBytes = 256;
 
 // Regions of a rank's buffer that peers write into. Each has its own sequence
@@ -44,7 +44,7 @@ enum Region : int32_t {
 //   dispatch_weights  [R src][T_max][K] float32
 //   dispatch_rank     [R src][T_max][K] int32         the slot's row in the
 //                     source's own expert-grouped order of the slots it sends
-//                     this rank (see intranode::Dispatch)
+//                     this rank (see peer::Dispatch)
 //   notify_counts     [R src][kMaxExperts] int32     slots per local expert
 //   notify_chunks     [R src][T_max + 1] int32       receive position of the
 //                     first token of each of the source's send chunks
@@ -53,7 +53,7 @@ enum Region : int32_t {
 //   combine_rows      [R expert rank][T_max][H] partial sums, sized for
 //                     float32; they travel in bf16 for bf16 activations (half
 //                     the wire bytes), else in fp32 (CombineWire,
-//                     intranode_protocol.cuh)
+//                     peer_protocol.cuh)
 //   dots              [R expert rank][T_max][K] float32
 //   flags             arrival[kNumRegions][R] u64, consumed[kNumRegions] u64,
 //                     notify[R] u64 (dispatch counts, dispatch region's seq)
@@ -210,6 +210,6 @@ inline BufferLayout MakeBufferLayout(int64_t num_ranks, int64_t max_tokens,
   return l;
 }
 
-}  // namespace jax_ep::intranode
+}  // namespace jax_ep::group
 
-#endif  // JAX_EP_FFI_KERNELS_INTRANODE_BUFFER_LAYOUT_H_
+#endif  // JAX_EP_FFI_KERNELS_GROUP_BUFFER_LAYOUT_H_

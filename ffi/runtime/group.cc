@@ -1,13 +1,13 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
-// The life cycle of an intranode group: its buffer's size, its creation
+// The life cycle of a native group: its buffer's size, its creation
 // (buffer, configuration header, device state, error mailbox; every kernel
 // loaded), its buffer's CUDA IPC handle, and its destruction. See
-// intranode_group.h; connecting a group: intranode_connect.cc; the registry
-// and lookups: intranode_registry.cc; the GPUs' P2P capabilities:
-// intranode_topology.cc; the timeout message: intranode_errors.cc.
+// runtime/group.h; connecting a group: runtime/connect.cc; the registry
+// and lookups: runtime/registry.cc; the GPUs' P2P capabilities:
+// runtime/topology.cc; the timeout message: runtime/errors.cc.
 
-#include "ffi/handlers/intranode_group.h"
+#include "ffi/runtime/group.h"
 
 #include <cuda_runtime.h>
 
@@ -18,15 +18,15 @@
 #include <stdexcept>
 #include <string>
 
-#include "ffi/handlers/intranode_group_internal.h"
-#include "ffi/handlers/intranode_header.h"
-#include "ffi/handlers/intranode_topology.h"
 #include "ffi/kernels/ep_common.h"
-#include "ffi/kernels/intranode_buffer_layout.h"
-#include "ffi/kernels/intranode_group_view.h"
-#include "ffi/kernels/intranode_kernels.h"
+#include "ffi/kernels/group_buffer_layout.h"
+#include "ffi/kernels/group_view.h"
+#include "ffi/kernels/peer_kernels.h"
+#include "ffi/runtime/group_internal.h"
+#include "ffi/runtime/header.h"
+#include "ffi/runtime/topology.h"
 
-namespace jax_ep::intranode_group {
+namespace jax_ep::runtime {
 namespace {
 
 using detail::DeviceGuard;
@@ -40,10 +40,10 @@ void CheckRange(bool ok, const std::string& fn, const std::string& what) {
 void ValidateBufferArgs(const std::string& fn, int64_t num_ranks,
                         int64_t max_tokens, int64_t hidden, int64_t num_topk,
                         int64_t itemsize) {
-  CheckRange(num_ranks >= 1 && num_ranks <= intranode::kMaxRanks, fn,
+  CheckRange(num_ranks >= 1 && num_ranks <= group::kMaxRanks, fn,
              "num_ranks is " + std::to_string(num_ranks) +
                  ", expected 1 <= num_ranks <= " +
-                 std::to_string(intranode::kMaxRanks));
+                 std::to_string(group::kMaxRanks));
   CheckRange(max_tokens >= 1, fn,
              "max_tokens_per_rank is " + std::to_string(max_tokens) +
                  ", expected >= 1");
@@ -91,34 +91,34 @@ int64_t BufferBytes(int64_t num_ranks, int64_t max_tokens, int64_t hidden,
                     int64_t num_topk, int64_t itemsize,
                     int64_t low_latency_experts, bool network,
                     int64_t num_hosts) {
-  ValidateBufferArgs("intranode_buffer_bytes", num_ranks, max_tokens, hidden,
+  ValidateBufferArgs("group_buffer_bytes", num_ranks, max_tokens, hidden,
                      num_topk, itemsize);
   CheckRange(low_latency_experts >= 0 && low_latency_experts % num_ranks == 0 &&
                  low_latency_experts / num_ranks <= kMaxExperts,
-             "intranode_buffer_bytes",
+             "group_buffer_bytes",
              "low_latency_experts is " + std::to_string(low_latency_experts) +
                  ", expected 0 or a multiple of num_ranks with at most " +
                  std::to_string(kMaxExperts) + " per rank");
   CheckRange(!network || low_latency_experts > 0 || num_hosts >= 2,
-             "intranode_buffer_bytes",
+             "group_buffer_bytes",
              "a network buffer holds the low-latency ops' regions or the rail "
              "exchange's: low_latency_experts > 0 or num_hosts >= 2");
   CheckRange(num_hosts == 0 || (network && num_hosts >= 2 &&
-                                num_hosts <= intranode::kMaxHosts &&
+                                num_hosts <= group::kMaxHosts &&
                                 num_ranks % num_hosts == 0),
-             "intranode_buffer_bytes",
+             "group_buffer_bytes",
              "num_hosts is " + std::to_string(num_hosts) +
                  ", expected 0, or for a network group 2 <= num_hosts <= " +
-                 std::to_string(intranode::kMaxHosts) +
+                 std::to_string(group::kMaxHosts) +
                  " dividing num_ranks = " + std::to_string(num_ranks));
-  return intranode::MakeBufferLayout(num_ranks, max_tokens, hidden, num_topk,
+  return group::MakeBufferLayout(num_ranks, max_tokens, hidden, num_topk,
                                      itemsize, low_latency_experts, network,
                                      num_hosts)
       .total;
 }
 
 int64_t Create(const GroupConfig& c, void* buffer, int64_t buffer_bytes) {
-  const std::string fn = "intranode_group_create";
+  const std::string fn = "group_create";
   ValidateBufferArgs(fn, c.num_ranks, c.max_tokens, c.hidden, c.num_topk,
                      c.itemsize);
   CheckRange(c.rank >= 0 && c.rank < c.num_ranks, fn,
@@ -170,9 +170,9 @@ int64_t Create(const GroupConfig& c, void* buffer, int64_t buffer_bytes) {
                  std::to_string(g->buffer_bytes));
   DeviceGuard guard(c.device);
   try {
-    // NOTES: load every kernel the intranode ops launch now: a lazy module load
+    // NOTES: load every kernel the peer ops launch now: a lazy module load
     // while a peer spins could stall it past its timeout.
-    ThrowIfCuda(intranode::PreloadKernels(),
+    ThrowIfCuda(peer::PreloadKernels(),
                 fn + ": loading the peer-transport kernels on device " +
                     std::to_string(c.device));
     if (c.network) {
@@ -198,21 +198,21 @@ int64_t Create(const GroupConfig& c, void* buffer, int64_t buffer_bytes) {
         cudaMemcpy(g->buffer, &header, sizeof(header), cudaMemcpyHostToDevice),
         fn + ": cudaMemcpy of the buffer header");
     void* state = nullptr;
-    ThrowIfCuda(cudaMalloc(&state, sizeof(intranode::DeviceState)),
+    ThrowIfCuda(cudaMalloc(&state, sizeof(group::DeviceState)),
                 fn + ": cudaMalloc of the device state");
-    g->state = static_cast<intranode::DeviceState*>(state);
-    ThrowIfCuda(cudaMemset(state, 0, sizeof(intranode::DeviceState)),
+    g->state = static_cast<group::DeviceState*>(state);
+    ThrowIfCuda(cudaMemset(state, 0, sizeof(group::DeviceState)),
                 fn + ": cudaMemset of the device state");
     void* mailbox = nullptr;
-    ThrowIfCuda(cudaHostAlloc(&mailbox, sizeof(intranode::Mailbox),
+    ThrowIfCuda(cudaHostAlloc(&mailbox, sizeof(group::Mailbox),
                               cudaHostAllocMapped | cudaHostAllocPortable),
                 fn + ": cudaHostAlloc of the error mailbox");
-    g->mailbox_host = static_cast<intranode::Mailbox*>(mailbox);
-    std::memset(mailbox, 0, sizeof(intranode::Mailbox));
+    g->mailbox_host = static_cast<group::Mailbox*>(mailbox);
+    std::memset(mailbox, 0, sizeof(group::Mailbox));
     void* mailbox_device = nullptr;
     ThrowIfCuda(cudaHostGetDevicePointer(&mailbox_device, mailbox, 0),
                 fn + ": cudaHostGetDevicePointer of the error mailbox");
-    g->mailbox_device = static_cast<intranode::Mailbox*>(mailbox_device);
+    g->mailbox_device = static_cast<group::Mailbox*>(mailbox_device);
     // Peers may write into the buffer as soon as they have its handle.
     ThrowIfCuda(cudaDeviceSynchronize(), fn + ": cudaDeviceSynchronize");
   } catch (...) {
@@ -223,11 +223,11 @@ int64_t Create(const GroupConfig& c, void* buffer, int64_t buffer_bytes) {
 }
 
 std::string IpcHandle(int64_t group_id) {
-  auto g = FindOrThrow(group_id, "intranode_group_ipc_handle");
+  auto g = FindOrThrow(group_id, "group_ipc_handle");
   DeviceGuard guard(g->config.device);
   cudaIpcMemHandle_t handle;
   ThrowIfCuda(cudaIpcGetMemHandle(&handle, g->buffer),
-              "intranode_group_ipc_handle: cudaIpcGetMemHandle");
+              "group_ipc_handle: cudaIpcGetMemHandle");
   return std::string(reinterpret_cast<const char*>(&handle), sizeof(handle));
 }
 
@@ -246,4 +246,4 @@ std::optional<std::string> Destroy(int64_t group_id) {
   return message;
 }
 
-}  // namespace jax_ep::intranode_group
+}  // namespace jax_ep::runtime
