@@ -24,10 +24,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import ops
-from jax_ep.gmm import check_groups, grouped_matmul
+from jax_ep.experts import slab as slab_mlp
+from jax_ep.experts.checks import check_groups
+from jax_ep.experts.api import grouped_matmul
+from jax_ep.experts.layout import contiguous_offsets
 from jax_ep.group import Group
 from jax_ep.layer_checks import check_expert_weights, check_init_sizes, check_layer_shapes
-from jax_ep.kernels import slab_mlp
 from jax_ep.routing import (Routing, expert_counts, load_balancing_loss, route,  # noqa: F401
                             route_logits, router_z_loss, update_router_bias)
 
@@ -198,8 +200,7 @@ def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, group_offsets=None,
     check_groups(x.shape[0], group_sizes, group_offsets, "jax_ep.expert_mlp")
   f32 = jnp.float32
   if group_offsets is None:  # computed once: the three products share it (one residual)
-    sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    group_offsets = jnp.cumsum(sizes, axis=-1) - sizes
+    group_offsets = contiguous_offsets(group_sizes)
   matmul = functools.partial(grouped_matmul, group_offsets=group_offsets,
                              preferred_element_type=f32)
   gate = matmul(x, w_gate, group_sizes)
@@ -213,7 +214,7 @@ def expert_mlp_slabs(rows, w_gate, w_up, w_down, count, *, impl: str = "auto"):
   `count[l]` rows of slab `l` (fp32 accumulation, the hidden activation rounded to the rows'
   dtype); rows past `count[l]` are unspecified, as the dispatch leaves them.
 
-  On GPUs the experts stop at each count (jax_ep/kernels/slab_mlp.py: Pallas kernels that skip
+  On GPUs the experts stop at each count (jax_ep/experts/slab.py: Pallas kernels that skip
   the row tiles past it, so decode computes `T * K` rows rather than `L * S`); elsewhere, and for
   slabs the kernels' tiles do not divide, a batched matmul over whole slabs with the padding
   masked.
