@@ -16,7 +16,8 @@ Per shape (experts x hidden x ffn, top-k; 4096 tokens per rank):
   `padded_ratio` = its time over the exact buffer's;
 - `moe_layer`: `jax_ep.moe_mlp` (its own router on random weights, so the groups are as the
   router makes them; dispatch, three grouped matmuls, combine), forward and
-  forward + backward, per implementation of its grouped matmuls (`jax_ep.experts.override(impl=...)`);
+  forward + backward, per implementation of its grouped matmuls
+  (`jax_ep.experts.override(impl=...)`);
   its FLOPs are the three expert matmuls' (`6 * rows * H * F`, times three with the backward);
 - the bound: a dense `jnp.dot` `[rows, H] x [H, F]` of the same FLOPs in the same run
   (`bound: dense_gemm`, `bound_tflops`, `fraction = tflops / bound_tflops`); a batched
@@ -337,7 +338,8 @@ def tune(name, x, w, sizes, repeats, parts):
       best = (seconds, config)
   if best is not None:
     seconds, c = best
-    print(f"    ({groups}, {k}, {n}): KernelTiles({', '.join(str(v) for v in dataclasses.astuple(c))}),"
+    fields = ", ".join(str(v) for v in dataclasses.astuple(c))
+    print(f"    ({groups}, {k}, {n}): KernelTiles({fields}),"
           f"  # {name}: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
   # The weight gradient's kernels (x^T dy per group): one warpgroup or warp-specialized.
   dy = jnp.ones((rows, n), x.dtype)

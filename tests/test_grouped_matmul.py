@@ -22,7 +22,7 @@ import pytest
 import jax_ep
 from ep_test_base import count_primitive, grouped_matmul_kernels, require_hopper
 from jax_ep import experts
-from jax_ep.experts import choice, configs, layout
+from jax_ep.experts import choice, configs, layout, mlp
 from jax_ep.experts.configs import KernelTiles
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -560,10 +560,13 @@ def test_kernels_interpreted_inside_shard_map_under_grad(interpreted_kernels, mo
 @pytest.mark.parametrize("hidden,ffn", [(7168, 2048), (2048, 768), (4096, 1536), (4096, 14336)])
 def test_the_layer_traces_to_the_kernels_on_hopper(monkeypatch, hidden, ffn):
   """At the models' hidden and ffn sizes (DeepSeek-V3, Qwen3-30B-A3B, 32 x 4096 x 1536,
-  Mixtral) the layer's forward and backward trace to nine kernel calls (gate, up, down, and
-  each one's input and weight gradients) and no lax.ragged_dot, as on a Hopper GPU (traced
-  here, not run: tests/test_gpu_layer.py runs them and asserts the same there)."""
+  Mixtral) the layer's forward and backward trace to seven kernel calls (the fused gate-up,
+  down, the fused activation derivative, the input gradient of both projections, three weight
+  gradients) and no lax.ragged_dot, as on a Hopper GPU (traced here, not run); with the fused
+  expert kernels turned off, nine (gate, up, down, and each one's input and weight
+  gradients)."""
   as_on_hopper(monkeypatch)
+  monkeypatch.setattr(mlp, "fused_compile_error", lambda *args: None)
   num_experts, num_topk, tokens = 8, 2, 64
   mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
   group = jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
@@ -572,7 +575,9 @@ def test_the_layer_traces_to_the_kernels_on_hopper(monkeypatch, hidden, ffn):
       jax.random.key(0), num_experts=num_experts, hidden=hidden, ffn=ffn, dtype=jnp.bfloat16))
   x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
   loss = lambda p, x: jnp.sum(jax_ep.moe_mlp(group, p, x).out.astype(jnp.float32))
-  assert grouped_matmul_kernels(jax.value_and_grad(loss, (0, 1)), params, x) == (9, 0)
+  assert grouped_matmul_kernels(jax.value_and_grad(loss, (0, 1)), params, x) == (7, 0)
+  with experts.override(fused_mlp=False):
+    assert grouped_matmul_kernels(jax.value_and_grad(loss, (0, 1)), params, x) == (9, 0)
 
 
 # ------------------------------------------------------------------ the kernels, on a GPU

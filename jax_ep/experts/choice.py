@@ -15,7 +15,7 @@ from jax_ep.experts import configs
 from jax_ep.experts.hopper import grouped_matmul_kernel
 
 _logger = logging.getLogger("jax_ep")
-_MOSAIC_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+MOSAIC_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _SAID: set = set()
 _IMPLS = ("auto", "mosaic", "xla")
 
@@ -53,7 +53,7 @@ def grouped_matmul_impl(rows: int, groups: int, k: int, n: int, dtype, w_dtype=N
   config = None
   if not on_hopper():
     why = "the Mosaic GPU kernel needs Hopper GPUs (compute capability 9.0)"
-  elif dtype not in _MOSAIC_DTYPES or w_dtype != dtype:
+  elif dtype not in MOSAIC_DTYPES or w_dtype != dtype:
     why = (f"the Mosaic GPU kernel takes bf16 or f16 operands of one dtype, got {dtype} and "
            f"{w_dtype}")
   else:

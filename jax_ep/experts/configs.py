@@ -96,8 +96,9 @@ class Overrides:
     weight_grad_specialized: the warp-specialized weight-gradient kernel (True) or the
       one-warpgroup one (False).
     slab_tiles: the slab kernels' tiles for every slab.
-    fused_mlp: whether `expert_mlp` takes the fused gated kernels where they run (None: where
-      the grouped GEMM takes the Mosaic kernels).
+    fused_mlp: whether `expert_mlp` takes the fused kernels where they run (None: yes, where
+      the grouped GEMM takes the Mosaic kernels); False: the unfused grouped GEMMs.
+    fused_tiles: the fused expert kernels' tiles for every shape.
   """
   impl: str = "auto"
   gemm_tiles: KernelTiles | None = None
@@ -105,6 +106,7 @@ class Overrides:
   weight_grad_specialized: bool | None = None
   slab_tiles: SlabTiles | None = None
   fused_mlp: bool | None = None
+  fused_tiles: KernelTiles | None = None
 
 
 _OVERRIDES = contextvars.ContextVar("jax_ep_expert_overrides", default=Overrides())
@@ -183,6 +185,32 @@ def weight_grad_tiles(k: int, n: int) -> KernelTiles | None:
 def weight_grad_specialized() -> bool:
   forced = current().weight_grad_specialized
   return WEIGHT_GRAD_SPECIALIZED if forced is None else forced
+
+
+def fused_tiles(k: int, n: int) -> KernelTiles | None:
+  """The fused expert kernels' tiles (`jax_ep/experts/hopper_fused.py`) for a `[rows, k]`
+  operand and `[rows, n]` outputs, or None where they do not divide `k` and `n`. NOTES: one
+  warpgroup holds up to two `block_m x block_n` fp32 accumulators (gate and up) in registers,
+  and shared memory holds the stages beside up to three staged outputs and two loaded tiles:
+  64 columns keep both within Hopper's limits; 128 where one accumulator and no loaded tile
+  leave room (the input gradient, `n` = the hidden size)."""
+  forced = current().fused_tiles
+  if forced is not None:
+    return forced if k % forced.block_k == 0 and n % forced.block_n == 0 else None
+  if k % 64 or n % 64:
+    return None
+  return KernelTiles(block_m=ROW_TILE, block_n=64, block_k=64, stages=4, band=4)
+
+
+def fused_input_grad_tiles(k: int, n: int) -> KernelTiles | None:
+  """The tiles of the fused input gradient (two passes into one accumulator, `n` columns)."""
+  forced = current().fused_tiles
+  if forced is not None:
+    return forced if k % forced.block_k == 0 and n % forced.block_n == 0 else None
+  if k % 64 or n % 64:
+    return None
+  block_n = 128 if n % 128 == 0 else 64
+  return KernelTiles(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=4, band=4)
 
 
 def fallback_tiles(config: KernelTiles, n: int):

@@ -89,7 +89,7 @@ def _broadcast(value, batched, axis_size):
 
 
 @functools.cache
-def _product_fn(transpose_w: bool, out_dtype, impl: str):
+def product_fn(transpose_w: bool, out_dtype, impl: str):
   @jax.custom_batching.custom_vmap
   def product(x, w, group_sizes, group_offsets):
     return _product(x, w, group_sizes, group_offsets, transpose_w, out_dtype, impl)
@@ -120,7 +120,7 @@ def _product_fn(transpose_w: bool, out_dtype, impl: str):
 
 
 @functools.cache
-def _weight_grad_fn(transpose_w: bool, w_dtype, impl: str):
+def weight_grad_fn(transpose_w: bool, w_dtype, impl: str):
   @jax.custom_batching.custom_vmap
   def weight_grad(x, dy, group_sizes, group_offsets):
     return _weight_grad(x, dy, group_sizes, group_offsets, transpose_w, w_dtype, impl)
@@ -150,19 +150,19 @@ def _weight_grad_fn(transpose_w: bool, w_dtype, impl: str):
 def grouped_matmul_op(x, w, group_sizes, group_offsets, transpose_w, out_dtype, impl):
   """`grouped_matmul` on checked operands: `group_offsets` given, `impl` resolved, `out_dtype`
   a numpy dtype."""
-  return _product_fn(transpose_w, out_dtype, impl)(x, w, group_sizes, group_offsets)
+  return product_fn(transpose_w, out_dtype, impl)(x, w, group_sizes, group_offsets)
 
 
 def _grouped_matmul_fwd(x, w, group_sizes, group_offsets, transpose_w, out_dtype, impl):
-  y = _product_fn(transpose_w, out_dtype, impl)(x, w, group_sizes, group_offsets)
+  y = product_fn(transpose_w, out_dtype, impl)(x, w, group_sizes, group_offsets)
   return y, (x, w, group_sizes, group_offsets)
 
 
 def _grouped_matmul_bwd(transpose_w, out_dtype, impl, residuals, dy):
   x, w, group_sizes, group_offsets = residuals
   dy = dy.astype(x.dtype)
-  dx = _product_fn(not transpose_w, np.dtype(x.dtype), impl)(dy, w, group_sizes, group_offsets)
-  dw = _weight_grad_fn(transpose_w, np.dtype(w.dtype), impl)(x, dy, group_sizes, group_offsets)
+  dx = product_fn(not transpose_w, np.dtype(x.dtype), impl)(dy, w, group_sizes, group_offsets)
+  dw = weight_grad_fn(transpose_w, np.dtype(w.dtype), impl)(x, dy, group_sizes, group_offsets)
   # Inside shard_map, weights shared over data axes get the sum of every replica's gradient.
   dx, dw = sum_to_primal(dx, x), sum_to_primal(dw, w)
   float0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
