@@ -59,6 +59,8 @@ SHAPES = {
     "qwen3_30b_a3b": (128, 2048, 768, 8),
     "e32_h4096_f1536": (32, 4096, 1536, 4),
     "mixtral": (8, 4096, 14336, 2),
+    # One rank of DeepSeek-V3 at EP=8: its 32 experts, the rows of 4096 tokens' top-8.
+    "deepseek_v3_ep8_rank": (32, 7168, 2048, 8),
 }
 
 
