@@ -193,6 +193,12 @@ def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, group_offsets=None,
     dtype). Rows outside the groups (past them, and the padding between them) are
     unspecified: no matmul reads them and the activation is row-local, so no result depends
     on them.
+
+  On Hopper GPUs (bf16 / f16, sizes multiples of 64) the experts run fused kernels that never
+  touch the rows outside the groups (jax_ep/experts/mlp.py: gate and up in one kernel with
+  the activation in its epilogue, the activation's derivative fused into the backward, bf16
+  residuals); elsewhere three `grouped_matmul`s with the activation between them. The choice
+  and its reason are logged once per shape (`jax_ep` logger).
   """
   _check_activation("expert_mlp", activation)
   _check_up("expert_mlp", "w_up", w_up, activation)

@@ -184,7 +184,9 @@ def test_the_fused_path_has_no_pass_over_the_buffer(monkeypatch, hidden, ffn):
     return y, vjp(cot)
   jaxpr = jax.make_jaxpr(fwd_bwd)(*args)
   kernels = {"mpmd_map", "pallas_call"}
-  wrappers = {"custom_vjp_call", "custom_vmap_call", "pjit", "closed_call", "custom_jvp_call"}
+  # Calls, and checkpoint_name (`name`: an identity that labels a residual for remat).
+  wrappers = {"custom_vjp_call", "custom_vmap_call", "pjit", "closed_call", "custom_jvp_call",
+              "name"}
   offenders = []
 
   def walk(jaxpr):
@@ -202,6 +204,29 @@ def test_the_fused_path_has_no_pass_over_the_buffer(monkeypatch, hidden, ffn):
   walk(jaxpr.jaxpr)
   assert not offenders, offenders
   assert grouped_matmul_kernels(fwd_bwd, *args) == (7, 0)
+
+
+@pytest.mark.parametrize("policy,kernels", [
+    (None, 8), ("nothing_saveable", 8), ("everything_saveable", 7), ("named", 7)])
+def test_checkpoint_policies_recompute_or_keep_the_projections(monkeypatch, policy, kernels):
+  """Under jax.checkpoint the backward recomputes the gate-up kernel (eight kernel calls),
+  unless the policy saves the fused MLP's residuals: all of them, or the projections by name
+  (`mlp.SAVED_NAME`), which are then all it keeps besides the inputs (seven calls)."""
+  as_on_hopper(monkeypatch)
+  spec = jax.ShapeDtypeStruct
+  bf16 = jnp.bfloat16
+  rows, groups, hidden, ffn = 1024, 4, 512, 256
+  args = (spec((rows, hidden), bf16), spec((groups, hidden, ffn), bf16),
+          spec((groups, hidden, ffn), bf16), spec((groups, ffn, hidden), bf16),
+          spec((groups,), jnp.int32))
+
+  def loss(x, wg, wu, wd, gs):
+    return jnp.sum(jax_ep.expert_mlp(x, wg, wu, wd, gs).astype(jnp.float32))
+  policies = jax.checkpoint_policies
+  chosen = (policies.save_only_these_names(mlp.SAVED_NAME) if policy == "named"
+            else None if policy is None else getattr(policies, policy))
+  fn = jax.grad(jax.checkpoint(loss, policy=chosen), (0, 1, 2, 3))
+  assert grouped_matmul_kernels(fn, *args) == (kernels, 0)
 
 
 # ------------------------------------------------------------------ interpreted kernels
@@ -231,6 +256,9 @@ def run_in_shard_map(cases, wrap, activation="swiglu"):
     return loss_and_grads(x, (wg, wu, wd), gs, go, cot, activation)
   if wrap == "checkpoint":
     one = jax.checkpoint(one)
+  elif wrap == "checkpoint_named":  # the projections saved, the rest recomputed
+    one = jax.checkpoint(one, policy=jax.checkpoint_policies.save_only_these_names(
+        mlp.SAVED_NAME))
 
   def body(x, wg, wu, wd, gs, go, cot):
     if wrap == "vmap":
@@ -293,12 +321,12 @@ def _skewed_sizes(rng, groups, routed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
-@pytest.mark.parametrize("wrap", ["plain", "vmap", "checkpoint"])
+@pytest.mark.parametrize("wrap", ["plain", "vmap", "checkpoint", "checkpoint_named"])
 def test_on_the_gpu_at_the_models_shapes(shape, wrap):
   """The compiled fused kernels at each model's shape (R=1: the routed rows in a buffer twice
   their size, skewed groups, one empty, NaN in the padding), inside shard_map under grad, vmap
-  (two micro-batches sharing the experts) or jax.checkpoint, against the unfused float32
-  model."""
+  (two micro-batches sharing the experts) or jax.checkpoint (recomputing everything, or
+  keeping the projections by name), against the unfused float32 model."""
   require_hopper()
   groups, hidden, ffn, routed = GPU_SHAPES[shape]
   rng = np.random.default_rng(0)

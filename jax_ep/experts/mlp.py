@@ -26,6 +26,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
 from jax_ep._native.varying import sum_to_primal, vary_like_operands
@@ -38,6 +39,9 @@ from jax_ep.experts.layout import (contiguous_offsets, flat_groups, fold_rows_by
                                    inverse_permutation)
 
 GATED = ("swiglu", "geglu")
+# The name of the saved gate and up projections, for `jax.checkpoint` policies
+# (`jax.checkpoint_policies.save_only_these_names(SAVED_NAME)` keeps them).
+SAVED_NAME = "jax_ep_expert_projections"
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
@@ -191,7 +195,8 @@ def _fused_fwd(x, w_gate, w_up, w_down, group_sizes, group_offsets, activation):
   h, *saved = _projections_fn(activation, True)(x, *_weights(w_gate, w_up), group_sizes,
                                                  group_offsets)
   y = product_fn(False, np.dtype(x.dtype), "auto")(h, w_down, group_sizes, group_offsets)
-  return y, (x, w_gate, w_up, w_down, group_sizes, group_offsets, tuple(saved))
+  saved = tuple(checkpoint_name(a, SAVED_NAME) for a in saved)
+  return y, (x, w_gate, w_up, w_down, group_sizes, group_offsets, saved)
 
 
 def _fused_bwd(activation, residuals, dy):
