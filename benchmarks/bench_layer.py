@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import reports  # noqa: E402
 import timers  # noqa: E402
 import jax_ep  # noqa: E402
-from jax_ep import experts  # noqa: E402
+import jax_ep.experts  # noqa: E402
 from jax_ep.experts import hopper  # noqa: E402
 
 # name: (experts, hidden, ffn, top-k)
@@ -294,11 +294,11 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
                                        jnp.float32).astype(dtype), NamedSharding(mesh, P("ep")))
 
   def fwd(params, x):
-    with experts.override(impl=impl):
+    with jax_ep.experts.override(impl=impl):
       return jax_ep.moe_mlp(group, params, x).out
 
   def fwd_bwd(params, x):
-    with experts.override(impl=impl):
+    with jax_ep.experts.override(impl=impl):
       loss = lambda p, x: jnp.mean(jax_ep.moe_mlp(group, p, x).out.astype(jnp.float32) ** 2)
       return jax.grad(loss, (0, 1))(params, x)
   layer_flops = 3 * flops  # gate, up, down
@@ -328,7 +328,7 @@ def tune(name, x, w, sizes, repeats, parts):
       (64, 128), kernels if "forward" in parts else (), (1, 4)):
     if n % (bn * wgs) or (n // (bn * wgs)) % band:
       continue
-    config = experts.KernelTiles(bm, bn, 64, steps, band, wgs)
+    config = jax_ep.experts.KernelTiles(bm, bn, 64, steps, band, wgs)
     offsets = jnp.cumsum(sizes) - sizes
     fn = jax.jit(lambda x, w, s, c=config: hopper.grouped_matmul_kernel(
         x, w, s, offsets, transpose_w=False, tiles=c))
@@ -349,7 +349,7 @@ def tune(name, x, w, sizes, repeats, parts):
   for specialized, bn, steps in itertools.product((False, True), (64, 128), (2, 3, 4)):
     if "weight_grad" not in parts or n % bn or k % 128:
       continue
-    config = experts.KernelTiles(128, bn, 64, steps, 4)
+    config = jax_ep.experts.KernelTiles(128, bn, 64, steps, 4)
     fn = jax.jit(lambda x, dy, s, c=config, sp=specialized: hopper.grouped_weight_grad_kernel(
         x, dy, s, offsets, tiles=c, specialized=sp))
     seconds = time_fn(fn, (x, dy, sizes), repeats, f"{name} weight grad {config}")
