@@ -90,6 +90,10 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
             for (_, ai), w_smem in zip(targets, w_smems):
               plgpu.wgmma(acc_refs[ai], x_smem,
                           w_smem.transpose((1, 0)) if transpose_w else w_smem)
+            # NOTES: the operands stay one step longer (delay_release=1): the previous step's
+            # products must have read theirs before the pipeline refills that slot, while
+            # this step's stay in flight.
+            plgpu.wgmma_wait(len(targets))
           w_spec = plgpu.BlockSpec(
               (bn, bk) if transpose_w else (bk, bn),
               (lambda kk: (ni, kk)) if transpose_w else (lambda kk: (kk, ni)),
@@ -116,8 +120,10 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
             plgpu.barrier_wait(barriers.at[i])
             values.append(plgpu.layout_cast(smem[...], plgpu.Layout.WGMMA).astype(jnp.float32))
           return tuple(values)
+        # Swizzled as the weight-gradient kernel's operands, which it reads into registers.
         loaded = pl.run_scoped(
-            load_scope, [plgpu.SMEM((bm, bn), r.dtype) for r in loads],
+            load_scope, [plgpu.SMEM((bm, bn), r.dtype, transforms=_transforms(r.dtype, bn))
+                         for r in loads],
             plgpu.Barrier(num_arrivals=1, num_barriers=num_loads))
       values = epilogue(accs, loaded)
 
@@ -138,3 +144,11 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kernel(*table, *xs, *ws, *loads)
+
+
+def _transforms(dtype, columns: int):
+  """The tiling and swizzle of a shared-memory tile of `columns` columns of `dtype`."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(columns * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
