@@ -39,12 +39,15 @@ def grouped_matmul_impl(rows: int, groups: int, k: int, n: int, dtype, w_dtype=N
     rows, groups, k, n: `x` is `[rows, k]`, the weights `[groups, k, n]`.
     dtype, w_dtype: the operands' dtypes (`w_dtype` defaults to `dtype`).
     transpose_w: the weights are stored `[groups, n, k]`.
-    impl: 'auto', 'mosaic' (raises where it cannot run) or 'xla'.
+    impl: 'auto' (what `jax_ep.experts.override(impl=...)` says, by default the Mosaic
+      kernels where they run), 'mosaic' (raises where it cannot run) or 'xla'.
     out_dtype: the result's dtype (default `dtype`).
   """
   if impl not in _IMPLS:
     raise ValueError(f"jax_ep.grouped_matmul: impl must be 'auto', 'mosaic' or 'xla', "
                      f"got {impl!r}")
+  if impl == "auto":
+    impl = configs.current().impl
   if impl == "xla":
     return "xla", "asked for"
   dtype = np.dtype(dtype)
