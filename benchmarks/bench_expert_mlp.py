@@ -3,6 +3,8 @@ three dense GEMMs of the same FLOPs in the same run, and what the worst-case cap
 
   python benchmarks/bench_expert_mlp.py                     # one GPU
   python benchmarks/bench_expert_mlp.py --impls fused       # the fused Hopper kernels alone
+  python benchmarks/bench_expert_mlp.py --impls fused --multiples --tiles 128,64,64,4 64,128,64,4
+                                                            # the fused kernels at other tiles
 
 Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows = T * K`;
 `deepseek_v3_ep8_rank` is one rank of DeepSeek-V3 at EP=8: 32 experts, ~1024 rows each):
@@ -17,7 +19,9 @@ Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows 
   dense GEMMs `[rows, H] x [H, F]` (twice) and `[rows, F] x [F, H]` of the same FLOPs in bf16,
   timed in the same run (`bound: dense_gemm`, `bound_tflops`; forward + backward: three times
   the forward's FLOPs at the same speed), `fraction = tflops / bound_tflops`.
-A path that fails is printed and left out. Records go to `benchmarks/results/expert_mlp.jsonl`.
+`--tiles BM,BN,BK,STAGES ...` times the fused kernels at each of those tiles too
+(`jax_ep.experts.override(fused_tiles=...)`; records with `settings: {"tiles": ...}`). A path
+that fails is printed and left out. Records go to `benchmarks/results/expert_mlp.jsonl`.
 """
 
 from __future__ import annotations
@@ -55,13 +59,17 @@ def _padded(a, rows):
   return jnp.concatenate([a, jnp.full((rows - a.shape[0], a.shape[1]), jnp.nan, a.dtype)])
 
 
-def forward(x, w_gate, w_up, w_down, sizes):
-  return jax_ep.expert_mlp(x, w_gate, w_up, w_down, sizes)
+def programs():
+  """`(forward, forward + backward)` of `jax_ep.expert_mlp`, new functions at each call. NOTES:
+  jax caches a trace by function, not by `jax_ep.experts.override`'s context: each setting
+  timed needs functions of its own, or it would time the first setting's program again."""
+  def forward(x, w_gate, w_up, w_down, sizes):
+    return jax_ep.expert_mlp(x, w_gate, w_up, w_down, sizes)
 
-
-def fwd_bwd(x, w_gate, w_up, w_down, sizes, dy):
-  y, vjp = jax.vjp(lambda *a: forward(*a, sizes), x, w_gate, w_up, w_down)
-  return y, vjp(dy)
+  def fwd_bwd(x, w_gate, w_up, w_down, sizes, dy):
+    y, vjp = jax.vjp(lambda *a: forward(*a, sizes), x, w_gate, w_up, w_down)
+    return y, vjp(dy)
+  return jax.jit(forward), jax.jit(fwd_bwd)
 
 
 def main():
@@ -73,6 +81,8 @@ def main():
                       help="padded buffers: this many times the used rows")
   parser.add_argument("--scale", type=int, default=1,
                       help="divide every size by this (a smoke run on the CPU)")
+  parser.add_argument("--tiles", nargs="*", default=[],
+                      help="fused kernels' tiles to time besides the default: BM,BN,BK,STAGES")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--out", default="expert_mlp.jsonl")
   args = parser.parse_args()
@@ -106,26 +116,34 @@ def main():
                       f"{name} bound")
     if bound_s is None:
       continue
-    for impl in args.impls:
-      if impl == "fused":
-        fused, why = mlp.fused_mlp_impl(rows, num_experts, hidden, ffn, dtype, "swiglu")
-        if not fused:
-          print(f"{name}: no fused run ({why})")
-          continue
+    runs = [(impl, None) for impl in args.impls]
+    runs += [("fused", tiles) for tiles in args.tiles if "fused" in args.impls]
+    for impl, tiles in runs:
+      settings = "default"
       chosen = (experts.override(fused_mlp=False) if impl == "unfused"
                 else contextlib.nullcontext())
+      if tiles is not None:
+        bm, bn, bk, stages = (int(v) for v in tiles.split(","))
+        chosen = experts.override(fused_tiles=experts.KernelTiles(bm, bn, bk, stages))
+        settings = {"tiles": tiles}
       exact = {}
       with chosen:
+        if impl == "fused":
+          fused, why = mlp.fused_mlp_impl(rows, num_experts, hidden, ffn, dtype, "swiglu")
+          if not fused:
+            print(f"{name}: no fused run{' at ' + tiles if tiles else ''} ({why})")
+            continue
+        forward, fwd_bwd = programs()
         for multiple in [1, *(m for m in args.multiples if m > 1)]:
           buffer_rows = multiple * rows
           xp, dyp = (_padded(x, buffer_rows), _padded(dy, buffer_rows)) if multiple > 1 else (
               x, dy)
           for pass_, fn, fn_args, f in (
-              ("fwd", jax.jit(forward), (xp, w_gate, w_up, w_down, sizes), flops),
-              ("fwd_bwd", jax.jit(fwd_bwd), (xp, w_gate, w_up, w_down, sizes, dyp),
+              ("fwd", forward, (xp, w_gate, w_up, w_down, sizes), flops),
+              ("fwd_bwd", fwd_bwd, (xp, w_gate, w_up, w_down, sizes, dyp),
                3 * flops)):
             seconds = time_fn(fn, fn_args, args.repeats,
-                              f"{name} expert_mlp {pass_} {impl} x{multiple}")
+                              f"{name} expert_mlp {pass_} {impl} {tiles or ''} x{multiple}")
             if seconds is None:
               continue
             extra = {}
@@ -141,12 +159,13 @@ def main():
                 buffer_rows=buffer_rows, buffer_multiple=multiple,
                 median_us=round(seconds * 1e6, 1), tflops=round(tflops, 1), bound="dense_gemm",
                 bound_tflops=round(bound_tflops, 1), fraction=round(tflops / bound_tflops, 3),
-                **extra, **base))
+                settings=settings, **extra, **base))
 
   if jax.process_index() == 0:
     path = reports.write_jsonl(records, args.out)
-    reports.print_table(records, ["op", "pass", "shape", "impl", "buffer_multiple", "median_us",
-                                  "tflops", "bound_tflops", "fraction", "padded_ratio"])
+    reports.print_table(records, ["op", "pass", "shape", "impl", "settings", "buffer_multiple",
+                                  "median_us", "tflops", "bound_tflops", "fraction",
+                                  "padded_ratio"])
     print(f"wrote {path}")
 
 
