@@ -252,8 +252,10 @@ def run_in_shard_map(cases, wrap, activation="swiglu"):
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
 
+  gated = activation in mlp.GATED
+
   def one(x, wg, wu, wd, gs, go, cot):
-    return loss_and_grads(x, (wg, wu, wd), gs, go, cot, activation)
+    return loss_and_grads(x, (wg, wu if gated else None, wd), gs, go, cot, activation)
   if wrap == "checkpoint":
     one = jax.checkpoint(one)
   elif wrap == "checkpoint_named":  # the projections saved, the rest recomputed
@@ -270,7 +272,9 @@ def run_in_shard_map(cases, wrap, activation="swiglu"):
     return jax.tree.map(lambda *v: jnp.stack(v), *outs)
 
   stack = lambda values: jnp.stack(list(values))  # noqa: E731
-  weights = [c[1] for c in cases]
+  # A plain activation has no up projection: a placeholder goes in its place.
+  weights = [(w[0], w[1] if gated else jnp.zeros((1,), w[0].dtype), w[2])
+             for w in (c[1] for c in cases)]
   args = (stack(c[0] for c in cases), *(stack(w[j] for w in weights) for j in range(3)),
           stack(c[2] for c in cases), stack(c[3] for c in cases), stack(c[4] for c in cases))
   spec = P(None)
@@ -280,19 +284,21 @@ def run_in_shard_map(cases, wrap, activation="swiglu"):
   return fn(*(put(a) for a in args))
 
 
-@pytest.mark.parametrize("wrap", ["plain", "vmap", "vmap_weights"])
-def test_interpreted_inside_shard_map_under_grad(interpreted, wrap):
+@pytest.mark.parametrize("wrap,activation", [
+    ("plain", "swiglu"), ("vmap", "swiglu"), ("vmap_weights", "swiglu"), ("vmap", "gelu")])
+def test_interpreted_inside_shard_map_under_grad(interpreted, wrap, activation):
   """As the layer calls it: per-rank operands inside shard_map, gradients through the
   custom_vjp, and under vmap (micro-batches sharing the experts, or each its own). One rank:
   see tests/test_grouped_matmul.py for why the interpreter takes one."""
   rng = np.random.default_rng(7)
-  cases = [make_case(rng, 192, 2, 128, 64, sizes, "swiglu") for sizes in ([50, 70], [0, 130])]
+  cases = [make_case(rng, 192, 2, 128, 64, sizes, activation)
+           for sizes in ([50, 70], [0, 130])]
   if wrap == "vmap":  # one set of experts
     cases = [(c[0], cases[0][1], *c[2:]) for c in cases]
-  y, grads = run_in_shard_map(cases, wrap)
+  y, grads = run_in_shard_map(cases, wrap, activation)
   for b, (x, weights, gs, go, cot, _) in enumerate(cases):
-    check_against_reference(y[b], tuple(g[b] for g in grads), x, weights, gs, go, cot,
-                            "swiglu", f"[{b}]")
+    check_against_reference(y[b], tuple(None if g is None else g[b] for g in grads), x,
+                            weights, gs, go, cot, activation, f"[{b}]")
 
 
 # NOTES: jax.checkpoint is tested on the GPU only: the interpreter runs the kernels through
@@ -305,7 +311,7 @@ def test_interpreted_inside_shard_map_under_grad(interpreted, wrap):
 GPU_SHAPES = {
     "deepseek_v3": (256, 7168, 2048, 4096 * 8),
     "qwen3_30b_a3b": (128, 2048, 768, 4096 * 8),
-    "32x4096x1536": (32, 4096, 1536, 4096 * 4),
+    "e32_h4096_f1536": (32, 4096, 1536, 4096 * 4),
     "mixtral": (8, 4096, 14336, 4096 * 2),
     "deepseek_v3_ep8_rank": (32, 7168, 2048, 32768),
 }
@@ -323,6 +329,17 @@ def _skewed_sizes(rng, groups, routed):
 @pytest.mark.parametrize("shape", sorted(GPU_SHAPES))
 @pytest.mark.parametrize("wrap", ["plain", "vmap", "checkpoint", "checkpoint_named"])
 def test_on_the_gpu_at_the_models_shapes(shape, wrap):
+  _check_on_the_gpu(shape, wrap, "swiglu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["geglu", "gelu", "silu"])
+def test_on_the_gpu_every_activation(activation):
+  """The other activations' epilogues compiled, at one model shape."""
+  _check_on_the_gpu("e32_h4096_f1536", "plain", activation)
+
+
+def _check_on_the_gpu(shape, wrap, activation):
   """The compiled fused kernels at each model's shape (R=1: the routed rows in a buffer twice
   their size, skewed groups, one empty, NaN in the padding), inside shard_map under grad, vmap
   (two micro-batches sharing the experts) or jax.checkpoint (recomputing everything, or
@@ -335,13 +352,13 @@ def test_on_the_gpu_at_the_models_shapes(shape, wrap):
   cases = []
   for b in range(batch):
     sizes = _skewed_sizes(rng, groups, routed // batch)
-    case = make_case(rng, rows, groups, hidden, ffn, sizes, "swiglu")
+    case = make_case(rng, rows, groups, hidden, ffn, sizes, activation)
     cases.append(case if b == 0 else (case[0], cases[0][1], *case[2:]))
-  assert mlp.fused_mlp_impl(rows, groups, hidden, ffn, jnp.bfloat16, "swiglu")[0]
-  y, grads = run_in_shard_map(cases, wrap)
+  assert mlp.fused_mlp_impl(rows, groups, hidden, ffn, jnp.bfloat16, activation)[0]
+  y, grads = run_in_shard_map(cases, wrap, activation)
   for b, (x, weights, gs, go, cot, _) in enumerate(cases):
-    check_against_reference(y[b], tuple(g[b] for g in grads), x, weights, gs, go, cot,
-                            "swiglu", f"{shape} [{b}]", rtol=5e-2)
+    check_against_reference(y[b], tuple(None if g is None else g[b] for g in grads), x,
+                            weights, gs, go, cot, activation, f"{shape} [{b}]", rtol=5e-2)
 
 
 # ------------------------------------------------------------------ the memory estimate
