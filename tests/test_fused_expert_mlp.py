@@ -84,7 +84,14 @@ def check_against_reference(y, grads, x, weights, gs, go, cot, activation, what=
   f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)  # noqa: E731
   names = ("dw_gate", "dw_up", "dw_down")
   assert y.dtype == jnp.bfloat16
-  for g, (start, size) in enumerate(zip(np.asarray(go), np.asarray(gs))):
+  sizes = np.asarray(gs)
+  # Every group's rows; the weight gradients of at most 16 experts (the largest, an empty one,
+  # the rest spread), which bounds what comes back to the host at DeepSeek-V3's 256.
+  weight_groups = set(range(len(sizes)))
+  if len(sizes) > 16:
+    weight_groups = set(np.linspace(0, len(sizes) - 1, 14).astype(int).tolist())
+    weight_groups |= {int(np.argmax(sizes)), int(np.argmin(sizes))}
+  for g, (start, size) in enumerate(zip(np.asarray(go), sizes)):
     rows = slice(int(start), int(start + size))
     ws = tuple(None if w is None else f32(w[g]) for w in weights)
     want_y, vjp = jax.vjp(model, f32(x[rows]), *ws)
@@ -97,7 +104,8 @@ def check_against_reference(y, grads, x, weights, gs, go, cot, activation, what=
         assert got is None
         continue
       assert got.dtype == jnp.bfloat16, name
-      assert_matches(got[g], w, None, f"{what} {name}, group {g}", rtol)
+      if g in weight_groups:
+        assert_matches(got[g], w, None, f"{what} {name}, group {g}", rtol)
 
 
 def loss_and_grads(x, weights, gs, go, cot, activation):
@@ -273,8 +281,9 @@ def run_in_shard_map(cases, wrap, activation="swiglu"):
 
   stack = lambda values: jnp.stack(list(values))  # noqa: E731
   # A plain activation has no up projection: a placeholder goes in its place.
+  # Shared experts ('vmap') go in once (DeepSeek-V3's are 22.5 GB).
   weights = [(w[0], w[1] if gated else jnp.zeros((1,), w[0].dtype), w[2])
-             for w in (c[1] for c in cases)]
+             for w in (c[1] for c in (cases[:1] if wrap == "vmap" else cases))]
   args = (stack(c[0] for c in cases), *(stack(w[j] for w in weights) for j in range(3)),
           stack(c[2] for c in cases), stack(c[3] for c in cases), stack(c[4] for c in cases))
   spec = P(None)
