@@ -394,3 +394,44 @@ def test_memory_bytes_counts_the_fused_residuals_on_hopper(monkeypatch):
   saved = residuals[-1]
   assert sum(a.size * a.dtype.itemsize for a in saved) == mlp.fused_saved_bytes(
       "swiglu", c, f, jnp.bfloat16)
+
+
+# ------------------------------------------------------------------ the layer
+
+@pytest.mark.parametrize("expert_alignment", [1, 64])
+def test_interpreted_layer_matches_the_dense_model(interpreted, expert_alignment):
+  """`jax_ep.moe_mlp` on one rank with the fused experts (interpreted), on the dispatch's
+  layout (contiguous experts, or each starting at a multiple of 64 with padding between):
+  values and every gradient against the dense model."""
+  from jax_ep.testing.dense import dense_moe_layer
+  num_experts, num_topk, hidden, ffn, tokens = 4, 2, 128, 64, 48
+  mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+  group = jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
+                       max_tokens_per_rank=tokens, dtype=jnp.bfloat16, backend="reference",
+                       expert_alignment=expert_alignment)
+  keys = jax.random.split(jax.random.key(2), 3)
+  params = jax_ep.init_moe_params(keys[0], num_experts=num_experts, hidden=hidden, ffn=ffn,
+                                  dtype=jnp.bfloat16)
+  x = jax.random.normal(keys[1], (tokens, hidden), jnp.float32).astype(jnp.bfloat16)
+  cot = jax.random.normal(keys[2], (tokens, hidden), jnp.float32)
+
+  def loss(params, x):
+    out = jax_ep.moe_mlp(group, params, x).out
+    return jnp.sum(out.astype(jnp.float32) * cot), out
+
+  def dense_loss(params, x):
+    out = dense_moe_layer(params, x, num_topk)
+    return jnp.sum(out.astype(jnp.float32) * cot), out
+  step = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+  assert grouped_matmul_kernels(step, params, x) == (7, 0)
+  (_, out), grads = jax.jit(step)(params, x)
+  (_, want), want_grads = jax.jit(jax.value_and_grad(dense_loss, argnums=(0, 1),
+                                                     has_aux=True))(params, x)
+  assert_matches(out, want, None, "out", rtol=5e-2)
+  (g_params, g_x), (d_params, d_x) = grads, want_grads
+  assert_matches(g_x, d_x, None, "grad x", rtol=5e-2)
+  for field, g, d in zip(jax_ep.MoEParams._fields, g_params, d_params):
+    if d is None:  # a field this layer has not (no bias, no shared expert)
+      assert g is None, field
+      continue
+    assert_matches(g, d, None, f"grad {field}", rtol=5e-2)
