@@ -4,7 +4,7 @@ of the same FLOPs in the same run.
 
   python benchmarks/bench_layer.py                          # one GPU
   python -m jax_ep.launch -n 2 -- python benchmarks/bench_layer.py  # the layer at R = 2
-  python benchmarks/bench_layer.py --tune                   # tiles for jax_ep.gmm.TILE_TABLE
+  python benchmarks/bench_layer.py --tune                   # tiles for configs.TILE_TABLES
 
 Per shape (experts x hidden x ffn, top-k; 4096 tokens per rank):
 - `grouped_matmul`: one `jax_ep.grouped_matmul` `[rows, H] x [E, H, F]` over skewed groups (a
@@ -16,7 +16,8 @@ Per shape (experts x hidden x ffn, top-k; 4096 tokens per rank):
   `padded_ratio` = its time over the exact buffer's;
 - `moe_layer`: `jax_ep.moe_mlp` (its own router on random weights, so the groups are as the
   router makes them; dispatch, three grouped matmuls, combine), forward and
-  forward + backward, per implementation of its grouped matmuls (`jax_ep.gmm.impl_override`);
+  forward + backward, per implementation of its grouped matmuls
+  (`jax_ep.experts.override(impl=...)`);
   its FLOPs are the three expert matmuls' (`6 * rows * H * F`, times three with the backward);
 - the bound: a dense `jnp.dot` `[rows, H] x [H, F]` of the same FLOPs in the same run
   (`bound: dense_gemm`, `bound_tflops`, `fraction = tflops / bound_tflops`); a batched
@@ -49,7 +50,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import reports  # noqa: E402
 import timers  # noqa: E402
 import jax_ep  # noqa: E402
-from jax_ep import gmm  # noqa: E402
+import jax_ep.experts  # noqa: E402
+from jax_ep.experts import hopper  # noqa: E402
 
 # name: (experts, hidden, ffn, top-k)
 SHAPES = {
@@ -57,6 +59,8 @@ SHAPES = {
     "qwen3_30b_a3b": (128, 2048, 768, 8),
     "e32_h4096_f1536": (32, 4096, 1536, 4),
     "mixtral": (8, 4096, 14336, 2),
+    # One rank of DeepSeek-V3 at EP=8: its 32 experts, the rows of 4096 tokens' top-8.
+    "deepseek_v3_ep8_rank": (32, 7168, 2048, 8),
 }
 
 
@@ -118,7 +122,7 @@ def main():
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--tune", nargs="*", choices=["forward", "weight_grad"], default=None,
                       help="time the Mosaic kernels' tile configurations per shape (both "
-                      "kernels, or those named) and print the forward's best as a TILE_TABLE "
+                      "kernels, or those named) and print the forward's best as a TILE_TABLES "
                       "entry")
   parser.add_argument("--plot", default=None, help="write TF/s per shape to this PNG")
   parser.add_argument("--out", default="layer.jsonl")
@@ -290,11 +294,11 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
                                        jnp.float32).astype(dtype), NamedSharding(mesh, P("ep")))
 
   def fwd(params, x):
-    with gmm.impl_override(impl):
+    with jax_ep.experts.override(impl=impl):
       return jax_ep.moe_mlp(group, params, x).out
 
   def fwd_bwd(params, x):
-    with gmm.impl_override(impl):
+    with jax_ep.experts.override(impl=impl):
       loss = lambda p, x: jnp.mean(jax_ep.moe_mlp(group, p, x).out.astype(jnp.float32) ** 2)
       return jax.grad(loss, (0, 1))(params, x)
   layer_flops = 3 * flops  # gate, up, down
@@ -324,9 +328,10 @@ def tune(name, x, w, sizes, repeats, parts):
       (64, 128), kernels if "forward" in parts else (), (1, 4)):
     if n % (bn * wgs) or (n // (bn * wgs)) % band:
       continue
-    config = gmm.TileConfig(bm, bn, 64, steps, band, wgs)
+    config = jax_ep.experts.KernelTiles(bm, bn, 64, steps, band, wgs)
     offsets = jnp.cumsum(sizes) - sizes
-    fn = jax.jit(lambda x, w, s, c=config: gmm._mosaic_ragged_dot(x, w, s, offsets, False, c))
+    fn = jax.jit(lambda x, w, s, c=config: hopper.grouped_matmul_kernel(
+        x, w, s, offsets, transpose_w=False, tiles=c))
     seconds = time_fn(fn, (x, w, sizes), repeats, f"{name} tiles {config}")
     if seconds is None:  # e.g. a tile that does not fit shared memory
       continue
@@ -335,7 +340,8 @@ def tune(name, x, w, sizes, repeats, parts):
       best = (seconds, config)
   if best is not None:
     seconds, c = best
-    print(f"    ({groups}, {k}, {n}): TileConfig({', '.join(str(v) for v in dataclasses.astuple(c))}),"
+    fields = ", ".join(str(v) for v in dataclasses.astuple(c))
+    print(f"    ({groups}, {k}, {n}): KernelTiles({fields}),"
           f"  # {name}: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
   # The weight gradient's kernels (x^T dy per group): one warpgroup or warp-specialized.
   dy = jnp.ones((rows, n), x.dtype)
@@ -343,9 +349,9 @@ def tune(name, x, w, sizes, repeats, parts):
   for specialized, bn, steps in itertools.product((False, True), (64, 128), (2, 3, 4)):
     if "weight_grad" not in parts or n % bn or k % 128:
       continue
-    config = gmm.TileConfig(128, bn, 64, steps, 4)
-    fn = jax.jit(lambda x, dy, s, c=config, sp=specialized: gmm._mosaic_weight_grad(
-        x, dy, s, offsets, c, specialized=sp))
+    config = jax_ep.experts.KernelTiles(128, bn, 64, steps, 4)
+    fn = jax.jit(lambda x, dy, s, c=config, sp=specialized: hopper.grouped_weight_grad_kernel(
+        x, dy, s, offsets, tiles=c, specialized=sp))
     seconds = time_fn(fn, (x, dy, sizes), repeats, f"{name} weight grad {config}")
     if seconds is not None:
       print(f"  {name} weight grad specialized={specialized} {config}: "

@@ -17,6 +17,7 @@ once per call) — decode is bound by the weights. Records go to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -29,7 +30,8 @@ import numpy as np  # noqa: E402
 import reports  # noqa: E402
 import timers  # noqa: E402
 import jax_ep  # noqa: E402
-from jax_ep.kernels import slab_mlp  # noqa: E402
+from jax_ep import experts  # noqa: E402
+from jax_ep.experts import slab as slab_mlp  # noqa: E402
 
 # name: (experts, hidden, ffn, top-k)
 SHAPES = {
@@ -89,11 +91,14 @@ def main():
       want = None
       for impl, tiles in runs:
         settings = "default"
+        chosen = contextlib.nullcontext()
         if tiles is not None:
-          slab_mlp.TILES_OVERRIDE = slab_mlp.Tiles(*(int(v) for v in tiles.split(",")))
+          chosen = experts.override(slab_tiles=experts.SlabTiles(
+              *(int(v) for v in tiles.split(","))))
           settings = {"tiles": tiles}
         fn = jax.jit(lambda *a, impl=impl: jax_ep.expert_mlp_slabs(*a, impl=impl))
         try:
+          chosen.__enter__()
           if tiles is not None:  # a tile setting is timed only once it computes the right rows
             if want is None:
               want = np.asarray(slab_mlp.dense_mlp(*inputs), np.float32)
@@ -108,7 +113,7 @@ def main():
           print(f"{shape} R={r} {impl} {tiles or ''}: failed: {type(err).__name__}: {err}"[:400])
           continue
         finally:
-          slab_mlp.TILES_OVERRIDE = None
+          chosen.__exit__(None, None, None)
         us = seconds * 1e6
         weights = 3 * num_local * h * f * 2
         records.append(reports.record(

@@ -24,15 +24,19 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import ops
-from jax_ep.gmm import check_groups, grouped_matmul
+from jax_ep.experts import slab as slab_mlp
+from jax_ep.experts.checks import check_groups
+from jax_ep.experts.api import grouped_matmul
+from jax_ep.experts.layout import contiguous_offsets
+from jax_ep.experts.mlp import fused_expert_mlp, fused_mlp_impl
 from jax_ep.group import Group
 from jax_ep.layer_checks import check_expert_weights, check_init_sizes, check_layer_shapes
-from jax_ep.kernels import slab_mlp
 from jax_ep.routing import (Routing, expert_counts, load_balancing_loss, route,  # noqa: F401
                             route_logits, router_z_loss, update_router_bias)
 
 _logger = logging.getLogger("jax_ep")
 _SAID_SLABS: set[str] = set()
+_SAID_MLP: set = set()
 
 # The experts' activations: the gated ones (`act(x @ w_gate) * (x @ w_up)`, three matrices) and
 # the plain two-matrix MLPs (`act(x @ w_gate)`, no `w_up`). GELU is jax.nn.gelu's default, the
@@ -189,6 +193,12 @@ def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, group_offsets=None,
     dtype). Rows outside the groups (past them, and the padding between them) are
     unspecified: no matmul reads them and the activation is row-local, so no result depends
     on them.
+
+  On Hopper GPUs (bf16 / f16, sizes multiples of 64) the experts run fused kernels that never
+  touch the rows outside the groups (jax_ep/experts/mlp.py: gate and up in one kernel with
+  the activation in its epilogue, the activation's derivative fused into the backward, bf16
+  residuals); elsewhere three `grouped_matmul`s with the activation between them. The choice
+  and its reason are logged once per shape (`jax_ep` logger).
   """
   _check_activation("expert_mlp", activation)
   _check_up("expert_mlp", "w_up", w_up, activation)
@@ -196,10 +206,23 @@ def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, group_offsets=None,
     check_expert_weights("expert_mlp", ("w_gate", "w_up", "w_down"), w_gate, w_up, w_down,
                           experts=None, hidden=x.shape[1], letter="G")
     check_groups(x.shape[0], group_sizes, group_offsets, "jax_ep.expert_mlp")
+  if group_offsets is None:  # computed once: the products share it (one residual)
+    group_offsets = contiguous_offsets(group_sizes)
+  weights = [w for w in (w_gate, w_up, w_down) if w is not None]
+  if getattr(x, "ndim", None) == 2 and all(
+      getattr(w, "ndim", None) == 3 and w.dtype == x.dtype for w in weights):
+    fused, detail = fused_mlp_impl(x.shape[0], w_gate.shape[0], x.shape[1], w_gate.shape[2],
+                                   x.dtype, activation)
+    key = (fused, detail, x.shape, w_gate.shape, activation)
+    if key not in _SAID_MLP:
+      _SAID_MLP.add(key)
+      _logger.info("jax_ep.expert_mlp %s x %s %s: %s (%s)", list(x.shape), list(w_gate.shape),
+                   activation, "fused" if fused else "unfused", detail)
+    if fused:
+      return fused_expert_mlp(x, w_gate, w_up, w_down,
+                              jnp.asarray(group_sizes).astype(jnp.int32),
+                              jnp.asarray(group_offsets).astype(jnp.int32), activation)
   f32 = jnp.float32
-  if group_offsets is None:  # computed once: the three products share it (one residual)
-    sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    group_offsets = jnp.cumsum(sizes, axis=-1) - sizes
   matmul = functools.partial(grouped_matmul, group_offsets=group_offsets,
                              preferred_element_type=f32)
   gate = matmul(x, w_gate, group_sizes)
@@ -213,7 +236,7 @@ def expert_mlp_slabs(rows, w_gate, w_up, w_down, count, *, impl: str = "auto"):
   `count[l]` rows of slab `l` (fp32 accumulation, the hidden activation rounded to the rows'
   dtype); rows past `count[l]` are unspecified, as the dispatch leaves them.
 
-  On GPUs the experts stop at each count (jax_ep/kernels/slab_mlp.py: Pallas kernels that skip
+  On GPUs the experts stop at each count (jax_ep/experts/slab.py: Pallas kernels that skip
   the row tiles past it, so decode computes `T * K` rows rather than `L * S`); elsewhere, and for
   slabs the kernels' tiles do not divide, a batched matmul over whole slabs with the padding
   masked.

@@ -17,6 +17,7 @@ import numpy as np
 from jax_ep._native.varying import vary_like_operands
 from jax_ep.backends import primitives
 from jax_ep.config import RowFormat, alignment_padding, as_row_format
+from jax_ep.experts.layout import rows_inside_groups
 from jax_ep.group import Group
 from jax_ep.routing import merge_duplicate_slots
 
@@ -64,19 +65,6 @@ def group_offsets(group_sizes, expert_alignment: int, capacity: int) -> jax.Arra
     padded = (sizes + (expert_alignment - 1)) // expert_alignment * expert_alignment
   starts = jnp.cumsum(padded, axis=-1, dtype=jnp.int32) - padded
   return jnp.minimum(starts, capacity).astype(jnp.int32)
-
-
-def rows_inside_groups(group_sizes, group_offsets, num_rows: int) -> jax.Array:
-  """`[..., num_rows]` bool: rows inside some group (`[offset, offset + size)`; the groups do
-  not overlap), for `group_sizes` and `group_offsets` `[..., L]`."""
-  if group_sizes.ndim > 1:
-    return jax.vmap(lambda s, o: rows_inside_groups(s, o, num_rows))(group_sizes, group_offsets)
-  sizes = group_sizes.astype(jnp.int32)
-  starts = group_offsets.astype(jnp.int32)
-  # +1 where a group starts, -1 where it ends: the running sum is 1 inside a group, else 0.
-  delta = jnp.zeros((num_rows + 1,), jnp.int32)
-  delta = delta.at[starts].add(1, mode="drop").at[starts + sizes].add(-1, mode="drop")
-  return jnp.cumsum(delta)[:num_rows] > 0
 
 
 def zero_padding(recv: DispatchResult) -> DispatchResult:

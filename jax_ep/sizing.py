@@ -18,6 +18,7 @@ import numpy as np
 from jax_ep.backends import registry
 from jax_ep.config import (EPConfig, RowFormat, alignment_padding, as_row_format, check_dtype,
                             check_expert_alignment, default_capacity, positive_int)
+from jax_ep.experts.mlp import fused_mlp_impl, fused_saved_bytes
 from jax_ep.gmm import ROW_TILE
 from jax_ep.routing import merge_duplicate_slots
 
@@ -211,6 +212,15 @@ def activation_saved_bytes(activation: str, rows: int, ffn: int, dtype) -> int:
   return _saved_bytes(lambda up: fn(up).astype(dtype), product)
 
 
+def _expert_mlp_saved_bytes(activation, rows, groups, hidden, ffn, dtype) -> int:
+  """What `jax_ep.expert_mlp` keeps over its `[rows, F]` products, on the path this machine
+  runs: the fused Hopper kernels keep the gate (and up) projections in `dtype`; the grouped
+  GEMMs keep the activation's float32 residuals and the hidden activation in `dtype`."""
+  if fused_mlp_impl(rows, groups, hidden, ffn, dtype, activation, probe=False)[0]:
+    return fused_saved_bytes(activation, rows, ffn, dtype)
+  return activation_saved_bytes(activation, rows, ffn, dtype) + rows * ffn * dtype.itemsize
+
+
 def _merge_saved_bytes(num_tokens: int, num_topk: int, num_experts: int) -> int:
   """What merging duplicate slots keeps for the router weights' gradient (`[T, K, K]` and
   `[T, K]` masks), by jax's rules."""
@@ -276,10 +286,12 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   - the dispatched rows `[C, H]`, `group_sizes` and `group_offsets` `[L]` int32 each: the
     `(x, w, group_sizes, group_offsets)` residuals of the gate and up `grouped_matmul` calls
     share them (the weights are parameters, not counted);
-  - the activation's residuals over the `[C, F]` float32 products, by jax's differentiation
-    rules (`activation_saved_bytes`; swiglu: gate, up, silu(gate), sigmoid(gate) and its
-    derivative, five `[C, F]` float32 arrays; a plain activation has one product);
-  - the hidden activation `[C, F]` in `dtype` (the down `grouped_matmul`'s `x`);
+  - on Hopper, where the experts run fused kernels (jax_ep/experts/mlp.py): the gate and up
+    projections `[C, F]` in `dtype` (one for a plain activation); elsewhere the activation's
+    residuals over the `[C, F]` float32 products, by jax's differentiation rules
+    (`activation_saved_bytes`; swiglu: gate, up, silu(gate), sigmoid(gate) and its
+    derivative, five `[C, F]` float32 arrays; a plain activation has one product), and the
+    hidden activation `[C, F]` in `dtype` (the down `grouped_matmul`'s `x`);
   - the experts' output `[C, H]` in `dtype` (combine keeps it for the weights' gradient).
   These are the residuals `jax.vjp` and `jax.ad_checkpoint.print_saved_residuals` report; XLA
   may fuse the activation's elementwise ones into the backward and hold fewer, never more.
@@ -320,8 +332,7 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
     layer_input = t * hidden * dtype.itemsize
     saved = (layer_input + handle + _merge_saved_bytes(t, k, num_experts)
              + recv_x + 2 * 4 * num_local
-             + activation_saved_bytes(activation, capacity, ffn, dtype)
-             + capacity * ffn * dtype.itemsize
+             + _expert_mlp_saved_bytes(activation, capacity, num_local, hidden, ffn, dtype)
              + capacity * hidden * dtype.itemsize)
     saved_remat = layer_input + t * k * (4 + 4)
   return MemoryEstimate(recv_x, handle, low_latency_rows, buffers.workspace_bytes,

@@ -22,6 +22,11 @@
 #   bash scripts/gpu_round.sh gemm    # the grouped GEMM and the whole MoE layer (bench_layer.py),
 #                                     # the GPU grouped-matmul tests (GEMM_ARGS="--tune": the
 #                                     # tile sweep)
+#   bash scripts/gpu_round.sh experts # the fused expert MLP: its GPU tests at the five model
+#                                     # shapes, bench_expert_mlp.py (expert_mlp against three
+#                                     # dense GEMMs, buffers 2x and 8x the rows) and
+#                                     # bench_layer.py's grouped_matmul op at the five shapes
+#                                     # (EXPERT_ARGS passed to bench_expert_mlp.py)
 #   bash scripts/gpu_round.sh layer   # the MoE layer and the NNX module train at model shapes
 #                                     # against the dense model: R=1, then LAYER_TEST_RANKS="2 4"
 #                                     # emulated
@@ -61,7 +66,8 @@
 #           ranks emulated
 #   check3  the peer transport's suite at 8 ranks; memcheck and racecheck of both modes at 2
 #   check4  the layer suite on the cuda backend (model shapes included) at 1 and 2 ranks
-#   check5  the layer at 4 ranks; the network tests that start their own ranks
+#   check5  the layer at 4 ranks; the network tests that start their own ranks; the fused
+#           expert MLP at the five model shapes
 #   check6  the network transport at 2 x 4 and 4 x 2 virtual hosts, memcheck of its kernels
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,7 +104,8 @@ drop_noise() { grep -v -E "$noise"; }
 # the history, and are extended here by hand from $OUT.
 rm -f benchmarks/results/gpu_round_local.jsonl benchmarks/results/gpu_round_intranode.jsonl \
   benchmarks/results/gpu_round_layers.jsonl benchmarks/results/gpu_round_layer.jsonl \
-  benchmarks/results/gpu_round_low_latency.jsonl benchmarks/results/gpu_round_slab_mlp.jsonl
+  benchmarks/results/gpu_round_low_latency.jsonl benchmarks/results/gpu_round_slab_mlp.jsonl \
+  benchmarks/results/gpu_round_expert_mlp.jsonl benchmarks/results/gpu_round_expert_gemm.jsonl
 step device; nvidia-smi -L
 python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available(), f.why_unavailable() or '')"
 
@@ -106,6 +113,11 @@ python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devi
 # One function per suite (or family), shared by the check parts and the named stages below.
 local_suite() { suite --timeout 400 -- $PYTEST tests/test_cuda_local.py; }
 gemm_suite() { suite --timeout 300 -- $PYTEST tests/test_grouped_matmul.py tests/test_routing.py -m gpu; }
+# The fused expert MLP at the five model shapes (DeepSeek-V3's weights and gradients take most
+# of the GPU).
+experts_suite() {
+  XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 500 -- $PYTEST tests/test_fused_expert_mlp.py -m gpu
+}
 # The layer suite's GPU tests: its tests on the cuda backend and the model shapes.
 layer_suite() {  # $1: ranks (one process takes most of the GPU: DeepSeek-V3's dense twin)
   if [ "$1" = 1 ]; then
@@ -175,16 +187,18 @@ rail_memcheck() {
 # (to resume a check cut by a call's time limit). DEADLINE_S=S: steps that would start after S
 # seconds of the round are not run (and fail it), and each step's time is cut to what is left.
 # Measured on one H200 (seconds): local 106, gemm 232, slab 34, nvshmem 22, localmem 7, layer1
-# 243, intranode2 74, intranode8 86, network2 106, network4 112; the rest not yet timed.
+# 243, intranode2 74, intranode8 86, network2 106, network4 112; the rest not yet timed
+# (experts among them).
 CHECK1="local gemm slab nvshmem localmem"
 CHECK2="intranode_own intranode2 intranode4"
 CHECK3="intranode8 intranode_sanitize low_latency_sanitize"
 CHECK4="layer1 layer2"
-CHECK5="layer4 network_own"
+CHECK5="layer4 network_own experts"
 CHECK6="network2 network4 network_memcheck rail_memcheck"
 run_step() {
   case $1 in
     local) local_suite ;; gemm) gemm_suite ;; layer1) layer_suite 1 ;; slab) slab_suite ;;
+    experts) experts_suite ;;
     nvshmem) nvshmem_suite ;; localmem) local_memcheck ;;
     intranode_own) intranode_own_suite ;; intranode[248]) intranode_suite "${1#intranode}" ;;
     intranode_sanitize) intranode_sanitize ;; low_latency_sanitize) low_latency_sanitize ;;
@@ -284,6 +298,21 @@ if has gemm; then
     --plot "$OUT/layer.png" 2>&1 | tee "$OUT/bench_layer.log" | tail -40
   counts bench_layer.py
   cp benchmarks/results/gpu_round_layer.jsonl "$OUT/" 2>/dev/null
+fi
+
+if has experts; then
+  step "the fused expert MLP on the GPU: tests at the five model shapes"
+  experts_suite
+  step "expert_mlp at the five model shapes: fused and unfused, exact and padded buffers (bench_expert_mlp.py)"
+  timeout 500 python3 benchmarks/bench_expert_mlp.py ${EXPERT_ARGS:-} --out gpu_round_expert_mlp.jsonl \
+    2>&1 | tee "$OUT/bench_expert_mlp.log" | tail -50
+  counts bench_expert_mlp.py
+  cp benchmarks/results/gpu_round_expert_mlp.jsonl "$OUT/" 2>/dev/null
+  step "grouped_matmul at the five model shapes (bench_layer.py --ops grouped_matmul)"
+  timeout 400 python3 benchmarks/bench_layer.py --ops grouped_matmul --impls mosaic \
+    --alignments 1 --out gpu_round_expert_gemm.jsonl 2>&1 | tee "$OUT/bench_expert_gemm.log" | tail -30
+  counts bench_layer.py
+  cp benchmarks/results/gpu_round_expert_gemm.jsonl "$OUT/" 2>/dev/null
 fi
 
 if has lowlatency || has ll1; then

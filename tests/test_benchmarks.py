@@ -295,6 +295,33 @@ def test_bench_layer_writes_grouped_matmul_and_layer_records(tmp_path):
             "ranks", "gpu", "jax", "date", "commit"} <= set(r)
 
 
+def test_bench_expert_mlp_writes_expert_mlp_records(tmp_path):
+  """No GPU here: the fused kernels say why they do not run, the unfused path gives the
+  records, with the exact buffer and the padded ones at 2 and 8 times the rows."""
+  out = tmp_path / "expert_mlp.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices=1))
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_expert_mlp.py"), "--shapes",
+       "qwen3_30b_a3b", "--scale", "32", "--tokens", "64", "--repeats", "2",
+       "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "qwen3_30b_a3b: no fused run (the grouped GEMM takes lax.ragged_dot here" in result.stdout
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert {(r["pass"], r["buffer_multiple"]) for r in records} == {
+      (p, m) for p in ("fwd", "fwd_bwd") for m in (1, 2, 8)}
+  for r in records:
+    assert r["op"] == "expert_mlp" and r["impl"] == "unfused" and r["shape"] == "qwen3_30b_a3b"
+    assert (r["experts"], r["hidden"], r["ffn"], r["topk"]) == (8, 64, 24, 8)
+    assert r["rows"] == (64 // 32) * 8 and r["buffer_rows"] == r["rows"] * r["buffer_multiple"]
+    assert r["precision"] == "bf16" and r["bound"] == "dense_gemm"
+    assert r["median_us"] > 0 and r["tflops"] >= 0 and r["bound_tflops"] >= 0
+    flops = 6 * r["rows"] * r["hidden"] * r["ffn"] * (3 if r["pass"] == "fwd_bwd" else 1)
+    assert abs(r["tflops"] - round(flops / (r["median_us"] * 1e-6) / 1e12, 1)) <= 0.1
+    assert r["fraction"] > 0
+    assert ("padded_ratio" in r) == (r["buffer_multiple"] > 1)
+    assert {"gpu", "jax", "date", "commit", "tokens_per_rank", "ranks"} <= set(r)
+
+
 def test_bench_low_latency_runs_on_the_reference_backend(tmp_path):
   """No GPU here: the script runs the reference (no device trace, so no timed records) and
   still reports the fp8 round trip's error against bf16."""

@@ -21,8 +21,9 @@ import pytest
 
 import jax_ep
 from ep_test_base import count_primitive, grouped_matmul_kernels, require_hopper
-from jax_ep import gmm as gmm_module
-from jax_ep.kernels import gmm_kernels
+from jax_ep import experts
+from jax_ep.experts import choice, configs, layout, mlp
+from jax_ep.experts.configs import KernelTiles
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -194,7 +195,7 @@ def test_gradients_under_vmap_with_shared_weights():
 
 
 def test_impl_says_why_on_the_cpu():
-  if gmm_module._on_hopper():
+  if choice.on_hopper():
     pytest.skip("this machine has Hopper GPUs")
   name, why = jax_ep.grouped_matmul_impl(4096, 32, 7168, 2048, jnp.bfloat16)
   assert name == "xla" and "Hopper" in why
@@ -203,19 +204,19 @@ def test_impl_says_why_on_the_cpu():
 
 
 def test_tile_rule():
-  assert gmm_module.tile_config(32768, 256, 7168, 2048) == gmm_module.TILE_TABLE[
-      (256, 7168, 2048)]
-  assert gmm_module.tile_config(100, 8, 64, 512) == gmm_module.TileConfig(
+  assert configs.tile_config(32768, 256, 7168, 2048) == configs.TILE_TABLES[
+      ("sm90", np.dtype(jnp.bfloat16))][(256, 7168, 2048)]
+  assert configs.tile_config(100, 8, 64, 512) == KernelTiles(
       128, 128, 64, 3, 1, compute_wgs=2)
-  assert gmm_module.tile_config(100, 8, 64, 384) == gmm_module.TileConfig(
+  assert configs.tile_config(100, 8, 64, 384) == KernelTiles(
       128, 64, 64, 6, 4, compute_wgs=2)
-  assert gmm_module.tile_config(100, 8, 64, 192) == gmm_module.TileConfig(
+  assert configs.tile_config(100, 8, 64, 192) == KernelTiles(
       128, 64, 64, 4, 4)  # 192 % 128 != 0: one warpgroup
-  assert gmm_module.tile_config(100, 8, 100, 128) is None  # K % 64 != 0
-  assert gmm_module.weight_grad_tiles(7168, 2048) == gmm_module.TileConfig(128, 128, 64, 4, 4)
-  assert gmm_module.weight_grad_tiles(256, 192).block_n == 64
-  assert gmm_module.weight_grad_tiles(64, 128) is None  # K % 128 != 0
-  assert gmm_module.tile_config(100, 8, 64, 100) is None
+  assert configs.tile_config(100, 8, 100, 128) is None  # K % 64 != 0
+  assert configs.weight_grad_tiles(7168, 2048) == KernelTiles(128, 128, 64, 4, 4)
+  assert configs.weight_grad_tiles(256, 192).block_n == 64
+  assert configs.weight_grad_tiles(64, 128) is None  # K % 128 != 0
+  assert configs.tile_config(100, 8, 64, 100) is None
 
 
 @pytest.mark.parametrize("kwargs,error,message", [
@@ -239,7 +240,7 @@ def test_bad_arguments_are_named(kwargs, error, message):
     ([128, 128, 1], 512), ([1] * 9, 9), ([5, 0, 250, 3, 0, 7], 4096)])
 def test_work_list_covers_each_groups_rows_once(sizes, rows):
   block_m = 128
-  tile, group, first, count, num = (np.asarray(a) for a in gmm_kernels.row_tiles(
+  tile, group, first, count, num = (np.asarray(a) for a in layout.row_tiles(
       jnp.asarray(sizes, jnp.int32), rows, block_m))
   num = int(num[0])
   assert tile.shape == (-(-rows // block_m) + len(sizes) - 1,)
@@ -324,7 +325,7 @@ def test_groups_at_offsets_match_the_dense_oracle(sizes, rows, alignment, transp
 def test_work_list_skips_the_gaps_between_groups():
   sizes, rows, block_m = [40, 0, 100, 90, 0, 1], 1024, 128
   offsets, inside = aligned_layout(sizes, 128, rows)
-  tile, group, first, count, num = (np.asarray(a) for a in gmm_kernels.row_tiles(
+  tile, group, first, count, num = (np.asarray(a) for a in layout.row_tiles(
       jnp.asarray(sizes, jnp.int32), rows, block_m, offsets))
   covered = set()
   for i in range(int(num[0])):
@@ -379,17 +380,22 @@ def test_bad_group_offsets_are_named():
 
 # ------------------------------------------------------------------ the kernels, interpreted
 
+def as_on_hopper(monkeypatch):
+  """The choice of kernel as on a Hopper GPU, every shape's kernel taken to build."""
+  monkeypatch.setattr(choice, "on_hopper", lambda: True)
+  monkeypatch.setattr(choice, "mosaic_compile_error", lambda *args: None)
+
+
+SMALL_TILES = KernelTiles(64, 64, 64, 2, 1)  # tiles the small test shapes divide
+
+
 @pytest.fixture
 def interpreted_kernels(monkeypatch):
   """jax_ep's Mosaic GPU kernels on the CPU, in Pallas's Mosaic GPU interpreter."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  monkeypatch.setattr(gmm_module, "_on_hopper", lambda: True)
-  monkeypatch.setattr(gmm_module, "_mosaic_compile_error", lambda *args: None)
-  small = lambda k, n: (  # noqa: E731 - tiles the small test shapes divide
-      gmm_module.TileConfig(64, 64, 64, 2, 1) if k % 64 == 0 and n % 64 == 0 else None)
-  monkeypatch.setattr(gmm_module, "tile_config", lambda rows, groups, k, n: small(k, n))
-  monkeypatch.setattr(gmm_module, "weight_grad_tiles", small)
-  with plgpu.force_gpu_interpret_mode():
+  as_on_hopper(monkeypatch)
+  with plgpu.force_gpu_interpret_mode(), experts.override(gemm_tiles=SMALL_TILES,
+                                                          weight_grad_tiles=SMALL_TILES):
     yield
 
 
@@ -428,15 +434,11 @@ def test_kernels_interpreted_groups_at_offsets(monkeypatch, compute_wgs, transpo
   both weight-gradient kernels (one warpgroup; warp-specialized) with the groups at aligned
   offsets, NaN in the gaps."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  monkeypatch.setattr(gmm_module, "_on_hopper", lambda: True)
-  monkeypatch.setattr(gmm_module, "_mosaic_compile_error", lambda *args: None)
-  monkeypatch.setattr(gmm_module, "tile_config", lambda rows, groups, k, n: (
-      gmm_module.TileConfig(64, 64, 64, 2, 1, compute_wgs=compute_wgs)))
-  monkeypatch.setattr(gmm_module, "weight_grad_tiles", lambda k, n: (
-      gmm_module.TileConfig(64, 64, 64, 2, 1)))
+  as_on_hopper(monkeypatch)
   # The weight gradient's two kernels: one warpgroup beside the forward's one-warpgroup kernel.
-  monkeypatch.setattr(gmm_module, "WEIGHT_GRAD_SPECIALIZED", compute_wgs == 2)
-  with plgpu.force_gpu_interpret_mode():
+  with plgpu.force_gpu_interpret_mode(), experts.override(
+      gemm_tiles=KernelTiles(64, 64, 64, 2, 1, compute_wgs=compute_wgs),
+      weight_grad_tiles=SMALL_TILES, weight_grad_specialized=compute_wgs == 2):
     _check_at_offsets(np.random.default_rng(3), 384, 128, 128, [40, 0, 100, 1], 64,
                       transpose_w, jnp.bfloat16, 2e-2, impl="mosaic")
 
@@ -451,25 +453,25 @@ def test_kernels_interpreted_fall_back_where_the_tiles_do_not_divide(interpreted
 
 
 def test_falls_back_where_the_kernel_does_not_compile(monkeypatch):
-  monkeypatch.setattr(gmm_module, "_on_hopper", lambda: True)
-  gmm_module._mosaic_compile_error.cache_clear()
+  monkeypatch.setattr(choice, "on_hopper", lambda: True)
+  choice.mosaic_compile_error.cache_clear()
 
-  def does_not_build(*args):
+  def does_not_build(*args, **kwargs):
     raise ValueError("Mosaic GPU kernel exceeds available shared memory")
-  monkeypatch.setattr(gmm_module, "_mosaic_ragged_dot", does_not_build)
+  monkeypatch.setattr(choice, "grouped_matmul_kernel", does_not_build)
   try:
     name, why = jax_ep.grouped_matmul_impl(256, 4, 128, 256, jnp.bfloat16)
     assert name == "xla" and "did not compile for it (ValueError: Mosaic GPU kernel exceeds" in why
     x, w, gs = inputs(np.random.default_rng(9), 256, 4, 128, 256, [64] * 4, dtype=jnp.bfloat16)
     assert_rows_close(jax_ep.grouped_matmul(x, w, gs), oracle(x, w, gs), gs, 2e-2, 3e-2)
   finally:
-    gmm_module._mosaic_compile_error.cache_clear()
+    choice.mosaic_compile_error.cache_clear()
 
 
 def test_tiles_that_do_not_build_fall_back_to_smaller_ones(monkeypatch):
   """A float32 result beside the warp-specialized kernel's stages can exceed shared memory:
   fewer stages are tried, then the one-warpgroup kernel, before lax.ragged_dot."""
-  monkeypatch.setattr(gmm_module, "_on_hopper", lambda: True)
+  monkeypatch.setattr(choice, "on_hopper", lambda: True)
   tried = []
 
   def builds_below(limit):
@@ -480,12 +482,12 @@ def test_tiles_that_do_not_build_fall_back_to_smaller_ones(monkeypatch):
       return None
     return error
   shape = (32768, 256, 7168, 2048)
-  table = gmm_module.TILE_TABLE[shape[1:]]
-  monkeypatch.setattr(gmm_module, "_mosaic_compile_error", builds_below(4))
+  table = configs.TILE_TABLES[("sm90", np.dtype(jnp.bfloat16))][shape[1:]]
+  monkeypatch.setattr(choice, "mosaic_compile_error", builds_below(4))
   assert jax_ep.grouped_matmul_impl(*shape, jnp.bfloat16) == ("mosaic", table)
   name, config = jax_ep.grouped_matmul_impl(*shape, jnp.bfloat16, out_dtype=jnp.float32)
   assert name == "mosaic" and config == dataclasses.replace(table, stages=2)
-  monkeypatch.setattr(gmm_module, "_mosaic_compile_error", builds_below(0))
+  monkeypatch.setattr(choice, "mosaic_compile_error", builds_below(0))
   tried.clear()
   name, why = jax_ep.grouped_matmul_impl(*shape, jnp.bfloat16, out_dtype=jnp.float32)
   assert name == "xla" and "exceeds available shared memory" in why
@@ -521,7 +523,6 @@ def test_kernels_interpreted_inside_shard_map_under_grad(interpreted_kernels, mo
   # warp-specialized kernels, once in a while for these), which one device never does. A rank
   # inside shard_map is what the typing of the kernels' results needs (the H200's failure was
   # at R=1); the GPU tests below run the warp-specialized defaults inside shard_map.
-  monkeypatch.setattr(gmm_module, "WEIGHT_GRAD_SPECIALIZED", False)
   from jax.sharding import NamedSharding, PartitionSpec as P
   num_ranks = 1
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks])
@@ -559,11 +560,13 @@ def test_kernels_interpreted_inside_shard_map_under_grad(interpreted_kernels, mo
 @pytest.mark.parametrize("hidden,ffn", [(7168, 2048), (2048, 768), (4096, 1536), (4096, 14336)])
 def test_the_layer_traces_to_the_kernels_on_hopper(monkeypatch, hidden, ffn):
   """At the models' hidden and ffn sizes (DeepSeek-V3, Qwen3-30B-A3B, 32 x 4096 x 1536,
-  Mixtral) the layer's forward and backward trace to nine kernel calls (gate, up, down, and
-  each one's input and weight gradients) and no lax.ragged_dot, as on a Hopper GPU (traced
-  here, not run: tests/test_gpu_layer.py runs them and asserts the same there)."""
-  monkeypatch.setattr(gmm_module, "_on_hopper", lambda: True)
-  monkeypatch.setattr(gmm_module, "_mosaic_compile_error", lambda *args: None)
+  Mixtral) the layer's forward and backward trace to seven kernel calls (the fused gate-up,
+  down, the fused activation derivative, the input gradient of both projections, three weight
+  gradients) and no lax.ragged_dot, as on a Hopper GPU (traced here, not run); with the fused
+  expert kernels turned off, nine (gate, up, down, and each one's input and weight
+  gradients)."""
+  as_on_hopper(monkeypatch)
+  monkeypatch.setattr(mlp, "fused_compile_error", lambda *args: None)
   num_experts, num_topk, tokens = 8, 2, 64
   mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
   group = jax_ep.Group(mesh, "ep", num_experts=num_experts, num_topk=num_topk, hidden=hidden,
@@ -572,7 +575,9 @@ def test_the_layer_traces_to_the_kernels_on_hopper(monkeypatch, hidden, ffn):
       jax.random.key(0), num_experts=num_experts, hidden=hidden, ffn=ffn, dtype=jnp.bfloat16))
   x = jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)
   loss = lambda p, x: jnp.sum(jax_ep.moe_mlp(group, p, x).out.astype(jnp.float32))
-  assert grouped_matmul_kernels(jax.value_and_grad(loss, (0, 1)), params, x) == (9, 0)
+  assert grouped_matmul_kernels(jax.value_and_grad(loss, (0, 1)), params, x) == (7, 0)
+  with experts.override(fused_mlp=False):
+    assert grouped_matmul_kernels(jax.value_and_grad(loss, (0, 1)), params, x) == (9, 0)
 
 
 # ------------------------------------------------------------------ the kernels, on a GPU
@@ -707,16 +712,14 @@ def test_on_the_gpu_inside_shard_map_under_grad(wrap):
     dict(block_m=128, compute_wgs=2, stages=3), dict(block_m=64, compute_wgs=2, stages=4)])
 @pytest.mark.parametrize("alignment", [1, 128])
 @pytest.mark.parametrize("transpose_w", [False, True])
-def test_on_the_gpu_kernel_variants_and_groups_at_offsets(monkeypatch, tiles, alignment,
-                                                          transpose_w):
+def test_on_the_gpu_kernel_variants_and_groups_at_offsets(tiles, alignment, transpose_w):
   """Each forward kernel (one warpgroup; warp-specialized) at both row tiles and both
   weight-gradient kernels, the groups contiguous or at offsets aligned to the row tile, skewed
   and empty groups, NaN outside."""
   require_hopper()
-  config = gmm_module.TileConfig(block_n=128, block_k=64, band=4, **tiles)
-  monkeypatch.setattr(gmm_module, "tile_config", lambda rows, groups, k, n: config)
-  # Both weight-gradient kernels (the warp-specialized one is the default elsewhere).
-  monkeypatch.setattr(gmm_module, "WEIGHT_GRAD_SPECIALIZED", tiles["block_m"] == 128)
+  config = KernelTiles(block_n=128, block_k=64, band=4, **tiles)
+  # Both weight-gradient kernels (the one-warpgroup one is the default).
   sizes = [900, 0, 0, 37, 1, 0, 300, 128, 0, 64, 2, 0, 0, 500, 0, 3]
-  _check_at_offsets(np.random.default_rng(alignment), 4096, 512, 768, sizes, alignment,
-                    transpose_w, jnp.bfloat16, 2e-2, impl="mosaic")
+  with experts.override(gemm_tiles=config, weight_grad_specialized=tiles["block_m"] == 128):
+    _check_at_offsets(np.random.default_rng(alignment), 4096, 512, 768, sizes, alignment,
+                      transpose_w, jnp.bfloat16, 2e-2, impl="mosaic")

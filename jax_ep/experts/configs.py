@@ -1,0 +1,257 @@
+"""The expert kernels' tiles, keyed by architecture and dtype, and the one way to override them.
+
+- `KernelTiles`: the Hopper grouped GEMM's (`jax_ep/experts/hopper.py`): a table of measured
+  model shapes (`TILE_TABLES`), a rule for the rest (`tile_config`), the weight gradient's
+  (`weight_grad_tiles`), and what to try where a choice does not build (`fallback_tiles`).
+- `SlabTiles`: the decode experts' Triton kernels on the low-latency slabs
+  (`jax_ep/experts/slab.py`), chosen by the slab's size (`SLAB_TILE_RULE`, `slab_tiles`).
+
+`override(...)` replaces any of these choices (and what `impl='auto'` means) within a block:
+benchmarks time other tiles and tests run small ones, without a module-level global to patch.
+Nothing is tuned at call time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+# The row tile of jax_ep's grouped GEMM on Hopper: capacities derived from `capacity_factor`
+# round up to it, so that the buffer is a whole number of tiles.
+ROW_TILE = 128
+
+HOPPER = "sm90"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelTiles:
+  """Tiles of the Hopper grouped GEMM: the output tile is `block_m x block_n`, the reduction
+  steps `block_k` deep, `stages` of them in flight; `band` output column tiles are walked
+  together (a band of columns of one expert's weights stays in L2 while the row tiles pass).
+  With `compute_wgs` 2 the forward kernel is warp-specialized: a memory warpgroup loads, two
+  compute warpgroups each multiply `block_n` of the CTA's `2 * block_n` columns (the weight
+  gradient kernel ignores it)."""
+  block_m: int = 128
+  block_n: int = 128
+  block_k: int = 64
+  stages: int = 4
+  band: int = 4
+  compute_wgs: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SlabTiles:
+  """Tiles of the slab kernels: rows, columns and reduced dimension of one step, and Triton's
+  warps and pipeline stages."""
+  block_m: int
+  block_n: int
+  block_k: int
+  num_warps: int
+  num_stages: int
+
+
+# Tiles for shapes `(groups, K, N)` measured on an H200 with `benchmarks/bench_layer.py
+# --tune`, per (architecture, operand dtype); shapes not listed take `tile_config`'s rule.
+_HOPPER_16BIT = {
+    (256, 7168, 2048): KernelTiles(128, 128, 64, 3, 1, 2),  # DeepSeek-V3
+    (128, 2048, 768): KernelTiles(128, 64, 64, 6, 1, 2),  # Qwen3-30B-A3B
+    (32, 4096, 1536): KernelTiles(128, 64, 64, 6, 4, 2),
+    (8, 4096, 14336): KernelTiles(128, 128, 64, 3, 1, 2),  # Mixtral 8x7B
+}
+TILE_TABLES: dict[tuple[str, np.dtype], dict[tuple[int, int, int], KernelTiles]] = {
+    (HOPPER, np.dtype(jnp.bfloat16)): _HOPPER_16BIT,
+    (HOPPER, np.dtype(jnp.float16)): _HOPPER_16BIT,
+}
+
+# The weight gradient's kernel: warp-specialized (a memory warpgroup loads the next output
+# tile's row blocks while the compute warpgroup stores the last), or one warpgroup. NOTES: the
+# one-warpgroup kernel with 4 stages was as fast or faster at the four model shapes on an H200
+# (e.g. 561 vs 483 TF/s at Mixtral, 164 vs 158 at DeepSeek-V3): there the output tile's store
+# and the operands' re-reads from L2, not the pipeline's fill, bound the time.
+WEIGHT_GRAD_SPECIALIZED = False
+
+# Decode reads every expert's weights once per call (the bound), and a column tile's weights
+# once per row tile: so the row tile follows the rows an expert gets, about S * K / E of a slab
+# of S rows, while a small tile wastes no work on few rows. By slab size, the first of these
+# that divides the shape (the measurements behind them: docs/performance.md).
+SLAB_TILE_RULE = (
+    (256, SlabTiles(16, 128, 64, 4, 3)),
+    (512, SlabTiles(32, 128, 64, 4, 3)),
+    (None, SlabTiles(64, 256, 64, 8, 3)),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+  """What `override` replaces (None: the tables' and rules' own choice).
+
+  Attributes:
+    impl: what `grouped_matmul(..., impl='auto')` means: 'auto', 'mosaic' or 'xla'.
+    gemm_tiles: the Hopper forward kernel's tiles for every shape.
+    weight_grad_tiles: the Hopper weight-gradient kernel's tiles for every shape.
+    weight_grad_specialized: the warp-specialized weight-gradient kernel (True) or the
+      one-warpgroup one (False).
+    slab_tiles: the slab kernels' tiles for every slab.
+    fused_mlp: whether `expert_mlp` takes the fused kernels where they run (None: yes, where
+      the grouped GEMM takes the Mosaic kernels); False: the unfused grouped GEMMs.
+    fused_tiles: the fused expert kernels' tiles for every shape.
+  """
+  impl: str = "auto"
+  gemm_tiles: KernelTiles | None = None
+  weight_grad_tiles: KernelTiles | None = None
+  weight_grad_specialized: bool | None = None
+  slab_tiles: SlabTiles | None = None
+  fused_mlp: bool | None = None
+  fused_tiles: KernelTiles | None = None
+
+
+_OVERRIDES = contextvars.ContextVar("jax_ep_expert_overrides", default=Overrides())
+_IMPLS = ("auto", "mosaic", "xla")
+
+
+def current() -> Overrides:
+  """The overrides in force (those of the innermost `override` block)."""
+  return _OVERRIDES.get()
+
+
+@contextlib.contextmanager
+def override(**fields):
+  """Within the block, the expert kernels take these choices (fields of `Overrides`) wherever
+  a program is traced: e.g. `override(impl='xla')` times a whole layer on `lax.ragged_dot`,
+  `override(slab_tiles=SlabTiles(...))` the slab kernels at other tiles. Blocks nest; a field
+  not named keeps the enclosing block's value. A function jax traced before the block keeps
+  that trace."""
+  names = {f.name for f in dataclasses.fields(Overrides)}
+  unknown = sorted(set(fields) - names)
+  if unknown:
+    raise TypeError(f"jax_ep.experts.override: unknown field(s) {unknown}; the fields are "
+                    f"{sorted(names)}")
+  if "impl" in fields and fields["impl"] not in _IMPLS:
+    raise ValueError(f"jax_ep.experts.override: impl must be 'auto', 'mosaic' or 'xla', got "
+                     f"{fields['impl']!r}")
+  token = _OVERRIDES.set(dataclasses.replace(_OVERRIDES.get(), **fields))
+  try:
+    yield
+  finally:
+    _OVERRIDES.reset(token)
+
+
+def tile_config(rows: int, groups: int, k: int, n: int, dtype=jnp.bfloat16,
+                arch: str = HOPPER) -> KernelTiles | None:
+  """The forward kernel's tiles for `[rows, k] x [groups, k, n]`, or None where they cannot
+  divide it (`k` must be a multiple of `block_k`, `n` of `block_n`)."""
+  del rows  # the work list makes the row count matter only through the groups' boundaries
+  forced = current().gemm_tiles
+  if forced is not None:
+    return forced if k % forced.block_k == 0 and n % (
+        forced.block_n * forced.compute_wgs) == 0 else None
+  table = TILE_TABLES.get((arch, np.dtype(dtype)), {})
+  if (groups, k, n) in table:
+    return table[(groups, k, n)]
+  block_k = 64
+  if k % block_k:
+    return None
+  # The warp-specialized kernel (two compute warpgroups of block_n columns each) where N
+  # holds its CTA tile: the fastest at every measured shape; the one-warpgroup kernel else.
+  if n % 256 == 0:
+    return KernelTiles(block_m=ROW_TILE, block_n=128, block_k=block_k, stages=3, band=1,
+                       compute_wgs=2)
+  if n % 128 == 0:
+    return KernelTiles(block_m=ROW_TILE, block_n=64, block_k=block_k, stages=6, band=4,
+                       compute_wgs=2)
+  if n % 64 == 0:
+    return KernelTiles(block_m=ROW_TILE, block_n=64, block_k=block_k, stages=4, band=4)
+  return None
+
+
+def weight_grad_tiles(k: int, n: int) -> KernelTiles | None:
+  """The weight-gradient kernel's tiles for `[G, k, n]`: its output tiled `block_m x block_n`,
+  the rows reduced `block_k` at a time; None where they do not divide `k` and `n`."""
+  forced = current().weight_grad_tiles
+  if forced is not None:
+    return forced if k % forced.block_m == 0 and n % forced.block_n == 0 else None
+  if k % ROW_TILE:
+    return None
+  block_n = next((b for b in (128, 64) if n % b == 0), None)
+  if block_n is None:
+    return None
+  return KernelTiles(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=4, band=4)
+
+
+def weight_grad_specialized() -> bool:
+  forced = current().weight_grad_specialized
+  return WEIGHT_GRAD_SPECIALIZED if forced is None else forced
+
+
+def fused_tiles(k: int, n: int) -> KernelTiles | None:
+  """The fused expert kernels' tiles (`jax_ep/experts/hopper_fused.py`) for a `[rows, k]`
+  operand and `[rows, n]` outputs, or None where they do not divide `k` and `n`. NOTES: one
+  warpgroup holds up to two `block_m x block_n` fp32 accumulators (gate and up) in registers,
+  and shared memory holds the stages beside up to three staged outputs and two loaded tiles:
+  64 columns keep both within Hopper's limits; 128 where one accumulator and no loaded tile
+  leave room (the input gradient, `n` = the hidden size)."""
+  forced = current().fused_tiles
+  if forced is not None:
+    return forced if k % forced.block_k == 0 and n % forced.block_n == 0 else None
+  if k % 64 or n % 64:
+    return None
+  return KernelTiles(block_m=ROW_TILE, block_n=64, block_k=64, stages=4, band=4)
+
+
+def fused_input_grad_tiles(k: int, n: int) -> KernelTiles | None:
+  """The tiles of the fused input gradient (two passes into one accumulator, `n` columns)."""
+  forced = current().fused_tiles
+  if forced is not None:
+    return forced if k % forced.block_k == 0 and n % forced.block_n == 0 else None
+  if k % 64 or n % 64:
+    return None
+  block_n = 128 if n % 128 == 0 else 64
+  return KernelTiles(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=4, band=4)
+
+
+def fallback_tiles(config: KernelTiles, n: int):
+  """`config`, then tiles that need less shared memory, in the order tried where it does not
+  build (e.g. a float32 result's staging buffers beside the warp-specialized kernel's
+  stages): fewer stages of the same kernel, then the one-warpgroup kernel."""
+  yield config
+  if config.compute_wgs > 1:
+    for stages in range(config.stages - 1, 1, -1):
+      yield dataclasses.replace(config, stages=stages)
+  block_n = 128 if n % 128 == 0 else 64
+  for stages in (4, 3, 2):
+    plain = KernelTiles(block_m=config.block_m, block_n=block_n, block_k=config.block_k,
+                        stages=stages, band=4)
+    if plain != config:
+      yield plain
+
+
+def slab_divides(tiles: SlabTiles, slab: int, hidden: int, ffn: int) -> str | None:
+  """Why `tiles` do not divide slabs of `slab` rows of `hidden`, `ffn` (None: they do)."""
+  for name, size, block in (("rows per slab", slab, tiles.block_m),
+                            ("hidden", hidden, tiles.block_k), ("hidden", hidden, tiles.block_n),
+                            ("ffn", ffn, tiles.block_k), ("ffn", ffn, tiles.block_n)):
+    if size % block:
+      return f"{name} = {size} is not a multiple of {block}"
+  return None
+
+
+def slab_tiles(slab: int, hidden: int, ffn: int) -> SlabTiles | None:
+  """The slab kernels' tiles for slabs of `slab` rows (`SLAB_TILE_RULE`, or the override), or
+  None when none of them divides the shape."""
+  forced = current().slab_tiles
+  if forced is not None:
+    return forced if slab_divides(forced, slab, hidden, ffn) is None else None
+  start = next(i for i, (most, _) in enumerate(SLAB_TILE_RULE) if most is None or slab <= most)
+  for _, tiles in reversed(SLAB_TILE_RULE[:start + 1]):
+    if slab_divides(tiles, slab, hidden, ffn) is None:
+      return tiles
+  return None
+
+
+def smallest_slab_tiles() -> SlabTiles:
+  """The tiles whose divisibility a slab that no tiles divide is explained by."""
+  return current().slab_tiles or SLAB_TILE_RULE[0][1]

@@ -1,0 +1,154 @@
+"""A grouped GEMM for Hopper with several operands, accumulators and a fused epilogue: the
+expert MLP's gated projections, the activation's derivative and the input gradient of both
+projections, each in one kernel that stores only rows inside the groups.
+
+One warpgroup per CTA, the persistent loop over the work list of `jax_ep/experts/hopper.py`
+(`layout.row_tiles`: no step for row tiles past the groups). For each (item, column tile):
+1. `passes` run in order, each an `emit_pipeline` over one row operand's reduction dimension
+   that multiplies its tile by one or more weights, each into its own fp32 accumulator
+   (gate and up: one pass, two weights, two accumulators; the input gradient of both
+   projections: two passes into one accumulator, `dgate @ w_gate^T + dup @ w_up^T`);
+2. `loads`: `[rows, N]` operands whose `block_m x block_n` tile at the output's position the
+   epilogue reads (the saved gate and up projections for the activation's derivative);
+3. `epilogue(accumulators, loaded)` in fp32 gives the outputs, each rounded to its dtype,
+   staged in shared memory and stored for the rows of the item's group only.
+
+NOTES: the rows a tile reads past the groups (or of a neighbouring group) hold anything, NaN
+included; their products and epilogue values land only in rows the tile does not store, and an
+epilogue is row-local, so no stored row depends on them.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jax_ep.experts.configs import KernelTiles
+from jax_ep.experts.hopper import _band, _store_rows, num_sms
+from jax_ep.experts.layout import row_tiles
+
+# A pass: (index of the row operand, ((index of a weight, index of its accumulator), ...)).
+Pass = tuple[int, tuple[tuple[int, int], ...]]
+
+
+def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group_sizes,
+                         group_offsets, *, passes: Sequence[Pass], transpose_w: bool,
+                         tiles: KernelTiles, epilogue: Callable, out_dtypes: Sequence,
+                         loads: Sequence[jax.Array] = ()):
+  """The fused grouped GEMM (see the module docstring).
+
+  Args:
+    xs: row operands `[rows, K_i]`, grouped by `group_sizes` / `group_offsets`.
+    ws: weights `[G, K_i, N]` (`[G, N, K_i]` with `transpose_w`), one dtype with `xs`.
+    group_sizes, group_offsets: `[G]` int32.
+    passes: what each accumulator sums (`Pass`).
+    transpose_w: the weights are stored `[G, N, K]`.
+    tiles: `block_m x block_n` output tiles, `block_k` reduction steps, `stages` in flight.
+    epilogue: `(accs, loaded) -> outputs`: fp32 `[block_m, block_n]` values in, as many
+      `[block_m, block_n]` values out as `out_dtypes`.
+    out_dtypes: the outputs' dtypes; each output is `[rows, N]`.
+    loads: `[rows, N]` operands read at each output tile's position.
+
+  Returns:
+    A tuple of `[rows, N]` outputs; rows outside the groups unspecified.
+  """
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  rows = xs[0].shape[0]
+  n = ws[0].shape[1] if transpose_w else ws[0].shape[2]
+  bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+  for x in xs:
+    if x.shape[1] % bk:
+      raise ValueError(f"fused_grouped_kernel: K={x.shape[1]} must be a multiple of {bk}")
+  if n % bn:
+    raise ValueError(f"fused_grouped_kernel: N={n} must be a multiple of {bn}")
+  tiles_n = n // bn
+  band = _band(tiles.band, tiles_n)
+  num_accs = 1 + max(a for _, targets in passes for _, a in targets)
+  table = row_tiles(group_sizes, rows, bm, group_offsets)
+  num_x, num_w, num_loads = len(xs), len(ws), len(loads)
+
+  def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, *refs):
+    x_refs = refs[:num_x]
+    w_refs = refs[num_x:num_x + num_w]
+    load_refs = refs[num_x + num_w:num_x + num_w + num_loads]
+    out_refs = refs[num_x + num_w + num_loads:]
+    num_items = num_gmem[0]
+
+    @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
+    def _(info):
+      item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
+      tile = tile_gmem[item]
+      group = group_gmem[item]
+
+      def acc_scope(*acc_refs):
+        for xi, targets in passes:
+          def step(_, x_smem, *w_smems, targets=targets):
+            for (_, ai), w_smem in zip(targets, w_smems):
+              plgpu.wgmma(acc_refs[ai], x_smem,
+                          w_smem.transpose((1, 0)) if transpose_w else w_smem)
+            # NOTES: the operands stay one step longer (delay_release=1): the previous step's
+            # products must have read theirs before the pipeline refills that slot, while
+            # this step's stay in flight.
+            plgpu.wgmma_wait(len(targets))
+          w_spec = plgpu.BlockSpec(
+              (bn, bk) if transpose_w else (bk, bn),
+              (lambda kk: (ni, kk)) if transpose_w else (lambda kk: (kk, ni)),
+              delay_release=1)
+          plgpu.emit_pipeline(
+              step,
+              grid=(xs[xi].shape[1] // bk,),
+              in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), delay_release=1)]
+              + [w_spec] * len(targets),
+              max_concurrent_steps=tiles.stages,
+          )(x_refs[xi], *(w_refs[wi].at[group] for wi, _ in targets))
+          plgpu.wgmma_wait(0)
+        return tuple(acc[...] for acc in acc_refs)
+
+      accs = pl.run_scoped(acc_scope, *(plgpu.ACC((bm, bn)) for _ in range(num_accs)))
+      loaded = ()
+      if load_refs:
+        def load_scope(smems, barriers):
+          for i, (ref, smem) in enumerate(zip(load_refs, smems)):
+            plgpu.copy_gmem_to_smem(ref.at[pl.ds(tile * bm, bm), pl.ds(ni * bn, bn)], smem,
+                                    barriers.at[i])
+          values = []
+          for i, smem in enumerate(smems):
+            plgpu.barrier_wait(barriers.at[i])
+            values.append(plgpu.layout_cast(smem[...], plgpu.Layout.WGMMA).astype(jnp.float32))
+          return tuple(values)
+        # Swizzled as the weight-gradient kernel's operands, which it reads into registers.
+        loaded = pl.run_scoped(
+            load_scope, [plgpu.SMEM((bm, bn), r.dtype, transforms=_transforms(r.dtype, bn))
+                         for r in loads],
+            plgpu.Barrier(num_arrivals=1, num_barriers=num_loads))
+      values = epilogue(accs, loaded)
+
+      @functools.partial(pl.run_scoped,
+                         o_smems=[plgpu.SMEM((bm, bn), dtype) for dtype in out_dtypes])
+      def _(o_smems):
+        for value, o_smem in zip(values, o_smems):
+          o_smem[...] = value.astype(o_smem.dtype)
+        plgpu.commit_smem()
+        for o_smem, o_ref in zip(o_smems, out_refs):
+          _store_rows(o_smem, o_ref, tile * bm, first_gmem[item], count_gmem[item], ni * bn,
+                      bm, bn, rows)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  kernel = plgpu.kernel(
+      body, out_type=tuple(jax.ShapeDtypeStruct((rows, n), dtype) for dtype in out_dtypes),
+      grid=(num_sms(),), grid_names=("sm",),
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  return kernel(*table, *xs, *ws, *loads)
+
+
+def _transforms(dtype, columns: int):
+  """The tiling and swizzle of a shared-memory tile of `columns` columns of `dtype`."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = plgpu.find_swizzle(columns * itemsize * 8)
+  return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))

@@ -1,0 +1,90 @@
+"""The expert kernels' tiles and `jax_ep.experts.override`, the one way to replace a choice
+(jax_ep/experts/configs.py): the tables keyed by architecture and dtype, the override's checks
+and nesting, and each field reaching the choice it names."""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_ep
+from jax_ep import experts
+from jax_ep.experts import configs, slab
+from jax_ep.experts.configs import KernelTiles, SlabTiles
+
+
+def test_the_tables_are_keyed_by_architecture_and_dtype():
+  deepseek = (256, 7168, 2048)
+  for dtype in (jnp.bfloat16, jnp.float16):
+    assert configs.tile_config(32768, *deepseek, dtype) == configs.TILE_TABLES[
+        (configs.HOPPER, np.dtype(dtype))][deepseek]
+  # An architecture without a table takes the rule: two compute warpgroups where 256 divides N.
+  assert configs.tile_config(32768, *deepseek, jnp.bfloat16, arch="sm100") == KernelTiles(
+      128, 128, 64, 3, 1, compute_wgs=2)
+
+
+def test_override_names_its_fields_and_checks_impl():
+  with pytest.raises(TypeError, match=r"unknown field\(s\) \['tiles'\]; the fields are"):
+    with experts.override(tiles=None):
+      pass
+  with pytest.raises(ValueError, match="impl must be 'auto', 'mosaic' or 'xla', got 'fast'"):
+    with experts.override(impl="fast"):
+      pass
+
+
+def test_override_blocks_nest_and_restore():
+  small = KernelTiles(64, 64, 64, 2, 1)
+  assert configs.current() == experts.Overrides()
+  with experts.override(impl="xla", gemm_tiles=small):
+    with experts.override(weight_grad_specialized=True):
+      now = configs.current()
+      assert (now.impl, now.gemm_tiles, now.weight_grad_specialized) == ("xla", small, True)
+      assert configs.weight_grad_specialized()
+    assert configs.current().weight_grad_specialized is None
+    assert not configs.weight_grad_specialized()
+  assert configs.current() == experts.Overrides()
+
+
+def test_each_field_reaches_its_choice():
+  small = KernelTiles(64, 64, 64, 2, 1)
+  with experts.override(gemm_tiles=small, weight_grad_tiles=small, fused_tiles=small):
+    assert configs.tile_config(100, 8, 128, 192) == small
+    assert configs.tile_config(100, 8, 100, 192) is None  # K % 64
+    assert configs.weight_grad_tiles(128, 64) == small
+    assert configs.fused_tiles(128, 64) == small
+    assert configs.fused_input_grad_tiles(64, 128) == small
+  with experts.override(impl="xla"):
+    assert jax_ep.grouped_matmul_impl(256, 4, 128, 128, jnp.bfloat16) == ("xla", "asked for")
+    x, w = jnp.ones((8, 64), jnp.bfloat16), jnp.ones((2, 64, 64), jnp.bfloat16)
+    jax_ep.grouped_matmul(x, w, jnp.asarray([3, 5], jnp.int32))  # traces on lax.ragged_dot
+  tiles = SlabTiles(32, 128, 64, 4, 3)
+  with experts.override(slab_tiles=tiles):
+    assert configs.slab_tiles(128, 7168, 2048) == tiles  # the rule would take 16-row tiles
+    assert slab.kernel_fits((4, 24, 256), 256, jnp.bfloat16) == (
+        "rows per slab = 24 is not a multiple of 32")
+  assert configs.slab_tiles(128, 7168, 2048) == SlabTiles(16, 128, 64, 4, 3)
+
+
+def _slabs(rng, num_local, rows_per_slab, hidden, ffn, counts, dtype=jnp.bfloat16):
+  rows = rng.standard_normal((num_local, rows_per_slab, hidden))
+  used = np.arange(rows_per_slab)[None, :, None] < np.asarray(counts)[:, None, None]
+  rows = np.where(used, rows, 1e4)  # garbage past count, as the dispatch leaves it
+  w = lambda *s: jnp.asarray(rng.standard_normal(s) * 0.05, dtype)  # noqa: E731
+  return (jnp.asarray(rows, dtype), w(num_local, hidden, ffn), w(num_local, hidden, ffn),
+          w(num_local, ffn, hidden), jnp.asarray(counts, jnp.int32))
+
+
+@pytest.mark.parametrize("tiles", [SlabTiles(32, 128, 64, 4, 3), SlabTiles(64, 256, 64, 8, 3)])
+def test_slab_kernels_at_overridden_tiles_match_the_dense_formulation(tiles):
+  """The slab kernels (in Pallas's interpreter) at the rule's larger tiles, chosen by the
+  override: a tile holds several experts' worth of rows only up to its count."""
+  counts = [0, 1, 63, 64, 100, 128]
+  args = _slabs(np.random.default_rng(5), 6, 128, 256, 512, counts)
+  want = slab.dense_mlp(*args)
+  with experts.override(slab_tiles=tiles):
+    out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a, impl="interpret"))(*args)
+  scale = float(np.abs(np.asarray(want, np.float32)).max())
+  for l, n in enumerate(counts):
+    np.testing.assert_allclose(np.asarray(out[l, :n], np.float32),
+                               np.asarray(want[l, :n], np.float32), rtol=2**-6,
+                               atol=1e-3 * scale, err_msg=f"expert {l}")
