@@ -1,4 +1,4 @@
-"""The experts on the low-latency slabs (jax_ep/kernels/slab_mlp.py, `jax_ep.expert_mlp_slabs`).
+"""The experts on the low-latency slabs (jax_ep/experts/slab.py, `jax_ep.expert_mlp_slabs`).
 
 Oracle: the dense formulation (padding rows masked, batched matmuls over whole slabs). The tests
 that take `impl` run the kernels in Pallas's interpreter and, on a GPU (marked `gpu`: skipped on
@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_ep
 from ep_test_base import rank_mesh, require_gpu
-from jax_ep.kernels import slab_mlp
+from jax_ep import experts
+from jax_ep.experts import configs, slab
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -69,32 +70,32 @@ def test_kernels_match_the_dense_formulation(dtype, impl):
   zero."""
   counts = [5, 0, 32, 16, 17]
   args = _slabs(np.random.default_rng(0), 5, 32, 128, 256, counts, dtype)
-  want = slab_mlp.dense_mlp(*args)
+  want = slab.dense_mlp(*args)
   out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a, impl=impl))(*args)
   _check_close(out, want, counts, impl)
   assert not np.any(np.asarray(out[0, 5:16], np.float32)), "rows past count in a tile"
 
 
-@pytest.mark.parametrize("tiles", [slab_mlp.Tiles(32, 128, 64, 4, 3),
-                                   slab_mlp.Tiles(64, 256, 64, 8, 3)])
-def test_every_tile_setting_of_the_rule_matches(tiles, impl, monkeypatch):
+@pytest.mark.parametrize("tiles", [configs.SlabTiles(32, 128, 64, 4, 3),
+                                   configs.SlabTiles(64, 256, 64, 8, 3)])
+def test_every_tile_setting_of_the_rule_matches(tiles, impl):
   """The larger tiles the rule takes for larger slabs: a tile holds several experts' worth of
   rows only up to its count, columns past one tile of 128."""
-  monkeypatch.setattr(slab_mlp, "TILES_OVERRIDE", tiles)
   counts = [0, 1, 63, 64, 100, 128]
   args = _slabs(np.random.default_rng(5), 6, 128, 256, 512, counts)
-  want = slab_mlp.dense_mlp(*args)
-  out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a, impl=impl))(*args)
+  want = slab.dense_mlp(*args)
+  with experts.override(slab_tiles=tiles):
+    out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a, impl=impl))(*args)
   _check_close(out, want, counts, impl)
 
 
 def test_the_tile_rule_follows_the_slab_size():
-  assert slab_mlp.tiles_for(128, 7168, 2048) == slab_mlp.Tiles(16, 128, 64, 4, 3)
-  assert slab_mlp.tiles_for(512, 7168, 2048) == slab_mlp.Tiles(32, 128, 64, 4, 3)
-  assert slab_mlp.tiles_for(1024, 7168, 2048) == slab_mlp.Tiles(64, 256, 64, 8, 3)
+  assert configs.slab_tiles(128, 7168, 2048) == configs.SlabTiles(16, 128, 64, 4, 3)
+  assert configs.slab_tiles(512, 7168, 2048) == configs.SlabTiles(32, 128, 64, 4, 3)
+  assert configs.slab_tiles(1024, 7168, 2048) == configs.SlabTiles(64, 256, 64, 8, 3)
   # A large slab whose columns the 256-wide tile does not divide takes the next rule's tiles.
-  assert slab_mlp.tiles_for(1024, 7168, 1408) == slab_mlp.Tiles(32, 128, 64, 4, 3)
-  assert slab_mlp.tiles_for(24, 7168, 2048) is None
+  assert configs.slab_tiles(1024, 7168, 1408) == configs.SlabTiles(32, 128, 64, 4, 3)
+  assert configs.slab_tiles(24, 7168, 2048) is None
 
 
 def test_gradients_are_the_dense_formulations(impl):
@@ -124,22 +125,22 @@ def test_vmap_over_a_leading_axis(impl):
   stacked = [jnp.stack(parts) for parts in zip(*batch)]
   out = jax.vmap(lambda *a: jax_ep.expert_mlp_slabs(*a, impl=impl))(*stacked)
   for b in range(2):
-    _check_close(out[b], slab_mlp.dense_mlp(*batch[b]), counts[b], impl)
+    _check_close(out[b], slab.dense_mlp(*batch[b]), counts[b], impl)
 
 
 def test_implementation_choice_and_its_errors():
   shape = (4, 32, 256)
-  assert slab_mlp.resolve_impl("dense", shape, 256, jnp.bfloat16) == "dense"
+  assert slab.resolve_impl("dense", shape, 256, jnp.bfloat16) == "dense"
   if jax.default_backend() != "gpu":
-    assert slab_mlp.resolve_impl("auto", shape, 256, jnp.bfloat16) == "dense"
-  assert slab_mlp.kernel_fits(shape, 256, jnp.float32).startswith("dtype float32")
-  assert slab_mlp.kernel_fits((4, 24, 256), 256, jnp.bfloat16) == (
+    assert slab.resolve_impl("auto", shape, 256, jnp.bfloat16) == "dense"
+  assert slab.kernel_fits(shape, 256, jnp.float32).startswith("dtype float32")
+  assert slab.kernel_fits((4, 24, 256), 256, jnp.bfloat16) == (
       "rows per slab = 24 is not a multiple of 16")
-  assert slab_mlp.kernel_fits(shape, 96, jnp.bfloat16) == "ffn = 96 is not a multiple of 64"
+  assert slab.kernel_fits(shape, 96, jnp.bfloat16) == "ffn = 96 is not a multiple of 64"
   with pytest.raises(ValueError, match="impl must be 'auto', 'pallas', 'interpret' or 'dense'"):
-    slab_mlp.resolve_impl("fast", shape, 256, jnp.bfloat16)
+    slab.resolve_impl("fast", shape, 256, jnp.bfloat16)
   with pytest.raises(ValueError, match="impl='pallas' cannot take these slabs: dtype float32"):
-    slab_mlp.resolve_impl("pallas", shape, 256, jnp.float32)
+    slab.resolve_impl("pallas", shape, 256, jnp.float32)
 
 
 def test_bench_slab_mlp_writes_records(tmp_path):
@@ -169,8 +170,8 @@ def test_compiled_kernels_on_the_gpu():
     counts = rng.integers(0, 3 * slab // 8, size=8)
     counts[0], counts[1] = 0, slab
     args = _slabs(rng, 8, slab, 512, 256, counts)
-    assert slab_mlp.resolve_impl("auto", args[0].shape, 256, jnp.bfloat16) == "pallas"
-    want = slab_mlp.dense_mlp(*args)
+    assert slab.resolve_impl("auto", args[0].shape, 256, jnp.bfloat16) == "pallas"
+    want = slab.dense_mlp(*args)
     out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a))(*args)
     scale = float(np.abs(np.asarray(want, np.float32)).max())
     _check_rows(out, want, counts, rtol=0.02, atol=0.02 * scale)
@@ -195,7 +196,7 @@ def _body(impl, wrap):
   """Per rank: the output's rows below count (zeros past them) and the gradient of their sum
   w.r.t. the rows and the three weights."""
   def loss(rows, w_gate, w_up, w_down, count):
-    out = slab_mlp.slab_mlp(rows, w_gate, w_up, w_down, count, impl=impl)
+    out = slab.slab_mlp(rows, w_gate, w_up, w_down, count, impl=impl)
     used = jnp.arange(S)[None, :, None] < count[:, None, None]
     out = jnp.where(used, out.astype(jnp.float32), 0.0)
     return jnp.sum(out * jnp.cos(jnp.arange(H, dtype=jnp.float32))), out
@@ -240,7 +241,7 @@ def test_compiled_kernels_inside_shard_map_under_grad(wrap):
   require_gpu()
   mesh = rank_mesh(1)
   args = _put(mesh, *_operands(1, seed=5))
-  assert slab_mlp.resolve_impl("auto", (L, S, H), F, jnp.bfloat16) == "pallas"
+  assert slab.resolve_impl("auto", (L, S, H), F, jnp.bfloat16) == "pallas"
   got = _mapped(mesh, "auto", wrap)(*args)
   want = _mapped(mesh, "dense", wrap)(*args)
   for name, g, w in zip(("d rows", "d w_gate", "d w_up", "d w_down", "out"), got, want):

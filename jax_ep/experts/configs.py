@@ -20,7 +20,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
-# The row tile of jax_ep's grouped GEMM on Hopper: capacities derived from `capacity_factor`
+# The row tile of jax_ep's grouped GEMM on Hopper: capacities derived from `buffer_factor`
 # round up to it, so that the buffer is a whole number of tiles.
 ROW_TILE = 128
 
