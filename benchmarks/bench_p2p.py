@@ -2,7 +2,7 @@
 
   CUDA_VISIBLE_DEVICES=0,1 python benchmarks/bench_p2p.py
 
-What the intranode transport's all-to-all can expect of the wire: every rank sends and receives at
+What the peer transport's all-to-all can expect of the wire: every rank sends and receives at
 once, and its rows move as 16-byte SM stores from a bounded grid (the group's `num_sms`: that
 many SMs' worth of blocks, 1024 threads per SM), not as copy-engine copies. The store kernel
 here is launched in the same shape, `--sms N` giving N * 1024 threads in blocks of 128. Like the

@@ -1,12 +1,12 @@
 """How a group's run-time failures reach the host without a host synchronisation per op.
 
 A multi-rank cuda kernel that gives up waiting for a peer writes an error record into
-host-mapped memory (the intranode group's mailbox) and every later kernel of the group returns at
+host-mapped memory (the group's mailbox) and every later kernel of the group returns at
 once; the host reads that record with a plain load, no stream sync. A strict group's dropped
 rows are recorded by the dispatch itself (see `jax_ep.ops`). `GroupStatus` holds the first
 failure of one group; one watchdog thread per process polls the open groups' error records and
 logs a failure through the `jax_ep` logger as soon as it appears. `Group.check()`, `close()` and
-the next op traced on the group raise it; after a timeout the next intranode op's handler fails
+the next op traced on the group raise it; after a timeout the next peer op's handler fails
 with the same text too, so a compiled program raises as well.
 """
 

@@ -279,7 +279,7 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
   c = group.config
   if x.shape[0] == 0:
     # Shapes are static and equal on every rank, so no rank has a token: nothing moves, and no
-    # rank issues a communication op (which keeps the intranode groups' call counts in step).
+    # rank issues a communication op (which keeps the groups' call counts in step).
     zero = jnp.zeros((), jnp.int32)
     no_rows = jnp.zeros((c.num_local_experts,), jnp.int32)
     recv = DispatchResult(jnp.zeros((c.capacity, c.hidden), c.dtype), no_rows, zero, zero,

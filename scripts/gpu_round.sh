@@ -3,10 +3,10 @@
 # carried in as jax_ep/_jax_ep_ffi*.so (and jax_ep/_jax_ep_nvshmem*.so for the nvshmem stage; see
 # README). Logs and results go to $OUT (or ./gpu_out).
 #   bash scripts/gpu_round.sh local   # one-rank kernels: suite, main job, sanitizer, benchmark
-#   bash scripts/gpu_round.sh intranode  # the intranode transport emulated on one GPU: suites,
+#   bash scripts/gpu_round.sh peer    # the peer transport emulated on one GPU: suites,
 #                                        # faults, sanitizer, bench
-#   bash scripts/gpu_round.sh smoke   # intranode transport: pointer table + one small test at N=2
-#   stages of `intranode`, one by one: faults, intranode2, intranode4, intranode8, sanitize, bench (BENCH_RANKS="2 4 8",
+#   bash scripts/gpu_round.sh smoke   # peer transport: pointer table + one small test at N=2
+#   stages of `peer`, one by one: faults, peer2, peer4, peer8, sanitize, bench (BENCH_RANKS="2 4 8",
 #   BENCH_ARGS="--num-sms 48 ..." passed to bench_intranode.py)
 #   bash scripts/gpu_round.sh multi   # several GPUs: multi_suites + multi_bench per R
 #                                     # in MULTI_RANKS, one process per GPU (seeing all GPUs,
@@ -60,8 +60,8 @@
 # $OUT/gpu_suites.jsonl (append those of a commit's full check to
 # benchmarks/results/gpu_suites.jsonl). The round exits non-zero if any suite failed, and a
 # summary of every suite closes it.
-#   check1  one rank: the cuda suite, the grouped GEMM, the slab and group-id tests, the NVSHMEM
-#           ring, memcheck of a one-rank round
+#   check1  one rank: the cuda suite, the input checks, the grouped GEMM, the slab and group-id
+#           tests, the NVSHMEM ring, memcheck of a one-rank round
 #   check2  the peer transport's suite in one process (faults, command buffers), at 2 and 4
 #           ranks emulated
 #   check3  the peer transport's suite at 8 ranks; memcheck and racecheck of both modes at 2
@@ -112,6 +112,8 @@ python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devi
 # ---------------------------------------------------------------------------------- the suites
 # One function per suite (or family), shared by the check parts and the named stages below.
 local_suite() { suite --timeout 400 -- $PYTEST tests/test_cuda_local.py; }
+# The public functions' input checks on the cuda backend at one rank.
+inputs_suite() { suite --timeout 300 -- $PYTEST tests/test_input_checks.py -m gpu; }
 gemm_suite() { suite --timeout 300 -- $PYTEST tests/test_grouped_matmul.py tests/test_routing.py -m gpu; }
 # The fused expert MLP at the five model shapes (DeepSeek-V3's weights and gradients take most
 # of the GPU).
@@ -135,21 +137,21 @@ local_memcheck() {
 }
 # The peer transport's suite in one process: the pointer table, the fault cases and the decode
 # step in command buffers, each starting the ranks it needs.
-intranode_own_suite() { suite --timeout 400 -- $PYTEST tests/test_cuda_intranode.py; }
-intranode_suite() {  # $1: ranks; PYTEST_K narrows it (a count of a narrowed run is not a check)
-  suite --ranks "$1" --timeout $((240 + 40 * $1)) -- $PYTEST tests/test_cuda_intranode.py \
+peer_own_suite() { suite --timeout 400 -- $PYTEST tests/test_cuda_peer.py; }
+peer_suite() {  # $1: ranks; PYTEST_K narrows it (a count of a narrowed run is not a check)
+  suite --ranks "$1" --timeout $((240 + 40 * $1)) -- $PYTEST tests/test_cuda_peer.py \
     -o faulthandler_timeout=200 ${PYTEST_K:+-k "$PYTEST_K"}
 }
-intranode_sanitize() {
+peer_sanitize() {
   for tool in memcheck racecheck; do
     suite --ranks 2 --sanitizer $tool --kernels kns=jax_ep --timeout 240 -- $PYTEST \
-      tests/test_cuda_intranode.py -k "test_dispatch_combine_uniform and 128-3-8"
+      tests/test_cuda_peer.py -k "test_dispatch_combine_uniform and 128-3-8"
   done
 }
 low_latency_sanitize() {
   for tool in memcheck racecheck; do
     suite --ranks 2 --sanitizer $tool --kernels kns=low_latency --timeout 240 -- $PYTEST \
-      tests/test_cuda_intranode.py -k "LowLatency and test_roundtrip and uniform and 7"
+      tests/test_cuda_peer.py -k "LowLatency and test_roundtrip and uniform and 7"
   done
 }
 network_suite() {  # $1: virtual hosts of 8 ranks
@@ -187,21 +189,21 @@ rail_memcheck() {
 # (to resume a check cut by a call's time limit). DEADLINE_S=S: steps that would start after S
 # seconds of the round are not run (and fail it), and each step's time is cut to what is left.
 # Measured on one H200 (seconds): local 106, gemm 232, slab 34, nvshmem 22, localmem 7, layer1
-# 243, intranode2 74, intranode8 86, network2 106, network4 112; the rest not yet timed
+# 243, peer2 74, peer8 86, network2 106, network4 112; the rest not yet timed
 # (experts among them).
-CHECK1="local gemm slab nvshmem localmem"
-CHECK2="intranode_own intranode2 intranode4"
-CHECK3="intranode8 intranode_sanitize low_latency_sanitize"
+CHECK1="local inputs gemm slab nvshmem localmem"
+CHECK2="peer_own peer2 peer4"
+CHECK3="peer8 peer_sanitize low_latency_sanitize"
 CHECK4="layer1 layer2"
 CHECK5="layer4 network_own experts"
 CHECK6="network2 network4 network_memcheck rail_memcheck"
 run_step() {
   case $1 in
     local) local_suite ;; gemm) gemm_suite ;; layer1) layer_suite 1 ;; slab) slab_suite ;;
-    experts) experts_suite ;;
+    experts) experts_suite ;; inputs) inputs_suite ;;
     nvshmem) nvshmem_suite ;; localmem) local_memcheck ;;
-    intranode_own) intranode_own_suite ;; intranode[248]) intranode_suite "${1#intranode}" ;;
-    intranode_sanitize) intranode_sanitize ;; low_latency_sanitize) low_latency_sanitize ;;
+    peer_own) peer_own_suite ;; peer[248]) peer_suite "${1#peer}" ;;
+    peer_sanitize) peer_sanitize ;; low_latency_sanitize) low_latency_sanitize ;;
     layer[24]) layer_suite "${1#layer}" ;;
     network[24]) network_suite "${1#network}" ;; network_own) network_own_suite ;;
     network_memcheck) network_memcheck ;; rail_memcheck) rail_memcheck ;;
@@ -234,32 +236,32 @@ if has local; then
 fi
 
 if has smoke; then
-  step intranode smoke: single-process pointer table, then one small case at N=2
-  suite --timeout 60 -- $PYTEST tests/test_cuda_intranode.py -k pointer_table
-  suite --ranks 2 --timeout 150 -- $PYTEST tests/test_cuda_intranode.py \
+  step peer transport smoke: single-process pointer table, then one small case at N=2
+  suite --timeout 60 -- $PYTEST tests/test_cuda_peer.py -k pointer_table
+  suite --ranks 2 --timeout 150 -- $PYTEST tests/test_cuda_peer.py \
     -k "test_dispatch_combine_uniform"
 fi
 
-if has intranode || has faults; then
-  step intranode transport, one process: pointer table and fault cases
-  intranode_own_suite
+if has peer || has faults; then
+  step peer transport, one process: pointer table and fault cases
+  peer_own_suite
 fi
 
 for n in 2 4 8; do
-  if has intranode || has intranode$n; then
-    step intranode suite, $n ranks emulated on one GPU
-    intranode_suite $n
+  if has peer || has peer$n; then
+    step peer transport suite, $n ranks emulated on one GPU
+    peer_suite $n
   fi
 done
 
-if has intranode || has sanitize; then
+if has peer || has sanitize; then
   step compute-sanitizer memcheck and racecheck, 2 ranks emulated
-  intranode_sanitize
+  peer_sanitize
 fi
 
-if has intranode || has bench; then
+if has peer || has bench; then
   for n in ${BENCH_RANKS:-2 4 8}; do
-    step intranode benchmark, $n ranks emulated
+    step peer transport benchmark, $n ranks emulated
     timeout 200 python3 -m jax_ep.launch -n $n --share-gpu --grace 20 --timeout 180 -- \
       python3 benchmarks/bench_intranode.py --out gpu_round_intranode.jsonl ${BENCH_ARGS:-} 2>&1 \
       | tee "$OUT/bench_intranode_$n.log" | grep -E "^\[0\] (  |op |dispatch|combine|cuda|wrote)" | tail -40
@@ -322,13 +324,13 @@ fi
 for n in ${LL_RANKS:-2 4 8}; do
   if has lowlatency || has ll$n; then
     step "low-latency suite, $n ranks emulated"
-    suite --ranks $n --timeout ${LL_SUITE_TIMEOUT:-240} -- $PYTEST tests/test_cuda_intranode.py \
+    suite --ranks $n --timeout ${LL_SUITE_TIMEOUT:-240} -- $PYTEST tests/test_cuda_peer.py \
       -k LowLatency -o faulthandler_timeout=120
   fi
 done
 if has lowlatency || has llown; then
   step "low-latency command buffers and fault case (processes of their own)"
-  suite --timeout 240 -- $PYTEST tests/test_cuda_intranode.py -k "command_buffers or skip_low_latency"
+  suite --timeout 240 -- $PYTEST tests/test_cuda_peer.py -k "command_buffers or skip_low_latency"
 fi
 if has lowlatency || has llsanitize; then
   step "compute-sanitizer memcheck and racecheck on the low-latency pair, 2 ranks emulated"
@@ -429,7 +431,7 @@ fi
 # on two H200s ~25-35 s each with the marginal batches; MULTI_SMS="" drops the SM-budget
 # variants, MULTI_SEND_RECV=1 adds XLA's send/recv fallback, which hung there until the timeout).
 num_gpus=$(nvidia-smi -L | grep -c "^GPU ")
-multi_suites="tests/test_cuda_intranode.py tests/test_xla_pipeline.py tests/test_reference.py"
+multi_suites="tests/test_cuda_peer.py tests/test_xla_pipeline.py tests/test_reference.py"
 # (The layer at model shapes is the `layer` stage's: left out here.)
 multi_suites="$multi_suites tests/test_api.py tests/test_layer.py"
 multi_suites="$multi_suites --deselect tests/test_layer.py::TestModelShapes"

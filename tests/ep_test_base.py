@@ -288,7 +288,7 @@ class Target:
 
 REFERENCE = Target("reference backend", "reference", slab_padding_zeroed=True)
 # The cuda backend's one-rank group: its local kernels, no peer. (The peer and network
-# transports' targets depend on the job's devices: tests/test_cuda_intranode.py and
+# transports' targets depend on the job's devices: tests/test_cuda_peer.py and
 # tests/test_cuda_network.py.)
 CUDA_LOCAL = Target("cuda backend at one rank", "cuda", rank_counts=(1,), small_ranks=1,
                     fp8_exact=True)

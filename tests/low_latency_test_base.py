@@ -1,7 +1,7 @@
 """Backend-independent tests of the low-latency pair (decode), checked against the numpy oracle.
 
 Subclassed per target (`ep_test_base.Target`): tests/test_reference.py (CPU),
-tests/test_cuda_local.py (one rank), tests/test_cuda_intranode.py (R ranks under the launcher,
+tests/test_cuda_local.py (one rank), tests/test_cuda_peer.py (R ranks under the launcher,
 emulated on one GPU or one per GPU), tests/test_cuda_network.py (virtual hosts). On the cuda
 backend the rows of a slab past `count` are unspecified, so only the packed rows are compared
 there (the reference's are zeros, which it checks: `Target.slab_padding_zeroed`).

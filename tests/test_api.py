@@ -67,7 +67,7 @@ class TestGroupValidation:
       (dict(config_timeout_s="soon"), TypeError,
        "config_timeout_s must be a number of seconds, got 'soon'")])
   def test_transport_options(self, kwargs, error, message):
-    # Checked for every backend, not only where the intranode transport reads them.
+    # Checked for every backend, not only where the peer transport reads them.
     with pytest.raises(error, match=message):
       _group(**kwargs)
 
@@ -135,14 +135,14 @@ class TestGroupValidation:
                               max_tokens_per_rank=t, backend="cuda", low_latency=True)
     assert one.low_latency_buffer_bytes == one.comm_buffer_bytes > 0
 
-  def test_combine_partials_are_fp32_off_the_intranode_transport(self):
-    # The reference backend never rounds a partial; only the cuda intranode transport sends bf16
-    # partials for bf16 activations (tests/test_cuda_intranode.py checks that case on a GPU).
+  def test_combine_partials_are_fp32_off_the_peer_transport(self):
+    # The reference backend never rounds a partial; only the cuda peer transport sends bf16
+    # partials for bf16 activations (tests/test_cuda_peer.py checks that case on a GPU).
     for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
       assert _group(dtype=dtype).combine_partial_dtype == np.float32
 
-  def test_no_receiving_while_sending_off_the_intranode_transport(self):
-    # Only the cuda intranode transport can place rows as they land (test_cuda_intranode.py checks when).
+  def test_no_receiving_while_sending_off_the_peer_transport(self):
+    # Only the cuda peer transport can place rows as they land (test_cuda_peer.py checks when).
     assert _group().receives_while_sending is False
 
   def test_context_manager_closes(self):

@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
 NUM_RANKS = jax.device_count()
 VIRTUAL_HOSTS = int(os.environ.get("JAX_EP_VIRTUAL_HOSTS", "2"))
-FAULT_WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "intranode_fault_worker.py")
+FAULT_WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "peer_fault_worker.py")
 
 _on_network = (NUM_RANKS >= 2 and NUM_RANKS % VIRTUAL_HOSTS == 0 and VIRTUAL_HOSTS > 1
                and jax.process_count() == NUM_RANKS)

@@ -42,8 +42,8 @@ def test_configuration_mismatch_fails_at_group_creation():
       result.stdout + result.stderr)
 
 
-def test_intranode_transport_bootstrap_exchanges_handles_in_rank_order():
-  worker = os.path.join(os.path.dirname(__file__), "mp_workers", "intranode_bootstrap_worker.py")
+def test_peer_transport_bootstrap_exchanges_handles_in_rank_order():
+  worker = os.path.join(os.path.dirname(__file__), "mp_workers", "peer_bootstrap_worker.py")
   env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_one_device_per_process())
   cmd = [sys.executable, "-m", "jax_ep.launch", "-n", "3", "--grace", "20", "--timeout", "100",
          "--", sys.executable, worker]

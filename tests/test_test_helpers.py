@@ -22,7 +22,7 @@ def test_assert_close_takes_an_elementwise_atol_and_names_the_worst_element():
 
 
 def test_bf16_partials_stay_within_the_rounding_bound():
-  """Rounds each per-(token, rank) partial to bf16 as the intranode transport does, sums in rank
+  """Rounds each per-(token, rank) partial to bf16 as the peer transport does, sums in rank
   order in fp32 and checks the result against the exact sum with the bound the tests allow
   (and that the bound is not vacuous: it is far below the partials' size)."""
   rng = np.random.default_rng(0)

@@ -1,4 +1,4 @@
-"""The plain-XLA baseline of the intranode benchmark computes the contract's results.
+"""The plain-XLA baseline of the peer benchmark (bench_intranode.py) computes the contract's results.
 
 `jax.lax.ragged_all_to_all` is not implemented on XLA:CPU, so the pipeline runs here with the
 benchmark module's emulation of it (all_to_all on padded blocks); on GPUs the benchmark passes

@@ -4,7 +4,7 @@
 # branch A/B without touching the editable install here. Builds in a throwaway worktree.
 #   bash scripts/dev/stage_branch.sh perf/combine-inflight inflight
 #   then, in the device call (carry [".devcarry/inflight", ...]):
-#   (cd .devcarry/inflight && JAX_EP_COMMIT=<hash> bash scripts/gpu_round.sh intranode8 bench)
+#   (cd .devcarry/inflight && JAX_EP_COMMIT=<hash> bash scripts/gpu_round.sh peer8 bench)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 rev=${1:?usage: stage_branch.sh REV NAME}

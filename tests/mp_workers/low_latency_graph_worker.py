@@ -1,6 +1,6 @@
 """A decode step of several low-latency layers replayed in XLA command buffers (CUDA graphs).
 
-Run by tests/test_cuda_local.py (one rank) and tests/test_cuda_intranode.py (under the launcher).
+Run by tests/test_cuda_local.py (one rank) and tests/test_cuda_peer.py (under the launcher).
 The step is compiled with command buffers on for fusions and custom calls; 60 steps, each with
 new tokens and a new routing, are checked against the numpy oracle, and the handlers' call
 counters (jax_ep._native.ffi.extension().low_latency_handler_calls()) must show that the steps

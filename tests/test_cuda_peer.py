@@ -1,12 +1,12 @@
-"""The shared suite on the multi-rank cuda backend (intranode transport), one EP rank per process.
+"""The shared suite on the multi-rank cuda backend (peer transport), one EP rank per process.
 
 Runs under the launcher, on one GPU shared by N processes (CUDA MPS) or one GPU per process:
 
-  python -m jax_ep.launch -n 4 --share-gpu -- python -m pytest tests/test_cuda_intranode.py -q
+  python -m jax_ep.launch -n 4 --share-gpu -- python -m pytest tests/test_cuda_peer.py -q
 
 or in one process driving several GPUs:
 
-  python -m pytest tests/test_cuda_intranode.py
+  python -m pytest tests/test_cuda_peer.py
 
 Marked `gpu`: skipped where no CUDA GPU or extension is present, and skipped with one device
 (nothing to peer).
@@ -38,12 +38,12 @@ PEER = Target("cuda backend's peer transport", "cuda", rank_counts=(NUM_RANKS,),
               vmap_one_round=False)  # one round per batch element under vmap (documented)
 
 
-@pytest.mark.skipif(NUM_RANKS < 2, reason="the intranode transport needs at least 2 ranks")
+@pytest.mark.skipif(NUM_RANKS < 2, reason="the peer transport needs at least 2 ranks")
 class TestCudaIntranodeLowLatency(CudaLowLatencyTests):
   target = PEER
 
 
-@pytest.mark.skipif(NUM_RANKS < 2, reason="the intranode transport needs at least 2 ranks")
+@pytest.mark.skipif(NUM_RANKS < 2, reason="the peer transport needs at least 2 ranks")
 class TestCudaIntranode(EPTestBase):
   target = PEER
 
@@ -154,7 +154,7 @@ def _p2p_atomics_cells() -> list[str]:
           for cell in row[1:]]
 
 
-WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "intranode_fault_worker.py")
+WORKER = os.path.join(os.path.dirname(__file__), "mp_workers", "peer_fault_worker.py")
 
 
 @pytest.mark.skipif(jax.process_count() > 1, reason="starts its own processes")

@@ -1,4 +1,4 @@
-"""Shapes the intranode ops hand to XLA (CPU-checkable part of the multi-rank cuda path).
+"""Shapes the peer ops hand to XLA (CPU-checkable part of the multi-rank cuda path).
 
 XLA:GPU segfaulted compiling a side-effecting custom call with a zero-row result (capacity 0 on
 the H200), so no peer custom call may take or produce a zero-row buffer: capacity 0 and T = 0
@@ -19,7 +19,7 @@ from jax_ep.config import EPConfig
 def calls(monkeypatch):
   seen = []
 
-  def fake_intranode_call(target, result_shapes, *args, **attrs):
+  def fake_group_call(target, result_shapes, *args, **attrs):
     seen.append((target, [a.shape for a in args], [s.shape for s in result_shapes], args))
     return tuple(jnp.zeros(s.shape, s.dtype) for s in result_shapes)
 
@@ -28,7 +28,7 @@ def calls(monkeypatch):
     def peer_dispatch_workspace_elems(*_):
       return 16
 
-  monkeypatch.setattr(cuda_ops, "_group_call", fake_intranode_call)
+  monkeypatch.setattr(cuda_ops, "_group_call", fake_group_call)
   monkeypatch.setattr(cuda_ops.ffi, "extension", lambda: FakeExtension)
   return seen
 
@@ -40,7 +40,7 @@ def _no_zero_rows(seen):
 
 
 @pytest.mark.parametrize("num_tokens,capacity", [(0, 64), (5, 0), (0, 0), (5, 64)])
-def test_intranode_ops_never_pass_zero_rows(calls, num_tokens, capacity):
+def test_peer_ops_never_pass_zero_rows(calls, num_tokens, capacity):
   r, h, k = 2, 128, 2
   config = EPConfig("ep", r, 8, k, h, 16, np.dtype(jnp.bfloat16), capacity)
   x = jnp.ones((num_tokens, h), jnp.bfloat16)

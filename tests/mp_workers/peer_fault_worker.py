@@ -1,4 +1,4 @@
-"""Fault cases of the intranode transport, two processes (see tests/test_cuda_intranode.py).
+"""Fault cases of the peer transport, two processes (see tests/test_cuda_peer.py).
 
   skip_call:       rank 1 never calls dispatch. With the default settings rank 0's dispatch
                    gives up after the group's timeout and returns (no host check inside the
