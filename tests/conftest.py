@@ -29,6 +29,14 @@ if _CPU_ONLY and "xla_backend_extra_options" not in _flags:
   # each op's code from the older emitter, about half the compile time of these tests' small
   # programs. Also in the processes of a job started by jax_ep.launch (this file adds it there).
   _flags += " --xla_backend_extra_options=xla_cpu_disable_new_fusion_emitters"
+if (not _CPU_ONLY and "xla_gpu_autotune_level" not in _flags
+    and os.environ.get("JAX_EP_TEST_AUTOTUNE", "0") != "1"):
+  # On a GPU, XLA's own GEMMs and fusions (the dense models the tests compare with, the
+  # fallbacks) take cuBLAS's and the emitters' default choices instead of timing candidates
+  # during each compile: the tests check results, not XLA's speed, and the timing is a large
+  # part of compiling their programs at model shapes. jax_ep's kernels are not autotuned by XLA
+  # either way. JAX_EP_TEST_AUTOTUNE=1 (or an autotune level in XLA_FLAGS) keeps XLA's default.
+  _flags += " --xla_gpu_autotune_level=0"
 os.environ["XLA_FLAGS"] = _flags.strip()
 if _CPU_ONLY:
   # XLA's CPU backend generates code without LLVM's optimisation passes
