@@ -24,7 +24,7 @@ from jax_ep.layer import (MoEOutput, MoEParams, expert_mlp, expert_mlp_slabs, in
 from jax_ep.routing import (Routing, expert_capacity, expert_counts, limit_expert_capacity,
                             load_balancing_loss, route, router_z_loss, update_router_bias)
 from jax_ep.ops import (DispatchResult, Handle, LowLatencyHandle, LowLatencyResult,
-                        LowLatencySent, combine, dispatch, low_latency_combine,
+                        LowLatencySent, combine, dequantize, dispatch, low_latency_combine,
                         low_latency_combine_send, low_latency_combine_wait,
                         low_latency_dispatch, low_latency_dispatch_send,
                         low_latency_dispatch_wait, zero_padding)
@@ -38,7 +38,7 @@ _ffi.extension()
 __all__ = [
     "Group", "CapacityOverflowError", "MemoryEstimate", "memory_bytes", "default_capacity",
     "capacity_from_buffer_factor",
-    "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
+    "dispatch", "combine", "dequantize", "low_latency_dispatch", "low_latency_combine",
     "low_latency_dispatch_send", "low_latency_dispatch_wait", "low_latency_combine_send",
     "low_latency_combine_wait", "LowLatencySent", "RowFormat",
     "grouped_matmul", "grouped_matmul_impl", "expert_mlp", "expert_mlp_slabs",

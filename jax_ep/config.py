@@ -14,7 +14,10 @@ DTYPES = tuple(np.dtype(d) for d in (jnp.bfloat16, jnp.float16, jnp.float32))
 
 
 class RowFormat(enum.Enum):
-  """How the low-latency dispatch sends and returns its rows (`jax_ep.low_latency_dispatch`).
+  """How a dispatch sends and returns its rows: the low-latency dispatch's per-call
+  `row_format` (`jax_ep.low_latency_dispatch`) and the high-throughput dispatch's per-group
+  `wire_format` (`jax_ep.Group(..., wire_format=...)`, whose `scales` are `[capacity, H/128]`,
+  or `[capacity, H/512]` int32 with FP8_UE8M0).
 
   The fp8 formats quantise each token per block of 128 channels to float8_e4m3fn with
   `scale = amax / 448` of the block (1 for an all-zero block), `q = e4m3(x / scale)`; they need
@@ -49,9 +52,9 @@ class RowFormat(enum.Enum):
     return self is RowFormat.FP8_UE8M0
 
 
-def as_row_format(row_format, where: str) -> RowFormat:
+def as_row_format(row_format, where: str, name: str = "row_format") -> RowFormat:
   """`row_format` as a `RowFormat`: a member, or its value or name as a string (any case);
-  anything else raises an error that names `where`."""
+  anything else raises an error that names `where` and the argument `name`."""
   if isinstance(row_format, RowFormat):
     return row_format
   members = ", ".join(f"RowFormat.{m.name}" for m in RowFormat)
@@ -59,8 +62,8 @@ def as_row_format(row_format, where: str) -> RowFormat:
     for member in RowFormat:
       if row_format.lower() in (member.value, member.name.lower()):
         return member
-    raise ValueError(f"{where}: row_format must be one of {members}, got {row_format!r}")
-  raise TypeError(f"{where}: row_format must be a jax_ep.RowFormat ({members}), got "
+    raise ValueError(f"{where}: {name} must be one of {members}, got {row_format!r}")
+  raise TypeError(f"{where}: {name} must be a jax_ep.RowFormat ({members}), got "
                   f"{row_format!r} of type {type(row_format).__name__}")
 
 
@@ -84,6 +87,8 @@ class EPConfig:
       or None when it was given in rows or left at the default. Informational: every layer
       reads `capacity`, so it takes no part in equality, hashing or the fingerprint (two
       processes that reach the same rows by different arguments build the same buffers).
+    wire_format: how the high-throughput dispatch sends and returns its rows (`RowFormat`;
+      PLAIN: the activations' dtype; an fp8 member: e4m3 rows with their scales).
   """
 
   axis_name: str
@@ -97,6 +102,7 @@ class EPConfig:
   strict: bool = False
   buffer_factor: float | None = dataclasses.field(default=None, compare=False)
   expert_alignment: int = 1
+  wire_format: RowFormat = RowFormat.PLAIN
 
   @property
   def num_local_experts(self) -> int:
@@ -113,7 +119,26 @@ class EPConfig:
                 num_topk=self.num_topk, hidden=self.hidden,
                 max_tokens_per_rank=self.max_tokens_per_rank, dtype=str(np.dtype(self.dtype)),
                 capacity=self.capacity, strict=self.strict,
-                expert_alignment=self.expert_alignment)
+                expert_alignment=self.expert_alignment, wire_format=self.wire_format.value)
+
+
+def check_fp8_hidden(fmt: RowFormat, hidden: int, where: str, name: str) -> None:
+  """Raises unless `hidden` fits the fp8 `fmt` (`name=fmt` in the message): one scale per 128
+  channels, and four UE8M0 exponents to an int32 (512 channels)."""
+  if fmt.is_fp8 and hidden % 128:
+    raise ValueError(f"{where}: {name}={fmt} needs hidden to be a multiple of 128 (one scale "
+                     f"per 128 channels), got hidden={hidden}")
+  if fmt.ue8m0 and hidden % 512:
+    raise ValueError(f"{where}: {name}={fmt} needs hidden to be a multiple of 512 (four "
+                     f"scales per int32), got hidden={hidden}")
+
+
+def fp8_scales_shape(fmt: RowFormat, rows: int, hidden: int) -> tuple[tuple[int, int], np.dtype]:
+  """`(shape, dtype)` of the scales of `rows` fp8 rows of `hidden` channels in `fmt`:
+  `[rows, H/128]` float32, or `[rows, H/512]` int32 (UE8M0 exponents, four to a word)."""
+  if fmt.ue8m0:
+    return (rows, hidden // 512), np.dtype(np.int32)
+  return (rows, hidden // 128), np.dtype(np.float32)
 
 
 def positive_int(name: str, value, where: str = "jax_ep.Group") -> int:

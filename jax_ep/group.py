@@ -119,6 +119,16 @@ class Group:
       whose processes run on several real hosts takes the same network transport when created
       with `backend='cuda'` (NVSHMEM installed and jax_ep built with it); `backend='auto'`
       gives such a group the reference backend.
+    wire_format: how `dispatch` sends and returns its rows (`jax_ep.RowFormat`, or a member's
+      value or name as a string; default PLAIN: the activations' dtype, as ever). An fp8
+      member (FP8, FP8_POW2_SCALES, FP8_UE8M0, as the low-latency `row_format`) quantises
+      each token once, on its own rank, per 128 channels to float8_e4m3fn with
+      `scale = amax / 448` (the low-latency dispatch's rounding), sends those bytes and the
+      scales, and returns `recv.x` `[capacity, H]` float8_e4m3fn with `recv.scales`
+      `[capacity, H/128]` float32 (`[capacity, H/512]` int32 UE8M0 exponents with FP8_UE8M0);
+      needs `H % 128 == 0` (`H % 512` with FP8_UE8M0). Combine stays in `dtype`. The
+      reference backend only, for now: `backend='cuda'` refuses it and `'auto'` takes the
+      reference (docs/api.md, "FP8 dispatch").
     capacity_factor: not taken: a `TypeError` says which of `buffer_factor` (this rank's
       receive buffer, MaxText's `ragged_buffer_factor`) and `jax_ep.limit_expert_capacity`
       (each expert's slots per sequence, MaxText's and GShard's `capacity_factor`) a config
@@ -131,7 +141,7 @@ class Group:
                config_timeout_s: float = 60.0, num_sms: int = 24, timeout_s: float = 60.0,
                raise_on_timeout: bool = False, low_latency: bool = False,
                virtual_hosts: int | None = None, expert_alignment: int = 1,
-               capacity_factor: None = None):
+               wire_format: RowFormat | str | None = None, capacity_factor: None = None):
     if axis_name not in mesh.axis_names:
       raise ValueError(f"jax_ep.Group: axis_name {axis_name!r} is not an axis of the mesh "
                        f"(mesh axes: {tuple(mesh.axis_names)})")
@@ -142,7 +152,8 @@ class Group:
         "jax_ep.Group", axis_name, num_ranks=num_ranks, num_experts=num_experts,
         num_topk=num_topk, hidden=hidden, max_tokens_per_rank=max_tokens_per_rank, dtype=dtype,
         capacity=capacity, buffer_factor=buffer_factor, expert_alignment=expert_alignment,
-        strict=strict, ranks=f"the size of mesh axis {axis_name!r} ({num_ranks} ranks)")
+        strict=strict, ranks=f"the size of mesh axis {axis_name!r} ({num_ranks} ranks)",
+        wire_format=wire_format)
     options = CommOptions.checked(num_sms=num_sms, timeout_s=timeout_s,
                                   config_timeout_s=config_timeout_s,
                                   raise_on_timeout=raise_on_timeout)
@@ -204,6 +215,7 @@ class Group:
   buffer_factor = property(lambda self: self.config.buffer_factor)
   strict = property(lambda self: self.config.strict)
   expert_alignment = property(lambda self: self.config.expert_alignment)
+  wire_format = property(lambda self: self.config.wire_format)
 
   @property
   def receives_while_sending(self) -> bool:
@@ -265,7 +277,8 @@ class Group:
                         hidden=c.hidden, max_tokens_per_rank=c.max_tokens_per_rank,
                         dtype=c.dtype, capacity=c.capacity,
                         expert_alignment=c.expert_alignment, backend=self.backend_name,
-                        row_format=row_format, low_latency=self.low_latency,
+                        row_format=row_format, wire_format=c.wire_format,
+                        low_latency=self.low_latency,
                         network=isinstance(self._transport, NetworkTransport),
                         num_hosts=self.topology.num_hosts if self.topology else 0,
                         ffn=ffn, activation=activation)
@@ -340,6 +353,8 @@ class Group:
     factor = "" if c.buffer_factor is None else f", buffer_factor={c.buffer_factor!r}"
     if c.expert_alignment != 1:
       factor += f", expert_alignment={c.expert_alignment}"
+    if c.wire_format.is_fp8:
+      factor += f", wire_format={c.wire_format}"
     return (f"jax_ep.Group(axis={c.axis_name!r}, ranks={c.num_ranks}, experts={c.num_experts}, "
             f"topk={c.num_topk}, hidden={c.hidden}, max_tokens_per_rank={c.max_tokens_per_rank}, "
             f"dtype={c.dtype}, capacity={c.capacity}{factor}, backend={self.backend_name!r})")

@@ -16,7 +16,9 @@ import numpy as np
 
 from jax_ep._native.varying import vary_like_operands
 from jax_ep.backends import primitives
-from jax_ep.config import RowFormat, alignment_padding, as_row_format
+from jax_ep.backends.reference import unpack_ue8m0
+from jax_ep.config import (RowFormat, alignment_padding, as_row_format, check_dtype,
+                           check_fp8_hidden, fp8_scales_shape)
 from jax_ep.experts.layout import rows_inside_groups
 from jax_ep.group import Group
 from jax_ep.routing import merge_duplicate_slots
@@ -42,12 +44,19 @@ class DispatchResult(NamedTuple):
       cumulative sum of `group_sizes`, each rounded up to a multiple of the group's
       `expert_alignment` (with the default 1, of `group_sizes` itself), at most `capacity` (an
       expert that kept no row because the buffer was full starts at `capacity`).
+    scales: with an fp8 `wire_format` (`jax_ep.Group`), `x` is float8_e4m3fn and row `i`
+      stands for `x[i]` times `scales[i]`, one scale per 128 channels: `[capacity, H/128]`
+      float32 (`[capacity, H/512]` int32 UE8M0 exponents, four to a word, the first in the
+      lowest byte, with `RowFormat.FP8_UE8M0`); rows outside the groups as in `x` (zeros on
+      the reference backend). `jax_ep.dequantize(recv.x, recv.scales)` gives the rows in the
+      group's dtype. None with the default PLAIN wire format.
   """
   x: jax.Array
   group_sizes: jax.Array
   num_dropped: jax.Array
   num_invalid: jax.Array
   group_offsets: jax.Array
+  scales: jax.Array | None = None
 
   def valid_rows(self) -> jax.Array:
     """`[capacity]` bool: the rows of `x` that hold dispatched tokens (inside
@@ -75,8 +84,11 @@ def zero_padding(recv: DispatchResult) -> DispatchResult:
   if not isinstance(recv, DispatchResult):
     raise TypeError(f"jax_ep.zero_padding: recv must be a DispatchResult, got "
                     f"{type(recv).__name__}")
-  return recv._replace(x=jnp.where(recv.valid_rows()[..., None], recv.x,
-                                   jnp.zeros((), recv.x.dtype)))
+  valid = recv.valid_rows()[..., None]
+  scales = recv.scales
+  if scales is not None:  # an fp8 dispatch's: a zero scale for a zero row
+    scales = jnp.where(valid, scales, jnp.zeros((), scales.dtype))
+  return recv._replace(x=jnp.where(valid, recv.x, jnp.zeros((), recv.x.dtype)), scales=scales)
 
 
 @jax.tree_util.register_static
@@ -199,10 +211,11 @@ def _check_array(op: str, name: str, value, *, ndim: int, dtypes, shape=None) ->
 
 
 def _check_tokens(group: Group, op: str, x, topk_idx, topk_weights=None, *,
-                  weighted: bool = False) -> None:
-  """Checks the tokens and their routing; `weighted`: `topk_weights` is required."""
+                  weighted: bool = False, x_dtypes=None) -> None:
+  """Checks the tokens and their routing; `weighted`: `topk_weights` is required; `x_dtypes`:
+  the dtypes `x` may have (default: the group's)."""
   c = group.config
-  _check_array(op, "x", x, ndim=2, dtypes=(c.dtype,), shape=("T", "H"))
+  _check_array(op, "x", x, ndim=2, dtypes=x_dtypes or (c.dtype,), shape=("T", "H"))
   _check_array(op, "topk_idx", topk_idx, ndim=2, dtypes=(jnp.int32,), shape=("T", "K"))
   num_tokens, hidden = x.shape
   if hidden != c.hidden:
@@ -254,12 +267,49 @@ def _strict_check(group: Group, num_dropped):
   return num_dropped
 
 
-def dispatch(group: Group, x, topk_idx, topk_weights):
+def _check_x_scales(group: Group, x, x_scales):
+  """With an fp8 `wire_format`: whether `x` comes quantised (float8_e4m3fn, with `x_scales` of
+  the format's shape and dtype) or in the group's dtype (quantised by dispatch); a PLAIN group
+  takes no `x_scales`."""
+  c = group.config
+  fmt = c.wire_format
+  if not fmt.is_fp8:
+    if x_scales is not None:
+      raise ValueError(f"jax_ep.dispatch: x_scales is taken by a group whose wire_format is an "
+                       f"fp8 jax_ep.RowFormat (FP8, FP8_POW2_SCALES, FP8_UE8M0); {group!r} "
+                       f"dispatches PLAIN rows in {c.dtype}: pass x alone")
+    return
+  e4m3 = np.dtype(jnp.float8_e4m3fn)
+  if np.dtype(x.dtype) != e4m3:
+    if x_scales is not None:
+      raise TypeError(f"jax_ep.dispatch: x_scales comes with float8_e4m3fn rows x; x has dtype "
+                      f"{x.dtype} (the group's {c.dtype}: dispatch quantises it itself, pass "
+                      f"no x_scales)")
+    return
+  shape, dtype = fp8_scales_shape(fmt, x.shape[0], c.hidden)
+  spelled = "[T, H/512] int32" if fmt.ue8m0 else "[T, H/128] float32"
+  if x_scales is None:
+    raise TypeError(f"jax_ep.dispatch: float8_e4m3fn rows x need their scales: pass x_scales "
+                    f"{spelled} = {shape} (wire_format={fmt})")
+  if not hasattr(x_scales, "shape") or not hasattr(x_scales, "dtype"):
+    raise TypeError(f"jax_ep.dispatch: x_scales must be an array {spelled}, got "
+                    f"{type(x_scales).__name__}")
+  if np.dtype(x_scales.dtype) != dtype:
+    raise TypeError(f"jax_ep.dispatch: x_scales must have dtype {dtype} (wire_format={fmt}: "
+                    f"{spelled}), got {x_scales.dtype}")
+  if tuple(x_scales.shape) != shape:
+    raise ValueError(f"jax_ep.dispatch: x_scales must have shape {spelled} = {shape} (T from x, "
+                     f"wire_format={fmt}), got {tuple(x_scales.shape)}")
+
+
+def dispatch(group: Group, x, topk_idx, topk_weights, *, x_scales=None):
   """Sends each token to the ranks that own its experts, grouped for a grouped GEMM.
 
   Args:
     group: the `Group`.
-    x: `[T, H]` activations in the group's dtype, `T <= max_tokens_per_rank`.
+    x: `[T, H]` activations in the group's dtype, `T <= max_tokens_per_rank`. With an fp8
+      `wire_format` (`jax_ep.Group`) also float8_e4m3fn rows already quantised by the caller,
+      with their `x_scales`; rows in the group's dtype are quantised here, once per token.
     topk_idx: `[T, K]` int32 expert ids in `[0, E)`, or -1 for a slot that selects nothing.
       Ids outside `[-1, E)` are treated as -1 and counted in `num_invalid`. Slots of one token
       that name the same expert are merged into one row whose weight is the sum of theirs
@@ -268,32 +318,89 @@ def dispatch(group: Group, x, topk_idx, topk_weights):
     topk_weights: `[T, K]` float32 router weights, kept in the handle for `combine` (bf16 and
       f16 weights are accepted and cast to float32 first; their gradient comes back in their
       dtype).
+    x_scales: with float8_e4m3fn `x` on an fp8 group only: `[T, H/128]` float32 (row `t`
+      stands for `x[t]` times its scales, one per 128 channels), or `[T, H/512]` int32 UE8M0
+      exponents for `RowFormat.FP8_UE8M0`. Sent as given.
 
   Returns:
     `(DispatchResult, Handle)`. Differentiable in `x` (and, through combine, in topk_weights).
-    `T = 0` is allowed: nothing moves (every rank has the same static `T`).
+    `T = 0` is allowed: nothing moves (every rank has the same static `T`). With an fp8
+    `wire_format`, `recv.x` is float8_e4m3fn with `recv.scales`; the gradient passes straight
+    through the quantisation: `recv.x`'s cotangent is taken in the group's dtype as the
+    cotangent of the rows it stands for (what `jax_ep.dequantize` gives), and `x`'s is its
+    unweighted combine, in the group's dtype (also for e4m3 `x`; `x_scales` get none).
   """
   _check_group(group, "dispatch")
-  _check_tokens(group, "dispatch", x, topk_idx, topk_weights, weighted=True)
-  topk_weights = topk_weights.astype(jnp.float32)
   c = group.config
+  fp8 = c.wire_format.is_fp8
+  _check_tokens(group, "dispatch", x, topk_idx, topk_weights, weighted=True,
+                x_dtypes=(c.dtype, jnp.float8_e4m3fn) if fp8 else None)
+  _check_x_scales(group, x, x_scales)
+  topk_weights = topk_weights.astype(jnp.float32)
   if x.shape[0] == 0:
     # Shapes are static and equal on every rank, so no rank has a token: nothing moves, and no
     # rank issues a communication op (which keeps the groups' call counts in step).
     zero = jnp.zeros((), jnp.int32)
     no_rows = jnp.zeros((c.num_local_experts,), jnp.int32)
-    recv = DispatchResult(jnp.zeros((c.capacity, c.hidden), c.dtype), no_rows, zero, zero,
-                          no_rows)
+    rows = jnp.zeros((c.capacity, c.hidden), jnp.float8_e4m3fn if fp8 else c.dtype)
+    scales = None
+    if fp8:
+      scales = jnp.zeros(*fp8_scales_shape(c.wire_format, c.capacity, c.hidden))
+    recv = DispatchResult(rows, no_rows, zero, zero, no_rows, scales)
     # Typed like every other call's results (varying wherever the inputs do).
-    recv = DispatchResult(*vary_like_operands(tuple(recv), (x, topk_idx, topk_weights)))
+    recv = vary_like_operands(recv, (x, topk_idx, topk_weights))
     return recv, Handle((), topk_weights, _origin(group))
   topk_idx, topk_weights = merge_duplicate_slots(topk_idx, topk_weights, c.num_experts)
-  recv_x, group_sizes, num_dropped, num_invalid, layout = primitives.dispatch(
-      group.backend, x, topk_idx, topk_weights)
+  scales = None
+  if fp8:
+    recv_x, scales, group_sizes, num_dropped, num_invalid, layout = primitives.dispatch_fp8(
+        group.backend, x, x_scales, topk_idx, topk_weights)
+  else:
+    recv_x, group_sizes, num_dropped, num_invalid, layout = primitives.dispatch(
+        group.backend, x, topk_idx, topk_weights)
   num_dropped = _strict_check(group, num_dropped)
   offsets = group_offsets(group_sizes, c.expert_alignment, c.capacity)
-  return (DispatchResult(recv_x, group_sizes, num_dropped, num_invalid, offsets),
+  return (DispatchResult(recv_x, group_sizes, num_dropped, num_invalid, offsets, scales),
           Handle(layout, topk_weights, _origin(group)))
+
+
+def dequantize(x, scales, dtype=jnp.bfloat16):
+  """fp8 rows in `dtype`: `x` `[..., H]` float8_e4m3fn times its `scales`, one per 128
+  channels, rounded once to `dtype`.
+
+  Args:
+    x: `[..., H]` float8_e4m3fn (`DispatchResult.x` of an fp8 group, or
+      `LowLatencyResult.x`), `H % 128 == 0`.
+    scales: `[..., H/128]` float32, or `[..., H/512]` int32 UE8M0 exponents (four to a word,
+      `RowFormat.FP8_UE8M0`).
+    dtype: the result's dtype (the group's, bfloat16 by default).
+
+  Returns:
+    `[..., H]` in `dtype`. Differentiable: the cotangent passes straight through to `x`, in
+    `dtype` (the rows' cotangent `jax_ep.dispatch` takes), and `scales` get none.
+  """
+  where = "jax_ep.dequantize"
+  if not hasattr(x, "shape") or np.dtype(x.dtype) != np.dtype(jnp.float8_e4m3fn):
+    raise TypeError(f"{where}: x must be a float8_e4m3fn array [..., H], got "
+                    f"{getattr(x, 'dtype', type(x).__name__)}")
+  if x.ndim < 1 or x.shape[-1] % 128:
+    raise ValueError(f"{where}: x must have a last dimension H that is a multiple of 128 (one "
+                     f"scale per 128 channels), got shape {x.shape}")
+  if not hasattr(scales, "shape") or np.dtype(scales.dtype) not in (np.dtype(np.float32),
+                                                                     np.dtype(np.int32)):
+    raise TypeError(f"{where}: scales must be a float32 [..., H/128] or int32 (UE8M0) "
+                    f"[..., H/512] array, got {getattr(scales, 'dtype', type(scales).__name__)}")
+  ue8m0 = np.dtype(scales.dtype) == np.dtype(np.int32)
+  per = 512 if ue8m0 else 128
+  want = (*x.shape[:-1], x.shape[-1] // per)
+  if x.shape[-1] % per or tuple(scales.shape) != want:
+    spelled = "[..., H/512] int32" if ue8m0 else "[..., H/128] float32"
+    raise ValueError(f"{where}: scales must have shape {spelled} = {want} for x of shape "
+                     f"{x.shape}, got {tuple(scales.shape)}")
+  dtype = check_dtype(dtype, where)
+  if ue8m0:
+    scales = unpack_ue8m0(scales)
+  return primitives.dequantize(x, scales, dtype)
 
 
 def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):
@@ -330,12 +437,7 @@ def _row_format(group: Group, op: str, row_format) -> RowFormat:
   """The dispatch's `RowFormat` (a member, or its value or name as a string; None: PLAIN),
   checked against the group's hidden."""
   fmt = RowFormat.PLAIN if row_format is None else as_row_format(row_format, f"jax_ep.{op}")
-  if fmt.is_fp8 and group.hidden % 128:
-    raise ValueError(f"jax_ep.{op}: row_format={fmt} needs hidden to be a multiple "
-                     f"of 128 (one scale per 128 channels), got hidden={group.hidden}")
-  if fmt.ue8m0 and group.hidden % 512:
-    raise ValueError(f"jax_ep.{op}: row_format={fmt} needs hidden to be a "
-                     f"multiple of 512 (four scales per int32), got hidden={group.hidden}")
+  check_fp8_hidden(fmt, group.hidden, f"jax_ep.{op}", "row_format")
   return fmt
 
 

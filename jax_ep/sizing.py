@@ -17,7 +17,8 @@ import numpy as np
 
 from jax_ep.backends import registry
 from jax_ep.config import (EPConfig, RowFormat, alignment_padding, as_row_format, check_dtype,
-                            check_expert_alignment, default_capacity, positive_int)
+                            check_expert_alignment, check_fp8_hidden, default_capacity,
+                            positive_int)
 from jax_ep.experts.mlp import fused_mlp_impl, fused_saved_bytes
 from jax_ep.gmm import ROW_TILE
 from jax_ep.routing import merge_duplicate_slots
@@ -120,11 +121,12 @@ def resolve_capacity(capacity, buffer_factor, num_ranks: int, max_tokens_per_ran
 def check_configuration(where: str, axis_name: str, *, num_ranks: int, num_experts, num_topk,
                         hidden, max_tokens_per_rank, dtype, capacity, buffer_factor,
                         expert_alignment, strict: bool = False,
-                        ranks: str | None = None) -> EPConfig:
+                        ranks: str | None = None, wire_format=None) -> EPConfig:
   """The `EPConfig` of a group's arguments, or the error that names the first one a group
   cannot take: the one rule `jax_ep.Group` and `jax_ep.memory_bytes` both apply, so that a
   configuration is sized only where it can be created. `ranks` says where `num_ranks` came
-  from in messages (default `num_ranks=R`, the argument)."""
+  from in messages (default `num_ranks=R`, the argument). `wire_format`: the high-throughput
+  dispatch's `RowFormat` (a member or its name; None: PLAIN)."""
   num_ranks = positive_int("num_ranks", num_ranks, where)
   ranks = ranks or f"num_ranks={num_ranks}"
   num_experts = positive_int("num_experts", num_experts, where)
@@ -137,6 +139,9 @@ def check_configuration(where: str, axis_name: str, *, num_ranks: int, num_exper
     raise ValueError(f"{where}: num_topk={num_topk} must be <= num_experts={num_experts} (a "
                      f"token selects at most every expert once)")
   dtype = check_dtype(dtype, where)
+  wire_format = (RowFormat.PLAIN if wire_format is None
+                 else as_row_format(wire_format, where, "wire_format"))
+  check_fp8_hidden(wire_format, hidden, where, "wire_format")
   expert_alignment = check_expert_alignment(expert_alignment, where)
   capacity, buffer_factor = resolve_capacity(capacity, buffer_factor, num_ranks,
                                              max_tokens_per_rank, num_topk,
@@ -144,7 +149,7 @@ def check_configuration(where: str, axis_name: str, *, num_ranks: int, num_exper
                                              expert_alignment=expert_alignment)
   return EPConfig(axis_name, num_ranks, num_experts, num_topk, hidden, max_tokens_per_rank,
                   dtype, capacity, bool(strict), buffer_factor=buffer_factor,
-                  expert_alignment=expert_alignment)
+                  expert_alignment=expert_alignment, wire_format=wire_format)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +157,8 @@ class MemoryEstimate:
   """Bytes one rank needs for a group configuration.
 
   Attributes:
-    recv_x_bytes: the high-throughput dispatch output `[capacity, H]`.
+    recv_x_bytes: the high-throughput dispatch output `[capacity, H]` (with an fp8
+      `wire_format`, one byte per element plus the scales).
     handle_bytes: routing metadata kept between dispatch and combine (the largest backend's).
     low_latency_recv_bytes: the low-latency dispatch output `[L, R*T_max, H]` (bf16 or fp8 plus
       scales, whichever asked).
@@ -240,9 +246,9 @@ def _check_ffn(ffn, activation) -> int:
 
 
 def low_latency_row_bytes(row_format: RowFormat, hidden: int, dtype) -> int:
-  """Bytes of one row of the low-latency output with its scale: `H` activations; fp8: `H`
-  bytes and a float32 scale per 128 channels (`FP8_UE8M0`: one exponent byte per 128 channels,
-  four to an int32)."""
+  """Bytes of one dispatched row with its scales (either mode's `RowFormat`): `H` activations;
+  fp8: `H` bytes and a float32 scale per 128 channels (`FP8_UE8M0`: one exponent byte per 128
+  channels, four to an int32)."""
   if not row_format.is_fp8:
     return hidden * np.dtype(dtype).itemsize
   if row_format.ue8m0:
@@ -254,7 +260,8 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
                  max_tokens_per_rank: int, dtype=jnp.bfloat16, capacity: int | None = None,
                  buffer_factor: float | None = None, expert_alignment: int = 1,
                  backend: str = "reference",
-                 row_format: RowFormat | str | None = None, low_latency: bool = False,
+                 row_format: RowFormat | str | None = None,
+                 wire_format: RowFormat | str | None = None, low_latency: bool = False,
                  network: bool = False, num_hosts: int = 0, ffn: int | None = None,
                  activation: str = "swiglu", capacity_factor: None = None) -> MemoryEstimate:
   """How much memory one rank needs for this configuration, before anything is allocated.
@@ -267,7 +274,10 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
       takes it: the worst case and the factor's rows grow by the padding `L * (A - 1)`, and so
       does every figure sized by the capacity. backend: 'reference' or 'cuda'. row_format:
       the low-latency rows' `jax_ep.RowFormat` (default PLAIN; fp8 formats count their scales),
-      which sizes `low_latency_recv_bytes`. low_latency: a cuda
+      which sizes `low_latency_recv_bytes`. wire_format: the high-throughput dispatch's
+      `jax_ep.RowFormat`, as `jax_ep.Group` takes it (default PLAIN): `recv_x_bytes` is
+      `capacity` rows of `H` bytes plus their scales with an fp8 member (the expert layer's
+      figures keep the activations' dtype). low_latency: a cuda
       group created with `low_latency=True` (its communication buffers include the low-latency
       ones).
     network: a cuda group whose ranks span `num_hosts` hosts (real or `virtual_hosts`): its
@@ -310,7 +320,7 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
                                num_topk=num_topk, hidden=hidden,
                                max_tokens_per_rank=max_tokens_per_rank, dtype=dtype,
                                capacity=capacity, buffer_factor=buffer_factor,
-                               expert_alignment=expert_alignment)
+                               expert_alignment=expert_alignment, wire_format=wire_format)
   if backend not in registry.BACKENDS:
     raise ValueError(f"{where}: backend must be {' or '.join(map(repr, registry.BACKENDS))} "
                      f"(the group's `backend_name`); got {backend!r}")
@@ -320,7 +330,8 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
       config.max_tokens_per_rank, config.dtype, config.capacity)
   num_local = config.num_local_experts
   t, k, r = max_tokens_per_rank, num_topk, num_ranks
-  recv_x = capacity * hidden * dtype.itemsize
+  rows = capacity * hidden * dtype.itemsize  # the dispatched rows in the activations' dtype
+  recv_x = capacity * low_latency_row_bytes(config.wire_format, hidden, dtype)
   handle = 4 * (t * k + r * t * k + capacity) + 4 * t * k  # routing + the weights
   slab_rows = num_local * r * t
   low_latency_rows = slab_rows * low_latency_row_bytes(row_format, hidden, dtype)
@@ -331,7 +342,7 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
     ffn = _check_ffn(ffn, activation)
     layer_input = t * hidden * dtype.itemsize
     saved = (layer_input + handle + _merge_saved_bytes(t, k, num_experts)
-             + recv_x + 2 * 4 * num_local
+             + rows + 2 * 4 * num_local
              + _expert_mlp_saved_bytes(activation, capacity, num_local, hidden, ffn, dtype)
              + capacity * hidden * dtype.itemsize)
     saved_remat = layer_input + t * k * (4 + 4)

@@ -36,6 +36,15 @@ class HighThroughputBackend(Protocol):
     already merged), `topk_weights` `[T, K]` float32 -> `(recv_x [C, H], group_sizes [L] int32,
     num_dropped [] int32, num_invalid [] int32, layout)`."""
 
+  def dispatch_fp8(self, x: jax.Array, x_scales: jax.Array | None, topk_idx: jax.Array,
+                   topk_weights: jax.Array) -> tuple:
+    """Dispatch in the group's fp8 `config.wire_format`: `x` `[T, H]` in the activations'
+    dtype (quantised here, once per token, `x_scales` None) or float8_e4m3fn rows with their
+    `x_scales` (`[T, H/128]` float32, `[T, H/512]` int32 for UE8M0) -> `(recv_x [C, H]
+    float8_e4m3fn, recv_scales [C, H/128] or [C, H/512], group_sizes, num_dropped,
+    num_invalid, layout)`; the layout is `dispatch`'s (combine takes it). Only backends whose
+    registry entry accepts an fp8 `wire_format` implement it."""
+
   def dispatch_cached(self, x: jax.Array, layout: Any, topk_weights: jax.Array | None = None
                       ) -> jax.Array:
     """`x` `[T, H]` placed as an earlier dispatch placed its rows (`layout`): `[C, H]`; with

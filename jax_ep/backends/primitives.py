@@ -3,6 +3,9 @@
 They see a backend through the `Backend` protocol (jax_ep/backends/base.py) alone.
 
 - dispatch is linear in `x`: its transpose is the unweighted combine of the cotangent.
+- the fp8 dispatch passes the gradient straight through its quantisation (as DeepSeek-V3
+  trains): the cotangent of its e4m3 rows is taken in the group's dtype as that of the rows
+  they stand for (`dequantize` gives it so), and its transpose is the same unweighted combine.
 - the weighted combine is linear in `expert_out`: its transpose is a dispatch of `d_out` scaled
   per slot by the weight; the `topk_weights` cotangent is `<d_out[t], expert_out[row(t, k)]>`.
 - the unweighted combine's transpose is the plain dispatch along the same layout
@@ -48,6 +51,58 @@ def _dispatch_bwd(backend: Backend, residuals, cotangents):
 
 
 dispatch.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+# NOTES: an e4m3 row's cotangent is carried in the group's dtype, never in float8 (3 mantissa
+# bits, and values past 448 turn into NaN): `dequantize` returns the cotangent of the rows it
+# made as its e4m3 input's, and `dispatch_fp8` takes that as its rows' cotangent. JAX accepts a
+# custom_vjp cotangent of another float dtype for a float input of the same shape (its
+# `_temporary_dtype_exception`; tests/test_fp8_dispatch.py holds it to that under jit,
+# shard_map, vmap and jax.checkpoint). A float8 cotangent (code that casts the rows itself)
+# is widened and taken the same way, with its rounding.
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def dispatch_fp8(backend: Backend, x, x_scales, topk_idx, topk_weights):
+  """`(recv_x e4m3, recv_scales, group_sizes, num_dropped, num_invalid, layout)` in the
+  group's fp8 `wire_format`; differentiable in `x` (straight through the quantisation: the
+  unweighted combine of the rows' cotangent, in the group's dtype). `x_scales` (given with
+  e4m3 `x`) gets no cotangent; an e4m3 `x` gets its cotangent in the group's dtype."""
+  return backend.dispatch_fp8(x, x_scales, topk_idx, topk_weights)
+
+
+def _dispatch_fp8_fwd(backend: Backend, x, x_scales, topk_idx, topk_weights):
+  outs = backend.dispatch_fp8(x, x_scales, topk_idx, topk_weights)
+  return outs, (outs[-1], x)
+
+
+def _dispatch_fp8_bwd(backend: Backend, residuals, cotangents):
+  layout, x = residuals
+  d_rows = cotangents[0].astype(backend.config.dtype)
+  return sum_to_primal(backend.combine(d_rows, layout), x), None, None, None
+
+
+dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def dequantize(x, scales, dtype):
+  """e4m3 rows `x` `[..., H]` times their float32 `scales` `[..., H/128]` (one per 128
+  channels), rounded once to `dtype`. Its cotangent passes straight through to `x`, in
+  `dtype` (see the NOTES above); `scales` get none."""
+  x32 = x.astype(jnp.float32).reshape(*x.shape[:-1], scales.shape[-1], -1)
+  return (x32 * scales.astype(jnp.float32)[..., None]).reshape(x.shape).astype(dtype)
+
+
+def _dequantize_fwd(x, scales, dtype):
+  return dequantize(x, scales, dtype), None
+
+
+def _dequantize_bwd(dtype, residuals, d_out):
+  del dtype, residuals
+  return d_out, None
+
+
+dequantize.defvjp(_dequantize_fwd, _dequantize_bwd)
 
 
 def combine(backend: Backend, expert_out, layout, topk_weights=None):

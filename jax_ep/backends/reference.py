@@ -233,11 +233,12 @@ def _round_up_power_of_two(s: jax.Array) -> jax.Array:
   return jax.lax.bitcast_convert_type(jnp.where(exponent == 0, subnormal, normal), jnp.float32)
 
 
-def _fp8_quantize(x: jax.Array, block: int = 128, round_scale: bool = False):
+def fp8_quantize(x: jax.Array, block: int = 128, round_scale: bool = False):
   """Per-token, per-`block`-channel e4m3 quantisation: `(q [T, H] f8, scales [T, H/block] f32)`.
 
   `scale = amax / 448` (1 for an all-zero block); with `round_scale` the smallest power of two
-  at least that (so that a UE8M0 exponent holds it exactly)."""
+  at least that (so that a UE8M0 exponent holds it exactly). The one rounding of both modes'
+  fp8 dispatches (the low-latency `row_format`, the high-throughput `wire_format`)."""
   x32 = x.astype(jnp.float32)
   xb = x32.reshape(*x.shape[:-1], x.shape[-1] // block, block)
   amax = jnp.max(jnp.abs(xb), axis=-1)
@@ -258,6 +259,25 @@ def pack_ue8m0(scales: jax.Array) -> jax.Array:
   packed = (exponents[..., 0] | (exponents[..., 1] << 8) | (exponents[..., 2] << 16)
             | (exponents[..., 3] << 24))
   return jax.lax.bitcast_convert_type(packed.astype(jnp.uint32), jnp.int32)
+
+
+def unpack_ue8m0(packed: jax.Array) -> jax.Array:
+  """`pack_ue8m0`'s inverse: int32 `[..., H/512]` -> float32 scales `[..., H/128]`, each
+  `2^(e - 127)` (exponent 0 gives 0: a row nobody filled)."""
+  words = jax.lax.bitcast_convert_type(packed, jnp.uint32)
+  exponents = jnp.stack([(words >> (8 * i)) & 0xFF for i in range(4)], axis=-1)
+  exponents = exponents.reshape(*packed.shape[:-1], packed.shape[-1] * 4)
+  return jax.lax.bitcast_convert_type(exponents << 23, jnp.float32)
+
+
+def fp8_rows(config: EPConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """What the high-throughput fp8 dispatch sends for `x` `[T, H]` (the activations): each token
+  quantised once, on its own rank (`fp8_quantize` in the group's `wire_format`): `(q [T, H]
+  float8_e4m3fn, scales)`, the scales `[T, H/128]` float32, or UE8M0-packed `[T, H/512]`
+  int32."""
+  fmt = config.wire_format
+  q, scales = fp8_quantize(x, round_scale=fmt.pow2_scales)
+  return q, (pack_ue8m0(scales) if fmt.ue8m0 else scales)
 
 
 def low_latency_dispatch(config: EPConfig, x: jax.Array, topk_idx: jax.Array,
@@ -285,7 +305,7 @@ def low_latency_dispatch(config: EPConfig, x: jax.Array, topk_idx: jax.Array,
 
   payload, scales = (x, None)
   if use_fp8:
-    payload, scales = _fp8_quantize(x, round_scale=round_scale)
+    payload, scales = fp8_quantize(x, round_scale=round_scale)
   recv_tokens = _exchange(config, _token_blocks(config, dest, payload)).reshape(-1, hidden)
   recv_x = jnp.where(slot_used.reshape(-1)[:, None], recv_tokens[token_of_slot],
                      jnp.zeros((), payload.dtype)).reshape(num_local, slab, hidden)
@@ -349,6 +369,15 @@ class ReferenceBackend(LayoutThenDispatch, Backend):
 
   def dispatch_cached(self, x, layout, topk_weights=None):
     return dispatch_cached(self.config, x, layout, topk_weights)
+
+  def dispatch_fp8(self, x, x_scales, topk_idx, topk_weights):
+    # The closed form: every token quantised once on its own rank, then its e4m3 row and its
+    # scales placed as a plain dispatch places rows (both along one layout).
+    del topk_weights  # travels with the handle, as in `dispatch`
+    q, scales = fp8_rows(self.config, x) if x_scales is None else (x, x_scales)
+    layout, group_sizes, num_dropped, num_invalid = self.layout(topk_idx)
+    return (self.dispatch_cached(q, layout), self.dispatch_cached(scales, layout), group_sizes,
+            num_dropped, num_invalid, layout)
 
   def combine(self, expert_out, layout, topk_weights=None):
     return combine(self.config, expert_out, layout, topk_weights)
