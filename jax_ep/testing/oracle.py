@@ -167,6 +167,25 @@ def fp8_quantize(x, block: int = 128, round_scale: bool = False):
   return q.reshape(shp), scales
 
 
+def fp8_dispatch(x, topk_idx, num_experts: int, capacity: int, *, round_scale: bool = False,
+                 ue8m0: bool = False, expert_alignment: int = 1):
+  """High-throughput dispatch with fp8 rows: each token quantised once (`fp8_quantize`), its
+  e4m3 row and its scales placed as `dispatch` places rows. Returns `dispatch`'s list, each
+  dict with `recv_x` the e4m3 rows (ml_dtypes float8_e4m3fn) and `scales` `[capacity, H/128]`
+  float32 (`[capacity, H/512]` int32 packed exponents with `ue8m0`; zeros in the rows no token
+  went to), and `q`, `token_scales`: every token's quantisation `[R, T, H]`, `[R, T, H/128]`."""
+  import ml_dtypes
+  q, scales = fp8_quantize(x, round_scale=round_scale or ue8m0)
+  rows = dispatch(q.astype(np.float32), topk_idx, num_experts, capacity,
+                  expert_alignment=expert_alignment)
+  placed = dispatch(scales, topk_idx, num_experts, capacity, expert_alignment=expert_alignment)
+  for info, s in zip(rows, placed):
+    info["recv_x"] = info["recv_x"].astype(ml_dtypes.float8_e4m3fn)
+    info["scales"] = pack_ue8m0(s["recv_x"]) if ue8m0 else s["recv_x"]
+    info["q"], info["token_scales"] = q, scales
+  return rows
+
+
 # ----------------------------------------------------------------------------------------------
 # Routers (numpy, token by token).
 
