@@ -16,7 +16,6 @@ import numpy as np
 
 from jax_ep._native.varying import vary_like_operands
 from jax_ep.backends import primitives
-from jax_ep.backends.reference import unpack_ue8m0
 from jax_ep.config import (RowFormat, alignment_padding, as_row_format, check_dtype,
                            check_fp8_hidden, fp8_scales_shape)
 from jax_ep.experts.layout import rows_inside_groups
@@ -397,10 +396,7 @@ def dequantize(x, scales, dtype=jnp.bfloat16):
     spelled = "[..., H/512] int32" if ue8m0 else "[..., H/128] float32"
     raise ValueError(f"{where}: scales must have shape {spelled} = {want} for x of shape "
                      f"{x.shape}, got {tuple(scales.shape)}")
-  dtype = check_dtype(dtype, where)
-  if ue8m0:
-    scales = unpack_ue8m0(scales)
-  return primitives.dequantize(x, scales, dtype)
+  return primitives.dequantize(x, scales, check_dtype(dtype, where))
 
 
 def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jax_ep._native.varying import sum_to_primal
 from jax_ep.backends.base import Backend
+from jax_ep.backends.reference import unpack_ue8m0
 from jax_ep.config import RowFormat
 
 
@@ -86,9 +87,11 @@ dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def dequantize(x, scales, dtype):
-  """e4m3 rows `x` `[..., H]` times their float32 `scales` `[..., H/128]` (one per 128
-  channels), rounded once to `dtype`. Its cotangent passes straight through to `x`, in
-  `dtype` (see the NOTES above); `scales` get none."""
+  """e4m3 rows `x` `[..., H]` times their `scales`, one per 128 channels (`[..., H/128]`
+  float32, or `[..., H/512]` int32 UE8M0 exponents), rounded once to `dtype`. Its cotangent
+  passes straight through to `x`, in `dtype` (see the NOTES above); `scales` get none."""
+  if scales.dtype == jnp.int32:
+    scales = unpack_ue8m0(scales)
   x32 = x.astype(jnp.float32).reshape(*x.shape[:-1], scales.shape[-1], -1)
   return (x32 * scales.astype(jnp.float32)[..., None]).reshape(x.shape).astype(dtype)
 
