@@ -27,7 +27,7 @@ from jax_ep.ops import (DispatchResult, Handle, LowLatencyHandle, LowLatencyResu
                         LowLatencySent, combine, dequantize, dispatch, low_latency_combine,
                         low_latency_combine_send, low_latency_combine_wait,
                         low_latency_dispatch, low_latency_dispatch_send,
-                        low_latency_dispatch_wait, zero_padding)
+                        low_latency_dispatch_wait, quantize, zero_padding)
 
 __version__ = "0.1.0"
 
@@ -38,7 +38,7 @@ _ffi.extension()
 __all__ = [
     "Group", "CapacityOverflowError", "MemoryEstimate", "memory_bytes", "default_capacity",
     "capacity_from_buffer_factor",
-    "dispatch", "combine", "dequantize", "low_latency_dispatch", "low_latency_combine",
+    "dispatch", "combine", "quantize", "dequantize", "low_latency_dispatch", "low_latency_combine",
     "low_latency_dispatch_send", "low_latency_dispatch_wait", "low_latency_combine_send",
     "low_latency_combine_wait", "LowLatencySent", "RowFormat",
     "grouped_matmul", "grouped_matmul_impl", "expert_mlp", "expert_mlp_slabs",

@@ -16,7 +16,7 @@ import numpy as np
 
 from jax_ep._native.varying import vary_like_operands
 from jax_ep.backends import primitives
-from jax_ep.config import (RowFormat, alignment_padding, as_row_format, check_dtype,
+from jax_ep.config import (DTYPES, RowFormat, alignment_padding, as_row_format, check_dtype,
                            check_fp8_hidden, fp8_scales_shape)
 from jax_ep.experts.layout import rows_inside_groups
 from jax_ep.group import Group
@@ -361,6 +361,35 @@ def dispatch(group: Group, x, topk_idx, topk_weights, *, x_scales=None):
   offsets = group_offsets(group_sizes, c.expert_alignment, c.capacity)
   return (DispatchResult(recv_x, group_sizes, num_dropped, num_invalid, offsets, scales),
           Handle(layout, topk_weights, _origin(group)))
+
+
+def quantize(x, row_format=RowFormat.FP8):
+  """Rows as an fp8 dispatch sends them, for callers that quantise before `dispatch(...,
+  x_scales=...)`: each row of `x` per 128 channels to float8_e4m3fn with `scale = amax / 448`
+  (1 for an all-zero block; rounded up to a power of two with FP8_POW2_SCALES and FP8_UE8M0),
+  the rounding of both dispatch modes.
+
+  Args:
+    x: `[..., H]` bfloat16, float16 or float32, `H % 128 == 0` (`H % 512` with FP8_UE8M0).
+    row_format: an fp8 `jax_ep.RowFormat` (or its value or name), default FP8.
+
+  Returns:
+    `(q [..., H] float8_e4m3fn, scales)`: `[..., H/128]` float32, or `[..., H/512]` int32 UE8M0
+    exponents with FP8_UE8M0. Differentiable straight through: `q`'s cotangent (taken in any
+    float dtype, as `dispatch` gives it) comes back as `x`'s, in `x`'s dtype; the scales' is
+    dropped.
+  """
+  where = "jax_ep.quantize"
+  fmt = as_row_format(row_format, where)
+  if not fmt.is_fp8:
+    raise ValueError(f"{where}: row_format must be an fp8 jax_ep.RowFormat (FP8, "
+                     f"FP8_POW2_SCALES, FP8_UE8M0), got {fmt}")
+  if not hasattr(x, "shape") or x.ndim < 1:
+    raise TypeError(f"{where}: x must be an array [..., H], got {type(x).__name__}")
+  if np.dtype(x.dtype) not in DTYPES:
+    raise TypeError(f"{where}: x must have dtype bfloat16, float16 or float32, got {x.dtype}")
+  check_fp8_hidden(fmt, x.shape[-1], where, "row_format")
+  return primitives.quantize(x, fmt)
 
 
 def dequantize(x, scales, dtype=jnp.bfloat16):

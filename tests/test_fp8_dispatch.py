@@ -507,3 +507,59 @@ def test_memory_bytes_sizes_the_rows_and_scales(fmt, row_bytes):
   assert jax_ep.memory_bytes(**sizes, wire_format=fmt.value) == est
   group = _group(fmt, hidden=1024)
   assert group.memory_bytes().recv_x_bytes == est.recv_x_bytes
+
+
+# ------------------------------------------------------------------------- quantize
+
+@pytest.mark.parametrize("fmt", FP8_FORMATS, ids=lambda f: f.name)
+def test_quantize_is_the_dispatch_rounding(fmt):
+  rng = np.random.default_rng(4)
+  x = np.array(jnp.asarray(rng.standard_normal((2, 3, 1024)) * 5, jnp.bfloat16))
+  x[..., :128] = 0
+  q, scales = jax.jit(lambda x: jax_ep.quantize(x, fmt))(jnp.asarray(x))
+  want_q, want_s = oracle.fp8_quantize(x, round_scale=fmt.pow2_scales)
+  assert q.dtype == E4M3
+  np.testing.assert_array_equal(np.asarray(q).astype(np.float32), want_q.astype(np.float32))
+  np.testing.assert_array_equal(scales, oracle.pack_ue8m0(want_s) if fmt.ue8m0 else want_s)
+  # Straight through: d x = d q, in x's dtype.
+  d_x = jax.grad(lambda x: jnp.sum(jax_ep.dequantize(*jax_ep.quantize(x, fmt), jnp.float32)
+                                   * 2))(jnp.asarray(x))
+  assert d_x.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(d_x, np.float32), 2.0)
+  with pytest.raises(ValueError, match=r"jax_ep.quantize: row_format must be an fp8"):
+    jax_ep.quantize(jnp.asarray(x), RowFormat.PLAIN)
+  with pytest.raises(TypeError, match=r"jax_ep.quantize: x must have dtype bfloat16, float16 "
+                                      r"or float32, got int32"):
+    jax_ep.quantize(jnp.zeros((2, 128), jnp.int32), fmt)
+  with pytest.raises(ValueError, match=r"jax_ep.quantize: row_format=RowFormat.FP8.* needs "
+                                       r"hidden to be a multiple of"):
+    jax_ep.quantize(jnp.zeros((2, 64), jnp.bfloat16), fmt)
+
+
+@pytest.mark.parametrize("fmt", [RowFormat.FP8, RowFormat.FP8_UE8M0], ids=lambda f: f.name)
+def test_gradient_through_rows_quantised_by_the_caller(fmt):
+  """`quantize` then `dispatch(..., x_scales=...)`: the same values and the same gradient as the
+  dispatch that quantises (the e4m3 rows' cotangent travels in the group's dtype both ways)."""
+  group = _group(fmt, hidden=512)
+  rng = np.random.default_rng(6)
+  x = jnp.asarray(rng.standard_normal((8, 512)), jnp.bfloat16)
+  idx = jnp.asarray(rng.integers(0, 8, (8, 2)), jnp.int32)
+  w = jnp.asarray(rng.random((8, 2)), jnp.float32)
+  cot = jnp.asarray(rng.standard_normal((8, 512)), jnp.float32)
+
+  def body(x, idx, w, cot):
+    def loss(x, caller):
+      kwargs = {}
+      if caller:
+        x, kwargs["x_scales"] = jax_ep.quantize(x, fmt)
+      recv, handle = jax_ep.dispatch(group, x, idx, w, **kwargs)
+      rows = jax_ep.dequantize(recv.x, recv.scales, group.dtype)
+      return jnp.sum(jax_ep.combine(group, rows, handle).astype(jnp.float32) * cot)
+    return tuple(jax.value_and_grad(loss)(x, caller)[1][None] for caller in (False, True))
+  sharded = [jax.device_put(a, jax.NamedSharding(group.mesh, P("ep"))) for a in (x, idx, w, cot)]
+  by_dispatch, by_caller = jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"),
+                                                 out_specs=P("ep")))(*sharded)
+  assert by_caller.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(by_caller, np.float32),
+                                np.asarray(by_dispatch, np.float32))
+  assert np.abs(np.asarray(by_caller, np.float32)).sum() > 0
