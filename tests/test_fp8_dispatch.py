@@ -563,3 +563,23 @@ def test_gradient_through_rows_quantised_by_the_caller(fmt):
   np.testing.assert_array_equal(np.asarray(by_caller, np.float32),
                                 np.asarray(by_dispatch, np.float32))
   assert np.abs(np.asarray(by_caller, np.float32)).sum() > 0
+
+
+@pytest.mark.gpu
+def test_cuda_refuses_fp8_dispatch_on_this_gpu():
+  """On a real GPU with the extension: the PLAIN group takes the cuda backend, the fp8 one is
+  refused by backend='cuda' at creation and given the reference by 'auto', saying why."""
+  from ep_test_base import rank_mesh, require_gpu
+  require_gpu()
+  mesh = rank_mesh(1)
+  make = lambda **kw: jax_ep.Group(mesh, "ep", num_experts=8, num_topk=2, hidden=512,
+                                   max_tokens_per_rank=4, **kw)
+  plain = make()
+  assert plain.backend_name == "cuda"
+  plain.close()
+  why = "the cuda backend does not take FP8 dispatch yet"
+  with pytest.raises(ValueError, match=rf"backend='cuda' cannot run this group: {why}"):
+    make(backend="cuda", wire_format=RowFormat.FP8)
+  auto = make(wire_format=RowFormat.FP8_UE8M0)
+  assert auto.backend_name == "reference" and why in auto.backend_reason
+  auto.close()
