@@ -50,6 +50,12 @@ def _group(new_group, num_ranks, tokens, dtype=F32, **options):
                    dtype=dtype, **options)
 
 
+def _rel(group, rel):
+  """`rel` on the reference backend; on GPUs float32 products may round their inputs (TF32),
+  which the sums in another order see more of."""
+  return rel if group.backend_name == "reference" else max(rel, 1e-4)
+
+
 def _step(group, topk_idx=None, **options):
   """One jitted step: the layer's `MoEOutput` and the gradients of `sum(out * cot) + aux + z`
   with respect to the weights, `x` and the given router weights (zeros where the router
@@ -69,6 +75,7 @@ def _compare(group, split, unsplit, *, rel, exact_out, what):
   its scale, every gradient within `rel` of its scale."""
   (_, got), got_grads = split
   (_, want), want_grads = unsplit
+  rel = _rel(group, rel)
   # Computed before the split, by the same operations: the same bits on the reference backend.
   same = np.testing.assert_array_equal if group.backend_name == "reference" else (
       lambda a, b, err_msg: np.testing.assert_allclose(a, b, rtol=1e-6, err_msg=err_msg))
@@ -211,7 +218,7 @@ def test_group_sized_for_a_micro_batch(new_group, capacity):
   want_out = np.stack([np.asarray(p.out).reshape(num_ranks, part, H) for p in parts], 1)
   exact = group.backend_name == "reference"
   check = np.testing.assert_array_equal if exact else (
-      lambda a, b: assert_close_to_scale(a, b, 1e-5, "out"))
+      lambda a, b: assert_close_to_scale(a, b, _rel(group, 1e-5), "out"))
   check(np.asarray(got.out).reshape(num_ranks, micro_batches, part, H), want_out)
   np.testing.assert_array_equal(got.num_dropped, sum(np.asarray(p.num_dropped) for p in parts))
   if capacity is None:
@@ -227,6 +234,7 @@ def test_split_layer_under_vmap(new_group):
   """A leading batch axis over the layer (vmap of the gradient): as the unsplit layer's."""
   num_ranks, tokens = 2, 8
   group = _group(new_group, num_ranks, tokens)
+  rel = _rel(group, 1e-5)
   params, x, cot = _inputs(num_ranks, tokens, seed=19)
   xs = jnp.stack([x, -x, 0.5 * x])
 
@@ -236,10 +244,10 @@ def test_split_layer_under_vmap(new_group):
     return jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1)), in_axes=(None, 0)))(
         params, xs)
   (got_loss, (got_p, got_x)), (want_loss, (want_p, want_x)) = grads(2), grads(1)
-  assert_close_to_scale(got_loss, want_loss, 1e-5, "vmap loss")
-  assert_close_to_scale(got_x, want_x, 1e-5, "vmap grad x")
+  assert_close_to_scale(got_loss, want_loss, rel, "vmap loss")
+  assert_close_to_scale(got_x, want_x, rel, "vmap grad x")
   for name in ("router", "w_gate", "w_up", "w_down", "shared_gate"):
-    assert_close_to_scale(getattr(got_p, name), getattr(want_p, name), 1e-5,
+    assert_close_to_scale(getattr(got_p, name), getattr(want_p, name), rel,
                           f"vmap grad {name}")
 
 
@@ -248,6 +256,7 @@ def test_split_layers_under_scan_and_per_shard(new_group):
   `shard_map` with `remat`: values and gradients as the unsplit stack's."""
   num_ranks, tokens, layers = 2, 16, 2
   group = _group(new_group, num_ranks, tokens)
+  rel = _rel(group, 1e-5)
   stacked = [_inputs(num_ranks, tokens, seed=23 + i)[0] for i in range(layers)]
   params = jax.tree.map(lambda *p: jnp.stack(p), *stacked)
   _, x, cot = _inputs(num_ranks, tokens, seed=29)
@@ -271,10 +280,10 @@ def test_split_layers_under_scan_and_per_shard(new_group):
   (_, (got, dropped)), (got_p, got_x) = stack(4)
   (_, (want, _)), (want_p, want_x) = stack(1)
   np.testing.assert_array_equal(dropped, 0)
-  assert_close_to_scale(got, want, 1e-5, "scan out")
-  assert_close_to_scale(got_x, want_x, 1e-5, "scan grad x")
+  assert_close_to_scale(got, want, rel, "scan out")
+  assert_close_to_scale(got_x, want_x, rel, "scan grad x")
   for name in ("router", "w_gate", "w_up", "w_down", "shared_gate", "shared_down"):
-    assert_close_to_scale(getattr(got_p, name), getattr(want_p, name), 1e-5,
+    assert_close_to_scale(getattr(got_p, name), getattr(want_p, name), rel,
                           f"scan grad {name}")
 
 
