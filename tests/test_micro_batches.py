@@ -26,6 +26,7 @@ import jax_ep
 from ep_test_base import count_primitive, make_routing
 from jax_ep.layer import MoEParams, param_specs
 from test_layer import assert_close_to_scale, new_group  # noqa: F401 - new_group is a fixture
+from test_capacity import _residual_bytes
 from test_layer_activations import _residual_shapes
 
 F32 = jnp.float32
@@ -228,6 +229,33 @@ def test_group_sized_for_a_micro_batch(new_group, capacity):
     check(got.out, want.out)
   else:
     assert int(np.sum(got.num_dropped)) > 0  # the tight capacity does drop here
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_saved_residuals_are_micro_batches_times_memory_bytes(dtype):
+  """What `jax.vjp` of the split layer keeps (weights aside), on a group sized for one
+  micro-batch: `micro_batches` times `memory_bytes`' figures at that size, per rank, without
+  and with `remat` (`jax_ep.memory_bytes`' docstring)."""
+  num_ranks, tokens, micro_batches, ffn = 2, 128, 4, 96
+  part = tokens // micro_batches
+  group = jax_ep.Group(jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks]),
+                       "ep", num_experts=8, num_topk=2, hidden=64, max_tokens_per_rank=part,
+                       dtype=dtype, backend="reference")
+  params = jax_ep.init_moe_params(jax.random.key(0), num_experts=8, hidden=64, ffn=ffn,
+                                  dtype=dtype)
+  x = jax.random.normal(jax.random.key(1), (num_ranks * tokens, 64)).astype(dtype)
+  idx = jax.random.randint(jax.random.key(2), (num_ranks * tokens, 2), 0, 8, jnp.int32)
+  w = jax.random.uniform(jax.random.key(3), (num_ranks * tokens, 2))
+  weights = (params.w_gate, params.w_up, params.w_down)
+  est = group.memory_bytes(ffn=ffn)
+  for remat, figure in ((False, est.expert_activation_bytes),
+                        (True, est.expert_activation_bytes_remat)):
+    def moe(params, x, idx, w, remat=remat):
+      return jax_ep.moe_mlp(group, params, x, idx, w, remat=remat,
+                            micro_batches=micro_batches).out
+    saved, left_out = _residual_bytes(moe, params, x, idx, w, exclude=weights)
+    assert left_out == 3, remat  # the three expert weights
+    assert saved == num_ranks * micro_batches * figure, remat
 
 
 def test_split_layer_under_vmap(new_group):
