@@ -320,8 +320,24 @@ def test_bench_layer_writes_grouped_matmul_and_layer_records(tmp_path):
       for s in ("qwen3_30b_a3b", "mixtral")}
   for r in records:
     assert r["impl"] == "xla" and r["median_us"] > 0 and r["fraction"] > 0
+    assert r.get("micro_batches", 1) == 1
     assert {"tflops", "bound_tflops", "experts", "hidden", "ffn", "tokens_per_rank",
             "ranks", "gpu", "jax", "date", "commit"} <= set(r)
+
+
+def test_bench_layer_moe_layer_records_carry_micro_batches(tmp_path):
+  out = tmp_path / "layer.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices=1))
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layer.py"), "--shapes",
+       "mixtral", "--scale", "32", "--tokens", "128", "--repeats", "2", "--ops", "moe_layer",
+       "--micro-batches", "1", "2", "--out", str(out)],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert {(r["op"], r["pass"], r["micro_batches"]) for r in records} == {
+      ("moe_layer", p, m) for p in ("fwd", "fwd_bwd") for m in (1, 2)}
+  assert all(r["median_us"] > 0 for r in records)
 
 
 def test_bench_expert_mlp_writes_expert_mlp_records(tmp_path):
