@@ -495,3 +495,47 @@ def test_nnx_module_with_micro_batches():
     split(jnp.ones((8 * 32, H)))
   with pytest.raises(ValueError, match="jax_ep.nnx.MoE: micro_batches must be positive, got 0"):
     MoE(group, ffn=F, rngs=nnx.Rngs(0), micro_batches=0)
+
+
+def test_nnx_scanned_layers_with_micro_batches():
+  """Flax's scan-over-layers recipe (blocks built under `nnx.vmap`, run under `nnx.scan` with
+  `nnx.remat`), each block's MoE split into two micro-batches: the training step's loss and
+  gradients as the unsplit stack's."""
+  nnx = pytest.importorskip("flax.nnx")
+  from jax_ep.nnx import MoE
+  if jax.device_count() < 8 or jax.process_count() > 1:
+    pytest.skip("a mesh of 8 devices in one process")
+  mesh = jax.make_mesh((2, 4), ("data", "expert"))
+  group = jax_ep.Group(mesh, "expert", num_experts=8, num_topk=2, hidden=H,
+                       max_tokens_per_rank=8, dtype=F32, backend="reference")
+  layers = 2
+
+  class Stack(nnx.Module):
+    def __init__(self, micro_batches, rngs):
+      @nnx.split_rngs(splits=layers)
+      @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: None})
+      def blocks(rngs):
+        return MoE(group, ffn=F, rngs=rngs, micro_batches=micro_batches)
+      self.blocks = blocks(rngs)
+
+    def __call__(self, x):
+      @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+      @nnx.remat
+      def body(x, block):
+        return x + block(x)
+      return body(x, self.blocks)
+
+  x = jax.random.normal(jax.random.key(43), (8 * 8, H), F32)
+  target = jax.random.normal(jax.random.key(47), x.shape, F32)
+
+  @nnx.jit
+  def step(model, x):
+    return nnx.value_and_grad(lambda m: jnp.mean((m(x) - target) ** 2))(model)
+  with jax.set_mesh(mesh):
+    split, unsplit = Stack(2, nnx.Rngs(0)), Stack(1, nnx.Rngs(0))
+    (got_loss, got), (want_loss, want) = step(split, x), step(unsplit, x)
+  assert_close_to_scale(got_loss, want_loss, 1e-6, "scanned loss")
+  for name in ("router", "w_gate", "w_up", "w_down"):
+    assert_close_to_scale(getattr(got.blocks, name)[...], getattr(want.blocks, name)[...], 1e-5,
+                          f"scanned grad {name}")
+  np.testing.assert_array_equal(split.blocks.expert_counts[...], unsplit.blocks.expert_counts[...])
