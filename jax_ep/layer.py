@@ -24,12 +24,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import ops
+from jax_ep.config import positive_int
 from jax_ep.experts import slab as slab_mlp
 from jax_ep.experts.checks import check_groups
 from jax_ep.experts.api import grouped_matmul
 from jax_ep.experts.layout import contiguous_offsets
 from jax_ep.experts.mlp import fused_expert_mlp, fused_mlp_impl
-from jax_ep.config import positive_int
 from jax_ep.group import Group
 from jax_ep.layer_checks import check_expert_weights, check_init_sizes, check_layer_shapes
 from jax_ep.routing import (Routing, expert_counts, load_balancing_loss, route,  # noqa: F401
@@ -565,8 +565,8 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
       a micro-batch serves the whole shard), and the group's whole `capacity` for its rows,
       which the backward keeps once per micro-batch (`jax_ep.memory_bytes`). With a
       `capacity` or `buffer_factor` sized for the whole shard, a micro-batch has that many
-      rows for fewer tokens and drops less than the unsplit layer would. "high_throughput"
-      mode only.
+      rows for fewer tokens and the split drops at most what the unsplit layer would.
+      "high_throughput" mode only.
 
   Returns:
     `MoEOutput`: `out` shaped like `x`; `num_dropped`, `aux_loss`, `z_loss` `[M]` and

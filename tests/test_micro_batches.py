@@ -201,8 +201,9 @@ def test_group_sized_for_a_micro_batch(new_group, capacity):
   """A group whose `max_tokens_per_rank` is one micro-batch serves a shard of `n` times as
   many tokens. Each micro-batch's call has the group's whole capacity: with a tight one the
   split layer is the unsplit layer applied to each micro-batch's tokens on its own (the same
-  outputs, and `num_dropped` the sum of theirs); with the default nothing drops, and it is the
-  unsplit layer on a group sized for the whole shard."""
+  outputs, and `num_dropped` the sum of theirs, at most what that capacity drops for the whole
+  shard at once); with the default nothing drops, and it is the unsplit layer on a group sized
+  for the whole shard."""
   num_ranks, tokens, micro_batches = 2, 16, 2
   part = tokens // micro_batches
   group = _group(new_group, num_ranks, part, capacity=capacity)
@@ -229,6 +230,10 @@ def test_group_sized_for_a_micro_batch(new_group, capacity):
     check(got.out, want.out)
   else:
     assert int(np.sum(got.num_dropped)) > 0  # the tight capacity does drop here
+    # The same capacity for all of a shard's tokens at once drops at least as many rows.
+    whole = _group(new_group, num_ranks, tokens, capacity=capacity)
+    unsplit = jax.jit(lambda x: jax_ep.moe_mlp(whole, params, x))(x)
+    assert (np.asarray(unsplit.num_dropped) >= np.asarray(got.num_dropped)).all()
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
