@@ -23,9 +23,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
-from ep_test_base import count_primitive, make_routing
+from ep_test_base import count_primitive, make_routing, rank_devices
 from jax_ep.layer import MoEParams, param_specs
-from test_layer import assert_close_to_scale, new_group  # noqa: F401 - new_group is a fixture
+from test_layer import assert_close_to_scale, make_group, new_group  # noqa: F401 - a fixture
 from test_capacity import _residual_bytes
 from test_layer_activations import _residual_shapes
 
@@ -243,9 +243,8 @@ def test_saved_residuals_are_micro_batches_times_memory_bytes(dtype):
   and with `remat` (`jax_ep.memory_bytes`' docstring)."""
   num_ranks, tokens, micro_batches, ffn = 2, 128, 4, 96
   part = tokens // micro_batches
-  group = jax_ep.Group(jax.make_mesh((num_ranks,), ("ep",), devices=jax.devices()[:num_ranks]),
-                       "ep", num_experts=8, num_topk=2, hidden=64, max_tokens_per_rank=part,
-                       dtype=dtype, backend="reference")
+  group = make_group(num_ranks, num_experts=8, num_topk=2, hidden=64, max_tokens=part,
+                     dtype=dtype)
   params = jax_ep.init_moe_params(jax.random.key(0), num_experts=8, hidden=64, ffn=ffn,
                                   dtype=dtype)
   x = jax.random.normal(jax.random.key(1), (num_ranks * tokens, 64)).astype(dtype)
@@ -363,7 +362,7 @@ def _communication_depth(jaxpr, in_depths=None):
 
 def test_communication_depth_sees_chains():
   """The measure itself: two exchanges one after the other are two deep, side by side one."""
-  mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2],
+  mesh = jax.make_mesh((2,), ("ep",), devices=rank_devices(2),
                        axis_types=(jax.sharding.AxisType.Auto,))
   a2a = lambda v: jax.lax.all_to_all(v, "ep", 0, 0, tiled=True)  # noqa: E731
   run = lambda f: jax.shard_map(f, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))  # noqa: E731
@@ -412,10 +411,8 @@ def test_program_of_micro_batches(new_group):
 
 # ---------------------------------------------------------------------- errors
 def test_micro_batches_errors():
-  mesh = jax.make_mesh((2,), ("ep",), devices=jax.devices()[:2],
-                       axis_types=(jax.sharding.AxisType.Auto,))
-  group = jax_ep.Group(mesh, "ep", num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=16,
-                       dtype=F32, backend="reference", low_latency=True)
+  group = make_group(2, num_experts=E, num_topk=K, hidden=H, max_tokens=16, dtype=F32,
+                     low_latency=True)
   params, x, _ = _inputs(2, 16, shared_ffn=0, router_bias=False)
   layer = lambda x=x, **kw: jax_ep.moe_mlp(group, params, x, **kw)  # noqa: E731
   for value, error, words in ((0, ValueError, "must be positive, got 0"),
@@ -439,10 +436,13 @@ def test_micro_batches_errors():
     layer(jnp.ones((80, H)), micro_batches=2)
 
   def per_shard(x, micro_batches):
+    specs = param_specs("ep", params)
     run = jax.shard_map(
         lambda p, x: jax_ep.moe_mlp_per_shard(group, p, x, micro_batches=micro_batches).out,
-        mesh=group.mesh, in_specs=(param_specs("ep", params), P("ep")), out_specs=P("ep"))
-    return run(params, x)
+        mesh=group.mesh, in_specs=(specs, P("ep")), out_specs=P("ep"))
+    laid_out = MoEParams(*(None if p is None else group.constrain(p, s)
+                           for p, s in zip(params, specs)))
+    return run(laid_out, group.constrain(x, P("ep")))
   with pytest.raises(ValueError, match=r"jax_ep.moe_mlp_per_shard: micro_batches=3 must divide "
                                        r"each shard's token count, 16 \(x shape \(16, 32\)\)"):
     per_shard(x, 3)
