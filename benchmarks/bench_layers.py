@@ -13,7 +13,9 @@ set of expert weights shared by every layer, added to the layer's input as a res
 the identity expert a token's rows come back weighted by its router weights, which sum to one,
 so the chain's activations keep their scale. With `--micro-batches n` each layer splits its
 tokens into `n` equal runs, each with its own dispatch -> expert -> combine (as
-`jax_ep.moe_mlp(..., micro_batches=n)` does); records carry `micro_batches`. The time per
+`jax_ep.moe_mlp(..., micro_batches=n)` does) on a group sized for one micro-batch
+(`max_tokens_per_rank = T / n`: its capacity per call `n` times smaller, the layer's memory the
+unsplit one's); records carry `micro_batches` and that `capacity`. The time per
 layer is marginal: `(t(2N) - t(N)) / N`, which leaves out what a program pays once (launch,
 the processes' start skew, the first layer's wait for it). `host_clock_marginal` records take t
 from the host clock around each run (the slowest process's median); `device_clock_marginal`
@@ -256,11 +258,11 @@ def main():
 
   params = expert_params(jax.random.key(0)) if "swiglu" in args.expert else []
 
-  def run(backend, expert, layer, settings="default", topology=None, capacity=capacity):
-    for pass_, micro_batches in itertools.product(args.passes, args.micro_batches):
+  def run(backend, expert, layer, settings="default", topology=None, capacity=capacity,
+          micro_batches=1):
+    for pass_ in args.passes:
       backward = pass_ == "forward_backward"
-      split_layer = micro_batched(layer, micro_batches)
-      programs = [chain_program(split_layer, layers, mesh, backward) for layers in (n, 2 * n)]
+      programs = [chain_program(layer, layers, mesh, backward) for layers in (n, 2 * n)]
       inputs = (x, idx, w, *(params if expert == "swiglu" else ()))
       what = f"{backend} {expert} ({settings}, {pass_}, micro_batches={micro_batches})"
       try:
@@ -302,14 +304,16 @@ def main():
   if "cuda" in args.backends:
     variants += [("cuda", f"virtual_hosts={v}", {"virtual_hosts": v})
                  for v in args.virtual_hosts if v > 1]
-  for backend, settings, kw in variants:
+  for (backend, settings, kw), micro_batches in itertools.product(variants, args.micro_batches):
     if backend == "reference" and shared_gpu and num_ranks > 1:
       print("reference: skipped (processes sharing one GPU cannot run XLA collectives)")
       continue
-    # The cuda rows use the group a user gets (backend="auto"), which must have picked cuda.
+    # The cuda rows use the group a user gets (backend="auto"), which must have picked cuda,
+    # sized for one micro-batch: each of its calls takes t / n tokens, so its capacity (per
+    # call) is n times smaller and the layer keeps what the unsplit layer keeps.
     try:
       group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h,
-                           max_tokens_per_rank=t, dtype=dtype,
+                           max_tokens_per_rank=t // micro_batches, dtype=dtype,
                            backend="auto" if backend == "cuda" else backend, **kw)
     except ValueError as err:
       if "virtual_hosts" not in kw:
@@ -327,7 +331,8 @@ def main():
         recv, handle = jax_ep.dispatch(group, hid, i, wt)
         out = jax_ep.combine(group, apply_expert(expert, recv.x, recv.group_sizes, p), handle)
         return out if expert == "identity" else hid + out
-      run(backend, expert, layer, settings, group.topology, group.capacity)
+      run(backend, expert, micro_batched(layer, micro_batches), settings, group.topology,
+          group.capacity, micro_batches)
     # One group's buffers at a time: at the standard shape each is several GB per rank, and
     # ranks sharing one GPU hold theirs side by side. Every process is past its last call of
     # this group here (each run ends in block_until_ready and a gather).
@@ -349,7 +354,9 @@ def main():
             out = xla_pipeline.combine(apply_expert(expert, rows, sizes, p), wt, state,
                                        axis="ep")
           return out if expert == "identity" else hid + out
-        run("xla_baseline", expert, layer)
+        for micro_batches in args.micro_batches:
+          run("xla_baseline", expert, micro_batched(layer, micro_batches),
+              micro_batches=micro_batches)
 
   if jax.process_index() == 0:
     path = reports.write_jsonl(records, args.out)

@@ -291,6 +291,8 @@ def test_bench_layers_micro_batches_field(tmp_path):
   for r in records:
     assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
     assert r["op"] == "layer_chain" and r["micro_batches"] in (1, 2) and r["ranks"] == 2
+    # The group is sized for one micro-batch: its default capacity per call, 16 / n tokens'.
+    assert r["capacity"] == 2 * (16 // r["micro_batches"]) * 2
   for pass_ in ("forward", "forward_backward"):
     for micro_batches in (1, 2):
       mine = [r for r in records if (r["pass"], r["micro_batches"]) == (pass_, micro_batches)]
