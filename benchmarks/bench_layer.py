@@ -18,7 +18,7 @@ Per shape (experts x hidden x ffn, top-k; 4096 tokens per rank):
   router makes them; dispatch, three grouped matmuls, combine), forward and
   forward + backward, per implementation of its grouped matmuls
   (`jax_ep.experts.override(impl=...)`) and per `--micro-batches` count (the layer's
-  `micro_batches`, in the records);
+  `micro_batches`, in the records, on a group sized for one micro-batch);
   its FLOPs are the three expert matmuls' (`6 * rows * H * F`, times three with the backward);
 - the bound: a dense `jnp.dot` `[rows, H] x [H, F]` of the same FLOPs in the same run
   (`bound: dense_gemm`, `bound_tflops`, `fraction = tflops / bound_tflops`); a batched
@@ -292,8 +292,10 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
   devices = jax.devices()
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices)
   experts = max(experts - experts % num_ranks, num_ranks)
+  # Sized for one micro-batch (its capacity per call `micro_batches` times smaller), so the
+  # split layer keeps what the unsplit one keeps.
   group = jax_ep.Group(mesh, "ep", num_experts=experts, num_topk=topk, hidden=hidden,
-                       max_tokens_per_rank=tokens, dtype=dtype)
+                       max_tokens_per_rank=tokens // micro_batches, dtype=dtype)
   params = jax_ep.init_moe_params(jax.random.key(1), num_experts=experts, hidden=hidden,
                                   ffn=ffn, dtype=dtype)
   specs = jax_ep.layer.param_specs("ep", params)
