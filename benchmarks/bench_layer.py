@@ -17,7 +17,8 @@ Per shape (experts x hidden x ffn, top-k; 4096 tokens per rank):
 - `moe_layer`: `jax_ep.moe_mlp` (its own router on random weights, so the groups are as the
   router makes them; dispatch, three grouped matmuls, combine), forward and
   forward + backward, per implementation of its grouped matmuls
-  (`jax_ep.experts.override(impl=...)`);
+  (`jax_ep.experts.override(impl=...)`) and per `--micro-batches` count (the layer's
+  `micro_batches`, in the records, on a group sized for one micro-batch);
   its FLOPs are the three expert matmuls' (`6 * rows * H * F`, times three with the backward);
 - the bound: a dense `jnp.dot` `[rows, H] x [H, F]` of the same FLOPs in the same run
   (`bound: dense_gemm`, `bound_tflops`, `fraction = tflops / bound_tflops`); a batched
@@ -117,6 +118,8 @@ def main():
                       help="the padded case's buffer: this many times the used rows (0: none)")
   parser.add_argument("--ops", nargs="+", choices=["grouped_matmul", "moe_layer"],
                       default=["grouped_matmul", "moe_layer"])
+  parser.add_argument("--micro-batches", type=int, nargs="+", default=[1],
+                      help="moe_layer: time the layer with each of these micro_batches")
   parser.add_argument("--scale", type=int, default=1,
                       help="divide every size by this (a smoke run on the CPU)")
   parser.add_argument("--repeats", type=int, default=10)
@@ -127,6 +130,10 @@ def main():
   parser.add_argument("--plot", default=None, help="write TF/s per shape to this PNG")
   parser.add_argument("--out", default="layer.jsonl")
   args = parser.parse_args()
+  tokens = max(args.tokens // args.scale, 1)
+  if any(m < 1 or tokens % m for m in args.micro_batches):
+    parser.error(f"--micro-batches must be positive and divide the {tokens} tokens per rank, "
+                 f"got {args.micro_batches}")
 
   devices = jax.devices()
   num_ranks = len(devices)
@@ -235,14 +242,15 @@ def main():
                 bound_s * f / flops, padded_rows=padded_rows,
                 padded_ratio=round(seconds / exact[pass_], 3), **batched)
       if "moe_layer" in args.ops and impl != "jax_mosaic":
-        layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks,
-                      args.repeats, flops, bound_s, add)
+        for micro_batches in args.micro_batches:
+          layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks,
+                        args.repeats, flops, bound_s, add, micro_batches)
 
   if jax.process_index() == 0:
     path = reports.write_jsonl(records, args.out)
-    reports.print_table(records, ["op", "pass", "shape", "impl", "expert_alignment",
-                                  "padded_rows", "median_us", "tflops", "bound_tflops",
-                                  "fraction", "padded_ratio"])
+    reports.print_table(records, ["op", "pass", "shape", "impl", "micro_batches",
+                                  "expert_alignment", "padded_rows", "median_us", "tflops",
+                                  "bound_tflops", "fraction", "padded_ratio"])
     print(f"wrote {path}")
     if args.plot:
       plot(records, args.plot)
@@ -278,13 +286,16 @@ def gemm_fn(impl, rows, experts, hidden, ffn):
 
 
 def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks, repeats,
-                  flops, bound_s, add):
-  """The whole layer (moe_mlp with its router) forward and forward + backward."""
+                  flops, bound_s, add, micro_batches=1):
+  """The whole layer (moe_mlp with its router, its tokens in `micro_batches`) forward and
+  forward + backward."""
   devices = jax.devices()
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices)
   experts = max(experts - experts % num_ranks, num_ranks)
+  # Sized for one micro-batch (its capacity per call `micro_batches` times smaller), so the
+  # split layer keeps what the unsplit one keeps.
   group = jax_ep.Group(mesh, "ep", num_experts=experts, num_topk=topk, hidden=hidden,
-                       max_tokens_per_rank=tokens, dtype=dtype)
+                       max_tokens_per_rank=tokens // micro_batches, dtype=dtype)
   params = jax_ep.init_moe_params(jax.random.key(1), num_experts=experts, hidden=hidden,
                                   ffn=ffn, dtype=dtype)
   specs = jax_ep.layer.param_specs("ep", params)
@@ -295,20 +306,22 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
 
   def fwd(params, x):
     with jax_ep.experts.override(impl=impl):
-      return jax_ep.moe_mlp(group, params, x).out
+      return jax_ep.moe_mlp(group, params, x, micro_batches=micro_batches).out
 
   def fwd_bwd(params, x):
     with jax_ep.experts.override(impl=impl):
-      loss = lambda p, x: jnp.mean(jax_ep.moe_mlp(group, p, x).out.astype(jnp.float32) ** 2)
+      loss = lambda p, x: jnp.mean(jax_ep.moe_mlp(  # noqa: E731
+          group, p, x, micro_batches=micro_batches).out.astype(jnp.float32) ** 2)
       return jax.grad(loss, (0, 1))(params, x)
   layer_flops = 3 * flops  # gate, up, down
   with jax.set_mesh(mesh):
     for pass_, fn, f in (("fwd", fwd, layer_flops), ("fwd_bwd", fwd_bwd, 3 * layer_flops)):
-      seconds = time_fn(jax.jit(fn), (params, x), repeats, f"{name} moe_layer {pass_} {impl}")
+      seconds = time_fn(jax.jit(fn), (params, x), repeats,
+                        f"{name} moe_layer {pass_} {impl} micro_batches={micro_batches}")
       if seconds is None:
         continue
       add("moe_layer", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
-          bound_s * f / flops)
+          bound_s * f / flops, micro_batches=micro_batches)
   group.close()
 
 

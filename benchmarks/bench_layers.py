@@ -11,7 +11,11 @@ expert is `identity` (the received rows behind `lax.optimization_barrier`, so th
 fold dispatch into combine: communication only) or `swiglu` (`jax_ep.layer.expert_mlp` with one
 set of expert weights shared by every layer, added to the layer's input as a residual). With
 the identity expert a token's rows come back weighted by its router weights, which sum to one,
-so the chain's activations keep their scale. The time per
+so the chain's activations keep their scale. With `--micro-batches n` each layer splits its
+tokens into `n` equal runs, each with its own dispatch -> expert -> combine (as
+`jax_ep.moe_mlp(..., micro_batches=n)` does) on a group sized for one micro-batch
+(`max_tokens_per_rank = T / n`: its capacity per call `n` times smaller, the layer's memory the
+unsplit one's); records carry `micro_batches` and that `capacity`. The time per
 layer is marginal: `(t(2N) - t(N)) / N`, which leaves out what a program pays once (launch,
 the processes' start skew, the first layer's wait for it). `host_clock_marginal` records take t
 from the host clock around each run (the slowest process's median); `device_clock_marginal`
@@ -31,6 +35,7 @@ ops move through one GPU's memory (R = 1 or emulation).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import statistics
@@ -76,6 +81,20 @@ def chain_program(layer, num_layers: int, mesh, backward: bool = False):
     dx, dw, dparams = jax.grad(loss, argnums=(0, 1, 2))(x[0], w[0], params)
     return (dx[None], dw[None], *dparams)
   return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+
+
+def micro_batched(layer, micro_batches: int):
+  """`layer(h, idx, w, params)` on `micro_batches` equal runs of the shard's tokens, each its own
+  dispatch -> expert -> combine, none reading another's results (as `jax_ep.moe_mlp`'s
+  `micro_batches` splits them); `layer` itself for 1."""
+  if micro_batches == 1:
+    return layer
+
+  def split_layer(h, idx, w, params):
+    sizes = [h.shape[0] // micro_batches] * micro_batches
+    parts = zip(*(jax.lax.split(a, sizes) for a in (h, idx, w)))
+    return jnp.concatenate([layer(*part, params) for part in parts])
+  return split_layer
 
 
 def time_programs(programs, args, repeats: int, on_gpu: bool):
@@ -127,6 +146,10 @@ def main():
                       help="cuda: also time groups whose ranks are split into this many virtual "
                            "hosts, their traffic between hosts on the network transport "
                            "(NVSHMEM); 1 is the group a user gets on one host")
+  parser.add_argument("--micro-batches", type=int, nargs="+", default=[1],
+                      help="split each layer's tokens into this many micro-batches, each with "
+                           "its own dispatch -> expert -> combine (several values: each timed, "
+                           "in the same run)")
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--breakdown", action="store_true",
                       help="print the device time per kernel of one 2N-layer run (GPU)")
@@ -136,6 +159,9 @@ def main():
     parser.error(f"--layers must be >= 1, got {args.layers}")
   if any(v < 1 for v in args.virtual_hosts):
     parser.error(f"--virtual-hosts must be >= 1, got {args.virtual_hosts}")
+  if any(m < 1 or args.tokens % m for m in args.micro_batches):
+    parser.error(f"--micro-batches must be positive and divide --tokens={args.tokens}, got "
+                 f"{args.micro_batches}")
 
   devices = jax.devices()
   num_ranks = len(devices)
@@ -204,20 +230,21 @@ def main():
                 network_bytes=int(2 * network * row_bytes), peer_bytes=int(2 * peer * row_bytes))
 
   def add(backend, expert, results, settings, topology=None, capacity=capacity,
-          pass_="forward"):
+          pass_="forward", micro_batches=1):
     (host_n, dev_n), (host_2n, dev_2n) = results
+    split = f" micro_batches={micro_batches}" if micro_batches != 1 else ""
     for timing, first, second in (("host_clock_marginal", host_n, host_2n),
                                   ("device_clock_marginal", dev_n, dev_2n)):
       # Every process gathers every value (a missing one as infinity), so that all of them
       # make the same key-value store calls and take the same branch.
-      key = f"{backend}/{expert}/{settings}/{pass_}/{timing}"
+      key = f"{backend}/{expert}/{settings}/{pass_}/{micro_batches}/{timing}"
       first = reports.gather_max(f"{key}/n", math.inf if first is None else first)
       second = reports.gather_max(f"{key}/2n", math.inf if second is None else second)
       if math.isinf(first) or math.isinf(second):
         continue
       per_layer_us = (second - first) / n * 1e6
       if per_layer_us <= 0:
-        print(f"{backend} {expert}: no {timing} record (t(2N) <= t(N): timing noise)")
+        print(f"{backend} {expert}{split}: no {timing} record (t(2N) <= t(N): timing noise)")
         continue
       roofline = (min_hbm / (bound_gbps * 1e9) / (per_layer_us * 1e-6) if one_gpu
                   else per_rank_bytes / (per_layer_us * 1e-6) / 1e9 / bound_gbps)
@@ -227,16 +254,17 @@ def main():
           gbps=round(per_rank_bytes / (per_layer_us * 1e-6) / 1e9, 1),
           roofline=round(roofline, 3), settings=settings,
           raise_on_timeout=settings == "debug_checks", capacity=capacity, **{"pass": pass_},
-          **paths(topology)))
+          micro_batches=micro_batches, **paths(topology)))
 
   params = expert_params(jax.random.key(0)) if "swiglu" in args.expert else []
 
-  def run(backend, expert, layer, settings="default", topology=None, capacity=capacity):
+  def run(backend, expert, layer, settings="default", topology=None, capacity=capacity,
+          micro_batches=1):
     for pass_ in args.passes:
       backward = pass_ == "forward_backward"
       programs = [chain_program(layer, layers, mesh, backward) for layers in (n, 2 * n)]
       inputs = (x, idx, w, *(params if expert == "swiglu" else ()))
-      what = f"{backend} {expert} ({settings}, {pass_})"
+      what = f"{backend} {expert} ({settings}, {pass_}, micro_batches={micro_batches})"
       try:
         results = time_programs(programs, inputs, args.repeats, on_gpu)
         failed = 0.0
@@ -244,9 +272,10 @@ def main():
         print(f"{what}: failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
         failed = 1.0
       # All processes skip a layer that failed on any (its collectives would not meet).
-      if reports.gather_max(f"{backend}/{expert}/{settings}/{pass_}/failed", failed) > 0:
+      if reports.gather_max(f"{backend}/{expert}/{settings}/{pass_}/{micro_batches}/failed",
+                            failed) > 0:
         continue
-      add(backend, expert, results, settings, topology, capacity, pass_)
+      add(backend, expert, results, settings, topology, capacity, pass_, micro_batches)
       if args.breakdown and on_gpu:
         rows, activity = timers.trace_breakdown(programs[1], inputs)
         if jax.process_index() == 0:
@@ -275,14 +304,16 @@ def main():
   if "cuda" in args.backends:
     variants += [("cuda", f"virtual_hosts={v}", {"virtual_hosts": v})
                  for v in args.virtual_hosts if v > 1]
-  for backend, settings, kw in variants:
+  for (backend, settings, kw), micro_batches in itertools.product(variants, args.micro_batches):
     if backend == "reference" and shared_gpu and num_ranks > 1:
       print("reference: skipped (processes sharing one GPU cannot run XLA collectives)")
       continue
-    # The cuda rows use the group a user gets (backend="auto"), which must have picked cuda.
+    # The cuda rows use the group a user gets (backend="auto"), which must have picked cuda,
+    # sized for one micro-batch: each of its calls takes t / n tokens, so its capacity (per
+    # call) is n times smaller and the layer keeps what the unsplit layer keeps.
     try:
       group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h,
-                           max_tokens_per_rank=t, dtype=dtype,
+                           max_tokens_per_rank=t // micro_batches, dtype=dtype,
                            backend="auto" if backend == "cuda" else backend, **kw)
     except ValueError as err:
       if "virtual_hosts" not in kw:
@@ -300,7 +331,8 @@ def main():
         recv, handle = jax_ep.dispatch(group, hid, i, wt)
         out = jax_ep.combine(group, apply_expert(expert, recv.x, recv.group_sizes, p), handle)
         return out if expert == "identity" else hid + out
-      run(backend, expert, layer, settings, group.topology, group.capacity)
+      run(backend, expert, micro_batched(layer, micro_batches), settings, group.topology,
+          group.capacity, micro_batches)
     # One group's buffers at a time: at the standard shape each is several GB per rank, and
     # ranks sharing one GPU hold theirs side by side. Every process is past its last call of
     # this group here (each run ends in block_until_ready and a gather).
@@ -322,23 +354,38 @@ def main():
             out = xla_pipeline.combine(apply_expert(expert, rows, sizes, p), wt, state,
                                        axis="ep")
           return out if expert == "identity" else hid + out
-        run("xla_baseline", expert, layer)
+        for micro_batches in args.micro_batches:
+          run("xla_baseline", expert, micro_batched(layer, micro_batches),
+              micro_batches=micro_batches)
 
   if jax.process_index() == 0:
     path = reports.write_jsonl(records, args.out)
-    reports.print_table(records, ["backend", "expert", "settings", "pass", "timing", "layers",
-                                 "capacity", "median_us", "program_us", "gbps", "roofline"])
+    reports.print_table(records, ["backend", "expert", "settings", "pass", "micro_batches",
+                                 "timing", "layers", "capacity", "median_us", "program_us",
+                                 "gbps", "roofline"])
     # Default against tight capacity, side by side (the same run): what the worst-case
     # default costs in time.
     for r in records:
       if r["settings"] != "default":
         continue
       tight = [q for q in records if q["settings"] == "buffer_factor=1.1"
-               and all(q[f] == r[f] for f in ("backend", "expert", "pass", "timing"))]
+               and all(q[f] == r[f] for f in ("backend", "expert", "pass", "micro_batches",
+                                              "timing"))]
       if tight:
         print(f"default / tight: {r['backend']} {r['expert']} {r['pass']} {r['timing']}: "
               f"{r['median_us'] / tight[0]['median_us']:.3f} "
               f"({r['median_us']} / {tight[0]['median_us']} us)")
+    # Split against unsplit, side by side (the same run): what the micro-batches buy.
+    for r in records:
+      if r["micro_batches"] == 1:
+        continue
+      whole = [q for q in records if q["micro_batches"] == 1
+               and all(q[f] == r[f] for f in ("backend", "expert", "settings", "pass", "timing"))]
+      if whole:
+        print(f"micro_batches={r['micro_batches']} / 1: {r['backend']} {r['expert']} "
+              f"{r['settings']} {r['pass']} {r['timing']}: "
+              f"{r['median_us'] / whole[0]['median_us']:.3f} "
+              f"({r['median_us']} / {whole[0]['median_us']} us)")
     print(f"wrote {path}")
 
 

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_ep import ops
+from jax_ep.config import positive_int
 from jax_ep.experts import slab as slab_mlp
 from jax_ep.experts.checks import check_groups
 from jax_ep.experts.api import grouped_matmul
@@ -278,6 +279,31 @@ def _check_options(fn: str, *, mode, activation, aux_loss_scope, remat) -> None:
         f"decode slabs (expert_mlp_slabs) are SwiGLU only; use mode='high_throughput'")
 
 
+def check_micro_batches(fn: str, micro_batches, mode: str) -> int:
+  """`micro_batches` as a positive int, naming `fn`; the low-latency mode takes 1 only."""
+  micro_batches = positive_int("micro_batches", micro_batches, f"jax_ep.{fn}")
+  if micro_batches > 1 and mode == "low_latency":
+    raise ValueError(f"jax_ep.{fn}: micro_batches={micro_batches} with mode='low_latency': the "
+                     f"decode pair runs a step's few tokens in one call (to overlap it, use "
+                     f"low_latency_dispatch_send / _wait); micro-batches split the "
+                     f"high-throughput layer, mode='high_throughput'")
+  return micro_batches
+
+
+def check_micro_batch_tokens(fn: str, group: Group, micro_batches: int, num_tokens: int,
+                             where: str) -> None:
+  """Each shard's `num_tokens` (`where` says whose) must split into `micro_batches` equal
+  micro-batches, each at most the group's `max_tokens_per_rank` (what one dispatch takes)."""
+  if num_tokens % micro_batches:
+    raise ValueError(f"jax_ep.{fn}: micro_batches={micro_batches} must divide each shard's "
+                     f"token count, {num_tokens} ({where})")
+  if micro_batches > 1 and num_tokens // micro_batches > group.max_tokens_per_rank:
+    raise ValueError(f"jax_ep.{fn}: micro_batches={micro_batches} splits each shard's "
+                     f"{num_tokens} tokens ({where}) into micro-batches of "
+                     f"{num_tokens // micro_batches}, more than the group's "
+                     f"max_tokens_per_rank={group.max_tokens_per_rank}")
+
+
 def _check_layer(fn: str, params, x, *, mode, activation, aux_loss_scope, remat) -> None:
   """Trace-time checks of the layer's arguments, with errors that name `fn`."""
   _check_options(fn, mode=mode, activation=activation, aux_loss_scope=aux_loss_scope,
@@ -327,6 +353,25 @@ def _experts(group: Group, mode: str, activation: str, weights, x, topk_idx, top
   return out, recv.num_dropped
 
 
+def _micro_batched(experts, micro_batches: int, weights, x, topk_idx, topk_weights):
+  """`experts` (`_experts`, under `remat` checkpointed) on `micro_batches` equal runs of
+  consecutive tokens, each its own dispatch -> experts -> combine: `(out [T, H], num_dropped
+  summed over them)`.
+
+  NOTES: the micro-batches share only the weights and the routing computed before the split;
+  each dispatch reads its own tokens and routing alone, so XLA sees independent chains and can
+  run one micro-batch's communication beside another's experts, forward and backward. A static
+  loop, not `lax.scan` / `fori_loop`, whose iterations XLA runs one after another. `lax.split`
+  cuts the tokens (its transpose is one concatenate, where slices would transpose into a padded
+  copy of the whole `[T, H]` per micro-batch, summed). Each call casts the weights itself (XLA
+  merges the forward's identical casts), so their gradients are summed in the storage dtype.
+  """
+  sizes = [x.shape[0] // micro_batches] * micro_batches
+  parts = zip(*(jax.lax.split(a, sizes) for a in (x, topk_idx, topk_weights)))
+  outs, dropped = zip(*(experts(weights, *part) for part in parts))
+  return jnp.concatenate(outs), functools.reduce(jnp.add, dropped)
+
+
 def _spanning_sequence_loss(probs, topk_idx, seq_len: int, num_sequences: int, token_axes):
   """The per-sequence load-balancing loss when sequences cross shard boundaries: each
   sequence's slot counts and score sums, summed over the shards (`token_axes`, in the order
@@ -348,11 +393,12 @@ def _spanning_sequence_loss(probs, topk_idx, seq_len: int, num_sequences: int, t
 
 
 def _forward(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None, *, routing,
-             mode, activation, aux_loss_scope, remat, seq_len=None,
+             mode, activation, aux_loss_scope, remat, micro_batches=1, seq_len=None,
              spanning=None) -> MoEOutput:
   """The layer on this shard's tokens `x` `[T, H]` (checked by the caller); per-token fields
   `[T, ...]`. `spanning`: `(num_sequences, token_axes)` when sequences of `seq_len` tokens
-  cross this shard's boundaries."""
+  cross this shard's boundaries. The routing, its losses and counts are of all `T` tokens;
+  `micro_batches` splits only what follows it."""
   aux = z = jnp.zeros((), jnp.float32)
   probs = None
   if topk_idx is None:
@@ -371,11 +417,17 @@ def _forward(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=Non
   if remat:
     # Saves only the layer's input, the routing and the weights as stored: the backward runs
     # dispatch, the experts and combine again (one more round of communication) instead of
-    # keeping the dispatched rows and the experts' hidden activations.
+    # keeping the dispatched rows and the experts' hidden activations. With micro-batches each
+    # is its own checkpoint, so the backward holds one micro-batch's recomputed activations at
+    # a time (more while XLA overlaps them).
     experts = jax.checkpoint(experts)
   weights = (params.w_gate, params.w_up, params.w_down, params.shared_gate, params.shared_up,
              params.shared_down)
-  out, num_dropped = experts(weights, x, topk_idx, topk_weights)
+  if micro_batches == 1:
+    out, num_dropped = experts(weights, x, topk_idx, topk_weights)
+  else:
+    out, num_dropped = _micro_batched(experts, micro_batches, weights, x, topk_idx,
+                                      topk_weights)
   return MoEOutput(out.astype(x.dtype), num_dropped, aux, z,
                    expert_counts(topk_idx, group.num_experts), probs, topk_idx, topk_weights)
 
@@ -383,7 +435,7 @@ def _forward(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=Non
 def moe_mlp_per_shard(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None,
                       *, routing: Routing = Routing(), mode: str = "high_throughput",
                       activation: str = "swiglu", aux_loss_scope: str = "per_shard",
-                      remat: bool = False) -> MoEOutput:
+                      remat: bool = False, micro_batches: int = 1) -> MoEOutput:
   """The layer body, inside `shard_map` over the group's axis.
 
   Args:
@@ -406,21 +458,29 @@ def moe_mlp_per_shard(group: Group, params: MoEParams, x, topk_idx=None, topk_we
     remat: recompute the dispatch, the experts and the combine in the backward instead of
       saving their activations (`jax.checkpoint`): only the layer's input and the routing
       are kept.
+    micro_batches: split the shard's tokens into this many equal runs of consecutive tokens,
+      each with its own dispatch -> experts -> combine, so that one micro-batch's
+      communication can run beside another's experts (`moe_mlp`'s `micro_batches`); it must
+      divide `T` (`b * S` for sequences). "high_throughput" mode only.
 
   Returns:
     `MoEOutput` with scalars and `[E]` counts for this shard.
   """
   _check_layer("moe_mlp_per_shard", params, x, mode=mode, activation=activation,
                aux_loss_scope=aux_loss_scope, remat=remat)
+  micro_batches = check_micro_batches("moe_mlp_per_shard", micro_batches, mode)
   if x.ndim not in (2, 3):
     raise ValueError(f"jax_ep.moe_mlp_per_shard: x must be [T, H] or [b, S, H], got shape "
                      f"{x.shape}")
   check_layer_shapes("moe_mlp_per_shard", group, params, x, topk_idx, topk_weights, per_shard=True)
+  check_micro_batch_tokens("moe_mlp_per_shard", group, micro_batches, math.prod(x.shape[:-1]),
+                           f"x shape {x.shape}")
   lead, hidden = x.shape[:-1], x.shape[-1]
   flat = lambda a: None if a is None else a.reshape(-1, a.shape[-1])  # noqa: E731
   result = _forward(group, params, flat(x), flat(topk_idx), flat(topk_weights), routing=routing,
                     mode=mode, activation=activation, aux_loss_scope=aux_loss_scope,
-                    remat=remat, seq_len=x.shape[1] if x.ndim == 3 else None)
+                    remat=remat, micro_batches=micro_batches,
+                    seq_len=x.shape[1] if x.ndim == 3 else None)
   shaped = lambda a: None if a is None else a.reshape(*lead, a.shape[-1])  # noqa: E731
   return result._replace(out=result.out.reshape(*lead, hidden),
                          router_probs=shaped(result.router_probs),
@@ -470,7 +530,7 @@ def _unflatten(group: Group, value, lead, token_axes):
 def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None, *,
             routing: Routing = Routing(), mode: str = "high_throughput",
             activation: str = "swiglu", aux_loss_scope: str = "per_shard",
-            remat: bool = False) -> MoEOutput:
+            remat: bool = False, micro_batches: int = 1) -> MoEOutput:
   """The whole layer on global arrays; enters `shard_map` over the group's mesh.
 
   Args:
@@ -492,6 +552,21 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
       shards cut the sequences; Switch Transformer's and MaxText's form).
     remat: recompute dispatch, experts and combine in the backward (`jax.checkpoint`), keeping
       only the layer's input and the routing.
+    micro_batches: a positive int dividing each shard's token count `N / M` (default 1: one
+      dispatch and one combine per layer). The router runs once on all of a shard's tokens
+      (so the losses, counts and router outputs are the unsplit layer's); then its tokens and
+      their routing are split into this many equal runs of consecutive tokens, each with its
+      own dispatch -> experts -> combine, on the same group. No micro-batch's dispatch depends
+      on another's results, so XLA may run one micro-batch's communication beside another's
+      experts (in the forward and in the backward); today the ops share XLA's compute stream,
+      so the split alone hides nothing. Results equal the unsplit layer's within rounding;
+      `num_dropped` is the sum over the micro-batches. Each micro-batch is one call of the
+      group: at most `max_tokens_per_rank` tokens (`N / M / micro_batches`; a group sized for
+      a micro-batch serves the whole shard), and the group's whole `capacity` for its rows,
+      which the backward keeps once per micro-batch (`jax_ep.memory_bytes`). With a
+      `capacity` or `buffer_factor` sized for the whole shard, a micro-batch has that many
+      rows for fewer tokens and the split drops at most what the unsplit layer would.
+      "high_throughput" mode only.
 
   Returns:
     `MoEOutput`: `out` shaped like `x`; `num_dropped`, `aux_loss`, `z_loss` `[M]` and
@@ -501,6 +576,7 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
   """
   _check_layer("moe_mlp", params, x, mode=mode, activation=activation,
                aux_loss_scope=aux_loss_scope, remat=remat)
+  micro_batches = check_micro_batches("moe_mlp", micro_batches, mode)
   token_axes = _token_axes(group)
   num_shards = math.prod(group.mesh.shape[a] for a in token_axes)
   lead = x.shape[:-1]
@@ -511,6 +587,8 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
   if num_tokens % num_shards:
     raise ValueError(f"jax_ep.moe_mlp: {num_tokens} tokens (x shape {x.shape}) must split "
                      f"evenly over the mesh's {num_shards} devices (axes {token_axes})")
+  check_micro_batch_tokens("moe_mlp", group, micro_batches, num_tokens // num_shards,
+                           f"x shape {x.shape} over the mesh's {num_shards} devices")
   seq_len = spanning = None
   if aux_loss_scope == "per_sequence":
     seq_len = x.shape[1]
@@ -532,7 +610,7 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
   def body(params, x, *routing_args):
     result = _forward(group, params, x, *routing_args, routing=routing, mode=mode,
                       activation=activation, aux_loss_scope=aux_loss_scope, remat=remat,
-                      seq_len=seq_len, spanning=spanning)
+                      micro_batches=micro_batches, seq_len=seq_len, spanning=spanning)
     return result._replace(num_dropped=result.num_dropped[None], aux_loss=result.aux_loss[None],
                            z_loss=result.z_loss[None],
                            expert_counts=result.expert_counts[None])

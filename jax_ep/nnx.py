@@ -32,7 +32,8 @@ import jax.numpy as jnp
 
 from jax_ep.group import Group
 from jax_ep.layer import (MODES, MoEOutput, MoEParams, _check_options, _token_axes,
-                          init_moe_params, moe_mlp)
+                          check_micro_batch_tokens, check_micro_batches, init_moe_params,
+                          moe_mlp)
 from jax_ep.routing import Routing, update_router_bias
 
 _logger = logging.getLogger("jax_ep")
@@ -42,7 +43,8 @@ _SAID: set[str] = set()
 # `layer(x)` at the top level) runs one compiled program instead of op-by-op `shard_map`, which
 # is an order of magnitude slower.
 _moe_mlp = jax.jit(moe_mlp, static_argnums=(0,),
-                   static_argnames=("routing", "mode", "activation", "aux_loss_scope", "remat"))
+                   static_argnames=("routing", "mode", "activation", "aux_loss_scope", "remat",
+                                    "micro_batches"))
 
 
 class MoEStats(nnx.Variable):
@@ -71,9 +73,10 @@ def _check_decode_group(group: Group, decode_group) -> None:
                      f"mesh {group.mesh}; the two groups run the same weights and must agree")
 
 
-def _check_call(group: Group, which: str, mode: str, x, topk_idx, topk_weights) -> None:
+def _check_call(group: Group, which: str, mode: str, x, topk_idx, topk_weights,
+                micro_batches: int) -> None:
   """Trace-time checks of a call's arguments against the group `mode` runs on (`which`
-  names it: "group" or "decode_group")."""
+  names it: "group" or "decode_group"), split into `micro_batches`."""
   fn = "jax_ep.nnx.MoE"
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{fn}: x must be an array, got {type(x).__name__}")
@@ -90,7 +93,9 @@ def _check_call(group: Group, which: str, mode: str, x, topk_idx, topk_weights) 
   if num_tokens % num_shards:
     raise ValueError(f"{fn}: x has {num_tokens} tokens (shape {x.shape}), which do not split "
                      f"evenly over the mesh's {num_shards} devices")
-  if num_tokens // num_shards > group.max_tokens_per_rank:
+  check_micro_batch_tokens("nnx.MoE", group, micro_batches, num_tokens // num_shards,
+                           f"x shape {x.shape} over the mesh's {num_shards} devices")
+  if micro_batches == 1 and num_tokens // num_shards > group.max_tokens_per_rank:
     raise ValueError(f"{fn}: x has {num_tokens} tokens (shape {x.shape}), "
                      f"{num_tokens // num_shards} per device over the mesh's {num_shards} "
                      f"devices, more than max_tokens_per_rank={group.max_tokens_per_rank} of "
@@ -149,6 +154,11 @@ class MoE(nnx.Module):
       "per_sequence" (each sequence of `[B, S, H]` inputs, averaged; see `jax_ep.moe_mlp`).
     remat: recompute dispatch, experts and combine in the backward (`jax_ep.moe_mlp`'s
       `remat`), keeping only the layer's input and the routing.
+    micro_batches: split each shard's tokens of a "high_throughput" call into this many
+      micro-batches, each with its own dispatch -> experts -> combine (`jax_ep.moe_mlp`'s
+      `micro_batches`; default 1); it must divide each shard's token count, and each
+      micro-batch must fit the group's `max_tokens_per_rank`. Decode calls
+      (`mode="low_latency"`) run unsplit.
     decode_group: the group calls with `mode="low_latency"` run on (None: `group`). Decode
       passes few tokens, so its group has a smaller `max_tokens_per_rank` (and, on the cuda
       backend, `low_latency=True` for the decode kernels' buffers); it must have `group`'s mesh,
@@ -177,9 +187,11 @@ class MoE(nnx.Module):
                param_dtype=jnp.float32, routing: Routing = Routing(), router_bias: bool = False,
                shared_ffn: int = 0, mode: str = "high_throughput", activation: str = "swiglu",
                aux_loss_scope: str = "per_shard", remat: bool = False,
-               decode_group: Group | None = None, statistics: bool = True):
+               micro_batches: int = 1, decode_group: Group | None = None,
+               statistics: bool = True):
     _check_options("nnx.MoE", mode=mode, activation=activation,
                    aux_loss_scope=aux_loss_scope, remat=remat)
+    micro_batches = check_micro_batches("nnx.MoE", micro_batches, "high_throughput")
     if dtype is not None and jnp.dtype(dtype) != jnp.dtype(group.dtype):
       raise ValueError(f"jax_ep.nnx.MoE: dtype (the compute dtype) is the group's dtype "
                        f"{jnp.dtype(group.dtype).name}, the one dispatch sends; got "
@@ -199,6 +211,7 @@ class MoE(nnx.Module):
     self.activation = activation
     self.aux_loss_scope = aux_loss_scope
     self.remat = remat
+    self.micro_batches = micro_batches
     self.statistics = statistics
     params = init_moe_params(rngs.params(), num_experts=group.num_experts, hidden=group.hidden,
                              ffn=ffn, dtype=param_dtype, shared_ffn=shared_ffn,
@@ -252,7 +265,8 @@ class MoE(nnx.Module):
     Args:
       x: `[N, H]` or `[B, S, H]` floating-point activations (cast to the group's dtype for
         dispatch), split evenly over the group's mesh (`N / M <= max_tokens_per_rank` tokens
-        per shard, of `decode_group` in "low_latency" mode where there is one).
+        per shard, of `decode_group` in "low_latency" mode where there is one; per
+        micro-batch with `micro_batches`).
       topk_idx, topk_weights: optional routing shaped like `x` with `K` for `H` (integer ids,
         floating weights); by default the router decides.
       mode: "high_throughput" (training, prefill) or "low_latency" (decode, on `decode_group`
@@ -279,7 +293,9 @@ class MoE(nnx.Module):
                    aux_loss_scope=self.aux_loss_scope, remat=self.remat)
     decode = mode == "low_latency" and self.decode_group is not None
     group = self.decode_group if decode else self.group
-    _check_call(group, "decode_group" if decode else "group", mode, x, topk_idx, topk_weights)
+    micro_batches = self.micro_batches if mode == "high_throughput" else 1
+    _check_call(group, "decode_group" if decode else "group", mode, x, topk_idx, topk_weights,
+                micro_batches)
     if (mode == "low_latency" and group.backend_name == "cuda" and not group.low_latency):
       raise ValueError(f"jax_ep.nnx.MoE: mode='low_latency' on the cuda backend needs a group "
                        f"created with low_latency=True; {group} was not (pass one as "
@@ -289,7 +305,8 @@ class MoE(nnx.Module):
     group.check()
     result = _moe_mlp(group, self.params, x, topk_idx, topk_weights,
                       routing=self.routing, mode=mode, activation=self.activation,
-                      aux_loss_scope=self.aux_loss_scope, remat=self.remat)
+                      aux_loss_scope=self.aux_loss_scope, remat=self.remat,
+                      micro_batches=micro_batches)
     if self.statistics:
       self._record(result)
     return result if return_output else result.out

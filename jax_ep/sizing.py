@@ -313,6 +313,12 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   the backward recomputes the rest, so one layer's `expert_activation_bytes` exist again while
   that layer's backward runs. A model of `N` such layers keeps `N` times the remat figure plus,
   at its peak, one layer's full figure.
+
+  A layer of `micro_batches=n` makes `n` calls of `T / n` tokens, each keeping its own
+  residuals with the whole capacity: `n` times both figures estimated at
+  `max_tokens_per_rank=T / n` (under remat one micro-batch's full figure at the peak). A
+  group sized for the micro-batch keeps about the unsplit layer's; one sized for `T`, `n`
+  times its capacity-sized terms.
   """
   where = "jax_ep.memory_bytes"
   refuse_capacity_factor(capacity_factor, where)

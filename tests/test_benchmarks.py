@@ -267,11 +267,42 @@ def test_bench_layers_writes_layer_chain_records(tmp_path, num_devices):
     assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
     assert r["op"] == "layer_chain" and r["layers"] == 2 and r["ranks"] == num_devices
     assert r["settings"] == "default" and r["raise_on_timeout"] is False
+    assert r["micro_batches"] == 1
     assert r["capacity"] == num_devices * 16 * min(2, 16 // num_devices)
     assert r["timing"] == "host_clock_marginal" and r["median_us"] > 0
     # One host: nothing took the network path.
     assert (r["hosts"], r["gpus_per_host"], r["network_bytes"]) == (1, [num_devices], 0)
     assert 0 <= r["peer_bytes"] <= r["bytes"]
+
+
+def test_bench_layers_micro_batches_field(tmp_path):
+  """`--micro-batches 1 2`: every record says its count, and the split chain runs forward and
+  forward + backward beside the unsplit one (a record each, or the noise message naming it)."""
+  out = tmp_path / "layers.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices=2))
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layers.py"), "--tokens", "16",
+       "--hidden", "128", "--experts", "16", "--topk", "2", "--ffn", "64", "--layers", "2",
+       "--repeats", "3", "--expert", "swiglu", "--backends", "reference", "--passes",
+       "forward", "forward_backward", "--micro-batches", "1", "2", "--out", str(out)],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+  for r in records:
+    assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
+    assert r["op"] == "layer_chain" and r["micro_batches"] in (1, 2) and r["ranks"] == 2
+    # The group is sized for one micro-batch: its default capacity per call, 16 / n tokens'.
+    assert r["capacity"] == 2 * (16 // r["micro_batches"]) * 2
+  for pass_ in ("forward", "forward_backward"):
+    for micro_batches in (1, 2):
+      mine = [r for r in records if (r["pass"], r["micro_batches"]) == (pass_, micro_batches)]
+      split = f" micro_batches={micro_batches}" if micro_batches != 1 else ""
+      assert mine or f"reference swiglu{split}: no host_clock_marginal" in result.stdout
+  bad = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layers.py"), "--tokens", "16",
+       "--micro-batches", "3"], env=env, capture_output=True, text=True, timeout=120)
+  assert bad.returncode != 0
+  assert "--micro-batches must be positive and divide --tokens=16, got [3]" in bad.stderr
 
 
 @pytest.mark.slow
@@ -291,8 +322,24 @@ def test_bench_layer_writes_grouped_matmul_and_layer_records(tmp_path):
       for s in ("qwen3_30b_a3b", "mixtral")}
   for r in records:
     assert r["impl"] == "xla" and r["median_us"] > 0 and r["fraction"] > 0
+    assert r.get("micro_batches", 1) == 1
     assert {"tflops", "bound_tflops", "experts", "hidden", "ffn", "tokens_per_rank",
             "ranks", "gpu", "jax", "date", "commit"} <= set(r)
+
+
+def test_bench_layer_moe_layer_records_carry_micro_batches(tmp_path):
+  out = tmp_path / "layer.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices=1))
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layer.py"), "--shapes",
+       "mixtral", "--scale", "32", "--tokens", "128", "--repeats", "2", "--ops", "moe_layer",
+       "--micro-batches", "1", "2", "--out", str(out)],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert {(r["op"], r["pass"], r["micro_batches"]) for r in records} == {
+      ("moe_layer", p, m) for p in ("fwd", "fwd_bwd") for m in (1, 2)}
+  assert all(r["median_us"] > 0 for r in records)
 
 
 def test_bench_expert_mlp_writes_expert_mlp_records(tmp_path):
