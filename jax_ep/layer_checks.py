@@ -43,6 +43,14 @@ def check_layer_shapes(fn: str, group, params, x, topk_idx, topk_weights, *,
   of other width would pick experts that do not exist (slots that select nothing), and other
   weights would fail inside under the names of the per-rank slices."""
   e, h, k = group.num_experts, group.hidden, group.num_topk
+  if group.config.wire_format.is_fp8:
+    # The experts would take the e4m3 rows as their operands; the FP8 expert GEMMs that take
+    # them with their scales are not built yet.
+    raise ValueError(f"jax_ep.{fn}: the layer runs on groups whose dispatch sends its rows "
+                     f"as they are (wire_format=RowFormat.PLAIN); this group's is "
+                     f"{group.config.wire_format}. Call jax_ep.dispatch on it, "
+                     f"jax_ep.dequantize the rows and run your experts, or create the layer's "
+                     f"group without wire_format")
   if x.shape[-1] != h:
     raise ValueError(f"jax_ep.{fn}: x must have the group's hidden size H = {h} as its last "
                      f"dimension, got shape {x.shape}")

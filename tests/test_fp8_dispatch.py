@@ -583,3 +583,15 @@ def test_cuda_refuses_fp8_dispatch_on_this_gpu():
   auto = make(wire_format=RowFormat.FP8_UE8M0)
   assert auto.backend_name == "reference" and why in auto.backend_reason
   auto.close()
+
+
+def test_the_layer_refuses_an_fp8_group():
+  """Until the FP8 expert GEMMs exist, the layer says which groups it takes instead of failing
+  inside the experts on e4m3 operands."""
+  group = _group()
+  params = jax_ep.init_moe_params(jax.random.key(0), num_experts=group.num_experts,
+                                  hidden=group.hidden, ffn=128, dtype=jnp.bfloat16)
+  x = jnp.zeros((group.num_ranks * 4, group.hidden), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"jax_ep.moe_mlp: the layer runs on groups whose "
+                                       r"dispatch sends its rows as they are.*RowFormat.FP8"):
+    jax_ep.moe_mlp(group, params, x)
