@@ -33,7 +33,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_layer import skewed_sizes, time_fn  # noqa: E402 - initializes a launched job
+# The model shapes, the skewed groups and the timer are bench_layer's (importing it initializes
+# a launched job).
+from bench_layer import SHAPES, skewed_sizes, time_fn  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -43,14 +45,6 @@ import jax_ep  # noqa: E402
 from jax_ep import experts  # noqa: E402
 from jax_ep.experts import mlp  # noqa: E402
 
-# name: (experts, hidden, ffn, top-k)
-SHAPES = {
-    "deepseek_v3": (256, 7168, 2048, 8),
-    "qwen3_30b_a3b": (128, 2048, 768, 8),
-    "e32_h4096_f1536": (32, 4096, 1536, 4),
-    "mixtral": (8, 4096, 14336, 2),
-    "deepseek_v3_ep8_rank": (32, 7168, 2048, 8),
-}
 IMPLS = ("fused", "unfused")
 
 

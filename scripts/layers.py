@@ -4,8 +4,8 @@ that every arrow points down.
   python scripts/layers.py            # both drawings, as docs/layout.md and ffi/README.md hold
   python scripts/layers.py --check    # exit 1 where an arrow points up (tests run this too)
 
-Each line is one layer, top to bottom, with the layers its files import or include and how many
-import / include lines point there. A layer may point only at layers below it; the order and
+Each line is one layer, top to bottom, with the layers its files import or include (`--check`
+counts the lines of an arrow that points up). A layer may point only at layers below it; the order and
 the layers are the tables of docs/layout.md (jax_ep/) and ffi/README.md (ffi/). Reads the files
 as text (Python's ast for imports, `#include "..."` lines for C++): it runs nothing.
 """
@@ -137,7 +137,7 @@ def drawing(tree: str) -> str:
     targets = [(there, n) for (here, there), n in counts.items() if here == name]
     order = {layer: i for i, (layer, _) in enumerate(layers)}
     targets.sort(key=lambda t: order[t[0]])
-    shown = ", ".join(f"{there} ({n})" for there, n in targets) or "nothing"
+    shown = ", ".join(there for there, _ in targets) or "nothing"
     lines.append(f"{name:<{width}}  -> {shown}")
   return "\n".join(lines)
 
