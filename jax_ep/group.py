@@ -29,8 +29,6 @@ from jax_ep.sizing import check_configuration, refuse_capacity_factor
 _logger = logging.getLogger("jax_ep")
 
 
-
-
 # Transports of groups not yet closed: the exit hook of jax_ep/_native/effects.py
 # settles JAX's effect tokens when one of them recorded a timeout (strong references: a dropped
 # group's native buffers and error record live on until exit anyway).
@@ -66,9 +64,10 @@ class Group:
       giving `ceil(f * T_max * K)` rows, `f` times what a rank receives when routing is
       perfectly balanced (plus `expert_alignment`'s padding), rounded up to a multiple of the
       grouped GEMM's row tile (`jax_ep.gmm.ROW_TILE`) and clamped to the worst case above,
-      which no rank can exceed (`jax_ep.capacity_from_buffer_factor`). `group.capacity` is the rows
-      it gave, `group.buffer_factor` the factor (None when not given). Drops are counted and
-      `strict` raises exactly as with `capacity`.
+      which no rank can exceed (`jax_ep.capacity_from_buffer_factor`). `group.capacity` is
+      the rows it gave, `group.buffer_factor` the factor (None when not given). Drops are
+      counted and `strict` raises exactly as with `capacity`. Not MaxText's or GShard's
+      `capacity_factor` (a cap per expert and sequence: `jax_ep.limit_expert_capacity`).
     expert_alignment: `A`, a positive int (default 1): each local expert's rows in the
       dispatch output start at a multiple of `A` (`DispatchResult.group_offsets` says where),
       so that a grouped GEMM's row tile of `A` rows never holds two experts' rows. The rows
