@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jax_ep._native.varying import sum_to_primal
 from jax_ep.backends.base import Backend
-from jax_ep.backends.reference import fp8_quantize, pack_ue8m0, unpack_ue8m0
+from jax_ep.backends.fp8 import fp8_quantize, pack_ue8m0, unpack_ue8m0
 from jax_ep.config import RowFormat
 
 
@@ -111,7 +111,7 @@ dequantize.defvjp(_dequantize_fwd, _dequantize_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def quantize(x, row_format: RowFormat):
   """`(q [..., H] float8_e4m3fn, scales)` of `x` in the fp8 `row_format`, the dispatches'
-  rounding (`reference.fp8_quantize`; UE8M0 scales packed). Straight through: the rows'
+  rounding (`fp8.fp8_quantize`; UE8M0 scales packed). Straight through: the rows'
   cotangent (in any float dtype) comes back as `x`'s, in `x`'s dtype."""
   q, scales = fp8_quantize(x, round_scale=row_format.pow2_scales)
   return q, (pack_ue8m0(scales) if row_format.ue8m0 else scales)

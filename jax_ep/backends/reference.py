@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep.backends.base import Backend, LayoutThenDispatch
+from jax_ep.backends.fp8 import fp8_quantize, pack_ue8m0
 from jax_ep.config import EPConfig, RowFormat
 
 
@@ -216,59 +217,7 @@ def combine_vjp(config: EPConfig, d_out: jax.Array, expert_out: jax.Array,
 
 
 # ----------------------------------------------------------------------------------------------
-# Low-latency mode
-
-def _round_up_power_of_two(s: jax.Array) -> jax.Array:
-  """The smallest power of two >= s (positive finite float32), exactly, on the bits.
-
-  NOTES: not `exp2(ceil(log2(s)))`: XLA's exp2 is not exact (2^-17 came back one ulp low)."""
-  bits = jax.lax.bitcast_convert_type(s.astype(jnp.float32), jnp.uint32)
-  exponent = bits & 0x7F800000
-  mantissa = bits & 0x007FFFFF
-  normal = jnp.where(mantissa == 0, bits, exponent + 0x00800000)
-  # Subnormal: the next power of two of the mantissa.
-  high = (32 - jax.lax.clz(mantissa)).astype(jnp.uint32)
-  subnormal = jnp.where((mantissa & (mantissa - 1)) == 0, bits,
-                        jnp.left_shift(jnp.uint32(1), high))
-  return jax.lax.bitcast_convert_type(jnp.where(exponent == 0, subnormal, normal), jnp.float32)
-
-
-def fp8_quantize(x: jax.Array, block: int = 128, round_scale: bool = False):
-  """Per-token, per-`block`-channel e4m3 quantisation: `(q [T, H] f8, scales [T, H/block] f32)`.
-
-  `scale = amax / 448` (1 for an all-zero block); with `round_scale` the smallest power of two
-  at least that (so that a UE8M0 exponent holds it exactly). The one rounding of both modes'
-  fp8 dispatches (the low-latency `row_format`, the high-throughput `wire_format`)."""
-  x32 = x.astype(jnp.float32)
-  xb = x32.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-  amax = jnp.max(jnp.abs(xb), axis=-1)
-  scales = jnp.where(amax > 0, amax * (1.0 / 448.0), 1.0).astype(jnp.float32)
-  if round_scale:
-    scales = _round_up_power_of_two(scales)
-  q = (xb / scales[..., None]).astype(jnp.float8_e4m3fn)
-  return q.reshape(x.shape), scales
-
-
-def pack_ue8m0(scales: jax.Array) -> jax.Array:
-  """Power-of-two float32 scales `[..., H/128]` as UE8M0 exponents (the float's biased exponent
-  byte, `2^(e - 127)`), four per int32, the first in the lowest byte: `[..., H/512]`. Zero
-  scales (rows nobody filled) pack as exponent 0."""
-  bits = jax.lax.bitcast_convert_type(scales.astype(jnp.float32), jnp.uint32)
-  exponents = (bits >> 23) & 0xFF
-  exponents = exponents.reshape(*scales.shape[:-1], scales.shape[-1] // 4, 4)
-  packed = (exponents[..., 0] | (exponents[..., 1] << 8) | (exponents[..., 2] << 16)
-            | (exponents[..., 3] << 24))
-  return jax.lax.bitcast_convert_type(packed.astype(jnp.uint32), jnp.int32)
-
-
-def unpack_ue8m0(packed: jax.Array) -> jax.Array:
-  """`pack_ue8m0`'s inverse: int32 `[..., H/512]` -> float32 scales `[..., H/128]`, each
-  `2^(e - 127)` (exponent 0 gives 0: a row nobody filled)."""
-  words = jax.lax.bitcast_convert_type(packed, jnp.uint32)
-  exponents = jnp.stack([(words >> (8 * i)) & 0xFF for i in range(4)], axis=-1)
-  exponents = exponents.reshape(*packed.shape[:-1], packed.shape[-1] * 4)
-  return jax.lax.bitcast_convert_type(exponents << 23, jnp.float32)
-
+# fp8 rows (both modes) and the low-latency mode
 
 def fp8_rows(config: EPConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """What the high-throughput fp8 dispatch sends for `x` `[T, H]` (the activations): each token
