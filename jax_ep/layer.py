@@ -100,6 +100,8 @@ class MoEOutput(NamedTuple):
     topk_idx: `[..., K]` int32 experts each token chose (or was given).
     topk_weights: `[..., K]` their weights: the router's in float32 (differentiable), or the
       given ones.
+    num_invalid: int32 slots of the shard's given `topk_idx` outside `[-1, E)`, which route
+      nowhere (as `dispatch` counts them); 0 when the router chose.
   """
   out: jax.Array
   num_dropped: jax.Array
@@ -109,6 +111,7 @@ class MoEOutput(NamedTuple):
   router_probs: jax.Array | None = None
   topk_idx: jax.Array | None = None
   topk_weights: jax.Array | None = None
+  num_invalid: jax.Array | None = None
 
 
 def _check_activation(fn: str, activation) -> None:
@@ -428,8 +431,10 @@ def _forward(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=Non
   else:
     out, num_dropped = _micro_batched(experts, micro_batches, weights, x, topk_idx,
                                       topk_weights)
+  num_invalid = jnp.sum((topk_idx < -1) | (topk_idx >= group.num_experts)).astype(jnp.int32)
   return MoEOutput(out.astype(x.dtype), num_dropped, aux, z,
-                   expert_counts(topk_idx, group.num_experts), probs, topk_idx, topk_weights)
+                   expert_counts(topk_idx, group.num_experts), probs, topk_idx, topk_weights,
+                   num_invalid)
 
 
 def moe_mlp_per_shard(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None,
@@ -569,8 +574,8 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
       "high_throughput" mode only.
 
   Returns:
-    `MoEOutput`: `out` shaped like `x`; `num_dropped`, `aux_loss`, `z_loss` `[M]` and
-    `expert_counts` `[M, E]`, one entry per shard (mean `aux_loss` over them for the layer's
+    `MoEOutput`: `out` shaped like `x`; `num_dropped`, `aux_loss`, `z_loss`, `num_invalid`
+    `[M]` and `expert_counts` `[M, E]`, one entry per shard (mean `aux_loss` over them for the layer's
     loss in either scope); `router_probs` `[..., E]`, `topk_idx` and `topk_weights`
     `[..., K]` shaped like the tokens.
   """
@@ -613,7 +618,8 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
                       micro_batches=micro_batches, seq_len=seq_len, spanning=spanning)
     return result._replace(num_dropped=result.num_dropped[None], aux_loss=result.aux_loss[None],
                            z_loss=result.z_loss[None],
-                           expert_counts=result.expert_counts[None])
+                           expert_counts=result.expert_counts[None],
+                           num_invalid=result.num_invalid[None])
 
   in_specs = (specs, tokens) + (tokens,) * len(routing_args)
   out_specs = MoEOutput(*(tokens,) * len(MoEOutput._fields))

@@ -122,7 +122,7 @@ def test_moe_output_exposes_the_routing():
   # New fields come after the old five: code that indexes or slices the tuple keeps working.
   assert jax_ep.MoEOutput._fields == ("out", "num_dropped", "aux_loss", "z_loss",
                                       "expert_counts", "router_probs", "topk_idx",
-                                      "topk_weights")
+                                      "topk_weights", "num_invalid")
   routed = route_logits(x @ params.router, 2)
   assert result.router_probs.shape == (batch, 8, 8) and result.router_probs.dtype == F32
   assert result.topk_idx.shape == (batch, 8, 2) and result.topk_idx.dtype == jnp.int32
@@ -168,3 +168,21 @@ def test_nnx_per_sequence_and_whole_output():
     model(x)
   with pytest.raises(TypeError, match="jax_ep.nnx.MoE: return_output must be a bool"):
     model(xs, return_output="yes")
+
+
+def test_given_ids_outside_the_experts_are_counted():
+  """Ids the caller gives outside `[-1, E)` route nowhere, as in `dispatch`, and the layer
+  counts them per shard in `num_invalid` (the router never makes one: 0 there)."""
+  num_ranks, tokens = 4, 8
+  group, params, x = _setup(num_ranks, tokens)
+  result = jax.jit(lambda p, x: jax_ep.moe_mlp(group, p, x))(params, x)
+  np.testing.assert_array_equal(np.asarray(result.num_invalid), [0] * num_ranks)
+  idx = np.tile(np.array([[0, 1]], np.int32), (x.shape[0], 1))
+  idx[0, 1] = 8            # shard 0: E itself
+  idx[tokens + 3, 0] = -2  # shard 1
+  idx[tokens + 4, :] = [9, 40]
+  idx[2 * tokens, 0] = -1  # shard 2: -1 routes nowhere and is not invalid
+  w = np.full(idx.shape, 0.5, np.float32)
+  result = jax.jit(lambda p, x, i, w: jax_ep.moe_mlp(group, p, x, i, w))(
+      params, x, jnp.asarray(idx), jnp.asarray(w))
+  np.testing.assert_array_equal(np.asarray(result.num_invalid), [1, 3, 0, 0])
