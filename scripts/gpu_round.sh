@@ -112,20 +112,26 @@ python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devi
 # ---------------------------------------------------------------------------------- the suites
 # One function per suite (or family), shared by the check parts and the named stages below.
 local_suite() { suite --timeout 400 -- $PYTEST tests/test_cuda_local.py; }
-# The public functions' input checks on the cuda backend at one rank.
-inputs_suite() { suite --timeout 300 -- $PYTEST tests/test_input_checks.py -m gpu; }
+# The public functions' input checks on the cuda backend at one rank, and the FP8 dispatch's
+# choice of backend on a GPU.
+inputs_suite() {
+  suite --timeout 300 -- $PYTEST tests/test_input_checks.py tests/test_fp8_dispatch.py -m gpu
+}
 gemm_suite() { suite --timeout 300 -- $PYTEST tests/test_grouped_matmul.py tests/test_routing.py -m gpu; }
 # The fused expert MLP at the five model shapes (DeepSeek-V3's weights and gradients take most
 # of the GPU).
 experts_suite() {
   XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 500 -- $PYTEST tests/test_fused_expert_mlp.py -m gpu
 }
-# The layer suite's GPU tests: its tests on the cuda backend and the model shapes.
+# The layer suite's GPU tests: its tests on the cuda backend and the model shapes, and the
+# micro-batched layer against the unsplit one.
 layer_suite() {  # $1: ranks (one process takes most of the GPU: DeepSeek-V3's dense twin)
   if [ "$1" = 1 ]; then
-    XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_layer.py -m gpu
+    XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 460 -- $PYTEST tests/test_layer.py \
+      tests/test_micro_batches.py -m gpu
   else
-    suite --ranks "$1" --timeout $((300 + 60 * $1)) -- $PYTEST tests/test_layer.py -m gpu
+    suite --ranks "$1" --timeout $((360 + 60 * $1)) -- $PYTEST tests/test_layer.py \
+      tests/test_micro_batches.py -m gpu
   fi
 }
 slab_suite() {
@@ -433,7 +439,7 @@ fi
 num_gpus=$(nvidia-smi -L | grep -c "^GPU ")
 multi_suites="tests/test_cuda_peer.py tests/test_xla_pipeline.py tests/test_reference.py"
 # (The layer at model shapes is the `layer` stage's: left out here.)
-multi_suites="$multi_suites tests/test_api.py tests/test_layer.py"
+multi_suites="$multi_suites tests/test_api.py tests/test_layer.py tests/test_micro_batches.py"
 multi_suites="$multi_suites --deselect tests/test_layer.py::TestModelShapes"
 for n in ${MULTI_RANKS:-2 4 8}; do
   if ! { has multi || has multi_suites || has multi_bench; }; then break; fi
