@@ -8,7 +8,7 @@ jitted program, with the group's default settings.
 Each program is a `lax.scan` over N layers; a layer dispatches the running activations with
 that layer's routing, applies the expert, combines, and feeds the result to the next layer. The
 expert is `identity` (the received rows behind `lax.optimization_barrier`, so that XLA cannot
-fold dispatch into combine: communication only) or `swiglu` (`jax_ep.layer.expert_mlp` with one
+fold dispatch into combine: communication only) or `swiglu` (`jax_ep.mlp.expert_mlp` with one
 set of expert weights shared by every layer, added to the layer's input as a residual). With
 the identity expert a token's rows come back weighted by its router weights, which sum to one,
 so the chain's activations keep their scale. With `--micro-batches n` each layer splits its

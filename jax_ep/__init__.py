@@ -19,15 +19,17 @@ from jax_ep.config import RowFormat, default_capacity
 from jax_ep.group import Group
 from jax_ep.sizing import MemoryEstimate, capacity_from_buffer_factor, memory_bytes
 from jax_ep.gmm import grouped_matmul, grouped_matmul_impl
-from jax_ep.layer import (MoEOutput, MoEParams, expert_mlp, expert_mlp_slabs, init_moe_params,
+from jax_ep.mlp import expert_mlp, expert_mlp_slabs
+from jax_ep.layer import (MoEOutput, MoEParams, init_moe_params,
                           moe_mlp, moe_mlp_per_shard)
 from jax_ep.routing import (Routing, expert_capacity, expert_counts, limit_expert_capacity,
                             load_balancing_loss, route, router_z_loss, update_router_bias)
-from jax_ep.ops import (DispatchResult, Handle, LowLatencyHandle, LowLatencyResult,
-                        LowLatencySent, combine, dequantize, dispatch, low_latency_combine,
-                        low_latency_combine_send, low_latency_combine_wait,
-                        low_latency_dispatch, low_latency_dispatch_send,
-                        low_latency_dispatch_wait, quantize, zero_padding)
+from jax_ep.ops import (DispatchResult, Handle, combine, dequantize, dispatch, quantize,
+                        zero_padding)
+from jax_ep.low_latency import (LowLatencyHandle, LowLatencyResult, LowLatencySent,
+                                low_latency_combine, low_latency_combine_send,
+                                low_latency_combine_wait, low_latency_dispatch,
+                                low_latency_dispatch_send, low_latency_dispatch_wait)
 
 __version__ = "0.1.0"
 

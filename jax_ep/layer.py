@@ -15,7 +15,6 @@ runs in float32 on `x` as given.
 from __future__ import annotations
 
 import functools
-import logging
 import math
 from typing import NamedTuple
 
@@ -23,27 +22,15 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import ops
+from jax_ep import low_latency, ops
 from jax_ep.config import positive_int
-from jax_ep.experts import slab as slab_mlp
-from jax_ep.experts.checks import check_groups
-from jax_ep.experts.api import grouped_matmul
-from jax_ep.experts.layout import contiguous_offsets
-from jax_ep.experts.mlp import fused_expert_mlp, fused_mlp_impl
 from jax_ep.group import Group
-from jax_ep.layer_checks import check_expert_weights, check_init_sizes, check_layer_shapes
+from jax_ep.layer_checks import check_init_sizes, check_layer_shapes
+from jax_ep.mlp import (GATED_ACTIVATIONS, check_activation, check_up, expert_mlp,
+                        expert_mlp_slabs, shared_mlp)
 from jax_ep.routing import (Routing, expert_counts, load_balancing_loss, route,  # noqa: F401
                             route_logits, router_z_loss, update_router_bias)
 
-_logger = logging.getLogger("jax_ep")
-_SAID_SLABS: set[str] = set()
-_SAID_MLP: set = set()
-
-# The experts' activations: the gated ones (`act(x @ w_gate) * (x @ w_up)`, three matrices) and
-# the plain two-matrix MLPs (`act(x @ w_gate)`, no `w_up`). GELU is jax.nn.gelu's default, the
-# tanh approximation (as in Flax, GPT-2 and Gemma's GeGLU).
-ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu")
-GATED_ACTIVATIONS = ("swiglu", "geglu")
 # How the load-balancing loss groups tokens: all of a shard's tokens at once, or each sequence
 # of a `[B, S, H]` input on its own (Switch Transformer's and MaxText's form).
 AUX_LOSS_SCOPES = ("per_shard", "per_sequence")
@@ -114,31 +101,6 @@ class MoEOutput(NamedTuple):
   num_invalid: jax.Array | None = None
 
 
-def _check_activation(fn: str, activation) -> None:
-  if not isinstance(activation, str) or activation not in ACTIVATIONS:
-    raise ValueError(f"jax_ep.{fn}: activation must be one of {', '.join(map(repr, ACTIVATIONS))}, "
-                     f"got {activation!r}")
-
-
-def _check_up(fn: str, name: str, w_up, activation: str) -> None:
-  """A gated activation needs its up projection; a plain one must not get one (it would be
-  silently unused)."""
-  if activation in GATED_ACTIVATIONS and w_up is None:
-    raise ValueError(f"jax_ep.{fn}: activation={activation!r} is gated and needs {name}, got "
-                     f"None")
-  if activation not in GATED_ACTIVATIONS and w_up is not None:
-    raise ValueError(f"jax_ep.{fn}: activation={activation!r} is a two-matrix MLP with no up "
-                     f"projection: {name} must be None, got an array of shape "
-                     f"{getattr(w_up, 'shape', None)} (init_moe_params(..., "
-                     f"activation={activation!r}) leaves it out)")
-
-
-def _activate(gate, up, activation: str):
-  """The hidden activation of the fp32 projections."""
-  act = jax.nn.silu if activation in ("swiglu", "silu") else jax.nn.gelu
-  return act(gate) * up if activation in GATED_ACTIVATIONS else act(gate)
-
-
 def init_moe_params(key, *, num_experts: int, hidden: int, ffn: int, dtype=jnp.bfloat16,
                     shared_ffn: int = 0, router_bias: bool = False,
                     activation: str = "swiglu") -> MoEParams:
@@ -155,7 +117,7 @@ def init_moe_params(key, *, num_experts: int, hidden: int, ffn: int, dtype=jnp.b
   Returns:
     `MoEParams`.
   """
-  _check_activation("init_moe_params", activation)
+  check_activation("init_moe_params", activation)
   check_init_sizes(num_experts, hidden, ffn, shared_ffn, dtype)
   gated = activation in GATED_ACTIVATIONS
   k_router, k_gate, k_up, k_down, k_shared = jax.random.split(key, 5)
@@ -177,100 +139,12 @@ def init_moe_params(key, *, num_experts: int, hidden: int, ffn: int, dtype=jnp.b
       router_bias=jnp.zeros((num_experts,), jnp.float32) if router_bias else None, **shared)
 
 
-def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, group_offsets=None,
-               activation: str = "swiglu"):
-  """The experts over expert-grouped rows (`recv.x` of `dispatch`).
-
-  Args:
-    x: `[rows, H]` bf16, f16 or f32, grouped by expert.
-    w_gate: `[G, H, F]` in `x`'s dtype: gate (gated activations) or input projection.
-    w_up: `[G, H, F]` up projection of the gated activations; None for the plain ones.
-    w_down: `[G, F, H]`.
-    group_sizes: `[G]` int32 rows of each expert.
-    group_offsets: `[G]` int32 first row of each expert (`recv.group_offsets`; with a group's
-      `expert_alignment` the experts' rows have padding between them); None: the experts' rows
-      follow each other from row 0.
-    activation: one of `ACTIVATIONS`.
-
-  Returns:
-    `[rows, H]` in `x`'s dtype (fp32 accumulation, the hidden activation rounded to `x`'s
-    dtype). Rows outside the groups (past them, and the padding between them) are
-    unspecified: no matmul reads them and the activation is row-local, so no result depends
-    on them.
-
-  On Hopper GPUs (bf16 / f16, sizes multiples of 64) the experts run fused kernels that never
-  touch the rows outside the groups (jax_ep/experts/mlp.py: gate and up in one kernel with
-  the activation in its epilogue, the activation's derivative fused into the backward, bf16
-  residuals); elsewhere three `grouped_matmul`s with the activation between them. The choice
-  and its reason are logged once per shape (`jax_ep` logger).
-  """
-  _check_activation("expert_mlp", activation)
-  _check_up("expert_mlp", "w_up", w_up, activation)
-  if getattr(x, "ndim", None) == 2:  # else grouped_matmul names x
-    check_expert_weights("expert_mlp", ("w_gate", "w_up", "w_down"), w_gate, w_up, w_down,
-                          experts=None, hidden=x.shape[1], letter="G")
-    check_groups(x.shape[0], group_sizes, group_offsets, "jax_ep.expert_mlp")
-  if group_offsets is None:  # computed once: the products share it (one residual)
-    group_offsets = contiguous_offsets(group_sizes)
-  weights = [w for w in (w_gate, w_up, w_down) if w is not None]
-  if getattr(x, "ndim", None) == 2 and all(
-      getattr(w, "ndim", None) == 3 and w.dtype == x.dtype for w in weights):
-    fused, detail = fused_mlp_impl(x.shape[0], w_gate.shape[0], x.shape[1], w_gate.shape[2],
-                                   x.dtype, activation)
-    key = (fused, detail, x.shape, w_gate.shape, activation)
-    if key not in _SAID_MLP:
-      _SAID_MLP.add(key)
-      _logger.info("jax_ep.expert_mlp %s x %s %s: %s (%s)", list(x.shape), list(w_gate.shape),
-                   activation, "fused" if fused else "unfused", detail)
-    if fused:
-      return fused_expert_mlp(x, w_gate, w_up, w_down,
-                              jnp.asarray(group_sizes).astype(jnp.int32),
-                              jnp.asarray(group_offsets).astype(jnp.int32), activation)
-  f32 = jnp.float32
-  matmul = functools.partial(grouped_matmul, group_offsets=group_offsets,
-                             preferred_element_type=f32)
-  gate = matmul(x, w_gate, group_sizes)
-  up = None if w_up is None else matmul(x, w_up, group_sizes)
-  h = _activate(gate, up, activation).astype(x.dtype)
-  return matmul(h, w_down, group_sizes).astype(x.dtype)
-
-
-def expert_mlp_slabs(rows, w_gate, w_up, w_down, count, *, impl: str = "auto"):
-  """SwiGLU experts over the low-latency slabs: `[L, S, H] -> [L, S, H]`, expert `l` on the first
-  `count[l]` rows of slab `l` (fp32 accumulation, the hidden activation rounded to the rows'
-  dtype); rows past `count[l]` are unspecified, as the dispatch leaves them.
-
-  On GPUs the experts stop at each count (jax_ep/experts/slab.py: Pallas kernels that skip
-  the row tiles past it, so decode computes `T * K` rows rather than `L * S`); elsewhere, and for
-  slabs the kernels' tiles do not divide, a batched matmul over whole slabs with the padding
-  masked.
-  `impl`: "auto", "pallas", "interpret" (the kernels in Pallas's interpreter) or "dense"."""
-  name = slab_mlp.resolve_impl(impl, rows.shape, w_gate.shape[2], rows.dtype)
-  if name not in _SAID_SLABS:
-    _SAID_SLABS.add(name)
-    _logger.info("jax_ep.expert_mlp_slabs %s: %s", list(rows.shape), name)
-  return slab_mlp.slab_mlp(rows, w_gate, w_up, w_down, count, impl=name)
-
-
-def shared_mlp(x, w_gate, w_up, w_down, *, activation: str = "swiglu"):
-  """The dense expert every token goes through: `[T, H] -> [T, H]`, weights `[H, Fs]`,
-  `[H, Fs]` (None for the plain activations), `[Fs, H]` in `x`'s dtype; same precision as
-  `expert_mlp`."""
-  _check_activation("shared_mlp", activation)
-  _check_up("shared_mlp", "w_up", w_up, activation)
-  f32 = jnp.float32
-  gate = jnp.dot(x, w_gate, preferred_element_type=f32)
-  up = None if w_up is None else jnp.dot(x, w_up, preferred_element_type=f32)
-  h = _activate(gate, up, activation).astype(x.dtype)
-  return jnp.dot(h, w_down, preferred_element_type=f32).astype(x.dtype)
-
-
 def _check_options(fn: str, *, mode, activation, aux_loss_scope, remat) -> None:
   """Raises where the layer's static options are not ones it takes, naming `fn`."""
   if mode not in MODES:
     raise ValueError(f"jax_ep.{fn}: mode must be 'high_throughput' or 'low_latency', got "
                      f"{mode!r}")
-  _check_activation(fn, activation)
+  check_activation(fn, activation)
   if aux_loss_scope not in AUX_LOSS_SCOPES:
     raise ValueError(f"jax_ep.{fn}: aux_loss_scope must be 'per_shard' or 'per_sequence', got "
                      f"{aux_loss_scope!r}")
@@ -326,9 +200,9 @@ def _check_layer(fn: str, params, x, *, mode, activation, aux_loss_scope, remat)
   for name in ("router", "w_gate", "w_down"):
     if getattr(params, name) is None:
       raise ValueError(f"jax_ep.{fn}: params.{name} is None")
-  _check_up(fn, "params.w_up", params.w_up, activation)
+  check_up(fn, "params.w_up", params.w_up, activation)
   if params.shared_gate is not None:
-    _check_up(fn, "params.shared_up", params.shared_up, activation)
+    check_up(fn, "params.shared_up", params.shared_up, activation)
   if aux_loss_scope == "per_sequence" and x.ndim != 3:
     raise ValueError(f"jax_ep.{fn}: aux_loss_scope='per_sequence' needs x as [B, S, H] "
                      f"sequences, got shape {x.shape}")
@@ -336,16 +210,17 @@ def _check_layer(fn: str, params, x, *, mode, activation, aux_loss_scope, remat)
 
 def _experts(group: Group, mode: str, activation: str, weights, x, topk_idx, topk_weights):
   """dispatch -> experts -> combine, plus the shared expert, in the group's dtype:
-  `(out [T, H], num_dropped)`. Under `remat` this is what the backward recomputes; the casts
-  are inside so that only the inputs as stored are saved, not their compute-dtype copies."""
+  `(out [T, H], num_dropped, num_invalid)`. Under `remat` this is what the backward
+  recomputes; the casts are inside so that only the inputs as stored are saved, not their
+  compute-dtype copies."""
   dtype = group.dtype
   w_gate, w_up, w_down, s_gate, s_up, s_down = (None if w is None else w.astype(dtype)
                                                 for w in weights)
   x = x.astype(dtype)
   if mode == "low_latency":
-    recv, handle = ops.low_latency_dispatch(group, x, topk_idx)
+    recv, handle = low_latency.low_latency_dispatch(group, x, topk_idx)
     y = expert_mlp_slabs(recv.x, w_gate, w_up, w_down, recv.count)
-    out = ops.low_latency_combine(group, y, handle, topk_weights)
+    out = low_latency.low_latency_combine(group, y, handle, topk_weights)
   else:
     recv, handle = ops.dispatch(group, x, topk_idx, topk_weights)
     y = expert_mlp(recv.x, w_gate, w_up, w_down, recv.group_sizes,
@@ -353,13 +228,13 @@ def _experts(group: Group, mode: str, activation: str, weights, x, topk_idx, top
     out = ops.combine(group, y, handle)
   if s_gate is not None:
     out = out + shared_mlp(x, s_gate, s_up, s_down, activation=activation)
-  return out, recv.num_dropped
+  return out, recv.num_dropped, recv.num_invalid
 
 
 def _micro_batched(experts, micro_batches: int, weights, x, topk_idx, topk_weights):
   """`experts` (`_experts`, under `remat` checkpointed) on `micro_batches` equal runs of
-  consecutive tokens, each its own dispatch -> experts -> combine: `(out [T, H], num_dropped
-  summed over them)`.
+  consecutive tokens, each its own dispatch -> experts -> combine: `(out [T, H], num_dropped,
+  num_invalid)`, the counts summed over them.
 
   NOTES: the micro-batches share only the weights and the routing computed before the split;
   each dispatch reads its own tokens and routing alone, so XLA sees independent chains and can
@@ -371,8 +246,9 @@ def _micro_batched(experts, micro_batches: int, weights, x, topk_idx, topk_weigh
   """
   sizes = [x.shape[0] // micro_batches] * micro_batches
   parts = zip(*(jax.lax.split(a, sizes) for a in (x, topk_idx, topk_weights)))
-  outs, dropped = zip(*(experts(weights, *part) for part in parts))
-  return jnp.concatenate(outs), functools.reduce(jnp.add, dropped)
+  outs, dropped, invalid = zip(*(experts(weights, *part) for part in parts))
+  return (jnp.concatenate(outs), functools.reduce(jnp.add, dropped),
+          functools.reduce(jnp.add, invalid))
 
 
 def _spanning_sequence_loss(probs, topk_idx, seq_len: int, num_sequences: int, token_axes):
@@ -427,11 +303,10 @@ def _forward(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=Non
   weights = (params.w_gate, params.w_up, params.w_down, params.shared_gate, params.shared_up,
              params.shared_down)
   if micro_batches == 1:
-    out, num_dropped = experts(weights, x, topk_idx, topk_weights)
+    out, num_dropped, num_invalid = experts(weights, x, topk_idx, topk_weights)
   else:
-    out, num_dropped = _micro_batched(experts, micro_batches, weights, x, topk_idx,
-                                      topk_weights)
-  num_invalid = jnp.sum((topk_idx < -1) | (topk_idx >= group.num_experts)).astype(jnp.int32)
+    out, num_dropped, num_invalid = _micro_batched(experts, micro_batches, weights, x,
+                                                   topk_idx, topk_weights)
   return MoEOutput(out.astype(x.dtype), num_dropped, aux, z,
                    expert_counts(topk_idx, group.num_experts), probs, topk_idx, topk_weights,
                    num_invalid)
@@ -575,8 +450,8 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
 
   Returns:
     `MoEOutput`: `out` shaped like `x`; `num_dropped`, `aux_loss`, `z_loss`, `num_invalid`
-    `[M]` and `expert_counts` `[M, E]`, one entry per shard (mean `aux_loss` over them for the layer's
-    loss in either scope); `router_probs` `[..., E]`, `topk_idx` and `topk_weights`
+    `[M]` and `expert_counts` `[M, E]`, one entry per shard (mean `aux_loss` over them for the
+    layer's loss in either scope); `router_probs` `[..., E]`, `topk_idx` and `topk_weights`
     `[..., K]` shaped like the tokens.
   """
   _check_layer("moe_mlp", params, x, mode=mode, activation=activation,

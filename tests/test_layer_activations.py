@@ -13,7 +13,8 @@ import pytest
 from jax.ad_checkpoint import print_saved_residuals
 
 import jax_ep
-from jax_ep.layer import ACTIVATIONS, MoEParams, expert_mlp
+from jax_ep.layer import MoEParams
+from jax_ep.mlp import ACTIVATIONS, expert_mlp
 from jax_ep.testing.dense import dense_moe_layer
 from test_layer import assert_close_to_scale, make_group
 

@@ -1,7 +1,7 @@
 """Dense reference MoE: all tokens in one place, no communication, differentiable `jnp`.
 
 Computes every expert on every token (cost `N * E * H * F`), so it is meant for test and demo
-sizes. The math matches `jax_ep.layer.expert_mlp` (SwiGLU, GeGLU, GELU or SiLU, fp32
+sizes. The math matches `jax_ep.mlp.expert_mlp` (SwiGLU, GeGLU, GELU or SiLU, fp32
 accumulation, the hidden activation rounded to the compute dtype), `jax_ep.combine` (weighted
 sum over the top-k slots in fp32, slots with ids outside `[0, E)` contribute nothing) and the
 layer's casts (weights and activations to the compute dtype, the output back to `x`'s).
