@@ -25,6 +25,7 @@ built)::
   python examples/moe_transformer.py                   # default size
   python examples/moe_transformer.py --config small    # the configuration CI runs
   python examples/moe_transformer.py --compilation-cache /tmp/jax_cache   # compile once
+  python examples/moe_transformer.py --fp8             # the experts in FP8
 
 The first step's time is printed apart from the others: it is mostly compilation, which JAX's
 persistent compilation cache saves from the second run on (`--compilation-cache DIR`, or the
@@ -120,6 +121,7 @@ class Config:
   decode_batch: int = 8        # sequences decoded together (rounded up to the device count)
   prompt_len: int = 8
   decode_len: int = 24
+  fp8: bool = False            # the experts in FP8, DeepSeek-V3's recipe (training calls)
 
 
 CONFIGS = {
@@ -192,7 +194,7 @@ class Block(nnx.Module):
                              rngs=rngs)
     self.attn_norm, self.moe_norm = norm(), norm()
     self.attn = Attention(cfg, rngs)
-    self.moe = MoE(group, ffn=cfg.ffn, rngs=rngs, decode_group=decode_group)
+    self.moe = MoE(group, ffn=cfg.ffn, rngs=rngs, decode_group=decode_group, fp8=cfg.fp8)
 
   def __call__(self, x, cache, pos, mode):
     h, cache = self.attn(self.attn_norm(x), cache, pos)
@@ -315,10 +317,15 @@ def main(argv=None) -> int:
                       help="JAX's persistent compilation cache: a second run loads the "
                            "compiled programs instead of compiling them")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--fp8", action="store_true",
+                      help="train the experts in FP8 (jax_ep.nnx.MoE(fp8=True); hidden and ffn "
+                           "multiples of 128: the default config)")
   args = parser.parse_args(argv)
   cfg = CONFIGS[args.config]
   if args.steps is not None:
     cfg = dataclasses.replace(cfg, steps=args.steps)
+  if args.fp8:
+    cfg = dataclasses.replace(cfg, fp8=True)
   if args.compilation_cache:
     jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

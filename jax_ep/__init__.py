@@ -19,6 +19,7 @@ from jax_ep.config import RowFormat, default_capacity
 from jax_ep.group import Group
 from jax_ep.sizing import MemoryEstimate, capacity_from_buffer_factor, memory_bytes
 from jax_ep.gmm import grouped_matmul, grouped_matmul_impl
+from jax_ep.experts.fp8 import Fp8Weights, grouped_matmul_fp8, quantize_weights
 from jax_ep.mlp import expert_mlp, expert_mlp_slabs
 from jax_ep.layer import (MoEOutput, MoEParams, init_moe_params,
                           moe_mlp, moe_mlp_per_shard)
@@ -43,7 +44,8 @@ __all__ = [
     "dispatch", "combine", "quantize", "dequantize", "low_latency_dispatch", "low_latency_combine",
     "low_latency_dispatch_send", "low_latency_dispatch_wait", "low_latency_combine_send",
     "low_latency_combine_wait", "LowLatencySent", "RowFormat",
-    "grouped_matmul", "grouped_matmul_impl", "expert_mlp", "expert_mlp_slabs",
+    "grouped_matmul", "grouped_matmul_impl", "grouped_matmul_fp8", "Fp8Weights",
+    "quantize_weights", "expert_mlp", "expert_mlp_slabs",
     "DispatchResult", "Handle", "zero_padding", "LowLatencyResult", "LowLatencyHandle",
     "MoEOutput", "MoEParams", "init_moe_params", "moe_mlp", "moe_mlp_per_shard",
     "Routing", "route", "expert_counts", "limit_expert_capacity", "expert_capacity",

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_ep import low_latency, ops
 from jax_ep.config import positive_int
+from jax_ep.experts.fp8 import Fp8Weights, quantize_weights
 from jax_ep.group import Group
 from jax_ep.layer_checks import check_init_sizes, check_layer_shapes
 from jax_ep.mlp import (GATED_ACTIVATIONS, check_activation, check_up, expert_mlp,
@@ -139,7 +140,7 @@ def init_moe_params(key, *, num_experts: int, hidden: int, ffn: int, dtype=jnp.b
       router_bias=jnp.zeros((num_experts,), jnp.float32) if router_bias else None, **shared)
 
 
-def _check_options(fn: str, *, mode, activation, aux_loss_scope, remat) -> None:
+def _check_options(fn: str, *, mode, activation, aux_loss_scope, remat, fp8=False) -> None:
   """Raises where the layer's static options are not ones it takes, naming `fn`."""
   if mode not in MODES:
     raise ValueError(f"jax_ep.{fn}: mode must be 'high_throughput' or 'low_latency', got "
@@ -150,6 +151,13 @@ def _check_options(fn: str, *, mode, activation, aux_loss_scope, remat) -> None:
                      f"{aux_loss_scope!r}")
   if not isinstance(remat, bool):
     raise TypeError(f"jax_ep.{fn}: remat must be a bool, got {remat!r}")
+  if not isinstance(fp8, bool):
+    raise TypeError(f"jax_ep.{fn}: fp8 must be a bool, got {fp8!r}")
+  if fp8 and mode == "low_latency":
+    raise NotImplementedError(
+        f"jax_ep.{fn}: fp8=True with mode='low_latency': the experts on the decode slabs run "
+        f"bf16 (the low-latency dispatch's own row_format sends fp8 rows); use "
+        f"mode='high_throughput' or fp8=False")
   if mode == "low_latency" and activation != "swiglu":
     raise NotImplementedError(
         f"jax_ep.{fn}: activation={activation!r} with mode='low_latency': the experts on the "
@@ -181,10 +189,11 @@ def check_micro_batch_tokens(fn: str, group: Group, micro_batches: int, num_toke
                      f"max_tokens_per_rank={group.max_tokens_per_rank}")
 
 
-def _check_layer(fn: str, params, x, *, mode, activation, aux_loss_scope, remat) -> None:
+def _check_layer(fn: str, params, x, *, mode, activation, aux_loss_scope, remat,
+                 fp8=False) -> None:
   """Trace-time checks of the layer's arguments, with errors that name `fn`."""
   _check_options(fn, mode=mode, activation=activation, aux_loss_scope=aux_loss_scope,
-                 remat=remat)
+                 remat=remat, fp8=fp8)
   if not isinstance(params, MoEParams):
     raise TypeError(f"jax_ep.{fn}: params must be a jax_ep.MoEParams, got "
                     f"{type(params).__name__}")
@@ -208,14 +217,16 @@ def _check_layer(fn: str, params, x, *, mode, activation, aux_loss_scope, remat)
                      f"sequences, got shape {x.shape}")
 
 
-def _experts(group: Group, mode: str, activation: str, weights, x, topk_idx, topk_weights):
+def _experts(group: Group, mode: str, activation: str, fp8: bool, weights, x, topk_idx,
+             topk_weights):
   """dispatch -> experts -> combine, plus the shared expert, in the group's dtype:
   `(out [T, H], num_dropped, num_invalid)`. Under `remat` this is what the backward
   recomputes; the casts are inside so that only the inputs as stored are saved, not their
-  compute-dtype copies."""
+  compute-dtype copies. With `fp8` the expert weights come quantised (`Fp8Weights`)."""
   dtype = group.dtype
-  w_gate, w_up, w_down, s_gate, s_up, s_down = (None if w is None else w.astype(dtype)
-                                                for w in weights)
+  w_gate, w_up, w_down, s_gate, s_up, s_down = (
+      None if w is None else w if isinstance(w, Fp8Weights) else w.astype(dtype)
+      for w in weights)
   x = x.astype(dtype)
   if mode == "low_latency":
     recv, handle = low_latency.low_latency_dispatch(group, x, topk_idx)
@@ -224,8 +235,9 @@ def _experts(group: Group, mode: str, activation: str, weights, x, topk_idx, top
   else:
     recv, handle = ops.dispatch(group, x, topk_idx, topk_weights)
     y = expert_mlp(recv.x, w_gate, w_up, w_down, recv.group_sizes,
-                   group_offsets=recv.group_offsets, activation=activation)
-    out = ops.combine(group, y, handle)
+                   group_offsets=recv.group_offsets, activation=activation, fp8=fp8,
+                   x_scales=recv.scales)
+    out = ops.combine(group, y.astype(dtype), handle)
   if s_gate is not None:
     out = out + shared_mlp(x, s_gate, s_up, s_down, activation=activation)
   return out, recv.num_dropped, recv.num_invalid
@@ -273,7 +285,7 @@ def _spanning_sequence_loss(probs, topk_idx, seq_len: int, num_sequences: int, t
 
 def _forward(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None, *, routing,
              mode, activation, aux_loss_scope, remat, micro_batches=1, seq_len=None,
-             spanning=None) -> MoEOutput:
+             spanning=None, fp8=False) -> MoEOutput:
   """The layer on this shard's tokens `x` `[T, H]` (checked by the caller); per-token fields
   `[T, ...]`. `spanning`: `(num_sequences, token_axes)` when sequences of `seq_len` tokens
   cross this shard's boundaries. The routing, its losses and counts are of all `T` tokens;
@@ -292,7 +304,7 @@ def _forward(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=Non
     else:
       aux = _spanning_sequence_loss(probs, topk_idx, seq_len, *spanning)
     z = router_z_loss(routed.logits)
-  experts = functools.partial(_experts, group, mode, activation)
+  experts = functools.partial(_experts, group, mode, activation, fp8)
   if remat:
     # Saves only the layer's input, the routing and the weights as stored: the backward runs
     # dispatch, the experts and combine again (one more round of communication) instead of
@@ -302,6 +314,11 @@ def _forward(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=Non
     experts = jax.checkpoint(experts)
   weights = (params.w_gate, params.w_up, params.w_down, params.shared_gate, params.shared_up,
              params.shared_down)
+  if fp8:
+    # Once per call, from the masters as stored: every micro-batch (and, under remat, the
+    # recomputation) multiplies the same e4m3 blocks, and their gradients sum into one.
+    weights = tuple(None if w is None else quantize_weights(w) for w in weights[:3]) + \
+        weights[3:]
   if micro_batches == 1:
     out, num_dropped, num_invalid = experts(weights, x, topk_idx, topk_weights)
   else:
@@ -315,7 +332,8 @@ def _forward(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=Non
 def moe_mlp_per_shard(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None,
                       *, routing: Routing = Routing(), mode: str = "high_throughput",
                       activation: str = "swiglu", aux_loss_scope: str = "per_shard",
-                      remat: bool = False, micro_batches: int = 1) -> MoEOutput:
+                      remat: bool = False, micro_batches: int = 1,
+                      fp8: bool = False) -> MoEOutput:
   """The layer body, inside `shard_map` over the group's axis.
 
   Args:
@@ -342,17 +360,19 @@ def moe_mlp_per_shard(group: Group, params: MoEParams, x, topk_idx=None, topk_we
       each with its own dispatch -> experts -> combine, so that one micro-batch's
       communication can run beside another's experts (`moe_mlp`'s `micro_batches`); it must
       divide `T` (`b * S` for sequences). "high_throughput" mode only.
+    fp8: the experts in FP8 (`moe_mlp`'s `fp8`).
 
   Returns:
     `MoEOutput` with scalars and `[E]` counts for this shard.
   """
   _check_layer("moe_mlp_per_shard", params, x, mode=mode, activation=activation,
-               aux_loss_scope=aux_loss_scope, remat=remat)
+               aux_loss_scope=aux_loss_scope, remat=remat, fp8=fp8)
   micro_batches = check_micro_batches("moe_mlp_per_shard", micro_batches, mode)
   if x.ndim not in (2, 3):
     raise ValueError(f"jax_ep.moe_mlp_per_shard: x must be [T, H] or [b, S, H], got shape "
                      f"{x.shape}")
-  check_layer_shapes("moe_mlp_per_shard", group, params, x, topk_idx, topk_weights, per_shard=True)
+  check_layer_shapes("moe_mlp_per_shard", group, params, x, topk_idx, topk_weights, per_shard=True,
+                     fp8=fp8)
   check_micro_batch_tokens("moe_mlp_per_shard", group, micro_batches, math.prod(x.shape[:-1]),
                            f"x shape {x.shape}")
   lead, hidden = x.shape[:-1], x.shape[-1]
@@ -360,7 +380,7 @@ def moe_mlp_per_shard(group: Group, params: MoEParams, x, topk_idx=None, topk_we
   result = _forward(group, params, flat(x), flat(topk_idx), flat(topk_weights), routing=routing,
                     mode=mode, activation=activation, aux_loss_scope=aux_loss_scope,
                     remat=remat, micro_batches=micro_batches,
-                    seq_len=x.shape[1] if x.ndim == 3 else None)
+                    seq_len=x.shape[1] if x.ndim == 3 else None, fp8=fp8)
   shaped = lambda a: None if a is None else a.reshape(*lead, a.shape[-1])  # noqa: E731
   return result._replace(out=result.out.reshape(*lead, hidden),
                          router_probs=shaped(result.router_probs),
@@ -410,7 +430,7 @@ def _unflatten(group: Group, value, lead, token_axes):
 def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None, *,
             routing: Routing = Routing(), mode: str = "high_throughput",
             activation: str = "swiglu", aux_loss_scope: str = "per_shard",
-            remat: bool = False, micro_batches: int = 1) -> MoEOutput:
+            remat: bool = False, micro_batches: int = 1, fp8: bool = False) -> MoEOutput:
   """The whole layer on global arrays; enters `shard_map` over the group's mesh.
 
   Args:
@@ -447,6 +467,14 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
       `capacity` or `buffer_factor` sized for the whole shard, a micro-batch has that many
       rows for fewer tokens and the split drops at most what the unsplit layer would.
       "high_throughput" mode only.
+    fp8: the experts in FP8, DeepSeek-V3's recipe (`jax_ep.expert_mlp`'s `fp8`): the expert
+      weights quantised once per call from the masters in `params` (128 x 128 blocks), the
+      dispatched rows per token per 128 channels (by the dispatch itself when the group's
+      `wire_format` is an fp8 `RowFormat`, else after it), the forward and input-gradient
+      products in FP8, the weight gradients in bf16, combine in the group's dtype; gradients
+      for the masters, the router and `x` as without it. Off by default; H and the experts' F
+      must be multiples of 128; "high_throughput" mode only. The router and the shared
+      expert stay in their precision.
 
   Returns:
     `MoEOutput`: `out` shaped like `x`; `num_dropped`, `aux_loss`, `z_loss`, `num_invalid`
@@ -455,7 +483,7 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
     `[..., K]` shaped like the tokens.
   """
   _check_layer("moe_mlp", params, x, mode=mode, activation=activation,
-               aux_loss_scope=aux_loss_scope, remat=remat)
+               aux_loss_scope=aux_loss_scope, remat=remat, fp8=fp8)
   micro_batches = check_micro_batches("moe_mlp", micro_batches, mode)
   token_axes = _token_axes(group)
   num_shards = math.prod(group.mesh.shape[a] for a in token_axes)
@@ -463,7 +491,8 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
   num_tokens = math.prod(lead)
   if x.ndim not in (2, 3):
     raise ValueError(f"jax_ep.moe_mlp: x must be [N, H] or [B, S, H], got shape {x.shape}")
-  check_layer_shapes("moe_mlp", group, params, x, topk_idx, topk_weights, per_shard=False)
+  check_layer_shapes("moe_mlp", group, params, x, topk_idx, topk_weights, per_shard=False,
+                     fp8=fp8)
   if num_tokens % num_shards:
     raise ValueError(f"jax_ep.moe_mlp: {num_tokens} tokens (x shape {x.shape}) must split "
                      f"evenly over the mesh's {num_shards} devices (axes {token_axes})")
@@ -490,7 +519,8 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
   def body(params, x, *routing_args):
     result = _forward(group, params, x, *routing_args, routing=routing, mode=mode,
                       activation=activation, aux_loss_scope=aux_loss_scope, remat=remat,
-                      micro_batches=micro_batches, seq_len=seq_len, spanning=spanning)
+                      micro_batches=micro_batches, seq_len=seq_len, spanning=spanning,
+                      fp8=fp8)
     return result._replace(num_dropped=result.num_dropped[None], aux_loss=result.aux_loss[None],
                            z_loss=result.z_loss[None],
                            expert_counts=result.expert_counts[None],

@@ -38,19 +38,22 @@ def check_expert_weights(fn: str, names, w_gate, w_up, w_down, *, experts, hidde
 
 
 def check_layer_shapes(fn: str, group, params, x, topk_idx, topk_weights, *,
-                       per_shard: bool) -> None:
+                       per_shard: bool, fp8: bool = False) -> None:
   """The layer's arrays against the group's sizes, named as the caller wrote them. A router
   of other width would pick experts that do not exist (slots that select nothing), and other
   weights would fail inside under the names of the per-rank slices."""
   e, h, k = group.num_experts, group.hidden, group.num_topk
-  if group.config.wire_format.is_fp8:
-    # The experts would take the e4m3 rows as their operands; the FP8 expert GEMMs that take
-    # them with their scales are not built yet.
-    raise ValueError(f"jax_ep.{fn}: the layer runs on groups whose dispatch sends its rows "
-                     f"as they are (wire_format=RowFormat.PLAIN); this group's is "
-                     f"{group.config.wire_format}. Call jax_ep.dispatch on it, "
-                     f"jax_ep.dequantize the rows and run your experts, or create the layer's "
-                     f"group without wire_format")
+  if group.config.wire_format.is_fp8 and not fp8:
+    # The experts would take the e4m3 rows as their bf16 operands.
+    raise ValueError(f"jax_ep.{fn}: this group's dispatch sends e4m3 rows (wire_format="
+                     f"{group.config.wire_format}): the layer's experts take them with "
+                     f"fp8=True (the FP8 recipe), or create the group without wire_format")
+  if fp8:
+    ffn = getattr(params.w_gate, "shape", (0,))[-1]
+    if h % 128 or ffn % 128:
+      raise ValueError(f"jax_ep.{fn}: fp8=True scales blocks of 128 channels: the hidden size "
+                       f"H = {h} and the experts' F = {ffn} (params.w_gate's last dimension) "
+                       f"must be multiples of 128")
   if x.shape[-1] != h:
     raise ValueError(f"jax_ep.{fn}: x must have the group's hidden size H = {h} as its last "
                      f"dimension, got shape {x.shape}")

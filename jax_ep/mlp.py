@@ -11,8 +11,15 @@ import logging
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jax_ep.backends.fp8 import unpack_ue8m0
+from jax_ep.backends.primitives import quantize
+from jax_ep.config import RowFormat
 from jax_ep.experts import slab as slab_mlp
+from jax_ep.experts.fp8 import (Fp8Weights, check_fp8_dims, check_fp8_rows,
+                                quantize_weights)
+from jax_ep.experts.mlp_fp8 import fp8_expert_mlp
 from jax_ep.experts.api import grouped_matmul
 from jax_ep.experts.checks import check_groups
 from jax_ep.experts.layout import contiguous_offsets
@@ -57,11 +64,12 @@ def _activate(gate, up, activation: str):
 
 
 def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, group_offsets=None,
-               activation: str = "swiglu"):
+               activation: str = "swiglu", fp8: bool = False, x_scales=None):
   """The experts over expert-grouped rows (`recv.x` of `dispatch`).
 
   Args:
-    x: `[rows, H]` bf16, f16 or f32, grouped by expert.
+    x: `[rows, H]` bf16, f16 or f32, grouped by expert; with `fp8`, also float8_e4m3fn rows
+      with their `x_scales` (an fp8 dispatch's `recv.x` and `recv.scales`).
     w_gate: `[G, H, F]` in `x`'s dtype: gate (gated activations) or input projection.
     w_up: `[G, H, F]` up projection of the gated activations; None for the plain ones.
     w_down: `[G, F, H]`.
@@ -70,10 +78,19 @@ def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, group_offsets=None,
       `expert_alignment` the experts' rows have padding between them); None: the experts' rows
       follow each other from row 0.
     activation: one of `ACTIVATIONS`.
+    fp8: DeepSeek-V3's FP8 recipe (jax_ep/experts/mlp_fp8.py): the products of the forward
+      and of the input gradient in FP8 (activations scaled per row per 128 channels, weights
+      per 128 x 128 block, fp32 promotion every 128), the weight gradients in bf16, the result
+      in bf16. The weights are bf16 / f32 masters (quantised here, once per call) or
+      `jax_ep.Fp8Weights` (`jax_ep.quantize_weights`, e.g. once per step for several
+      micro-batches); their gradients pass straight through to the masters. `x` in a floating
+      dtype is quantised once (straight through); H and F must be multiples of 128.
+    x_scales: with float8_e4m3fn `x`: `[rows, H / 128]` float32 (or `[rows, H / 512]` int32
+      UE8M0 exponents), as `jax_ep.dispatch` returns them in `recv.scales`.
 
   Returns:
     `[rows, H]` in `x`'s dtype (fp32 accumulation, the hidden activation rounded to `x`'s
-    dtype). Rows outside the groups (past them, and the padding between them) are
+    dtype; with `fp8`, bf16). Rows outside the groups (past them, and the padding between them) are
     unspecified: no matmul reads them and the activation is row-local, so no result depends
     on them.
 
@@ -85,6 +102,9 @@ def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, group_offsets=None,
   """
   check_activation("expert_mlp", activation)
   check_up("expert_mlp", "w_up", w_up, activation)
+  if fp8 or x_scales is not None or isinstance(w_gate, Fp8Weights):
+    return _fp8_expert_mlp(x, x_scales, w_gate, w_up, w_down, group_sizes, group_offsets,
+                           activation, fp8)
   if getattr(x, "ndim", None) == 2:  # else grouped_matmul names x
     check_expert_weights("expert_mlp", ("w_gate", "w_up", "w_down"), w_gate, w_up, w_down,
                           experts=None, hidden=x.shape[1], letter="G")
@@ -112,6 +132,49 @@ def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, group_offsets=None,
   up = None if w_up is None else matmul(x, w_up, group_sizes)
   h = _activate(gate, up, activation).astype(x.dtype)
   return matmul(h, w_down, group_sizes).astype(x.dtype)
+
+
+def _fp8_expert_mlp(x, x_scales, w_gate, w_up, w_down, group_sizes, group_offsets,
+                    activation: str, fp8: bool):
+  """`expert_mlp(..., fp8=True)`: checks, quantises what comes unquantised, runs the recipe."""
+  fn = "expert_mlp"
+  if not fp8:
+    raise ValueError(f"jax_ep.{fn}: x_scales and jax_ep.Fp8Weights are the FP8 recipe's "
+                     f"operands: pass fp8=True")
+  if getattr(x, "ndim", None) != 2:
+    raise ValueError(f"jax_ep.{fn}: x must be [rows, H], got shape {getattr(x, 'shape', None)}")
+  hidden = x.shape[1]
+  quantised = np.dtype(x.dtype) == np.dtype(jnp.float8_e4m3fn)
+  if quantised and x_scales is None:
+    raise ValueError(f"jax_ep.{fn}: float8_e4m3fn x needs its x_scales [rows, H / 128] (an fp8 "
+                     f"dispatch's recv.scales)")
+  if not quantised and x_scales is not None:
+    raise ValueError(f"jax_ep.{fn}: x_scales go with float8_e4m3fn x; x is {x.dtype} and is "
+                     f"quantised here")
+  if not quantised and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"jax_ep.{fn}: x must be floating or float8_e4m3fn, got {x.dtype}")
+  # An Fp8Weights' `shape` is its master's [G, K, N].
+  check_expert_weights(fn, ("w_gate", "w_up", "w_down"), w_gate, w_up, w_down, experts=None,
+                       hidden=hidden, letter="G")
+  for name, w in (("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down)):
+    if w is not None and not isinstance(w, Fp8Weights) and not jnp.issubdtype(w.dtype,
+                                                                             jnp.floating):
+      raise TypeError(f"jax_ep.{fn}: {name} must be floating (a master weight) or "
+                      f"jax_ep.Fp8Weights, got {w.dtype}")
+  check_fp8_dims(fn, "w_gate", w_gate.shape, "H and F")
+  check_groups(x.shape[0], group_sizes, group_offsets, f"jax_ep.{fn}")
+  group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
+  group_offsets = (contiguous_offsets(group_sizes) if group_offsets is None
+                   else jnp.asarray(group_offsets).astype(jnp.int32))
+  if quantised:
+    if getattr(x_scales, "dtype", None) == jnp.int32:
+      x_scales = unpack_ue8m0(x_scales)
+    check_fp8_rows(fn, x, x_scales)
+  else:
+    x, x_scales = quantize(x, RowFormat.FP8)
+  weights = [w if w is None or isinstance(w, Fp8Weights) else quantize_weights(w)
+             for w in (w_gate, w_up, w_down)]
+  return fp8_expert_mlp(x, x_scales, *weights, group_sizes, group_offsets, activation)
 
 
 def expert_mlp_slabs(rows, w_gate, w_up, w_down, count, *, impl: str = "auto"):

@@ -44,7 +44,7 @@ _SAID: set[str] = set()
 # is an order of magnitude slower.
 _moe_mlp = jax.jit(moe_mlp, static_argnums=(0,),
                    static_argnames=("routing", "mode", "activation", "aux_loss_scope", "remat",
-                                    "micro_batches"))
+                                    "micro_batches", "fp8"))
 
 
 class MoEStats(nnx.Variable):
@@ -164,6 +164,10 @@ class MoE(nnx.Module):
       backend, `low_latency=True` for the decode kernels' buffers); it must have `group`'s mesh,
       axis, `E`, `K` and `H`, since it runs the same weights. On GPUs with the extension built
       its backend is cuda and decode takes the low-latency kernels; elsewhere the reference.
+    fp8: run the experts of "high_throughput" calls in FP8, DeepSeek-V3's recipe
+      (`jax_ep.moe_mlp`'s `fp8`; default False); the weights stay in `param_dtype` (the
+      masters, quantised once per call). Decode calls (`mode="low_latency"`) run the experts
+      in the group's dtype.
     statistics: record each call's statistics in the `MoEStats` attributes (default True).
       False creates none and writes none: the module then has only its weights (and the
       bias). Where Flax forbids the write (a `jax.lax` loop body that closes over the module,
@@ -188,9 +192,14 @@ class MoE(nnx.Module):
                shared_ffn: int = 0, mode: str = "high_throughput", activation: str = "swiglu",
                aux_loss_scope: str = "per_shard", remat: bool = False,
                micro_batches: int = 1, decode_group: Group | None = None,
-               statistics: bool = True):
+               statistics: bool = True, fp8: bool = False):
     _check_options("nnx.MoE", mode=mode, activation=activation,
                    aux_loss_scope=aux_loss_scope, remat=remat)
+    if not isinstance(fp8, bool):
+      raise TypeError(f"jax_ep.nnx.MoE: fp8 must be a bool, got {fp8!r}")
+    if fp8 and (group.hidden % 128 or ffn % 128):
+      raise ValueError(f"jax_ep.nnx.MoE: fp8=True scales blocks of 128 channels: the group's "
+                       f"hidden size {group.hidden} and ffn={ffn} must be multiples of 128")
     micro_batches = check_micro_batches("nnx.MoE", micro_batches, "high_throughput")
     if dtype is not None and jnp.dtype(dtype) != jnp.dtype(group.dtype):
       raise ValueError(f"jax_ep.nnx.MoE: dtype (the compute dtype) is the group's dtype "
@@ -213,6 +222,7 @@ class MoE(nnx.Module):
     self.remat = remat
     self.micro_batches = micro_batches
     self.statistics = statistics
+    self.fp8 = fp8
     params = init_moe_params(rngs.params(), num_experts=group.num_experts, hidden=group.hidden,
                              ffn=ffn, dtype=param_dtype, shared_ffn=shared_ffn,
                              router_bias=router_bias, activation=activation)
@@ -306,7 +316,8 @@ class MoE(nnx.Module):
     result = _moe_mlp(group, self.params, x, topk_idx, topk_weights,
                       routing=self.routing, mode=mode, activation=self.activation,
                       aux_loss_scope=self.aux_loss_scope, remat=self.remat,
-                      micro_batches=micro_batches)
+                      micro_batches=micro_batches,
+                      fp8=self.fp8 and mode == "high_throughput")
     if self.statistics:
       self._record(result)
     return result if return_output else result.out

@@ -78,7 +78,7 @@ def _broadcast(value, batched, axis_size):
   return value if batched else jnp.broadcast_to(value, (axis_size, *value.shape))
 
 
-def _rowwise_vmap(fn, num_rows: int):
+def rowwise_vmap(fn, num_rows: int):
   """`fn(*rows [rows, .], *weights [G, ., .], group_sizes, group_offsets) -> tuple of
   [rows, .]` batched over a leading axis in one call: shared weights take every element's rows
   regrouped by expert; per-element weights take every element's groups in turn."""
@@ -127,7 +127,7 @@ def _projections_fn(activation: str, save: bool):
         out_dtypes=(x.dtype,) * ((1 + len(weights)) if save else 1))
     return vary_like_operands(tuple(outs), (x, *weights, sizes, offsets))
 
-  return _rowwise_vmap(projections, 1)
+  return rowwise_vmap(projections, 1)
 
 
 @functools.cache
@@ -154,7 +154,7 @@ def _hidden_grad_fn(activation: str):
         out_dtypes=(dy.dtype,) * (len(saved) + 1), loads=saved)
     return vary_like_operands(tuple(outs), (dy, *saved, w_down, sizes, offsets))
 
-  return _rowwise_vmap(hidden_grad, 3 if gated else 2)
+  return rowwise_vmap(hidden_grad, 3 if gated else 2)
 
 
 @functools.cache
@@ -172,7 +172,7 @@ def _input_grad_fn(gated: bool):
         out_dtypes=(grads[0].dtype,))
     return vary_like_operands(tuple(outs), (*grads, *weights, sizes, offsets))
 
-  return _rowwise_vmap(input_grad, 2 if gated else 1)
+  return rowwise_vmap(input_grad, 2 if gated else 1)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,130 @@
+"""The expert MLP in FP8, DeepSeek-V3's recipe: `y = act(x @ w_gate) * (x @ w_up) @ w_down`
+(gated; `act(x @ w_gate) @ w_down` plain) per expert with every product of the forward and of
+the input gradient in FP8 (`jax_ep/experts/fp8.py`), the weight gradients in bf16.
+
+- forward: `x` arrives as e4m3 rows with per-128 scales (an fp8 dispatch's rows, or the
+  activations quantised once); gate and up are FP8 products promoted to fp32; the activation
+  runs in fp32 and `h` is quantised per row per 128 channels for the down projection, whose
+  output is bf16. The gate and up projections are kept in bf16 for the backward (as the bf16
+  MLP keeps them), with `h`'s e4m3 rows.
+- backward: `dy` quantised per row over H, `dh = dy @ w_down^T` in FP8; `dgate`, `dup` in fp32
+  from the saved projections, quantised per row over F, `dx = dgate @ w_gate^T + dup @ w_up^T`
+  in FP8 (two products summed in fp32), returned in bf16; the weight gradients `x^T dgate`,
+  `x^T dup`, `h^T dy` per expert in bf16 (jax_ep's bf16 weight-gradient kernel) on the
+  dequantised rows. NOTES: bf16 weight gradients keep their reduction over the tokens exact
+  to bf16 inputs, where FP8 would need the rows quantised along the token axis (128 x 1
+  blocks, a second quantisation of `x` and `dy`); which is faster at equal accuracy is for
+  the benchmark to say (`benchmarks/bench_fp8_gemm.py`).
+- weights: `Fp8Weights` (`jax_ep.quantize_weights`, once per step); their gradients pass
+  straight through to the bf16 / f32 masters.
+
+Rows outside the groups are unspecified in the result; every quantisation is row-local and
+every product reads only the rows of its groups, so no result or gradient depends on them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+import numpy as np
+
+from jax_ep._native.varying import sum_to_primal
+from jax_ep.backends.fp8 import fp8_quantize
+from jax_ep.experts.fp8 import Fp8Weights, dequantize_rows, fp8_product
+from jax_ep.experts.grouped import weight_grad_fn
+from jax_ep.experts.mlp import GATED, SAVED_NAME, act, act_grad, rowwise_vmap
+
+BF16 = np.dtype(jnp.bfloat16)
+
+
+@functools.cache
+def _product_fn(out_dtype, impl: str):
+  """The FP8 product as a `(y,)`-valued function batched by `rowwise_vmap`."""
+  def product(x, x_scales, values, scales, sizes, offsets):
+    return (fp8_product(x, x_scales, Fp8Weights(values, scales), sizes, offsets, out_dtype,
+                        impl),)
+  return rowwise_vmap(product, 2)
+
+
+def _product(x, x_scales, w: Fp8Weights, sizes, offsets, out_dtype, impl="auto"):
+  return _product_fn(np.dtype(out_dtype), impl)(x, x_scales, w.values, w.scales, sizes,
+                                                 offsets)[0]
+
+
+def _projections(x, x_scales, w_gate, w_up, sizes, offsets, activation):
+  """`(h e4m3, h_scales, gate bf16, up bf16 or None)`."""
+  f32 = np.dtype(jnp.float32)
+  gate = _product(x, x_scales, w_gate, sizes, offsets, f32)
+  up = None if w_up is None else _product(x, x_scales, w_up, sizes, offsets, f32)
+  h = act(gate, activation) * up if up is not None else act(gate, activation)
+  h_q, h_scales = fp8_quantize(h)
+  return h_q, h_scales, gate.astype(BF16), None if up is None else up.astype(BF16)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def fp8_expert_mlp(x, x_scales, w_gate: Fp8Weights, w_up: Fp8Weights | None,
+                   w_down: Fp8Weights, group_sizes, group_offsets, activation: str):
+  """`[rows, H]` e4m3 rows with their `[rows, H / 128]` float32 scales -> `[rows, H]` bf16 on
+  `Fp8Weights` (`w_up` None for the plain activations). Differentiable in `x` (its cotangent
+  in bf16) and the weights (straight through their quantisation to the masters)."""
+  h_q, h_scales, _, _ = _projections(x, x_scales, w_gate, w_up, group_sizes, group_offsets,
+                                     activation)
+  return _product(h_q, h_scales, w_down, group_sizes, group_offsets, BF16)
+
+
+def _fp8_fwd(x, x_scales, w_gate, w_up, w_down, group_sizes, group_offsets, activation):
+  h_q, h_scales, gate, up = _projections(x, x_scales, w_gate, w_up, group_sizes, group_offsets,
+                                         activation)
+  y = _product(h_q, h_scales, w_down, group_sizes, group_offsets, BF16)
+  saved = tuple(checkpoint_name(a, SAVED_NAME) for a in (gate, up) if a is not None)
+  return y, (x, x_scales, w_gate, w_up, w_down, group_sizes, group_offsets, h_q, h_scales,
+             saved)
+
+
+def _fp8_bwd(activation, residuals, dy):
+  (x, x_scales, w_gate, w_up, w_down, group_sizes, group_offsets, h_q, h_scales,
+   saved) = residuals
+  f32 = np.dtype(jnp.float32)
+  dy = dy.astype(BF16)
+  dy_q, dy_scales = fp8_quantize(dy)
+  dh = _product(dy_q, dy_scales, w_down.transposed(), group_sizes, group_offsets, f32)
+  gate = saved[0].astype(f32)
+  if activation in GATED:
+    up = saved[1].astype(f32)
+    d_projections = (dh * up * act_grad(gate, activation), dh * act(gate, activation))
+    weights = (w_gate, w_up)
+  else:
+    d_projections = (dh * act_grad(gate, activation),)
+    weights = (w_gate,)
+  dx = None
+  for d, w in zip(d_projections, weights):
+    d_q, d_scales = fp8_quantize(d)
+    part = _product(d_q, d_scales, w.transposed(), group_sizes, group_offsets, f32)
+    dx = part if dx is None else dx + part
+  weight_grad = weight_grad_fn(False, BF16, "auto")
+  x_rows = dequantize_rows(x, x_scales, BF16)
+  h_rows = dequantize_rows(h_q, h_scales, BF16)
+  # Each weight's cotangent laid out as its values ([G, N, K]): quantize_weights' backward
+  # turns it back into the master's [G, K, N] (XLA cancels the two transposes).
+  as_values = lambda dw, w: Fp8Weights(  # noqa: E731
+      sum_to_primal(jnp.swapaxes(dw, 1, 2), w.values), None)
+  d_weights = [as_values(weight_grad(x_rows, d.astype(BF16), group_sizes, group_offsets), w)
+               for d, w in zip(d_projections, weights)]
+  d_down = as_values(weight_grad(h_rows, dy, group_sizes, group_offsets), w_down)
+  float0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
+  d_up = d_weights[1] if w_up is not None else None
+  return (sum_to_primal(dx.astype(BF16), x), None, d_weights[0], d_up, d_down,
+          float0(group_sizes), float0(group_offsets))
+
+
+fp8_expert_mlp.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def fp8_saved_bytes(activation: str, rows: int, hidden: int, ffn: int) -> int:
+  """What the FP8 MLP keeps for its backward: `x`'s e4m3 rows and scales, `h`'s, and the gate
+  (and up) projections in bf16."""
+  rows_bytes = lambda width: rows * (width + 4 * (width // 128))  # noqa: E731
+  return rows_bytes(hidden) + rows_bytes(ffn) + (2 if activation in GATED else 1) * rows * ffn * 2

@@ -1,0 +1,338 @@
+"""The FP8 expert recipe: `jax_ep.quantize_weights`, `jax_ep.grouped_matmul_fp8`,
+`jax_ep.expert_mlp(..., fp8=True)` and the layer's `fp8=True`.
+
+Oracles:
+- the weights' blocks against a numpy closed form (`scale = amax / 448` per 128 x 128 block,
+  values rounded to nearest even by ml_dtypes): bit-exact;
+- the FP8 product against float64 numpy of the dequantised operands: the products of e4m3
+  values are exact in fp32 and only the fp32 sums and the one rounding to bf16 differ, so the
+  bound is bf16's half ulp of each entry plus fp32 sums' `K * 2^-24` of the row's scale;
+- the FP8 MLP, its gradients and the FP8 layer against the same computation in float32
+  without quantisation (bounded: cosine >= 0.99 and relative norm <= 0.1 (`FP8_BOUNDS`), from
+  e4m3's 2^-4 relative step, a few roundings deep), and against each other where they must be
+  bit-exact: the fp8 dispatch's rows are the rows the experts would quantise themselves, weights
+  quantised once or per call are the same weights, micro-batches see the same rows;
+- the training check (tests/test_example.py): the end-to-end model trained from the same seed
+  with its experts in FP8 ends within 2 % of its bf16 loss.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+from jax_ep.backends.fp8 import fp8_quantize, pack_ue8m0
+from jax_ep.experts.fp8 import Fp8Weights
+from test_layer import make_group, new_group  # noqa: F401 - a fixture
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+# The FP8 recipe against unquantised float32: (min cosine, max relative norm of the error).
+FP8_BOUNDS = (0.99, 0.1)
+
+
+def _layout(sizes, alignment, rows):
+  sizes = np.asarray(sizes, np.int32)
+  padded = -(-sizes // alignment) * alignment
+  offsets = (np.cumsum(padded) - padded).astype(np.int32)
+  assert offsets[-1] + sizes[-1] <= rows
+  inside = np.zeros(rows, bool)
+  group_of = np.zeros(rows, np.int64)
+  for g, (s, o) in enumerate(zip(sizes, offsets)):
+    inside[o:o + s] = True
+    group_of[o:o + s] = g
+  return sizes, offsets, inside, group_of
+
+
+def _weights(rng, groups, k, n):
+  return jnp.asarray(rng.standard_normal((groups, k, n)) * k ** -0.5, F32)
+
+
+def _cosine_and_norm(got, want):
+  got, want = np.asarray(got, np.float64).ravel(), np.asarray(want, np.float64).ravel()
+  cosine = got @ want / (np.linalg.norm(got) * np.linalg.norm(want))
+  return cosine, np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def assert_fp8_close(got, want, what):
+  cosine, rel = _cosine_and_norm(got, want)
+  assert cosine >= FP8_BOUNDS[0] and rel <= FP8_BOUNDS[1], (
+      f"{what}: cosine {cosine:.5f}, relative norm {rel:.4f} against {FP8_BOUNDS}")
+
+
+# ------------------------------------------------------------------------ the weights' blocks
+def test_quantize_weights_matches_the_block_closed_form():
+  rng = np.random.default_rng(0)
+  w = np.asarray(rng.standard_normal((3, 256, 384)) * 3.0, np.float32)
+  w[1, :128, 128:256] = 0.0  # an all-zero block: scale 1, values 0
+  got = jax_ep.quantize_weights(jnp.asarray(w))
+  assert got.values.shape == (3, 384, 256) and got.values.dtype == jnp.float8_e4m3fn
+  assert got.scales.shape == (3, 3, 2) and got.scales.dtype == F32
+  assert got.shape == (3, 256, 384)
+  blocks = w.transpose(0, 2, 1).reshape(3, 3, 128, 2, 128)
+  amax = np.abs(blocks).max(axis=(2, 4))
+  scales = np.where(amax > 0, amax * np.float32(1 / 448), 1).astype(np.float32)
+  values = (blocks / scales[:, :, None, :, None]).astype(ml_dtypes.float8_e4m3fn)
+  np.testing.assert_array_equal(np.asarray(got.scales), scales)
+  np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8),
+                                values.reshape(3, 384, 256).view(np.uint8))
+  assert np.asarray(got.scales)[1, 1, 0] == 1.0
+  # The dequantised weight is within e4m3's half step of each block's largest entry.
+  err = np.abs(np.asarray(got.dequantize()) - w)
+  bound = np.repeat(np.repeat(amax.transpose(0, 2, 1), 128, 1), 128, 2) * 2.0 ** -4
+  assert np.all(err <= bound + 1e-30)
+
+
+def test_quantize_weights_passes_the_gradient_straight_through():
+  w = jnp.asarray(np.random.default_rng(1).standard_normal((2, 128, 256)), BF16)
+  c = jnp.asarray(np.random.default_rng(2).standard_normal((2, 128, 256)), F32)
+  grad = jax.grad(lambda w: jnp.sum(jax_ep.quantize_weights(w).dequantize() * c))(w)
+  assert grad.dtype == BF16
+  np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(c.astype(BF16), np.float32))
+
+
+@pytest.mark.parametrize("shape,match", [
+    ((2, 100, 128), "multiples of 128"), ((128, 128), r"\[G, K, N\]")])
+def test_quantize_weights_refuses_what_it_cannot_scale(shape, match):
+  with pytest.raises(ValueError, match=match):
+    jax_ep.quantize_weights(jnp.zeros(shape, F32))
+
+
+# --------------------------------------------------------------------------- the FP8 product
+@pytest.mark.parametrize("alignment", [1, 128])
+def test_grouped_matmul_fp8_matches_the_dequantised_product(alignment):
+  rng = np.random.default_rng(3)
+  rows, k, n = 768, 256, 384
+  sizes, offsets, inside, group_of = _layout([130, 0, 257, 70], alignment, rows)
+  x = np.asarray(rng.standard_normal((rows, k)), np.float32)
+  x[~inside] = np.nan  # rows outside the groups reach no result
+  x_q, x_scales = fp8_quantize(jnp.asarray(x, BF16))
+  w = jax_ep.quantize_weights(_weights(rng, 4, k, n))
+  got = jax_ep.grouped_matmul_fp8(x_q, x_scales, w, jnp.asarray(sizes),
+                                  group_offsets=jnp.asarray(offsets))
+  assert got.shape == (rows, n) and got.dtype == BF16
+  xd = np.asarray(x_q, np.float64) * np.repeat(np.asarray(x_scales, np.float64), 128, 1)
+  wd = np.asarray(w.dequantize(), np.float64)
+  want = np.einsum("rk,rkn->rn", xd[inside], wd[group_of[inside]])
+  got = np.asarray(got, np.float64)[inside]
+  scale = np.abs(xd[inside]).max(1, keepdims=True) * np.abs(wd).max() * k
+  assert np.all(np.abs(got - want) <= np.abs(want) * 2.0 ** -8 + scale * k * 2.0 ** -24)
+
+
+def test_grouped_matmul_fp8_names_bad_operands():
+  x_q, x_scales = fp8_quantize(jnp.ones((128, 256), BF16))
+  w = jax_ep.quantize_weights(jnp.ones((2, 256, 128), F32))
+  sizes = jnp.array([64, 64], jnp.int32)
+  with pytest.raises(TypeError, match="w must be jax_ep.Fp8Weights"):
+    jax_ep.grouped_matmul_fp8(x_q, x_scales, jnp.ones((2, 256, 128)), sizes)
+  with pytest.raises(TypeError, match="x must be float8_e4m3fn"):
+    jax_ep.grouped_matmul_fp8(x_q.astype(BF16), x_scales, w, sizes)
+  with pytest.raises(ValueError, match=r"x_scales must be \[rows, K / 128\] = \(128, 2\)"):
+    jax_ep.grouped_matmul_fp8(x_q, x_scales[:, :1], w, sizes)
+  with pytest.raises(ValueError, match="256 channels"):
+    jax_ep.grouped_matmul_fp8(x_q[:, :128], x_scales[:, :1], w, sizes)
+  with pytest.raises(ValueError, match="group_sizes must have shape"):
+    jax_ep.grouped_matmul_fp8(x_q, x_scales, w, jnp.array([64], jnp.int32))
+  with pytest.raises(ValueError, match="sum to at most x.s 128 rows"):
+    jax_ep.grouped_matmul_fp8(x_q, x_scales, w, jnp.array([64, 65], jnp.int32))
+
+
+# ------------------------------------------------------------------------------ the FP8 MLP
+def _mlp_case(seed=4, activation="swiglu", alignment=1, hidden=256):
+  rng = np.random.default_rng(seed)
+  rows, groups, ffn = 640, 4, 384
+  sizes, offsets, inside, group_of = _layout([150, 0, 201, 96], alignment, rows)
+  x = np.asarray(rng.standard_normal((rows, hidden)), np.float32)
+  x[~inside] = np.nan
+  gated = activation in ("swiglu", "geglu")
+  weights = (_weights(rng, groups, hidden, ffn), _weights(rng, groups, hidden, ffn) if gated
+             else None, _weights(rng, groups, ffn, hidden))
+  cot = np.asarray(rng.standard_normal((rows, hidden)), np.float32) * inside[:, None]
+  return (jnp.asarray(x, BF16), weights, jnp.asarray(sizes), jnp.asarray(offsets), inside,
+          jnp.asarray(cot))
+
+
+def _mlp_loss(fp8, activation, sizes, offsets, cot, **kwargs):
+  def loss(x, *weights):
+    y = jax_ep.expert_mlp(x, *weights, sizes, group_offsets=offsets, activation=activation,
+                          fp8=fp8, **kwargs)
+    return jnp.sum(jnp.where(cot != 0, y.astype(F32), 0.0) * cot), y
+  return loss
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("alignment", [1, 128])
+def test_fp8_expert_mlp_against_float32(activation, alignment):
+  x, weights, sizes, offsets, inside, cot = _mlp_case(activation=activation,
+                                                      alignment=alignment)
+  argnums = tuple(i for i, w in enumerate((x, *weights)) if w is not None)
+  grad = lambda fp8: jax.jit(jax.grad(  # noqa: E731
+      _mlp_loss(fp8, activation, sizes, offsets, cot), argnums, has_aux=True))
+  x_ok = jnp.where(jnp.asarray(inside)[:, None], x, 0).astype(F32)
+  got_grads, got = grad(True)(x, *weights)
+  want_grads, want = grad(False)(x_ok, *weights)
+  assert got.dtype == BF16
+  assert np.all(np.isfinite(np.asarray(got, np.float32)[inside]))
+  assert_fp8_close(np.asarray(got, np.float32)[inside], np.asarray(want)[inside], "y")
+  names = [n for n, w in zip(("x", "w_gate", "w_up", "w_down"), (x, *weights)) if w is not None]
+  for name, g, w in zip(names, got_grads, want_grads):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    if name == "x":
+      assert g.dtype == np.float32 and got_grads[0].dtype == BF16
+      g, w = g[inside], w[inside]
+    assert np.all(np.isfinite(g)), f"d{name} has non-finite entries"
+    assert_fp8_close(g, w, f"d{name}")
+
+
+def test_fp8_rows_given_or_quantised_here_are_the_same_recipe():
+  """e4m3 rows with float32 scales, the same rows with UE8M0 exponents (power-of-two scales),
+  and bf16 rows quantised by `expert_mlp` itself: the same results, bit for bit; weights passed
+  quantised or as masters likewise."""
+  x, weights, sizes, offsets, inside, cot = _mlp_case(seed=5)
+  base = _mlp_loss(True, "swiglu", sizes, offsets, cot)
+  want_grads, want = jax.jit(jax.grad(base, (0, 1, 2, 3), has_aux=True))(x, *weights)
+  x_q, x_scales = jax_ep.quantize(x, jax_ep.RowFormat.FP8)
+  y_q = jax.jit(lambda q, s, *w: jax_ep.expert_mlp(
+      q, *w, sizes, group_offsets=offsets, fp8=True, x_scales=s))(x_q, x_scales, *weights)
+  np.testing.assert_array_equal(np.asarray(y_q, np.float32)[inside],
+                                np.asarray(want, np.float32)[inside])
+  quantised = [jax_ep.quantize_weights(w) for w in weights]
+  grads_q, y_w = jax.jit(jax.grad(lambda x, *w: base(x, *w), (0,), has_aux=True))(x, *quantised)
+  np.testing.assert_array_equal(np.asarray(y_w, np.float32)[inside],
+                                np.asarray(want, np.float32)[inside])
+  np.testing.assert_array_equal(np.asarray(grads_q[0]), np.asarray(want_grads[0]))
+  # UE8M0: power-of-two scales, packed four exponents to an int32 (H a multiple of 512).
+  x, weights, sizes, offsets, inside, _ = _mlp_case(seed=5, hidden=512)
+  q2, s2 = fp8_quantize(x, round_scale=True)
+  y_pow2 = jax_ep.expert_mlp(q2, *weights, sizes, group_offsets=offsets, fp8=True, x_scales=s2)
+  y_ue8m0 = jax_ep.expert_mlp(q2, *weights, sizes, group_offsets=offsets, fp8=True,
+                              x_scales=pack_ue8m0(s2))
+  np.testing.assert_array_equal(np.asarray(y_pow2, np.float32)[inside],
+                                np.asarray(y_ue8m0, np.float32)[inside])
+
+
+def test_fp8_expert_mlp_under_vmap_and_checkpoint():
+  x, weights, sizes, offsets, inside, cot = _mlp_case(seed=6)
+  loss = _mlp_loss(True, "swiglu", sizes, offsets, cot)
+  grads, y = jax.jit(jax.grad(loss, (0, 1), has_aux=True))(x, *weights)
+  ckpt = jax.jit(jax.grad(jax.checkpoint(lambda *a: loss(*a)), (0, 1), has_aux=True))
+  grads_c, y_c = ckpt(x, *weights)
+  np.testing.assert_array_equal(np.asarray(y_c, np.float32), np.asarray(y, np.float32))
+  for a, b in zip(grads_c, grads):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  # vmap over two copies of the rows (shared weights): each copy's result is the unbatched one.
+  ys = jax.vmap(lambda x: jax_ep.expert_mlp(x, *weights, sizes, group_offsets=offsets,
+                                            fp8=True))(jnp.stack([x, x]))
+  for i in range(2):
+    np.testing.assert_array_equal(np.asarray(ys[i], np.float32)[inside],
+                                  np.asarray(y, np.float32)[inside])
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w, s: jax_ep.expert_mlp(x.astype(jnp.float8_e4m3fn), *w, s, fp8=True),
+     "needs its x_scales"),
+    (lambda x, w, s: jax_ep.expert_mlp(x, *w, s, fp8=True, x_scales=jnp.ones((640, 2))),
+     "x_scales go with float8_e4m3fn x"),
+    (lambda x, w, s: jax_ep.expert_mlp(x, *w, s, x_scales=jnp.ones((640, 2))), "pass fp8=True"),
+    (lambda x, w, s: jax_ep.expert_mlp(x[:, :200], w[0][:, :200], w[1][:, :200], w[2][:, :, :200],
+                                       s, fp8=True), "multiples of 128"),
+    (lambda x, w, s: jax_ep.expert_mlp(x, w[0], w[1], w[2][:, :128], s, fp8=True),
+     r"w_down must have shape"),
+])
+def test_fp8_expert_mlp_names_bad_input(call, match):
+  x, weights, sizes, *_ = _mlp_case()
+  with pytest.raises((ValueError, TypeError), match=match):
+    call(x, weights, sizes)
+
+
+# ----------------------------------------------------------------------------------- the layer
+E, K, H, FFN, T = 8, 2, 128, 256, 32
+
+
+def _layer_inputs(num_ranks, seed=0):
+  k_p, k_x, k_c = jax.random.split(jax.random.key(seed), 3)
+  params = jax_ep.init_moe_params(k_p, num_experts=E, hidden=H, ffn=FFN, dtype=F32,
+                                  shared_ffn=128)
+  x = jax.random.normal(k_x, (num_ranks * T, H), F32)
+  cot = jax.random.normal(k_c, x.shape, F32)
+  return params, x, cot
+
+
+def _layer_step(group, **options):
+  def loss(params, x, cot):
+    result = jax_ep.moe_mlp(group, params, x, **options)
+    return jnp.sum(result.out.astype(F32) * cot) + jnp.mean(result.aux_loss), result
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+
+
+@pytest.mark.parametrize("num_ranks", [1, 8])
+def test_fp8_layer_against_bf16(new_group, num_ranks):
+  group = new_group(num_ranks, num_experts=E, num_topk=K, hidden=H, max_tokens=T, dtype=BF16)
+  params, x, cot = _layer_inputs(num_ranks)
+  (_, got), got_grads = _layer_step(group, fp8=True)(params, x, cot)
+  (_, want), want_grads = _layer_step(group)(params, x, cot)
+  np.testing.assert_array_equal(np.asarray(got.topk_idx), np.asarray(want.topk_idx))
+  assert int(np.sum(got.num_dropped)) == int(np.sum(want.num_dropped)) == 0
+  assert_fp8_close(got.out, want.out, "out")
+  for name in ("router", "w_gate", "w_up", "w_down", "shared_gate", "shared_down"):
+    g, w = getattr(got_grads[0], name), getattr(want_grads[0], name)
+    assert g.dtype == w.dtype == F32, name  # the masters' dtype
+    assert_fp8_close(g, w, f"params.{name}")
+  assert_fp8_close(got_grads[1], want_grads[1], "x")
+
+
+def test_fp8_dispatch_feeds_the_same_recipe(new_group):
+  """A group whose dispatch sends e4m3 rows gives the experts the rows they would quantise
+  themselves: the same output and gradients, bit for bit."""
+  plain = new_group(8, num_experts=E, num_topk=K, hidden=H, max_tokens=T, dtype=BF16)
+  wire = new_group(8, num_experts=E, num_topk=K, hidden=H, max_tokens=T, dtype=BF16,
+                   wire_format=jax_ep.RowFormat.FP8)
+  params, x, cot = _layer_inputs(8, seed=1)
+  (_, want), want_grads = _layer_step(plain, fp8=True)(params, x, cot)
+  (_, got), got_grads = _layer_step(wire, fp8=True)(params, x, cot)
+  np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
+  for g, w in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  with pytest.raises(ValueError, match="fp8=True"):
+    _layer_step(wire)(params, x, cot)
+
+
+def test_fp8_layer_quantises_the_weights_once_per_call(new_group, monkeypatch):
+  group = new_group(8, num_experts=E, num_topk=K, hidden=H, max_tokens=T, dtype=BF16)
+  params, x, cot = _layer_inputs(8, seed=2)
+  import jax_ep.layer as layer
+  calls = []
+  real = layer.quantize_weights
+  monkeypatch.setattr(layer, "quantize_weights", lambda w: calls.append(w.shape) or real(w))
+  (_, split), split_grads = _layer_step(group, fp8=True, micro_batches=2, remat=True)(
+      params, x, cot)
+  # Inside shard_map: each rank's experts, once each, not once per micro-batch.
+  assert calls == [(E // 8, H, FFN), (E // 8, H, FFN), (E // 8, FFN, H)]
+  (_, whole), whole_grads = _layer_step(group, fp8=True)(params, x, cot)
+  # Each row meets the same e4m3 weights in either split: the output is the same.
+  np.testing.assert_allclose(np.asarray(split.out, np.float32), np.asarray(whole.out, np.float32),
+                             rtol=1e-2, atol=1e-2)
+  for name in ("w_gate", "w_down"):
+    assert_fp8_close(getattr(split_grads[0], name), getattr(whole_grads[0], name), name)
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(fp8=True, mode="low_latency"), "fp8=True with mode='low_latency'"),
+    (dict(fp8=1), "fp8 must be a bool"),
+])
+def test_fp8_layer_refuses_what_it_cannot_run(new_group, options, match):
+  group = new_group(1, num_experts=E, num_topk=K, hidden=H, max_tokens=T, dtype=BF16)
+  params, x, cot = _layer_inputs(1)
+  with pytest.raises((ValueError, TypeError, NotImplementedError), match=match):
+    jax_ep.moe_mlp(group, params, x, **options)
+
+
+def test_fp8_layer_needs_blocks_of_128(new_group):
+  group = new_group(1, num_experts=E, num_topk=K, hidden=H, max_tokens=T, dtype=BF16)
+  params = jax_ep.init_moe_params(jax.random.key(0), num_experts=E, hidden=H, ffn=96)
+  with pytest.raises(ValueError, match="F = 96"):
+    jax_ep.moe_mlp(group, params, jnp.ones((T, H), F32), fp8=True)
