@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep.backends.fp8 import unpack_ue8m0
+from jax_ep._native.fp8 import unpack_ue8m0
 from jax_ep.backends.primitives import quantize
 from jax_ep.config import RowFormat
 from jax_ep.experts import slab as slab_mlp

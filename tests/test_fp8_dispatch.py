@@ -234,7 +234,7 @@ class FP8DispatchSuite(BackendSuite):
     """jax.grad of the dense model in fp32, all ranks at once: each slot's row is the token's
     quantised value (quantisation the identity in the backward), times its expert's scale and
     the slot's weight; the loss is `<out, cot>`."""
-    from jax_ep.backends.fp8 import fp8_quantize
+    from jax_ep._native.fp8 import fp8_quantize
     fmt = group.wire_format
     num_experts = group.num_experts
 

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import jax_ep
-from jax_ep.backends.fp8 import fp8_quantize, pack_ue8m0
+from jax_ep._native.fp8 import fp8_quantize, pack_ue8m0
 from jax_ep.experts.fp8 import Fp8Weights
 from test_layer import make_group, new_group  # noqa: F401 - a fixture
 

@@ -7,6 +7,8 @@ XLA custom calls need.
 - `varying`: the `shard_map` axes a custom call's outputs and a custom_vjp's cotangents vary
   over.
 - `effects`: settling JAX's runtime effect tokens after a check inside a computation failed.
+- `fp8`: the fp8 rows the kernels write and read (per-128 e4m3 rounding, UE8M0 packing): one
+  rounding for the backends, the FP8 experts and the public `jax_ep.quantize`.
 
 May import: jax, numpy and `jax_ep.config` alone; every other layer may import this one.
 """

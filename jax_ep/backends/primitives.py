@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jax_ep._native.varying import sum_to_primal
 from jax_ep.backends.base import Backend
-from jax_ep.backends.fp8 import fp8_quantize, pack_ue8m0, unpack_ue8m0
+from jax_ep._native.fp8 import fp8_quantize, pack_ue8m0, unpack_ue8m0
 from jax_ep.config import RowFormat
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep.backends.base import Backend, LayoutThenDispatch
-from jax_ep.backends.fp8 import fp8_quantize, pack_ue8m0
+from jax_ep._native.fp8 import fp8_quantize, pack_ue8m0
 from jax_ep.config import EPConfig, RowFormat
 
 

@@ -6,6 +6,9 @@
 - `grouped.py`: the differentiable grouped GEMM (`jax.custom_vjp`, `jax.vmap` rules).
 - `mlp.py`: the expert MLP over expert-grouped rows (`jax_ep.expert_mlp`'s body): on Hopper
   the gated projections as one kernel with the activation in its epilogue.
+- `fp8.py`: FP8 weights (`quantize_weights`, 128 x 128 blocks) and the FP8 grouped GEMM's op
+  (`grouped_matmul_fp8`: checks, choice, the dequantised fallback).
+- `mlp_fp8.py`: the expert MLP in FP8, DeepSeek-V3's recipe (`jax_ep.expert_mlp(..., fp8=True)`).
 - `configs.py`: the kernels' tiles keyed by architecture and dtype, and `override`, the one
   way to replace a choice within a block.
 - `layout.py`: where the groups' rows are (offsets, bounds, row masks, the work list, vmap's

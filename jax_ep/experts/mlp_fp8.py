@@ -32,7 +32,7 @@ from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
 from jax_ep._native.varying import sum_to_primal
-from jax_ep.backends.fp8 import fp8_quantize
+from jax_ep._native.fp8 import fp8_quantize
 from jax_ep.experts.fp8 import Fp8Weights, dequantize_rows, fp8_product
 from jax_ep.experts.grouped import weight_grad_fn
 from jax_ep.experts.mlp import GATED, SAVED_NAME, act, act_grad, rowwise_vmap
