@@ -585,13 +585,13 @@ def test_cuda_refuses_fp8_dispatch_on_this_gpu():
   auto.close()
 
 
-def test_the_layer_refuses_an_fp8_group():
-  """Until the FP8 expert GEMMs exist, the layer says which groups it takes instead of failing
-  inside the experts on e4m3 operands."""
+def test_the_layer_takes_an_fp8_group_with_the_fp8_recipe_only():
+  """The layer's bf16 experts cannot take e4m3 rows: with an fp8 wire format it asks for
+  fp8=True (tests/test_fp8_experts.py runs that) instead of failing inside the experts."""
   group = _group()
   params = jax_ep.init_moe_params(jax.random.key(0), num_experts=group.num_experts,
                                   hidden=group.hidden, ffn=128, dtype=jnp.bfloat16)
   x = jnp.zeros((group.num_ranks * 4, group.hidden), jnp.bfloat16)
-  with pytest.raises(ValueError, match=r"jax_ep.moe_mlp: the layer runs on groups whose "
-                                       r"dispatch sends its rows as they are.*RowFormat.FP8"):
+  with pytest.raises(ValueError, match=r"jax_ep.moe_mlp: this group's dispatch sends e4m3 rows "
+                                       r"\(wire_format=RowFormat.FP8.*fp8=True"):
     jax_ep.moe_mlp(group, params, x)
