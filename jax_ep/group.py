@@ -265,10 +265,10 @@ class Group:
     return 1
 
   def memory_bytes(self, row_format: RowFormat | str | None = None, *, ffn: int | None = None,
-                   activation: str = "swiglu") -> MemoryEstimate:
+                   activation: str = "swiglu", fp8: bool = False) -> MemoryEstimate:
     """`jax_ep.memory_bytes` for this group (its capacity, backend and transports), the
-    low-latency output in `row_format` (default PLAIN); `ffn` and `activation` also size what
-    its expert layer keeps for the backward."""
+    low-latency output in `row_format` (default PLAIN); `ffn`, `activation` and `fp8` also
+    size what its expert layer keeps for the backward."""
     row_format = (RowFormat.PLAIN if row_format is None
                   else as_row_format(row_format, "jax_ep.Group.memory_bytes"))
     c = self.config
@@ -280,7 +280,7 @@ class Group:
                         low_latency=self.low_latency,
                         network=isinstance(self._transport, NetworkTransport),
                         num_hosts=self.topology.num_hosts if self.topology else 0,
-                        ffn=ffn, activation=activation)
+                        ffn=ffn, activation=activation, fp8=fp8)
 
   def constrain(self, value, spec):
     """Lays `value` out as `spec` over the group's mesh, inside or outside `jit`.

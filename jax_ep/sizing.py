@@ -20,6 +20,7 @@ from jax_ep.config import (EPConfig, RowFormat, alignment_padding, as_row_format
                             check_expert_alignment, check_fp8_hidden, default_capacity,
                             positive_int)
 from jax_ep.experts.mlp import fused_mlp_impl, fused_saved_bytes
+from jax_ep.experts.mlp_fp8 import fp8_saved_bytes, fp8_weight_bytes
 from jax_ep.gmm import ROW_TILE
 from jax_ep.routing import merge_duplicate_slots
 
@@ -263,7 +264,8 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
                  row_format: RowFormat | str | None = None,
                  wire_format: RowFormat | str | None = None, low_latency: bool = False,
                  network: bool = False, num_hosts: int = 0, ffn: int | None = None,
-                 activation: str = "swiglu", capacity_factor: None = None) -> MemoryEstimate:
+                 activation: str = "swiglu", fp8: bool = False,
+                 capacity_factor: None = None) -> MemoryEstimate:
   """How much memory one rank needs for this configuration, before anything is allocated.
 
   Args:
@@ -287,6 +289,8 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
     ffn: `F`, the experts' inner size: also size what the expert layer keeps for its backward.
     activation: the experts' activation, 'swiglu' (what `jax_ep.moe_mlp` runs), 'geglu',
       'gelu' or 'silu'.
+    fp8: the layer's experts in FP8 (`jax_ep.moe_mlp(..., fp8=True)`): with `ffn`, size what
+      that recipe keeps (below).
 
   With `ffn`, `expert_activation_bytes` counts what `jax.grad` of one `jax_ep.moe_mlp` layer
   (high-throughput, routing given) keeps from its forward for its backward, besides the
@@ -314,6 +318,13 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   that layer's backward runs. A model of `N` such layers keeps `N` times the remat figure plus,
   at its peak, one layer's full figure.
 
+  With `fp8`, the experts keep instead (jax_ep/experts/mlp_fp8.py): the dispatched rows as
+  e4m3 `[C, H]` bytes with float32 scales `[C, H / 128]` (quantised by an fp8 dispatch or
+  after a bf16 one: the bf16 rows are not kept), the hidden activation the same way over `F`,
+  and the gate (and up) projections `[C, F]` in bf16; and the per-call FP8 copy of the expert
+  weights (1 byte per parameter and a float32 scale per 128 x 128 block), which the backward
+  multiplies by, in both figures (under remat too: it is quantised outside the checkpoint).
+
   A layer of `micro_batches=n` makes `n` calls of `T / n` tokens, each keeping its own
   residuals with the whole capacity: `n` times both figures estimated at
   `max_tokens_per_rank=T / n` (under remat one micro-batch's full figure at the peak). A
@@ -327,6 +338,8 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
                                max_tokens_per_rank=max_tokens_per_rank, dtype=dtype,
                                capacity=capacity, buffer_factor=buffer_factor,
                                expert_alignment=expert_alignment, wire_format=wire_format)
+  if not isinstance(fp8, bool):
+    raise TypeError(f"{where}: fp8 must be a bool, got {fp8!r}")
   if backend not in registry.BACKENDS:
     raise ValueError(f"{where}: backend must be {' or '.join(map(repr, registry.BACKENDS))} "
                      f"(the group's `backend_name`); got {backend!r}")
@@ -347,11 +360,19 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
   if ffn is not None:
     ffn = _check_ffn(ffn, activation)
     layer_input = t * hidden * dtype.itemsize
-    saved = (layer_input + handle + _merge_saved_bytes(t, k, num_experts)
-             + rows + 2 * 4 * num_local
-             + _expert_mlp_saved_bytes(activation, capacity, num_local, hidden, ffn, dtype)
-             + capacity * hidden * dtype.itemsize)
-    saved_remat = layer_input + t * k * (4 + 4)
+    if fp8:
+      if hidden % 128 or ffn % 128:
+        raise ValueError(f"{where}: fp8=True scales blocks of 128 channels: hidden={hidden} and "
+                         f"ffn={ffn} must be multiples of 128")
+      experts = fp8_saved_bytes(activation, capacity, hidden, ffn)
+      weights = fp8_weight_bytes(activation, num_local, hidden, ffn)
+    else:
+      experts = rows + _expert_mlp_saved_bytes(activation, capacity, num_local, hidden, ffn,
+                                               dtype)
+      weights = 0
+    saved = (layer_input + handle + _merge_saved_bytes(t, k, num_experts) + 2 * 4 * num_local
+             + experts + weights + capacity * hidden * dtype.itemsize)
+    saved_remat = layer_input + t * k * (4 + 4) + weights
   return MemoryEstimate(recv_x, handle, low_latency_rows, buffers.workspace_bytes,
                         comm_buffer_bytes=buffers.comm_buffer_bytes,
                         low_latency_buffer_bytes=buffers.low_latency_buffer_bytes,

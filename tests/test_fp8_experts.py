@@ -336,3 +336,30 @@ def test_fp8_layer_needs_blocks_of_128(new_group):
   params = jax_ep.init_moe_params(jax.random.key(0), num_experts=E, hidden=H, ffn=96)
   with pytest.raises(ValueError, match="F = 96"):
     jax_ep.moe_mlp(group, params, jnp.ones((T, H), F32), fp8=True)
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_memory_bytes_is_what_the_fp8_layer_keeps(remat):
+  """`jax.vjp` of the FP8 layer on the reference backend keeps, the master weights aside,
+  `memory_bytes(..., fp8=True)`'s figure per rank: e4m3 rows and scales, bf16 projections and
+  the per-call FP8 weights."""
+  from test_capacity import _group as capacity_group, _residual_bytes
+  r, t = 2, 128
+  group = capacity_group(ranks=r, num_experts=E, num_topk=K, hidden=H, max_tokens_per_rank=t,
+                         dtype=BF16)
+  params = jax_ep.init_moe_params(jax.random.key(0), num_experts=E, hidden=H, ffn=FFN,
+                                  dtype=BF16)
+  x = jax.random.normal(jax.random.key(1), (r * t, H)).astype(BF16)
+  idx = jax.random.randint(jax.random.key(2), (r * t, K), 0, E, jnp.int32)
+  w = jax.random.uniform(jax.random.key(3), (r * t, K))
+
+  def moe(params, x, idx, w):
+    return jax_ep.moe_mlp(group, params, x, idx, w, fp8=True, remat=remat).out
+
+  est = group.memory_bytes(ffn=FFN, fp8=True)
+  saved, _ = _residual_bytes(moe, params, x, idx, w,
+                             exclude=(params.w_gate, params.w_up, params.w_down))
+  want = est.expert_activation_bytes_remat if remat else est.expert_activation_bytes
+  assert saved == r * want
+  if not remat:
+    assert want < group.memory_bytes(ffn=FFN).expert_activation_bytes

@@ -128,3 +128,9 @@ def fp8_saved_bytes(activation: str, rows: int, hidden: int, ffn: int) -> int:
   (and up) projections in bf16."""
   rows_bytes = lambda width: rows * (width + 4 * (width // 128))  # noqa: E731
   return rows_bytes(hidden) + rows_bytes(ffn) + (2 if activation in GATED else 1) * rows * ffn * 2
+
+
+def fp8_weight_bytes(activation: str, groups: int, hidden: int, ffn: int) -> int:
+  """The experts' `Fp8Weights`: 1 byte per parameter and a float32 scale per 128 x 128 block."""
+  per_matrix = hidden * ffn + 4 * (hidden // 128) * (ffn // 128)
+  return groups * per_matrix * (3 if activation in GATED else 2)
