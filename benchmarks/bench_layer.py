@@ -120,6 +120,12 @@ def main():
                       default=["grouped_matmul", "moe_layer"])
   parser.add_argument("--micro-batches", type=int, nargs="+", default=[1],
                       help="moe_layer: time the layer with each of these micro_batches")
+  parser.add_argument("--precisions", nargs="+", choices=["bf16", "fp8"], default=["bf16"],
+                      help="moe_layer: the experts in bf16 and/or FP8 (moe_mlp's fp8=True), "
+                           "each a record with its `precision`")
+  parser.add_argument("--fp8-wire", action="store_true",
+                      help="moe_layer with fp8: the dispatch sends e4m3 rows "
+                           "(wire_format=RowFormat.FP8) instead of the experts quantising them")
   parser.add_argument("--scale", type=int, default=1,
                       help="divide every size by this (a smoke run on the CPU)")
   parser.add_argument("--repeats", type=int, default=10)
@@ -150,7 +156,7 @@ def main():
         op=op, **{"pass": pass_}, shape=name, experts=experts, hidden=hidden, ffn=ffn,
         topk=topk, impl=impl, groups=args.groups, median_us=round(seconds * 1e6, 1),
         tflops=round(tflops, 1), bound="dense_gemm", bound_tflops=round(bound_tflops, 1),
-        fraction=round(tflops / bound_tflops, 3), **extra, **base))
+        fraction=round(tflops / bound_tflops, 3), **{**base, **extra}))
 
   for name in args.shapes:
     experts, hidden, ffn, topk = (v // args.scale if i < 3 else v
@@ -243,12 +249,14 @@ def main():
                 padded_ratio=round(seconds / exact[pass_], 3), **batched)
       if "moe_layer" in args.ops and impl != "jax_mosaic":
         for micro_batches in args.micro_batches:
-          layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks,
-                        args.repeats, flops, bound_s, add, micro_batches)
+          for precision in args.precisions:
+            layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks,
+                          args.repeats, flops, bound_s, add, micro_batches, precision,
+                          args.fp8_wire)
 
   if jax.process_index() == 0:
     path = reports.write_jsonl(records, args.out)
-    reports.print_table(records, ["op", "pass", "shape", "impl", "micro_batches",
+    reports.print_table(records, ["op", "pass", "shape", "impl", "precision", "micro_batches",
                                   "expert_alignment", "padded_rows", "median_us", "tflops",
                                   "bound_tflops", "fraction", "padded_ratio"])
     print(f"wrote {path}")
@@ -286,16 +294,19 @@ def gemm_fn(impl, rows, experts, hidden, ffn):
 
 
 def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks, repeats,
-                  flops, bound_s, add, micro_batches=1):
-  """The whole layer (moe_mlp with its router, its tokens in `micro_batches`) forward and
-  forward + backward."""
+                  flops, bound_s, add, micro_batches=1, precision="bf16", fp8_wire=False):
+  """The whole layer (moe_mlp with its router, its tokens in `micro_batches`, its experts in
+  `precision`) forward and forward + backward."""
+  fp8 = precision == "fp8"
+  wire = jax_ep.RowFormat.FP8 if fp8 and fp8_wire else None
   devices = jax.devices()
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices)
   experts = max(experts - experts % num_ranks, num_ranks)
   # Sized for one micro-batch (its capacity per call `micro_batches` times smaller), so the
   # split layer keeps what the unsplit one keeps.
   group = jax_ep.Group(mesh, "ep", num_experts=experts, num_topk=topk, hidden=hidden,
-                       max_tokens_per_rank=tokens // micro_batches, dtype=dtype)
+                       max_tokens_per_rank=tokens // micro_batches, dtype=dtype,
+                       wire_format=wire)
   params = jax_ep.init_moe_params(jax.random.key(1), num_experts=experts, hidden=hidden,
                                   ffn=ffn, dtype=dtype)
   specs = jax_ep.layer.param_specs("ep", params)
@@ -306,22 +317,24 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
 
   def fwd(params, x):
     with jax_ep.experts.override(impl=impl):
-      return jax_ep.moe_mlp(group, params, x, micro_batches=micro_batches).out
+      return jax_ep.moe_mlp(group, params, x, micro_batches=micro_batches, fp8=fp8).out
 
   def fwd_bwd(params, x):
     with jax_ep.experts.override(impl=impl):
       loss = lambda p, x: jnp.mean(jax_ep.moe_mlp(  # noqa: E731
-          group, p, x, micro_batches=micro_batches).out.astype(jnp.float32) ** 2)
+          group, p, x, micro_batches=micro_batches, fp8=fp8).out.astype(jnp.float32) ** 2)
       return jax.grad(loss, (0, 1))(params, x)
   layer_flops = 3 * flops  # gate, up, down
   with jax.set_mesh(mesh):
     for pass_, fn, f in (("fwd", fwd, layer_flops), ("fwd_bwd", fwd_bwd, 3 * layer_flops)):
       seconds = time_fn(jax.jit(fn), (params, x), repeats,
-                        f"{name} moe_layer {pass_} {impl} micro_batches={micro_batches}")
+                        f"{name} moe_layer {pass_} {impl} micro_batches={micro_batches} "
+                        f"{precision}{' fp8 wire' if wire else ''}")
       if seconds is None:
         continue
       add("moe_layer", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
-          bound_s * f / flops, micro_batches=micro_batches)
+          bound_s * f / flops, micro_batches=micro_batches, precision=precision,
+          **({"wire_dtype": "float8_e4m3fn"} if wire else {}))
   group.close()
 
 
