@@ -363,3 +363,26 @@ def test_memory_bytes_is_what_the_fp8_layer_keeps(remat):
   assert saved == r * want
   if not remat:
     assert want < group.memory_bytes(ffn=FFN).expert_activation_bytes
+
+
+def test_nnx_module_trains_with_fp8_and_decodes_in_bf16(new_group):
+  """`jax_ep.nnx.MoE(fp8=True)`: its training calls are `moe_mlp(..., fp8=True)` on its
+  weights (float32 masters), their gradients reach every parameter; a decode call runs the
+  experts in the group's dtype."""
+  nnx = pytest.importorskip("flax.nnx")
+  import jax_ep.nnx  # noqa: F401 - optional: needs flax
+  group = new_group(8, num_experts=E, num_topk=K, hidden=H, max_tokens=T, dtype=BF16)
+  layer = jax_ep.nnx.MoE(group, ffn=FFN, rngs=nnx.Rngs(0), fp8=True)
+  x = jax.random.normal(jax.random.key(3), (8 * T, H), F32)
+  want = jax_ep.moe_mlp(group, layer.params, x, fp8=True).out
+  np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(want))
+  decode = jax_ep.moe_mlp(group, layer.params, x[:8], mode="low_latency").out
+  np.testing.assert_array_equal(np.asarray(layer(x[:8], mode="low_latency")), np.asarray(decode))
+
+  with jax.set_mesh(group.mesh):  # the mesh's axes are Explicit: the loss's scalar needs it
+    grads = nnx.grad(lambda m: jnp.mean(m(x) ** 2))(layer)
+  for name in ("router", "w_gate", "w_up", "w_down"):
+    g = np.asarray(getattr(grads, name)[...])
+    assert g.dtype == np.float32 and np.all(np.isfinite(g)) and np.any(g != 0), name
+  with pytest.raises(ValueError, match="ffn=96 must be multiples of 128"):
+    jax_ep.nnx.MoE(group, ffn=96, rngs=nnx.Rngs(0), fp8=True)
