@@ -87,6 +87,32 @@ class TestCudaLocalFP8Dispatch(FP8DispatchSuite):
       np.testing.assert_array_equal(used_rows(scales[0, b], g), used_rows(want["scales"], g))
 
 
+def test_fp8_dispatch_handler_names_what_it_takes():
+  """The handler's own checks (the public API checks first, so these guard direct calls): the
+  scales of given rows, the hidden size of a format, the format attribute."""
+  from jax_ep.backends import cuda_ops
+  from jax_ep.config import EPConfig
+  from ep_test_base import require_gpu
+  require_gpu()
+  cfg = EPConfig("ep", 1, 8, 2, 512, 4, np.dtype(jnp.bfloat16), 8, wire_format=RowFormat.FP8)
+  layout, *_ = jax.jit(lambda i: cuda_ops.local_layout(cfg, i))(jnp.zeros((4, 2), jnp.int32))
+  q = jnp.zeros((4, 512), jnp.float8_e4m3fn)
+  with pytest.raises(Exception, match=r"jax_ep_local_dispatch_fp8: x_scales must have shape "
+                                      r"\[T, H/128\] float32 = \[4, 4\], got shape \[4, 3\]"):
+    jax.block_until_ready(jax.jit(lambda q, s: cuda_ops.local_dispatch_fp8(cfg, q, s, layout))(
+        q, jnp.ones((4, 3), jnp.float32)))
+  with pytest.raises(Exception, match=r"jax_ep_local_dispatch_fp8: x must be float8_e4m3fn rows "
+                                      r"when given with x_scales"):
+    jax.block_until_ready(jax.jit(lambda x, s: cuda_ops.local_dispatch_fp8(cfg, x, s, layout))(
+        jnp.zeros((4, 512), jnp.bfloat16), jnp.ones((4, 4), jnp.float32)))
+  odd = EPConfig("ep", 1, 8, 2, 384, 4, np.dtype(jnp.bfloat16), 8,
+                 wire_format=RowFormat.FP8_UE8M0)
+  with pytest.raises(Exception, match=r"jax_ep_local_dispatch_fp8: x hidden size H is 384, "
+                                      r"expected a multiple of 512"):
+    jax.block_until_ready(jax.jit(lambda x: cuda_ops.local_dispatch_fp8(odd, x, None, layout))(
+        jnp.zeros((4, 384), jnp.bfloat16)))
+
+
 class TestCudaLocal(EPTestBase):
   target = CUDA_LOCAL
 
