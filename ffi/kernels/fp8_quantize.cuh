@@ -120,7 +120,9 @@ __device__ __forceinline__ void MoveRow(const Rows& rows, int64_t t,
       for (int u = 0; u < kVecs; ++u) {
         const int32_t j = v0 + u * kThreads + static_cast<int32_t>(threadIdx.x);
         uint4 v = make_uint4(0, 0, 0, 0);
-        if (j < xv) v = kPeerSource ? __ldcg(src + j) : detail::LoadVec(src + j);
+        if (j < xv) {
+          v = kPeerSource ? __ldcg(src + j) : detail::LoadVec(src + j);
+        }
         // NOTES: v0 and u * kThreads are multiples of 32, so the kQ lanes of
         // one block are kQ consecutive lanes of one warp, as QuantizeVec
         // needs; the branch is block-uniform.
@@ -173,7 +175,9 @@ __device__ __forceinline__ void MoveRow(const Rows& rows, int64_t t,
 #pragma unroll
       for (int u = 0; u < kVecs; ++u) {
         const int32_t j = v0 + u * kThreads + static_cast<int32_t>(threadIdx.x);
-        if (j < qv) v[u] = kPeerSource ? __ldcg(qs + j) : detail::LoadVec(qs + j);
+        if (j < qv) {
+          v[u] = kPeerSource ? __ldcg(qs + j) : detail::LoadVec(qs + j);
+        }
       }
       for (int i = 0; i < num_dests; ++i) {
         char* qd = nullptr;

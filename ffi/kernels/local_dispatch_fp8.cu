@@ -48,7 +48,8 @@ __global__ void __launch_bounds__(kRowBlock)
     __syncthreads();  // the previous token's readers of s_row are done
     int32_t my_row = -1;
     if (threadIdx.x < d.num_topk) {
-      my_row = CheckedRow(slot_row[item * d.num_topk + threadIdx.x], d.capacity);
+      my_row =
+          CheckedRow(slot_row[item * d.num_topk + threadIdx.x], d.capacity);
       s_row[threadIdx.x] = my_row;
     }
     // A token without any row is not read (block-uniform skip).

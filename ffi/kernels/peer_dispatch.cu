@@ -77,9 +77,9 @@ struct PlainRows {
                                               const int32_t* s_dest,
                                               const int32_t* s_pos, int32_t n,
                                               const SendRows& r, int64_t t) {
-    PushRow</*kSkipSelf=*/true, /*kStreaming=*/true>(
-        g, s_peer, s_dest, s_pos, n, static_cast<const uint4*>(r.src.x) + t * r.rv,
-        r.rv, r.rv);
+    const uint4* src = static_cast<const uint4*>(r.src.x) + t * r.rv;
+    PushRow</*kSkipSelf=*/true, /*kStreaming=*/true>(g, s_peer, s_dest, s_pos,
+                                                     n, src, r.rv, r.rv);
   }
   // This rank's token t from x into its rows.
   __device__ __forceinline__ static void Place(const GroupView& g,
