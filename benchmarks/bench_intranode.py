@@ -8,6 +8,10 @@
   python -m jax_ep.launch -n 8 -- python benchmarks/bench_intranode.py
   python benchmarks/bench_intranode.py
 
+  # the FP8 dispatch beside the bf16 one, same inputs, same run (records' `wire_dtype`):
+  python -m jax_ep.launch -n 8 --share-gpu -- python benchmarks/bench_intranode.py \
+      --wire-format plain fp8
+
 Standard shape: 4096 tokens per rank, H=7168, top-8 of 256 experts, bf16. Every rank runs the
 same calls in lockstep and times them with the host clock around batches of `--calls` calls on
 rotating inputs; the slowest rank's median is reported (the op is done when every rank is).
@@ -33,6 +37,10 @@ receives from other ranks (`nvlink_bytes`; its own tokens never cross NVLink) pe
 NVLink line rate measured in the same run (a 1 GiB one-direction GPU 0 -> GPU 1 copy, `bound` =
 "p2p_copy"). The plain-XLA baseline (`xla_baseline`, benchmarks/xla_pipeline.py:
 sort, counts, ragged all-to-all, local permute, and back) runs wherever XLA collectives do.
+`--wire-format`: each `jax_ep.RowFormat` given is timed in turn on the same inputs (a group per
+format and backend); an fp8 format's records carry `wire_dtype` float8_e4m3fn and count a row as
+its e4m3 bytes with their scales (`bytes`, `min_hbm_bytes`: the source rows still read in bf16);
+its combine, the same op as the plain group's, is not timed again.
 `hosts`, `gpus_per_host`: the group's hosts (`--virtual-hosts`: the cuda group's ranks split
 into that many, the other backends left out); `network_bytes` and `peer_bytes` split the rows
 this rank receives by the path they took to it (benchmarks/reports.py, high_throughput_paths):
@@ -125,6 +133,12 @@ def main():
                       help="xla_baseline: updates per peer in each ragged_all_to_all")
   parser.add_argument("--num-sms", type=int, default=24,
                       help="the cuda group's SM budget for its communication kernels")
+  parser.add_argument("--wire-format", nargs="+", default=["plain"],
+                      choices=[f.value for f in jax_ep.RowFormat],
+                      help="the dispatch's wire formats (jax_ep.RowFormat values), each timed "
+                           "in this run on the same inputs: plain (bf16 rows), fp8, "
+                           "fp8_pow2_scales, fp8_ue8m0 (e4m3 rows with their scales; the "
+                           "combine, unchanged, is timed with plain only)")
   parser.add_argument("--virtual-hosts", type=int, default=1,
                       help="split the cuda group's ranks into this many virtual hosts, their "
                            "traffic between hosts on the network transport (NVSHMEM puts); "
@@ -136,6 +150,7 @@ def main():
     parser.error(f"--virtual-hosts must be >= 1, got {args.virtual_hosts}")
   if args.virtual_hosts > 1:
     args.backends = [b for b in args.backends if b == "cuda"]
+  wire_formats = [jax_ep.RowFormat(f) for f in dict.fromkeys(args.wire_format)]
 
   devices = jax.devices()
   num_ranks = len(devices)
@@ -182,19 +197,27 @@ def main():
   # Field accounting from the routing of the first input set (uniform routing: all sets alike).
   dest = idx_host[0] // (e // num_ranks)
   recv_tokens = [int(np.sum(np.any(dest == r, axis=-1))) for r in range(num_ranks)]
-  row_bytes = h * 2
-  per_rank_bytes = int(np.mean(recv_tokens)) * row_bytes
   # Of those, the rows that cross NVLink (not a rank's own tokens): what the line rate bounds.
   remote_tokens = [recv_tokens[r] - int(np.sum(np.any(dest[r] == r, axis=-1)))
                    for r in range(num_ranks)]
-  remote_bytes = int(np.mean(remote_tokens)) * row_bytes
   # Receive capacity: the most slots any rank receives over the input sets, times the capacity
   # factor (the contract's worst-case default, R * T * min(K, L) rows, is mostly zero tail here).
   most_slots = max(int(np.sum(i // (e // num_ranks) == r)) for i in idx_host
                    for r in range(num_ranks))
   capacity = int(np.ceil(most_slots * args.capacity_factor / 128) * 128)
   slot_rows = num_ranks * t * k
-  min_hbm = (num_ranks * t + slot_rows) * row_bytes
+
+  def accounting(fmt):
+    """The records' byte fields of a wire format: a received row is `H` bf16 values, or `H`
+    e4m3 bytes with their scales (sizing.low_latency_row_bytes); the source rows are read in
+    bf16 either way."""
+    row = jax_ep.sizing.low_latency_row_bytes(fmt, h, dtype)
+    return dict(row_bytes=row, bytes=int(np.mean(recv_tokens)) * row,
+                nvlink_bytes=int(np.mean(remote_tokens)) * row,
+                min_hbm_bytes=num_ranks * t * h * 2 + slot_rows * row,
+                wire_dtype="float8_e4m3fn" if fmt.is_fp8 else "bfloat16",
+                wire_format=fmt.value)
+  plain = accounting(jax_ep.RowFormat.PLAIN)
 
   one_gpu = process_model in ("shared_gpu", "single_device")
   if one_gpu or devices[0].platform != "gpu":
@@ -210,8 +233,6 @@ def main():
   bound_gbps = reports.gather_max("bound", bound_gbps, timeout_s=400)
   base = dict(mode="high_throughput", ranks=num_ranks, process_model=process_model,
               tokens_per_rank=t, hidden=h, topk=k, experts=e, dtype="bfloat16",
-              wire_dtype="bfloat16", bytes=per_rank_bytes, nvlink_bytes=remote_bytes,
-              min_hbm_bytes=min_hbm,
               bound_gbps=round(bound_gbps, 1), bound=bound_name, capacity=capacity,
               default_capacity=jax_ep.default_capacity(num_ranks, t, k, e // num_ranks),
               num_sms=args.num_sms, routing=args.routing, virtual_hosts=args.virtual_hosts)
@@ -220,18 +241,22 @@ def main():
   # Fields a backend's group adds to its records (the cuda transport's receive mode).
   backend_fields = {}
 
+  # The wire format being timed: its byte fields (`accounting`).
+  wire = dict(plain)
+
   def add(op, backend, seconds, per_run=calls, timing="host_clock", gathered=False, **extra):
     """One record from this process's `seconds` per run (the slowest process's, when
-    `gathered` already)."""
+    `gathered` already), of the wire format being timed."""
     if not gathered:
-      seconds = reports.gather_max(f"{backend}/{op}/{timing}", seconds)
+      seconds = reports.gather_max(f"{backend}/{wire['wire_format']}/{op}/{timing}", seconds)
     median_us = seconds / per_run * 1e6
-    roofline = ((min_hbm / (bound_gbps * 1e9)) / (median_us * 1e-6) if one_gpu
-                else remote_bytes / (median_us * 1e-6) / 1e9 / bound_gbps)
+    roofline = ((wire["min_hbm_bytes"] / (bound_gbps * 1e9)) / (median_us * 1e-6) if one_gpu
+                else wire["nvlink_bytes"] / (median_us * 1e-6) / 1e9 / bound_gbps)
+    fields = {key: v for key, v in wire.items() if key != "row_bytes"}
     records.append(reports.record(op=op, backend=backend, median_us=round(median_us, 1),
                                  timing=timing, calls_per_run=per_run,
-                                 gbps=round(per_rank_bytes / (median_us * 1e-6) / 1e9, 1),
-                                 roofline=round(roofline, 3), **base,
+                                 gbps=round(wire["bytes"] / (median_us * 1e-6) / 1e9, 1),
+                                 roofline=round(roofline, 3), **base, **fields,
                                  **backend_fields.get(backend, {}), **extra))
 
   # One program running a call per input set, back to back (what a model's layers do).
@@ -262,7 +287,8 @@ def main():
     double, _ = timers.time_batches(batched(fn), [list(s) * 2 for s in sets],
                                     repeats=args.repeats, method="host_clock")
     # Decided on the slowest process's value, so that every process takes the same branch.
-    added = reports.gather_max(f"{backend}/{op}/marginal_check", double - seconds)
+    added = reports.gather_max(f"{backend}/{wire['wire_format']}/{op}/marginal_check",
+                               double - seconds)
     if added <= 0:
       if jax.process_index() == 0:
         print(f"{backend} {op}: no host_clock_marginal record (the longer batch was not slower: "
@@ -283,7 +309,8 @@ def main():
         batched(fn), [(list(s) * repeat)[:args.steady_calls] for s in sets],
         calls_per_run=args.steady_calls, marker=marker)
     # Decided on every process's value, so that every process takes the same branch.
-    if reports.gather_max(f"{backend}/{op}/steady_missing", float(period_us is None)) > 0:
+    if reports.gather_max(f"{backend}/{wire['wire_format']}/{op}/steady_missing",
+                          float(period_us is None)) > 0:
       if jax.process_index() == 0:
         print(f"{backend} {op}: no device_clock_steady record (no readable trace, or no "
               "FinishKernel once per call)")
@@ -297,23 +324,26 @@ def main():
       return
     seconds, _ = timers.time_batches(
         jax.jit(fn), fn_args, repeats=args.repeats, method="host_clock",
-        before_each=lambda r: reports.barrier(f"{backend}/{op}/{r}"))
+        before_each=lambda r: reports.barrier(f"{backend}/{wire['wire_format']}/{op}/{r}"))
     add(op, backend, seconds, per_run=1, timing="host_clock_aligned")
 
   backends = [b for b in args.backends if b != "xla_baseline"
               and not (shared_gpu and b == "reference")]
-  for backend in backends:
+  for fmt, backend in [(f, b) for f in wire_formats for b in backends]:
+    wire.clear()
+    wire.update(accounting(fmt))
     hosts = {"virtual_hosts": args.virtual_hosts} if args.virtual_hosts > 1 else {}
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
                          dtype=dtype, backend=backend, capacity=capacity, num_sms=args.num_sms,
-                         **hosts)
+                         wire_format=fmt, **hosts)
     topo = group.topology
     marker = ("rail", "FinishKernel") if topo is not None and topo.num_hosts > 1 else "FinishKernel"
     network_rows, peer_rows = reports.high_throughput_paths(dest, topo)
     backend_fields[backend] = dict(
         hosts=topo.num_hosts if topo else 1,
         gpus_per_host=list(topo.gpus_per_host) if topo else [num_ranks],
-        network_bytes=int(network_rows * row_bytes), peer_bytes=int(peer_rows * row_bytes))
+        network_bytes=int(network_rows * wire["row_bytes"]),
+        peer_bytes=int(peer_rows * wire["row_bytes"]))
     if group.backend_name == "cuda" and num_ranks > 1:
       # Every rank decides on its own; the record says whether all of them receive.
       not_receiving = reports.gather_max("not_receiving", float(not group.receives_while_sending))
@@ -321,10 +351,12 @@ def main():
     per_shard = lambda fn: jax.shard_map(fn, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))
     dispatch = per_shard(lambda x, i, w: jax.tree.map(
         lambda v: v[None], jax_ep.dispatch(group, x[0], i[0], w[0])))
-    # Timed returning the received rows only: in a model the handle stays inside the program
-    # (returning it makes XLA copy outputs that alias inputs or each other).
+    # Timed returning the received rows only (fp8: with their scales): in a model the handle
+    # stays inside the program (returning it makes XLA copy outputs that alias inputs or each
+    # other).
     dispatch_recv = per_shard(lambda x, i, w: jax.tree.map(
-        lambda v: v[None], jax_ep.dispatch(group, x[0], i[0], w[0])[0]))
+        lambda v: v[None], (lambda recv: (recv.x, recv.scales) if fmt.is_fp8 else recv.x)(
+            jax_ep.dispatch(group, x[0], i[0], w[0])[0])))
     seconds, _ = timers.time_batches(batched(dispatch_recv), (xs, idxs, ws),
                                      repeats=args.repeats, method="host_clock")
     add("dispatch", backend, seconds)
@@ -333,6 +365,10 @@ def main():
     if group.backend_name == "cuda":
       add_device_steady("dispatch", backend, dispatch_recv, (xs, idxs, ws), marker)
     add_aligned_single("dispatch", backend, dispatch_recv, (xs[0], idxs[0], ws[0]))
+    if fmt.is_fp8:  # the combine takes the activations' rows as the plain group's does
+      group.check()
+      group.close()
+      continue
     results = [jax.jit(dispatch)(x, i, w) for x, i, w in zip(xs, idxs, ws)]
     eos = [recv.x for recv, _ in results]
     handles = [handle for _, handle in results]
@@ -375,6 +411,8 @@ def main():
                  **how)
     breakdown("xla_baseline combine", batched(xla_combine), (grouped, ws, states))
 
+  wire.clear()
+  wire.update(plain)
   if ("xla_baseline" in args.backends and not shared_gpu and num_ranks > 1
       and devices[0].platform == "gpu"):  # no ragged all-to-all on CPU
     try:

@@ -47,10 +47,14 @@ nb::dict Registrations() {
   nb::dict dict;
   dict["jax_ep_local_layout"] = EncapsulateFfiHandler(JaxEpLocalLayout);
   dict["jax_ep_local_dispatch"] = EncapsulateFfiHandler(JaxEpLocalDispatch);
+  dict["jax_ep_local_dispatch_fp8"] =
+      EncapsulateFfiHandler(JaxEpLocalDispatchFp8);
   dict["jax_ep_local_combine"] = EncapsulateFfiHandler(JaxEpLocalCombine);
   dict["jax_ep_local_combine_vjp"] =
       EncapsulateFfiHandler(JaxEpLocalCombineVjp);
   dict["jax_ep_peer_dispatch"] = EncapsulateFfiHandler(JaxEpPeerDispatch);
+  dict["jax_ep_peer_dispatch_fp8"] =
+      EncapsulateFfiHandler(JaxEpPeerDispatchFp8);
   dict["jax_ep_peer_dispatch_cached"] =
       EncapsulateFfiHandler(JaxEpPeerDispatchCached);
   dict["jax_ep_peer_combine"] = EncapsulateFfiHandler(JaxEpPeerCombine);

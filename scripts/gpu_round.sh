@@ -45,6 +45,8 @@
 #                                     # exchange part alone
 #   bash scripts/gpu_round.sh netbench  # the high-throughput ops across 2 virtual hosts beside
 #                                     # one host, 8 ranks: layer chain (netlayers), per op (netops)
+#   bash scripts/gpu_round.sh fp8bench  # the FP8 dispatch beside the bf16 one at 8 ranks
+#                                     # emulated, T=4096, H=7168, top-8 of 256 (FP8_BENCH_ARGS)
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
 #   bash scripts/gpu_round.sh slab     # the experts on the low-latency slabs: tests, benchmark
 #   bash scripts/gpu_round.sh check     # every GPU suite, nothing else: check1 ... check6, each
@@ -64,7 +66,8 @@
 #           tests, the NVSHMEM ring, memcheck of a one-rank round
 #   check2  the peer transport's suite in one process (faults, command buffers), at 2 and 4
 #           ranks emulated
-#   check3  the peer transport's suite at 8 ranks; memcheck and racecheck of both modes at 2
+#   check3  the peer transport's suite at 8 ranks; memcheck and racecheck of both modes (and of
+#           the fp8 dispatch) at 2
 #   check4  the layer suite on the cuda backend (model shapes included) at 1 and 2 ranks
 #   check5  the layer at 4 ranks; the network tests that start their own ranks; the fused
 #           expert MLP at the five model shapes
@@ -148,10 +151,12 @@ peer_suite() {  # $1: ranks; PYTEST_K narrows it (a count of a narrowed run is n
   suite --ranks "$1" --timeout $((240 + 40 * $1)) -- $PYTEST tests/test_cuda_peer.py \
     -o faulthandler_timeout=200 ${PYTEST_K:+-k "$PYTEST_K"}
 }
-peer_sanitize() {
+peer_sanitize() {  # the plain rows, then the fp8 dispatch's (quantised and given)
   for tool in memcheck racecheck; do
     suite --ranks 2 --sanitizer $tool --kernels kns=jax_ep --timeout 240 -- $PYTEST \
       tests/test_cuda_peer.py -k "test_dispatch_combine_uniform and 128-3-8"
+    suite --ranks 2 --sanitizer $tool --kernels kns=jax_ep --timeout 240 -- $PYTEST \
+      tests/test_cuda_peer.py -k "FP8Dispatch and (test_rows_and_scales or caller) and UE8M0"
   done
 }
 low_latency_sanitize() {
@@ -272,6 +277,20 @@ if has peer || has bench; then
       python3 benchmarks/bench_intranode.py --out gpu_round_intranode.jsonl ${BENCH_ARGS:-} 2>&1 \
       | tee "$OUT/bench_intranode_$n.log" | grep -E "^\[0\] (  |op |dispatch|combine|cuda|wrote)" | tail -40
   done
+  cp benchmarks/results/gpu_round_intranode.jsonl "$OUT/" 2>/dev/null
+fi
+
+# The FP8 dispatch beside the bf16 one, same inputs, same run: 8 ranks emulated, the standard
+# shape (T=4096, H=7168, top-8 of 256); the target is fp8 <= 0.65x plain (FP8_BENCH_ARGS passed
+# to bench_intranode.py).
+if has fp8bench; then
+  step "FP8 dispatch against bf16, 8 ranks emulated (bench_intranode.py --wire-format)"
+  timeout 400 python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 --timeout 380 -- \
+    python3 benchmarks/bench_intranode.py --backends cuda --wire-format plain fp8 fp8_ue8m0 \
+    --out gpu_round_intranode.jsonl ${FP8_BENCH_ARGS:-} 2>&1 \
+    | tee "$OUT/bench_intranode_fp8.log" | grep -E "^\[0\] (  |op |dispatch|combine|cuda|wrote)" \
+    | tail -40
+  counts "bench_intranode.py --wire-format"
   cp benchmarks/results/gpu_round_intranode.jsonl "$OUT/" 2>/dev/null
 fi
 

@@ -1,4 +1,5 @@
-"""A small dispatch/combine/grad/vmap round on the cuda backend, for compute-sanitizer.
+"""A small dispatch/combine/grad/vmap round on the cuda backend, for compute-sanitizer: rows in
+the activations' dtype, then fp8 rows (the fp8 dispatch's kernel: quantised, and given).
 
   compute-sanitizer --tool memcheck python scripts/sanitize_local.py
 Exits non-zero if the results differ from the reference backend.
@@ -10,6 +11,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep.testing import oracle
 
 
 def run(backend, x, idx, w, eo):
@@ -31,6 +33,32 @@ def run(backend, x, idx, w, eo):
   return jax.tree.map(np.asarray, jax.jit(f)(x, idx, w, eo))
 
 
+def run_fp8(x, idx, w):
+  """The fp8 dispatch (UE8M0 scales) under vmap, quantised by the kernel and given as e4m3 rows
+  with their scales, and the gradient through dequantize and combine."""
+  mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+  group = jax_ep.Group(mesh, "ep", num_experts=40, num_topk=6, hidden=512,
+                       max_tokens_per_rank=37, dtype=jnp.bfloat16, capacity=150,
+                       backend="cuda", wire_format="fp8_ue8m0")
+
+  def per_token_set(x, idx, w):
+    recv, handle = jax_ep.dispatch(group, x, idx, w)
+    q, scales = jax_ep.quantize(x, "fp8_ue8m0")
+    given, _ = jax_ep.dispatch(group, q, idx, w, x_scales=scales)
+    def loss(x):
+      rows, handle = jax_ep.dispatch(group, x, idx, w)
+      out = jax_ep.combine(group, jax_ep.dequantize(rows.x, rows.scales), handle)
+      return jnp.sum(out.astype(jnp.float32) ** 2)
+    del handle
+    return recv, given, jax.grad(loss)(x)
+
+  f = jax.shard_map(jax.vmap(per_token_set), mesh=mesh, in_specs=P(), out_specs=P(),
+                    check_vma=False)
+  out = jax.tree.map(np.asarray, jax.jit(f)(x, idx, w))
+  group.close()
+  return out
+
+
 def main():
   rng = np.random.default_rng(0)
   b = 2
@@ -47,6 +75,20 @@ def main():
     np.testing.assert_allclose(got.astype(np.float32), want.astype(np.float32), rtol=3e-2,
                                atol=3e-2 * max(1.0, float(np.abs(want.astype(np.float32)).max())))
   print("sanitize_local: cuda matches reference (dispatch, combine, grads, vmap)")
+
+  x8 = jnp.asarray(rng.standard_normal((b, 37, 512)), jnp.bfloat16)
+  recv, given, grad = run_fp8(x8, idx, w)
+  for i in range(b):
+    want = oracle.fp8_dispatch(np.asarray(x8[i])[None], np.asarray(idx[i])[None], 40, 150,
+                               round_scale=True, ue8m0=True)[0]
+    n = int(want["group_sizes"].sum())
+    for got in (recv, given):
+      np.testing.assert_array_equal(got.group_sizes[i], want["group_sizes"])
+      np.testing.assert_array_equal(got.x[i][:n].astype(np.float32),
+                                    want["recv_x"][:n].astype(np.float32))
+      np.testing.assert_array_equal(got.scales[i][:n], want["scales"][:n])
+  assert np.isfinite(grad.astype(np.float32)).all() and np.abs(grad.astype(np.float32)).sum() > 0
+  print("sanitize_local: the fp8 dispatch matches the closed form (quantised, given, vmap, grad)")
 
 
 if __name__ == "__main__":

@@ -197,6 +197,27 @@ def test_bench_intranode_remote_routing_sends_every_row_to_a_peer(tmp_path):
     assert abs(r["peer_bytes"] - r["bytes"]) < 128 * 2
 
 
+def test_bench_intranode_times_each_wire_format_in_one_run(tmp_path):
+  """--wire-format plain fp8_ue8m0: the dispatch of both formats on the same inputs in one run
+  (their ratio pairs within the run), each record naming its wire_dtype and counting its row's
+  bytes; the combine, unchanged by the format, with plain only."""
+  out = tmp_path / "intranode.jsonl"
+  result = _run_bench_intranode_on_cpu("--experts", "16", "--topk", "2", "--calls", "2",
+                                       "--repeats", "2", "--no-marginal", "--hidden", "512",
+                                       "--wire-format", "plain", "fp8_ue8m0", "--out", str(out))
+  assert result.returncode == 0, result.stdout + result.stderr
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert sorted((r["op"], r["wire_format"], r["wire_dtype"]) for r in records) == [
+      ("combine", "plain", "bfloat16"), ("dispatch", "fp8_ue8m0", "float8_e4m3fn"),
+      ("dispatch", "plain", "bfloat16")]
+  by_format = {r["wire_format"]: r for r in records if r["op"] == "dispatch"}
+  plain, fp8 = by_format["plain"], by_format["fp8_ue8m0"]
+  # Rows of 512 bf16 values against 512 e4m3 bytes and 4 exponent bytes, per received row.
+  assert plain["bytes"] * (512 + 4) == fp8["bytes"] * 512 * 2
+  for r in records:
+    assert REQUIRED_KEYS <= set(r)
+
+
 def test_bench_intranode_remote_routing_rejects_topk_past_the_other_ranks_experts(tmp_path):
   result = _run_bench_intranode_on_cpu("--experts", "8", "--topk", "7", "--routing", "remote",
                                        "--out", str(tmp_path / "unused.jsonl"))

@@ -11,10 +11,12 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_ep
+from jax_ep import RowFormat
 from ep_test_base import (CUDA_LOCAL, EPTestBase, assert_close, make_routing, random_inputs,
                           tolerance, used_rows)
 from low_latency_test_base import CudaLowLatencyTests, run_graph_worker
 from jax_ep.testing import oracle
+from test_fp8_dispatch import FP8_FORMATS, FP8DispatchSuite
 
 pytestmark = pytest.mark.gpu
 
@@ -25,6 +27,90 @@ class TestCudaLocalLowLatency(CudaLowLatencyTests):
   @pytest.mark.parametrize("mode", ["bf16", "fp8"])
   def test_decode_step_in_command_buffers(self, mode):
     run_graph_worker(mode, 1)
+
+
+class TestCudaLocalFP8Dispatch(FP8DispatchSuite):
+  """The fp8 dispatch's kernel at one rank (jax_ep_local_dispatch_fp8): rows and scales
+  bit-exact against the closed form, the straight-through gradient."""
+  target = CUDA_LOCAL
+
+  @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+  @pytest.mark.parametrize("fmt", FP8_FORMATS, ids=lambda f: f.name)
+  def test_activation_dtypes(self, dtype, fmt):
+    """Activations in float32 and float16 (a 128-channel block spans 32 and 16 lanes of the
+    quantising warp): the rows and scales of the closed form."""
+    group = self.make_group(1, num_experts=16, num_topk=4, hidden=1024, max_tokens=37,
+                            dtype=dtype, wire_format=fmt)
+    rng = np.random.default_rng(9)
+    x = random_inputs(rng, 1, 37, 1024, dtype).copy()
+    x[..., :128] = 0
+    idx = make_routing(rng, 1, 37, 4, 16, "duplicates")
+    w = rng.random((1, 37, 4)).astype(np.float32)
+
+    def fn(x, idx, w):
+      recv, _ = jax_ep.dispatch(group, x, idx, w)
+      return recv
+    recv = self.run_per_rank(group, fn, x, idx, w)
+    want = oracle.fp8_dispatch(x, idx, 16, group.capacity, round_scale=fmt.pow2_scales,
+                               ue8m0=fmt.ue8m0)[0]
+    sizes = want["group_sizes"]
+    np.testing.assert_array_equal(recv.group_sizes[0], sizes)
+    np.testing.assert_array_equal(used_rows(recv.x[0], sizes).astype(np.float32),
+                                  used_rows(want["recv_x"], sizes).astype(np.float32))
+    np.testing.assert_array_equal(used_rows(recv.scales[0], sizes),
+                                  used_rows(want["scales"], sizes))
+
+  @pytest.mark.parametrize("num_tokens", [1, 989])
+  def test_vmap_runs_one_launch_per_batch(self, num_tokens):
+    """vmap over three routings: the local kernels take the batch in one launch, each element
+    at its own offset in the rows and scales."""
+    fmt = RowFormat.FP8_UE8M0
+    group = self.make_group(1, num_experts=64, num_topk=8, hidden=2048,
+                            max_tokens=num_tokens, wire_format=fmt)
+    rng = np.random.default_rng(10)
+    patterns = ("hot", "invalid", "uniform")
+    xs = np.stack([random_inputs(rng, 1, num_tokens, 2048, jnp.bfloat16) for _ in patterns], 1)
+    idxs = np.stack([make_routing(rng, 1, num_tokens, 8, 64, p) for p in patterns], 1)
+    ws = rng.random((1, 3, num_tokens, 8)).astype(np.float32)
+
+    def fn(x, idx, w):
+      recv, _ = jax_ep.dispatch(group, x, idx, w)
+      return recv.x, recv.scales, recv.group_sizes
+    rows, scales, sizes = self.run_per_rank(group, jax.vmap(fn), xs, idxs, ws)
+    for b in range(len(patterns)):
+      want = oracle.fp8_dispatch(xs[:, b], idxs[:, b], 64, group.capacity, round_scale=True,
+                                 ue8m0=True)[0]
+      g = want["group_sizes"]
+      np.testing.assert_array_equal(sizes[0, b], g)
+      np.testing.assert_array_equal(used_rows(rows[0, b], g).astype(np.float32),
+                                    used_rows(want["recv_x"], g).astype(np.float32))
+      np.testing.assert_array_equal(used_rows(scales[0, b], g), used_rows(want["scales"], g))
+
+
+def test_fp8_dispatch_handler_names_what_it_takes():
+  """The handler's own checks (the public API checks first, so these guard direct calls): the
+  scales of given rows, the hidden size of a format, the format attribute."""
+  from jax_ep.backends import cuda_ops
+  from jax_ep.config import EPConfig
+  from ep_test_base import require_gpu
+  require_gpu()
+  cfg = EPConfig("ep", 1, 8, 2, 512, 4, np.dtype(jnp.bfloat16), 8, wire_format=RowFormat.FP8)
+  layout, *_ = jax.jit(lambda i: cuda_ops.local_layout(cfg, i))(jnp.zeros((4, 2), jnp.int32))
+  q = jnp.zeros((4, 512), jnp.float8_e4m3fn)
+  with pytest.raises(Exception, match=r"jax_ep_local_dispatch_fp8: x_scales must have shape "
+                                      r"\[T, H/128\] float32 = \[4, 4\], got shape \[4, 3\]"):
+    jax.block_until_ready(jax.jit(lambda q, s: cuda_ops.local_dispatch_fp8(cfg, q, s, layout))(
+        q, jnp.ones((4, 3), jnp.float32)))
+  with pytest.raises(Exception, match=r"jax_ep_local_dispatch_fp8: x must be float8_e4m3fn rows "
+                                      r"when given with x_scales"):
+    jax.block_until_ready(jax.jit(lambda x, s: cuda_ops.local_dispatch_fp8(cfg, x, s, layout))(
+        jnp.zeros((4, 512), jnp.bfloat16), jnp.ones((4, 4), jnp.float32)))
+  odd = EPConfig("ep", 1, 8, 2, 384, 4, np.dtype(jnp.bfloat16), 8,
+                 wire_format=RowFormat.FP8_UE8M0)
+  with pytest.raises(Exception, match=r"jax_ep_local_dispatch_fp8: x hidden size H is 384, "
+                                      r"expected a multiple of 512"):
+    jax.block_until_ready(jax.jit(lambda x: cuda_ops.local_dispatch_fp8(odd, x, None, layout))(
+        jnp.zeros((4, 384), jnp.bfloat16)))
 
 
 class TestCudaLocal(EPTestBase):

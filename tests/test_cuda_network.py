@@ -26,6 +26,7 @@ import pytest
 import jax_ep
 from ep_test_base import EPTestBase, Target, random_inputs, rank_mesh, require_nvshmem
 from low_latency_test_base import GRAPH_WORKER, CudaLowLatencyTests
+from test_fp8_dispatch import FP8DispatchSuite
 
 pytestmark = [pytest.mark.gpu, pytest.mark.multiprocess]
 
@@ -115,6 +116,15 @@ class TestNetworkHighThroughput(EPTestBase):
     assert group.topology.num_hosts == VIRTUAL_HOSTS
     assert group.combine_partial_roundings == 2
     group.close()
+
+
+@pytest.mark.skipif(not _on_network, reason=_why_not)
+class TestNetworkFP8Dispatch(FP8DispatchSuite):
+  """The fp8 dispatch across virtual hosts: each token quantised once on its rank by the
+  kernels, its e4m3 row and scales over the rail exchange (NVSHMEM puts), then the host
+  group's fp8 dispatch of them as given; rows and scales bit-exact against the closed form,
+  the straight-through gradient through the combine across hosts."""
+  target = NETWORK
 
 
 def _launch(worker_args, num_ranks, virtual_hosts, timeout=250):

@@ -3,10 +3,11 @@ its rows and scales against the oracle's closed form (each token quantised once 
 channels on its own rank, the low-latency pair's rounding), the combine of the dequantised rows
 against the unquantised combine within a derived bound, drops, alignment, strict mode, T = 0,
 the straight-through gradient under jit / shard_map / vmap / jax.checkpoint, the argument
-checks, the cuda backend's refusal and `memory_bytes`.
+checks, the registry's choice of the cuda backend and `memory_bytes`.
 
-`FP8DispatchSuite` takes a `Target` (tests/ep_test_base.py): the reference backend here; a
-backend whose kernels carry fp8 rows subclasses it with its own target.
+`FP8DispatchSuite` takes a `Target` (tests/ep_test_base.py): the reference backend here; the
+cuda backend's targets subclass it in tests/test_cuda_local.py, test_cuda_peer.py and
+test_cuda_network.py (GPU only).
 """
 
 from __future__ import annotations
@@ -461,35 +462,23 @@ def _config(fmt):
 
 
 @pytest.mark.parametrize("fmt", FP8_FORMATS, ids=lambda f: f.name)
-def test_cuda_refuses_fp8_dispatch_and_auto_takes_the_reference(monkeypatch, fmt):
-  """On a (faked) machine where the cuda backend runs the PLAIN group, it refuses the fp8 one
-  in the registry's `supports`: `backend='cuda'` raises at creation, and 'auto' picks the
-  reference saying why."""
+def test_cuda_takes_fp8_dispatch_and_auto_picks_it(monkeypatch, fmt):
+  """On a (faked) machine where the cuda backend runs the PLAIN group, it runs the fp8 one
+  too: its registry entry supports it and 'auto' picks it."""
   real = registry.cuda_support
   support = lambda config, mesh=_FakeMesh([0, 0]): real(
       mesh, config, 24, process_index=0, limits=LIMITS, extension_built=True,
       peer_access=True)
   assert support(_config(RowFormat.PLAIN)) is None
-  why = "the cuda backend does not take FP8 dispatch yet"
-  assert why in support(_config(fmt))
-  assert f"wire_format={fmt}" in support(_config(fmt))
-  entry = registry.BACKENDS["cuda"]
+  assert support(_config(fmt)) is None
+  assert support(_config(fmt), _FakeMesh([0])) is None
   monkeypatch.setattr(registry, "cuda_support", lambda mesh, config, num_sms, **kw: support(
       config, mesh))
   monkeypatch.setattr(registry, "_SAID", set())
-  name, reason = registry._resolve_backend("auto", _FakeMesh([0, 0]), _config(fmt),
-                                           CommOptions())
-  assert name == "reference" and why in reason
-  assert registry._resolve_backend("auto", _FakeMesh([0, 0]), _config(RowFormat.PLAIN),
+  assert registry._resolve_backend("auto", _FakeMesh([0, 0]), _config(fmt),
                                    CommOptions())[0] == "cuda"
-  assert entry.supports(_FakeMesh([0, 0]), _config(fmt), CommOptions(), None).startswith(
-      "the cuda backend does not take FP8")
-  # Creating the group: refused before anything is made (GPUs and extension faked).
-  fake_ext = types.SimpleNamespace(limits=lambda: dict(vars(LIMITS)))
-  monkeypatch.setattr(_ffi, "extension", lambda: fake_ext)
-  with pytest.raises(ValueError, match=rf"backend='cuda' cannot run this group: {why}"):
-    jax_ep.Group(_FakeMesh([0]), "ep", num_experts=8, num_topk=2, hidden=512,
-                 max_tokens_per_rank=4, backend="cuda", wire_format=fmt)
+  assert registry.BACKENDS["cuda"].supports(_FakeMesh([0, 0]), _config(fmt), CommOptions(),
+                                            None) is None
 
 
 # ------------------------------------------------------------------------- memory
@@ -566,23 +555,19 @@ def test_gradient_through_rows_quantised_by_the_caller(fmt):
 
 
 @pytest.mark.gpu
-def test_cuda_refuses_fp8_dispatch_on_this_gpu():
-  """On a real GPU with the extension: the PLAIN group takes the cuda backend, the fp8 one is
-  refused by backend='cuda' at creation and given the reference by 'auto', saying why."""
+def test_cuda_takes_fp8_dispatch_on_this_gpu():
+  """On a real GPU with the extension: the fp8 group takes the cuda backend, by 'auto' and by
+  backend='cuda' (its kernels are checked by the cuda targets of FP8DispatchSuite)."""
   from ep_test_base import rank_mesh, require_gpu
   require_gpu()
   mesh = rank_mesh(1)
   make = lambda **kw: jax_ep.Group(mesh, "ep", num_experts=8, num_topk=2, hidden=512,
                                    max_tokens_per_rank=4, **kw)
-  plain = make()
-  assert plain.backend_name == "cuda"
-  plain.close()
-  why = "the cuda backend does not take FP8 dispatch yet"
-  with pytest.raises(ValueError, match=rf"backend='cuda' cannot run this group: {why}"):
-    make(backend="cuda", wire_format=RowFormat.FP8)
-  auto = make(wire_format=RowFormat.FP8_UE8M0)
-  assert auto.backend_name == "reference" and why in auto.backend_reason
-  auto.close()
+  for kwargs in ({"backend": "cuda", "wire_format": RowFormat.FP8},
+                 {"wire_format": RowFormat.FP8_UE8M0}):
+    group = make(**kwargs)
+    assert group.backend_name == "cuda", group.backend_reason
+    group.close()
 
 
 def test_the_layer_takes_an_fp8_group_with_the_fp8_recipe_only():

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_ep
 from jax_ep.backends import hierarchical, primitives
 from jax_ep.backends import ReferenceBackend
-from jax_ep.config import EPConfig, default_capacity
+from jax_ep.config import EPConfig, RowFormat, default_capacity
 from jax_ep.ops import merge_duplicate_slots
 from jax_ep.testing import oracle
 from ep_test_base import assert_close, make_routing, random_inputs
@@ -32,7 +32,8 @@ def _host_index():
   return jax.lax.axis_index("hosts")
 
 
-def _make(num_hosts, gpus, *, num_experts, num_topk, hidden, max_tokens, dtype, capacity=None):
+def _make(num_hosts, gpus, *, num_experts, num_topk, hidden, max_tokens, dtype, capacity=None,
+          wire_format=RowFormat.PLAIN):
   r = num_hosts * gpus
   if r > len(jax.devices()):
     pytest.skip(f"needs {r} devices")
@@ -40,7 +41,7 @@ def _make(num_hosts, gpus, *, num_experts, num_topk, hidden, max_tokens, dtype, 
   if capacity is None:
     capacity = default_capacity(r, max_tokens, num_topk, num_local)
   config = EPConfig("ep", r, num_experts, num_topk, hidden, max_tokens, np.dtype(dtype),
-                    capacity)
+                    capacity, wire_format=wire_format)
   hosts = tuple(tuple(range(h * gpus, (h + 1) * gpus)) for h in range(num_hosts))
   backend = hierarchical.Hierarchy(
       config, hosts, ReferenceBackend(hierarchical.host_config(config, num_hosts, "gpus")),
@@ -99,6 +100,60 @@ def test_dispatch_and_combine_match_the_oracle(num_hosts, gpus, pattern):
   np.testing.assert_array_equal(invalid, oracle.num_invalid(idx, num_experts))
   want = oracle.combine(list(eo), expected, w, np.float64)
   assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.ranks("num_hosts,gpus", [(2, 2), (2, 1)], count=lambda h, g: h * g)
+@pytest.mark.parametrize("fmt", [RowFormat.FP8, RowFormat.FP8_POW2_SCALES, RowFormat.FP8_UE8M0],
+                         ids=lambda f: f.name)
+@pytest.mark.parametrize("given", [False, True], ids=["quantised_here", "given"])
+def test_fp8_dispatch_across_hosts_is_the_closed_form(num_hosts, gpus, fmt, given):
+  """Each token quantised once on its own rank (or passed as e4m3 rows with their scales), its
+  e4m3 row and scales sent over the rail, then placed by the host group's fp8 dispatch: rows
+  and scales bit-exact against the oracle's closed form, drops and counts the oracle's, and
+  the combine of the rows takes the same layout as the plain dispatch's."""
+  r = num_hosts * gpus
+  num_experts, num_topk, hidden, tokens = 4 * r, 3, 512, 9
+  backend, mesh = _make(num_hosts, gpus, num_experts=num_experts, num_topk=num_topk,
+                        hidden=hidden, max_tokens=tokens, dtype=jnp.bfloat16, capacity=12,
+                        wire_format=fmt)
+  rng = np.random.default_rng(11)
+  x = random_inputs(rng, r, tokens, hidden, jnp.bfloat16).copy()
+  x[..., :128] = 0  # an all-zero block: scale 1
+  idx = make_routing(rng, r, tokens, num_topk, num_experts, "hot")
+  w = rng.random((r, tokens, num_topk)).astype(np.float32)
+  q, scales = oracle.fp8_quantize(x, round_scale=fmt.pow2_scales)
+  q = q.astype(jnp.float8_e4m3fn)
+  if fmt.ue8m0:
+    scales = oracle.pack_ue8m0(scales)
+
+  def fn(x, q, scales, idx, w):
+    idx, w = merge_duplicate_slots(idx, w, num_experts)
+    rows, x_scales = (q, scales) if given else (x, None)
+    recv_x, recv_s, sizes, dropped, invalid, routing = primitives.dispatch_fp8(
+        backend, rows, x_scales, idx, w)
+    deq = primitives.dequantize(recv_x, recv_s, jnp.float32)
+    return recv_x, recv_s, sizes, dropped, invalid, primitives.combine(backend, deq, routing)
+  recv_x, recv_s, sizes, dropped, invalid, out = _run(mesh, fn, x, q, scales, idx, w)
+  expected = oracle.fp8_dispatch(x, idx, num_experts, 12, round_scale=fmt.pow2_scales,
+                                 ue8m0=fmt.ue8m0)
+  assert sum(int(e["num_dropped"]) for e in expected) > 0
+  for d, want in enumerate(expected):
+    n = int(want["group_sizes"].sum())
+    np.testing.assert_array_equal(sizes[d], want["group_sizes"], err_msg=f"rank {d}")
+    assert dropped[d] == want["num_dropped"]
+    np.testing.assert_array_equal(recv_x[d][:n].astype(np.float32),
+                                  want["recv_x"][:n].astype(np.float32),
+                                  err_msg=f"recv_x on rank {d}")
+    np.testing.assert_array_equal(recv_s[d][:n], want["scales"][:n],
+                                  err_msg=f"scales on rank {d}")
+  np.testing.assert_array_equal(invalid, oracle.num_invalid(idx, num_experts))
+  # The unweighted combine of the dequantised rows: each token's dequantised value, once per
+  # row of it kept (its transpose of the dispatch).
+  q32, token_scales = expected[0]["q"].astype(np.float64), expected[0]["token_scales"]
+  deq = q32 * np.repeat(np.asarray(token_scales, np.float64), 128, axis=-1)
+  placed = [e["recv_x"] for e in oracle.dispatch(deq, idx, num_experts, 12)]
+  want = oracle.combine(placed, expected, w, np.float64, weighted=False)
+  assert_close(out, want, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("capacity", [0, 7, 40])

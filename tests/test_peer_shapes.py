@@ -108,3 +108,31 @@ def test_dispatch_workspace_is_sized_and_carved_in_one_place(num_ranks, max_toke
   layout = r * ext.local_layout_workspace_elems(t, k, e // r)
   assert parts["elems"] >= parts["layout"] + layout
   assert parts["elems"] == ext.peer_dispatch_workspace_elems(r, t, k, e)
+
+
+@pytest.mark.parametrize("given", [False, True], ids=["quantised", "given"])
+@pytest.mark.parametrize("num_tokens,capacity", [(0, 64), (5, 0), (5, 64)])
+def test_peer_fp8_dispatch_never_passes_zero_rows(calls, num_tokens, capacity, given):
+  """The fp8 peer dispatch: the same inert rows (e4m3 x and its scales padded together; a
+  one-element placeholder for the scales of rows the kernel quantises), its rows and scales in
+  the wire format's shapes."""
+  from jax_ep.config import RowFormat
+  r, h, k = 2, 1024, 2
+  config = EPConfig("ep", r, 8, k, h, 16, np.dtype(jnp.bfloat16), capacity,
+                    wire_format=RowFormat.FP8_UE8M0)
+  x = jnp.ones((num_tokens, h), jnp.float8_e4m3fn if given else jnp.bfloat16)
+  scales = jnp.ones((num_tokens, h // 512), jnp.int32) if given else None
+  idx = jnp.zeros((num_tokens, k), jnp.int32)
+  w = jnp.ones((num_tokens, k), jnp.float32)
+  recv_x, recv_scales, group_sizes, _, _, routing, _ = cuda_ops.peer_dispatch_fp8(
+      config, 7, x, scales, idx, w)
+  assert recv_x.shape == (capacity, h) and recv_x.dtype == jnp.float8_e4m3fn
+  assert recv_scales.shape == (capacity, h // 512) and recv_scales.dtype == jnp.int32
+  assert group_sizes.shape == (4,) and routing.send_pos.shape == (num_tokens, r)
+  target, arg_shapes, result_shapes, _ = calls[0]
+  rows = max(num_tokens, 1)
+  assert target == "jax_ep_peer_dispatch_fp8"
+  assert arg_shapes[0] == (rows, h) and arg_shapes[2:4] == [(rows, k), (rows, k)]
+  assert arg_shapes[1] == ((rows, h // 512) if given else (1,))
+  assert result_shapes[:2] == [(max(capacity, 1), h), (max(capacity, 1), h // 512)]
+  _no_zero_rows(calls)

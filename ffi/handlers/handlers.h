@@ -15,6 +15,8 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalLayout);
 // "jax_ep_local_dispatch"    — ffi/handlers/local_dispatch.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalDispatch);
+// "jax_ep_local_dispatch_fp8" — ffi/handlers/local_dispatch_fp8.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalDispatchFp8);
 // "jax_ep_local_combine"  — ffi/handlers/local_combine.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalCombine);
 // "jax_ep_local_combine_vjp"  — ffi/handlers/local_combine_vjp.cc
@@ -23,6 +25,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalCombineVjp);
 // Multi-rank peer transport (state: ffi/runtime/group.h).
 // "jax_ep_peer_dispatch"        — ffi/handlers/peer_dispatch.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerDispatch);
+// "jax_ep_peer_dispatch_fp8"    — ffi/handlers/peer_dispatch_fp8.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerDispatchFp8);
 // "jax_ep_peer_dispatch_cached" —
 // ffi/handlers/peer_dispatch_cached.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerDispatchCached);

@@ -9,7 +9,7 @@
 //   index `[Hn, T_max]` int32 (row j of the block for host h is row
 //   index[h, j] of every source), counts `[Hn]` int32 (rows of each block),
 //   pes `[Hn]` int32 (the rail peer on each host: the rank with this rank's
-//   local index there, this rank on its own host), then 1 to 3 sources
+//   local index there, this rank on its own host), then 1 to 4 sources
 //   `[N_f, ...]` (any element type, rows of a multiple of 4 bytes) ->
 //   recv_counts `[Hn]` int32, status `[]` int32 (0 ok, 1 the group failed),
 //   then per source `[Hn * T_max, ...]` of its element type and row size:

@@ -148,6 +148,7 @@ cudaError_t CombineVjp(ElementType dtype, const void* d_out,
 
 cudaError_t PreloadKernels() {
   JAX_EP_CUDA_RETURN_IF_ERROR(launch::PreloadDispatchKernels());
+  JAX_EP_CUDA_RETURN_IF_ERROR(launch::PreloadDispatchFp8Kernels());
   JAX_EP_CUDA_RETURN_IF_ERROR(launch::PreloadCombineKernels());
   return launch::PreloadCombineVjpKernels();
 }

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "ffi/kernels/ep_common.h"
+#include "ffi/kernels/fp8_rows.h"
 
 namespace jax_ep::local {
 
@@ -48,6 +49,27 @@ cudaError_t Dispatch(ElementType dtype, const void* x, const int32_t* slot_row,
                      int64_t capacity, bool weighted, cudaStream_t stream,
                      bool x_from_peers = false,
                      const PlacedTokens& placed = {});
+
+// Dispatch of fp8 rows (the high-throughput dispatch's fp8 wire formats,
+// fp8_rows.h): for every slot with 0 <= slot_row < capacity,
+// recv_x[slot_row[t, k]] = token t's e4m3 bytes and
+// recv_scales[slot_row[t, k]] = its scales; no other row is written. Each
+// token is read once, quantised at most once. `rows` (fp8::Rows):
+//   kQuantize  x `[T, H]` rows.dtype, quantised here (fp8_quantize.cuh)
+//   kGiven     x `[T, H]` e4m3 and scales `[T, ScaleBytes / 4]` 32-bit words
+//   kPacked    x `[T, RowBytes]` packed wire rows of a peer staging buffer
+//              (x_from_peers: written by other GPUs, read through L2)
+//   slot_row    `[T, K]` int32 in
+//   recv_x      `[capacity, H]` e4m3 out
+//   recv_scales `[capacity, ScaleBytes / 4]` float32 or int32 (UE8M0) out
+// H a multiple of 128 (512 for UE8M0); pointers 16-byte aligned. Batch dims
+// as Dispatch's (kQuantize and kGiven); `placed` only with kPacked.
+cudaError_t DispatchFp8(const fp8::Rows& rows, const int32_t* slot_row,
+                        void* recv_x, void* recv_scales, int64_t num_batches,
+                        int64_t num_tokens, int64_t num_topk, int64_t hidden,
+                        int64_t capacity, cudaStream_t stream,
+                        bool x_from_peers = false,
+                        const PlacedTokens& placed = {});
 
 // out[t] = sum_{k ascending, slot_row[t,k] >= 0} w[t,k] * expert_out[slot_row]
 // with w = slot_weights when `weighted`, else 1; fp32 accumulation with one

@@ -129,6 +129,7 @@ inline cudaError_t RowSplits(int64_t row_vecs, int64_t num_rows,
 namespace launch {
 // Loads the kernels of each translation unit (see local::PreloadKernels).
 cudaError_t PreloadDispatchKernels();
+cudaError_t PreloadDispatchFp8Kernels();
 cudaError_t PreloadCombineKernels();
 cudaError_t PreloadCombineVjpKernels();
 }  // namespace launch

@@ -4,8 +4,9 @@
 // low_latency_combine.cu, low_latency_local.cu): block sizes, the waits'
 // failure path (the send / wait order, the spin, the mailbox) and the
 // staging of one token's rows (its experts, its row in each expert's
-// region, the fp8 quantisation). Internal: included only by those kernel
-// translation units. The protocol: low_latency_protocol.cuh.
+// region, the fp8 quantisation: fp8_quantize.cuh's rounding). Internal:
+// included only by those kernel translation units. The protocol:
+// low_latency_protocol.cuh.
 
 #ifndef JAX_EP_FFI_KERNELS_LOW_LATENCY_COMMON_CUH_
 #define JAX_EP_FFI_KERNELS_LOW_LATENCY_COMMON_CUH_
@@ -18,6 +19,7 @@
 #include <cstdint>
 
 #include "ffi/kernels/ep_common.h"
+#include "ffi/kernels/fp8_quantize.cuh"
 #include "ffi/kernels/group_view.h"
 #include "ffi/kernels/kernel_utils.cuh"
 #include "ffi/kernels/low_latency_kernels.h"
@@ -138,19 +140,6 @@ __device__ __forceinline__ void FinishWait(const GroupView& g, int op,
   *status = aborted ? 1 : 0;
 }
 
-// The smallest power of two >= s (s > 0 and finite), exactly.
-__device__ __forceinline__ float RoundUpPowerOfTwo(float s) {
-  const uint32_t bits = __float_as_uint(s);
-  const uint32_t exponent = bits & 0x7f800000u;
-  const uint32_t mantissa = bits & 0x007fffffu;
-  if (exponent == 0u) {  // subnormal: the next power of two of the mantissa
-    if ((mantissa & (mantissa - 1u)) == 0u) return s;
-    return __uint_as_float(1u << (32 - __clz(mantissa)));
-  }
-  if (mantissa == 0u) return s;
-  return __uint_as_float(exponent + 0x00800000u);
-}
-
 // Warp 0 (whole warp) stages token t's slots: s_expert[k] = e where slot k is
 // the token's first slot naming a valid expert e, else -1. Returns (lane 0)
 // the invalid ids of t.
@@ -215,36 +204,8 @@ __device__ __forceinline__ void LoadRowVecs(
   if constexpr (kFormat != RowFormat::kPlain) {
 #pragma unroll
     for (int u = 0; u < kVecs; ++u) {
-      float f[kElems];
-      Vec16<T>::Unpack(v[u], f);
-      float amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kElems; ++i) amax = fmaxf(amax, fabsf(f[i]));
-#pragma unroll
-      for (int off = kQ / 2; off > 0; off >>= 1) {
-        amax = fmaxf(amax, __shfl_xor_sync(kFullMask, amax, off));
-      }
-      // The reference's rounding: amax * fp32(1 / 448), 1 for zeros.
-      float s = amax > 0.0f ? amax * static_cast<float>(1.0 / 448.0) : 1.0f;
-      if constexpr (kFormat == RowFormat::kFp8PowerOfTwo) {
-        s = RoundUpPowerOfTwo(s);
-      }
-      scale[u] = s;
-#pragma unroll
-      for (int i = 0; i < kElems / 4; ++i) {
-        uint32_t word = 0;
-#pragma unroll
-        for (int b = 0; b < 4; b += 2) {
-          // IEEE division (no fast math), e4m3 round-to-nearest-even,
-          // saturating at 448 like the reference's |x / s| <= 448.
-          const float2 pair =
-              make_float2(f[4 * i + b] / s, f[4 * i + b + 1] / s);
-          const __nv_fp8x2_storage_t p =
-              __nv_cvt_float2_to_fp8x2(pair, __NV_SATFINITE, __NV_E4M3);
-          word |= static_cast<uint32_t>(p) << (8 * b);
-        }
-        q[u][i] = word;
-      }
+      fp8::QuantizeVec<T, kFormat == RowFormat::kFp8PowerOfTwo>(v[u], q[u],
+                                                               &scale[u]);
     }
   }
 }

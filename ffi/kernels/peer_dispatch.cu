@@ -13,6 +13,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "ffi/kernels/fp8_quantize.cuh"
+#include "ffi/kernels/fp8_rows.h"
 #include "ffi/kernels/kernel_utils.cuh"
 #include "ffi/kernels/layout_kernels.h"
 #include "ffi/kernels/local_kernels.h"
@@ -52,6 +54,124 @@ __device__ __forceinline__ void PlaceRow(const uint4* __restrict__ src,
     }
   }
 }
+
+// What the send kernel moves per token: the source rows, the split outputs
+// and the staging row's size. Plain rows: `src.x` `[T, H]` in the
+// activations' dtype into recv_x `[capacity, H]` of it (recv_scales unused);
+// fp8 rows (fp8_rows.h): `src` as fp8::Rows, recv_x `[capacity, H]` e4m3 and
+// recv_scales `[capacity, ScaleBytes / 4]`.
+struct SendRows {
+  fp8::Rows src;
+  void* recv_x;
+  void* recv_scales;
+  int32_t rv;  // 16-byte vectors of a staging row (dispatch_rows' stride):
+               // H * itemsize / 16 plain, fp8::RowBytes / 16 fp8
+};
+
+// The row moves of the send kernel's three roles, for rows moved as they
+// are. Block-uniform arguments; s_row[k] < 0: no row for slot k.
+struct PlainRows {
+  // Token t to every destination s_dest[i < n] but this rank.
+  __device__ __forceinline__ static void Push(const GroupView& g,
+                                              char* const* s_peer,
+                                              const int32_t* s_dest,
+                                              const int32_t* s_pos, int32_t n,
+                                              const SendRows& r, int64_t t) {
+    const uint4* src = static_cast<const uint4*>(r.src.x) + t * r.rv;
+    PushRow</*kSkipSelf=*/true, /*kStreaming=*/true>(g, s_peer, s_dest, s_pos,
+                                                     n, src, r.rv, r.rv);
+  }
+  // This rank's token t from x into its rows.
+  __device__ __forceinline__ static void Place(const GroupView& g,
+                                               const SendRows& r, int64_t t,
+                                               const int32_t* s_row) {
+    PlaceRow<false>(static_cast<const uint4*>(r.src.x) + t * r.rv, s_row,
+                    g.num_topk, r.rv, static_cast<uint4*>(r.recv_x));
+  }
+  // A received entry's staging row into its rows.
+  __device__ __forceinline__ static void PlaceReceived(const GroupView& g,
+                                                       const SendRows& r,
+                                                       int64_t entry,
+                                                       const int32_t* s_row) {
+    const uint4* rows =
+        reinterpret_cast<const uint4*>(g.own + g.layout.dispatch_rows);
+    PlaceRow<true>(rows + entry * r.rv, s_row, g.num_topk, r.rv,
+                   static_cast<uint4*>(r.recv_x));
+  }
+};
+
+// The same for fp8 rows (fp8_rows.h) from `kSource` (T: the activations'
+// element type of kQuantize): a token is quantised once per role that reads
+// it (its sender, or its placer on this rank), and travels as one packed wire
+// row of rv vectors; the receiving side splits it into recv_x and
+// recv_scales.
+template <typename T, fp8::Source kSource>
+struct Fp8Rows {
+  // NOTES: 2 vectors in flight per thread when quantising (their fp32 lanes
+  // and e4m3 words are live with them): the send kernel's launch bounds
+  // leave 64 registers a thread, and more spilled.
+  static constexpr int kVecs = kSource == fp8::Source::kQuantize ? 2 : 4;
+
+  __device__ __forceinline__ static void Push(const GroupView& g,
+                                              char* const* s_peer,
+                                              const int32_t* s_dest,
+                                              const int32_t* s_pos, int32_t n,
+                                              const SendRows& r, int64_t t) {
+    const int me = g.rank;
+    const int64_t row_bytes = static_cast<int64_t>(r.rv) * 16;
+    const int64_t hidden = g.hidden;
+    const int64_t t_max = g.max_tokens;
+    fp8::MoveRow<T, kSource, kCommThreads, kVecs, false>(
+        r.src, t, static_cast<int32_t>(hidden), n,
+        [&](int i, char** q, char** s) {
+          const int d = s_dest[i];
+          if (d == me) return false;
+          *q = s_peer[d] + g.layout.dispatch_rows +
+               (me * t_max + s_pos[i]) * row_bytes;
+          *s = *q + hidden;
+          return true;
+        });
+  }
+  __device__ __forceinline__ static void Place(const GroupView& g,
+                                               const SendRows& r, int64_t t,
+                                               const int32_t* s_row) {
+    PlaceSplit<T, kSource, kVecs, false>(g, r, r.src, t, s_row);
+  }
+  __device__ __forceinline__ static void PlaceReceived(const GroupView& g,
+                                                       const SendRows& r,
+                                                       int64_t entry,
+                                                       const int32_t* s_row) {
+    fp8::Rows packed = r.src;
+    packed.source = fp8::Source::kPacked;
+    packed.x = g.own + g.layout.dispatch_rows;
+    packed.scales = nullptr;
+    PlaceSplit<uint8_t, fp8::Source::kPacked, 4, true>(g, r, packed, entry,
+                                                       s_row);
+  }
+
+ private:
+  // Row t of `src` into the rows s_row[k] of recv_x and recv_scales.
+  template <typename U, fp8::Source kFrom, int kFromVecs, bool kPeerSource>
+  __device__ __forceinline__ static void PlaceSplit(const GroupView& g,
+                                                    const SendRows& r,
+                                                    const fp8::Rows& src,
+                                                    int64_t t,
+                                                    const int32_t* s_row) {
+    const int64_t hidden = g.hidden;
+    const int64_t scale_bytes = fp8::ScaleBytes(hidden, src.format);
+    char* recv_x = static_cast<char*>(r.recv_x);
+    char* recv_scales = static_cast<char*>(r.recv_scales);
+    fp8::MoveRow<U, kFrom, kCommThreads, kFromVecs, kPeerSource>(
+        src, t, static_cast<int32_t>(hidden), g.num_topk,
+        [&](int k, char** q, char** s) {
+          const int32_t row = s_row[k];
+          if (row < 0) return false;
+          *q = recv_x + static_cast<int64_t>(row) * hidden;
+          *s = recv_scales + static_cast<int64_t>(row) * scale_bytes;
+          return true;
+        });
+  }
+};
 
 // Spins (thread 0 of the block) until *counter >= want; block-uniform result,
 // false when the group aborted or the wait timed out (then recorded).
@@ -113,9 +233,11 @@ __device__ bool BlockWaitCount(const GroupView& g, const unsigned* counter,
 // NOTES: the placement needs every source's counts (the contract orders
 // sources inside an expert), hence the notify in front of this kernel; with
 // it the placement runs under the sends instead of after the arrivals. Pushes
-// are evict-first stores.
+// are evict-first stores (plain rows). `Rows`: PlainRows or Fp8Rows, how a
+// row moves (rows: SendRows).
+template <typename Rows>
 __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
-    DispatchSendKernel(GroupView g, const uint4* __restrict__ x,
+    DispatchSendKernel(GroupView g, SendRows rows,
                        const int32_t* __restrict__ send_pos,
                        const int32_t* __restrict__ topk_idx,
                        const float* __restrict__ topk_weights,
@@ -123,7 +245,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
                        const int32_t* __restrict__ slot_rank,
                        const int32_t* __restrict__ offset,
                        const int32_t* __restrict__ source_chunks,
-                       uint4* __restrict__ recv_x, int64_t capacity,
+                       int64_t capacity,
                        int32_t num_tokens, int32_t num_experts,
                        int32_t num_local, int32_t num_senders,
                        int32_t chunk_tokens, int32_t num_placers) {
@@ -138,7 +260,6 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
   const int me = g.rank;
   const int32_t num_topk = g.num_topk;
   const int64_t t_max = g.max_tokens;
-  const int32_t rv = static_cast<int32_t>(g.hidden * g.itemsize / 16);
   const int64_t slots = static_cast<int64_t>(num_tokens) * num_topk;
   const int32_t block = static_cast<int32_t>(blockIdx.x);
   if (block >= num_senders + num_placers) {
@@ -153,8 +274,6 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
         reinterpret_cast<const int32_t*>(g.own + g.layout.dispatch_meta);
     const int32_t* ranks =
         reinterpret_cast<const int32_t*>(g.own + g.layout.dispatch_rank);
-    const uint4* rows =
-        reinterpret_cast<const uint4*>(g.own + g.layout.dispatch_rows);
     int64_t item = 0;  // items (positions) of the chunks before this one
     for (int32_t c = 0;; ++c) {
       bool any = false;
@@ -191,7 +310,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
             s_row[threadIdx.x] = my_row;
           }
           if (!__syncthreads_or(my_row >= 0)) continue;  // block-uniform
-          PlaceRow<true>(rows + entry * rv, s_row, num_topk, rv, recv_x);
+          Rows::PlaceReceived(g, rows, entry, s_row);
         }
       }
       if (!any) break;  // block-uniform
@@ -216,8 +335,7 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
         s_row[threadIdx.x] = my_row;
       }
       if (!__syncthreads_or(my_row >= 0)) continue;  // block-uniform
-      PlaceRow<false>(x + static_cast<int64_t>(t) * rv, s_row, num_topk, rv,
-                      recv_x);
+      Rows::Place(g, rows, t, s_row);
     }
     return;
   }
@@ -246,12 +364,11 @@ __global__ void __launch_bounds__(kCommThreads, kRowsSendBlocksPerSm)
     }
     __syncthreads();
     const int32_t n = s_num;  // block-uniform
-    const uint4* src = x + static_cast<int64_t>(t) * rv;
     // Block-uniform: a token kept on this rank alone (or sent nowhere) moves
     // no row.
-    const int32_t send_vecs = n == 0 || (n == 1 && s_dest[0] == me) ? 0 : rv;
-    PushRow</*kSkipSelf=*/true, /*kStreaming=*/true>(g, s_peer, s_dest, s_pos,
-                                                     n, src, rv, send_vecs);
+    if (!(n == 0 || (n == 1 && s_dest[0] == me))) {
+      Rows::Push(g, s_peer, s_dest, s_pos, n, rows, t);
+    }
     for (int32_t q = threadIdx.x; q < n * num_topk; q += kCommThreads) {
       const int32_t j = q / num_topk;
       const int32_t k = q - j * num_topk;
@@ -360,26 +477,69 @@ __global__ void EntryRowsKernel(GroupView g,
 namespace launch {
 
 cudaError_t PreloadDispatchKernels() {
+  using fp8::Source;
   cudaFuncAttributes attr;
-  JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, DispatchSendKernel));
-  return cudaFuncGetAttributes(&attr, EntryRowsKernel);
+  for (const void* kernel : {
+           reinterpret_cast<const void*>(DispatchSendKernel<PlainRows>),
+           reinterpret_cast<const void*>(
+               DispatchSendKernel<Fp8Rows<__nv_bfloat16, Source::kQuantize>>),
+           reinterpret_cast<const void*>(
+               DispatchSendKernel<Fp8Rows<__half, Source::kQuantize>>),
+           reinterpret_cast<const void*>(
+               DispatchSendKernel<Fp8Rows<float, Source::kQuantize>>),
+           reinterpret_cast<const void*>(
+               DispatchSendKernel<Fp8Rows<uint8_t, Source::kGiven>>),
+           reinterpret_cast<const void*>(EntryRowsKernel)}) {
+    JAX_EP_CUDA_RETURN_IF_ERROR(cudaFuncGetAttributes(&attr, kernel));
+  }
+  return cudaSuccess;
 }
 
 }  // namespace launch
 
 using namespace launch;  // NOLINT: this file's half of the launch helpers
 
-cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
-                     const int32_t* topk_idx, const float* topk_weights,
-                     int64_t num_tokens, int64_t num_experts, int64_t capacity,
-                     void* recv_x, int32_t* group_sizes, int32_t* num_dropped,
-                     int32_t* num_invalid, int32_t* send_pos,
-                     int32_t* entry_row, float* entry_weights,
-                     int32_t* recv_counts, int32_t* status, int32_t* workspace,
-                     cudaStream_t stream) {
-  if (!ValidView(g, dtype) || !ValidTokens(g, num_tokens) ||
-      num_experts < g.num_ranks || num_experts % g.num_ranks != 0 ||
-      num_experts / g.num_ranks > kMaxExperts || capacity < 0) {
+namespace {
+
+// The send kernel of these rows (DispatchSendKernel<Rows>).
+using SendKernel = void (*)(GroupView, SendRows, const int32_t*,
+                            const int32_t*, const float*, const int32_t*,
+                            const int32_t*, const int32_t*, const int32_t*,
+                            int64_t, int32_t, int32_t, int32_t, int32_t,
+                            int32_t, int32_t);
+
+SendKernel Fp8SendKernel(const fp8::Rows& src) {
+  using fp8::Source;
+  if (src.source == Source::kGiven) {
+    return DispatchSendKernel<Fp8Rows<uint8_t, Source::kGiven>>;
+  }
+  if (src.source != Source::kQuantize) return nullptr;
+  switch (src.dtype) {
+    case ElementType::kBF16:
+      return DispatchSendKernel<Fp8Rows<__nv_bfloat16, Source::kQuantize>>;
+    case ElementType::kF16:
+      return DispatchSendKernel<Fp8Rows<__half, Source::kQuantize>>;
+    case ElementType::kF32:
+      return DispatchSendKernel<Fp8Rows<float, Source::kQuantize>>;
+  }
+  return nullptr;
+}
+
+// Dispatch of `rows` with `kernel`; `fp8`: the rows are fp8 wire rows.
+// Arguments as peer::Dispatch's, checked by the callers.
+cudaError_t DispatchRows(const GroupView& g, const SendRows& rows, bool fp8,
+                         SendKernel kernel, const int32_t* topk_idx,
+                         const float* topk_weights, int64_t num_tokens,
+                         int64_t num_experts, int64_t capacity,
+                         int32_t* group_sizes, int32_t* num_dropped,
+                         int32_t* num_invalid, int32_t* send_pos,
+                         int32_t* entry_row, float* entry_weights,
+                         int32_t* recv_counts, int32_t* status,
+                         int32_t* workspace, cudaStream_t stream) {
+  if (!ValidTokens(g, num_tokens) || num_experts < g.num_ranks ||
+      num_experts % g.num_ranks != 0 ||
+      num_experts / g.num_ranks > kMaxExperts || capacity < 0 ||
+      kernel == nullptr) {
     return cudaErrorInvalidValue;
   }
   const int64_t num_local = num_experts / g.num_ranks;
@@ -454,12 +614,10 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
           ? std::min<int64_t>(others - num_placers, num_senders)
           : 0;
   if (!receive && num_placers > num_tokens) num_placers = num_tokens;
-  DispatchSendKernel<<<static_cast<unsigned>(num_senders + num_placers +
-                                             num_receivers),
-                       kCommThreads, 0, stream>>>(
-      g, static_cast<const uint4*>(x), send_pos, topk_idx, topk_weights,
-      count_to, slot_rank, offset, source_chunks,
-      static_cast<uint4*>(recv_x), capacity, static_cast<int32_t>(num_tokens),
+  kernel<<<static_cast<unsigned>(num_senders + num_placers + num_receivers),
+           kCommThreads, 0, stream>>>(
+      g, rows, send_pos, topk_idx, topk_weights, count_to, slot_rank, offset,
+      source_chunks, capacity, static_cast<int32_t>(num_tokens),
       static_cast<int32_t>(num_experts), static_cast<int32_t>(num_local),
       num_senders, chunk_tokens, static_cast<int32_t>(num_placers));
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -480,14 +638,83 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
     local::PlacedTokens placed;
     placed.begin = static_cast<int64_t>(g.rank) * g.max_tokens;
     placed.count = g.max_tokens;
-    JAX_EP_CUDA_RETURN_IF_ERROR(local::Dispatch(
-        dtype, g.own + g.layout.dispatch_rows, entry_row,
-        /*slot_weights=*/nullptr, recv_x, /*num_batches=*/1, num_rows,
-        g.num_topk, num_local, g.hidden, capacity, /*weighted=*/false, stream,
-        /*x_from_peers=*/true, placed));
+    if (fp8) {
+      fp8::Rows packed = rows.src;
+      packed.source = fp8::Source::kPacked;
+      packed.x = g.own + g.layout.dispatch_rows;
+      packed.scales = nullptr;
+      JAX_EP_CUDA_RETURN_IF_ERROR(local::DispatchFp8(
+          packed, entry_row, rows.recv_x, rows.recv_scales,
+          /*num_batches=*/1, num_rows, g.num_topk, g.hidden, capacity, stream,
+          /*x_from_peers=*/true, placed));
+    } else {
+      JAX_EP_CUDA_RETURN_IF_ERROR(local::Dispatch(
+          rows.src.dtype, g.own + g.layout.dispatch_rows, entry_row,
+          /*slot_weights=*/nullptr, rows.recv_x, /*num_batches=*/1, num_rows,
+          g.num_topk, num_local, g.hidden, capacity, /*weighted=*/false,
+          stream, /*x_from_peers=*/true, placed));
+    }
   }
   // 9. Release the region, advance seq, status.
   return LaunchFinish(g, 1u << kDispatchRegion, status, stream);
+}
+
+}  // namespace
+
+cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
+                     const int32_t* topk_idx, const float* topk_weights,
+                     int64_t num_tokens, int64_t num_experts, int64_t capacity,
+                     void* recv_x, int32_t* group_sizes, int32_t* num_dropped,
+                     int32_t* num_invalid, int32_t* send_pos,
+                     int32_t* entry_row, float* entry_weights,
+                     int32_t* recv_counts, int32_t* status, int32_t* workspace,
+                     cudaStream_t stream) {
+  if (!ValidView(g, dtype)) return cudaErrorInvalidValue;
+  SendRows rows;
+  rows.src.dtype = dtype;
+  rows.src.x = x;
+  rows.recv_x = recv_x;
+  rows.recv_scales = nullptr;
+  rows.rv = static_cast<int32_t>(g.hidden * g.itemsize / 16);
+  return DispatchRows(g, rows, /*fp8=*/false, DispatchSendKernel<PlainRows>,
+                      topk_idx, topk_weights, num_tokens, num_experts,
+                      capacity, group_sizes, num_dropped, num_invalid,
+                      send_pos, entry_row, entry_weights, recv_counts, status,
+                      workspace, stream);
+}
+
+cudaError_t DispatchFp8(const GroupView& g, const fp8::Rows& src,
+                        const int32_t* topk_idx, const float* topk_weights,
+                        int64_t num_tokens, int64_t num_experts,
+                        int64_t capacity, void* recv_x, void* recv_scales,
+                        int32_t* group_sizes, int32_t* num_dropped,
+                        int32_t* num_invalid, int32_t* send_pos,
+                        int32_t* entry_row, float* entry_weights,
+                        int32_t* recv_counts, int32_t* status,
+                        int32_t* workspace, cudaStream_t stream) {
+  // The group's own element type sizes its staging rows; a wire row must
+  // fit in one (fp8_rows.h).
+  const ElementType group_dtype =
+      g.itemsize == 4 ? ElementType::kF32 : ElementType::kBF16;
+  const int64_t row_bytes = fp8::RowBytes(g.hidden, src.format);
+  if (!ValidView(g, group_dtype) || !fp8::ValidHidden(g.hidden, src.format) ||
+      row_bytes > g.hidden * g.itemsize || src.x == nullptr ||
+      recv_x == nullptr || recv_scales == nullptr ||
+      (src.source == fp8::Source::kQuantize &&
+       detail::ElementBytes(src.dtype) != g.itemsize) ||
+      (src.source == fp8::Source::kGiven && src.scales == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  SendRows rows;
+  rows.src = src;
+  rows.recv_x = recv_x;
+  rows.recv_scales = recv_scales;
+  rows.rv = static_cast<int32_t>(row_bytes / 16);
+  return DispatchRows(g, rows, /*fp8=*/true, Fp8SendKernel(src), topk_idx,
+                      topk_weights, num_tokens, num_experts, capacity,
+                      group_sizes, num_dropped, num_invalid, send_pos,
+                      entry_row, entry_weights, recv_counts, status, workspace,
+                      stream);
 }
 
 }  // namespace jax_ep::peer

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "ffi/kernels/ep_common.h"
+#include "ffi/kernels/fp8_rows.h"
 #include "ffi/kernels/group_view.h"
 #include "ffi/kernels/layout_kernels.h"
 
@@ -109,6 +110,27 @@ cudaError_t Dispatch(const GroupView& g, ElementType dtype, const void* x,
                      int32_t* entry_row, float* entry_weights,
                      int32_t* recv_counts, int32_t* status, int32_t* workspace,
                      cudaStream_t stream);
+
+// Dispatch of fp8 rows (jax_ep_peer_dispatch_fp8): Dispatch's protocol,
+// layout and outputs, each token travelling as one packed wire row of
+// fp8::RowBytes(H, src.format) bytes (fp8_rows.h), quantised once by its
+// sender (kQuantize: `src.x` `[T, H]` of src.dtype, the group's itemsize) or
+// taken as given (kGiven: `src.x` `[T, H]` e4m3 and `src.scales`
+// `[T, ScaleBytes / 4]`), and split on arrival:
+//   recv_x      `[capacity, H]` e4m3 out
+//   recv_scales `[capacity, ScaleBytes / 4]` float32 / int32 (UE8M0) out
+// the other arguments as Dispatch's. H a multiple of 128 (512 for UE8M0).
+// The layout results are Dispatch's: the combine and the cached dispatch
+// take them as they are.
+cudaError_t DispatchFp8(const GroupView& g, const fp8::Rows& src,
+                        const int32_t* topk_idx, const float* topk_weights,
+                        int64_t num_tokens, int64_t num_experts,
+                        int64_t capacity, void* recv_x, void* recv_scales,
+                        int32_t* group_sizes, int32_t* num_dropped,
+                        int32_t* num_invalid, int32_t* send_pos,
+                        int32_t* entry_row, float* entry_weights,
+                        int32_t* recv_counts, int32_t* status,
+                        int32_t* workspace, cudaStream_t stream);
 
 // Dispatch with the layout of an earlier Dispatch
 // (jax_ep_peer_dispatch_cached): rows only; entry (s, i, k) lands at

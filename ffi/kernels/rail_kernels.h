@@ -21,7 +21,11 @@
 
 namespace jax_ep::rail {
 
-inline constexpr int kMaxRailFields = 3;
+// NOTES: four: a token's row, its K ids and K weights, and (fp8 rows) its
+// scales beside its e4m3 bytes. A record of them still fits the group's
+// rail_record_bytes (sized for the activations' row): H + H / 32 bytes
+// rounded to 16 is at most 2 H for every H >= 128.
+inline constexpr int kMaxRailFields = 4;
 
 struct Fields {
   int32_t num = 0;

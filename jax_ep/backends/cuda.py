@@ -113,6 +113,12 @@ class LocalBackend(_CudaLowLatency, LayoutThenDispatch, Backend):
   def dispatch_cached(self, x, layout, topk_weights=None):
     return cuda_ops.local_dispatch(self.config, x, layout, topk_weights)
 
+  def dispatch_fp8(self, x, x_scales, topk_idx, topk_weights):
+    del topk_weights  # travels with the handle, as in `dispatch`
+    layout, group_sizes, num_dropped, num_invalid = self.layout(topk_idx)
+    recv_x, recv_scales = cuda_ops.local_dispatch_fp8(self.config, x, x_scales, layout)
+    return recv_x, recv_scales, group_sizes, num_dropped, num_invalid, layout
+
   def combine(self, expert_out, layout, topk_weights=None):
     return cuda_ops.local_combine(self.config, expert_out, layout, topk_weights)
 
@@ -148,6 +154,12 @@ class PeerBackend(_CudaLowLatency, Backend):
   def dispatch(self, x, topk_idx, topk_weights):
     *outs, status = cuda_ops.peer_dispatch(self.config, self.group_id, x, topk_idx,
                                                 topk_weights)
+    self._checked(status)
+    return tuple(outs)
+
+  def dispatch_fp8(self, x, x_scales, topk_idx, topk_weights):
+    *outs, status = cuda_ops.peer_dispatch_fp8(self.config, self.group_id, x, x_scales,
+                                               topk_idx, topk_weights)
     self._checked(status)
     return tuple(outs)
 
@@ -198,6 +210,16 @@ class _CudaRailExchange:
     if self.raise_on_timeout:
       _raise_on_failure(status, self.group_id)
     return received, recv_counts
+
+
+@dataclasses.dataclass(frozen=True)
+class _CudaQuantize:
+  """The fp8 rows of `x` `[T, H]` in `config.wire_format`, rounded by the kernels
+  (`cuda_ops.fp8_quantize`): what the rail exchange sends of an fp8 dispatch."""
+  config: EPConfig
+
+  def __call__(self, x):
+    return cuda_ops.fp8_quantize(self.config, x)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -257,10 +279,14 @@ class NetworkBackend(_CudaLowLatency, Backend):
                                       _RankTable(c.axis_name, tuple(pes)),
                                       self.options.raise_on_timeout)
     return hierarchical.Hierarchy(c, self.hosts, host_backend, rail_exchange,
-                                  _RankTable(c.axis_name, tuple(host_of)))
+                                  _RankTable(c.axis_name, tuple(host_of)),
+                                  _CudaQuantize(host_cfg))
 
   def dispatch(self, x, topk_idx, topk_weights):
     return self._hierarchy("dispatch").dispatch(x, topk_idx, topk_weights)
+
+  def dispatch_fp8(self, x, x_scales, topk_idx, topk_weights):
+    return self._hierarchy("dispatch").dispatch_fp8(x, x_scales, topk_idx, topk_weights)
 
   def dispatch_cached(self, x, layout, topk_weights=None):
     return self._hierarchy("dispatch").dispatch_cached(x, layout, topk_weights)

@@ -16,7 +16,7 @@ import numpy as np
 
 from jax_ep._native import ffi
 from jax_ep._native.varying import vary_like_operands
-from jax_ep.config import EPConfig, RowFormat
+from jax_ep.config import EPConfig, RowFormat, fp8_scales_shape
 
 
 class LocalLayout(NamedTuple):
@@ -77,6 +77,52 @@ def local_dispatch(config: EPConfig, x: jax.Array, layout: LocalLayout, topk_wei
   shape = jax.ShapeDtypeStruct((config.capacity, x.shape[-1]), x.dtype)
   return _call("jax_ep_local_dispatch", shape, x, layout.slot_row, layout.group_sizes, weights,
                capacity=np.int64(config.capacity), weighted=weighted)
+
+
+# The kernels' fp8::ScaleFormat (ffi/kernels/fp8_rows.h) of each fp8 `RowFormat`.
+_SCALE_FORMATS = {RowFormat.FP8: 0, RowFormat.FP8_POW2_SCALES: 1, RowFormat.FP8_UE8M0: 2}
+
+
+def _fp8_attrs(config: EPConfig, x_scales) -> dict:
+  """The fp8 dispatches' attributes: the wire format's scales, and whether `x` comes quantised
+  with its `x_scales` (else the kernel quantises it)."""
+  return dict(format=np.int64(_SCALE_FORMATS[config.wire_format]),
+              given=x_scales is not None)
+
+
+def _fp8_scales_operand(x_scales):
+  # Not read by the kernels when the rows are quantised there; the operand list is fixed.
+  return jnp.zeros((1,), jnp.float32) if x_scales is None else x_scales
+
+
+def _fp8_row_shapes(config: EPConfig, rows: int):
+  """`(recv_x, recv_scales)` of `rows` fp8 rows in the group's wire format."""
+  shape, dtype = fp8_scales_shape(config.wire_format, rows, config.hidden)
+  return (jax.ShapeDtypeStruct((rows, config.hidden), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct(shape, dtype))
+
+
+def local_dispatch_fp8(config: EPConfig, x: jax.Array, x_scales, layout: LocalLayout):
+  """`(recv_x [C, H] e4m3, recv_scales)`: `x` `[T, H]` (the activations, quantised by the
+  kernel once per token, or e4m3 rows with their `x_scales`) placed along `layout` in the
+  group's fp8 `wire_format` (ffi/kernels/local_dispatch_fp8.cu)."""
+  return _call("jax_ep_local_dispatch_fp8", _fp8_row_shapes(config, config.capacity), x,
+               _fp8_scales_operand(x_scales), layout.slot_row,
+               capacity=np.int64(config.capacity), **_fp8_attrs(config, x_scales))
+
+
+def fp8_quantize(config: EPConfig, x: jax.Array):
+  """`(q [T, H] e4m3, scales)` of the activations `x` `[T, H]` in the group's fp8
+  `wire_format`, rounded by the dispatch kernels (bit for bit `jax_ep._native.fp8`'s): the
+  one-rank fp8 dispatch along the identity layout, token t to row t."""
+  num_tokens = x.shape[-2]
+  identity = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
+  identity = jnp.broadcast_to(identity, (*x.shape[:-2], num_tokens, 1))
+  shape, dtype = fp8_scales_shape(config.wire_format, num_tokens, config.hidden)
+  shapes = (jax.ShapeDtypeStruct((num_tokens, config.hidden), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct(shape, dtype))
+  return _call("jax_ep_local_dispatch_fp8", shapes, x, _fp8_scales_operand(None), identity,
+               capacity=np.int64(num_tokens), **_fp8_attrs(config, None))
 
 
 def local_combine(config: EPConfig, expert_out: jax.Array, layout: LocalLayout,
@@ -176,16 +222,14 @@ def _with_one_row(a, fill):
   return jnp.full((1, *a.shape[1:]), fill, a.dtype)
 
 
-def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
-  """Returns `(recv_x, group_sizes, num_dropped, num_invalid, layout, status)`."""
+def _peer_layout_shapes(config: EPConfig, num_tokens: int, num_topk: int):
+  """The results of both peer dispatches after their rows: the layout, counts and status."""
   ext = ffi.extension()
-  num_tokens, num_topk = topk_idx.shape
   r, n, i32 = config.num_ranks, config.num_ranks * config.max_tokens_per_rank, jnp.int32
   workspace = int(ext.peer_dispatch_workspace_elems(r, config.max_tokens_per_rank, num_topk,
                                                      config.num_experts))
   t_rows = _storage_rows(num_tokens)
-  shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
-            jax.ShapeDtypeStruct((config.num_local_experts,), i32),          # group_sizes
+  return (jax.ShapeDtypeStruct((config.num_local_experts,), i32),          # group_sizes
             jax.ShapeDtypeStruct((), i32),                                   # num_dropped
             jax.ShapeDtypeStruct((), i32),                                   # num_invalid
             jax.ShapeDtypeStruct((t_rows, r), i32),                          # send_pos
@@ -194,14 +238,48 @@ def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
             jax.ShapeDtypeStruct((r,), i32),                                 # recv_counts
             jax.ShapeDtypeStruct((), i32),                                   # status
             jax.ShapeDtypeStruct((workspace,), i32))                         # workspace
-  (recv_x, group_sizes, num_dropped, num_invalid, send_pos, entry_row, entry_weights,
-   recv_counts, status, _) = _group_call(
-       "jax_ep_peer_dispatch", shapes, _with_one_row(x, 0), _with_one_row(topk_idx, -1),
-       _with_one_row(topk_weights.astype(jnp.float32), 0), **group_attrs(config, group_id),
-       num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity))
-  layout = PeerLayout(send_pos[:num_tokens], entry_row, entry_weights, recv_counts,
+
+
+def _peer_dispatch_results(topk_idx, outs):
+  """`(group_sizes, num_dropped, num_invalid, layout, status)` from a peer dispatch's results
+  after its rows."""
+  (group_sizes, num_dropped, num_invalid, send_pos, entry_row, entry_weights, recv_counts,
+   status, _) = outs
+  layout = PeerLayout(send_pos[:topk_idx.shape[0]], entry_row, entry_weights, recv_counts,
                       group_sizes, topk_idx)
-  return recv_x[:config.capacity], group_sizes, num_dropped, num_invalid, layout, status
+  return group_sizes, num_dropped, num_invalid, layout, status
+
+
+def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
+  """Returns `(recv_x, group_sizes, num_dropped, num_invalid, layout, status)`."""
+  num_tokens, num_topk = topk_idx.shape
+  shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
+            *_peer_layout_shapes(config, num_tokens, num_topk))
+  recv_x, *outs = _group_call(
+      "jax_ep_peer_dispatch", shapes, _with_one_row(x, 0), _with_one_row(topk_idx, -1),
+      _with_one_row(topk_weights.astype(jnp.float32), 0), **group_attrs(config, group_id),
+      num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity))
+  return (recv_x[:config.capacity], *_peer_dispatch_results(topk_idx, outs))
+
+
+def peer_dispatch_fp8(config: EPConfig, group_id: int, x, x_scales, topk_idx, topk_weights):
+  """The peer dispatch with fp8 rows in the group's `wire_format` (`x` the activations,
+  quantised by the sending kernel once per token, or e4m3 rows with their `x_scales`).
+  Returns `(recv_x [C, H] e4m3, recv_scales, group_sizes, num_dropped, num_invalid, layout,
+  status)`; the layout is `peer_dispatch`'s."""
+  num_tokens, num_topk = topk_idx.shape
+  shapes = (*_fp8_row_shapes(config, _storage_rows(config.capacity)),
+            *_peer_layout_shapes(config, num_tokens, num_topk))
+  scales = _fp8_scales_operand(x_scales)
+  if x_scales is not None:
+    scales = _with_one_row(scales, 0)
+  recv_x, recv_scales, *outs = _group_call(
+      "jax_ep_peer_dispatch_fp8", shapes, _with_one_row(x, 0), scales,
+      _with_one_row(topk_idx, -1), _with_one_row(topk_weights.astype(jnp.float32), 0),
+      **group_attrs(config, group_id), num_experts=np.int64(config.num_experts),
+      capacity=np.int64(config.capacity), **_fp8_attrs(config, x_scales))
+  return (recv_x[:config.capacity], recv_scales[:config.capacity],
+          *_peer_dispatch_results(topk_idx, outs))
 
 
 def peer_dispatch_cached(config: EPConfig, group_id: int, x, layout: PeerLayout,

@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep.backends.base import HighThroughputBackend
+from jax_ep._native.fp8 import fp8_quantize, pack_ue8m0
 from jax_ep.config import EPConfig
 
 
@@ -82,7 +83,18 @@ def host_config(config: EPConfig, num_hosts: int, axis_name: str | None = None) 
   ranks = config.num_ranks // num_hosts
   return EPConfig(axis_name or config.axis_name, ranks, config.num_experts,
                   config.num_topk, config.hidden, num_hosts * config.max_tokens_per_rank,
-                  config.dtype, config.capacity)
+                  config.dtype, config.capacity, wire_format=config.wire_format)
+
+
+def reference_quantize(config: EPConfig) -> Callable:
+  """`quantize(x)`: the fp8 rows `(q [T, H] e4m3, scales)` of the activations `x` in
+  `config.wire_format`, in plain JAX (`jax_ep._native.fp8`, the closed form's rounding)."""
+  fmt = config.wire_format
+
+  def quantize(x):
+    q, scales = fp8_quantize(x, round_scale=fmt.pow2_scales)
+    return q, (pack_ue8m0(scales) if fmt.ue8m0 else scales)
+  return quantize
 
 
 def contiguous_hosts(hosts) -> bool:
@@ -138,12 +150,16 @@ class Hierarchy(HighThroughputBackend):
     rail_exchange: the rail exchange (`reference_rail_exchange`'s signature and semantics).
     host_index: a traced function returning this rank's host (int32), called inside the
       per-shard function.
+    quantize: `x -> (q, scales)`, the fp8 rows of an fp8 dispatch's activations in the
+      group's `wire_format` (`reference_quantize`'s semantics; None: it); each token is
+      quantised once, on its own rank, and its e4m3 row and scales cross the network.
   """
   config: EPConfig
   hosts: tuple
   host_backend: HighThroughputBackend
   rail_exchange: Callable
   host_index: Callable
+  quantize: Callable | None = None
 
   def __post_init__(self):
     if self.config.expert_alignment > 1:
@@ -230,21 +246,40 @@ class Hierarchy(HighThroughputBackend):
     return out
 
   # ------------------------------------------------------------------ backend interface
-  def dispatch(self, x, topk_idx, topk_weights):
+  def _dispatch(self, rows, topk_idx, topk_weights, host_dispatch):
+    """The rail exchange of `rows` (a tuple of per-token arrays) with the routing, then
+    `host_dispatch(stacked rows..., host ids, host weights)` -> `(*placed, host_sizes,
+    num_dropped, num_invalid, host_layout)`. Returns `(*placed, group_sizes, num_dropped,
+    num_invalid, layout)`."""
     c = self.config
     invalid = jnp.sum((topk_idx < -1) | (topk_idx >= c.num_experts), dtype=jnp.int32)
     clean = jnp.where((topk_idx >= 0) & (topk_idx < c.num_experts), topk_idx, -1)
     rail_pos, rail_src, counts = self._rail_layout(clean)
-    (recv_x, recv_idx, recv_w), recv_counts = self.rail_exchange(
-        (x, clean.astype(jnp.int32), topk_weights.astype(jnp.float32)), rail_src, counts)
+    (*recv_rows, recv_idx, recv_w), recv_counts = self.rail_exchange(
+        (*rows, clean.astype(jnp.int32), topk_weights.astype(jnp.float32)), rail_src, counts)
     host_idx = self._host_ids(recv_idx, recv_counts)
     recv_w = jnp.where(host_idx >= 0, recv_w, 0.0)
-    rows, host_sizes, num_dropped, _, host_layout = self.host_backend.dispatch(
-        self._stacked(recv_x), self._stacked(host_idx), self._stacked(recv_w))
+    *placed, host_sizes, num_dropped, _, host_layout = host_dispatch(
+        *(self._stacked(r) for r in recv_rows), self._stacked(host_idx),
+        self._stacked(recv_w))
     group_sizes = jnp.sum(host_sizes.reshape(c.num_local_experts, self.num_hosts), axis=1,
                           dtype=jnp.int32)
     layout = NetworkLayout(rail_pos, rail_src, counts, recv_counts, recv_w, host_layout)
-    return rows, group_sizes, num_dropped, invalid, layout
+    return (*placed, group_sizes, num_dropped, invalid, layout)
+
+  def dispatch(self, x, topk_idx, topk_weights):
+    return self._dispatch((x,), topk_idx, topk_weights, self.host_backend.dispatch)
+
+  def dispatch_fp8(self, x, x_scales, topk_idx, topk_weights):
+    """The fp8 dispatch across hosts: each token quantised once on its own rank (unless it
+    came as e4m3 rows with `x_scales`), its e4m3 row and scales sent over the rail, then the
+    host group's fp8 dispatch of them as given. Returns `dispatch`'s results with the scales
+    after the rows (`base.HighThroughputBackend.dispatch_fp8`)."""
+    if x_scales is None:
+      quantize = self.quantize or reference_quantize(self.config)
+      x, x_scales = quantize(x)
+    return self._dispatch((x, x_scales), topk_idx, topk_weights,
+                          self.host_backend.dispatch_fp8)
 
   def dispatch_cached(self, x, layout: NetworkLayout, topk_weights=None):
     (recv_x,), _ = self.rail_exchange((x,), layout.rail_src, layout.rail_counts)

@@ -99,12 +99,6 @@ def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | N
   platforms = sorted({d.platform for d in devices})
   if platforms != ["gpu"]:
     return f"the mesh has {', '.join(platforms)} devices, the cuda kernels need CUDA GPUs"
-  if config.wire_format.is_fp8:
-    # NOTES: the one place that knows; docs/dev/notes.md ("FP8 dispatch on the cuda backend:
-    # a design") says what the kernels need to carry these rows.
-    return (f"the cuda backend does not take FP8 dispatch yet (wire_format="
-            f"{config.wire_format}): its dispatch kernels move rows in the activations' dtype; "
-            f"backend='reference' runs it")
   if extension_built is None:
     extension_built = ffi.extension() is not None
   if not extension_built:
