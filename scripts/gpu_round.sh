@@ -46,6 +46,8 @@
 #   bash scripts/gpu_round.sh netbench  # the high-throughput ops across 2 virtual hosts beside
 #                                     # one host, 8 ranks: layer chain (netlayers), per op (netops)
 #   bash scripts/gpu_round.sh fp8bench  # the FP8 dispatch beside the bf16 one at 8 ranks
+#   bash scripts/gpu_round.sh fp8       # the experts in FP8: bench_fp8_gemm.py, the layer's
+#                                     # precisions (bench_layer.py), the example with --fp8
 #                                     # emulated, T=4096, H=7168, top-8 of 256 (FP8_BENCH_ARGS)
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
 #   bash scripts/gpu_round.sh slab     # the experts on the low-latency slabs: tests, benchmark
@@ -108,7 +110,8 @@ drop_noise() { grep -v -E "$noise"; }
 rm -f benchmarks/results/gpu_round_local.jsonl benchmarks/results/gpu_round_intranode.jsonl \
   benchmarks/results/gpu_round_layers.jsonl benchmarks/results/gpu_round_layer.jsonl \
   benchmarks/results/gpu_round_low_latency.jsonl benchmarks/results/gpu_round_slab_mlp.jsonl \
-  benchmarks/results/gpu_round_expert_mlp.jsonl benchmarks/results/gpu_round_expert_gemm.jsonl
+  benchmarks/results/gpu_round_expert_mlp.jsonl benchmarks/results/gpu_round_expert_gemm.jsonl \
+  benchmarks/results/gpu_round_fp8_gemm.jsonl benchmarks/results/gpu_round_fp8_layer.jsonl
 step device; nvidia-smi -L
 python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available(), f.why_unavailable() or '')"
 
@@ -122,9 +125,11 @@ inputs_suite() {
 }
 gemm_suite() { suite --timeout 300 -- $PYTEST tests/test_grouped_matmul.py tests/test_routing.py -m gpu; }
 # The fused expert MLP at the five model shapes (DeepSeek-V3's weights and gradients take most
-# of the GPU).
+# of the GPU); the FP8 kernels at the same shapes and the FP8 recipe in the layer.
 experts_suite() {
   XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 500 -- $PYTEST tests/test_fused_expert_mlp.py -m gpu
+  XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_fp8_kernels.py \
+    tests/test_fp8_experts.py -m gpu
 }
 # The layer suite's GPU tests: its tests on the cuda backend and the model shapes, and the
 # micro-batched layer against the unsplit one.
@@ -292,6 +297,31 @@ if has fp8bench; then
     | tail -40
   counts "bench_intranode.py --wire-format"
   cp benchmarks/results/gpu_round_intranode.jsonl "$OUT/" 2>/dev/null
+fi
+
+# The experts in FP8 against bf16, same run: the FP8 grouped GEMM at the five model shapes
+# (bench_fp8_gemm.py: against the bf16 grouped_matmul and dense GEMMs), the layer at one rank
+# (bench_layer.py --precisions: the moe_mlp target is fp8 >= 1.35x bf16 forward + backward at
+# one rank of DeepSeek-V3 at EP=8), and the end-to-end example trained both ways from one seed
+# (its loss within 2 % of bf16's).
+if has fp8; then
+  step "the FP8 grouped GEMM at the five model shapes (bench_fp8_gemm.py)"
+  timeout 500 python3 benchmarks/bench_fp8_gemm.py ${FP8_GEMM_ARGS:-} --out gpu_round_fp8_gemm.jsonl \
+    2>&1 | tee "$OUT/bench_fp8_gemm.log" | tail -40
+  counts bench_fp8_gemm.py
+  cp benchmarks/results/gpu_round_fp8_gemm.jsonl "$OUT/" 2>/dev/null
+  step "the layer in FP8 and bf16, one rank (bench_layer.py --ops moe_layer --precisions bf16 fp8)"
+  timeout 500 python3 benchmarks/bench_layer.py --ops moe_layer --impls mosaic \
+    --shapes deepseek_v3_ep8_rank mixtral --precisions bf16 fp8 --out gpu_round_fp8_layer.jsonl \
+    2>&1 | tee "$OUT/bench_fp8_layer.log" | tail -20
+  counts "bench_layer.py --precisions"
+  cp benchmarks/results/gpu_round_fp8_layer.jsonl "$OUT/" 2>/dev/null
+  for flag in "" --fp8; do
+    step "examples/moe_transformer.py $flag"
+    timeout 300 python3 examples/moe_transformer.py --mesh 1x1 $flag 2>&1 \
+      | tee "$OUT/example${flag:+_fp8}.log" | grep -E "^(step|loss|config|decode|checkpoint|PASSED)"
+    counts "examples/moe_transformer.py $flag"
+  done
 fi
 
 chain_args="--backends cuda --expert identity swiglu --passes forward forward_backward"
