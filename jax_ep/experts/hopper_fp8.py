@@ -343,12 +343,16 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
           *w_smems, carry = w_smems_and_carry
           kk = idx[0]
           carry = list(carry)
+          row_scales = s_smem[0]
           for (wi, ai), w_smem in zip(targets, w_smems):
+            # Read before the product is issued, so that the load overlaps the wgmma.
+            w_scale = ws_refs[wi][group, block_n, kk]
+
             def product(part_ref, w_smem=w_smem):
               plgpu.wgmma(part_ref, x_smem, w_smem.transpose((1, 0)))
               return part_ref[...]
             part = pl.run_scoped(product, plgpu.ACC((bm, bn)))
-            carry[ai] = _promote(carry[ai], part, s_smem[0], ws_refs[wi][group, block_n, kk])
+            carry[ai] = _promote(carry[ai], part, row_scales, w_scale)
           return tuple(carry)
 
         totals = plgpu.emit_pipeline(
@@ -453,11 +457,15 @@ def _forward_specialized(x, x_scales, w, w_scales, group_sizes, group_offsets, *
                       ni * cta_n + wg * bn, bm, bn, rows)
 
         def mma_body(idx, x_smem, s_smem, w_smem, total):
+          # The scales are read before the product is issued: their loads overlap the wgmma.
+          row_scales = s_smem[0]
+          w_scale = ws_gmem[group, block_n, idx[0]]
+
           def product(part_ref):
             plgpu.wgmma(part_ref, x_smem, w_smem.at[pl.ds(wg * bn, bn)].transpose((1, 0)))
             return part_ref[...]
           part = pl.run_scoped(product, plgpu.ACC((bm, bn)))
-          return _promote(total, part, s_smem[0], ws_gmem[group, block_n, idx[0]])
+          return _promote(total, part, row_scales, w_scale)
 
         pipeline(tile, ni, mma_body, compute_context)(
             x_gmem, s_gmem, w_gmem.at[group], allocations=allocations)
