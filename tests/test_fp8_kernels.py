@@ -38,10 +38,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 REL = 2.0 ** -8
 ABS_INTERPRETED = 2.0 ** -16
 ABS_HOPPER = 2.0 ** -12
-# Small tiles for the interpreter: 64-row items (two per 128-row tile of the layout), the
-# one-warpgroup and the warp-specialized forms.
+# Tiles for the interpreter: the one-warpgroup form with 64-row items (two per 128-row tile
+# of the layout) and the warp-specialized one (two compute warpgroups of 64 rows each).
 PLAIN = KernelTiles(64, 128, 128, 2, 1, 1)
-SPECIALIZED = KernelTiles(64, 64, 128, 2, 1, 2)
+SPECIALIZED = KernelTiles(128, 128, 128, 2, 1, 2)
+BOTH = pytest.mark.parametrize("tiles", [PLAIN, SPECIALIZED], ids=["one-warpgroup",
+                                                                   "specialized"])
 MODEL_SHAPES = [  # (G, H, F)
     (256, 7168, 2048),  # DeepSeek-V3
     (128, 2048, 768),  # Qwen3-30B-A3B
@@ -144,7 +146,7 @@ def interpret():
   return plgpu.force_gpu_interpret_mode()
 
 
-@pytest.mark.parametrize("tiles", [PLAIN, SPECIALIZED], ids=["one-warpgroup", "specialized"])
+@BOTH
 def test_matmul_matches_the_dequantised_oracle(tiles):
   rng = np.random.default_rng(0)
   gs, go, rows = layout(SIZES)
@@ -176,7 +178,7 @@ def test_matmul_float32_out_and_contiguous_groups():
   assert (err <= 2.0 ** -20 * np.abs(want[inside]) + ABS_INTERPRETED * absolute[inside]).all()
 
 
-@pytest.mark.parametrize("tiles", [PLAIN, SPECIALIZED], ids=["one-warpgroup", "specialized"])
+@BOTH
 def test_rows_outside_the_groups_never_reach_a_stored_row(tiles):
   """NaN or zeros outside the groups (rows and scales): the stored rows are the same bits."""
   gs, go, rows = layout(SIZES)
@@ -227,8 +229,9 @@ def check_gated(outs, x, xs, w_gate, w_up, gs, go, activation, abs_bound):
       np.abs(got_q), np.abs(want_q)))[flips]).all()
 
 
+@BOTH
 @pytest.mark.parametrize("activation", hopper_fp8.ACTIVATIONS)
-def test_gated_kernel_matches_the_oracle(activation):
+def test_gated_kernel_matches_the_oracle(activation, tiles):
   rng = np.random.default_rng(4)
   gs, go, rows = layout(SIZES)
   x, xs = row_operand(rng, rows, 256, gs, go)
@@ -237,11 +240,12 @@ def test_gated_kernel_matches_the_oracle(activation):
   with interpret():
     outs = hopper_fp8.fp8_gated_kernel(
         x, xs, w_gate[0], None if w_up is None else w_up[0], w_gate[1],
-        None if w_up is None else w_up[1], gs, go, activation=activation, tiles=PLAIN)
+        None if w_up is None else w_up[1], gs, go, activation=activation, tiles=tiles)
   check_gated(outs, x, xs, w_gate, w_up, gs, go, activation, ABS_INTERPRETED)
 
 
-def test_gated_kernel_ignores_rows_outside_the_groups():
+@BOTH
+def test_gated_kernel_ignores_rows_outside_the_groups(tiles):
   gs, go, rows = layout(SIZES)
   rng = np.random.default_rng(5)
   w_gate, w_up = weight_operand(rng, len(SIZES), 256, 256), weight_operand(
@@ -252,7 +256,7 @@ def test_gated_kernel_ignores_rows_outside_the_groups():
     with interpret():
       outs.append([np.asarray(o, np.float32) for o in hopper_fp8.fp8_gated_kernel(
           x, xs, w_gate[0], w_up[0], w_gate[1], w_up[1], gs, go, activation="swiglu",
-          tiles=PLAIN)])
+          tiles=tiles)])
   inside = np.asarray(rows_inside_groups(gs, go, rows))
   for a, b in zip(*outs):
     assert np.isfinite(a[inside]).all()
@@ -314,9 +318,10 @@ def test_bad_operands_are_named(case, error, match):
 
 @pytest.mark.parametrize("tiles,match", [
     (KernelTiles(64, 128, 64, 2, 1, 1), "block_k = 128"),
-    (KernelTiles(64, 128, 128, 2, 1, 2), "dividing 128"),
+    (KernelTiles(64, 256, 128, 2, 1, 1), "dividing 128"),
+    (KernelTiles(64, 128, 128, 2, 1, 2), "64 \\* compute_wgs"),
     (KernelTiles(128, 128, 128, 2, 1, 1), "registers"),
-    (KernelTiles(128, 64, 128, 7, 1, 2), "shared memory"),
+    (KernelTiles(128, 128, 128, 7, 1, 2), "shared memory"),
 ])
 def test_tiles_that_cannot_run_are_named(tiles, match):
   with pytest.raises(ValueError, match=match):
@@ -352,9 +357,14 @@ def test_matmul_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn, product
          *_abstract(4096, groups, k, n))
 
 
-def test_one_warpgroup_matmul_lowers_for_cuda():
-  _lower(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(
-      *a, tiles=configs.fp8_gated_tiles(2048, 7168)), *_abstract(4096, 32, 2048, 7168))
+def test_one_warpgroup_kernels_lower_for_cuda():
+  one = configs.fp8_input_grad_tiles(2048, 7168)
+  assert one.compute_wgs == 1
+  _lower(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(*a, tiles=one),
+         *_abstract(4096, 32, 2048, 7168))
+  x, xs, w, ws, gs, go = _abstract(4096, 32, 7168, 2048)
+  _lower(lambda x, xs, w, ws, gs, go: hopper_fp8.fp8_gated_kernel(
+      x, xs, w, w, ws, ws, gs, go, activation="geglu", tiles=one), x, xs, w, ws, gs, go)
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])

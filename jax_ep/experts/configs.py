@@ -261,16 +261,20 @@ def smallest_slab_tiles() -> SlabTiles:
 # FP8 (`jax_ep/experts/hopper_fp8.py`): e4m3 operands with 128-channel / 128x128-block scales.
 # `block_k` is the scales' block (each 128-deep block's product is promoted into the fp32 total)
 # and a CTA's columns, `block_n * compute_wgs`, divide 128 (one weight scale per column tile).
-# A compute warpgroup holds its fp32 total and one block's product in registers: `block_m x
-# block_n` = 128 x 64 (64 + 64 registers per thread) for the forward's two compute warpgroups
-# (a 128 x 128 CTA tile, DeepGEMM's shape: one warpgroup promotes while the other's wgmma
-# runs); 64 x 128 for the one-warpgroup kernels (the gated kernel's two totals and a product:
-# 192 registers; `block_n` 128 keeps `h`'s quantisation block inside the tile). Four stages of
-# the forward take 4 x 32.5 KiB beside 32 KiB of staged bf16 (or 64 KiB of fp32) output, the
-# gated kernel's 4 x 40.25 KiB beside 42 KiB: both within Hopper's 227 KiB.
+# A compute warpgroup holds its fp32 totals and one block's product in registers, so the
+# warp-specialized kernels split a 128 x 128 tile's rows between two compute warpgroups
+# (DeepGEMM's shape: one promotes while the other's wgmma runs): 64 x 128 each, 64 + 64
+# registers per thread for the forward, 3 x 64 for the gated kernel's two totals (`block_n`
+# 128 also keeps `h`'s quantisation block inside the tile). Shared memory (of Hopper's 227
+# KiB): the forward's 4 stages of 32.5 KiB beside 32 KiB of staged bf16 output (64 KiB fp32);
+# the gated kernel's 3 stages of 48.5 KiB beside 52 KiB (h, its scales, and gate and up one
+# after the other in one buffer). The input gradient's two passes run on one warpgroup, 64 x
+# 128.
 FP8_BLOCK = 128
-_FP8_FORWARD = KernelTiles(block_m=ROW_TILE, block_n=64, block_k=FP8_BLOCK, stages=4, band=4,
+_FP8_FORWARD = KernelTiles(block_m=ROW_TILE, block_n=128, block_k=FP8_BLOCK, stages=4, band=4,
                            compute_wgs=2)
+_FP8_GATED = KernelTiles(block_m=ROW_TILE, block_n=128, block_k=FP8_BLOCK, stages=3, band=4,
+                         compute_wgs=2)
 _FP8_ONE_WARPGROUP = KernelTiles(block_m=64, block_n=128, block_k=FP8_BLOCK, stages=4, band=4)
 
 # The forward's tiles for shapes `(groups, K, N)`: the five model shapes' up / gate (K = H,
@@ -301,10 +305,12 @@ def fp8_gated_tiles(k: int, n: int) -> KernelTiles | None:
   or None where `k` or `n` is not a multiple of 128."""
   if k % FP8_BLOCK or n % FP8_BLOCK:
     return None
-  return _FP8_ONE_WARPGROUP
+  return _FP8_GATED
 
 
 def fp8_input_grad_tiles(k: int, n: int) -> KernelTiles | None:
   """The FP8 input gradient's tiles (two passes over `[rows, k]` operands into `[rows, n]`), or
   None where `k` or `n` is not a multiple of 128."""
-  return fp8_gated_tiles(k, n)
+  if k % FP8_BLOCK or n % FP8_BLOCK:
+    return None
+  return _FP8_ONE_WARPGROUP

@@ -72,32 +72,46 @@ ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu")
 Pass = tuple[int, tuple[tuple[int, int], ...]]
 
 
-def smem_bytes(tiles: KernelTiles, *, weights_per_pass: int = 1,
-               out_itemsizes: Sequence[int] = (2,), scale_outputs: int = 0) -> int:
-  """Shared memory one CTA of these kernels takes: `stages` slots of the row tile, the
-  weights' tiles and the row scales, plus the staged outputs (`block_m x block_n` each of
-  `out_itemsizes`, per compute warpgroup) and `scale_outputs` staged `block_m x 8` fp32
-  scale tiles. (The pipeline's barriers take a few bytes more, within the margin.)"""
+def staging(outputs: Sequence[tuple[int, object]], tiles_n: int):
+  """`(buffers, slot_of)`: the distinct `(width, dtype)` staging buffers of `outputs` (each
+  `(columns, dtype)`, `columns / tiles_n` of them per tile) and each output's buffer. Outputs
+  of one width and dtype (the gated kernel's gate and up) share a buffer, one after the other:
+  the shared memory goes to the pipeline's stages instead."""
+  buffers, slot_of = [], []
+  for columns, dtype in outputs:
+    key = (columns // tiles_n, jnp.dtype(dtype))
+    if key not in buffers:
+      buffers.append(key)
+    slot_of.append(buffers.index(key))
+  return tuple(buffers), tuple(slot_of)
+
+
+def smem_bytes(tiles: KernelTiles, *, weights: int = 1,
+               buffers: Sequence[tuple[int, object]] = ((128, jnp.bfloat16),)) -> int:
+  """Shared memory one CTA of these kernels takes: `stages` slots of the row tile, `weights`
+  weight tiles and the row scales, plus the staging `buffers` (`(width, dtype)`, `block_m`
+  rows in all: each compute warpgroup stages its own rows). (The pipeline's barriers take a
+  few bytes more, within the margin.)"""
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-  wgs = tiles.compute_wgs
-  stage = bm * bk + weights_per_pass * wgs * bn * bk + bm * 4
-  out = wgs * (sum(bm * bn * size for size in out_itemsizes)
-               + scale_outputs * bm * _SCALE_COLUMNS * 4)
+  stage = bm * bk + weights * bn * bk + bm * 4
+  out = sum(bm * width * jnp.dtype(dtype).itemsize for width, dtype in buffers)
   return tiles.stages * stage + out
 
 
 def _check_tiles(name: str, tiles: KernelTiles, num_accs: int, smem: int):
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-  if bk != SCALE_BLOCK or SCALE_BLOCK % (bn * tiles.compute_wgs) or bm % 64:
+  wgs = tiles.compute_wgs
+  if bk != SCALE_BLOCK or SCALE_BLOCK % bn or bm % (64 * wgs):
     raise ValueError(
-        f"{name}: tiles must have block_k = {SCALE_BLOCK} (the scales' block), block_n * "
-        f"compute_wgs dividing {SCALE_BLOCK} (one weight scale per column tile) and block_m a "
-        f"multiple of 64 (wgmma's rows); got {tiles}")
-  regs = (num_accs + 1) * bm * bn // 128
+        f"{name}: tiles must have block_k = {SCALE_BLOCK} (the scales' block), block_n "
+        f"dividing {SCALE_BLOCK} (one weight scale per column tile) and block_m a multiple of "
+        f"64 * compute_wgs (each compute warpgroup's rows, wgmma's 64); got {tiles}")
+  regs = (num_accs + 1) * (bm // wgs) * bn // 128
   if regs > REGISTER_LIMIT:
     raise ValueError(
         f"{name}: tiles {tiles} hold {regs} fp32 registers per thread ({num_accs} totals and a "
-        f"block's product of {bm}x{bn}); at most {REGISTER_LIMIT} fit beside the rest")
+        f"block's product of {bm // wgs}x{bn} per warpgroup); at most {REGISTER_LIMIT} fit "
+        f"beside the rest")
   if smem > SMEM_LIMIT:
     raise ValueError(f"{name}: tiles {tiles} need {smem} bytes of shared memory per CTA; "
                      f"Hopper has {SMEM_LIMIT}")
@@ -165,8 +179,8 @@ def fp8_grouped_matmul_kernel(x, x_scales, w, w_scales, group_sizes, group_offse
     w: `[G, N, K]` float8_e4m3fn: each expert's weights transposed (K contiguous).
     w_scales: `[G, N // 128, K // 128]` float32, one per 128x128 block of `w`.
     group_sizes, group_offsets: `[G]` int32 (offsets default to the groups in a row).
-    tiles: `block_k` 128, `block_n * compute_wgs` dividing 128; with `compute_wgs` 2 a
-      memory warpgroup streams the operands while two compute warpgroups multiply.
+    tiles: `block_k` 128, `block_n` dividing 128; with `compute_wgs` 2 a memory warpgroup
+      streams the operands while two compute warpgroups multiply, each `block_m / 2` rows.
     out_dtype: the result's dtype.
 
   Returns:
@@ -174,17 +188,13 @@ def fp8_grouped_matmul_kernel(x, x_scales, w, w_scales, group_sizes, group_offse
   """
   name = "fp8_grouped_matmul_kernel"
   rows, k, n = _check_operands(name, x, x_scales, w, w_scales, group_sizes)
-  out_size = jnp.dtype(out_dtype).itemsize
-  _check_tiles(name, tiles, 1, smem_bytes(tiles, out_itemsizes=(out_size,)))
-  if tiles.compute_wgs > 1:
-    return _forward_specialized(x, x_scales, w, w_scales, group_sizes, group_offsets,
-                                tiles=tiles, out_dtype=out_dtype)
-
-  def epilogue(totals):
-    return (totals[0],)
-  (out,) = _fused(
-      (x,), (x_scales,), (w,), (w_scales,), group_sizes, group_offsets,
-      passes=((0, ((0, 0),)),), tiles=tiles, epilogue=epilogue, outputs=((n, out_dtype),))
+  outputs = ((n, out_dtype),)
+  buffers, _ = staging(outputs, n // tiles.block_n)
+  _check_tiles(name, tiles, 1, smem_bytes(tiles, buffers=buffers))
+  body = _fused_specialized if tiles.compute_wgs > 1 else _fused
+  (out,) = body((x,), (x_scales,), (w,), (w_scales,), group_sizes, group_offsets,
+                passes=((0, ((0, 0),)),), tiles=tiles, epilogue=lambda totals: totals,
+                outputs=outputs)
   return out
 
 
@@ -198,8 +208,7 @@ def fp8_gated_kernel(x, x_scales, w_gate, w_up, scales_gate, scales_up, group_si
     scales_gate, scales_up: `[G, F // 128, H // 128]` f32 (None with `w_up`).
     group_sizes, group_offsets: `[G]` int32.
     activation: "swiglu", "geglu" (`act(gate) * up`), "gelu" or "silu" (`act(gate)`).
-    tiles: `block_n` 128 (the quantisation's amax is then row-local to the tile), one
-      compute warpgroup.
+    tiles: `block_n` 128 (the quantisation's amax is then row-local to the tile).
 
   Returns:
     `(h, h_scales, gate, up)`: `h` `[rows, F]` e4m3 and `h_scales` `[rows, F // 128]` f32
@@ -222,12 +231,14 @@ def fp8_gated_kernel(x, x_scales, w_gate, w_up, scales_gate, scales_up, group_si
     if w_up.shape != w_gate.shape:
       raise ValueError(f"{name}: w_up {w_up.shape} must match w_gate {w_gate.shape}")
     ws, w_scales = (w_gate, w_up), (scales_gate, scales_up)
-  if tiles.block_n != SCALE_BLOCK or tiles.compute_wgs != 1:
-    raise ValueError(f"{name}: tiles must have block_n = {SCALE_BLOCK} (h's scale block) and "
-                     f"compute_wgs = 1, got {tiles}")
+  if tiles.block_n != SCALE_BLOCK:
+    raise ValueError(f"{name}: tiles must have block_n = {SCALE_BLOCK} (h's scale block), got "
+                     f"{tiles}")
   num = len(ws)
-  _check_tiles(name, tiles, num, smem_bytes(
-      tiles, weights_per_pass=num, out_itemsizes=(1,) + (2,) * num, scale_outputs=1))
+  outputs = (((f, jnp.float8_e4m3fn), (f // SCALE_BLOCK * _SCALE_COLUMNS, jnp.float32))
+             + ((f, jnp.bfloat16),) * num)
+  buffers, _ = staging(outputs, f // SCALE_BLOCK)
+  _check_tiles(name, tiles, num, smem_bytes(tiles, weights=num, buffers=buffers))
 
   def epilogue(totals):
     h = activation_fn(totals[0], activation)
@@ -237,11 +248,10 @@ def fp8_gated_kernel(x, x_scales, w_gate, w_up, scales_gate, scales_up, group_si
     wide = jnp.broadcast_to(scale[:, None], (scale.shape[0], _SCALE_COLUMNS))
     return (q, wide, *totals)
 
-  outs = _fused(
-      (x,), (x_scales,), ws, w_scales, group_sizes, group_offsets,
-      passes=((0, tuple((i, i) for i in range(num))),), tiles=tiles, epilogue=epilogue,
-      outputs=((f, jnp.float8_e4m3fn), (f // SCALE_BLOCK * _SCALE_COLUMNS, jnp.float32))
-      + ((f, jnp.bfloat16),) * num)
+  body = _fused_specialized if tiles.compute_wgs > 1 else _fused
+  outs = body((x,), (x_scales,), ws, w_scales, group_sizes, group_offsets,
+              passes=((0, tuple((i, i) for i in range(num))),), tiles=tiles,
+              epilogue=epilogue, outputs=outputs)
   h, wide = outs[0], outs[1]
   h_scales = wide.reshape(rows, f // SCALE_BLOCK, _SCALE_COLUMNS)[:, :, 0]
   return h, h_scales, outs[2], outs[3] if gated else None
@@ -260,7 +270,8 @@ def fp8_gated_input_grad_kernel(dgate, dgate_scales, dup, dup_scales, w_gate, sc
     scales_gate, scales_up: `[G, H // 128, F // 128]` f32: the forward's `[G, F/128, H/128]`
       block scales transposed.
     group_sizes, group_offsets: `[G]` int32.
-    tiles: as `fp8_grouped_matmul_kernel`'s, one compute warpgroup.
+    tiles: as `fp8_grouped_matmul_kernel`'s, one compute warpgroup (each pass is its own
+      pipeline).
     out_dtype: the result's dtype.
 
   Returns:
@@ -283,13 +294,17 @@ def fp8_gated_input_grad_kernel(dgate, dgate_scales, dup, dup_scales, w_gate, sc
     xs, x_scales, ws, w_scales = (dgate, dup), (dgate_scales, dup_scales), (w_gate, w_up), (
         scales_gate, scales_up)
   if tiles.compute_wgs != 1:
-    raise ValueError(f"{name}: tiles must have compute_wgs = 1, got {tiles}")
-  _check_tiles(name, tiles, 1, smem_bytes(
-      tiles, out_itemsizes=(jnp.dtype(out_dtype).itemsize,)))
+    raise ValueError(
+        f"{name}: tiles must have compute_wgs = 1 (two passes, one warpgroup), got {tiles}; "
+        f"the warp-specialized kernel runs it as one pass: fp8_grouped_matmul_kernel of "
+        f"[dgate | dup] and [w_gate | w_up] concatenated along F")
+  outputs = ((h, out_dtype),)
+  buffers, _ = staging(outputs, h // tiles.block_n)
+  _check_tiles(name, tiles, 1, smem_bytes(tiles, buffers=buffers))
   (out,) = _fused(
       xs, x_scales, ws, w_scales, group_sizes, group_offsets,
       passes=tuple((i, ((i, 0),)) for i in range(len(xs))), tiles=tiles,
-      epilogue=lambda totals: (totals[0],), outputs=((h, out_dtype),))
+      epilogue=lambda totals: totals, outputs=outputs)
   return out
 
 
@@ -298,8 +313,37 @@ def fp8_gated_input_grad_kernel(dgate, dgate_scales, dup, dup_scales, w_gate, sc
 
 def _promote(total, part, row_scales, w_scale):
   """`total + part * row_scales * w_scale`: one 128-deep block's product, scaled, into the
-  fp32 total (the row scales are a `[block_m]` row of the pipeline's scale slot)."""
+  fp32 total (the row scales are a `[rows]` row of the pipeline's scale slot)."""
   return total + part * (row_scales * w_scale)[:, None]
+
+
+def _store_outputs(values, buffers, slot_of, out_refs, widths, row0, first, count, ni,
+                   block_m: int, rows: int):
+  """Stages each value in its buffer and stores rows `[first, first + count)` of it (at row
+  `row0 + ...`, column tile `ni`); a buffer that an earlier output of this epilogue used is
+  reused once that output's store has read it. The last stores are left in flight."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  used = set()
+  for value, slot, o_ref, width in zip(values, slot_of, out_refs, widths):
+    if slot in used:
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    used.add(slot)
+    buffers[slot][...] = value.astype(buffers[slot].dtype)
+    plgpu.commit_smem()
+    _store_rows(buffers[slot], o_ref, row0, first, count, ni * width, block_m, width, rows)
+
+
+def _prepare(xs, x_scales, ws, group_sizes, group_offsets, passes, tiles, outputs):
+  """What both bodies compute before the kernel: the work list, the row scales' layout, the
+  number of totals, each output's width per tile and the staging buffers."""
+  rows = xs[0].shape[0]
+  tiles_n = ws[0].shape[1] // tiles.block_n
+  table = row_tiles(group_sizes, rows, tiles.block_m, group_offsets)
+  scales_t = tuple(_row_scales_by_block(s, tiles.block_m) for s in x_scales)
+  num_accs = 1 + max(a for _, targets in passes for _, a in targets)
+  widths = tuple(columns // tiles_n for columns, _ in outputs)
+  buffers, slot_of = staging(outputs, tiles_n)
+  return rows, tiles_n, table, scales_t, num_accs, widths, buffers, slot_of
 
 
 def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Sequence[Pass],
@@ -312,16 +356,11 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
   item's rows only."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  rows = xs[0].shape[0]
-  n = ws[0].shape[1]
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-  tiles_n = n // bn
+  rows, tiles_n, table, scales_t, num_accs, widths, buffers, slot_of = _prepare(
+      xs, x_scales, ws, group_sizes, group_offsets, passes, tiles, outputs)
   band = _band(tiles.band, tiles_n)
-  num_accs = 1 + max(a for _, targets in passes for _, a in targets)
-  table = row_tiles(group_sizes, rows, bm, group_offsets)
-  scales_t = tuple(_row_scales_by_block(s, bm) for s in x_scales)
   num_x, num_w = len(xs), len(ws)
-  widths = tuple(columns // tiles_n for columns, _ in outputs)
 
   def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, *refs):
     x_refs = refs[:num_x]
@@ -337,16 +376,15 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
       tile = tile_gmem[item]
       group = group_gmem[item]
       block_n = ni * bn // SCALE_BLOCK
-      totals = [jnp.zeros((bm, bn), jnp.float32) for _ in range(num_accs)]
+      totals = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(num_accs))
       for xi, targets in passes:
         def step(idx, x_smem, s_smem, *w_smems_and_carry, targets=targets):
           *w_smems, carry = w_smems_and_carry
-          kk = idx[0]
           carry = list(carry)
           row_scales = s_smem[0]
           for (wi, ai), w_smem in zip(targets, w_smems):
             # Read before the product is issued, so that the load overlaps the wgmma.
-            w_scale = ws_refs[wi][group, block_n, kk]
+            w_scale = ws_refs[wi][group, block_n, idx[0]]
 
             def product(part_ref, w_smem=w_smem):
               plgpu.wgmma(part_ref, x_smem, w_smem.transpose((1, 0)))
@@ -362,19 +400,15 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
                       plgpu.BlockSpec((1, bm), lambda kk: (kk, tile))]
             + [plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk))] * len(targets),
             max_concurrent_steps=tiles.stages,
-            init_carry=tuple(totals),
+            init_carry=totals,
         )(x_refs[xi], s_refs[xi], *(w_refs[wi].at[group] for wi, _ in targets))
-      values = epilogue(tuple(totals))
+      values = epilogue(totals)
 
-      @functools.partial(pl.run_scoped, o_smems=[
-          plgpu.SMEM((bm, width), dtype) for width, (_, dtype) in zip(widths, outputs)])
-      def _(o_smems):
-        for value, o_smem in zip(values, o_smems):
-          o_smem[...] = value.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        for o_smem, o_ref, width in zip(o_smems, out_refs, widths):
-          _store_rows(o_smem, o_ref, tile * bm, first_gmem[item], count_gmem[item],
-                      ni * width, bm, width, rows)
+      @functools.partial(pl.run_scoped, smems=[plgpu.SMEM((bm, width), dtype)
+                                               for width, dtype in buffers])
+      def _(smems):
+        _store_outputs(values, smems, slot_of, out_refs, widths, tile * bm, first_gmem[item],
+                       count_gmem[item], ni, bm, rows)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
@@ -386,29 +420,36 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
   return kernel(*table, *xs, *scales_t, *ws, *w_scales)
 
 
-def _forward_specialized(x, x_scales, w, w_scales, group_sizes, group_offsets, *, tiles,
-                         out_dtype):
-  """The forward warp-specialized: a memory warpgroup streams the row tile, its scales and
-  the CTA's `compute_wgs * block_n` weight columns into a ring of `stages` slots; each compute
-  warpgroup multiplies its own `block_n` columns and promotes while the other's wgmma runs
-  (what hides the promotion's wait: DeepGEMM's two math warpgroups), then stores its item's
-  rows out of its own staging buffer, waiting only for its previous store."""
+def _fused_specialized(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *,
+                       passes: Sequence[Pass], tiles: KernelTiles, epilogue: Callable,
+                       outputs: Sequence[tuple[int, object]]):
+  """`_fused` warp-specialized, for one pass: a memory warpgroup streams the row tile, its
+  scales and the weights' column tiles into a ring of `stages` slots, while `compute_wgs`
+  warpgroups each multiply and promote `block_m / compute_wgs` rows of the tile (one promotes
+  while another's wgmma runs: what hides the promotion's wait, DeepGEMM's two math
+  warpgroups), then stage and store their item's rows, waiting only for their own previous
+  stores."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  rows, k = x.shape
-  n = w.shape[1]
+  if len(passes) != 1:
+    raise ValueError("the warp-specialized FP8 kernel runs one pass")
+  (xi, targets), = passes
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
   wgs = tiles.compute_wgs
-  cta_n = bn * wgs
-  tiles_n = n // cta_n
+  part_m = bm // wgs
+  k = xs[xi].shape[1]
+  rows, tiles_n, table, scales_t, num_accs, widths, buffers, slot_of = _prepare(
+      xs, x_scales, ws, group_sizes, group_offsets, passes, tiles, outputs)
   band = _band(tiles.band, tiles_n)
-  table = row_tiles(group_sizes, rows, bm, group_offsets)
-  scales_t = _row_scales_by_block(x_scales, bm)
   # e4m3 rows of 128 channels: 128 bytes, the 128-byte swizzle.
   transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
+  weights = [ws[wi] for wi, _ in targets]
+  weight_scales = [w_scales[wi] for wi, _ in targets]
 
-  def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, s_gmem, w_gmem,
-           ws_gmem, o_gmem):
+  def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, s_gmem, *refs):
+    w_refs = refs[:len(weights)]
+    ws_refs = refs[len(weights):2 * len(weights)]
+    out_refs = refs[2 * len(weights):]
 
     def pipeline(tile, ni, mma_body, compute_context):
       return plgpu.emit_pipeline_warp_specialized(
@@ -419,9 +460,8 @@ def _forward_specialized(x, x_scales, w, w_scales, group_sizes, group_offsets, *
               plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=transforms,
                               memory_space=plgpu.SMEM),
               plgpu.BlockSpec((1, bm), lambda kk: (kk, tile), memory_space=plgpu.SMEM),
-              plgpu.BlockSpec((cta_n, bk), lambda kk: (ni, kk), transforms=transforms,
-                              memory_space=plgpu.SMEM),
-          ],
+          ] + [plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), transforms=transforms,
+                               memory_space=plgpu.SMEM)] * len(weights),
           wg_axis="wg",
           num_compute_wgs=wgs,
           max_concurrent_steps=tiles.stages,
@@ -432,12 +472,13 @@ def _forward_specialized(x, x_scales, w, w_scales, group_sizes, group_offsets, *
 
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(0, 0, ignore, ignore).get_allocations(x_gmem, s_gmem,
-                                                                   w_gmem.at[0]),
-        o_smem=plgpu.SMEM((wgs, bm, bn), out_dtype),
+        allocations=pipeline(0, 0, ignore, ignore).get_allocations(
+            x_gmem, s_gmem, *(w.at[0] for w in w_refs)),
+        smems=[plgpu.SMEM((wgs, part_m, width), dtype) for width, dtype in buffers],
         collective_axes="wg")
-    def _(allocations, o_smem):
+    def _(allocations, smems):
       wg = lax.axis_index("wg")
+      own_rows = pl.ds(wg * part_m, part_m)
       num_items = num_gmem[0]
 
       @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
@@ -445,37 +486,45 @@ def _forward_specialized(x, x_scales, w, w_scales, group_sizes, group_offsets, *
         item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
         tile = tile_gmem[item]
         group = group_gmem[item]
-        block_n = ni * cta_n // SCALE_BLOCK
+        block_n = ni * bn // SCALE_BLOCK
 
         def compute_context(eval_pipeline):
-          total = eval_pipeline(jnp.zeros((bm, bn), jnp.float32))
-          # The previous item's store out of this warpgroup's buffer has read it.
+          totals = eval_pipeline(tuple(jnp.zeros((part_m, bn), jnp.float32)
+                                       for _ in range(num_accs)))
+          values = epilogue(totals)
+          # This warpgroup's rows of the item: [first, first + count) of the tile, cut to its
+          # own part.
+          first, count = first_gmem[item], count_gmem[item]
+          lo = jnp.clip(first - wg * part_m, 0, part_m)
+          hi = jnp.clip(first + count - wg * part_m, 0, part_m)
+          # The previous item's stores out of this warpgroup's buffers have read them.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          o_smem[wg] = total.astype(out_dtype)
-          plgpu.commit_smem()
-          _store_rows(o_smem.at[wg], o_gmem, tile * bm, first_gmem[item], count_gmem[item],
-                      ni * cta_n + wg * bn, bm, bn, rows)
+          _store_outputs(values, [b.at[wg] for b in smems], slot_of, out_refs, widths,
+                         tile * bm + wg * part_m, lo, hi - lo, ni, part_m, rows)
 
-        def mma_body(idx, x_smem, s_smem, w_smem, total):
-          # The scales are read before the product is issued: their loads overlap the wgmma.
-          row_scales = s_smem[0]
-          w_scale = ws_gmem[group, block_n, idx[0]]
-
-          def product(part_ref):
-            plgpu.wgmma(part_ref, x_smem, w_smem.at[pl.ds(wg * bn, bn)].transpose((1, 0)))
-            return part_ref[...]
-          part = pl.run_scoped(product, plgpu.ACC((bm, bn)))
-          return _promote(total, part, row_scales, w_scale)
+        def mma_body(idx, x_smem, s_smem, *w_smems_and_carry):
+          *w_smems, carry = w_smems_and_carry
+          carry = list(carry)
+          # The scales are read before the products are issued: their loads overlap them.
+          row_scales = s_smem[0, own_rows]
+          w_scales_now = [ws_ref[group, block_n, idx[0]] for ws_ref in ws_refs]
+          for (_, ai), w_smem, w_scale in zip(targets, w_smems, w_scales_now):
+            def product(part_ref, w_smem=w_smem):
+              plgpu.wgmma(part_ref, x_smem.at[own_rows], w_smem.transpose((1, 0)))
+              return part_ref[...]
+            part = pl.run_scoped(product, plgpu.ACC((part_m, bn)))
+            carry[ai] = _promote(carry[ai], part, row_scales, w_scale)
+          return tuple(carry)
 
         pipeline(tile, ni, mma_body, compute_context)(
-            x_gmem, s_gmem, w_gmem.at[group], allocations=allocations)
+            x_gmem, s_gmem, *(w.at[group] for w in w_refs), allocations=allocations)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
-      body, out_type=jax.ShapeDtypeStruct((rows, n), out_dtype), grid=(num_sms(),),
-      grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
+      body, out_type=tuple(jax.ShapeDtypeStruct((rows, columns), dtype)
+                           for columns, dtype in outputs),
+      grid=(num_sms(),), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(*table, x, scales_t, w, w_scales)
-
+  return kernel(*table, xs[xi], scales_t[xi], *weights, *weight_scales)
