@@ -45,8 +45,8 @@ from jax_ep.experts import configs, hopper_fp8  # noqa: E402
 from jax_ep.experts.configs import KernelTiles  # noqa: E402
 
 # `--tune`'s candidates (BM, BN, STAGES, BAND, WGS; block_k is the scales' 128).
-TUNE = ("128,64,3,4,2", "128,64,4,1,2", "128,64,4,4,2", "128,64,5,4,2", "64,128,4,4,1",
-        "64,128,6,4,1", "128,64,4,4,1")
+TUNE = ("128,128,3,4,2", "128,128,5,4,2", "128,128,4,1,2", "128,128,4,8,2", "128,64,4,4,2",
+        "256,64,4,4,2", "64,128,4,4,1", "64,128,6,4,1")
 
 
 def quantize_weights(w):

@@ -14,24 +14,34 @@ padding):
 - `fp8_gated_input_grad_kernel`: `dx = dgate @ w_gate^T + dup @ w_up^T` (two passes into one
   accumulator, as `hopper_fused` does).
 
+Each has a one-warpgroup form (`emit_pipeline`: load, multiply, promote, store) and, for one
+pass, a warp-specialized one (`compute_wgs` 2: a memory warpgroup streams the operands, two
+compute warpgroups each multiply and promote half of the tile's rows), over the work list of
+`hopper.py` (`layout.row_tiles`: no step for row tiles past the groups).
+
 Layouts: FP8 wgmma takes both operands K-major (only 16-bit operands may be transposed in
-shared memory), so every weight is stored with the reduced dimension contiguous: `[G, N, K]`,
-its scales `[G, N // 128, K // 128]` in the same order. The forward's `[G, F, H]`-quantised
-weights serve the gated kernel; the input gradient reduces over F, so it takes `[G, H, F]`
-(the bf16 weights' own layout, quantised) with `[G, H // 128, F // 128]` scales: the 128x128
-blocks make each set of scales the other's transpose.
+shared memory; lowering says "Only f16 WGMMA supports transposes"), so every weight is stored
+with the reduced dimension contiguous: `[G, N, K]`, its scales `[G, N // 128, K // 128]` in
+the same order. The forward's `[G, F, H]`-quantised weights serve the gated kernel; the input
+gradient reduces over F, so it takes `[G, H, F]` (the bf16 weights' own layout, quantised)
+with `[G, H // 128, F // 128]` scales: the 128x128 blocks make each set of scales the other's
+transpose. The row scales reach the kernel transposed, `[K // 128, rows]`: a TMA box's row is
+at least 16 bytes, and a tile's scales of one block are then one contiguous row.
 
-Promotion (why every 128): each 128-deep block of the reduction is one wgmma group into a
-fresh accumulator; once it has landed, the block's product is multiplied by its row scales and
-its weight block's scale and added to the fp32 total carried through the pipeline. A column
-tile therefore never straddles a weight-scale block: `block_n` divides 128 (with two compute
-warpgroups, the CTA's `2 * block_n` columns too), and `block_k` is 128.
+Promotion (why every 128): Hopper's fp8 wgmma accumulates with fewer bits than fp32 (about
+14, DeepSeek-V3's report), so each 128-deep block of the reduction is one wgmma group into a
+fresh accumulator (`pl.run_scoped(..., plgpu.ACC)`: zeros); once it has landed, its product is
+multiplied by its row scales and its weight block's scale and added to the fp32 totals the
+pipeline carries (`init_carry`; the interpreter does not run stores into an accumulator
+reference, a carry it does). A column tile never straddles a weight-scale block: `block_n`
+divides 128, and `block_k` is 128.
 
-Registers and shared memory: the totals and one block's product live in registers (one
-warpgroup holds `(accumulators + 1) * block_m * block_n / 128` fp32 values per thread, kept
-at most 192 of Hopper's 255); the stages, the staged outputs and the scales' rows share a
-CTA's 227 KiB of shared memory (`smem_bytes`, checked before a kernel is built). Neither is
-caught by lowering on a machine without the GPU, so both are checked here.
+Registers and shared memory: each compute warpgroup holds its totals and one block's product
+in registers, `(totals + 1) * rows * block_n / 128` fp32 values per thread for its `block_m /
+compute_wgs` rows, kept at most 192 (`REGISTER_LIMIT`) of Hopper's 255; the stages, the
+staged outputs and the scales share a CTA's 227 KiB of shared memory (`smem_bytes`). Neither
+is caught by lowering on a machine without the GPU, so both are checked when a kernel is
+built.
 
 NOTES (rows outside the groups): as in `hopper.py`, a tile reads rows of a neighbouring group
 or past the groups (NaN included); their products, scales and epilogue values stay in their
@@ -87,12 +97,14 @@ def staging(outputs: Sequence[tuple[int, object]], tiles_n: int):
 
 
 def smem_bytes(tiles: KernelTiles, *, weights: int = 1,
-               buffers: Sequence[tuple[int, object]] = ((128, jnp.bfloat16),)) -> int:
+               buffers: Sequence[tuple[int, object]] | None = None) -> int:
   """Shared memory one CTA of these kernels takes: `stages` slots of the row tile, `weights`
   weight tiles and the row scales, plus the staging `buffers` (`(width, dtype)`, `block_m`
-  rows in all: each compute warpgroup stages its own rows). (The pipeline's barriers take a
-  few bytes more, within the margin.)"""
+  rows in all: each compute warpgroup stages its own rows; default one bf16 output tile).
+  (The pipeline's barriers take a few bytes more, within the margin.)"""
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+  if buffers is None:
+    buffers = ((bn, jnp.bfloat16),)
   stage = bm * bk + weights * bn * bk + bm * 4
   out = sum(bm * width * jnp.dtype(dtype).itemsize for width, dtype in buffers)
   return tiles.stages * stage + out
