@@ -187,6 +187,27 @@ def test_matmul_matches_the_dequantised_oracle(tiles):
   assert_within(got, want, absolute, inside, "fp8 matmul")
 
 
+@BOTH
+def test_few_ctas_each_run_many_items(tiles, monkeypatch):
+  """Two CTAs for the whole work list (on Hopper: one per SM, many items each): the pipeline's
+  slots, the staging buffers' reuse and the carries across items, which 132 CTAs of a small
+  case would not reach."""
+  monkeypatch.setattr(hopper_fp8, "num_sms", lambda: 2)
+  rng = np.random.default_rng(9)
+  gs, go, rows = layout(SIZES)
+  x, xs = row_operand(rng, rows, 384, gs, go)
+  w_gate, w_up = weight_operand(rng, len(SIZES), 256, 384), weight_operand(
+      rng, len(SIZES), 256, 384)
+  with interpret():
+    got = hopper_fp8.fp8_grouped_matmul_kernel(x, xs, *w_gate, gs, go, tiles=tiles)
+    outs = hopper_fp8.fp8_gated_kernel(x, xs, w_gate[0], w_up[0], w_gate[1], w_up[1], gs, go,
+                                       activation="swiglu", tiles=tiles)
+  want, absolute = oracle([(x, xs)], [w_gate], gs, go)
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  assert_within(got, want, absolute, inside, "fp8 matmul, two CTAs")
+  check_gated(outs, x, xs, w_gate, w_up, gs, go, "swiglu", ABS_INTERPRETED)
+
+
 def test_matmul_float32_out_and_contiguous_groups():
   rng = np.random.default_rng(1)
   sizes = jnp.asarray([70, 0, 100], jnp.int32)
