@@ -394,6 +394,9 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
           *w_smems, carry = w_smems_and_carry
           carry = list(carry)
           row_scales = s_smem[0]
+          # The slot is refilled by TMA (the async proxy) once this step ends: the read of
+          # it in the generic proxy is committed first.
+          plgpu.commit_smem()
           for (wi, ai), w_smem in zip(targets, w_smems):
             # Read before the product is issued, so that the load overlaps the wgmma.
             w_scale = ws_refs[wi][group, block_n, idx[0]]
@@ -517,8 +520,12 @@ def _fused_specialized(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *
         def mma_body(idx, x_smem, s_smem, *w_smems_and_carry):
           *w_smems, carry = w_smems_and_carry
           carry = list(carry)
-          # The scales are read before the products are issued: their loads overlap them.
+          # The scales are read before the products are issued: the weights' (from global
+          # memory) overlap them.
           row_scales = s_smem[0, own_rows]
+          # The memory warpgroup refills the slot by TMA (the async proxy) once this step has
+          # released it: the read of it in the generic proxy is committed first.
+          plgpu.commit_smem()
           w_scales_now = [ws_ref[group, block_n, idx[0]] for ws_ref in ws_refs]
           for (_, ai), w_smem, w_scale in zip(targets, w_smems, w_scales_now):
             def product(part_ref, w_smem=w_smem):
