@@ -4,6 +4,8 @@ dense GEMMs of the same FLOPs, at the shapes of real models, in one run (a Hoppe
   python benchmarks/bench_fp8_gemm.py                   # the five model shapes, up and down
   python benchmarks/bench_fp8_gemm.py --tune            # also the FP8 kernel at other tiles
   python benchmarks/bench_fp8_gemm.py --shapes mixtral --tiles 128,64,4,4,2 64,128,4,4,1
+  python benchmarks/bench_fp8_gemm.py --shapes qwen3_30b_a3b --scale 16 --tokens 16 \\
+      --interpret --repeats 1                         # a smoke run of the records on the CPU
 
 Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows = T * K`, the
 groups skewed as a router makes them: a fixed Dirichlet draw, one expert empty) and product
@@ -27,6 +29,7 @@ BAND,WGS ...` (and `--tune`'s fixed set) times the FP8 kernel at those tiles too
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -73,15 +76,28 @@ def main():
                       help="FP8 kernel tiles to time besides the default: BM,BN,STAGES,BAND,WGS")
   parser.add_argument("--tune", action="store_true", help="time the FP8 kernel at --tiles "
                       "and a fixed set of candidates")
+  parser.add_argument("--scale", type=int, default=1, help="divide the experts, hidden and "
+                      "ffn by this (hidden and ffn rounded up to multiples of 128): a smoke run")
+  parser.add_argument("--interpret", action="store_true", help="run the FP8 kernel in "
+                      "Pallas's Mosaic GPU interpreter (a smoke run on the CPU; no timing)")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--out", default="grouped_matmul_fp8.jsonl")
   args = parser.parse_args()
   candidates = list(args.tiles) + (list(TUNE) if args.tune else [])
 
+  def interpreted():
+    if not args.interpret:
+      return contextlib.nullcontext()
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.force_gpu_interpret_mode()
+
   records = []
   base = dict(mode="high_throughput", ranks=1, process_model="single_device", groups="skewed")
   for name in args.shapes:
     num_experts, hidden, ffn, topk = SHAPES[name]
+    if args.scale > 1:
+      up = lambda v: -(-(v // args.scale) // 128) * 128  # noqa: E731
+      num_experts, hidden, ffn = max(num_experts // args.scale, 1), up(hidden), up(ffn)
     rows = args.tokens * topk
     sizes = skewed_sizes(rows, num_experts)
     for product in args.products:
@@ -125,8 +141,9 @@ def main():
         fn = jax.jit(lambda x, xs, w, ws, s, tiles=tiles: hopper_fp8.fp8_grouped_matmul_kernel(
             x, xs, w, ws, s, tiles=tiles))
         # Tiles the kernel refuses fail inside (named there, printed) and are left out.
-        seconds = time_fn(fn, (xq, xs, wq, ws, sizes), args.repeats,
-                          f"{name} {product} fp8 {tiles}")
+        with interpreted():
+          seconds = time_fn(fn, (xq, xs, wq, ws, sizes), args.repeats,
+                            f"{name} {product} fp8 {tiles}")
         if seconds is None:
           continue
         extra = {}
