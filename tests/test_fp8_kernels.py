@@ -556,3 +556,29 @@ def test_input_grad_kernel_on_hopper(groups, hidden, ffn):
   want, absolute = oracle_on_device([dgate, dup], [w_gate, w_up], gs, go)
   inside = np.asarray(rows_inside_groups(gs, go, rows))
   assert_within(got, want, absolute, inside, "fp8 dx", ABS_HOPPER)
+
+
+@pytest.mark.gpu
+def test_one_warpgroup_forms_and_a_plain_activation_on_hopper():
+  """The one-warpgroup matmul and gated kernel (the tiles `--tune` compares) and the gated
+  kernel without `w_up` ("gelu"), at one model shape."""
+  require_hopper()
+  groups, hidden, ffn = 32, 4096, 1536
+  one = configs.fp8_input_grad_tiles(hidden, ffn)
+  rng, gs, go, rows = gpu_case(13, groups, hidden, ffn)
+  x, xs = row_operand(rng, rows, hidden, gs, go)
+  w_gate, w_up = weight_operand(rng, groups, ffn, hidden), weight_operand(
+      rng, groups, ffn, hidden)
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  got = jax.jit(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(*a, tiles=one))(
+      x, xs, *w_gate, gs, go)
+  want, absolute = oracle_on_device([(x, xs)], [w_gate], gs, go)
+  assert_within(got, want, absolute, inside, "fp8 matmul, one warpgroup", ABS_HOPPER)
+  outs = jax.jit(lambda *a: hopper_fp8.fp8_gated_kernel(*a, activation="geglu", tiles=one))(
+      x, xs, w_gate[0], w_up[0], w_gate[1], w_up[1], gs, go)
+  check_gated(outs, x, xs, w_gate, w_up, gs, go, "geglu", ABS_HOPPER, oracle_on_device)
+  tiles = configs.fp8_gated_tiles(hidden, ffn)
+  outs = jax.jit(lambda x, xs, w, s, gs, go: hopper_fp8.fp8_gated_kernel(
+      x, xs, w, None, s, None, gs, go, activation="gelu", tiles=tiles))(
+          x, xs, *w_gate, gs, go)
+  check_gated(outs, x, xs, w_gate, None, gs, go, "gelu", ABS_HOPPER, oracle_on_device)
