@@ -504,7 +504,9 @@ def skewed_sizes(rng, groups, total):
   return np.floor(weights / weights.sum() * total).astype(np.int32)
 
 
-def gpu_case(seed, groups, k, n, tokens=4096):
+def gpu_case(seed, groups, tokens=4096):
+  """A generator and a skewed layout of `tokens` rows over `groups` experts, each group at a
+  multiple of 128 (rows: the groups and their padding)."""
   rng = np.random.default_rng(seed)
   gs, go, rows = layout(skewed_sizes(rng, groups, tokens))
   return rng, gs, go, rows
@@ -516,7 +518,7 @@ def gpu_case(seed, groups, k, n, tokens=4096):
 def test_matmul_on_hopper(groups, hidden, ffn, product):
   require_hopper()
   k, n = (hidden, ffn) if product == "up" else (ffn, hidden)
-  rng, gs, go, rows = gpu_case(10, groups, k, n)
+  rng, gs, go, rows = gpu_case(10, groups)
   x, xs = row_operand(rng, rows, k, gs, go)
   w, ws = weight_operand(rng, groups, n, k)
   tiles = configs.fp8_tile_config(groups, k, n)
@@ -531,7 +533,7 @@ def test_matmul_on_hopper(groups, hidden, ffn, product):
 @pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
 def test_gated_kernel_on_hopper(groups, hidden, ffn):
   require_hopper()
-  rng, gs, go, rows = gpu_case(11, groups, hidden, ffn)
+  rng, gs, go, rows = gpu_case(11, groups)
   x, xs = row_operand(rng, rows, hidden, gs, go)
   w_gate, w_up = weight_operand(rng, groups, ffn, hidden), weight_operand(
       rng, groups, ffn, hidden)
@@ -546,7 +548,7 @@ def test_gated_kernel_on_hopper(groups, hidden, ffn):
 @pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
 def test_input_grad_kernel_on_hopper(groups, hidden, ffn):
   require_hopper()
-  rng, gs, go, rows = gpu_case(12, groups, ffn, hidden)
+  rng, gs, go, rows = gpu_case(12, groups)
   dgate, dup = row_operand(rng, rows, ffn, gs, go), row_operand(rng, rows, ffn, gs, go)
   w_gate, w_up = weight_operand(rng, groups, hidden, ffn), weight_operand(
       rng, groups, hidden, ffn)
@@ -565,7 +567,7 @@ def test_one_warpgroup_forms_and_a_plain_activation_on_hopper():
   require_hopper()
   groups, hidden, ffn = 32, 4096, 1536
   one = configs.fp8_input_grad_tiles(hidden, ffn)
-  rng, gs, go, rows = gpu_case(13, groups, hidden, ffn)
+  rng, gs, go, rows = gpu_case(13, groups)
   x, xs = row_operand(rng, rows, hidden, gs, go)
   w_gate, w_up = weight_operand(rng, groups, ffn, hidden), weight_operand(
       rng, groups, ffn, hidden)
