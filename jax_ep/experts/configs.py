@@ -255,3 +255,62 @@ def slab_tiles(slab: int, hidden: int, ffn: int) -> SlabTiles | None:
 def smallest_slab_tiles() -> SlabTiles:
   """The tiles whose divisibility a slab that no tiles divide is explained by."""
   return current().slab_tiles or SLAB_TILE_RULE[0][1]
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 (`jax_ep/experts/hopper_fp8.py`): e4m3 operands with 128-channel / 128x128-block scales.
+# `block_k` is the scales' block (each 128-deep block's product is promoted into the fp32 total)
+# and a CTA's columns, `block_n * compute_wgs`, divide 128 (one weight scale per column tile).
+# A compute warpgroup holds its fp32 totals and one block's product in registers, so the
+# warp-specialized kernels split a 128 x 128 tile's rows between two compute warpgroups
+# (DeepGEMM's shape: one promotes while the other's wgmma runs): 64 x 128 each, 64 + 64
+# registers per thread for the forward, 3 x 64 for the gated kernel's two totals (`block_n`
+# 128 also keeps `h`'s quantisation block inside the tile). Shared memory (of Hopper's 227
+# KiB): the forward's 4 stages of 32.5 KiB beside 32 KiB of staged bf16 output (64 KiB fp32);
+# the gated kernel's 3 stages of 48.5 KiB beside 52 KiB (h, its scales, and gate and up one
+# after the other in one buffer). The input gradient's two passes run on one warpgroup, 64 x
+# 128.
+FP8_BLOCK = 128
+_FP8_FORWARD = KernelTiles(block_m=ROW_TILE, block_n=128, block_k=FP8_BLOCK, stages=4, band=4,
+                           compute_wgs=2)
+_FP8_GATED = KernelTiles(block_m=ROW_TILE, block_n=128, block_k=FP8_BLOCK, stages=3, band=4,
+                         compute_wgs=2)
+_FP8_ONE_WARPGROUP = KernelTiles(block_m=64, block_n=128, block_k=FP8_BLOCK, stages=4, band=4)
+
+# The forward's tiles for shapes `(groups, K, N)`: the five model shapes' up / gate (K = H,
+# N = F) and down (K = F, N = H) products. NOTES: not yet measured on an H200; each entry is
+# the rule's choice, pinned where a measurement (`benchmarks/bench_fp8_gemm.py --tune`) will
+# replace it, as the bf16 table's were.
+FP8_TILE_TABLE: dict[tuple[int, int, int], KernelTiles] = {
+    shape: _FP8_FORWARD
+    for groups, hidden, ffn in ((256, 7168, 2048),  # DeepSeek-V3
+                                (128, 2048, 768),  # Qwen3-30B-A3B
+                                (32, 4096, 1536),
+                                (8, 4096, 14336),  # Mixtral 8x7B
+                                (32, 7168, 2048))  # DeepSeek-V3 at EP=8, one rank
+    for shape in ((groups, hidden, ffn), (groups, ffn, hidden))
+}
+
+
+def fp8_tile_config(groups: int, k: int, n: int) -> KernelTiles | None:
+  """The FP8 forward kernel's tiles for `[rows, k] x [groups, n, k]`, or None where the scales'
+  blocks do not divide it (`k` and `n` multiples of 128)."""
+  if k % FP8_BLOCK or n % FP8_BLOCK:
+    return None
+  return FP8_TILE_TABLE.get((groups, k, n), _FP8_FORWARD)
+
+
+def fp8_gated_tiles(k: int, n: int) -> KernelTiles | None:
+  """The FP8 gated kernel's tiles (gate and up of a `[rows, k]` operand, `[rows, n]` outputs),
+  or None where `k` or `n` is not a multiple of 128."""
+  if k % FP8_BLOCK or n % FP8_BLOCK:
+    return None
+  return _FP8_GATED
+
+
+def fp8_input_grad_tiles(k: int, n: int) -> KernelTiles | None:
+  """The FP8 input gradient's tiles (two passes over `[rows, k]` operands into `[rows, n]`), or
+  None where `k` or `n` is not a multiple of 128."""
+  if k % FP8_BLOCK or n % FP8_BLOCK:
+    return None
+  return _FP8_ONE_WARPGROUP

@@ -1,0 +1,167 @@
+"""jax_ep's FP8 grouped GEMM (jax_ep/experts/hopper_fp8.py) against the bf16 grouped GEMM and
+dense GEMMs of the same FLOPs, at the shapes of real models, in one run (a Hopper GPU).
+
+  python benchmarks/bench_fp8_gemm.py                   # the five model shapes, up and down
+  python benchmarks/bench_fp8_gemm.py --tune            # also the FP8 kernel at other tiles
+  python benchmarks/bench_fp8_gemm.py --shapes mixtral --tiles 128,64,4,4,2 64,128,4,4,1
+  python benchmarks/bench_fp8_gemm.py --shapes qwen3_30b_a3b --scale 16 --tokens 16 \\
+      --interpret --repeats 1                         # a smoke run of the records on the CPU
+
+Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows = T * K`, the
+groups skewed as a router makes them: a fixed Dirichlet draw, one expert empty) and product
+(`up`: `[rows, H] x [H, F]`, the gate / up projections; `down`: `[rows, F] x [F, H]`):
+- `op: grouped_matmul`, `pass: fwd`, `precision: fp8`: the FP8 kernel on e4m3 rows with
+  per-128-channel scales and e4m3 weights with 128x128-block scales (quantised before the
+  timing: the kernel alone), bf16 out, the tiles `configs.fp8_tile_config` picks;
+- `precision: bf16`: `jax_ep.grouped_matmul` of the same shape in bf16 (its own choice of
+  implementation, `impl` in the record); the FP8 record's `speedup_vs_bf16` is its time over
+  the FP8 kernel's, same run;
+- the bounds, timed in the same run: a dense `jnp.dot` `[rows, K] x [K, N]` in bf16
+  (`bound: dense_gemm`, `bound_tflops`, `fraction = tflops / bound_tflops`, as every
+  grouped_matmul record) and of e4m3 operands with bf16 out (`dense_fp8_tflops`: what XLA's
+  own FP8 GEMM reaches, unscaled).
+FLOPs: `2 * rows * K * N`. Device-clock timing (bench_layer's `time_fn`). `--tiles BM,BN,STAGES,
+BAND,WGS ...` (and `--tune`'s fixed set) times the FP8 kernel at those tiles too (`settings:
+{"tiles": ...}`); tiles that do not build are printed and left out. Records go to
+`benchmarks/results/grouped_matmul_fp8.jsonl`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+# The model shapes, the skewed groups and the timer are bench_layer's.
+from bench_layer import SHAPES, skewed_sizes, time_fn  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import reports  # noqa: E402
+import jax_ep  # noqa: E402
+from jax_ep.backends.fp8 import fp8_quantize  # noqa: E402
+from jax_ep.experts import configs, hopper_fp8  # noqa: E402
+from jax_ep.experts.configs import KernelTiles  # noqa: E402
+
+# `--tune`'s candidates (BM, BN, STAGES, BAND, WGS; block_k is the scales' 128).
+TUNE = ("128,128,3,4,2", "128,128,5,4,2", "128,128,4,1,2", "128,128,4,8,2", "128,64,4,4,2",
+        "256,64,4,4,2", "64,128,4,4,1", "64,128,6,4,1")
+
+
+def quantize_weights(w):
+  """`[G, N, K]` -> e4m3 and `[G, N/128, K/128]` f32 scales: amax / 448 per 128x128 block."""
+  g, n, k = w.shape
+  blocks = w.astype(jnp.float32).reshape(g, n // 128, 128, k // 128, 128)
+  amax = jnp.max(jnp.abs(blocks), axis=(2, 4))
+  scales = jnp.where(amax > 0, amax / 448.0, 1.0)
+  q = (blocks / scales[:, :, None, :, None]).astype(jnp.float8_e4m3fn)
+  return q.reshape(g, n, k), scales
+
+
+def parse_tiles(text: str) -> KernelTiles:
+  bm, bn, stages, band, wgs = (int(v) for v in text.split(","))
+  return KernelTiles(bm, bn, hopper_fp8.SCALE_BLOCK, stages, band, wgs)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+  parser.add_argument("--products", nargs="+", choices=["up", "down"], default=["up", "down"])
+  parser.add_argument("--tokens", type=int, default=4096, help="tokens (rows = tokens * top-k)")
+  parser.add_argument("--tiles", nargs="*", default=[],
+                      help="FP8 kernel tiles to time besides the default: BM,BN,STAGES,BAND,WGS")
+  parser.add_argument("--tune", action="store_true", help="time the FP8 kernel at --tiles "
+                      "and a fixed set of candidates")
+  parser.add_argument("--scale", type=int, default=1, help="divide the experts, hidden and "
+                      "ffn by this (hidden and ffn rounded up to multiples of 128): a smoke run")
+  parser.add_argument("--interpret", action="store_true", help="run the FP8 kernel in "
+                      "Pallas's Mosaic GPU interpreter (a smoke run on the CPU; no timing)")
+  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--out", default="grouped_matmul_fp8.jsonl")
+  args = parser.parse_args()
+  candidates = list(args.tiles) + (list(TUNE) if args.tune else [])
+
+  def interpreted():
+    if not args.interpret:
+      return contextlib.nullcontext()
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.force_gpu_interpret_mode()
+
+  records = []
+  base = dict(mode="high_throughput", ranks=1, process_model="single_device", groups="skewed")
+  for name in args.shapes:
+    num_experts, hidden, ffn, topk = SHAPES[name]
+    if args.scale > 1:
+      up = lambda v: -(-(v // args.scale) // 128) * 128  # noqa: E731
+      num_experts, hidden, ffn = max(num_experts // args.scale, 1), up(hidden), up(ffn)
+    rows = args.tokens * topk
+    sizes = skewed_sizes(rows, num_experts)
+    for product in args.products:
+      k, n = (hidden, ffn) if product == "up" else (ffn, hidden)
+      keys = jax.random.split(jax.random.key(0), 2)
+      x = jax.random.normal(keys[0], (rows, k), jnp.float32).astype(jnp.bfloat16)
+      w = (jax.random.normal(keys[1], (num_experts, k, n), jnp.float32)
+           * k ** -0.5).astype(jnp.bfloat16)
+      xq, xs = jax.jit(fp8_quantize)(x)
+      wq, ws = jax.jit(quantize_weights)(jnp.swapaxes(w, 1, 2))  # K-major: [G, N, K]
+      flops = 2.0 * rows * k * n
+      shape = dict(shape=name, product=product, experts=num_experts, hidden=hidden, ffn=ffn,
+                   topk=topk, tokens_per_rank=args.tokens, rows=rows, k=k, n=n)
+
+      def dot(a, b):
+        return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+      bound_s = time_fn(jax.jit(dot), (x, w[0]), args.repeats, f"{name} {product} dense bf16")
+      dense8_s = time_fn(jax.jit(dot), (xq, jnp.swapaxes(wq[0], 0, 1)), args.repeats,
+                         f"{name} {product} dense e4m3")
+      if bound_s is None:
+        continue
+      bound_tflops = flops / bound_s / 1e12
+
+      def record(precision, impl, seconds, settings="default", **extra):
+        tflops = flops / seconds / 1e12
+        records.append(reports.record(
+            op="grouped_matmul", **{"pass": "fwd"}, precision=precision, impl=impl,
+            dtype="float8_e4m3fn" if precision == "fp8" else "bfloat16",
+            median_us=round(seconds * 1e6, 1), tflops=round(tflops, 1), bound="dense_gemm",
+            bound_tflops=round(bound_tflops, 1), fraction=round(tflops / bound_tflops, 3),
+            settings=settings, **extra, **shape, **base))
+
+      impl, _ = jax_ep.grouped_matmul_impl(rows, num_experts, k, n, jnp.bfloat16)
+      bf16_s = time_fn(jax.jit(jax_ep.grouped_matmul), (x, w, sizes), args.repeats,
+                       f"{name} {product} bf16 grouped_matmul")
+      if bf16_s is not None:
+        record("bf16", impl, bf16_s)
+      del w
+      default = configs.fp8_tile_config(num_experts, k, n)
+      for tiles in [default, *(parse_tiles(t) for t in candidates)]:
+        fn = jax.jit(lambda x, xs, w, ws, s, tiles=tiles: hopper_fp8.fp8_grouped_matmul_kernel(
+            x, xs, w, ws, s, tiles=tiles))
+        # Tiles the kernel refuses fail inside (named there, printed) and are left out.
+        with interpreted():
+          seconds = time_fn(fn, (xq, xs, wq, ws, sizes), args.repeats,
+                            f"{name} {product} fp8 {tiles}")
+        if seconds is None:
+          continue
+        extra = {}
+        if bf16_s is not None:
+          extra["speedup_vs_bf16"] = round(bf16_s / seconds, 3)
+        if dense8_s is not None:
+          extra["dense_fp8_tflops"] = round(flops / dense8_s / 1e12, 1)
+        settings = "default" if tiles is default else {"tiles": [
+            tiles.block_m, tiles.block_n, tiles.stages, tiles.band, tiles.compute_wgs]}
+        record("fp8", "mosaic_fp8", seconds, settings, **extra)
+
+  if jax.process_index() == 0:
+    path = reports.write_jsonl(records, args.out)
+    reports.print_table(records, ["shape", "product", "precision", "impl", "settings",
+                                  "median_us", "tflops", "bound_tflops", "fraction",
+                                  "speedup_vs_bf16", "dense_fp8_tflops"])
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()

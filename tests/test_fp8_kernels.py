@@ -1,0 +1,586 @@
+"""jax_ep's FP8 grouped GEMM kernels (jax_ep/experts/hopper_fp8.py) against oracles of the
+dequantised operands.
+
+Three checks, from cheapest to the real thing:
+- interpreted: the kernels run in Pallas's Mosaic GPU interpreter on the CPU at small tiles
+  (the work list, the promotion every 128, the epilogues, the stores that stop at the groups)
+  against a float64 oracle, with NaN in every row outside the groups (rows and scales);
+- cross-lowered: each kernel lowered for CUDA at the five model shapes with the tiles
+  `configs` picks, which runs Mosaic GPU's own checks (wgmma's operand layouts and dtypes,
+  TMA boxes, the layouts of the epilogue's values) without a GPU. Shared memory and registers
+  are checked by the kernels themselves (`smem_bytes`, `REGISTER_LIMIT`), not by lowering;
+- `gpu`: the compiled kernels on a Hopper GPU at the five model shapes.
+
+The bounds (`|got - want| <= REL * |want| + ABS * sum_abs`, `sum_abs` the same product of the
+operands' absolute values):
+- REL = 2^-8: the one rounding of the fp32 total to bf16 (8 significant bits: half an ulp is at
+  most 2^-8 of the value);
+- ABS: the fp32 arithmetic before it. In the interpreter the products of e4m3 values are exact
+  and the sums fp32 (a 128-deep block, the promotion's two products and add: far below 2^-16
+  of the absolute sum). On Hopper the fp8 wgmma accumulates inside a 128-deep block with fewer
+  bits than fp32 (DeepSeek-V3's report: about 14), which is why the kernels promote every 128:
+  2^-12 of the absolute sum bounds it.
+"""
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ep_test_base import require_hopper
+from jax_ep.backends.fp8 import fp8_quantize
+from jax_ep.experts import configs, hopper_fp8, mlp
+from jax_ep.experts.configs import KernelTiles
+from jax_ep.experts.layout import rows_inside_groups, spans as layout_spans
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+REL = 2.0 ** -8
+ABS_INTERPRETED = 2.0 ** -16
+ABS_HOPPER = 2.0 ** -12
+# Tiles for the interpreter: the one-warpgroup form with 64-row items (two per 128-row tile
+# of the layout) and the warp-specialized one (two compute warpgroups of 64 rows each).
+PLAIN = KernelTiles(64, 128, 128, 2, 1, 1)
+SPECIALIZED = KernelTiles(128, 128, 128, 2, 1, 2)
+BOTH = pytest.mark.parametrize("tiles", [PLAIN, SPECIALIZED], ids=["one-warpgroup",
+                                                                   "specialized"])
+MODEL_SHAPES = [  # (G, H, F)
+    (256, 7168, 2048),  # DeepSeek-V3
+    (128, 2048, 768),  # Qwen3-30B-A3B
+    (32, 4096, 1536),
+    (8, 4096, 14336),  # Mixtral 8x7B
+    (32, 7168, 2048),  # DeepSeek-V3 at EP=8, one rank
+]
+SHAPE_IDS = ["deepseek-v3", "qwen3-30b-a3b", "32x4096x1536", "mixtral", "deepseek-v3-ep8"]
+
+
+# ------------------------------------------------------------------ operands and oracles
+
+def quantize_weights(w):
+  """`[G, N, K]` float -> e4m3 `[G, N, K]` and `[G, N/128, K/128]` f32 block scales (amax /
+  448 per 128x128 block, 1 for an all-zero block)."""
+  g, n, k = w.shape
+  blocks = jnp.asarray(w, jnp.float32).reshape(g, n // 128, 128, k // 128, 128)
+  amax = jnp.max(jnp.abs(blocks), axis=(2, 4))
+  scales = jnp.where(amax > 0, amax / 448.0, 1.0).astype(jnp.float32)
+  q = (blocks / scales[:, :, None, :, None]).astype(jnp.float8_e4m3fn)
+  return q.reshape(g, n, k), scales
+
+
+def dequantize_rows(q, scales):
+  return np.asarray(q, np.float64) * np.repeat(np.asarray(scales, np.float64), 128, axis=1)
+
+
+def dequantize_expert(q, scales):
+  """One expert's `[N, K]` e4m3 weights and `[N/128, K/128]` scales, in float64."""
+  s = np.repeat(np.repeat(np.asarray(scales, np.float64), 128, axis=0), 128, axis=1)
+  return np.asarray(q, np.float64) * s
+
+
+def layout(sizes, alignment=128):
+  """Offsets aligned to `alignment` (gaps between groups) for `sizes`, and the rows they need."""
+  sizes = np.asarray(sizes, np.int32)
+  padded = -(-sizes // alignment) * alignment
+  offsets = (np.cumsum(padded) - padded).astype(np.int32)
+  return jnp.asarray(sizes), jnp.asarray(offsets), int(padded.sum())
+
+
+def row_operand(rng, rows, k, gs, go, fill=np.nan):
+  """e4m3 rows and their scales (`fp8_quantize` of normal values, rows scaled by 2^-6 ... 2^6
+  so that the scales differ), with `fill` in every row outside the groups. Drawn on the
+  device (jax.random): the model shapes' operands are large."""
+  keys = jax.random.split(jax.random.key(int(rng.integers(2 ** 31))))
+  x = jax.random.normal(keys[0], (rows, k), jnp.float32) * jnp.exp2(
+      jax.random.randint(keys[1], (rows, 1), -6, 7).astype(jnp.float32))
+  q, s = fp8_quantize(x)
+  inside = rows_inside_groups(gs, go, rows)
+  q = jnp.where(inside[:, None], q, jnp.asarray(fill, jnp.float8_e4m3fn))
+  s = jnp.where(inside[:, None], s, jnp.asarray(fill, jnp.float32))
+  return q, s
+
+
+def weight_operand(rng, groups, n, k):
+  key = jax.random.key(int(rng.integers(2 ** 31)))
+  return jax.jit(quantize_weights)(jax.random.normal(key, (groups, n, k), jnp.float32)
+                                   * k ** -0.5)
+
+
+def oracle(xs, ws, gs, go):
+  """`(sum_i x_i @ w_i[g]^T, sum_i |x_i| @ |w_i[g]|^T)` in float64 over each group's rows
+  (dequantised `(q, scales)` pairs; zero outside the groups)."""
+  rows = xs[0][0].shape[0]
+  n = ws[0][0].shape[1]
+  out, absolute = np.zeros((rows, n)), np.zeros((rows, n))
+  xd = [dequantize_rows(*x) for x in xs]
+  for g, (start, size) in enumerate(zip(np.asarray(go), np.asarray(gs))):
+    r = slice(int(start), int(start + size))
+    if not size:
+      continue
+    for x, (wq, wsc) in zip(xd, ws):
+      w = dequantize_expert(wq[g], wsc[g])
+      out[r] += x[r] @ w.T
+      absolute[r] += np.abs(x[r]) @ np.abs(w).T
+  return out, absolute
+
+
+def oracle_on_device(xs, ws, gs, go):
+  """`oracle` for the model shapes, on the device: the dequantised operands in float32, one
+  `lax.ragged_dot` per operand pair at HIGHEST precision (the gaps between groups go to the
+  group before them: rows the comparison leaves out). NOTES: float32, not float64: its sums'
+  error (about sqrt(K) * 2^-24 of the absolute sum) is far below the bounds."""
+  rows = xs[0][0].shape[0]
+  spans = layout_spans(rows, gs, go)
+
+  @jax.jit
+  def products(xq, xsc, wq, wsc):
+    xd = xq.astype(jnp.float32) * jnp.repeat(xsc, 128, axis=1)
+    wd = wq.astype(jnp.float32) * jnp.repeat(jnp.repeat(wsc, 128, axis=1), 128, axis=2)
+    wd = jnp.swapaxes(wd, 1, 2)  # [G, K, N]
+    dot = lambda a, b: jax.lax.ragged_dot(  # noqa: E731
+        a, b, spans, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return dot(xd, wd), dot(jnp.abs(xd), jnp.abs(wd))
+  out, absolute = 0.0, 0.0
+  for x, w in zip(xs, ws):
+    o, a = products(*x, *w)
+    out, absolute = out + np.asarray(o, np.float64), absolute + np.asarray(a, np.float64)
+  return out, absolute
+
+
+def assert_within(got, want, absolute, inside, what, abs_bound=ABS_INTERPRETED):
+  got = np.asarray(got, np.float64)[inside]
+  want, absolute = want[inside], absolute[inside]
+  assert np.isfinite(got).all(), f"{what}: not finite inside the groups"
+  err = np.abs(got - want)
+  bound = REL * np.abs(want) + abs_bound * absolute
+  worst = np.unravel_index(np.argmax(err - bound), err.shape)
+  assert (err <= bound).all(), (f"{what}: |got - want| = {err[worst]} > {bound[worst]} at "
+                                f"{worst} (want {want[worst]})")
+
+
+def e4m3_step(m):
+  """The spacing of e4m3 values at magnitude `m` (normal from 2^-6, subnormal 2^-9 below)."""
+  m = np.maximum(np.abs(m), 2.0 ** -6)
+  return np.exp2(np.floor(np.log2(m)) - 3)
+
+
+# ------------------------------------------------------------------ interpreted
+
+SIZES = [150, 0, 37, 256, 1]  # skewed, one empty, one of a single row; offsets aligned to 128
+
+
+def interpret():
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  return plgpu.force_gpu_interpret_mode()
+
+
+@BOTH
+def test_matmul_matches_the_dequantised_oracle(tiles):
+  rng = np.random.default_rng(0)
+  gs, go, rows = layout(SIZES)
+  x, xs = row_operand(rng, rows, 256, gs, go)
+  w, ws = weight_operand(rng, len(SIZES), 256, 256)
+  with interpret():
+    got = hopper_fp8.fp8_grouped_matmul_kernel(x, xs, w, ws, gs, go, tiles=tiles)
+  assert got.shape == (rows, 256) and got.dtype == jnp.bfloat16
+  want, absolute = oracle([(x, xs)], [(w, ws)], gs, go)
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  assert_within(got, want, absolute, inside, "fp8 matmul")
+
+
+@BOTH
+def test_few_ctas_each_run_many_items(tiles, monkeypatch):
+  """Two CTAs for the whole work list (on Hopper: one per SM, many items each): the pipeline's
+  slots, the staging buffers' reuse and the carries across items, which 132 CTAs of a small
+  case would not reach."""
+  monkeypatch.setattr(hopper_fp8, "num_sms", lambda: 2)
+  rng = np.random.default_rng(9)
+  gs, go, rows = layout(SIZES)
+  x, xs = row_operand(rng, rows, 384, gs, go)
+  w_gate, w_up = weight_operand(rng, len(SIZES), 256, 384), weight_operand(
+      rng, len(SIZES), 256, 384)
+  with interpret():
+    got = hopper_fp8.fp8_grouped_matmul_kernel(x, xs, *w_gate, gs, go, tiles=tiles)
+    outs = hopper_fp8.fp8_gated_kernel(x, xs, w_gate[0], w_up[0], w_gate[1], w_up[1], gs, go,
+                                       activation="swiglu", tiles=tiles)
+  want, absolute = oracle([(x, xs)], [w_gate], gs, go)
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  assert_within(got, want, absolute, inside, "fp8 matmul, two CTAs")
+  check_gated(outs, x, xs, w_gate, w_up, gs, go, "swiglu", ABS_INTERPRETED)
+
+
+@BOTH
+def test_the_interpreters_race_detector_finds_no_race(tiles, monkeypatch):
+  """Two CTAs, many items each, under the interpreter's happens-before race detector: the
+  pipeline's slots (TMA writes, the scales' reads), the staging buffers and the stores."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
+  except ImportError:  # the detector's module moved: this jax does not offer it here
+    pytest.skip("this jax has no Mosaic GPU race detector at the expected place")
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  monkeypatch.setattr(hopper_fp8, "num_sms", lambda: 2)
+  rng = np.random.default_rng(10)
+  gs, go, rows = layout(SIZES)
+  x, xs = row_operand(rng, rows, 384, gs, go)
+  w_gate, w_up = weight_operand(rng, len(SIZES), 256, 384), weight_operand(
+      rng, len(SIZES), 256, 384)
+  runs = {
+      "matmul": lambda: hopper_fp8.fp8_grouped_matmul_kernel(x, xs, *w_gate, gs, go,
+                                                             tiles=tiles),
+      "gated": lambda: hopper_fp8.fp8_gated_kernel(
+          x, xs, w_gate[0], w_up[0], w_gate[1], w_up[1], gs, go, activation="swiglu",
+          tiles=tiles)}
+  if tiles.compute_wgs == 1:
+    runs["input grad"] = lambda: hopper_fp8.fp8_gated_input_grad_kernel(
+        x, xs, x, xs, *w_gate, *w_gate, gs, go, tiles=tiles)
+  for what, run in runs.items():
+    with plgpu.force_gpu_interpret_mode(params.InterpretGPUParams(detect_races=True)):
+      jax.block_until_ready(run())
+    assert not interpret_pallas_call.get_races().races_found, f"{what}: a race"
+
+
+def test_matmul_float32_out_and_contiguous_groups():
+  rng = np.random.default_rng(1)
+  sizes = jnp.asarray([70, 0, 100], jnp.int32)
+  rows = 200  # 30 rows past the groups, a row count no tile divides
+  offsets = jnp.asarray([0, 70, 70], jnp.int32)
+  x, xs = row_operand(rng, rows, 384, sizes, offsets)
+  w, ws = weight_operand(rng, 3, 128, 384)
+  with interpret():
+    got = hopper_fp8.fp8_grouped_matmul_kernel(x, xs, w, ws, sizes, tiles=PLAIN,
+                                               out_dtype=jnp.float32)
+  assert got.dtype == jnp.float32
+  want, absolute = oracle([(x, xs)], [(w, ws)], sizes, offsets)
+  inside = np.asarray(rows_inside_groups(sizes, offsets, rows))
+  # No rounding to bf16: the fp32 arithmetic alone.
+  err = np.abs(np.asarray(got, np.float64)[inside] - want[inside])
+  assert (err <= 2.0 ** -20 * np.abs(want[inside]) + ABS_INTERPRETED * absolute[inside]).all()
+
+
+@BOTH
+def test_rows_outside_the_groups_never_reach_a_stored_row(tiles):
+  """NaN or zeros outside the groups (rows and scales): the stored rows are the same bits."""
+  gs, go, rows = layout(SIZES)
+  w, ws = weight_operand(np.random.default_rng(2), len(SIZES), 128, 256)
+  outs = []
+  for fill in (np.nan, 0.0):
+    x, xs = row_operand(np.random.default_rng(3), rows, 256, gs, go, fill=fill)
+    with interpret():
+      outs.append(np.asarray(hopper_fp8.fp8_grouped_matmul_kernel(
+          x, xs, w, ws, gs, go, tiles=tiles), np.float32))
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  assert np.isfinite(outs[0][inside]).all()
+  np.testing.assert_array_equal(outs[0][inside], outs[1][inside])
+
+
+def check_gated(outs, x, xs, w_gate, w_up, gs, go, activation, abs_bound, oracle=oracle):
+  h, h_scales, gate, up = outs
+  rows, f = h.shape
+  assert h.dtype == jnp.float8_e4m3fn and h_scales.dtype == jnp.float32
+  assert h_scales.shape == (rows, f // 128) and gate.dtype == jnp.bfloat16
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  want_gate, abs_gate = oracle([(x, xs)], [w_gate], gs, go)
+  assert_within(gate, want_gate, abs_gate, inside, "gate", abs_bound)
+  want_h = np.asarray(mlp.act(jnp.asarray(want_gate), activation), np.float64)
+  if w_up is not None:
+    want_up, abs_up = oracle([(x, xs)], [w_up], gs, go)
+    assert_within(up, want_up, abs_up, inside, "up", abs_bound)
+    want_h = want_h * want_up
+  else:
+    assert up is None
+  want_q, want_s = fp8_quantize(jnp.asarray(want_h[inside], jnp.float32))
+  want_q, want_s = np.asarray(want_q, np.float64), np.asarray(want_s, np.float64)
+  got_q = np.asarray(h, np.float64)[inside]
+  got_s = np.asarray(h_scales, np.float64)[inside]
+  assert np.isfinite(got_q).all() and np.isfinite(got_s).all()
+  # The scales: the fp32 total's amax against the oracle's, within the fp32 arithmetic.
+  np.testing.assert_allclose(got_s, want_s, rtol=2 ** -10)
+  # h: within one e4m3 step of the oracle's h at the row block's scale.
+  scale = np.repeat(got_s, 128, axis=1)
+  wanted = want_h[inside]
+  err = np.abs(got_q * scale - wanted)
+  assert (err <= e4m3_step(wanted / scale) * scale * (1 + 2 ** -10)).all(), "h"
+  # The codes: `fp8_quantize`'s of the oracle's h but where a value sits at a rounding
+  # boundary within the fp32 error: few, and each one step away.
+  flips = got_q != want_q
+  assert flips.mean() <= 0.01, f"{flips.mean():.4f} of h's codes differ from the oracle's"
+  assert (np.abs(got_q - want_q)[flips] <= e4m3_step(np.maximum(
+      np.abs(got_q), np.abs(want_q)))[flips]).all()
+
+
+@BOTH
+@pytest.mark.parametrize("activation", hopper_fp8.ACTIVATIONS)
+def test_gated_kernel_matches_the_oracle(activation, tiles):
+  rng = np.random.default_rng(4)
+  gs, go, rows = layout(SIZES)
+  x, xs = row_operand(rng, rows, 256, gs, go)
+  w_gate = weight_operand(rng, len(SIZES), 256, 256)
+  w_up = weight_operand(rng, len(SIZES), 256, 256) if activation in mlp.GATED else None
+  with interpret():
+    outs = hopper_fp8.fp8_gated_kernel(
+        x, xs, w_gate[0], None if w_up is None else w_up[0], w_gate[1],
+        None if w_up is None else w_up[1], gs, go, activation=activation, tiles=tiles)
+  check_gated(outs, x, xs, w_gate, w_up, gs, go, activation, ABS_INTERPRETED)
+
+
+@BOTH
+def test_gated_kernel_ignores_rows_outside_the_groups(tiles):
+  gs, go, rows = layout(SIZES)
+  rng = np.random.default_rng(5)
+  w_gate, w_up = weight_operand(rng, len(SIZES), 256, 256), weight_operand(
+      rng, len(SIZES), 256, 256)
+  outs = []
+  for fill in (np.nan, 0.0):
+    x, xs = row_operand(np.random.default_rng(6), rows, 256, gs, go, fill=fill)
+    with interpret():
+      outs.append([np.asarray(o, np.float32) for o in hopper_fp8.fp8_gated_kernel(
+          x, xs, w_gate[0], w_up[0], w_gate[1], w_up[1], gs, go, activation="swiglu",
+          tiles=tiles)])
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  for a, b in zip(*outs):
+    assert np.isfinite(a[inside]).all()
+    np.testing.assert_array_equal(a[inside], b[inside])
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_input_grad_kernel_matches_the_oracle(gated):
+  rng = np.random.default_rng(7)
+  gs, go, rows = layout(SIZES)
+  dgate = row_operand(rng, rows, 256, gs, go)
+  dup = row_operand(rng, rows, 256, gs, go) if gated else (None, None)
+  w_gate = weight_operand(rng, len(SIZES), 128, 256)  # [G, H, F]
+  w_up = weight_operand(rng, len(SIZES), 128, 256) if gated else (None, None)
+  with interpret():
+    got = hopper_fp8.fp8_gated_input_grad_kernel(*dgate, *dup, *w_gate, *w_up, gs, go,
+                                                 tiles=PLAIN)
+  assert got.shape == (rows, 128) and got.dtype == jnp.bfloat16
+  passes = [dgate, dup] if gated else [dgate]
+  want, absolute = oracle(passes, [w_gate, w_up] if gated else [w_gate], gs, go)
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  assert_within(got, want, absolute, inside, "dx")
+
+
+def test_the_epilogues_activation_is_the_bf16_kernels():
+  g = jnp.linspace(-12.0, 12.0, 1001, dtype=jnp.float32)
+  for activation in hopper_fp8.ACTIVATIONS:
+    np.testing.assert_array_equal(hopper_fp8.activation_fn(g, activation),
+                                  mlp.act(g, activation))
+
+
+def test_the_epilogues_quantisation_is_fp8_quantize():
+  h = jnp.asarray(np.random.default_rng(8).standard_normal((64, 128)) * np.exp2(
+      np.arange(-32, 32))[:, None], jnp.float32).at[3].set(0.0)
+  q, s = hopper_fp8.quantize_rows(h)
+  want_q, want_s = fp8_quantize(h)
+  np.testing.assert_array_equal(np.asarray(s), np.asarray(want_s)[:, 0])
+  np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(want_q, np.float32))
+
+
+# ------------------------------------------------------------------ bad input
+
+def _abstract(rows=256, groups=2, k=256, n=256, x_dtype=jnp.float8_e4m3fn):
+  S = jax.ShapeDtypeStruct
+  return (S((rows, k), x_dtype), S((rows, k // 128), jnp.float32),
+          S((groups, n, k), jnp.float8_e4m3fn), S((groups, n // 128, k // 128), jnp.float32),
+          S((groups,), jnp.int32), S((groups,), jnp.int32))
+
+
+@pytest.mark.parametrize("case,error,match", [
+    (dict(x_dtype=jnp.bfloat16), TypeError, "x must be float8_e4m3fn"),
+    (dict(k=192), ValueError, "multiples of 128"),
+])
+def test_bad_operands_are_named(case, error, match):
+  with pytest.raises(error, match=match):
+    jax.eval_shape(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(*a, tiles=PLAIN),
+                   *_abstract(**case))
+
+
+@pytest.mark.parametrize("tiles,match", [
+    (KernelTiles(64, 128, 64, 2, 1, 1), "block_k = 128"),
+    (KernelTiles(64, 256, 128, 2, 1, 1), "dividing 128"),
+    (KernelTiles(64, 128, 128, 2, 1, 2), "64 \\* compute_wgs"),
+    (KernelTiles(128, 128, 128, 2, 1, 1), "registers"),
+    (KernelTiles(128, 128, 128, 7, 1, 2), "shared memory"),
+])
+def test_tiles_that_cannot_run_are_named(tiles, match):
+  with pytest.raises(ValueError, match=match):
+    jax.eval_shape(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(*a, tiles=tiles),
+                   *_abstract())
+
+
+def test_bad_scales_and_activation_are_named():
+  x, xs, w, ws, gs, go = _abstract()
+  with pytest.raises(ValueError, match=r"w_scales must be float32 \(2, 2, 2\)"):
+    jax.eval_shape(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(*a, tiles=PLAIN),
+                   x, xs, w, jax.ShapeDtypeStruct((2, 2), jnp.float32), gs, go)
+  with pytest.raises(ValueError, match="activation must be one of"):
+    hopper_fp8.fp8_gated_kernel(x, xs, w, w, ws, ws, gs, go, activation="relu", tiles=PLAIN)
+  with pytest.raises(ValueError, match="takes w_up and scales_up"):
+    hopper_fp8.fp8_gated_kernel(x, xs, w, None, ws, None, gs, go, activation="swiglu",
+                                tiles=PLAIN)
+
+
+# ------------------------------------------------------------------ lowered for CUDA
+
+def _lower(fn, *operands):
+  jax.jit(fn).trace(*operands).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.parametrize("product", ["up", "down"])
+@pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
+def test_matmul_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn, product):
+  k, n = (hidden, ffn) if product == "up" else (ffn, hidden)
+  tiles = configs.fp8_tile_config(groups, k, n)
+  assert tiles is not None
+  _lower(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(*a, tiles=tiles),
+         *_abstract(4096, groups, k, n))
+
+
+def test_one_warpgroup_kernels_lower_for_cuda():
+  one = configs.fp8_input_grad_tiles(2048, 7168)
+  assert one.compute_wgs == 1
+  _lower(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(*a, tiles=one),
+         *_abstract(4096, 32, 2048, 7168))
+  x, xs, w, ws, gs, go = _abstract(4096, 32, 7168, 2048)
+  _lower(lambda x, xs, w, ws, gs, go: hopper_fp8.fp8_gated_kernel(
+      x, xs, w, w, ws, ws, gs, go, activation="geglu", tiles=one), x, xs, w, ws, gs, go)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+@pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
+def test_gated_kernel_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn, activation):
+  x, xs, w, ws, gs, go = _abstract(4096, groups, hidden, ffn)
+  gated = activation in mlp.GATED
+  tiles = configs.fp8_gated_tiles(hidden, ffn)
+  _lower(lambda x, xs, w, ws, gs, go: hopper_fp8.fp8_gated_kernel(
+      x, xs, w, w if gated else None, ws, ws if gated else None, gs, go,
+      activation=activation, tiles=tiles), x, xs, w, ws, gs, go)
+
+
+@pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
+def test_input_grad_kernel_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn):
+  d, ds, w, ws, gs, go = _abstract(4096, groups, ffn, hidden)
+  tiles = configs.fp8_input_grad_tiles(ffn, hidden)
+  _lower(lambda d, ds, w, ws, gs, go: hopper_fp8.fp8_gated_input_grad_kernel(
+      d, ds, d, ds, w, ws, w, ws, gs, go, tiles=tiles), d, ds, w, ws, gs, go)
+
+
+# ------------------------------------------------------------------ the benchmark
+
+@pytest.mark.slow
+def test_the_benchmark_writes_grouped_matmul_records(tmp_path):
+  """benchmarks/bench_fp8_gemm.py on the CPU, the FP8 kernel interpreted: the records' fields
+  (the timings mean nothing here)."""
+  import json
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "fp8.jsonl"
+  result = subprocess.run(
+      [sys.executable, os.path.join(root, "benchmarks", "bench_fp8_gemm.py"), "--shapes",
+       "qwen3_30b_a3b", "--products", "up", "--scale", "16", "--tokens", "16", "--interpret",
+       "--repeats", "1", "--out", str(out)],
+      env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+  assert result.returncode == 0, result.stdout + result.stderr
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert {r["precision"] for r in records} == {"bf16", "fp8"}
+  for r in records:
+    assert r["op"] == "grouped_matmul" and r["pass"] == "fwd" and r["product"] == "up"
+    assert (r["experts"], r["k"], r["n"], r["rows"]) == (8, 128, 128, 16 * 8)
+    assert r["bound"] == "dense_gemm" and r["median_us"] > 0
+    assert {"tflops", "bound_tflops", "fraction", "gpu", "jax", "date", "commit"} <= set(r)
+  (fp8,) = [r for r in records if r["precision"] == "fp8"]
+  assert fp8["impl"] == "mosaic_fp8" and fp8["dtype"] == "float8_e4m3fn"
+  assert {"speedup_vs_bf16", "dense_fp8_tflops"} <= set(fp8)
+
+
+# ------------------------------------------------------------------ on Hopper
+
+def skewed_sizes(rng, groups, total):
+  """`groups` sizes summing to about `total`, Zipf-skewed, the last group empty."""
+  weights = 1.0 / np.arange(1, groups + 1) ** 1.2
+  rng.shuffle(weights)
+  weights[-1] = 0.0
+  return np.floor(weights / weights.sum() * total).astype(np.int32)
+
+
+def gpu_case(seed, groups, tokens=4096):
+  """A generator and a skewed layout of `tokens` rows over `groups` experts, each group at a
+  multiple of 128 (rows: the groups and their padding)."""
+  rng = np.random.default_rng(seed)
+  gs, go, rows = layout(skewed_sizes(rng, groups, tokens))
+  return rng, gs, go, rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("product", ["up", "down"])
+@pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
+def test_matmul_on_hopper(groups, hidden, ffn, product):
+  require_hopper()
+  k, n = (hidden, ffn) if product == "up" else (ffn, hidden)
+  rng, gs, go, rows = gpu_case(10, groups)
+  x, xs = row_operand(rng, rows, k, gs, go)
+  w, ws = weight_operand(rng, groups, n, k)
+  tiles = configs.fp8_tile_config(groups, k, n)
+  got = jax.jit(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(*a, tiles=tiles))(
+      x, xs, w, ws, gs, go)
+  want, absolute = oracle_on_device([(x, xs)], [(w, ws)], gs, go)
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  assert_within(got, want, absolute, inside, f"fp8 matmul {product}", ABS_HOPPER)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
+def test_gated_kernel_on_hopper(groups, hidden, ffn):
+  require_hopper()
+  rng, gs, go, rows = gpu_case(11, groups)
+  x, xs = row_operand(rng, rows, hidden, gs, go)
+  w_gate, w_up = weight_operand(rng, groups, ffn, hidden), weight_operand(
+      rng, groups, ffn, hidden)
+  tiles = configs.fp8_gated_tiles(hidden, ffn)
+  outs = jax.jit(lambda *a: hopper_fp8.fp8_gated_kernel(
+      *a, activation="swiglu", tiles=tiles))(x, xs, w_gate[0], w_up[0], w_gate[1], w_up[1],
+                                             gs, go)
+  check_gated(outs, x, xs, w_gate, w_up, gs, go, "swiglu", ABS_HOPPER, oracle_on_device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
+def test_input_grad_kernel_on_hopper(groups, hidden, ffn):
+  require_hopper()
+  rng, gs, go, rows = gpu_case(12, groups)
+  dgate, dup = row_operand(rng, rows, ffn, gs, go), row_operand(rng, rows, ffn, gs, go)
+  w_gate, w_up = weight_operand(rng, groups, hidden, ffn), weight_operand(
+      rng, groups, hidden, ffn)
+  tiles = configs.fp8_input_grad_tiles(ffn, hidden)
+  got = jax.jit(lambda *a: hopper_fp8.fp8_gated_input_grad_kernel(*a, tiles=tiles))(
+      *dgate, *dup, *w_gate, *w_up, gs, go)
+  want, absolute = oracle_on_device([dgate, dup], [w_gate, w_up], gs, go)
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  assert_within(got, want, absolute, inside, "fp8 dx", ABS_HOPPER)
+
+
+@pytest.mark.gpu
+def test_one_warpgroup_forms_and_a_plain_activation_on_hopper():
+  """The one-warpgroup matmul and gated kernel (the tiles `--tune` compares) and the gated
+  kernel without `w_up` ("gelu"), at one model shape."""
+  require_hopper()
+  groups, hidden, ffn = 32, 4096, 1536
+  one = configs.fp8_input_grad_tiles(hidden, ffn)
+  rng, gs, go, rows = gpu_case(13, groups)
+  x, xs = row_operand(rng, rows, hidden, gs, go)
+  w_gate, w_up = weight_operand(rng, groups, ffn, hidden), weight_operand(
+      rng, groups, ffn, hidden)
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  got = jax.jit(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(*a, tiles=one))(
+      x, xs, *w_gate, gs, go)
+  want, absolute = oracle_on_device([(x, xs)], [w_gate], gs, go)
+  assert_within(got, want, absolute, inside, "fp8 matmul, one warpgroup", ABS_HOPPER)
+  outs = jax.jit(lambda *a: hopper_fp8.fp8_gated_kernel(*a, activation="geglu", tiles=one))(
+      x, xs, w_gate[0], w_up[0], w_gate[1], w_up[1], gs, go)
+  check_gated(outs, x, xs, w_gate, w_up, gs, go, "geglu", ABS_HOPPER, oracle_on_device)
+  tiles = configs.fp8_gated_tiles(hidden, ffn)
+  outs = jax.jit(lambda x, xs, w, s, gs, go: hopper_fp8.fp8_gated_kernel(
+      x, xs, w, None, s, None, gs, go, activation="gelu", tiles=tiles))(
+          x, xs, *w_gate, gs, go)
+  check_gated(outs, x, xs, w_gate, None, gs, go, "gelu", ABS_HOPPER, oracle_on_device)
