@@ -43,7 +43,7 @@ import jax.numpy as jnp  # noqa: E402
 
 import reports  # noqa: E402
 import jax_ep  # noqa: E402
-from jax_ep.backends.fp8 import fp8_quantize  # noqa: E402
+from jax_ep._native.fp8 import fp8_quantize  # noqa: E402
 from jax_ep.experts import configs, hopper_fp8  # noqa: E402
 from jax_ep.experts.configs import KernelTiles  # noqa: E402
 

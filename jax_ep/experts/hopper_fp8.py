@@ -9,7 +9,7 @@ padding):
   * w_scales[g, n // 128, kb]`, rounded once to `out_dtype`.
 - `fp8_gated_kernel`: the gate and up projections of one row operand in one kernel, the gated
   activation in the epilogue, which quantises `h` for the down projection (e4m3 + per-row,
-  per-128-column scales, `jax_ep.backends.fp8.fp8_quantize`'s rounding) and keeps gate and up
+  per-128-column scales, `jax_ep._native.fp8.fp8_quantize`'s rounding) and keeps gate and up
   in bf16 (the backward's residuals).
 - `fp8_gated_input_grad_kernel`: `dx = dgate @ w_gate^T + dup @ w_up^T` (two passes into one
   accumulator, as `hopper_fused` does).
