@@ -19,7 +19,7 @@ from jax_ep.config import RowFormat
 from jax_ep.experts import slab as slab_mlp
 from jax_ep.experts.fp8 import (Fp8Weights, check_fp8_dims, check_fp8_rows,
                                 quantize_weights)
-from jax_ep.experts.mlp_fp8 import fp8_expert_mlp
+from jax_ep.experts.mlp_fp8 import fp8_expert_mlp, fp8_mlp_impl
 from jax_ep.experts.api import grouped_matmul
 from jax_ep.experts.checks import check_groups
 from jax_ep.experts.layout import contiguous_offsets
@@ -174,7 +174,14 @@ def _fp8_expert_mlp(x, x_scales, w_gate, w_up, w_down, group_sizes, group_offset
     x, x_scales = quantize(x, RowFormat.FP8)
   weights = [w if w is None or isinstance(w, Fp8Weights) else quantize_weights(w)
              for w in (w_gate, w_up, w_down)]
-  return fp8_expert_mlp(x, x_scales, *weights, group_sizes, group_offsets, activation)
+  groups, _, ffn = weights[0].shape
+  fused, detail = fp8_mlp_impl(x.shape[0], groups, hidden, ffn, activation)
+  key = ("fp8", fused, detail, x.shape, weights[0].shape, activation)
+  if key not in _SAID_MLP:
+    _SAID_MLP.add(key)
+    _logger.info("jax_ep.expert_mlp fp8 %s x %s %s: %s (%s)", list(x.shape),
+                 list(weights[0].shape), activation, "fused" if fused else "unfused", detail)
+  return fp8_expert_mlp(x, x_scales, *weights, group_sizes, group_offsets, activation, fused)
 
 
 def expert_mlp_slabs(rows, w_gate, w_up, w_down, count, *, impl: str = "auto"):

@@ -386,3 +386,49 @@ def test_nnx_module_trains_with_fp8_and_decodes_in_bf16(new_group):
     assert g.dtype == np.float32 and np.all(np.isfinite(g)) and np.any(g != 0), name
   with pytest.raises(ValueError, match="ffn=96 must be multiples of 128"):
     jax_ep.nnx.MoE(group, ffn=96, rngs=nnx.Rngs(0), fp8=True)
+
+
+# ----------------------------------------------------------- the Hopper kernels, interpreted
+@pytest.fixture
+def fp8_interpreted(monkeypatch):
+  """The FP8 MLP on its Hopper kernels in Pallas's Mosaic GPU interpreter (tests/
+  test_fp8_kernels.py checks each kernel against its oracle; here they run as `expert_mlp`
+  calls them, forward and backward)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax_ep.experts import choice, fp8, mlp, mlp_fp8
+  monkeypatch.setattr(choice, "on_hopper", lambda: True)
+  monkeypatch.setattr(choice, "mosaic_compile_error", lambda *args: None)
+  monkeypatch.setattr(mlp, "fused_compile_error", lambda *args: None)
+  monkeypatch.setattr(fp8, "fp8_compile_error", lambda *args: None)
+  monkeypatch.setattr(mlp_fp8, "fp8_mlp_compile_error", lambda *args: None)
+  with plgpu.force_gpu_interpret_mode():
+    yield
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_fp8_kernels_as_expert_mlp_runs_them(fp8_interpreted, monkeypatch, activation):
+  """The fused FP8 path (gated kernel with `h` quantised in its epilogue, the FP8 product, the
+  input gradient's two passes in one kernel) against the same recipe on the float32 fallback:
+  the same rows quantised the same way, so they differ by fp32 summation order and the few
+  `h` codes that order flips (relative norm <= 1e-3)."""
+  from jax_ep.experts.mlp_fp8 import fp8_mlp_impl
+  x, weights, sizes, offsets, inside, cot = _mlp_case(seed=7, activation=activation,
+                                                      alignment=128)
+  assert fp8_mlp_impl(640, 4, 256, 384, activation)[0]
+  argnums = tuple(i for i, w in enumerate((x, *weights)) if w is not None)
+  loss = _mlp_loss(True, activation, sizes, offsets, cot)
+  got_grads, got = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, *weights)
+  # Off Hopper: the float32 product of the dequantised operands (on Hopper the fallback
+  # multiplies them in bf16).
+  from jax_ep.experts import choice
+  monkeypatch.setattr(choice, "on_hopper", lambda: False)
+  want_grads, want = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, *weights)
+  got, want = np.asarray(got, np.float32)[inside], np.asarray(want, np.float32)[inside]
+  assert np.all(np.isfinite(got))
+  assert _cosine_and_norm(got, want)[1] <= 1e-3, _cosine_and_norm(got, want)
+  for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+    g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+    if i == 0:
+      g, w = g[inside], w[inside]
+    assert np.all(np.isfinite(g)), i
+    assert _cosine_and_norm(g, w)[1] <= 1e-3, (i, _cosine_and_norm(g, w))

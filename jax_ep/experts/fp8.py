@@ -182,8 +182,32 @@ def fp8_matmul_impl(rows: int, groups: int, k: int, n: int, *, impl: str = "auto
 
 def _fp8_kernel_tiles(rows, groups, k, n):
   """`(tiles, None)` where the FP8 kernel runs this shape, else `(None, why)`."""
-  del rows, groups, k, n
-  return None, "jax_ep has no FP8 Mosaic GPU kernel in this build"
+  from jax_ep.experts import configs
+  tiles = configs.fp8_tile_config(groups, k, n)
+  if tiles is None:
+    return None, f"the FP8 kernel's 128-channel blocks do not divide K={k} and N={n}"
+  why = fp8_compile_error(rows, groups, k, n, tiles)
+  return (None, why) if why else (tiles, None)
+
+
+@functools.cache
+def fp8_compile_error(rows: int, groups: int, k: int, n: int, tiles) -> str | None:
+  """Why the FP8 kernel does not compile for this shape (its shared memory, its registers), or
+  None: compiled once per shape on abstract operands when the shape is first traced, so that
+  a kernel that cannot build sends the shape to the fallback (logged) instead of failing the
+  user's program when XLA compiles it."""
+  from jax_ep.experts.hopper_fp8 import fp8_grouped_matmul_kernel
+  spec = jax.ShapeDtypeStruct
+  operands = (spec((rows, k), E4M3), spec((rows, k // BLOCK), jnp.float32),
+              spec((groups, n, k), E4M3), spec((groups, n // BLOCK, k // BLOCK), jnp.float32),
+              spec((groups,), jnp.int32), spec((groups,), jnp.int32))
+  try:
+    jax.jit(functools.partial(fp8_grouped_matmul_kernel, tiles=tiles)).lower(
+        *operands).compile()
+  except Exception as e:  # noqa: BLE001 - any failure to build means: not this kernel
+    return (f"the FP8 Mosaic GPU kernel did not compile for it ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+  return None
 
 
 # ----------------------------------------------------------------------------------------------

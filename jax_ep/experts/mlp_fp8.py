@@ -18,6 +18,12 @@ the input gradient in FP8 (`jax_ep/experts/fp8.py`), the weight gradients in bf1
 - weights: `Fp8Weights` (`jax_ep.quantize_weights`, once per step); their gradients pass
   straight through to the bf16 / f32 masters.
 
+On Hopper (`fp8_mlp_impl`) the gate and up projections are one kernel whose epilogue applies
+the activation and quantises `h` (`hopper_fp8.fp8_gated_kernel`: no fp32 `[rows, F]` buffer),
+and `dx` of both projections is one kernel of two passes (`fp8_gated_input_grad_kernel`);
+every other product is `hopper_fp8.fp8_grouped_matmul_kernel` (through `fp8.fp8_product`).
+Elsewhere the products are `fp8_product`'s fallback and the activation runs between them.
+
 Rows outside the groups are unspecified in the result; every quantisation is row-local and
 every product reads only the rows of its groups, so no result or gradient depends on them.
 """
@@ -31,9 +37,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
-from jax_ep._native.varying import sum_to_primal
 from jax_ep._native.fp8 import fp8_quantize
-from jax_ep.experts.fp8 import Fp8Weights, dequantize_rows, fp8_product
+from jax_ep._native.varying import sum_to_primal, vary_like_operands
+from jax_ep.experts import configs
+from jax_ep.experts.fp8 import BLOCK, Fp8Weights, dequantize_rows, fp8_matmul_impl, fp8_product
 from jax_ep.experts.grouped import weight_grad_fn
 from jax_ep.experts.mlp import GATED, SAVED_NAME, act, act_grad, rowwise_vmap
 
@@ -54,8 +61,54 @@ def _product(x, x_scales, w: Fp8Weights, sizes, offsets, out_dtype, impl="auto")
                                                  offsets)[0]
 
 
-def _projections(x, x_scales, w_gate, w_up, sizes, offsets, activation):
+@functools.cache
+def _gated_fn(activation: str):
+  """The gated kernel as a `(h, h_scales, gate[, up])`-valued function for `rowwise_vmap`."""
+  gated = activation in GATED
+
+  def projections(x, x_scales, *args):
+    *weights, sizes, offsets = args
+    values_gate, scales_gate = weights[:2]
+    values_up, scales_up = weights[2:] if gated else (None, None)
+    from jax_ep.experts.hopper_fp8 import fp8_gated_kernel
+    ffn, hidden = values_gate.shape[1:]
+    h, h_scales, gate, up = fp8_gated_kernel(
+        x, x_scales, values_gate, values_up, scales_gate, scales_up, sizes, offsets,
+        activation=activation, tiles=configs.fp8_gated_tiles(hidden, ffn))
+    outs = (h, h_scales, gate) + ((up,) if gated else ())
+    return vary_like_operands(outs, (x, x_scales, *weights, sizes, offsets))
+
+  return rowwise_vmap(projections, 2)
+
+
+@functools.cache
+def _input_grad_fn(gated: bool):
+  """`(dx,)` of both projections in one kernel: `dgate @ w_gate^T (+ dup @ w_up^T)`."""
+  num_rows = 4 if gated else 2
+
+  def input_grad(*args):
+    rows, (*weights, sizes, offsets) = args[:num_rows], args[num_rows:]
+    from jax_ep.experts.hopper_fp8 import fp8_gated_input_grad_kernel
+    hidden, ffn = weights[0].shape[1:]
+    dgate, dgate_scales, dup, dup_scales = rows if gated else (*rows, None, None)
+    values_gate, scales_gate, values_up, scales_up = weights if gated else (*weights, None, None)
+    dx = fp8_gated_input_grad_kernel(
+        dgate, dgate_scales, dup, dup_scales, values_gate, scales_gate, values_up, scales_up,
+        sizes, offsets, tiles=configs.fp8_input_grad_tiles(ffn, hidden), out_dtype=BF16)
+    return vary_like_operands((dx,), (*rows, *weights, sizes, offsets))
+
+  return rowwise_vmap(input_grad, num_rows)
+
+
+def _weight_args(*weights):
+  return [a for w in weights if w is not None for a in (w.values, w.scales)]
+
+
+def _projections(x, x_scales, w_gate, w_up, sizes, offsets, activation, fused):
   """`(h e4m3, h_scales, gate bf16, up bf16 or None)`."""
+  if fused:
+    outs = _gated_fn(activation)(x, x_scales, *_weight_args(w_gate, w_up), sizes, offsets)
+    return (*outs, None) if len(outs) == 3 else tuple(outs)
   f32 = np.dtype(jnp.float32)
   gate = _product(x, x_scales, w_gate, sizes, offsets, f32)
   up = None if w_up is None else _product(x, x_scales, w_up, sizes, offsets, f32)
@@ -64,27 +117,45 @@ def _projections(x, x_scales, w_gate, w_up, sizes, offsets, activation):
   return h_q, h_scales, gate.astype(BF16), None if up is None else up.astype(BF16)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _input_grad(d_projections, weights, sizes, offsets, fused):
+  """`dx` `[rows, H]` of the projections' cotangents, each quantised per row (the fp32 sum
+  rounded once to bf16 by the kernel, float32 on the fallback)."""
+  quantised = [a for d in d_projections for a in fp8_quantize(d)]
+  transposed = [w.transposed() for w in weights]
+  if fused:
+    (dx,) = _input_grad_fn(len(weights) == 2)(*quantised, *_weight_args(*transposed), sizes,
+                                              offsets)
+    return dx
+  f32 = np.dtype(jnp.float32)
+  parts = [_product(quantised[2 * i], quantised[2 * i + 1], w, sizes, offsets, f32)
+           for i, w in enumerate(transposed)]
+  return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def fp8_expert_mlp(x, x_scales, w_gate: Fp8Weights, w_up: Fp8Weights | None,
-                   w_down: Fp8Weights, group_sizes, group_offsets, activation: str):
+                   w_down: Fp8Weights, group_sizes, group_offsets, activation: str,
+                   fused: bool = False):
   """`[rows, H]` e4m3 rows with their `[rows, H / 128]` float32 scales -> `[rows, H]` bf16 on
   `Fp8Weights` (`w_up` None for the plain activations). Differentiable in `x` (its cotangent
-  in bf16) and the weights (straight through their quantisation to the masters)."""
+  in bf16) and the weights (straight through their quantisation to the masters). `fused`:
+  the Hopper kernels (`fp8_mlp_impl`)."""
   h_q, h_scales, _, _ = _projections(x, x_scales, w_gate, w_up, group_sizes, group_offsets,
-                                     activation)
+                                     activation, fused)
   return _product(h_q, h_scales, w_down, group_sizes, group_offsets, BF16)
 
 
-def _fp8_fwd(x, x_scales, w_gate, w_up, w_down, group_sizes, group_offsets, activation):
+def _fp8_fwd(x, x_scales, w_gate, w_up, w_down, group_sizes, group_offsets, activation,
+             fused):
   h_q, h_scales, gate, up = _projections(x, x_scales, w_gate, w_up, group_sizes, group_offsets,
-                                         activation)
+                                         activation, fused)
   y = _product(h_q, h_scales, w_down, group_sizes, group_offsets, BF16)
   saved = tuple(checkpoint_name(a, SAVED_NAME) for a in (gate, up) if a is not None)
   return y, (x, x_scales, w_gate, w_up, w_down, group_sizes, group_offsets, h_q, h_scales,
              saved)
 
 
-def _fp8_bwd(activation, residuals, dy):
+def _fp8_bwd(activation, fused, residuals, dy):
   (x, x_scales, w_gate, w_up, w_down, group_sizes, group_offsets, h_q, h_scales,
    saved) = residuals
   f32 = np.dtype(jnp.float32)
@@ -99,11 +170,7 @@ def _fp8_bwd(activation, residuals, dy):
   else:
     d_projections = (dh * act_grad(gate, activation),)
     weights = (w_gate,)
-  dx = None
-  for d, w in zip(d_projections, weights):
-    d_q, d_scales = fp8_quantize(d)
-    part = _product(d_q, d_scales, w.transposed(), group_sizes, group_offsets, f32)
-    dx = part if dx is None else dx + part
+  dx = _input_grad(d_projections, weights, group_sizes, group_offsets, fused)
   weight_grad = weight_grad_fn(False, BF16, "auto")
   x_rows = dequantize_rows(x, x_scales, BF16)
   h_rows = dequantize_rows(h_q, h_scales, BF16)
@@ -134,3 +201,53 @@ def fp8_weight_bytes(activation: str, groups: int, hidden: int, ffn: int) -> int
   """The experts' `Fp8Weights`: 1 byte per parameter and a float32 scale per 128 x 128 block."""
   per_matrix = hidden * ffn + 4 * (hidden // 128) * (ffn // 128)
   return groups * per_matrix * (3 if activation in GATED else 2)
+
+
+# ----------------------------------------------------------------------------------------------
+# The choice.
+
+@functools.cache
+def fp8_mlp_compile_error(rows: int, groups: int, hidden: int, ffn: int,
+                          activation: str) -> str | None:
+  """Why the FP8 MLP's Hopper kernels do not compile for this shape, or None (compiled once
+  per shape on abstract operands, forward and backward, when the shape is first traced)."""
+  gated = activation in GATED
+  spec = jax.ShapeDtypeStruct
+  e4m3 = jnp.float8_e4m3fn
+
+  def weights(k, n):
+    return Fp8Weights(spec((groups, n, k), e4m3), spec((groups, n // BLOCK, k // BLOCK),
+                                                       jnp.float32))
+  operands = (spec((rows, hidden), e4m3), spec((rows, hidden // BLOCK), jnp.float32),
+              weights(hidden, ffn), weights(hidden, ffn) if gated else None,
+              weights(ffn, hidden), spec((groups,), jnp.int32), spec((groups,), jnp.int32))
+
+  def loss(x, xs, wg, wu, wd, sizes, offsets):
+    y = fp8_expert_mlp(x, xs, wg, wu, wd, sizes, offsets, activation, True)
+    return jnp.sum(y.astype(jnp.float32))
+  try:
+    jax.jit(jax.grad(loss, 0)).lower(*operands).compile()
+  except Exception as e:  # noqa: BLE001 - any failure to build means: not these kernels
+    return (f"the FP8 kernels did not compile for it ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''})")
+  return None
+
+
+def fp8_mlp_impl(rows: int, groups: int, hidden: int, ffn: int,
+                 activation: str) -> tuple[bool, str]:
+  """`(True, tiles)` where the FP8 MLP takes its Hopper kernels for this shape, else `(False,
+  why not)` (each product then takes `fp8_product`'s choice)."""
+  if configs.current().fused_mlp is False:
+    return False, "the fused kernels are turned off (jax_ep.experts.override(fused_mlp=False))"
+  if rows == 0:
+    return False, "no rows"
+  name, why = fp8_matmul_impl(rows, groups, hidden, ffn)
+  if name != "mosaic":
+    return False, f"the FP8 product takes its fallback here: {why}"
+  tiles = (configs.fp8_gated_tiles(hidden, ffn), configs.fp8_input_grad_tiles(ffn, hidden))
+  if None in tiles:
+    return False, f"the FP8 kernels' 128-channel blocks do not divide H={hidden} and F={ffn}"
+  why = fp8_mlp_compile_error(rows, groups, hidden, ffn, activation)
+  if why:
+    return False, why
+  return True, f"gated {tiles[0]}, input gradient {tiles[1]}"
