@@ -15,6 +15,9 @@
   folds), computed in this one place.
 - `checks.py`: the rules a layout of groups follows, checked at trace time or on the device.
 - `hopper.py`: the Mosaic GPU kernels for Hopper (wgmma).
+- `hopper_fp8.py`: the FP8 kernels for Hopper (block-scaled e4m3 wgmma, fp32 promotion every
+  128): the product, the gated projections with `h` quantised in the epilogue, the input
+  gradient of both projections.
 - `slab.py`: the decode experts' Triton kernels on the low-latency slabs.
 
 A kernel module imports jax, numpy, `jax_ep._native` and `configs` / `layout` alone (a kernel
