@@ -300,8 +300,9 @@ def main():
     """The period of back-to-back calls on the device clock, inside one program of
     `--steady-calls` calls (the input sets repeated): from one call's FinishKernel to the next's
     (timers.steady_call_period_us; across hosts the rail exchange's, which runs once per call
-    where the host groups' run once per source host). Host timing noise and the processes' start skew (the first
-    call's wait) stay out; waiting for a slower peer stays in. The slowest process's median."""
+    where the host groups' run once per source host). Host timing noise and the processes'
+    start skew (the first call's wait) stay out; waiting for a slower peer stays in. The
+    slowest process's median."""
     if args.steady_calls < 2 or devices[0].platform != "gpu":
       return
     repeat = -(-args.steady_calls // calls)

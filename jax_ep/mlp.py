@@ -90,9 +90,9 @@ def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, group_offsets=None,
 
   Returns:
     `[rows, H]` in `x`'s dtype (fp32 accumulation, the hidden activation rounded to `x`'s
-    dtype; with `fp8`, bf16). Rows outside the groups (past them, and the padding between them) are
-    unspecified: no matmul reads them and the activation is row-local, so no result depends
-    on them.
+    dtype; with `fp8`, bf16). Rows outside the groups (past them, and the padding between
+    them) are unspecified: no matmul reads them and the activation is row-local, so no result
+    depends on them.
 
   On Hopper GPUs (bf16 / f16, sizes multiples of 64) the experts run fused kernels that never
   touch the rows outside the groups (jax_ep/experts/mlp.py: gate and up in one kernel with

@@ -272,8 +272,8 @@ def memory_bytes(*, num_ranks: int, num_experts: int, num_topk: int, hidden: int
     num_ranks: `R`. num_experts: `E` (divisible by `R`). num_topk: `K`. hidden: `H`.
     max_tokens_per_rank: `T_max`. dtype: activation dtype.
     capacity, buffer_factor: receive rows per rank, as `jax_ep.Group` takes them (at most one;
-      neither: `default_capacity`, the worst case; `capacity_factor` is refused as there). expert_alignment: `A`, as `jax_ep.Group`
-      takes it: the worst case and the factor's rows grow by the padding `L * (A - 1)`, and so
+      neither: `default_capacity`, the worst case; `capacity_factor` is refused as there).
+      expert_alignment: `A`, as `jax_ep.Group` takes it: the worst case and the factor's rows grow by the padding `L * (A - 1)`, and so
       does every figure sized by the capacity. backend: 'reference' or 'cuda'. row_format:
       the low-latency rows' `jax_ep.RowFormat` (default PLAIN; fp8 formats count their scales),
       which sizes `low_latency_recv_bytes`. wire_format: the high-throughput dispatch's

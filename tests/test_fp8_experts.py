@@ -92,7 +92,8 @@ def test_quantize_weights_passes_the_gradient_straight_through():
   c = jnp.asarray(np.random.default_rng(2).standard_normal((2, 128, 256)), F32)
   grad = jax.grad(lambda w: jnp.sum(jax_ep.quantize_weights(w).dequantize() * c))(w)
   assert grad.dtype == BF16
-  np.testing.assert_array_equal(np.asarray(grad, np.float32), np.asarray(c.astype(BF16), np.float32))
+  np.testing.assert_array_equal(np.asarray(grad, np.float32),
+                                np.asarray(c.astype(BF16), np.float32))
 
 
 @pytest.mark.parametrize("shape,match", [

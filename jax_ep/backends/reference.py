@@ -274,7 +274,8 @@ def low_latency_dispatch(config: EPConfig, x: jax.Array, topk_idx: jax.Array,
 
 def low_latency_combine(config: EPConfig, expert_out: jax.Array,
                         layout: ReferenceLowLatencyLayout, topk_weights: jax.Array) -> jax.Array:
-  """Each selected slot's expert row travels home; home takes the fp32 weighted sum in slot order."""
+  """Each selected slot's expert row travels home; home takes the fp32 weighted sum in slot
+  order."""
   flat = expert_out.reshape(-1, expert_out.shape[-1])
   rows = jnp.stack([_gather_entries(flat, layout.entry_slot, k) for k in range(config.num_topk)],
                    axis=2)  # [R (src), T, K, H] fp32
@@ -306,8 +307,8 @@ class ReferenceBackend(LayoutThenDispatch, Backend):
   """Pure JAX; runs on every platform. The oracle-checked baseline for all other backends.
 
   JAX differentiates the low-latency pair as written (`low_latency_kernels` False), so it takes
-  no `topk_weights` in its dispatch and no `gather`. Its split form computes everything in the send and hands it
-  to the wait (nothing of it can overlap on this path).
+  no `topk_weights` in its dispatch and no `gather`. Its split form computes everything in the
+  send and hands it to the wait (nothing of it can overlap on this path).
   """
   config: EPConfig
   name = "reference"

@@ -233,8 +233,10 @@ def fp8_product(x, x_scales, w: Fp8Weights, group_sizes, group_offsets, out_dtyp
     from jax_ep.experts.grouped import product_fn
     bf16 = np.dtype(jnp.bfloat16)
     return product_fn(False, np.dtype(out_dtype), "auto")(
-        dequantize_rows(x, x_scales, bf16), _dequantize_blocks(w.values, w.scales, bf16), group_sizes, group_offsets)
-  return jax.lax.ragged_dot(dequantize_rows(x, x_scales), _dequantize_blocks(w.values, w.scales, np.float32),
+        dequantize_rows(x, x_scales, bf16), _dequantize_blocks(w.values, w.scales, bf16),
+        group_sizes, group_offsets)
+  w32 = _dequantize_blocks(w.values, w.scales, np.float32)
+  return jax.lax.ragged_dot(dequantize_rows(x, x_scales), w32,
                             spans(rows, group_sizes, group_offsets),
                             preferred_element_type=jnp.float32).astype(out_dtype)
 
