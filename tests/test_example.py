@@ -66,7 +66,7 @@ def test_fp8_experts_train_as_well_as_bf16(tmp_path):
   for fp8 in (False, True):
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "60",
+    proc = subprocess.run([sys.executable, str(EXAMPLE), "--steps", "40",
                            *(["--fp8"] if fp8 else [])], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
