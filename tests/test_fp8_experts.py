@@ -124,6 +124,25 @@ def test_grouped_matmul_fp8_matches_the_dequantised_product(alignment):
   assert np.all(np.abs(got - want) <= np.abs(want) * 2.0 ** -8 + scale * k * 2.0 ** -24)
 
 
+def test_grouped_matmul_fp8_under_vmap_is_each_call():
+  """`jax.vmap` over rows (shared weights) and over weights (rows shared): each element's
+  product, within one bf16 rounding (the batched call sums in fp32 in another order)."""
+  rng = np.random.default_rng(8)
+  sizes = jnp.array([100, 0, 156], jnp.int32)
+  xs = [fp8_quantize(jnp.asarray(rng.standard_normal((256, 128)), BF16)) for _ in range(2)]
+  ws = [jax_ep.quantize_weights(_weights(rng, 3, 128, 256)) for _ in range(2)]
+  x_q, x_s = (jnp.stack(a) for a in zip(*xs))
+  w = Fp8Weights(*(jnp.stack(a) for a in zip(*ws)))
+  by_rows = jax.vmap(lambda q, s: jax_ep.grouped_matmul_fp8(q, s, ws[0], sizes))(x_q, x_s)
+  by_weights = jax.vmap(lambda w: jax_ep.grouped_matmul_fp8(*xs[0], w, sizes))(w)
+  def close(got, want):  # a bf16 rounding, or fp32 sums' difference where they cancel
+    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -14 * np.abs(want).max())
+  for i in range(2):
+    close(by_rows[i], jax_ep.grouped_matmul_fp8(*xs[i], ws[0], sizes))
+    close(by_weights[i], jax_ep.grouped_matmul_fp8(*xs[0], ws[i], sizes))
+
+
 def test_grouped_matmul_fp8_names_bad_operands():
   x_q, x_scales = fp8_quantize(jnp.ones((128, 256), BF16))
   w = jax_ep.quantize_weights(jnp.ones((2, 256, 128), F32))

@@ -241,6 +241,18 @@ def fp8_product(x, x_scales, w: Fp8Weights, group_sizes, group_offsets, out_dtyp
                             preferred_element_type=jnp.float32).astype(out_dtype)
 
 
+@functools.cache
+def product_fn(out_dtype, impl: str):
+  """`fp8_product` as a `(y,)`-valued function of `(x, x_scales, values, scales, sizes,
+  offsets)`: `jax.vmap` over a leading axis runs one call (`mlp.rowwise_vmap`)."""
+  from jax_ep.experts.mlp import rowwise_vmap
+
+  def product(x, x_scales, values, scales, sizes, offsets):
+    return (fp8_product(x, x_scales, Fp8Weights(values, scales), sizes, offsets, out_dtype,
+                        impl),)
+  return rowwise_vmap(product, 2)
+
+
 def check_fp8_rows(fn: str, x, x_scales, hidden: int | None = None, name: str = "x") -> None:
   """e4m3 rows `[rows, K]` with float32 scales `[rows, K / 128]`, naming `fn`."""
   if getattr(x, "ndim", None) != 2:
@@ -283,7 +295,7 @@ def grouped_matmul_fp8(x, x_scales, w: Fp8Weights, group_sizes, *, group_offsets
     x_scales[r, j] * w.scales[g, ., j]`, each 128-deep block's product promoted to fp32 and
     the sum rounded once to `out_dtype`. Rows outside the groups are unspecified, and no result
     depends on them. Not differentiable (the FP8 expert MLP, `jax_ep.expert_mlp(..., fp8=True)`,
-    is).
+    is). `jax.vmap` over a leading axis of any argument runs one call.
   """
   if not isinstance(w, Fp8Weights):
     raise TypeError(f"jax_ep.grouped_matmul_fp8: w must be jax_ep.Fp8Weights "
@@ -298,5 +310,7 @@ def grouped_matmul_fp8(x, x_scales, w: Fp8Weights, group_sizes, *, group_offsets
   check_groups(x.shape[0], group_sizes, group_offsets, "jax_ep.grouped_matmul_fp8")
   group_offsets = (contiguous_offsets(group_sizes) if group_offsets is None
                    else jnp.asarray(group_offsets).astype(jnp.int32))
-  return fp8_product(x, x_scales, w, group_sizes, group_offsets, np.dtype(out_dtype), impl)
+  (y,) = product_fn(np.dtype(out_dtype), impl)(x, x_scales, w.values, w.scales, group_sizes,
+                                               group_offsets)
+  return y
 

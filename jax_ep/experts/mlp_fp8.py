@@ -40,25 +40,16 @@ import numpy as np
 from jax_ep._native.fp8 import fp8_quantize
 from jax_ep._native.varying import sum_to_primal, vary_like_operands
 from jax_ep.experts import configs
-from jax_ep.experts.fp8 import BLOCK, Fp8Weights, dequantize_rows, fp8_matmul_impl, fp8_product
+from jax_ep.experts.fp8 import BLOCK, Fp8Weights, dequantize_rows, fp8_matmul_impl, product_fn
 from jax_ep.experts.grouped import weight_grad_fn
 from jax_ep.experts.mlp import GATED, SAVED_NAME, act, act_grad, rowwise_vmap
 
 BF16 = np.dtype(jnp.bfloat16)
 
 
-@functools.cache
-def _product_fn(out_dtype, impl: str):
-  """The FP8 product as a `(y,)`-valued function batched by `rowwise_vmap`."""
-  def product(x, x_scales, values, scales, sizes, offsets):
-    return (fp8_product(x, x_scales, Fp8Weights(values, scales), sizes, offsets, out_dtype,
-                        impl),)
-  return rowwise_vmap(product, 2)
-
-
 def _product(x, x_scales, w: Fp8Weights, sizes, offsets, out_dtype, impl="auto"):
-  return _product_fn(np.dtype(out_dtype), impl)(x, x_scales, w.values, w.scales, sizes,
-                                                 offsets)[0]
+  return product_fn(np.dtype(out_dtype), impl)(x, x_scales, w.values, w.scales, sizes,
+                                                offsets)[0]
 
 
 @functools.cache
