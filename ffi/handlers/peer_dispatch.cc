@@ -30,6 +30,7 @@
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/group_common.h"
 #include "ffi/handlers/handlers.h"
+#include "ffi/handlers/peer_dispatch_checks.h"
 #include "ffi/kernels/peer_kernels.h"
 #include "ffi/runtime/group.h"
 #include "xla/ffi/api/ffi.h"
@@ -57,45 +58,26 @@ ffi::Error PeerDispatchImpl(
   std::shared_ptr<const runtime::Group> group;
   JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::GetPlacingGroup(
       kOp, ref, num_experts, capacity, &group));
-  const runtime::GroupConfig& c = group->config;
-  const int64_t num_ranks = c.num_ranks;
-  const int64_t num_local = num_experts / num_ranks;
-  const int64_t hidden = c.hidden;
-  const int64_t num_topk = c.num_topk;
+  const int64_t hidden = group->config.hidden;
 
   int64_t num_tokens = 0;
   ElementType dtype;
   JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckGroupTokens(
       kOp, *group, "x", x, &num_tokens, &dtype));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_idx", topk_idx.dimensions(),
-                                        {num_tokens, num_topk}, "[T, K]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "topk_weights",
-                                        topk_weights.dimensions(),
-                                        {num_tokens, num_topk}, "[T, K]"));
 
   JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "recv_x", recv_x->dimensions(),
                                         {StorageRows(capacity), hidden},
                                         "[max(capacity, 1), H]"));
   JAX_EP_FFI_RETURN_IF_ERROR(ffi_utils::CheckSameDtype(
       kOp, "recv_x", recv_x->element_type(), "x", x.element_type()));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(
-      kOp, "group_sizes", group_sizes->dimensions(), {num_local}, "[E / R]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckShape(kOp, "num_dropped", num_dropped->dimensions(), {}, "[]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckShape(kOp, "num_invalid", num_invalid->dimensions(), {}, "[]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(CheckShape(kOp, "send_pos", send_pos->dimensions(),
-                                        {num_tokens, num_ranks}, "[T, R]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckReceivedEntries(
-      kOp, *group, entry_row->dimensions(), entry_weights->dimensions(),
-      recv_counts->dimensions()));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckShape(kOp, "status", status->dimensions(), {}, "[]"));
-  JAX_EP_FFI_RETURN_IF_ERROR(
-      CheckShape(kOp, "workspace", workspace->dimensions(),
-                 {peer::DispatchWorkspaceElems(num_ranks, c.max_tokens,
-                                                    num_topk, num_experts)},
-                 "[peer_dispatch_workspace_elems(R, T_max, K, E)]"));
+  JAX_EP_FFI_RETURN_IF_ERROR(group_ffi::CheckPeerDispatchLayout(
+      kOp, *group, num_tokens, num_experts,
+      {topk_idx.dimensions(), topk_weights.dimensions(),
+       group_sizes->dimensions(), num_dropped->dimensions(),
+       num_invalid->dimensions(), send_pos->dimensions(),
+       entry_row->dimensions(), entry_weights->dimensions(),
+       recv_counts->dimensions(), status->dimensions(),
+       workspace->dimensions()}));
   JAX_EP_FFI_RETURN_IF_ERROR(
       ffi_utils::CheckAligned(kOp, "x", x.untyped_data()));
   JAX_EP_FFI_RETURN_IF_ERROR(
