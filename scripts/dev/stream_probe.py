@@ -3,16 +3,16 @@
 One rank, the cuda backend. A program holds two independent chains: `--gemms` bf16 GEMMs
 ([rows, H] x [H, F], the experts' shape) and `--ops` dispatch -> combine pairs of T tokens.
 Each is timed alone and both together (device spans from the profiler), with the ops' custom
-calls on XLA's compute stream and then wrapped one by one in
-`compute_on("gpu_stream:N")` (the region holds the custom call and nothing else). Prints
+calls on XLA's compute stream, then on another stream (`on_stream`'s variants). Prints
 whether each variant compiles, the stream each kernel ran on, the optimised HLO's async ops,
 and the hidden fraction `(t_gemm + t_comm - t_both) / t_comm`.
 
-  python3 scripts/dev/stream_probe.py [--streams 1 2] [--grad] [--vmap]
+  python3 scripts/dev/stream_probe.py [--variants compute region1 meta1] [--grad] [--vmap]
 """
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import traceback
@@ -34,13 +34,55 @@ from jax_ep.backends import cuda_ops  # noqa: E402
 _plain_call = cuda_ops._call
 
 
-def on_stream(stream):
-  """`cuda_ops._call` with each custom call alone in a `gpu_stream:stream` region."""
+def on_stream(variant):
+  """`cuda_ops._call` with each custom call on another stream: `regionN` puts it alone in a
+  `compute_on("gpu_stream:N")` region (N may be `collective`), `metaN` annotates the custom
+  call's op itself (`set_xla_metadata`); `...seq` also batches every call sequentially under
+  vmap (as the multi-rank ops do)."""
+  from jax.experimental.xla_metadata import set_xla_metadata
+  seq = variant.endswith("seq")
+  name = variant.removesuffix("seq")
+  kind, stream = ("region", name[6:]) if name.startswith("region") else ("meta", name[4:])
+
   def call(target, result_shapes, *args, **kwargs):
+    if seq:
+      kwargs["vmap_method"] = "sequential"
+    if name == "compute":
+      return _plain_call(target, result_shapes, *args, **kwargs)
+    if kind == "meta":
+      with set_xla_metadata(_xla_stream_annotation=stream):
+        return _plain_call(target, result_shapes, *args, **kwargs)
     region = compute_on(compute_type=f"gpu_stream:{stream}",
                         out_memory_spaces=core.MemorySpace.Device)
     return region(lambda *a: _plain_call(target, result_shapes, *a, **kwargs))(*args)
   return call
+
+
+def entry_order(hlo: str) -> str:
+  """The ENTRY computation's async ops, custom calls and fusions, in schedule order."""
+  out, inside = [], False
+  for ln in hlo.splitlines():
+    if ln.startswith("ENTRY"):
+      inside = True
+      continue
+    if inside and ln.startswith("}"):
+      break
+    if inside and "=" in ln:
+      found = re.search(r"\s([a-z][a-z0-9-]*)\(", ln.split("=", 1)[1])
+      op = found.group(1) if found else ""
+      if op in ("fusion", "custom-call", "call-start", "call-done", "async-start", "async-done",
+                "while", "call"):
+        tag = op
+        if op == "custom-call" and 'custom_call_target="' in ln:
+          tag = ln.split('custom_call_target="')[1].split('"')[0]
+        out.append(tag.replace("jax_ep_", ""))
+  runs = []
+  for tag in out:
+    if runs and runs[-1][0] == tag:
+      runs[-1][1] += 1
+    else:
+      runs.append([tag, 1])
+  return " ".join(tag if n == 1 else f"{tag}x{n}" for tag, n in runs)
 
 
 def stream_events(run, repeats):
@@ -73,7 +115,9 @@ def main():
   ap.add_argument("--ffn", type=int, default=2048)
   ap.add_argument("--gemms", type=int, default=6)
   ap.add_argument("--ops", type=int, default=3)
-  ap.add_argument("--streams", type=int, nargs="+", default=[1])
+  ap.add_argument("--variants", nargs="+",
+                  default=["compute", "region1", "meta1", "regioncollective", "computeseq",
+                           "meta1seq", "region1seq"])
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--backend", default="cuda", help="reference: a CPU check of the probe itself")
   ap.add_argument("--grad", action="store_true", help="also the ops under jax.grad")
@@ -121,9 +165,8 @@ def main():
   args = (x, idx, w, rows, wg)
 
   results = {}
-  for variant in ["compute"] + [f"stream{s}" for s in a.streams]:
-    cuda_ops._call = _plain_call if variant == "compute" else on_stream(int(variant[6:]))
-    ref = None
+  for variant in a.variants:
+    cuda_ops._call = on_stream(variant)
     for name, prog in programs.items():
       print(f"\n=== {variant} {name}", flush=True)
       try:
@@ -132,8 +175,9 @@ def main():
         lines = [ln.strip()[:160] for ln in hlo.splitlines()
                  if any(s in ln for s in ("-start", "-done", "_xla_stream", "operation_queue"))]
         print(f"  compiled; async/stream lines in the optimised HLO: {len(lines)}")
-        for ln in lines[:12]:
+        for ln in lines[:6]:
           print("   ", ln)
+        print("  entry order:", entry_order(hlo)[:600])
         out = jax.block_until_ready(compiled(*args))
         spans = timers.split_runs(
             [(s, e_) for _, _, s, e_ in stream_events(lambda r: compiled(*args), a.repeats)],
@@ -155,13 +199,14 @@ def main():
   cuda_ops._call = _plain_call
 
   print("\n=== summary (us)")
-  for variant in ["compute"] + [f"stream{s}" for s in a.streams]:
+  for variant in a.variants:
     g, c, b = (results.get((variant, n)) for n in ("gemm", "comm", "both"))
     line = f"{variant:8s} gemm {g} comm {c} both {b}"
     if None not in (g, c, b):
       line += f"  hidden {(g + c - b) / c:.2f}"
     for n in ("comm", "both", "comm_grad", "comm_vmap"):
-      ours, base = results.get((variant, n, "out")), results.get(("compute", n, "out"))
+      ours = results.get((variant, n, "out"))
+      base = results.get(("compute", n, "out"))
       if ours is not None and base is not None and variant != "compute":
         line += f"  {n} max|diff| {float(np.max(np.abs(ours - base))):.3g}"
     print(line)
