@@ -128,6 +128,15 @@ class Group:
       needs `H % 128 == 0` (`H % 512` with FP8_UE8M0). Combine stays in `dtype`. The
       reference backend only, for now: `backend='cuda'` refuses it and `'auto'` takes the
       reference (docs/api.md, "FP8 dispatch").
+    comm_stream: the GPU stream of the cuda backend's high-throughput ops (dispatch, combine,
+      their backward ops; the rail exchange across hosts): None (default) runs them on XLA's
+      compute stream, in line with the other kernels; an int N from 1 to 8 on XLA's additional
+      stream N (`compute_on("gpu_stream:N")`), beside the compute stream's kernels: XLA
+      starts each op once the work queued before it is done and makes its consumers wait for
+      it, so the GEMMs of another micro-batch (`moe_mlp(..., micro_batches=2)`) run while its
+      rows travel. Each op leaves the command buffer (CUDA graph) it would sit in. The
+      low-latency pair stays on the compute stream (a decode step lives in command buffers),
+      as do the reference backend's ops (XLA's own).
     capacity_factor: not taken: a `TypeError` says which of `buffer_factor` (this rank's
       receive buffer, MaxText's `ragged_buffer_factor`) and `jax_ep.limit_expert_capacity`
       (each expert's slots per sequence, MaxText's and GShard's `capacity_factor`) a config
@@ -140,7 +149,8 @@ class Group:
                config_timeout_s: float = 60.0, num_sms: int = 24, timeout_s: float = 60.0,
                raise_on_timeout: bool = False, low_latency: bool = False,
                virtual_hosts: int | None = None, expert_alignment: int = 1,
-               wire_format: RowFormat | str | None = None, capacity_factor: None = None):
+               wire_format: RowFormat | str | None = None, comm_stream: int | None = None,
+               capacity_factor: None = None):
     if axis_name not in mesh.axis_names:
       raise ValueError(f"jax_ep.Group: axis_name {axis_name!r} is not an axis of the mesh "
                        f"(mesh axes: {tuple(mesh.axis_names)})")
@@ -155,7 +165,7 @@ class Group:
         wire_format=wire_format)
     options = CommOptions.checked(num_sms=num_sms, timeout_s=timeout_s,
                                   config_timeout_s=config_timeout_s,
-                                  raise_on_timeout=raise_on_timeout)
+                                  raise_on_timeout=raise_on_timeout, comm_stream=comm_stream)
     if virtual_hosts is not None:
       virtual_hosts = positive_int("virtual_hosts", virtual_hosts)
       if num_ranks % virtual_hosts:

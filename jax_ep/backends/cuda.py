@@ -108,23 +108,29 @@ class LocalBackend(_CudaLowLatency, LayoutThenDispatch, Backend):
   name = "cuda"
 
   def layout(self, topk_idx):
-    return cuda_ops.local_layout(self.config, topk_idx)
+    return cuda_ops.local_layout(self.config, topk_idx, stream=self.options.comm_stream)
 
   def dispatch_cached(self, x, layout, topk_weights=None):
-    return cuda_ops.local_dispatch(self.config, x, layout, topk_weights)
+    return cuda_ops.local_dispatch(self.config, x, layout, topk_weights,
+                                   stream=self.options.comm_stream)
 
   def dispatch_fp8(self, x, x_scales, topk_idx, topk_weights):
     del topk_weights  # travels with the handle, as in `dispatch`
     layout, group_sizes, num_dropped, num_invalid = self.layout(topk_idx)
-    recv_x, recv_scales = cuda_ops.local_dispatch_fp8(self.config, x, x_scales, layout)
+    recv_x, recv_scales = cuda_ops.local_dispatch_fp8(self.config, x, x_scales, layout,
+                                                      stream=self.options.comm_stream)
     return recv_x, recv_scales, group_sizes, num_dropped, num_invalid, layout
 
   def combine(self, expert_out, layout, topk_weights=None):
-    return cuda_ops.local_combine(self.config, expert_out, layout, topk_weights)
+    return cuda_ops.local_combine(self.config, expert_out, layout, topk_weights,
+                                  stream=self.options.comm_stream)
 
   def combine_vjp(self, d_out, expert_out, layout, topk_weights):
-    d_expert_out = cuda_ops.local_dispatch(self.config, d_out, layout, topk_weights)
-    return d_expert_out, cuda_ops.local_combine_vjp(self.config, d_out, expert_out, layout)
+    stream = self.options.comm_stream
+    d_expert_out = cuda_ops.local_dispatch(self.config, d_out, layout, topk_weights,
+                                           stream=stream)
+    return d_expert_out, cuda_ops.local_combine_vjp(self.config, d_out, expert_out, layout,
+                                                    stream=stream)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,32 +159,35 @@ class PeerBackend(_CudaLowLatency, Backend):
 
   def dispatch(self, x, topk_idx, topk_weights):
     *outs, status = cuda_ops.peer_dispatch(self.config, self.group_id, x, topk_idx,
-                                                topk_weights)
+                                           topk_weights, stream=self.options.comm_stream)
     self._checked(status)
     return tuple(outs)
 
   def dispatch_fp8(self, x, x_scales, topk_idx, topk_weights):
     *outs, status = cuda_ops.peer_dispatch_fp8(self.config, self.group_id, x, x_scales,
-                                               topk_idx, topk_weights)
+                                               topk_idx, topk_weights,
+                                               stream=self.options.comm_stream)
     self._checked(status)
     return tuple(outs)
 
   def dispatch_cached(self, x, layout, topk_weights=None):
     # The weights of a weighted dispatch are the ones that travelled with the dispatch.
     recv_x, status = cuda_ops.peer_dispatch_cached(self.config, self.group_id, x, layout,
-                                                        weighted=topk_weights is not None)
+                                                   weighted=topk_weights is not None,
+                                                   stream=self.options.comm_stream)
     self._checked(status)
     return recv_x
 
   def combine(self, expert_out, layout, topk_weights=None):
     out, status = cuda_ops.peer_combine(self.config, self.group_id, expert_out, layout,
-                                             weighted=topk_weights is not None)
+                                        weighted=topk_weights is not None,
+                                        stream=self.options.comm_stream)
     self._checked(status)
     return out
 
   def combine_vjp(self, d_out, expert_out, layout, topk_weights):
     d_expert_out, d_topk_weights, status = cuda_ops.peer_combine_vjp(
-        self.config, self.group_id, d_out, expert_out, layout)
+        self.config, self.group_id, d_out, expert_out, layout, stream=self.options.comm_stream)
     self._checked(status)
     return d_expert_out, d_topk_weights
 
@@ -202,12 +211,13 @@ class _CudaRailExchange:
   group_id: int
   num_hosts: int
   pes: _RankTable
-  raise_on_timeout: bool = False
+  options: CommOptions = CommOptions()
 
   def __call__(self, sources, index, counts):
     received, recv_counts, status = cuda_ops.rail_exchange(
-        self.config, self.group_id, self.num_hosts, sources, index, counts, self.pes())
-    if self.raise_on_timeout:
+        self.config, self.group_id, self.num_hosts, sources, index, counts, self.pes(),
+        stream=self.options.comm_stream)
+    if self.options.raise_on_timeout:
       _raise_on_failure(status, self.group_id)
     return received, recv_counts
 
@@ -217,9 +227,10 @@ class _CudaQuantize:
   """The fp8 rows of `x` `[T, H]` in `config.wire_format`, rounded by the kernels
   (`cuda_ops.fp8_quantize`): what the rail exchange sends of an fp8 dispatch."""
   config: EPConfig
+  stream: int | None = None
 
   def __call__(self, x):
-    return cuda_ops.fp8_quantize(self.config, x)
+    return cuda_ops.fp8_quantize(self.config, x, stream=self.stream)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,11 +287,10 @@ class NetworkBackend(_CudaLowLatency, Backend):
         host_of[rank] = h
         pes[rank] = tuple(other[g] for other in self.hosts)
     rail_exchange = _CudaRailExchange(c, self.group_id, num_hosts,
-                                      _RankTable(c.axis_name, tuple(pes)),
-                                      self.options.raise_on_timeout)
+                                      _RankTable(c.axis_name, tuple(pes)), self.options)
     return hierarchical.Hierarchy(c, self.hosts, host_backend, rail_exchange,
                                   _RankTable(c.axis_name, tuple(host_of)),
-                                  _CudaQuantize(host_cfg))
+                                  _CudaQuantize(host_cfg, self.options.comm_stream))
 
   def dispatch(self, x, topk_idx, topk_weights):
     return self._hierarchy("dispatch").dispatch(x, topk_idx, topk_weights)

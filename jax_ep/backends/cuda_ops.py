@@ -13,6 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.xla_metadata import set_xla_metadata
 
 from jax_ep._native import ffi
 from jax_ep._native.varying import vary_like_operands
@@ -31,12 +32,46 @@ class LocalLayout(NamedTuple):
 
 
 def _call(target, result_shapes, *args, vmap_method="broadcast_all", has_side_effect=False,
-          **attrs):
+          stream: int | None = None, **attrs):
   if ffi.extension() is None:
     raise RuntimeError(f"jax_ep: the CUDA extension is not built; cannot call {target}")
-  outs = jax.ffi.ffi_call(target, result_shapes, vmap_method=vmap_method,
-                          has_side_effect=has_side_effect)(*args, **attrs)
-  return vary_like_operands(outs, args)
+  call = jax.ffi.ffi_call(target, result_shapes, vmap_method=vmap_method,
+                          has_side_effect=has_side_effect)
+  fn = lambda *a: call(*a, **attrs)
+  if stream is not None:
+    fn = _on_stream(fn, stream, vmap_method)
+  return vary_like_operands(fn(*args), args)
+
+
+def _on_stream(fn: Callable, stream: int, vmap_method) -> Callable:
+  """`fn` (one custom call) issued on XLA's additional GPU stream `stream`.
+
+  NOTES: XLA:GPU wraps an op annotated with `_xla_stream_annotation` into an async call: its
+  start makes that stream wait for the work queued before it on the compute stream, its done
+  makes the compute stream wait for the op, and the operands stay live until the done; so XLA
+  runs what it schedules between the two beside the op. Only the custom call carries the
+  annotation: XLA's stream assignment does not look inside an annotated region's nested calls
+  or loops (a region holding a `jnp.where`, or the loop of a sequential vmap, fails to compile:
+  no stream for its inner call), so under vmap the batching happens outside the annotation: a
+  sequential vmap loops outside (`sequential_vmap`), each iteration's call annotated, and the
+  broadcasting one broadcasts the unbatched operands before the one batched call.
+  """
+  def annotated(*args):
+    with set_xla_metadata(_xla_stream_annotation=str(stream)):
+      return fn(*args)
+  if vmap_method == "sequential":
+    return jax.custom_batching.sequential_vmap(annotated)
+  if vmap_method != "broadcast_all":
+    return annotated
+  batched = jax.custom_batching.custom_vmap(annotated)
+
+  @batched.def_vmap
+  def _broadcast_then_call(axis_size, in_batched, *args):
+    args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, b in zip(args, in_batched)]
+    outs = jax.vmap(annotated)(*args)
+    return outs, jax.tree.map(lambda _: True, outs)
+  return batched
 
 
 def layout_workspace_elems(config: EPConfig, num_tokens: int) -> int:
@@ -50,7 +85,7 @@ def layout_workspace_bytes(config: EPConfig) -> int:
   return 4 * layout_workspace_elems(config, config.max_tokens_per_rank)
 
 
-def local_layout(config: EPConfig, topk_idx: jax.Array):
+def local_layout(config: EPConfig, topk_idx: jax.Array, *, stream: int | None = None):
   num_tokens, num_topk = topk_idx.shape
   i32 = jnp.int32
   shapes = (jax.ShapeDtypeStruct((num_tokens, num_topk), i32),           # slot_row
@@ -61,7 +96,7 @@ def local_layout(config: EPConfig, topk_idx: jax.Array):
   slot_row, group_sizes, num_dropped, num_invalid, _ = _call(
       "jax_ep_local_layout", shapes, topk_idx.astype(i32),
       num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity),
-      expert_alignment=np.int64(config.expert_alignment))
+      expert_alignment=np.int64(config.expert_alignment), stream=stream)
   return LocalLayout(slot_row, group_sizes), group_sizes, num_dropped, num_invalid
 
 
@@ -72,11 +107,12 @@ def _weights_or_placeholder(layout: LocalLayout, topk_weights):
   return jnp.zeros(layout.slot_row.shape, jnp.float32), False
 
 
-def local_dispatch(config: EPConfig, x: jax.Array, layout: LocalLayout, topk_weights=None):
+def local_dispatch(config: EPConfig, x: jax.Array, layout: LocalLayout, topk_weights=None, *,
+                   stream: int | None = None):
   weights, weighted = _weights_or_placeholder(layout, topk_weights)
   shape = jax.ShapeDtypeStruct((config.capacity, x.shape[-1]), x.dtype)
   return _call("jax_ep_local_dispatch", shape, x, layout.slot_row, layout.group_sizes, weights,
-               capacity=np.int64(config.capacity), weighted=weighted)
+               capacity=np.int64(config.capacity), weighted=weighted, stream=stream)
 
 
 # The kernels' fp8::ScaleFormat (ffi/kernels/fp8_rows.h) of each fp8 `RowFormat`.
@@ -102,16 +138,18 @@ def _fp8_row_shapes(config: EPConfig, rows: int):
           jax.ShapeDtypeStruct(shape, dtype))
 
 
-def local_dispatch_fp8(config: EPConfig, x: jax.Array, x_scales, layout: LocalLayout):
+def local_dispatch_fp8(config: EPConfig, x: jax.Array, x_scales, layout: LocalLayout, *,
+                       stream: int | None = None):
   """`(recv_x [C, H] e4m3, recv_scales)`: `x` `[T, H]` (the activations, quantised by the
   kernel once per token, or e4m3 rows with their `x_scales`) placed along `layout` in the
   group's fp8 `wire_format` (ffi/kernels/local_dispatch_fp8.cu)."""
   return _call("jax_ep_local_dispatch_fp8", _fp8_row_shapes(config, config.capacity), x,
                _fp8_scales_operand(x_scales), layout.slot_row,
-               capacity=np.int64(config.capacity), **_fp8_attrs(config, x_scales))
+               capacity=np.int64(config.capacity), **_fp8_attrs(config, x_scales),
+               stream=stream)
 
 
-def fp8_quantize(config: EPConfig, x: jax.Array):
+def fp8_quantize(config: EPConfig, x: jax.Array, *, stream: int | None = None):
   """`(q [T, H] e4m3, scales)` of the activations `x` `[T, H]` in the group's fp8
   `wire_format`, rounded by the dispatch kernels (bit for bit `jax_ep._native.fp8`'s): the
   one-rank fp8 dispatch along the identity layout, token t to row t."""
@@ -122,23 +160,23 @@ def fp8_quantize(config: EPConfig, x: jax.Array):
   shapes = (jax.ShapeDtypeStruct((num_tokens, config.hidden), jnp.float8_e4m3fn),
             jax.ShapeDtypeStruct(shape, dtype))
   return _call("jax_ep_local_dispatch_fp8", shapes, x, _fp8_scales_operand(None), identity,
-               capacity=np.int64(num_tokens), **_fp8_attrs(config, None))
+               capacity=np.int64(num_tokens), **_fp8_attrs(config, None), stream=stream)
 
 
 def local_combine(config: EPConfig, expert_out: jax.Array, layout: LocalLayout,
-                  topk_weights=None):
+                  topk_weights=None, *, stream: int | None = None):
   weights, weighted = _weights_or_placeholder(layout, topk_weights)
   num_tokens = layout.slot_row.shape[0]
   shape = jax.ShapeDtypeStruct((num_tokens, expert_out.shape[-1]), expert_out.dtype)
   return _call("jax_ep_local_combine", shape, expert_out, layout.slot_row, weights,
-               weighted=weighted)
+               weighted=weighted, stream=stream)
 
 
 def local_combine_vjp(config: EPConfig, d_out: jax.Array, expert_out: jax.Array,
-                      layout: LocalLayout):
+                      layout: LocalLayout, *, stream: int | None = None):
   shape = jax.ShapeDtypeStruct(layout.slot_row.shape, jnp.float32)
   return _call("jax_ep_local_combine_vjp", shape, d_out.astype(expert_out.dtype), expert_out,
-               layout.slot_row)
+               layout.slot_row, stream=stream)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -196,12 +234,12 @@ def group_attrs(config: EPConfig, group_id: int) -> dict:
   return {"group": {"id": np.int64(group_id), **fields}}
 
 
-def _group_call(target, result_shapes, *args, **attrs):
+def _group_call(target, result_shapes, *args, stream: int | None = None, **attrs):
   # NOTES: has_side_effect keeps XLA from dropping or merging a call whose results one rank
   # does not use: every rank must issue the same ops of a group in the same order, or its peers
   # wait for data that never comes. No batch dims in the kernels: vmap loops.
   return _call(target, result_shapes, *args, vmap_method="sequential", has_side_effect=True,
-               **attrs)
+               stream=stream, **attrs)
 
 
 def _storage_rows(rows: int) -> int:
@@ -250,7 +288,8 @@ def _peer_dispatch_results(topk_idx, outs):
   return group_sizes, num_dropped, num_invalid, layout, status
 
 
-def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
+def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights, *,
+                  stream: int | None = None):
   """Returns `(recv_x, group_sizes, num_dropped, num_invalid, layout, status)`."""
   num_tokens, num_topk = topk_idx.shape
   shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
@@ -258,11 +297,13 @@ def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights):
   recv_x, *outs = _group_call(
       "jax_ep_peer_dispatch", shapes, _with_one_row(x, 0), _with_one_row(topk_idx, -1),
       _with_one_row(topk_weights.astype(jnp.float32), 0), **group_attrs(config, group_id),
-      num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity))
+      num_experts=np.int64(config.num_experts), capacity=np.int64(config.capacity),
+      stream=stream)
   return (recv_x[:config.capacity], *_peer_dispatch_results(topk_idx, outs))
 
 
-def peer_dispatch_fp8(config: EPConfig, group_id: int, x, x_scales, topk_idx, topk_weights):
+def peer_dispatch_fp8(config: EPConfig, group_id: int, x, x_scales, topk_idx, topk_weights, *,
+                      stream: int | None = None):
   """The peer dispatch with fp8 rows in the group's `wire_format` (`x` the activations,
   quantised by the sending kernel once per token, or e4m3 rows with their `x_scales`).
   Returns `(recv_x [C, H] e4m3, recv_scales, group_sizes, num_dropped, num_invalid, layout,
@@ -277,13 +318,13 @@ def peer_dispatch_fp8(config: EPConfig, group_id: int, x, x_scales, topk_idx, to
       "jax_ep_peer_dispatch_fp8", shapes, _with_one_row(x, 0), scales,
       _with_one_row(topk_idx, -1), _with_one_row(topk_weights.astype(jnp.float32), 0),
       **group_attrs(config, group_id), num_experts=np.int64(config.num_experts),
-      capacity=np.int64(config.capacity), **_fp8_attrs(config, x_scales))
+      capacity=np.int64(config.capacity), **_fp8_attrs(config, x_scales), stream=stream)
   return (recv_x[:config.capacity], recv_scales[:config.capacity],
           *_peer_dispatch_results(topk_idx, outs))
 
 
 def peer_dispatch_cached(config: EPConfig, group_id: int, x, layout: PeerLayout,
-                              weighted: bool):
+                         weighted: bool, *, stream: int | None = None):
   """Returns `(recv_x, status)`: rows placed by an earlier dispatch's layout."""
   shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
@@ -291,12 +332,12 @@ def peer_dispatch_cached(config: EPConfig, group_id: int, x, layout: PeerLayout,
       "jax_ep_peer_dispatch_cached", shapes, _with_one_row(x, 0),
       _with_one_row(layout.send_pos, -1), layout.entry_row, layout.entry_weights,
       layout.group_sizes, **group_attrs(config, group_id), capacity=np.int64(config.capacity),
-      weighted=bool(weighted))
+      weighted=bool(weighted), stream=stream)
   return recv_x[:config.capacity], status
 
 
 def peer_combine(config: EPConfig, group_id: int, expert_out, layout: PeerLayout,
-                      weighted: bool):
+                 weighted: bool, *, stream: int | None = None):
   """Returns `(out [T, H], status)`."""
   num_tokens = layout.send_pos.shape[0]
   shapes = (jax.ShapeDtypeStruct((_storage_rows(num_tokens), expert_out.shape[-1]),
@@ -305,12 +346,12 @@ def peer_combine(config: EPConfig, group_id: int, expert_out, layout: PeerLayout
   out, status = _group_call(
       "jax_ep_peer_combine", shapes, _with_one_row(expert_out, 0), layout.entry_row,
       layout.entry_weights, layout.recv_counts, _with_one_row(layout.send_pos, -1),
-      **group_attrs(config, group_id), weighted=bool(weighted))
+      **group_attrs(config, group_id), weighted=bool(weighted), stream=stream)
   return out[:num_tokens], status
 
 
 def peer_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out,
-                     layout: PeerLayout):
+                     layout: PeerLayout, *, stream: int | None = None):
   """Returns `(d_expert_out [C, H], d_topk_weights [T, K] f32, status)`."""
   num_tokens, num_topk = layout.topk_idx.shape
   padded = _with_one_row(expert_out, 0)
@@ -322,12 +363,12 @@ def peer_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out,
       padded, _with_one_row(layout.topk_idx, -1), _with_one_row(layout.send_pos, -1),
       layout.entry_row, layout.entry_weights, layout.recv_counts, layout.group_sizes,
       **group_attrs(config, group_id), num_experts=np.int64(config.num_experts),
-      capacity=np.int64(config.capacity))
+      capacity=np.int64(config.capacity), stream=stream)
   return d_expert_out[:config.capacity], d_topk_weights[:num_tokens], status
 
 
 def rail_exchange(config: EPConfig, group_id: int, num_hosts: int, sources, index, counts,
-                  pes):
+                  pes, *, stream: int | None = None):
   """The rail exchange of a network group (ffi/kernels/rail_exchange.cu): block h of every
   source (rows `index[h, j]`, `j < counts[h]`) to the rail peer on host h (`pes[h]`).
 
@@ -340,7 +381,7 @@ def rail_exchange(config: EPConfig, group_id: int, num_hosts: int, sources, inde
             *(jax.ShapeDtypeStruct((num_hosts * t_max, *s.shape[1:]), s.dtype) for s in sources))
   recv_counts, status, *outs = _group_call(
       "jax_ep_rail_exchange", shapes, index.astype(i32), counts.astype(i32), pes.astype(i32),
-      *sources, **group_attrs(config, group_id))
+      *sources, **group_attrs(config, group_id), stream=stream)
   received = tuple(o.reshape(num_hosts, t_max, *o.shape[1:]) for o in outs)
   return received, recv_counts, status
 

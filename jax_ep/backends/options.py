@@ -2,9 +2,10 @@
 
 `EPConfig` (jax_ep/config.py) holds what decides the results and the buffers' shapes; these
 settings decide only how the transports move rows: the SMs their send kernels take from XLA's
-other kernels and how long a rank waits for its peers. The group checks them once, the registry
+other kernels, the GPU stream their custom calls run on, and how long a rank waits for its
+peers. The group checks them once, the registry
 gives them to the backend's `supports` and `create` (`registry.Request.options`), and the
-backend keeps them; a new setting of the transports (a stream of their own) is a field here.
+backend keeps them.
 """
 
 from __future__ import annotations
@@ -25,6 +26,23 @@ def _positive_seconds(name: str, value, where: str) -> float:
   return value
 
 
+# XLA:GPU numbers its additional compute streams from 1 (`compute_on("gpu_stream:N")`, the op
+# annotation `_xla_stream_annotation`); a few are plenty for the groups of one program.
+MAX_COMM_STREAM = 8
+
+
+def _comm_stream(value, where: str) -> int | None:
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    raise TypeError(f"{where}: comm_stream must be None (XLA's compute stream) or an int "
+                    f"from 1 to {MAX_COMM_STREAM} (an additional GPU stream), got {value!r}")
+  if not 1 <= int(value) <= MAX_COMM_STREAM:
+    raise ValueError(f"{where}: comm_stream must be None (XLA's compute stream) or an int from "
+                     f"1 to {MAX_COMM_STREAM} (an additional GPU stream), got {value}")
+  return int(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class CommOptions:
   """The transports' settings of one group (`jax_ep.Group`'s arguments of the same names).
@@ -35,11 +53,15 @@ class CommOptions:
     timeout_s: how long a multi-rank kernel waits for a peer before it fails the group.
     config_timeout_s: how long group creation waits for the other processes.
     raise_on_timeout: raise a kernel's timeout at the op that hit it (else at `group.check()`).
+    comm_stream: XLA's additional GPU stream (1 to `MAX_COMM_STREAM`) that the cuda backend's
+      high-throughput ops run on, beside the compute stream's kernels; None: the compute
+      stream.
   """
   num_sms: int = 24
   timeout_s: float = 60.0
   config_timeout_s: float = 60.0
   raise_on_timeout: bool = False
+  comm_stream: int | None = None
 
   @classmethod
   def checked(cls, where: str = "jax_ep.Group", **settings) -> "CommOptions":
@@ -54,4 +76,5 @@ class CommOptions:
                config_timeout_s=_positive_seconds(
                    "config_timeout_s", settings.get("config_timeout_s", cls.config_timeout_s),
                    where),
-               raise_on_timeout=bool(settings.get("raise_on_timeout", cls.raise_on_timeout)))
+               raise_on_timeout=bool(settings.get("raise_on_timeout", cls.raise_on_timeout)),
+               comm_stream=_comm_stream(settings.get("comm_stream", cls.comm_stream), where))

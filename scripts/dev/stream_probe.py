@@ -116,8 +116,9 @@ def main():
   ap.add_argument("--gemms", type=int, default=6)
   ap.add_argument("--ops", type=int, default=3)
   ap.add_argument("--variants", nargs="+",
-                  default=["compute", "region1", "meta1", "regioncollective", "computeseq",
-                           "meta1seq", "region1seq"])
+                  default=["compute", "library", "region1", "meta1", "regioncollective",
+                           "computeseq", "meta1seq", "region1seq"],
+                  help="library: the group's own comm_stream=1; the others patch its calls")
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--backend", default="cuda", help="reference: a CPU check of the probe itself")
   ap.add_argument("--grad", action="store_true", help="also the ops under jax.grad")
@@ -126,8 +127,11 @@ def main():
   t, e, h, f, k = a.tokens, a.experts, a.hidden, a.ffn, 8
   rng = np.random.default_rng(0)
   mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
-  group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
-                       dtype=jnp.bfloat16, backend=a.backend)
+  make_group = lambda stream: jax_ep.Group(
+      mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
+      dtype=jnp.bfloat16, backend=a.backend, comm_stream=stream)
+  groups = {None: make_group(None), 1: make_group(1)}
+  group = groups[None]
   x = jnp.asarray(rng.standard_normal((t, h)), jnp.bfloat16)
   idx = jnp.asarray(reports.uniform_topk(rng, t, e, k))
   w = jnp.asarray(rng.random((t, k)), jnp.float32)
@@ -135,6 +139,7 @@ def main():
   wg = jnp.asarray(rng.standard_normal((h, f)) * 0.05, jnp.bfloat16)
 
   def comm(x, idx, w):
+    group = groups[1 if variant == "library" else None]
     for _ in range(a.ops):
       recv, handle = jax_ep.dispatch(group, x, idx, w)
       x = jax_ep.combine(group, recv.x, handle).astype(x.dtype)
@@ -166,7 +171,7 @@ def main():
 
   results = {}
   for variant in a.variants:
-    cuda_ops._call = on_stream(variant)
+    cuda_ops._call = on_stream("compute" if variant == "library" else variant)
     for name, prog in programs.items():
       print(f"\n=== {variant} {name}", flush=True)
       try:

@@ -1,0 +1,169 @@
+"""`Group(comm_stream=N)`: the cuda backend's high-throughput ops on XLA's additional stream N.
+
+On the CPU: the programs the cuda backend lowers for a GPU (cross-lowering, no GPU needed) carry
+the stream annotation on the ops' custom calls and on nothing else, under jit, grad, vmap,
+checkpoint and scan, and none without the option. On the GPU (`gpu`): the ops on their own
+stream give the compute stream's results bit for bit, in the same transformations.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+from ep_test_base import rank_mesh, require_gpu
+from jax_ep._native import ffi
+from jax_ep.backends import primitives
+from jax_ep.backends.cuda import LocalBackend, PeerBackend
+from jax_ep.backends.options import MAX_COMM_STREAM, CommOptions
+from jax_ep.config import EPConfig
+
+T, E, K, H = 16, 8, 2, 128
+
+needs_extension = pytest.mark.skipif(ffi.extension() is None,
+                                     reason="the CUDA extension is not built (cuda_ops refuses)")
+
+
+def _config(num_ranks):
+  return EPConfig("ep", num_ranks, E, K, H, T, np.dtype(jnp.bfloat16), num_ranks * T * K)
+
+
+def _backend(kind, stream):
+  options = CommOptions(comm_stream=stream)
+  if kind == "local":
+    return LocalBackend(_config(1), None, options)
+  return PeerBackend(_config(2), 0, options)
+
+
+def _layer(backend):
+  """dispatch -> a scaling "expert" -> weighted combine, differentiable in x and the weights."""
+  def layer(x, idx, w):
+    recv_x, _, _, _, layout = primitives.dispatch(backend, x, idx, w)
+    return primitives.combine(backend, recv_x * 2, layout, w)
+  return layer
+
+
+def _programs(backend):
+  layer = _layer(backend)
+  loss = lambda x, idx, w: jnp.sum(layer(x, idx, w).astype(jnp.float32) ** 2)
+
+  def scanned(x, idx, w):
+    return jax.lax.scan(lambda h, _: (layer(h, idx, w), None), x, None, length=2)[0]
+
+  return {
+      "jit": layer,
+      "grad": jax.grad(loss, (0, 2)),
+      "checkpoint_grad": jax.grad(jax.checkpoint(loss), (0, 2)),
+      "vmap": lambda x, idx, w: jax.vmap(layer, (0, None, None))(jnp.stack([x, x]), idx, w),
+      "scan": scanned,
+  }
+
+
+def _inputs():
+  rng = np.random.default_rng(0)
+  x = jnp.asarray(rng.standard_normal((T, H)), jnp.bfloat16)
+  idx = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
+  w = jnp.asarray(rng.random((T, K)), jnp.float32)
+  return x, idx, w
+
+
+def _lowered_ops(fn):
+  """(custom call target or op name, its stream annotation) of every op of `fn`'s program as
+  lowered for a GPU that carries an annotation, and every jax_ep custom call."""
+  text = jax.jit(fn).trace(*_inputs()).lower(lowering_platforms=("cuda",)).as_text()
+  ops = []
+  for line in text.splitlines():
+    stream = re.search(r'_xla_stream_annotation = "(\w+)"', line)
+    target = re.search(r"custom_call @(\w+)", line)
+    if target and target.group(1).startswith("jax_ep_") or stream:
+      name = target.group(1) if target else re.search(r"(\w+\.\w+|\w+)[ (]", line.split("=", 1)[-1].strip()).group(1)
+      ops.append((name, stream.group(1) if stream else None))
+  return ops
+
+
+@needs_extension
+@pytest.mark.parametrize("kind", ["local", "peer"])
+@pytest.mark.parametrize("program", ["jit", "grad", "checkpoint_grad", "vmap", "scan"])
+def test_the_ops_custom_calls_carry_the_stream(kind, program):
+  ops = _lowered_ops(_programs(_backend(kind, 3))[program])
+  calls = [(name, s) for name, s in ops if name.startswith("jax_ep_")]
+  assert calls, ops
+  # Every custom call of the ops on stream 3 ...
+  assert all(s == "3" for _, s in calls), calls
+  # ... and nothing else: the glue around them (slices, casts, a sequential vmap's loop) stays
+  # on the compute stream, where XLA's stream assignment finds it.
+  others = [(name, s) for name, s in ops if not name.startswith("jax_ep_")]
+  assert others == [], others
+  if program == "vmap" and kind == "peer":  # one call per batch element, inside a loop
+    text = jax.jit(_programs(_backend(kind, 3))[program]).trace(*_inputs()).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "stablehlo.while" in text
+
+
+@needs_extension
+@pytest.mark.parametrize("kind", ["local", "peer"])
+def test_no_stream_annotation_by_default(kind):
+  ops = _lowered_ops(_programs(_backend(kind, None))["grad"])
+  assert ops and all(s is None for _, s in ops), ops
+
+
+@pytest.mark.parametrize("value,error,message", [
+    (0, ValueError, f"comm_stream must be None .* or an int from 1 to {MAX_COMM_STREAM} .*got 0"),
+    (MAX_COMM_STREAM + 1, ValueError, f"comm_stream must be .*got {MAX_COMM_STREAM + 1}"),
+    (True, TypeError, "comm_stream must be None .*got True"),
+    ("1", TypeError, "comm_stream must be None .*got '1'"),
+])
+def test_bad_comm_stream_is_named(value, error, message):
+  with pytest.raises(error, match=f"jax_ep.Group: {message}"):
+    jax_ep.Group(rank_mesh(2), "ep", num_experts=8, num_topk=2, hidden=64,
+                 max_tokens_per_rank=4, backend="reference", comm_stream=value)
+
+
+def test_the_group_keeps_its_stream():
+  group = jax_ep.Group(rank_mesh(2), "ep", num_experts=8, num_topk=2, hidden=64,
+                       max_tokens_per_rank=4, backend="reference", comm_stream=2)
+  assert group.options.comm_stream == 2
+
+
+# ----------------------------------------------------------------------------- on the GPU
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("program", ["jit", "grad", "checkpoint_grad", "vmap", "scan"])
+def test_one_rank_ops_on_their_stream_match_the_compute_stream(program):
+  require_gpu()
+  outs = {}
+  for stream in (None, 1):
+    fn = jax.jit(_programs(_backend("local", stream))[program])
+    outs[stream] = jax.block_until_ready(fn(*_inputs()))
+  for a, b in zip(jax.tree.leaves(outs[None]), jax.tree.leaves(outs[1])):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                  np.asarray(b.astype(jnp.float32)))
+
+
+@pytest.mark.gpu
+def test_moe_layer_with_micro_batches_on_the_comm_stream():
+  """The public layer, R=1, two micro-batches, on stream 1: output and gradients equal the
+  compute stream's, and the program's custom calls ran (no error from the handlers)."""
+  require_gpu()
+  mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+  tokens, experts, hidden, ffn = 256, 8, 256, 256
+  params = jax_ep.init_moe_params(jax.random.key(0), num_experts=experts, hidden=hidden,
+                                  ffn=ffn, dtype=jnp.bfloat16)
+  x = jax.random.normal(jax.random.key(1), (tokens, hidden), jnp.bfloat16)
+  results = {}
+  for stream in (None, 1):
+    group = jax_ep.Group(mesh, "ep", num_experts=experts, num_topk=2, hidden=hidden,
+                         max_tokens_per_rank=tokens, backend="cuda", comm_stream=stream)
+
+    def loss(params, x):
+      out = jax_ep.moe_mlp(group, params, x, micro_batches=2)
+      return jnp.sum(out.out.astype(jnp.float32) ** 2), out.out
+
+    (value, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, x)
+    results[stream] = jax.block_until_ready((value, out, grads))
+  for a, b in zip(jax.tree.leaves(results[None]), jax.tree.leaves(results[1])):
+    np.testing.assert_array_equal(np.asarray(jnp.asarray(a, jnp.float32)),
+                                  np.asarray(jnp.asarray(b, jnp.float32)))
