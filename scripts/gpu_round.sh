@@ -117,7 +117,8 @@ python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devi
 
 # ---------------------------------------------------------------------------------- the suites
 # One function per suite (or family), shared by the check parts and the named stages below.
-local_suite() { suite --timeout 400 -- $PYTEST tests/test_cuda_local.py; }
+# (with the shared suite again on comm_stream=1, and the stream's own tests)
+local_suite() { suite --timeout 500 -- $PYTEST tests/test_cuda_local.py tests/test_comm_stream.py; }
 # The public functions' input checks on the cuda backend at one rank, and the FP8 dispatch's
 # choice of backend on a GPU.
 inputs_suite() {

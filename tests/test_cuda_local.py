@@ -4,6 +4,8 @@ Marked `gpu`: skipped where no CUDA GPU or no built extension is present (see co
 Run on a GPU: `python -m pytest tests/test_cuda_local.py -v`.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,6 +113,13 @@ def test_fp8_dispatch_handler_names_what_it_takes():
                                       r"expected a multiple of 512"):
     jax.block_until_ready(jax.jit(lambda x: cuda_ops.local_dispatch_fp8(odd, x, None, layout))(
         jnp.zeros((4, 384), jnp.bfloat16)))
+
+
+class TestCudaLocalOnCommStream(EPTestBase):
+  """The shared suite with the ops on XLA's additional stream 1 (`comm_stream=1`), beside the
+  compute stream: the same results under jit, grad, vmap, checkpoint and scan."""
+  target = dataclasses.replace(CUDA_LOCAL, name="cuda backend at one rank, comm_stream=1",
+                               group_options={**CUDA_LOCAL.group_options, "comm_stream": 1})
 
 
 class TestCudaLocal(EPTestBase):

@@ -14,6 +14,7 @@ and, in one process, the tests that start their own processes (command buffers, 
 skips the call). Marked `gpu`: skipped where no CUDA GPU, extension or NVSHMEM module is present.
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -100,6 +101,14 @@ class TestNetworkLowLatency(CudaLowLatencyTests):
                                  rtol=0, atol=3e-2 * scale)
     network.close()
     one_host.close()
+
+
+@pytest.mark.skipif(not _on_network, reason=_why_not)
+class TestNetworkOnCommStream(EPTestBase):
+  """The shared high-throughput suite with the rail exchange and the host group's ops on XLA's
+  additional stream 1 (`comm_stream=1`), the forwarding between them on the compute stream."""
+  target = dataclasses.replace(NETWORK, name="cuda backend's network transport, comm_stream=1",
+                               group_options={**NETWORK.group_options, "comm_stream": 1})
 
 
 @pytest.mark.skipif(not _on_network, reason=_why_not)

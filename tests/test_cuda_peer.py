@@ -12,6 +12,7 @@ Marked `gpu`: skipped where no CUDA GPU or extension is present, and skipped wit
 (nothing to peer).
 """
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -92,6 +93,14 @@ class TestCudaIntranodeFP8Dispatch(FP8DispatchSuite):
                                     used_rows(expected[d]["recv_x"], g).astype(np.float32))
       np.testing.assert_array_equal(used_rows(recv.scales[d], g),
                                     used_rows(expected[d]["scales"], g))
+
+
+@pytest.mark.skipif(NUM_RANKS < 2, reason="the peer transport needs at least 2 ranks")
+class TestCudaIntranodeOnCommStream(EPTestBase):
+  """The shared suite with the ops on XLA's additional stream 1 (`comm_stream=1`): the same
+  results, and every rank's kernels still meet their peers'."""
+  target = dataclasses.replace(PEER, name="cuda backend's peer transport, comm_stream=1",
+                               group_options={"comm_stream": 1})
 
 
 @pytest.mark.skipif(NUM_RANKS < 2, reason="the peer transport needs at least 2 ranks")
