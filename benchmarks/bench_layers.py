@@ -25,7 +25,9 @@ Backends: cuda, reference and plain XLA (`xla_baseline`: benchmarks/bench_local.
 formulation at one rank, benchmarks/xla_pipeline.py's ragged all-to-all pipeline across ranks,
 where XLA runs it: not on the CPU, not with processes sharing one GPU, whose XLA collectives
 refuse to run; the reference backend needs XLA collectives too). `--debug-checks` adds the cuda
-backend with `raise_on_timeout=True` (a host check after every op) beside the defaults.
+backend with `raise_on_timeout=True` (a host check after every op) beside the defaults;
+`--comm-streams N` the cuda backend with its ops on XLA's additional stream N
+(`Group(comm_stream=N)`), whose records carry `comm_stream`.
 Records carry every setting that differs from a user's defaults (`settings`), and the
 DESIGN.md section 6 keys; per layer, `bytes` counts the rows this rank receives in dispatch and
 sends home in combine (one per token and rank each way) and `min_hbm_bytes` the least bytes both
@@ -150,6 +152,9 @@ def main():
                       help="split each layer's tokens into this many micro-batches, each with "
                            "its own dispatch -> expert -> combine (several values: each timed, "
                            "in the same run)")
+  parser.add_argument("--comm-streams", type=int, nargs="+", default=[],
+                      help="cuda: also time groups whose ops run on XLA's additional stream N "
+                           "(Group(comm_stream=N)) beside the compute stream's kernels")
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--breakdown", action="store_true",
                       help="print the device time per kernel of one 2N-layer run (GPU)")
@@ -230,7 +235,7 @@ def main():
                 network_bytes=int(2 * network * row_bytes), peer_bytes=int(2 * peer * row_bytes))
 
   def add(backend, expert, results, settings, topology=None, capacity=capacity,
-          pass_="forward", micro_batches=1):
+          pass_="forward", micro_batches=1, comm_stream=None):
     (host_n, dev_n), (host_2n, dev_2n) = results
     split = f" micro_batches={micro_batches}" if micro_batches != 1 else ""
     for timing, first, second in (("host_clock_marginal", host_n, host_2n),
@@ -254,12 +259,12 @@ def main():
           gbps=round(per_rank_bytes / (per_layer_us * 1e-6) / 1e9, 1),
           roofline=round(roofline, 3), settings=settings,
           raise_on_timeout=settings == "debug_checks", capacity=capacity, **{"pass": pass_},
-          micro_batches=micro_batches, **paths(topology)))
+          micro_batches=micro_batches, comm_stream=comm_stream, **paths(topology)))
 
   params = expert_params(jax.random.key(0)) if "swiglu" in args.expert else []
 
   def run(backend, expert, layer, settings="default", topology=None, capacity=capacity,
-          micro_batches=1):
+          micro_batches=1, comm_stream=None):
     for pass_ in args.passes:
       backward = pass_ == "forward_backward"
       programs = [chain_program(layer, layers, mesh, backward) for layers in (n, 2 * n)]
@@ -275,7 +280,8 @@ def main():
       if reports.gather_max(f"{backend}/{expert}/{settings}/{pass_}/{micro_batches}/failed",
                             failed) > 0:
         continue
-      add(backend, expert, results, settings, topology, capacity, pass_, micro_batches)
+      add(backend, expert, results, settings, topology, capacity, pass_, micro_batches,
+          comm_stream)
       if args.breakdown and on_gpu:
         rows, activity = timers.trace_breakdown(programs[1], inputs)
         if jax.process_index() == 0:
@@ -304,6 +310,7 @@ def main():
   if "cuda" in args.backends:
     variants += [("cuda", f"virtual_hosts={v}", {"virtual_hosts": v})
                  for v in args.virtual_hosts if v > 1]
+    variants += [("cuda", f"comm_stream={s}", {"comm_stream": s}) for s in args.comm_streams]
   for (backend, settings, kw), micro_batches in itertools.product(variants, args.micro_batches):
     if backend == "reference" and shared_gpu and num_ranks > 1:
       print("reference: skipped (processes sharing one GPU cannot run XLA collectives)")
@@ -332,7 +339,7 @@ def main():
         out = jax_ep.combine(group, apply_expert(expert, recv.x, recv.group_sizes, p), handle)
         return out if expert == "identity" else hid + out
       run(backend, expert, micro_batched(layer, micro_batches), settings, group.topology,
-          group.capacity, micro_batches)
+          group.capacity, micro_batches, kw.get("comm_stream"))
     # One group's buffers at a time: at the standard shape each is several GB per rank, and
     # ranks sharing one GPU hold theirs side by side. Every process is past its last call of
     # this group here (each run ends in block_until_ready and a gather).
@@ -361,8 +368,8 @@ def main():
   if jax.process_index() == 0:
     path = reports.write_jsonl(records, args.out)
     reports.print_table(records, ["backend", "expert", "settings", "pass", "micro_batches",
-                                 "timing", "layers", "capacity", "median_us", "program_us",
-                                 "gbps", "roofline"])
+                                 "comm_stream", "timing", "layers", "capacity", "median_us",
+                                 "program_us", "gbps", "roofline"])
     # Default against tight capacity, side by side (the same run): what the worst-case
     # default costs in time.
     for r in records:
@@ -386,6 +393,18 @@ def main():
               f"{r['settings']} {r['pass']} {r['timing']}: "
               f"{r['median_us'] / whole[0]['median_us']:.3f} "
               f"({r['median_us']} / {whole[0]['median_us']} us)")
+    # Each op on its own stream against the compute stream, side by side (the same run).
+    for r in records:
+      if r["comm_stream"] is None:
+        continue
+      same = [q for q in records if q["settings"] == "default"
+              and all(q[f] == r[f] for f in ("backend", "expert", "pass", "micro_batches",
+                                             "timing"))]
+      if same:
+        print(f"comm_stream={r['comm_stream']} / compute stream: {r['expert']} {r['pass']} "
+              f"micro_batches={r['micro_batches']} {r['timing']}: "
+              f"{r['median_us'] / same[0]['median_us']:.3f} "
+              f"({r['median_us']} / {same[0]['median_us']} us)")
     print(f"wrote {path}")
 
 
