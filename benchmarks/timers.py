@@ -258,6 +258,19 @@ def split_runs(events, num_runs: int, skip_leading: int = 0) -> list[float]:
   Named events that are memory operations ("Memset ...", "Memcpy...") and come before them are
   left out too and not counted. Runs with no event left are left out.
   """
+  spans = []
+  for events_of_run in group_runs(events, num_runs):
+    run, begin = _after_leading_kernels(events_of_run, skip_leading)
+    if run:
+      spans.append((max(e[1] for e in run) - max(run[0][0], begin)) * 1e-9)
+  return spans
+
+
+def group_runs(events, num_runs: int) -> list[list]:
+  """`events` (tuples starting `(start_ns, end_ns, ...)`) sorted and cut into `num_runs` runs
+  at the `num_runs - 1` largest idle gaps of the device (each run waits on the host for the
+  previous one, so a whole host round trip lies between runs); [] with fewer events than runs.
+  """
   if len(events) < num_runs:
     return []
   events = sorted(events)
@@ -266,12 +279,7 @@ def split_runs(events, num_runs: int, skip_leading: int = 0) -> list[float]:
     gaps.append((events[i][0] - busy_until, i))
     busy_until = max(busy_until, events[i][1])
   cuts = sorted(i for _, i in sorted(gaps, reverse=True)[:num_runs - 1])
-  spans = []
-  for lo, hi in zip([0] + cuts, cuts + [len(events)]):
-    run, begin = _after_leading_kernels(events[lo:hi], skip_leading)
-    if run:
-      spans.append((max(e[1] for e in run) - max(run[0][0], begin)) * 1e-9)
-  return spans
+  return [events[lo:hi] for lo, hi in zip([0] + cuts, cuts + [len(events)])]
 
 
 

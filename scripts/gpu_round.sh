@@ -49,6 +49,9 @@
 #   bash scripts/gpu_round.sh fp8       # the experts in FP8: bench_fp8_gemm.py, the layer's
 #                                     # precisions (bench_layer.py), the example with --fp8
 #                                     # emulated, T=4096, H=7168, top-8 of 256 (FP8_BENCH_ARGS)
+#   bash scripts/gpu_round.sh overlap   # the ops beside the experts (comm_stream=1): the hidden
+#                                     # fraction at one rank (bench_overlap.py), the SwiGLU chain
+#                                     # with 1 and 2 micro-batches at 1 and 8 ranks
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
 #   bash scripts/gpu_round.sh slab     # the experts on the low-latency slabs: tests, benchmark
 #   bash scripts/gpu_round.sh check     # every GPU suite, nothing else: check1 ... check6, each
@@ -111,7 +114,8 @@ rm -f benchmarks/results/gpu_round_local.jsonl benchmarks/results/gpu_round_intr
   benchmarks/results/gpu_round_layers.jsonl benchmarks/results/gpu_round_layer.jsonl \
   benchmarks/results/gpu_round_low_latency.jsonl benchmarks/results/gpu_round_slab_mlp.jsonl \
   benchmarks/results/gpu_round_expert_mlp.jsonl benchmarks/results/gpu_round_expert_gemm.jsonl \
-  benchmarks/results/gpu_round_fp8_gemm.jsonl benchmarks/results/gpu_round_fp8_layer.jsonl
+  benchmarks/results/gpu_round_fp8_gemm.jsonl benchmarks/results/gpu_round_fp8_layer.jsonl \
+  benchmarks/results/gpu_round_overlap.jsonl
 step device; nvidia-smi -L
 python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available(), f.why_unavailable() or '')"
 
@@ -323,6 +327,31 @@ if has fp8; then
       | tee "$OUT/example${flag:+_fp8}.log" | grep -E "^(step|loss|config|decode|checkpoint|PASSED)"
     counts "examples/moe_transformer.py $flag"
   done
+fi
+
+# Communication beside the experts (Group(comm_stream=1)): at one rank, the hidden fraction of
+# one micro-batch's dispatch + combine behind the other's expert MLP (bench_overlap.py); then
+# the SwiGLU layer chain, forward + backward, with 1 and 2 micro-batches, on the compute stream
+# and on stream 1, at one rank (T=4096) and 8 ranks emulated (T=2048) (OVERLAP_ARGS passed to
+# bench_layers.py).
+if has overlap; then
+  step "communication beside the experts, one rank (bench_overlap.py)"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=.9 timeout 300 python3 benchmarks/bench_overlap.py \
+    --out gpu_round_overlap.jsonl 2>&1 | tee "$OUT/bench_overlap.log" | tail -8
+  counts bench_overlap.py
+  cp benchmarks/results/gpu_round_overlap.jsonl "$OUT/" 2>/dev/null
+  overlap_args="--backends cuda --expert swiglu --passes forward_backward --micro-batches 1 2"
+  overlap_args="$overlap_args --comm-streams 1 --layers 2 --out gpu_round_layers.jsonl"
+  step "SwiGLU layer chain, 1 and 2 micro-batches, compute stream and comm_stream=1, one rank"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=.9 timeout 300 python3 benchmarks/bench_layers.py \
+    $overlap_args ${OVERLAP_ARGS:-} 2>&1 | tee "$OUT/bench_overlap_layers_1.log" | tail -12
+  counts "bench_layers.py --comm-streams (one rank)"
+  step "SwiGLU layer chain, 1 and 2 micro-batches, compute stream and comm_stream=1, 8 ranks emulated"
+  timeout 420 python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 --timeout 400 -- \
+    python3 benchmarks/bench_layers.py $overlap_args --tokens 2048 ${OVERLAP_ARGS:-} 2>&1 \
+    | tee "$OUT/bench_overlap_layers_8.log" | grep -E "^\[0\] " | tail -12
+  counts "bench_layers.py --comm-streams (8 ranks)"
+  cp benchmarks/results/gpu_round_layers.jsonl "$OUT/" 2>/dev/null
 fi
 
 chain_args="--backends cuda --expert identity swiglu --passes forward forward_backward"

@@ -1,0 +1,129 @@
+"""How much of a layer's communication hides behind its expert GEMMs, at one rank.
+
+  python benchmarks/bench_overlap.py                 # DeepSeek-V3 at EP=8, one rank's shape
+  python benchmarks/bench_overlap.py --passes forward forward_backward --comm-streams 1
+
+Two independent halves of a micro-batched layer, as `moe_mlp(..., micro_batches=2)` places
+them: the experts of one micro-batch (`jax_ep.expert_mlp` on its received rows; `gemm`) and the
+dispatch -> combine of the other (`comm`: T tokens, top-K of E experts, H channels; the
+identity between them). Three programs, each timed by its device span (the profiler): `gemm`
+alone, `comm` alone and `both` in one program; with the ops on XLA's compute stream (the
+default group) and on the additional stream N (`Group(comm_stream=N)`), in the same run.
+Records (`op: overlap`) carry the three times, the hidden fraction
+`(t_gemm + t_comm - t_both) / t_comm` and the GEMMs' slowdown while they share the GPU with
+the communication kernels: the device time of the non-jax_ep kernels in `both` over that in
+`gemm` (per run, medians). With `forward_backward` each half is differentiated: the experts'
+forward and backward, and the ops' forward and backward (dispatch, combine, their transposes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import reports  # noqa: E402
+import timers  # noqa: E402
+import jax_ep  # noqa: E402
+
+
+def kernel_times(run, repeats: int):
+  """Per run: (span, device time of jax_ep's kernels, of the others), seconds, from a trace."""
+  events = [(s, e, name) for name, s, e in timers._traced_events(run, repeats)]
+  spans = timers.split_runs(events, repeats)
+  runs = timers.group_runs(events, repeats)
+  ours = [sum(e - s for s, e, name in r if "jax_ep" in name) * 1e-9 for r in runs]
+  others = [sum(e - s for s, e, name in r if "jax_ep" not in name) * 1e-9 for r in runs]
+  return spans, ours, others
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--tokens", type=int, default=4096, help="T: one micro-batch's tokens")
+  ap.add_argument("--experts", type=int, default=32, help="E: the rank's experts")
+  ap.add_argument("--hidden", type=int, default=7168)
+  ap.add_argument("--ffn", type=int, default=2048)
+  ap.add_argument("--topk", type=int, default=8)
+  ap.add_argument("--passes", nargs="+", choices=["forward", "forward_backward"],
+                  default=["forward", "forward_backward"])
+  ap.add_argument("--comm-streams", type=int, nargs="+", default=[1],
+                  help="the additional streams to time beside the compute stream")
+  ap.add_argument("--repeats", type=int, default=10)
+  ap.add_argument("--out", default="overlap.jsonl")
+  a = ap.parse_args()
+  on_gpu = jax.devices()[0].platform == "gpu"
+  t, e, h, f, k = a.tokens, a.experts, a.hidden, a.ffn, a.topk
+  rng = np.random.default_rng(0)
+  mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+  dtype = jnp.bfloat16
+  x = jnp.asarray(rng.standard_normal((t, h)), dtype)
+  idx = jnp.asarray(reports.uniform_topk(rng, t, e, k))
+  w = jnp.asarray(rng.random((t, k)), jnp.float32)
+  params = [jnp.asarray(rng.standard_normal(shape) * shape[1] ** -0.5, dtype)
+            for shape in ((e, h, f), (e, h, f), (e, f, h))]
+  # The other micro-batch's received rows and their experts' sizes, as its dispatch left them.
+  counts = np.bincount(np.asarray(idx).ravel(), minlength=e).astype(np.int32)
+  rows = jnp.asarray(rng.standard_normal((int(counts.sum()), h)), dtype)
+  sizes = jnp.asarray(counts)
+
+  def experts(rows, params):
+    return jax_ep.expert_mlp(rows, *params, sizes)
+
+  def programs(group, backward):
+    def comm(x, w):
+      recv, handle = jax_ep.dispatch(group, x, idx, w)
+      return jax_ep.combine(group, recv.x, handle)
+    if backward:
+      sq = lambda fn: lambda *args: jnp.sum(fn(*args).astype(jnp.float32) ** 2)
+      gemm_fn, comm_fn = jax.grad(sq(experts), (0, 1)), jax.grad(sq(comm), (0, 1))
+    else:
+      gemm_fn, comm_fn = experts, comm
+    shard = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(),
+                                             check_vma=False))
+    return {"gemm": shard(lambda x, w, rows, p: gemm_fn(rows, p)),
+            "comm": shard(lambda x, w, rows, p: comm_fn(x, w)),
+            "both": shard(lambda x, w, rows, p: (comm_fn(x, w), gemm_fn(rows, p)))}
+
+  records = []
+  for stream in [None, *a.comm_streams]:
+    group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
+                         dtype=dtype, comm_stream=stream)
+    for pass_ in a.passes:
+      times = {}
+      for name, prog in programs(group, pass_ == "forward_backward").items():
+        run = lambda _, prog=prog: prog(x, w, rows, params)
+        jax.block_until_ready(run(0))
+        if on_gpu:
+          spans, ours, others = kernel_times(run, a.repeats)
+          times[name] = (statistics.median(spans), statistics.median(ours),
+                         statistics.median(others))
+        else:  # the host clock, no kernels to tell apart: a check of the script itself
+          times[name] = (timers._host_clock_median(run, a.repeats), math.nan, math.nan)
+      (tg, _, g_alone), (tc, _, _), (tb, _, g_both) = times["gemm"], times["comm"], times["both"]
+      rec = reports.record(
+          op="overlap", mode="high_throughput", backend=group.backend_name, ranks=1,
+          tokens_per_rank=t, hidden=h, ffn=f, topk=k, experts=e, dtype="bfloat16",
+          timing="device_trace" if on_gpu else "host_clock", comm_stream=stream, micro_batches=2, **{"pass": pass_},
+          gemm_us=round(tg * 1e6, 1), comm_us=round(tc * 1e6, 1), both_us=round(tb * 1e6, 1),
+          hidden_fraction=round((tg + tc - tb) / tc, 3),
+          gemm_slowdown=round(g_both / g_alone, 3), median_us=round(tb * 1e6, 1))
+      records.append(rec)
+      print(f"comm_stream={stream} {pass_}: gemm {rec['gemm_us']} us, comm {rec['comm_us']} us, "
+            f"both {rec['both_us']} us: hidden {rec['hidden_fraction']:.2f}, GEMM kernels "
+            f"x{rec['gemm_slowdown']:.3f}", flush=True)
+    group.close()
+  path = reports.write_jsonl(records, a.out)
+  print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+  main()
