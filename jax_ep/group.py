@@ -125,9 +125,9 @@ class Group:
       `scale = amax / 448` (the low-latency dispatch's rounding), sends those bytes and the
       scales, and returns `recv.x` `[capacity, H]` float8_e4m3fn with `recv.scales`
       `[capacity, H/128]` float32 (`[capacity, H/512]` int32 UE8M0 exponents with FP8_UE8M0);
-      needs `H % 128 == 0` (`H % 512` with FP8_UE8M0). Combine stays in `dtype`. The
-      reference backend only, for now: `backend='cuda'` refuses it and `'auto'` takes the
-      reference (docs/api.md, "FP8 dispatch").
+      needs `H % 128 == 0` (`H % 512` with FP8_UE8M0). Combine stays in `dtype`. Both
+      backends run it, the cuda backend's kernels with the same rounding, bit for bit, at one
+      rank, over the peer transport and across hosts (docs/api.md, "FP8 dispatch").
     comm_stream: the GPU stream of the cuda backend's high-throughput ops (dispatch, combine,
       their backward ops; the rail exchange across hosts): None (default) runs them on XLA's
       compute stream, in line with the other kernels; an int N from 1 to 8 on XLA's additional
