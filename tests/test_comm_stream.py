@@ -24,7 +24,7 @@ from jax_ep.config import EPConfig
 T, E, K, H = 16, 8, 2, 128
 
 needs_extension = pytest.mark.skipif(ffi.extension() is None,
-                                     reason="the CUDA extension is not built (cuda_ops refuses)")
+                                     reason="needs the built extension (cuda_ops refuses without it)")
 
 
 def _config(num_ranks):
