@@ -2,7 +2,8 @@
 
 Each function states the abstract shapes of its custom call; leading batch dimensions from
 `jax.vmap` are passed to the kernels as-is (`vmap_method="broadcast_all"`), which run every batch
-element in one launch.
+element in one launch. The high-throughput ops take `stream`: XLA's additional GPU stream their
+custom call runs on (`Group(comm_stream=...)`), None for the compute stream.
 """
 
 from __future__ import annotations
@@ -51,10 +52,11 @@ def _on_stream(fn: Callable, stream: int, vmap_method) -> Callable:
   makes the compute stream wait for the op, and the operands stay live until the done; so XLA
   runs what it schedules between the two beside the op. Only the custom call carries the
   annotation: XLA's stream assignment does not look inside an annotated region's nested calls
-  or loops (a region holding a `jnp.where`, or the loop of a sequential vmap, fails to compile:
-  no stream for its inner call), so under vmap the batching happens outside the annotation: a
-  sequential vmap loops outside (`sequential_vmap`), each iteration's call annotated, and the
-  broadcasting one broadcasts the unbatched operands before the one batched call.
+  or loops (a `compute_on` region holding a `jnp.where`, a nested call, failed to compile on
+  the H200: no stream for it; a loop's body is the same case), so under vmap the batching
+  happens outside the annotation: a sequential vmap loops outside (`sequential_vmap`), each
+  iteration's call annotated, and the broadcasting one broadcasts the unbatched operands
+  before the one batched call.
   """
   def annotated(*args):
     with set_xla_metadata(_xla_stream_annotation=str(stream)):
