@@ -1,7 +1,7 @@
 """`Group(comm_stream=N)`: the cuda backend's high-throughput ops on XLA's additional stream N.
 
 On the CPU: the programs the cuda backend lowers for a GPU (cross-lowering, no GPU needed) carry
-the stream annotation on the ops' custom calls and on nothing else, under jit, grad, vmap,
+the stream annotation on the ops' custom calls and on nothing else, under jit, shard_map, grad, vmap,
 checkpoint and scan, and none without the option. On the GPU (`gpu`): the ops on their own
 stream give the compute stream's results bit for bit, in the same transformations.
 """
@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from ep_test_base import rank_mesh, require_gpu
@@ -22,6 +23,7 @@ from jax_ep.backends.options import MAX_COMM_STREAM, CommOptions
 from jax_ep.config import EPConfig
 
 T, E, K, H = 16, 8, 2, 128
+PROGRAMS = ["jit", "shard_map_grad", "grad", "checkpoint_grad", "vmap", "scan"]
 
 needs_extension = pytest.mark.skipif(ffi.extension() is None,
                                      reason="needs the built extension (cuda_ops refuses without it)")
@@ -53,8 +55,12 @@ def _programs(backend):
   def scanned(x, idx, w):
     return jax.lax.scan(lambda h, _: (layer(h, idx, w), None), x, None, length=2)[0]
 
+  mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+  sharded = jax.shard_map(layer, mesh=mesh, in_specs=P(), out_specs=P())
   return {
       "jit": layer,
+      "shard_map_grad": jax.grad(
+          lambda x, idx, w: jnp.sum(sharded(x, idx, w).astype(jnp.float32) ** 2), (0, 2)),
       "grad": jax.grad(loss, (0, 2)),
       "checkpoint_grad": jax.grad(jax.checkpoint(loss), (0, 2)),
       "vmap": lambda x, idx, w: jax.vmap(layer, (0, None, None))(jnp.stack([x, x]), idx, w),
@@ -86,7 +92,7 @@ def _lowered_ops(fn):
 
 @needs_extension
 @pytest.mark.parametrize("kind", ["local", "peer"])
-@pytest.mark.parametrize("program", ["jit", "grad", "checkpoint_grad", "vmap", "scan"])
+@pytest.mark.parametrize("program", PROGRAMS)
 def test_the_ops_custom_calls_carry_the_stream(kind, program):
   ops = _lowered_ops(_programs(_backend(kind, 3))[program])
   calls = [(name, s) for name, s in ops if name.startswith("jax_ep_")]
@@ -131,7 +137,7 @@ def test_the_group_keeps_its_stream():
 # ----------------------------------------------------------------------------- on the GPU
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("program", ["jit", "grad", "checkpoint_grad", "vmap", "scan"])
+@pytest.mark.parametrize("program", PROGRAMS)
 def test_one_rank_ops_on_their_stream_match_the_compute_stream(program):
   require_gpu()
   outs = {}
