@@ -1,9 +1,9 @@
 """`Group(comm_stream=N)`: the cuda backend's high-throughput ops on XLA's additional stream N.
 
 On the CPU: the programs the cuda backend lowers for a GPU (cross-lowering, no GPU needed) carry
-the stream annotation on the ops' custom calls and on nothing else, under jit, shard_map, grad, vmap,
-checkpoint and scan, and none without the option. On the GPU (`gpu`): the ops on their own
-stream give the compute stream's results bit for bit, in the same transformations.
+the stream annotation on the ops' custom calls and on nothing else, under jit, shard_map, grad,
+vmap, checkpoint and scan, and none without the option. On the GPU (`gpu`): the ops on their
+own stream give the compute stream's results bit for bit, in the same transformations.
 """
 
 import re
