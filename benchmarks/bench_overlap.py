@@ -112,7 +112,8 @@ def main():
       rec = reports.record(
           op="overlap", mode="high_throughput", backend=group.backend_name, ranks=1,
           tokens_per_rank=t, hidden=h, ffn=f, topk=k, experts=e, dtype="bfloat16",
-          timing="device_trace" if on_gpu else "host_clock", comm_stream=stream, micro_batches=2, **{"pass": pass_},
+          timing="device_trace" if on_gpu else "host_clock", comm_stream=stream,
+          micro_batches=2, **{"pass": pass_},
           gemm_us=round(tg * 1e6, 1), comm_us=round(tc * 1e6, 1), both_us=round(tb * 1e6, 1),
           hidden_fraction=round((tg + tc - tb) / tc, 3),
           gemm_slowdown=round(g_both / g_alone, 3), median_us=round(tb * 1e6, 1))

@@ -25,8 +25,8 @@ from jax_ep.config import EPConfig
 T, E, K, H = 16, 8, 2, 128
 PROGRAMS = ["jit", "shard_map_grad", "grad", "checkpoint_grad", "vmap", "scan"]
 
-needs_extension = pytest.mark.skipif(ffi.extension() is None,
-                                     reason="needs the built extension (cuda_ops refuses without it)")
+needs_extension = pytest.mark.skipif(
+    ffi.extension() is None, reason="needs the built extension (cuda_ops refuses without it)")
 
 
 def _config(num_ranks):
@@ -85,7 +85,8 @@ def _lowered_ops(fn):
     stream = re.search(r'_xla_stream_annotation = "(\w+)"', line)
     target = re.search(r"custom_call @(\w+)", line)
     if target and target.group(1).startswith("jax_ep_") or stream:
-      name = target.group(1) if target else re.search(r"(\w+\.\w+|\w+)[ (]", line.split("=", 1)[-1].strip()).group(1)
+      op = re.search(r"(\w+\.\w+|\w+)[ (]", line.split("=", 1)[-1].strip())
+      name = target.group(1) if target else op.group(1)
       ops.append((name, stream.group(1) if stream else None))
   return ops
 
