@@ -172,6 +172,7 @@ def main():
   results = {}
   for variant in a.variants:
     cuda_ops._call = on_stream("compute" if variant == "library" else variant)
+    jax.clear_caches()  # the programs are traced again, through this variant's calls
     for name, prog in programs.items():
       print(f"\n=== {variant} {name}", flush=True)
       try:
