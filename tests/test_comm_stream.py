@@ -6,6 +6,7 @@ vmap, checkpoint and scan, and none without the option. On the GPU (`gpu`): the 
 own stream give the compute stream's results bit for bit, in the same transformations.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -18,12 +19,12 @@ import jax_ep
 from ep_test_base import rank_mesh, require_gpu
 from jax_ep._native import ffi
 from jax_ep.backends import primitives
-from jax_ep.backends.cuda import LocalBackend, PeerBackend
+from jax_ep.backends.cuda import LocalBackend, NetworkBackend, PeerBackend
 from jax_ep.backends.options import MAX_COMM_STREAM, CommOptions
-from jax_ep.config import EPConfig
+from jax_ep.config import EPConfig, RowFormat
 
 T, E, K, H = 16, 8, 2, 128
-PROGRAMS = ["jit", "shard_map_grad", "grad", "checkpoint_grad", "vmap", "scan"]
+PROGRAMS = ["jit", "shard_map_grad", "grad", "checkpoint_grad", "vmap", "vmap_vmap", "scan"]
 
 needs_extension = pytest.mark.skipif(
     ffi.extension() is None, reason="needs the built extension (cuda_ops refuses without it)")
@@ -37,14 +38,34 @@ def _backend(kind, stream):
   options = CommOptions(comm_stream=stream)
   if kind == "local":
     return LocalBackend(_config(1), None, options)
+  if kind == "local_fp8":
+    return LocalBackend(dataclasses.replace(_config(1), wire_format=RowFormat.FP8), None,
+                        options)
+  if kind == "network":  # two hosts of one rank: the rail exchange, then the local ops
+    return NetworkBackend(_config(2), 0, options, hosts=((0,), (1,)))
   return PeerBackend(_config(2), 0, options)
 
 
 def _layer(backend):
-  """dispatch -> a scaling "expert" -> weighted combine, differentiable in x and the weights."""
+  """dispatch -> a scaling "expert" -> weighted combine, differentiable in x and the weights
+  (the fp8 dispatch's rows dequantised first); a network backend's inside shard_map over its
+  ranks (its ops read their rank)."""
   def layer(x, idx, w):
-    recv_x, _, _, _, layout = primitives.dispatch(backend, x, idx, w)
+    if backend.config.wire_format == RowFormat.PLAIN:
+      recv_x, _, _, _, layout = primitives.dispatch(backend, x, idx, w)
+    else:
+      q, scales, _, _, _, layout = primitives.dispatch_fp8(backend, x, None, idx, w)
+      recv_x = primitives.dequantize(q, scales, x.dtype)
     return primitives.combine(backend, recv_x * 2, layout, w)
+  if isinstance(backend, NetworkBackend):
+    mesh = jax.make_mesh((backend.config.num_ranks,), ("ep",),
+                         devices=jax.devices()[:backend.config.num_ranks],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    spec = P("ep")
+    per_rank = lambda x, idx, w: layer(x[0], idx[0], w[0])[None]
+    sharded = jax.shard_map(per_rank, mesh=mesh, in_specs=spec, out_specs=spec)
+    return lambda x, idx, w: sharded(*(jnp.stack([a] * backend.config.num_ranks)
+                                       for a in (x, idx, w)))[0]
   return layer
 
 
@@ -64,6 +85,8 @@ def _programs(backend):
       "grad": jax.grad(loss, (0, 2)),
       "checkpoint_grad": jax.grad(jax.checkpoint(loss), (0, 2)),
       "vmap": lambda x, idx, w: jax.vmap(layer, (0, None, None))(jnp.stack([x, x]), idx, w),
+      "vmap_vmap": lambda x, idx, w: jax.vmap(jax.vmap(layer, (0, None, 0)), (0, None, None))(
+          jnp.stack([jnp.stack([x, x])] * 2), idx, jnp.stack([w, w])),
       "scan": scanned,
   }
 
@@ -91,9 +114,13 @@ def _lowered_ops(fn):
   return ops
 
 
+# (The network backend's layer is inside its own shard_map already.)
+CASES = [(kind, program) for kind in ("local", "peer", "local_fp8", "network")
+         for program in PROGRAMS if (kind, program) != ("network", "shard_map_grad")]
+
+
 @needs_extension
-@pytest.mark.parametrize("kind", ["local", "peer"])
-@pytest.mark.parametrize("program", PROGRAMS)
+@pytest.mark.parametrize("kind,program", CASES)
 def test_the_ops_custom_calls_carry_the_stream(kind, program):
   ops = _lowered_ops(_programs(_backend(kind, 3))[program])
   calls = [(name, s) for name, s in ops if name.startswith("jax_ep_")]
@@ -148,6 +175,40 @@ def test_one_rank_ops_on_their_stream_match_the_compute_stream(program):
   for a, b in zip(jax.tree.leaves(outs[None]), jax.tree.leaves(outs[1])):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
                                   np.asarray(b.astype(jnp.float32)))
+
+
+def _computation_of_each_call(hlo: str) -> dict:
+  """jax_ep custom call target -> the computations of an optimised HLO module holding it."""
+  homes, current = {}, None
+  for line in hlo.splitlines():
+    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+    if head:
+      current = head.group(1)
+    target = re.search(r'custom_call_target="(jax_ep_\w+)"', line)
+    if target:
+      homes.setdefault(target.group(1), set()).add(current)
+  return homes
+
+
+@pytest.mark.gpu
+def test_xla_runs_each_op_in_an_async_call():
+  """What makes the ops run beside the compute stream: in the compiled program every jax_ep
+  custom call sits in a computation that an async start runs (XLA's wrapper of an annotated
+  op), and none does on the compute stream."""
+  require_gpu()
+  for program in ("jit", "grad"):
+    hlo = jax.jit(_programs(_backend("local", 1))[program]).lower(*_inputs()).compile().as_text()
+    async_bodies = set(re.findall(r"-start\(.*?(?:calls|to_apply)=%?([\w.\-]+)", hlo))
+    homes = _computation_of_each_call(hlo)
+    assert homes, hlo[:3000]
+    for target, where in homes.items():
+      assert where <= async_bodies, (
+          f"{program}: {target} in {where}, async bodies {async_bodies}:\n"
+          + "\n".join(line for line in hlo.splitlines() if "-start" in line or target in line))
+    plain = jax.jit(_programs(_backend("local", None))[program]).lower(*_inputs()).compile()
+    plain = plain.as_text()
+    plain_bodies = set(re.findall(r"-start\(.*?(?:calls|to_apply)=%?([\w.\-]+)", plain))
+    assert not any(where & plain_bodies for where in _computation_of_each_call(plain).values())
 
 
 @pytest.mark.gpu

@@ -71,7 +71,8 @@ def _on_stream(fn: Callable, stream: int, vmap_method) -> Callable:
   def _broadcast_then_call(axis_size, in_batched, *args):
     args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
             for a, b in zip(args, in_batched)]
-    outs = jax.vmap(annotated)(*args)
+    # The batched call, itself annotated alone: an outer vmap batches it by this same rule.
+    outs = _on_stream(jax.vmap(fn), stream, vmap_method)(*args)
     return outs, jax.tree.map(lambda _: True, outs)
   return batched
 
