@@ -12,14 +12,15 @@ default group) and on the additional stream N (`Group(comm_stream=N)`), in the s
 Records (`op: overlap`) carry the three times, the hidden fraction
 `(t_gemm + t_comm - t_both) / t_comm` and the GEMMs' slowdown while they share the GPU with
 the communication kernels: the device time of the non-jax_ep kernels in `both` over that in
-`gemm` (per run, medians). With `forward_backward` each half is differentiated: the experts'
-forward and backward, and the ops' forward and backward (dispatch, combine, their transposes).
+`gemm` (per run, medians; the comm half's own XLA kernels, from `comm` alone, taken out), and
+the streams each side's kernels ran on. With `forward_backward` each half is differentiated:
+the experts' forward and backward, and the ops' forward and backward (dispatch, combine, their
+transposes).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
@@ -37,13 +38,17 @@ import jax_ep  # noqa: E402
 
 
 def kernel_times(run, repeats: int):
-  """Per run: (span, device time of jax_ep's kernels, of the others), seconds, from a trace."""
-  events = [(s, e, name) for name, s, e in timers._traced_events(run, repeats)]
-  spans = timers.split_runs(events, repeats)
+  """Per run, from a profiler trace: (span, device time of jax_ep's kernels, of the others),
+  seconds; and the streams jax_ep's kernels and the others ran on."""
+  events = [(s, e, name, line)
+            for name, s, e, line in timers._traced_events(run, repeats, with_stream=True)]
+  spans = timers.split_runs([(s, e, name) for s, e, name, _ in events], repeats)
   runs = timers.group_runs(events, repeats)
-  ours = [sum(e - s for s, e, name in r if "jax_ep" in name) * 1e-9 for r in runs]
-  others = [sum(e - s for s, e, name in r if "jax_ep" not in name) * 1e-9 for r in runs]
-  return spans, ours, others
+  ours = [sum(e - s for s, e, name, _ in r if "jax_ep" in name) * 1e-9 for r in runs]
+  others = [sum(e - s for s, e, name, _ in r if "jax_ep" not in name) * 1e-9 for r in runs]
+  streams = ({line for _, _, name, line in events if "jax_ep" in name},
+             {line for _, _, name, line in events if "jax_ep" not in name})
+  return spans, ours, others, streams
 
 
 def main():
@@ -98,29 +103,37 @@ def main():
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
                          dtype=dtype, comm_stream=stream)
     for pass_ in a.passes:
-      times = {}
+      times, streams = {}, {}
       for name, prog in programs(group, pass_ == "forward_backward").items():
         run = lambda _, prog=prog: prog(x, w, rows, params)
         jax.block_until_ready(run(0))
         if on_gpu:
-          spans, ours, others = kernel_times(run, a.repeats)
+          spans, ours, others, streams[name] = kernel_times(run, a.repeats)
           times[name] = (statistics.median(spans), statistics.median(ours),
                          statistics.median(others))
         else:  # the host clock, no kernels to tell apart: a check of the script itself
-          times[name] = (timers._host_clock_median(run, a.repeats), math.nan, math.nan)
-      (tg, _, g_alone), (tc, _, _), (tb, _, g_both) = times["gemm"], times["comm"], times["both"]
+          times[name] = (timers._host_clock_median(run, a.repeats), None, None)
+      (tg, _, g_alone), (tc, _, c_glue), (tb, _, other_both) = (
+          times["gemm"], times["comm"], times["both"])
+      # The GEMM side's kernels in `both`: the non-jax_ep kernels less the comm half's own
+      # (its casts, slices and, in the backward, its loss), taken from `comm` alone.
+      slowdown = (None if g_alone is None
+                  else round((other_both - c_glue) / g_alone, 3))
+      ours_on, others_on = streams.get("both", (set(), set()))
       rec = reports.record(
           op="overlap", mode="high_throughput", backend=group.backend_name, ranks=1,
           tokens_per_rank=t, hidden=h, ffn=f, topk=k, experts=e, dtype="bfloat16",
           timing="device_trace" if on_gpu else "host_clock", comm_stream=stream,
           micro_batches=2, **{"pass": pass_},
-          gemm_us=round(tg * 1e6, 1), comm_us=round(tc * 1e6, 1), both_us=round(tb * 1e6, 1),
-          hidden_fraction=round((tg + tc - tb) / tc, 3),
-          gemm_slowdown=round(g_both / g_alone, 3), median_us=round(tb * 1e6, 1))
+          t_gemm_us=round(tg * 1e6, 1), t_comm_us=round(tc * 1e6, 1),
+          t_both_us=round(tb * 1e6, 1), hidden_fraction=round((tg + tc - tb) / tc, 3),
+          gemm_slowdown=slowdown, median_us=round(tb * 1e6, 1),
+          comm_kernel_streams=sorted(ours_on), other_kernel_streams=sorted(others_on))
       records.append(rec)
-      print(f"comm_stream={stream} {pass_}: gemm {rec['gemm_us']} us, comm {rec['comm_us']} us, "
-            f"both {rec['both_us']} us: hidden {rec['hidden_fraction']:.2f}, GEMM kernels "
-            f"x{rec['gemm_slowdown']:.3f}", flush=True)
+      print(f"comm_stream={stream} {pass_}: gemm {rec['t_gemm_us']} us, comm "
+            f"{rec['t_comm_us']} us, both {rec['t_both_us']} us: hidden "
+            f"{rec['hidden_fraction']:.2f}, GEMM kernels x{slowdown}; jax_ep kernels on "
+            f"{sorted(ours_on)}, the others on {sorted(others_on)}", flush=True)
     group.close()
   path = reports.write_jsonl(records, a.out)
   print(f"wrote {path}")

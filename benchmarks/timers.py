@@ -72,12 +72,14 @@ class TraceUnavailable(RuntimeError):
 
 
 
-def _traced_events(run, repeats: int, *, with_device: bool = False) -> list[tuple]:
+def _traced_events(run, repeats: int, *, with_device: bool = False,
+                   with_stream: bool = False) -> list[tuple]:
   """`run(r)` for r in range(repeats), each waited for, under a jax.profiler trace; the GPU
   stream events as `(name, start_ns, end_ns)`, with the device's plane name appended when
-  `with_device`. The runs happen whether or not the trace could start (processes that run
-  collective kernels together must all make the same calls); after them, TraceUnavailable says
-  the trace could not be had. An error raised by a run propagates as itself."""
+  `with_device`, then the stream's line name ("Stream #N...") when `with_stream`. The runs
+  happen whether or not the trace could start (processes that run collective kernels together
+  must all make the same calls); after them, TraceUnavailable says the trace could not be had.
+  An error raised by a run propagates as itself."""
   import glob
   import tempfile
   from jax._src.lib import _profile_data
@@ -108,7 +110,8 @@ def _traced_events(run, repeats: int, *, with_device: bool = False) -> list[tupl
       for line in plane.lines:
         if line.name.startswith("Stream"):
           events += [(ev.name, ev.start_ns, ev.start_ns + ev.duration_ns)
-                     + ((plane.name,) if with_device else ()) for ev in line.events]
+                     + ((plane.name,) if with_device else ())
+                     + ((line.name,) if with_stream else ()) for ev in line.events]
   return events
 
 

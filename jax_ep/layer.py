@@ -461,12 +461,12 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
       experts (in the forward and in the backward) where the group's ops have a stream of
       their own (`jax_ep.Group(..., comm_stream=1)`, cuda backend); on XLA's compute stream
       (the default) they wait in line with the GEMMs. Results equal the unsplit layer's
-      within rounding; `num_dropped` is the sum over the micro-batches. Each micro-batch is one call of the
-      group: at most `max_tokens_per_rank` tokens (`N / M / micro_batches`; a group sized for
-      a micro-batch serves the whole shard), and the group's whole `capacity` for its rows,
-      which the backward keeps once per micro-batch (`jax_ep.memory_bytes`). With a
-      `capacity` or `buffer_factor` sized for the whole shard, a micro-batch has that many
-      rows for fewer tokens and the split drops at most what the unsplit layer would.
+      within rounding; `num_dropped` is the sum over the micro-batches. Each micro-batch is
+      one call of the group: at most `max_tokens_per_rank` tokens (`N / M / micro_batches`; a
+      group sized for a micro-batch serves the whole shard), and the group's whole `capacity`
+      for its rows, which the backward keeps once per micro-batch (`jax_ep.memory_bytes`).
+      With a `capacity` or `buffer_factor` sized for the whole shard, a micro-batch has that
+      many rows for fewer tokens and the split drops at most what the unsplit layer would.
       "high_throughput" mode only.
     fp8: the experts in FP8, DeepSeek-V3's recipe (`jax_ep.expert_mlp`'s `fp8`): the expert
       weights quantised once per call from the masters in `params` (128 x 128 blocks), the

@@ -100,7 +100,7 @@ class TestCudaIntranodeOnCommStream(EPTestBase):
   """The shared suite with the ops on XLA's additional stream 1 (`comm_stream=1`): the same
   results, and every rank's kernels still meet their peers'."""
   target = dataclasses.replace(PEER, name="cuda backend's peer transport, comm_stream=1",
-                               group_options={"comm_stream": 1})
+                               group_options={**PEER.group_options, "comm_stream": 1})
 
 
 @pytest.mark.skipif(NUM_RANKS < 2, reason="the peer transport needs at least 2 ranks")

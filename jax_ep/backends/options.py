@@ -3,9 +3,8 @@
 `EPConfig` (jax_ep/config.py) holds what decides the results and the buffers' shapes; these
 settings decide only how the transports move rows: the SMs their send kernels take from XLA's
 other kernels, the GPU stream their custom calls run on, and how long a rank waits for its
-peers. The group checks them once, the registry
-gives them to the backend's `supports` and `create` (`registry.Request.options`), and the
-backend keeps them.
+peers. The group checks them once, the registry gives them to the backend's `supports` and
+`create` (`registry.Request.options`), and the backend keeps them.
 """
 
 from __future__ import annotations
