@@ -156,10 +156,12 @@ def test_bad_comm_stream_is_named(value, error, message):
                  max_tokens_per_rank=4, backend="reference", comm_stream=value)
 
 
-def test_the_group_keeps_its_stream():
-  group = jax_ep.Group(rank_mesh(2), "ep", num_experts=8, num_topk=2, hidden=64,
-                       max_tokens_per_rank=4, backend="reference", comm_stream=2)
+def test_the_group_keeps_its_stream(caplog):
+  with caplog.at_level("INFO", logger="jax_ep"):
+    group = jax_ep.Group(rank_mesh(2), "ep", num_experts=8, num_topk=2, hidden=64,
+                         max_tokens_per_rank=4, backend="reference", comm_stream=2)
   assert group.options.comm_stream == 2
+  assert "comm_stream=2 has no effect on the reference backend" in caplog.text
 
 
 # ----------------------------------------------------------------------------- on the GPU
