@@ -133,8 +133,8 @@ class Group:
       compute stream, in line with the other kernels; an int N from 1 to 8 on XLA's additional
       stream N (`compute_on("gpu_stream:N")`), beside the compute stream's kernels: XLA
       starts each op once the work queued before it is done and makes its consumers wait for
-      it, so the GEMMs of another micro-batch (`moe_mlp(..., micro_batches=2)`) run while its
-      rows travel. Each op leaves the command buffer (CUDA graph) it would sit in. The
+      it, so the GEMMs of another micro-batch (`moe_mlp(..., micro_batches=2)`) can run
+      while its rows travel (docs/api.md, "Communication beside the experts"). Each op leaves the command buffer (CUDA graph) it would sit in. The
       low-latency pair stays on the compute stream (a decode step lives in command buffers),
       as do the reference backend's ops (XLA's own).
     capacity_factor: not taken: a `TypeError` says which of `buffer_factor` (this rank's
