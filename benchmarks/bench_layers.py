@@ -122,6 +122,18 @@ def time_programs(programs, args, repeats: int, on_gpu: bool):
   return results
 
 
+def print_ratios(records, is_row, is_base, same_fields, describe):
+  """For each record `is_row` picks, its median over that of the first `is_base` record that
+  agrees with it on `same_fields`, printed after `describe(record)`."""
+  for r in records:
+    if not is_row(r):
+      continue
+    base = [q for q in records if is_base(q) and all(q[f] == r[f] for f in same_fields)]
+    if base:
+      print(f"{describe(r)}: {r['median_us'] / base[0]['median_us']:.3f} "
+            f"({r['median_us']} / {base[0]['median_us']} us)")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
@@ -370,41 +382,25 @@ def main():
     reports.print_table(records, ["backend", "expert", "settings", "pass", "micro_batches",
                                  "comm_stream", "timing", "layers", "capacity", "median_us",
                                  "program_us", "gbps", "roofline"])
-    # Default against tight capacity, side by side (the same run): what the worst-case
-    # default costs in time.
-    for r in records:
-      if r["settings"] != "default":
-        continue
-      tight = [q for q in records if q["settings"] == "buffer_factor=1.1"
-               and all(q[f] == r[f] for f in ("backend", "expert", "pass", "micro_batches",
-                                              "timing"))]
-      if tight:
-        print(f"default / tight: {r['backend']} {r['expert']} {r['pass']} {r['timing']}: "
-              f"{r['median_us'] / tight[0]['median_us']:.3f} "
-              f"({r['median_us']} / {tight[0]['median_us']} us)")
-    # Split against unsplit, side by side (the same run): what the micro-batches buy.
-    for r in records:
-      if r["micro_batches"] == 1:
-        continue
-      whole = [q for q in records if q["micro_batches"] == 1
-               and all(q[f] == r[f] for f in ("backend", "expert", "settings", "pass", "timing"))]
-      if whole:
-        print(f"micro_batches={r['micro_batches']} / 1: {r['backend']} {r['expert']} "
-              f"{r['settings']} {r['pass']} {r['timing']}: "
-              f"{r['median_us'] / whole[0]['median_us']:.3f} "
-              f"({r['median_us']} / {whole[0]['median_us']} us)")
-    # Each op on its own stream against the compute stream, side by side (the same run).
-    for r in records:
-      if r["comm_stream"] is None:
-        continue
-      same = [q for q in records if q["settings"] == "default"
-              and all(q[f] == r[f] for f in ("backend", "expert", "pass", "micro_batches",
-                                             "timing"))]
-      if same:
-        print(f"comm_stream={r['comm_stream']} / compute stream: {r['expert']} {r['pass']} "
-              f"micro_batches={r['micro_batches']} {r['timing']}: "
-              f"{r['median_us'] / same[0]['median_us']:.3f} "
-              f"({r['median_us']} / {same[0]['median_us']} us)")
+    # Ratios side by side (the same run). Default against tight capacity: what the
+    # worst-case default costs in time.
+    print_ratios(records, lambda r: r["settings"] == "default",
+                 lambda q: q["settings"] == "buffer_factor=1.1",
+                 ("backend", "expert", "pass", "micro_batches", "timing"),
+                 lambda r: f"default / tight: {r['backend']} {r['expert']} {r['pass']} "
+                           f"{r['timing']}")
+    # Split against unsplit: what the micro-batches buy.
+    print_ratios(records, lambda r: r["micro_batches"] != 1,
+                 lambda q: q["micro_batches"] == 1,
+                 ("backend", "expert", "settings", "pass", "timing"),
+                 lambda r: f"micro_batches={r['micro_batches']} / 1: {r['backend']} "
+                           f"{r['expert']} {r['settings']} {r['pass']} {r['timing']}")
+    # Each op on its own stream against the compute stream.
+    print_ratios(records, lambda r: r["comm_stream"] is not None,
+                 lambda q: q["settings"] == "default",
+                 ("backend", "expert", "pass", "micro_batches", "timing"),
+                 lambda r: f"comm_stream={r['comm_stream']} / compute stream: {r['expert']} "
+                           f"{r['pass']} micro_batches={r['micro_batches']} {r['timing']}")
     print(f"wrote {path}")
 
 
