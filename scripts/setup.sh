@@ -4,7 +4,9 @@
 # run or is asked for, and the script says which it did:
 #   JAX_EP_ENABLE_CUDA=AUTO (default): built where there is an NVIDIA GPU and nvcc;
 #   JAX_EP_ENABLE_CUDA=ON:   built wherever nvcc is (CI sets this to compile every CUDA source
-#                            on machines without a GPU); fails without nvcc;
+#                            on machines without a GPU, where JAX's CUDA PJRT plugin is
+#                            installed apart, in .venv/cuda-aot, to compile for an H200 without
+#                            one); fails without nvcc;
 #   JAX_EP_ENABLE_CUDA=OFF:  never; nothing CUDA is installed (no NVSHMEM wheel).
 # JAX_EP_ENABLE_NVSHMEM=OFF leaves NVSHMEM out of a CUDA build. Idempotent, and quick when
 # nothing changed: each step records a hash of what it depends on in .venv/ and is skipped
@@ -111,6 +113,16 @@ else
   # the build compiles and links jax_ep's NVSHMEM module against this wheel.
   if [ "$with_nvshmem" = yes ]; then
     python -m pip install -q "nvidia-nvshmem-cu13==3.4.5"
+  fi
+  # JAX's CUDA PJRT plugin at the jaxlib's version, for CUDA builds on machines without a GPU:
+  # it compiles programs for a compile-only H200 (jax_ep.testing.aot, tests/test_hopper_aot.py).
+  # Installed apart (.venv/cuda-aot, put on PYTHONPATH by the processes that compile), so that
+  # JAX in .venv does not try to start a GPU backend; without its CUDA libraries, which only a
+  # GPU run needs.
+  if [ "$cuda_mode" = ON ] && [ "$has_gpu" = no ]; then
+    rm -rf .venv/cuda-aot
+    python -m pip install -q --no-deps --target .venv/cuda-aot "jax-cuda13-plugin==0.11.2" \
+      "jax-cuda13-pjrt==0.11.2"
   fi
   echo "$deps_hash" > .venv/.setup-deps
 fi

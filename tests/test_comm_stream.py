@@ -46,10 +46,10 @@ def _backend(kind, stream):
   return PeerBackend(_config(2), 0, options)
 
 
-def _layer(backend):
+def _layer(backend, devices=None):
   """dispatch -> a scaling "expert" -> weighted combine, differentiable in x and the weights
   (the fp8 dispatch's rows dequantised first); a network backend's inside shard_map over its
-  ranks (its ops read their rank)."""
+  ranks (its ops read their rank) of `devices` (default: jax.devices())."""
   def layer(x, idx, w):
     if backend.config.wire_format == RowFormat.PLAIN:
       recv_x, _, _, _, layout = primitives.dispatch(backend, x, idx, w)
@@ -59,7 +59,7 @@ def _layer(backend):
     return primitives.combine(backend, recv_x * 2, layout, w)
   if isinstance(backend, NetworkBackend):
     mesh = jax.make_mesh((backend.config.num_ranks,), ("ep",),
-                         devices=jax.devices()[:backend.config.num_ranks],
+                         devices=(devices or jax.devices())[:backend.config.num_ranks],
                          axis_types=(jax.sharding.AxisType.Auto,))
     spec = P("ep")
     per_rank = lambda x, idx, w: layer(x[0], idx[0], w[0])[None]
@@ -69,14 +69,14 @@ def _layer(backend):
   return layer
 
 
-def _programs(backend):
-  layer = _layer(backend)
+def _programs(backend, devices=None):
+  layer = _layer(backend, devices)
   loss = lambda x, idx, w: jnp.sum(layer(x, idx, w).astype(jnp.float32) ** 2)
 
   def scanned(x, idx, w):
     return jax.lax.scan(lambda h, _: (layer(h, idx, w), None), x, None, length=2)[0]
 
-  mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+  mesh = jax.make_mesh((1,), ("ep",), devices=(devices or jax.devices())[:1])
   sharded = jax.shard_map(layer, mesh=mesh, in_specs=P(), out_specs=P())
   return {
       "jit": layer,

@@ -41,7 +41,34 @@ def _call(target, result_shapes, *args, vmap_method="broadcast_all", has_side_ef
   fn = lambda *a: call(*a, **attrs)
   if stream is not None:
     fn = _on_stream(fn, stream, vmap_method)
+  elif vmap_method == "sequential":
+    fn = _looped(fn)
   return vary_like_operands(fn(*args), args)
+
+
+def _looped(fn: Callable) -> Callable:
+  """`fn` (one custom call) batched by a loop over the batch, one call per element (what
+  `vmap_method="sequential"` asks for), nested vmaps included.
+
+  NOTES: XLA:GPU's dynamic-slice fusion (jaxlib 0.11.2) folds a custom call whose operands are
+  dynamic slices of a loop's arrays (or whose results are written into one by a dynamic update
+  slice) into a fusion that slices, calls and writes, and keeps the original call beside it when
+  the call has side effects, as the peer ops do: each iteration ran the op twice (seen in the
+  compiled program, `tests/test_hopper_aot.py`). Optimization barriers between the slices, the
+  call and the writes keep the fusion from matching, at the cost of a copy of each iteration's
+  operands and results.
+  """
+  batched = jax.custom_batching.custom_vmap(fn)
+
+  @batched.def_vmap
+  def _loop(axis_size, in_batched, *args):
+    def one(sliced):
+      it = iter(sliced)
+      operands = [next(it) if b else a for a, b in zip(args, in_batched)]
+      return jax.lax.optimization_barrier(batched(*jax.lax.optimization_barrier(operands)))
+    outs = jax.lax.map(one, [a for a, b in zip(args, in_batched) if b])
+    return outs, jax.tree.map(lambda _: True, outs)
+  return batched
 
 
 def _on_stream(fn: Callable, stream: int, vmap_method) -> Callable:
@@ -54,7 +81,7 @@ def _on_stream(fn: Callable, stream: int, vmap_method) -> Callable:
   annotation: XLA's stream assignment does not look inside an annotated region's nested calls
   or loops (a `compute_on` region holding a `jnp.where`, a nested call, failed to compile on
   the H200: no stream for it; a loop's body is the same case), so under vmap the batching
-  happens outside the annotation: a sequential vmap loops outside (`sequential_vmap`), each
+  happens outside the annotation: a sequential vmap loops outside (`_looped`), each
   iteration's call annotated, and the broadcasting one broadcasts the unbatched operands
   before the one batched call.
   """
@@ -62,7 +89,7 @@ def _on_stream(fn: Callable, stream: int, vmap_method) -> Callable:
     with set_xla_metadata(_xla_stream_annotation=str(stream)):
       return fn(*args)
   if vmap_method == "sequential":
-    return jax.custom_batching.sequential_vmap(annotated)
+    return _looped(annotated)
   if vmap_method != "broadcast_all":
     return annotated
   batched = jax.custom_batching.custom_vmap(annotated)

@@ -170,7 +170,9 @@ def _create_cuda(request: Request):
   r, config, mesh = request, request.config, request.mesh
   if config.num_ranks == 1 and not r.low_latency:
     for device in mesh.devices.flat:
-      if device.process_index == jax.process_index():
+      # A compile-only device (jax.experimental.topologies: compiling ahead of time, with no
+      # GPU) has no hardware id and nothing to load onto.
+      if device.process_index == jax.process_index() and device.local_hardware_id is not None:
         ffi.extension().preload_kernels(device.local_hardware_id)
     return LocalBackend(config, None, r.options), None
   o = r.options

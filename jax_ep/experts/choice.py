@@ -21,11 +21,9 @@ _IMPLS = ("auto", "mosaic", "xla")
 
 
 def on_hopper() -> bool:
-  """Whether every device is a Hopper GPU (compute capability 9.0): where the kernels run."""
-  try:
-    devices = jax.devices()
-  except RuntimeError:
-    return False
+  """Whether programs compile for Hopper GPUs (compute capability 9.0) alone: where the
+  kernels run."""
+  devices = configs.target_devices()
   return bool(devices) and all(
       d.platform == "gpu" and getattr(d, "compute_capability", "") == "9.0" for d in devices)
 

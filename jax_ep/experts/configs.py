@@ -17,8 +17,23 @@ import contextlib
 import contextvars
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+def target_devices() -> list:
+  """The devices programs compile for: the default device where one is set
+  (`jax.default_device`: a device, e.g. a compile-only H200 from `jax_ep.testing.aot`, or a
+  platform's name), else every device."""
+  default = jax.config.jax_default_device
+  try:
+    if default is None:
+      return jax.devices()
+    return jax.devices(default) if isinstance(default, str) else [default]
+  except RuntimeError:
+    return []
+
 
 # The row tile of jax_ep's grouped GEMM on Hopper: capacities derived from `buffer_factor`
 # round up to it, so that the buffer is a whole number of tiles.

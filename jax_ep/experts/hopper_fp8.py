@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.hopper import _band, _store_rows, num_sms
+from jax_ep.experts.hopper import _band, _store_rows, named, num_sms
 from jax_ep.experts.layout import cdiv, row_tiles
 
 # The scales' granularity: a row's scale covers 128 channels, a weight's a 128x128 block.
@@ -206,7 +206,7 @@ def fp8_grouped_matmul_kernel(x, x_scales, w, w_scales, group_sizes, group_offse
   body = _fused_specialized if tiles.compute_wgs > 1 else _fused
   (out,) = body((x,), (x_scales,), (w,), (w_scales,), group_sizes, group_offsets,
                 passes=((0, ((0, 0),)),), tiles=tiles, epilogue=lambda totals: totals,
-                outputs=outputs)
+                outputs=outputs, name="jax_ep_fp8_gmm")
   return out
 
 
@@ -263,7 +263,7 @@ def fp8_gated_kernel(x, x_scales, w_gate, w_up, scales_gate, scales_up, group_si
   body = _fused_specialized if tiles.compute_wgs > 1 else _fused
   outs = body((x,), (x_scales,), ws, w_scales, group_sizes, group_offsets,
               passes=((0, tuple((i, i) for i in range(num))),), tiles=tiles,
-              epilogue=epilogue, outputs=outputs)
+              epilogue=epilogue, outputs=outputs, name="jax_ep_fp8_gate_up")
   h, wide = outs[0], outs[1]
   h_scales = wide.reshape(rows, f // SCALE_BLOCK, _SCALE_COLUMNS)[:, :, 0]
   return h, h_scales, outs[2], outs[3] if gated else None
@@ -316,7 +316,7 @@ def fp8_gated_input_grad_kernel(dgate, dgate_scales, dup, dup_scales, w_gate, sc
   (out,) = _fused(
       xs, x_scales, ws, w_scales, group_sizes, group_offsets,
       passes=tuple((i, ((i, 0),)) for i in range(len(xs))), tiles=tiles,
-      epilogue=lambda totals: totals, outputs=outputs)
+      epilogue=lambda totals: totals, outputs=outputs, name="jax_ep_fp8_input_grad")
   return out
 
 
@@ -359,7 +359,8 @@ def _prepare(xs, x_scales, ws, group_sizes, group_offsets, passes, tiles, output
 
 
 def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Sequence[Pass],
-           tiles: KernelTiles, epilogue: Callable, outputs: Sequence[tuple[int, object]]):
+           tiles: KernelTiles, epilogue: Callable, outputs: Sequence[tuple[int, object]],
+           name: str):
   """One warpgroup per CTA over the work list (`layout.row_tiles`): for each (item, column
   tile), each pass runs an `emit_pipeline` over its row operand's 128-deep blocks, multiplying
   the row tile by each of its weights' tiles into that weight's total (one wgmma group at a
@@ -427,7 +428,7 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
-      body, out_type=tuple(jax.ShapeDtypeStruct((rows, columns), dtype)
+      named(body, name), out_type=tuple(jax.ShapeDtypeStruct((rows, columns), dtype)
                            for columns, dtype in outputs),
       grid=(num_sms(),), grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(
@@ -437,7 +438,7 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
 
 def _fused_specialized(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *,
                        passes: Sequence[Pass], tiles: KernelTiles, epilogue: Callable,
-                       outputs: Sequence[tuple[int, object]]):
+                       outputs: Sequence[tuple[int, object]], name: str):
   """`_fused` warp-specialized, for one pass: a memory warpgroup streams the row tile, its
   scales and the weights' column tiles into a ring of `stages` slots, while `compute_wgs`
   warpgroups each multiply and promote `block_m / compute_wgs` rows of the tile (one promotes
@@ -541,7 +542,7 @@ def _fused_specialized(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
-      body, out_type=tuple(jax.ShapeDtypeStruct((rows, columns), dtype)
+      named(body, f"{name}_ws"), out_type=tuple(jax.ShapeDtypeStruct((rows, columns), dtype)
                            for columns, dtype in outputs),
       grid=(num_sms(),), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(

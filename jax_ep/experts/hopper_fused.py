@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.hopper import _band, _store_rows, num_sms
+from jax_ep.experts.hopper import _band, _store_rows, named, num_sms
 from jax_ep.experts.layout import row_tiles
 
 # A pass: (index of the row operand, ((index of a weight, index of its accumulator), ...)).
@@ -37,7 +37,7 @@ Pass = tuple[int, tuple[tuple[int, int], ...]]
 def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group_sizes,
                          group_offsets, *, passes: Sequence[Pass], transpose_w: bool,
                          tiles: KernelTiles, epilogue: Callable, out_dtypes: Sequence,
-                         loads: Sequence[jax.Array] = ()):
+                         loads: Sequence[jax.Array] = (), name: str = "jax_ep_fused_gmm"):
   """The fused grouped GEMM (see the module docstring).
 
   Args:
@@ -51,6 +51,7 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
       `[block_m, block_n]` values out as `out_dtypes`.
     out_dtypes: the outputs' dtypes; each output is `[rows, N]`.
     loads: `[rows, N]` operands read at each output tile's position.
+    name: the kernel's name in ptxas's reports and profiles.
 
   Returns:
     A tuple of `[rows, N]` outputs; rows outside the groups unspecified.
@@ -139,7 +140,8 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   kernel = plgpu.kernel(
-      body, out_type=tuple(jax.ShapeDtypeStruct((rows, n), dtype) for dtype in out_dtypes),
+      named(body, name),
+      out_type=tuple(jax.ShapeDtypeStruct((rows, n), dtype) for dtype in out_dtypes),
       grid=(num_sms(),), grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))

@@ -124,7 +124,8 @@ def _projections_fn(activation: str, save: bool):
     outs = fused_grouped_kernel(
         (x,), weights, sizes, offsets, passes=((0, targets),), transpose_w=False,
         tiles=configs.fused_tiles(hidden, ffn), epilogue=epilogue,
-        out_dtypes=(x.dtype,) * ((1 + len(weights)) if save else 1))
+        out_dtypes=(x.dtype,) * ((1 + len(weights)) if save else 1),
+        name="jax_ep_mlp_gate_up")
     return vary_like_operands(tuple(outs), (x, *weights, sizes, offsets))
 
   return rowwise_vmap(projections, 1)
@@ -151,7 +152,7 @@ def _hidden_grad_fn(activation: str):
     outs = fused_grouped_kernel(
         (dy,), (w_down,), sizes, offsets, passes=((0, ((0, 0),)),), transpose_w=True,
         tiles=configs.fused_tiles(hidden, ffn), epilogue=epilogue,
-        out_dtypes=(dy.dtype,) * (len(saved) + 1), loads=saved)
+        out_dtypes=(dy.dtype,) * (len(saved) + 1), loads=saved, name="jax_ep_mlp_hidden_grad")
     return vary_like_operands(tuple(outs), (dy, *saved, w_down, sizes, offsets))
 
   return rowwise_vmap(hidden_grad, 3 if gated else 2)
@@ -169,7 +170,7 @@ def _input_grad_fn(gated: bool):
     outs = fused_grouped_kernel(
         grads, weights, sizes, offsets, passes=passes, transpose_w=True,
         tiles=configs.fused_input_grad_tiles(ffn, hidden), epilogue=lambda accs, _: accs,
-        out_dtypes=(grads[0].dtype,))
+        out_dtypes=(grads[0].dtype,), name="jax_ep_mlp_input_grad")
     return vary_like_operands(tuple(outs), (*grads, *weights, sizes, offsets))
 
   return rowwise_vmap(input_grad, 2 if gated else 1)
@@ -236,10 +237,13 @@ def fused_compile_error(rows: int, groups: int, hidden: int, ffn: int, dtype,
               spec((groups, ffn, hidden), dtype), spec((groups,), jnp.int32),
               spec((groups,), jnp.int32))
 
-  def loss(x, wg, wu, wd, s, o):
-    return jnp.sum(fused_expert_mlp(x, wg, wu, wd, s, o, activation).astype(jnp.float32))
+  # The cotangent is an operand, not the constant a sum's gradient would be (XLA would fold
+  # it into the backward).
+  def backward(x, wg, wu, wd, s, o, dy):
+    _, pullback = jax.vjp(lambda *a: fused_expert_mlp(*a, s, o, activation), x, wg, wu, wd)
+    return pullback(dy)
   try:
-    jax.jit(jax.grad(loss, (0, 1, 2, 3) if gated else (0, 1, 3))).lower(*operands).compile()
+    jax.jit(backward).lower(*operands, spec((rows, hidden), dtype)).compile()
   except Exception as e:  # noqa: BLE001 - any failure to build means: not these kernels
     return (f"the fused kernels did not compile for it ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200] if str(e) else ''})")

@@ -1,0 +1,176 @@
+"""The cases of tests/test_hopper_aot.py, each run in a process of its own that can see JAX's
+CUDA PJRT plugin: `python tests/hopper_aot_cases.py CASE [ARG]`. Each compiles jax_ep programs
+for a compile-only H200 (jax_ep.testing.aot) and prints one line `RESULT <json>` for the test to
+check; ptxas's report of every Mosaic GPU kernel goes to the output too (MOSAIC_GPU_DUMP_PTXAS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import jax_ep  # noqa: E402
+from jax_ep.experts import choice, fp8, mlp, mlp_fp8  # noqa: E402
+from jax_ep.testing import aot  # noqa: E402
+
+# Experts, hidden, ffn, routed rows at one rank: the five model shapes of the expert GEMMs'
+# GPU tests and benchmarks (tests/test_fused_expert_mlp.py's GPU_SHAPES).
+SHAPES = {
+    "deepseek_v3": (256, 7168, 2048, 4096 * 8),
+    "qwen3_30b_a3b": (128, 2048, 768, 4096 * 8),
+    "e32_h4096_f1536": (32, 4096, 1536, 4096 * 4),
+    "mixtral": (8, 4096, 14336, 4096 * 2),
+    "deepseek_v3_ep8_rank": (32, 7168, 2048, 32768),
+}
+
+
+def kernels(shape: str) -> dict:
+  """Which kernel each product of the expert MLP takes at `shape`, bf16 and FP8: the choice
+  compiles its kernels (the probes), so a kernel that does not build for sm_90a shows here as a
+  fallback with the reason."""
+  groups, hidden, ffn, rows = SHAPES[shape]
+  bf16 = jnp.bfloat16
+  choices = {
+      "gate_up": lambda: choice.grouped_matmul_impl(rows, groups, hidden, ffn, bf16),
+      "down": lambda: choice.grouped_matmul_impl(rows, groups, ffn, hidden, bf16),
+      "fused_mlp": lambda: mlp.fused_mlp_impl(rows, groups, hidden, ffn, bf16, "swiglu"),
+      "fp8_gate_up": lambda: fp8.fp8_matmul_impl(rows, groups, hidden, ffn),
+      "fp8_down": lambda: fp8.fp8_matmul_impl(rows, groups, ffn, hidden),
+      "fp8_mlp": lambda: mlp_fp8.fp8_mlp_impl(rows, groups, hidden, ffn, "swiglu"),
+  }
+  out = {}
+  for name, choose in choices.items():
+    # ptxas writes its reports to the process's stderr: the marker says whose follow.
+    print(f"CHOICE {name}", file=sys.stderr, flush=True)
+    out[name] = [str(part) for part in choose()]
+  return out
+
+
+def _async_homes(hlo: str) -> dict:
+  """jax_ep custom call target -> [whether each of its calls sits in an async call's body]."""
+  bodies = set(re.findall(r"-start\(.*?(?:calls|to_apply)=%?([\w.\-]+)", hlo))
+  homes, current = {}, None
+  for line in hlo.splitlines():
+    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+    if head:
+      current = head.group(1)
+    target = re.search(r'custom_call_target="(jax_ep_\w+)"', line)
+    if target:
+      homes.setdefault(target.group(1), []).append(current in bodies)
+  return homes
+
+
+def streams(_=None) -> dict:
+  """tests/test_comm_stream.py's programs compiled for the H200, with `comm_stream=1` and
+  without: the jax_ep custom calls of the lowered program (target -> count) and of the compiled
+  one (target -> whether each call sits in an async call's body: XLA's wrapper of an annotated
+  op, on the stream)."""
+  import test_comm_stream as cs
+  devices = aot.hopper_devices(2)
+  out = {}
+  for kind in ("local", "peer", "local_fp8", "network"):
+    for program in ("jit", "grad", "checkpoint_grad", "vmap", "scan"):
+      for stream in (1, None):
+        backend = cs._backend(kind, stream)
+        fn = cs._programs(backend, devices)[program]
+        ranks = backend.config.num_ranks if kind == "network" else 1
+        args = aot.abstract(jax.eval_shape(cs._inputs), NamedSharding(jax.sharding.Mesh(
+            np.array(devices[:ranks]), ("ep",)), P()))
+        lowered = jax.jit(fn).trace(*args).lower()
+        out[f"{kind}/{program}/{stream}"] = {
+            "lowered": _lowered_calls(lowered.as_text()),
+            "compiled": _async_homes(lowered.compile().as_text())}
+  return out
+
+
+def _lowered_calls(text: str) -> dict:
+  """jax_ep custom call target -> how many calls of it the lowered program makes."""
+  counts = {}
+  for target in re.findall(r"custom_call @(jax_ep_\w+)", text):
+    counts[target] = counts.get(target, 0) + 1
+  return counts
+
+
+def _schedule(hlo: str) -> list[str]:
+  """The entry computation's ops in XLA's order (the module is scheduled), each as
+  `start:<target>` / `done:<target>` for an async call around a jax_ep op (or around one output
+  of a multi-result op: `get-tuple-element`), `kernel` for a Mosaic GPU kernel, `gemm` for a
+  cuBLAS or Triton GEMM; nothing else."""
+  computations, current, entry = {}, None, None
+  for line in hlo.splitlines():
+    head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
+    if head:
+      current = head.group(2)
+      entry = current if head.group(1) else entry
+      computations[current] = []
+    elif current and line.startswith("  "):
+      computations[current].append(line)
+
+  def target(name, depth=0):
+    lines = computations.get(name, [])
+    for line in lines:
+      found = re.search(r'custom_call_target="(jax_ep_\w+)"', line)
+      if found:
+        return found.group(1)
+      # XLA's dynamic-slice fusion may hold the call (with the micro-batch's slice of x).
+      inner = re.search(r"calls=%?([\w.\-]+)", line)
+      held = target(inner.group(1), depth + 1) if inner and depth < 2 else "?"
+      if held not in ("?", "get-tuple-element"):
+        return held
+    return "get-tuple-element" if any("get-tuple-element(" in line for line in lines) else "?"
+  started, order = {}, []
+  for line in computations[entry]:
+    op = re.match(r"\s+(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\(", line)
+    if not op:
+      continue
+    name, kind = op.groups()
+    if kind == "call-start":
+      started[name] = target(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
+      order.append(f"start:{started[name]}")
+    elif kind == "call-done":
+      order.append(f"done:{started.get(re.search(r'call-done\(%?([\w.\-]+)', line).group(1))}")
+    elif 'custom_call_target="mosaic_gpu' in line:
+      order.append("kernel")
+    elif "gemm" in name or "__cublas" in line:
+      order.append("gemm")
+  return order
+
+
+def schedule(arg=None) -> dict:
+  """The MoE layer at one rank (DeepSeek-V3 at EP=8's experts, T=4096) on the cuda backend with
+  `comm_stream=1` and two micro-batches, forward (`arg` "forward") or forward and backward:
+  XLA's order of the ops' async starts and dones and of the expert kernels."""
+  tokens, experts, topk, hidden, ffn = 4096, 32, 8, 7168, 2048
+  device = aot.hopper_device()
+  mesh = jax.sharding.Mesh(np.array([device]), ("ep",))
+  group = jax_ep.Group(mesh, "ep", num_experts=experts, num_topk=topk, hidden=hidden,
+                       max_tokens_per_rank=tokens, backend="cuda", comm_stream=1)
+  params = jax.eval_shape(lambda: jax_ep.init_moe_params(
+      jax.random.key(0), num_experts=experts, hidden=hidden, ffn=ffn))
+  replicated = NamedSharding(mesh, P())
+  args = aot.abstract((params, jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)),
+                      replicated)
+
+  def loss(p, x):
+    return jnp.sum(jax_ep.moe_mlp(group, p, x, micro_batches=2).out.astype(jnp.float32) ** 2)
+  fn = (lambda p, x: jax_ep.moe_mlp(group, p, x, micro_batches=2).out) if arg == "forward" \
+      else jax.grad(loss, (0, 1))
+  return {"order": _schedule(jax.jit(fn).trace(*args).lower().compile().as_text())}
+
+
+CASES = {"kernels": kernels, "streams": streams, "schedule": schedule}
+
+if __name__ == "__main__":
+  case, arg = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)
+  with jax.default_device(aot.hopper_device()):
+    result = CASES[case](arg)
+  print("RESULT " + json.dumps(result), flush=True)

@@ -1,0 +1,114 @@
+"""jax_ep's programs compiled for an H200 on a machine without a GPU (`jax_ep.testing.aot`):
+XLA's GPU compiler and the Mosaic GPU kernels through ptxas for sm_90a, nothing run.
+
+Each case runs in a process of its own (tests/hopper_aot_cases.py) that sees JAX's CUDA PJRT
+plugin, installed apart from the environment (scripts/setup.sh: `.venv/cuda-aot` with the CUDA
+build; `JAX_EP_AOT_PLUGIN_PATH` names another folder). What it checks is what a GPU run cannot
+show as directly: which kernel every model shape takes and that each builds without spilling,
+that the ops on `comm_stream` run in XLA's async calls, and that XLA keeps one call per op.
+Whether the kernels compute the right numbers is for the GPU suites.
+"""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from jax_ep._native import ffi
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLUGIN = os.environ.get("JAX_EP_AOT_PLUGIN_PATH", os.path.join(ROOT, ".venv", "cuda-aot"))
+CASES = os.path.join(ROOT, "tests", "hopper_aot_cases.py")
+SHAPES = ["deepseek_v3", "qwen3_30b_a3b", "e32_h4096_f1536", "mixtral", "deepseek_v3_ep8_rank"]
+
+pytestmark = [
+    pytest.mark.skipif(
+        not os.path.isdir(os.path.join(PLUGIN, "jax_plugins", "xla_cuda13")),
+        reason="needs the built extension's companion for compiling without a GPU, JAX's CUDA "
+               "PJRT plugin (scripts/setup.sh installs it into .venv/cuda-aot for CUDA builds)"),
+    pytest.mark.skipif(shutil.which("ptxas") is None,
+                       reason="needs the built extension's toolkit: ptxas on PATH"),
+]
+needs_extension = pytest.mark.skipif(
+    ffi.extension() is None, reason="needs the built extension (the ops' FFI handlers)")
+
+
+def _run(case: str, arg: str | None = None, timeout: int = 900):
+  """(the case's result, its whole output) from a process that sees the plugin."""
+  path = [PLUGIN, ROOT, os.environ.get("PYTHONPATH", "")]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_PTXAS="1",
+             PYTHONPATH=os.pathsep.join(p for p in path if p))
+  proc = subprocess.run([sys.executable, CASES, case] + ([arg] if arg else []), env=env,
+                        capture_output=True, text=True, timeout=timeout)
+  output = proc.stdout + proc.stderr
+  results = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+  assert proc.returncode == 0 and results, f"{case} {arg}: exit {proc.returncode}\n{output[-6000:]}"
+  return json.loads(results[-1][len("RESULT "):]), output
+
+
+def _ptxas_reports(output: str) -> list[dict]:
+  """ptxas's report of each kernel it compiled: name, registers, spill stores and loads."""
+  reports = []
+  for block in output.split("Compiling entry function '")[1:]:
+    name = block.split("'", 1)[0].removesuffix("_mosaic_gpu_kernel")
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", block)
+    regs = re.search(r"Used (\d+) registers", block)
+    if spills and regs:
+      reports.append({"kernel": name, "registers": int(regs.group(1)),
+                      "spill_stores": int(spills.group(1)), "spill_loads": int(spills.group(2))})
+  return reports
+
+
+# Kernels that spill, and the most bytes they may (at every model shape, docs/dev/notes.md):
+# the bf16 MLP's hidden gradient, whose one-warpgroup epilogue holds dh, the saved gate and up
+# and three outputs at 255 registers, and the FP8 gated projections' warp-specialized form, two
+# accumulators and two fp32 totals within 168 registers. Any other spill, or a larger one, fails.
+KNOWN_SPILLS = {"jax_ep_mlp_hidden_grad": 84, "jax_ep_fp8_gate_up_ws": 40}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+def test_expert_kernels_build_for_sm90a(shape):
+  """At each model shape every expert product takes jax_ep's Mosaic GPU kernels, bf16 and FP8,
+  forward and backward (the choice compiles them: a kernel that does not build falls back and
+  says why), and ptxas spills in none of them beyond `KNOWN_SPILLS`."""
+  result, output = _run("kernels", shape)
+  for name in ("gate_up", "down", "fp8_gate_up", "fp8_down"):
+    assert result[name][0] == "mosaic", (name, result[name])
+  for name in ("fused_mlp", "fp8_mlp"):
+    assert result[name][0] == "True", (name, result[name])
+  reports = _ptxas_reports(output)
+  kernels = {r["kernel"] for r in reports}
+  for name in ("jax_ep_mlp_gate_up", "jax_ep_mlp_hidden_grad", "jax_ep_mlp_input_grad",
+               "jax_ep_fp8_input_grad"):
+    assert name in kernels, (name, sorted(kernels))
+  assert kernels & {"jax_ep_gmm", "jax_ep_gmm_ws"}, sorted(kernels)
+  assert kernels & {"jax_ep_gmm_wgrad", "jax_ep_gmm_wgrad_ws"}, sorted(kernels)
+  assert kernels & {"jax_ep_fp8_gmm", "jax_ep_fp8_gmm_ws"}, sorted(kernels)
+  assert kernels & {"jax_ep_fp8_gate_up", "jax_ep_fp8_gate_up_ws"}, sorted(kernels)
+  spilled = [r for r in reports if r["spill_stores"] or r["spill_loads"]]
+  unexpected = [r for r in spilled
+                if max(r["spill_stores"], r["spill_loads"]) > KNOWN_SPILLS.get(r["kernel"], 0)]
+  assert not unexpected, (unexpected, spilled)
+
+
+@needs_extension
+def test_each_op_is_one_call_and_on_its_stream_in_the_compiled_program():
+  """tests/test_comm_stream.py's programs (one rank, the peer transport, the FP8 dispatch, the
+  network transport's rail exchange; jit, grad, checkpoint, vmap, scan) compiled for the H200:
+  with `comm_stream=1` every jax_ep custom call sits in an async call's body (XLA's wrapper of
+  an annotated op: the op runs on the stream), without it none does; and XLA keeps as many
+  calls of each op as the lowered program makes (its dynamic-slice fusion once copied a peer
+  op under vmap, so that it ran twice)."""
+  result, _ = _run("streams")
+  assert len(result) == 4 * 5 * 2
+  for key, found in result.items():
+    stream = key.rsplit("/", 1)[1]
+    compiled = {target: len(homes) for target, homes in found["compiled"].items()}
+    assert compiled == found["lowered"], (key, found)
+    homes = [home for homes in found["compiled"].values() for home in homes]
+    assert homes and all(homes) if stream == "1" else not any(homes), (key, found)
