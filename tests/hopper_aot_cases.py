@@ -100,11 +100,11 @@ def _lowered_calls(text: str) -> dict:
   return counts
 
 
-def _schedule(hlo: str) -> list[str]:
+def _schedule(hlo: str) -> list[list[str]]:
   """The entry computation's ops in XLA's order (the module is scheduled), each as
-  `start:<target>` / `done:<target>` for an async call around a jax_ep op (or around one output
-  of a multi-result op: `get-tuple-element`), `kernel` for a Mosaic GPU kernel, `gemm` for a
-  cuBLAS or Triton GEMM; nothing else."""
+  `[kind, what, id]`: kind `start` / `done` for an async call around a jax_ep op (what: its
+  target, or `get-tuple-element` around one output of a multi-result op; id: the start's name),
+  `kernel` for a Mosaic GPU kernel, `gemm` for a cuBLAS or Triton GEMM; nothing else."""
   computations, current, entry = {}, None, None
   for line in hlo.splitlines():
     head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
@@ -135,20 +135,55 @@ def _schedule(hlo: str) -> list[str]:
     name, kind = op.groups()
     if kind == "call-start":
       started[name] = target(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
-      order.append(f"start:{started[name]}")
+      order.append(["start", started[name], name])
     elif kind == "call-done":
-      order.append(f"done:{started.get(re.search(r'call-done\(%?([\w.\-]+)', line).group(1))}")
+      of = re.search(r"call-done\(%?([\w.\-]+)", line).group(1)
+      order.append(["done", started.get(of, "?"), of])
     elif 'custom_call_target="mosaic_gpu' in line:
-      order.append("kernel")
+      order.append(["kernel", "", name])
     elif "gemm" in name or "__cublas" in line:
-      order.append("gemm")
+      order.append(["gemm", "", name])
   return order
+
+
+def overlap(order, comm: float, kernel: float = 1.0, gemm: float = 0.1) -> dict:
+  """What the schedule hides, on a model of the two streams: the compute stream runs its
+  kernels in order; an async start makes the other stream wait for everything issued before it
+  on the compute stream and for the other stream's earlier ops (XLA's semantics for an
+  annotated op), and its done makes the compute stream wait for the op. Costs: a Mosaic kernel
+  `kernel`, a GEMM `gemm`, a dispatch / combine `comm`, anything else (the layout, an output's
+  async call) nothing. `hidden`: the communication time the schedule hides, as a fraction of
+  all of it (the longest run of both streams against their sum)."""
+  def cost(kind, what):
+    if kind == "kernel":
+      return kernel
+    if kind == "gemm":
+      return gemm
+    return comm if re.search(r"dispatch|combine", what) else 0.0
+  compute = stream = 0.0
+  ends, total_comm, serial = {}, 0.0, 0.0
+  for kind, what, name in order:
+    if kind in ("kernel", "gemm"):
+      compute += cost(kind, what)
+      serial += cost(kind, what)
+    elif kind == "start":
+      stream = max(stream, compute) + cost(kind, what)
+      ends[name] = stream
+      total_comm += cost(kind, what)
+      serial += cost(kind, what)
+    else:
+      compute = max(compute, ends[name])
+  span = max(compute, stream)
+  return {"serial": serial, "span": span,
+          "hidden": (serial - span) / total_comm if total_comm else 0.0}
 
 
 def schedule(arg=None) -> dict:
   """The MoE layer at one rank (DeepSeek-V3 at EP=8's experts, T=4096) on the cuda backend with
   `comm_stream=1` and two micro-batches, forward (`arg` "forward") or forward and backward:
-  XLA's order of the ops' async starts and dones and of the expert kernels."""
+  XLA's order of the ops' async starts and dones and of the GEMMs (`order`), and what it hides
+  on `overlap`'s model with a dispatch or combine at a quarter and at a whole expert kernel.
+  `JAX_EP_AOT_COMPILER_OPTIONS` (a JSON object) passes XLA options to the compile."""
   tokens, experts, topk, hidden, ffn = 4096, 32, 8, 7168, 2048
   device = aot.hopper_device()
   mesh = jax.sharding.Mesh(np.array([device]), ("ep",))
@@ -164,7 +199,9 @@ def schedule(arg=None) -> dict:
     return jnp.sum(jax_ep.moe_mlp(group, p, x, micro_batches=2).out.astype(jnp.float32) ** 2)
   fn = (lambda p, x: jax_ep.moe_mlp(group, p, x, micro_batches=2).out) if arg == "forward" \
       else jax.grad(loss, (0, 1))
-  return {"order": _schedule(jax.jit(fn).trace(*args).lower().compile().as_text())}
+  options = json.loads(os.environ.get("JAX_EP_AOT_COMPILER_OPTIONS", "{}"))
+  order = _schedule(jax.jit(fn).trace(*args).lower().compile(options).as_text())
+  return {"order": order, "overlap": {c: overlap(order, c) for c in (0.25, 1.0)}}
 
 
 CASES = {"kernels": kernels, "streams": streams, "schedule": schedule}

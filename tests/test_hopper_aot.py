@@ -112,3 +112,18 @@ def test_each_op_is_one_call_and_on_its_stream_in_the_compiled_program():
     assert compiled == found["lowered"], (key, found)
     homes = [home for homes in found["compiled"].values() for home in homes]
     assert homes and all(homes) if stream == "1" else not any(homes), (key, found)
+
+
+@needs_extension
+@pytest.mark.slow
+def test_two_micro_batches_put_communication_beside_the_experts():
+  """The layer at one rank with `comm_stream=1` and two micro-batches, forward and backward, as
+  XLA schedules it for the H200: on a model of the two streams (hopper_aot_cases.overlap: a
+  start waits for the compute stream's earlier work, a done makes it wait for the op) part of
+  the dispatches' and combines' time runs beside the expert kernels. What XLA makes of it: a
+  compiled program that serialises every op again would hide nothing."""
+  result, _ = _run("schedule")
+  kinds = [kind for kind, _, _ in result["order"]]
+  assert kinds.count("kernel") >= 8 and kinds.count("start") >= 8, result["order"]
+  for comm, found in result["overlap"].items():
+    assert found["hidden"] > 0.2, (comm, found, result["order"])
