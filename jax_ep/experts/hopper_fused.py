@@ -10,8 +10,9 @@ One warpgroup per CTA, the persistent loop over the work list of `jax_ep/experts
    projections: two passes into one accumulator, `dgate @ w_gate^T + dup @ w_up^T`);
 2. `loads`: `[rows, N]` operands whose `block_m x block_n` tile at the output's position the
    epilogue reads (the saved gate and up projections for the activation's derivative);
-3. `epilogue(accumulators, loaded)` in fp32 gives the outputs, each rounded to its dtype,
-   staged in shared memory and stored for the rows of the item's group only.
+3. `epilogue(accumulators, loaded)` in fp32 (the loaded tiles come in their own dtype and the
+   epilogue widens them) gives the outputs, each rounded to its dtype, staged in shared memory
+   and stored for the rows of the item's group only.
 
 NOTES: the rows a tile reads past the groups (or of a neighbouring group) hold anything, NaN
 included; their products and epilogue values land only in rows the tile does not store, and an
@@ -47,7 +48,8 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
     passes: what each accumulator sums (`Pass`).
     transpose_w: the weights are stored `[G, N, K]`.
     tiles: `block_m x block_n` output tiles, `block_k` reduction steps, `stages` in flight.
-    epilogue: `(accs, loaded) -> outputs`: fp32 `[block_m, block_n]` values in, as many
+    epilogue: `(accs, loaded) -> outputs`: `[block_m, block_n]` values in (the accumulators in
+      fp32, the loaded tiles in their own dtype, for the epilogue to widen), as many
       `[block_m, block_n]` values out as `out_dtypes`.
     out_dtypes: the outputs' dtypes; each output is `[rows, N]`.
     loads: `[rows, N]` operands read at each output tile's position.
@@ -119,7 +121,9 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
           values = []
           for i, smem in enumerate(smems):
             plgpu.barrier_wait(barriers.at[i])
-            values.append(plgpu.layout_cast(smem[...], plgpu.Layout.WGMMA).astype(jnp.float32))
+            # In their own dtype (two bf16 to a register) until the epilogue reads them: fp32
+            # copies of both saved projections beside the accumulator and the outputs spilled.
+            values.append(plgpu.layout_cast(smem[...], plgpu.Layout.WGMMA))
           return tuple(values)
         # Swizzled as the weight-gradient kernel's operands, which it reads into registers.
         loaded = pl.run_scoped(

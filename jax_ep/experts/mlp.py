@@ -137,11 +137,11 @@ def _hidden_grad_fn(activation: str):
   gated = activation in GATED
 
   def epilogue(accs, loaded):
-    dh, gate = accs[0], loaded[0]
+    dh, gate = accs[0], loaded[0].astype(jnp.float32)
     a = act(gate, activation)
     da = act_grad(gate, activation)
     if gated:
-      up = loaded[1]
+      up = loaded[1].astype(jnp.float32)
       return dh * up * da, dh * a, a * up
     return dh * da, a
 
