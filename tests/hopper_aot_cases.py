@@ -204,7 +204,39 @@ def schedule(arg=None) -> dict:
   return {"order": order, "overlap": {c: overlap(order, c) for c in (0.25, 1.0)}}
 
 
-CASES = {"kernels": kernels, "streams": streams, "schedule": schedule}
+def layer(_=None) -> dict:
+  """The MoE layer at one rank on the cuda backend, forward and backward, as users call it
+  (`jax_ep.moe_mlp` inside `jax.jit`, its `shard_map` within), in bf16 and in FP8 with `remat`
+  and two micro-batches, compiled for the H200: per variant, how many Mosaic GPU kernels the
+  program runs (a product that fell back to XLA would lower the count) and its jax_ep custom
+  calls."""
+  tokens, experts, topk, hidden, ffn = 2048, 32, 8, 7168, 2048
+  device = aot.hopper_device()
+  mesh = jax.sharding.Mesh(np.array([device]), ("ep",))
+  params = jax.eval_shape(lambda: jax_ep.init_moe_params(
+      jax.random.key(0), num_experts=experts, hidden=hidden, ffn=ffn))
+  replicated = NamedSharding(mesh, P())
+  args = aot.abstract((params, jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)),
+                      replicated)
+  out = {}
+  for name, fp8_, remat, micro_batches in (("bf16", False, False, 1),
+                                            ("fp8_remat_mb2", True, True, 2)):
+    group = jax_ep.Group(mesh, "ep", num_experts=experts, num_topk=topk, hidden=hidden,
+                         max_tokens_per_rank=tokens, backend="cuda",
+                         wire_format="fp8" if fp8_ else None)
+
+    def loss(p, x, group=group, fp8_=fp8_, remat=remat, micro_batches=micro_batches):
+      y = jax_ep.moe_mlp(group, p, x, fp8=fp8_, remat=remat, micro_batches=micro_batches).out
+      return jnp.sum(y.astype(jnp.float32) ** 2)
+    hlo = jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower().compile().as_text()
+    calls = {}
+    for target in re.findall(r'custom_call_target="(jax_ep_\w+)"', hlo):
+      calls[target] = calls.get(target, 0) + 1
+    out[name] = {"mosaic": hlo.count('custom_call_target="mosaic_gpu'), "jax_ep": calls}
+  return out
+
+
+CASES = {"kernels": kernels, "streams": streams, "schedule": schedule, "layer": layer}
 
 if __name__ == "__main__":
   case, arg = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)

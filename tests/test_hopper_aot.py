@@ -127,3 +127,18 @@ def test_two_micro_batches_put_communication_beside_the_experts():
   assert kinds.count("kernel") >= 8 and kinds.count("start") >= 8, result["order"]
   for comm, found in result["overlap"].items():
     assert found["hidden"] > 0.2, (comm, found, result["order"])
+
+
+@needs_extension
+@pytest.mark.slow
+def test_the_layer_runs_every_expert_product_in_the_mosaic_kernels():
+  """`jax_ep.moe_mlp` at one rank on the cuda backend, forward and backward, compiled for the
+  H200 as users call it: bf16 runs 7 Mosaic GPU kernels (the fused gate and up, the down
+  projection; the hidden and input gradients, three weight gradients), FP8 with `remat` and two
+  micro-batches 18 (per micro-batch the forward, its recomputation and the backward) and the
+  FP8 dispatch; a product that fell back to XLA would lower the count."""
+  result, _ = _run("layer")
+  assert result["bf16"]["mosaic"] == 7, result
+  assert result["fp8_remat_mb2"]["mosaic"] == 18, result
+  assert "jax_ep_local_dispatch_fp8" in result["fp8_remat_mb2"]["jax_ep"], result
+  assert "jax_ep_local_dispatch_fp8" not in result["bf16"]["jax_ep"], result
