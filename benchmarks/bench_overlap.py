@@ -37,17 +37,23 @@ import timers  # noqa: E402
 import jax_ep  # noqa: E402
 
 
+def is_comm(kernel: str) -> bool:
+  """Whether a traced kernel is one of the ops' (the CUDA kernels, in namespace `jax_ep::`),
+  not the experts' (`jax_ep_gmm_ws_mosaic_gpu_kernel`, ...) or XLA's."""
+  return "jax_ep::" in kernel
+
+
 def kernel_times(run, repeats: int):
-  """Per run, from a profiler trace: (span, device time of jax_ep's kernels, of the others),
-  seconds; and the streams jax_ep's kernels and the others ran on."""
+  """Per run, from a profiler trace: (span, device time of the ops' kernels, of the others),
+  seconds; and the streams the ops' kernels and the others ran on."""
   events = [(s, e, name, line)
             for name, s, e, line in timers._traced_events(run, repeats, with_stream=True)]
   spans = timers.split_runs([(s, e, name) for s, e, name, _ in events], repeats)
   runs = timers.group_runs(events, repeats)
-  ours = [sum(e - s for s, e, name, _ in r if "jax_ep" in name) * 1e-9 for r in runs]
-  others = [sum(e - s for s, e, name, _ in r if "jax_ep" not in name) * 1e-9 for r in runs]
-  streams = ({line for _, _, name, line in events if "jax_ep" in name},
-             {line for _, _, name, line in events if "jax_ep" not in name})
+  ours = [sum(e - s for s, e, name, _ in r if is_comm(name)) * 1e-9 for r in runs]
+  others = [sum(e - s for s, e, name, _ in r if not is_comm(name)) * 1e-9 for r in runs]
+  streams = ({line for _, _, name, line in events if is_comm(name)},
+             {line for _, _, name, line in events if not is_comm(name)})
   return spans, ours, others, streams
 
 
@@ -117,7 +123,7 @@ def main():
           times["gemm"], times["comm"], times["both"])
       # The GEMM side's kernels in `both`: the non-jax_ep kernels less the comm half's own
       # (its casts, slices and, in the backward, its loss), taken from `comm` alone.
-      slowdown = (None if g_alone is None
+      slowdown = (None if not g_alone
                   else round((other_both - c_glue) / g_alone, 3))
       ours_on, others_on = streams.get("both", (set(), set()))
       rec = reports.record(

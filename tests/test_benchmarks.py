@@ -405,3 +405,16 @@ def test_bench_low_latency_runs_on_the_reference_backend(tmp_path):
   errors = [r for r in records if r["op"] == "fp8_error"]
   assert errors and errors[0]["mode"] == "low_latency" and errors[0]["ranks"] == 2
   assert 0 < errors[0]["max_rel_error"] < 0.1  # e4m3 rows: a few per cent at most
+
+
+def test_overlap_benchmark_tells_the_ops_kernels_from_the_experts():
+  """bench_overlap.py counts the CUDA kernels of the ops (namespace `jax_ep::`) as
+  communication; the Mosaic GPU expert kernels, named `jax_ep_*_mosaic_gpu_kernel`, and XLA's
+  are the other side."""
+  import bench_overlap
+  comm = ["void jax_ep::local::(anonymous namespace)::DispatchKernel<__nv_bfloat16>(...)",
+          "jax_ep::rail::(anonymous namespace)::FinishKernel"]
+  other = ["jax_ep_gmm_ws_mosaic_gpu_kernel", "jax_ep_mlp_gate_up_mosaic_gpu_kernel",
+           "loop_convert_fusion", "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNN"]
+  assert all(bench_overlap.is_comm(name) for name in comm)
+  assert not any(bench_overlap.is_comm(name) for name in other)

@@ -166,10 +166,16 @@ def test_the_group_keeps_its_stream(caplog):
 
 # ----------------------------------------------------------------------------- on the GPU
 
+def _on_the_gpu():
+  """`require_gpu()`, and the one-rank kernels loaded as a `Group` loads them (these tests build
+  the backends directly): never inside a handler, which XLA may capture in a command buffer."""
+  require_gpu()
+  ffi.extension().preload_kernels(jax.devices()[0].local_hardware_id)
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("program", PROGRAMS)
 def test_one_rank_ops_on_their_stream_match_the_compute_stream(program):
-  require_gpu()
+  _on_the_gpu()
   outs = {}
   for stream in (None, 1):
     fn = jax.jit(_programs(_backend("local", stream))[program])
@@ -197,7 +203,7 @@ def test_xla_runs_each_op_in_an_async_call():
   """What makes the ops run beside the compute stream: in the compiled program every jax_ep
   custom call sits in a computation that an async start runs (XLA's wrapper of an annotated
   op), and none does on the compute stream."""
-  require_gpu()
+  _on_the_gpu()
   for program in ("jit", "grad"):
     hlo = jax.jit(_programs(_backend("local", 1))[program]).lower(*_inputs()).compile().as_text()
     async_bodies = set(re.findall(r"-start\(.*?(?:calls|to_apply)=%?([\w.\-]+)", hlo))

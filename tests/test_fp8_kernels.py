@@ -22,6 +22,8 @@ operands' absolute values):
   2^-12 of the absolute sum bounds it.
 """
 
+import functools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -31,7 +33,7 @@ from ep_test_base import require_hopper
 from jax_ep._native.fp8 import fp8_quantize
 from jax_ep.experts import configs, hopper_fp8, mlp
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.layout import rows_inside_groups, spans as layout_spans
+from jax_ep.experts.layout import rows_inside_groups
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -123,27 +125,59 @@ def oracle(xs, ws, gs, go):
   return out, absolute
 
 
-def oracle_on_device(xs, ws, gs, go):
-  """`oracle` for the model shapes, on the device: the dequantised operands in float32, one
-  `lax.ragged_dot` per operand pair at HIGHEST precision (the gaps between groups go to the
-  group before them: rows the comparison leaves out). NOTES: float32, not float64: its sums'
+def oracle_on_device(xs, ws, gs, go, chunk: int = 8):
+  """`oracle` for the model shapes, on the device, in float32 at HIGHEST precision: per 128-row
+  tile (the layouts align each group to 128 rows, so a tile holds one group's rows and its
+  padding), `chunk` tiles at a time with their experts' dequantised weights gathered. NOTES:
+  not a `lax.ragged_dot` of float32 operands, which XLA expands on GPUs into a dense masked
+  product over every group (DeepSeek-V3's 256: hundreds of GB); float32, not float64: its sums'
   error (about sqrt(K) * 2^-24 of the absolute sum) is far below the bounds."""
   rows = xs[0][0].shape[0]
-  spans = layout_spans(rows, gs, go)
+  assert rows % 128 == 0, rows
+  tiles = rows // 128
+  padded_tiles = -(-tiles // chunk) * chunk
+  offsets = np.asarray(go)
+  # A tile's group: the last with its first row at or before the tile's (an empty group shares
+  # its offset with the next one, which owns the rows).
+  tile_group = np.maximum(np.searchsorted(offsets, np.arange(padded_tiles) * 128,
+                                          side="right") - 1, 0).astype(np.int32)
 
   @jax.jit
-  def products(xq, xsc, wq, wsc):
+  def products(xq, xsc, wq, wsc, tile_group):
+    k = xq.shape[1]
     xd = xq.astype(jnp.float32) * jnp.repeat(xsc, 128, axis=1)
-    wd = wq.astype(jnp.float32) * jnp.repeat(jnp.repeat(wsc, 128, axis=1), 128, axis=2)
-    wd = jnp.swapaxes(wd, 1, 2)  # [G, K, N]
-    dot = lambda a, b: jax.lax.ragged_dot(  # noqa: E731
-        a, b, spans, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-    return dot(xd, wd), dot(jnp.abs(xd), jnp.abs(wd))
+    xd = jnp.pad(xd, ((0, (padded_tiles - tiles) * 128), (0, 0)))
+    xd = xd.reshape(padded_tiles // chunk, chunk, 128, k)
+
+    def one_chunk(args):
+      x, groups = args
+      w = wq[groups].astype(jnp.float32) * jnp.repeat(
+          jnp.repeat(wsc[groups], 128, axis=1), 128, axis=2)  # [chunk, N, K]
+      dot = functools.partial(jnp.einsum, "tmk,tnk->tmn",
+                              precision=jax.lax.Precision.HIGHEST)
+      return dot(x, w), dot(jnp.abs(x), jnp.abs(w))
+    out, absolute = jax.lax.map(one_chunk, (xd, tile_group.reshape(-1, chunk)))
+    n = wq.shape[1]
+    return out.reshape(-1, n)[:rows], absolute.reshape(-1, n)[:rows]
   out, absolute = 0.0, 0.0
   for x, w in zip(xs, ws):
-    o, a = products(*x, *w)
+    o, a = products(*x, *w, jnp.asarray(tile_group))
     out, absolute = out + np.asarray(o, np.float64), absolute + np.asarray(a, np.float64)
   return out, absolute
+
+
+def test_the_device_oracle_matches_the_float64_one():
+  """The GPU tests' oracle (per tile, float32) against the float64 one on a small layout with
+  an empty group, two operand pairs as the input gradient has them."""
+  rng = np.random.default_rng(5)
+  gs, go, rows = layout([150, 0, 37, 256, 1])
+  xs = [row_operand(rng, rows, 256, gs, go, fill=0.0) for _ in range(2)]
+  ws = [weight_operand(rng, 5, 384, 256) for _ in range(2)]
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  want, want_abs = oracle(xs, ws, gs, go)
+  got, got_abs = oracle_on_device(xs, ws, gs, go, chunk=3)
+  np.testing.assert_allclose(got[inside], want[inside], rtol=1e-5, atol=1e-5 * want_abs.max())
+  np.testing.assert_allclose(got_abs[inside], want_abs[inside], rtol=1e-5)
 
 
 def assert_within(got, want, absolute, inside, what, abs_bound=ABS_INTERPRETED):

@@ -11,6 +11,8 @@ that stop at the groups, vmap's folds, the typing inside shard_map), not the GPU
 `gpu`-marked tests run the compiled kernels at the models' shapes.
 """
 
+import functools
+
 import numpy as np
 import jax
 import jax.extend
@@ -46,23 +48,27 @@ def interpreted(monkeypatch):
 
 
 def make_case(rng, rows, groups, hidden, ffn, sizes, activation, alignment=1,
-              dtype=jnp.bfloat16):
-  """Weights, rows with NaN outside the groups, the groups (at offsets aligned to
-  `alignment`), and a cotangent that is zero outside them."""
+              dtype=jnp.bfloat16, weights=None):
+  """Weights (or the given ones), rows with NaN outside the groups, the groups (at offsets
+  aligned to `alignment`), and a cotangent that is zero outside them. Drawn on the device in
+  `dtype` (the models' shapes hold billions of values)."""
   sizes = np.asarray(sizes, np.int32)
   padded = -(-sizes // alignment) * alignment
   offsets = (np.cumsum(padded) - padded).astype(np.int32)
   assert offsets[-1] + sizes[-1] <= rows
-  normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+  keys = iter(jax.random.split(jax.random.key(int(rng.integers(2 ** 31))), 5))
+  normal = lambda scale, *shape: (jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
+                                  * scale).astype(dtype)
   gated = activation in mlp.GATED
-  weights = (jnp.asarray(normal(groups, hidden, ffn) * hidden ** -0.5, dtype),
-             jnp.asarray(normal(groups, hidden, ffn) * hidden ** -0.5, dtype) if gated else None,
-             jnp.asarray(normal(groups, ffn, hidden) * ffn ** -0.5, dtype))
+  if weights is None:
+    weights = (normal(hidden ** -0.5, groups, hidden, ffn),
+               normal(hidden ** -0.5, groups, hidden, ffn) if gated else None,
+               normal(ffn ** -0.5, groups, ffn, hidden))
   gs, go = jnp.asarray(sizes), jnp.asarray(offsets)
-  inside = np.asarray(rows_inside_groups(gs, go, rows))
-  x = jnp.asarray(np.where(inside[:, None], normal(rows, hidden), np.nan), dtype)
-  cot = jnp.asarray(np.where(inside[:, None], normal(rows, hidden), 0.0), dtype)
-  return x, weights, gs, go, cot, inside
+  inside = rows_inside_groups(gs, go, rows)[:, None]
+  x = jnp.where(inside, normal(1.0, rows, hidden), jnp.nan).astype(dtype)
+  cot = jnp.where(inside, normal(1.0, rows, hidden), 0.0).astype(dtype)
+  return x, weights, gs, go, cot, np.asarray(inside[:, 0])
 
 
 def _group_model(activation):
@@ -75,13 +81,30 @@ def _group_model(activation):
   return model
 
 
+@functools.cache
+def _reference(activation):
+  """The unfused float32 model of one group and its vjp, jitted: rows padded to a bucket (zero
+  rows with a zero cotangent add nothing to the weight gradients), so that a few programs
+  serve every group's size."""
+  model = _group_model(activation)
+
+  def reference(x, wg, wu, wd, cot):
+    f32 = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
+    want_y, vjp = jax.vjp(model, f32(x), f32(wg), f32(wu), f32(wd))
+    return want_y, vjp(f32(cot))
+  return jax.jit(reference)
+
+
+def _bucket(size: int) -> int:
+  return max(128, 1 << (max(size, 1) - 1).bit_length())
+
+
 def check_against_reference(y, grads, x, weights, gs, go, cot, activation, what="",
                             rtol=3e-2):
   """Compares `y` and the gradients `(dx, dw_gate, dw_up, dw_down)` with the unfused float32
   model, one group at a time (so that the models' shapes fit beside the results): rows inside
   the groups, every expert's weight gradient."""
-  model = _group_model(activation)
-  f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)  # noqa: E731
+  reference = _reference(activation)
   names = ("dw_gate", "dw_up", "dw_down")
   assert y.dtype == jnp.bfloat16
   sizes = np.asarray(gs)
@@ -93,9 +116,11 @@ def check_against_reference(y, grads, x, weights, gs, go, cot, activation, what=
     weight_groups |= {int(np.argmax(sizes)), int(np.argmin(sizes))}
   for g, (start, size) in enumerate(zip(np.asarray(go), sizes)):
     rows = slice(int(start), int(start + size))
-    ws = tuple(None if w is None else f32(w[g]) for w in weights)
-    want_y, vjp = jax.vjp(model, f32(x[rows]), *ws)
-    want = vjp(f32(cot[rows]))
+    pad = ((0, _bucket(int(size)) - int(size)), (0, 0))
+    want_y, want = reference(jnp.pad(x[rows], pad), *(None if w is None else w[g]
+                                                      for w in weights),
+                             jnp.pad(cot[rows], pad))
+    want_y, want = want_y[:size], (want[0][:size], *want[1:])
     if size:
       assert_matches(y[rows], want_y, None, f"{what} y, group {g}", rtol)
       assert_matches(grads[0][rows], want[0], None, f"{what} dx, group {g}", rtol)
@@ -108,9 +133,17 @@ def check_against_reference(y, grads, x, weights, gs, go, cot, activation, what=
         assert_matches(got[g], w, None, f"{what} {name}, group {g}", rtol)
 
 
-def loss_and_grads(x, weights, gs, go, cot, activation):
+def loss_and_grads(x, weights, gs, go, cot, activation, policy=None):
+  """The output and `(dx, dw_gate, dw_up, dw_down)` of `expert_mlp` under a cotangent; with
+  `policy` ("everything" or a `jax.checkpoint` policy) the MLP is checkpointed inside the loss,
+  so that the gradient recomputes it."""
+  def mlp_fn(x, wg, wu, wd):
+    return jax_ep.expert_mlp(x, wg, wu, wd, gs, group_offsets=go, activation=activation)
+  if policy is not None:
+    mlp_fn = jax.checkpoint(mlp_fn, policy=None if policy == "everything" else policy)
+
   def loss(x, wg, wu, wd):
-    y = jax_ep.expert_mlp(x, wg, wu, wd, gs, group_offsets=go, activation=activation)
+    y = mlp_fn(x, wg, wu, wd)
     inside = rows_inside_groups(gs, go, x.shape[0])[:, None]
     return jnp.sum(jnp.where(inside, y.astype(jnp.float32) * cot.astype(jnp.float32), 0.0)), y
   argnums = (0, 1, 2, 3) if weights[1] is not None else (0, 1, 3)
@@ -262,29 +295,33 @@ def run_in_shard_map(cases, wrap, activation="swiglu"):
 
   gated = activation in mlp.GATED
 
+  # Checkpointed inside the loss, so that the gradient recomputes the MLP: everything, or all
+  # but the projections kept by name.
+  policy = {"checkpoint": "everything", "checkpoint_named":
+            jax.checkpoint_policies.save_only_these_names(mlp.SAVED_NAME)}.get(wrap)
+
   def one(x, wg, wu, wd, gs, go, cot):
-    return loss_and_grads(x, (wg, wu if gated else None, wd), gs, go, cot, activation)
-  if wrap == "checkpoint":
-    one = jax.checkpoint(one)
-  elif wrap == "checkpoint_named":  # the projections saved, the rest recomputed
-    one = jax.checkpoint(one, policy=jax.checkpoint_policies.save_only_these_names(
-        mlp.SAVED_NAME))
+    return loss_and_grads(x, (wg, wu if gated else None, wd), gs, go, cot, activation, policy)
+
+  # Shared experts ('vmap', or one case) go in once and unstacked (DeepSeek-V3's are 22.5 GB:
+  # a stacked copy would not fit beside them).
+  shared = wrap == "vmap" or len(cases) == 1
 
   def body(x, wg, wu, wd, gs, go, cot):
     if wrap == "vmap":
-      return jax.vmap(one, in_axes=(0, None, None, None, 0, 0, 0))(
-          x, wg[0], wu[0], wd[0], gs, go, cot)
+      return jax.vmap(one, in_axes=(0, None, None, None, 0, 0, 0))(x, wg, wu, wd, gs, go, cot)
     if wrap == "vmap_weights":
       return jax.vmap(one)(x, wg, wu, wd, gs, go, cot)
-    outs = [one(*(a[b] for a in (x, wg, wu, wd, gs, go, cot))) for b in range(x.shape[0])]
+    outs = [one(x[b], *((wg, wu, wd) if shared else (wg[b], wu[b], wd[b])), gs[b], go[b],
+                cot[b]) for b in range(x.shape[0])]
     return jax.tree.map(lambda *v: jnp.stack(v), *outs)
 
   stack = lambda values: jnp.stack(list(values))  # noqa: E731
   # A plain activation has no up projection: a placeholder goes in its place.
-  # Shared experts ('vmap') go in once (DeepSeek-V3's are 22.5 GB).
   weights = [(w[0], w[1] if gated else jnp.zeros((1,), w[0].dtype), w[2])
-             for w in (c[1] for c in (cases[:1] if wrap == "vmap" else cases))]
-  args = (stack(c[0] for c in cases), *(stack(w[j] for w in weights) for j in range(3)),
+             for w in (c[1] for c in (cases[:1] if shared else cases))]
+  weight_args = weights[0] if shared else tuple(stack(w[j] for w in weights) for j in range(3))
+  args = (stack(c[0] for c in cases), *weight_args,
           stack(c[2] for c in cases), stack(c[3] for c in cases), stack(c[4] for c in cases))
   spec = P(None)
   put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
@@ -361,8 +398,8 @@ def _check_on_the_gpu(shape, wrap, activation):
   cases = []
   for b in range(batch):
     sizes = _skewed_sizes(rng, groups, routed // batch)
-    case = make_case(rng, rows, groups, hidden, ffn, sizes, activation)
-    cases.append(case if b == 0 else (case[0], cases[0][1], *case[2:]))
+    cases.append(make_case(rng, rows, groups, hidden, ffn, sizes, activation,
+                           weights=cases[0][1] if cases else None))
   assert mlp.fused_mlp_impl(rows, groups, hidden, ffn, jnp.bfloat16, activation)[0]
   y, grads = run_in_shard_map(cases, wrap, activation)
   for b, (x, weights, gs, go, cot, _) in enumerate(cases):
