@@ -82,7 +82,7 @@ def main():
   args = parser.parse_args()
 
   dtype = jnp.bfloat16
-  records = []
+  records = reports.Records(args.out)
   base = dict(mode="high_throughput", ranks=1, process_model="single_device", dtype="bfloat16",
               precision="bf16", activation="swiglu", groups="skewed")
   for name in args.shapes:
@@ -130,6 +130,13 @@ def main():
         forward, fwd_bwd = programs()
         for multiple in [1, *(m for m in args.multiples if m > 1)]:
           buffer_rows = multiple * rows
+          # What expert_mlp takes at this buffer's size (the choice is per shape).
+          fused_here, why_here = mlp.fused_mlp_impl(buffer_rows, num_experts, hidden, ffn, dtype,
+                                                    "swiglu")
+          if impl == "fused" and not fused_here:
+            print(f"{name} expert_mlp fused x{multiple}: failed: the fused kernels do not run "
+                  f"at {buffer_rows} rows ({why_here})")
+            continue
           xp, dyp = (_padded(x, buffer_rows), _padded(dy, buffer_rows)) if multiple > 1 else (
               x, dy)
           for pass_, fn, fn_args, f in (
@@ -150,13 +157,13 @@ def main():
             records.append(reports.record(
                 op="expert_mlp", **{"pass": pass_}, shape=name, impl=impl, experts=num_experts,
                 hidden=hidden, ffn=ffn, topk=topk, tokens_per_rank=tokens, rows=rows,
-                buffer_rows=buffer_rows, buffer_multiple=multiple,
+                buffer_rows=buffer_rows, buffer_multiple=multiple, fused=bool(fused_here),
                 median_us=round(seconds * 1e6, 1), tflops=round(tflops, 1), bound="dense_gemm",
                 bound_tflops=round(bound_tflops, 1), fraction=round(tflops / bound_tflops, 3),
                 settings=settings, **extra, **base))
 
   if jax.process_index() == 0:
-    path = reports.write_jsonl(records, args.out)
+    path = records.path
     reports.print_table(records, ["op", "pass", "shape", "impl", "settings", "buffer_multiple",
                                   "median_us", "tflops", "bound_tflops", "fraction",
                                   "padded_ratio"])

@@ -91,7 +91,7 @@ def main():
     from jax.experimental.pallas import mosaic_gpu as plgpu
     return plgpu.force_gpu_interpret_mode()
 
-  records = []
+  records = reports.Records(args.out)
   base = dict(mode="high_throughput", ranks=1, process_model="single_device", groups="skewed")
   for name in args.shapes:
     num_experts, hidden, ffn, topk = SHAPES[name]
@@ -156,7 +156,7 @@ def main():
         record("fp8", "mosaic_fp8", seconds, settings, **extra)
 
   if jax.process_index() == 0:
-    path = reports.write_jsonl(records, args.out)
+    path = records.path
     reports.print_table(records, ["shape", "product", "precision", "impl", "settings",
                                   "median_us", "tflops", "bound_tflops", "fraction",
                                   "speedup_vs_bf16", "dense_fp8_tflops"])

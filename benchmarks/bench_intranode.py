@@ -425,7 +425,8 @@ def main():
 
   if jax.process_index() == 0:
     path = reports.write_jsonl(records, args.out)
-    reports.print_table(records, ["op", "backend", "ranks", "process_model", "calls_per_run",
+    reports.print_table(records, ["op", "backend", "wire_format", "ranks", "process_model",
+                                 "calls_per_run",
                                  "timing", "median_us", "gbps", "roofline"])
     print(f"wrote {path}")
 

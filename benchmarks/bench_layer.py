@@ -52,7 +52,7 @@ import reports  # noqa: E402
 import timers  # noqa: E402
 import jax_ep  # noqa: E402
 import jax_ep.experts  # noqa: E402
-from jax_ep.experts import hopper  # noqa: E402
+from jax_ep.experts import hopper, mlp, mlp_fp8  # noqa: E402
 
 # name: (experts, hidden, ffn, top-k)
 SHAPES = {
@@ -144,7 +144,7 @@ def main():
   devices = jax.devices()
   num_ranks = len(devices)
   dtype = jnp.bfloat16
-  records = []
+  records = reports.Records(args.out)
   base = dict(mode="high_throughput", ranks=num_ranks,
               process_model=reports.process_model(num_ranks), tokens_per_rank=args.tokens,
               dtype="bfloat16", wire_dtype="bfloat16")
@@ -255,7 +255,7 @@ def main():
                           args.fp8_wire)
 
   if jax.process_index() == 0:
-    path = reports.write_jsonl(records, args.out)
+    path = records.path
     reports.print_table(records, ["op", "pass", "shape", "impl", "precision", "micro_batches",
                                   "expert_alignment", "padded_rows", "median_us", "tflops",
                                   "bound_tflops", "fraction", "padded_ratio"])
@@ -325,6 +325,15 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
           group, p, x, micro_batches=micro_batches, fp8=fp8).out.astype(jnp.float32) ** 2)
       return jax.grad(loss, (0, 1))(params, x)
   layer_flops = 3 * flops  # gate, up, down
+  # The experts' kernels as the layer takes them at its buffer's rows (the capacity): a record
+  # says which ran (an FP8 MLP whose kernels do not build falls back per product).
+  rows = group.capacity
+  with jax_ep.experts.override(impl=impl):
+    local = experts // num_ranks
+    if fp8:
+      fused, kernels = mlp_fp8.fp8_mlp_impl(rows, local, hidden, ffn, "swiglu")
+    else:
+      fused, kernels = mlp.fused_mlp_impl(rows, local, hidden, ffn, dtype, "swiglu")
   with jax.set_mesh(mesh):
     for pass_, fn, f in (("fwd", fwd, layer_flops), ("fwd_bwd", fwd_bwd, 3 * layer_flops)):
       seconds = time_fn(jax.jit(fn), (params, x), repeats,
@@ -334,6 +343,7 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
         continue
       add("moe_layer", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
           bound_s * f / flops, micro_batches=micro_batches, precision=precision,
+          fused_mlp=bool(fused), kernels=str(kernels),
           **({"wire_dtype": "float8_e4m3fn"} if wire else {}))
   group.close()
 

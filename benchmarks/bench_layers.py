@@ -232,7 +232,7 @@ def main():
         jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype),
         out_shardings=spec)(key) for key, (shape, scale) in zip(keys, shapes)]
 
-  records = []
+  records = reports.Records(args.out)
   base = dict(op="layer_chain", mode="high_throughput", ranks=num_ranks, process_model=model,
               tokens_per_rank=t, hidden=h, topk=k, experts=e, dtype="bfloat16",
               wire_dtype="bfloat16", layers=n, bytes=per_rank_bytes, min_hbm_bytes=min_hbm,
@@ -378,7 +378,7 @@ def main():
               micro_batches=micro_batches)
 
   if jax.process_index() == 0:
-    path = reports.write_jsonl(records, args.out)
+    path = records.path
     reports.print_table(records, ["backend", "expert", "settings", "pass", "micro_batches",
                                  "comm_stream", "timing", "layers", "capacity", "median_us",
                                  "program_us", "gbps", "roofline"])

@@ -76,14 +76,17 @@ def main():
   rng = np.random.default_rng(0)
   mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
   dtype = jnp.bfloat16
-  x = jnp.asarray(rng.standard_normal((t, h)), dtype)
+  # Drawn on the device: the experts' weights alone are ~1.4 G values.
+  keys = iter(jax.random.split(jax.random.key(0), 5))
+  normal = lambda shape, scale=1.0: (jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
+                                     * scale).astype(dtype)
+  x = normal((t, h))
   idx = jnp.asarray(reports.uniform_topk(rng, t, e, k))
   w = jnp.asarray(rng.random((t, k)), jnp.float32)
-  params = [jnp.asarray(rng.standard_normal(shape) * shape[1] ** -0.5, dtype)
-            for shape in ((e, h, f), (e, h, f), (e, f, h))]
+  params = [normal(shape, shape[1] ** -0.5) for shape in ((e, h, f), (e, h, f), (e, f, h))]
   # The other micro-batch's received rows and their experts' sizes, as its dispatch left them.
   counts = np.bincount(np.asarray(idx).ravel(), minlength=e).astype(np.int32)
-  rows = jnp.asarray(rng.standard_normal((int(counts.sum()), h)), dtype)
+  rows = normal((int(counts.sum()), h))
   sizes = jnp.asarray(counts)
 
   def experts(rows, params):
@@ -104,7 +107,7 @@ def main():
             "comm": shard(lambda x, w, rows, p: comm_fn(x, w)),
             "both": shard(lambda x, w, rows, p: (comm_fn(x, w), gemm_fn(rows, p)))}
 
-  records = []
+  records = reports.Records(a.out)
   for stream in [None, *a.comm_streams]:
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
                          dtype=dtype, comm_stream=stream)
@@ -141,7 +144,7 @@ def main():
             f"{rec['hidden_fraction']:.2f}, GEMM kernels x{slowdown}; jax_ep kernels on "
             f"{sorted(ours_on)}, the others on {sorted(others_on)}", flush=True)
     group.close()
-  path = reports.write_jsonl(records, a.out)
+  path = records.path
   print(f"wrote {path}")
 
 

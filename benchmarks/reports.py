@@ -53,6 +53,22 @@ def write_jsonl(records, name: str) -> str:
   return path
 
 
+class Records(list):
+  """A benchmark's records, each appended to `benchmarks/results/<name>` as it is added (by
+  process 0): a run cut short (its time limit, a later variant out of memory) keeps what it
+  measured."""
+
+  def __init__(self, name: str):
+    super().__init__()
+    self.path = os.path.join(RESULTS_DIR, name)
+    self._name = name
+
+  def append(self, record: dict) -> None:
+    super().append(record)
+    if jax.process_index() == 0:
+      write_jsonl([record], self._name)
+
+
 
 def print_table(records, columns) -> None:
   widths = [max([len(c), *(len(_fmt(r.get(c))) for r in records)]) for c in columns]

@@ -26,7 +26,8 @@
 #                                     # shapes, bench_expert_mlp.py (expert_mlp against three
 #                                     # dense GEMMs, buffers 2x and 8x the rows) and
 #                                     # bench_layer.py's grouped_matmul op at the five shapes
-#                                     # (EXPERT_ARGS passed to bench_expert_mlp.py)
+#                                     # (EXPERT_ARGS passed to bench_expert_mlp.py);
+#                                     # expertsbench: the benchmarks alone
 #   bash scripts/gpu_round.sh layer   # the MoE layer and the NNX module train at model shapes
 #                                     # against the dense model: R=1, then LAYER_TEST_RANKS="2 4"
 #                                     # emulated
@@ -99,8 +100,26 @@ suite() {
   fi
   python3 scripts/gpu_suite.py --out "$OUT" ${left:+--max-seconds $((left - 10))} "$@" || status=1
 }
-# A benchmark or other command whose exit status counts (its output piped elsewhere).
-counts() { [ "${PIPESTATUS[0]}" -eq 0 ] || { echo "FAILED: $1"; status=1; }; }
+# A benchmark or other command whose exit status counts (its output piped elsewhere); with its
+# log, a variant the benchmark caught and reported (": failed: ") fails the round too.
+counts() {
+  local rc=${PIPESTATUS[0]}
+  if [ "$rc" -ne 0 ]; then echo "FAILED: $1 (exit $rc)"; status=1; return; fi
+  if [ -n "${2:-}" ] && grep -q ": failed: " "$2"; then
+    echo "FAILED: $1: $(grep -c ": failed: " "$2") variant(s) failed (see $2)"; status=1
+  fi
+}
+# The seconds a benchmark may take: $1, or what the round's deadline leaves (less 10 s); none
+# (exit 1, the step skipped and the round failed) under 60.
+bench_time() {
+  local t=$1
+  if [ -n "${DEADLINE_S:-}" ]; then
+    local left=$((DEADLINE_S - ($(date +%s) - ROUND_START) - 10))
+    [ "$left" -lt "$t" ] && t=$left
+  fi
+  if [ "$t" -lt 60 ]; then echo "NOT RUN (the round's deadline)" >&2; status=1; return 1; fi
+  echo "$t"
+}
 PYTEST="python3 -m pytest -q -rfE -p no:cacheprovider"
 # The distributed runtime logs glog warnings as processes exit ("W1129 ... WatchTasksAsync
 # failed ... CANCELLED", "UNAVAILABLE: failed to connect"): they are not test results, and they
@@ -295,12 +314,13 @@ fi
 # to bench_intranode.py).
 if has fp8bench; then
   step "FP8 dispatch against bf16, 8 ranks emulated (bench_intranode.py --wire-format)"
-  timeout 400 python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 --timeout 380 -- \
+  t=$(bench_time 400) && timeout $t python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 \
+    --timeout $((t - 20)) -- \
     python3 benchmarks/bench_intranode.py --backends cuda --wire-format plain fp8 fp8_ue8m0 \
     --out gpu_round_intranode.jsonl ${FP8_BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_intranode_fp8.log" | grep -E "^\[0\] (  |op |dispatch|combine|cuda|wrote)" \
     | tail -40
-  counts "bench_intranode.py --wire-format"
+  counts "bench_intranode.py --wire-format" "$OUT/bench_intranode_fp8.log"
   cp benchmarks/results/gpu_round_intranode.jsonl "$OUT/" 2>/dev/null
 fi
 
@@ -311,19 +331,21 @@ fi
 # (its loss within 2 % of bf16's).
 if has fp8; then
   step "the FP8 grouped GEMM at the five model shapes (bench_fp8_gemm.py)"
-  timeout 500 python3 benchmarks/bench_fp8_gemm.py ${FP8_GEMM_ARGS:-} --out gpu_round_fp8_gemm.jsonl \
+  t=$(bench_time 500) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
+    benchmarks/bench_fp8_gemm.py ${FP8_GEMM_ARGS:-} --out gpu_round_fp8_gemm.jsonl \
     2>&1 | tee "$OUT/bench_fp8_gemm.log" | tail -40
-  counts bench_fp8_gemm.py
+  counts bench_fp8_gemm.py "$OUT/bench_fp8_gemm.log"
   cp benchmarks/results/gpu_round_fp8_gemm.jsonl "$OUT/" 2>/dev/null
   step "the layer in FP8 and bf16, one rank (bench_layer.py --ops moe_layer --precisions bf16 fp8)"
-  timeout 500 python3 benchmarks/bench_layer.py --ops moe_layer --impls mosaic \
+  t=$(bench_time 500) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
+    benchmarks/bench_layer.py --ops moe_layer --impls mosaic \
     --shapes deepseek_v3_ep8_rank mixtral --precisions bf16 fp8 --out gpu_round_fp8_layer.jsonl \
     2>&1 | tee "$OUT/bench_fp8_layer.log" | tail -20
-  counts "bench_layer.py --precisions"
+  counts "bench_layer.py --precisions" "$OUT/bench_fp8_layer.log"
   cp benchmarks/results/gpu_round_fp8_layer.jsonl "$OUT/" 2>/dev/null
   for flag in "" --fp8; do
     step "examples/moe_transformer.py $flag"
-    timeout 300 python3 examples/moe_transformer.py --mesh 1x1 $flag 2>&1 \
+    t=$(bench_time 300) && timeout $t python3 examples/moe_transformer.py --mesh 1x1 $flag 2>&1 \
       | tee "$OUT/example${flag:+_fp8}.log" | grep -E "^(step|loss|config|decode|checkpoint|PASSED)"
     counts "examples/moe_transformer.py $flag"
   done
@@ -332,25 +354,29 @@ fi
 # Communication beside the experts (Group(comm_stream=1)): at one rank, the hidden fraction of
 # one micro-batch's dispatch + combine behind the other's expert MLP (bench_overlap.py); then
 # the SwiGLU layer chain, forward + backward, with 1 and 2 micro-batches, on the compute stream
-# and on stream 1, at one rank (T=4096) and 8 ranks emulated (T=2048) (OVERLAP_ARGS passed to
-# bench_layers.py).
+# and on stream 1, at one rank (T=4096) and 8 ranks emulated (T=512: eight processes' SwiGLU
+# layers with the default capacity keep ~5 GB each per layer for the backward at T=2048, more
+# than the GPU holds) (OVERLAP_ARGS passed to bench_layers.py).
 if has overlap; then
   step "communication beside the experts, one rank (bench_overlap.py)"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=.9 timeout 300 python3 benchmarks/bench_overlap.py \
-    --out gpu_round_overlap.jsonl 2>&1 | tee "$OUT/bench_overlap.log" | tail -8
-  counts bench_overlap.py
+  t=$(bench_time 300) && XLA_PYTHON_CLIENT_MEM_FRACTION=.9 timeout $t python3 \
+    benchmarks/bench_overlap.py --out gpu_round_overlap.jsonl 2>&1 \
+    | tee "$OUT/bench_overlap.log" | tail -8
+  counts bench_overlap.py "$OUT/bench_overlap.log"
   cp benchmarks/results/gpu_round_overlap.jsonl "$OUT/" 2>/dev/null
   overlap_args="--backends cuda --expert swiglu --passes forward_backward --micro-batches 1 2"
   overlap_args="$overlap_args --comm-streams 1 --layers 2 --out gpu_round_layers.jsonl"
   step "SwiGLU layer chain, 1 and 2 micro-batches, compute stream and comm_stream=1, one rank"
-  XLA_PYTHON_CLIENT_MEM_FRACTION=.9 timeout 300 python3 benchmarks/bench_layers.py \
-    $overlap_args ${OVERLAP_ARGS:-} 2>&1 | tee "$OUT/bench_overlap_layers_1.log" | tail -12
-  counts "bench_layers.py --comm-streams (one rank)"
+  t=$(bench_time 300) && XLA_PYTHON_CLIENT_MEM_FRACTION=.9 timeout $t python3 \
+    benchmarks/bench_layers.py $overlap_args ${OVERLAP_ARGS:-} 2>&1 \
+    | tee "$OUT/bench_overlap_layers_1.log" | tail -12
+  counts "bench_layers.py --comm-streams (one rank)" "$OUT/bench_overlap_layers_1.log"
   step "SwiGLU layer chain, 1 and 2 micro-batches, compute stream and comm_stream=1, 8 ranks emulated"
-  timeout 420 python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 --timeout 400 -- \
-    python3 benchmarks/bench_layers.py $overlap_args --tokens 2048 ${OVERLAP_ARGS:-} 2>&1 \
+  t=$(bench_time 420) && timeout $t python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 \
+    --timeout $((t - 20)) -- \
+    python3 benchmarks/bench_layers.py $overlap_args --tokens 512 ${OVERLAP_ARGS:-} 2>&1 \
     | tee "$OUT/bench_overlap_layers_8.log" | grep -E "^\[0\] " | tail -12
-  counts "bench_layers.py --comm-streams (8 ranks)"
+  counts "bench_layers.py --comm-streams (8 ranks)" "$OUT/bench_overlap_layers_8.log"
   cp benchmarks/results/gpu_round_layers.jsonl "$OUT/" 2>/dev/null
 fi
 
@@ -381,24 +407,28 @@ if has gemm; then
   step "grouped matmul on the GPU: tests"
   gemm_suite
   step "grouped matmul and MoE layer at model shapes (bench_layer.py)"
-  timeout 400 python3 benchmarks/bench_layer.py ${GEMM_ARGS:-} --out gpu_round_layer.jsonl \
-    --plot "$OUT/layer.png" 2>&1 | tee "$OUT/bench_layer.log" | tail -40
-  counts bench_layer.py
+  t=$(bench_time 400) && timeout $t python3 benchmarks/bench_layer.py ${GEMM_ARGS:-} \
+    --out gpu_round_layer.jsonl --plot "$OUT/layer.png" 2>&1 | tee "$OUT/bench_layer.log" | tail -40
+  counts bench_layer.py "$OUT/bench_layer.log"
   cp benchmarks/results/gpu_round_layer.jsonl "$OUT/" 2>/dev/null
 fi
 
-if has experts; then
-  step "the fused expert MLP on the GPU: tests at the five model shapes"
-  experts_suite
+if has experts || has expertsbench; then
+  if has experts; then
+    step "the fused expert MLP on the GPU: tests at the five model shapes"
+    experts_suite
+  fi
   step "expert_mlp at the five model shapes: fused and unfused, exact and padded buffers (bench_expert_mlp.py)"
-  timeout 500 python3 benchmarks/bench_expert_mlp.py ${EXPERT_ARGS:-} --out gpu_round_expert_mlp.jsonl \
+  t=$(bench_time 500) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
+    benchmarks/bench_expert_mlp.py ${EXPERT_ARGS:-} --out gpu_round_expert_mlp.jsonl \
     2>&1 | tee "$OUT/bench_expert_mlp.log" | tail -50
-  counts bench_expert_mlp.py
+  counts bench_expert_mlp.py "$OUT/bench_expert_mlp.log"
   cp benchmarks/results/gpu_round_expert_mlp.jsonl "$OUT/" 2>/dev/null
   step "grouped_matmul at the five model shapes (bench_layer.py --ops grouped_matmul)"
-  timeout 400 python3 benchmarks/bench_layer.py --ops grouped_matmul --impls mosaic \
-    --alignments 1 --out gpu_round_expert_gemm.jsonl 2>&1 | tee "$OUT/bench_expert_gemm.log" | tail -30
-  counts bench_layer.py
+  t=$(bench_time 400) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
+    benchmarks/bench_layer.py --ops grouped_matmul --impls mosaic --alignments 1 \
+    --out gpu_round_expert_gemm.jsonl 2>&1 | tee "$OUT/bench_expert_gemm.log" | tail -30
+  counts bench_layer.py "$OUT/bench_expert_gemm.log"
   cp benchmarks/results/gpu_round_expert_gemm.jsonl "$OUT/" 2>/dev/null
 fi
 

@@ -361,6 +361,8 @@ def test_bench_layer_moe_layer_records_carry_micro_batches(tmp_path):
   assert {(r["op"], r["pass"], r["micro_batches"]) for r in records} == {
       ("moe_layer", p, m) for p in ("fwd", "fwd_bwd") for m in (1, 2)}
   assert all(r["median_us"] > 0 for r in records)
+  # Which expert kernels the layer took, and why not the fused ones (here: XLA's, asked for).
+  assert all(r["fused_mlp"] is False and "ragged_dot" in r["kernels"] for r in records), records
 
 
 def test_bench_expert_mlp_writes_expert_mlp_records(tmp_path):
@@ -379,6 +381,7 @@ def test_bench_expert_mlp_writes_expert_mlp_records(tmp_path):
       (p, m) for p in ("fwd", "fwd_bwd") for m in (1, 2, 8)}
   for r in records:
     assert r["op"] == "expert_mlp" and r["impl"] == "unfused" and r["shape"] == "qwen3_30b_a3b"
+    assert r["fused"] is False
     assert (r["experts"], r["hidden"], r["ffn"], r["topk"]) == (8, 64, 24, 8)
     assert r["rows"] == (64 // 32) * 8 and r["buffer_rows"] == r["rows"] * r["buffer_multiple"]
     assert r["precision"] == "bf16" and r["bound"] == "dense_gemm"
