@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax_ep  # noqa: E402
-from jax_ep.experts import choice, fp8, mlp, mlp_fp8  # noqa: E402
+from jax_ep.experts import choice, configs, fp8, mlp, mlp_fp8  # noqa: E402
 from jax_ep.testing import aot  # noqa: E402
 
 # Experts, hidden, ffn, routed rows at one rank: the five model shapes of the expert GEMMs'
@@ -34,9 +34,9 @@ SHAPES = {
 
 
 def kernels(shape: str) -> dict:
-  """Which kernel each product of the expert MLP takes at `shape`, bf16 and FP8: the choice
-  compiles its kernels (the probes), so a kernel that does not build for sm_90a shows here as a
-  fallback with the reason."""
+  """Which kernel each product of the expert MLP takes at `shape`, bf16 and FP8; the choice
+  compiles (probes) the builds it does not know, so one that does not build for sm_90a shows
+  here as a fallback with the reason, and ptxas's reports show what was compiled."""
   groups, hidden, ffn, rows = SHAPES[shape]
   bf16 = jnp.bfloat16
   choices = {
@@ -52,6 +52,35 @@ def kernels(shape: str) -> dict:
     # ptxas writes its reports to the process's stderr: the marker says whose follow.
     print(f"CHOICE {name}", file=sys.stderr, flush=True)
     out[name] = [str(part) for part in choose()]
+  return out
+
+
+def known_builds(which: str) -> dict:
+  """Every build in `configs.KNOWN_BUILDS` of `which` kind ("bf16": the grouped GEMM and the
+  fused MLP; "fp8"), compiled for sm_90a through the choice's own probe with the trust in known
+  builds turned off: None, or why it did not build. The grouped GEMM at K=64 and K=256 (one
+  reduction step, fewer than its stages, and several), the MLPs at `KNOWN_BUILD_SIZE`."""
+  configs.TRUST_KNOWN_BUILDS = False
+  size, out = configs.KNOWN_BUILD_SIZE, {}
+  for build in sorted(configs.KNOWN_BUILDS, key=str):
+    kind = build[0]
+    if (kind.startswith("fp8") if which == "bf16" else not kind.startswith("fp8")):
+      continue
+    print(f"CHOICE {build}", file=sys.stderr, flush=True)
+    if kind == "gmm":
+      _, dtype, transpose_w, tiles, out_dtype = build
+      for k in (64, 256):
+        out[f"{build} k={k}"] = choice.mosaic_compile_error(
+            512, 2, k, 256, np.dtype(dtype), transpose_w, tiles, np.dtype(out_dtype))
+    elif kind == "fused_mlp":
+      assert configs.fused_mlp_build(build[1], build[2], size, size) == build
+      out[str(build)] = mlp.fused_compile_error(512, 2, size, size, np.dtype(build[1]),
+                                                build[2])
+    elif kind == "fp8_gmm":
+      out[str(build)] = fp8.fp8_compile_error(512, 2, size, size, build[1])
+    else:
+      assert configs.fp8_mlp_build(build[1], size, size) == build
+      out[str(build)] = mlp_fp8.fp8_mlp_compile_error(512, 2, size, size, build[1])
   return out
 
 
@@ -236,7 +265,8 @@ def layer(_=None) -> dict:
   return out
 
 
-CASES = {"kernels": kernels, "streams": streams, "schedule": schedule, "layer": layer}
+CASES = {"kernels": kernels, "known_builds": known_builds, "streams": streams,
+         "schedule": schedule, "layer": layer}
 
 if __name__ == "__main__":
   case, arg = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)

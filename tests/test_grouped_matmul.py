@@ -452,8 +452,24 @@ def test_kernels_interpreted_fall_back_where_the_tiles_do_not_divide(interpreted
   assert name == "xla" and "bf16 or f16" in why
 
 
+def test_a_known_build_is_not_compiled_by_the_choice(monkeypatch):
+  """`configs.KNOWN_BUILDS` (compiled for sm_90a by tests/test_hopper_aot.py) need no probe."""
+  monkeypatch.setattr(choice, "on_hopper", lambda: True)
+  choice.mosaic_compile_error.cache_clear()
+  built = []
+  monkeypatch.setattr(choice, "grouped_matmul_kernel", lambda *a, **k: built.append(a))
+  try:
+    name, tiles = jax_ep.grouped_matmul_impl(256, 4, 128, 256, jnp.bfloat16)
+    assert name == "mosaic" and configs.known_to_build(
+        configs.gmm_build(jnp.bfloat16, False, tiles, jnp.bfloat16))
+    assert built == []
+  finally:
+    choice.mosaic_compile_error.cache_clear()
+
+
 def test_falls_back_where_the_kernel_does_not_compile(monkeypatch):
   monkeypatch.setattr(choice, "on_hopper", lambda: True)
+  monkeypatch.setattr(configs, "TRUST_KNOWN_BUILDS", False)  # the probe runs for every build
   choice.mosaic_compile_error.cache_clear()
 
   def does_not_build(*args, **kwargs):

@@ -87,7 +87,10 @@ def mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config,
   """Why the Mosaic kernel does not compile for this shape (e.g. its tiles exceed shared
   memory), or None. NOTES: compiled once per shape, on abstract operands, when the shape is
   first traced: a kernel that cannot build sends the shape to lax.ragged_dot (logged) instead
-  of failing the user's whole program when XLA compiles it."""
+  of failing the user's whole program when XLA compiles it. A known build
+  (`configs.KNOWN_BUILDS`) is not compiled."""
+  if configs.known_to_build(configs.gmm_build(dtype, transpose_w, config, out_dtype)):
+    return None
   w_shape = (groups, n, k) if transpose_w else (groups, k, n)
   operands = (jax.ShapeDtypeStruct((rows, k), dtype), jax.ShapeDtypeStruct(w_shape, dtype),
               jax.ShapeDtypeStruct((groups,), jnp.int32),

@@ -329,3 +329,61 @@ def fp8_input_grad_tiles(k: int, n: int) -> KernelTiles | None:
   if k % FP8_BLOCK or n % FP8_BLOCK:
     return None
   return _FP8_ONE_WARPGROUP
+
+
+# ----------------------------------------------------------------------------------------------
+# Builds known to succeed. The kernel choice compiles a shape's kernels once (its probe) so that
+# one that does not build falls back instead of failing the user's program; that doubles the
+# Mosaic GPU compile time of a first step. Whether a kernel builds depends on what sizes its
+# shared memory: its tiles, dtypes and epilogue, not the row, group, K or N counts, which change
+# loop bounds, array extents and how ptxas allocates registers (it spills rather than fails).
+# The configurations the tables and rules give at sizes that are multiples of 128 are listed
+# here and take no probe; tests/test_hopper_aot.py compiles each for sm_90a on every CI run
+# (the grouped GEMM at one reduction step and at several). Any other tiles, dtype or activation
+# (an override, an odd size) is probed as before.
+
+def gmm_build(dtype, transpose_w: bool, tiles: KernelTiles, out_dtype) -> tuple:
+  """The grouped GEMM kernel's build: what decides whether it compiles."""
+  return ("gmm", np.dtype(dtype).name, bool(transpose_w), tiles, np.dtype(out_dtype).name)
+
+
+def fused_mlp_build(dtype, activation: str, hidden: int, ffn: int) -> tuple:
+  """The fused expert MLP's kernels (forward and backward, weight gradients included)."""
+  return ("fused_mlp", np.dtype(dtype).name, activation, fused_tiles(hidden, ffn),
+          fused_input_grad_tiles(ffn, hidden), weight_grad_tiles(hidden, ffn),
+          weight_grad_tiles(ffn, hidden), weight_grad_specialized())
+
+
+def fp8_gmm_build(tiles: KernelTiles) -> tuple:
+  return ("fp8_gmm", tiles)
+
+
+def fp8_mlp_build(activation: str, hidden: int, ffn: int) -> tuple:
+  """The FP8 MLP's kernels (the gated projections, the input gradient, the bf16 weight
+  gradients)."""
+  return ("fp8_mlp", activation, fp8_gated_tiles(hidden, ffn), fp8_input_grad_tiles(ffn, hidden),
+          weight_grad_tiles(hidden, ffn), weight_grad_tiles(ffn, hidden),
+          weight_grad_specialized())
+
+
+# The sizes the known builds stand for (multiples of 128 of both; the five model shapes' are).
+KNOWN_BUILD_SIZE = 256
+_ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu")
+_BF16_GEMM_TILES = sorted(
+    {*_HOPPER_16BIT.values(), *(tile_config(0, 0, 64, n) for n in (256, 128, 64))},
+    key=dataclasses.astuple)
+KNOWN_BUILDS: frozenset = frozenset(
+    [gmm_build(jnp.bfloat16, transpose_w, tiles, jnp.bfloat16)
+     for transpose_w in (False, True) for tiles in _BF16_GEMM_TILES]
+    + [fused_mlp_build(jnp.bfloat16, activation, KNOWN_BUILD_SIZE, KNOWN_BUILD_SIZE)
+       for activation in _ACTIVATIONS]
+    + [fp8_gmm_build(_FP8_FORWARD)]
+    + [fp8_mlp_build(activation, KNOWN_BUILD_SIZE, KNOWN_BUILD_SIZE)
+       for activation in _ACTIVATIONS])
+# tests/test_hopper_aot.py turns this off to compile every known build.
+TRUST_KNOWN_BUILDS = True
+
+
+def known_to_build(build: tuple) -> bool:
+  """Whether `build` (a `*_build` key) needs no compile probe."""
+  return TRUST_KNOWN_BUILDS and build in KNOWN_BUILDS

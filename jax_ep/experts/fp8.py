@@ -195,7 +195,11 @@ def fp8_compile_error(rows: int, groups: int, k: int, n: int, tiles) -> str | No
   """Why the FP8 kernel does not compile for this shape (its shared memory, its registers), or
   None: compiled once per shape on abstract operands when the shape is first traced, so that
   a kernel that cannot build sends the shape to the fallback (logged) instead of failing the
-  user's program when XLA compiles it."""
+  user's program when XLA compiles it. A known build (`configs.KNOWN_BUILDS`) is not
+  compiled."""
+  from jax_ep.experts import configs
+  if configs.known_to_build(configs.fp8_gmm_build(tiles)):
+    return None
   from jax_ep.experts.hopper_fp8 import fp8_grouped_matmul_kernel
   spec = jax.ShapeDtypeStruct
   operands = (spec((rows, k), E4M3), spec((rows, k // BLOCK), jnp.float32),

@@ -229,7 +229,10 @@ fused_expert_mlp.defvjp(_fused_fwd, _fused_bwd)
 def fused_compile_error(rows: int, groups: int, hidden: int, ffn: int, dtype,
                         activation: str) -> str | None:
   """Why the fused kernels do not compile for this shape, or None (compiled once per shape on
-  abstract operands, forward and backward, when the shape is first traced)."""
+  abstract operands, forward and backward, when the shape is first traced; a known build,
+  `configs.KNOWN_BUILDS`, is not compiled)."""
+  if configs.known_to_build(configs.fused_mlp_build(dtype, activation, hidden, ffn)):
+    return None
   gated = activation in GATED
   spec = jax.ShapeDtypeStruct
   operands = (spec((rows, hidden), dtype), spec((groups, hidden, ffn), dtype),
