@@ -334,7 +334,7 @@ def fp8_input_grad_tiles(k: int, n: int) -> KernelTiles | None:
 # ----------------------------------------------------------------------------------------------
 # Builds known to succeed. The kernel choice compiles a shape's kernels once (its probe) so that
 # one that does not build falls back instead of failing the user's program; that doubles the
-# Mosaic GPU compile time of a first step. Whether a kernel builds depends on what sizes its
+# Mosaic GPU compile time of a first step. Whether a kernel builds depends on what fixes its
 # shared memory: its tiles, dtypes and epilogue, not the row, group, K or N counts, which change
 # loop bounds, array extents and how ptxas allocates registers (it spills rather than fails).
 # The configurations the tables and rules give at sizes that are multiples of 128 are listed
