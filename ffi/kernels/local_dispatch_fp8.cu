@@ -129,10 +129,13 @@ cudaError_t DispatchFp8(const fp8::Rows& rows, const int32_t* slot_row,
                         int64_t capacity, cudaStream_t stream,
                         bool x_from_peers, const PlacedTokens& placed) {
   if (num_batches <= 0) return cudaSuccess;
+  // Without tokens the rows are zero-byte operands, which XLA may pass as null.
+  const bool has_rows = num_tokens > 0;
   if (!ValidRowDims(num_tokens, num_topk, hidden, capacity) ||
       !fp8::ValidHidden(hidden, rows.format) || hidden > INT32_MAX ||
-      rows.x == nullptr ||
-      (rows.source == fp8::Source::kGiven && rows.scales == nullptr) ||
+      (has_rows && rows.x == nullptr) ||
+      (has_rows && rows.source == fp8::Source::kGiven &&
+       rows.scales == nullptr) ||
       // Packed rows are a peer staging buffer, and only they are.
       (rows.source == fp8::Source::kPacked) != x_from_peers ||
       (placed.count != 0 &&
@@ -140,6 +143,7 @@ cudaError_t DispatchFp8(const fp8::Rows& rows, const int32_t* slot_row,
         placed.count < 0 || placed.begin + placed.count > num_tokens))) {
     return cudaErrorInvalidValue;
   }
+  if (!has_rows) return cudaSuccess;  // no token: nothing to place
   // The kernels take no expert count; row_vecs is unused (MoveRow sizes the
   // rows from `hidden` and the format).
   const RowDims d = MakeRowDims(num_batches, num_tokens, num_topk,
