@@ -183,12 +183,13 @@ def fp8_quantize(config: EPConfig, x: jax.Array, *, stream: int | None = None):
   """`(q [T, H] e4m3, scales)` of the activations `x` `[T, H]` in the group's fp8
   `wire_format`, rounded by the dispatch kernels (bit for bit `jax_ep._native.fp8`'s): the
   one-rank fp8 dispatch along the identity layout, token t to row t."""
-  num_tokens = x.shape[-2]
+  *lead, num_tokens, _ = x.shape
   identity = jnp.arange(num_tokens, dtype=jnp.int32)[:, None]
-  identity = jnp.broadcast_to(identity, (*x.shape[:-2], num_tokens, 1))
+  identity = jnp.broadcast_to(identity, (*lead, num_tokens, 1))
   shape, dtype = fp8_scales_shape(config.wire_format, num_tokens, config.hidden)
-  shapes = (jax.ShapeDtypeStruct((num_tokens, config.hidden), jnp.float8_e4m3fn),
-            jax.ShapeDtypeStruct(shape, dtype))
+  # Leading dims of `x` (batches, as vmap's would be) on the results too.
+  shapes = (jax.ShapeDtypeStruct((*lead, num_tokens, config.hidden), jnp.float8_e4m3fn),
+            jax.ShapeDtypeStruct((*lead, *shape), dtype))
   return _call("jax_ep_local_dispatch_fp8", shapes, x, _fp8_scales_operand(None), identity,
                capacity=np.int64(num_tokens), **_fp8_attrs(config, None), stream=stream)
 
