@@ -131,12 +131,13 @@ class Group:
     comm_stream: the GPU stream of the cuda backend's high-throughput ops (dispatch, combine,
       their backward ops; the rail exchange across hosts): None (default) runs them on XLA's
       compute stream, in line with the other kernels; an int N from 1 to 8 on XLA's additional
-      stream N (`compute_on("gpu_stream:N")`), beside the compute stream's kernels: XLA
-      starts each op once the work queued before it is done and makes its consumers wait for
-      it, so the GEMMs of another micro-batch (`moe_mlp(..., micro_batches=2)`) can run
-      while its rows travel (docs/api.md, "Communication beside the experts"). Each op leaves the command buffer (CUDA graph) it would sit in. The
-      low-latency pair stays on the compute stream (a decode step lives in command buffers),
-      as do the reference backend's ops (XLA's own).
+      stream N (each op's custom call annotated for it), beside the compute stream's kernels:
+      XLA starts each op once the work queued before it is done and makes its consumers wait
+      for it, so the GEMMs of another micro-batch (`moe_mlp(..., micro_batches=2)`) can run
+      while its rows travel (docs/api.md, "Communication beside the experts"). Each op leaves
+      the command buffer (CUDA graph) it would sit in. The low-latency pair stays on the
+      compute stream (a decode step lives in command buffers), as do the reference backend's
+      ops (XLA's own).
     capacity_factor: not taken: a `TypeError` says which of `buffer_factor` (this rank's
       receive buffer, MaxText's `ragged_buffer_factor`) and `jax_ep.limit_expert_capacity`
       (each expert's slots per sequence, MaxText's and GShard's `capacity_factor`) a config

@@ -22,22 +22,14 @@ import jax_ep  # noqa: E402
 from jax_ep.experts import choice, configs, fp8, mlp, mlp_fp8  # noqa: E402
 from jax_ep.testing import aot  # noqa: E402
 
-# Experts, hidden, ffn, routed rows at one rank: the five model shapes of the expert GEMMs'
-# GPU tests and benchmarks (tests/test_fused_expert_mlp.py's GPU_SHAPES).
-SHAPES = {
-    "deepseek_v3": (256, 7168, 2048, 4096 * 8),
-    "qwen3_30b_a3b": (128, 2048, 768, 4096 * 8),
-    "e32_h4096_f1536": (32, 4096, 1536, 4096 * 4),
-    "mixtral": (8, 4096, 14336, 4096 * 2),
-    "deepseek_v3_ep8_rank": (32, 7168, 2048, 32768),
-}
 
 
 def kernels(shape: str) -> dict:
   """Which kernel each product of the expert MLP takes at `shape`, bf16 and FP8; the choice
   compiles (probes) the builds it does not know, so one that does not build for sm_90a shows
   here as a fallback with the reason, and ptxas's reports show what was compiled."""
-  groups, hidden, ffn, rows = SHAPES[shape]
+  from test_fused_expert_mlp import GPU_SHAPES  # the five model shapes of the GPU tests
+  groups, hidden, ffn, rows = GPU_SHAPES[shape]
   bf16 = jnp.bfloat16
   choices = {
       "gate_up": lambda: choice.grouped_matmul_impl(rows, groups, hidden, ffn, bf16),
@@ -84,20 +76,6 @@ def known_builds(which: str) -> dict:
   return out
 
 
-def _async_homes(hlo: str) -> dict:
-  """jax_ep custom call target -> [whether each of its calls sits in an async call's body]."""
-  bodies = set(re.findall(r"-start\(.*?(?:calls|to_apply)=%?([\w.\-]+)", hlo))
-  homes, current = {}, None
-  for line in hlo.splitlines():
-    head = re.match(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$", line)
-    if head:
-      current = head.group(1)
-    target = re.search(r'custom_call_target="(jax_ep_\w+)"', line)
-    if target:
-      homes.setdefault(target.group(1), []).append(current in bodies)
-  return homes
-
-
 def streams(_=None) -> dict:
   """tests/test_comm_stream.py's programs compiled for the H200, with `comm_stream=1` and
   without: the jax_ep custom calls of the lowered program (target -> count) and of the compiled
@@ -117,7 +95,7 @@ def streams(_=None) -> dict:
         lowered = jax.jit(fn).trace(*args).lower()
         out[f"{kind}/{program}/{stream}"] = {
             "lowered": _lowered_calls(lowered.as_text()),
-            "compiled": _async_homes(lowered.compile().as_text())}
+            "compiled": cs.async_homes(lowered.compile().as_text())}
   return out
 
 

@@ -19,11 +19,12 @@ import sys
 import pytest
 
 from jax_ep._native import ffi
+from test_fused_expert_mlp import GPU_SHAPES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLUGIN = os.environ.get("JAX_EP_AOT_PLUGIN_PATH", os.path.join(ROOT, ".venv", "cuda-aot"))
 CASES = os.path.join(ROOT, "tests", "hopper_aot_cases.py")
-SHAPES = ["deepseek_v3", "qwen3_30b_a3b", "e32_h4096_f1536", "mixtral", "deepseek_v3_ep8_rank"]
+SHAPES = sorted(GPU_SHAPES)  # the five model shapes of the GPU tests
 
 pytestmark = [
     pytest.mark.skipif(
