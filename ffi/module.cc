@@ -72,6 +72,30 @@ nb::dict Registrations() {
   dict["jax_ep_low_latency_combine_wait"] =
       EncapsulateFfiHandler(JaxEpLowLatencyCombineWait);
   dict["jax_ep_rail_exchange"] = EncapsulateFfiHandler(JaxEpRailExchange);
+  // The high-throughput ops on jax_ep's own stream, and their join.
+  dict["jax_ep_local_layout_own_stream"] =
+      EncapsulateFfiHandler(JaxEpLocalLayoutOwnStream);
+  dict["jax_ep_local_dispatch_own_stream"] =
+      EncapsulateFfiHandler(JaxEpLocalDispatchOwnStream);
+  dict["jax_ep_local_dispatch_fp8_own_stream"] =
+      EncapsulateFfiHandler(JaxEpLocalDispatchFp8OwnStream);
+  dict["jax_ep_local_combine_own_stream"] =
+      EncapsulateFfiHandler(JaxEpLocalCombineOwnStream);
+  dict["jax_ep_local_combine_vjp_own_stream"] =
+      EncapsulateFfiHandler(JaxEpLocalCombineVjpOwnStream);
+  dict["jax_ep_peer_dispatch_own_stream"] =
+      EncapsulateFfiHandler(JaxEpPeerDispatchOwnStream);
+  dict["jax_ep_peer_dispatch_fp8_own_stream"] =
+      EncapsulateFfiHandler(JaxEpPeerDispatchFp8OwnStream);
+  dict["jax_ep_peer_dispatch_cached_own_stream"] =
+      EncapsulateFfiHandler(JaxEpPeerDispatchCachedOwnStream);
+  dict["jax_ep_peer_combine_own_stream"] =
+      EncapsulateFfiHandler(JaxEpPeerCombineOwnStream);
+  dict["jax_ep_peer_combine_vjp_own_stream"] =
+      EncapsulateFfiHandler(JaxEpPeerCombineVjpOwnStream);
+  dict["jax_ep_rail_exchange_own_stream"] =
+      EncapsulateFfiHandler(JaxEpRailExchangeOwnStream);
+  dict["jax_ep_join"] = EncapsulateFfiHandler(JaxEpJoin);
   return dict;
 }
 

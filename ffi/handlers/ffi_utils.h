@@ -22,6 +22,7 @@
 #include <string_view>
 
 #include "ffi/kernels/ep_common.h"
+#include "ffi/runtime/side_stream.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_ep::ffi_utils {
@@ -315,6 +316,43 @@ inline auto BindOp() {
   XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl,                         \
                                 ::jax_ep::ffi_utils::BindOp() binding, \
                                 {::xla::ffi::Traits::kCmdBufferCompatible})
+
+// `Impl` (an op's implementation, `ffi::Error(cudaStream_t, A...)`) run on
+// jax_ep's own stream (runtime/side_stream.h) instead of XLA's: the own stream
+// waits for XLA's work so far, runs the op, and marks its end for the
+// `jax_ep_join` that makes XLA's stream wait for it.
+template <typename Fn, Fn* kImpl>
+struct OnOwnStream;
+
+template <typename... A, ffi::Error (*kImpl)(cudaStream_t, A...)>
+struct OnOwnStream<ffi::Error(cudaStream_t, A...), kImpl> {
+  static ffi::Error Call(cudaStream_t xla_stream, A... args) {
+    cudaStream_t own = nullptr;
+    cudaError_t err = runtime::ForkOwnStream(xla_stream, &own);
+    if (err != cudaSuccess) {
+      return CudaError("jax_ep own stream", "ForkOwnStream", err);
+    }
+    ffi::Error result = kImpl(own, args...);
+    // Marked even when the op failed, so that its join waits for no more
+    // than what was launched.
+    err = runtime::FinishOnOwnStream(own);
+    if (result.failure()) return result;
+    if (err != cudaSuccess) {
+      return CudaError("jax_ep own stream", "FinishOnOwnStream", err);
+    }
+    return ffi::Error::Success();
+  }
+};
+
+// JAX_EP_FFI_DEFINE_HANDLER of `symbol`, and `symbol##OwnStream`: the same op
+// on jax_ep's own stream (target "<op>_own_stream"). The latter is not
+// command-buffer compatible (runtime/side_stream.h says why).
+#define JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(symbol, impl, binding) \
+  JAX_EP_FFI_DEFINE_HANDLER(symbol, impl, binding);                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(                                         \
+      symbol##OwnStream,                                                 \
+      (::jax_ep::ffi_utils::OnOwnStream<decltype(impl), impl>::Call),    \
+      ::jax_ep::ffi_utils::BindOp() binding)
 
 }  // namespace jax_ep::ffi_utils
 

@@ -4,7 +4,7 @@
 // target name registered for each is given beside it; ffi/module.cc maps the
 // names to these symbols in `registrations()`. Every handler is CUDA-only and
 // command-buffer compatible (no allocation, no host sync, no per-call host
-// state).
+// state), but for those of jax_ep's own stream (below).
 
 #ifndef JAX_EP_FFI_HANDLERS_HANDLERS_H_
 #define JAX_EP_FFI_HANDLERS_HANDLERS_H_
@@ -49,6 +49,23 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLowLatencyCombineWait);
 // The rail exchange of a network group (ffi/handlers/rail_exchange.cc):
 // "jax_ep_rail_exchange".
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpRailExchange);
+
+// jax_ep's own stream (`Group(comm_stream="jax_ep")`): every handler defined
+// with JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM (the high-throughput ops
+// above and the rail exchange) also has `<symbol>OwnStream`, target
+// "<op>_own_stream", and "jax_ep_join" (ffi/handlers/join.cc) ends them.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalLayoutOwnStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalDispatchOwnStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalDispatchFp8OwnStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalCombineOwnStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpLocalCombineVjpOwnStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerDispatchOwnStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerDispatchFp8OwnStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerDispatchCachedOwnStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerCombineOwnStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpPeerCombineVjpOwnStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpRailExchangeOwnStream);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpJoin);
 
 // XLA:CPU: the `group` attribute as the group ops decode it (group_probe.cc).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxEpGroupProbe);

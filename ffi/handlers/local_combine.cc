@@ -80,7 +80,7 @@ ffi::Error LocalCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
 }  // namespace
 }  // namespace jax_ep
 
-JAX_EP_FFI_DEFINE_HANDLER(
+JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(
     JaxEpLocalCombine, jax_ep::LocalCombineImpl,
     .Arg<xla::ffi::AnyBuffer>()                     // expert_out
     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row

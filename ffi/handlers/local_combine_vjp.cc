@@ -77,7 +77,7 @@ ffi::Error LocalCombineVjpImpl(cudaStream_t stream, ffi::AnyBuffer d_out,
 }  // namespace
 }  // namespace jax_ep
 
-JAX_EP_FFI_DEFINE_HANDLER(
+JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(
     JaxEpLocalCombineVjp, jax_ep::LocalCombineVjpImpl,
     .Arg<xla::ffi::AnyBuffer>()                     // d_out
     .Arg<xla::ffi::AnyBuffer>()                     // expert_out

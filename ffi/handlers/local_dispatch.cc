@@ -91,7 +91,7 @@ ffi::Error LocalDispatchImpl(cudaStream_t stream, ffi::AnyBuffer x,
 }  // namespace
 }  // namespace jax_ep
 
-JAX_EP_FFI_DEFINE_HANDLER(
+JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(
     JaxEpLocalDispatch, jax_ep::LocalDispatchImpl,
     .Arg<xla::ffi::AnyBuffer>()                     // x
     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row

@@ -89,7 +89,7 @@ ffi::Error LocalDispatchFp8Impl(cudaStream_t stream, ffi::AnyBuffer x,
 }  // namespace
 }  // namespace jax_ep
 
-JAX_EP_FFI_DEFINE_HANDLER(
+JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(
     JaxEpLocalDispatchFp8, jax_ep::LocalDispatchFp8Impl,
     .Arg<xla::ffi::AnyBuffer>()                     // x
     .Arg<xla::ffi::AnyBuffer>()                     // x_scales

@@ -103,7 +103,7 @@ ffi::Error LocalLayoutImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> topk_idx,
 }  // namespace
 }  // namespace jax_ep
 
-JAX_EP_FFI_DEFINE_HANDLER(
+JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(
     JaxEpLocalLayout, jax_ep::LocalLayoutImpl,
     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx
     .Ret<xla::ffi::Buffer<xla::ffi::S32>>()         // slot_row

@@ -95,7 +95,7 @@ ffi::Error PeerCombineImpl(cudaStream_t stream, ffi::AnyBuffer expert_out,
 }  // namespace
 }  // namespace jax_ep
 
-JAX_EP_FFI_DEFINE_HANDLER(
+JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(
     JaxEpPeerCombine, jax_ep::PeerCombineImpl,
     .Arg<xla::ffi::AnyBuffer>()                     // expert_out
     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // entry_row

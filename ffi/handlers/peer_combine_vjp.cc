@@ -118,7 +118,7 @@ ffi::Error PeerCombineVjpImpl(
 }  // namespace
 }  // namespace jax_ep
 
-JAX_EP_FFI_DEFINE_HANDLER(
+JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(
     JaxEpPeerCombineVjp, jax_ep::PeerCombineVjpImpl,
     .Arg<xla::ffi::AnyBuffer>()                     // d_out
     .Arg<xla::ffi::AnyBuffer>()                     // expert_out

@@ -98,7 +98,7 @@ ffi::Error PeerDispatchImpl(
 }  // namespace
 }  // namespace jax_ep
 
-JAX_EP_FFI_DEFINE_HANDLER(
+JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(
     JaxEpPeerDispatch, jax_ep::PeerDispatchImpl,
     .Arg<xla::ffi::AnyBuffer>()                     // x
     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // topk_idx

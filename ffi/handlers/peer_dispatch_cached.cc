@@ -94,7 +94,7 @@ ffi::Error PeerDispatchCachedImpl(
 }  // namespace
 }  // namespace jax_ep
 
-JAX_EP_FFI_DEFINE_HANDLER(
+JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(
     JaxEpPeerDispatchCached, jax_ep::PeerDispatchCachedImpl,
     .Arg<xla::ffi::AnyBuffer>()                     // x
     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // send_pos

@@ -113,7 +113,7 @@ ffi::Error PeerDispatchFp8Impl(
 }  // namespace
 }  // namespace jax_ep
 
-JAX_EP_FFI_DEFINE_HANDLER(
+JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(
     JaxEpPeerDispatchFp8, jax_ep::PeerDispatchFp8Impl,
     .Arg<xla::ffi::AnyBuffer>()                     // x
     .Arg<xla::ffi::AnyBuffer>()                     // x_scales

@@ -137,7 +137,7 @@ ffi::Error RailExchangeImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> index,
 }  // namespace
 }  // namespace jax_ep
 
-JAX_EP_FFI_DEFINE_HANDLER(
+JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(
     JaxEpRailExchange, jax_ep::RailExchangeImpl,
     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // index
     .Arg<xla::ffi::Buffer<xla::ffi::S32>>()         // counts

@@ -1,0 +1,48 @@
+// Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
+//
+// jax_ep's own stream per GPU (`Group(comm_stream="jax_ep")`): the
+// high-throughput ops' `_side` handlers launch their kernels on it, and
+// `jax_ep_join` makes XLA's compute stream wait for them.
+//
+// Host C++ and the CUDA runtime only (no XLA header); nothing throws.
+//
+//   xla stream:  ... -> Fork (event) ........................ Join (wait) -> ...
+//   own stream:           `-> wait -> the op's kernels -> Finish (event) -'
+//
+// NOTES:
+// - Join waits for everything launched on the device's own stream so far, not
+//   for one op: the own stream runs its ops in launch order, so the latest
+//   Finish covers every earlier op, and a join that waits on more than its op
+//   is only later, never wrong. This needs no key between an op and its join
+//   (XLA may copy or loop over any value a key could ride on, e.g. under
+//   vmap), and pairs ops and joins whatever order XLA runs them in.
+// - Neither handler may be captured into a command buffer: Fork leaves a
+//   stream that the capture would have to join before it ends, and Join waits
+//   on an event recorded outside the capture. Their registrations carry no
+//   command-buffer trait, so XLA runs them as thunks between its graphs.
+// - The own stream has the device's greatest priority: its kernels are few
+//   and short against the GEMMs beside them, and a dispatch that waits for
+//   SMs delays the micro-batch whose experts wait for it.
+// - One mutex guards all devices' state: the calls are a few per op, host
+//   side only.
+
+#ifndef JAX_EP_FFI_RUNTIME_SIDE_STREAM_H_
+#define JAX_EP_FFI_RUNTIME_SIDE_STREAM_H_
+
+#include <cuda_runtime.h>
+
+namespace jax_ep::runtime {
+
+// Makes the own stream of `xla_stream`'s device wait for the work queued on
+// `xla_stream` so far, and returns it in `*own`.
+cudaError_t ForkOwnStream(cudaStream_t xla_stream, cudaStream_t* own);
+
+// Marks the end of an op launched on `own` (from ForkOwnStream).
+cudaError_t FinishOnOwnStream(cudaStream_t own);
+
+// Makes `xla_stream` wait for every op finished on its device's own stream.
+cudaError_t JoinOwnStream(cudaStream_t xla_stream);
+
+}  // namespace jax_ep::runtime
+
+#endif  // JAX_EP_FFI_RUNTIME_SIDE_STREAM_H_
