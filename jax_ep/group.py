@@ -196,7 +196,7 @@ class Group:
                                 hosts=hosts, virtual_hosts=virtual_hosts)
     self.backend_name, self.backend_reason = selection.name, selection.why
     if options.comm_stream is not None and self.backend_name != "cuda":
-      _logger.info("jax_ep.Group: comm_stream=%d has no effect on the %s backend (its ops are "
+      _logger.info("jax_ep.Group: comm_stream=%r has no effect on the %s backend (its ops are "
                    "XLA's own, scheduled by XLA)", options.comm_stream, self.backend_name)
     self.topology = selection.topology
     fields = dict(self.config.fingerprint(), backend=self.backend_name,

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_ep import low_latency, ops
+from jax_ep import low_latency, ops, overlap
+from jax_ep.backends.options import OWN_STREAM
 from jax_ep.config import positive_int
 from jax_ep.experts.fp8 import Fp8Weights, quantize_weights
 from jax_ep.group import Group
@@ -263,6 +264,24 @@ def _micro_batched(experts, micro_batches: int, weights, x, topk_idx, topk_weigh
           functools.reduce(jnp.add, invalid))
 
 
+def _pipelined(experts, micro_batches: int, weights, x, topk_idx, topk_weights):
+  """`_micro_batched`, the micro-batches interleaved on jax_ep's own stream
+  (`Group(comm_stream="jax_ep")`, jax_ep/overlap.py): each one's dispatch and combine run
+  beside another's experts, in the forward and in the backward."""
+  sizes = [x.shape[0] // micro_batches] * micro_batches
+  xs, idxs, ws = (jax.lax.split(a, sizes) for a in (x, topk_idx, topk_weights))
+
+  def one(weights, part, idx):
+    x, w = part
+    out, dropped, invalid = experts(weights, x, idx, w)
+    return out, (dropped, invalid)
+
+  outs, counts = overlap.pipeline(one, weights, list(zip(xs, ws)), idxs)
+  dropped, invalid = zip(*counts)
+  return (jnp.concatenate(outs), functools.reduce(jnp.add, dropped),
+          functools.reduce(jnp.add, invalid))
+
+
 def _spanning_sequence_loss(probs, topk_idx, seq_len: int, num_sequences: int, token_axes):
   """The per-sequence load-balancing loss when sequences cross shard boundaries: each
   sequence's slot counts and score sums, summed over the shards (`token_axes`, in the order
@@ -322,8 +341,9 @@ def _forward(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=Non
   if micro_batches == 1:
     out, num_dropped, num_invalid = experts(weights, x, topk_idx, topk_weights)
   else:
-    out, num_dropped, num_invalid = _micro_batched(experts, micro_batches, weights, x,
-                                                   topk_idx, topk_weights)
+    split = _pipelined if group.options.comm_stream == OWN_STREAM else _micro_batched
+    out, num_dropped, num_invalid = split(experts, micro_batches, weights, x, topk_idx,
+                                          topk_weights)
   return MoEOutput(out.astype(x.dtype), num_dropped, aux, z,
                    expert_counts(topk_idx, group.num_experts), probs, topk_idx, topk_weights,
                    num_invalid)

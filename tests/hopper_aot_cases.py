@@ -140,7 +140,12 @@ def _schedule(hlo: str) -> list[list[str]]:
     if not op:
       continue
     name, kind = op.groups()
-    if kind == "call-start":
+    own = re.search(r'custom_call_target="(jax_ep_\w+_own_stream|jax_ep_join)"', line)
+    if own:
+      # An op on jax_ep's own stream, or a join: the join waits for the latest op of its key.
+      key = "key" + re.search(r"own_stream_key = (\d+)", line).group(1)
+      order.append(["done" if own.group(1) == "jax_ep_join" else "start", own.group(1), key])
+    elif kind == "call-start":
       started[name] = target(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
       order.append(["start", started[name], name])
     elif kind == "call-done":
@@ -194,8 +199,10 @@ def schedule(arg=None) -> dict:
   tokens, experts, topk, hidden, ffn = 4096, 32, 8, 7168, 2048
   device = aot.hopper_device()
   mesh = jax.sharding.Mesh(np.array([device]), ("ep",))
+  words = set((arg or "").split(","))
   group = jax_ep.Group(mesh, "ep", num_experts=experts, num_topk=topk, hidden=hidden,
-                       max_tokens_per_rank=tokens, backend="cuda", comm_stream=1)
+                       max_tokens_per_rank=tokens, backend="cuda",
+                       comm_stream="jax_ep" if "own" in words else 1)
   params = jax.eval_shape(lambda: jax_ep.init_moe_params(
       jax.random.key(0), num_experts=experts, hidden=hidden, ffn=ffn))
   replicated = NamedSharding(mesh, P())
@@ -204,7 +211,7 @@ def schedule(arg=None) -> dict:
 
   def loss(p, x):
     return jnp.sum(jax_ep.moe_mlp(group, p, x, micro_batches=2).out.astype(jnp.float32) ** 2)
-  fn = (lambda p, x: jax_ep.moe_mlp(group, p, x, micro_batches=2).out) if arg == "forward" \
+  fn = (lambda p, x: jax_ep.moe_mlp(group, p, x, micro_batches=2).out) if "forward" in words \
       else jax.grad(loss, (0, 1))
   options = json.loads(os.environ.get("JAX_EP_AOT_COMPILER_OPTIONS", "{}"))
   order = _schedule(jax.jit(fn).trace(*args).lower().compile(options).as_text())

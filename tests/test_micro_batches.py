@@ -10,7 +10,9 @@ so they agree within float32 rounding; in bfloat16 everything that is not exact 
 bfloat16 rounding. The structure of the program is checked as well: `micro_batches=1` traces
 the unsplit program, `n` micro-batches trace `n` dispatches and combines, and the longest chain
 of communication ops, forward and backward, is as long as the unsplit layer's (no micro-batch
-waits for another's results, so XLA may overlap them).
+waits for another's results, so XLA may overlap them). The tests that take `comm_stream` run
+twice: as XLA schedules the micro-batches, and interleaved by jax_ep's own pipeline
+(`Group(comm_stream="jax_ep")`, jax_ep/overlap.py), which the reference backend runs too.
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ def _inputs(num_ranks, tokens, *, dtype=F32, seed=0, shared_ffn=FS, router_bias=
   x = jax.random.normal(k_x, (num_ranks * tokens, H), F32).astype(dtype)
   cot = jax.random.normal(k_c, x.shape, F32)
   return params, x, cot
+
+
+@pytest.fixture(params=[None, "jax_ep"], ids=["xla_order", "own_stream"])
+def comm_stream(request):
+  """The group's `comm_stream`: None (XLA orders the micro-batches) or jax_ep's pipeline."""
+  return request.param
 
 
 def _group(new_group, num_ranks, tokens, dtype=F32, **options):
@@ -120,10 +128,10 @@ def _both(group, params, x, cot, micro_batches, topk_idx=None, topk_weights=None
 # ---------------------------------------------------------------------- values and gradients
 @pytest.mark.parametrize("micro_batches", [2, 4])
 @pytest.mark.parametrize("num_ranks", [1, 2, 8])
-def test_split_layer_matches_unsplit(new_group, num_ranks, micro_batches):
+def test_split_layer_matches_unsplit(new_group, comm_stream, num_ranks, micro_batches):
   """Float32, the router deciding (skewed by its bias), a shared expert."""
   tokens = 16
-  group = _group(new_group, num_ranks, tokens)
+  group = _group(new_group, num_ranks, tokens, comm_stream=comm_stream)
   params, x, cot = _inputs(num_ranks, tokens, seed=num_ranks)
   split, unsplit = _both(group, params, x, cot, micro_batches)
   _compare(group, split, unsplit, rel=1e-5, exact_out=True,
@@ -145,11 +153,12 @@ def test_split_layer_matches_unsplit_in_bfloat16_per_sequence(new_group):
 
 
 @pytest.mark.parametrize("num_ranks,micro_batches,pattern", [(8, 4, "hot"), (2, 2, "duplicates")])
-def test_split_layer_with_skewed_routing(new_group, num_ranks, micro_batches, pattern):
+def test_split_layer_with_skewed_routing(new_group, comm_stream, num_ranks, micro_batches,
+                                         pattern):
   """Given routing: every token's first slot on expert 0 ("hot"), or slots of one token that
   name one expert ("duplicates"); the gradient of the given router weights too."""
   tokens = 16
-  group = _group(new_group, num_ranks, tokens)
+  group = _group(new_group, num_ranks, tokens, comm_stream=comm_stream)
   params, x, cot = _inputs(num_ranks, tokens, seed=7, shared_ffn=0, router_bias=False)
   rng = np.random.default_rng(3)
   idx = make_routing(rng, num_ranks, tokens, K, E, pattern).reshape(-1, K)
@@ -171,12 +180,12 @@ def test_split_layer_with_expert_alignment(new_group):
 
 
 @pytest.mark.parametrize("micro_batches", [2, 4])
-def test_split_layer_with_remat_saves_only_the_inputs(new_group, micro_batches):
+def test_split_layer_with_remat_saves_only_the_inputs(new_group, comm_stream, micro_batches):
   """`remat=True`: each micro-batch is its own checkpoint; the gradients are the unsplit
   layer's (without remat), and the backward keeps only the inputs (the micro-batches' slices
   of the tokens and the routing), never a dispatched row or a hidden activation."""
   num_ranks, tokens = 2, 16
-  group = _group(new_group, num_ranks, tokens)
+  group = _group(new_group, num_ranks, tokens, comm_stream=comm_stream)
   params, x, cot = _inputs(num_ranks, tokens, seed=13)
   w = jnp.zeros((x.shape[0], K), F32)
   split = _step(group, micro_batches=micro_batches, remat=True)(params, x, w, cot)
@@ -262,10 +271,10 @@ def test_saved_residuals_are_micro_batches_times_memory_bytes(dtype):
     assert saved == num_ranks * micro_batches * figure, remat
 
 
-def test_split_layer_under_vmap(new_group):
+def test_split_layer_under_vmap(new_group, comm_stream):
   """A leading batch axis over the layer (vmap of the gradient): as the unsplit layer's."""
   num_ranks, tokens = 2, 8
-  group = _group(new_group, num_ranks, tokens)
+  group = _group(new_group, num_ranks, tokens, comm_stream=comm_stream)
   rel = _rel(group, 1e-5)
   params, x, cot = _inputs(num_ranks, tokens, seed=19)
   xs = jnp.stack([x, -x, 0.5 * x])
@@ -283,11 +292,11 @@ def test_split_layer_under_vmap(new_group):
                           f"vmap grad {name}")
 
 
-def test_split_layers_under_scan_and_per_shard(new_group):
+def test_split_layers_under_scan_and_per_shard(new_group, comm_stream):
   """`lax.scan` over two layers of stacked weights, each `moe_mlp_per_shard` inside one
   `shard_map` with `remat`: values and gradients as the unsplit stack's."""
   num_ranks, tokens, layers = 2, 16, 2
-  group = _group(new_group, num_ranks, tokens)
+  group = _group(new_group, num_ranks, tokens, comm_stream=comm_stream)
   rel = _rel(group, 1e-5)
   stacked = [_inputs(num_ranks, tokens, seed=23 + i)[0] for i in range(layers)]
   params = jax.tree.map(lambda *p: jnp.stack(p), *stacked)

@@ -326,7 +326,7 @@ struct OnOwnStream;
 
 template <typename... A, ffi::Error (*kImpl)(cudaStream_t, A...)>
 struct OnOwnStream<ffi::Error(cudaStream_t, A...), kImpl> {
-  static ffi::Error Call(cudaStream_t xla_stream, A... args) {
+  static ffi::Error Call(cudaStream_t xla_stream, A... args, int64_t key) {
     cudaStream_t own = nullptr;
     cudaError_t err = runtime::ForkOwnStream(xla_stream, &own);
     if (err != cudaSuccess) {
@@ -335,7 +335,7 @@ struct OnOwnStream<ffi::Error(cudaStream_t, A...), kImpl> {
     ffi::Error result = kImpl(own, args...);
     // Marked even when the op failed, so that its join waits for no more
     // than what was launched.
-    err = runtime::FinishOnOwnStream(own);
+    err = runtime::FinishOnOwnStream(own, key);
     if (result.failure()) return result;
     if (err != cudaSuccess) {
       return CudaError("jax_ep own stream", "FinishOnOwnStream", err);
@@ -345,14 +345,15 @@ struct OnOwnStream<ffi::Error(cudaStream_t, A...), kImpl> {
 };
 
 // JAX_EP_FFI_DEFINE_HANDLER of `symbol`, and `symbol##OwnStream`: the same op
-// on jax_ep's own stream (target "<op>_own_stream"). The latter is not
+// on jax_ep's own stream (target "<op>_own_stream"), with one more attribute,
+// `own_stream_key` (int64; runtime/side_stream.h). The latter is not
 // command-buffer compatible (runtime/side_stream.h says why).
 #define JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(symbol, impl, binding) \
   JAX_EP_FFI_DEFINE_HANDLER(symbol, impl, binding);                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                         \
       symbol##OwnStream,                                                 \
       (::jax_ep::ffi_utils::OnOwnStream<decltype(impl), impl>::Call),    \
-      ::jax_ep::ffi_utils::BindOp() binding)
+      ::jax_ep::ffi_utils::BindOp() binding.Attr<int64_t>("own_stream_key"))
 
 }  // namespace jax_ep::ffi_utils
 

@@ -1,15 +1,18 @@
 // Copyright 2025 The jax_ep Authors. SPDX-License-Identifier: Apache-2.0
 //
 // FFI adapter of `jax_ep_join` (runtime/side_stream.h): XLA's stream waits
-// for every op that ran on jax_ep's own stream so far.
+// for the latest op of `own_stream_key` on jax_ep's own stream.
 //
 //   operands  an op's results, then the operands it read (any number, any
 //             type): results i alias operands i, so XLA reads the op's
 //             results only after this call, and keeps every operand it was
 //             given (the op's inputs too) alive until then
+//   attrs     own_stream_key: int64, the op's
 //   results   the op's results, unchanged (the same buffers)
 
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 #include "ffi/handlers/ffi_utils.h"
 #include "ffi/handlers/handlers.h"
@@ -22,13 +25,13 @@ namespace {
 namespace ffi = ::xla::ffi;
 
 ffi::Error JoinImpl(cudaStream_t stream, ffi::RemainingArgs args,
-                    ffi::RemainingRets rets) {
+                    ffi::RemainingRets rets, int64_t key) {
   if (rets.size() > args.size()) {
     return ffi_utils::InvalidArgument(
         "jax_ep_join", "takes the op's results (aliased to its own) first");
   }
   JAX_EP_FFI_RETURN_IF_CUDA_ERROR("jax_ep_join",
-                                  runtime::JoinOwnStream(stream));
+                                  runtime::JoinOwnStream(stream, key));
   return ffi::Error::Success();
 }
 
@@ -40,4 +43,5 @@ ffi::Error JoinImpl(cudaStream_t stream, ffi::RemainingArgs args,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxEpJoin, jax_ep::JoinImpl,
                               ::jax_ep::ffi_utils::BindOp()
                                   .RemainingArgs()
-                                  .RemainingRets());
+                                  .RemainingRets()
+                                  .Attr<int64_t>("own_stream_key"));

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <mutex>
 #include <unordered_map>
 
@@ -14,8 +15,9 @@ namespace {
 
 struct OwnStream {
   cudaStream_t stream = nullptr;
-  cudaEvent_t fork = nullptr;      // recorded on XLA's stream, waited by ours
-  cudaEvent_t finished = nullptr;  // recorded on ours after each op
+  cudaEvent_t fork = nullptr;  // recorded on XLA's stream, waited by ours
+  // Per key, recorded on ours after each op of that key.
+  std::unordered_map<int64_t, cudaEvent_t> finished;
 };
 
 std::mutex& Mutex() {
@@ -44,9 +46,6 @@ cudaError_t Create(int device, OwnStream* s) {
   }
   if (err == cudaSuccess) {
     err = cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming);
-  }
-  if (err == cudaSuccess) {
-    err = cudaEventCreateWithFlags(&s->finished, cudaEventDisableTiming);
   }
   if (prev != device) {
     const cudaError_t restore = cudaSetDevice(prev);
@@ -89,20 +88,33 @@ cudaError_t ForkOwnStream(cudaStream_t xla_stream, cudaStream_t* own) {
   return cudaSuccess;
 }
 
-cudaError_t FinishOnOwnStream(cudaStream_t own) {
+cudaError_t FinishOnOwnStream(cudaStream_t own, int64_t key) {
   std::lock_guard<std::mutex> lock(Mutex());
   for (auto& [device, s] : Streams()) {
-    if (s.stream == own) return cudaEventRecord(s.finished, own);
+    if (s.stream != own) continue;
+    auto it = s.finished.find(key);
+    if (it == s.finished.end()) {
+      cudaEvent_t event = nullptr;
+      const cudaError_t err =
+          cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+      if (err != cudaSuccess) return err;
+      it = s.finished.emplace(key, event).first;
+    }
+    // A join waits on the latest record at its call: one event per key.
+    return cudaEventRecord(it->second, own);
   }
   return cudaErrorInvalidResourceHandle;
 }
 
-cudaError_t JoinOwnStream(cudaStream_t xla_stream) {
+cudaError_t JoinOwnStream(cudaStream_t xla_stream, int64_t key) {
   std::lock_guard<std::mutex> lock(Mutex());
   OwnStream* s = nullptr;
   cudaError_t err = Get(xla_stream, &s);
   if (err != cudaSuccess) return err;
-  return cudaStreamWaitEvent(xla_stream, s->finished, 0);
+  const auto it = s->finished.find(key);
+  // No op of this key ever finished on this device: nothing to wait for.
+  if (it == s->finished.end()) return cudaSuccess;
+  return cudaStreamWaitEvent(xla_stream, it->second, 0);
 }
 
 }  // namespace jax_ep::runtime

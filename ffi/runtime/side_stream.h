@@ -10,12 +10,15 @@
 //   own stream:           `-> wait -> the op's kernels -> Finish (event) -'
 //
 // NOTES:
-// - Join waits for everything launched on the device's own stream so far, not
-//   for one op: the own stream runs its ops in launch order, so the latest
-//   Finish covers every earlier op, and a join that waits on more than its op
-//   is only later, never wrong. This needs no key between an op and its join
-//   (XLA may copy or loop over any value a key could ride on, e.g. under
-//   vmap), and pairs ops and joins whatever order XLA runs them in.
+// - Each op carries a key (the program position that issued it: 0 for a plain
+//   call, a micro-batch's own key in the layer's pipeline), and its join waits
+//   for the latest op of that key, not for one op: the own stream runs its ops
+//   in launch order, so the latest op of a key finishes after every earlier one,
+//   its join's own op included, and a join that waits on more than its op is
+//   only later, never wrong. No value needs to travel from an op to its join
+//   (XLA may copy or loop over any buffer a ticket could ride on, e.g. under
+//   vmap), and ops and joins pair whatever order XLA runs them in. The key lets
+//   one micro-batch's join leave another's op running beside the compute.
 // - Neither handler may be captured into a command buffer: Fork leaves a
 //   stream that the capture would have to join before it ends, and Join waits
 //   on an event recorded outside the capture. Their registrations carry no
@@ -31,17 +34,20 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdint>
+
 namespace jax_ep::runtime {
 
 // Makes the own stream of `xla_stream`'s device wait for the work queued on
 // `xla_stream` so far, and returns it in `*own`.
 cudaError_t ForkOwnStream(cudaStream_t xla_stream, cudaStream_t* own);
 
-// Marks the end of an op launched on `own` (from ForkOwnStream).
-cudaError_t FinishOnOwnStream(cudaStream_t own);
+// Marks the end of an op of `key` launched on `own` (from ForkOwnStream).
+cudaError_t FinishOnOwnStream(cudaStream_t own, int64_t key);
 
-// Makes `xla_stream` wait for every op finished on its device's own stream.
-cudaError_t JoinOwnStream(cudaStream_t xla_stream);
+// Makes `xla_stream` wait for the latest op of `key` finished on its device's
+// own stream (and so for every op launched before it there).
+cudaError_t JoinOwnStream(cudaStream_t xla_stream, int64_t key);
 
 }  // namespace jax_ep::runtime
 

@@ -30,15 +30,20 @@ def _positive_seconds(name: str, value, where: str) -> float:
 MAX_COMM_STREAM = 8
 
 
-def _comm_stream(value, where: str) -> int | None:
-  if value is None:
-    return None
+# `comm_stream`'s value for jax_ep's own stream: the ops and their joins are jax_ep's custom
+# calls (jax_ep/overlap.py), placed where the layer's pipeline puts them.
+OWN_STREAM = "jax_ep"
+
+
+def _comm_stream(value, where: str) -> int | str | None:
+  expected = (f"None (XLA's compute stream), {OWN_STREAM!r} (jax_ep's own stream) or an int "
+              f"from 1 to {MAX_COMM_STREAM} (an additional XLA stream)")
+  if value is None or value == OWN_STREAM:
+    return value
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-    raise TypeError(f"{where}: comm_stream must be None (XLA's compute stream) or an int "
-                    f"from 1 to {MAX_COMM_STREAM} (an additional GPU stream), got {value!r}")
+    raise TypeError(f"{where}: comm_stream must be {expected}, got {value!r}")
   if not 1 <= int(value) <= MAX_COMM_STREAM:
-    raise ValueError(f"{where}: comm_stream must be None (XLA's compute stream) or an int from "
-                     f"1 to {MAX_COMM_STREAM} (an additional GPU stream), got {value}")
+    raise ValueError(f"{where}: comm_stream must be {expected}, got {value}")
   return int(value)
 
 
