@@ -192,9 +192,11 @@ def overlap(order, comm: float, kernel: float = 1.0, gemm: float = 0.1) -> dict:
 
 def schedule(arg=None) -> dict:
   """The MoE layer at one rank (DeepSeek-V3 at EP=8's experts, T=4096) on the cuda backend with
-  `comm_stream=1` and two micro-batches, forward (`arg` "forward") or forward and backward:
-  XLA's order of the ops' async starts and dones and of the GEMMs (`order`), and what it hides
-  on `overlap`'s model with a dispatch or combine at a quarter and at a whole expert kernel.
+  two micro-batches, forward (`arg` has "forward") or forward and backward, with `comm_stream=1`
+  or (`arg` has "own") jax_ep's own stream: XLA's order of the ops' starts and dones (on the
+  own stream: the ops and their joins) and of the GEMMs (`order`), what it hides on `overlap`'s
+  model with a dispatch or combine at a quarter and at a whole expert kernel, and the joins
+  that read a copy (`copied_into_joins`).
   `JAX_EP_AOT_COMPILER_OPTIONS` (a JSON object) passes XLA options to the compile."""
   tokens, experts, topk, hidden, ffn = 4096, 32, 8, 7168, 2048
   device = aot.hopper_device()
@@ -214,8 +216,24 @@ def schedule(arg=None) -> dict:
   fn = (lambda p, x: jax_ep.moe_mlp(group, p, x, micro_batches=2).out) if "forward" in words \
       else jax.grad(loss, (0, 1))
   options = json.loads(os.environ.get("JAX_EP_AOT_COMPILER_OPTIONS", "{}"))
-  order = _schedule(jax.jit(fn).trace(*args).lower().compile(options).as_text())
-  return {"order": order, "overlap": {c: overlap(order, c) for c in (0.25, 1.0)}}
+  hlo = jax.jit(fn).trace(*args).lower().compile(options).as_text()
+  order = _schedule(hlo)
+  return {"order": order, "overlap": {c: overlap(order, c) for c in (0.25, 1.0)},
+          "copied_into_joins": _copied_into_joins(hlo)}
+
+
+def _copied_into_joins(hlo: str) -> list[str]:
+  """The joins (jax_ep_join) that read a copy: XLA copies an operand it cannot alias, and a
+  copy of an op's result made before the join would read it while the op still writes it."""
+  copies = set(re.findall(r"%([\w.\-]+) = \S+ copy\(", hlo))
+  made_by = dict(re.findall(r"%([\w.\-]+) = .*?get-tuple-element\(%([\w.\-]+)\)", hlo))
+  found = []
+  for line in hlo.splitlines():
+    if 'custom_call_target="jax_ep_join"' in line:
+      operands = re.findall(r"%([\w.\-]+)", line.split("custom-call(", 1)[1].split(")")[0])
+      if any(op in copies or made_by.get(op) in copies for op in operands):
+        found.append(line.split("=", 1)[0].strip())
+  return found
 
 
 def layer(_=None) -> dict:
@@ -223,7 +241,7 @@ def layer(_=None) -> dict:
   (`jax_ep.moe_mlp` inside `jax.jit`, its `shard_map` within), in bf16 and in FP8 with `remat`
   and two micro-batches, compiled for the H200: per variant, how many Mosaic GPU kernels the
   program runs (a product that fell back to XLA would lower the count) and its jax_ep custom
-  calls."""
+  calls; the FP8 variant again on jax_ep's own stream (its pipeline)."""
   tokens, experts, topk, hidden, ffn = 2048, 32, 8, 7168, 2048
   device = aot.hopper_device()
   mesh = jax.sharding.Mesh(np.array([device]), ("ep",))
@@ -233,11 +251,12 @@ def layer(_=None) -> dict:
   args = aot.abstract((params, jax.ShapeDtypeStruct((tokens, hidden), jnp.bfloat16)),
                       replicated)
   out = {}
-  for name, fp8_, remat, micro_batches in (("bf16", False, False, 1),
-                                            ("fp8_remat_mb2", True, True, 2)):
+  for name, fp8_, remat, micro_batches, stream in (
+      ("bf16", False, False, 1, None), ("fp8_remat_mb2", True, True, 2, None),
+      ("fp8_remat_mb2_own_stream", True, True, 2, "jax_ep")):
     group = jax_ep.Group(mesh, "ep", num_experts=experts, num_topk=topk, hidden=hidden,
                          max_tokens_per_rank=tokens, backend="cuda",
-                         wire_format="fp8" if fp8_ else None)
+                         wire_format="fp8" if fp8_ else None, comm_stream=stream)
 
     def loss(p, x, group=group, fp8_=fp8_, remat=remat, micro_batches=micro_batches):
       y = jax_ep.moe_mlp(group, p, x, fp8=fp8_, remat=remat, micro_batches=micro_batches).out

@@ -1,12 +1,17 @@
-"""`Group(comm_stream=N)`: the cuda backend's high-throughput ops on XLA's additional stream N.
+"""`Group(comm_stream=N)`: the cuda backend's high-throughput ops on XLA's additional stream N,
+and `comm_stream="jax_ep"`: on jax_ep's own stream, each op followed by its join.
 
 On the CPU: the programs the cuda backend lowers for a GPU (cross-lowering, no GPU needed) carry
 the stream annotation on the ops' custom calls and on nothing else, under jit, shard_map, grad,
-vmap, checkpoint and scan, and none without the option. On the GPU (`gpu`): the ops on their
-own stream give the compute stream's results bit for bit, in the same transformations.
+vmap, checkpoint and scan, and none without the option; on jax_ep's own stream every op is the
+`_own_stream` target, joined after it with its key, and jax_ep's pipeline (jax_ep/overlap.py)
+interleaves two micro-batches' ops and joins in the order it means to. On the GPU (`gpu`): the
+ops on their own stream give the compute stream's results bit for bit, in the same
+transformations.
 """
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -18,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import jax_ep
 from ep_test_base import rank_mesh, require_gpu
 from jax_ep._native import ffi
+from jax_ep import overlap
 from jax_ep.backends import primitives
 from jax_ep.backends.cuda import LocalBackend, NetworkBackend, PeerBackend
 from jax_ep.backends.options import MAX_COMM_STREAM, CommOptions
@@ -137,6 +143,107 @@ def test_the_ops_custom_calls_carry_the_stream(kind, program):
     assert "stablehlo.while" in text
 
 
+def _anchors(fn, *args):
+  """(custom call target, own_stream_key) of every jax_ep custom call of `fn`'s program as
+  lowered for a GPU, in program order; the text, to check for stream annotations."""
+  text = jax.jit(fn).trace(*(args or _inputs())).lower(lowering_platforms=("cuda",)).as_text()
+  calls = []
+  for line in text.splitlines():
+    target = re.search(r"custom_call @(jax_ep_\w+)", line)
+    if target:
+      key = re.search(r"own_stream_key = (\d+)", line)
+      calls.append((target.group(1), int(key.group(1)) if key else None))
+  return calls, text
+
+
+@needs_extension
+@pytest.mark.parametrize("kind,program", CASES)
+def test_own_stream_ops_are_each_joined_after_them(kind, program):
+  calls, text = _anchors(_programs(_backend(kind, "jax_ep"))[program])
+  ops = [i for i, (target, _) in enumerate(calls) if target != "jax_ep_join"]
+  assert ops, calls
+  assert all(calls[i][0].endswith("_own_stream") for i in ops), calls
+  # Outside jax_ep's pipeline every op and join has key 0, and each op has a join after it.
+  assert {key for _, key in calls} == {0}, calls
+  for i in ops:
+    assert any(target == "jax_ep_join" for target, _ in calls[i + 1:]), (i, calls)
+  assert "_xla_stream_annotation" not in text
+
+
+def _micro_batch_layer(backend):
+  """Two micro-batches of `_layer`'s dispatch -> scaling "expert" -> combine, interleaved by
+  jax_ep's pipeline; differentiable in x and the weights."""
+  def one(scale, part, idx):
+    x, w = part
+    recv_x, _, _, _, layout = primitives.dispatch(backend, x, idx, w)
+    return primitives.combine(backend, jnp.tanh(recv_x * scale), layout, w), ()
+
+  def layer(x, idx, w):
+    halves = [jnp.split(a, 2) for a in (x, idx, w)]
+    outs, _ = overlap.pipeline(one, jnp.asarray(2.0, x.dtype),
+                               list(zip(halves[0], halves[2])), halves[1])
+    return jnp.concatenate(outs)
+  return layer
+
+
+@needs_extension
+def test_pipeline_interleaves_two_micro_batches():
+  """The forward's ops and joins in program order, at one rank: each micro-batch's own key; the
+  second's layout and dispatch launched before the first's experts read its rows, the first's
+  combine before the second's experts."""
+  calls, _ = _anchors(_micro_batch_layer(_backend("local", "jax_ep")))
+  short = [(t.replace("jax_ep_local_", "").replace("_own_stream", ""), k) for t, k in calls]
+  assert short == [("layout", 1), ("layout", 2), ("jax_ep_join", 1), ("dispatch", 1),
+                   ("jax_ep_join", 2), ("dispatch", 2), ("jax_ep_join", 1), ("combine", 1),
+                   ("jax_ep_join", 2), ("combine", 2), ("jax_ep_join", 1),
+                   ("jax_ep_join", 2)], short
+
+
+@needs_extension
+@pytest.mark.parametrize("kind", ["local", "peer"])
+def test_pipeline_keys_every_op_and_join(kind):
+  """Forward and backward: every op and join of the pipeline carries its micro-batch's key
+  (1 or 2), never 0, and each op has a join of its key after it."""
+  loss = lambda x, idx, w: jnp.sum(
+      _micro_batch_layer(_backend(kind, "jax_ep"))(x, idx, w).astype(jnp.float32) ** 2)
+  calls, _ = _anchors(jax.grad(loss, (0, 2)))
+  assert {key for _, key in calls} == {1, 2}, calls
+  for i, (target, key) in enumerate(calls):
+    if target != "jax_ep_join":
+      assert ("jax_ep_join", key) in calls[i + 1:], (i, calls)
+
+
+def test_pipeline_matches_the_micro_batches_in_turn():
+  """On the CPU (reference backend, no joins): values and gradients as the plain loop's."""
+  mesh = rank_mesh(1)
+  backend = jax_ep.Group(mesh, "ep", num_experts=E, num_topk=K, hidden=H,
+                         max_tokens_per_rank=T, backend="reference", dtype=jnp.float32).backend
+
+  def one(scale, part, idx):
+    x, w = part
+    recv_x, _, _, _, layout = primitives.dispatch(backend, x, idx, w)
+    return primitives.combine(backend, jnp.tanh(recv_x * scale), layout, w), jnp.sum(idx)
+
+  def layer(split, scale, x, idx, w):
+    parts = [jnp.split(a, 2) for a in (x, idx, w)]
+    if split:
+      outs, aux = overlap.pipeline(one, scale, list(zip(parts[0], parts[2])), parts[1])
+    else:
+      outs, aux = zip(*(one(scale, (a, c), b) for a, b, c in zip(*parts)))
+    return jnp.concatenate(outs), jnp.stack(aux)[None]
+
+  def loss(split, *args):
+    out, aux = jax.shard_map(functools.partial(layer, split), mesh=mesh, in_specs=P(),
+                             out_specs=P("ep"))(*args)
+    return jnp.sum(out ** 2), aux
+  x, idx, w = _inputs()
+  args = (jnp.asarray(1.5, jnp.float32), x.astype(jnp.float32), idx, w)
+  grads = {split: jax.jit(jax.value_and_grad(functools.partial(loss, split), (0, 1, 3),
+                                             has_aux=True))(*args) for split in (True, False)}
+  for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
 @needs_extension
 @pytest.mark.parametrize("kind", ["local", "peer"])
 def test_no_stream_annotation_by_default(kind):
@@ -146,6 +253,7 @@ def test_no_stream_annotation_by_default(kind):
 
 @pytest.mark.parametrize("value,error,message", [
     (0, ValueError, f"comm_stream must be None .* or an int from 1 to {MAX_COMM_STREAM} .*got 0"),
+    ("jax", TypeError, "comm_stream must be None .*'jax_ep' .*got 'jax'"),
     (MAX_COMM_STREAM + 1, ValueError, f"comm_stream must be .*got {MAX_COMM_STREAM + 1}"),
     (True, TypeError, "comm_stream must be None .*got True"),
     ("1", TypeError, "comm_stream must be None .*got '1'"),
@@ -173,14 +281,15 @@ def _on_the_gpu():
   ffi.extension().preload_kernels(jax.devices()[0].local_hardware_id)
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("stream", [1, "jax_ep"])
 @pytest.mark.parametrize("program", PROGRAMS)
-def test_one_rank_ops_on_their_stream_match_the_compute_stream(program):
+def test_one_rank_ops_on_their_stream_match_the_compute_stream(program, stream):
   _on_the_gpu()
   outs = {}
-  for stream in (None, 1):
-    fn = jax.jit(_programs(_backend("local", stream))[program])
-    outs[stream] = jax.block_until_ready(fn(*_inputs()))
-  for a, b in zip(jax.tree.leaves(outs[None]), jax.tree.leaves(outs[1])):
+  for s in (None, stream):
+    fn = jax.jit(_programs(_backend("local", s))[program])
+    outs[s] = jax.block_until_ready(fn(*_inputs()))
+  for a, b in zip(jax.tree.leaves(outs[None]), jax.tree.leaves(outs[stream])):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
                                   np.asarray(b.astype(jnp.float32)))
 
@@ -219,9 +328,27 @@ def test_xla_runs_each_op_in_an_async_call():
 
 
 @pytest.mark.gpu
-def test_moe_layer_with_micro_batches_on_the_comm_stream():
-  """The public layer, R=1, two micro-batches, on stream 1: output and gradients equal the
-  compute stream's, and the program's custom calls ran (no error from the handlers)."""
+def test_pipeline_on_the_own_stream_matches_the_compute_stream():
+  """jax_ep's pipeline of two micro-batches at one rank, its ops on jax_ep's own stream, under
+  jit and grad: the compute stream's values and gradients, bit for bit."""
+  _on_the_gpu()
+  outs = {}
+  for stream in (None, "jax_ep"):
+    layer = _micro_batch_layer(_backend("local", stream))
+    loss = lambda x, idx, w: jnp.sum(layer(x, idx, w).astype(jnp.float32) ** 2)
+    outs[stream] = jax.block_until_ready(
+        (jax.jit(layer)(*_inputs()), jax.jit(jax.grad(loss, (0, 2)))(*_inputs())))
+  for a, b in zip(jax.tree.leaves(outs[None]), jax.tree.leaves(outs["jax_ep"])):
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                  np.asarray(b.astype(jnp.float32)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("comm_stream", [1, "jax_ep"])
+def test_moe_layer_with_micro_batches_on_the_comm_stream(comm_stream):
+  """The public layer, R=1, two micro-batches, on stream 1 or jax_ep's own (its pipeline):
+  output and gradients equal the compute stream's, and the program's custom calls ran (no
+  error from the handlers)."""
   require_gpu()
   mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
   tokens, experts, hidden, ffn = 256, 8, 256, 256
@@ -229,7 +356,7 @@ def test_moe_layer_with_micro_batches_on_the_comm_stream():
                                   ffn=ffn, dtype=jnp.bfloat16)
   x = jax.random.normal(jax.random.key(1), (tokens, hidden), jnp.bfloat16)
   results = {}
-  for stream in (None, 1):
+  for stream in (None, comm_stream):
     group = jax_ep.Group(mesh, "ep", num_experts=experts, num_topk=2, hidden=hidden,
                          max_tokens_per_rank=tokens, backend="cuda", comm_stream=stream)
 
@@ -239,6 +366,6 @@ def test_moe_layer_with_micro_batches_on_the_comm_stream():
 
     (value, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, x)
     results[stream] = jax.block_until_ready((value, out, grads))
-  for a, b in zip(jax.tree.leaves(results[None]), jax.tree.leaves(results[1])):
+  for a, b in zip(jax.tree.leaves(results[None]), jax.tree.leaves(results[comm_stream])):
     np.testing.assert_array_equal(np.asarray(jnp.asarray(a, jnp.float32)),
                                   np.asarray(jnp.asarray(b, jnp.float32)))

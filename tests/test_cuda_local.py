@@ -122,6 +122,14 @@ class TestCudaLocalOnCommStream(EPTestBase):
                                group_options={**CUDA_LOCAL.group_options, "comm_stream": 1})
 
 
+class TestCudaLocalOnOwnStream(EPTestBase):
+  """The shared suite with the ops on jax_ep's own stream (`comm_stream="jax_ep"`), each joined
+  after it: the same results under jit, grad, vmap, checkpoint and scan."""
+  target = dataclasses.replace(CUDA_LOCAL, name="cuda backend at one rank, own stream",
+                               group_options={**CUDA_LOCAL.group_options,
+                                              "comm_stream": "jax_ep"})
+
+
 class TestCudaLocal(EPTestBase):
   target = CUDA_LOCAL
 

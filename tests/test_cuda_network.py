@@ -112,6 +112,14 @@ class TestNetworkOnCommStream(EPTestBase):
 
 
 @pytest.mark.skipif(not _on_network, reason=_why_not)
+class TestNetworkOnOwnStream(EPTestBase):
+  """The shared high-throughput suite with the rail exchange and the host group's ops on
+  jax_ep's own stream (`comm_stream="jax_ep"`), the forwarding between them on XLA's."""
+  target = dataclasses.replace(NETWORK, name="cuda backend's network transport, own stream",
+                               group_options={**NETWORK.group_options, "comm_stream": "jax_ep"})
+
+
+@pytest.mark.skipif(not _on_network, reason=_why_not)
 class TestNetworkHighThroughput(EPTestBase):
   """The shared high-throughput suite on virtual hosts: the rail exchange (NVSHMEM puts) to
   the same local index on every host, the host's own group forwarding

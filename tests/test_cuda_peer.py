@@ -104,6 +104,14 @@ class TestCudaIntranodeOnCommStream(EPTestBase):
 
 
 @pytest.mark.skipif(NUM_RANKS < 2, reason="the peer transport needs at least 2 ranks")
+class TestCudaIntranodeOnOwnStream(EPTestBase):
+  """The shared suite with the ops on jax_ep's own stream (`comm_stream="jax_ep"`): the same
+  results, and every rank's kernels still meet their peers'."""
+  target = dataclasses.replace(PEER, name="cuda backend's peer transport, own stream",
+                               group_options={**PEER.group_options, "comm_stream": "jax_ep"})
+
+
+@pytest.mark.skipif(NUM_RANKS < 2, reason="the peer transport needs at least 2 ranks")
 class TestCudaIntranode(EPTestBase):
   target = PEER
 

@@ -5,7 +5,8 @@ Each case runs in a process of its own (tests/hopper_aot_cases.py) that sees JAX
 plugin, installed apart from the environment (scripts/setup.sh: `.venv/cuda-aot` with the CUDA
 build; `JAX_EP_AOT_PLUGIN_PATH` names another folder). What it checks is what a GPU run cannot
 show as directly: which kernel every model shape takes and that each builds without spilling,
-that the ops on `comm_stream` run in XLA's async calls, and that XLA keeps one call per op.
+that the ops on `comm_stream` run in XLA's async calls, that XLA keeps one call per op, and
+where XLA puts the ops on jax_ep's own stream and their joins.
 Whether the kernels compute the right numbers is for the GPU suites.
 """
 
@@ -155,6 +156,24 @@ def test_two_micro_batches_put_communication_beside_the_experts():
 
 @needs_extension
 @pytest.mark.slow
+@pytest.mark.parametrize("passes", ["forward", "forward_backward"])
+def test_own_stream_pipeline_hides_half_the_communication(passes):
+  """The same layer with `comm_stream="jax_ep"` (jax_ep's pipeline, jax_ep/overlap.py), as XLA
+  schedules it for the H200: on the same model (an op on the own stream waits for the compute
+  stream's earlier work, a join for the latest op of its key) the second micro-batch's dispatch
+  runs beside the first's experts and the first's combine beside the second's, in the forward
+  and in the backward: half the communication, all a two-stage pipeline can hide. No join
+  reads a copy of an op's result."""
+  result, _ = _run("schedule", "forward,own" if passes == "forward" else "own")
+  kinds = [kind for kind, _, _ in result["order"]]
+  assert kinds.count("kernel") >= 4 and kinds.count("start") >= 6, result["order"]
+  for comm, found in result["overlap"].items():
+    assert found["hidden"] >= 0.45, (comm, found, result["order"])
+  assert result["copied_into_joins"] == [], result["copied_into_joins"]
+
+
+@needs_extension
+@pytest.mark.slow
 def test_the_layer_runs_every_expert_product_in_the_mosaic_kernels():
   """`jax_ep.moe_mlp` at one rank on the cuda backend, forward and backward, compiled for the
   H200 as users call it: bf16 runs 7 Mosaic GPU kernels (the fused gate and up, the down
@@ -166,5 +185,8 @@ def test_the_layer_runs_every_expert_product_in_the_mosaic_kernels():
   _check_spills(output)
   assert result["bf16"]["mosaic"] == 7, result
   assert result["fp8_remat_mb2"]["mosaic"] == 18, result
+  own = result["fp8_remat_mb2_own_stream"]["jax_ep"]
+  assert result["fp8_remat_mb2_own_stream"]["mosaic"] == 18, result
+  assert "jax_ep_local_dispatch_fp8_own_stream" in own and "jax_ep_join" in own, result
   assert "jax_ep_local_dispatch_fp8" in result["fp8_remat_mb2"]["jax_ep"], result
   assert "jax_ep_local_dispatch_fp8" not in result["bf16"]["jax_ep"], result
