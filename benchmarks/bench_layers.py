@@ -27,7 +27,8 @@ where XLA runs it: not on the CPU, not with processes sharing one GPU, whose XLA
 refuse to run; the reference backend needs XLA collectives too). `--debug-checks` adds the cuda
 backend with `raise_on_timeout=True` (a host check after every op) beside the defaults;
 `--comm-streams N` the cuda backend with its ops on XLA's additional stream N
-(`Group(comm_stream=N)`), whose records carry `comm_stream`.
+(`Group(comm_stream=N)`; `jax_ep`: on jax_ep's own stream, the micro-batches in its pipeline),
+whose records carry `comm_stream`.
 Records carry every setting that differs from a user's defaults (`settings`), and the
 DESIGN.md section 6 keys; per layer, `bytes` counts the rows this rank receives in dispatch and
 sends home in combine (one per token and rank each way) and `min_hbm_bytes` the least bytes both
@@ -164,9 +165,11 @@ def main():
                       help="split each layer's tokens into this many micro-batches, each with "
                            "its own dispatch -> expert -> combine (several values: each timed, "
                            "in the same run)")
-  parser.add_argument("--comm-streams", type=int, nargs="+", default=[],
+  parser.add_argument("--comm-streams", type=lambda v: v if v == "jax_ep" else int(v),
+                      nargs="+", default=[],
                       help="cuda: also time groups whose ops run on XLA's additional stream N "
-                           "(Group(comm_stream=N)) beside the compute stream's kernels")
+                           "(Group(comm_stream=N)) beside the compute stream's kernels, or on "
+                           "jax_ep's own (jax_ep: its pipeline interleaves the micro-batches)")
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--breakdown", action="store_true",
                       help="print the device time per kernel of one 2N-layer run (GPU)")

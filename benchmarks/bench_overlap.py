@@ -1,7 +1,7 @@
 """How much of a layer's communication hides behind its expert GEMMs, at one rank.
 
   python benchmarks/bench_overlap.py                 # DeepSeek-V3 at EP=8, one rank's shape
-  python benchmarks/bench_overlap.py --passes forward forward_backward --comm-streams 1
+  python benchmarks/bench_overlap.py --passes forward forward_backward --comm-streams 1 jax_ep
 
 Two independent halves of a micro-batched layer, as `moe_mlp(..., micro_batches=2)` places
 them: the experts of one micro-batch (`jax_ep.expert_mlp` on its received rows; `gemm`) and the
@@ -16,6 +16,13 @@ the communication kernels: the device time of the non-jax_ep kernels in `both` o
 the streams each side's kernels ran on. With `forward_backward` each half is differentiated:
 the experts' forward and backward, and the ops' forward and backward (dispatch, combine, their
 transposes).
+
+On jax_ep's own stream (`--comm-streams jax_ep`, `Group(comm_stream="jax_ep")`) the ops overlap
+only where jax_ep's pipeline (jax_ep/overlap.py) interleaves them with other work, so the
+programs are the layer's (`program: pipeline`): `both` is two micro-batches of T tokens, each
+dispatch -> `expert_mlp` -> combine, as `moe_mlp(..., micro_batches=2)` runs them there; `gemm`
+their experts alone on the rows their dispatches received; `comm` their dispatches and combines
+alone (the identity between).
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 import reports  # noqa: E402
 import timers  # noqa: E402
 import jax_ep  # noqa: E402
+from jax_ep import overlap  # noqa: E402
+from jax_ep.backends.options import OWN_STREAM  # noqa: E402
 
 
 def is_comm(kernel: str) -> bool:
@@ -66,8 +75,10 @@ def main():
   ap.add_argument("--topk", type=int, default=8)
   ap.add_argument("--passes", nargs="+", choices=["forward", "forward_backward"],
                   default=["forward", "forward_backward"])
-  ap.add_argument("--comm-streams", type=int, nargs="+", default=[1],
-                  help="the additional streams to time beside the compute stream")
+  ap.add_argument("--comm-streams", type=lambda v: v if v == OWN_STREAM else int(v), nargs="+",
+                  default=[1, OWN_STREAM],
+                  help=f"the additional streams to time beside the compute stream (an int N "
+                       f"for XLA's stream N, {OWN_STREAM!r} for jax_ep's own and its pipeline)")
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--out", default="overlap.jsonl")
   a = ap.parse_args()
@@ -77,7 +88,7 @@ def main():
   mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
   dtype = jnp.bfloat16
   # Drawn on the device: the experts' weights alone are ~1.4 G values.
-  keys = iter(jax.random.split(jax.random.key(0), 5))
+  keys = iter(jax.random.split(jax.random.key(0), 6))
   normal = lambda shape, scale=1.0: (jax.random.normal(next(keys), shape, jnp.float32)  # noqa: E731
                                      * scale).astype(dtype)
   x = normal((t, h))
@@ -103,9 +114,48 @@ def main():
       gemm_fn, comm_fn = experts, comm
     shard = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(),
                                              check_vma=False))
-    return {"gemm": shard(lambda x, w, rows, p: gemm_fn(rows, p)),
-            "comm": shard(lambda x, w, rows, p: comm_fn(x, w)),
-            "both": shard(lambda x, w, rows, p: (comm_fn(x, w), gemm_fn(rows, p)))}
+    if group.options.comm_stream == OWN_STREAM:
+      return pipeline_programs(group, backward)
+    progs = {"gemm": shard(lambda x, w, rows, p: gemm_fn(rows, p)),
+             "comm": shard(lambda x, w, rows, p: comm_fn(x, w)),
+             "both": shard(lambda x, w, rows, p: (comm_fn(x, w), gemm_fn(rows, p)))}
+    return {name: (lambda fn=fn: fn(x, w, rows, params)) for name, fn in progs.items()}
+
+  # The pipeline's second micro-batch.
+  x2 = normal((t, h))
+  idx2 = jnp.asarray(reports.uniform_topk(rng, t, e, k))
+  w2 = jnp.asarray(rng.random((t, k)), jnp.float32)
+
+  def pipeline_programs(group, backward):
+    def one(p, part, idx):
+      x, w = part
+      recv, handle = jax_ep.dispatch(group, x, idx, w)
+      y = jax_ep.expert_mlp(recv.x, *p, recv.group_sizes, group_offsets=recv.group_offsets)
+      return jax_ep.combine(group, y, handle), ()
+
+    def layer(x, x2, w, w2, p, received):
+      return overlap.pipeline(one, p, [(x, w), (x2, w2)], [idx, idx2])[0]
+
+    def comm(x, x2, w, w2, p, received):
+      def one_comm(x, idx, w):
+        recv, handle = jax_ep.dispatch(group, x, idx, w)
+        return jax_ep.combine(group, recv.x, handle)
+      return [one_comm(x, idx, w), one_comm(x2, idx2, w2)]
+
+    def gemm(x, x2, w, w2, p, received):
+      return [jax_ep.expert_mlp(r.x, *p, r.group_sizes, group_offsets=r.group_offsets)
+              for r in received]
+    if backward:
+      sq = lambda fn: lambda *args: sum(jnp.sum(o.astype(jnp.float32) ** 2) for o in fn(*args))
+      layer, comm, gemm = (jax.grad(sq(fn), (0, 1, 2, 3, 4)) for fn in (layer, comm, gemm))
+    shard = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(), out_specs=P(),
+                                             check_vma=False))
+    received = [jax.jit(jax.shard_map(lambda x, i, w: jax_ep.dispatch(group, x, i, w)[0],
+                                      mesh=mesh, in_specs=P(), out_specs=P(),
+                                      check_vma=False))(*a) for a in ((x, idx, w), (x2, idx2, w2))]
+    args = (x, x2, w, w2, params, received)
+    return {name: (lambda fn=shard(fn): fn(*args))
+            for name, fn in (("gemm", gemm), ("comm", comm), ("both", layer))}
 
   records = reports.Records(a.out)
   for stream in [None, *a.comm_streams]:
@@ -114,7 +164,7 @@ def main():
     for pass_ in a.passes:
       times, streams = {}, {}
       for name, prog in programs(group, pass_ == "forward_backward").items():
-        run = lambda _, prog=prog: prog(x, w, rows, params)
+        run = lambda _, prog=prog: prog()
         jax.block_until_ready(run(0))
         if on_gpu:
           spans, ours, others, streams[name] = kernel_times(run, a.repeats)
@@ -133,7 +183,8 @@ def main():
           op="overlap", mode="high_throughput", backend=group.backend_name, ranks=1,
           tokens_per_rank=t, hidden=h, ffn=f, topk=k, experts=e, dtype="bfloat16",
           timing="device_trace" if on_gpu else "host_clock", comm_stream=stream,
-          micro_batches=2, **{"pass": pass_},
+          micro_batches=2, program="pipeline" if stream == OWN_STREAM else "halves",
+          **{"pass": pass_},
           t_gemm_us=round(tg * 1e6, 1), t_comm_us=round(tc * 1e6, 1),
           t_both_us=round(tb * 1e6, 1), hidden_fraction=round((tg + tc - tb) / tc, 3),
           gemm_slowdown=slowdown, median_us=round(tb * 1e6, 1),

@@ -50,7 +50,7 @@
 #   bash scripts/gpu_round.sh fp8       # the experts in FP8: bench_fp8_gemm.py, the layer's
 #                                     # precisions (bench_layer.py), the example with --fp8
 #                                     # emulated, T=4096, H=7168, top-8 of 256 (FP8_BENCH_ARGS)
-#   bash scripts/gpu_round.sh overlap   # the ops beside the experts (comm_stream=1): the hidden
+#   bash scripts/gpu_round.sh overlap   # the ops beside the experts (comm_stream=1, jax_ep): hidden
 #                                     # fraction at one rank (bench_overlap.py), the SwiGLU chain
 #                                     # with 1 and 2 micro-batches at 1 and 8 ranks
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
@@ -351,10 +351,10 @@ if has fp8; then
   done
 fi
 
-# Communication beside the experts (Group(comm_stream=1)): at one rank, the hidden fraction of
-# one micro-batch's dispatch + combine behind the other's expert MLP (bench_overlap.py); then
-# the SwiGLU layer chain, forward + backward, with 1 and 2 micro-batches, on the compute stream
-# and on stream 1, at one rank (T=4096) and 8 ranks emulated (T=512: eight processes' SwiGLU
+# Communication beside the experts (Group(comm_stream=1), and jax_ep's own stream with its
+# pipeline, comm_stream="jax_ep"): at one rank, the hidden fraction of the ops behind the expert
+# MLP (bench_overlap.py); then the SwiGLU layer chain, forward + backward, with 1 and 2
+# micro-batches, on the compute stream, on stream 1 and on jax_ep's own, at one rank (T=4096) and 8 ranks emulated (T=512: eight processes' SwiGLU
 # layers with the default capacity keep ~5 GB each per layer for the backward at T=2048, more
 # than the GPU holds) (OVERLAP_ARGS passed to bench_layers.py).
 if has overlap; then
@@ -365,13 +365,13 @@ if has overlap; then
   counts bench_overlap.py "$OUT/bench_overlap.log"
   cp benchmarks/results/gpu_round_overlap.jsonl "$OUT/" 2>/dev/null
   overlap_args="--backends cuda --expert swiglu --passes forward_backward --micro-batches 1 2"
-  overlap_args="$overlap_args --comm-streams 1 --layers 2 --out gpu_round_layers.jsonl"
-  step "SwiGLU layer chain, 1 and 2 micro-batches, compute stream and comm_stream=1, one rank"
+  overlap_args="$overlap_args --comm-streams 1 jax_ep --layers 2 --out gpu_round_layers.jsonl"
+  step "SwiGLU layer chain, 1 and 2 micro-batches, compute, XLA's and jax_ep's streams, one rank"
   t=$(bench_time 300) && XLA_PYTHON_CLIENT_MEM_FRACTION=.9 timeout $t python3 \
     benchmarks/bench_layers.py $overlap_args ${OVERLAP_ARGS:-} 2>&1 \
     | tee "$OUT/bench_overlap_layers_1.log" | tail -12
   counts "bench_layers.py --comm-streams (one rank)" "$OUT/bench_overlap_layers_1.log"
-  step "SwiGLU layer chain, 1 and 2 micro-batches, compute stream and comm_stream=1, 8 ranks emulated"
+  step "SwiGLU layer chain, 1 and 2 micro-batches, compute, XLA's and jax_ep's streams, 8 ranks"
   t=$(bench_time 420) && timeout $t python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 \
     --timeout $((t - 20)) -- \
     python3 benchmarks/bench_layers.py $overlap_args --tokens 512 ${OVERLAP_ARGS:-} 2>&1 \

@@ -421,3 +421,20 @@ def test_overlap_benchmark_tells_the_ops_kernels_from_the_experts():
            "loop_convert_fusion", "nvjet_hsh_128x256_64x4_2x1_v_bz_coopA_NNN"]
   assert all(bench_overlap.is_comm(name) for name in comm)
   assert not any(bench_overlap.is_comm(name) for name in other)
+
+
+def test_overlap_benchmark_runs_each_stream(tmp_path):
+  """Tiny sizes on the CPU: one record per stream and pass, the own stream's of the layer's
+  pipeline (`program: pipeline`), the others' of the two halves."""
+  out = tmp_path / "overlap.jsonl"
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_overlap.py"), "--tokens", "32",
+       "--experts", "4", "--hidden", "64", "--ffn", "64", "--topk", "2", "--repeats", "1",
+       "--out", str(out)], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
+      text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert {(r["comm_stream"], r["pass"], r["program"]) for r in records} == {
+      (s, p, "pipeline" if s == "jax_ep" else "halves") for s in (None, 1, "jax_ep")
+      for p in ("forward", "forward_backward")}
+  assert all(r["op"] == "overlap" and r["t_both_us"] > 0 for r in records)
