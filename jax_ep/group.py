@@ -130,14 +130,15 @@ class Group:
       rank, over the peer transport and across hosts (docs/api.md, "FP8 dispatch").
     comm_stream: the GPU stream of the cuda backend's high-throughput ops (dispatch, combine,
       their backward ops; the rail exchange across hosts): None (default) runs them on XLA's
-      compute stream, in line with the other kernels; an int N from 1 to 8 on XLA's additional
-      stream N (each op's custom call annotated for it), beside the compute stream's kernels:
-      XLA starts each op once the work queued before it is done and makes its consumers wait
-      for it, so the GEMMs of another micro-batch (`moe_mlp(..., micro_batches=2)`) can run
-      while its rows travel (docs/api.md, "Communication beside the experts"). Each op leaves
-      the command buffer (CUDA graph) it would sit in. The low-latency pair stays on the
-      compute stream (a decode step lives in command buffers), as do the reference backend's
-      ops (XLA's own).
+      compute stream, in line with the other kernels; `"jax_ep"` on jax_ep's own stream, each
+      op launched there once the work queued before it is done and joined where the layer's
+      pipeline puts the join: `moe_mlp(..., micro_batches=2)` then runs one micro-batch's
+      dispatch and combine beside another's experts, forward and backward; an int N from 1 to
+      8 on XLA's additional stream N (each op's custom call annotated for it), XLA starting
+      each op once the work queued before it is done and making its consumers wait for it
+      (docs/api.md, "Communication beside the experts"). Each op leaves the command buffer
+      (CUDA graph) it would sit in. The low-latency pair stays on the compute stream (a decode
+      step lives in command buffers), as do the reference backend's ops (XLA's own).
     capacity_factor: not taken: a `TypeError` says which of `buffer_factor` (this rank's
       receive buffer, MaxText's `ragged_buffer_factor`) and `jax_ep.limit_expert_capacity`
       (each expert's slots per sequence, MaxText's and GShard's `capacity_factor`) a config
@@ -150,7 +151,7 @@ class Group:
                config_timeout_s: float = 60.0, num_sms: int = 24, timeout_s: float = 60.0,
                raise_on_timeout: bool = False, low_latency: bool = False,
                virtual_hosts: int | None = None, expert_alignment: int = 1,
-               wire_format: RowFormat | str | None = None, comm_stream: int | None = None,
+               wire_format: RowFormat | str | None = None, comm_stream: int | str | None = None,
                capacity_factor: None = None):
     if axis_name not in mesh.axis_names:
       raise ValueError(f"jax_ep.Group: axis_name {axis_name!r} is not an axis of the mesh "
@@ -196,8 +197,8 @@ class Group:
                                 hosts=hosts, virtual_hosts=virtual_hosts)
     self.backend_name, self.backend_reason = selection.name, selection.why
     if options.comm_stream is not None and self.backend_name != "cuda":
-      _logger.info("jax_ep.Group: comm_stream=%r has no effect on the %s backend (its ops are "
-                   "XLA's own, scheduled by XLA)", options.comm_stream, self.backend_name)
+      _logger.info("jax_ep.Group: comm_stream=%r has no effect on the %s backend's ops (XLA's "
+                   "own, scheduled by XLA)", options.comm_stream, self.backend_name)
     self.topology = selection.topology
     fields = dict(self.config.fingerprint(), backend=self.backend_name,
                   low_latency=bool(low_latency), virtual_hosts=virtual_hosts or 1)

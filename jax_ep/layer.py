@@ -479,8 +479,9 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
       own dispatch -> experts -> combine, on the same group. No micro-batch's dispatch depends
       on another's results, so one micro-batch's communication can run beside another's
       experts (in the forward and in the backward) where the group's ops have a stream of
-      their own (`jax_ep.Group(..., comm_stream=1)`, cuda backend); on XLA's compute stream
-      (the default) they wait in line with the GEMMs. Results equal the unsplit layer's
+      their own (cuda backend: `jax_ep.Group(..., comm_stream="jax_ep")`, whose pipeline
+      interleaves the micro-batches, or `comm_stream=1`); on XLA's compute stream (the
+      default) they wait in line with the GEMMs. Results equal the unsplit layer's
       within rounding; `num_dropped` is the sum over the micro-batches. Each micro-batch is
       one call of the group: at most `max_tokens_per_rank` tokens (`N / M / micro_batches`; a
       group sized for a micro-batch serves the whole shard), and the group's whole `capacity`

@@ -269,7 +269,7 @@ def test_the_group_keeps_its_stream(caplog):
     group = jax_ep.Group(rank_mesh(2), "ep", num_experts=8, num_topk=2, hidden=64,
                          max_tokens_per_rank=4, backend="reference", comm_stream=2)
   assert group.options.comm_stream == 2
-  assert "comm_stream=2 has no effect on the reference backend" in caplog.text
+  assert "comm_stream=2 has no effect on the reference backend's ops" in caplog.text
 
 
 # ----------------------------------------------------------------------------- on the GPU
