@@ -6,13 +6,14 @@ XLA queued before it is done, and its join, after which XLA's stream may read th
 XLA schedules both as ordinary ops, in an order of its choosing; `pipeline` decides it. It
 traces each micro-batch to a program of its own (its ops keyed apart, so that joining one
 micro-batch's op leaves another's running), then interleaves their equations: a program runs
-until it needs the result of a join not yet run, and the next one takes over. A join runs when
-its program resumes, tied (optimization barriers) after the op the other program launched last;
-so, with two micro-batches, the second's dispatch runs beside the first's experts and the
-first's combine beside the second's, forward and backward:
+until it needs the result of a join not yet run (its equations that do not need one run first),
+and the next one takes over; the join runs when its program resumes. Optimization barriers keep
+the ops and joins ("anchors") in the order they ran in here, each after all that was computed
+since the one before. With two micro-batches the second's dispatch runs beside the first's
+experts and the first's combine beside the second's, forward and backward:
 
-  compute stream:  layout0 glue0 | layout1 glue1 | experts0 | experts1 | ...
-  jax_ep's stream:     dispatch0 ...... dispatch1 ... combine0 ........ combine1
+  compute stream:  dispatch0's glue | dispatch1's glue | experts0 | experts1 | ...
+  jax_ep's stream:        dispatch0 .......... dispatch1 ... combine0 ........ combine1
 
 Where nothing needs a join (the reference backend; an op whose results nothing reads), the
 programs run one after another, as the unsplit micro-batches would.
@@ -61,28 +62,37 @@ def _is_join(eqn) -> bool:
   return eqn.primitive.name == "ffi_call" and eqn.params["target_name"] == own_stream.JOIN
 
 
-def _keyed(eqn, key: int):
-  """`eqn` with every op on jax_ep's own stream and every join in it given `key`.
+def _owns(eqn, memo: dict) -> bool:
+  """Whether `eqn` is, or holds, an op on jax_ep's own stream or a join."""
+  return any(t.endswith(own_stream.SUFFIX) or t == own_stream.JOIN
+             for t in _eqn_targets(eqn, memo))
+
+
+def _keyed(eqn, key: int, memo: dict):
+  """`eqn` with every op on jax_ep's own stream and every join in it given `key` (the rest of
+  it as it was).
 
   NOTES: the key is set here rather than when the ops are traced: JAX reuses the traced body
   of a function it has seen (a custom_vjp's, a jitted helper's) across the micro-batches, so a
   key read at trace time would be the first micro-batch's in all of them. A batching rule's
   ops keep theirs: under vmap each op joins in its rule, whatever the key."""
+  if not _owns(eqn, memo):
+    return eqn
   params = {}
   for name, value in eqn.params.items():
     if eqn.primitive.name == "ffi_call" and name == "attributes":
       value = tuple((a, np.int64(key) if a == "own_stream_key" else v) for a, v in value)
     elif isinstance(value, tuple):
-      value = tuple(_keyed_body(v, key) for v in value)
+      value = tuple(_keyed_body(v, key, memo) for v in value)
     else:
-      value = _keyed_body(value, key)
+      value = _keyed_body(value, key, memo)
     params[name] = value
   return eqn.replace(params=params)
 
 
-def _keyed_body(value, key: int):
+def _keyed_body(value, key: int, memo: dict):
   if isinstance(value, core.Jaxpr):
-    return value.replace(eqns=[_keyed(e, key) for e in value.eqns])
+    return value.replace(eqns=[_keyed(e, key, memo) for e in value.eqns])
   return value
 
 
@@ -109,25 +119,34 @@ class _Late:
     self.join, self.index = join, index
 
 
+def _tieable(value) -> bool:
+  """An array an optimization barrier takes (not a token, a key or a float0 cotangent)."""
+  aval = jax.typeof(value)
+  return (isinstance(aval, core.ShapedArray) and aval.dtype != jax.dtypes.float0
+          and not jax.dtypes.issubdtype(aval.dtype, jax.dtypes.extended))
+
+
 class _Order:
   """The order of the interleaved programs' anchors (their ops on jax_ep's stream and their
   joins), whatever program runs them: each anchor's operands are tied after the values made
   since the anchor before it that nothing has read since (so after everything made since)."""
 
-  def __init__(self):
+  def __init__(self, memo: dict):
     self.sinks: dict = {}
+    self.memo = memo
 
   def made(self, invals, outs):
     for v in invals:
       self.sinks.pop(id(v), None)
     for v in outs:
-      self.sinks[id(v)] = v
+      if _tieable(v):
+        self.sinks[id(v)] = v
 
   def anchor(self, eqn, invals, key: int):
     if self.sinks:
       invals = jax.lax.optimization_barrier((invals, list(self.sinks.values())))[0]
-    outs = _bind(_keyed(eqn, key), invals)
-    self.sinks = {id(v): v for v in outs}
+    outs = _bind(_keyed(eqn, key, self.memo), invals)
+    self.sinks = {id(v): v for v in outs if _tieable(v)}
     return outs
 
 
@@ -138,8 +157,7 @@ class _Program:
   def __init__(self, fn: Callable, args, key: int, order: _Order):
     closed, self.out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     self.jaxpr, self.args = closed, jax.tree.leaves(args)
-    self.key, self.order = key, order
-    self.memo: dict = {}
+    self.key, self.order, self.memo = key, order, order.memo
 
   def run(self):
     outs = yield from self._eval(self.jaxpr, self.jaxpr.consts, self.args)
@@ -197,7 +215,7 @@ class _Program:
       return (yield from self._eval(body, body.consts, invals))
     if launches:
       return self.order.anchor(eqn, invals, self.key)
-    outs = _bind(_keyed(eqn, self.key) if targets else eqn, invals)
+    outs = _bind(_keyed(eqn, self.key, self.memo), invals)
     self.order.made(invals, outs)
     return outs
 
@@ -207,7 +225,7 @@ def interleave(programs: Sequence[tuple[Callable, Any]]) -> list:
   each program's ops on jax_ep's own stream and their joins take the key of its position (from
   1); a program that needs a join not yet run yields to the next, round the programs, and the
   anchors (ops and joins) keep the order they run in here."""
-  order = _Order()
+  order = _Order(memo={})
   runs = [_Program(fn, args, i + 1, order).run() for i, (fn, args) in enumerate(programs)]
   results: list = [None] * len(runs)
   queue = collections.deque(range(len(runs)))
