@@ -8,6 +8,7 @@ import re
 import pytest
 
 import jax_ep
+from jax_ep._native import own_stream
 from jax_ep.backends import base, cuda, cuda_ops, hierarchical, primitives, reference, transport
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -88,10 +89,17 @@ def test_every_name_exists(row):
 
 
 def test_every_target_is_in_the_table_and_has_its_wrapper():
+  """The own stream's twins (`<target>_own_stream`) and `jax_ep_join` are named in the text
+  under the table; the twins' targets are in it."""
   listed = {t for row in ROWS for t in _names(row[4])}
   registered = _registered_targets()
-  assert registered == listed
-  for target in registered:
+  twins = {t for t in registered if t.endswith(own_stream.SUFFIX)}
+  assert registered - twins - {own_stream.JOIN} == listed
+  assert {t.removesuffix(own_stream.SUFFIX) for t in twins} == listed - {
+      t for t in listed if t.startswith("jax_ep_low_latency")}
+  text = (ROOT / "docs" / "DESIGN.md").read_text()
+  assert f"`<target>{own_stream.SUFFIX}`" in text and f"`{own_stream.JOIN}`" in text
+  for target in registered - twins - {own_stream.JOIN}:
     assert callable(getattr(cuda_ops, target.removeprefix("jax_ep_"))), target
 
 
