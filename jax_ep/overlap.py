@@ -27,7 +27,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import core, source_info_util
+from jax._src import core, effects, source_info_util
 
 from jax_ep._native import own_stream
 
@@ -56,6 +56,11 @@ def _eqn_targets(eqn, memo: dict) -> frozenset:
       if isinstance(v, core.Jaxpr):
         names |= _targets(v, memo)
   return frozenset(names)
+
+
+def _ordered(effs) -> bool:
+  """Whether `effs` hold an ordered effect (e.g. `jax.debug.print(..., ordered=True)`)."""
+  return any(effects.ordered_effects.contains(e) for e in effs)
 
 
 def _is_join(eqn) -> bool:
@@ -146,6 +151,8 @@ class _Order:
     if self.sinks:
       invals = jax.lax.optimization_barrier((invals, list(self.sinks.values())))[0]
     outs = _bind(_keyed(eqn, key, self.memo), invals)
+    if _is_join(eqn):  # as cuda_ops' join: no fusion may write its results elsewhere
+      outs = jax.lax.optimization_barrier(outs)
     self.sinks = {id(v): v for v in outs if _tieable(v)}
     return outs
 
@@ -158,9 +165,13 @@ class _Program:
     closed, self.out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     self.jaxpr, self.args = closed, jax.tree.leaves(args)
     self.key, self.order, self.memo = key, order, order.memo
+    self.joins: list[_Join] = []
 
   def run(self):
     outs = yield from self._eval(self.jaxpr, self.jaxpr.consts, self.args)
+    # Every join runs, also one whose results nothing reads: its op (a peer op runs for its
+    # effects) may still be running, and the join keeps its buffers until it ends.
+    yield from self._resolve([_Late(join, 0) for join in self.joins])
     outs = yield from self._resolve(outs)
     return jax.tree.unflatten(jax.tree.structure(self.out_shape), outs)
 
@@ -189,7 +200,12 @@ class _Program:
         if all(map(known, eqn.invars)) and (
             _is_join(eqn) or not any(late(read(v)) for v in eqn.invars)):
           break
+        if _ordered(eqn.effects):  # an ordered effect is neither overtaken nor overtakes
+          n = None
+          break
       else:
+        n = None
+      if n is None:
         first = next(e for e in waiting if all(map(known, e.invars)))
         yield from self._resolve([read(v) for v in first.invars])
         continue
@@ -205,6 +221,7 @@ class _Program:
     invals = [v.join.outs[v.index] if isinstance(v, _Late) else v for v in invals]
     if _is_join(eqn):
       join = _Join(eqn, invals)
+      self.joins.append(join)
       return [_Late(join, i) for i in range(len(eqn.outvars))]
     if eqn.primitive.name in _INLINED and (launches or own_stream.JOIN in targets):
       body = eqn.params[_INLINED[eqn.primitive.name]]
@@ -224,9 +241,13 @@ def interleave(programs: Sequence[tuple[Callable, Any]]) -> list:
   """`[fn(*args) for fn, args in programs]`, their equations interleaved (the module's NOTES):
   each program's ops on jax_ep's own stream and their joins take the key of its position (from
   1); a program that needs a join not yet run yields to the next, round the programs, and the
-  anchors (ops and joins) keep the order they run in here."""
+  anchors (ops and joins) keep the order they run in here. Programs with ordered effects run
+  one after another (their joins still deferred within each)."""
   order = _Order(memo={})
-  runs = [_Program(fn, args, i + 1, order).run() for i, (fn, args) in enumerate(programs)]
+  states = [_Program(fn, args, i + 1, order) for i, (fn, args) in enumerate(programs)]
+  # Ordered effects keep the programs' order: each runs to its end before the next starts.
+  in_turn = any(_ordered(state.jaxpr.effects) for state in states)
+  runs = [state.run() for state in states]
   results: list = [None] * len(runs)
   queue = collections.deque(range(len(runs)))
   while queue:
@@ -236,7 +257,10 @@ def interleave(programs: Sequence[tuple[Callable, Any]]) -> list:
     except StopIteration as done:
       results[i] = done.value
       continue
-    queue.append(i)
+    if in_turn:
+      queue.appendleft(i)
+    else:
+      queue.append(i)
   return results
 
 
@@ -276,7 +300,9 @@ def pipeline(fn: Callable, shared, parts: Sequence, fixed: Sequence):
     d_outs, _ = cotangents
     grads = interleave([(lambda pullback, d: pullback(d), (pullback, d))
                         for pullback, d in zip(pullbacks, d_outs)])
-    d_shared = jax.tree.map(lambda *g: sum(g[1:], g[0]), *[g[0] for g in grads])
+    d_shared = jax.tree.map(
+        lambda *g: g[0] if g[0].dtype == jax.dtypes.float0 else sum(g[1:], g[0]),
+        *[g[0] for g in grads])
     return d_shared, [g[1] for g in grads], None
 
   run.defvjp(forward, backward)

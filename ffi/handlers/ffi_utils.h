@@ -336,11 +336,10 @@ struct OnOwnStream<ffi::Error(cudaStream_t, A...), kImpl> {
     // Marked even when the op failed, so that its join waits for no more
     // than what was launched.
     err = runtime::FinishOnOwnStream(own, key);
+    if (result.success() && err == cudaSuccess) return result;
+    runtime::JoinAllOwnStream(xla_stream);  // side_stream.h: on an error
     if (result.failure()) return result;
-    if (err != cudaSuccess) {
-      return CudaError("jax_ep own stream", "FinishOnOwnStream", err);
-    }
-    return ffi::Error::Success();
+    return CudaError("jax_ep own stream", "FinishOnOwnStream", err);
   }
 };
 

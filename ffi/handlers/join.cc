@@ -8,7 +8,8 @@
 //             results only after this call, and keeps every operand it was
 //             given (the op's inputs too) alive until then
 //   attrs     own_stream_key: int64, the op's
-//   results   the op's results, unchanged (the same buffers)
+//   results   the op's results, unchanged (the same buffers; copied after the
+//             wait where XLA gave a result a buffer of its own)
 
 #include <cuda_runtime.h>
 
@@ -24,14 +25,47 @@ namespace {
 
 namespace ffi = ::xla::ffi;
 
+ffi::Error Fail(cudaStream_t stream, ffi::Error error) {
+  runtime::JoinAllOwnStream(stream);  // runtime/side_stream.h: on an error
+  return error;
+}
+
 ffi::Error JoinImpl(cudaStream_t stream, ffi::RemainingArgs args,
                     ffi::RemainingRets rets, int64_t key) {
   if (rets.size() > args.size()) {
-    return ffi_utils::InvalidArgument(
-        "jax_ep_join", "takes the op's results (aliased to its own) first");
+    return Fail(stream, ffi_utils::InvalidArgument(
+                            "jax_ep_join",
+                            "takes the op's results (aliased to its own) "
+                            "first"));
   }
-  JAX_EP_FFI_RETURN_IF_CUDA_ERROR("jax_ep_join",
-                                  runtime::JoinOwnStream(stream, key));
+  const cudaError_t err = runtime::JoinOwnStream(stream, key);
+  if (err != cudaSuccess) {
+    return Fail(stream, ffi_utils::CudaError("jax_ep_join", "JoinOwnStream",
+                                             err));
+  }
+  // XLA gives each result its operand's buffer (the alias). Where it does not
+  // (a fusion that writes the result elsewhere), the result is copied, after
+  // the wait.
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto in = args.get<ffi::AnyBuffer>(i);
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    if (!in.has_value() || !out.has_value()) {
+      return Fail(stream, ffi_utils::InvalidArgument(
+                              "jax_ep_join", "operands and results must be "
+                                             "arrays"));
+    }
+    void* dst = (*out)->untyped_data();
+    const void* src = in->untyped_data();
+    const size_t bytes = in->size_bytes();
+    if (dst != src && bytes > 0) {
+      const cudaError_t copy_err = cudaMemcpyAsync(
+          dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+      if (copy_err != cudaSuccess) {
+        return Fail(stream, ffi_utils::CudaError("jax_ep_join",
+                                                 "cudaMemcpyAsync", copy_err));
+      }
+    }
+  }
   return ffi::Error::Success();
 }
 

@@ -14,6 +14,7 @@ namespace jax_ep::runtime {
 namespace {
 
 struct OwnStream {
+  int device = 0;
   cudaStream_t stream = nullptr;
   cudaEvent_t fork = nullptr;  // recorded on XLA's stream, waited by ours
   // Per key, recorded on ours after each op of that key.
@@ -31,27 +32,38 @@ std::unordered_map<int, OwnStream>& Streams() {
   return *streams;
 }
 
-cudaError_t Create(int device, OwnStream* s) {
+// Runs `fn` with `device` current, then restores the caller's device.
+template <typename Fn>
+cudaError_t OnDevice(int device, Fn fn) {
   int prev = 0;
   cudaError_t err = cudaGetDevice(&prev);
   if (err != cudaSuccess) return err;
   if (prev != device && (err = cudaSetDevice(device)) != cudaSuccess) {
     return err;
   }
-  int least = 0, greatest = 0;
-  err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
-  if (err == cudaSuccess) {
-    err = cudaStreamCreateWithPriority(&s->stream, cudaStreamNonBlocking,
-                                       greatest);
-  }
-  if (err == cudaSuccess) {
-    err = cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming);
-  }
+  err = fn();
   if (prev != device) {
     const cudaError_t restore = cudaSetDevice(prev);
     if (err == cudaSuccess) err = restore;
   }
   return err;
+}
+
+cudaError_t Create(int device, OwnStream* s) {
+  return OnDevice(device, [s] {
+    int least = 0, greatest = 0;
+    cudaError_t err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    if (err != cudaSuccess) return err;
+    err = cudaStreamCreateWithPriority(&s->stream, cudaStreamNonBlocking,
+                                       greatest);
+    if (err != cudaSuccess) return err;
+    err = cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming);
+    if (err != cudaSuccess) {
+      cudaStreamDestroy(s->stream);
+      s->stream = nullptr;
+    }
+    return err;
+  });
 }
 
 // The own stream of `xla_stream`'s device, created on first use. Called with
@@ -64,6 +76,7 @@ cudaError_t Get(cudaStream_t xla_stream, OwnStream** out) {
   auto it = streams.find(device);
   if (it == streams.end()) {
     OwnStream s;
+    s.device = device;
     if ((err = Create(device, &s)) != cudaSuccess) return err;
     it = streams.emplace(device, s).first;
   }
@@ -95,8 +108,9 @@ cudaError_t FinishOnOwnStream(cudaStream_t own, int64_t key) {
     auto it = s.finished.find(key);
     if (it == s.finished.end()) {
       cudaEvent_t event = nullptr;
-      const cudaError_t err =
-          cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+      const cudaError_t err = OnDevice(s.device, [&event] {
+        return cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
+      });
       if (err != cudaSuccess) return err;
       it = s.finished.emplace(key, event).first;
     }
@@ -115,6 +129,19 @@ cudaError_t JoinOwnStream(cudaStream_t xla_stream, int64_t key) {
   // No op of this key ever finished on this device: nothing to wait for.
   if (it == s->finished.end()) return cudaSuccess;
   return cudaStreamWaitEvent(xla_stream, it->second, 0);
+}
+
+cudaError_t JoinAllOwnStream(cudaStream_t xla_stream) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  OwnStream* s = nullptr;
+  cudaError_t err = Get(xla_stream, &s);
+  if (err != cudaSuccess) return err;
+  for (const auto& [key, event] : s->finished) {
+    if ((err = cudaStreamWaitEvent(xla_stream, event, 0)) != cudaSuccess) {
+      return err;
+    }
+  }
+  return cudaSuccess;
 }
 
 }  // namespace jax_ep::runtime

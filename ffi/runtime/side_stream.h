@@ -49,6 +49,13 @@ cudaError_t FinishOnOwnStream(cudaStream_t own, int64_t key);
 // own stream (and so for every op launched before it there).
 cudaError_t JoinOwnStream(cudaStream_t xla_stream, int64_t key);
 
+// Makes `xla_stream` wait for every op launched on its device's own stream:
+// what a handler does before it returns an error, so that XLA, which gives an
+// execution's buffers back once its stream is done, never does so while an
+// op of this execution still runs there (an error in a step of XLA's own
+// skips the joins after it, and nothing here can cover that).
+cudaError_t JoinAllOwnStream(cudaStream_t xla_stream);
+
 }  // namespace jax_ep::runtime
 
 #endif  // JAX_EP_FFI_RUNTIME_SIDE_STREAM_H_

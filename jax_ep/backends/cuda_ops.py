@@ -133,7 +133,10 @@ def _on_own_stream(target, result_shapes, vmap_method, has_side_effect, attrs) -
         own_stream.JOIN, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs],
         vmap_method="broadcast_all", has_side_effect=has_side_effect,
         input_output_aliases={i: i for i in range(len(outs))})
-    return list(call(*outs, *args, own_stream_key=key))
+    # The barrier keeps XLA from folding the join into a dynamic-slice fusion that writes its
+    # results into a slice of another array (a scan's outputs): a join copies nothing where
+    # its results keep their operands' buffers (ffi/handlers/join.cc copies where they don't).
+    return jax.lax.optimization_barrier(list(call(*outs, *args, own_stream_key=key)))
 
   def launched(launch):
     unit = jax.custom_batching.custom_vmap(launch)
