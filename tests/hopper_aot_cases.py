@@ -195,8 +195,8 @@ def schedule(arg=None) -> dict:
   two micro-batches, forward (`arg` has "forward") or forward and backward, with `comm_stream=1`
   or (`arg` has "own") jax_ep's own stream: XLA's order of the ops' starts and dones (on the
   own stream: the ops and their joins) and of the GEMMs (`order`), what it hides on `overlap`'s
-  model with a dispatch or combine at a quarter and at a whole expert kernel, and the joins
-  that read a copy (`copied_into_joins`).
+  model with a dispatch or combine at a quarter and at a whole expert kernel, and the ops and
+  joins on the own stream that read a copy (`copied_into_joins`).
   `JAX_EP_AOT_COMPILER_OPTIONS` (a JSON object) passes XLA options to the compile."""
   tokens, experts, topk, hidden, ffn = 4096, 32, 8, 7168, 2048
   device = aot.hopper_device()
@@ -223,16 +223,29 @@ def schedule(arg=None) -> dict:
 
 
 def _copied_into_joins(hlo: str) -> list[str]:
-  """The joins (jax_ep_join) that read a copy: XLA copies an operand it cannot alias, and a
-  copy of an op's result made before the join would read it while the op still writes it."""
-  copies = set(re.findall(r"%([\w.\-]+) = \S+ copy\(", hlo))
-  made_by = dict(re.findall(r"%([\w.\-]+) = .*?get-tuple-element\(%([\w.\-]+)\)", hlo))
+  """The ops on jax_ep's stream and joins that read a copy (through tuples, barriers and
+  bitcasts): XLA copies a buffer it cannot alias, and a copy of an op's result made before its
+  join would read it while the op still writes it; an op reading a copy of its operand would
+  read a buffer its join does not keep."""
+  made = {}  # instruction -> (opcode, operands)
+  for line in hlo.splitlines():
+    op = re.match(r"\s+(?:ROOT )?%([\w.\-]+) = .*? ([\w\-]+)\((.*)", line)
+    if op:
+      made[op.group(1)] = (op.group(2), re.findall(r"%([\w.\-]+)", op.group(3).split("),")[0]))
+  passthrough = {"get-tuple-element", "tuple", "opt-barrier", "bitcast"}
+
+  def copied(name, seen):
+    if name in seen or name not in made:
+      return False
+    seen.add(name)
+    kind, operands = made[name]
+    return kind == "copy" or (kind in passthrough and any(copied(o, seen) for o in operands))
   found = []
   for line in hlo.splitlines():
-    if 'custom_call_target="jax_ep_join"' in line:
-      operands = re.findall(r"%([\w.\-]+)", line.split("custom-call(", 1)[1].split(")")[0])
-      if any(op in copies or made_by.get(op) in copies for op in operands):
-        found.append(line.split("=", 1)[0].strip())
+    if re.search(r'custom_call_target="(jax_ep_\w+_own_stream|jax_ep_join)"', line):
+      name = re.match(r"\s+(?:ROOT )?%([\w.\-]+)", line).group(1)
+      if any(copied(o, set()) for o in made[name][1]):
+        found.append(name)
   return found
 
 

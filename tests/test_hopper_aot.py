@@ -163,7 +163,7 @@ def test_own_stream_pipeline_hides_half_the_communication(passes):
   stream's earlier work, a join for the latest op of its key) the second micro-batch's dispatch
   runs beside the first's experts and the first's combine beside the second's, in the forward
   and in the backward: half the communication, all a two-stage pipeline can hide. No join
-  reads a copy of an op's result."""
+  reads a copy of an op's result, and no op a copy of its operand."""
   result, _ = _run("schedule", "forward,own" if passes == "forward" else "own")
   kinds = [kind for kind, _, _ in result["order"]]
   assert kinds.count("kernel") >= 4 and kinds.count("start") >= 6, result["order"]
