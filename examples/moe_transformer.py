@@ -26,6 +26,9 @@ built)::
   python examples/moe_transformer.py --config small    # the configuration CI runs
   python examples/moe_transformer.py --compilation-cache /tmp/jax_cache   # compile once
   python examples/moe_transformer.py --fp8             # the experts in FP8
+  python examples/moe_transformer.py --micro-batches 2 --comm-stream jax_ep
+      # each layer's tokens in two micro-batches, one's dispatch and combine beside the
+      # other's experts on jax_ep's own stream (cuda backend)
 
 The first step's time is printed apart from the others: it is mostly compilation, which JAX's
 persistent compilation cache saves from the second run on (`--compilation-cache DIR`, or the
@@ -122,6 +125,7 @@ class Config:
   prompt_len: int = 8
   decode_len: int = 24
   fp8: bool = False            # the experts in FP8, DeepSeek-V3's recipe (training calls)
+  micro_batches: int = 1       # the MoE's micro-batches (training calls)
 
 
 CONFIGS = {
@@ -194,7 +198,8 @@ class Block(nnx.Module):
                              rngs=rngs)
     self.attn_norm, self.moe_norm = norm(), norm()
     self.attn = Attention(cfg, rngs)
-    self.moe = MoE(group, ffn=cfg.ffn, rngs=rngs, decode_group=decode_group, fp8=cfg.fp8)
+    self.moe = MoE(group, ffn=cfg.ffn, rngs=rngs, decode_group=decode_group, fp8=cfg.fp8,
+                   micro_batches=cfg.micro_batches)
 
   def __call__(self, x, cache, pos, mode):
     h, cache = self.attn(self.attn_norm(x), cache, pos)
@@ -320,8 +325,15 @@ def main(argv=None) -> int:
   parser.add_argument("--fp8", action="store_true",
                       help="train the experts in FP8 (jax_ep.nnx.MoE(fp8=True); hidden and ffn "
                            "multiples of 128: the default config)")
+  parser.add_argument("--micro-batches", type=int, default=1,
+                      help="split each MoE layer's tokens into this many micro-batches "
+                           "(jax_ep.nnx.MoE(micro_batches=...))")
+  parser.add_argument("--comm-stream", type=lambda v: v if v == "jax_ep" else int(v),
+                      help="the training group's comm_stream: jax_ep (jax_ep's own stream, "
+                           "the micro-batches in its pipeline) or N (XLA's stream N); "
+                           "default: XLA's compute stream")
   args = parser.parse_args(argv)
-  cfg = CONFIGS[args.config]
+  cfg = dataclasses.replace(CONFIGS[args.config], micro_batches=args.micro_batches)
   if args.steps is not None:
     cfg = dataclasses.replace(cfg, steps=args.steps)
   if args.fp8:
@@ -337,7 +349,7 @@ def main(argv=None) -> int:
   if cfg.batch % num_devices:
     raise SystemExit(f"batch={cfg.batch} must split over the {num_devices} devices")
   group = jax_ep.Group(mesh, "expert", num_experts=cfg.experts, num_topk=cfg.topk,
-                       hidden=cfg.hidden, dtype=COMPUTE,
+                       hidden=cfg.hidden, dtype=COMPUTE, comm_stream=args.comm_stream,
                        max_tokens_per_rank=cfg.batch * cfg.seq_len // num_devices)
   # Decode passes one token per sequence: a group sized for that, with the low-latency buffers
   # the cuda kernels need (the reference backend allocates none).

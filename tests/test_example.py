@@ -75,3 +75,14 @@ def test_fp8_experts_train_as_well_as_bf16(tmp_path):
                                              re.M).groups())
     assert final[fp8] < 0.5 * first, proc.stdout
   assert abs(final[True] - final[False]) <= 0.02 * final[False], final
+
+
+@pytest.mark.slow
+def test_micro_batches_on_jax_eps_stream(tmp_path):
+  """`--micro-batches 2 --comm-stream jax_ep`: the MoE layers under Flax's scan over layers run
+  their micro-batches in jax_ep's pipeline, forward and backward, and the loss falls."""
+  proc = _run(tmp_path, "--micro-batches", "2", "--comm-stream", "jax_ep")
+  output = proc.stdout + proc.stderr
+  assert proc.returncode == 0, f"the example exited {proc.returncode}:\n{output}"
+  first, last = map(float, re.search(r"^loss ([\d.]+) -> ([\d.]+)", proc.stdout, re.M).groups())
+  assert last < 0.5 * first, f"the held-out loss fell only from {first} to {last}:\n{output}"
