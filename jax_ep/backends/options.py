@@ -38,7 +38,7 @@ OWN_STREAM = "jax_ep"
 def _comm_stream(value, where: str) -> int | str | None:
   expected = (f"None (XLA's compute stream), {OWN_STREAM!r} (jax_ep's own stream) or an int "
               f"from 1 to {MAX_COMM_STREAM} (an additional XLA stream)")
-  if value is None or value == OWN_STREAM:
+  if value is None or (isinstance(value, str) and value == OWN_STREAM):
     return value
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise TypeError(f"{where}: comm_stream must be {expected}, got {value!r}")
