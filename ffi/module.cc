@@ -25,6 +25,7 @@
 #include "ffi/kernels/low_latency_kernels.h"
 #include "ffi/kernels/peer_kernels.h"
 #include "ffi/runtime/group.h"
+#include "ffi/runtime/side_stream.h"
 #include "nanobind/nanobind.h"
 #include "nanobind/stl/optional.h"
 #include "nanobind/stl/pair.h"
@@ -290,6 +291,19 @@ NB_MODULE(_jax_ep_ffi, m) {
   m.def("preload_kernels", &jax_ep::PreloadKernels, nb::arg("device_ordinal"),
         "Loads every kernel (layout, local, peer transport) on a device; "
         "called when a cuda group is created.");
+  m.def(
+      "prepare_own_stream",
+      [](int device_ordinal) {
+        const cudaError_t err =
+            jax_ep::runtime::PrepareOwnStream(device_ordinal);
+        if (err != cudaSuccess) {
+          throw std::runtime_error(std::string("jax_ep: PrepareOwnStream: ") +
+                                   cudaGetErrorString(err));
+        }
+      },
+      nb::arg("device_ordinal"),
+      "Makes jax_ep's own stream and its events on a device (once); called "
+      "when a cuda group with comm_stream='jax_ep' is created.");
   m.def("cuda_runtime_version", &jax_ep::CudaRuntimeVersion,
         "CUDA runtime version the extension was built with, e.g. 13000.");
 

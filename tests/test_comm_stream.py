@@ -301,10 +301,11 @@ def test_the_group_keeps_its_stream(caplog):
 # ----------------------------------------------------------------------------- on the GPU
 
 def _on_the_gpu():
-  """`require_gpu()`, and the one-rank kernels loaded as a `Group` loads them (these tests build
-  the backends directly): never inside a handler, which XLA may capture in a command buffer."""
+  """`require_gpu()`, and the one-rank kernels loaded and jax_ep's own stream made as a `Group`
+  does (these tests build the backends directly): never inside a handler."""
   require_gpu()
   ffi.extension().preload_kernels(jax.devices()[0].local_hardware_id)
+  ffi.extension().prepare_own_stream(jax.devices()[0].local_hardware_id)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("stream", [1, "jax_ep"])

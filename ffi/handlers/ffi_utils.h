@@ -317,6 +317,17 @@ inline auto BindOp() {
                                 ::jax_ep::ffi_utils::BindOp() binding, \
                                 {::xla::ffi::Traits::kCmdBufferCompatible})
 
+// The error of a failed call `call` of runtime/side_stream.h.
+inline ffi::Error OwnStreamError(std::string_view call, cudaError_t err) {
+  if (err == cudaErrorNotReady) {
+    return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                      "jax_ep's own stream is not prepared on this device: "
+                      "a jax_ep.Group(comm_stream='jax_ep') of the cuda "
+                      "backend prepares it on its devices");
+  }
+  return CudaError("jax_ep own stream", call, err);
+}
+
 // `Impl` (an op's implementation, `ffi::Error(cudaStream_t, A...)`) run on
 // jax_ep's own stream (runtime/side_stream.h) instead of XLA's: the own stream
 // waits for XLA's work so far, runs the op, and marks its end for the
@@ -329,9 +340,7 @@ struct OnOwnStream<ffi::Error(cudaStream_t, A...), kImpl> {
   static ffi::Error Call(cudaStream_t xla_stream, A... args, int64_t key) {
     cudaStream_t own = nullptr;
     cudaError_t err = runtime::ForkOwnStream(xla_stream, &own);
-    if (err != cudaSuccess) {
-      return CudaError("jax_ep own stream", "ForkOwnStream", err);
-    }
+    if (err != cudaSuccess) return OwnStreamError("ForkOwnStream", err);
     ffi::Error result = kImpl(own, args...);
     // Marked even when the op failed, so that its join waits for no more
     // than what was launched.
@@ -339,7 +348,7 @@ struct OnOwnStream<ffi::Error(cudaStream_t, A...), kImpl> {
     if (result.success() && err == cudaSuccess) return result;
     runtime::JoinAllOwnStream(xla_stream);  // side_stream.h: on an error
     if (result.failure()) return result;
-    return CudaError("jax_ep own stream", "FinishOnOwnStream", err);
+    return OwnStreamError("FinishOnOwnStream", err);
   }
 };
 

@@ -40,8 +40,7 @@ ffi::Error JoinImpl(cudaStream_t stream, ffi::RemainingArgs args,
   }
   const cudaError_t err = runtime::JoinOwnStream(stream, key);
   if (err != cudaSuccess) {
-    return Fail(stream, ffi_utils::CudaError("jax_ep_join", "JoinOwnStream",
-                                             err));
+    return Fail(stream, ffi_utils::OwnStreamError("JoinOwnStream", err));
   }
   // XLA gives each result its operand's buffer (the alias). Where it does not
   // (a fusion that writes the result elsewhere), the result is copied, after

@@ -6,6 +6,7 @@
 
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 #include <mutex>
 #include <unordered_map>
@@ -14,11 +15,10 @@ namespace jax_ep::runtime {
 namespace {
 
 struct OwnStream {
-  int device = 0;
   cudaStream_t stream = nullptr;
   cudaEvent_t fork = nullptr;  // recorded on XLA's stream, waited by ours
-  // Per key, recorded on ours after each op of that key.
-  std::unordered_map<int64_t, cudaEvent_t> finished;
+  // Recorded on ours after each op of a key, the key's slot `key % kOwnStreamKeys`.
+  std::array<cudaEvent_t, kOwnStreamKeys> finished{};
 };
 
 std::mutex& Mutex() {
@@ -49,42 +49,54 @@ cudaError_t OnDevice(int device, Fn fn) {
   return err;
 }
 
-cudaError_t Create(int device, OwnStream* s) {
-  return OnDevice(device, [s] {
-    int least = 0, greatest = 0;
-    cudaError_t err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
-    if (err != cudaSuccess) return err;
+cudaError_t Create(OwnStream* s) {
+  int least = 0, greatest = 0;
+  cudaError_t err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
+  if (err == cudaSuccess) {
     err = cudaStreamCreateWithPriority(&s->stream, cudaStreamNonBlocking,
                                        greatest);
-    if (err != cudaSuccess) return err;
+  }
+  if (err == cudaSuccess) {
     err = cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming);
-    if (err != cudaSuccess) {
-      cudaStreamDestroy(s->stream);
-      s->stream = nullptr;
+  }
+  for (cudaEvent_t& event : s->finished) {
+    if (err == cudaSuccess) {
+      err = cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
     }
-    return err;
-  });
+  }
+  if (err != cudaSuccess) {  // give back what was made
+    for (cudaEvent_t event : s->finished) {
+      if (event != nullptr) cudaEventDestroy(event);
+    }
+    if (s->fork != nullptr) cudaEventDestroy(s->fork);
+    if (s->stream != nullptr) cudaStreamDestroy(s->stream);
+    *s = OwnStream{};
+  }
+  return err;
 }
 
-// The own stream of `xla_stream`'s device, created on first use. Called with
-// the mutex held.
+// The own stream of `xla_stream`'s device, prepared before (cudaErrorNotReady
+// where it was not). Called with the mutex held.
 cudaError_t Get(cudaStream_t xla_stream, OwnStream** out) {
   int device = 0;
-  cudaError_t err = cudaStreamGetDevice(xla_stream, &device);
+  const cudaError_t err = cudaStreamGetDevice(xla_stream, &device);
   if (err != cudaSuccess) return err;
-  auto& streams = Streams();
-  auto it = streams.find(device);
-  if (it == streams.end()) {
-    OwnStream s;
-    s.device = device;
-    if ((err = Create(device, &s)) != cudaSuccess) return err;
-    it = streams.emplace(device, s).first;
-  }
+  auto it = Streams().find(device);
+  if (it == Streams().end()) return cudaErrorNotReady;
   *out = &it->second;
   return cudaSuccess;
 }
 
 }  // namespace
+
+cudaError_t PrepareOwnStream(int device) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  if (Streams().count(device) > 0) return cudaSuccess;
+  OwnStream s;
+  const cudaError_t err = OnDevice(device, [&s] { return Create(&s); });
+  if (err == cudaSuccess) Streams().emplace(device, s);
+  return err;
+}
 
 cudaError_t ForkOwnStream(cudaStream_t xla_stream, cudaStream_t* own) {
   std::lock_guard<std::mutex> lock(Mutex());
@@ -105,17 +117,8 @@ cudaError_t FinishOnOwnStream(cudaStream_t own, int64_t key) {
   std::lock_guard<std::mutex> lock(Mutex());
   for (auto& [device, s] : Streams()) {
     if (s.stream != own) continue;
-    auto it = s.finished.find(key);
-    if (it == s.finished.end()) {
-      cudaEvent_t event = nullptr;
-      const cudaError_t err = OnDevice(s.device, [&event] {
-        return cudaEventCreateWithFlags(&event, cudaEventDisableTiming);
-      });
-      if (err != cudaSuccess) return err;
-      it = s.finished.emplace(key, event).first;
-    }
-    // A join waits on the latest record at its call: one event per key.
-    return cudaEventRecord(it->second, own);
+    // A join waits on the latest record at its call: one event per slot.
+    return cudaEventRecord(s.finished[key % kOwnStreamKeys], own);
   }
   return cudaErrorInvalidResourceHandle;
 }
@@ -123,12 +126,10 @@ cudaError_t FinishOnOwnStream(cudaStream_t own, int64_t key) {
 cudaError_t JoinOwnStream(cudaStream_t xla_stream, int64_t key) {
   std::lock_guard<std::mutex> lock(Mutex());
   OwnStream* s = nullptr;
-  cudaError_t err = Get(xla_stream, &s);
+  const cudaError_t err = Get(xla_stream, &s);
   if (err != cudaSuccess) return err;
-  const auto it = s->finished.find(key);
-  // No op of this key ever finished on this device: nothing to wait for.
-  if (it == s->finished.end()) return cudaSuccess;
-  return cudaStreamWaitEvent(xla_stream, it->second, 0);
+  // An event never recorded (no op of the slot yet) is waited for at once.
+  return cudaStreamWaitEvent(xla_stream, s->finished[key % kOwnStreamKeys], 0);
 }
 
 cudaError_t JoinAllOwnStream(cudaStream_t xla_stream) {
@@ -136,7 +137,7 @@ cudaError_t JoinAllOwnStream(cudaStream_t xla_stream) {
   OwnStream* s = nullptr;
   cudaError_t err = Get(xla_stream, &s);
   if (err != cudaSuccess) return err;
-  for (const auto& [key, event] : s->finished) {
+  for (cudaEvent_t event : s->finished) {
     if ((err = cudaStreamWaitEvent(xla_stream, event, 0)) != cudaSuccess) {
       return err;
     }

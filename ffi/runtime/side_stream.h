@@ -28,6 +28,10 @@
 //   SMs delays the micro-batch whose experts wait for it.
 // - One mutex guards all devices' state: the calls are a few per op, host
 //   side only.
+// - The stream and its events are made when a group asks for them
+//   (PrepareOwnStream, from `Group(comm_stream="jax_ep")`), never inside a
+//   handler. Keys share `kOwnStreamKeys` events (key % kOwnStreamKeys): a join
+//   whose slot a later op of another key recorded waits longer, never less.
 
 #ifndef JAX_EP_FFI_RUNTIME_SIDE_STREAM_H_
 #define JAX_EP_FFI_RUNTIME_SIDE_STREAM_H_
@@ -37,6 +41,12 @@
 #include <cstdint>
 
 namespace jax_ep::runtime {
+
+inline constexpr int64_t kOwnStreamKeys = 64;
+
+// Makes device `device`'s own stream and its events (once; later calls do
+// nothing). The handlers fail with cudaErrorNotReady on a device without it.
+cudaError_t PrepareOwnStream(int device);
 
 // Makes the own stream of `xla_stream`'s device wait for the work queued on
 // `xla_stream` so far, and returns it in `*own`.

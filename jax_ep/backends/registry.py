@@ -26,7 +26,7 @@ from jax_ep.backends import topology as topology_lib
 from jax_ep.backends import cuda_ops, reference
 from jax_ep.backends.base import Backend
 from jax_ep.backends.cuda import LocalBackend, NetworkBackend, PeerBackend
-from jax_ep.backends.options import CommOptions
+from jax_ep.backends.options import OWN_STREAM, CommOptions
 from jax_ep.backends.reference import ReferenceBackend
 from jax_ep.config import EPConfig
 
@@ -168,6 +168,11 @@ def _create_cuda(request: Request):
   buffers) wherever ranks talk to each other or the low-latency pair needs buffers, else the
   local kernels, loaded now rather than inside the first handler."""
   r, config, mesh = request, request.config, request.mesh
+  if r.options.comm_stream == OWN_STREAM:
+    # jax_ep's own stream and its events, made now rather than inside a handler.
+    for device in mesh.devices.flat:
+      if device.process_index == jax.process_index() and device.local_hardware_id is not None:
+        ffi.extension().prepare_own_stream(device.local_hardware_id)
   if config.num_ranks == 1 and not r.low_latency:
     for device in mesh.devices.flat:
       # A compile-only device (jax.experimental.topologies: compiling ahead of time, with no
