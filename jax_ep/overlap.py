@@ -151,7 +151,7 @@ class _Order:
     if self.sinks:
       invals = jax.lax.optimization_barrier((invals, list(self.sinks.values())))[0]
     outs = _bind(_keyed(eqn, key, self.memo), invals)
-    if _is_join(eqn):  # as cuda_ops' join: no fusion may write its results elsewhere
+    if _is_join(eqn):  # as streams.on_own_stream's join: no fusion may write its results elsewhere
       outs = jax.lax.optimization_barrier(outs)
     self.sinks = {id(v): v for v in outs if _tieable(v)}
     return outs

@@ -63,7 +63,7 @@ def _stand_ins():
 
 
 def _launch_and_join(x, has_side_effect=False):
-  """`x`, through a stand-in op and its join (as jax_ep/backends/cuda_ops.py makes them)."""
+  """`x`, through a stand-in op and its join (as jax_ep/backends/streams.py makes them)."""
   shape = jax.ShapeDtypeStruct(x.shape, x.dtype)
   key = np.int64(0)
   y = jax.ffi.ffi_call(OP, shape, input_output_aliases={0: 0},

@@ -1,0 +1,137 @@
+"""Where a custom call of jax_ep/backends/cuda_ops.py runs, and how it is batched there.
+
+`looped`: XLA's compute stream, one call per batch element under a sequential vmap.
+`on_stream`: XLA's additional stream N (`Group(comm_stream=N)`), the call annotated alone.
+`on_own_stream`: jax_ep's own stream (`Group(comm_stream="jax_ep")`), the op then its join
+(ffi/runtime/side_stream.h), which jax_ep/overlap.py may place later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental.xla_metadata import set_xla_metadata
+
+from jax_ep._native import own_stream
+
+
+def looped(fn: Callable) -> Callable:
+  """`fn` (one custom call) batched by a loop over the batch, one call per element (what
+  `vmap_method="sequential"` asks for), nested vmaps included.
+
+  NOTES: XLA:GPU's dynamic-slice fusion (jaxlib 0.11.2) folds a custom call whose operands are
+  dynamic slices of a loop's arrays (or whose results are written into one by a dynamic update
+  slice) into a fusion that slices, calls and writes, and keeps the original call beside it when
+  the call has side effects, as the peer ops do: each iteration ran the op twice (seen in the
+  compiled program, `tests/test_hopper_aot.py`). Optimization barriers between the slices, the
+  call and the writes keep the fusion from matching, at the cost of a copy of each iteration's
+  operands and results.
+  """
+  batched = jax.custom_batching.custom_vmap(fn)
+
+  @batched.def_vmap
+  def _loop(axis_size, in_batched, *args):
+    def one(sliced):
+      it = iter(sliced)
+      operands = [next(it) if b else a for a, b in zip(args, in_batched)]
+      return jax.lax.optimization_barrier(batched(*jax.lax.optimization_barrier(operands)))
+    outs = jax.lax.map(one, [a for a, b in zip(args, in_batched) if b])
+    return outs, jax.tree.map(lambda _: True, outs)
+  return batched
+
+
+def on_stream(fn: Callable, stream: int, vmap_method) -> Callable:
+  """`fn` (one custom call) issued on XLA's additional GPU stream `stream`.
+
+  NOTES: XLA:GPU wraps an op annotated with `_xla_stream_annotation` into an async call: its
+  start makes that stream wait for the work queued before it on the compute stream, its done
+  makes the compute stream wait for the op, and the operands stay live until the done; so XLA
+  runs what it schedules between the two beside the op. Only the custom call carries the
+  annotation: XLA's stream assignment does not look inside an annotated region's nested calls
+  or loops (a `compute_on` region holding a `jnp.where`, a nested call, failed to compile on
+  the H200: no stream for it; a loop's body is the same case), so under vmap the batching
+  happens outside the annotation: a sequential vmap loops outside (`looped`), each
+  iteration's call annotated, and the broadcasting one broadcasts the unbatched operands
+  before the one batched call.
+  """
+  def annotated(*args):
+    with set_xla_metadata(_xla_stream_annotation=str(stream)):
+      return fn(*args)
+  if vmap_method == "sequential":
+    return looped(annotated)
+  if vmap_method != "broadcast_all":
+    return annotated
+  batched = jax.custom_batching.custom_vmap(annotated)
+
+  @batched.def_vmap
+  def _broadcast_then_call(axis_size, in_batched, *args):
+    args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, b in zip(args, in_batched)]
+    # The batched call, itself annotated alone: an outer vmap batches it by this same rule.
+    outs = on_stream(jax.vmap(fn), stream, vmap_method)(*args)
+    return outs, jax.tree.map(lambda _: True, outs)
+  return batched
+
+
+def on_own_stream(target, result_shapes, vmap_method, has_side_effect, attrs) -> Callable:
+  """The op `target` on jax_ep's own stream, then its join: two custom calls.
+
+  NOTES: the join takes the op's results (aliased to its own, so XLA reads them only after it)
+  and the op's operands (so XLA keeps them until then). The two are separate equations, so
+  that jax_ep/overlap.py can place the join later than here; nothing else may read the op's
+  results before it. Under vmap each op joins at once, inside its batching rule: a loop's
+  slices and a broadcast's copies are buffers of that iteration or that call, which XLA may
+  reuse as soon as the op's equation is done, so the join that keeps them must come before.
+  """
+  single = not isinstance(result_shapes, (list, tuple))
+  key = np.int64(0)  # jax_ep/overlap.py gives a micro-batch's ops and joins their own
+  op = jax.ffi.ffi_call(target + own_stream.SUFFIX, result_shapes, vmap_method=vmap_method,
+                        has_side_effect=has_side_effect)
+
+  def launch(*args):
+    outs = op(*args, **attrs, own_stream_key=key)
+    return [outs] if single else list(outs)
+
+  def join(outs, args):
+    call = jax.ffi.ffi_call(
+        own_stream.JOIN, [jax.ShapeDtypeStruct(o.shape, o.dtype) for o in outs],
+        vmap_method="broadcast_all", has_side_effect=has_side_effect,
+        input_output_aliases={i: i for i in range(len(outs))})
+    # The barrier keeps XLA from folding the join into a dynamic-slice fusion that writes its
+    # results into a slice of another array (a scan's outputs): a join copies nothing where
+    # its results keep their operands' buffers (ffi/handlers/join.cc copies where they don't).
+    return jax.lax.optimization_barrier(list(call(*outs, *args, own_stream_key=key)))
+
+  def launched(launch):
+    unit = jax.custom_batching.custom_vmap(launch)
+
+    @unit.def_vmap
+    def _joined_in_batch(axis_size, in_batched, *args):
+      if vmap_method == "sequential":
+        # One op and its join per element, as `looped` (its NOTES: the barriers).
+        def one(sliced):
+          it = iter(sliced)
+          operands = jax.lax.optimization_barrier(
+              [next(it) if b else a for a, b in zip(args, in_batched)])
+          return jax.lax.optimization_barrier(join(unit(*operands), operands))
+        outs = jax.lax.map(one, [a for a, b in zip(args, in_batched) if b])
+      else:
+        args = [a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+                for a, b in zip(args, in_batched)]
+        # The op's own batching (one call over the batch), itself a unit for an outer vmap.
+        outs = join(launched(jax.vmap(launch))(*args), args)
+      return outs, [True] * len(outs)
+    return unit
+
+  unit = launched(launch)
+
+  def fn(*args):
+    # The barrier keeps XLA from folding a slice of an operand into the op (its dynamic-slice
+    # fusion reads the slice's source in place): the join must hold what the op reads.
+    args = jax.lax.optimization_barrier(list(args))
+    outs = join(unit(*args), args)
+    return outs[0] if single else outs
+  return fn
