@@ -9,6 +9,7 @@ dispatch -> combine of the other (`comm`: T tokens, top-K of E experts, H channe
 identity between them). Three programs, each timed by its device span (the profiler): `gemm`
 alone, `comm` alone and `both` in one program; with the ops on XLA's compute stream (the
 default group) and on the additional stream N (`Group(comm_stream=N)`), in the same run.
+`--num-sms 24 132`: on jax_ep's own stream, each SM budget (`Group(num_sms=...)`) side by side.
 Records (`op: overlap`) carry the three times, the hidden fraction
 `(t_gemm + t_comm - t_both) / t_comm` and the GEMMs' slowdown while they share the GPU with
 the communication kernels: the device time of the non-jax_ep kernels in `both` over that in
@@ -79,6 +80,10 @@ def main():
                   default=[1, OWN_STREAM],
                   help=f"the additional streams to time beside the compute stream (an int N "
                        f"for XLA's stream N, {OWN_STREAM!r} for jax_ep's own and its pipeline)")
+  ap.add_argument("--num-sms", type=int, nargs="+", default=[24],
+                  help="the groups' num_sms (default the Group's): on jax_ep's own stream each "
+                       "value is timed (the SMs every grid of an op is sized to); elsewhere "
+                       "the first")
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--out", default="overlap.jsonl")
   a = ap.parse_args()
@@ -158,9 +163,12 @@ def main():
             for name, fn in (("gemm", gemm), ("comm", comm), ("both", layer))}
 
   records = reports.Records(a.out)
-  for stream in [None, *a.comm_streams]:
+  # At one rank the SM budget bounds the kernels only on jax_ep's own stream.
+  settings = [(stream, sms) for stream in [None, *a.comm_streams]
+              for sms in (a.num_sms if stream == OWN_STREAM else a.num_sms[:1])]
+  for stream, num_sms in settings:
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
-                         dtype=dtype, comm_stream=stream)
+                         dtype=dtype, comm_stream=stream, num_sms=num_sms)
     for pass_ in a.passes:
       times, streams = {}, {}
       for name, prog in programs(group, pass_ == "forward_backward").items():
@@ -183,6 +191,7 @@ def main():
           op="overlap", mode="high_throughput", backend=group.backend_name, ranks=1,
           tokens_per_rank=t, hidden=h, ffn=f, topk=k, experts=e, dtype="bfloat16",
           timing="device_trace" if on_gpu else "host_clock", comm_stream=stream,
+          num_sms=num_sms,
           micro_batches=2, program="pipeline" if stream == OWN_STREAM else "halves",
           **{"pass": pass_},
           t_gemm_us=round(tg * 1e6, 1), t_comm_us=round(tc * 1e6, 1),
@@ -190,7 +199,7 @@ def main():
           gemm_slowdown=slowdown, median_us=round(tb * 1e6, 1),
           comm_kernel_streams=sorted(ours_on), other_kernel_streams=sorted(others_on))
       records.append(rec)
-      print(f"comm_stream={stream} {pass_}: gemm {rec['t_gemm_us']} us, comm "
+      print(f"comm_stream={stream} num_sms={num_sms} {pass_}: gemm {rec['t_gemm_us']} us, comm "
             f"{rec['t_comm_us']} us, both {rec['t_both_us']} us: hidden "
             f"{rec['hidden_fraction']:.2f}, GEMM kernels x{slowdown}; jax_ep kernels on "
             f"{sorted(ours_on)}, the others on {sorted(others_on)}", flush=True)

@@ -353,14 +353,15 @@ fi
 
 # Communication beside the experts (Group(comm_stream=1), and jax_ep's own stream with its
 # pipeline, comm_stream="jax_ep"): at one rank, the hidden fraction of the ops behind the expert
-# MLP (bench_overlap.py); then the SwiGLU layer chain, forward + backward, with 1 and 2
-# micro-batches, on the compute stream, on stream 1 and on jax_ep's own, at one rank (T=4096) and 8 ranks emulated (T=512: eight processes' SwiGLU
-# layers with the default capacity keep ~5 GB each per layer for the backward at T=2048, more
-# than the GPU holds) (OVERLAP_ARGS passed to bench_layers.py).
+# MLP (bench_overlap.py; on jax_ep's own stream at the default SM budget and the whole H200's);
+# then the SwiGLU layer chain, forward + backward, with 1 and 2 micro-batches, on the compute
+# stream, on stream 1 and on jax_ep's own, at one rank (T=4096) and 8 ranks emulated (T=512:
+# eight processes' SwiGLU layers with the default capacity keep ~5 GB each per layer for the
+# backward at T=2048, more than the GPU holds) (OVERLAP_ARGS passed to bench_layers.py).
 if has overlap; then
   step "communication beside the experts, one rank (bench_overlap.py)"
   t=$(bench_time 300) && XLA_PYTHON_CLIENT_MEM_FRACTION=.9 timeout $t python3 \
-    benchmarks/bench_overlap.py --out gpu_round_overlap.jsonl 2>&1 \
+    benchmarks/bench_overlap.py --num-sms 24 132 --out gpu_round_overlap.jsonl 2>&1 \
     | tee "$OUT/bench_overlap.log" | tail -8
   counts bench_overlap.py "$OUT/bench_overlap.log"
   cp benchmarks/results/gpu_round_overlap.jsonl "$OUT/" 2>/dev/null

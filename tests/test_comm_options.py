@@ -13,7 +13,7 @@ import jax_ep
 from ep_test_base import rank_mesh
 from jax_ep._native import ffi, limits
 from jax_ep.backends import registry
-from jax_ep.backends.options import CommOptions
+from jax_ep.backends.options import CommOptions, OwnStream
 from jax_ep.sizing import check_configuration
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -60,6 +60,16 @@ def test_the_group_carries_its_options_to_the_backend(monkeypatch):
   want = CommOptions(num_sms=7, timeout_s=5.0, config_timeout_s=9.0, raise_on_timeout=True)
   assert group.options == want
   assert [r.options for r in seen] == [want]
+
+
+@pytest.mark.parametrize("comm_stream,num_sms,stream", [
+    (None, 24, None), (2, 24, 2), ("jax_ep", 24, OwnStream(24)), ("jax_ep", 132, OwnStream(132)),
+])
+def test_the_ops_stream_carries_the_sm_budget_on_jax_eps_own(comm_stream, num_sms, stream):
+  # What the cuda backend's ops are given (`cuda_ops`' `stream`): on jax_ep's own stream the
+  # SMs its handlers size every grid to; XLA's streams keep the compute stream's grids.
+  options = CommOptions.checked(comm_stream=comm_stream, num_sms=num_sms)
+  assert options.stream == stream
 
 
 @pytest.mark.parametrize("backend", sorted(registry.BACKENDS))

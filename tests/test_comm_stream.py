@@ -41,8 +41,8 @@ def _config(num_ranks):
   return EPConfig("ep", num_ranks, E, K, H, T, np.dtype(jnp.bfloat16), num_ranks * T * K)
 
 
-def _backend(kind, stream):
-  options = CommOptions(comm_stream=stream)
+def _backend(kind, stream, num_sms=24):
+  options = CommOptions(comm_stream=stream, num_sms=num_sms)
   if kind == "local":
     return LocalBackend(_config(1), None, options)
   if kind == "local_fp8":
@@ -144,15 +144,15 @@ def test_the_ops_custom_calls_carry_the_stream(kind, program):
     assert "stablehlo.while" in text
 
 
-def _anchors(fn, *args):
-  """(custom call target, own_stream_key) of every jax_ep custom call of `fn`'s program as
+def _anchors(fn, *args, attribute="own_stream_key"):
+  """(custom call target, `attribute`) of every jax_ep custom call of `fn`'s program as
   lowered for a GPU, in program order; the text, to check for stream annotations."""
   text = jax.jit(fn).trace(*(args or _inputs())).lower(lowering_platforms=("cuda",)).as_text()
   calls = []
   for line in text.splitlines():
     target = re.search(r"custom_call @(jax_ep_\w+)", line)
     if target:
-      key = re.search(r"own_stream_key = (\d+)", line)
+      key = re.search(attribute + r" = (\d+)", line)
       calls.append((target.group(1), int(key.group(1)) if key else None))
   return calls, text
 
@@ -194,6 +194,22 @@ def test_own_stream_ops_are_each_joined_after_them(kind, program):
   # ... and a join takes every result of each op.
   assert _unjoined_ops(jax.make_jaxpr(fn)(*_inputs()).jaxpr) == []
   assert "_xla_stream_annotation" not in text
+
+
+@needs_extension
+@pytest.mark.parametrize("kind", ["local", "peer", "local_fp8", "network"])
+def test_own_stream_ops_take_the_groups_sm_budget(kind):
+  # Every op on jax_ep's own stream sizes its grids to the group's num_sms (the handler's
+  # `own_stream_sms`); the joins launch nothing and take none.
+  for num_sms in (24, 132):
+    calls, _ = _anchors(_programs(_backend(kind, "jax_ep", num_sms))["grad"],
+                        attribute="own_stream_sms")
+    ops = {(target, sms) for target, sms in calls if target != "jax_ep_join"}
+    assert ops and {sms for _, sms in ops} == {num_sms}, calls
+    assert {sms for target, sms in calls if target == "jax_ep_join"} == {None}, calls
+  # On XLA's streams the handlers are the compute stream's: no budget attribute.
+  calls, _ = _anchors(_programs(_backend(kind, 1))["grad"], attribute="own_stream_sms")
+  assert calls and {sms for _, sms in calls} == {None}, calls
 
 
 def _micro_batch_layer(backend):

@@ -22,6 +22,7 @@
 #include <string_view>
 
 #include "ffi/kernels/ep_common.h"
+#include "ffi/kernels/launch_budget.h"
 #include "ffi/runtime/side_stream.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -331,17 +332,30 @@ inline ffi::Error OwnStreamError(std::string_view call, cudaError_t err) {
 // `Impl` (an op's implementation, `ffi::Error(cudaStream_t, A...)`) run on
 // jax_ep's own stream (runtime/side_stream.h) instead of XLA's: the own stream
 // waits for XLA's work so far, runs the op, and marks its end for the
-// `jax_ep_join` that makes XLA's stream wait for it.
+// `jax_ep_join` that makes XLA's stream wait for it. Its grids are sized to
+// `sms` SMs (the group's num_sms; kernels/launch_budget.h): beside XLA's
+// kernels, the GPU's other SMs are theirs.
 template <typename Fn, Fn* kImpl>
 struct OnOwnStream;
 
 template <typename... A, ffi::Error (*kImpl)(cudaStream_t, A...)>
 struct OnOwnStream<ffi::Error(cudaStream_t, A...), kImpl> {
-  static ffi::Error Call(cudaStream_t xla_stream, A... args, int64_t key) {
+  static ffi::Error Call(cudaStream_t xla_stream, A... args, int64_t key,
+                         int64_t sms) {
+    if (sms < 0 || sms > kMaxNumSms) {
+      return InvalidArgument(
+          "jax_ep own stream",
+          "own_stream_sms is " + std::to_string(sms) +
+              ", expected 0 <= own_stream_sms <= " + std::to_string(kMaxNumSms));
+    }
     cudaStream_t own = nullptr;
     cudaError_t err = runtime::ForkOwnStream(xla_stream, &own);
     if (err != cudaSuccess) return OwnStreamError("ForkOwnStream", err);
-    ffi::Error result = kImpl(own, args...);
+    ffi::Error result = ffi::Error::Success();
+    {
+      launch::ScopedSmBudget budget(static_cast<int>(sms));
+      result = kImpl(own, args...);
+    }
     // Marked even when the op failed, so that its join waits for no more
     // than what was launched.
     err = runtime::FinishOnOwnStream(own, key);
@@ -353,15 +367,18 @@ struct OnOwnStream<ffi::Error(cudaStream_t, A...), kImpl> {
 };
 
 // JAX_EP_FFI_DEFINE_HANDLER of `symbol`, and `symbol##OwnStream`: the same op
-// on jax_ep's own stream (target "<op>_own_stream"), with one more attribute,
-// `own_stream_key` (int64; runtime/side_stream.h). The latter is not
-// command-buffer compatible (runtime/side_stream.h says why).
+// on jax_ep's own stream (target "<op>_own_stream"), with two more attributes,
+// `own_stream_key` (int64; runtime/side_stream.h) and `own_stream_sms` (int64,
+// the SMs its grids are sized to, 0: all). The latter is not command-buffer
+// compatible (runtime/side_stream.h says why).
 #define JAX_EP_FFI_DEFINE_HANDLER_WITH_OWN_STREAM(symbol, impl, binding) \
   JAX_EP_FFI_DEFINE_HANDLER(symbol, impl, binding);                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(                                         \
       symbol##OwnStream,                                                 \
       (::jax_ep::ffi_utils::OnOwnStream<decltype(impl), impl>::Call),    \
-      ::jax_ep::ffi_utils::BindOp() binding.Attr<int64_t>("own_stream_key"))
+      ::jax_ep::ffi_utils::BindOp()                                      \
+          binding.Attr<int64_t>("own_stream_key")                        \
+          .Attr<int64_t>("own_stream_sms"))
 
 }  // namespace jax_ep::ffi_utils
 

@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "ffi/kernels/ep_common.h"
+#include "ffi/kernels/launch_budget.h"
 
 namespace jax_ep::detail {
 
@@ -27,8 +28,10 @@ inline constexpr unsigned kFullMask = 0xffffffffu;
     }                                       \
   } while (0)
 
-// Number of SMs of the current device (the one XLA made current for the
-// handler's stream). Host-only property query, no sync.
+// Number of SMs a launch sizes its grid to: the current device's (the one XLA
+// made current for the handler's stream), or the op's budget where smaller
+// (launch_budget.h: an op beside XLA's kernels on jax_ep's own stream).
+// Host-only property query, no sync.
 // NOTES: not cudaStreamGetDevice: during CUDA-graph capture (XLA command
 // buffers) it fails with cudaErrorStreamCaptureUnsupported and invalidates
 // the capture (seen on CUDA 13.0, H200); cudaGetDevice,
@@ -36,8 +39,12 @@ inline constexpr unsigned kFullMask = 0xffffffffu;
 inline cudaError_t NumSms(int* num_sms) {
   int device = 0;
   JAX_EP_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  return cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount,
-                                device);
+  JAX_EP_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(
+      num_sms, cudaDevAttrMultiProcessorCount, device));
+  if (launch::sm_budget > 0 && launch::sm_budget < *num_sms) {
+    *num_sms = launch::sm_budget;
+  }
+  return cudaSuccess;
 }
 
 // Bounded 1-D grid for a grid-stride loop over `num_items` block items:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax_ep._native import effects, ffi
 from jax_ep.backends import cuda_ops, hierarchical
 from jax_ep.backends.base import Backend, HighThroughputBackend, LayoutThenDispatch
-from jax_ep.backends.options import CommOptions
+from jax_ep.backends.options import CommOptions, Stream
 from jax_ep.config import EPConfig
 
 
@@ -108,25 +108,25 @@ class LocalBackend(_CudaLowLatency, LayoutThenDispatch, Backend):
   name = "cuda"
 
   def layout(self, topk_idx):
-    return cuda_ops.local_layout(self.config, topk_idx, stream=self.options.comm_stream)
+    return cuda_ops.local_layout(self.config, topk_idx, stream=self.options.stream)
 
   def dispatch_cached(self, x, layout, topk_weights=None):
     return cuda_ops.local_dispatch(self.config, x, layout, topk_weights,
-                                   stream=self.options.comm_stream)
+                                   stream=self.options.stream)
 
   def dispatch_fp8(self, x, x_scales, topk_idx, topk_weights):
     del topk_weights  # travels with the handle, as in `dispatch`
     layout, group_sizes, num_dropped, num_invalid = self.layout(topk_idx)
     recv_x, recv_scales = cuda_ops.local_dispatch_fp8(self.config, x, x_scales, layout,
-                                                      stream=self.options.comm_stream)
+                                                      stream=self.options.stream)
     return recv_x, recv_scales, group_sizes, num_dropped, num_invalid, layout
 
   def combine(self, expert_out, layout, topk_weights=None):
     return cuda_ops.local_combine(self.config, expert_out, layout, topk_weights,
-                                  stream=self.options.comm_stream)
+                                  stream=self.options.stream)
 
   def combine_vjp(self, d_out, expert_out, layout, topk_weights):
-    stream = self.options.comm_stream
+    stream = self.options.stream
     d_expert_out = cuda_ops.local_dispatch(self.config, d_out, layout, topk_weights,
                                            stream=stream)
     return d_expert_out, cuda_ops.local_combine_vjp(self.config, d_out, expert_out, layout,
@@ -159,14 +159,14 @@ class PeerBackend(_CudaLowLatency, Backend):
 
   def dispatch(self, x, topk_idx, topk_weights):
     *outs, status = cuda_ops.peer_dispatch(self.config, self.group_id, x, topk_idx,
-                                           topk_weights, stream=self.options.comm_stream)
+                                           topk_weights, stream=self.options.stream)
     self._checked(status)
     return tuple(outs)
 
   def dispatch_fp8(self, x, x_scales, topk_idx, topk_weights):
     *outs, status = cuda_ops.peer_dispatch_fp8(self.config, self.group_id, x, x_scales,
                                                topk_idx, topk_weights,
-                                               stream=self.options.comm_stream)
+                                               stream=self.options.stream)
     self._checked(status)
     return tuple(outs)
 
@@ -174,20 +174,20 @@ class PeerBackend(_CudaLowLatency, Backend):
     # The weights of a weighted dispatch are the ones that travelled with the dispatch.
     recv_x, status = cuda_ops.peer_dispatch_cached(self.config, self.group_id, x, layout,
                                                    weighted=topk_weights is not None,
-                                                   stream=self.options.comm_stream)
+                                                   stream=self.options.stream)
     self._checked(status)
     return recv_x
 
   def combine(self, expert_out, layout, topk_weights=None):
     out, status = cuda_ops.peer_combine(self.config, self.group_id, expert_out, layout,
                                         weighted=topk_weights is not None,
-                                        stream=self.options.comm_stream)
+                                        stream=self.options.stream)
     self._checked(status)
     return out
 
   def combine_vjp(self, d_out, expert_out, layout, topk_weights):
     d_expert_out, d_topk_weights, status = cuda_ops.peer_combine_vjp(
-        self.config, self.group_id, d_out, expert_out, layout, stream=self.options.comm_stream)
+        self.config, self.group_id, d_out, expert_out, layout, stream=self.options.stream)
     self._checked(status)
     return d_expert_out, d_topk_weights
 
@@ -216,7 +216,7 @@ class _CudaRailExchange:
   def __call__(self, sources, index, counts):
     received, recv_counts, status = cuda_ops.rail_exchange(
         self.config, self.group_id, self.num_hosts, sources, index, counts, self.pes(),
-        stream=self.options.comm_stream)
+        stream=self.options.stream)
     if self.options.raise_on_timeout:
       _raise_on_failure(status, self.group_id)
     return received, recv_counts
@@ -227,7 +227,7 @@ class _CudaQuantize:
   """The fp8 rows of `x` `[T, H]` in `config.wire_format`, rounded by the kernels
   (`cuda_ops.fp8_quantize`): what the rail exchange sends of an fp8 dispatch."""
   config: EPConfig
-  stream: int | None = None
+  stream: Stream = None
 
   def __call__(self, x):
     return cuda_ops.fp8_quantize(self.config, x, stream=self.stream)
@@ -290,7 +290,7 @@ class NetworkBackend(_CudaLowLatency, Backend):
                                       _RankTable(c.axis_name, tuple(pes)), self.options)
     return hierarchical.Hierarchy(c, self.hosts, host_backend, rail_exchange,
                                   _RankTable(c.axis_name, tuple(host_of)),
-                                  _CudaQuantize(host_cfg, self.options.comm_stream))
+                                  _CudaQuantize(host_cfg, self.options.stream))
 
   def dispatch(self, x, topk_idx, topk_weights):
     return self._hierarchy("dispatch").dispatch(x, topk_idx, topk_weights)

@@ -2,9 +2,10 @@
 
 Each function states the abstract shapes of its custom call; leading batch dimensions from
 `jax.vmap` are passed to the kernels as-is (`vmap_method="broadcast_all"`), which run every batch
-element in one launch. The high-throughput ops take `stream` (`Group(comm_stream=...)`): None
-for XLA's compute stream, XLA's additional GPU stream N their custom call runs on, or
-`OWN_STREAM`: the op on jax_ep's own stream, then its join (jax_ep/backends/streams.py).
+element in one launch. The high-throughput ops take `stream` (`CommOptions.stream`): None for
+XLA's compute stream, XLA's additional GPU stream N their custom call runs on, or an
+`OwnStream`: the op on jax_ep's own stream within its SMs, then its join
+(jax_ep/backends/streams.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from jax_ep._native import ffi
 from jax_ep._native.varying import vary_like_operands
 from jax_ep.backends import streams
-from jax_ep.backends.options import OWN_STREAM
+from jax_ep.backends.options import OwnStream, Stream
 from jax_ep.config import EPConfig, RowFormat, fp8_scales_shape
 
 
@@ -35,12 +36,13 @@ class LocalLayout(NamedTuple):
 
 
 def _call(target, result_shapes, *args, vmap_method="broadcast_all", has_side_effect=False,
-          stream: int | None = None, **attrs):
+          stream: Stream = None, **attrs):
   if ffi.extension() is None:
     raise RuntimeError(f"jax_ep: the CUDA extension is not built; cannot call {target}")
-  if stream == OWN_STREAM:
+  if isinstance(stream, OwnStream):
     return vary_like_operands(streams.on_own_stream(target, result_shapes, vmap_method,
-                                                    has_side_effect, attrs)(*args), args)
+                                                    has_side_effect, stream.sms, attrs)(*args),
+                              args)
   call = jax.ffi.ffi_call(target, result_shapes, vmap_method=vmap_method,
                           has_side_effect=has_side_effect)
   fn = lambda *a: call(*a, **attrs)
@@ -62,7 +64,7 @@ def layout_workspace_bytes(config: EPConfig) -> int:
   return 4 * layout_workspace_elems(config, config.max_tokens_per_rank)
 
 
-def local_layout(config: EPConfig, topk_idx: jax.Array, *, stream: int | None = None):
+def local_layout(config: EPConfig, topk_idx: jax.Array, *, stream: Stream = None):
   num_tokens, num_topk = topk_idx.shape
   i32 = jnp.int32
   shapes = (jax.ShapeDtypeStruct((num_tokens, num_topk), i32),           # slot_row
@@ -85,7 +87,7 @@ def _weights_or_placeholder(layout: LocalLayout, topk_weights):
 
 
 def local_dispatch(config: EPConfig, x: jax.Array, layout: LocalLayout, topk_weights=None, *,
-                   stream: int | None = None):
+                   stream: Stream = None):
   weights, weighted = _weights_or_placeholder(layout, topk_weights)
   shape = jax.ShapeDtypeStruct((config.capacity, x.shape[-1]), x.dtype)
   return _call("jax_ep_local_dispatch", shape, x, layout.slot_row, layout.group_sizes, weights,
@@ -116,7 +118,7 @@ def _fp8_row_shapes(config: EPConfig, rows: int):
 
 
 def local_dispatch_fp8(config: EPConfig, x: jax.Array, x_scales, layout: LocalLayout, *,
-                       stream: int | None = None):
+                       stream: Stream = None):
   """`(recv_x [C, H] e4m3, recv_scales)`: `x` `[T, H]` (the activations, quantised by the
   kernel once per token, or e4m3 rows with their `x_scales`) placed along `layout` in the
   group's fp8 `wire_format` (ffi/kernels/local_dispatch_fp8.cu)."""
@@ -126,7 +128,7 @@ def local_dispatch_fp8(config: EPConfig, x: jax.Array, x_scales, layout: LocalLa
                stream=stream)
 
 
-def fp8_quantize(config: EPConfig, x: jax.Array, *, stream: int | None = None):
+def fp8_quantize(config: EPConfig, x: jax.Array, *, stream: Stream = None):
   """`(q [T, H] e4m3, scales)` of the activations `x` `[T, H]` in the group's fp8
   `wire_format`, rounded by the dispatch kernels (bit for bit `jax_ep._native.fp8`'s): the
   one-rank fp8 dispatch along the identity layout, token t to row t."""
@@ -142,7 +144,7 @@ def fp8_quantize(config: EPConfig, x: jax.Array, *, stream: int | None = None):
 
 
 def local_combine(config: EPConfig, expert_out: jax.Array, layout: LocalLayout,
-                  topk_weights=None, *, stream: int | None = None):
+                  topk_weights=None, *, stream: Stream = None):
   weights, weighted = _weights_or_placeholder(layout, topk_weights)
   num_tokens = layout.slot_row.shape[0]
   shape = jax.ShapeDtypeStruct((num_tokens, expert_out.shape[-1]), expert_out.dtype)
@@ -151,7 +153,7 @@ def local_combine(config: EPConfig, expert_out: jax.Array, layout: LocalLayout,
 
 
 def local_combine_vjp(config: EPConfig, d_out: jax.Array, expert_out: jax.Array,
-                      layout: LocalLayout, *, stream: int | None = None):
+                      layout: LocalLayout, *, stream: Stream = None):
   shape = jax.ShapeDtypeStruct(layout.slot_row.shape, jnp.float32)
   return _call("jax_ep_local_combine_vjp", shape, d_out.astype(expert_out.dtype), expert_out,
                layout.slot_row, stream=stream)
@@ -212,7 +214,7 @@ def group_attrs(config: EPConfig, group_id: int) -> dict:
   return {"group": {"id": np.int64(group_id), **fields}}
 
 
-def _group_call(target, result_shapes, *args, stream: int | None = None, **attrs):
+def _group_call(target, result_shapes, *args, stream: Stream = None, **attrs):
   # NOTES: has_side_effect keeps XLA from dropping or merging a call whose results one rank
   # does not use: every rank must issue the same ops of a group in the same order, or its peers
   # wait for data that never comes. No batch dims in the kernels: vmap loops.
@@ -267,7 +269,7 @@ def _peer_dispatch_results(topk_idx, outs):
 
 
 def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights, *,
-                  stream: int | None = None):
+                  stream: Stream = None):
   """Returns `(recv_x, group_sizes, num_dropped, num_invalid, layout, status)`."""
   num_tokens, num_topk = topk_idx.shape
   shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
@@ -281,7 +283,7 @@ def peer_dispatch(config: EPConfig, group_id: int, x, topk_idx, topk_weights, *,
 
 
 def peer_dispatch_fp8(config: EPConfig, group_id: int, x, x_scales, topk_idx, topk_weights, *,
-                      stream: int | None = None):
+                      stream: Stream = None):
   """The peer dispatch with fp8 rows in the group's `wire_format` (`x` the activations,
   quantised by the sending kernel once per token, or e4m3 rows with their `x_scales`).
   Returns `(recv_x [C, H] e4m3, recv_scales, group_sizes, num_dropped, num_invalid, layout,
@@ -302,7 +304,7 @@ def peer_dispatch_fp8(config: EPConfig, group_id: int, x, x_scales, topk_idx, to
 
 
 def peer_dispatch_cached(config: EPConfig, group_id: int, x, layout: PeerLayout,
-                         weighted: bool, *, stream: int | None = None):
+                         weighted: bool, *, stream: Stream = None):
   """Returns `(recv_x, status)`: rows placed by an earlier dispatch's layout."""
   shapes = (jax.ShapeDtypeStruct((_storage_rows(config.capacity), x.shape[-1]), x.dtype),
             jax.ShapeDtypeStruct((), jnp.int32))
@@ -315,7 +317,7 @@ def peer_dispatch_cached(config: EPConfig, group_id: int, x, layout: PeerLayout,
 
 
 def peer_combine(config: EPConfig, group_id: int, expert_out, layout: PeerLayout,
-                 weighted: bool, *, stream: int | None = None):
+                 weighted: bool, *, stream: Stream = None):
   """Returns `(out [T, H], status)`."""
   num_tokens = layout.send_pos.shape[0]
   shapes = (jax.ShapeDtypeStruct((_storage_rows(num_tokens), expert_out.shape[-1]),
@@ -329,7 +331,7 @@ def peer_combine(config: EPConfig, group_id: int, expert_out, layout: PeerLayout
 
 
 def peer_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out,
-                     layout: PeerLayout, *, stream: int | None = None):
+                     layout: PeerLayout, *, stream: Stream = None):
   """Returns `(d_expert_out [C, H], d_topk_weights [T, K] f32, status)`."""
   num_tokens, num_topk = layout.topk_idx.shape
   padded = _with_one_row(expert_out, 0)
@@ -346,7 +348,7 @@ def peer_combine_vjp(config: EPConfig, group_id: int, d_out, expert_out,
 
 
 def rail_exchange(config: EPConfig, group_id: int, num_hosts: int, sources, index, counts,
-                  pes, *, stream: int | None = None):
+                  pes, *, stream: Stream = None):
   """The rail exchange of a network group (ffi/kernels/rail_exchange.cu): block h of every
   source (rows `index[h, j]`, `j < counts[h]`) to the rail peer on host h (`pes[h]`).
 

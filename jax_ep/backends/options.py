@@ -35,6 +35,19 @@ MAX_COMM_STREAM = 8
 OWN_STREAM = "jax_ep"
 
 
+@dataclasses.dataclass(frozen=True)
+class OwnStream:
+  """Where the cuda backend's ops run for `comm_stream=OWN_STREAM` (`CommOptions.stream`):
+  jax_ep's own stream, each op's grids sized to `sms` SMs (the group's `num_sms`) so that the
+  kernels XLA runs beside it keep the rest of the GPU."""
+  sms: int
+
+
+# Where one of the cuda backend's ops runs: XLA's compute stream (None), XLA's additional
+# stream N, or jax_ep's own stream.
+Stream = int | OwnStream | None
+
+
 def _comm_stream(value, where: str) -> int | str | None:
   expected = (f"None (XLA's compute stream), {OWN_STREAM!r} (jax_ep's own stream) or an int "
               f"from 1 to {MAX_COMM_STREAM} (an additional XLA stream)")
@@ -57,15 +70,16 @@ class CommOptions:
     timeout_s: how long a multi-rank kernel waits for a peer before it fails the group.
     config_timeout_s: how long group creation waits for the other processes.
     raise_on_timeout: raise a kernel's timeout at the op that hit it (else at `group.check()`).
-    comm_stream: XLA's additional GPU stream (1 to `MAX_COMM_STREAM`) that the cuda backend's
-      high-throughput ops run on, beside the compute stream's kernels; None: the compute
-      stream.
+    comm_stream: where the cuda backend's high-throughput ops run: None, XLA's compute stream;
+      XLA's additional GPU stream N (1 to `MAX_COMM_STREAM`), beside the compute stream's
+      kernels; `OWN_STREAM`, jax_ep's own stream, every kernel of each op then within
+      `num_sms` SMs' worth of blocks.
   """
   num_sms: int = 24
   timeout_s: float = 60.0
   config_timeout_s: float = 60.0
   raise_on_timeout: bool = False
-  comm_stream: int | None = None
+  comm_stream: int | str | None = None
 
   @classmethod
   def checked(cls, where: str = "jax_ep.Group", **settings) -> "CommOptions":
@@ -82,3 +96,10 @@ class CommOptions:
                    where),
                raise_on_timeout=bool(settings.get("raise_on_timeout", cls.raise_on_timeout)),
                comm_stream=_comm_stream(settings.get("comm_stream", cls.comm_stream), where))
+
+  @property
+  def stream(self) -> Stream:
+    """`comm_stream` as the cuda backend's ops take it (`cuda_ops`' `stream`)."""
+    if self.comm_stream == OWN_STREAM:
+      return OwnStream(self.num_sms)
+    return self.comm_stream

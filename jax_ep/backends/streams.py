@@ -76,8 +76,10 @@ def on_stream(fn: Callable, stream: int, vmap_method) -> Callable:
   return batched
 
 
-def on_own_stream(target, result_shapes, vmap_method, has_side_effect, attrs) -> Callable:
-  """The op `target` on jax_ep's own stream, then its join: two custom calls.
+def on_own_stream(target, result_shapes, vmap_method, has_side_effect, sms: int,
+                  attrs) -> Callable:
+  """The op `target` on jax_ep's own stream, its grids sized to `sms` SMs, then its join: two
+  custom calls.
 
   NOTES: the join takes the op's results (aliased to its own, so XLA reads them only after it)
   and the op's operands (so XLA keeps them until then). The two are separate equations, so
@@ -92,7 +94,7 @@ def on_own_stream(target, result_shapes, vmap_method, has_side_effect, attrs) ->
                         has_side_effect=has_side_effect)
 
   def launch(*args):
-    outs = op(*args, **attrs, own_stream_key=key)
+    outs = op(*args, **attrs, own_stream_key=key, own_stream_sms=np.int64(sms))
     return [outs] if single else list(outs)
 
   def join(outs, args):
