@@ -10,6 +10,8 @@ identity between them). Three programs, each timed by its device span (the profi
 alone, `comm` alone and `both` in one program; with the ops on XLA's compute stream (the
 default group) and on the additional stream N (`Group(comm_stream=N)`), in the same run.
 `--num-sms 24 132`: on jax_ep's own stream, each SM budget (`Group(num_sms=...)`) side by side.
+`--timeline PATH`: the kernels of one run of `both` per setting (the device timeline: stream,
+start, duration), written to PATH and drawn as one row per stream.
 Records (`op: overlap`) carry the three times, the hidden fraction
 `(t_gemm + t_comm - t_both) / t_comm` and the GEMMs' slowdown while they share the GPU with
 the communication kernels: the device time of the non-jax_ep kernels in `both` over that in
@@ -29,6 +31,7 @@ alone (the identity between).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -55,7 +58,8 @@ def is_comm(kernel: str) -> bool:
 
 def kernel_times(run, repeats: int):
   """Per run, from a profiler trace: (span, device time of the ops' kernels, of the others),
-  seconds; and the streams the ops' kernels and the others ran on."""
+  seconds; the streams the ops' kernels and the others ran on; and the kernels of the run of
+  median span, `(start_ns, end_ns, name, stream)` (`timeline`)."""
   events = [(s, e, name, line)
             for name, s, e, line in timers._traced_events(run, repeats, with_stream=True)]
   spans = timers.split_runs([(s, e, name) for s, e, name, _ in events], repeats)
@@ -64,7 +68,31 @@ def kernel_times(run, repeats: int):
   others = [sum(e - s for s, e, name, _ in r if not is_comm(name)) * 1e-9 for r in runs]
   streams = ({line for _, _, name, line in events if is_comm(name)},
              {line for _, _, name, line in events if not is_comm(name)})
-  return spans, ours, others, streams
+  by_span = sorted(runs, key=lambda r: max(e for _, e, _, _ in r) - r[0][0])
+  return spans, ours, others, streams, by_span[len(by_span) // 2] if by_span else []
+
+
+def timeline(kernels, width: int = 100) -> tuple[list[dict], list[str]]:
+  """One run's kernels relative to its first start, `{stream, start_us, us, name, ours}` each,
+  and a text picture of them: one row per stream, `width` columns over the run's span, `#`
+  where one of the ops' kernels runs, `=` where another kernel does (`#` wins a shared one)."""
+  if not kernels:
+    return [], []
+  t0, t1 = min(s for s, _, _, _ in kernels), max(e for _, e, _, _ in kernels)
+  rows: dict = {}
+  listed = []
+  for s, e, name, stream in sorted(kernels):
+    listed.append(dict(stream=stream, start_us=round((s - t0) * 1e-3, 2),
+                       us=round((e - s) * 1e-3, 2), name=name, ours=is_comm(name)))
+    row = rows.setdefault(stream, [" "] * width)
+    lo = int((s - t0) * width / max(t1 - t0, 1))
+    hi = max(lo + 1, int((e - t0) * width / max(t1 - t0, 1)))
+    for i in range(lo, min(hi, width)):
+      if row[i] != "#":
+        row[i] = "#" if is_comm(name) else "="
+  picture = [f"{stream[:24]:24s} |{''.join(row)}|" for stream, row in sorted(rows.items())]
+  picture.append(f"{'':24s}  0{(t1 - t0) * 1e-3:>{width - 1}.0f} us")
+  return listed, picture
 
 
 def main():
@@ -85,6 +113,9 @@ def main():
                        "value is timed (the SMs every grid of an op is sized to); elsewhere "
                        "the first")
   ap.add_argument("--repeats", type=int, default=10)
+  ap.add_argument("--timeline", default=None,
+                  help="write the kernels of one run of `both` (median span) per setting and "
+                       "pass to this JSON file, and print each as one row per stream")
   ap.add_argument("--out", default="overlap.jsonl")
   a = ap.parse_args()
   on_gpu = jax.devices()[0].platform == "gpu"
@@ -163,6 +194,7 @@ def main():
             for name, fn in (("gemm", gemm), ("comm", comm), ("both", layer))}
 
   records = reports.Records(a.out)
+  timelines = []
   # At one rank the SM budget bounds the kernels only on jax_ep's own stream.
   settings = [(stream, sms) for stream in [None, *a.comm_streams]
               for sms in (a.num_sms if stream == OWN_STREAM else a.num_sms[:1])]
@@ -170,12 +202,12 @@ def main():
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
                          dtype=dtype, comm_stream=stream, num_sms=num_sms)
     for pass_ in a.passes:
-      times, streams = {}, {}
+      times, streams, kernels = {}, {}, {}
       for name, prog in programs(group, pass_ == "forward_backward").items():
         run = lambda _, prog=prog: prog()
         jax.block_until_ready(run(0))
         if on_gpu:
-          spans, ours, others, streams[name] = kernel_times(run, a.repeats)
+          spans, ours, others, streams[name], kernels[name] = kernel_times(run, a.repeats)
           times[name] = (statistics.median(spans), statistics.median(ours),
                          statistics.median(others))
         else:  # the host clock, no kernels to tell apart: a check of the script itself
@@ -203,9 +235,18 @@ def main():
             f"{rec['t_comm_us']} us, both {rec['t_both_us']} us: hidden "
             f"{rec['hidden_fraction']:.2f}, GEMM kernels x{slowdown}; jax_ep kernels on "
             f"{sorted(ours_on)}, the others on {sorted(others_on)}", flush=True)
+      if a.timeline and kernels.get("both"):
+        listed, picture = timeline(kernels["both"])
+        print("\n".join(picture), flush=True)
+        timelines.append(dict(comm_stream=stream, num_sms=num_sms, **{"pass": pass_},
+                              commit=rec.get("commit"), kernels=listed))
     group.close()
   path = records.path
   print(f"wrote {path}")
+  if a.timeline:
+    with open(a.timeline, "w") as f:
+      json.dump(timelines, f, indent=1)
+    print(f"wrote {a.timeline} ({len(timelines)} timelines)")
 
 
 if __name__ == "__main__":

@@ -361,8 +361,9 @@ fi
 if has overlap; then
   step "communication beside the experts, one rank (bench_overlap.py)"
   t=$(bench_time 300) && XLA_PYTHON_CLIENT_MEM_FRACTION=.9 timeout $t python3 \
-    benchmarks/bench_overlap.py --num-sms 24 132 --out gpu_round_overlap.jsonl 2>&1 \
-    | tee "$OUT/bench_overlap.log" | tail -8
+    benchmarks/bench_overlap.py --num-sms 24 132 --timeline "$OUT/overlap_timeline.json" \
+    --out gpu_round_overlap.jsonl 2>&1 | tee "$OUT/bench_overlap.log" | grep -v "^Stream" \
+    | tail -8
   counts bench_overlap.py "$OUT/bench_overlap.log"
   cp benchmarks/results/gpu_round_overlap.jsonl "$OUT/" 2>/dev/null
   overlap_args="--backends cuda --expert swiglu --passes forward_backward --micro-batches 1 2"

@@ -425,16 +425,37 @@ def test_overlap_benchmark_tells_the_ops_kernels_from_the_experts():
 
 def test_overlap_benchmark_runs_each_stream(tmp_path):
   """Tiny sizes on the CPU: one record per stream and pass, the own stream's of the layer's
-  pipeline (`program: pipeline`), the others' of the two halves."""
+  pipeline (`program: pipeline`) at each SM budget, the others' of the two halves at the
+  first."""
   out = tmp_path / "overlap.jsonl"
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_overlap.py"), "--tokens", "32",
        "--experts", "4", "--hidden", "64", "--ffn", "64", "--topk", "2", "--repeats", "1",
+       "--num-sms", "24", "132", "--timeline", str(tmp_path / "timeline.json"),
        "--out", str(out)], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
       text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
   records = [json.loads(line) for line in out.read_text().splitlines()]
-  assert {(r["comm_stream"], r["pass"], r["program"]) for r in records} == {
-      (s, p, "pipeline" if s == "jax_ep" else "halves") for s in (None, 1, "jax_ep")
-      for p in ("forward", "forward_backward")}
+  assert sorted((str(r["comm_stream"]), r["num_sms"], r["pass"], r["program"])
+                for r in records) == sorted(
+      (str(s), n, p, "pipeline" if s == "jax_ep" else "halves")
+      for s, n in ((None, 24), (1, 24), ("jax_ep", 24), ("jax_ep", 132))
+      for p in ("forward", "forward_backward"))
   assert all(r["op"] == "overlap" and r["t_both_us"] > 0 for r in records)
+  # No device trace on the CPU: the file is written, with no timeline in it.
+  assert json.loads((tmp_path / "timeline.json").read_text()) == []
+
+
+def test_overlap_timeline_draws_each_stream():
+  import bench_overlap
+  comm = "void jax_ep::local::(anonymous namespace)::DispatchKernel<__nv_bfloat16>(...)"
+  kernels = [(1000, 51000, "jax_ep_gmm_ws_mosaic_gpu_kernel", "Stream #13"),
+             (1000, 21000, comm, "Stream #40"),
+             (51000, 101000, "jax_ep_gmm_ws_mosaic_gpu_kernel", "Stream #13")]
+  listed, picture = bench_overlap.timeline(kernels, width=10)
+  assert [(k["stream"], k["start_us"], k["us"], k["ours"]) for k in listed] == [
+      ("Stream #40", 0.0, 20.0, True), ("Stream #13", 0.0, 50.0, False),
+      ("Stream #13", 50.0, 50.0, False)]
+  assert picture[0].endswith("|==========|") and picture[0].startswith("Stream #13")
+  assert picture[1].endswith("|##        |") and picture[1].startswith("Stream #40")
+  assert picture[2].rstrip().endswith("100 us")
