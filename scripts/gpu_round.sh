@@ -47,6 +47,9 @@
 #   bash scripts/gpu_round.sh netbench  # the high-throughput ops across 2 virtual hosts beside
 #                                     # one host, 8 ranks: layer chain (netlayers), per op (netops)
 #   bash scripts/gpu_round.sh fp8bench  # the FP8 dispatch beside the bf16 one at 8 ranks
+#   bash scripts/gpu_round.sh example   # examples/moe_transformer.py on one GPU: defaults, the
+#                                     # compilation cache filled then read, 2 micro-batches on
+#                                     # jax_ep's own stream
 #   bash scripts/gpu_round.sh fp8       # the experts in FP8: bench_fp8_gemm.py, the layer's
 #                                     # precisions (bench_layer.py), the example with --fp8
 #                                     # emulated, T=4096, H=7168, top-8 of 256 (FP8_BENCH_ARGS)
@@ -322,6 +325,22 @@ if has fp8bench; then
     | tail -40
   counts "bench_intranode.py --wire-format" "$OUT/bench_intranode_fp8.log"
   cp benchmarks/results/gpu_round_intranode.jsonl "$OUT/" 2>/dev/null
+fi
+
+# The end-to-end example as a user runs it on one GPU: its defaults (the first step's time: trace,
+# lowering, XLA compile and the Mosaic kernels' builds, run), then twice with JAX's persistent
+# compilation cache (filled, then read), then two micro-batches on jax_ep's own stream.
+if has example; then
+  cache=$(mktemp -d)
+  for flags in "" "--compilation-cache $cache" "--compilation-cache $cache" \
+      "--micro-batches 2 --comm-stream jax_ep"; do
+    step "examples/moe_transformer.py --mesh 1x1 $flags"
+    t=$(bench_time 240) && timeout $t python3 examples/moe_transformer.py --mesh 1x1 $flags \
+      2>&1 | tee -a "$OUT/example.log" \
+      | grep -E "^(step    0|step  *[0-9]+0 |loss|mesh|decode|checkpoint|PASSED|FAILED)"
+    counts "examples/moe_transformer.py $flags"
+  done
+  rm -rf "$cache"
 fi
 
 # The experts in FP8 against bf16, same run: the FP8 grouped GEMM at the five model shapes
