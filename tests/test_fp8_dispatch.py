@@ -192,6 +192,37 @@ class FP8DispatchSuite(BackendSuite):
         *self.shard(group, x, idx, w))
     assert grad.shape == (r, 0, hidden) and grad.dtype == jnp.bfloat16
 
+  @pytest.mark.parametrize("fmt", FP8_FORMATS, ids=lambda f: f.name)
+  def test_nan_and_inf_stay_in_their_elements(self, fmt):
+    """A NaN is left out of its block's scale and stays NaN in its element; an infinity makes
+    its block's scale infinite (the block's finite elements 0, itself NaN): rows and scales
+    are the oracle's, and the tokens without them are untouched."""
+    r, t, hidden = self.small_ranks, 7, 512
+    group = self.make_group(r, num_experts=8, num_topk=2, hidden=hidden, max_tokens=t,
+                            wire_format=fmt)
+    x, idx, w = self.inputs(r, t, hidden, 2, 8, "uniform")
+    x[:, 1, 300] = np.nan
+    x[:, 2, 5] = np.inf
+    x[:, 3, 260] = -np.inf
+    x[:, 3, 400] = np.nan
+    recv, _ = self.run(group, x, idx, w)
+    expected = oracle.fp8_dispatch(x, idx, 8, group.capacity, round_scale=fmt.pow2_scales,
+                                   ue8m0=fmt.ue8m0)
+    token_scales = expected[0]["token_scales"]
+    assert np.isfinite(token_scales[:, 1]).all() and np.isinf(token_scales[:, 2, 0]).all()
+    for d in self.local_ranks(group):
+      sizes, offsets = expected[d]["group_sizes"], expected[d]["group_offsets"]
+      got = used_rows(recv.x[d], sizes, offsets).astype(np.float32)
+      rows = used_rows(expected[d]["recv_x"], sizes, offsets).astype(np.float32)
+      np.testing.assert_array_equal(np.isnan(got), np.isnan(rows), err_msg=f"NaNs, rank {d}")
+      if self.exact_fp8(group):
+        np.testing.assert_array_equal(got, rows, err_msg=f"recv.x on rank {d}")
+      else:
+        np.testing.assert_allclose(got, rows, rtol=2**-3, atol=0, err_msg=f"recv.x, rank {d}")
+      np.testing.assert_array_equal(used_rows(recv.scales[d], sizes, offsets),
+                                    used_rows(expected[d]["scales"], sizes, offsets),
+                                    err_msg=f"recv.scales on rank {d}")
+
   def test_strict_reports_drops(self):
     r = self.small_ranks
     group = self.make_group(r, num_experts=8, num_topk=2, hidden=128, max_tokens=19,
@@ -523,6 +554,37 @@ def test_quantize_is_the_dispatch_rounding(fmt):
   with pytest.raises(ValueError, match=r"jax_ep.quantize: row_format=RowFormat.FP8.* needs "
                                        r"hidden to be a multiple of"):
     jax_ep.quantize(jnp.zeros((2, 64), jnp.bfloat16), fmt)
+
+
+@pytest.mark.parametrize("round_scale", [False, True])
+def test_quantize_keeps_nan_and_inf_in_their_elements(round_scale):
+  """The one rounding (`jax_ep._native.fp8`, the kernels' too) against the oracle on values
+  that are not finite: a NaN left out of its block's amax, an infinity's block scaled by
+  infinity, `x / scale` saturating at 448."""
+  from jax_ep._native.fp8 import fp8_quantize
+  x = np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32)
+  x[0, 5] = np.nan
+  x[1, 130] = np.inf
+  x[2, 200], x[2, 300] = -np.inf, np.nan
+  q, scales = jax.jit(lambda x: fp8_quantize(x, round_scale=round_scale))(jnp.asarray(x))
+  q = np.asarray(q).astype(np.float32)
+  want_q, want_s = oracle.fp8_quantize(x, round_scale=round_scale)
+  np.testing.assert_array_equal(q, want_q.astype(np.float32))
+  np.testing.assert_array_equal(scales, want_s)
+  finite_only, _ = oracle.fp8_quantize(np.where(np.isnan(x), 0, x)[:1], round_scale=round_scale)
+  # The NaN's block: the scale of its other elements, which quantise as without it.
+  assert np.isnan(q[0, 5]) and np.isnan(q[0]).sum() == 1
+  np.testing.assert_array_equal(np.delete(q[0], 5), np.delete(finite_only[0], 5))
+  # The infinity's block: every element of it NaN (inf / inf) or 0; the other blocks finite.
+  assert np.isinf(scales[1, 1]) and np.isnan(q[1, 130]) and (q[1, 128:256][np.arange(128) != 2]
+                                                             == 0).all()
+  assert np.isfinite(np.delete(q[1], 130)).all() and np.isfinite(scales[1, [0, 2, 3]]).all()
+  # A NaN beside an infinity in one row: each in its own block.
+  assert np.isinf(scales[2, 1]) and np.isfinite(scales[2, 2])
+  # Saturation where the scale underflows to 0 (amax below 448 times float32's least
+  # subnormal; the kernels keep subnormals, XLA:CPU flushes them): +-448, never NaN.
+  tiny_q, tiny_s = oracle.fp8_quantize(np.full((1, 128), -1e-44, np.float32))
+  assert tiny_s[0, 0] == 0 and (tiny_q.astype(np.float32) == -448).all()
 
 
 @pytest.mark.parametrize("fmt", [RowFormat.FP8, RowFormat.FP8_UE8M0], ids=lambda f: f.name)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 
 def _round_up_power_of_two(s: jax.Array) -> jax.Array:
-  """The smallest power of two >= s (positive finite float32), exactly, on the bits.
+  """The smallest power of two >= s (positive float32; infinity stays), exactly, on the bits.
 
   NOTES: not `exp2(ceil(log2(s)))`: XLA's exp2 is not exact (2^-17 came back one ulp low)."""
   bits = jax.lax.bitcast_convert_type(s.astype(jnp.float32), jnp.uint32)
@@ -30,14 +30,26 @@ def fp8_quantize(x: jax.Array, block: int = 128, round_scale: bool = False):
 
   `scale = amax / 448` (1 for an all-zero block); with `round_scale` the smallest power of two
   at least that (so that a UE8M0 exponent holds it exactly). The one rounding of both modes'
-  fp8 dispatches (the low-latency `row_format`, the high-throughput `wire_format`)."""
+  fp8 dispatches (the low-latency `row_format`, the high-throughput `wire_format`).
+
+  Values that are not finite stay in their own elements, as the kernels leave them: a NaN is
+  left out of its block's amax (the other elements keep their scale) and stays NaN; an
+  infinity makes the block's scale infinite (its finite elements 0, itself NaN). `x / scale`
+  saturates at +-448 (it exceeds 448 only where the scale underflowed to 0 or was rounded
+  down), as the kernels' saturating conversion does, where a plain cast would give NaN."""
+  # The barrier: the amax and the division read the same stored values. XLA may otherwise
+  # fuse the computation of `x` into each and round it differently in each fusion, so that a
+  # scale is not the amax of what it divides, and a checkpointed recomputation quantises
+  # otherwise than the forward did (seen on XLA:CPU in the FP8 experts' gradient).
+  x = jax.lax.optimization_barrier(x)
   x32 = x.astype(jnp.float32)
   xb = x32.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-  amax = jnp.max(jnp.abs(xb), axis=-1)
+  amax = jnp.max(jnp.where(jnp.isnan(xb), 0.0, jnp.abs(xb)), axis=-1)
   scales = jnp.where(amax > 0, amax * (1.0 / 448.0), 1.0).astype(jnp.float32)
   if round_scale:
     scales = _round_up_power_of_two(scales)
-  q = (xb / scales[..., None]).astype(jnp.float8_e4m3fn)
+  # (clip keeps a NaN: XLA's min and max propagate it.)
+  q = jnp.clip(xb / scales[..., None], -448.0, 448.0).astype(jnp.float8_e4m3fn)
   return q.reshape(x.shape), scales
 
 

@@ -153,17 +153,20 @@ def low_latency_combine(expert_out, dispatched, topk_weights, out_dtype):
 
 def fp8_quantize(x, block: int = 128, round_scale: bool = False):
   """Per-token, per-128-channel e4m3 quantisation: returns (q as float32 values, scales);
-  `round_scale`: each scale rounded up to a power of two."""
+  `round_scale`: each scale rounded up to a power of two. A NaN is left out of its block's
+  amax and stays NaN; an infinite amax gives an infinite scale; `x / scale` saturates at
+  +-448."""
   import ml_dtypes
   x = np.asarray(x, np.float32)
   shp = x.shape
   xb = x.reshape(*shp[:-1], shp[-1] // block, block)
-  amax = np.abs(xb).max(axis=-1)
-  scales = np.where(amax > 0, amax * np.float32(1.0 / 448.0), 1.0).astype(np.float32)
-  if round_scale:
-    scales = np.array([2.0 ** int(np.ceil(np.log2(float(s)))) for s in scales.reshape(-1)],
-                      np.float32).reshape(scales.shape)
-  q = (xb / scales[..., None]).astype(ml_dtypes.float8_e4m3fn)
+  with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+    amax = np.fmax.reduce(np.abs(xb), axis=-1, initial=np.float32(0))  # fmax: NaN left out
+    scales = np.where(amax > 0, amax * np.float32(1.0 / 448.0), 1.0).astype(np.float32)
+    if round_scale:
+      scales = np.array([s if np.isinf(s) else 2.0 ** int(np.ceil(np.log2(float(s))))
+                         for s in scales.reshape(-1)], np.float32).reshape(scales.shape)
+    q = np.clip(xb / scales[..., None], -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
   return q.reshape(shp), scales
 
 
@@ -246,12 +249,18 @@ def router_z_loss(logits):
 
 def pack_ue8m0(scales):
   """Power-of-two scales `[..., H/128]` as int32 `[..., H/512]`: byte i of word j is the
-  biased exponent (`log2(scale) + 127`, 0 for a zero scale) of channel block 4j + i."""
+  biased exponent (`log2(scale) + 127`, 0 for a zero scale, 255 for an infinite one) of
+  channel block 4j + i."""
   scales = np.asarray(scales, np.float32)
   flat = scales.reshape(-1, scales.shape[-1])
   out = np.zeros((flat.shape[0], scales.shape[-1] // 4), np.uint32)
   for r in range(flat.shape[0]):
     for b, s in enumerate(flat[r]):
-      e = 0 if s == 0 else int(round(np.log2(float(s)))) + 127
+      if s == 0:
+        e = 0
+      elif np.isinf(s):
+        e = 255
+      else:
+        e = int(round(np.log2(float(s)))) + 127
       out[r, b // 4] |= np.uint32(e) << np.uint32(8 * (b % 4))
   return out.view(np.int32).reshape(*scales.shape[:-1], scales.shape[-1] // 4)
