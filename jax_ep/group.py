@@ -94,8 +94,8 @@ class Group:
       threads). Work that stays on this GPU runs on the other SMs in the same kernel, while the
       rows travel: the dispatch's placement of rows (its permute; the other ranks' rows too
       where every rank has a GPU of its own) and the combine's partial sums of this rank's own
-      tokens. With `comm_stream="jax_ep"` every kernel of an op (those too, and the one-rank
-      kernels) sizes its grid to `num_sms` SMs, beside the GEMMs that keep the rest.
+      tokens. With `comm_stream="jax_ep"` that local work and every other grid of an op sized
+      by the GPU's SMs (the one-rank kernels too) take `num_sms` SMs' worth instead.
     timeout_s: how long a multi-rank kernel waits for a peer before it gives up. It must cover
       the start-up skew between processes (one still compiling while another already waits in
       its first op). A timeout never hangs and never needs a host synchronisation to be seen:

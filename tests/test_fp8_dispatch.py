@@ -558,9 +558,9 @@ def test_quantize_is_the_dispatch_rounding(fmt):
 
 @pytest.mark.parametrize("round_scale", [False, True])
 def test_quantize_keeps_nan_and_inf_in_their_elements(round_scale):
-  """The one rounding (`jax_ep._native.fp8`, the kernels' too) against the oracle on values
-  that are not finite: a NaN left out of its block's amax, an infinity's block scaled by
-  infinity, `x / scale` saturating at 448."""
+  """The one rounding (`jax_ep._native.fp8`; the dispatch suites hold the kernels to it on the
+  GPU) against the oracle on values that are not finite: a NaN left out of its block's amax,
+  an infinity's block scaled by infinity, `x / scale` saturating at 448."""
   from jax_ep._native.fp8 import fp8_quantize
   x = np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32)
   x[0, 5] = np.nan
@@ -581,10 +581,14 @@ def test_quantize_keeps_nan_and_inf_in_their_elements(round_scale):
   assert np.isfinite(np.delete(q[1], 130)).all() and np.isfinite(scales[1, [0, 2, 3]]).all()
   # A NaN beside an infinity in one row: each in its own block.
   assert np.isinf(scales[2, 1]) and np.isfinite(scales[2, 2])
-  # Saturation where the scale underflows to 0 (amax below 448 times float32's least
-  # subnormal; the kernels keep subnormals, XLA:CPU flushes them): +-448, never NaN.
+  # Saturation where the scale underflows to 0 (the oracle and the kernels keep subnormals:
+  # an amax below 448 times float32's least subnormal): +-448 where a plain cast gives NaN.
   tiny_q, tiny_s = oracle.fp8_quantize(np.full((1, 128), -1e-44, np.float32))
   assert tiny_s[0, 0] == 0 and (tiny_q.astype(np.float32) == -448).all()
+  # Power-of-two scales on the bits, subnormal ones too (UE8M0: their exponent byte is 0).
+  sub_q, sub_s = oracle.fp8_quantize(np.full((1, 128), 1e-37, np.float32), round_scale=True)
+  assert 0 < sub_s[0, 0] < np.finfo(np.float32).tiny and oracle.pack_ue8m0(
+      np.repeat(sub_s, 4, axis=-1))[0, 0] == 0
 
 
 @pytest.mark.parametrize("fmt", [RowFormat.FP8, RowFormat.FP8_UE8M0], ids=lambda f: f.name)

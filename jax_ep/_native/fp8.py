@@ -35,8 +35,10 @@ def fp8_quantize(x: jax.Array, block: int = 128, round_scale: bool = False):
   Values that are not finite stay in their own elements, as the kernels leave them: a NaN is
   left out of its block's amax (the other elements keep their scale) and stays NaN; an
   infinity makes the block's scale infinite (its finite elements 0, itself NaN). `x / scale`
-  saturates at +-448 (it exceeds 448 only where the scale underflowed to 0 or was rounded
-  down), as the kernels' saturating conversion does, where a plain cast would give NaN."""
+  saturates at +-448 (it exceeds 448 only where the scale underflowed to 0), as the kernels'
+  saturating conversion does, where a plain cast would give NaN. NOTES: XLA:CPU flushes
+  subnormals, the kernels keep them: a block whose amax is below 448 * 2^-126 (about 5e-36)
+  has a subnormal scale on the GPU and a scale of 0 here (its values +-448, its zeros NaN)."""
   # The barrier: the amax and the division read the same stored values. XLA may otherwise
   # fuse the computation of `x` into each and round it differently in each fusion, so that a
   # scale is not the amax of what it divides, and a checkpointed recomputation quantises

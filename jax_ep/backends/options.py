@@ -38,8 +38,8 @@ OWN_STREAM = "jax_ep"
 @dataclasses.dataclass(frozen=True)
 class OwnStream:
   """Where the cuda backend's ops run for `comm_stream=OWN_STREAM` (`CommOptions.stream`):
-  jax_ep's own stream, each op's grids sized to `sms` SMs (the group's `num_sms`) so that the
-  kernels XLA runs beside it keep the rest of the GPU."""
+  jax_ep's own stream, each op's grids that the GPU's SMs size sized to `sms` SMs instead (the
+  group's `num_sms`), so that the kernels XLA runs beside it keep the rest of the GPU."""
   sms: int
 
 
@@ -72,8 +72,8 @@ class CommOptions:
     raise_on_timeout: raise a kernel's timeout at the op that hit it (else at `group.check()`).
     comm_stream: where the cuda backend's high-throughput ops run: None, XLA's compute stream;
       XLA's additional GPU stream N (1 to `MAX_COMM_STREAM`), beside the compute stream's
-      kernels; `OWN_STREAM`, jax_ep's own stream, every kernel of each op then within
-      `num_sms` SMs' worth of blocks.
+      kernels; `OWN_STREAM`, jax_ep's own stream, where every grid sized by the GPU's SMs
+      takes `num_sms` SMs' worth of blocks instead.
   """
   num_sms: int = 24
   timeout_s: float = 60.0

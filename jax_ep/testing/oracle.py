@@ -151,6 +151,20 @@ def low_latency_combine(expert_out, dispatched, topk_weights, out_dtype):
   return out.astype(out_dtype)
 
 
+def _round_up_power_of_two(scales):
+  """The smallest power of two >= each float32 scale, on the bits (as the kernels do): a
+  normal scale's exponent, plus one where its mantissa is not zero; a subnormal's next power of
+  two (0 stays 0); infinity stays."""
+  bits = np.asarray(scales, np.float32).view(np.uint32)
+  exponent, mantissa = bits & np.uint32(0x7F800000), bits & np.uint32(0x007FFFFF)
+  normal = np.where(mantissa == 0, bits, exponent + np.uint32(0x00800000))
+  high = np.array([int(m).bit_length() for m in mantissa.reshape(-1)],
+                  np.uint32).reshape(mantissa.shape)
+  subnormal = np.where((mantissa & (mantissa - np.uint32(1))) == 0, bits,
+                       np.left_shift(np.uint32(1), high))
+  return np.where(exponent == 0, subnormal, normal).astype(np.uint32).view(np.float32)
+
+
 def fp8_quantize(x, block: int = 128, round_scale: bool = False):
   """Per-token, per-128-channel e4m3 quantisation: returns (q as float32 values, scales);
   `round_scale`: each scale rounded up to a power of two. A NaN is left out of its block's
@@ -164,8 +178,7 @@ def fp8_quantize(x, block: int = 128, round_scale: bool = False):
     amax = np.fmax.reduce(np.abs(xb), axis=-1, initial=np.float32(0))  # fmax: NaN left out
     scales = np.where(amax > 0, amax * np.float32(1.0 / 448.0), 1.0).astype(np.float32)
     if round_scale:
-      scales = np.array([s if np.isinf(s) else 2.0 ** int(np.ceil(np.log2(float(s))))
-                         for s in scales.reshape(-1)], np.float32).reshape(scales.shape)
+      scales = _round_up_power_of_two(scales)
     q = np.clip(xb / scales[..., None], -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
   return q.reshape(shp), scales
 
@@ -249,18 +262,13 @@ def router_z_loss(logits):
 
 def pack_ue8m0(scales):
   """Power-of-two scales `[..., H/128]` as int32 `[..., H/512]`: byte i of word j is the
-  biased exponent (`log2(scale) + 127`, 0 for a zero scale, 255 for an infinite one) of
-  channel block 4j + i."""
+  biased exponent byte of channel block 4j + i's float32 scale (`log2(scale) + 127`; 0 for a
+  zero or subnormal scale, 255 for an infinite one)."""
   scales = np.asarray(scales, np.float32)
   flat = scales.reshape(-1, scales.shape[-1])
   out = np.zeros((flat.shape[0], scales.shape[-1] // 4), np.uint32)
+  exponents = (flat.view(np.uint32) >> np.uint32(23)) & np.uint32(0xFF)  # the kernels' byte
   for r in range(flat.shape[0]):
-    for b, s in enumerate(flat[r]):
-      if s == 0:
-        e = 0
-      elif np.isinf(s):
-        e = 255
-      else:
-        e = int(round(np.log2(float(s)))) + 127
+    for b, e in enumerate(exponents[r]):
       out[r, b // 4] |= np.uint32(e) << np.uint32(8 * (b % 4))
   return out.view(np.int32).reshape(*scales.shape[:-1], scales.shape[-1] // 4)
