@@ -149,6 +149,40 @@ class LowLatencyTestBase(BackendSuite):
           # scale) absolute.
           assert np.all(np.abs(deq - src) <= 2**-4 * np.abs(src) + 2**-10 * s)
 
+  @pytest.mark.parametrize("row_format", [RowFormat.FP8, RowFormat.FP8_UE8M0],
+                           ids=lambda f: f.name)
+  def test_fp8_nan_and_inf_stay_in_their_elements(self, row_format):
+    """The fp8 rows' rounding (the high-throughput dispatch's too) of values that are not
+    finite (a NaN left out of its block's scale, an infinity's block scaled by infinity): rows
+    and scales are the oracle's, NaN where it has NaN."""
+    r, e, k, h, t = self.small_ranks, 4 * self.small_ranks, 4, 512, 7
+    group = self.make_group(r, num_experts=e, num_topk=k, hidden=h, max_tokens=t)
+    x, idx, _ = self.inputs(np.random.default_rng(23), r, t, h, e, k, "uniform")
+    x = x.copy()
+    x[:, 1, 300] = np.nan
+    x[:, 2, 5] = np.inf
+    x[:, 3, 260], x[:, 3, 400] = -np.inf, np.nan
+    recv = self.run_per_rank(group, lambda x, idx: jax_ep.low_latency_dispatch(
+        group, x, idx, row_format=row_format)[0], x, idx)
+    group.check()
+    q, scales = oracle.fp8_quantize(x, round_scale=row_format.pow2_scales)
+    expected_q = oracle.low_latency_dispatch(q, idx, e, t)
+    expected_s = oracle.low_latency_dispatch(scales, idx, e, t)
+    for d in self.local_ranks(group):
+      np.testing.assert_array_equal(recv.count[d], expected_q[d]["count"])
+      for le, n in enumerate(expected_q[d]["count"]):
+        got = recv.x[d][le, :n].astype(np.float32)
+        want = expected_q[d]["recv_x"][le, :n].astype(np.float32)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=f"NaNs, {le} {d}")
+        if self.target.fp8_exact:
+          np.testing.assert_array_equal(got, want, err_msg=f"expert {le}, rank {d}")
+        else:
+          np.testing.assert_allclose(got, want, rtol=2**-3, atol=0)
+        want_s = expected_s[d]["recv_x"][le, :n]
+        if row_format.ue8m0:
+          want_s = oracle.pack_ue8m0(want_s)
+        np.testing.assert_array_equal(recv.scales[d][le, :n], want_s)
+
   def test_fp8_options_are_checked(self):
     # How a row format may be spelled: tests/test_row_format.py.
     r = self.small_ranks
