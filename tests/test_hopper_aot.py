@@ -190,3 +190,26 @@ def test_the_layer_runs_every_expert_product_in_the_mosaic_kernels():
   assert "jax_ep_local_dispatch_fp8_own_stream" in own and "jax_ep_join" in own, result
   assert "jax_ep_local_dispatch_fp8" in result["fp8_remat_mb2"]["jax_ep"], result
   assert "jax_ep_local_dispatch_fp8" not in result["bf16"]["jax_ep"], result
+
+
+@needs_extension
+@pytest.mark.slow
+def test_the_example_compiles_for_the_h200_with_the_mosaic_kernels():
+  """examples/moe_transformer.py's training step as the example builds it on one GPU: its two
+  layers share one scanned body, whose experts run 9 Mosaic GPU kernels (forward, its
+  recomputation under remat, the backward's five); in FP8 with two micro-batches on jax_ep's
+  own stream 18, every op of the pipeline on the stream and joined. The seconds each variant's
+  trace, lowering and compile took are printed (no GPU: XLA's autotuning is not among them).
+  Spills are the layer test's, at a model shape (the example's small sizes change them)."""
+  result, output = _run("example")
+  assert _ptxas_reports(output), output[-4000:]
+  print({name: variant["seconds"] for name, variant in result.items()})
+  assert result["bf16"]["mosaic"] == 9, result
+  assert set(result["bf16"]["jax_ep"]) == {
+      "jax_ep_local_layout", "jax_ep_local_dispatch", "jax_ep_local_combine",
+      "jax_ep_local_combine_vjp"}, result
+  own = result["fp8_mb2_own_stream"]
+  assert own["mosaic"] == 18, result
+  ops = {t: n for t, n in own["jax_ep"].items() if t != "jax_ep_join"}
+  assert ops and all(t.endswith("_own_stream") for t in ops), result
+  assert own["jax_ep"]["jax_ep_join"] == sum(ops.values()), result
