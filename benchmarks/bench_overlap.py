@@ -110,7 +110,7 @@ def main():
                        f"for XLA's stream N, {OWN_STREAM!r} for jax_ep's own and its pipeline)")
   ap.add_argument("--num-sms", type=int, nargs="+", default=[24],
                   help="the groups' num_sms (default the Group's): on jax_ep's own stream each "
-                       "value is timed (the SMs every grid of an op is sized to); elsewhere "
+                       "value is timed (the SMs an op's grids are sized to there); elsewhere "
                        "the first")
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--timeline", default=None,
