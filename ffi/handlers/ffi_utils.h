@@ -343,10 +343,10 @@ struct OnOwnStream<ffi::Error(cudaStream_t, A...), kImpl> {
   static ffi::Error Call(cudaStream_t xla_stream, A... args, int64_t key,
                          int64_t sms) {
     if (sms < 0 || sms > kMaxNumSms) {
-      return InvalidArgument(
-          "jax_ep own stream",
-          "own_stream_sms is " + std::to_string(sms) +
-              ", expected 0 <= own_stream_sms <= " + std::to_string(kMaxNumSms));
+      return InvalidArgument("jax_ep own stream",
+                             "own_stream_sms is " + std::to_string(sms) +
+                                 ", expected 0 <= own_stream_sms <= " +
+                                 std::to_string(kMaxNumSms));
     }
     cudaStream_t own = nullptr;
     cudaError_t err = runtime::ForkOwnStream(xla_stream, &own);
