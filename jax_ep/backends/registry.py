@@ -163,6 +163,14 @@ def _create_reference(request: Request):
   return ReferenceBackend(request.config), None
 
 
+def _local_hardware_ids(mesh) -> list[int]:
+  """The hardware ids of this process's devices of `mesh`. A compile-only device
+  (jax.experimental.topologies: compiling ahead of time, with no GPU) has none, and nothing
+  to load onto or make a stream on."""
+  return [d.local_hardware_id for d in mesh.devices.flat
+          if d.process_index == jax.process_index() and d.local_hardware_id is not None]
+
+
 def _create_cuda(request: Request):
   """The cuda backend of the group's process model: a transport (the native groups and their
   buffers) wherever ranks talk to each other or the low-latency pair needs buffers, else the
@@ -170,15 +178,11 @@ def _create_cuda(request: Request):
   r, config, mesh = request, request.config, request.mesh
   if r.options.comm_stream == OWN_STREAM:
     # jax_ep's own stream and its events, made now rather than inside a handler.
-    for device in mesh.devices.flat:
-      if device.process_index == jax.process_index() and device.local_hardware_id is not None:
-        ffi.extension().prepare_own_stream(device.local_hardware_id)
+    for device in _local_hardware_ids(mesh):
+      ffi.extension().prepare_own_stream(device)
   if config.num_ranks == 1 and not r.low_latency:
-    for device in mesh.devices.flat:
-      # A compile-only device (jax.experimental.topologies: compiling ahead of time, with no
-      # GPU) has no hardware id and nothing to load onto.
-      if device.process_index == jax.process_index() and device.local_hardware_id is not None:
-        ffi.extension().preload_kernels(device.local_hardware_id)
+    for device in _local_hardware_ids(mesh):
+      ffi.extension().preload_kernels(device)
     return LocalBackend(config, None, r.options), None
   o = r.options
   if r.topology is not None and r.topology.num_hosts > 1:
