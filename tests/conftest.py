@@ -13,7 +13,9 @@ import atexit
 import glob
 import os
 import shutil
+import sys
 import tempfile
+import time
 
 # Must happen before jax is imported anywhere: 8 host devices stand in for 8 EP ranks on the CPU.
 # Under jax_ep.launch each process is one rank with its own device instead.
@@ -81,6 +83,15 @@ def pytest_configure(config):
   prefix = os.environ.get("JAX_EP_JUNIT_PREFIX")
   if prefix and not config.option.xmlpath:
     config.option.xmlpath = f"{prefix}.p{os.environ.get('JAX_EP_PROCESS_ID', '0')}.xml"
+
+
+def pytest_runtest_logreport(report):
+  # Under scripts/gpu_suite.py each failure goes to the log as it happens: a suite cut by its
+  # time limit (or a crash) prints no summary, and its junit report may never be written.
+  if report.failed and os.environ.get("JAX_EP_JUNIT_PREFIX"):
+    sys.stderr.write(f"\n{time.strftime('%H:%M:%S')} FAILED {report.nodeid} ({report.when})\n"
+                     f"{report.longreprtext}\n")
+    sys.stderr.flush()
 
 
 @pytest.hookimpl(trylast=True)

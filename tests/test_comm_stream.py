@@ -65,8 +65,12 @@ def _layer(backend, devices=None):
       recv_x = primitives.dequantize(q, scales, x.dtype)
     return primitives.combine(backend, recv_x * 2, layout, w)
   if isinstance(backend, NetworkBackend):
-    mesh = jax.make_mesh((backend.config.num_ranks,), ("ep",),
-                         devices=(devices or jax.devices())[:backend.config.num_ranks],
+    num_ranks = backend.config.num_ranks
+    devices = devices or jax.devices()
+    if len(devices) < num_ranks:
+      # One GPU: its programs are only lowered (for CUDA) here, over the host's CPU devices.
+      devices = jax.devices("cpu")
+    mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices[:num_ranks],
                          axis_types=(jax.sharding.AxisType.Auto,))
     spec = P("ep")
     per_rank = lambda x, idx, w: layer(x[0], idx[0], w[0])[None]

@@ -434,6 +434,8 @@ def test_bad_operands_are_named(case, error, match):
     (KernelTiles(64, 128, 128, 2, 1, 2), "64 \\* compute_wgs"),
     (KernelTiles(128, 128, 128, 2, 1, 1), "registers"),
     (KernelTiles(128, 128, 128, 7, 1, 2), "shared memory"),
+    # bf16 rows of 32 columns: 64 bytes, a TMA store from row 1 would be misaligned.
+    (KernelTiles(64, 32, 128, 2, 1, 1), "multiple of 128 bytes"),
 ])
 def test_tiles_that_cannot_run_are_named(tiles, match):
   with pytest.raises(ValueError, match=match):

@@ -399,6 +399,20 @@ def interpreted_kernels(monkeypatch):
     yield
 
 
+def test_a_staged_row_under_128_bytes_does_not_build():
+  """An item's rows are stored from any row of the staged tile, and a TMA copy's shared-memory
+  address must be 128-byte aligned: tiles of 32 bf16 columns (64-byte rows) are refused when
+  the kernel is built, not left to fault on the GPU."""
+  from jax_ep.experts import hopper
+  operands = (jax.ShapeDtypeStruct((256, 128), jnp.bfloat16),
+              jax.ShapeDtypeStruct((2, 128, 64), jnp.bfloat16),
+              jax.ShapeDtypeStruct((2,), jnp.int32))
+  kernel = lambda x, w, gs: hopper.grouped_matmul_kernel(  # noqa: E731
+      x, w, gs, transpose_w=False, tiles=KernelTiles(64, 32, 64, 2, 1))
+  with pytest.raises(ValueError, match="64 bytes; stored from any row it must be a multiple"):
+    jax.jit(kernel).trace(*operands).lower(lowering_platforms=("cuda",))
+
+
 KERNEL_CASES = [  # rows, groups, K, N, sizes: skewed, empty, everything in one, nothing
     (300, 4, 128, 192, [40, 0, 100, 90]), (200, 3, 64, 128, [0, 200, 0]),
     (130, 2, 128, 64, [0, 0]), (100, 1, 64, 64, [7]),

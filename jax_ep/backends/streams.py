@@ -87,6 +87,8 @@ def on_own_stream(target, result_shapes, vmap_method, has_side_effect, sms: int,
   results before it. Under vmap each op joins at once, inside its batching rule: a loop's
   slices and a broadcast's copies are buffers of that iteration or that call, which XLA may
   reuse as soon as the op's equation is done, so the join that keeps them must come before.
+  The join traced after the op then runs too, batched: a second wait for the same op, which
+  launches nothing (it keeps the join an equation of its own for jax_ep/overlap.py).
   """
   single = not isinstance(result_shapes, (list, tuple))
   key = np.int64(0)  # jax_ep/overlap.py gives a micro-batch's ops and joins their own

@@ -61,9 +61,14 @@ def _store_rows(o_smem, o_gmem, row0, first, count, col, block_m: int, block_n: 
   rows `row0 + first + ...` of `o_gmem` at column `col`. NOTES: a bulk copy's shape is static,
   so the count is written as a sum of powers of two, one copy each (at most log2(block_m) + 1;
   a whole tile is one). The copies are left in flight: the caller waits before it reuses
-  `o_smem`."""
+  `o_smem`. A copy's shared-memory address must be 128-byte aligned, and the first row is any
+  row: a row of `o_smem` is a multiple of 128 bytes."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
+  row_bytes = o_smem.shape[-1] * jnp.dtype(o_smem.dtype).itemsize
+  if row_bytes % 128:
+    raise ValueError(f"_store_rows: a row of the staged tile is {row_bytes} bytes; stored from "
+                     f"any row it must be a multiple of 128 (TMA's shared-memory alignment)")
   offset = first
   size = 1 << (min(block_m, max_rows).bit_length() - 1)
   while size >= 1:

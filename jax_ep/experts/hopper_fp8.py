@@ -69,10 +69,14 @@ SMEM_LIMIT = 227 * 1024
 # fp32 registers per thread a warpgroup's totals and one block's product may take (of 255):
 # the rest holds addresses, the scales and the epilogue's temporaries.
 REGISTER_LIMIT = 192
-# The h scales' store: a TMA box's row is at least 16 bytes, so each row's scale of a
-# 128-column block is stored broadcast over 8 fp32 columns (the WGMMA layout's narrowest
-# tile) of a `[rows, F / 128 * 8]` buffer, of which the kernel function returns column 0.
-_SCALE_COLUMNS = 8
+# A staged output's rows are stored from any row of the tile (`hopper._store_rows`: an item's
+# rows start anywhere), and a TMA copy's shared-memory address must be 128-byte aligned: each
+# staging buffer's row is a multiple of 128 bytes (a misaligned one faults at run time).
+_TMA_SMEM_ALIGN = 128
+# The h scales' store: each row's scale of a 128-column block is stored broadcast over 32 fp32
+# columns (128 bytes, the alignment above) of a `[rows, F / 128 * 32]` buffer, of which the
+# kernel function returns column 0.
+_SCALE_COLUMNS = _TMA_SMEM_ALIGN // 4
 _E4M3_MAX = 448.0
 _SQRT_2_OVER_PI = 0.7978845608028654
 GATED = ("swiglu", "geglu")
@@ -110,8 +114,15 @@ def smem_bytes(tiles: KernelTiles, *, weights: int = 1,
   return tiles.stages * stage + out
 
 
-def _check_tiles(name: str, tiles: KernelTiles, num_accs: int, smem: int):
+def _check_tiles(name: str, tiles: KernelTiles, num_accs: int, smem: int,
+                 buffers: Sequence[tuple[int, object]]):
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+  for width, dtype in buffers:
+    if width * jnp.dtype(dtype).itemsize % _TMA_SMEM_ALIGN:
+      raise ValueError(
+          f"{name}: tiles {tiles} stage {width} {jnp.dtype(dtype).name} columns per row, "
+          f"{width * jnp.dtype(dtype).itemsize} bytes; a row stored from any row of the tile "
+          f"must be a multiple of {_TMA_SMEM_ALIGN} bytes (TMA's shared-memory alignment)")
   wgs = tiles.compute_wgs
   if bk != SCALE_BLOCK or SCALE_BLOCK % bn or bm % (64 * wgs):
     raise ValueError(
@@ -202,7 +213,7 @@ def fp8_grouped_matmul_kernel(x, x_scales, w, w_scales, group_sizes, group_offse
   rows, k, n = _check_operands(name, x, x_scales, w, w_scales, group_sizes)
   outputs = ((n, out_dtype),)
   buffers, _ = staging(outputs, n // tiles.block_n)
-  _check_tiles(name, tiles, 1, smem_bytes(tiles, buffers=buffers))
+  _check_tiles(name, tiles, 1, smem_bytes(tiles, buffers=buffers), buffers)
   body = _fused_specialized if tiles.compute_wgs > 1 else _fused
   (out,) = body((x,), (x_scales,), (w,), (w_scales,), group_sizes, group_offsets,
                 passes=((0, ((0, 0),)),), tiles=tiles, epilogue=lambda totals: totals,
@@ -250,7 +261,8 @@ def fp8_gated_kernel(x, x_scales, w_gate, w_up, scales_gate, scales_up, group_si
   outputs = (((f, jnp.float8_e4m3fn), (f // SCALE_BLOCK * _SCALE_COLUMNS, jnp.float32))
              + ((f, jnp.bfloat16),) * num)
   buffers, _ = staging(outputs, f // SCALE_BLOCK)
-  _check_tiles(name, tiles, num, smem_bytes(tiles, weights=num, buffers=buffers))
+  _check_tiles(name, tiles, num, smem_bytes(tiles, weights=num, buffers=buffers),
+               buffers)
 
   def epilogue(totals):
     h = activation_fn(totals[0], activation)
@@ -312,7 +324,7 @@ def fp8_gated_input_grad_kernel(dgate, dgate_scales, dup, dup_scales, w_gate, sc
         f"[dgate | dup] and [w_gate | w_up] concatenated along F")
   outputs = ((h, out_dtype),)
   buffers, _ = staging(outputs, h // tiles.block_n)
-  _check_tiles(name, tiles, 1, smem_bytes(tiles, buffers=buffers))
+  _check_tiles(name, tiles, 1, smem_bytes(tiles, buffers=buffers), buffers)
   (out,) = _fused(
       xs, x_scales, ws, w_scales, group_sizes, group_offsets,
       passes=tuple((i, ((i, 0),)) for i in range(len(xs))), tiles=tiles,

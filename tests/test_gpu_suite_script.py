@@ -1,0 +1,53 @@
+"""scripts/gpu_suite.py's record of a suite, on the CPU: what it counts when the suite passes,
+and when it is cut by its time limit (interrupted, its summary and failures still in the log)."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TESTS = '''
+import time
+def test_passes():
+  pass
+def test_fails():
+  assert 1 == 2, "the failure's own message"
+def test_hangs():
+  time.sleep(600)
+'''
+
+
+def _suite(tmp_path, select, timeout):
+  (tmp_path / "test_cases.py").write_text(TESTS)
+  out = tmp_path / "out"
+  # `-p conftest`: tests/conftest.py's hooks for a test file outside tests/.
+  env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests"), JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "gpu_suite.py"), "--out", str(out),
+       "--timeout", str(timeout), "--name", "cases", "--", sys.executable, "-m", "pytest", "-q",
+       "-p", "no:cacheprovider", "-p", "conftest", str(tmp_path / "test_cases.py"), "-k",
+       select],
+      env=env, capture_output=True, text=True, timeout=timeout + 60)
+  (record,) = [json.loads(line) for line in open(out / "gpu_suites.jsonl")]
+  return result, record, (out / "logs" / "cases.log").read_text()
+
+
+def test_a_passing_suite_is_recorded_as_passed(tmp_path):
+  result, record, _ = _suite(tmp_path, "passes", 120)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert (record["passed"], record["failed"], record["skipped"], record["errors"],
+          record["exit_code"]) == (1, 0, 0, 0, 0), record
+
+
+def test_a_suite_past_its_time_is_interrupted_and_counts_what_ran(tmp_path):
+  result, record, log = _suite(tmp_path, "passes or fails or hangs", 30)
+  assert result.returncode == 1, result.stdout + result.stderr
+  # The tests that ran, and one error for the cut (the hanging test is not a pass).
+  assert (record["passed"], record["failed"], record["errors"], record["exit_code"]) == (
+      1, 1, 1, 124), record
+  # The failure went to the log when it happened, and pytest's summary says where it stopped.
+  assert "FAILED test_cases.py::test_fails (call)" in log
+  assert "the failure's own message" in log
+  assert "KeyboardInterrupt" in log and "test_cases.py:8" in log
