@@ -154,7 +154,12 @@ gemm_suite() { suite --timeout 300 -- $PYTEST tests/test_grouped_matmul.py tests
 # The fused expert MLP at the five model shapes (DeepSeek-V3's weights and gradients take most
 # of the GPU); the FP8 kernels at the same shapes and the FP8 recipe in the layer.
 experts_suite() {
-  XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 500 -- $PYTEST tests/test_fused_expert_mlp.py -m gpu
+  # The fused bf16 MLP in two runs (each its own time limit): without, then with vmap and
+  # jax.checkpoint (the models' shapes twice more over).
+  XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_fused_expert_mlp.py \
+    -m gpu -k "plain or every_activation" --durations 10
+  XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 500 -- $PYTEST tests/test_fused_expert_mlp.py \
+    -m gpu -k "vmap or checkpoint" --durations 10
   XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_fp8_kernels.py \
     tests/test_fp8_experts.py -m gpu
 }
