@@ -12,6 +12,7 @@ tests start first.
 import atexit
 import glob
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -85,13 +86,32 @@ def pytest_configure(config):
     config.option.xmlpath = f"{prefix}.p{os.environ.get('JAX_EP_PROCESS_ID', '0')}.xml"
 
 
+# CUDA errors after which the process's context is lost: every later GPU call fails with the
+# same error, so the tests after it say nothing (and take the suite's time).
+_STICKY_CUDA_ERRORS = re.compile(
+    r"CUDA_ERROR_(MISALIGNED_ADDRESS|ILLEGAL_ADDRESS|LAUNCH_FAILED|ILLEGAL_INSTRUCTION"
+    r"|HARDWARE_STACK_ERROR|INVALID_PC)|cudaError(MisalignedAddress|IllegalAddress"
+    r"|LaunchFailure|IllegalInstruction|HardwareStackError|InvalidPc)\b")
+_SESSION = []
+
+
+def pytest_sessionstart(session):
+  _SESSION.append(session)
+
+
 def pytest_runtest_logreport(report):
+  if not report.failed:
+    return
   # Under scripts/gpu_suite.py each failure goes to the log as it happens: a suite cut by its
   # time limit (or a crash) prints no summary, and its junit report may never be written.
-  if report.failed and os.environ.get("JAX_EP_JUNIT_PREFIX"):
+  if os.environ.get("JAX_EP_JUNIT_PREFIX"):
     sys.stderr.write(f"\n{time.strftime('%H:%M:%S')} FAILED {report.nodeid} ({report.when})\n"
                      f"{report.longreprtext}\n")
     sys.stderr.flush()
+  sticky = _STICKY_CUDA_ERRORS.search(report.longreprtext)
+  if sticky and _SESSION:
+    _SESSION[-1].shouldstop = (f"{report.nodeid} lost this process's CUDA context "
+                               f"({sticky.group(0)}): the tests after it would fail with it")
 
 
 @pytest.hookimpl(trylast=True)

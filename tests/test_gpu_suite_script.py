@@ -1,5 +1,6 @@
 """scripts/gpu_suite.py's record of a suite, on the CPU: what it counts when the suite passes,
-and when it is cut by its time limit (interrupted, its summary and failures still in the log)."""
+and when it is cut by its time limit (interrupted, its summary and failures still in the log);
+and tests/conftest.py's stop after a CUDA error that loses the process's context."""
 
 import json
 import os
@@ -51,3 +52,25 @@ def test_a_suite_past_its_time_is_interrupted_and_counts_what_ran(tmp_path):
   assert "FAILED test_cases.py::test_fails (call)" in log
   assert "the failure's own message" in log
   assert "KeyboardInterrupt" in log and "test_cases.py:8" in log
+
+
+STICKY = '''
+def test_loses_the_context():
+  raise RuntimeError("CUDA error: CUDA_ERROR_MISALIGNED_ADDRESS: misaligned address")
+def test_after_it():
+  pass
+'''
+
+
+def test_a_lost_cuda_context_stops_the_run(tmp_path):
+  """After a CUDA error that loses the process's context, pytest stops there (the tests after
+  it would all fail with it), and the record says so."""
+  (tmp_path / "test_cases.py").write_text(STICKY)
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+       str(tmp_path / "test_cases.py")],
+      env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests"), JAX_PLATFORMS="cpu"),
+      capture_output=True, text=True, timeout=120)
+  assert result.returncode == 2, result.stdout + result.stderr  # pytest's "interrupted"
+  assert "1 failed in" in result.stdout and "passed" not in result.stdout, result.stdout
+  assert "lost this process's CUDA context (CUDA_ERROR_MISALIGNED_ADDRESS)" in result.stdout
