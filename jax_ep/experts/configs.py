@@ -283,8 +283,8 @@ def smallest_slab_tiles() -> SlabTiles:
 # 128 also keeps `h`'s quantisation block inside the tile). Shared memory (of Hopper's 227
 # KiB): the forward's 4 stages of 32.5 KiB beside 32 KiB of staged bf16 output (64 KiB fp32);
 # the gated kernel's 3 stages of 48.5 KiB beside 64 KiB (h, its scales in 128-byte rows, and
-# gate and up one after the other in one buffer). The input gradient's two passes run on one warpgroup, 64 x
-# 128.
+# gate and up one after the other in one buffer). The input gradient's two passes run on one
+# warpgroup, 64 x 128.
 FP8_BLOCK = 128
 _FP8_FORWARD = KernelTiles(block_m=ROW_TILE, block_n=128, block_k=FP8_BLOCK, stages=4, band=4,
                            compute_wgs=2)
