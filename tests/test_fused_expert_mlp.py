@@ -401,6 +401,28 @@ def test_on_the_gpu_every_activation(activation):
   _check_on_the_gpu("e32_h4096_f1536", "plain", activation)
 
 
+@pytest.mark.gpu
+def test_on_the_gpu_the_same_bits_twice():
+  """Every output element has one CTA and one reduction order, so two runs of the same program
+  give the same bits: rows inside the groups and every weight gradient (DeepSeek-V3's shape at
+  EP=8). A difference is a race in a kernel (an unordered shared-memory or global access),
+  which a comparison with the reference may catch only at times."""
+  require_hopper()
+  groups, hidden, ffn, routed = GPU_SHAPES["deepseek_v3_ep8_rank"]
+  rng = np.random.default_rng(1)
+  x, weights, gs, go, cot, inside = make_case(rng, 2 * routed, groups, hidden, ffn,
+                                              _skewed_sizes(rng, groups, routed), "swiglu")
+  step = jax.jit(lambda *a: loss_and_grads(*a, activation="swiglu"))
+  first = step(x, weights, gs, go, cot)
+  second = step(x, weights, gs, go, cot)
+  same = jax.jit(lambda a, b: jnp.all(a.view(jnp.uint16) == b.view(jnp.uint16)))
+  rows = jnp.asarray(inside)[:, None]
+  for name, a, b in (("y", first[0], second[0]), ("dx", first[1][0], second[1][0])):
+    assert bool(same(jnp.where(rows, a, 0), jnp.where(rows, b, 0))), name
+  for name, a, b in zip(("dw_gate", "dw_up", "dw_down"), first[1][1:], second[1][1:]):
+    assert bool(same(a, b)), name
+
+
 def _check_on_the_gpu(shape, wrap, activation):
   """The compiled fused kernels at each model's shape (R=1: the routed rows in a buffer twice
   their size, skewed groups, one empty, NaN in the padding), inside shard_map under grad, vmap
