@@ -157,7 +157,7 @@ experts_suite() {
   # The fused bf16 MLP in two runs (each its own time limit): without, then with vmap and
   # jax.checkpoint (the models' shapes twice more over).
   XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_fused_expert_mlp.py \
-    -m gpu -k "plain or every_activation" --durations 10
+    -m gpu -k "plain or every_activation or same_bits" --durations 10
   XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 500 -- $PYTEST tests/test_fused_expert_mlp.py \
     -m gpu -k "vmap or checkpoint" --durations 10
   XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_fp8_kernels.py \
