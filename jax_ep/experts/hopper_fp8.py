@@ -73,10 +73,13 @@ REGISTER_LIMIT = 192
 # rows start anywhere), and a TMA copy's shared-memory address must be 128-byte aligned: each
 # staging buffer's row is a multiple of 128 bytes (a misaligned one faults at run time).
 _TMA_SMEM_ALIGN = 128
-# The h scales' store: each row's scale of a 128-column block is stored broadcast over 32 fp32
+# The h scales' store: each row's scale of a 128-column block is staged in a row of 32 fp32
 # columns (128 bytes, the alignment above) of a `[rows, F / 128 * 32]` buffer, of which the
-# kernel function returns column 0.
+# kernel function returns column 0. Only the first 8 columns are written (broadcast: the WGMMA
+# layout's narrowest tile, 4 registers a thread where 32 columns take 16); the rest of the row
+# is stored as it was in shared memory and never read.
 _SCALE_COLUMNS = _TMA_SMEM_ALIGN // 4
+_SCALE_WRITTEN = 8
 _E4M3_MAX = 448.0
 _SQRT_2_OVER_PI = 0.7978845608028654
 GATED = ("swiglu", "geglu")
@@ -269,7 +272,7 @@ def fp8_gated_kernel(x, x_scales, w_gate, w_up, scales_gate, scales_up, group_si
     if gated:
       h = h * totals[1]
     q, scale = quantize_rows(h)
-    wide = jnp.broadcast_to(scale[:, None], (scale.shape[0], _SCALE_COLUMNS))
+    wide = jnp.broadcast_to(scale[:, None], (scale.shape[0], _SCALE_WRITTEN))
     return (q, wide, *totals)
 
   body = _fused_specialized if tiles.compute_wgs > 1 else _fused
@@ -345,14 +348,19 @@ def _store_outputs(values, buffers, slot_of, out_refs, widths, row0, first, coun
                    block_m: int, rows: int):
   """Stages each value in its buffer and stores rows `[first, first + count)` of it (at row
   `row0 + ...`, column tile `ni`); a buffer that an earlier output of this epilogue used is
-  reused once that output's store has read it. The last stores are left in flight."""
+  reused once that output's store has read it. The last stores are left in flight. A value
+  narrower than its buffer fills its first columns (the rest is stored unwritten)."""
+  from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   used = set()
   for value, slot, o_ref, width in zip(values, slot_of, out_refs, widths):
     if slot in used:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     used.add(slot)
-    buffers[slot][...] = value.astype(buffers[slot].dtype)
+    staged = buffers[slot]
+    if value.shape[-1] < width:
+      staged = staged.at[:, pl.ds(0, value.shape[-1])]
+    staged[...] = value.astype(staged.dtype)
     plgpu.commit_smem()
     _store_rows(buffers[slot], o_ref, row0, first, count, ni * width, block_m, width, rows)
 
