@@ -58,7 +58,7 @@
 #                                     # with 1 and 2 micro-batches at 1 and 8 ranks
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
 #   bash scripts/gpu_round.sh slab     # the experts on the low-latency slabs: tests, benchmark
-#   bash scripts/gpu_round.sh check     # every GPU suite, nothing else: check1 ... check6, each
+#   bash scripts/gpu_round.sh check     # every GPU suite, nothing else: check1 ... check8, each
 #                                     # part under 10 minutes on one H200 (below)
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
@@ -71,21 +71,24 @@
 # $OUT/gpu_suites.jsonl (append those of a commit's full check to
 # benchmarks/results/gpu_suites.jsonl). The round exits non-zero if any suite failed, and a
 # summary of every suite closes it.
-#   check1  one rank: the cuda suite, the input checks, the grouped GEMM, the slab and group-id
-#           tests, the NVSHMEM ring, memcheck of a one-rank round
-#   check2  the peer transport's suite in one process (faults, command buffers), at 2 and 4
+#   check1  one rank: the cuda suite (jax_ep's own stream included), the input checks,
+#           memcheck of a one-rank round
+#   check2  one rank: the grouped GEMM, the slab and group-id tests, the NVSHMEM ring
+#   check3  the peer transport's suite in one process (faults, command buffers), at 2 and 4
 #           ranks emulated
-#   check3  the peer transport's suite at 8 ranks; memcheck and racecheck of both modes (and of
+#   check4  the peer transport's suite at 8 ranks; memcheck and racecheck of both modes (and of
 #           the fp8 dispatch) at 2
-#   check4  the layer suite on the cuda backend (model shapes included) at 1 and 2 ranks
-#   check5  the layer at 4 ranks; the network tests that start their own ranks; the fused
-#           expert MLP at the five model shapes
-#   check6  the network transport at 2 x 4 and 4 x 2 virtual hosts, memcheck of its kernels
+#   check5  the layer suite on the cuda backend (model shapes included) at 1 and 2 ranks
+#   check6  the layer at 4 ranks; the network tests that start their own ranks; the FP8
+#           kernels and the FP8 layer at the model shapes
+#   check7  the network transport at 2 x 4 and 4 x 2 virtual hosts, memcheck of its kernels
+#   check8  the fused bf16 expert MLP at the five model shapes: as called, then under vmap and
+#           jax.checkpoint
 set -uo pipefail
 cd "$(dirname "$0")/.."
 STAGES=" ${*:-all} "
 has() { [[ "$STAGES" == *" $1 "* ]] || [[ "$STAGES" == *" all "* ]]; }
-# `check` is check1 ... check6.
+# `check` is check1 ... check8.
 checks() { has check || [[ "$STAGES" == *" $1 "* ]]; }
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -152,17 +155,22 @@ inputs_suite() {
 }
 gemm_suite() { suite --timeout 300 -- $PYTEST tests/test_grouped_matmul.py tests/test_routing.py -m gpu; }
 # The fused expert MLP at the five model shapes (DeepSeek-V3's weights and gradients take most
-# of the GPU); the FP8 kernels at the same shapes and the FP8 recipe in the layer.
-experts_suite() {
-  # The fused bf16 MLP in two runs (each its own time limit): without, then with vmap and
-  # jax.checkpoint (the models' shapes twice more over).
+# of the GPU), in two runs with their own time limits: as called (and the same bits twice),
+# then under vmap and jax.checkpoint (the models' shapes twice more over).
+fused_suite() {
   XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_fused_expert_mlp.py \
     -m gpu -k "plain or every_activation or same_bits" --durations 10
+}
+fused_wrapped_suite() {
   XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 500 -- $PYTEST tests/test_fused_expert_mlp.py \
     -m gpu -k "vmap or checkpoint" --durations 10
+}
+# The FP8 kernels at the model shapes and the FP8 recipe in the layer.
+fp8_experts_suite() {
   XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 400 -- $PYTEST tests/test_fp8_kernels.py \
     tests/test_fp8_experts.py -m gpu
 }
+experts_suite() { fp8_experts_suite; fused_suite; fused_wrapped_suite; }
 # The layer suite's GPU tests: its tests on the cuda backend and the model shapes, and the
 # micro-batched layer against the unsplit one.
 layer_suite() {  # $1: ranks (one process takes most of the GPU: DeepSeek-V3's dense twin)
@@ -236,19 +244,22 @@ rail_memcheck() {
 # The check's steps, in order; `check` runs all of them, `checkN` its part, `step:NAME` one step
 # (to resume a check cut by a call's time limit). DEADLINE_S=S: steps that would start after S
 # seconds of the round are not run (and fail it), and each step's time is cut to what is left.
-# Measured on one H200 (seconds): local 106, gemm 232, slab 34, nvshmem 22, localmem 7, layer1
-# 243, peer2 74, peer8 86, network2 106, network4 112; the rest not yet timed
-# (experts among them).
-CHECK1="local inputs gemm slab nvshmem localmem"
-CHECK2="peer_own peer2 peer4"
-CHECK3="peer8 peer_sanitize low_latency_sanitize"
-CHECK4="layer1 layer2"
-CHECK5="layer4 network_own experts"
-CHECK6="network2 network4 network_memcheck rail_memcheck"
+# Measured on one H200 (seconds): gemm 232, slab 34, nvshmem 22, localmem 7, layer1 243, peer2
+# 74, peer8 86, network2 106, network4 112; on one H100: local 395 (jax_ep's own stream
+# included), inputs 7; the rest not yet timed (the experts' steps among them).
+CHECK1="local inputs localmem"
+CHECK2="gemm slab nvshmem"
+CHECK3="peer_own peer2 peer4"
+CHECK4="peer8 peer_sanitize low_latency_sanitize"
+CHECK5="layer1 layer2"
+CHECK6="layer4 network_own fp8_experts"
+CHECK7="network2 network4 network_memcheck rail_memcheck"
+CHECK8="fused fused_wrapped"
 run_step() {
   case $1 in
     local) local_suite ;; gemm) gemm_suite ;; layer1) layer_suite 1 ;; slab) slab_suite ;;
-    experts) experts_suite ;; inputs) inputs_suite ;;
+    experts) experts_suite ;; inputs) inputs_suite ;; fp8_experts) fp8_experts_suite ;;
+    fused) fused_suite ;; fused_wrapped) fused_wrapped_suite ;;
     nvshmem) nvshmem_suite ;; localmem) local_memcheck ;;
     peer_own) peer_own_suite ;; peer[248]) peer_suite "${1#peer}" ;;
     peer_sanitize) peer_sanitize ;; low_latency_sanitize) low_latency_sanitize ;;
@@ -259,7 +270,8 @@ run_step() {
   esac
 }
 n=0
-for part in "$CHECK1" "$CHECK2" "$CHECK3" "$CHECK4" "$CHECK5" "$CHECK6"; do
+for part in "$CHECK1" "$CHECK2" "$CHECK3" "$CHECK4" "$CHECK5" "$CHECK6" "$CHECK7" \
+    "$CHECK8"; do
   n=$((n + 1))
   for name in $part; do
     if checks check$n || [[ "$STAGES" == *" step:$name "* ]]; then
