@@ -38,8 +38,9 @@ OWN_STREAM = "jax_ep"
 @dataclasses.dataclass(frozen=True)
 class OwnStream:
   """Where the cuda backend's ops run for `comm_stream=OWN_STREAM` (`CommOptions.stream`):
-  jax_ep's own stream, each op's grids that the GPU's SMs size sized to `sms` SMs instead (the
-  group's `num_sms`), so that the kernels XLA runs beside it keep the rest of the GPU."""
+  jax_ep's own stream, where an op's grids that are sized by the GPU's SM count are sized to
+  `sms` SMs instead (the group's `num_sms`), so that the kernels XLA runs beside it keep the
+  rest of the GPU."""
   sms: int
 
 

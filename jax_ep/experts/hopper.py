@@ -48,6 +48,11 @@ def num_sms() -> int:
   return (int(getattr(devices[0], "core_count", 0)) if devices else 0) or 132
 
 
+# A TMA copy's shared-memory address must be 128-byte aligned (the bytes; a misaligned copy
+# faults at run time).
+TMA_SMEM_ALIGN = 128
+
+
 def named(body, name: str):
   """`body` under `name`: Mosaic GPU names a kernel after its body function, so ptxas's reports
   and the profiler's traces show `<name>_mosaic_gpu_kernel`."""
@@ -61,14 +66,15 @@ def _store_rows(o_smem, o_gmem, row0, first, count, col, block_m: int, block_n: 
   rows `row0 + first + ...` of `o_gmem` at column `col`. NOTES: a bulk copy's shape is static,
   so the count is written as a sum of powers of two, one copy each (at most log2(block_m) + 1;
   a whole tile is one). The copies are left in flight: the caller waits before it reuses
-  `o_smem`. A copy's shared-memory address must be 128-byte aligned, and the first row is any
-  row: a row of `o_smem` is a multiple of 128 bytes."""
+  `o_smem`. A copy's shared-memory address must be `TMA_SMEM_ALIGN`-aligned, and the first
+  row is any row: a row of `o_smem` is a multiple of that many bytes."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   row_bytes = o_smem.shape[-1] * jnp.dtype(o_smem.dtype).itemsize
-  if row_bytes % 128:
+  if row_bytes % TMA_SMEM_ALIGN:
     raise ValueError(f"_store_rows: a row of the staged tile is {row_bytes} bytes; stored from "
-                     f"any row it must be a multiple of 128 (TMA's shared-memory alignment)")
+                     f"any row it must be a multiple of {TMA_SMEM_ALIGN} (TMA's shared-memory "
+                     f"alignment)")
   offset = first
   size = 1 << (min(block_m, max_rows).bit_length() - 1)
   while size >= 1:

@@ -59,7 +59,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.hopper import _band, _store_rows, named, num_sms
+from jax_ep.experts.hopper import TMA_SMEM_ALIGN, _band, _store_rows, named, num_sms
 from jax_ep.experts.layout import cdiv, row_tiles
 
 # The scales' granularity: a row's scale covers 128 channels, a weight's a 128x128 block.
@@ -70,15 +70,14 @@ SMEM_LIMIT = 227 * 1024
 # the rest holds addresses, the scales and the epilogue's temporaries.
 REGISTER_LIMIT = 192
 # A staged output's rows are stored from any row of the tile (`hopper._store_rows`: an item's
-# rows start anywhere), and a TMA copy's shared-memory address must be 128-byte aligned: each
-# staging buffer's row is a multiple of 128 bytes (a misaligned one faults at run time).
-_TMA_SMEM_ALIGN = 128
+# rows start anywhere), so each staging buffer's row is a multiple of `TMA_SMEM_ALIGN` bytes,
+# checked with the tiles (where the error can name them).
 # The h scales' store: each row's scale of a 128-column block is staged in a row of 32 fp32
-# columns (128 bytes, the alignment above) of a `[rows, F / 128 * 32]` buffer, of which the
+# columns (`TMA_SMEM_ALIGN` bytes) of a `[rows, F / 128 * 32]` buffer, of which the
 # kernel function returns column 0. Only the first 8 columns are written (broadcast: the WGMMA
 # layout's narrowest tile, 4 registers a thread where 32 columns take 16); the rest of the row
 # is stored as it was in shared memory and never read.
-_SCALE_COLUMNS = _TMA_SMEM_ALIGN // 4
+_SCALE_COLUMNS = TMA_SMEM_ALIGN // 4
 _SCALE_WRITTEN = 8
 _E4M3_MAX = 448.0
 _SQRT_2_OVER_PI = 0.7978845608028654
@@ -121,11 +120,11 @@ def _check_tiles(name: str, tiles: KernelTiles, num_accs: int, smem: int,
                  buffers: Sequence[tuple[int, object]]):
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
   for width, dtype in buffers:
-    if width * jnp.dtype(dtype).itemsize % _TMA_SMEM_ALIGN:
+    if width * jnp.dtype(dtype).itemsize % TMA_SMEM_ALIGN:
       raise ValueError(
           f"{name}: tiles {tiles} stage {width} {jnp.dtype(dtype).name} columns per row, "
           f"{width * jnp.dtype(dtype).itemsize} bytes; a row stored from any row of the tile "
-          f"must be a multiple of {_TMA_SMEM_ALIGN} bytes (TMA's shared-memory alignment)")
+          f"must be a multiple of {TMA_SMEM_ALIGN} bytes (TMA's shared-memory alignment)")
   wgs = tiles.compute_wgs
   if bk != SCALE_BLOCK or SCALE_BLOCK % bn or bm % (64 * wgs):
     raise ValueError(
