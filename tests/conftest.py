@@ -10,6 +10,7 @@ tests start first.
 """
 
 import atexit
+import gc
 import glob
 import os
 import re
@@ -93,6 +94,7 @@ _STICKY_CUDA_ERRORS = re.compile(
     r"|HARDWARE_STACK_ERROR|INVALID_PC)|cudaError(MisalignedAddress|IllegalAddress"
     r"|LaunchFailure|IllegalInstruction|HardwareStackError|InvalidPc)\b")
 _SESSION = []
+_FAILED_SINCE_COLLECT = []
 
 
 def pytest_sessionstart(session):
@@ -102,6 +104,7 @@ def pytest_sessionstart(session):
 def pytest_runtest_logreport(report):
   if not report.failed:
     return
+  _FAILED_SINCE_COLLECT.append(True)
   # Under scripts/gpu_suite.py each failure goes to the log as it happens: a suite cut by its
   # time limit (or a crash) prints no summary, and its junit report may never be written.
   if os.environ.get("JAX_EP_JUNIT_PREFIX"):
@@ -112,6 +115,20 @@ def pytest_runtest_logreport(report):
   if sticky and _SESSION:
     _SESSION[-1].shouldstop = (f"{report.nodeid} lost this process's CUDA context "
                                f"({sticky.group(0)}): the tests after it would fail with it")
+
+
+def pytest_runtest_setup(item):
+  # A failed test's frames, and with them its device arrays, outlive it: pytest keeps the last
+  # failure for post-mortem debugging (sys.last_traceback) and its report's machinery leaves
+  # reference cycles. At the models' shapes those arrays are tens of GB, so the next GPU test
+  # would run out of memory because of the one before it: after a failure, drop them first.
+  del item
+  if _FAILED_SINCE_COLLECT:
+    _FAILED_SINCE_COLLECT.clear()
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+      if hasattr(sys, name):
+        delattr(sys, name)
+    gc.collect()
 
 
 @pytest.hookimpl(trylast=True)

@@ -1,6 +1,7 @@
 """scripts/gpu_suite.py's record of a suite, on the CPU: what it counts when the suite passes,
 and when it is cut by its time limit (interrupted, its summary and failures still in the log);
-and tests/conftest.py's stop after a CUDA error that loses the process's context."""
+and tests/conftest.py's stop after a CUDA error that loses the process's context and its
+release of a failed test's values."""
 
 import json
 import os
@@ -75,3 +76,33 @@ def test_a_lost_cuda_context_stops_the_run(tmp_path):
   assert result.returncode == 2, result.stdout + result.stderr  # pytest's "interrupted"
   assert "1 failed in" in result.stdout and "passed" not in result.stdout, result.stdout
   assert "lost this process's CUDA context (CUDA_ERROR_MISALIGNED_ADDRESS)" in result.stdout
+
+
+HELD = '''
+import weakref
+REFS = []
+class Big:  # stands in for a device array
+  pass
+def test_fails_holding_a_big_value():
+  big = Big()
+  REFS.append(weakref.ref(big))
+  cycle = {}
+  cycle["self"] = cycle  # a reference cycle through the failing frame, as pytest's reports make
+  cycle["frame"] = __import__("sys")._getframe()
+  assert big is None
+def test_after_it_the_value_is_gone():
+  assert REFS and REFS[0]() is None
+'''
+
+
+def test_a_failed_tests_values_are_freed_before_the_next_test(tmp_path):
+  """A failed test's frames (its device arrays: tens of GB at the models' shapes) are held by
+  pytest's post-mortem references and reference cycles; the next test does not run beside
+  them."""
+  (tmp_path / "test_cases.py").write_text(HELD)
+  result = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+       str(tmp_path / "test_cases.py")],
+      env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests"), JAX_PLATFORMS="cpu"),
+      capture_output=True, text=True, timeout=120)
+  assert "1 failed, 1 passed" in result.stdout, result.stdout + result.stderr
