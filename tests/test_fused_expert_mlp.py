@@ -99,12 +99,18 @@ def _tolerance_errors(got, want, compared, rtol):
           jnp.max(jnp.where(compared & finite, diff, 0.0)), scale)
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "bucket", "rtol"))
-def _group_errors(y, grads, x, weights, cot, start, size, g, *, activation, bucket, rtol):
+@functools.partial(jax.jit, static_argnames=("activation", "bucket", "rtol", "batched"))
+def _group_errors(y, grads, x, weights, cot, start, size, g, b, *, activation, bucket, rtol,
+                  batched):
   """`_tolerance_errors` of one group's `y`, `dx` and weight gradients against the unfused
   float32 model of that group: its rows are read as a `bucket`-row window (zero rows with a
   zero cotangent add nothing to the weight gradients), so that one program per bucket serves
-  every group. `x`, `y`, `dx` and `cot` hold at least `bucket` rows."""
+  every group. `x`, `y`, `dx` and `cot` hold at least `bucket` rows. With `batched`, `y` and
+  the gradients are stacked over a leading axis and case `b`'s are compared: indexed here,
+  where only the group's slice is read (a case's weight gradients at DeepSeek-V3's shape are
+  22 GB, which a copy outside would need beside them)."""
+  if batched:
+    y, grads = y[b], (grads[0][b], *grads[1:])
   rows = x.shape[0]
   first = jnp.clip(start, 0, rows - bucket)  # the window, inside the rows
   row = first + jnp.arange(bucket)
@@ -118,15 +124,16 @@ def _group_errors(y, grads, x, weights, cot, start, size, g, *, activation, buck
             "dx": _tolerance_errors(window(grads[0]), want[0], inside, rtol)}
   for name, got, w in zip(("dw_gate", "dw_up", "dw_down"), grads[1:], want[1:]):
     if w is not None:
-      errors[name] = _tolerance_errors(got[g], w, True, rtol)
+      errors[name] = _tolerance_errors(got[b, g] if batched else got[g], w, True, rtol)
   return errors
 
 
 def check_against_reference(y, grads, x, weights, gs, go, cot, activation, what="",
-                            rtol=3e-2):
+                            rtol=3e-2, batch=None):
   """Compares `y` and the gradients `(dx, dw_gate, dw_up, dw_down)` with the unfused float32
   model, one group at a time (so that the models' shapes fit beside the results) and on the
-  device (only counts come back): rows inside the groups, every expert's weight gradient."""
+  device (only counts come back): rows inside the groups, every expert's weight gradient.
+  With `batch`, `y` and the gradients are stacked over cases and case `batch`'s compared."""
   assert y.dtype == jnp.bfloat16
   for name, got, w in zip(("dw_gate", "dw_up", "dw_down"), grads[1:], weights):
     assert (got is None) == (w is None), name
@@ -134,13 +141,15 @@ def check_against_reference(y, grads, x, weights, gs, go, cot, activation, what=
   sizes = np.asarray(gs)
   bucket_max = _bucket(int(sizes.max()))
   if bucket_max > x.shape[0]:  # a window wider than the rows (small cases): zero rows past them
+    assert batch is None, "a batched check pads nothing"
     pad = lambda a: None if a is None else jnp.pad(  # noqa: E731
         a, ((0, bucket_max - x.shape[0]), (0, 0)))
     y, x, cot, grads = pad(y), pad(x), pad(cot), (pad(grads[0]), *grads[1:])
   for g, (start, size) in enumerate(zip(np.asarray(go), sizes)):
     errors = jax.device_get(_group_errors(
         y, grads, x, weights, cot, np.int32(start), np.int32(size), np.int32(g),
-        activation=activation, bucket=_bucket(int(size)), rtol=rtol))
+        np.int32(batch or 0), activation=activation, bucket=_bucket(int(size)), rtol=rtol,
+        batched=batch is not None))
     for name, (bad, nonfinite, worst, scale) in errors.items():
       if name in ("y", "dx") and not size:
         continue
@@ -475,8 +484,8 @@ def _check_on_the_gpu(shape, wrap, activation):
   assert mlp.fused_mlp_impl(rows, groups, hidden, ffn, jnp.bfloat16, activation)[0]
   y, grads = run_in_shard_map(cases, wrap, activation)
   for b, (x, weights, gs, go, cot, _) in enumerate(cases):
-    check_against_reference(y[b], tuple(None if g is None else g[b] for g in grads), x,
-                            weights, gs, go, cot, activation, f"{shape} [{b}]", rtol=5e-2)
+    check_against_reference(y, grads, x, weights, gs, go, cot, activation, f"{shape} [{b}]",
+                            rtol=5e-2, batch=b)
 
 
 # ------------------------------------------------------------------ the memory estimate
