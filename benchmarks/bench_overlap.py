@@ -11,7 +11,9 @@ alone, `comm` alone and `both` in one program; with the ops on XLA's compute str
 default group) and on the additional stream N (`Group(comm_stream=N)`), in the same run.
 `--num-sms 24 132`: on jax_ep's own stream, each SM budget (`Group(num_sms=...)`) side by side.
 `--timeline PATH`: the kernels of one run of `both` per setting (the device timeline: stream,
-start, duration), written to PATH and drawn as one row per stream.
+start, duration), written to PATH and drawn as one row per stream, with the host's events of
+that run that took 5 us or more (XLA's thunks, the handlers, the CUDA API calls: where a
+stream waits on the host).
 Records (`op: overlap`) carry the three times, the hidden fraction
 `(t_gemm + t_comm - t_both) / t_comm` and the GEMMs' slowdown while they share the GPU with
 the communication kernels: the device time of the non-jax_ep kernels in `both` over that in
@@ -59,9 +61,11 @@ def is_comm(kernel: str) -> bool:
 def kernel_times(run, repeats: int):
   """Per run, from a profiler trace: (span, device time of the ops' kernels, of the others),
   seconds; the streams the ops' kernels and the others ran on; and the kernels of the run of
-  median span, `(start_ns, end_ns, name, stream)` (`timeline`)."""
-  events = [(s, e, name, line)
-            for name, s, e, line in timers._traced_events(run, repeats, with_stream=True)]
+  median span, `(start_ns, end_ns, name, stream)` (`timeline`), with the host's events in its
+  span (`host_timeline`: what the host did while a stream waited)."""
+  host: list = []
+  events = [(s, e, name, line) for name, s, e, line in timers._traced_events(
+      run, repeats, with_stream=True, host=host)]
   spans = timers.split_runs([(s, e, name) for s, e, name, _ in events], repeats)
   runs = timers.group_runs(events, repeats)
   ours = [sum(e - s for s, e, name, _ in r if is_comm(name)) * 1e-9 for r in runs]
@@ -69,7 +73,23 @@ def kernel_times(run, repeats: int):
   streams = ({line for _, _, name, line in events if is_comm(name)},
              {line for _, _, name, line in events if not is_comm(name)})
   by_span = sorted(runs, key=lambda r: max(e for _, e, _, _ in r) - r[0][0])
-  return spans, ours, others, streams, by_span[len(by_span) // 2] if by_span else []
+  median = by_span[len(by_span) // 2] if by_span else []
+  if median:
+    t0, t1 = min(s for s, _, _, _ in median), max(e for _, e, _, _ in median)
+    median = (median, [(s, e, name, line) for name, s, e, line in host
+                       if s < t1 and e > t0 - 200_000])
+  return spans, ours, others, streams, median
+
+
+def host_timeline(events, t0: int, min_us: float = 5.0, limit: int = 600) -> list[dict]:
+  """The host's events of one run (XLA's thunks and custom calls, the CUDA API calls) that
+  took at least `min_us`, relative to the run's first kernel: `{thread, start_us, us, name}`,
+  the first `limit` in time order. A stream that waits while the host is inside a call (a
+  handler, a launch, a synchronisation) shows here."""
+  listed = [dict(thread=line, start_us=round((s - t0) * 1e-3, 2), us=round((e - s) * 1e-3, 2),
+                 name=name[:120]) for s, e, name, line in sorted(events)
+            if (e - s) * 1e-3 >= min_us]
+  return listed[:limit]
 
 
 def timeline(kernels, width: int = 100) -> tuple[list[dict], list[str]]:
@@ -236,10 +256,12 @@ def main():
             f"{rec['hidden_fraction']:.2f}, GEMM kernels x{slowdown}; jax_ep kernels on "
             f"{sorted(ours_on)}, the others on {sorted(others_on)}", flush=True)
       if a.timeline and kernels.get("both"):
-        listed, picture = timeline(kernels["both"])
+        both, host = kernels["both"]
+        listed, picture = timeline(both)
         print("\n".join(picture), flush=True)
         timelines.append(dict(comm_stream=stream, num_sms=num_sms, **{"pass": pass_},
-                              commit=rec.get("commit"), kernels=listed))
+                              commit=rec.get("commit"), kernels=listed,
+                              host=host_timeline(host, min(s for s, _, _, _ in both))))
     group.close()
   path = records.path
   print(f"wrote {path}")

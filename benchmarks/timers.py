@@ -73,13 +73,15 @@ class TraceUnavailable(RuntimeError):
 
 
 def _traced_events(run, repeats: int, *, with_device: bool = False,
-                   with_stream: bool = False) -> list[tuple]:
+                   with_stream: bool = False, host: list | None = None) -> list[tuple]:
   """`run(r)` for r in range(repeats), each waited for, under a jax.profiler trace; the GPU
   stream events as `(name, start_ns, end_ns)`, with the device's plane name appended when
   `with_device`, then the stream's line name ("Stream #N...") when `with_stream`. The runs
   happen whether or not the trace could start (processes that run collective kernels together
   must all make the same calls); after them, TraceUnavailable says the trace could not be had.
-  An error raised by a run propagates as itself."""
+  An error raised by a run propagates as itself. `host`, a list: the host's events (XLA's
+  thunks, the CUDA API calls) are appended to it as `(name, start_ns, end_ns, line name)`, on
+  the device events' clock."""
   import glob
   import tempfile
   from jax._src.lib import _profile_data
@@ -105,6 +107,10 @@ def _traced_events(run, repeats: int, *, with_device: bool = False,
       raise TraceUnavailable(f"the trace could not be read: {e}") from e
     events = []
     for plane in profile.planes:
+      if host is not None and plane.name.startswith("/host:"):
+        for line in plane.lines:
+          host += [(ev.name, ev.start_ns, ev.start_ns + ev.duration_ns, line.name)
+                   for ev in line.events]
       if not plane.name.startswith("/device:GPU"):
         continue
       for line in plane.lines:

@@ -459,3 +459,21 @@ def test_overlap_timeline_draws_each_stream():
   assert picture[0].endswith("|==========|") and picture[0].startswith("Stream #13")
   assert picture[1].endswith("|##        |") and picture[1].startswith("Stream #40")
   assert picture[2].rstrip().endswith("100 us")
+
+
+def test_overlap_host_timeline_keeps_the_runs_long_host_events():
+  import bench_overlap
+  events = [(1_000, 3_000, "short", "thread 1"), (5_000, 60_000, "CustomCallThunk", "thread 1"),
+            (-90_000, 20_000, "cudaStreamSynchronize", "thread 2")]
+  assert bench_overlap.host_timeline(events, t0=1_000) == [
+      dict(thread="thread 2", start_us=-91.0, us=110.0, name="cudaStreamSynchronize"),
+      dict(thread="thread 1", start_us=4.0, us=55.0, name="CustomCallThunk")]
+
+
+def test_the_traced_events_include_the_hosts_when_asked():
+  """On the CPU there is no GPU stream to read, but the host's events are there."""
+  import jax.numpy as jnp
+  host = []
+  events = timers._traced_events(lambda r: jnp.ones(8) * r, 2, host=host)
+  assert events == [] and host
+  assert all(len(e) == 4 and e[2] >= e[1] for e in host)

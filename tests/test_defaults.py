@@ -63,12 +63,18 @@ def test_cuda_runs_every_process_model_of_the_transport(processes, me):
   assert _support(_FakeMesh(processes), config, process_index=me) is None
 
 
+def test_cuda_runs_one_ep_group_beside_axes_of_size_one():
+  """A ('data', 'expert') mesh of 1 x R is one EP group: the transport runs it."""
+  config = _config(num_ranks=4, num_experts=32)
+  assert _support(_FakeMesh([0, 1, 2, 3], shape=(1, 4)), config) is None
+
+
 @pytest.mark.parametrize("mesh,config,why", [
     (_FakeMesh([0, 0], platform="cpu"), _config(), "the mesh has cpu devices"),
     (_FakeMesh([0, 0, 1, 1]), _config(num_ranks=4),
      "process 0 holds 2 of the group's 4 devices"),
     (_FakeMesh([0, 1, 2, 3], shape=(2, 2)), _config(),
-     "the peer transport takes a 1-D mesh over the EP axis"),
+     "the mesh's axes other than the EP axis must have size 1"),
     (_FakeMesh([0, 1]), _config(hidden=100), "hidden=100 is not a multiple of 8"),
     (_FakeMesh([0]), _config(num_ranks=1, num_topk=40, num_experts=64),
      "num_topk=40 is above the kernels' limit of 32"),

@@ -163,10 +163,11 @@ def create_peer(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: fl
   ext = ffi.extension()
   if ext is None:
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
-  if devices is None and mesh.devices.ndim != 1:
+  if devices is None and mesh.devices.size != config.num_ranks:
     raise NotImplementedError(
-        f"jax_ep.Group(backend='cuda'): the peer transport takes a 1-D mesh over the EP "
-        f"axis; got mesh axes {dict(mesh.shape)} (use backend='reference' for several axes)")
+        f"jax_ep.Group(backend='cuda'): the peer transport joins one EP group: the mesh's "
+        f"axes other than the EP axis must have size 1; got mesh axes {dict(mesh.shape)} "
+        f"(use backend='reference' for several EP groups in one mesh)")
   devices = list(mesh.devices.flat) if devices is None else list(devices)
   me = jax.process_index()
   local = [(rank, d) for rank, d in enumerate(devices) if d.process_index == me]
@@ -234,10 +235,10 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
   if ext is None:
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
   devices = list(mesh.devices.flat)
-  if mesh.devices.ndim != 1:
+  if mesh.devices.size != config.num_ranks:
     raise NotImplementedError(
-        f"jax_ep.Group: the network transport takes a 1-D mesh over the EP axis; got mesh axes "
-        f"{dict(mesh.shape)}")
+        f"jax_ep.Group: the network transport joins one EP group: the mesh's axes other than "
+        f"the EP axis must have size 1; got mesh axes {dict(mesh.shape)}")
   if (len(devices) != jax.process_count()
       or any(d.process_index != r for r, d in enumerate(devices))):
     raise NotImplementedError(
