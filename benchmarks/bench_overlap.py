@@ -10,9 +10,9 @@ identity between them). Three programs, each timed by its device span (the profi
 alone, `comm` alone and `both` in one program; with the ops on XLA's compute stream (the
 default group) and on the additional stream N (`Group(comm_stream=N)`), in the same run.
 `--num-sms 24 132`: on jax_ep's own stream, each SM budget (`Group(num_sms=...)`) side by side.
-`--timeline PATH`: the kernels of one run of `both` per setting (the device timeline: stream,
-start, duration), written to PATH and drawn as one row per stream, with the host's events of
-that run that took 5 us or more (XLA's thunks, the handlers, the CUDA API calls: where a
+`--timeline PATH`: the kernels of one run of `both` and of `gemm` per setting (the device
+timeline: stream, start, duration), written to PATH (`both`'s drawn as one row per stream),
+with the host's events of that run that took 5 us or more (XLA's thunks, the handlers, the CUDA API calls: where a
 stream waits on the host).
 Records (`op: overlap`) carry the three times, the hidden fraction
 `(t_gemm + t_comm - t_both) / t_comm` and the GEMMs' slowdown while they share the GPU with
@@ -255,13 +255,16 @@ def main():
             f"{rec['t_comm_us']} us, both {rec['t_both_us']} us: hidden "
             f"{rec['hidden_fraction']:.2f}, GEMM kernels x{slowdown}; jax_ep kernels on "
             f"{sorted(ours_on)}, the others on {sorted(others_on)}", flush=True)
-      if a.timeline and kernels.get("both"):
-        both, host = kernels["both"]
-        listed, picture = timeline(both)
-        print("\n".join(picture), flush=True)
+      for program in ("both", "gemm") if a.timeline else ():
+        if not kernels.get(program):
+          continue
+        run_kernels, host = kernels[program]
+        listed, picture = timeline(run_kernels)
+        if program == "both":
+          print("\n".join(picture), flush=True)
         timelines.append(dict(comm_stream=stream, num_sms=num_sms, **{"pass": pass_},
-                              commit=rec.get("commit"), kernels=listed,
-                              host=host_timeline(host, min(s for s, _, _, _ in both))))
+                              program=program, commit=rec.get("commit"), kernels=listed,
+                              host=host_timeline(host, min(s for s, _, _, _ in run_kernels))))
     group.close()
   path = records.path
   print(f"wrote {path}")
