@@ -64,15 +64,20 @@ def test_after_it():
 '''
 
 
-def test_a_lost_cuda_context_stops_the_run(tmp_path):
-  """After a CUDA error that loses the process's context, pytest stops there (the tests after
-  it would all fail with it), and the record says so."""
-  (tmp_path / "test_cases.py").write_text(STICKY)
-  result = subprocess.run(
+def _pytest_with_conftest(tmp_path, tests: str):
+  """pytest over `tests` (a module's text) with tests/conftest.py's hooks, on the CPU."""
+  (tmp_path / "test_cases.py").write_text(tests)
+  return subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
        str(tmp_path / "test_cases.py")],
       env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests"), JAX_PLATFORMS="cpu"),
       capture_output=True, text=True, timeout=120)
+
+
+def test_a_lost_cuda_context_stops_the_run(tmp_path):
+  """After a CUDA error that loses the process's context, pytest stops there (the tests after
+  it would all fail with it), and the record says so."""
+  result = _pytest_with_conftest(tmp_path, STICKY)
   assert result.returncode == 2, result.stdout + result.stderr  # pytest's "interrupted"
   assert "1 failed in" in result.stdout and "passed" not in result.stdout, result.stdout
   assert "lost this process's CUDA context (CUDA_ERROR_MISALIGNED_ADDRESS)" in result.stdout
@@ -99,10 +104,5 @@ def test_a_failed_tests_values_are_freed_before_the_next_test(tmp_path):
   """A failed test's frames (its device arrays: tens of GB at the models' shapes) are held by
   pytest's post-mortem references and reference cycles; the next test does not run beside
   them."""
-  (tmp_path / "test_cases.py").write_text(HELD)
-  result = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
-       str(tmp_path / "test_cases.py")],
-      env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "tests"), JAX_PLATFORMS="cpu"),
-      capture_output=True, text=True, timeout=120)
+  result = _pytest_with_conftest(tmp_path, HELD)
   assert "1 failed, 1 passed" in result.stdout, result.stdout + result.stderr
