@@ -6,7 +6,8 @@ time), and compiled programs are shared between the tests of one run through a p
 compilation cache; the `ranks` marker generates only the rank counts this run can build;
 GPU-only tests are skipped where there is no GPU (and fail the run where JAX_EP_REQUIRE_GPU=1
 says there must be one); with several pytest-xdist workers the slow
-tests start first.
+tests start first; after a failure, the failed test's values are released before the next
+test runs.
 """
 
 import atexit
