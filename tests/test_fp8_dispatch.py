@@ -502,7 +502,7 @@ def test_cuda_takes_fp8_dispatch_and_auto_picks_it(monkeypatch, fmt):
       peer_access=True)
   assert support(_config(RowFormat.PLAIN)) is None
   assert support(_config(fmt)) is None
-  assert support(_config(fmt), _FakeMesh([0])) is None
+  assert support(_config(fmt), _FakeMesh([0, 1])) is None  # one process per GPU
   monkeypatch.setattr(registry, "cuda_support", lambda mesh, config, num_sms, **kw: support(
       config, mesh))
   monkeypatch.setattr(registry, "_SAID", set())
