@@ -285,7 +285,11 @@ def pipeline(fn: Callable, shared, parts: Sequence, fixed: Sequence):
   """
   @jax.custom_vjp
   def run(shared, parts, fixed):
-    return forward(shared, parts, fixed)[0]
+    # Not differentiated: the micro-batches' functions alone. Under a vjp their custom_vjps'
+    # forward rules would run instead and keep residuals (the fused experts' kernels would
+    # write their saved projections) that no pullback reads.
+    outs, auxes = zip(*interleave([(fn, (shared, p, f)) for p, f in zip(parts, fixed)]))
+    return list(outs), list(auxes)
 
   def forward(shared, parts, fixed):
     def program(shared, part, fixed_part):

@@ -138,6 +138,32 @@ def test_the_backward_interleaves_too():
   assert ops == [1, 2, 1, 2, 1, 2, 1, 2], calls
 
 
+def test_a_forward_alone_keeps_no_residuals():
+  """Not differentiated, the micro-batches run their functions' primal (a custom_vjp's forward
+  rule, which keeps residuals for a pullback, runs only under a gradient)."""
+  traced = []
+
+  @jax.custom_vjp
+  def experts(x, w):
+    traced.append("primal")
+    return _comm(x) @ w
+
+  def experts_fwd(x, w):
+    traced.append("forward rule")
+    return experts(x, w), (x, w)
+  experts.defvjp(experts_fwd, lambda res, d: (d @ res[1].T, res[0].T @ d))
+
+  def loss(w, xs):
+    outs = overlap.pipeline(lambda w, x, _: (experts(x, w), ()), w, list(xs), [None, None])[0]
+    return sum(jnp.sum(o) for o in outs)
+  w, xs = _inputs()[:2]
+  jax.jit(loss).trace(w, xs)
+  assert "primal" in traced and "forward rule" not in traced, traced
+  traced.clear()
+  jax.jit(jax.grad(loss)).trace(w, xs)
+  assert "forward rule" in traced, traced
+
+
 def test_a_join_nothing_reads_still_runs():
   """An op run for its effects (`has_side_effect`), its result unread: its join is emitted
   (it keeps the op's buffers until the op ends)."""
