@@ -136,9 +136,12 @@ def main():
   ap.add_argument("--timeline", default=None,
                   help="write the kernels of one run of `both` (median span) per setting and "
                        "pass to this JSON file, and print each as one row per stream")
+  ap.add_argument("--host-clock", action="store_true",
+                  help="time by the host clock on a GPU too (no profiler trace): for runs under "
+                       "ncu, whose own profiling the trace would contend with")
   ap.add_argument("--out", default="overlap.jsonl")
   a = ap.parse_args()
-  on_gpu = jax.devices()[0].platform == "gpu"
+  on_gpu = jax.devices()[0].platform == "gpu" and not a.host_clock
   t, e, h, f, k = a.tokens, a.experts, a.hidden, a.ffn, a.topk
   rng = np.random.default_rng(0)
   mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])

@@ -57,6 +57,8 @@
 #                                     # fraction at one rank (bench_overlap.py), the SwiGLU chain
 #                                     # with 1 and 2 micro-batches at 1 and 8 ranks
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
+#   bash scripts/gpu_round.sh overlapncu  # ncu of the slow expert kernels of the overlap
+#                                     # pipeline beside the two halves' (bench_overlap.py)
 #   bash scripts/gpu_round.sh slab     # the experts on the low-latency slabs: tests, benchmark
 #   bash scripts/gpu_round.sh check     # every GPU suite, nothing else: check1 ... check8, each
 #                                     # part under 10 minutes on one H200 (below)
@@ -416,6 +418,21 @@ if has overlap; then
     | tee "$OUT/bench_overlap_layers_8.log" | grep -E "^\[0\] " | tail -12
   counts "bench_layers.py --comm-streams (8 ranks)" "$OUT/bench_overlap_layers_8.log"
   cp benchmarks/results/gpu_round_layers.jsonl "$OUT/" 2>/dev/null
+fi
+
+# The slow expert kernels of the overlap pipeline, each replayed alone by ncu (kernels run one at
+# a time): if the pipeline's instances take as long as the two halves' here, what ran beside them
+# cost the time, not the kernel. In launch order: the halves' GEMM-only and layer programs (2
+# runs each: 1 + 1 of each kernel), then the pipeline's (2 runs each: 2 + 2).
+if has overlapncu; then
+  step "ncu: gate_up and hidden_grad in the two halves and in the own-stream pipeline"
+  t=$(bench_time 400) && timeout $t ncu --clock-control none -k regex:"jax_ep_mlp_(gate_up|hidden_grad)" \
+    -c 24 --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed \
+    python3 benchmarks/bench_overlap.py --host-clock --passes forward_backward --comm-streams \
+    jax_ep --repeats 1 --out /tmp/overlap_ncu.jsonl > "$OUT/ncu_overlap.txt" 2>&1
+  counts "ncu bench_overlap.py"
+  grep -E "jax_ep_mlp_|gpu__time_duration|sm__throughput" "$OUT/ncu_overlap.txt" | cut -c1-120 \
+    | head -80
 fi
 
 chain_args="--backends cuda --expert identity swiglu --passes forward forward_backward"
