@@ -432,8 +432,8 @@ def test_overlap_benchmark_runs_each_stream(tmp_path):
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_overlap.py"), "--tokens", "32",
        "--experts", "4", "--hidden", "64", "--ffn", "64", "--topk", "2", "--repeats", "1",
        "--num-sms", "24", "132", "--timeline", str(tmp_path / "timeline.json"),
-       "--out", str(out)], env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True,
-      text=True, timeout=300)
+       "--host-clock", "--out", str(out)], env=dict(os.environ, PYTHONPATH=ROOT),
+      capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
   records = [json.loads(line) for line in out.read_text().splitlines()]
   assert sorted((str(r["comm_stream"]), r["num_sms"], r["pass"], r["program"])
