@@ -12,8 +12,8 @@ default group) and on the additional stream N (`Group(comm_stream=N)`), in the s
 `--num-sms 24 132`: on jax_ep's own stream, each SM budget (`Group(num_sms=...)`) side by side.
 `--timeline PATH`: the kernels of one run of `both` and of `gemm` per setting (the device
 timeline: stream, start, duration), written to PATH (`both`'s drawn as one row per stream),
-with the host's events of that run that took 5 us or more (XLA's thunks, the handlers, the CUDA API calls: where a
-stream waits on the host).
+with the host's events of that run that took 5 us or more (XLA's thunks, the handlers, the
+CUDA API calls: where a stream waits on the host).
 Records (`op: overlap`) carry the three times, the hidden fraction
 `(t_gemm + t_comm - t_both) / t_comm` and the GEMMs' slowdown while they share the GPU with
 the communication kernels: the device time of the non-jax_ep kernels in `both` over that in
