@@ -427,7 +427,8 @@ fi
 if has overlapncu; then
   step "ncu: gate_up and hidden_grad in the two halves and in the own-stream pipeline"
   t=$(bench_time 400) && timeout $t ncu --clock-control none \
-    -k regex:"jax_ep_mlp_(gate_up|hidden_grad)" -c 24 --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed \
+    -k regex:"jax_ep_mlp_(gate_up|hidden_grad)" -c 24 \
+    --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed \
     python3 benchmarks/bench_overlap.py --host-clock --passes forward_backward --comm-streams \
     jax_ep --repeats 1 --out /tmp/overlap_ncu.jsonl > "$OUT/ncu_overlap.txt" 2>&1
   counts "ncu bench_overlap.py"
