@@ -74,11 +74,11 @@ def kernel_times(run, repeats: int):
              {line for _, _, name, line in events if not is_comm(name)})
   by_span = sorted(runs, key=lambda r: max(e for _, e, _, _ in r) - r[0][0])
   median = by_span[len(by_span) // 2] if by_span else []
+  near = []
   if median:
     t0, t1 = min(s for s, _, _, _ in median), max(e for _, e, _, _ in median)
-    median = (median, [(s, e, name, line) for name, s, e, line in host
-                       if s < t1 and e > t0 - 200_000])
-  return spans, ours, others, streams, median
+    near = [(s, e, name, line) for name, s, e, line in host if s < t1 and e > t0 - 200_000]
+  return spans, ours, others, streams, (median, near)
 
 
 def host_timeline(events, t0: int, min_us: float = 5.0, limit: int = 600) -> list[dict]:
@@ -259,9 +259,9 @@ def main():
             f"{rec['hidden_fraction']:.2f}, GEMM kernels x{slowdown}; jax_ep kernels on "
             f"{sorted(ours_on)}, the others on {sorted(others_on)}", flush=True)
       for program in ("both", "gemm") if a.timeline else ():
-        if not kernels.get(program):
+        run_kernels, host = kernels.get(program, ([], []))
+        if not run_kernels:
           continue
-        run_kernels, host = kernels[program]
         listed, picture = timeline(run_kernels)
         if program == "both":
           print("\n".join(picture), flush=True)

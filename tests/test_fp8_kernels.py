@@ -351,13 +351,13 @@ def check_gated(outs, x, xs, w_gate, w_up, gs, go, activation, abs_bound, oracle
   step = e4m3_step((np.abs(wanted) + slack) / scale) * scale
   bound = step * (1 + 2 ** -10) + slack
   bad = err > bound
+  w = np.argmax(err - bound)
   assert not bad.any(), (
       f"h: {bad.sum()} of {bad.size} codes more than one e4m3 step from the oracle's h (with "
-      f"the fp32 totals' slack); the worst at (row, column) {_worst(err - bound)}: got "
-      f"{got_q.flat[np.argmax(err - bound)]} x {scale.flat[np.argmax(err - bound)]:.6g}, "
-      f"want {wanted.flat[np.argmax(err - bound)]:.6g}, slack "
-      f"{slack.flat[np.argmax(err - bound)]:.3g}; by column mod 128 "
-      f"{np.bincount(np.nonzero(bad)[1] % 128, minlength=128).tolist()}")
+      f"the fp32 totals' slack); the worst at (row, column) "
+      f"{tuple(int(i) for i in np.unravel_index(w, err.shape))}: got {got_q.flat[w]} x "
+      f"{scale.flat[w]:.6g}, want {wanted.flat[w]:.6g}, slack {slack.flat[w]:.3g}; by column "
+      f"mod 128 {np.bincount(np.nonzero(bad)[1] % 128, minlength=128).tolist()}")
   # The codes: `fp8_quantize`'s of the oracle's h but where a value sits at a rounding
   # boundary within the arithmetic's error: among the codes whose slack is under a tenth of a
   # step, at most 1% plus what the slack explains (a code within `slack` of a boundary flips:
@@ -371,10 +371,6 @@ def check_gated(outs, x, xs, w_gate, w_up, gs, go, activation, abs_bound, oracle
       f"from the oracle's (at most {allowed:.1f})")
   assert (np.abs(got_q - want_q)[flips] <= e4m3_step(np.maximum(
       np.abs(got_q), np.abs(want_q)))[flips]).all()
-
-
-def _worst(excess):
-  return tuple(int(i) for i in np.unravel_index(np.argmax(excess), excess.shape))
 
 
 def test_the_gated_check_allows_the_totals_error_and_finds_a_wrong_code():

@@ -111,9 +111,9 @@ def cuda_support(mesh, config: EPConfig, num_sms: int, *, process_index: int | N
     return violation
   if config.num_ranks == 1:
     return None
-  if mesh.devices.size != config.num_ranks:
-    return (f"the peer transport joins one EP group: the mesh's axes other than the EP axis "
-            f"must have size 1; this mesh has axes {dict(mesh.shape)}")
+  why = transport_lib.not_one_group(config, mesh)
+  if why is not None:
+    return f"the peer transport joins one EP group: {why}"
   me = jax.process_index() if process_index is None else process_index
   local = sum(d.process_index == me for d in devices)
   if local not in (1, len(devices)):

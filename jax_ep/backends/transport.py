@@ -150,6 +150,15 @@ def _client():
   return distributed.global_state.client
 
 
+def not_one_group(config: EPConfig, mesh) -> str | None:
+  """Why `mesh` is not one EP group of `config` for a transport (its axes other than the EP
+  axis must have size 1: a transport joins the devices of one group), or None."""
+  if mesh.devices.size == config.num_ranks:
+    return None
+  return (f"the mesh's axes other than the EP axis must have size 1; this mesh has axes "
+          f"{dict(mesh.shape)}")
+
+
 def create_peer(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: float,
                 process_ids: list[int] | None = None, low_latency: bool = False,
                 exchange_timeout_s: float = 60.0, devices=None) -> PeerTransport:
@@ -163,11 +172,11 @@ def create_peer(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: fl
   ext = ffi.extension()
   if ext is None:
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
-  if devices is None and mesh.devices.size != config.num_ranks:
+  why = None if devices is not None else not_one_group(config, mesh)
+  if why is not None:
     raise NotImplementedError(
-        f"jax_ep.Group(backend='cuda'): the peer transport joins one EP group: the mesh's "
-        f"axes other than the EP axis must have size 1; got mesh axes {dict(mesh.shape)} "
-        f"(use backend='reference' for several EP groups in one mesh)")
+        f"jax_ep.Group(backend='cuda'): the peer transport joins one EP group: {why} (use "
+        f"backend='reference' for several EP groups in one mesh)")
   devices = list(mesh.devices.flat) if devices is None else list(devices)
   me = jax.process_index()
   local = [(rank, d) for rank, d in enumerate(devices) if d.process_index == me]
@@ -235,10 +244,9 @@ def create_network(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s:
   if ext is None:
     raise RuntimeError("jax_ep.Group(backend='cuda'): the CUDA extension is not built")
   devices = list(mesh.devices.flat)
-  if mesh.devices.size != config.num_ranks:
-    raise NotImplementedError(
-        f"jax_ep.Group: the network transport joins one EP group: the mesh's axes other than "
-        f"the EP axis must have size 1; got mesh axes {dict(mesh.shape)}")
+  why = not_one_group(config, mesh)
+  if why is not None:
+    raise NotImplementedError(f"jax_ep.Group: the network transport joins one EP group: {why}")
   if (len(devices) != jax.process_count()
       or any(d.process_index != r for r, d in enumerate(devices))):
     raise NotImplementedError(
