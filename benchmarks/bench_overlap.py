@@ -132,6 +132,9 @@ def main():
                   help="the groups' num_sms (default the Group's): on jax_ep's own stream each "
                        "value is timed (the SMs an op's grids are sized to there); elsewhere "
                        "the first")
+  ap.add_argument("--kernel-sms", type=lambda v: None if v == "all" else int(v), nargs="+",
+                  default=[None], help="the expert kernels' persistent grid, each side by side "
+                  "('all': every SM, the default; N: `jax_ep.experts.override(kernel_sms=N)`)")
   ap.add_argument("--repeats", type=int, default=10)
   ap.add_argument("--timeline", default=None,
                   help="write the kernels of one run of `both` (median span) per setting and "
@@ -219,16 +222,18 @@ def main():
   records = reports.Records(a.out)
   timelines = []
   # At one rank the SM budget bounds the kernels only on jax_ep's own stream.
-  settings = [(stream, sms) for stream in [None, *a.comm_streams]
-              for sms in (a.num_sms if stream == OWN_STREAM else a.num_sms[:1])]
-  for stream, num_sms in settings:
+  settings = [(stream, sms, kernel_sms) for stream in [None, *a.comm_streams]
+              for sms in (a.num_sms if stream == OWN_STREAM else a.num_sms[:1])
+              for kernel_sms in a.kernel_sms]
+  for stream, num_sms, kernel_sms in settings:
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
                          dtype=dtype, comm_stream=stream, num_sms=num_sms)
     for pass_ in a.passes:
       times, streams, kernels = {}, {}, {}
       for name, prog in programs(group, pass_ == "forward_backward").items():
         run = lambda _, prog=prog: prog()
-        jax.block_until_ready(run(0))
+        with jax_ep.experts.override(kernel_sms=kernel_sms):  # traced on the first call
+          jax.block_until_ready(run(0))
         if on_gpu:
           spans, ours, others, streams[name], kernels[name] = kernel_times(run, a.repeats)
           times[name] = (statistics.median(spans), statistics.median(ours),
@@ -246,7 +251,7 @@ def main():
           op="overlap", mode="high_throughput", backend=group.backend_name, ranks=1,
           tokens_per_rank=t, hidden=h, ffn=f, topk=k, experts=e, dtype="bfloat16",
           timing="device_trace" if on_gpu else "host_clock", comm_stream=stream,
-          num_sms=num_sms,
+          num_sms=num_sms, kernel_sms=kernel_sms,
           micro_batches=2, program="pipeline" if stream == OWN_STREAM else "halves",
           **{"pass": pass_},
           t_gemm_us=round(tg * 1e6, 1), t_comm_us=round(tc * 1e6, 1),
@@ -254,7 +259,7 @@ def main():
           gemm_slowdown=slowdown, median_us=round(tb * 1e6, 1),
           comm_kernel_streams=sorted(ours_on), other_kernel_streams=sorted(others_on))
       records.append(rec)
-      print(f"comm_stream={stream} num_sms={num_sms} {pass_}: gemm {rec['t_gemm_us']} us, comm "
+      print(f"comm_stream={stream} num_sms={num_sms} kernel_sms={kernel_sms} {pass_}: gemm {rec['t_gemm_us']} us, comm "
             f"{rec['t_comm_us']} us, both {rec['t_both_us']} us: hidden "
             f"{rec['hidden_fraction']:.2f}, GEMM kernels x{slowdown}; jax_ep kernels on "
             f"{sorted(ours_on)}, the others on {sorted(others_on)}", flush=True)
@@ -265,7 +270,8 @@ def main():
         listed, picture = timeline(run_kernels)
         if program == "both":
           print("\n".join(picture), flush=True)
-        timelines.append(dict(comm_stream=stream, num_sms=num_sms, **{"pass": pass_},
+        timelines.append(dict(comm_stream=stream, num_sms=num_sms, kernel_sms=kernel_sms,
+                              **{"pass": pass_},
                               program=program, commit=rec.get("commit"), kernels=listed,
                               host=host_timeline(host, min(s for s, _, _, _ in run_kernels))))
     group.close()

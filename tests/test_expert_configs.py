@@ -32,6 +32,23 @@ def test_override_names_its_fields_and_checks_impl():
       pass
 
 
+def test_kernel_sms_bounds_the_persistent_grid(monkeypatch):
+  import types
+  from jax_ep.experts import hopper
+  monkeypatch.setattr(hopper, "target_devices", lambda: [types.SimpleNamespace(core_count=132)])
+  assert hopper.num_sms() == 132
+  with experts.override(kernel_sms=108):
+    assert hopper.num_sms() == 108
+    with experts.override(kernel_sms=500):  # never more than the device has
+      assert hopper.num_sms() == 132
+  assert hopper.num_sms() == 132
+  for bad in (0, -3, 1.5, True, "all"):
+    with pytest.raises(ValueError, match=f"kernel_sms must be a positive int or None, got "
+                                         f"{bad!r}"):
+      with experts.override(kernel_sms=bad):
+        pass
+
+
 def test_override_blocks_nest_and_restore():
   small = KernelTiles(64, 64, 64, 2, 1)
   assert configs.current() == experts.Overrides()

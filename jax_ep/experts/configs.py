@@ -114,6 +114,10 @@ class Overrides:
     fused_mlp: whether `expert_mlp` takes the fused kernels where they run (None: yes, where
       the grouped GEMM takes the Mosaic kernels); False: the unfused grouped GEMMs.
     fused_tiles: the fused expert kernels' tiles for every shape.
+    kernel_sms: the SMs the persistent Hopper kernels spread over (their grid; None: every SM
+      of the device). Fewer leave the rest to kernels beside them: a persistent kernel holds
+      each SM it starts on to its end, so one SM-bounded communication kernel that took SMs
+      first makes as many of its CTAs wait for them, and one launched after waits for it.
   """
   impl: str = "auto"
   gemm_tiles: KernelTiles | None = None
@@ -122,6 +126,7 @@ class Overrides:
   slab_tiles: SlabTiles | None = None
   fused_mlp: bool | None = None
   fused_tiles: KernelTiles | None = None
+  kernel_sms: int | None = None
 
 
 _OVERRIDES = contextvars.ContextVar("jax_ep_expert_overrides", default=Overrides())
@@ -148,6 +153,10 @@ def override(**fields):
   if "impl" in fields and fields["impl"] not in _IMPLS:
     raise ValueError(f"jax_ep.experts.override: impl must be 'auto', 'mosaic' or 'xla', got "
                      f"{fields['impl']!r}")
+  sms = fields.get("kernel_sms")
+  if sms is not None and (isinstance(sms, bool) or not isinstance(sms, int) or sms < 1):
+    raise ValueError(f"jax_ep.experts.override: kernel_sms must be a positive int or None, got "
+                     f"{sms!r}")
   token = _OVERRIDES.set(dataclasses.replace(_OVERRIDES.get(), **fields))
   try:
     yield
