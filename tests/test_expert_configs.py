@@ -39,8 +39,8 @@ def test_kernel_sms_bounds_the_persistent_grid(monkeypatch):
   assert hopper.num_sms() == 132
   with experts.override(kernel_sms=108):
     assert hopper.num_sms() == 108
-    with experts.override(kernel_sms=500):  # never more than the device has
-      assert hopper.num_sms() == 132
+    with experts.override(kernel_sms=528):  # four waves
+      assert hopper.num_sms() == 528
   assert hopper.num_sms() == 132
   for bad in (0, -3, 1.5, True, "all"):
     with pytest.raises(ValueError, match=f"kernel_sms must be a positive int or None, got "

@@ -114,10 +114,11 @@ class Overrides:
     fused_mlp: whether `expert_mlp` takes the fused kernels where they run (None: yes, where
       the grouped GEMM takes the Mosaic kernels); False: the unfused grouped GEMMs.
     fused_tiles: the fused expert kernels' tiles for every shape.
-    kernel_sms: the SMs the persistent Hopper kernels spread over (their grid; None: every SM
-      of the device). Fewer leave the rest to kernels beside them: a persistent kernel holds
-      each SM it starts on to its end, so one SM-bounded communication kernel that took SMs
-      first makes as many of its CTAs wait for them, and one launched after waits for it.
+    kernel_sms: the persistent Hopper kernels' grid (None: one CTA per SM of the device).
+      Fewer leave SMs to kernels beside them (a persistent CTA holds its SM to the kernel's
+      end, so a kernel that took SMs first makes as many CTAs wait, and one launched after
+      waits for the whole kernel); more than the device has makes CTAs queue for SMs, in
+      turn with other kernels' blocks, as SMs free up.
   """
   impl: str = "auto"
   gemm_tiles: KernelTiles | None = None

@@ -41,14 +41,16 @@ from jax_ep.experts.configs import KernelTiles, current, target_devices
 from jax_ep.experts.layout import group_blocks, group_bounds, row_tiles
 
 
-def num_sms() -> int:
-  """The persistent grid's size: the multiprocessors of the device programs compile for (132
-  where the device does not say: an H100 / H200 SXM has 132), or fewer where
-  `override(kernel_sms=...)` says so."""
+def device_sms() -> int:
+  """Multiprocessors of the device programs compile for; 132 where the device does not say
+  (an H100 / H200 SXM has 132)."""
   devices = target_devices()
-  device = (int(getattr(devices[0], "core_count", 0)) if devices else 0) or 132
-  bound = current().kernel_sms
-  return device if bound is None else min(bound, device)
+  return (int(getattr(devices[0], "core_count", 0)) if devices else 0) or 132
+
+
+def num_sms() -> int:
+  """The persistent grid's size: `device_sms()`, or `override(kernel_sms=...)`'s."""
+  return current().kernel_sms or device_sms()
 
 
 # A TMA copy's shared-memory address must be 128-byte aligned (the bytes; a misaligned copy
