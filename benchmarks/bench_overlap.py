@@ -9,7 +9,10 @@ dispatch -> combine of the other (`comm`: T tokens, top-K of E experts, H channe
 identity between them). Three programs, each timed by its device span (the profiler): `gemm`
 alone, `comm` alone and `both` in one program; with the ops on XLA's compute stream (the
 default group) and on the additional stream N (`Group(comm_stream=N)`), in the same run.
-`--num-sms 24 132`: on jax_ep's own stream, each SM budget (`Group(num_sms=...)`) side by side.
+`--num-sms 24 132`: on jax_ep's own stream, each SM budget (`Group(num_sms=...)`) side by side
+(the process's first group sizes the own stream's SM partition: `JAX_EP_OWN_STREAM_PARTITION=0`
+runs it on every SM instead). `--kernel-sms all 108 1056`: the expert kernels' persistent grid
+(`jax_ep.experts.override(kernel_sms=...)`) side by side.
 `--timeline PATH`: the kernels of one run of `both` and of `gemm` per setting (the device
 timeline: stream, start, duration), written to PATH (`both`'s drawn as one row per stream),
 with the host's events of that run that took 5 us or more (XLA's thunks, the handlers, the
@@ -49,6 +52,7 @@ import reports  # noqa: E402
 import timers  # noqa: E402
 import jax_ep  # noqa: E402
 from jax_ep import overlap  # noqa: E402
+from jax_ep._native import ffi, own_stream  # noqa: E402
 from jax_ep.backends.options import OWN_STREAM  # noqa: E402
 
 
@@ -228,6 +232,10 @@ def main():
   for stream, num_sms, kernel_sms in settings:
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
                          dtype=dtype, comm_stream=stream, num_sms=num_sms)
+    # The SMs of the partition jax_ep's own stream runs on (the process's first group made it).
+    partition = (own_stream.prepare(ffi.extension(), jax.devices()[0].local_hardware_id,
+                                    num_sms)
+                 if stream == OWN_STREAM and group.backend_name == "cuda" else None)
     for pass_ in a.passes:
       times, streams, kernels = {}, {}, {}
       for name, prog in programs(group, pass_ == "forward_backward").items():
@@ -251,7 +259,7 @@ def main():
           op="overlap", mode="high_throughput", backend=group.backend_name, ranks=1,
           tokens_per_rank=t, hidden=h, ffn=f, topk=k, experts=e, dtype="bfloat16",
           timing="device_trace" if on_gpu else "host_clock", comm_stream=stream,
-          num_sms=num_sms, kernel_sms=kernel_sms,
+          num_sms=num_sms, kernel_sms=kernel_sms, own_stream_partition_sms=partition,
           micro_batches=2, program="pipeline" if stream == OWN_STREAM else "halves",
           **{"pass": pass_},
           t_gemm_us=round(tg * 1e6, 1), t_comm_us=round(tc * 1e6, 1),
@@ -259,7 +267,8 @@ def main():
           gemm_slowdown=slowdown, median_us=round(tb * 1e6, 1),
           comm_kernel_streams=sorted(ours_on), other_kernel_streams=sorted(others_on))
       records.append(rec)
-      print(f"comm_stream={stream} num_sms={num_sms} kernel_sms={kernel_sms} {pass_}: gemm {rec['t_gemm_us']} us, comm "
+      print(f"comm_stream={stream} num_sms={num_sms} kernel_sms={kernel_sms} "
+            f"partition={partition} {pass_}: gemm {rec['t_gemm_us']} us, comm "
             f"{rec['t_comm_us']} us, both {rec['t_both_us']} us: hidden "
             f"{rec['hidden_fraction']:.2f}, GEMM kernels x{slowdown}; jax_ep kernels on "
             f"{sorted(ours_on)}, the others on {sorted(others_on)}", flush=True)

@@ -293,17 +293,24 @@ NB_MODULE(_jax_ep_ffi, m) {
         "called when a cuda group is created.");
   m.def(
       "prepare_own_stream",
-      [](int device_ordinal) {
+      [](int device_ordinal, int sms) {
         const cudaError_t err =
-            jax_ep::runtime::PrepareOwnStream(device_ordinal);
+            jax_ep::runtime::PrepareOwnStream(device_ordinal, sms);
         if (err != cudaSuccess) {
           throw std::runtime_error(std::string("jax_ep: PrepareOwnStream: ") +
                                    cudaGetErrorString(err));
         }
+        std::string why_not;
+        const int got =
+            jax_ep::runtime::OwnStreamPartition(device_ordinal, &why_not);
+        return nb::make_tuple(got, why_not);
       },
-      nb::arg("device_ordinal"),
-      "Makes jax_ep's own stream and its events on a device (once); called "
-      "when a cuda group with comm_stream='jax_ep' is created.");
+      nb::arg("device_ordinal"), nb::arg("sms"),
+      "Makes jax_ep's own stream and its events on a device (once; the first "
+      "call decides), on a green context of at least `sms` SMs where `sms` > "
+      "0 and the driver makes one; called when a cuda group with "
+      "comm_stream='jax_ep' is created. Returns (the partition's SMs, 0 for "
+      "none; why none where one was asked for).");
   m.def("cuda_runtime_version", &jax_ep::CudaRuntimeVersion,
         "CUDA runtime version the extension was built with, e.g. 13000.");
 

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from ep_test_base import rank_mesh, require_gpu
-from jax_ep._native import ffi
+from jax_ep._native import ffi, own_stream
 from jax_ep import overlap
 from jax_ep.backends import primitives
 from jax_ep.backends.cuda import LocalBackend, NetworkBackend, PeerBackend
@@ -318,6 +318,28 @@ def test_the_group_keeps_its_stream(caplog):
   assert "comm_stream=2 has no effect on the reference backend's ops" in caplog.text
 
 
+def test_the_own_stream_asks_for_a_partition_of_the_budget(monkeypatch):
+  monkeypatch.delenv("JAX_EP_SHARED_GPU", raising=False)
+  monkeypatch.delenv(own_stream.ENV_PARTITION, raising=False)
+  assert own_stream.partition_sms(24) == 24
+  monkeypatch.setenv(own_stream.ENV_PARTITION, "0")  # a comparison's plain stream
+  assert own_stream.partition_sms(24) == 0
+  monkeypatch.delenv(own_stream.ENV_PARTITION)
+  monkeypatch.setenv("JAX_EP_SHARED_GPU", "1")  # ranks sharing a GPU: kernels resident together
+  assert own_stream.partition_sms(24) == 0
+
+
+def test_a_partition_not_made_is_said_once(caplog):
+  class Extension:
+    def prepare_own_stream(self, device, sms):
+      return (0, "the driver has no cuGreenCtxCreate (CUDA 12.4)") if sms else (0, "")
+  with caplog.at_level("INFO", logger="jax_ep"):
+    for _ in range(2):
+      assert own_stream.prepare(Extension(), 5, 24) == 0
+  assert caplog.text.count("own stream on device 5 runs on every SM, not a partition of 24: "
+                           "the driver has no cuGreenCtxCreate") == 1
+
+
 # ----------------------------------------------------------------------------- on the GPU
 
 def _on_the_gpu():
@@ -325,7 +347,19 @@ def _on_the_gpu():
   does (these tests build the backends directly): never inside a handler."""
   require_gpu()
   ffi.extension().preload_kernels(jax.devices()[0].local_hardware_id)
-  ffi.extension().prepare_own_stream(jax.devices()[0].local_hardware_id)
+  own_stream.prepare(ffi.extension(), jax.devices()[0].local_hardware_id, 24)
+
+@pytest.mark.gpu
+def test_the_own_stream_runs_on_a_partition_of_the_budget():
+  """One process per GPU: a green context of the budget rounded up to the driver's granularity
+  (8 SMs on Hopper), never the whole GPU."""
+  _on_the_gpu()
+  import os
+  if os.environ.get("JAX_EP_SHARED_GPU") == "1":
+    pytest.skip("processes sharing one GPU run the own stream on every SM")
+  got = own_stream.prepare(ffi.extension(), jax.devices()[0].local_hardware_id, 24)
+  assert 24 <= got < jax.devices()[0].core_count and got % 8 == 0, got
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("stream", [1, "jax_ep"])

@@ -4,11 +4,14 @@
 
 #include "ffi/runtime/side_stream.h"
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
 #include <array>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <unordered_map>
 
 namespace jax_ep::runtime {
@@ -17,8 +20,11 @@ namespace {
 struct OwnStream {
   cudaStream_t stream = nullptr;
   cudaEvent_t fork = nullptr;  // recorded on XLA's stream, waited by ours
-  // Recorded on ours after each op of a key, the key's slot `key % kOwnStreamKeys`.
+  // Recorded on ours after each op of a key, the key's slot `key % kOwnStreamKeys`;
+  // made in the stream's context (a green context's where it has one).
   std::array<cudaEvent_t, kOwnStreamKeys> finished{};
+  int partition_sms = 0;  // the green context's SMs; 0: none
+  std::string why_not;    // why there is none, where one was asked for
 };
 
 std::mutex& Mutex() {
@@ -49,6 +55,8 @@ cudaError_t OnDevice(int device, Fn fn) {
   return err;
 }
 
+// A plain stream of the device's greatest priority (the current device's),
+// its events in the primary context.
 cudaError_t Create(OwnStream* s) {
   int least = 0, greatest = 0;
   cudaError_t err = cudaDeviceGetStreamPriorityRange(&least, &greatest);
@@ -75,6 +83,159 @@ cudaError_t Create(OwnStream* s) {
   return err;
 }
 
+// The driver's green-context entry points (CUDA >= 12.5), through the runtime:
+// the extension links no libcuda.
+struct GreenApi {
+  PFN_cuDeviceGet_v2000 device_get = nullptr;
+  PFN_cuDeviceGetDevResource_v12040 get_resource = nullptr;
+  PFN_cuDevSmResourceSplitByCount_v12040 split = nullptr;
+  PFN_cuDevResourceGenerateDesc_v12040 describe = nullptr;
+  PFN_cuGreenCtxCreate_v12040 create = nullptr;
+  PFN_cuGreenCtxDestroy_v12040 destroy = nullptr;
+  PFN_cuCtxFromGreenCtx_v12040 as_context = nullptr;
+  PFN_cuGreenCtxStreamCreate_v12050 stream_create = nullptr;
+  PFN_cuCtxPushCurrent_v4000 push = nullptr;
+  PFN_cuCtxPopCurrent_v4000 pop = nullptr;
+  PFN_cuEventCreate_v2000 event_create = nullptr;
+};
+
+template <typename Fn>
+bool LoadEntry(const char* name, unsigned version, Fn* fn) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault,
+                                       &status) != cudaSuccess ||
+      status != cudaDriverEntryPointSuccess || p == nullptr) {
+    return false;
+  }
+  *fn = reinterpret_cast<Fn>(p);
+  return true;
+}
+
+// The entry points, or a message naming the first one missing.
+std::string LoadGreenApi(GreenApi* api) {
+  struct Entry {
+    const char* name;
+    unsigned version;
+    bool ok;
+  };
+  const Entry entries[] = {
+      {"cuDeviceGet", 2000, LoadEntry("cuDeviceGet", 2000, &api->device_get)},
+      {"cuDeviceGetDevResource", 12040,
+       LoadEntry("cuDeviceGetDevResource", 12040, &api->get_resource)},
+      {"cuDevSmResourceSplitByCount", 12040,
+       LoadEntry("cuDevSmResourceSplitByCount", 12040, &api->split)},
+      {"cuDevResourceGenerateDesc", 12040,
+       LoadEntry("cuDevResourceGenerateDesc", 12040, &api->describe)},
+      {"cuGreenCtxCreate", 12040,
+       LoadEntry("cuGreenCtxCreate", 12040, &api->create)},
+      {"cuGreenCtxDestroy", 12040,
+       LoadEntry("cuGreenCtxDestroy", 12040, &api->destroy)},
+      {"cuCtxFromGreenCtx", 12040,
+       LoadEntry("cuCtxFromGreenCtx", 12040, &api->as_context)},
+      {"cuGreenCtxStreamCreate", 12050,
+       LoadEntry("cuGreenCtxStreamCreate", 12050, &api->stream_create)},
+      {"cuCtxPushCurrent", 4000,
+       LoadEntry("cuCtxPushCurrent", 4000, &api->push)},
+      {"cuCtxPopCurrent", 4000, LoadEntry("cuCtxPopCurrent", 4000, &api->pop)},
+      {"cuEventCreate", 2000,
+       LoadEntry("cuEventCreate", 2000, &api->event_create)},
+  };
+  for (const Entry& e : entries) {
+    if (!e.ok) {
+      return std::string("the driver has no ") + e.name + " (CUDA " +
+             std::to_string(e.version / 1000) + "." +
+             std::to_string(e.version % 1000 / 10) + ")";
+    }
+  }
+  return "";
+}
+
+std::string DriverFailure(const char* call, CUresult r) {
+  return std::string(call) + " failed (CUresult " + std::to_string(r) + ")";
+}
+
+// `s` on a green context of at least `sms` SMs of `device` (the driver rounds
+// up to its granularity: 8 on Hopper), or the reason there is none (`s` then
+// untouched). The fork event stays the primary context's (recorded on XLA's
+// stream); the finished events are the green context's, as a record must be
+// of its stream's context, and a wait may be of any context.
+std::string CreatePartitioned(int device, int sms, OwnStream* s) {
+  GreenApi api;
+  std::string why = LoadGreenApi(&api);
+  if (!why.empty()) return why;
+  CUdevice dev = 0;
+  CUresult r = api.device_get(&dev, device);
+  if (r != CUDA_SUCCESS) return DriverFailure("cuDeviceGet", r);
+  CUdevResource all{};
+  r = api.get_resource(dev, &all, CU_DEV_RESOURCE_TYPE_SM);
+  if (r != CUDA_SUCCESS) return DriverFailure("cuDeviceGetDevResource", r);
+  if (static_cast<unsigned>(sms) >= all.sm.smCount) {
+    return "the budget, " + std::to_string(sms) + " SMs, is the whole GPU's " +
+           std::to_string(all.sm.smCount);
+  }
+  unsigned groups = 1;
+  CUdevResource part{};
+  r = api.split(&part, &groups, &all, nullptr, 0, static_cast<unsigned>(sms));
+  if (r != CUDA_SUCCESS || groups != 1) {
+    return DriverFailure("cuDevSmResourceSplitByCount", r);
+  }
+  CUdevResourceDesc desc = nullptr;
+  r = api.describe(&desc, &part, 1);
+  if (r != CUDA_SUCCESS) return DriverFailure("cuDevResourceGenerateDesc", r);
+  CUgreenCtx green = nullptr;
+  r = api.create(&green, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM);
+  if (r != CUDA_SUCCESS) return DriverFailure("cuGreenCtxCreate", r);
+  OwnStream made;
+  CUcontext context = nullptr;
+  int least = 0, greatest = 0;
+  r = api.as_context(&context, green);
+  if (r != CUDA_SUCCESS) why = DriverFailure("cuCtxFromGreenCtx", r);
+  if (why.empty() &&
+      cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess) {
+    why = "cudaDeviceGetStreamPriorityRange failed";
+  }
+  CUstream stream = nullptr;
+  if (why.empty() &&
+      (r = api.stream_create(&stream, green, CU_STREAM_NON_BLOCKING,
+                             greatest)) != CUDA_SUCCESS) {
+    why = DriverFailure("cuGreenCtxStreamCreate", r);
+  }
+  if (why.empty() && (r = api.push(context)) != CUDA_SUCCESS) {
+    why = DriverFailure("cuCtxPushCurrent", r);
+  } else if (why.empty()) {
+    for (cudaEvent_t& event : made.finished) {
+      CUevent e = nullptr;
+      if ((r = api.event_create(&e, CU_EVENT_DISABLE_TIMING)) !=
+          CUDA_SUCCESS) {
+        why = DriverFailure("cuEventCreate", r);
+        break;
+      }
+      event = e;
+    }
+    CUcontext popped = nullptr;
+    api.pop(&popped);
+  }
+  if (why.empty() &&
+      cudaEventCreateWithFlags(&made.fork, cudaEventDisableTiming) !=
+          cudaSuccess) {
+    why = "cudaEventCreateWithFlags failed";
+  }
+  if (!why.empty()) {  // give back what was made
+    for (cudaEvent_t event : made.finished) {
+      if (event != nullptr) cudaEventDestroy(event);
+    }
+    if (made.fork != nullptr) cudaEventDestroy(made.fork);
+    if (stream != nullptr) cudaStreamDestroy(stream);
+    api.destroy(green);
+    return why;
+  }
+  made.stream = stream;
+  made.partition_sms = static_cast<int>(part.sm.smCount);
+  *s = made;
+  return "";
+}
+
 // The own stream of `xla_stream`'s device, prepared before (cudaErrorNotReady
 // where it was not). Called with the mutex held.
 cudaError_t Get(cudaStream_t xla_stream, OwnStream** out) {
@@ -89,13 +250,29 @@ cudaError_t Get(cudaStream_t xla_stream, OwnStream** out) {
 
 }  // namespace
 
-cudaError_t PrepareOwnStream(int device) {
+cudaError_t PrepareOwnStream(int device, int sms) {
   std::lock_guard<std::mutex> lock(Mutex());
   if (Streams().count(device) > 0) return cudaSuccess;
   OwnStream s;
-  const cudaError_t err = OnDevice(device, [&s] { return Create(&s); });
+  std::string why_not;
+  const cudaError_t err = OnDevice(device, [&] {
+    if (sms > 0) why_not = CreatePartitioned(device, sms, &s);
+    return s.stream != nullptr ? cudaSuccess : Create(&s);
+  });
+  s.why_not = why_not;
   if (err == cudaSuccess) Streams().emplace(device, s);
   return err;
+}
+
+int OwnStreamPartition(int device, std::string* why_not) {
+  std::lock_guard<std::mutex> lock(Mutex());
+  auto it = Streams().find(device);
+  if (it == Streams().end()) {
+    if (why_not != nullptr) *why_not = "no own stream on this device";
+    return 0;
+  }
+  if (why_not != nullptr) *why_not = it->second.why_not;
+  return it->second.partition_sms;
 }
 
 cudaError_t ForkOwnStream(cudaStream_t xla_stream, cudaStream_t* own) {

@@ -26,6 +26,16 @@
 // - The own stream has the device's greatest priority: its kernels are few
 //   and short against the GEMMs beside them, and a dispatch that waits for
 //   SMs delays the micro-batch whose experts wait for it.
+// - Where asked, it belongs to a green context of the group's `num_sms` SMs (a
+//   partition of the GPU; the driver rounds up, to 8 on Hopper): an op's grid
+//   is sized to its budget, but the hardware places blocks on any SM with
+//   room, so a bounded grid still spreads over the whole GPU and the kernels
+//   beside it wait for SMs; in the partition it runs on those SMs alone. The
+//   partition binds only the own stream: XLA's kernels may still take its
+//   SMs while the own stream is idle (a persistent grid of every SM holds them
+//   to its end: `jax_ep.experts.override(kernel_sms=...)`). Where the driver
+//   has no green contexts, or making one fails, a plain stream (and the
+//   reason, for the caller to report).
 // - One mutex guards all devices' state: the calls are a few per op, host
 //   side only.
 // - The stream and its events are made when a group asks for them
@@ -39,14 +49,21 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 namespace jax_ep::runtime {
 
 inline constexpr int64_t kOwnStreamKeys = 64;
 
 // Makes device `device`'s own stream and its events (once; later calls do
-// nothing). The handlers fail with cudaErrorNotReady on a device without it.
-cudaError_t PrepareOwnStream(int device);
+// nothing): on a green context of at least `sms` SMs where `sms` > 0 and the
+// driver makes one, else a plain stream. The handlers fail with
+// cudaErrorNotReady on a device without it.
+cudaError_t PrepareOwnStream(int device, int sms);
+
+// The SMs of the green context device `device`'s own stream runs on (0: none,
+// and why not in `*why_not` where one was asked for; may be null).
+int OwnStreamPartition(int device, std::string* why_not);
 
 // Makes the own stream of `xla_stream`'s device wait for the work queued on
 // `xla_stream` so far, and returns it in `*own`.

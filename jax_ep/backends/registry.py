@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 
-from jax_ep._native import ffi
+from jax_ep._native import ffi, own_stream
 from jax_ep._native.limits import KernelLimits, cuda_violation, kernel_limits
 from jax_ep.backends import transport as transport_lib
 from jax_ep.backends import topology as topology_lib
@@ -179,7 +179,7 @@ def _create_cuda(request: Request):
   if r.options.comm_stream == OWN_STREAM:
     # jax_ep's own stream and its events, made now rather than inside a handler.
     for device in _local_hardware_ids(mesh):
-      ffi.extension().prepare_own_stream(device)
+      own_stream.prepare(ffi.extension(), device, r.options.num_sms)
   if config.num_ranks == 1 and not r.low_latency:
     for device in _local_hardware_ids(mesh):
       ffi.extension().preload_kernels(device)
