@@ -22,7 +22,6 @@ programs run one after another, as the unsplit micro-batches would.
 from __future__ import annotations
 
 import collections
-import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,7 +30,6 @@ import numpy as np
 from jax._src import core, effects, source_info_util
 
 from jax_ep._native import own_stream
-from jax_ep.experts import configs
 
 # Calls whose body is inlined when it holds an op on jax_ep's own stream or a join, so that the
 # join is an equation of the program's own (the parameter naming the body). custom_vjp_call's
@@ -266,8 +264,7 @@ def interleave(programs: Sequence[tuple[Callable, Any]]) -> list:
   return results
 
 
-def pipeline(fn: Callable, shared, parts: Sequence, fixed: Sequence, *,
-             kernel_sms: int | None = None):
+def pipeline(fn: Callable, shared, parts: Sequence, fixed: Sequence):
   """`[fn(shared, part, fixed_part) for ...]`, the micro-batches interleaved by `interleave`
   in the forward and again in the backward.
 
@@ -277,8 +274,6 @@ def pipeline(fn: Callable, shared, parts: Sequence, fixed: Sequence, *,
     shared: what every micro-batch reads (the weights); its gradient is the sum of theirs.
     parts: each micro-batch's differentiable inputs.
     fixed: each micro-batch's inputs without a gradient (integer routing).
-    kernel_sms: the persistent expert kernels' grid in the micro-batches' forward and backward
-      (`jax_ep.experts.override(kernel_sms=...)`; None: as outside).
 
   Returns:
     `(outs, auxes)`, a list of each.
@@ -286,20 +281,14 @@ def pipeline(fn: Callable, shared, parts: Sequence, fixed: Sequence, *,
   NOTES: a custom_vjp, so that the backward is interleaved too: its forward runs each
   micro-batch's `jax.vjp` as a program and keeps the pullbacks; its backward runs the pullbacks
   as programs. JAX would otherwise transpose the interleaved forward as one program, each op's
-  join next to its op. The backward traces the pullbacks (the experts' backward kernels) after
-  the caller's trace has returned, so `kernel_sms` is set in each of the three.
+  join next to its op.
   """
-  def grid():
-    return (contextlib.nullcontext() if kernel_sms is None
-            else configs.override(kernel_sms=kernel_sms))
-
   @jax.custom_vjp
   def run(shared, parts, fixed):
     # Not differentiated: the micro-batches' functions alone. Under a vjp their custom_vjps'
     # forward rules would run instead and keep residuals (the fused experts' kernels would
     # write their saved projections) that no pullback reads.
-    with grid():
-      outs, auxes = zip(*interleave([(fn, (shared, p, f)) for p, f in zip(parts, fixed)]))
+    outs, auxes = zip(*interleave([(fn, (shared, p, f)) for p, f in zip(parts, fixed)]))
     return list(outs), list(auxes)
 
   def forward(shared, parts, fixed):
@@ -307,16 +296,14 @@ def pipeline(fn: Callable, shared, parts: Sequence, fixed: Sequence, *,
       out, pullback, aux = jax.vjp(lambda s, p: fn(s, p, fixed_part), shared, part,
                                    has_aux=True)
       return out, aux, pullback
-    with grid():
-      results = interleave([(program, (shared, p, f)) for p, f in zip(parts, fixed)])
+    results = interleave([(program, (shared, p, f)) for p, f in zip(parts, fixed)])
     outs, auxes, pullbacks = zip(*results)
     return (list(outs), list(auxes)), pullbacks
 
   def backward(pullbacks, cotangents):
     d_outs, _ = cotangents
-    with grid():
-      grads = interleave([(lambda pullback, d: pullback(d), (pullback, d))
-                          for pullback, d in zip(pullbacks, d_outs)])
+    grads = interleave([(lambda pullback, d: pullback(d), (pullback, d))
+                        for pullback, d in zip(pullbacks, d_outs)])
     d_shared = jax.tree.map(
         lambda *g: g[0] if g[0].dtype == jax.dtypes.float0 else sum(g[1:], g[0]),
         *[g[0] for g in grads])

@@ -164,43 +164,6 @@ def test_a_forward_alone_keeps_no_residuals():
   assert "forward rule" in traced, traced
 
 
-def test_kernel_sms_reaches_the_forward_and_the_backward():
-  """The experts' kernels read their grid when traced: the forward in the caller's trace, the
-  backward's kernels when the pullbacks are traced, after the caller's block has closed."""
-  from jax_ep import experts as experts_pkg
-  from jax_ep.experts import configs
-  seen = []
-
-  @jax.custom_vjp
-  def experts(x, w):
-    seen.append(("primal", configs.current().kernel_sms))
-    return _comm(x) @ w
-
-  def experts_fwd(x, w):
-    seen.append(("forward", configs.current().kernel_sms))
-    return experts(x, w), (x, w)
-
-  def experts_bwd(res, d):
-    seen.append(("backward", configs.current().kernel_sms))
-    return d @ res[1].T, res[0].T @ d
-  experts.defvjp(experts_fwd, experts_bwd)
-
-  def loss(w, xs, sms):
-    outs = overlap.pipeline(lambda w, x, _: (experts(x, w), ()), w, list(xs), [None, None],
-                            kernel_sms=sms)[0]
-    return sum(jnp.sum(o) for o in outs)
-  w, xs = _inputs()[:2]
-  jax.jit(lambda w, xs: loss(w, xs, 1056)).trace(w, xs)
-  jax.jit(jax.grad(lambda w, xs: loss(w, xs, 1056))).trace(w, xs)
-  assert {s for _, s in seen} == {1056} and {n for n, _ in seen} == {
-      "primal", "forward", "backward"}, seen
-  seen.clear()
-  with experts_pkg.override(kernel_sms=96):  # None: the caller's choice stands
-    jax.jit(jax.grad(lambda w, xs: loss(w, xs, None))).trace(w, xs)
-  assert {s for _, s in seen} == {96}, seen
-  assert configs.current().kernel_sms is None
-
-
 def test_a_join_nothing_reads_still_runs():
   """An op run for its effects (`has_side_effect`), its result unread: its join is emitted
   (it keeps the op's buffers until the op ends)."""
