@@ -321,19 +321,17 @@ def test_the_group_keeps_its_stream(caplog):
 def test_the_own_stream_asks_for_a_partition_of_the_budget(monkeypatch):
   monkeypatch.delenv("JAX_EP_SHARED_GPU", raising=False)
   monkeypatch.delenv(own_stream.ENV_PARTITION, raising=False)
-  assert own_stream.partition_sms(24) == 0  # on request only
-  monkeypatch.setenv(own_stream.ENV_PARTITION, "1")
   assert own_stream.partition_sms(24) == 24
-  monkeypatch.setenv("JAX_EP_SHARED_GPU", "1")  # ranks sharing a GPU: kernels resident together
+  monkeypatch.setenv(own_stream.ENV_PARTITION, "0")  # a comparison's plain stream
   assert own_stream.partition_sms(24) == 0
-  monkeypatch.delenv("JAX_EP_SHARED_GPU")
-  monkeypatch.setenv(own_stream.ENV_PARTITION, "0")
+  monkeypatch.delenv(own_stream.ENV_PARTITION)
+  monkeypatch.setenv("JAX_EP_SHARED_GPU", "1")  # ranks sharing a GPU: kernels resident together
   assert own_stream.partition_sms(24) == 0
 
 
 def test_a_partition_not_made_is_said_once(caplog, monkeypatch):
   monkeypatch.delenv("JAX_EP_SHARED_GPU", raising=False)
-  monkeypatch.setenv(own_stream.ENV_PARTITION, "1")
+  monkeypatch.delenv(own_stream.ENV_PARTITION, raising=False)
   class Extension:
     def prepare_own_stream(self, device, sms):
       return (0, "the driver has no cuGreenCtxCreate (CUDA 12.4)") if sms else (0, "")
@@ -356,8 +354,8 @@ def _on_the_gpu():
 @pytest.mark.gpu
 def test_the_own_stream_runs_on_the_partition_asked_for():
   """A green context of the budget rounded up to the driver's granularity (8 SMs on Hopper),
-  never the whole GPU, where one is asked for (`JAX_EP_OWN_STREAM_PARTITION=1`, one process per
-  GPU); every SM where none is. The process's first own stream decides."""
+  never the whole GPU, where one is asked for (one process per GPU); every SM where none is
+  (`JAX_EP_OWN_STREAM_PARTITION=0`, a shared GPU). The process's first own stream decides."""
   _on_the_gpu()
   got = own_stream.prepare(ffi.extension(), jax.devices()[0].local_hardware_id, 24)
   if own_stream.partition_sms(24):

@@ -15,8 +15,8 @@ import os
 SUFFIX = "_own_stream"
 JOIN = "jax_ep_join"
 
-# `1`: jax_ep's own stream runs on a partition of the group's SMs (a CUDA green context); unset
-# or `0`: on every SM, as a plain stream of the greatest priority.
+# `0`: jax_ep's own stream runs on every SM (a plain stream of the greatest priority) instead of
+# a partition of the group's SMs: a comparison's baseline.
 ENV_PARTITION = "JAX_EP_OWN_STREAM_PARTITION"
 
 _logger = logging.getLogger("jax_ep")
@@ -25,14 +25,11 @@ _SAID: set[tuple[int, int, str]] = set()
 
 def partition_sms(num_sms: int) -> int:
   """The SMs of the green context to ask jax_ep's own stream to run on (0: none), for a group
-  of budget `num_sms`: the budget where `JAX_EP_OWN_STREAM_PARTITION=1`, but not where the
+  of budget `num_sms`: the budget, but where `JAX_EP_OWN_STREAM_PARTITION=0` and where the
   processes share one GPU (`python -m jax_ep.launch --share-gpu`), whose partitions would all
-  name the same SMs while their kernels must be resident together.
-
-  NOTES: asked for only on request until a GPU run has timed it beside the plain stream
-  (`benchmarks/bench_overlap.py`, docs/dev/notes.md)."""
+  name the same SMs while their kernels must be resident together."""
   from jax_ep.launch.env import ENV_SHARED_GPU
-  if os.environ.get(ENV_SHARED_GPU) == "1" or os.environ.get(ENV_PARTITION) != "1":
+  if os.environ.get(ENV_SHARED_GPU) == "1" or os.environ.get(ENV_PARTITION) == "0":
     return 0
   return num_sms
 
