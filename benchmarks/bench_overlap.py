@@ -11,7 +11,8 @@ alone, `comm` alone and `both` in one program; with the ops on XLA's compute str
 default group) and on the additional stream N (`Group(comm_stream=N)`), in the same run.
 `--num-sms 24 132`: on jax_ep's own stream, each SM budget (`Group(num_sms=...)`) side by side
 (the process's first group sizes the own stream's SM partition, `own_stream_partition_sms` in
-the records; `JAX_EP_OWN_STREAM_PARTITION=0` runs it on every SM instead). `--kernel-sms all 108 1056`: the expert kernels' persistent grid
+the records; `JAX_EP_OWN_STREAM_PARTITION=0` runs it on every SM instead).
+`--kernel-sms all 108 1056`: the expert kernels' persistent grid
 (`jax_ep.experts.override(kernel_sms=...)`) side by side.
 `--timeline PATH`: the kernels of one run of `both` and of `gemm` per setting (the device
 timeline: stream, start, duration), written to PATH (`both`'s drawn as one row per stream),
