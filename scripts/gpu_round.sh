@@ -57,8 +57,9 @@
 #                                     # fraction at one rank (bench_overlap.py), the SwiGLU chain
 #                                     # with 1 and 2 micro-batches at 1 and 8 ranks
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
-#   bash scripts/gpu_round.sh overlapncu  # ncu of the slow expert kernels of the overlap
-#                                     # pipeline beside the two halves' (bench_overlap.py)
+#   bash scripts/gpu_round.sh overlapncu  # ncu of the expert kernels and the one-rank ops of
+#                                     # the overlap pipeline and the two halves: time, SM and
+#                                     # DRAM throughput, clock (bench_overlap.py)
 #   bash scripts/gpu_round.sh slab     # the experts on the low-latency slabs: tests, benchmark
 #   bash scripts/gpu_round.sh check     # every GPU suite, nothing else: check1 ... check8, each
 #                                     # part under 10 minutes on one H200 (below)
@@ -420,20 +421,24 @@ if has overlap; then
   cp benchmarks/results/gpu_round_layers.jsonl "$OUT/" 2>/dev/null
 fi
 
-# The slow expert kernels of the overlap pipeline, each replayed alone by ncu (kernels run one at
-# a time): if the pipeline's instances take as long as the two halves' here, what ran beside them
-# cost the time, not the kernel. In launch order: the halves' GEMM-only and layer programs (2
-# runs each: 1 + 1 of each kernel), then the pipeline's (2 runs each: 2 + 2).
+# The expert kernels and the one-rank ops of the overlap pipeline, each replayed alone by ncu
+# (kernels run one at a time): their time, SM throughput, DRAM throughput and clock. Beside an op
+# on the own stream's partition a GEMM runs longer by about the op's time although it keeps its
+# SMs (docs/dev/notes.md): a GEMM near the DRAM ceiling beside ops that copy at ~1.2 TB/s points to
+# bandwidth, a clock that drops to power. In launch order: the halves' GEMM-only and layer
+# programs, then the pipeline's.
 if has overlapncu; then
-  step "ncu: gate_up and hidden_grad in the two halves and in the own-stream pipeline"
+  step "ncu: the expert kernels and the one-rank ops in the halves and the own-stream pipeline"
   t=$(bench_time 400) && timeout $t ncu --clock-control none \
-    -k regex:"jax_ep_mlp_(gate_up|hidden_grad)" -c 24 \
-    --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed \
+    -k regex:"jax_ep_mlp_(gate_up|hidden_grad)|DispatchKernel|CombineKernel" -c 40 \
+    --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
+dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum.per_second,\
+sm__cycles_elapsed.avg.per_second \
     python3 benchmarks/bench_overlap.py --host-clock --passes forward_backward --comm-streams \
     jax_ep --repeats 1 --out /tmp/overlap_ncu.jsonl > "$OUT/ncu_overlap.txt" 2>&1
   counts "ncu bench_overlap.py"
-  grep -E "jax_ep_mlp_|gpu__time_duration|sm__throughput" "$OUT/ncu_overlap.txt" | cut -c1-120 \
-    | head -80
+  grep -E "jax_ep_mlp_|Kernel<|gpu__time_duration|throughput|dram__bytes|cycles_elapsed" \
+    "$OUT/ncu_overlap.txt" | cut -c1-120 | head -120
 fi
 
 chain_args="--backends cuda --expert identity swiglu --passes forward forward_backward"
