@@ -12,7 +12,10 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
+
+#include "ffi/kernels/peer_kernels.h"
 
 namespace jax_ep::runtime {
 namespace {
@@ -20,8 +23,9 @@ namespace {
 struct OwnStream {
   cudaStream_t stream = nullptr;
   cudaEvent_t fork = nullptr;  // recorded on XLA's stream, waited by ours
-  // Recorded on ours after each op of a key, the key's slot `key % kOwnStreamKeys`;
-  // made in the stream's context (a green context's where it has one).
+  // Recorded on ours after each op of a key, the key's slot
+  // `key % kOwnStreamKeys`; made in the stream's context (a green context's
+  // where it has one).
   std::array<cudaEvent_t, kOwnStreamKeys> finished{};
   int partition_sms = 0;  // the green context's SMs; 0: none
   std::string why_not;    // why there is none, where one was asked for
@@ -99,67 +103,73 @@ struct GreenApi {
   PFN_cuEventCreate_v2000 event_create = nullptr;
 };
 
-template <typename Fn>
-bool LoadEntry(const char* name, unsigned version, Fn* fn) {
-  void* p = nullptr;
-  cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
-  if (cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault,
-                                       &status) != cudaSuccess ||
-      status != cudaDriverEntryPointSuccess || p == nullptr) {
-    return false;
-  }
-  *fn = reinterpret_cast<Fn>(p);
-  return true;
-}
-
-// The entry points, or a message naming the first one missing.
+// The entry points, or a message naming the first one the driver lacks.
 std::string LoadGreenApi(GreenApi* api) {
-  struct Entry {
-    const char* name;
-    unsigned version;
-    bool ok;
-  };
-  const Entry entries[] = {
-      {"cuDeviceGet", 2000, LoadEntry("cuDeviceGet", 2000, &api->device_get)},
-      {"cuDeviceGetDevResource", 12040,
-       LoadEntry("cuDeviceGetDevResource", 12040, &api->get_resource)},
-      {"cuDevSmResourceSplitByCount", 12040,
-       LoadEntry("cuDevSmResourceSplitByCount", 12040, &api->split)},
-      {"cuDevResourceGenerateDesc", 12040,
-       LoadEntry("cuDevResourceGenerateDesc", 12040, &api->describe)},
-      {"cuGreenCtxCreate", 12040,
-       LoadEntry("cuGreenCtxCreate", 12040, &api->create)},
-      {"cuGreenCtxDestroy", 12040,
-       LoadEntry("cuGreenCtxDestroy", 12040, &api->destroy)},
-      {"cuCtxFromGreenCtx", 12040,
-       LoadEntry("cuCtxFromGreenCtx", 12040, &api->as_context)},
-      {"cuGreenCtxStreamCreate", 12050,
-       LoadEntry("cuGreenCtxStreamCreate", 12050, &api->stream_create)},
-      {"cuCtxPushCurrent", 4000,
-       LoadEntry("cuCtxPushCurrent", 4000, &api->push)},
-      {"cuCtxPopCurrent", 4000, LoadEntry("cuCtxPopCurrent", 4000, &api->pop)},
-      {"cuEventCreate", 2000,
-       LoadEntry("cuEventCreate", 2000, &api->event_create)},
-  };
-  for (const Entry& e : entries) {
-    if (!e.ok) {
-      return std::string("the driver has no ") + e.name + " (CUDA " +
-             std::to_string(e.version / 1000) + "." +
-             std::to_string(e.version % 1000 / 10) + ")";
+  std::string missing;
+  auto load = [&missing](const char* name, unsigned version, auto* fn) {
+    if (!missing.empty()) return;
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault,
+                                         &status) != cudaSuccess ||
+        status != cudaDriverEntryPointSuccess || p == nullptr) {
+      missing = std::string("the driver has no ") + name + " (CUDA " +
+                std::to_string(version / 1000) + "." +
+                std::to_string(version % 1000 / 10) + ")";
+      return;
     }
-  }
-  return "";
+    *fn = reinterpret_cast<std::remove_reference_t<decltype(*fn)>>(p);
+  };
+  load("cuDeviceGet", 2000, &api->device_get);
+  load("cuDeviceGetDevResource", 12040, &api->get_resource);
+  load("cuDevSmResourceSplitByCount", 12040, &api->split);
+  load("cuDevResourceGenerateDesc", 12040, &api->describe);
+  load("cuGreenCtxCreate", 12040, &api->create);
+  load("cuGreenCtxDestroy", 12040, &api->destroy);
+  load("cuCtxFromGreenCtx", 12040, &api->as_context);
+  load("cuGreenCtxStreamCreate", 12050, &api->stream_create);
+  load("cuCtxPushCurrent", 4000, &api->push);
+  load("cuCtxPopCurrent", 4000, &api->pop);
+  load("cuEventCreate", 2000, &api->event_create);
+  return missing;
 }
 
 std::string DriverFailure(const char* call, CUresult r) {
   return std::string(call) + " failed (CUresult " + std::to_string(r) + ")";
 }
 
+// With `green`'s context current: the finished events (a record must be of
+// its stream's context; a wait may be of any), and every kernel's module
+// load, so that none happens inside a handler's first launch there.
+std::string InGreenContext(const GreenApi& api, CUgreenCtx green,
+                           OwnStream* made) {
+  CUcontext context = nullptr;
+  CUresult r = api.as_context(&context, green);
+  if (r != CUDA_SUCCESS) return DriverFailure("cuCtxFromGreenCtx", r);
+  if ((r = api.push(context)) != CUDA_SUCCESS) {
+    return DriverFailure("cuCtxPushCurrent", r);
+  }
+  std::string why;
+  for (cudaEvent_t& event : made->finished) {
+    CUevent e = nullptr;
+    if ((r = api.event_create(&e, CU_EVENT_DISABLE_TIMING)) != CUDA_SUCCESS) {
+      why = DriverFailure("cuEventCreate", r);
+      break;
+    }
+    event = e;
+  }
+  if (why.empty() && peer::PreloadKernels() != cudaSuccess) {
+    why = "loading the kernels in the green context failed";
+  }
+  CUcontext popped = nullptr;
+  api.pop(&popped);
+  return why;
+}
+
 // `s` on a green context of at least `sms` SMs of `device` (the driver rounds
 // up to its granularity: 8 on Hopper), or the reason there is none (`s` then
-// untouched). The fork event stays the primary context's (recorded on XLA's
-// stream); the finished events are the green context's, as a record must be
-// of its stream's context, and a wait may be of any context.
+// untouched). The fork event stays the primary context's: it is recorded on
+// XLA's stream.
 std::string CreatePartitioned(int device, int sms, OwnStream* s) {
   GreenApi api;
   std::string why = LoadGreenApi(&api);
@@ -186,35 +196,17 @@ std::string CreatePartitioned(int device, int sms, OwnStream* s) {
   CUgreenCtx green = nullptr;
   r = api.create(&green, desc, dev, CU_GREEN_CTX_DEFAULT_STREAM);
   if (r != CUDA_SUCCESS) return DriverFailure("cuGreenCtxCreate", r);
+
   OwnStream made;
-  CUcontext context = nullptr;
   int least = 0, greatest = 0;
-  r = api.as_context(&context, green);
-  if (r != CUDA_SUCCESS) why = DriverFailure("cuCtxFromGreenCtx", r);
-  if (why.empty() &&
-      cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess) {
-    why = "cudaDeviceGetStreamPriorityRange failed";
-  }
   CUstream stream = nullptr;
-  if (why.empty() &&
-      (r = api.stream_create(&stream, green, CU_STREAM_NON_BLOCKING,
-                             greatest)) != CUDA_SUCCESS) {
+  if (cudaDeviceGetStreamPriorityRange(&least, &greatest) != cudaSuccess) {
+    why = "cudaDeviceGetStreamPriorityRange failed";
+  } else if ((r = api.stream_create(&stream, green, CU_STREAM_NON_BLOCKING,
+                                    greatest)) != CUDA_SUCCESS) {
     why = DriverFailure("cuGreenCtxStreamCreate", r);
-  }
-  if (why.empty() && (r = api.push(context)) != CUDA_SUCCESS) {
-    why = DriverFailure("cuCtxPushCurrent", r);
-  } else if (why.empty()) {
-    for (cudaEvent_t& event : made.finished) {
-      CUevent e = nullptr;
-      if ((r = api.event_create(&e, CU_EVENT_DISABLE_TIMING)) !=
-          CUDA_SUCCESS) {
-        why = DriverFailure("cuEventCreate", r);
-        break;
-      }
-      event = e;
-    }
-    CUcontext popped = nullptr;
-    api.pop(&popped);
+  } else {
+    why = InGreenContext(api, green, &made);
   }
   if (why.empty() &&
       cudaEventCreateWithFlags(&made.fork, cudaEventDisableTiming) !=
