@@ -151,6 +151,8 @@ python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devi
 # One function per suite (or family), shared by the check parts and the named stages below.
 # (with the shared suite again on comm_stream=1, and the stream's own tests)
 local_suite() { suite --timeout 500 -- $PYTEST tests/test_cuda_local.py tests/test_comm_stream.py; }
+# jax_ep's own stream alone (its partition of the SMs, its ops against the compute stream's).
+comm_stream_suite() { suite --timeout 200 -- $PYTEST tests/test_comm_stream.py -m gpu; }
 # The public functions' input checks on the cuda backend at one rank, and the FP8 dispatch's
 # choice of backend on a GPU.
 inputs_suite() {
@@ -260,7 +262,7 @@ CHECK7="network2 network4 network_memcheck rail_memcheck"
 CHECK8="fused fused_wrapped"
 run_step() {
   case $1 in
-    local) local_suite ;; gemm) gemm_suite ;; layer1) layer_suite 1 ;; slab) slab_suite ;;
+    local) local_suite ;; comm_stream) comm_stream_suite ;; gemm) gemm_suite ;; layer1) layer_suite 1 ;; slab) slab_suite ;;
     experts) experts_suite ;; inputs) inputs_suite ;; fp8_experts) fp8_experts_suite ;;
     fused) fused_suite ;; fused_wrapped) fused_wrapped_suite ;;
     nvshmem) nvshmem_suite ;; localmem) local_memcheck ;;
@@ -272,6 +274,10 @@ run_step() {
     *) echo "unknown check step $1"; status=1 ;;
   esac
 }
+# Steps that are part of no check (a check's suite in part), run first when named.
+for name in comm_stream experts; do
+  if [[ "$STAGES" == *" step:$name "* ]]; then step "step: $name"; run_step "$name"; fi
+done
 n=0
 for part in "$CHECK1" "$CHECK2" "$CHECK3" "$CHECK4" "$CHECK5" "$CHECK6" "$CHECK7" \
     "$CHECK8"; do
