@@ -379,18 +379,23 @@ def tune(name, x, w, sizes, repeats, parts):
     fields = ", ".join(str(v) for v in dataclasses.astuple(c))
     print(f"    ({groups}, {k}, {n}): KernelTiles({fields}),"
           f"  # {name}: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
-  # The weight gradient's kernels (x^T dy per group): one warpgroup or warp-specialized.
+  # The weight gradient's kernels (x^T dy per group): one warpgroup or warp-specialized, one
+  # persistent CTA per SM or two (a second CTA's loads and MMAs fill the first's fill and store
+  # when a group holds a tile's rows in a step or two; two fit an SM at 2-3 stages).
   dy = jnp.ones((rows, n), x.dtype)
   offsets = jnp.cumsum(sizes) - sizes
-  for specialized, bn, steps in itertools.product((False, True), (64, 128), (2, 3, 4)):
-    if "weight_grad" not in parts or n % bn or k % 128:
+  for specialized, bn, steps, per_sm in itertools.product((False, True), (64, 128), (2, 3, 4),
+                                                           (1, 2)):
+    if "weight_grad" not in parts or n % bn or k % 128 or (per_sm == 2 and steps == 4):
       continue
     config = jax_ep.experts.KernelTiles(128, bn, 64, steps, 4)
-    fn = jax.jit(lambda x, dy, s, c=config, sp=specialized: hopper.grouped_weight_grad_kernel(
-        x, dy, s, offsets, tiles=c, specialized=sp))
-    seconds = time_fn(fn, (x, dy, sizes), repeats, f"{name} weight grad {config}")
+    with jax_ep.experts.override(kernel_sms=per_sm * hopper.device_sms()):
+      fn = jax.jit(lambda x, dy, s, c=config, sp=specialized: hopper.grouped_weight_grad_kernel(
+          x, dy, s, offsets, tiles=c, specialized=sp))
+      seconds = time_fn(fn, (x, dy, sizes), repeats,
+                        f"{name} weight grad {config} x{per_sm} per SM")
     if seconds is not None:
-      print(f"  {name} weight grad specialized={specialized} {config}: "
+      print(f"  {name} weight grad specialized={specialized} {config} {per_sm} per SM: "
             f"{2.0 * rows * k * n / seconds / 1e12:.0f} TF/s ({seconds * 1e6:.0f} us)")
 
 
