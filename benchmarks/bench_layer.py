@@ -357,22 +357,26 @@ def tune(name, x, w, sizes, repeats, parts):
     print(f"{name}: --tune needs the GPU")
     return
   best = None
-  # (block_n, stages, compute_wgs): one warpgroup, or two compute warpgroups (the CTA's
-  # columns twice block_n) fed by a memory warpgroup; the row tile and the column band apart.
-  kernels = ((128, 4, 1), (256, 3, 1), (128, 3, 2), (128, 4, 2), (64, 6, 2))
-  for bm, (bn, steps, wgs), band in itertools.product(
+  # (block_n, stages, compute_wgs, CTAs per SM): one warpgroup, or two compute warpgroups (the
+  # CTA's columns twice block_n) fed by a memory warpgroup; the row tile and the column band
+  # apart. Two persistent CTAs of one warpgroup at 2 stages fit an SM: one's loads and MMAs
+  # can fill the other's pipeline fill and store, where groups hold a tile's rows or fewer.
+  kernels = ((128, 4, 1, 1), (256, 3, 1, 1), (128, 3, 2, 1), (128, 4, 2, 1), (64, 6, 2, 1),
+             (128, 2, 1, 2))
+  for bm, (bn, steps, wgs, per_sm), band in itertools.product(
       (64, 128), kernels if "forward" in parts else (), (1, 4)):
     if n % (bn * wgs) or (n // (bn * wgs)) % band:
       continue
     config = jax_ep.experts.KernelTiles(bm, bn, 64, steps, band, wgs)
     offsets = jnp.cumsum(sizes) - sizes
-    fn = jax.jit(lambda x, w, s, c=config: hopper.grouped_matmul_kernel(
-        x, w, s, offsets, transpose_w=False, tiles=c))
-    seconds = time_fn(fn, (x, w, sizes), repeats, f"{name} tiles {config}")
+    with jax_ep.experts.override(kernel_sms=per_sm * hopper.device_sms()):
+      fn = jax.jit(lambda x, w, s, c=config: hopper.grouped_matmul_kernel(
+          x, w, s, offsets, transpose_w=False, tiles=c))
+      seconds = time_fn(fn, (x, w, sizes), repeats, f"{name} tiles {config} x{per_sm} per SM")
     if seconds is None:  # e.g. a tile that does not fit shared memory
       continue
-    print(f"  {name} {config}: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
-    if best is None or seconds < best[0]:
+    print(f"  {name} {config} {per_sm} per SM: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
+    if per_sm == 1 and (best is None or seconds < best[0]):
       best = (seconds, config)
   if best is not None:
     seconds, c = best
