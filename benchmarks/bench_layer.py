@@ -367,16 +367,15 @@ def tune(name, x, w, sizes, repeats, parts):
       (64, 128), kernels if "forward" in parts else (), (1, 4)):
     if n % (bn * wgs) or (n // (bn * wgs)) % band:
       continue
-    config = jax_ep.experts.KernelTiles(bm, bn, 64, steps, band, wgs)
+    config = jax_ep.experts.KernelTiles(bm, bn, 64, steps, band, wgs, per_sm)
     offsets = jnp.cumsum(sizes) - sizes
-    with jax_ep.experts.override(kernel_sms=per_sm * hopper.device_sms()):
-      fn = jax.jit(lambda x, w, s, c=config: hopper.grouped_matmul_kernel(
-          x, w, s, offsets, transpose_w=False, tiles=c))
-      seconds = time_fn(fn, (x, w, sizes), repeats, f"{name} tiles {config} x{per_sm} per SM")
+    fn = jax.jit(lambda x, w, s, c=config: hopper.grouped_matmul_kernel(
+        x, w, s, offsets, transpose_w=False, tiles=c))
+    seconds = time_fn(fn, (x, w, sizes), repeats, f"{name} tiles {config}")
     if seconds is None:  # e.g. a tile that does not fit shared memory
       continue
-    print(f"  {name} {config} {per_sm} per SM: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
-    if per_sm == 1 and (best is None or seconds < best[0]):
+    print(f"  {name} {config}: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
+    if best is None or seconds < best[0]:
       best = (seconds, config)
   if best is not None:
     seconds, c = best
@@ -384,22 +383,19 @@ def tune(name, x, w, sizes, repeats, parts):
     print(f"    ({groups}, {k}, {n}): KernelTiles({fields}),"
           f"  # {name}: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
   # The weight gradient's kernels (x^T dy per group): one warpgroup or warp-specialized, one
-  # persistent CTA per SM or two (a second CTA's loads and MMAs fill the first's fill and store
-  # when a group holds a tile's rows in a step or two; two fit an SM at 2-3 stages).
+  # persistent CTA per SM or two (configs.WEIGHT_GRAD_SHARED_SM_GROUPS; two fit at 2-3 stages).
   dy = jnp.ones((rows, n), x.dtype)
   offsets = jnp.cumsum(sizes) - sizes
   for specialized, bn, steps, per_sm in itertools.product((False, True), (64, 128), (2, 3, 4),
                                                            (1, 2)):
     if "weight_grad" not in parts or n % bn or k % 128 or (per_sm == 2 and steps == 4):
       continue
-    config = jax_ep.experts.KernelTiles(128, bn, 64, steps, 4)
-    with jax_ep.experts.override(kernel_sms=per_sm * hopper.device_sms()):
-      fn = jax.jit(lambda x, dy, s, c=config, sp=specialized: hopper.grouped_weight_grad_kernel(
-          x, dy, s, offsets, tiles=c, specialized=sp))
-      seconds = time_fn(fn, (x, dy, sizes), repeats,
-                        f"{name} weight grad {config} x{per_sm} per SM")
+    config = jax_ep.experts.KernelTiles(128, bn, 64, steps, 4, ctas_per_sm=per_sm)
+    fn = jax.jit(lambda x, dy, s, c=config, sp=specialized: hopper.grouped_weight_grad_kernel(
+        x, dy, s, offsets, tiles=c, specialized=sp))
+    seconds = time_fn(fn, (x, dy, sizes), repeats, f"{name} weight grad {config}")
     if seconds is not None:
-      print(f"  {name} weight grad specialized={specialized} {config} {per_sm} per SM: "
+      print(f"  {name} weight grad specialized={specialized} {config}: "
             f"{2.0 * rows * k * n / seconds / 1e12:.0f} TF/s ({seconds * 1e6:.0f} us)")
 
 

@@ -51,7 +51,8 @@ def known_builds(which: str) -> dict:
   """Every build in `configs.KNOWN_BUILDS` of `which` kind ("bf16": the grouped GEMM and the
   fused MLP; "fp8"), compiled for sm_90a through the choice's own probe with the trust in known
   builds turned off: None, or why it did not build. The grouped GEMM at K=64 and K=256 (one
-  reduction step, fewer than its stages, and several), the MLPs at `KNOWN_BUILD_SIZE`."""
+  reduction step, fewer than its stages, and several), the MLPs at `KNOWN_BUILD_SIZE` and each of
+  `KNOWN_BUILD_GROUPS` (the weight gradient's grids)."""
   configs.TRUST_KNOWN_BUILDS = False
   size, out = configs.KNOWN_BUILD_SIZE, {}
   for build in sorted(configs.KNOWN_BUILDS, key=str):
@@ -65,14 +66,16 @@ def known_builds(which: str) -> dict:
         out[f"{build} k={k}"] = choice.mosaic_compile_error(
             512, 2, k, 256, np.dtype(dtype), transpose_w, tiles, np.dtype(out_dtype))
     elif kind == "fused_mlp":
-      assert configs.fused_mlp_build(build[1], build[2], size, size) == build
-      out[str(build)] = mlp.fused_compile_error(512, 2, size, size, np.dtype(build[1]),
+      groups = next(g for g in configs.KNOWN_BUILD_GROUPS
+                    if configs.fused_mlp_build(build[1], build[2], size, size, g) == build)
+      out[str(build)] = mlp.fused_compile_error(512, groups, size, size, np.dtype(build[1]),
                                                 build[2])
     elif kind == "fp8_gmm":
       out[str(build)] = fp8.fp8_compile_error(512, 2, size, size, build[1])
     else:
-      assert configs.fp8_mlp_build(build[1], size, size) == build
-      out[str(build)] = mlp_fp8.fp8_mlp_compile_error(512, 2, size, size, build[1])
+      groups = next(g for g in configs.KNOWN_BUILD_GROUPS
+                    if configs.fp8_mlp_build(build[1], size, size, g) == build)
+      out[str(build)] = mlp_fp8.fp8_mlp_compile_error(512, groups, size, size, build[1])
   return out
 
 

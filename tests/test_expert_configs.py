@@ -42,6 +42,12 @@ def test_kernel_sms_bounds_the_persistent_grid(monkeypatch):
     with experts.override(kernel_sms=528):  # four waves
       assert hopper.num_sms() == 528
   assert hopper.num_sms() == 132
+  # Tiles of two CTAs per SM double the grid over the SMs it is sized for.
+  two = KernelTiles(128, 128, 64, 3, 4, ctas_per_sm=2)
+  assert hopper.persistent_grid(KernelTiles()) == (132,)
+  assert hopper.persistent_grid(two) == (264,)
+  with experts.override(kernel_sms=108):
+    assert hopper.persistent_grid(two) == (216,)
   for bad in (0, -3, 1.5, True, "all"):
     with pytest.raises(ValueError, match=f"kernel_sms must be a positive int or None, got "
                                          f"{bad!r}"):
@@ -67,7 +73,7 @@ def test_each_field_reaches_its_choice():
   with experts.override(gemm_tiles=small, weight_grad_tiles=small, fused_tiles=small):
     assert configs.tile_config(100, 8, 128, 192) == small
     assert configs.tile_config(100, 8, 100, 192) is None  # K % 64
-    assert configs.weight_grad_tiles(128, 64) == small
+    assert configs.weight_grad_tiles(128, 64, 256) == small
     assert configs.fused_tiles(128, 64) == small
     assert configs.fused_input_grad_tiles(64, 128) == small
   with experts.override(impl="xla"):

@@ -31,6 +31,7 @@ import pytest
 
 from ep_test_base import require_hopper
 from jax_ep._native.fp8 import fp8_quantize
+from jax_ep import experts
 from jax_ep.experts import configs, hopper_fp8, mlp
 from jax_ep.experts.configs import KernelTiles
 from jax_ep.experts.layout import rows_inside_groups
@@ -226,17 +227,16 @@ def test_matmul_matches_the_dequantised_oracle(tiles):
 
 
 @BOTH
-def test_few_ctas_each_run_many_items(tiles, monkeypatch):
+def test_few_ctas_each_run_many_items(tiles):
   """Two CTAs for the whole work list (on Hopper: one per SM, many items each): the pipeline's
   slots, the staging buffers' reuse and the carries across items, which 132 CTAs of a small
   case would not reach."""
-  monkeypatch.setattr(hopper_fp8, "num_sms", lambda: 2)
   rng = np.random.default_rng(9)
   gs, go, rows = layout(SIZES)
   x, xs = row_operand(rng, rows, 384, gs, go)
   w_gate, w_up = weight_operand(rng, len(SIZES), 256, 384), weight_operand(
       rng, len(SIZES), 256, 384)
-  with interpret():
+  with interpret(), experts.override(kernel_sms=2):
     got = hopper_fp8.fp8_grouped_matmul_kernel(x, xs, *w_gate, gs, go, tiles=tiles)
     outs = hopper_fp8.fp8_gated_kernel(x, xs, w_gate[0], w_up[0], w_gate[1], w_up[1], gs, go,
                                        activation="swiglu", tiles=tiles)
@@ -247,7 +247,7 @@ def test_few_ctas_each_run_many_items(tiles, monkeypatch):
 
 
 @BOTH
-def test_the_interpreters_race_detector_finds_no_race(tiles, monkeypatch):
+def test_the_interpreters_race_detector_finds_no_race(tiles):
   """Two CTAs, many items each, under the interpreter's happens-before race detector: the
   pipeline's slots (TMA writes, the scales' reads), the staging buffers and the stores."""
   try:
@@ -255,7 +255,6 @@ def test_the_interpreters_race_detector_finds_no_race(tiles, monkeypatch):
   except ImportError:  # the detector's module moved: this jax does not offer it here
     pytest.skip("this jax has no Mosaic GPU race detector at the expected place")
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  monkeypatch.setattr(hopper_fp8, "num_sms", lambda: 2)
   rng = np.random.default_rng(10)
   gs, go, rows = layout(SIZES)
   x, xs = row_operand(rng, rows, 384, gs, go)
@@ -271,7 +270,8 @@ def test_the_interpreters_race_detector_finds_no_race(tiles, monkeypatch):
     runs["input grad"] = lambda: hopper_fp8.fp8_gated_input_grad_kernel(
         x, xs, x, xs, *w_gate, *w_gate, gs, go, tiles=tiles)
   for what, run in runs.items():
-    with plgpu.force_gpu_interpret_mode(params.InterpretGPUParams(detect_races=True)):
+    with plgpu.force_gpu_interpret_mode(params.InterpretGPUParams(detect_races=True)), \
+        experts.override(kernel_sms=2):
       jax.block_until_ready(run())
     assert not interpret_pallas_call.get_races().races_found, f"{what}: a race"
 

@@ -382,7 +382,6 @@ def test_the_interpreters_race_detector_finds_no_race(monkeypatch, compute_wgs):
   except ImportError:  # the detector's module moved: this jax does not offer it here
     pytest.skip("this jax has no Mosaic GPU race detector at the expected place")
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax_ep.experts import hopper, hopper_fused
   states = []
 
   class Recorded(gpu_callbacks.GPURaceDetectionState):
@@ -391,14 +390,12 @@ def test_the_interpreters_race_detector_finds_no_race(monkeypatch, compute_wgs):
       states.append(self)
   monkeypatch.setattr(gpu_callbacks, "GPURaceDetectionState", Recorded)
   as_on_hopper(monkeypatch)
-  for module in (hopper, hopper_fused):
-    monkeypatch.setattr(module, "num_sms", lambda: 3)
   rng = np.random.default_rng(7)
   case = make_case(rng, 512, 5, 256, 128, [130, 0, 3, 200, 61], "swiglu")
   tiles = KernelTiles(64, 64, 64, 2, 1, compute_wgs=compute_wgs)
   with plgpu.force_gpu_interpret_mode(params.InterpretGPUParams(detect_races=True)), \
       experts.override(gemm_tiles=tiles, weight_grad_tiles=SMALL, fused_tiles=SMALL,
-                       weight_grad_specialized=compute_wgs == 2):
+                       weight_grad_specialized=compute_wgs == 2, kernel_sms=3):
     y, grads = loss_and_grads(*case[:5], "swiglu")
     jax.block_until_ready((y, grads))
   assert len(states) == 7 and not any(state.races_found for state in states), [

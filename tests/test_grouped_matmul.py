@@ -213,9 +213,12 @@ def test_tile_rule():
   assert configs.tile_config(100, 8, 64, 192) == KernelTiles(
       128, 64, 64, 4, 4)  # 192 % 128 != 0: one warpgroup
   assert configs.tile_config(100, 8, 100, 128) is None  # K % 64 != 0
-  assert configs.weight_grad_tiles(7168, 2048) == KernelTiles(128, 128, 64, 4, 4)
-  assert configs.weight_grad_tiles(256, 192).block_n == 64
-  assert configs.weight_grad_tiles(64, 128) is None  # K % 128 != 0
+  # Few groups: one CTA per SM; many (each a few hundred rows): two per SM at 3 stages.
+  assert configs.weight_grad_tiles(7168, 2048, 32) == KernelTiles(128, 128, 64, 4, 4)
+  assert configs.weight_grad_tiles(7168, 2048, 256) == KernelTiles(
+      128, 128, 64, 3, 4, ctas_per_sm=2)
+  assert configs.weight_grad_tiles(256, 192, 8).block_n == 64
+  assert configs.weight_grad_tiles(64, 128, 8) is None  # K % 128 != 0
   assert configs.tile_config(100, 8, 64, 100) is None
 
 
@@ -455,6 +458,27 @@ def test_kernels_interpreted_groups_at_offsets(monkeypatch, compute_wgs, transpo
       weight_grad_tiles=SMALL_TILES, weight_grad_specialized=compute_wgs == 2):
     _check_at_offsets(np.random.default_rng(3), 384, 128, 128, [40, 0, 100, 1], 64,
                       transpose_w, jnp.bfloat16, 2e-2, impl="mosaic")
+
+
+def test_weight_grad_at_two_ctas_per_sm_gives_one_ctas_bits():
+  """Many groups take two persistent CTAs per SM (`configs.weight_grad_tiles`): each output tile
+  is still one CTA's, reduced in the same order, so the bits are those of one CTA per SM, and
+  rows past the groups (NaN) reach neither."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax_ep.experts import hopper
+  rng = np.random.default_rng(11)
+  sizes = jnp.asarray([70, 0, 130, 5, 64, 31], jnp.int32)
+  x = poison_tail(jnp.asarray(rng.standard_normal((320, 128)), jnp.bfloat16), sizes)
+  dy = poison_tail(jnp.asarray(rng.standard_normal((320, 128)), jnp.bfloat16), sizes)
+  one, two = (KernelTiles(64, 64, 64, 2, 1, ctas_per_sm=c) for c in (1, 2))
+  with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=3):
+    got = {c.ctas_per_sm: np.asarray(hopper.grouped_weight_grad_kernel(
+        x, dy, sizes, tiles=c, specialized=False), np.float32) for c in (one, two)}
+  np.testing.assert_array_equal(got[2], got[1])
+  starts = np.cumsum(sizes) - sizes
+  want = np.stack([np.asarray(x[s:s + n], np.float32).T @ np.asarray(dy[s:s + n], np.float32)
+                   for s, n in zip(starts, np.asarray(sizes))])
+  np.testing.assert_allclose(got[2], want, rtol=2e-2, atol=1e-1)
 
 
 def test_kernels_interpreted_fall_back_where_the_tiles_do_not_divide(interpreted_kernels):

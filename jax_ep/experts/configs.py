@@ -49,13 +49,17 @@ class KernelTiles:
   together (a band of columns of one expert's weights stays in L2 while the row tiles pass).
   With `compute_wgs` 2 the forward kernel is warp-specialized: a memory warpgroup loads, two
   compute warpgroups each multiply `block_n` of the CTA's `2 * block_n` columns (the weight
-  gradient kernel ignores it)."""
+  gradient kernel ignores it). The kernels are persistent: `ctas_per_sm` CTAs per SM walk the
+  output tiles (two fit an SM where one warpgroup's registers and its stages' shared memory
+  are at most half of it: one CTA's loads and products then run in the other's pipeline fill
+  and output store)."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
   stages: int = 4
   band: int = 4
   compute_wgs: int = 1
+  ctas_per_sm: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +89,17 @@ TILE_TABLES: dict[tuple[str, np.dtype], dict[tuple[int, int, int], KernelTiles]]
 # The weight gradient's kernel: warp-specialized (a memory warpgroup loads the next output
 # tile's row blocks while the compute warpgroup stores the last), or one warpgroup. NOTES: the
 # one-warpgroup kernel with 4 stages was as fast or faster at the four model shapes on an H200
-# (e.g. 561 vs 483 TF/s at Mixtral, 164 vs 158 at DeepSeek-V3): there the output tile's store
-# and the operands' re-reads from L2, not the pipeline's fill, bound the time.
+# (e.g. 561 vs 483 TF/s at Mixtral, 164 vs 158 at DeepSeek-V3).
 WEIGHT_GRAD_SPECIALIZED = False
+# From this many groups the weight gradient runs two persistent CTAs per SM at 3 stages. With
+# many groups each holds a few hundred rows, so an output tile is a step or a few of the
+# reduction, then its store: one CTA alone leaves the matrix units idle through each tile's
+# pipeline fill and store, and a second CTA's tiles fill them. NOTES (one H100, `bench_layer.py
+# --tune weight_grad`, bf16, 4096 tokens' rows, skewed groups): DeepSeek-V3's 256 experts 157 ->
+# 204 TF/s, Qwen3's 128 254 -> 269; 32 experts 394 -> 418 (32 x 4096 x 1536) and 497 -> 494
+# (one rank of DeepSeek-V3 at EP=8); Mixtral's 8 experts 500 -> 454. Two CTAs give the same
+# bits (each output tile is one CTA's, reduced in the same order).
+WEIGHT_GRAD_SHARED_SM_GROUPS = 64
 
 # Decode reads every expert's weights once per call (the bound), and a column tile's weights
 # once per row tile: so the row tile follows the rows an expert gets, about S * K / E of a slab
@@ -114,8 +126,8 @@ class Overrides:
     fused_mlp: whether `expert_mlp` takes the fused kernels where they run (None: yes, where
       the grouped GEMM takes the Mosaic kernels); False: the unfused grouped GEMMs.
     fused_tiles: the fused expert kernels' tiles for every shape.
-    kernel_sms: the persistent Hopper kernels' grid (None: one CTA per SM of the device).
-      Fewer leave SMs to kernels beside them (a persistent CTA holds its SM to the kernel's
+    kernel_sms: the SMs the persistent Hopper kernels' grid is sized for (None: the device's;
+      the grid is this times the tiles' `ctas_per_sm`). Fewer leave SMs to kernels beside them (a persistent CTA holds its SM to the kernel's
       end, so a kernel that took SMs first makes as many CTAs wait, and one launched after
       waits for the whole kernel); more than the device has makes CTAs queue for SMs, in
       turn with other kernels' blocks, as SMs free up.
@@ -193,9 +205,10 @@ def tile_config(rows: int, groups: int, k: int, n: int, dtype=jnp.bfloat16,
   return None
 
 
-def weight_grad_tiles(k: int, n: int) -> KernelTiles | None:
-  """The weight-gradient kernel's tiles for `[G, k, n]`: its output tiled `block_m x block_n`,
-  the rows reduced `block_k` at a time; None where they do not divide `k` and `n`."""
+def weight_grad_tiles(k: int, n: int, groups: int) -> KernelTiles | None:
+  """The weight-gradient kernel's tiles for `[groups, k, n]`: its output tiled
+  `block_m x block_n`, the rows reduced `block_k` at a time, two CTAs per SM from
+  `WEIGHT_GRAD_SHARED_SM_GROUPS` groups; None where they do not divide `k` and `n`."""
   forced = current().weight_grad_tiles
   if forced is not None:
     return forced if k % forced.block_m == 0 and n % forced.block_n == 0 else None
@@ -204,6 +217,9 @@ def weight_grad_tiles(k: int, n: int) -> KernelTiles | None:
   block_n = next((b for b in (128, 64) if n % b == 0), None)
   if block_n is None:
     return None
+  if groups >= WEIGHT_GRAD_SHARED_SM_GROUPS:
+    return KernelTiles(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=3, band=4,
+                       ctas_per_sm=2)
   return KernelTiles(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=4, band=4)
 
 
@@ -357,27 +373,29 @@ def gmm_build(dtype, transpose_w: bool, tiles: KernelTiles, out_dtype) -> tuple:
   return ("gmm", np.dtype(dtype).name, bool(transpose_w), tiles, np.dtype(out_dtype).name)
 
 
-def fused_mlp_build(dtype, activation: str, hidden: int, ffn: int) -> tuple:
+def fused_mlp_build(dtype, activation: str, hidden: int, ffn: int, groups: int) -> tuple:
   """The fused expert MLP's kernels (forward and backward, weight gradients included)."""
   return ("fused_mlp", np.dtype(dtype).name, activation, fused_tiles(hidden, ffn),
-          fused_input_grad_tiles(ffn, hidden), weight_grad_tiles(hidden, ffn),
-          weight_grad_tiles(ffn, hidden), weight_grad_specialized())
+          fused_input_grad_tiles(ffn, hidden), weight_grad_tiles(hidden, ffn, groups),
+          weight_grad_tiles(ffn, hidden, groups), weight_grad_specialized())
 
 
 def fp8_gmm_build(tiles: KernelTiles) -> tuple:
   return ("fp8_gmm", tiles)
 
 
-def fp8_mlp_build(activation: str, hidden: int, ffn: int) -> tuple:
+def fp8_mlp_build(activation: str, hidden: int, ffn: int, groups: int) -> tuple:
   """The FP8 MLP's kernels (the gated projections, the input gradient, the bf16 weight
   gradients)."""
   return ("fp8_mlp", activation, fp8_gated_tiles(hidden, ffn), fp8_input_grad_tiles(ffn, hidden),
-          weight_grad_tiles(hidden, ffn), weight_grad_tiles(ffn, hidden),
+          weight_grad_tiles(hidden, ffn, groups), weight_grad_tiles(ffn, hidden, groups),
           weight_grad_specialized())
 
 
 # The sizes the known builds stand for (multiples of 128 of both; the five model shapes' are).
 KNOWN_BUILD_SIZE = 256
+# The group counts that stand for the weight gradient's two grids (one CTA per SM, two).
+KNOWN_BUILD_GROUPS = (2, WEIGHT_GRAD_SHARED_SM_GROUPS)
 _ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu")
 _BF16_GEMM_TILES = sorted(
     {*_HOPPER_16BIT.values(), *(tile_config(0, 0, 64, n) for n in (256, 128, 64))},
@@ -385,11 +403,11 @@ _BF16_GEMM_TILES = sorted(
 KNOWN_BUILDS: frozenset = frozenset(
     [gmm_build(jnp.bfloat16, transpose_w, tiles, jnp.bfloat16)
      for transpose_w in (False, True) for tiles in _BF16_GEMM_TILES]
-    + [fused_mlp_build(jnp.bfloat16, activation, KNOWN_BUILD_SIZE, KNOWN_BUILD_SIZE)
-       for activation in _ACTIVATIONS]
+    + [fused_mlp_build(jnp.bfloat16, activation, KNOWN_BUILD_SIZE, KNOWN_BUILD_SIZE, groups)
+       for activation in _ACTIVATIONS for groups in KNOWN_BUILD_GROUPS]
     + [fp8_gmm_build(_FP8_FORWARD)]
-    + [fp8_mlp_build(activation, KNOWN_BUILD_SIZE, KNOWN_BUILD_SIZE)
-       for activation in _ACTIVATIONS])
+    + [fp8_mlp_build(activation, KNOWN_BUILD_SIZE, KNOWN_BUILD_SIZE, groups)
+       for activation in _ACTIVATIONS for groups in KNOWN_BUILD_GROUPS])
 # tests/test_hopper_aot.py turns this off to compile every known build.
 TRUST_KNOWN_BUILDS = True
 

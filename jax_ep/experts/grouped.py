@@ -58,7 +58,7 @@ def _weight_grad(x, dy, group_sizes, group_offsets, transpose_w, w_dtype, impl):
     return jnp.zeros((groups, lhs.shape[1], rhs.shape[1]), w_dtype)
   name, detail = grouped_matmul_impl(rows, groups, k, n, x.dtype, dy.dtype, impl=impl)
   if name == "mosaic":
-    config = configs.weight_grad_tiles(lhs.shape[1], rhs.shape[1])
+    config = configs.weight_grad_tiles(lhs.shape[1], rhs.shape[1], groups)
     # A shape the weight-gradient kernel's tiles do not divide takes ragged_dot_general (the
     # log says so once).
     if config is not None:

@@ -49,8 +49,14 @@ def device_sms() -> int:
 
 
 def num_sms() -> int:
-  """The persistent grid's size: `device_sms()`, or `override(kernel_sms=...)`'s."""
+  """The SMs the persistent grid is sized for: `device_sms()`, or
+  `override(kernel_sms=...)`'s."""
   return current().kernel_sms or device_sms()
+
+
+def persistent_grid(tiles: KernelTiles) -> tuple[int]:
+  """A persistent kernel's grid: `tiles.ctas_per_sm` CTAs for each of `num_sms()`."""
+  return (num_sms() * tiles.ctas_per_sm,)
 
 
 # A TMA copy's shared-memory address must be 128-byte aligned (the bytes; a misaligned copy
@@ -158,7 +164,7 @@ def _forward_body(table, x, w, *, transpose_w, tiles, out_dtype):
 
   kernel = plgpu.kernel(
       named(body, "jax_ep_gmm"), out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
-      grid=(num_sms(),), grid_names=("sm",),
+      grid=persistent_grid(tiles), grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kernel(*table, x, w)
@@ -248,7 +254,7 @@ def _forward_body_specialized(table, x, w, *, transpose_w, tiles, out_dtype):
 
   kernel = plgpu.kernel(
       named(body, "jax_ep_gmm_ws"), out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
-      grid=(num_sms(),), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
+      grid=persistent_grid(tiles), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kernel(*table, x, w)
@@ -288,7 +294,7 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
     body = _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dtype)
     kernel = plgpu.kernel(
         named(body, "jax_ep_gmm_wgrad_ws"),
-        out_type=jax.ShapeDtypeStruct((groups, k, n), out_dtype), grid=(num_sms(),),
+        out_type=jax.ShapeDtypeStruct((groups, k, n), out_dtype), grid=persistent_grid(tiles),
         grid_names=("sm",), num_threads=2, thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
@@ -351,7 +357,7 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
 
   kernel = plgpu.kernel(
       named(body, "jax_ep_gmm_wgrad"), out_type=jax.ShapeDtypeStruct((groups, k, n), out_dtype),
-      grid=(num_sms(),), grid_names=("sm",),
+      grid=persistent_grid(tiles), grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kernel(starts, ends, first_block, num_blocks, x, dy)

@@ -59,7 +59,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.hopper import TMA_SMEM_ALIGN, _band, _store_rows, named, num_sms
+from jax_ep.experts.hopper import (TMA_SMEM_ALIGN, _band, _store_rows, named,
+                                   persistent_grid)
 from jax_ep.experts.layout import cdiv, row_tiles
 
 # The scales' granularity: a row's scale covers 128 channels, a weight's a 128x128 block.
@@ -449,7 +450,7 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
   kernel = plgpu.kernel(
       named(body, name), out_type=tuple(jax.ShapeDtypeStruct((rows, columns), dtype)
                            for columns, dtype in outputs),
-      grid=(num_sms(),), grid_names=("sm",),
+      grid=persistent_grid(tiles), grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kernel(*table, *xs, *scales_t, *ws, *w_scales)
@@ -563,7 +564,7 @@ def _fused_specialized(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *
   kernel = plgpu.kernel(
       named(body, f"{name}_ws"), out_type=tuple(jax.ShapeDtypeStruct((rows, columns), dtype)
                            for columns, dtype in outputs),
-      grid=(num_sms(),), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
+      grid=persistent_grid(tiles), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kernel(*table, xs[xi], scales_t[xi], *weights, *weight_scales)

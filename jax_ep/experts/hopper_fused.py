@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.hopper import _band, _store_rows, named, num_sms
+from jax_ep.experts.hopper import _band, _store_rows, named, persistent_grid
 from jax_ep.experts.layout import row_tiles
 
 # A pass: (index of the row operand, ((index of a weight, index of its accumulator), ...)).
@@ -146,7 +146,7 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
   kernel = plgpu.kernel(
       named(body, name),
       out_type=tuple(jax.ShapeDtypeStruct((rows, n), dtype) for dtype in out_dtypes),
-      grid=(num_sms(),), grid_names=("sm",),
+      grid=persistent_grid(tiles), grid_names=("sm",),
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
   return kernel(*table, *xs, *ws, *loads)
