@@ -127,10 +127,11 @@ class Overrides:
       the grouped GEMM takes the Mosaic kernels); False: the unfused grouped GEMMs.
     fused_tiles: the fused expert kernels' tiles for every shape.
     kernel_sms: the SMs the persistent Hopper kernels' grid is sized for (None: the device's;
-      the grid is this times the tiles' `ctas_per_sm`). Fewer leave SMs to kernels beside them (a persistent CTA holds its SM to the kernel's
-      end, so a kernel that took SMs first makes as many CTAs wait, and one launched after
-      waits for the whole kernel); more than the device has makes CTAs queue for SMs, in
-      turn with other kernels' blocks, as SMs free up.
+      the grid is this times the tiles' `ctas_per_sm`). Fewer leave SMs to kernels beside
+      them (a persistent CTA holds its share of an SM to the kernel's end, so a kernel that
+      took SMs first makes as many CTAs wait, and one launched after waits for the whole
+      kernel); more than the device has makes CTAs queue for SMs, in turn with other
+      kernels' blocks, as SMs free up.
   """
   impl: str = "auto"
   gemm_tiles: KernelTiles | None = None
