@@ -263,7 +263,8 @@ CHECK7="network2 network4 network_memcheck rail_memcheck"
 CHECK8="fused fused_wrapped"
 run_step() {
   case $1 in
-    local) local_suite ;; comm_stream) comm_stream_suite ;; gemm) gemm_suite ;; layer1) layer_suite 1 ;; slab) slab_suite ;;
+    local) local_suite ;; comm_stream) comm_stream_suite ;; gemm) gemm_suite ;;
+    layer1) layer_suite 1 ;; slab) slab_suite ;;
     experts) experts_suite ;; inputs) inputs_suite ;; fp8_experts) fp8_experts_suite ;;
     fused) fused_suite ;; fused_wrapped) fused_wrapped_suite ;;
     nvshmem) nvshmem_suite ;; localmem) local_memcheck ;;
