@@ -52,6 +52,7 @@
 #                                     # jax_ep's own stream
 #   bash scripts/gpu_round.sh fp8       # the experts in FP8: bench_fp8_gemm.py, the layer's
 #                                     # precisions (bench_layer.py), the example with --fp8
+#   bash scripts/gpu_round.sh fp8example  # the example in bf16 and with --fp8 alone
 #                                     # emulated, T=4096, H=7168, top-8 of 256 (FP8_BENCH_ARGS)
 #   bash scripts/gpu_round.sh overlap   # the ops beside the experts (comm_stream=1, jax_ep): hidden
 #                                     # fraction at one rank (bench_overlap.py), the SwiGLU chain
@@ -390,6 +391,9 @@ if has fp8; then
     2>&1 | tee "$OUT/bench_fp8_layer.log" | tail -20
   counts "bench_layer.py --precisions" "$OUT/bench_fp8_layer.log"
   cp benchmarks/results/gpu_round_fp8_layer.jsonl "$OUT/" 2>/dev/null
+fi
+# The end-to-end example trained in bf16 and in FP8 from one seed (also the `fp8` stage's end).
+if has fp8 || has fp8example; then
   for flag in "" --fp8; do
     step "examples/moe_transformer.py $flag"
     t=$(bench_time 300) && timeout $t python3 examples/moe_transformer.py --mesh 1x1 $flag 2>&1 \
