@@ -9,7 +9,11 @@ dense GEMMs of the same FLOPs, at the shapes of real models, in one run (a Hoppe
 
 Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows = T * K`, the
 groups skewed as a router makes them: a fixed Dirichlet draw, one expert empty) and product
-(`up`: `[rows, H] x [H, F]`, the gate / up projections; `down`: `[rows, F] x [F, H]`):
+(`up`: `[rows, H] x [H, F]`, the gate / up projections; `down`: `[rows, F] x [F, H]`; the FP8
+MLP's own kernels, `--products gate_up input_grad`: `gate_up` the gated kernel, both
+projections of `[rows, H]` with SwiGLU and `h`'s quantisation in its epilogue, against the bf16
+`[rows, H] x [H, 2F]`; `input_grad` the two-pass `dgate @ w_gate^T + dup @ w_up^T` into one
+total, against the bf16 `[rows, 2F] x [2F, H]`; their FLOPs are both products'):
 - `op: grouped_matmul`, `pass: fwd`, `precision: fp8`: the FP8 kernel on e4m3 rows with
   per-128-channel scales and e4m3 weights with 128x128-block scales (quantised before the
   timing: the kernel alone), bf16 out, the tiles `configs.fp8_tile_config` picks;
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import sys
 
@@ -52,6 +57,12 @@ TUNE = ("128,128,3,4,2", "128,128,5,4,2", "128,128,4,1,2", "128,128,4,8,2", "128
         "256,64,4,4,2", "64,128,4,4,1", "64,128,6,4,1")
 
 
+# product -> (K and N as the hidden / ffn sizes, how many products the kernel runs): `gate_up`
+# multiplies one row operand by two weights, `input_grad` two row operands by two weights.
+PRODUCTS = {"up": ("hidden", "ffn", 1), "down": ("ffn", "hidden", 1),
+            "gate_up": ("hidden", "ffn", 2), "input_grad": ("ffn", "hidden", 2)}
+
+
 def quantize_weights(w):
   """`[G, N, K]` -> e4m3 and `[G, N/128, K/128]` f32 scales: amax / 448 per 128x128 block."""
   g, n, k = w.shape
@@ -62,6 +73,25 @@ def quantize_weights(w):
   return q.reshape(g, n, k), scales
 
 
+def fp8_kernel(product: str, groups: int, k: int, n: int):
+  """The FP8 kernel a product runs and its default tiles: `(tiles, fn(*operands, tiles))`, the
+  operands each row operand's values and scales, each weight's, then the group sizes."""
+  if product == "gate_up":
+    def gated(x, xs, w_gate, s_gate, w_up, s_up, sizes, tiles):
+      return hopper_fp8.fp8_gated_kernel(x, xs, w_gate, w_up, s_gate, s_up, sizes,
+                                         activation="swiglu", tiles=tiles)
+    return configs.fp8_gated_tiles(k, n), gated
+  if product == "input_grad":
+    def input_grad(dgate, dgate_s, dup, dup_s, w_gate, s_gate, w_up, s_up, sizes, tiles):
+      return hopper_fp8.fp8_gated_input_grad_kernel(dgate, dgate_s, dup, dup_s, w_gate, s_gate,
+                                                    w_up, s_up, sizes, tiles=tiles)
+    return configs.fp8_input_grad_tiles(k, n), input_grad
+
+  def matmul(x, xs, w, ws, sizes, tiles):
+    return hopper_fp8.fp8_grouped_matmul_kernel(x, xs, w, ws, sizes, tiles=tiles)
+  return configs.fp8_tile_config(groups, k, n), matmul
+
+
 def parse_tiles(text: str) -> KernelTiles:
   bm, bn, stages, band, wgs = (int(v) for v in text.split(","))
   return KernelTiles(bm, bn, hopper_fp8.SCALE_BLOCK, stages, band, wgs)
@@ -70,7 +100,7 @@ def parse_tiles(text: str) -> KernelTiles:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
-  parser.add_argument("--products", nargs="+", choices=["up", "down"], default=["up", "down"])
+  parser.add_argument("--products", nargs="+", choices=list(PRODUCTS), default=["up", "down"])
   parser.add_argument("--tokens", type=int, default=4096, help="tokens (rows = tokens * top-k)")
   parser.add_argument("--tiles", nargs="*", default=[],
                       help="FP8 kernel tiles to time besides the default: BM,BN,STAGES,BAND,WGS")
@@ -101,21 +131,32 @@ def main():
     rows = args.tokens * topk
     sizes = skewed_sizes(rows, num_experts)
     for product in args.products:
-      k, n = (hidden, ffn) if product == "up" else (ffn, hidden)
+      k_name, n_name, parts = PRODUCTS[product]
+      k, n = {"hidden": hidden, "ffn": ffn}[k_name], {"hidden": hidden, "ffn": ffn}[n_name]
       keys = jax.random.split(jax.random.key(0), 2)
-      x = jax.random.normal(keys[0], (rows, k), jnp.float32).astype(jnp.bfloat16)
-      w = (jax.random.normal(keys[1], (num_experts, k, n), jnp.float32)
-           * k ** -0.5).astype(jnp.bfloat16)
-      xq, xs = jax.jit(fp8_quantize)(x)
-      wq, ws = jax.jit(quantize_weights)(jnp.swapaxes(w, 1, 2))  # K-major: [G, N, K]
-      flops = 2.0 * rows * k * n
+      # The bf16 product of the same FLOPs: the two projections' weights side by side
+      # (gate_up: [G, K, 2N]), or both row operands and weights along K (input_grad).
+      k_all, n_all = (k * parts, n) if product == "input_grad" else (k, n * parts)
+      x = jax.random.normal(keys[0], (rows, k_all), jnp.float32).astype(jnp.bfloat16)
+      w = (jax.random.normal(keys[1], (num_experts, k_all, n_all), jnp.float32)
+           * k_all ** -0.5).astype(jnp.bfloat16)
+      if product == "input_grad":
+        xqs = [jax.jit(fp8_quantize)(x[:, i * k:(i + 1) * k]) for i in range(parts)]
+        wqs = [jax.jit(quantize_weights)(jnp.swapaxes(w[:, i * k:(i + 1) * k], 1, 2))
+               for i in range(parts)]
+      else:
+        xqs = [jax.jit(fp8_quantize)(x)]
+        wqs = [jax.jit(quantize_weights)(jnp.swapaxes(w[:, :, i * n:(i + 1) * n], 1, 2))
+               for i in range(parts)]  # K-major: [G, N, K]
+      flops = 2.0 * rows * k * n * parts
       shape = dict(shape=name, product=product, experts=num_experts, hidden=hidden, ffn=ffn,
                    topk=topk, tokens_per_rank=args.tokens, rows=rows, k=k, n=n)
 
       def dot(a, b):
         return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
       bound_s = time_fn(jax.jit(dot), (x, w[0]), args.repeats, f"{name} {product} dense bf16")
-      dense8_s = time_fn(jax.jit(dot), (xq, jnp.swapaxes(wq[0], 0, 1)), args.repeats,
+      dense8_s = time_fn(jax.jit(dot), (x.astype(jnp.float8_e4m3fn),
+                                        w[0].astype(jnp.float8_e4m3fn)), args.repeats,
                          f"{name} {product} dense e4m3")
       if bound_s is None:
         continue
@@ -130,20 +171,21 @@ def main():
             bound_tflops=round(bound_tflops, 1), fraction=round(tflops / bound_tflops, 3),
             settings=settings, **extra, **shape, **base))
 
-      impl, _ = jax_ep.grouped_matmul_impl(rows, num_experts, k, n, jnp.bfloat16)
+      impl, _ = jax_ep.grouped_matmul_impl(rows, num_experts, k_all, n_all, jnp.bfloat16)
       bf16_s = time_fn(jax.jit(jax_ep.grouped_matmul), (x, w, sizes), args.repeats,
                        f"{name} {product} bf16 grouped_matmul")
       if bf16_s is not None:
         record("bf16", impl, bf16_s)
       del w
-      default = configs.fp8_tile_config(num_experts, k, n)
-      for tiles in [default, *(parse_tiles(t) for t in candidates)]:
-        fn = jax.jit(lambda x, xs, w, ws, s, tiles=tiles: hopper_fp8.fp8_grouped_matmul_kernel(
-            x, xs, w, ws, s, tiles=tiles))
+      default, kernel = fp8_kernel(product, num_experts, k, n)
+      operands = (*(a for q in xqs for a in q), *(a for q in wqs for a in q), sizes)
+      # Other tiles are the grouped GEMM's (up and down).
+      others = [parse_tiles(t) for t in candidates] if parts == 1 else []
+      for tiles in [default, *others]:
+        fn = jax.jit(functools.partial(kernel, tiles=tiles))
         # Tiles the kernel refuses fail inside (named there, printed) and are left out.
         with interpreted():
-          seconds = time_fn(fn, (xq, xs, wq, ws, sizes), args.repeats,
-                            f"{name} {product} fp8 {tiles}")
+          seconds = time_fn(fn, operands, args.repeats, f"{name} {product} fp8 {tiles}")
         if seconds is None:
           continue
         extra = {}

@@ -53,6 +53,7 @@
 #   bash scripts/gpu_round.sh fp8       # the experts in FP8: bench_fp8_gemm.py, the layer's
 #                                     # precisions (bench_layer.py), the example with --fp8
 #   bash scripts/gpu_round.sh fp8example  # the example in bf16 and with --fp8 alone
+#   bash scripts/gpu_round.sh fp8kernels  # the FP8 MLP's gated and input-gradient kernels
 #                                     # emulated, T=4096, H=7168, top-8 of 256 (FP8_BENCH_ARGS)
 #   bash scripts/gpu_round.sh overlap   # the ops beside the experts (comm_stream=1, jax_ep): hidden
 #                                     # fraction at one rank (bench_overlap.py), the SwiGLU chain
@@ -384,6 +385,19 @@ if has fp8; then
     2>&1 | tee "$OUT/bench_fp8_gemm.log" | tail -40
   counts bench_fp8_gemm.py "$OUT/bench_fp8_gemm.log"
   cp benchmarks/results/gpu_round_fp8_gemm.jsonl "$OUT/" 2>/dev/null
+fi
+# The FP8 MLP's own kernels (the gated projections, the two-pass input gradient) against bf16
+# GEMMs of the same FLOPs: what the FP8 layer runs beside the grouped GEMM.
+if has fp8 || has fp8kernels; then
+  step "the FP8 MLP's kernels (bench_fp8_gemm.py --products gate_up input_grad)"
+  t=$(bench_time 300) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
+    benchmarks/bench_fp8_gemm.py --shapes deepseek_v3_ep8_rank mixtral \
+    --products gate_up input_grad --out gpu_round_fp8_gemm.jsonl \
+    2>&1 | tee "$OUT/bench_fp8_kernels.log" | tail -12
+  counts "bench_fp8_gemm.py --products" "$OUT/bench_fp8_kernels.log"
+  cp benchmarks/results/gpu_round_fp8_gemm.jsonl "$OUT/" 2>/dev/null
+fi
+if has fp8; then
   step "the layer in FP8 and bf16, one rank (bench_layer.py --ops moe_layer --precisions bf16 fp8)"
   t=$(bench_time 500) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
     benchmarks/bench_layer.py --ops moe_layer --impls mosaic \
