@@ -57,13 +57,14 @@ def test_overlap_is_never_slower_than_none(committed):
 
 
 def test_fp8_wire_is_never_slower_than_bf16(committed):
+  """FP8 rows on the wire cost less communication; the experts' FP8 time is whatever the
+  records measure (it has measured slower than bf16: docs/performance.md)."""
   rows = _by(committed, "ep", "wire", "overlap")
   ops = {(o["ep"], o["wire"]): o for o in committed["ops"]}
   for ep in (8, 32, 64):
     assert ops[ep, "fp8"]["dispatch"]["us"] < ops[ep, "bf16"]["dispatch"]["us"]
     assert ops[ep, "fp8"]["combine"]["us"] == ops[ep, "bf16"]["combine"]["us"]  # bf16 combine
-    for overlap in ("none", "overlap"):
-      assert rows[ep, "fp8", overlap]["layer_us"] <= rows[ep, "bf16", overlap]["layer_us"]
+    assert rows[ep, "fp8", "none"]["comm_us"] < rows[ep, "bf16", "none"]["comm_us"]
 
 
 def test_one_host_uses_only_nvlink(committed):
@@ -167,6 +168,10 @@ def test_deduplication_per_host_and_the_published_figures():
 def test_a_record_at_the_per_rank_shape_and_an_overlap_record_are_used(tmp_path):
   for name in os.listdir(scaling.RESULTS_DIR):
     shutil.copy(os.path.join(scaling.RESULTS_DIR, name), tmp_path / name)
+  # Without an FP8 record of the experts, FP8 is bf16's time over the assumed speedup.
+  layer = (tmp_path / "layer.jsonl").read_text().splitlines()
+  (tmp_path / "layer.jsonl").write_text("".join(
+      line + "\n" for line in layer if json.loads(line).get("precision") != "fp8"))
   base = dict(date="2099-01-01", commit="feedbee", op="expert_mlp", experts=32, hidden=H,
               ffn=F, topk=K, tokens_per_rank=T, ranks=1, precision="bf16", impl="mosaic")
   with open(tmp_path / "layer.jsonl", "a") as f:
@@ -184,6 +189,13 @@ def test_a_record_at_the_per_rank_shape_and_an_overlap_record_are_used(tmp_path)
   assert rows[8, "fp8", "none"]["experts_us"] == pytest.approx(9000.0 / 1.6)
   assert rows[32, "bf16", "none"]["experts_basis"].startswith("upper bound")
   assert got["params"]["gemm_slowdown"] == 1.1
+  # With one, FP8 is what it measured, faster or not.
+  with open(tmp_path / "layer.jsonl", "a") as f:
+    for pass_, us in (("fwd", 4000.0), ("fwd_bwd", 12000.0)):
+      f.write(json.dumps(dict(base, precision="fp8", **{"pass": pass_}, median_us=us)) + "\n")
+  rows = _by(scaling.project(str(tmp_path)), "ep", "wire", "overlap")
+  assert rows[8, "fp8", "none"]["experts_us"] == 12000.0
+  assert rows[8, "fp8", "none"]["experts_basis"] == "measured: expert_mlp at 32 experts, fp8"
 
 
 @pytest.mark.parametrize("kwargs, message", [
