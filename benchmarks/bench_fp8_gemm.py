@@ -132,7 +132,7 @@ def main():
     sizes = skewed_sizes(rows, num_experts)
     for product in args.products:
       k_name, n_name, parts = PRODUCTS[product]
-      k, n = {"hidden": hidden, "ffn": ffn}[k_name], {"hidden": hidden, "ffn": ffn}[n_name]
+      k, n = (dict(hidden=hidden, ffn=ffn)[d] for d in (k_name, n_name))
       keys = jax.random.split(jax.random.key(0), 2)
       # The bf16 product of the same FLOPs: the two projections' weights side by side
       # (gate_up: [G, K, 2N]), or both row operands and weights along K (input_grad).

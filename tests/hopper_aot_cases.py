@@ -47,6 +47,11 @@ def kernels(shape: str) -> dict:
   return out
 
 
+def _groups_of(build: tuple, make) -> int:
+  """The group count of `configs.KNOWN_BUILD_GROUPS` whose build `make(groups)` is `build`."""
+  return next(g for g in configs.KNOWN_BUILD_GROUPS if make(g) == build)
+
+
 def known_builds(which: str) -> dict:
   """Every build in `configs.KNOWN_BUILDS` of `which` kind ("bf16": the grouped GEMM and the
   fused MLP; "fp8"), compiled for sm_90a through the choice's own probe with the trust in known
@@ -66,15 +71,14 @@ def known_builds(which: str) -> dict:
         out[f"{build} k={k}"] = choice.mosaic_compile_error(
             512, 2, k, 256, np.dtype(dtype), transpose_w, tiles, np.dtype(out_dtype))
     elif kind == "fused_mlp":
-      groups = next(g for g in configs.KNOWN_BUILD_GROUPS
-                    if configs.fused_mlp_build(build[1], build[2], size, size, g) == build)
+      groups = _groups_of(build, lambda g: configs.fused_mlp_build(build[1], build[2], size,
+                                                                    size, g))
       out[str(build)] = mlp.fused_compile_error(512, groups, size, size, np.dtype(build[1]),
                                                 build[2])
     elif kind == "fp8_gmm":
       out[str(build)] = fp8.fp8_compile_error(512, 2, size, size, build[1])
     else:
-      groups = next(g for g in configs.KNOWN_BUILD_GROUPS
-                    if configs.fp8_mlp_build(build[1], size, size, g) == build)
+      groups = _groups_of(build, lambda g: configs.fp8_mlp_build(build[1], size, size, g))
       out[str(build)] = mlp_fp8.fp8_mlp_compile_error(512, groups, size, size, build[1])
   return out
 

@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import pytest
 
 from ep_test_base import require_hopper
-from jax_ep._native.fp8 import fp8_quantize
 from jax_ep import experts
+from jax_ep._native.fp8 import fp8_quantize
 from jax_ep.experts import configs, hopper_fp8, mlp
 from jax_ep.experts.configs import KernelTiles
 from jax_ep.experts.layout import rows_inside_groups
