@@ -233,6 +233,10 @@ def _run_worker(role, backend, mode, directory):
     flags = env.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
       env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8".strip()
+  else:
+    # This process may hold most of the GPU's memory already (XLA preallocates on first use):
+    # the worker allocates what it uses.
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
   result = subprocess.run([sys.executable, WORKER, role, backend, mode, str(directory)],
                           env=env, capture_output=True, text=True, timeout=300)
   log = result.stdout + result.stderr

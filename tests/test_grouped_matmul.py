@@ -499,8 +499,29 @@ def test_a_known_build_is_not_compiled_by_the_choice(monkeypatch):
   try:
     name, tiles = jax_ep.grouped_matmul_impl(256, 4, 128, 256, jnp.bfloat16)
     assert name == "mosaic" and configs.known_to_build(
-        configs.gmm_build(jnp.bfloat16, False, tiles, jnp.bfloat16))
+        configs.gmm_build(jnp.bfloat16, False, tiles, jnp.bfloat16), 256)
     assert built == []
+  finally:
+    choice.mosaic_compile_error.cache_clear()
+
+
+def test_a_known_build_at_rows_off_the_row_tiling_is_compiled(monkeypatch):
+  """Mosaic fails to lower an operand whose row count is not a multiple of 8, whatever the
+  build: at 777 rows the choice compiles its probe, and where it fails takes lax.ragged_dot."""
+  monkeypatch.setattr(choice, "on_hopper", lambda: True)
+  choice.mosaic_compile_error.cache_clear()
+
+  def off_the_tiling(x, *args, **kwargs):
+    assert x.shape[0] % 8, x.shape
+    raise ValueError("dimension 0 must have size smaller or a multiple of its tiling 8")
+  monkeypatch.setattr(choice, "grouped_matmul_kernel", off_the_tiling)
+  try:
+    for transpose_w in (False, True):
+      name, why = jax_ep.grouped_matmul_impl(777, 5, 128, 192, jnp.bfloat16,
+                                             transpose_w=transpose_w)
+      assert name == "xla" and "multiple of its tiling 8" in why, (name, why)
+    name, _ = jax_ep.grouped_matmul_impl(776, 5, 128, 192, jnp.bfloat16)
+    assert name == "mosaic"
   finally:
     choice.mosaic_compile_error.cache_clear()
 

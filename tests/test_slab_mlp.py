@@ -166,10 +166,10 @@ def test_compiled_kernels_on_the_gpu():
   `auto` takes them there."""
   require_gpu()
   rng = np.random.default_rng(3)
-  for slab in (128, 512, 1024):  # each of the tile rule's settings
-    counts = rng.integers(0, 3 * slab // 8, size=8)
-    counts[0], counts[1] = 0, slab
-    args = _slabs(rng, 8, slab, 512, 256, counts)
+  for rows in (128, 512, 1024):  # slab rows: each of the tile rule's settings
+    counts = rng.integers(0, 3 * rows // 8, size=8)
+    counts[0], counts[1] = 0, rows
+    args = _slabs(rng, 8, rows, 512, 256, counts)
     assert slab.resolve_impl("auto", args[0].shape, 256, jnp.bfloat16) == "pallas"
     want = slab.dense_mlp(*args)
     out = jax.jit(lambda *a: jax_ep.expert_mlp_slabs(*a))(*args)

@@ -89,7 +89,7 @@ def mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config,
   first traced: a kernel that cannot build sends the shape to lax.ragged_dot (logged) instead
   of failing the user's whole program when XLA compiles it. A known build
   (`configs.KNOWN_BUILDS`) is not compiled."""
-  if configs.known_to_build(configs.gmm_build(dtype, transpose_w, config, out_dtype)):
+  if configs.known_to_build(configs.gmm_build(dtype, transpose_w, config, out_dtype), rows):
     return None
   w_shape = (groups, n, k) if transpose_w else (groups, k, n)
   operands = (jax.ShapeDtypeStruct((rows, k), dtype), jax.ShapeDtypeStruct(w_shape, dtype),

@@ -413,6 +413,11 @@ KNOWN_BUILDS: frozenset = frozenset(
 TRUST_KNOWN_BUILDS = True
 
 
-def known_to_build(build: tuple) -> bool:
-  """Whether `build` (a `*_build` key) needs no compile probe."""
-  return TRUST_KNOWN_BUILDS and build in KNOWN_BUILDS
+# Mosaic tiles an operand's row dimension by 8: a row count off that tiling fails in lowering
+# whatever the build, so the known builds stand for row counts on it alone.
+KNOWN_BUILD_ROW_TILE = 8
+
+
+def known_to_build(build: tuple, rows: int) -> bool:
+  """Whether `build` (a `*_build` key) at `rows` rows needs no compile probe."""
+  return TRUST_KNOWN_BUILDS and rows % KNOWN_BUILD_ROW_TILE == 0 and build in KNOWN_BUILDS

@@ -202,7 +202,7 @@ def fp8_compile_error(rows: int, groups: int, k: int, n: int, tiles) -> str | No
   user's program when XLA compiles it. A known build (`configs.KNOWN_BUILDS`) is not
   compiled."""
   from jax_ep.experts import configs
-  if configs.known_to_build(configs.fp8_gmm_build(tiles)):
+  if configs.known_to_build(configs.fp8_gmm_build(tiles), rows):
     return None
   from jax_ep.experts.hopper_fp8 import fp8_grouped_matmul_kernel
   spec = jax.ShapeDtypeStruct

@@ -231,8 +231,8 @@ def fused_compile_error(rows: int, groups: int, hidden: int, ffn: int, dtype,
   """Why the fused kernels do not compile for this shape, or None (compiled once per shape on
   abstract operands, forward and backward, when the shape is first traced; a known build,
   `configs.KNOWN_BUILDS`, is not compiled)."""
-  if configs.known_to_build(configs.fused_mlp_build(dtype, activation, hidden, ffn,
-                                                   groups)):
+  if configs.known_to_build(configs.fused_mlp_build(dtype, activation, hidden, ffn, groups),
+                            rows):
     return None
   gated = activation in GATED
   spec = jax.ShapeDtypeStruct

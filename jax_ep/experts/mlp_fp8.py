@@ -203,7 +203,8 @@ def fp8_mlp_compile_error(rows: int, groups: int, hidden: int, ffn: int,
   """Why the FP8 MLP's Hopper kernels do not compile for this shape, or None (compiled once
   per shape on abstract operands, forward and backward, when the shape is first traced; a known
   build, `configs.KNOWN_BUILDS`, is not compiled)."""
-  if configs.known_to_build(configs.fp8_mlp_build(activation, hidden, ffn, groups)):
+  if configs.known_to_build(configs.fp8_mlp_build(activation, hidden, ffn, groups),
+                            rows):
     return None
   gated = activation in GATED
   spec = jax.ShapeDtypeStruct
