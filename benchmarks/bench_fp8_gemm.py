@@ -12,8 +12,9 @@ groups skewed as a router makes them: a fixed Dirichlet draw, one expert empty) 
 (`up`: `[rows, H] x [H, F]`, the gate / up projections; `down`: `[rows, F] x [F, H]`; the FP8
 MLP's own kernels, `--products gate_up input_grad`: `gate_up` the gated kernel, both
 projections of `[rows, H]` with SwiGLU and `h`'s quantisation in its epilogue, against the bf16
-`[rows, H] x [H, 2F]`; `input_grad` the two-pass `dgate @ w_gate^T + dup @ w_up^T` into one
-total, against the bf16 `[rows, 2F] x [2F, H]`; their FLOPs are both products'):
+`[rows, H] x [H, 2F]`; `input_grad` `dgate @ w_gate^T + dup @ w_up^T` as the MLP runs it, the
+FP8 product over `[dgate | dup]` (K = 2F), against the bf16 `[rows, 2F] x [2F, H]`; their
+FLOPs are both products'):
 - `op: grouped_matmul`, `pass: fwd`, `precision: fp8`: the FP8 kernel on e4m3 rows with
   per-128-channel scales and e4m3 weights with 128x128-block scales (quantised before the
   timing: the kernel alone), bf16 out, the tiles `configs.fp8_tile_config` picks;
@@ -58,7 +59,8 @@ TUNE = ("128,128,3,4,2", "128,128,5,4,2", "128,128,4,1,2", "128,128,4,8,2", "128
 
 
 # product -> (K and N as the hidden / ffn sizes, how many products the kernel runs): `gate_up`
-# multiplies one row operand by two weights, `input_grad` two row operands by two weights.
+# multiplies one row operand by two weights, `input_grad` two row operands by two weights (one
+# product over both, K = 2F).
 PRODUCTS = {"up": ("hidden", "ffn", 1), "down": ("ffn", "hidden", 1),
             "gate_up": ("hidden", "ffn", 2), "input_grad": ("ffn", "hidden", 2)}
 
@@ -81,14 +83,11 @@ def fp8_kernel(product: str, groups: int, k: int, n: int):
       return hopper_fp8.fp8_gated_kernel(x, xs, w_gate, w_up, s_gate, s_up, sizes,
                                          activation="swiglu", tiles=tiles)
     return configs.fp8_gated_tiles(k, n), gated
-  if product == "input_grad":
-    def input_grad(dgate, dgate_s, dup, dup_s, w_gate, s_gate, w_up, s_up, sizes, tiles):
-      return hopper_fp8.fp8_gated_input_grad_kernel(dgate, dgate_s, dup, dup_s, w_gate, s_gate,
-                                                    w_up, s_up, sizes, tiles=tiles)
-    return configs.fp8_input_grad_tiles(k, n), input_grad
 
   def matmul(x, xs, w, ws, sizes, tiles):
     return hopper_fp8.fp8_grouped_matmul_kernel(x, xs, w, ws, sizes, tiles=tiles)
+  if product == "input_grad":  # [dgate | dup] x [w_gate | w_up]: K = 2F
+    return configs.fp8_tile_config(groups, 2 * k, n), matmul
   return configs.fp8_tile_config(groups, k, n), matmul
 
 
@@ -140,10 +139,9 @@ def main():
       x = jax.random.normal(keys[0], (rows, k_all), jnp.float32).astype(jnp.bfloat16)
       w = (jax.random.normal(keys[1], (num_experts, k_all, n_all), jnp.float32)
            * k_all ** -0.5).astype(jnp.bfloat16)
-      if product == "input_grad":
-        xqs = [jax.jit(fp8_quantize)(x[:, i * k:(i + 1) * k]) for i in range(parts)]
-        wqs = [jax.jit(quantize_weights)(jnp.swapaxes(w[:, i * k:(i + 1) * k], 1, 2))
-               for i in range(parts)]
+      if product == "input_grad":  # one operand over both projections' rows and weights
+        xqs = [jax.jit(fp8_quantize)(x)]
+        wqs = [jax.jit(quantize_weights)(jnp.swapaxes(w, 1, 2))]
       else:
         xqs = [jax.jit(fp8_quantize)(x)]
         wqs = [jax.jit(quantize_weights)(jnp.swapaxes(w[:, :, i * n:(i + 1) * n], 1, 2))
@@ -179,8 +177,8 @@ def main():
       del w
       default, kernel = fp8_kernel(product, num_experts, k, n)
       operands = (*(a for q in xqs for a in q), *(a for q in wqs for a in q), sizes)
-      # Other tiles are the grouped GEMM's (up and down).
-      others = [parse_tiles(t) for t in candidates] if parts == 1 else []
+      # Other tiles are the grouped GEMM kernel's (up, down and the input gradient).
+      others = [parse_tiles(t) for t in candidates] if product != "gate_up" else []
       for tiles in [default, *others]:
         fn = jax.jit(functools.partial(kernel, tiles=tiles))
         # Tiles the kernel refuses fail inside (named there, printed) and are left out.

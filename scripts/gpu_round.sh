@@ -386,7 +386,7 @@ if has fp8; then
   counts bench_fp8_gemm.py "$OUT/bench_fp8_gemm.log"
   cp benchmarks/results/gpu_round_fp8_gemm.jsonl "$OUT/" 2>/dev/null
 fi
-# The FP8 MLP's own kernels (the gated projections, the two-pass input gradient) against bf16
+# The FP8 MLP's own kernels (the gated projections, the input gradient over [dgate | dup]) against bf16
 # GEMMs of the same FLOPs: what the FP8 layer runs beside the grouped GEMM.
 if has fp8 || has fp8kernels; then
   step "the FP8 MLP's kernels (bench_fp8_gemm.py --products gate_up input_grad)"

@@ -266,9 +266,6 @@ def test_the_interpreters_race_detector_finds_no_race(tiles):
       "gated": lambda: hopper_fp8.fp8_gated_kernel(
           x, xs, w_gate[0], w_up[0], w_gate[1], w_up[1], gs, go, activation="swiglu",
           tiles=tiles)}
-  if tiles.compute_wgs == 1:
-    runs["input grad"] = lambda: hopper_fp8.fp8_gated_input_grad_kernel(
-        x, xs, x, xs, *w_gate, *w_gate, gs, go, tiles=tiles)
   for what, run in runs.items():
     with plgpu.force_gpu_interpret_mode(params.InterpretGPUParams(detect_races=True)), \
         experts.override(kernel_sms=2):
@@ -434,20 +431,35 @@ def test_gated_kernel_ignores_rows_outside_the_groups(tiles):
 
 
 @pytest.mark.parametrize("gated", [True, False])
-def test_input_grad_kernel_matches_the_oracle(gated):
+def test_the_mlps_input_grad_is_one_product_over_both_projections(monkeypatch, gated):
+  """The FP8 MLP's `dx = dgate @ w_gate^T + dup @ w_up^T`: its cotangents quantised per row
+  (`fp8_quantize`), both weights' transposed blocks side by side, one FP8 kernel over the
+  reduction of 2F (interpreted) against the float64 sum of the two products."""
+  from jax_ep.experts import choice, fp8, mlp_fp8
+  monkeypatch.setattr(choice, "on_hopper", lambda: True)
+  monkeypatch.setattr(fp8, "fp8_compile_error", lambda *args: None)
   rng = np.random.default_rng(7)
   gs, go, rows = layout(SIZES)
-  dgate = row_operand(rng, rows, 256, gs, go)
-  dup = row_operand(rng, rows, 256, gs, go) if gated else (None, None)
-  w_gate = weight_operand(rng, len(SIZES), 128, 256)  # [G, H, F]
-  w_up = weight_operand(rng, len(SIZES), 128, 256) if gated else (None, None)
-  with interpret():
-    got = hopper_fp8.fp8_gated_input_grad_kernel(*dgate, *dup, *w_gate, *w_up, gs, go,
-                                                 tiles=PLAIN)
-  assert got.shape == (rows, 128) and got.dtype == jnp.bfloat16
-  passes = [dgate, dup] if gated else [dgate]
-  want, absolute = oracle(passes, [w_gate, w_up] if gated else [w_gate], gs, go)
+  hidden, ffn = 128, 256
   inside = np.asarray(rows_inside_groups(gs, go, rows))
+  d = [jnp.asarray(np.where(inside[:, None], rng.standard_normal((rows, ffn)), np.nan),
+                   jnp.float32) for _ in range(2 if gated else 1)]
+  masters = [jnp.asarray(rng.standard_normal((len(SIZES), hidden, ffn)) * hidden ** -0.5,
+                         jnp.float32) for _ in d]  # [G, H, F]: w_gate, w_up
+  weights = [fp8.quantize_weights(m) for m in masters]
+  kernels = []
+  real = hopper_fp8.fp8_grouped_matmul_kernel
+  monkeypatch.setattr(hopper_fp8, "fp8_grouped_matmul_kernel",
+                      lambda *a, **k: kernels.append(a[0].shape) or real(*a, **k))
+  with interpret():
+    got = jax.jit(lambda *a: mlp_fp8._input_grad(a[:len(d)], weights, *a[len(d):]))(
+        *d, gs, go)
+  assert kernels == [(rows, ffn * len(d))], kernels
+  assert got.shape == (rows, hidden) and got.dtype == jnp.bfloat16
+  quantised = [fp8_quantize(a) for a in d]
+  passes = [(q, s) for q, s in quantised]
+  transposed = [w.transposed() for w in weights]
+  want, absolute = oracle(passes, [(t.values, t.scales) for t in transposed], gs, go)
   assert_within(got, want, absolute, inside, "dx")
 
 
@@ -530,7 +542,7 @@ def test_matmul_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn, product
 
 
 def test_one_warpgroup_kernels_lower_for_cuda():
-  one = configs.fp8_input_grad_tiles(2048, 7168)
+  one = configs.FP8_ONE_WARPGROUP
   assert one.compute_wgs == 1
   _lower(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(*a, tiles=one),
          *_abstract(4096, 32, 2048, 7168))
@@ -551,11 +563,12 @@ def test_gated_kernel_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn, a
 
 
 @pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
-def test_input_grad_kernel_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn):
-  d, ds, w, ws, gs, go = _abstract(4096, groups, ffn, hidden)
-  tiles = configs.fp8_input_grad_tiles(ffn, hidden)
-  _lower(lambda d, ds, w, ws, gs, go: hopper_fp8.fp8_gated_input_grad_kernel(
-      d, ds, d, ds, w, ws, w, ws, gs, go, tiles=tiles), d, ds, w, ws, gs, go)
+def test_input_grad_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn):
+  """The input gradient of both projections: the warp-specialized kernel over K = 2F."""
+  tiles = configs.fp8_tile_config(groups, 2 * ffn, hidden)
+  assert tiles.compute_wgs == 2
+  _lower(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(*a, tiles=tiles),
+         *_abstract(4096, groups, 2 * ffn, hidden))
 
 
 # ------------------------------------------------------------------ the benchmark
@@ -643,15 +656,19 @@ def test_gated_kernel_on_hopper(groups, hidden, ffn):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
-def test_input_grad_kernel_on_hopper(groups, hidden, ffn):
+def test_input_grad_on_hopper(groups, hidden, ffn):
+  """The MLP's input gradient of both projections as it runs: `[dgate | dup]` by `[w_gate |
+  w_up]` side by side along F, one product of K = 2F, against both products' oracle."""
   require_hopper()
   rng, gs, go, rows = gpu_case(12, groups)
   dgate, dup = row_operand(rng, rows, ffn, gs, go), row_operand(rng, rows, ffn, gs, go)
   w_gate, w_up = weight_operand(rng, groups, hidden, ffn), weight_operand(
       rng, groups, hidden, ffn)
-  tiles = configs.fp8_input_grad_tiles(ffn, hidden)
-  got = jax.jit(lambda *a: hopper_fp8.fp8_gated_input_grad_kernel(*a, tiles=tiles))(
-      *dgate, *dup, *w_gate, *w_up, gs, go)
+  tiles = configs.fp8_tile_config(groups, 2 * ffn, hidden)
+  side = lambda a, b, axis: jnp.concatenate([a, b], axis=axis)  # noqa: E731
+  got = jax.jit(lambda *a: hopper_fp8.fp8_grouped_matmul_kernel(*a, tiles=tiles))(
+      side(dgate[0], dup[0], 1), side(dgate[1], dup[1], 1), side(w_gate[0], w_up[0], 2),
+      side(w_gate[1], w_up[1], 2), gs, go)
   want, absolute = oracle_on_device([dgate, dup], [w_gate, w_up], gs, go)
   inside = np.asarray(rows_inside_groups(gs, go, rows))
   assert_within(got, want, absolute, inside, "fp8 dx", ABS_HOPPER)
@@ -688,7 +705,7 @@ def test_one_warpgroup_forms_and_a_plain_activation_on_hopper():
   kernel without `w_up` ("gelu"), at one model shape."""
   require_hopper()
   groups, hidden, ffn = 32, 4096, 1536
-  one = configs.fp8_input_grad_tiles(hidden, ffn)
+  one = configs.FP8_ONE_WARPGROUP
   rng, gs, go, rows = gpu_case(13, groups)
   x, xs = row_operand(rng, rows, hidden, gs, go)
   w_gate, w_up = weight_operand(rng, groups, ffn, hidden), weight_operand(

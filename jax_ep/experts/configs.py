@@ -310,14 +310,15 @@ def smallest_slab_tiles() -> SlabTiles:
 # 128 also keeps `h`'s quantisation block inside the tile). Shared memory (of Hopper's 227
 # KiB): the forward's 4 stages of 32.5 KiB beside 32 KiB of staged bf16 output (64 KiB fp32);
 # the gated kernel's 3 stages of 48.5 KiB beside 64 KiB (h, its scales in 128-byte rows, and
-# gate and up one after the other in one buffer). The input gradient's two passes run on one
-# warpgroup, 64 x 128.
+# gate and up one after the other in one buffer). The input gradient of both projections is
+# the forward kernel's product over `[dgate | dup]` (K = 2F). `FP8_ONE_WARPGROUP`: the
+# one-warpgroup form, which the benchmark's tile sweep compares.
 FP8_BLOCK = 128
 _FP8_FORWARD = KernelTiles(block_m=ROW_TILE, block_n=128, block_k=FP8_BLOCK, stages=4, band=4,
                            compute_wgs=2)
 _FP8_GATED = KernelTiles(block_m=ROW_TILE, block_n=128, block_k=FP8_BLOCK, stages=3, band=4,
                          compute_wgs=2)
-_FP8_ONE_WARPGROUP = KernelTiles(block_m=64, block_n=128, block_k=FP8_BLOCK, stages=4, band=4)
+FP8_ONE_WARPGROUP = KernelTiles(block_m=64, block_n=128, block_k=FP8_BLOCK, stages=4, band=4)
 
 # The forward's tiles for shapes `(groups, K, N)`: the five model shapes' up / gate (K = H,
 # N = F) and down (K = F, N = H) products. NOTES: not yet measured on an H200; each entry is
@@ -350,14 +351,6 @@ def fp8_gated_tiles(k: int, n: int) -> KernelTiles | None:
   return _FP8_GATED
 
 
-def fp8_input_grad_tiles(k: int, n: int) -> KernelTiles | None:
-  """The FP8 input gradient's tiles (two passes over `[rows, k]` operands into `[rows, n]`), or
-  None where `k` or `n` is not a multiple of 128."""
-  if k % FP8_BLOCK or n % FP8_BLOCK:
-    return None
-  return _FP8_ONE_WARPGROUP
-
-
 # ----------------------------------------------------------------------------------------------
 # Builds known to succeed. The kernel choice compiles a shape's kernels once (its probe) so that
 # one that does not build falls back instead of failing the user's program; that doubles the
@@ -388,9 +381,10 @@ def fp8_gmm_build(tiles: KernelTiles) -> tuple:
 def fp8_mlp_build(activation: str, hidden: int, ffn: int, groups: int) -> tuple:
   """The FP8 MLP's kernels (the gated projections, the input gradient, the bf16 weight
   gradients)."""
-  return ("fp8_mlp", activation, fp8_gated_tiles(hidden, ffn), fp8_input_grad_tiles(ffn, hidden),
-          weight_grad_tiles(hidden, ffn, groups), weight_grad_tiles(ffn, hidden, groups),
-          weight_grad_specialized())
+  parts = 2 if activation in ("swiglu", "geglu") else 1  # the input gradient's K: parts * F
+  return ("fp8_mlp", activation, fp8_gated_tiles(hidden, ffn),
+          fp8_tile_config(groups, parts * ffn, hidden), weight_grad_tiles(hidden, ffn, groups),
+          weight_grad_tiles(ffn, hidden, groups), weight_grad_specialized())
 
 
 # The sizes the known builds stand for (multiples of 128 of both; the five model shapes' are).

@@ -11,13 +11,15 @@ padding):
   activation in the epilogue, which quantises `h` for the down projection (e4m3 + per-row,
   per-128-column scales, `jax_ep._native.fp8.fp8_quantize`'s rounding) and keeps gate and up
   in bf16 (the backward's residuals).
-- `fp8_gated_input_grad_kernel`: `dx = dgate @ w_gate^T + dup @ w_up^T` (two passes into one
-  accumulator, as `hopper_fused` does).
 
-Each has a one-warpgroup form (`emit_pipeline`: load, multiply, promote, store) and, for one
-pass, a warp-specialized one (`compute_wgs` 2: a memory warpgroup streams the operands, two
+Each has a one-warpgroup form (`emit_pipeline`: load, multiply, promote, store) and a
+warp-specialized one (`compute_wgs` 2: a memory warpgroup streams the operands, two
 compute warpgroups each multiply and promote half of the tile's rows), over the work list of
 `hopper.py` (`layout.row_tiles`: no step for row tiles past the groups).
+
+The FP8 MLP's input gradient of both projections is `fp8_grouped_matmul_kernel` over `[dgate |
+dup]` and `[w_gate | w_up]` concatenated along F: one reduction of 2F, on the warp-specialized
+form.
 
 Layouts: FP8 wgmma takes both operands K-major (only 16-bit operands may be transposed in
 shared memory; lowering says "Only f16 WGMMA supports transposes"), so every weight is stored
@@ -282,57 +284,6 @@ def fp8_gated_kernel(x, x_scales, w_gate, w_up, scales_gate, scales_up, group_si
   h, wide = outs[0], outs[1]
   h_scales = wide.reshape(rows, f // SCALE_BLOCK, _SCALE_COLUMNS)[:, :, 0]
   return h, h_scales, outs[2], outs[3] if gated else None
-
-
-def fp8_gated_input_grad_kernel(dgate, dgate_scales, dup, dup_scales, w_gate, scales_gate,
-                                w_up, scales_up, group_sizes, group_offsets=None, *,
-                                tiles: KernelTiles, out_dtype=jnp.bfloat16):
-  """`dx = dgate @ w_gate^T + dup @ w_up^T` over e4m3 operands, one fp32 total.
-
-  Args:
-    dgate, dup: `[rows, F]` e4m3 (`dup` None for "gelu" / "silu", with its scales).
-    dgate_scales, dup_scales: `[rows, F // 128]` f32.
-    w_gate, w_up: `[G, H, F]` e4m3: the weights in their own `[G, H, F]` layout, which is
-      K-major for this product (K = F); `w_up` None with `dup`.
-    scales_gate, scales_up: `[G, H // 128, F // 128]` f32: the forward's `[G, F/128, H/128]`
-      block scales transposed.
-    group_sizes, group_offsets: `[G]` int32.
-    tiles: as `fp8_grouped_matmul_kernel`'s, one compute warpgroup (each pass is its own
-      pipeline).
-    out_dtype: the result's dtype.
-
-  Returns:
-    `[rows, H]` `out_dtype`; rows outside the groups unspecified.
-  """
-  name = "fp8_gated_input_grad_kernel"
-  if (dup is None) != (w_up is None) or (dup is None) != (dup_scales is None) or (
-      w_up is None) != (scales_up is None):
-    raise ValueError(f"{name}: dup, dup_scales, w_up and scales_up are given together "
-                     f"(gated activations) or not at all")
-  rows, _, h = _check_operands(name, dgate, dgate_scales, w_gate, scales_gate, group_sizes,
-                               xname="dgate", wname="w_gate")
-  xs, x_scales, ws, w_scales = (dgate,), (dgate_scales,), (w_gate,), (scales_gate,)
-  if dup is not None:
-    _check_operands(name, dup, dup_scales, w_up, scales_up, group_sizes, xname="dup",
-                    wname="w_up")
-    if dup.shape != dgate.shape or w_up.shape != w_gate.shape:
-      raise ValueError(f"{name}: dup {dup.shape} and w_up {w_up.shape} must match dgate "
-                       f"{dgate.shape} and w_gate {w_gate.shape}")
-    xs, x_scales, ws, w_scales = (dgate, dup), (dgate_scales, dup_scales), (w_gate, w_up), (
-        scales_gate, scales_up)
-  if tiles.compute_wgs != 1:
-    raise ValueError(
-        f"{name}: tiles must have compute_wgs = 1 (two passes, one warpgroup), got {tiles}; "
-        f"the warp-specialized kernel runs it as one pass: fp8_grouped_matmul_kernel of "
-        f"[dgate | dup] and [w_gate | w_up] concatenated along F")
-  outputs = ((h, out_dtype),)
-  buffers, _ = staging(outputs, h // tiles.block_n)
-  _check_tiles(name, tiles, 1, smem_bytes(tiles, buffers=buffers), buffers)
-  (out,) = _fused(
-      xs, x_scales, ws, w_scales, group_sizes, group_offsets,
-      passes=tuple((i, ((i, 0),)) for i in range(len(xs))), tiles=tiles,
-      epilogue=lambda totals: totals, outputs=outputs, name="jax_ep_fp8_input_grad")
-  return out
 
 
 # ----------------------------------------------------------------------------------------------

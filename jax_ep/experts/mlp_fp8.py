@@ -9,7 +9,7 @@ the input gradient in FP8 (`jax_ep/experts/fp8.py`), the weight gradients in bf1
   MLP keeps them), with `h`'s e4m3 rows.
 - backward: `dy` quantised per row over H, `dh = dy @ w_down^T` in FP8; `dgate`, `dup` in fp32
   from the saved projections, quantised per row over F, `dx = dgate @ w_gate^T + dup @ w_up^T`
-  in FP8 (two products summed in fp32), returned in bf16; the weight gradients `x^T dgate`,
+  in FP8 (one product over the concatenated reduction, summed in fp32), returned in bf16; the weight gradients `x^T dgate`,
   `x^T dup`, `h^T dy` per expert in bf16 (jax_ep's bf16 weight-gradient kernel) on the
   dequantised rows. NOTES: bf16 weight gradients keep their reduction over the tokens exact
   to bf16 inputs, where FP8 would need the rows quantised along the token axis (128 x 1
@@ -20,8 +20,9 @@ the input gradient in FP8 (`jax_ep/experts/fp8.py`), the weight gradients in bf1
 
 On Hopper (`fp8_mlp_impl`) the gate and up projections are one kernel whose epilogue applies
 the activation and quantises `h` (`hopper_fp8.fp8_gated_kernel`: no fp32 `[rows, F]` buffer),
-and `dx` of both projections is one kernel of two passes (`fp8_gated_input_grad_kernel`);
-every other product is `hopper_fp8.fp8_grouped_matmul_kernel` (through `fp8.fp8_product`).
+and every other product, `dx` of both projections included (one product over both, `[dgate |
+dup] @ [w_gate | w_up]^T`), is `hopper_fp8.fp8_grouped_matmul_kernel` (through
+`fp8.fp8_product`).
 Elsewhere the products are `fp8_product`'s fallback and the activation runs between them.
 
 Rows outside the groups are unspecified in the result; every quantisation is row-local and
@@ -72,25 +73,6 @@ def _gated_fn(activation: str):
   return rowwise_vmap(projections, 2)
 
 
-@functools.cache
-def _input_grad_fn(gated: bool):
-  """`(dx,)` of both projections in one kernel: `dgate @ w_gate^T (+ dup @ w_up^T)`."""
-  num_rows = 4 if gated else 2
-
-  def input_grad(*args):
-    rows, (*weights, sizes, offsets) = args[:num_rows], args[num_rows:]
-    from jax_ep.experts.hopper_fp8 import fp8_gated_input_grad_kernel
-    hidden, ffn = weights[0].shape[1:]
-    dgate, dgate_scales, dup, dup_scales = rows if gated else (*rows, None, None)
-    values_gate, scales_gate, values_up, scales_up = weights if gated else (*weights, None, None)
-    dx = fp8_gated_input_grad_kernel(
-        dgate, dgate_scales, dup, dup_scales, values_gate, scales_gate, values_up, scales_up,
-        sizes, offsets, tiles=configs.fp8_input_grad_tiles(ffn, hidden), out_dtype=BF16)
-    return vary_like_operands((dx,), (*rows, *weights, sizes, offsets))
-
-  return rowwise_vmap(input_grad, num_rows)
-
-
 def _weight_args(*weights):
   return [a for w in weights if w is not None for a in (w.values, w.scales)]
 
@@ -108,19 +90,21 @@ def _projections(x, x_scales, w_gate, w_up, sizes, offsets, activation, fused):
   return h_q, h_scales, gate.astype(BF16), None if up is None else up.astype(BF16)
 
 
-def _input_grad(d_projections, weights, sizes, offsets, fused):
-  """`dx` `[rows, H]` of the projections' cotangents, each quantised per row (the fp32 sum
-  rounded once to bf16 by the kernel, float32 on the fallback)."""
-  quantised = [a for d in d_projections for a in fp8_quantize(d)]
+def _input_grad(d_projections, weights, sizes, offsets):
+  """`dx` `[rows, H]` bf16 of the projections' cotangents: one FP8 product over both, `[dgate |
+  dup] @ [w_gate | w_up]^T` (K = 2F), the fp32 sum rounded once.
+
+  NOTES: one product of twice the reduction, not two into one total: it runs the
+  warp-specialized kernel (`fp8_grouped_matmul_kernel`; two compute warpgroups, one promoting
+  while the other's wgmma runs), and the concatenation along F changes no value or scale (each
+  scale's 128-channel block lies in one projection, F being a multiple of 128)."""
+  d = d_projections[0] if len(d_projections) == 1 else jnp.concatenate(d_projections, axis=1)
+  d_q, d_scales = fp8_quantize(d)
   transposed = [w.transposed() for w in weights]
-  if fused:
-    (dx,) = _input_grad_fn(len(weights) == 2)(*quantised, *_weight_args(*transposed), sizes,
-                                              offsets)
-    return dx
-  f32 = np.dtype(jnp.float32)
-  parts = [_product(quantised[2 * i], quantised[2 * i + 1], w, sizes, offsets, f32)
-           for i, w in enumerate(transposed)]
-  return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+  w = transposed[0] if len(transposed) == 1 else Fp8Weights(
+      jnp.concatenate([t.values for t in transposed], axis=2),
+      jnp.concatenate([t.scales for t in transposed], axis=2))
+  return _product(d_q, d_scales, w, sizes, offsets, BF16)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
@@ -161,7 +145,7 @@ def _fp8_bwd(activation, fused, residuals, dy):
   else:
     d_projections = (dh * act_grad(gate, activation),)
     weights = (w_gate,)
-  dx = _input_grad(d_projections, weights, group_sizes, group_offsets, fused)
+  dx = _input_grad(d_projections, weights, group_sizes, group_offsets)
   weight_grad = weight_grad_fn(False, BF16, "auto")
   x_rows = dequantize_rows(x, x_scales, BF16)
   h_rows = dequantize_rows(h_q, h_scales, BF16)
@@ -243,7 +227,9 @@ def fp8_mlp_impl(rows: int, groups: int, hidden: int, ffn: int,
   name, why = fp8_matmul_impl(rows, groups, hidden, ffn)
   if name != "mosaic":
     return False, f"the FP8 product takes its fallback here: {why}"
-  tiles = (configs.fp8_gated_tiles(hidden, ffn), configs.fp8_input_grad_tiles(ffn, hidden))
+  parts = 2 if activation in GATED else 1
+  tiles = (configs.fp8_gated_tiles(hidden, ffn), configs.fp8_tile_config(groups, parts * ffn,
+                                                                         hidden))
   if None in tiles:
     return False, f"the FP8 kernels' 128-channel blocks do not divide H={hidden} and F={ffn}"
   why = fp8_mlp_compile_error(rows, groups, hidden, ffn, activation)
