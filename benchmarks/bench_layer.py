@@ -133,6 +133,10 @@ def main():
                       help="time the Mosaic kernels' tile configurations per shape (both "
                       "kernels, or those named) and print the forward's best as a TILE_TABLES "
                       "entry")
+  parser.add_argument("--breakdown", type=int, default=0, metavar="N",
+                      help="moe_layer at one process: after each timing, the N kernels that "
+                      "take the most device time per run (name, µs, launches) and how busy the "
+                      "device was against the run's span, from one profiler trace")
   parser.add_argument("--plot", default=None, help="write TF/s per shape to this PNG")
   parser.add_argument("--out", default="layer.jsonl")
   args = parser.parse_args()
@@ -252,7 +256,7 @@ def main():
           for precision in args.precisions:
             layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks,
                           args.repeats, flops, bound_s, add, micro_batches, precision,
-                          args.fp8_wire)
+                          args.fp8_wire, args.breakdown)
 
   if jax.process_index() == 0:
     path = records.path
@@ -294,9 +298,11 @@ def gemm_fn(impl, rows, experts, hidden, ffn):
 
 
 def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks, repeats,
-                  flops, bound_s, add, micro_batches=1, precision="bf16", fp8_wire=False):
+                  flops, bound_s, add, micro_batches=1, precision="bf16", fp8_wire=False,
+                  breakdown=0):
   """The whole layer (moe_mlp with its router, its tokens in `micro_batches`, its experts in
-  `precision`) forward and forward + backward."""
+  `precision`) forward and forward + backward; with `breakdown`, each pass's longest kernels
+  printed (`print_breakdown`)."""
   fp8 = precision == "fp8"
   wire = jax_ep.RowFormat.FP8 if fp8 and fp8_wire else None
   devices = jax.devices()
@@ -336,16 +342,34 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
       fused, kernels = mlp.fused_mlp_impl(rows, local, hidden, ffn, dtype, "swiglu")
   with jax.set_mesh(mesh):
     for pass_, fn, f in (("fwd", fwd, layer_flops), ("fwd_bwd", fwd_bwd, 3 * layer_flops)):
-      seconds = time_fn(jax.jit(fn), (params, x), repeats,
-                        f"{name} moe_layer {pass_} {impl} micro_batches={micro_batches} "
-                        f"{precision}{' fp8 wire' if wire else ''}")
+      what = (f"{name} moe_layer {pass_} {impl} micro_batches={micro_batches} "
+              f"{precision}{' fp8 wire' if wire else ''}")
+      seconds = time_fn(jax.jit(fn), (params, x), repeats, what)
       if seconds is None:
         continue
+      if breakdown and jax.process_count() == 1:
+        print_breakdown(what, seconds, *timers.trace_breakdown(jax.jit(fn), (params, x)),
+                        breakdown)
       add("moe_layer", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
           bound_s * f / flops, micro_batches=micro_batches, precision=precision,
           fused_mlp=bool(fused), kernels=str(kernels),
           **({"wire_dtype": "float8_e4m3fn"} if wire else {}))
   group.close()
+
+
+def print_breakdown(what, seconds, rows, activity, top: int):
+  """The `top` kernels of one program by device time per run, and what share of the timed
+  median each is (kernels on several streams may overlap: the shares can sum past 100 %)."""
+  print(f"--- {what}: {seconds * 1e6:.0f} µs (median); kernels by device time per run")
+  if not rows:
+    print("  (no device trace)")
+    return
+  for kernel, us, launches in rows[:top]:
+    print(f"  {us:9.1f} µs  {100 * us / (seconds * 1e6):5.1f} %  x{launches:<3d} {kernel[:110]}")
+  rest = sum(us for _, us, _ in rows[top:])
+  print(f"  {rest:9.1f} µs  in {max(len(rows) - top, 0)} other kernels")
+  for plane, busy_us, span_us in activity:
+    print(f"  {plane}: busy {busy_us:.0f} µs of a {span_us:.0f} µs span per run")
 
 
 def tune(name, x, w, sizes, repeats, parts):

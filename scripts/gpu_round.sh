@@ -47,6 +47,7 @@
 #   bash scripts/gpu_round.sh netbench  # the high-throughput ops across 2 virtual hosts beside
 #                                     # one host, 8 ranks: layer chain (netlayers), per op (netops)
 #   bash scripts/gpu_round.sh fp8bench  # the FP8 dispatch beside the bf16 one at 8 ranks
+#                                     # emulated, T=4096, H=7168, top-8 of 256 (FP8_BENCH_ARGS)
 #   bash scripts/gpu_round.sh example   # examples/moe_transformer.py on one GPU: defaults, the
 #                                     # compilation cache filled then read, 2 micro-batches on
 #                                     # jax_ep's own stream
@@ -54,7 +55,8 @@
 #                                     # precisions (bench_layer.py), the example with --fp8
 #   bash scripts/gpu_round.sh fp8example  # the example in bf16 and with --fp8 alone
 #   bash scripts/gpu_round.sh fp8kernels  # the FP8 MLP's gated and input-gradient kernels
-#                                     # emulated, T=4096, H=7168, top-8 of 256 (FP8_BENCH_ARGS)
+#   bash scripts/gpu_round.sh fp8layer  # the layer in both precisions at DeepSeek-V3's EP=8
+#                                     # rank, each pass's longest kernels (--breakdown)
 #   bash scripts/gpu_round.sh overlap   # the ops beside the experts (comm_stream=1, jax_ep): hidden
 #                                     # fraction at one rank (bench_overlap.py), the SwiGLU chain
 #                                     # with 1 and 2 micro-batches at 1 and 8 ranks
@@ -386,23 +388,28 @@ if has fp8; then
   counts bench_fp8_gemm.py "$OUT/bench_fp8_gemm.log"
   cp benchmarks/results/gpu_round_fp8_gemm.jsonl "$OUT/" 2>/dev/null
 fi
-# The FP8 MLP's own kernels (the gated projections, the input gradient over [dgate | dup]) against bf16
-# GEMMs of the same FLOPs: what the FP8 layer runs beside the grouped GEMM.
+# The FP8 MLP's own kernels (the gated projections, the input gradient over [dgate | dup])
+# against bf16 GEMMs of the same FLOPs: what the FP8 layer runs beside the grouped GEMM
+# (FP8_KERNEL_SHAPES: default one rank of DeepSeek-V3 at EP=8, the target's shape).
 if has fp8 || has fp8kernels; then
   step "the FP8 MLP's kernels (bench_fp8_gemm.py --products gate_up input_grad)"
   t=$(bench_time 300) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
-    benchmarks/bench_fp8_gemm.py --shapes deepseek_v3_ep8_rank mixtral \
+    benchmarks/bench_fp8_gemm.py --shapes ${FP8_KERNEL_SHAPES:-deepseek_v3_ep8_rank} \
     --products gate_up input_grad --out gpu_round_fp8_gemm.jsonl \
     2>&1 | tee "$OUT/bench_fp8_kernels.log" | tail -12
   counts "bench_fp8_gemm.py --products" "$OUT/bench_fp8_kernels.log"
   cp benchmarks/results/gpu_round_fp8_gemm.jsonl "$OUT/" 2>/dev/null
 fi
-if has fp8; then
+# fp8layer: the layer alone at DeepSeek-V3's EP=8 rank, each pass's 25 longest kernels printed
+# (bench_layer.py --breakdown): where the FP8 layer's time goes against bf16's.
+if has fp8 || has fp8layer; then
   step "the layer in FP8 and bf16, one rank (bench_layer.py --ops moe_layer --precisions bf16 fp8)"
+  if has fp8; then layer_args="--shapes deepseek_v3_ep8_rank mixtral"
+  else layer_args="--shapes deepseek_v3_ep8_rank --breakdown 25 --repeats 5"; fi
   t=$(bench_time 500) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
-    benchmarks/bench_layer.py --ops moe_layer --impls mosaic \
-    --shapes deepseek_v3_ep8_rank mixtral --precisions bf16 fp8 --out gpu_round_fp8_layer.jsonl \
-    2>&1 | tee "$OUT/bench_fp8_layer.log" | tail -20
+    benchmarks/bench_layer.py --ops moe_layer --impls mosaic $layer_args \
+    --precisions bf16 fp8 --out gpu_round_fp8_layer.jsonl \
+    2>&1 | tee "$OUT/bench_fp8_layer.log" | grep -v "^WARNING" | tail -130
   counts "bench_layer.py --precisions" "$OUT/bench_fp8_layer.log"
   cp benchmarks/results/gpu_round_fp8_layer.jsonl "$OUT/" 2>/dev/null
 fi

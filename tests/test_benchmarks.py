@@ -354,15 +354,30 @@ def test_bench_layer_moe_layer_records_carry_micro_batches(tmp_path):
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layer.py"), "--shapes",
        "mixtral", "--scale", "32", "--tokens", "128", "--repeats", "2", "--ops", "moe_layer",
-       "--micro-batches", "1", "2", "--out", str(out)],
+       "--micro-batches", "1", "2", "--breakdown", "3", "--out", str(out)],
       env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
+  # No device trace on the CPU: each pass says so after its timing.
+  assert result.stdout.count("kernels by device time per run") == 4, result.stdout
   records = [json.loads(line) for line in out.read_text().splitlines()]
   assert {(r["op"], r["pass"], r["micro_batches"]) for r in records} == {
       ("moe_layer", p, m) for p in ("fwd", "fwd_bwd") for m in (1, 2)}
   assert all(r["median_us"] > 0 for r in records)
   # Which expert kernels the layer took, and why not the fused ones (here: XLA's, asked for).
   assert all(r["fused_mlp"] is False and "ragged_dot" in r["kernels"] for r in records), records
+
+
+def test_bench_layer_breakdown_lists_the_longest_kernels(capsys):
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import bench_layer
+  rows = [("fp8_gmm", 1200.0, 2), ("wgrad", 900.0, 3), ("quantize", 300.0, 6), ("copy", 5.0, 1)]
+  bench_layer.print_breakdown("fwd", 2.5e-3, rows, [("/device:GPU:0", 2405.0, 2500.0)], 2)
+  out = capsys.readouterr().out.splitlines()
+  assert out[0] == "--- fwd: 2500 µs (median); kernels by device time per run"
+  assert out[1].split()[:4] == ["1200.0", "µs", "48.0", "%"] and out[1].endswith("fp8_gmm")
+  assert "x3" in out[2] and out[2].endswith("wgrad")
+  assert out[3].split()[:4] == ["305.0", "µs", "in", "2"]
+  assert out[4] == "  /device:GPU:0: busy 2405 µs of a 2500 µs span per run"
 
 
 def test_bench_expert_mlp_writes_expert_mlp_records(tmp_path):
