@@ -428,9 +428,9 @@ def fp8_interpreted(monkeypatch):
 @pytest.mark.parametrize("activation", ["swiglu"])  # the plain ones: tests/test_fp8_kernels.py
 def test_fp8_kernels_as_expert_mlp_runs_them(fp8_interpreted, monkeypatch, activation):
   """The fused FP8 path (gated kernel with `h` quantised in its epilogue, the FP8 product, the
-  input gradient of both projections as one product) against the same recipe on the float32 fallback:
-  the same rows quantised the same way, so they differ by fp32 summation order and the few
-  `h` codes that order flips (relative norm <= 1e-3)."""
+  input gradient of both projections as one product) against the same recipe on the float32
+  fallback: the same rows quantised the same way, so they differ by fp32 summation order and
+  the few `h` codes that order flips (relative norm <= 1e-3)."""
   from jax_ep.experts.mlp_fp8 import fp8_mlp_impl
   x, weights, sizes, offsets, inside, cot = _mlp_case(seed=7, activation=activation,
                                                       alignment=128)

@@ -9,12 +9,12 @@ the input gradient in FP8 (`jax_ep/experts/fp8.py`), the weight gradients in bf1
   MLP keeps them), with `h`'s e4m3 rows.
 - backward: `dy` quantised per row over H, `dh = dy @ w_down^T` in FP8; `dgate`, `dup` in fp32
   from the saved projections, quantised per row over F, `dx = dgate @ w_gate^T + dup @ w_up^T`
-  in FP8 (one product over the concatenated reduction, summed in fp32), returned in bf16; the weight gradients `x^T dgate`,
-  `x^T dup`, `h^T dy` per expert in bf16 (jax_ep's bf16 weight-gradient kernel) on the
-  dequantised rows. NOTES: bf16 weight gradients keep their reduction over the tokens exact
-  to bf16 inputs, where FP8 would need the rows quantised along the token axis (128 x 1
-  blocks, a second quantisation of `x` and `dy`); which is faster at equal accuracy is for
-  the benchmark to say (`benchmarks/bench_fp8_gemm.py`).
+  in FP8 (one product over both projections' reduction, summed in fp32), returned in bf16;
+  the weight gradients `x^T dgate`, `x^T dup`, `h^T dy` per expert in bf16 (jax_ep's bf16
+  weight-gradient kernel) on the dequantised rows. NOTES: bf16 weight gradients keep their
+  reduction over the tokens exact to bf16 inputs, where FP8 would need the rows quantised
+  along the token axis (128 x 1 blocks, a second quantisation of `x` and `dy`); which is
+  faster at equal accuracy is for the benchmark to say (`benchmarks/bench_fp8_gemm.py`).
 - weights: `Fp8Weights` (`jax_ep.quantize_weights`, once per step); their gradients pass
   straight through to the bf16 / f32 masters.
 
