@@ -289,13 +289,16 @@ def layer(_=None) -> dict:
   return out
 
 
-def example(_=None) -> dict:
+def example(impl=None) -> dict:
   """examples/moe_transformer.py's training step (its default model: two layers under Flax's
   scan and remat, AdamW) on a 1 x 1 ('data', 'expert') mesh of the H200, the cuda backend's
   one-rank group, as the example builds it, in bf16 and with `--fp8 --micro-batches 2
   --comm-stream jax_ep`: per variant the Mosaic GPU kernels and the jax_ep custom calls of the
   compiled program, and the seconds its trace, lowering and compile took here (XLA's GEMM
-  autotuning does not run without a GPU)."""
+  autotuning does not run without a GPU). `impl` "xla": the expert products in XLA
+  (`experts.override(impl="xla", fused_mlp=False)`), no Mosaic GPU kernel: what the kernels
+  add to the compile."""
+  import contextlib
   import dataclasses
   import time
 
@@ -331,7 +334,9 @@ def example(_=None) -> dict:
       optimizer.update(model, grads)
       return nll, nnx.state((model, optimizer))
 
-    with jax.set_mesh(mesh):
+    products = (jax_ep.experts.override(impl="xla", fused_mlp=False) if impl == "xla"
+                else contextlib.nullcontext())
+    with jax.set_mesh(mesh), products:
       t0 = time.perf_counter()
       traced = jax.jit(step).trace(state, tokens)
       t1 = time.perf_counter()
