@@ -18,6 +18,8 @@ Oracles:
 
 from __future__ import annotations
 
+import functools
+
 import ml_dtypes
 import jax
 import jax.numpy as jnp
@@ -76,7 +78,8 @@ def test_quantize_weights_matches_the_block_closed_form():
   blocks = w.transpose(0, 2, 1).reshape(3, 3, 128, 2, 128)
   amax = np.abs(blocks).max(axis=(2, 4))
   scales = np.where(amax > 0, amax * np.float32(1 / 448), 1).astype(np.float32)
-  values = (blocks / scales[:, :, None, :, None]).astype(ml_dtypes.float8_e4m3fn)
+  values = (blocks * (np.float32(1) / scales)[:, :, None, :, None]).astype(
+      ml_dtypes.float8_e4m3fn)
   np.testing.assert_array_equal(np.asarray(got.scales), scales)
   np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8),
                                 values.reshape(3, 384, 256).view(np.uint8))
@@ -94,6 +97,90 @@ def test_quantize_weights_passes_the_gradient_straight_through():
   assert grad.dtype == BF16
   np.testing.assert_array_equal(np.asarray(grad, np.float32),
                                 np.asarray(c.astype(BF16), np.float32))
+
+
+def _block_closed_form(w):
+  """numpy's `(values [G, N, K] e4m3, scales [G, N/128, K/128])` of `w` `[G, K, N]`: amax / 448
+  per 128 x 128 block (1 for an all-zero block), `w * (1 / scale)` rounded to nearest even."""
+  w = np.asarray(w, np.float32)
+  g, k, n = w.shape
+  blocks = w.transpose(0, 2, 1).reshape(g, n // 128, 128, k // 128, 128)
+  amax = np.abs(blocks).max(axis=(2, 4))
+  scales = np.where(amax > 0, amax * np.float32(1 / 448), 1).astype(np.float32)
+  values = (blocks * (np.float32(1) / scales)[:, :, None, :, None]).astype(
+      ml_dtypes.float8_e4m3fn)
+  return values.reshape(g, n, k), scales
+
+
+def _wide_weights(dtype, seed=3):
+  """`[3, 256, 384]` weights over 16 binades per column, one all-zero block."""
+  rng = np.random.default_rng(seed)
+  w = rng.standard_normal((3, 256, 384)) * np.exp2(rng.uniform(-8, 8, (3, 1, 384)))
+  w[1, :128, :128] = 0.0
+  return jnp.asarray(w, dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_the_quantisation_kernel_is_the_closed_form(dtype):
+  """The one-pass kernel (interpreted) against numpy, bit for bit: every block's scale and
+  every value, transposed, with the all-zero block's scale 1."""
+  from jax_ep.experts.quantize_kernel import quantize_weight_blocks
+  w = _wide_weights(dtype)
+  values, scales = jax.jit(lambda w: quantize_weight_blocks(w, interpret=True))(w)
+  want_values, want_scales = _block_closed_form(w)
+  np.testing.assert_array_equal(np.asarray(scales), want_scales)
+  np.testing.assert_array_equal(np.asarray(values).view(np.uint8), want_values.view(np.uint8))
+  assert np.asarray(scales)[1, 0, 0] == 1.0
+
+
+def test_quantize_weights_takes_the_kernel_where_the_fp8_kernels_run(monkeypatch):
+  """On Hopper (as the choice sees it here) `quantize_weights` is the kernel, under `jit` and
+  `vmap`, its gradient straight through; with `experts.override(impl="xla")` XLA's two passes:
+  the same bits, the closed form's."""
+  from jax_ep import experts
+  from jax_ep.experts import choice, quantize_kernel
+  calls = []
+  real = quantize_kernel.quantize_weight_blocks
+  monkeypatch.setattr(quantize_kernel, "quantize_weight_blocks",
+                      lambda w: calls.append(w.shape) or real(w, interpret=True))
+  monkeypatch.setattr(choice, "on_hopper", lambda: True)
+  w = _wide_weights(BF16)
+  want_values, want_scales = _block_closed_form(w)
+  got = jax.jit(jax_ep.quantize_weights)(w)
+  assert calls == [(3, 256, 384)]
+  np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8),
+                                want_values.view(np.uint8))
+  c = jnp.asarray(np.random.default_rng(4).standard_normal((3, 256, 384)), F32)
+  grad = jax.jit(jax.grad(lambda w: jnp.sum(jax_ep.quantize_weights(w).dequantize() * c)))(w)
+  np.testing.assert_array_equal(np.asarray(grad, np.float32),
+                                np.asarray(c.astype(BF16), np.float32))
+  # Under vmap: the kernel over a leading axis (Pallas adds it to the grid), each weight's own.
+  batched = jax.jit(jax.vmap(jax_ep.quantize_weights))(jnp.stack([w, w * 4]))
+  for i, one in enumerate((w, w * 4)):
+    values, scales = _block_closed_form(one)
+    np.testing.assert_array_equal(np.asarray(batched.values[i]).view(np.uint8),
+                                  values.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(batched.scales[i]), scales)
+  with experts.override(impl="xla"):
+    xla = jax.jit(jax_ep.quantize_weights)(w)
+  assert len(calls) == 3  # the call, the gradient's forward, the vmap; not XLA's path
+  np.testing.assert_array_equal(np.asarray(xla.scales), want_scales)
+  np.testing.assert_array_equal(np.asarray(xla.values).view(np.uint8),
+                                want_values.view(np.uint8))
+
+
+@pytest.mark.gpu
+def test_the_quantisation_kernel_on_hopper():
+  """The kernel as the FP8 layer runs it, at one rank of DeepSeek-V3 at EP=8's weight shape,
+  against numpy bit for bit (PTX's IEEE division)."""
+  from ep_test_base import require_hopper
+  require_hopper()
+  w = jax.random.normal(jax.random.key(5), (32, 7168, 2048), jnp.float32).astype(BF16)
+  got = jax.jit(jax_ep.quantize_weights)(w)
+  want_values, want_scales = _block_closed_form(w)
+  np.testing.assert_array_equal(np.asarray(got.scales), want_scales)
+  np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8),
+                                want_values.view(np.uint8))
 
 
 @pytest.mark.parametrize("shape,match", [
@@ -415,8 +502,10 @@ def fp8_interpreted(monkeypatch):
   test_fp8_kernels.py checks each kernel against its oracle; here they run as `expert_mlp`
   calls them, forward and backward)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax_ep.experts import choice, fp8, mlp, mlp_fp8
+  from jax_ep.experts import choice, fp8, mlp, mlp_fp8, quantize_kernel
   monkeypatch.setattr(choice, "on_hopper", lambda: True)
+  monkeypatch.setattr(quantize_kernel, "quantize_weight_blocks", functools.partial(
+      quantize_kernel.quantize_weight_blocks, interpret=True))
   monkeypatch.setattr(choice, "mosaic_compile_error", lambda *args: None)
   monkeypatch.setattr(mlp, "fused_compile_error", lambda *args: None)
   monkeypatch.setattr(fp8, "fp8_compile_error", lambda *args: None)

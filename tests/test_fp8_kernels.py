@@ -435,9 +435,11 @@ def test_the_mlps_input_grad_is_one_product_over_both_projections(monkeypatch, g
   """The FP8 MLP's `dx = dgate @ w_gate^T + dup @ w_up^T`: its cotangents quantised per row
   (`fp8_quantize`), both weights' transposed blocks side by side, one FP8 kernel over the
   reduction of 2F (interpreted) against the float64 sum of the two products."""
-  from jax_ep.experts import choice, fp8, mlp_fp8
+  from jax_ep.experts import choice, fp8, mlp_fp8, quantize_kernel
   monkeypatch.setattr(choice, "on_hopper", lambda: True)
   monkeypatch.setattr(fp8, "fp8_compile_error", lambda *args: None)
+  monkeypatch.setattr(quantize_kernel, "quantize_weight_blocks", functools.partial(
+      quantize_kernel.quantize_weight_blocks, interpret=True))
   rng = np.random.default_rng(7)
   gs, go, rows = layout(SIZES)
   hidden, ffn = 128, 256

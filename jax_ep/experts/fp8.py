@@ -4,8 +4,9 @@ reduction, bf16 out.
 
 - `Fp8Weights` / `quantize_weights`: an expert weight `[G, K, N]` quantised once (per step,
   not per micro-batch) into e4m3 values stored K-major (`[G, N, K]`: FP8 wgmma reads both
-  operands K-major) and their block scales. Differentiable straight through: the values'
-  cotangent comes back as the master weight's, in its dtype.
+  operands K-major) and their block scales; on Hopper by one kernel over the master
+  (`quantize_kernel.py`). Differentiable straight through: the values' cotangent comes back as
+  the master weight's, in its dtype.
 - `grouped_matmul_fp8`: `[rows, K] e4m3 x Fp8Weights -> [rows, N]`, rows grouped as
   `jax_ep.grouped_matmul`'s. Not differentiable itself: the recipe's gradients are the FP8
   expert MLP's (`jax_ep/experts/mlp_fp8.py`).
@@ -20,6 +21,7 @@ Implementations (`fp8_matmul_impl` chooses, logging the first use of each choice
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NamedTuple
 
 import jax
@@ -94,7 +96,8 @@ def check_fp8_dims(fn: str, name: str, shape, dims: str = "K and N") -> None:
 
 def _quantize_blocks(w):
   """`Fp8Weights` of `w` `[G, K, N]`: `scale = amax / 448` per 128 x 128 block (1 for an
-  all-zero block), values rounded to nearest even: `jax_ep.quantize`'s rule per block."""
+  all-zero block), values `w * (1 / scale)` rounded to nearest even (what XLA makes of `w /
+  scale`: a division by a broadcast becomes a multiplication by its reciprocal)."""
   groups, k, n = w.shape
   # NOTES: blocked in w's own layout and transposed once, as e4m3: XLA then reads w twice (the
   # amax, then the rounding, whose fusion writes the transposed layout). Transposed before the
@@ -103,19 +106,40 @@ def _quantize_blocks(w):
   blocks = w.astype(jnp.float32).reshape(groups, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
   amax = jnp.max(jnp.abs(blocks), axis=(2, 4))
   scales = jnp.where(amax > 0, amax * (1.0 / E4M3_MAX), 1.0).astype(jnp.float32)
-  values = (blocks / scales[:, :, None, :, None]).astype(jnp.float8_e4m3fn)
+  values = (blocks * (1.0 / scales)[:, :, None, :, None]).astype(jnp.float8_e4m3fn)
   return Fp8Weights(jnp.swapaxes(values.reshape(groups, k, n), 1, 2),
                     jnp.swapaxes(scales, 1, 2))
 
 
+def _quantize(w):
+  """`_quantize_blocks`'s values and scales: on Hopper GPUs by jax_ep's one-pass kernel
+  (`quantize_kernel.py`: the master read once), elsewhere (or with
+  `jax_ep.experts.override(impl="xla")`) by XLA. The first use of each is logged."""
+  from jax_ep.experts import configs
+  kernel = choice.on_hopper() and configs.current().impl != "xla"
+  key = (kernel, tuple(w.shape), np.dtype(w.dtype).name)
+  if key not in _QUANTIZE_SAID:
+    _QUANTIZE_SAID.add(key)
+    logging.getLogger("jax_ep").info(
+        "jax_ep.quantize_weights %s %s: %s", list(w.shape), key[2],
+        "the one-pass kernel" if kernel else "XLA (two passes over the master)")
+  if kernel:
+    from jax_ep.experts.quantize_kernel import quantize_weight_blocks
+    return Fp8Weights(*quantize_weight_blocks(w))
+  return _quantize_blocks(w)
+
+
+_QUANTIZE_SAID: set = set()
+
+
 @jax.custom_vjp
 def _quantize_weights(w):
-  return _quantize_blocks(w)
+  return _quantize(w)
 
 
 def _quantize_weights_fwd(w):
   # An empty array of w's dtype: all the backward needs of w.
-  return _quantize_blocks(w), jnp.zeros((0,), w.dtype)
+  return _quantize(w), jnp.zeros((0,), w.dtype)
 
 
 def _quantize_weights_bwd(residual, cotangents):

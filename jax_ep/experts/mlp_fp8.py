@@ -103,11 +103,12 @@ def _input_grad(d_projections, weights, sizes, offsets):
   concatenation instead took 0.5 GB more at DeepSeek-V3's EP=8 rank)."""
   quantised = [fp8_quantize(d) for d in d_projections]
   d_q, d_scales = (q[0] if len(q) == 1 else jnp.concatenate(q, axis=1) for q in zip(*quantised))
-  transposed = [w.transposed() for w in weights]
-  w = transposed[0] if len(transposed) == 1 else Fp8Weights(
-      jnp.concatenate([t.values for t in transposed], axis=2),
-      jnp.concatenate([t.scales for t in transposed], axis=2))
-  return _product(d_q, d_scales, w, sizes, offsets, BF16)
+  # Side by side along F ([G, 2F, H], the forward's layout), then transposed once: XLA writes
+  # `[G, H, 2F]` in one pass over both (transposing each, then concatenating, took two).
+  w = weights[0] if len(weights) == 1 else Fp8Weights(
+      jnp.concatenate([w.values for w in weights], axis=1),
+      jnp.concatenate([w.scales for w in weights], axis=1))
+  return _product(d_q, d_scales, w.transposed(), sizes, offsets, BF16)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
