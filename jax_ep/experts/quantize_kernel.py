@@ -6,11 +6,11 @@ XLA computes the same in two passes over the master (the blocks' amax, then the 
 reads the master again): 2 bytes an element read twice where this reads them once. The rule is
 `fp8._quantize_blocks`'s, bit for bit: `scale = amax * (1 / 448)` (1 for an all-zero block),
 `q = w * (1 / scale)` rounded to nearest even. NOTES (the reciprocal): XLA computes `w /
-scale` so (it turns a division by a broadcast into a multiplication by the reciprocal), which
-rounds differently from `w / scale` where a quotient sits at an e4m3 rounding boundary (81 of
-294,912 bf16 values in the tests): the rule is what XLA computes, on every backend. The
-reciprocal is PTX's `div.rn.f32` (IEEE, as XLA's); Triton's own f32 division is
-`div.full.f32`, within 2 ulp.
+scale` as `w * (1 / scale)` (it turns a division by a broadcast into a multiplication by the
+reciprocal), which rounds otherwise than the quotient where that sits at an e4m3 rounding
+boundary (81 of the 294,912 values of the tests' bf16 weights): the rule is what XLA computes,
+on every backend. The reciprocal is PTX's `div.rn.f32` (IEEE, as XLA's); Triton's own f32
+division is `div.full.f32`, within 2 ulp.
 """
 
 from __future__ import annotations
