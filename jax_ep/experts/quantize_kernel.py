@@ -44,11 +44,12 @@ def _block_kernel(w_ref, values_ref, scales_ref, *, interpret: bool):
   """One `[K, N]` block of one expert: its scale and its e4m3 values, transposed."""
   w = w_ref[...].astype(jnp.float32)
   amax = jnp.max(jnp.abs(w))
-  scale = jnp.where(amax > 0, amax * (1.0 / _E4M3_MAX), 1.0).astype(jnp.float32)
-  reciprocal = _divide(jnp.ones_like(w), jnp.broadcast_to(scale, w.shape), interpret)
+  scale = jnp.full((1, 1), jnp.where(amax > 0, amax * (1.0 / _E4M3_MAX), 1.0), jnp.float32)
+  # One division per block, on a [1, 1] tile (a whole block's would double the registers).
+  reciprocal = _divide(jnp.ones((1, 1), jnp.float32), scale, interpret)
   q = (w * reciprocal).astype(jnp.float8_e4m3fn)
   values_ref[...] = q.T
-  scales_ref[...] = jnp.full((1, 1), scale, jnp.float32)
+  scales_ref[...] = scale
 
 
 def quantize_weight_blocks(w, *, interpret: bool = False):
