@@ -344,11 +344,12 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
     for pass_, fn, f in (("fwd", fwd, layer_flops), ("fwd_bwd", fwd_bwd, 3 * layer_flops)):
       what = (f"{name} moe_layer {pass_} {impl} micro_batches={micro_batches} "
               f"{precision}{' fp8 wire' if wire else ''}")
-      seconds = time_fn(jax.jit(fn), (params, x), repeats, what)
+      program = jax.jit(fn)
+      seconds = time_fn(program, (params, x), repeats, what)
       if seconds is None:
         continue
       if breakdown and jax.process_count() == 1:
-        print_breakdown(what, seconds, *timers.trace_breakdown(jax.jit(fn), (params, x)),
+        print_breakdown(what, seconds, *timers.trace_breakdown(program, (params, x)),
                         breakdown)
       add("moe_layer", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
           bound_s * f / flops, micro_batches=micro_batches, precision=precision,
