@@ -25,8 +25,9 @@ from jax_ep._native.varying import vary_like_operands
 BLOCK = 128
 _E4M3_MAX = 448.0
 # One 128 x 128 block per program: 32 KiB of bf16 in, 16 KiB of e4m3 out through the
-# transposing layout conversion; four warps hold it at 128 fp32 values a thread.
-_NUM_WARPS = 4
+# transposing layout conversion; eight warps hold it at 64 fp32 values a thread (four would
+# hold 128, half of a thread's registers, beside the conversion's).
+_NUM_WARPS = 8
 
 
 def _divide(a, b, interpret: bool):
