@@ -172,7 +172,7 @@ def test_quantize_weights_takes_the_kernel_where_the_fp8_kernels_run(monkeypatch
 @pytest.mark.gpu
 def test_the_quantisation_kernel_on_hopper():
   """The kernel as the FP8 layer runs it, at one rank of DeepSeek-V3 at EP=8's weight shape,
-  against numpy bit for bit (PTX's IEEE division)."""
+  against numpy bit for bit (PTX's IEEE reciprocal)."""
   from ep_test_base import require_hopper
   require_hopper()
   w = jax.random.normal(jax.random.key(5), (32, 7168, 2048), jnp.float32).astype(BF16)

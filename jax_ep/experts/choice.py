@@ -105,10 +105,10 @@ def mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config,
   return None
 
 
-def say(name, detail, shape):
-  """Logs the first use of each choice for each shape."""
-  key = (name, str(detail), shape)
+def say(name, detail, shape, op: str = "grouped_matmul"):
+  """Logs the first use of each choice of `op` for each shape."""
+  key = (op, name, str(detail), shape)
   if key not in _SAID:
     _SAID.add(key)
-    _logger.info("jax_ep.grouped_matmul %s: %s (%s)", shape, name, detail)
+    _logger.info("jax_ep.%s %s: %s (%s)", op, shape, name, detail)
 

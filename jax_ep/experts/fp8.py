@@ -21,7 +21,6 @@ Implementations (`fp8_matmul_impl` chooses, logging the first use of each choice
 from __future__ import annotations
 
 import functools
-import logging
 from typing import NamedTuple
 
 import jax
@@ -116,20 +115,13 @@ def _quantize(w):
   (`quantize_kernel.py`: the master read once), elsewhere (or with
   `jax_ep.experts.override(impl="xla")`) by XLA. The first use of each is logged."""
   from jax_ep.experts import configs
-  kernel = choice.on_hopper() and configs.current().impl != "xla"
-  key = (kernel, tuple(w.shape), np.dtype(w.dtype).name)
-  if key not in _QUANTIZE_SAID:
-    _QUANTIZE_SAID.add(key)
-    logging.getLogger("jax_ep").info(
-        "jax_ep.quantize_weights %s %s: %s", list(w.shape), key[2],
-        "the one-pass kernel" if kernel else "XLA (two passes over the master)")
-  if kernel:
+  shape = f"{list(w.shape)} {np.dtype(w.dtype).name}"
+  if choice.on_hopper() and configs.current().impl != "xla":
     from jax_ep.experts.quantize_kernel import quantize_weight_blocks
+    say("kernel", "one pass over the master", shape, op="quantize_weights")
     return Fp8Weights(*quantize_weight_blocks(w))
+  say("xla", "two passes over the master", shape, op="quantize_weights")
   return _quantize_blocks(w)
-
-
-_QUANTIZE_SAID: set = set()
 
 
 @jax.custom_vjp

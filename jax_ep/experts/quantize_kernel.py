@@ -9,8 +9,8 @@ reads the master again): 2 bytes an element read twice where this reads them onc
 scale` as `w * (1 / scale)` (it turns a division by a broadcast into a multiplication by the
 reciprocal), which rounds otherwise than the quotient where that sits at an e4m3 rounding
 boundary (81 of the 294,912 values of the tests' bf16 weights): the rule is what XLA computes,
-on every backend. The reciprocal is PTX's `div.rn.f32` (IEEE, as XLA's); Triton's own f32
-division is `div.full.f32`, within 2 ulp.
+on every backend. The reciprocal is PTX's `rcp.rn.f32` (IEEE, as XLA's `1 / scale`); Triton's
+own f32 division is `div.full.f32`, within 2 ulp.
 """
 
 from __future__ import annotations
@@ -30,15 +30,15 @@ _E4M3_MAX = 448.0
 _NUM_WARPS = 8
 
 
-def _divide(a, b, interpret: bool):
-  """`a / b` in fp32, rounded to nearest (IEEE)."""
+def _reciprocal(x, interpret: bool):
+  """`1 / x` in fp32, rounded to nearest (IEEE)."""
   if interpret:
-    return a / b
+    return 1.0 / x
   from jax.experimental.pallas import triton as plgpu
-  [q] = plgpu.elementwise_inline_asm(
-      "div.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])
-  return q
+  [r] = plgpu.elementwise_inline_asm(
+      "rcp.rn.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+  return r
 
 
 def _block_kernel(w_ref, values_ref, scales_ref, *, interpret: bool):
@@ -46,8 +46,8 @@ def _block_kernel(w_ref, values_ref, scales_ref, *, interpret: bool):
   w = w_ref[...].astype(jnp.float32)
   amax = jnp.max(jnp.abs(w))
   scale = jnp.full((1, 1), jnp.where(amax > 0, amax * (1.0 / _E4M3_MAX), 1.0), jnp.float32)
-  # One division per block, on a [1, 1] tile (a whole block's would double the registers).
-  reciprocal = _divide(jnp.ones((1, 1), jnp.float32), scale, interpret)
+  # One reciprocal per block, on a [1, 1] tile (a whole block's would double the registers).
+  reciprocal = _reciprocal(scale, interpret)
   q = (w * reciprocal).astype(jnp.float8_e4m3fn)
   values_ref[...] = q.T
   scales_ref[...] = scale
