@@ -92,7 +92,7 @@ def streams(_=None) -> dict:
   devices = aot.hopper_devices(2)
   out = {}
   for kind in ("local", "peer", "local_fp8", "network"):
-    for program in ("jit", "grad", "checkpoint_grad", "vmap", "scan"):
+    for program in ("jit", "grad", "checkpoint_grad", "vmap", "scan", "scan_checkpoint_grad"):
       for stream in (1, None):
         backend = cs._backend(kind, stream)
         fn = cs._programs(backend, devices)[program]

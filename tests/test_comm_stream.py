@@ -31,7 +31,8 @@ from jax_ep.backends.options import MAX_COMM_STREAM, CommOptions
 from jax_ep.config import EPConfig, RowFormat
 
 T, E, K, H = 16, 8, 2, 128
-PROGRAMS = ["jit", "shard_map_grad", "grad", "checkpoint_grad", "vmap", "vmap_vmap", "scan"]
+PROGRAMS = ["jit", "shard_map_grad", "grad", "checkpoint_grad", "vmap", "vmap_vmap", "scan",
+            "scan_checkpoint_grad"]
 
 needs_extension = pytest.mark.skipif(
     ffi.extension() is None, reason="needs the built extension (cuda_ops refuses without it)")
@@ -87,6 +88,10 @@ def _programs(backend, devices=None):
   def scanned(x, idx, w):
     return jax.lax.scan(lambda h, _: (layer(h, idx, w), None), x, None, length=2)[0]
 
+  def stack_loss(x, idx, w):  # a scan of checkpointed layers: each saves its ops' results
+    step = jax.checkpoint(lambda h, _: (layer(h, idx, w), None))
+    return jnp.sum(jax.lax.scan(step, x, None, length=2)[0].astype(jnp.float32) ** 2)
+
   mesh = jax.make_mesh((1,), ("ep",), devices=(devices or jax.devices())[:1])
   sharded = jax.shard_map(layer, mesh=mesh, in_specs=P(), out_specs=P())
   return {
@@ -99,6 +104,7 @@ def _programs(backend, devices=None):
       "vmap_vmap": lambda x, idx, w: jax.vmap(jax.vmap(layer, (0, None, 0)), (0, None, None))(
           jnp.stack([jnp.stack([x, x])] * 2), idx, jnp.stack([w, w])),
       "scan": scanned,
+      "scan_checkpoint_grad": jax.grad(stack_loss, (0, 2)),
   }
 
 

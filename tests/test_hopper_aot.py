@@ -124,13 +124,14 @@ def test_every_known_fp8_build_builds_for_sm90a():
 @needs_extension
 def test_each_op_is_one_call_and_on_its_stream_in_the_compiled_program():
   """tests/test_comm_stream.py's programs (one rank, the peer transport, the FP8 dispatch, the
-  network transport's rail exchange; jit, grad, checkpoint, vmap, scan) compiled for the H200:
-  with `comm_stream=1` every jax_ep custom call sits in an async call's body (XLA's wrapper of
-  an annotated op: the op runs on the stream), without it none does; and XLA keeps as many
-  calls of each op as the lowered program makes (its dynamic-slice fusion once copied a peer
-  op under vmap, so that it ran twice)."""
+  network transport's rail exchange; jit, grad, checkpoint, vmap, scan, and the gradient of a
+  scan of checkpointed layers) compiled for the H200: with `comm_stream=1` every jax_ep custom
+  call sits in an async call's body (XLA's wrapper of an annotated op: the op runs on the
+  stream), without it none does; and XLA keeps as many calls of each op as the lowered program
+  makes (its dynamic-slice fusion copied a peer op under vmap, and under a scan whose residuals
+  are the op's results, so that it ran twice: streams.unfused)."""
   result, _ = _run("streams")
-  assert len(result) == 4 * 5 * 2
+  assert len(result) == 4 * 6 * 2
   for key, found in result.items():
     stream = key.rsplit("/", 1)[1]
     compiled = {target: len(homes) for target, homes in found["compiled"].items()}

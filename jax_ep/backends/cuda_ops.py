@@ -50,6 +50,8 @@ def _call(target, result_shapes, *args, vmap_method="broadcast_all", has_side_ef
     fn = streams.on_stream(fn, stream, vmap_method)
   elif vmap_method == "sequential":
     fn = streams.looped(fn)
+  if has_side_effect:
+    fn = streams.unfused(fn)
   return vary_like_operands(fn(*args), args)
 
 

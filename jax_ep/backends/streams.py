@@ -43,6 +43,36 @@ def looped(fn: Callable) -> Callable:
   return batched
 
 
+def unfused(fn: Callable) -> Callable:
+  """`fn` (a side-effecting custom call, however placed) with optimization barriers before its
+  operands and after its results, in one opaque unit, so that XLA never folds the call into a
+  dynamic-slice fusion.
+
+  NOTES: XLA:GPU's dynamic-slice fusion (jaxlib 0.11.2) rewrites a custom call whose operand is
+  a dynamic slice of a loop's array, or whose result is written into one, into a fusion that
+  slices, calls and writes; a call with side effects stays beside the fusion, so it runs twice.
+  Under `scan` the residuals autodiff saves per iteration are such writes, and `scan` of
+  `jax.checkpoint` saves the results of the calls it may not recompute: each iteration ran a
+  peer op twice, the copy on the compute stream beside the original on `comm_stream`'s, and the
+  ranks met the wrong calls (a timeout, or wrong values). The barriers give each result a second
+  user and each operand a producer that is not a slice, which the rewriter does not match. They
+  sit inside a `custom_vmap` because autodiff saves the outputs of an equation it may not
+  recompute: of the unit (the barriers' outputs), not of the bare call. The compiled programs
+  keep one call per lowered call (tests/test_hopper_aot.py). The ops without side effects stay
+  unwrapped: a fusion replaces them, which saves a copy.
+  """
+  def body(*args):
+    return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(list(args))))
+  unit = jax.custom_batching.custom_vmap(body)
+
+  @unit.def_vmap
+  def _batched(axis_size, in_batched, *args):
+    in_axes = tuple(0 if b else None for b in in_batched)
+    outs = unfused(jax.vmap(fn, in_axes=in_axes))(*args)
+    return outs, jax.tree.map(lambda _: True, outs)
+  return unit
+
+
 def on_stream(fn: Callable, stream: int, vmap_method) -> Callable:
   """`fn` (one custom call) issued on XLA's additional GPU stream `stream`.
 
