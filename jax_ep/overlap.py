@@ -64,6 +64,9 @@ def _ordered(effs) -> bool:
 
 
 def _is_join(eqn) -> bool:
+  """A join: its custom call, or the unit that holds it alone (streams.on_own_stream)."""
+  if eqn.primitive.name == "custom_vmap_call":
+    return _eqn_targets(eqn, {}) == {own_stream.JOIN}
   return eqn.primitive.name == "ffi_call" and eqn.params["target_name"] == own_stream.JOIN
 
 

@@ -84,8 +84,8 @@ def known_builds(which: str) -> dict:
 
 
 def streams(_=None) -> dict:
-  """tests/test_comm_stream.py's programs compiled for the H200, with `comm_stream=1` and
-  without: the jax_ep custom calls of the lowered program (target -> count) and of the compiled
+  """tests/test_comm_stream.py's programs compiled for the H200, with `comm_stream=1`, without,
+  and on jax_ep's own stream: the jax_ep custom calls of the lowered program (target -> count) and of the compiled
   one (target -> whether each call sits in an async call's body: XLA's wrapper of an annotated
   op, on the stream)."""
   import test_comm_stream as cs
@@ -93,7 +93,7 @@ def streams(_=None) -> dict:
   out = {}
   for kind in ("local", "peer", "local_fp8", "network"):
     for program in ("jit", "grad", "checkpoint_grad", "vmap", "scan", "scan_checkpoint_grad"):
-      for stream in (1, None):
+      for stream in (1, None, "jax_ep"):
         backend = cs._backend(kind, stream)
         fn = cs._programs(backend, devices)[program]
         ranks = backend.config.num_ranks if kind == "network" else 1

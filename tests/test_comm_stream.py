@@ -169,7 +169,8 @@ def _anchors(fn, *args, attribute="own_stream_key"):
 
 def _unjoined_ops(jaxpr) -> list:
   """The equations that launch an op on jax_ep's own stream (the op's custom call, or the
-  batching unit around it) whose results no `jax_ep_join` of the same jaxpr takes; nested
+  batching unit around it) whose results no `jax_ep_join` (or unit of one) of the same jaxpr
+  takes; nested
   jaxprs are searched the same way (a batching rule joins inside its own body)."""
   def launches(eqn):
     if eqn.primitive.name == "ffi_call":
@@ -179,8 +180,11 @@ def _unjoined_ops(jaxpr) -> list:
   # (`pvary`, which shard_map's types add between an op's results and its join, is no op.)
   source = {e.outvars[0]: e.invars[0] for e in jaxpr.eqns if e.primitive.name == "pvary"
             and len(e.invars) == 1}
-  joined = {source.get(v, v) for e in jaxpr.eqns if e.primitive.name == "ffi_call"
-            and e.params["target_name"] == "jax_ep_join" for v in e.invars}
+  def is_join(eqn):  # the join's custom call, or the unit that holds it (streams.py)
+    if eqn.primitive.name == "custom_vmap_call":
+      return any(is_join(e) for e in eqn.params["call"].eqns)
+    return eqn.primitive.name == "ffi_call" and eqn.params["target_name"] == "jax_ep_join"
+  joined = {source.get(v, v) for e in jaxpr.eqns if is_join(e) for v in e.invars}
   found = [e for e in jaxpr.eqns if launches(e) and not set(e.outvars) <= joined]
   for eqn in jaxpr.eqns:
     if eqn.primitive.name != "custom_vmap_call":

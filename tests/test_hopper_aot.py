@@ -127,11 +127,12 @@ def test_each_op_is_one_call_and_on_its_stream_in_the_compiled_program():
   network transport's rail exchange; jit, grad, checkpoint, vmap, scan, and the gradient of a
   scan of checkpointed layers) compiled for the H200: with `comm_stream=1` every jax_ep custom
   call sits in an async call's body (XLA's wrapper of an annotated op: the op runs on the
-  stream), without it none does; and XLA keeps as many calls of each op as the lowered program
-  makes (its dynamic-slice fusion copied a peer op under vmap, and under a scan whose residuals
-  are the op's results, so that it ran twice: streams.unfused)."""
+  stream), without it none does (nor on jax_ep's own stream, whose ops XLA sees as its own);
+  and XLA keeps as many calls of each op and join as the lowered program makes (its
+  dynamic-slice fusion copied a peer op under vmap, and under a scan whose residuals are the
+  op's or the join's results, so that it ran twice: streams.unfused)."""
   result, _ = _run("streams")
-  assert len(result) == 4 * 6 * 2
+  assert len(result) == 4 * 6 * 3
   for key, found in result.items():
     stream = key.rsplit("/", 1)[1]
     compiled = {target: len(homes) for target, homes in found["compiled"].items()}

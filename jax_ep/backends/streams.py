@@ -135,9 +135,19 @@ def on_own_stream(target, result_shapes, vmap_method, has_side_effect, sms: int,
         vmap_method="broadcast_all", has_side_effect=has_side_effect,
         input_output_aliases={i: i for i in range(len(outs))})
     # The barrier keeps XLA from folding the join into a dynamic-slice fusion that writes its
-    # results into a slice of another array (a scan's outputs): a join copies nothing where
-    # its results keep their operands' buffers (ffi/handlers/join.cc copies where they don't).
-    return jax.lax.optimization_barrier(list(call(*outs, *args, own_stream_key=key)))
+    # results into a slice of another array (a scan's outputs, or the residuals a scan of
+    # checkpointed layers saves: `unfused`'s NOTES, why the barrier sits in a unit): a join
+    # copies nothing where its results keep their operands' buffers (ffi/handlers/join.cc
+    # copies where they don't), and XLA kept the original beside the fusion's copy.
+    def body(*values):
+      return jax.lax.optimization_barrier(list(call(*values, own_stream_key=key)))
+    unit = jax.custom_batching.custom_vmap(body)
+
+    @unit.def_vmap
+    def _broadcast(axis_size, in_batched, *values):
+      joined = jax.vmap(body, in_axes=tuple(0 if b else None for b in in_batched))(*values)
+      return joined, [True] * len(joined)
+    return unit(*outs, *args)
 
   def launched(launch):
     unit = jax.custom_batching.custom_vmap(launch)
