@@ -183,6 +183,79 @@ def test_the_quantisation_kernel_on_hopper():
                                 want_values.view(np.uint8))
 
 
+def _activation_grad_case(rows, ffn, seed=11):
+  """`dh` float32 `[rows, F]` over 12 binades per row, one all-zero and one NaN row; the saved
+  gate and up in bf16."""
+  rng = np.random.default_rng(seed)
+  dh = rng.standard_normal((rows, ffn)) * np.exp2(rng.uniform(-6, 6, (rows, 1)))
+  dh[1] = 0.0
+  dh[2, :5] = np.nan
+  gate = rng.standard_normal((rows, ffn)) * 3
+  up = rng.standard_normal((rows, ffn))
+  return jnp.asarray(dh, F32), jnp.asarray(gate, BF16), jnp.asarray(up, BF16)
+
+
+def _activation_grad_xla(dh, gate, up, activation):
+  """The backward's XLA path: the cotangents in float32, each `fp8_quantize`d, side by side."""
+  from jax_ep._native.fp8 import fp8_quantize
+  from jax_ep.experts.mlp import act, act_grad
+  g = gate.astype(F32)
+  if up is not None:
+    parts = (dh * up.astype(F32) * act_grad(g, activation), dh * act(g, activation))
+  else:
+    parts = (dh * act_grad(g, activation),)
+  q, scales = zip(*[fp8_quantize(d) for d in parts])
+  return (jnp.concatenate(q, axis=1), jnp.concatenate(scales, axis=1),
+          tuple(d.astype(BF16) for d in parts))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "silu", "gelu"])
+def test_the_activation_gradient_kernel_is_xlas_path(activation):
+  """The FP8 MLP's activation gradient in one pass (interpreted) against the backward's XLA
+  path, both jitted: `[dgate | dup]`'s e4m3 values and per-row scales and the bf16 copies the
+  weight gradients take, bit for bit; an all-zero row scales by 1, a NaN stays in its element
+  and out of its block's scale."""
+  from jax_ep.experts.quantize_kernel import gated_grad_blocks
+  dh, gate, up = _activation_grad_case(64, 256)
+  up = up if activation in ("swiglu", "geglu") else None
+  got = jax.jit(lambda *a: gated_grad_blocks(*a, activation, interpret=True))(dh, gate, up)
+  want = jax.jit(lambda *a: _activation_grad_xla(*a, activation))(dh, gate, up)
+  parts = 2 if up is not None else 1
+  assert got[0].shape == (64, parts * 256) and got[1].shape == (64, parts * 2)
+  np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint8),
+                                np.asarray(want[0]).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+  for g, w in zip(got[2], want[2], strict=True):
+    np.testing.assert_array_equal(np.asarray(g, F32), np.asarray(w, F32))
+  assert (np.asarray(got[1])[1] == 1.0).all()
+  q = np.asarray(got[0], F32)
+  assert np.isnan(q[2, :5]).all() and np.isfinite(q[2, 5:128]).all()
+
+
+@pytest.mark.gpu
+def test_the_activation_gradient_kernel_on_hopper():
+  """The kernel as the FP8 MLP's backward runs it, at one rank of DeepSeek-V3 at EP=8
+  (32768 rows, F = 2048), against the XLA path on the same GPU: the float32 cotangents may
+  differ by the compilers' fused multiply-adds, so each scale within 1e-6 of XLA's, each e4m3
+  value within one step (2^-3 relative, 2^-9 of its scale among the subnormals), each bf16
+  copy within one ulp."""
+  from ep_test_base import require_hopper
+  from jax_ep.experts.quantize_kernel import gated_grad_blocks
+  require_hopper()
+  dh, gate, up = _activation_grad_case(32768, 2048)
+  got = jax.jit(lambda *a: gated_grad_blocks(*a, "swiglu"))(dh, gate, up)
+  want = jax.jit(lambda *a: _activation_grad_xla(*a, "swiglu"))(dh, gate, up)
+  scales, want_scales = np.asarray(got[1]), np.asarray(want[1])
+  np.testing.assert_allclose(scales, want_scales, rtol=1e-6)
+  q, want_q = np.asarray(got[0], F32), np.asarray(want[0], F32)
+  both_nan = np.isnan(q) & np.isnan(want_q)
+  step = 2.0 ** -3 * np.abs(want_q) + 2.0 ** -9
+  assert (both_nan | (np.abs(q - want_q) <= step)).all()
+  for g, w in zip(got[2], want[2], strict=True):
+    g, w = np.asarray(g, F32), np.asarray(w, F32)
+    np.testing.assert_allclose(g[~np.isnan(w)], w[~np.isnan(w)], rtol=2.0 ** -7, atol=0)
+
+
 @pytest.mark.parametrize("shape,match", [
     ((2, 100, 128), "multiples of 128"), ((128, 128), r"\[G, K, N\]")])
 def test_quantize_weights_refuses_what_it_cannot_scale(shape, match):
@@ -506,12 +579,16 @@ def fp8_interpreted(monkeypatch):
   monkeypatch.setattr(choice, "on_hopper", lambda: True)
   monkeypatch.setattr(quantize_kernel, "quantize_weight_blocks", functools.partial(
       quantize_kernel.quantize_weight_blocks, interpret=True))
+  gated_grad = quantize_kernel.gated_grad_blocks
+  activation_grads = []  # the shapes the activation-gradient kernel took
+  monkeypatch.setattr(quantize_kernel, "gated_grad_blocks", lambda dh, *args: (
+      activation_grads.append(dh.shape) or gated_grad(dh, *args, interpret=True)))
   monkeypatch.setattr(choice, "mosaic_compile_error", lambda *args: None)
   monkeypatch.setattr(mlp, "fused_compile_error", lambda *args: None)
   monkeypatch.setattr(fp8, "fp8_compile_error", lambda *args: None)
   monkeypatch.setattr(mlp_fp8, "fp8_mlp_compile_error", lambda *args: None)
   with plgpu.force_gpu_interpret_mode():
-    yield
+    yield activation_grads
 
 
 @pytest.mark.parametrize("activation", ["swiglu"])  # the plain ones: tests/test_fp8_kernels.py
@@ -527,6 +604,7 @@ def test_fp8_kernels_as_expert_mlp_runs_them(fp8_interpreted, monkeypatch, activ
   argnums = tuple(i for i, w in enumerate((x, *weights)) if w is not None)
   loss = _mlp_loss(True, activation, sizes, offsets, cot)
   got_grads, got = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, *weights)
+  assert fp8_interpreted == [(640, 384)]  # the backward's activation gradient: the kernel
   # Off Hopper: the float32 product of the dequantised operands (on Hopper the fallback
   # multiplies them in bf16).
   from jax_ep.experts import choice

@@ -90,9 +90,10 @@ def _projections(x, x_scales, w_gate, w_up, sizes, offsets, activation, fused):
   return h_q, h_scales, gate.astype(BF16), None if up is None else up.astype(BF16)
 
 
-def _input_grad(d_projections, weights, sizes, offsets):
+def _input_grad(d_projections, weights, sizes, offsets, quantised=None):
   """`dx` `[rows, H]` bf16 of the projections' cotangents: one FP8 product over both, `[dgate |
-  dup] @ [w_gate | w_up]^T` (K = 2F), the fp32 sum rounded once.
+  dup] @ [w_gate | w_up]^T` (K = 2F), the fp32 sum rounded once. `quantised`: the cotangents'
+  e4m3 values and scales side by side, where the activation-gradient kernel made them.
 
   NOTES: one product of twice the reduction, not two into one total: it runs the
   warp-specialized kernel (`fp8_grouped_matmul_kernel`; two compute warpgroups, one promoting
@@ -101,8 +102,10 @@ def _input_grad(d_projections, weights, sizes, offsets):
   block lies in one projection, F being a multiple of 128), and XLA computes each cotangent in
   the fusion that also writes its bf16 copy for the weight gradient (quantising the float32
   concatenation instead took 0.5 GB more at DeepSeek-V3's EP=8 rank)."""
-  quantised = [fp8_quantize(d) for d in d_projections]
-  d_q, d_scales = (q[0] if len(q) == 1 else jnp.concatenate(q, axis=1) for q in zip(*quantised))
+  if quantised is None:
+    each = [fp8_quantize(d) for d in d_projections]
+    quantised = (q[0] if len(q) == 1 else jnp.concatenate(q, axis=1) for q in zip(*each))
+  d_q, d_scales = quantised
   # Side by side along F ([G, 2F, H], the forward's layout), then transposed once: XLA writes
   # `[G, H, 2F]` in one pass over both (transposing each, then concatenating, took two).
   w = weights[0] if len(weights) == 1 else Fp8Weights(
@@ -141,15 +144,19 @@ def _fp8_bwd(activation, fused, residuals, dy):
   dy = dy.astype(BF16)
   dy_q, dy_scales = fp8_quantize(dy)
   dh = _product(dy_q, dy_scales, w_down.transposed(), group_sizes, group_offsets, f32)
-  gate = saved[0].astype(f32)
-  if activation in GATED:
-    up = saved[1].astype(f32)
+  weights = (w_gate, w_up) if activation in GATED else (w_gate,)
+  quantised = None
+  if fused and _gated_grad_kernel(dh.shape):
+    from jax_ep.experts import quantize_kernel
+    *quantised, d_projections = quantize_kernel.gated_grad_blocks(
+        dh, saved[0], saved[1] if activation in GATED else None, activation)
+  elif activation in GATED:
+    gate, up = saved[0].astype(f32), saved[1].astype(f32)
     d_projections = (dh * up * act_grad(gate, activation), dh * act(gate, activation))
-    weights = (w_gate, w_up)
   else:
+    gate = saved[0].astype(f32)
     d_projections = (dh * act_grad(gate, activation),)
-    weights = (w_gate,)
-  dx = _input_grad(d_projections, weights, group_sizes, group_offsets)
+  dx = _input_grad(d_projections, weights, group_sizes, group_offsets, quantised)
   weight_grad = weight_grad_fn(False, BF16, "auto")
   x_rows = dequantize_rows(x, x_scales, BF16)
   h_rows = dequantize_rows(h_q, h_scales, BF16)
@@ -167,6 +174,22 @@ def _fp8_bwd(activation, fused, residuals, dy):
 
 
 fp8_expert_mlp.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+def _gated_grad_kernel(shape) -> bool:
+  """Whether the backward takes the activation-gradient kernel (quantize_kernel.py:
+  `gated_grad_blocks`, one pass over `dh`, gate and up) at `dh`'s `[rows, F]`: with the
+  Hopper kernels (the caller's `fused`), where its row blocks divide the rows; else XLA's
+  fusions (the cotangents written in float32, read again to quantise). The first use of each
+  is logged."""
+  from jax_ep.experts import quantize_kernel
+  from jax_ep.experts.choice import say
+  rows = quantize_kernel.gated_grad_rows(shape[-2])
+  if len(shape) == 2 and rows is not None:
+    say("kernel", f"{rows}-row blocks", str(list(shape)), op="fp8_gated_grad")
+    return True
+  say("xla", "rows off the kernel's blocks", str(list(shape)), op="fp8_gated_grad")
+  return False
 
 
 def fp8_saved_bytes(activation: str, rows: int, hidden: int, ffn: int) -> int:
