@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jax_ep
 from jax_ep._native.fp8 import fp8_quantize, pack_ue8m0
@@ -410,6 +411,52 @@ def test_fp8_expert_mlp_under_vmap_and_checkpoint():
   for i in range(2):
     np.testing.assert_array_equal(np.asarray(ys[i], np.float32)[inside],
                                   np.asarray(y, np.float32)[inside])
+
+
+@pytest.mark.gpu
+def test_fp8_expert_mlp_on_hopper_under_grad_checkpoint_vmap_and_shard_map(monkeypatch):
+  """The FP8 MLP's Hopper kernels (the gated projections, the FP8 products, the activation
+  gradient's pass, the input gradient over both projections) as callers run them: the
+  gradient under `jit`, the same bits under `jax.checkpoint` and inside `shard_map`, each
+  copy's own under `vmap`, and within the recipe's tolerance of XLA's path."""
+  from ep_test_base import require_hopper
+  from jax_ep import experts
+  from jax_ep.experts import quantize_kernel
+  from jax_ep.experts.mlp_fp8 import fp8_mlp_impl
+  require_hopper()
+  took = []
+  real = quantize_kernel.gated_grad_blocks
+  monkeypatch.setattr(quantize_kernel, "gated_grad_blocks",
+                      lambda dh, *args: took.append(dh.shape) or real(dh, *args))
+  x, weights, sizes, offsets, inside, cot = _mlp_case(seed=6)
+  assert fp8_mlp_impl(640, 4, 256, 384, "swiglu")[0]
+  loss = _mlp_loss(True, "swiglu", sizes, offsets, cot)
+  grads, y = jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(x, *weights)
+  assert took == [(640, 384)]
+  same = lambda a, b: np.testing.assert_array_equal(  # noqa: E731
+      np.asarray(a, np.float32), np.asarray(b, np.float32))
+  grads_c, y_c = jax.jit(jax.grad(jax.checkpoint(loss), (0, 1, 2, 3), has_aux=True))(
+      x, *weights)
+  same(y_c, y)
+  jax.tree.map(same, grads_c, grads)
+  mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
+  sharded = jax.shard_map(lambda *a: jax.grad(loss, (0, 1, 2, 3), has_aux=True)(*a),
+                          mesh=mesh, in_specs=P(), out_specs=P())
+  grads_s, y_s = jax.jit(sharded)(x, *weights)
+  same(y_s, y)
+  jax.tree.map(same, grads_s, grads)
+  # vmap over two copies of the rows (shared weights): each copy's gradient is the unbatched.
+  dx = jax.jit(jax.vmap(lambda x: jax.grad(loss, has_aux=True)(x, *weights)[0]))(
+      jnp.stack([x, x]))
+  for i in range(2):
+    same(dx[i][inside], grads[0][inside])
+  with experts.override(impl="xla"):
+    want_grads, want = jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(x, *weights)
+  inside_rows = lambda a: np.asarray(a, np.float32)[inside]  # noqa: E731
+  assert_fp8_close(inside_rows(y), inside_rows(want), "y")
+  assert_fp8_close(inside_rows(grads[0]), inside_rows(want_grads[0]), "x")
+  for name, g, w in zip(("w_gate", "w_up", "w_down"), grads[1:], want_grads[1:]):
+    assert_fp8_close(np.asarray(g, np.float32), np.asarray(w, np.float32), name)
 
 
 @pytest.mark.parametrize("call,match", [
