@@ -216,10 +216,10 @@ def test_the_activation_gradient_kernel_is_xlas_path(activation):
   path, both jitted: `[dgate | dup]`'s e4m3 values and per-row scales and the bf16 copies the
   weight gradients take, bit for bit; an all-zero row scales by 1, a NaN stays in its element
   and out of its block's scale."""
-  from jax_ep.experts.quantize_kernel import gated_grad_blocks
+  from jax_ep.experts.quantize_kernel import activation_grad_blocks
   dh, gate, up = _activation_grad_case(64, 256)
   up = up if activation in ("swiglu", "geglu") else None
-  got = jax.jit(lambda *a: gated_grad_blocks(*a, activation, interpret=True))(dh, gate, up)
+  got = jax.jit(lambda *a: activation_grad_blocks(*a, activation, interpret=True))(dh, gate, up)
   want = jax.jit(lambda *a: _activation_grad_xla(*a, activation))(dh, gate, up)
   parts = 2 if up is not None else 1
   assert got[0].shape == (64, parts * 256) and got[1].shape == (64, parts * 2)
@@ -241,10 +241,10 @@ def test_the_activation_gradient_kernel_on_hopper():
   value within one step (2^-3 relative, 2^-9 of its scale among the subnormals), each bf16
   copy within one ulp."""
   from ep_test_base import require_hopper
-  from jax_ep.experts.quantize_kernel import gated_grad_blocks
+  from jax_ep.experts.quantize_kernel import activation_grad_blocks
   require_hopper()
   dh, gate, up = _activation_grad_case(32768, 2048)
-  got = jax.jit(lambda *a: gated_grad_blocks(*a, "swiglu"))(dh, gate, up)
+  got = jax.jit(lambda *a: activation_grad_blocks(*a, "swiglu"))(dh, gate, up)
   want = jax.jit(lambda *a: _activation_grad_xla(*a, "swiglu"))(dh, gate, up)
   scales, want_scales = np.asarray(got[1]), np.asarray(want[1])
   np.testing.assert_allclose(scales, want_scales, rtol=1e-6)
@@ -425,8 +425,8 @@ def test_fp8_expert_mlp_on_hopper_under_grad_checkpoint_vmap_and_shard_map(monke
   from jax_ep.experts.mlp_fp8 import fp8_mlp_impl
   require_hopper()
   took = []
-  real = quantize_kernel.gated_grad_blocks
-  monkeypatch.setattr(quantize_kernel, "gated_grad_blocks",
+  real = quantize_kernel.activation_grad_blocks
+  monkeypatch.setattr(quantize_kernel, "activation_grad_blocks",
                       lambda dh, *args: took.append(dh.shape) or real(dh, *args))
   x, weights, sizes, offsets, inside, cot = _mlp_case(seed=6)
   assert fp8_mlp_impl(640, 4, 256, 384, "swiglu")[0]
@@ -626,10 +626,10 @@ def fp8_interpreted(monkeypatch):
   monkeypatch.setattr(choice, "on_hopper", lambda: True)
   monkeypatch.setattr(quantize_kernel, "quantize_weight_blocks", functools.partial(
       quantize_kernel.quantize_weight_blocks, interpret=True))
-  gated_grad = quantize_kernel.gated_grad_blocks
+  real_grad = quantize_kernel.activation_grad_blocks
   activation_grads = []  # the shapes the activation-gradient kernel took
-  monkeypatch.setattr(quantize_kernel, "gated_grad_blocks", lambda dh, *args: (
-      activation_grads.append(dh.shape) or gated_grad(dh, *args, interpret=True)))
+  monkeypatch.setattr(quantize_kernel, "activation_grad_blocks", lambda dh, *args: (
+      activation_grads.append(dh.shape) or real_grad(dh, *args, interpret=True)))
   monkeypatch.setattr(choice, "mosaic_compile_error", lambda *args: None)
   monkeypatch.setattr(mlp, "fused_compile_error", lambda *args: None)
   monkeypatch.setattr(fp8, "fp8_compile_error", lambda *args: None)

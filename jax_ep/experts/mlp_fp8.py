@@ -146,9 +146,9 @@ def _fp8_bwd(activation, fused, residuals, dy):
   dh = _product(dy_q, dy_scales, w_down.transposed(), group_sizes, group_offsets, f32)
   weights = (w_gate, w_up) if activation in GATED else (w_gate,)
   quantised = None
-  if fused and _gated_grad_kernel(dh.shape):
+  if fused and _takes_activation_grad_kernel(dh.shape):
     from jax_ep.experts import quantize_kernel
-    *quantised, d_projections = quantize_kernel.gated_grad_blocks(
+    *quantised, d_projections = quantize_kernel.activation_grad_blocks(
         dh, saved[0], saved[1] if activation in GATED else None, activation)
   elif activation in GATED:
     gate, up = saved[0].astype(f32), saved[1].astype(f32)
@@ -176,19 +176,19 @@ def _fp8_bwd(activation, fused, residuals, dy):
 fp8_expert_mlp.defvjp(_fp8_fwd, _fp8_bwd)
 
 
-def _gated_grad_kernel(shape) -> bool:
+def _takes_activation_grad_kernel(shape) -> bool:
   """Whether the backward takes the activation-gradient kernel (quantize_kernel.py:
-  `gated_grad_blocks`, one pass over `dh`, gate and up) at `dh`'s `[rows, F]`: with the
+  `activation_grad_blocks`, one pass over `dh`, gate and up) at `dh`'s `[rows, F]`: with the
   Hopper kernels (the caller's `fused`), where its row blocks divide the rows; else XLA's
   fusions (the cotangents written in float32, read again to quantise). The first use of each
   is logged."""
   from jax_ep.experts import quantize_kernel
   from jax_ep.experts.choice import say
-  rows = quantize_kernel.gated_grad_rows(shape[-2])
+  rows = quantize_kernel.activation_grad_rows(shape[-2])
   if len(shape) == 2 and rows is not None:
-    say("kernel", f"{rows}-row blocks", str(list(shape)), op="fp8_gated_grad")
+    say("kernel", f"{rows}-row blocks", str(list(shape)), op="fp8_activation_grad")
     return True
-  say("xla", "rows off the kernel's blocks", str(list(shape)), op="fp8_gated_grad")
+  say("xla", "rows off the kernel's blocks", str(list(shape)), op="fp8_activation_grad")
   return False
 
 

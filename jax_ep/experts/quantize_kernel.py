@@ -2,7 +2,7 @@
 
 `quantize_weight_blocks`: the expert weights, each 128 x 128 block of a `[G, K, N]` master read
 once, its amax, scale and e4m3 rounding in registers, the values written transposed (`[G, N,
-K]`, K contiguous: what the FP8 products read). `gated_grad_blocks`: the FP8 MLP's activation
+K]`, K contiguous: what the FP8 products read). `activation_grad_blocks`: the FP8 MLP's activation
 gradient between its backward products (below).
 
 XLA computes the same in two passes over the master (the blocks' amax, then the rounding that
@@ -94,16 +94,16 @@ def _blocks(w, *, interpret: bool):
 # The FP8 MLP's activation gradient between its two backward products, in one pass.
 
 # Rows a program takes (one 128-column block each); the largest that divides the rows.
-_GRAD_ROWS = (64, 32, 16, 8)
-_GRAD_WARPS = 4
+_ACTIVATION_GRAD_ROWS = (64, 32, 16, 8)
+_ACTIVATION_GRAD_WARPS = 4
 
 
-def gated_grad_rows(rows: int) -> int | None:
-  """The rows per program `gated_grad_blocks` takes at `rows`, None where none divides it."""
-  return next((r for r in _GRAD_ROWS if rows % r == 0), None)
+def activation_grad_rows(rows: int) -> int | None:
+  """The rows per program `activation_grad_blocks` takes at `rows`, None where none divides it."""
+  return next((r for r in _ACTIVATION_GRAD_ROWS if rows % r == 0), None)
 
 
-def _gated_grad_kernel(*refs, activation: str, gated: bool, interpret: bool):
+def _activation_grad_kernel(*refs, activation: str, gated: bool, interpret: bool):
   """One `[rows, 128]` block of every projection's cotangent: its bf16 copy, and its e4m3
   values and per-row scales at the projection's place in `[dgate | dup]`."""
   from jax_ep.experts.mlp import act, act_grad
@@ -130,13 +130,13 @@ def _gated_grad_kernel(*refs, activation: str, gated: bool, interpret: bool):
     scales_ref[:, p, :] = scale
 
 
-def gated_grad_blocks(dh, gate, up, activation: str, *, interpret: bool = False):
+def activation_grad_blocks(dh, gate, up, activation: str, *, interpret: bool = False):
   """The cotangents of the MLP's projections from `dh` `[R, F]` (float32, the hidden
   gradient's product) and the saved `gate` and `up` (`[R, F]` bf16; `up` None for the plain
   activations): `(q [R, P * F] e4m3, scales [R, P * F / 128] f32, (dgate, dup) bf16 [R, F])`,
   P = 2 gated (else 1, and `(dgate,)`): `fp8_quantize` of each cotangent side by side, as
   `[dgate | dup]`, and their bf16 copies (the weight gradients' operands). R must be a multiple
-  of 8 (`gated_grad_rows`) and F of 128, checked by the caller.
+  of 8 (`activation_grad_rows`) and F of 128, checked by the caller.
 
   NOTES: one read of `dh`, `gate` and `up` and one write of each result, where XLA wrote both
   cotangents in float32 and bf16 and read the float32 twice more (the blocks' amax, then the
@@ -144,24 +144,24 @@ def gated_grad_blocks(dh, gate, up, activation: str, *, interpret: bool = False)
   if interpret:
     from jax.experimental.pallas import mosaic_gpu
     with mosaic_gpu.force_gpu_interpret_mode(None):
-      return _gated_grad(dh, gate, up, activation, interpret=True)
-  return _gated_grad(dh, gate, up, activation, interpret=False)
+      return _activation_grad(dh, gate, up, activation, interpret=True)
+  return _activation_grad(dh, gate, up, activation, interpret=False)
 
 
-def _gated_grad(dh, gate, up, activation: str, *, interpret: bool):
+def _activation_grad(dh, gate, up, activation: str, *, interpret: bool):
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
   rows, ffn = dh.shape
   gated = up is not None
   parts = 2 if gated else 1
-  block_rows = gated_grad_rows(rows)
+  block_rows = activation_grad_rows(rows)
   operands = (dh, gate, up) if gated else (dh, gate)
   operands = vary_like_operands(operands, operands)
   manual = getattr(jax.typeof(dh), "manual_axis_type", None)
   tile = pl.BlockSpec((block_rows, BLOCK), lambda i, j: (i, j))
   shape = lambda s, dtype: jax.ShapeDtypeStruct(s, dtype, manual_axis_type=manual)  # noqa: E731
   q, scales, *copies = pl.pallas_call(
-      functools.partial(_gated_grad_kernel, activation=activation, gated=gated,
+      functools.partial(_activation_grad_kernel, activation=activation, gated=gated,
                         interpret=interpret),
       grid=(rows // block_rows, ffn // BLOCK),
       in_specs=[tile] * len(operands),
@@ -171,8 +171,8 @@ def _gated_grad(dh, gate, up, activation: str, *, interpret: bool):
       out_shape=[shape((rows, parts, ffn), jnp.float8_e4m3fn),
                  shape((rows, parts, ffn // BLOCK), jnp.float32)] +
                 [shape((rows, ffn), jnp.bfloat16)] * parts,
-      compiler_params=plgpu.CompilerParams(num_warps=_GRAD_WARPS, num_stages=1),
-      interpret=interpret, name="jax_ep_fp8_gated_grad",
+      compiler_params=plgpu.CompilerParams(num_warps=_ACTIVATION_GRAD_WARPS, num_stages=1),
+      interpret=interpret, name="jax_ep_fp8_activation_grad",
   )(*operands)
   return (q.reshape(rows, parts * ffn), scales.reshape(rows, parts * ffn // BLOCK),
           tuple(copies))
