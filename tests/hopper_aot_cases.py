@@ -85,9 +85,9 @@ def known_builds(which: str) -> dict:
 
 def streams(_=None) -> dict:
   """tests/test_comm_stream.py's programs compiled for the H200, with `comm_stream=1`, without,
-  and on jax_ep's own stream: the jax_ep custom calls of the lowered program (target -> count) and of the compiled
-  one (target -> whether each call sits in an async call's body: XLA's wrapper of an annotated
-  op, on the stream)."""
+  and on jax_ep's own stream: the jax_ep custom calls of the lowered program (target -> count)
+  and of the compiled one (target -> whether each call sits in an async call's body: XLA's
+  wrapper of an annotated op, on the stream)."""
   import test_comm_stream as cs
   devices = aot.hopper_devices(2)
   out = {}

@@ -170,8 +170,8 @@ def _anchors(fn, *args, attribute="own_stream_key"):
 def _unjoined_ops(jaxpr) -> list:
   """The equations that launch an op on jax_ep's own stream (the op's custom call, or the
   batching unit around it) whose results no `jax_ep_join` (or unit of one) of the same jaxpr
-  takes; nested
-  jaxprs are searched the same way (a batching rule joins inside its own body)."""
+  takes; nested jaxprs are searched the same way (a batching rule joins inside its own
+  body)."""
   def launches(eqn):
     if eqn.primitive.name == "ffi_call":
       return eqn.params["target_name"].endswith("_own_stream")
