@@ -19,7 +19,8 @@ from jax_ep.config import RowFormat
 from jax_ep.experts import slab as slab_mlp
 from jax_ep.experts.fp8 import (Fp8Weights, check_fp8_dims, check_fp8_rows,
                                 quantize_weights)
-from jax_ep.experts.mlp_fp8 import fp8_expert_mlp, fp8_mlp_impl
+from jax_ep.experts.mlp_fp8 import (fp8_expert_mlp, fp8_mlp_impl, quantize_rows,
+                                     takes_row_kernels)
 from jax_ep.experts.api import grouped_matmul
 from jax_ep.experts.checks import check_groups
 from jax_ep.experts.layout import contiguous_offsets
@@ -170,12 +171,13 @@ def _fp8_expert_mlp(x, x_scales, w_gate, w_up, w_down, group_sizes, group_offset
     if getattr(x_scales, "dtype", None) == jnp.int32:
       x_scales = unpack_ue8m0(x_scales)
     check_fp8_rows(fn, x, x_scales)
-  else:
-    x, x_scales = quantize(x, RowFormat.FP8)
   weights = [w if w is None or isinstance(w, Fp8Weights) else quantize_weights(w)
              for w in (w_gate, w_up, w_down)]
   groups, _, ffn = weights[0].shape
   fused, detail = fp8_mlp_impl(x.shape[0], groups, hidden, ffn, activation)
+  if not quantised:
+    x, x_scales = (quantize_rows(x) if fused and takes_row_kernels(x.shape)
+                   else quantize(x, RowFormat.FP8))
   key = ("fp8", fused, detail, x.shape, weights[0].shape, activation)
   if key not in _SAID_MLP:
     _SAID_MLP.add(key)

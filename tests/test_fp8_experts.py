@@ -233,6 +233,47 @@ def test_the_activation_gradient_kernel_is_xlas_path(activation):
   assert np.isnan(q[2, :5]).all() and np.isfinite(q[2, 5:128]).all()
 
 
+def _rows_case(rows, hidden, dtype, seed=12):
+  """Rows over 16 binades, one all-zero row and one with NaNs."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((rows, hidden)) * np.exp2(rng.uniform(-8, 8, (rows, 1)))
+  x[1] = 0.0
+  x[2, :3] = np.nan
+  return jnp.asarray(x, dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "f32"])
+def test_the_row_quantisation_kernel_is_fp8_quantize(dtype):
+  """Rows quantised per 128 channels in one pass (interpreted) against `fp8_quantize`, both
+  jitted: values and scales bit for bit, the all-zero row's scale 1, NaNs in their elements."""
+  from jax_ep.experts.quantize_kernel import quantize_row_blocks
+  x = _rows_case(64, 384, dtype)
+  q, scales = jax.jit(lambda x: quantize_row_blocks(x, interpret=True))(x)
+  want_q, want_scales = jax.jit(fp8_quantize)(x)
+  np.testing.assert_array_equal(np.asarray(q).view(np.uint8), np.asarray(want_q).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+  assert (np.asarray(scales)[1] == 1.0).all()
+  assert np.isnan(np.asarray(q, F32)[2, :3]).all()
+
+
+@pytest.mark.gpu
+def test_the_row_quantisation_kernel_on_hopper():
+  """The kernel as the FP8 MLP's backward runs it on `dy`, at one rank of DeepSeek-V3 at
+  EP=8 (32768 x 7168 bf16), against `fp8_quantize` on the same GPU: the scales bit for bit;
+  each value the same or, where XLA divides by the scale rather than multiplying by its
+  reciprocal (the two round apart at an e4m3 boundary), one step away."""
+  from ep_test_base import require_hopper
+  from jax_ep.experts.quantize_kernel import quantize_row_blocks
+  require_hopper()
+  x = _rows_case(32768, 7168, BF16)
+  q, scales = jax.jit(quantize_row_blocks)(x)
+  want_q, want_scales = jax.jit(fp8_quantize)(x)
+  np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
+  q, want_q = np.asarray(q, F32), np.asarray(want_q, F32)
+  both_nan = np.isnan(q) & np.isnan(want_q)
+  assert (both_nan | (np.abs(q - want_q) <= 2.0 ** -3 * np.abs(want_q) + 2.0 ** -9)).all()
+
+
 @pytest.mark.gpu
 def test_the_activation_gradient_kernel_on_hopper():
   """The kernel as the FP8 MLP's backward runs it, at one rank of DeepSeek-V3 at EP=8
@@ -425,14 +466,16 @@ def test_fp8_expert_mlp_on_hopper_under_grad_checkpoint_vmap_and_shard_map(monke
   from jax_ep.experts.mlp_fp8 import fp8_mlp_impl
   require_hopper()
   took = []
-  real = quantize_kernel.activation_grad_blocks
+  real_grad, real_rows = quantize_kernel.activation_grad_blocks, quantize_kernel.quantize_row_blocks
   monkeypatch.setattr(quantize_kernel, "activation_grad_blocks",
-                      lambda dh, *args: took.append(dh.shape) or real(dh, *args))
+                      lambda dh, *args: took.append(dh.shape) or real_grad(dh, *args))
+  monkeypatch.setattr(quantize_kernel, "quantize_row_blocks",
+                      lambda x: took.append(x.shape) or real_rows(x))
   x, weights, sizes, offsets, inside, cot = _mlp_case(seed=6)
   assert fp8_mlp_impl(640, 4, 256, 384, "swiglu")[0]
   loss = _mlp_loss(True, "swiglu", sizes, offsets, cot)
   grads, y = jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(x, *weights)
-  assert took == [(640, 384)]
+  assert took == [(640, 256), (640, 256), (640, 384)]  # x's and dy's rows, dgate and dup
   same = lambda a, b: np.testing.assert_array_equal(  # noqa: E731
       np.asarray(a, np.float32), np.asarray(b, np.float32))
   grads_c, y_c = jax.jit(jax.grad(jax.checkpoint(loss), (0, 1, 2, 3), has_aux=True))(
@@ -626,16 +669,18 @@ def fp8_interpreted(monkeypatch):
   monkeypatch.setattr(choice, "on_hopper", lambda: True)
   monkeypatch.setattr(quantize_kernel, "quantize_weight_blocks", functools.partial(
       quantize_kernel.quantize_weight_blocks, interpret=True))
-  real_grad = quantize_kernel.activation_grad_blocks
-  activation_grads = []  # the shapes the activation-gradient kernel took
+  real_grad, real_rows = quantize_kernel.activation_grad_blocks, quantize_kernel.quantize_row_blocks
+  took = []  # (kernel, shape) of each one-pass kernel of the backward
   monkeypatch.setattr(quantize_kernel, "activation_grad_blocks", lambda dh, *args: (
-      activation_grads.append(dh.shape) or real_grad(dh, *args, interpret=True)))
+      took.append(("activation_grad", dh.shape)) or real_grad(dh, *args, interpret=True)))
+  monkeypatch.setattr(quantize_kernel, "quantize_row_blocks", lambda x: (
+      took.append(("rows", x.shape)) or real_rows(x, interpret=True)))
   monkeypatch.setattr(choice, "mosaic_compile_error", lambda *args: None)
   monkeypatch.setattr(mlp, "fused_compile_error", lambda *args: None)
   monkeypatch.setattr(fp8, "fp8_compile_error", lambda *args: None)
   monkeypatch.setattr(mlp_fp8, "fp8_mlp_compile_error", lambda *args: None)
   with plgpu.force_gpu_interpret_mode():
-    yield activation_grads
+    yield took
 
 
 @pytest.mark.parametrize("activation", ["swiglu"])  # the plain ones: tests/test_fp8_kernels.py
@@ -651,7 +696,10 @@ def test_fp8_kernels_as_expert_mlp_runs_them(fp8_interpreted, monkeypatch, activ
   argnums = tuple(i for i, w in enumerate((x, *weights)) if w is not None)
   loss = _mlp_loss(True, activation, sizes, offsets, cot)
   got_grads, got = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, *weights)
-  assert fp8_interpreted == [(640, 384)]  # the backward's activation gradient: the kernel
+  # The one-pass kernels: x's quantisation, then the backward's of dy and its activation
+  # gradient.
+  assert fp8_interpreted == [("rows", (640, 256)), ("rows", (640, 256)),
+                             ("activation_grad", (640, 384))]
   # Off Hopper: the float32 product of the dequantised operands (on Hopper the fallback
   # multiplies them in bf16).
   from jax_ep.experts import choice

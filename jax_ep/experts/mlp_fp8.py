@@ -40,7 +40,7 @@ import numpy as np
 
 from jax_ep._native.fp8 import fp8_quantize
 from jax_ep._native.varying import sum_to_primal, vary_like_operands
-from jax_ep.experts import configs
+from jax_ep.experts import configs, quantize_kernel
 from jax_ep.experts.fp8 import BLOCK, Fp8Weights, dequantize_rows, fp8_matmul_impl, product_fn
 from jax_ep.experts.grouped import weight_grad_fn
 from jax_ep.experts.mlp import GATED, SAVED_NAME, act, act_grad, rowwise_vmap
@@ -142,12 +142,12 @@ def _fp8_bwd(activation, fused, residuals, dy):
    saved) = residuals
   f32 = np.dtype(jnp.float32)
   dy = dy.astype(BF16)
-  dy_q, dy_scales = fp8_quantize(dy)
+  kernels = fused and takes_row_kernels(dy.shape)
+  dy_q, dy_scales = quantize_kernel.quantize_row_blocks(dy) if kernels else fp8_quantize(dy)
   dh = _product(dy_q, dy_scales, w_down.transposed(), group_sizes, group_offsets, f32)
   weights = (w_gate, w_up) if activation in GATED else (w_gate,)
   quantised = None
-  if fused and _takes_activation_grad_kernel(dh.shape):
-    from jax_ep.experts import quantize_kernel
+  if kernels:
     *quantised, d_projections = quantize_kernel.activation_grad_blocks(
         dh, saved[0], saved[1] if activation in GATED else None, activation)
   elif activation in GATED:
@@ -176,20 +176,40 @@ def _fp8_bwd(activation, fused, residuals, dy):
 fp8_expert_mlp.defvjp(_fp8_fwd, _fp8_bwd)
 
 
-def _takes_activation_grad_kernel(shape) -> bool:
-  """Whether the backward takes the activation-gradient kernel (quantize_kernel.py:
-  `activation_grad_blocks`, one pass over `dh`, gate and up) at `dh`'s `[rows, F]`: with the
-  Hopper kernels (the caller's `fused`), where its row blocks divide the rows; else XLA's
-  fusions (the cotangents written in float32, read again to quantise). The first use of each
-  is logged."""
-  from jax_ep.experts import quantize_kernel
+def takes_row_kernels(shape) -> bool:
+  """Whether the FP8 MLP quantises its rows (`x`, `dy`) and computes the activation gradient
+  in jax_ep's one-pass kernels (quantize_kernel.py: `quantize_row_blocks`,
+  `activation_grad_blocks`) at the rows' `[rows, H]`, given the Hopper kernels (the caller's
+  `fused`): where their row blocks divide the rows; else XLA's fusions (the rows read twice;
+  the cotangents written in float32 and read again to quantise). The first use of each is
+  logged."""
   from jax_ep.experts.choice import say
   rows = quantize_kernel.activation_grad_rows(shape[-2])
   if len(shape) == 2 and rows is not None:
-    say("kernel", f"{rows}-row blocks", str(list(shape)), op="fp8_activation_grad")
+    say("kernel", f"{rows}-row blocks", str(list(shape)), op="fp8_rows")
     return True
-  say("xla", "rows off the kernel's blocks", str(list(shape)), op="fp8_activation_grad")
+  say("xla", "rows off the kernels' blocks", str(list(shape)), op="fp8_rows")
   return False
+
+
+@jax.custom_vjp
+def quantize_rows(x):
+  """`fp8_quantize(x)` of the rows `[R, H]` by `quantize_kernel.quantize_row_blocks` (where
+  `takes_row_kernels`), straight through: the rows' cotangent comes back as `x`'s, in its
+  dtype (as `primitives.quantize`'s)."""
+  return quantize_kernel.quantize_row_blocks(x)
+
+
+def _quantize_rows_fwd(x):
+  # An empty array of x's dtype: all the backward needs of x.
+  return quantize_rows(x), jnp.zeros((0,), x.dtype)
+
+
+def _quantize_rows_bwd(residual, cotangents):
+  return (cotangents[0].astype(residual.dtype),)
+
+
+quantize_rows.defvjp(_quantize_rows_fwd, _quantize_rows_bwd)
 
 
 def fp8_saved_bytes(activation: str, rows: int, hidden: int, ffn: int) -> int:

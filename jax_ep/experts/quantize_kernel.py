@@ -103,6 +103,16 @@ def activation_grad_rows(rows: int) -> int | None:
   return next((r for r in _ACTIVATION_GRAD_ROWS if rows % r == 0), None)
 
 
+def _quantize_row_block(d, interpret: bool):
+  """`fp8_quantize`'s rule on a `[rows, 128]` float32 block: `(e4m3 values, [rows, 1] scales)`.
+  A NaN is left out of its row's amax, `scale = amax / 448` (1 for an all-zero row), values
+  `d * (1 / scale)` saturated at +-448."""
+  amax = jnp.max(jnp.where(jnp.isnan(d), 0.0, jnp.abs(d)), axis=1)[:, None]
+  scale = jnp.where(amax > 0, amax * (1.0 / _E4M3_MAX), 1.0)
+  q = jnp.clip(d * _reciprocal(scale, interpret), -_E4M3_MAX, _E4M3_MAX)
+  return q.astype(jnp.float8_e4m3fn), scale
+
+
 def _activation_grad_kernel(*refs, activation: str, gated: bool, interpret: bool):
   """One `[rows, 128]` block of every projection's cotangent: its bf16 copy, and its e4m3
   values and per-row scales at the projection's place in `[dgate | dup]`."""
@@ -121,13 +131,7 @@ def _activation_grad_kernel(*refs, activation: str, gated: bool, interpret: bool
     parts = ((dh * act_grad(g, activation), dgate_ref),)
   for p, (d, copy_ref) in enumerate(parts):
     copy_ref[...] = d.astype(copy_ref.dtype)
-    # `fp8_quantize`'s rule: a NaN left out of its block's amax, `scale = amax / 448` (1 for
-    # an all-zero block), values `d * (1 / scale)` saturated at +-448.
-    amax = jnp.max(jnp.where(jnp.isnan(d), 0.0, jnp.abs(d)), axis=1)[:, None]
-    scale = jnp.where(amax > 0, amax * (1.0 / _E4M3_MAX), 1.0)
-    q = jnp.clip(d * _reciprocal(scale, interpret), -_E4M3_MAX, _E4M3_MAX)
-    q_ref[:, p, :] = q.astype(jnp.float8_e4m3fn)
-    scales_ref[:, p, :] = scale
+    q_ref[:, p, :], scales_ref[:, p, :] = _quantize_row_block(d, interpret)
 
 
 def activation_grad_blocks(dh, gate, up, activation: str, *, interpret: bool = False):
@@ -176,3 +180,44 @@ def _activation_grad(dh, gate, up, activation: str, *, interpret: bool):
   )(*operands)
   return (q.reshape(rows, parts * ffn), scales.reshape(rows, parts * ffn // BLOCK),
           tuple(copies))
+
+
+# ------------------------------------------------------------------------------------------
+# Rows quantised per 128 channels in one pass (the FP8 MLP's output cotangent).
+
+def _row_blocks_kernel(x_ref, q_ref, scales_ref, *, interpret: bool):
+  q_ref[...], scales_ref[...] = _quantize_row_block(x_ref[...].astype(jnp.float32), interpret)
+
+
+def quantize_row_blocks(x, *, interpret: bool = False):
+  """`fp8_quantize(x)` of `x` `[R, H]` (bf16 or float32; R a multiple of 8,
+  `activation_grad_rows`, and H of 128, checked by the caller) in one pass: `(q [R, H] e4m3,
+  scales [R, H / 128] f32)`, the same rule. NOTES: XLA reads `x` twice (the blocks' amax,
+  then the rounding)."""
+  if interpret:
+    from jax.experimental.pallas import mosaic_gpu
+    with mosaic_gpu.force_gpu_interpret_mode(None):
+      return _row_blocks(x, interpret=True)
+  return _row_blocks(x, interpret=False)
+
+
+def _row_blocks(x, *, interpret: bool):
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  rows, hidden = x.shape
+  block_rows = activation_grad_rows(rows)
+  (x,) = vary_like_operands((x,), (x,))
+  manual = getattr(jax.typeof(x), "manual_axis_type", None)
+  return pl.pallas_call(
+      functools.partial(_row_blocks_kernel, interpret=interpret),
+      grid=(rows // block_rows, hidden // BLOCK),
+      in_specs=[pl.BlockSpec((block_rows, BLOCK), lambda i, j: (i, j))],
+      out_specs=[pl.BlockSpec((block_rows, BLOCK), lambda i, j: (i, j)),
+                 pl.BlockSpec((block_rows, 1), lambda i, j: (i, j))],
+      out_shape=[jax.ShapeDtypeStruct((rows, hidden), jnp.float8_e4m3fn,
+                                      manual_axis_type=manual),
+                 jax.ShapeDtypeStruct((rows, hidden // BLOCK), jnp.float32,
+                                      manual_axis_type=manual)],
+      compiler_params=plgpu.CompilerParams(num_warps=_ACTIVATION_GRAD_WARPS, num_stages=1),
+      interpret=interpret, name="jax_ep_fp8_quantize_rows",
+  )(x)
