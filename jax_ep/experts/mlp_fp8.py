@@ -184,7 +184,7 @@ def takes_row_kernels(shape) -> bool:
   the cotangents written in float32 and read again to quantise). The first use of each is
   logged."""
   from jax_ep.experts.choice import say
-  rows = quantize_kernel.activation_grad_rows(shape[-2])
+  rows = quantize_kernel.rows_per_program(shape[-2])
   if len(shape) == 2 and rows is not None:
     say("kernel", f"{rows}-row blocks", str(list(shape)), op="fp8_rows")
     return True

@@ -91,16 +91,18 @@ def _blocks(w, *, interpret: bool):
 
 
 # ------------------------------------------------------------------------------------------
-# The FP8 MLP's activation gradient between its two backward products, in one pass.
+# The FP8 MLP's rows, per 128 channels: the activation gradient between its two backward
+# products, and the rows it quantises itself, each in one pass.
 
 # Rows a program takes (one 128-column block each); the largest that divides the rows.
-_ACTIVATION_GRAD_ROWS = (64, 32, 16, 8)
-_ACTIVATION_GRAD_WARPS = 4
+_ROW_BLOCKS = (64, 32, 16, 8)
+_ROW_WARPS = 4
 
 
-def activation_grad_rows(rows: int) -> int | None:
-  """The rows per program `activation_grad_blocks` takes at `rows`, None where none divides it."""
-  return next((r for r in _ACTIVATION_GRAD_ROWS if rows % r == 0), None)
+def rows_per_program(rows: int) -> int | None:
+  """The rows each program of `activation_grad_blocks` and `quantize_row_blocks` takes at
+  `rows`, None where none divides it."""
+  return next((r for r in _ROW_BLOCKS if rows % r == 0), None)
 
 
 def _quantize_row_block(d, interpret: bool):
@@ -140,7 +142,7 @@ def activation_grad_blocks(dh, gate, up, activation: str, *, interpret: bool = F
   activations): `(q [R, P * F] e4m3, scales [R, P * F / 128] f32, (dgate, dup) bf16 [R, F])`,
   P = 2 gated (else 1, and `(dgate,)`): `fp8_quantize` of each cotangent side by side, as
   `[dgate | dup]`, and their bf16 copies (the weight gradients' operands). R must be a multiple
-  of 8 (`activation_grad_rows`) and F of 128, checked by the caller.
+  of 8 (`rows_per_program`) and F of 128, checked by the caller.
 
   NOTES: one read of `dh`, `gate` and `up` and one write of each result, where XLA wrote both
   cotangents in float32 and bf16 and read the float32 twice more (the blocks' amax, then the
@@ -158,7 +160,7 @@ def _activation_grad(dh, gate, up, activation: str, *, interpret: bool):
   rows, ffn = dh.shape
   gated = up is not None
   parts = 2 if gated else 1
-  block_rows = activation_grad_rows(rows)
+  block_rows = rows_per_program(rows)
   operands = (dh, gate, up) if gated else (dh, gate)
   operands = vary_like_operands(operands, operands)
   manual = getattr(jax.typeof(dh), "manual_axis_type", None)
@@ -175,15 +177,12 @@ def _activation_grad(dh, gate, up, activation: str, *, interpret: bool):
       out_shape=[shape((rows, parts, ffn), jnp.float8_e4m3fn),
                  shape((rows, parts, ffn // BLOCK), jnp.float32)] +
                 [shape((rows, ffn), jnp.bfloat16)] * parts,
-      compiler_params=plgpu.CompilerParams(num_warps=_ACTIVATION_GRAD_WARPS, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=_ROW_WARPS, num_stages=1),
       interpret=interpret, name="jax_ep_fp8_activation_grad",
   )(*operands)
   return (q.reshape(rows, parts * ffn), scales.reshape(rows, parts * ffn // BLOCK),
           tuple(copies))
 
-
-# ------------------------------------------------------------------------------------------
-# Rows quantised per 128 channels in one pass (the FP8 MLP's output cotangent).
 
 def _row_blocks_kernel(x_ref, q_ref, scales_ref, *, interpret: bool):
   q_ref[...], scales_ref[...] = _quantize_row_block(x_ref[...].astype(jnp.float32), interpret)
@@ -191,7 +190,7 @@ def _row_blocks_kernel(x_ref, q_ref, scales_ref, *, interpret: bool):
 
 def quantize_row_blocks(x, *, interpret: bool = False):
   """`fp8_quantize(x)` of `x` `[R, H]` (bf16 or float32; R a multiple of 8,
-  `activation_grad_rows`, and H of 128, checked by the caller) in one pass: `(q [R, H] e4m3,
+  `rows_per_program`, and H of 128, checked by the caller) in one pass: `(q [R, H] e4m3,
   scales [R, H / 128] f32)`, the same rule. NOTES: XLA reads `x` twice (the blocks' amax,
   then the rounding)."""
   if interpret:
@@ -205,7 +204,7 @@ def _row_blocks(x, *, interpret: bool):
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
   rows, hidden = x.shape
-  block_rows = activation_grad_rows(rows)
+  block_rows = rows_per_program(rows)
   (x,) = vary_like_operands((x,), (x,))
   manual = getattr(jax.typeof(x), "manual_axis_type", None)
   return pl.pallas_call(
@@ -218,6 +217,6 @@ def _row_blocks(x, *, interpret: bool):
                                       manual_axis_type=manual),
                  jax.ShapeDtypeStruct((rows, hidden // BLOCK), jnp.float32,
                                       manual_axis_type=manual)],
-      compiler_params=plgpu.CompilerParams(num_warps=_ACTIVATION_GRAD_WARPS, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=_ROW_WARPS, num_stages=1),
       interpret=interpret, name="jax_ep_fp8_quantize_rows",
   )(x)
