@@ -55,6 +55,16 @@ def fp8_quantize(x: jax.Array, block: int = 128, round_scale: bool = False):
   return q.reshape(x.shape), scales
 
 
+def straight_through(quantise):
+  """`quantise` (rows `x` -> `(q, scales)`) differentiable straight through: the rows'
+  cotangent (in any float dtype) comes back as `x`'s, in `x`'s dtype; nothing of `x` is kept
+  but its dtype."""
+  fn = jax.custom_vjp(quantise)
+  fn.defvjp(lambda x: (fn(x), jnp.zeros((0,), x.dtype)),
+            lambda residual, cotangents: (cotangents[0].astype(residual.dtype),))
+  return fn
+
+
 def pack_ue8m0(scales: jax.Array) -> jax.Array:
   """Power-of-two float32 scales `[..., H/128]` as UE8M0 exponents (the float's biased exponent
   byte, `2^(e - 127)`), four per int32, the first in the lowest byte: `[..., H/512]`. Zero

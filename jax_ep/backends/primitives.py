@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from jax_ep._native.varying import sum_to_primal
 from jax_ep.backends.base import Backend
-from jax_ep._native.fp8 import fp8_quantize, pack_ue8m0, unpack_ue8m0
+from jax_ep._native.fp8 import fp8_quantize, pack_ue8m0, straight_through, unpack_ue8m0
 from jax_ep.config import RowFormat
 
 
@@ -108,26 +108,19 @@ def _dequantize_bwd(dtype, residuals, d_out):
 dequantize.defvjp(_dequantize_fwd, _dequantize_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def quantize(x, row_format: RowFormat):
   """`(q [..., H] float8_e4m3fn, scales)` of `x` in the fp8 `row_format`, the dispatches'
   rounding (`fp8.fp8_quantize`; UE8M0 scales packed). Straight through: the rows'
   cotangent (in any float dtype) comes back as `x`'s, in `x`'s dtype."""
-  q, scales = fp8_quantize(x, round_scale=row_format.pow2_scales)
-  return q, (pack_ue8m0(scales) if row_format.ue8m0 else scales)
+  return _quantizer(row_format)(x)
 
 
-def _quantize_fwd(x, row_format: RowFormat):
-  # An empty array of x's dtype: all the backward needs of x.
-  return quantize(x, row_format), jnp.zeros((0,), x.dtype)
-
-
-def _quantize_bwd(row_format: RowFormat, residuals, cotangents):
-  del row_format
-  return (cotangents[0].astype(residuals.dtype),)
-
-
-quantize.defvjp(_quantize_fwd, _quantize_bwd)
+@functools.cache
+def _quantizer(row_format: RowFormat):
+  def quantise(x):
+    q, scales = fp8_quantize(x, round_scale=row_format.pow2_scales)
+    return q, (pack_ue8m0(scales) if row_format.ue8m0 else scales)
+  return straight_through(quantise)
 
 
 def combine(backend: Backend, expert_out, layout, topk_weights=None):

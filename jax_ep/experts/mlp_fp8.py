@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
-from jax_ep._native.fp8 import fp8_quantize
+from jax_ep._native.fp8 import fp8_quantize, straight_through
 from jax_ep._native.varying import sum_to_primal, vary_like_operands
 from jax_ep.experts import configs, quantize_kernel
 from jax_ep.experts.fp8 import BLOCK, Fp8Weights, dequantize_rows, fp8_matmul_impl, product_fn
@@ -185,31 +185,16 @@ def takes_row_kernels(shape) -> bool:
   logged."""
   from jax_ep.experts.choice import say
   rows = quantize_kernel.rows_per_program(shape[-2])
-  if len(shape) == 2 and rows is not None:
+  if rows is not None:
     say("kernel", f"{rows}-row blocks", str(list(shape)), op="fp8_rows")
     return True
   say("xla", "rows off the kernels' blocks", str(list(shape)), op="fp8_rows")
   return False
 
 
-@jax.custom_vjp
-def quantize_rows(x):
-  """`fp8_quantize(x)` of the rows `[R, H]` by `quantize_kernel.quantize_row_blocks` (where
-  `takes_row_kernels`), straight through: the rows' cotangent comes back as `x`'s, in its
-  dtype (as `primitives.quantize`'s)."""
-  return quantize_kernel.quantize_row_blocks(x)
-
-
-def _quantize_rows_fwd(x):
-  # An empty array of x's dtype: all the backward needs of x.
-  return quantize_rows(x), jnp.zeros((0,), x.dtype)
-
-
-def _quantize_rows_bwd(residual, cotangents):
-  return (cotangents[0].astype(residual.dtype),)
-
-
-quantize_rows.defvjp(_quantize_rows_fwd, _quantize_rows_bwd)
+# `fp8_quantize(x)` of the rows `[R, H]` by `quantize_kernel.quantize_row_blocks` (where
+# `takes_row_kernels`), straight through as `primitives.quantize`.
+quantize_rows = straight_through(lambda x: quantize_kernel.quantize_row_blocks(x))
 
 
 def fp8_saved_bytes(activation: str, rows: int, hidden: int, ffn: int) -> int:

@@ -59,13 +59,18 @@ def _block_kernel(w_ref, values_ref, scales_ref, *, interpret: bool):
 def quantize_weight_blocks(w, *, interpret: bool = False):
   """`(values [G, N, K] e4m3, scales [G, N / 128, K / 128] f32)` of `w` `[G, K, N]` (K and N
   multiples of 128, checked by the caller). `interpret`: in Pallas's interpreter (the CPU)."""
-  if interpret:
-    # Pallas's own interpreter, not the Mosaic GPU one to which `force_gpu_interpret_mode` (the
-    # Mosaic kernels' tests) sends every pallas_call: that one takes no blocked BlockSpecs.
-    from jax.experimental.pallas import mosaic_gpu
-    with mosaic_gpu.force_gpu_interpret_mode(None):
-      return _blocks(w, interpret=True)
-  return _blocks(w, interpret=False)
+  return _run(_blocks, w, interpret=interpret)
+
+
+def _run(kernel, *args, interpret: bool):
+  """`kernel(*args, interpret=interpret)`: interpreted, in Pallas's own interpreter, not the
+  Mosaic GPU one to which `force_gpu_interpret_mode` (the Mosaic kernels' tests) sends every
+  pallas_call: that one takes no blocked BlockSpecs."""
+  if not interpret:
+    return kernel(*args, interpret=False)
+  from jax.experimental.pallas import mosaic_gpu
+  with mosaic_gpu.force_gpu_interpret_mode(None):
+    return kernel(*args, interpret=True)
 
 
 def _blocks(w, *, interpret: bool):
@@ -147,14 +152,11 @@ def activation_grad_blocks(dh, gate, up, activation: str, *, interpret: bool = F
   NOTES: one read of `dh`, `gate` and `up` and one write of each result, where XLA wrote both
   cotangents in float32 and bf16 and read the float32 twice more (the blocks' amax, then the
   rounding and the concatenation)."""
-  if interpret:
-    from jax.experimental.pallas import mosaic_gpu
-    with mosaic_gpu.force_gpu_interpret_mode(None):
-      return _activation_grad(dh, gate, up, activation, interpret=True)
-  return _activation_grad(dh, gate, up, activation, interpret=False)
+  return _run(functools.partial(_activation_grad, activation=activation), dh, gate, up,
+              interpret=interpret)
 
 
-def _activation_grad(dh, gate, up, activation: str, *, interpret: bool):
+def _activation_grad(dh, gate, up, *, activation: str, interpret: bool):
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import triton as plgpu
   rows, ffn = dh.shape
@@ -193,11 +195,7 @@ def quantize_row_blocks(x, *, interpret: bool = False):
   `rows_per_program`, and H of 128, checked by the caller) in one pass: `(q [R, H] e4m3,
   scales [R, H / 128] f32)`, the same rule. NOTES: XLA reads `x` twice (the blocks' amax,
   then the rounding)."""
-  if interpret:
-    from jax.experimental.pallas import mosaic_gpu
-    with mosaic_gpu.force_gpu_interpret_mode(None):
-      return _row_blocks(x, interpret=True)
-  return _row_blocks(x, interpret=False)
+  return _run(_row_blocks, x, interpret=interpret)
 
 
 def _row_blocks(x, *, interpret: bool):
