@@ -256,6 +256,18 @@ def test_the_row_quantisation_kernel_is_fp8_quantize(dtype):
   assert np.isnan(np.asarray(q, F32)[2, :3]).all()
 
 
+def _assert_within_one_e4m3_step(q, want):
+  """Each value NaN where `want`'s is, else within one e4m3 step of it (2^-3 relative, 2^-9
+  of its scale among the subnormals)."""
+  q, want = np.asarray(q, F32), np.asarray(want, F32)
+  ok = np.where(np.isnan(want), np.isnan(q), np.abs(q - want) <= 2.0 ** -3 * np.abs(want) +
+                2.0 ** -9)
+  bad = np.argwhere(~ok)
+  assert not bad.size, (f"{len(bad)} of {q.size} values not within one e4m3 step, e.g. at "
+                        f"{[tuple(map(int, i)) for i in bad[:4]]}: {[q[tuple(i)] for i in bad[:4]]}"
+                        f" where {[want[tuple(i)] for i in bad[:4]]}")
+
+
 @pytest.mark.gpu
 def test_the_row_quantisation_kernel_on_hopper():
   """The kernel as the FP8 MLP's backward runs it on `dy`, at one rank of DeepSeek-V3 at
@@ -269,9 +281,7 @@ def test_the_row_quantisation_kernel_on_hopper():
   q, scales = jax.jit(quantize_row_blocks)(x)
   want_q, want_scales = jax.jit(fp8_quantize)(x)
   np.testing.assert_array_equal(np.asarray(scales), np.asarray(want_scales))
-  q, want_q = np.asarray(q, F32), np.asarray(want_q, F32)
-  both_nan = np.isnan(q) & np.isnan(want_q)
-  assert (both_nan | (np.abs(q - want_q) <= 2.0 ** -3 * np.abs(want_q) + 2.0 ** -9)).all()
+  _assert_within_one_e4m3_step(q, want_q)
 
 
 @pytest.mark.gpu
@@ -289,10 +299,7 @@ def test_the_activation_gradient_kernel_on_hopper():
   want = jax.jit(lambda *a: _activation_grad_xla(*a, "swiglu"))(dh, gate, up)
   scales, want_scales = np.asarray(got[1]), np.asarray(want[1])
   np.testing.assert_allclose(scales, want_scales, rtol=1e-6)
-  q, want_q = np.asarray(got[0], F32), np.asarray(want[0], F32)
-  both_nan = np.isnan(q) & np.isnan(want_q)
-  step = 2.0 ** -3 * np.abs(want_q) + 2.0 ** -9
-  assert (both_nan | (np.abs(q - want_q) <= step)).all()
+  _assert_within_one_e4m3_step(got[0], want[0])
   for g, w in zip(got[2], want[2], strict=True):
     g, w = np.asarray(g, F32), np.asarray(w, F32)
     np.testing.assert_allclose(g[~np.isnan(w)], w[~np.isnan(w)], rtol=2.0 ** -7, atol=0)
@@ -478,16 +485,20 @@ def test_fp8_expert_mlp_on_hopper_under_grad_checkpoint_vmap_and_shard_map(monke
   assert took == [(640, 256), (640, 256), (640, 384)]  # x's and dy's rows, dgate and dup
   same = lambda a, b: np.testing.assert_array_equal(  # noqa: E731
       np.asarray(a, np.float32), np.asarray(b, np.float32))
-  grads_c, y_c = jax.jit(jax.grad(jax.checkpoint(loss), (0, 1, 2, 3), has_aux=True))(
-      x, *weights)
-  same(y_c, y)
-  jax.tree.map(same, grads_c, grads)
+  # Rows past the groups (y's and x's gradient's) are unspecified: each program's own.
+  same_inside = lambda a, b: same(np.asarray(a)[inside], np.asarray(b)[inside])  # noqa: E731
+
+  def same_result(got_grads, got_y):
+    same_inside(got_y, y)
+    same_inside(got_grads[0], grads[0])
+    jax.tree.map(same, got_grads[1:], grads[1:])
+
+  same_result(*jax.jit(jax.grad(jax.checkpoint(loss), (0, 1, 2, 3), has_aux=True))(
+      x, *weights))
   mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
   sharded = jax.shard_map(lambda *a: jax.grad(loss, (0, 1, 2, 3), has_aux=True)(*a),
                           mesh=mesh, in_specs=P(), out_specs=P())
-  grads_s, y_s = jax.jit(sharded)(x, *weights)
-  same(y_s, y)
-  jax.tree.map(same, grads_s, grads)
+  same_result(*jax.jit(sharded)(x, *weights))
   # vmap over two copies of the rows (shared weights): each copy's gradient is the unbatched.
   dx = jax.jit(jax.vmap(lambda x: jax.grad(loss, has_aux=True)(x, *weights)[0]))(
       jnp.stack([x, x]))

@@ -13,7 +13,9 @@ scale` as `w * (1 / scale)` (it turns a division by a broadcast into a multiplic
 reciprocal), which rounds otherwise than the quotient where that sits at an e4m3 rounding
 boundary (81 of the 294,912 values of the tests' bf16 weights): the rule is what XLA computes,
 on every backend. The reciprocal is PTX's `rcp.rn.f32` (IEEE, as XLA's `1 / scale`); Triton's
-own f32 division is `div.full.f32`, within 2 ulp.
+own f32 division is `div.full.f32`, within 2 ulp. A block holding a NaN dequantises to NaN
+either way, but its scale differs: XLA's amax is NaN (so the scale 1), Triton's maximum leaves
+the NaN out.
 """
 
 from __future__ import annotations
@@ -113,10 +115,13 @@ def rows_per_program(rows: int) -> int | None:
 def _quantize_row_block(d, interpret: bool):
   """`fp8_quantize`'s rule on a `[rows, 128]` float32 block: `(e4m3 values, [rows, 1] scales)`.
   A NaN is left out of its row's amax, `scale = amax / 448` (1 for an all-zero row), values
-  `d * (1 / scale)` saturated at +-448."""
+  `d * (1 / scale)` saturated at +-448, a NaN kept NaN."""
   amax = jnp.max(jnp.where(jnp.isnan(d), 0.0, jnp.abs(d)), axis=1)[:, None]
   scale = jnp.where(amax > 0, amax * (1.0 / _E4M3_MAX), 1.0)
-  q = jnp.clip(d * _reciprocal(scale, interpret), -_E4M3_MAX, _E4M3_MAX)
+  q = d * _reciprocal(scale, interpret)
+  # NOTES: Pallas lowers min / max to Triton as minnumf / maxnumf, which return the other
+  # operand for a NaN: the clip alone would turn a NaN into +-448, a finite value, silently.
+  q = jnp.where(jnp.isnan(q), q, jnp.clip(q, -_E4M3_MAX, _E4M3_MAX))
   return q.astype(jnp.float8_e4m3fn), scale
 
 
