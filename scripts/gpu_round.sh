@@ -153,8 +153,20 @@ python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devi
 
 # ---------------------------------------------------------------------------------- the suites
 # One function per suite (or family), shared by the check parts and the named stages below.
-# (with the shared suite again on comm_stream=1, and the stream's own tests)
-local_suite() { suite --timeout 500 -- $PYTEST tests/test_cuda_local.py tests/test_comm_stream.py; }
+# The cuda suite at one rank (the shared suite again on comm_stream=1, the stream's own
+# tests). Its ~390 programs are small and their compilation is CPU work, so GPU_WORKERS
+# pytest-xdist workers (default 4; 0: one process) share the GPU, each allocating as it goes
+# instead of taking 75 % up front.
+local_suite() {
+  local workers=${GPU_WORKERS:-4}
+  python3 -c "import xdist" 2>/dev/null || workers=0
+  if [ "$workers" -gt 0 ]; then
+    XLA_PYTHON_CLIENT_PREALLOCATE=false suite --timeout 500 -- $PYTEST -n "$workers" \
+      tests/test_cuda_local.py tests/test_comm_stream.py
+  else
+    suite --timeout 500 -- $PYTEST tests/test_cuda_local.py tests/test_comm_stream.py
+  fi
+}
 # jax_ep's own stream alone (its partition of the SMs, its ops against the compute stream's).
 comm_stream_suite() { suite --timeout 200 -- $PYTEST tests/test_comm_stream.py -m gpu; }
 # The public functions' input checks on the cuda backend at one rank, and the FP8 dispatch's
