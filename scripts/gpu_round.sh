@@ -730,8 +730,10 @@ for line in open(sys.argv[1]):
         f"{r['wall_s']:6.0f} s  {r['suite']}")
 PY
 fi
-# The logs and reports as one file (a call brings a few files back, not one per suite).
+# The logs and reports as one file (a call brings a few files back, not one per suite), with
+# those of earlier rounds of the same call.
 if [ -d "$OUT/logs" ] || [ -d "$OUT/junit" ]; then
+  [ -f "$OUT/round_logs.tgz" ] && tar -xzf "$OUT/round_logs.tgz" -C "$OUT"
   tar -czf "$OUT/round_logs.tgz" -C "$OUT" $(cd "$OUT" && ls -d logs junit 2>/dev/null) \
     && rm -rf "$OUT/logs" "$OUT/junit"
 fi
