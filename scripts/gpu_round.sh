@@ -51,6 +51,9 @@
 #   bash scripts/gpu_round.sh example   # examples/moe_transformer.py on one GPU: defaults, the
 #                                     # compilation cache filled then read, 2 micro-batches on
 #                                     # jax_ep's own stream
+#   bash scripts/gpu_round.sh examplecompile  # where the example's first step goes: XLA's
+#                                     # own timers (scripts/xla_pass_times.py), with XLA's
+#                                     # fusion autotuner and without
 #   bash scripts/gpu_round.sh fp8       # the experts in FP8: bench_fp8_gemm.py, the layer's
 #                                     # precisions (bench_layer.py), the example with --fp8
 #   bash scripts/gpu_round.sh fp8example  # the example in bf16 and with --fp8 alone
@@ -385,6 +388,23 @@ if has example; then
     counts "examples/moe_transformer.py $flags"
   done
   rm -rf "$cache"
+fi
+
+# Where the example's first step goes on this machine: XLA's pass, backend and ptxas timers of
+# each program it compiles, the largest passes printed (scripts/xla_pass_times.py), as it runs
+# and with XLA's fusion autotuner off (which compiles each fusion on its own to choose its
+# emitter), and the steps' time after it, 20 steps each.
+if has examplecompile; then
+  for flag in "" "--xla_gpu_experimental_enable_fusion_autotuner=false"; do
+    log="$OUT/example_compile${flag:+_no_fusion_autotuner}.log"
+    step "examples/moe_transformer.py --mesh 1x1 --steps 20 (XLA_FLAGS=${flag:-as set})"
+    t=$(bench_time 120) && XLA_FLAGS="${XLA_FLAGS:-} $flag" TF_CPP_MIN_LOG_LEVEL=0 \
+      TF_CPP_VMODULE=hlo_pass_pipeline=2,gpu_compiler=1,nvptx_compiler=1 timeout $t \
+      python3 examples/moe_transformer.py --mesh 1x1 --steps 20 2> "$log" \
+      | grep -E "^(step|loss|PASSED|FAILED)"
+    counts "examples/moe_transformer.py $flag"
+    python3 scripts/xla_pass_times.py "$log" --top 6 && gzip -f "$log"
+  done
 fi
 
 # The experts in FP8 against bf16, same run: the FP8 grouped GEMM at the five model shapes
