@@ -190,6 +190,9 @@ def check_micro_batch_tokens(fn: str, group: Group, micro_batches: int, num_toke
                      f"max_tokens_per_rank={group.max_tokens_per_rank}")
 
 
+_EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
+
+
 def _check_layer(fn: str, params, x, *, mode, activation, aux_loss_scope, remat,
                  fp8=False) -> None:
   """Trace-time checks of the layer's arguments, with errors that name `fn`."""
@@ -204,6 +207,14 @@ def _check_layer(fn: str, params, x, *, mode, activation, aux_loss_scope, remat,
     raise TypeError(f"jax_ep.{fn}: x must have a floating-point dtype (it is cast to the "
                     f"group's dtype for dispatch), got {x.dtype}")
   for name, value in params._asdict().items():
+    if isinstance(value, Fp8Weights):
+      if name not in _EXPERT_WEIGHTS or not fp8:
+        raise TypeError(f"jax_ep.{fn}: params.{name} is Fp8Weights (quantize_weights): "
+                        + ("the experts' weights take them with fp8=True"
+                           if name in _EXPERT_WEIGHTS else
+                           "only the experts' weights (w_gate, w_up, w_down) may come "
+                           "quantised"))
+      continue
     if value is not None and not jnp.issubdtype(jnp.result_type(value), jnp.floating):
       raise TypeError(f"jax_ep.{fn}: params.{name} must have a floating-point dtype, got "
                       f"{jnp.result_type(value)}")
@@ -334,10 +345,11 @@ def _forward(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=Non
   weights = (params.w_gate, params.w_up, params.w_down, params.shared_gate, params.shared_up,
              params.shared_down)
   if fp8:
-    # Once per call, from the masters as stored: every micro-batch (and, under remat, the
-    # recomputation) multiplies the same e4m3 blocks, and their gradients sum into one.
-    weights = tuple(None if w is None else quantize_weights(w) for w in weights[:3]) + \
-        weights[3:]
+    # Once per call, from the masters as stored (unless they come quantised already, e.g. once
+    # per step for several calls): every micro-batch (and, under remat, the recomputation)
+    # multiplies the same e4m3 blocks, and their gradients sum into one.
+    weights = tuple(w if w is None or isinstance(w, Fp8Weights) else quantize_weights(w)
+                    for w in weights[:3]) + weights[3:]
   if micro_batches == 1:
     out, num_dropped, num_invalid = experts(weights, x, topk_idx, topk_weights)
   else:
@@ -490,7 +502,9 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
       many rows for fewer tokens and the split drops at most what the unsplit layer would.
       "high_throughput" mode only.
     fp8: the experts in FP8, DeepSeek-V3's recipe (`jax_ep.expert_mlp`'s `fp8`): the expert
-      weights quantised once per call from the masters in `params` (128 x 128 blocks), the
+      weights quantised once per call from the masters in `params` (128 x 128 blocks; or
+      given as `Fp8Weights`, `jax_ep.quantize_weights` of the masters once per step for
+      several calls, their gradients passing straight through to the masters), the
       dispatched rows per token per 128 channels (by the dispatch itself when the group's
       `wire_format` is an fp8 `RowFormat`, else after it), the forward and input-gradient
       products in FP8, the weight gradients in bf16, combine in the group's dtype; gradients

@@ -601,6 +601,56 @@ def test_fp8_layer_quantises_the_weights_once_per_call(new_group, monkeypatch):
     assert_fp8_close(getattr(split_grads[0], name), getattr(whole_grads[0], name), name)
 
 
+def _quantised(params):
+  """`params` with the experts' weights as `Fp8Weights`."""
+  return params._replace(**{name: jax_ep.quantize_weights(getattr(params, name))
+                            for name in ("w_gate", "w_up", "w_down")})
+
+
+def test_fp8_layer_takes_weights_quantised_once_per_step(new_group, monkeypatch):
+  """The experts' weights quantised once (inside the differentiated step) for two calls, as a
+  step with gradient accumulation does: each call's output is the one it gives quantising the
+  masters itself, the masters' gradients are the sum of both calls', and the layer quantises
+  nothing itself."""
+  group = new_group(8, num_experts=E, num_topk=K, hidden=H, max_tokens=T, dtype=BF16)
+  params, x, cot = _layer_inputs(8, seed=3)
+  _, x2, cot2 = _layer_inputs(8, seed=4)
+  batches = ((x, cot), (x2, cot2))
+
+  def loss(params, quantise_once):
+    weights = _quantised(params) if quantise_once else params
+    total = 0.0
+    for tokens, c in batches:
+      total = total + jnp.sum(jax_ep.moe_mlp(group, weights, tokens, fp8=True).out.astype(F32)
+                              * c)
+    return total
+
+  import jax_ep.layer as layer
+  calls = []
+  real = layer.quantize_weights
+  monkeypatch.setattr(layer, "quantize_weights", lambda w: calls.append(w.shape) or real(w))
+  got, got_grads = jax.jit(jax.value_and_grad(lambda p: loss(p, True)))(params)
+  assert calls == []
+  want, want_grads = jax.jit(jax.value_and_grad(lambda p: loss(p, False)))(params)
+  assert len(calls) == 6  # three weights, each call
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+  for name in ("router", "w_gate", "w_up", "w_down", "shared_gate", "shared_down"):
+    g, w = getattr(got_grads, name), getattr(want_grads, name)
+    assert g.dtype == w.dtype == F32, name
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-2, atol=1e-2 * float(
+        np.max(np.abs(np.asarray(w)))), err_msg=f"params.{name}")
+
+
+def test_fp8_weights_need_the_fp8_layer(new_group):
+  group = new_group(1, num_experts=E, num_topk=K, hidden=H, max_tokens=T, dtype=BF16)
+  params, x, _ = _layer_inputs(1)
+  with pytest.raises(TypeError, match=r"params.w_gate is Fp8Weights .* with fp8=True"):
+    jax_ep.moe_mlp(group, _quantised(params), x)
+  shared = params._replace(shared_gate=jax_ep.quantize_weights(params.shared_gate[None]))
+  with pytest.raises(TypeError, match="params.shared_gate is Fp8Weights .* only the experts"):
+    jax_ep.moe_mlp(group, shared, x, fp8=True)
+
+
 @pytest.mark.parametrize("options,match", [
     (dict(fp8=True, mode="low_latency"), "fp8=True with mode='low_latency'"),
     (dict(fp8=1), "fp8 must be a bool"),
