@@ -20,6 +20,9 @@ Per shape (experts x hidden x ffn, top-k; 4096 tokens per rank):
   (`jax_ep.experts.override(impl=...)`) and per `--micro-batches` count (the layer's
   `micro_batches`, in the records, on a group sized for one micro-batch);
   its FLOPs are the three expert matmuls' (`6 * rows * H * F`, times three with the backward);
+  with `--calls-per-step N`, N calls in one program, each on its own tokens, their time per
+  call (`calls_per_step`), the FP8 weights quantised once for all of them (the recipe's once
+  a step, as a step with gradient accumulation runs it);
 - the bound: a dense `jnp.dot` `[rows, H] x [H, F]` of the same FLOPs in the same run
   (`bound: dense_gemm`, `bound_tflops`, `fraction = tflops / bound_tflops`); a batched
   `einsum('gmk,gkn->gmn')` of the same FLOPs is recorded beside it (`batched_tflops`).
@@ -126,6 +129,9 @@ def main():
   parser.add_argument("--fp8-wire", action="store_true",
                       help="moe_layer with fp8: the dispatch sends e4m3 rows "
                            "(wire_format=RowFormat.FP8) instead of the experts quantising them")
+  parser.add_argument("--calls-per-step", type=int, default=1, metavar="N",
+                      help="moe_layer: N calls in one program, time per call; with fp8 the "
+                           "weights quantised once for the N (per step, not per call)")
   parser.add_argument("--scale", type=int, default=1,
                       help="divide every size by this (a smoke run on the CPU)")
   parser.add_argument("--repeats", type=int, default=10)
@@ -144,6 +150,8 @@ def main():
   if any(m < 1 or tokens % m for m in args.micro_batches):
     parser.error(f"--micro-batches must be positive and divide the {tokens} tokens per rank, "
                  f"got {args.micro_batches}")
+  if args.calls_per_step < 1:
+    parser.error(f"--calls-per-step must be positive, got {args.calls_per_step}")
 
   devices = jax.devices()
   num_ranks = len(devices)
@@ -256,7 +264,7 @@ def main():
           for precision in args.precisions:
             layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks,
                           args.repeats, flops, bound_s, add, micro_batches, precision,
-                          args.fp8_wire, args.breakdown)
+                          args.fp8_wire, args.breakdown, args.calls_per_step)
 
   if jax.process_index() == 0:
     path = records.path
@@ -299,10 +307,11 @@ def gemm_fn(impl, rows, experts, hidden, ffn):
 
 def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks, repeats,
                   flops, bound_s, add, micro_batches=1, precision="bf16", fp8_wire=False,
-                  breakdown=0):
+                  breakdown=0, calls=1):
   """The whole layer (moe_mlp with its router, its tokens in `micro_batches`, its experts in
-  `precision`) forward and forward + backward; with `breakdown`, each pass's longest kernels
-  printed (`print_breakdown`)."""
+  `precision`) forward and forward + backward, per call of `calls` in one program (the FP8
+  weights quantised once for all); with `breakdown`, each pass's longest kernels printed
+  (`print_breakdown`)."""
   fp8 = precision == "fp8"
   wire = jax_ep.RowFormat.FP8 if fp8 and fp8_wire else None
   devices = jax.devices()
@@ -321,14 +330,23 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
   x = jax.device_put(jax.random.normal(jax.random.key(2), (num_ranks * tokens, hidden),
                                        jnp.float32).astype(dtype), NamedSharding(mesh, P("ep")))
 
+  def layer(params, x):
+    # Each call on its own tokens (calls on the same ones could be computed once). With
+    # several calls the FP8 weights are quantised once, here, for all of them.
+    if fp8 and calls > 1:
+      params = params._replace(**{n: jax_ep.quantize_weights(getattr(params, n))
+                                  for n in ("w_gate", "w_up", "w_down")})
+    return [jax_ep.moe_mlp(group, params, x * (1 + i / 16), micro_batches=micro_batches,
+                           fp8=fp8).out for i in range(calls)]
+
   def fwd(params, x):
     with jax_ep.experts.override(impl=impl):
-      return jax_ep.moe_mlp(group, params, x, micro_batches=micro_batches, fp8=fp8).out
+      return layer(params, x)
 
   def fwd_bwd(params, x):
     with jax_ep.experts.override(impl=impl):
-      loss = lambda p, x: jnp.mean(jax_ep.moe_mlp(  # noqa: E731
-          group, p, x, micro_batches=micro_batches, fp8=fp8).out.astype(jnp.float32) ** 2)
+      loss = lambda p, x: sum(jnp.mean(out.astype(jnp.float32) ** 2)  # noqa: E731
+                              for out in layer(p, x))
       return jax.grad(loss, (0, 1))(params, x)
   layer_flops = 3 * flops  # gate, up, down
   # The experts' kernels as the layer takes them at its buffer's rows (the capacity): a record
@@ -343,18 +361,21 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
   with jax.set_mesh(mesh):
     for pass_, fn, f in (("fwd", fwd, layer_flops), ("fwd_bwd", fwd_bwd, 3 * layer_flops)):
       what = (f"{name} moe_layer {pass_} {impl} micro_batches={micro_batches} "
-              f"{precision}{' fp8 wire' if wire else ''}")
+              f"{precision}{' fp8 wire' if wire else ''}"
+              f"{f', {calls} calls' if calls > 1 else ''}")
       program = jax.jit(fn)
-      seconds = time_fn(program, (params, x), repeats, what)
-      if seconds is None:
+      program_s = time_fn(program, (params, x), repeats, what)
+      if program_s is None:
         continue
+      seconds = program_s / calls
       if breakdown and jax.process_count() == 1:
-        print_breakdown(what, seconds, *timers.trace_breakdown(program, (params, x)),
+        print_breakdown(what, program_s, *timers.trace_breakdown(program, (params, x)),
                         breakdown)
       add("moe_layer", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
           bound_s * f / flops, micro_batches=micro_batches, precision=precision,
           fused_mlp=bool(fused), kernels=str(kernels),
-          **({"wire_dtype": "float8_e4m3fn"} if wire else {}))
+          **({"wire_dtype": "float8_e4m3fn"} if wire else {}),
+          **({"calls_per_step": calls} if calls > 1 else {}))
   group.close()
 
 

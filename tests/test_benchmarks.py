@@ -367,6 +367,22 @@ def test_bench_layer_moe_layer_records_carry_micro_batches(tmp_path):
   assert all(r["fused_mlp"] is False and "ragged_dot" in r["kernels"] for r in records), records
 
 
+def test_bench_layer_times_calls_per_step_with_the_weights_quantised_once(tmp_path):
+  out = tmp_path / "layer.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices=1))
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layer.py"), "--shapes",
+       "mixtral", "--scale", "16", "--tokens", "256", "--repeats", "2", "--ops", "moe_layer",
+       "--precisions", "bf16", "fp8", "--calls-per-step", "2", "--out", str(out)],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert ": failed: " not in result.stdout, result.stdout
+  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert {(r["pass"], r["precision"], r["calls_per_step"]) for r in records} == {
+      (p, q, 2) for p in ("fwd", "fwd_bwd") for q in ("bf16", "fp8")}
+  assert all(r["median_us"] > 0 for r in records)
+
+
 def test_bench_layer_breakdown_lists_the_longest_kernels(capsys):
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   import bench_layer

@@ -305,6 +305,34 @@ def test_the_activation_gradient_kernel_on_hopper():
     np.testing.assert_allclose(g[~np.isnan(w)], w[~np.isnan(w)], rtol=2.0 ** -7, atol=0)
 
 
+def test_quantize_weights_of_a_weight_sharded_over_explicit_axes():
+  """A global weight laid out over the experts on an Explicit mesh (as a model's parameters are
+  under `jax.set_mesh`): quantised shard by shard, the same bits as unsharded, each result laid
+  out over the experts as the weight; dequantised and differentiated the same way."""
+  from jax.sharding import NamedSharding
+  mesh = jax.make_mesh((4,), ("ep",), devices=jax.devices()[:4],
+                       axis_types=(jax.sharding.AxisType.Explicit,))
+  w = _wide_weights(F32)
+  w = jnp.concatenate([w, w[:1]])  # four experts, one a shard
+  c = jnp.asarray(np.random.default_rng(5).standard_normal(w.shape), F32)
+  want = jax_ep.quantize_weights(w)
+  want_grad = jax.grad(lambda w: jnp.sum(jax_ep.quantize_weights(w).dequantize() * c))(w)
+  sharded = jax.device_put(w, NamedSharding(mesh, P("ep")))
+  with jax.set_mesh(mesh):
+    got = jax.jit(jax_ep.quantize_weights)(sharded)
+    assert str(jax.typeof(got.values).sharding.spec) == str(P("ep", None, None))
+    dequantised = jax.jit(lambda q: q.dequantize())(got)
+    grad = jax.jit(jax.grad(lambda w: jnp.sum(jax_ep.quantize_weights(w).dequantize() * c)))(
+        sharded)
+  np.testing.assert_array_equal(np.asarray(got.values, F32), np.asarray(want.values, F32))
+  np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales))
+  np.testing.assert_array_equal(np.asarray(dequantised), np.asarray(want.dequantize()))
+  np.testing.assert_array_equal(np.asarray(grad), np.asarray(want_grad))
+  # Sharded along K, each shard's K (64) is not a multiple of the blocks' 128.
+  with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"each shard's blocks .* \(64, 384\)"):
+    jax_ep.quantize_weights(jax.device_put(w, NamedSharding(mesh, P(None, "ep"))))
+
+
 @pytest.mark.parametrize("shape,match", [
     ((2, 100, 128), "multiples of 128"), ((128, 128), r"\[G, K, N\]")])
 def test_quantize_weights_refuses_what_it_cannot_scale(shape, match):

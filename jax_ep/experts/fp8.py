@@ -26,6 +26,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jax_ep.experts import choice
 from jax_ep.experts.choice import say
@@ -59,7 +60,25 @@ class Fp8Weights(NamedTuple):
     """`[G, K, N]` in `dtype`. Its cotangent passes straight through to `values` (laid out
     as they are), as `jax_ep.dequantize`'s to its rows: with `quantize_weights` before it, the
     master weight gets the cotangent of the dequantised one."""
-    return _dequantize_weights(self.values, self.scales, np.dtype(dtype))
+    dequantize = functools.partial(_dequantize_weights, dtype=np.dtype(dtype))
+    sharded = _sharding(self.values)
+    if sharded is None:
+      return dequantize(self.values, self.scales)
+    mesh, (g, n, k) = sharded
+    return jax.shard_map(dequantize, mesh=mesh, in_specs=(P(g, n, k), P(g, n, k)),
+                         out_specs=P(g, k, n))(self.values, self.scales)
+
+
+def _sharding(a):
+  """`(mesh, spec of each dimension)` of an array sharded over Explicit mesh axes (a global
+  weight laid out over the experts, say), else None. Such a weight is quantised and
+  dequantised shard by shard (its blocks are each shard's own where every shard's K and N are
+  multiples of 128): the blocks' reshapes cannot say how a sharded dimension splits."""
+  sharding = getattr(jax.typeof(a), "sharding", None)
+  spec = getattr(sharding, "spec", None)
+  if not spec or all(s is None for s in spec):
+    return None
+  return sharding.mesh, tuple(spec) + (None,) * (a.ndim - len(spec))
 
 
 def _dequantize_blocks(values, scales, dtype):
@@ -162,7 +181,24 @@ def quantize_weights(w) -> Fp8Weights:
   if not jnp.issubdtype(w.dtype, jnp.floating):
     raise TypeError(f"jax_ep.quantize_weights: w must be floating, got {w.dtype}")
   check_fp8_dims("quantize_weights", "w", w.shape)
-  return _quantize_weights(w)
+  sharded = _sharding(w)
+  if sharded is None:
+    return _quantize_weights(w)
+  mesh, (g, k, n) = sharded
+  local = tuple(d // _axes_size(mesh, s) for d, s in zip(w.shape, (g, k, n)))
+  if local[1] % BLOCK or local[2] % BLOCK:
+    raise ValueError(f"jax_ep.quantize_weights: w {tuple(w.shape)} is sharded as {P(g, k, n)}: "
+                     f"each shard's blocks are its own, so its K and N ({local[1]}, "
+                     f"{local[2]}) must be multiples of {BLOCK}")
+  out = P(g, n, k)
+  return jax.shard_map(_quantize_weights, mesh=mesh, in_specs=P(g, k, n),
+                       out_specs=Fp8Weights(out, out))(w)
+
+
+def _axes_size(mesh, spec) -> int:
+  """The shards a dimension laid out as `spec` (None, an axis name or a tuple of them) has."""
+  names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+  return int(np.prod([mesh.shape[name] for name in names], dtype=np.int64))
 
 
 def dequantize_rows(x, x_scales, dtype=jnp.float32):
