@@ -327,17 +327,22 @@ def test_bench_layers_micro_batches_field(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_layer_writes_grouped_matmul_and_layer_records(tmp_path):
+def _run_bench_layer_on_cpu(tmp_path, *args):
+  """bench_layer.py on one CPU device, two repeats: `(its output, its records)`; it must
+  exit 0."""
   out = tmp_path / "layer.jsonl"
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=_xla_flags(devices=1))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices=1))
   result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layer.py"), "--shapes",
-       "qwen3_30b_a3b", "mixtral", "--scale", "32", "--tokens", "128", "--repeats", "2",
-       "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layer.py"), "--repeats", "2",
+       "--out", str(out), *args], env=env, capture_output=True, text=True, timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
-  assert "no Mosaic GPU run (the Mosaic GPU kernel needs Hopper GPUs" in result.stdout
-  records = [json.loads(line) for line in out.read_text().splitlines()]
+  return result.stdout, [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_bench_layer_writes_grouped_matmul_and_layer_records(tmp_path):
+  stdout, records = _run_bench_layer_on_cpu(
+      tmp_path, "--shapes", "qwen3_30b_a3b", "mixtral", "--scale", "32", "--tokens", "128")
+  assert "no Mosaic GPU run (the Mosaic GPU kernel needs Hopper GPUs" in stdout
   assert {(r["op"], r["pass"], r["shape"]) for r in records} == {
       (op, p, s) for op in ("grouped_matmul", "moe_layer") for p in ("fwd", "fwd_bwd")
       for s in ("qwen3_30b_a3b", "mixtral")}
@@ -349,17 +354,11 @@ def test_bench_layer_writes_grouped_matmul_and_layer_records(tmp_path):
 
 
 def test_bench_layer_moe_layer_records_carry_micro_batches(tmp_path):
-  out = tmp_path / "layer.jsonl"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices=1))
-  result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layer.py"), "--shapes",
-       "mixtral", "--scale", "32", "--tokens", "128", "--repeats", "2", "--ops", "moe_layer",
-       "--micro-batches", "1", "2", "--breakdown", "3", "--out", str(out)],
-      env=env, capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stdout + result.stderr
+  stdout, records = _run_bench_layer_on_cpu(
+      tmp_path, "--shapes", "mixtral", "--scale", "32", "--tokens", "128", "--ops", "moe_layer",
+      "--micro-batches", "1", "2", "--breakdown", "3")
   # No device trace on the CPU: each pass says so after its timing.
-  assert result.stdout.count("kernels by device time per run") == 4, result.stdout
-  records = [json.loads(line) for line in out.read_text().splitlines()]
+  assert stdout.count("kernels by device time per run") == 4, stdout
   assert {(r["op"], r["pass"], r["micro_batches"]) for r in records} == {
       ("moe_layer", p, m) for p in ("fwd", "fwd_bwd") for m in (1, 2)}
   assert all(r["median_us"] > 0 for r in records)
@@ -368,16 +367,10 @@ def test_bench_layer_moe_layer_records_carry_micro_batches(tmp_path):
 
 
 def test_bench_layer_times_calls_per_step_with_the_weights_quantised_once(tmp_path):
-  out = tmp_path / "layer.jsonl"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices=1))
-  result = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layer.py"), "--shapes",
-       "mixtral", "--scale", "16", "--tokens", "256", "--repeats", "2", "--ops", "moe_layer",
-       "--precisions", "bf16", "fp8", "--calls-per-step", "2", "--out", str(out)],
-      env=env, capture_output=True, text=True, timeout=300)
-  assert result.returncode == 0, result.stdout + result.stderr
-  assert ": failed: " not in result.stdout, result.stdout
-  records = [json.loads(line) for line in out.read_text().splitlines()]
+  stdout, records = _run_bench_layer_on_cpu(
+      tmp_path, "--shapes", "mixtral", "--scale", "16", "--tokens", "256", "--ops", "moe_layer",
+      "--precisions", "bf16", "fp8", "--calls-per-step", "2")
+  assert ": failed: " not in stdout, stdout
   assert {(r["pass"], r["precision"], r["calls_per_step"]) for r in records} == {
       (p, q, 2) for p in ("fwd", "fwd_bwd") for q in ("bf16", "fp8")}
   assert all(r["median_us"] > 0 for r in records)
