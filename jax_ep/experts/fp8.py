@@ -185,7 +185,7 @@ def quantize_weights(w) -> Fp8Weights:
   if sharded is None:
     return _quantize_weights(w)
   mesh, (g, k, n) = sharded
-  local = tuple(d // _axes_size(mesh, s) for d, s in zip(w.shape, (g, k, n)))
+  local = jax.typeof(w).sharding.shard_shape(w.shape)
   if local[1] % BLOCK or local[2] % BLOCK:
     raise ValueError(f"jax_ep.quantize_weights: w {tuple(w.shape)} is sharded as {P(g, k, n)}: "
                      f"each shard's blocks are its own, so its K and N ({local[1]}, "
@@ -193,12 +193,6 @@ def quantize_weights(w) -> Fp8Weights:
   out = P(g, n, k)
   return jax.shard_map(_quantize_weights, mesh=mesh, in_specs=P(g, k, n),
                        out_specs=Fp8Weights(out, out))(w)
-
-
-def _axes_size(mesh, spec) -> int:
-  """The shards a dimension laid out as `spec` (None, an axis name or a tuple of them) has."""
-  names = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
-  return int(np.prod([mesh.shape[name] for name in names], dtype=np.int64))
 
 
 def dequantize_rows(x, x_scales, dtype=jnp.float32):

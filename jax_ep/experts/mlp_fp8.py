@@ -193,7 +193,8 @@ def takes_row_kernels(shape) -> bool:
 
 
 # `fp8_quantize(x)` of the rows `[R, H]` by `quantize_kernel.quantize_row_blocks` (where
-# `takes_row_kernels`), straight through as `primitives.quantize`.
+# `takes_row_kernels`), straight through as `primitives.quantize`; the kernel is looked up at
+# each call, as the backward's is.
 quantize_rows = straight_through(lambda x: quantize_kernel.quantize_row_blocks(x))
 
 
