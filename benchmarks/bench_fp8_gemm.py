@@ -14,7 +14,12 @@ MLP's own kernels, `--products gate_up input_grad`: `gate_up` the gated kernel, 
 projections of `[rows, H]` with SwiGLU and `h`'s quantisation in its epilogue, against the bf16
 `[rows, H] x [H, 2F]`; `input_grad` `dgate @ w_gate^T + dup @ w_up^T` as the MLP runs it, the
 FP8 product over `[dgate | dup]` (K = 2F), against the bf16 `[rows, 2F] x [2F, H]`; their
-FLOPs are both products'):
+FLOPs are both products'; `weight_grad`: the weight gradient `x^T dy` per expert, `[rows, H]`
+e4m3 rows with their scales and `[rows, F]` bf16 cotangents (as the MLP's `x` and `[dgate |
+dup]`) -> `[G, F, H]`, the FP8 kernel with both operands' quantisation per 128 tokens per
+channel into its copies timed in (the kernel alone: `settings: {"without": "column
+quantisation"}`), against jax_ep's bf16 weight gradient of the bf16 rows, the dense bound `x^T
+@ dy`):
 - `op: grouped_matmul`, `pass: fwd`, `precision: fp8`: the FP8 kernel on e4m3 rows with
   per-128-channel scales and e4m3 weights with 128x128-block scales (quantised before the
   timing: the kernel alone), bf16 out, the tiles `configs.fp8_tile_config` picks;
@@ -62,7 +67,8 @@ TUNE = ("128,128,3,4,2", "128,128,5,4,2", "128,128,4,1,2", "128,128,4,8,2", "128
 # multiplies one row operand by two weights, `input_grad` two row operands by two weights (one
 # product over both, K = 2F).
 PRODUCTS = {"up": ("hidden", "ffn", 1), "down": ("ffn", "hidden", 1),
-            "gate_up": ("hidden", "ffn", 2), "input_grad": ("ffn", "hidden", 2)}
+            "gate_up": ("hidden", "ffn", 2), "input_grad": ("ffn", "hidden", 2),
+            "weight_grad": ("hidden", "ffn", 1)}
 
 
 def quantize_weights(w):
@@ -89,6 +95,72 @@ def fp8_kernel(product: str, groups: int, k: int, n: int):
   if product == "input_grad":  # [dgate | dup] x [w_gate | w_up]: K = 2F
     return configs.fp8_tile_config(groups, 2 * k, n), matmul
   return configs.fp8_tile_config(groups, k, n), matmul
+
+
+def bench_weight_grad(records, name, num_experts, hidden, ffn, topk, rows, sizes, args,
+                      interpreted, base):
+  """The `weight_grad` product's records (the module docstring)."""
+  from jax_ep.experts.grouped import weight_grad_fn
+  from jax_ep.experts.layout import aligned_blocks, contiguous_offsets
+  from jax_ep.experts.quantize_kernel import quantize_column_blocks
+  keys = jax.random.split(jax.random.key(1), 2)
+  x = jax.random.normal(keys[0], (rows, hidden), jnp.float32).astype(jnp.bfloat16)
+  dy = jax.random.normal(keys[1], (rows, ffn), jnp.float32).astype(jnp.bfloat16)
+  xq, xs = jax.jit(fp8_quantize)(x)
+  offsets = contiguous_offsets(sizes)
+  flops = 2.0 * rows * hidden * ffn
+  what = f"{name} weight_grad"
+  shape = dict(shape=name, product="weight_grad", experts=num_experts, hidden=hidden, ffn=ffn,
+               topk=topk, tokens_per_rank=args.tokens, rows=rows, k=hidden, n=ffn)
+
+  def dot_t(a, b):  # a^T b: the dense weight gradient
+    return jnp.dot(a.T, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+  bound_s = time_fn(jax.jit(dot_t), (x, dy), args.repeats, f"{what} dense bf16")
+  dense8_s = time_fn(jax.jit(dot_t), (x.astype(jnp.float8_e4m3fn),
+                                      dy.astype(jnp.float8_e4m3fn)), args.repeats,
+                     f"{what} dense e4m3")
+  if bound_s is None:
+    return
+  bound_tflops = flops / bound_s / 1e12
+
+  def record(precision, impl, seconds, settings="default", **extra):
+    tflops = flops / seconds / 1e12
+    records.append(reports.record(
+        op="grouped_matmul", **{"pass": "fwd"}, precision=precision, impl=impl,
+        dtype="float8_e4m3fn" if precision == "fp8" else "bfloat16",
+        median_us=round(seconds * 1e6, 1), tflops=round(tflops, 1), bound="dense_gemm",
+        bound_tflops=round(bound_tflops, 1), fraction=round(tflops / bound_tflops, 3),
+        settings=settings, **extra, **shape, **base))
+
+  bf16_s = time_fn(jax.jit(weight_grad_fn(False, jnp.dtype(jnp.bfloat16), "auto")),
+                   (x, dy, sizes, offsets), args.repeats, f"{what} bf16")
+  if bf16_s is not None:
+    impl, _ = jax_ep.grouped_matmul_impl(rows, num_experts, hidden, ffn, jnp.bfloat16)
+    record("bf16", impl, bf16_s)
+  tiles = configs.fp8_weight_grad_tiles(ffn, hidden)
+  columns = functools.partial(quantize_column_blocks, interpret=args.interpret)
+
+  def copies(xq, xs, dy, sizes, offsets):
+    src, count, first, blocks = aligned_blocks(sizes, offsets, rows, 128)
+    return (*columns(dy, None, src, count), *columns(xq, xs, src, count), first, blocks)
+
+  def kernel(*operands):
+    return hopper_fp8.fp8_weight_grad_kernel(*operands, tiles=tiles)[0]
+  with interpreted():
+    whole_s = time_fn(jax.jit(lambda *a: kernel(*copies(*a))), (xq, xs, dy, sizes, offsets),
+                      args.repeats, f"{what} fp8 with its copies")
+    prepared = jax.jit(copies)(xq, xs, dy, sizes, offsets)
+    alone_s = time_fn(jax.jit(kernel), prepared, args.repeats, f"{what} fp8 kernel")
+  for seconds, settings in ((whole_s, "default"),
+                            (alone_s, {"without": "column quantisation"})):
+    if seconds is None:
+      continue
+    extra = {}
+    if bf16_s is not None:
+      extra["speedup_vs_bf16"] = round(bf16_s / seconds, 3)
+    if dense8_s is not None:
+      extra["dense_fp8_tflops"] = round(flops / dense8_s / 1e12, 1)
+    record("fp8", "mosaic_fp8", seconds, settings, **extra)
 
 
 def parse_tiles(text: str) -> KernelTiles:
@@ -130,6 +202,10 @@ def main():
     rows = args.tokens * topk
     sizes = skewed_sizes(rows, num_experts)
     for product in args.products:
+      if product == "weight_grad":
+        bench_weight_grad(records, name, num_experts, hidden, ffn, topk, rows, sizes, args,
+                          interpreted, base)
+        continue
       k_name, n_name, parts = PRODUCTS[product]
       k, n = (dict(hidden=hidden, ffn=ffn)[d] for d in (k_name, n_name))
       keys = jax.random.split(jax.random.key(0), 2)

@@ -78,8 +78,11 @@ def known_builds(which: str) -> dict:
     elif kind == "fp8_gmm":
       out[str(build)] = fp8.fp8_compile_error(512, 2, size, size, build[1])
     else:
-      groups = _groups_of(build, lambda g: configs.fp8_mlp_build(build[1], size, size, g))
-      out[str(build)] = mlp_fp8.fp8_mlp_compile_error(512, groups, size, size, build[1])
+      fp8_grads = build[4] == "fp8"  # the weight gradients' precision
+      groups = _groups_of(build, lambda g: configs.fp8_mlp_build(build[1], size, size, g,
+                                                                  fp8_grads))
+      with configs.override(fp8_weight_grad=fp8_grads):
+        out[str(build)] = mlp_fp8.fp8_mlp_compile_error(512, groups, size, size, build[1])
   return out
 
 

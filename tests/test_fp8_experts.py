@@ -207,7 +207,7 @@ def _activation_grad_xla(dh, gate, up, activation):
     parts = (dh * act_grad(g, activation),)
   q, scales = zip(*[fp8_quantize(d) for d in parts])
   return (jnp.concatenate(q, axis=1), jnp.concatenate(scales, axis=1),
-          tuple(d.astype(BF16) for d in parts))
+          jnp.concatenate([d.astype(BF16) for d in parts], axis=1))
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "geglu", "silu", "gelu"])
@@ -226,8 +226,8 @@ def test_the_activation_gradient_kernel_is_xlas_path(activation):
   np.testing.assert_array_equal(np.asarray(got[0]).view(np.uint8),
                                 np.asarray(want[0]).view(np.uint8))
   np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
-  for g, w in zip(got[2], want[2], strict=True):
-    np.testing.assert_array_equal(np.asarray(g, F32), np.asarray(w, F32))
+  assert got[2].shape == (64, parts * 256)
+  np.testing.assert_array_equal(np.asarray(got[2], F32), np.asarray(want[2], F32))
   assert (np.asarray(got[1])[1] == 1.0).all()
   q = np.asarray(got[0], F32)
   assert np.isnan(q[2, :5]).all() and np.isfinite(q[2, 5:128]).all()
@@ -300,9 +300,8 @@ def test_the_activation_gradient_kernel_on_hopper():
   scales, want_scales = np.asarray(got[1]), np.asarray(want[1])
   np.testing.assert_allclose(scales, want_scales, rtol=1e-6)
   _assert_within_one_e4m3_step(got[0], want[0])
-  for g, w in zip(got[2], want[2], strict=True):
-    g, w = np.asarray(g, F32), np.asarray(w, F32)
-    np.testing.assert_allclose(g[~np.isnan(w)], w[~np.isnan(w)], rtol=2.0 ** -7, atol=0)
+  g, w = np.asarray(got[2], F32), np.asarray(want[2], F32)
+  np.testing.assert_allclose(g[~np.isnan(w)], w[~np.isnan(w)], rtol=2.0 ** -7, atol=0)
 
 
 def test_quantize_weights_of_a_weight_sharded_over_explicit_axes():
@@ -443,6 +442,41 @@ def test_fp8_expert_mlp_against_float32(activation, alignment):
       g, w = g[inside], w[inside]
     assert np.all(np.isfinite(g)), f"d{name} has non-finite entries"
     assert_fp8_close(g, w, f"d{name}")
+
+
+def test_fp8_weight_gradients_are_fp8_unless_asked_for_bf16():
+  """The weight gradients run in FP8 by default (the tokens quantised per 128 per channel: not
+  the bf16 product of the dequantised rows), in bf16 with `override(fp8_weight_grad=False)`;
+  both within the recipe's bounds of float32 (`test_fp8_expert_mlp_against_float32`), the
+  input gradient the same bits either way. Under `vmap` over the rows (shared weights) each
+  element's weight gradients are its own call's (within a bf16 step: the batched call's float32
+  sums may run in another order on XLA's path)."""
+  from jax_ep import experts
+  x, weights, sizes, offsets, inside, cot = _mlp_case(seed=9)
+  grad = jax.jit(jax.grad(_mlp_loss(True, "swiglu", sizes, offsets, cot), (0, 1, 2, 3),
+                          has_aux=True))
+  fp8_grads, _ = grad(x, *weights)
+  with experts.override(fp8_weight_grad=False):
+    bf16_grads, _ = jax.jit(jax.grad(_mlp_loss(True, "swiglu", sizes, offsets, cot),
+                                     (0, 1, 2, 3), has_aux=True))(x, *weights)
+  np.testing.assert_array_equal(np.asarray(fp8_grads[0], F32)[inside],
+                                np.asarray(bf16_grads[0], F32)[inside])
+  for name, g, w in zip(("w_gate", "w_up", "w_down"), fp8_grads[1:], bf16_grads[1:]):
+    g, w = np.asarray(g, F32), np.asarray(w, F32)
+    assert not np.array_equal(g, w), name
+    assert_fp8_close(g, w, name)
+  x2 = jnp.where(jnp.asarray(inside)[:, None], -x, x)
+  per_element = jax.jit(jax.vmap(
+      lambda x, cot: jax.grad(_mlp_loss(True, "swiglu", sizes, offsets, cot), (1, 2, 3),
+                              has_aux=True)(x, *weights)[0]))(jnp.stack([x, x2]),
+                                                               jnp.stack([cot, cot * 0.5]))
+  for i, (xi, ci) in enumerate(((x, cot), (x2, cot * 0.5))):
+    want = jax.jit(jax.grad(_mlp_loss(True, "swiglu", sizes, offsets, ci), (1, 2, 3),
+                            has_aux=True))(xi, *weights)[0]
+    for g, w in zip(per_element, want):
+      w = np.asarray(w, F32)
+      np.testing.assert_allclose(np.asarray(g[i], F32), w, rtol=2.0 ** -7,
+                                 atol=1e-6 * float(np.abs(w).max()))
 
 
 def test_fp8_rows_given_or_quantised_here_are_the_same_recipe():
@@ -764,6 +798,9 @@ def fp8_interpreted(monkeypatch):
       took.append(("activation_grad", dh.shape)) or real_grad(dh, *args, interpret=True)))
   monkeypatch.setattr(quantize_kernel, "quantize_row_blocks", lambda x: (
       took.append(("rows", x.shape)) or real_rows(x, interpret=True)))
+  real_columns = quantize_kernel.quantize_column_blocks
+  monkeypatch.setattr(quantize_kernel, "quantize_column_blocks", lambda x, *args: (
+      took.append(("columns", x.shape)) or real_columns(x, *args, interpret=True)))
   monkeypatch.setattr(choice, "mosaic_compile_error", lambda *args: None)
   monkeypatch.setattr(mlp, "fused_compile_error", lambda *args: None)
   monkeypatch.setattr(fp8, "fp8_compile_error", lambda *args: None)
@@ -786,9 +823,11 @@ def test_fp8_kernels_as_expert_mlp_runs_them(fp8_interpreted, monkeypatch, activ
   loss = _mlp_loss(True, activation, sizes, offsets, cot)
   got_grads, got = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, *weights)
   # The one-pass kernels: x's quantisation, then the backward's of dy and its activation
-  # gradient.
+  # gradient, then the weight gradients' copies of x, [dgate | dup], dy and h.
   assert fp8_interpreted == [("rows", (640, 256)), ("rows", (640, 256)),
-                             ("activation_grad", (640, 384))]
+                             ("activation_grad", (640, 384)), ("columns", (640, 256)),
+                             ("columns", (640, 768)), ("columns", (640, 256)),
+                             ("columns", (640, 384))]
   # Off Hopper: the float32 product of the dequantised operands (on Hopper the fallback
   # multiplies them in bf16).
   from jax_ep.experts import choice

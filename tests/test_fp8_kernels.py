@@ -249,7 +249,8 @@ def test_few_ctas_each_run_many_items(tiles):
 @BOTH
 def test_the_interpreters_race_detector_finds_no_race(tiles):
   """Two CTAs, many items each, under the interpreter's happens-before race detector: the
-  pipeline's slots (TMA writes, the scales' reads), the staging buffers and the stores."""
+  pipeline's slots (TMA writes, the scales' reads), the staging buffers and the stores, of
+  each kernel."""
   try:
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call, params
   except ImportError:  # the detector's module moved: this jax does not offer it here
@@ -260,12 +261,18 @@ def test_the_interpreters_race_detector_finds_no_race(tiles):
   x, xs = row_operand(rng, rows, 384, gs, go)
   w_gate, w_up = weight_operand(rng, len(SIZES), 256, 384), weight_operand(
       rng, len(SIZES), 256, 384)
+  from jax_ep.experts import fp8 as fp8_module
+  from jax_ep.experts.layout import aligned_blocks
+  src, count, first, blocks = aligned_blocks(gs, go, rows, 128)
+  columns = lambda q, s: fp8_module.quantize_columns(q, s, src, count)  # noqa: E731
   runs = {
       "matmul": lambda: hopper_fp8.fp8_grouped_matmul_kernel(x, xs, *w_gate, gs, go,
                                                              tiles=tiles),
       "gated": lambda: hopper_fp8.fp8_gated_kernel(
           x, xs, w_gate[0], w_up[0], w_gate[1], w_up[1], gs, go, activation="swiglu",
-          tiles=tiles)}
+          tiles=tiles),
+      "weight_grad": lambda: hopper_fp8.fp8_weight_grad_kernel(
+          *columns(x, xs), *columns(x, xs), first, blocks, tiles=tiles)}
   for what, run in runs.items():
     with plgpu.force_gpu_interpret_mode(params.InterpretGPUParams(detect_races=True)), \
         experts.override(kernel_sms=2):
@@ -480,6 +487,122 @@ def test_the_epilogues_quantisation_is_fp8_quantize():
   np.testing.assert_array_equal(np.asarray(q, np.float32), np.asarray(want_q, np.float32))
 
 
+# ------------------------------------------------------------------ the weight gradient
+
+def column_case(rng, sizes, alignment, channels, dtype, fill=np.nan, nan_inside=True):
+  """Rows `[rows, channels]` of `dtype` (e4m3: with their row scales) over 16 binades, `fill`
+  in every row outside the groups (`nan_inside`: and the first group's row 3 NaN in three
+  channels); the layout and the group-aligned copy's blocks (`layout.aligned_blocks`)."""
+  from jax_ep.experts.layout import aligned_blocks
+  gs, go, rows = layout(sizes, alignment)
+  rows += 5  # rows past the last group
+  x = rng.standard_normal((rows, channels)) * np.exp2(rng.uniform(-8, 8, (rows, 1)))
+  if nan_inside:
+    x[int(go[0]) + 3, :3] = np.nan
+  inside = np.asarray(rows_inside_groups(gs, go, rows))
+  x[~inside] = fill
+  blocks = aligned_blocks(gs, go, rows, 128)
+  if dtype == jnp.float8_e4m3fn:
+    q, scales = fp8_quantize(jnp.asarray(x, jnp.float32))
+    return (q, scales), gs, go, blocks
+  return (jnp.asarray(x, dtype), None), gs, go, blocks
+
+
+def written_blocks(count):
+  """The blocks of the copy that the column kernel writes: those holding rows, and the last
+  (the empty groups' zeros)."""
+  count = np.asarray(count)
+  return np.flatnonzero((count > 0) | (np.arange(len(count)) == len(count) - 1))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32, jnp.float8_e4m3fn],
+                         ids=["bf16", "f32", "e4m3"])
+def test_the_column_quantisation_kernel_is_xlas(dtype):
+  """The weight gradients' quantisation per 128 tokens per channel (interpreted) against XLA's
+  (`fp8.quantize_columns`), both jitted: each written block's values and scales bit for bit,
+  e4m3 rows dequantised first; a NaN stays in its element and out of its block's scale; the
+  copy's rows past a group, and its last block, zeros; rows outside the groups (NaN) never
+  reach it."""
+  from jax_ep.experts import fp8 as fp8_module
+  from jax_ep.experts.quantize_kernel import quantize_column_blocks
+  (x, xs), gs, go, (src, count, first, blocks) = column_case(
+      np.random.default_rng(3), [150, 0, 37, 256, 1], 1, 256, dtype)
+  got = jax.jit(lambda *a: quantize_column_blocks(*a, interpret=True))(x, xs, src, count)
+  want = jax.jit(fp8_module.quantize_columns)(x, xs, src, count)
+  num_blocks = src.shape[0]
+  assert got[0].shape == (256, num_blocks * 128) and got[1].shape == (num_blocks, 256)
+  assert got[0].dtype == jnp.float8_e4m3fn and got[1].dtype == jnp.float32
+  for b in written_blocks(count):
+    cols = slice(128 * b, 128 * (b + 1))
+    np.testing.assert_array_equal(np.asarray(got[0][:, cols]).view(np.uint8),
+                                  np.asarray(want[0][:, cols]).view(np.uint8), err_msg=str(b))
+    np.testing.assert_array_equal(np.asarray(got[1][b]), np.asarray(want[1][b]))
+  q = np.asarray(got[0], np.float32)
+  scales = np.asarray(got[1])
+  assert np.isfinite(scales[written_blocks(count)]).all()
+  # Row 3 of the first group (the copy's row 3 of block 0) holds the NaNs.
+  assert np.isnan(q[:3, 3]).all() and np.isfinite(q[3:, 3]).all()
+  last = num_blocks - 1
+  assert (q[:, 128 * last:] == 0).all()
+  # The first group's last block holds 150 - 128 = 22 rows: the rest of it zeros.
+  assert (q[:, 128 + 22:256] == 0).all() and (q[:, 128:128 + 22] != 0).any()
+
+
+def weight_grad_oracle(a, b, first, blocks):
+  """`(out, absolute)` `[G, P, Q]` in float64: each group's blocks of the dequantised copies
+  `(q, scales)`, `a^T`'s and `b^T`'s product (and of their absolute values)."""
+  def dequantize(q, scales):
+    return np.asarray(q, np.float64) * np.repeat(np.asarray(scales, np.float64).T, 128, axis=1)
+  a, b = dequantize(*a), dequantize(*b)
+  outs, absolute = [], []
+  for f, n in zip(np.asarray(first), np.asarray(blocks)):
+    cols = slice(128 * int(f), 128 * int(f + n))
+    outs.append(a[:, cols] @ b[:, cols].T)
+    absolute.append(np.abs(a[:, cols]) @ np.abs(b[:, cols]).T)
+  return np.stack(outs), np.stack(absolute)
+
+
+@BOTH
+def test_weight_grad_matches_the_dequantised_oracle(tiles):
+  """The FP8 weight gradient (interpreted) of the copies the MLP gives it, `[dgate | dup]`'s
+  against `x`'s (two parts, one result each) at groups with gaps, an empty one and one of a
+  single row, NaN in every row outside the groups; few CTAs, many items each."""
+  from jax_ep.experts import fp8 as fp8_module
+  rng = np.random.default_rng(4)
+  sizes = [150, 0, 37, 256, 1]
+  (x, xs), gs, go, (src, count, first, blocks) = column_case(
+      rng, sizes, 128, 128, jnp.float8_e4m3fn, nan_inside=False)
+  (d, _), *_ = column_case(rng, sizes, 128, 256, jnp.bfloat16, nan_inside=False)
+  x_t = fp8_module.quantize_columns(x, xs, src, count)
+  d_t = fp8_module.quantize_columns(d, None, src, count)
+  with interpret(), experts.override(kernel_sms=2):
+    outs = hopper_fp8.fp8_weight_grad_kernel(*d_t, *x_t, first, blocks, tiles=tiles, parts=2)
+  assert len(outs) == 2 and all(o.shape == (5, 128, 128) and o.dtype == jnp.bfloat16
+                                for o in outs)
+  want, absolute = weight_grad_oracle(d_t, x_t, first, blocks)
+  got = np.concatenate([np.asarray(o, np.float64) for o in outs], axis=1)
+  assert np.isfinite(got).all()
+  err = np.abs(got - want)
+  assert (err <= REL * np.abs(want) + ABS_INTERPRETED * absolute).all(), err.max()
+  assert (got[1] == 0).all()  # the empty group
+  assert np.abs(got[0]).max() > 0 and np.abs(got[4]).max() > 0
+
+
+def test_the_copy_starts_each_group_at_a_block():
+  """`layout.aligned_blocks`: per block its source rows, per group its blocks; an empty group
+  has the last block (all zeros), which no group's rows reach."""
+  from jax_ep.experts.layout import aligned_blocks
+  sizes = jnp.asarray([130, 0, 5, 128], jnp.int32)
+  offsets = jnp.asarray([2, 132, 140, 150], jnp.int32)
+  src, count, first, blocks = (np.asarray(a) for a in aligned_blocks(sizes, offsets, 300, 128))
+  assert len(src) == 3 + 4 + 1
+  np.testing.assert_array_equal(count[:5], [128, 2, 5, 128, 0])
+  np.testing.assert_array_equal(src[:4], [2, 130, 140, 150])
+  np.testing.assert_array_equal(first, [0, 7, 2, 3])
+  np.testing.assert_array_equal(blocks, [2, 1, 1, 1])
+  assert count[-1] == 0
+
+
 # ------------------------------------------------------------------ bad input
 
 def _abstract(rows=256, groups=2, k=256, n=256, x_dtype=jnp.float8_e4m3fn):
@@ -572,6 +695,21 @@ def test_input_grad_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn):
          *_abstract(4096, groups, 2 * ffn, hidden))
 
 
+@pytest.mark.parametrize("product", ["gate_up", "down"])
+@pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
+def test_weight_grad_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn, product):
+  """The FP8 weight gradients as the MLP runs them: `[dgate | dup]^T x` (P = 2F in two
+  parts, Q = H) and `dy^T h` (P = H, Q = F), over 4096 tokens' copy."""
+  p, q, parts = (2 * ffn, hidden, 2) if product == "gate_up" else (hidden, ffn, 1)
+  tiles = configs.fp8_weight_grad_tiles(p, q)
+  blocks = 4096 // 128 + groups + 1
+  S = jax.ShapeDtypeStruct
+  e4m3 = jnp.float8_e4m3fn
+  _lower(lambda *a: hopper_fp8.fp8_weight_grad_kernel(*a, tiles=tiles, parts=parts),
+         S((p, blocks * 128), e4m3), S((blocks, p), jnp.float32), S((q, blocks * 128), e4m3),
+         S((blocks, q), jnp.float32), S((groups,), jnp.int32), S((groups,), jnp.int32))
+
+
 # ------------------------------------------------------------------ the benchmark
 
 @pytest.mark.slow
@@ -586,7 +724,8 @@ def test_the_benchmark_writes_grouped_matmul_records(tmp_path):
   out = tmp_path / "fp8.jsonl"
   result = subprocess.run(
       [sys.executable, os.path.join(root, "benchmarks", "bench_fp8_gemm.py"), "--shapes",
-       "qwen3_30b_a3b", "--products", "up", "gate_up", "input_grad", "--scale", "16", "--tokens",
+       "qwen3_30b_a3b", "--products", "up", "gate_up", "input_grad", "weight_grad", "--scale",
+       "16", "--tokens",
        "16", "--interpret",
        "--repeats", "1", "--out", str(out)],
       env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
@@ -594,7 +733,10 @@ def test_the_benchmark_writes_grouped_matmul_records(tmp_path):
   records = [json.loads(line) for line in out.read_text().splitlines()]
   assert sorted((r["product"], r["precision"]) for r in records) == [
       ("gate_up", "bf16"), ("gate_up", "fp8"), ("input_grad", "bf16"), ("input_grad", "fp8"),
-      ("up", "bf16"), ("up", "fp8")]
+      ("up", "bf16"), ("up", "fp8"), ("weight_grad", "bf16"), ("weight_grad", "fp8"),
+      ("weight_grad", "fp8")]
+  assert {str(r["settings"]) for r in records if r["product"] == "weight_grad"} == {
+      "default", "{'without': 'column quantisation'}"}
   for r in records:
     assert r["op"] == "grouped_matmul" and r["pass"] == "fwd"
     assert (r["experts"], r["k"], r["n"], r["rows"]) == (8, 128, 128, 16 * 8)
@@ -724,3 +866,125 @@ def test_one_warpgroup_forms_and_a_plain_activation_on_hopper():
       x, xs, w, None, s, None, gs, go, activation="gelu", tiles=tiles))(
           x, xs, *w_gate, gs, go)
   check_gated(outs, x, xs, w_gate, None, gs, go, "gelu", ABS_HOPPER, oracle_on_device)
+
+
+def weight_grad_errors_on_device(outs, a, b, first, blocks, abs_bound):
+  """`(values off the bound, largest excess)` of the FP8 weight gradient's parts `outs` (each
+  `[G, P / parts, Q]`) against the float32 (HIGHEST) oracle of the dequantised copies `a`,
+  `b` (`(q, scales)`), on the device: one block's product at a time in a scan over the groups'
+  blocks, each group compared when its last block is in (the `[G, P, Q]` oracle of the model
+  shapes would take tens of GB). An empty group's result must be zeros."""
+  first, blocks = np.asarray(first), np.asarray(blocks)
+  # An empty group has the copy's last block (zeros), which no group's rows reach.
+  empty = [g for g, f in enumerate(first) if f == a[1].shape[0] - 1]
+  used = [(g, int(f) + i) for g, (f, n) in enumerate(zip(first, blocks)) if g not in empty
+          for i in range(int(n))]
+  order = np.asarray([b_ for _, b_ in used], np.int32)
+  group_of = np.asarray([g for g, _ in used], np.int32)
+  last = np.asarray([i == len(used) - 1 or used[i + 1][0] != g
+                     for i, (g, _) in enumerate(used)])
+
+  @jax.jit
+  def errors(outs, a_q, a_s, b_q, b_s, order, group_of, last):
+    def blocks_of(q, s):  # [blocks used, channels, 128] float32
+      channels = q.shape[0]
+      d = q.astype(jnp.float32).reshape(channels, -1, 128) * s.T[:, :, None]
+      return jnp.moveaxis(d, 1, 0)[order]
+    dot = functools.partial(jnp.dot, precision=jax.lax.Precision.HIGHEST)
+    a_b, b_b = blocks_of(a_q, a_s), blocks_of(b_q, b_s)
+    zeros = jnp.zeros((a_b.shape[1], b_b.shape[1]), jnp.float32)
+
+    def step(carry, xs):
+      acc, acc_abs, bad, worst = carry
+      ab, bb, g, is_last = xs
+      acc, acc_abs = acc + dot(ab, bb.T), acc_abs + dot(jnp.abs(ab), jnp.abs(bb).T)
+
+      def compare(args):
+        acc, acc_abs, bad, worst = args
+        got = jnp.concatenate([o[g] for o in outs], axis=0).astype(jnp.float32)
+        excess = jnp.abs(got - acc) - (REL * jnp.abs(acc) + abs_bound * acc_abs)
+        off = ~(excess <= 0)  # NaN counts
+        return (zeros, zeros, bad + jnp.sum(off, dtype=jnp.int32),
+                jnp.maximum(worst, jnp.max(jnp.where(off, jnp.abs(excess), 0.0))))
+      return jax.lax.cond(is_last, compare, lambda c: c, (acc, acc_abs, bad, worst)), None
+
+    (_, _, bad, worst), _ = jax.lax.scan(step, (zeros, zeros, jnp.int32(0), jnp.float32(0)),
+                                         (a_b, b_b, group_of, last))
+    return bad, worst
+
+  bad, worst = errors(tuple(outs), *a, *b, order, group_of, last)
+  for g in empty:
+    assert all(not np.asarray(jnp.any(o[g] != 0)) for o in outs), f"empty group {g}"
+  return int(bad), float(worst)
+
+
+def test_the_device_weight_grad_check_matches_the_float64_one():
+  """The GPU tests' check (on the device, float32) passes the kernel's interpreted result and
+  finds a value moved by 1 %."""
+  from jax_ep.experts import fp8 as fp8_module
+  rng = np.random.default_rng(8)
+  sizes = [150, 0, 37, 256, 1]
+  (x, xs), gs, go, (src, count, first, blocks) = column_case(
+      rng, sizes, 1, 128, jnp.float8_e4m3fn, nan_inside=False)
+  (d, _), *_ = column_case(rng, sizes, 1, 256, jnp.bfloat16, nan_inside=False)
+  x_t = fp8_module.quantize_columns(x, xs, src, count)
+  d_t = fp8_module.quantize_columns(d, None, src, count)
+  with interpret():
+    outs = hopper_fp8.fp8_weight_grad_kernel(*d_t, *x_t, first, blocks, tiles=SPECIALIZED,
+                                             parts=2)
+  assert weight_grad_errors_on_device(outs, d_t, x_t, first, blocks, ABS_INTERPRETED)[0] == 0
+  moved = (outs[0].at[3, 5, 7].multiply(1.01), outs[1])
+  assert weight_grad_errors_on_device(moved, d_t, x_t, first, blocks, ABS_INTERPRETED)[0] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float8_e4m3fn], ids=["bf16", "e4m3"])
+def test_the_column_quantisation_kernel_on_hopper(dtype):
+  """The weight gradients' copy of one rank of DeepSeek-V3 at EP=8's rows (32768 x 7168, 32
+  skewed groups at no alignment: most start inside a block) against XLA's on the same GPU:
+  the scales bit for bit, each value the same or one e4m3 step away (XLA's reciprocal may
+  round apart at a boundary), the rows past each group zeros."""
+  from jax_ep.experts import fp8 as fp8_module
+  from jax_ep.experts.layout import aligned_blocks
+  from jax_ep.experts.quantize_kernel import quantize_column_blocks
+  from test_fp8_experts import _assert_within_one_e4m3_step
+  require_hopper()
+  rng = np.random.default_rng(14)
+  gs, go, rows = layout(skewed_sizes(rng, 32, 32768), 1)
+  x, xs = row_operand(rng, rows, 7168, gs, go)
+  if dtype == jnp.bfloat16:
+    x, xs = (x.astype(jnp.float32) * jnp.repeat(xs, 128, axis=1)).astype(jnp.bfloat16), None
+  src, count, first, blocks = aligned_blocks(gs, go, rows, 128)
+  got = jax.jit(quantize_column_blocks)(x, xs, src, count)
+  want = jax.jit(fp8_module.quantize_columns)(x, xs, src, count)
+  written = written_blocks(count)
+  cols = (written[:, None] * 128 + np.arange(128)[None, :]).reshape(-1)
+  np.testing.assert_array_equal(np.asarray(got[1])[written], np.asarray(want[1])[written])
+  _assert_within_one_e4m3_step(np.asarray(got[0])[:, cols], np.asarray(want[0])[:, cols])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("product", ["gate_up", "down"])
+@pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
+def test_weight_grad_on_hopper(groups, hidden, ffn, product):
+  """The FP8 weight gradients as the MLP runs them, on the column kernel's copies of 4096
+  skewed rows at no alignment (NaN outside the groups): `[dgate | dup]^T x` (two parts) and
+  `dy^T h`, against the oracle of the same copies."""
+  from jax_ep.experts.layout import aligned_blocks
+  from jax_ep.experts.quantize_kernel import quantize_column_blocks
+  require_hopper()
+  rng = np.random.default_rng(15)
+  gs, go, rows = layout(skewed_sizes(rng, groups, 4096), 1)
+  p, q, parts = (2 * ffn, hidden, 2) if product == "gate_up" else (hidden, ffn, 1)
+  d, _ = row_operand(rng, rows, p, gs, go)
+  d = d.astype(jnp.bfloat16) * jnp.asarray(0.5, jnp.bfloat16)
+  x, xs = row_operand(rng, rows, q, gs, go)
+  src, count, first, blocks = aligned_blocks(gs, go, rows, 128)
+  columns = jax.jit(quantize_column_blocks)
+  a, b = columns(d, None, src, count), columns(x, xs, src, count)
+  tiles = configs.fp8_weight_grad_tiles(p, q)
+  outs = jax.jit(lambda *args: hopper_fp8.fp8_weight_grad_kernel(
+      *args, tiles=tiles, parts=parts))(*a, *b, first, blocks)
+  assert [o.shape for o in outs] == [(groups, p // parts, q)] * parts
+  bad, worst = weight_grad_errors_on_device(outs, a, b, first, blocks, ABS_HOPPER)
+  assert bad == 0, f"{bad} values off the bound, the worst by {worst}"

@@ -126,6 +126,8 @@ class Overrides:
     fused_mlp: whether `expert_mlp` takes the fused kernels where they run (None: yes, where
       the grouped GEMM takes the Mosaic kernels); False: the unfused grouped GEMMs.
     fused_tiles: the fused expert kernels' tiles for every shape.
+    fp8_weight_grad: whether the FP8 recipe's weight gradients run in FP8 (None: yes; the
+      tokens quantised per 128 per channel) or, False, in bf16 on the dequantised rows.
     kernel_sms: the SMs the persistent Hopper kernels' grid is sized for (None: the device's;
       the grid is this times the tiles' `ctas_per_sm`). Fewer leave SMs to kernels beside
       them (a persistent CTA holds its share of an SM to the kernel's end, so a kernel that
@@ -140,6 +142,7 @@ class Overrides:
   slab_tiles: SlabTiles | None = None
   fused_mlp: bool | None = None
   fused_tiles: KernelTiles | None = None
+  fp8_weight_grad: bool | None = None
   kernel_sms: int | None = None
 
 
@@ -343,6 +346,22 @@ def fp8_tile_config(groups: int, k: int, n: int) -> KernelTiles | None:
   return FP8_TILE_TABLE.get((groups, k, n), _FP8_FORWARD)
 
 
+# The FP8 weight gradient (`hopper_fp8.fp8_weight_grad_kernel`): a `[P, Q]` output tile per
+# group, reduced over the group's 128-token blocks; the two compute warpgroups split the tile's
+# P rows (64 x 128 each: 64 + 64 registers per thread), 4 stages of 33 KiB (both operands'
+# 128 x 128 e4m3 tiles and their scales) beside 32 KiB of staged bf16 output.
+_FP8_WEIGHT_GRAD = KernelTiles(block_m=128, block_n=128, block_k=FP8_BLOCK, stages=4, band=4,
+                               compute_wgs=2)
+
+
+def fp8_weight_grad_tiles(p: int, q: int) -> KernelTiles | None:
+  """The FP8 weight gradient's tiles for `[G, P, Q]` outputs, or None where `p` or `q` is not
+  a multiple of 128."""
+  if p % FP8_BLOCK or q % FP8_BLOCK:
+    return None
+  return _FP8_WEIGHT_GRAD
+
+
 def fp8_gated_tiles(k: int, n: int) -> KernelTiles | None:
   """The FP8 gated kernel's tiles (gate and up of a `[rows, k]` operand, `[rows, n]` outputs),
   or None where `k` or `n` is not a multiple of 128."""
@@ -378,13 +397,22 @@ def fp8_gmm_build(tiles: KernelTiles) -> tuple:
   return ("fp8_gmm", tiles)
 
 
-def fp8_mlp_build(activation: str, hidden: int, ffn: int, groups: int) -> tuple:
-  """The FP8 MLP's kernels (the gated projections, the input gradient, the bf16 weight
-  gradients)."""
+def fp8_mlp_build(activation: str, hidden: int, ffn: int, groups: int,
+                  fp8_weight_grad: bool | None = None) -> tuple:
+  """The FP8 MLP's kernels (the gated projections, the input gradient, the weight gradients:
+  FP8, or bf16 with `override(fp8_weight_grad=False)`; `fp8_weight_grad` None: the override's
+  choice)."""
   parts = 2 if activation in ("swiglu", "geglu") else 1  # the input gradient's K: parts * F
+  if fp8_weight_grad is None:
+    fp8_weight_grad = current().fp8_weight_grad is not False
+  if not fp8_weight_grad:
+    weight_grads = (weight_grad_tiles(hidden, ffn, groups), weight_grad_tiles(ffn, hidden, groups),
+                    weight_grad_specialized())
+  else:
+    weight_grads = ("fp8", fp8_weight_grad_tiles(parts * ffn, hidden),
+                    fp8_weight_grad_tiles(hidden, ffn))
   return ("fp8_mlp", activation, fp8_gated_tiles(hidden, ffn),
-          fp8_tile_config(groups, parts * ffn, hidden), weight_grad_tiles(hidden, ffn, groups),
-          weight_grad_tiles(ffn, hidden, groups), weight_grad_specialized())
+          fp8_tile_config(groups, parts * ffn, hidden), *weight_grads)
 
 
 # The sizes the known builds stand for (multiples of 128 of both; the five model shapes' are).
@@ -401,8 +429,9 @@ KNOWN_BUILDS: frozenset = frozenset(
     + [fused_mlp_build(jnp.bfloat16, activation, KNOWN_BUILD_SIZE, KNOWN_BUILD_SIZE, groups)
        for activation in _ACTIVATIONS for groups in KNOWN_BUILD_GROUPS]
     + [fp8_gmm_build(_FP8_FORWARD)]
-    + [fp8_mlp_build(activation, KNOWN_BUILD_SIZE, KNOWN_BUILD_SIZE, groups)
-       for activation in _ACTIVATIONS for groups in KNOWN_BUILD_GROUPS])
+    + [fp8_mlp_build(activation, KNOWN_BUILD_SIZE, KNOWN_BUILD_SIZE, groups, fp8_grads)
+       for activation in _ACTIVATIONS for groups in KNOWN_BUILD_GROUPS
+       for fp8_grads in (True, False)])
 # tests/test_hopper_aot.py turns this off to compile every known build.
 TRUST_KNOWN_BUILDS = True
 

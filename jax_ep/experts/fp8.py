@@ -202,6 +202,26 @@ def dequantize_rows(x, x_scales, dtype=jnp.float32):
   return (x32 * x_scales.astype(jnp.float32)[..., None]).reshape(rows, k).astype(dtype)
 
 
+def quantize_columns(x, x_scales, src, count):
+  """XLA's `quantize_kernel.quantize_column_blocks`, the same rule bit for bit: `x` `[R, C]`
+  (bf16 / f32, or e4m3 with its `[R, C / 128]` row scales, dequantised first) quantised per
+  128 rows per channel into the group-aligned copy of `layout.aligned_blocks` (`src`, `count`
+  `[NB]`), transposed: `(q [C, NB * 128] e4m3, scales [NB, C] f32)`, rows past a block's
+  `count` zeros. A NaN stays in its element and out of its block's scale (the kernel's
+  maximum leaves it out)."""
+  rows, channels = x.shape
+  rows_f32 = x.astype(jnp.float32) if x_scales is None else dequantize_rows(x, x_scales)
+  i = jnp.arange(BLOCK, dtype=jnp.int32)
+  inside = i[None, :] < count[:, None]  # [NB, 128]
+  at = jnp.clip(src[:, None] + i[None, :], 0, max(rows - 1, 0))
+  blocks = jnp.where(inside[:, :, None], rows_f32[at], 0.0)  # [NB, 128, C]
+  amax = jnp.max(jnp.where(jnp.isnan(blocks), 0.0, jnp.abs(blocks)), axis=1)  # [NB, C]
+  scales = jnp.where(amax > 0, amax * (1.0 / E4M3_MAX), 1.0).astype(jnp.float32)
+  q = blocks * (1.0 / scales)[:, None, :]
+  q = jnp.where(jnp.isnan(q), q, jnp.clip(q, -E4M3_MAX, E4M3_MAX)).astype(jnp.float8_e4m3fn)
+  return jnp.transpose(q, (2, 0, 1)).reshape(channels, -1), scales
+
+
 # ----------------------------------------------------------------------------------------------
 # The choice.
 

@@ -102,6 +102,40 @@ def row_tiles(group_sizes, rows: int, block_m: int, group_offsets=None):
           num_items.reshape(1).astype(jnp.int32))
 
 
+def aligned_blocks(group_sizes, group_offsets, rows: int, block: int):
+  """A copy of the rows in which each group starts at a multiple of `block` (its last block
+  padded with zeros): where the FP8 weight gradient's operands, quantised per `block` rows
+  along the tokens, put them, so that no block holds two groups' rows.
+
+  Args:
+    group_sizes, group_offsets: `[G]` int32 (offsets None: the groups follow each other).
+    rows: the static row count of the source. block: the rows of a block.
+
+  Returns:
+    `(src, count, first, blocks)`: per block of the copy (`[NB]` int32, `NB = cdiv(rows,
+    block) + G + 1`: each group adds at most one partial block, and the last block is all
+    zeros) the source row it starts at and its rows (`0..block`: the block's rows past
+    `count` are zeros, a block past the groups' has none); per group (`[G]` int32) its first
+    block and number of blocks. An empty group has the last, all-zero block as its one.
+  """
+  groups = group_sizes.shape[0]
+  num_blocks = cdiv(rows, block) + groups + 1
+  starts, ends = group_bounds(group_sizes, group_offsets)
+  blocks = (ends - starts + block - 1) // block
+  block_end = jnp.cumsum(blocks)
+  first = block_end - blocks
+  b = jnp.arange(num_blocks, dtype=jnp.int32)
+  # A comparison against every group's end, not jnp.searchsorted (see row_tiles).
+  group = jnp.minimum(jnp.sum(block_end[None, :] <= b[:, None], axis=1, dtype=jnp.int32),
+                      groups - 1)
+  src = starts[group] + (b - first[group]) * block
+  count = jnp.where(b < block_end[-1], jnp.clip(ends[group] - src, 0, block), 0)
+  empty = blocks == 0
+  return (jnp.where(count > 0, src, 0).astype(jnp.int32), count.astype(jnp.int32),
+          jnp.where(empty, num_blocks - 1, first).astype(jnp.int32),
+          jnp.where(empty, 1, blocks).astype(jnp.int32))
+
+
 # ----------------------------------------------------------------------------------------------
 # vmap: the batch folded into rows and groups, one call.
 

@@ -1,6 +1,6 @@
 """The expert MLP in FP8, DeepSeek-V3's recipe: `y = act(x @ w_gate) * (x @ w_up) @ w_down`
-(gated; `act(x @ w_gate) @ w_down` plain) per expert with every product of the forward and of
-the input gradient in FP8 (`jax_ep/experts/fp8.py`), the weight gradients in bf16.
+(gated; `act(x @ w_gate) @ w_down` plain) per expert with every product in FP8
+(`jax_ep/experts/fp8.py`), the weight gradients included.
 
 - forward: `x` arrives as e4m3 rows with per-128 scales (an fp8 dispatch's rows, or the
   activations quantised once); gate and up are FP8 products promoted to fp32; the activation
@@ -10,23 +10,27 @@ the input gradient in FP8 (`jax_ep/experts/fp8.py`), the weight gradients in bf1
 - backward: `dy` quantised per row over H, `dh = dy @ w_down^T` in FP8; `dgate`, `dup` in fp32
   from the saved projections, quantised per row over F, `dx = dgate @ w_gate^T + dup @ w_up^T`
   in FP8 (one product over both projections' reduction, summed in fp32), returned in bf16;
-  the weight gradients `x^T dgate`, `x^T dup`, `h^T dy` per expert in bf16 (jax_ep's bf16
-  weight-gradient kernel) on the dequantised rows. NOTES: bf16 weight gradients keep their
-  reduction over the tokens exact to bf16 inputs, where FP8 would need the rows quantised
-  along the token axis (128 x 1 blocks, a second quantisation of `x` and `dy`); which is
-  faster at equal accuracy is for the benchmark to say (`benchmarks/bench_fp8_gemm.py`).
+  the weight gradients `[dgate | dup]^T x` and `dy^T h` per expert in FP8, reduced over the
+  tokens: every operand quantised again per 128 tokens per channel (DeepSeek-V3's 128 x 1
+  blocks; `x` and `h` from their e4m3 rows), in a transposed copy that starts each group at a
+  block, each block's product promoted to fp32, bf16 out. With
+  `jax_ep.experts.override(fp8_weight_grad=False)` they run in bf16 on the dequantised rows
+  (jax_ep's bf16 weight-gradient kernel): exact to the rows' bf16, at bf16 speed.
 - weights: `Fp8Weights` (`jax_ep.quantize_weights`, once per step); their gradients pass
   straight through to the bf16 / f32 masters.
 
 On Hopper (`fp8_mlp_impl`) the gate and up projections are one kernel whose epilogue applies
 the activation and quantises `h` (`hopper_fp8.fp8_gated_kernel`: no fp32 `[rows, F]` buffer),
-and every other product, `dx` of both projections included (one product over both, `[dgate |
-dup] @ [w_gate | w_up]^T`), is `hopper_fp8.fp8_grouped_matmul_kernel` (through
-`fp8.fp8_product`).
-Elsewhere the products are `fp8_product`'s fallback and the activation runs between them.
+every other product of the forward and the input gradient, `dx` of both projections included
+(one product over both, `[dgate | dup] @ [w_gate | w_up]^T`), is
+`hopper_fp8.fp8_grouped_matmul_kernel` (through `fp8.fp8_product`), and the weight gradients
+are `hopper_fp8.fp8_weight_grad_kernel` on `quantize_kernel.quantize_column_blocks`' copies.
+Elsewhere the products are `fp8_product`'s fallback and the activation runs between them; the
+weight gradients quantise the same way in XLA and multiply the dequantised copies.
 
-Rows outside the groups are unspecified in the result; every quantisation is row-local and
-every product reads only the rows of its groups, so no result or gradient depends on them.
+Rows outside the groups are unspecified in the result; every quantisation reads only rows of
+the groups (row-local, or a block of one group's rows) and every product reads only the rows of
+its groups, so no result or gradient depends on them.
 """
 
 from __future__ import annotations
@@ -40,10 +44,13 @@ import numpy as np
 
 from jax_ep._native.fp8 import fp8_quantize, straight_through
 from jax_ep._native.varying import sum_to_primal, vary_like_operands
-from jax_ep.experts import configs, quantize_kernel
-from jax_ep.experts.fp8 import BLOCK, Fp8Weights, dequantize_rows, fp8_matmul_impl, product_fn
+from jax_ep.experts import choice, configs, quantize_kernel
+from jax_ep.experts.fp8 import (BLOCK, Fp8Weights, dequantize_rows, fp8_matmul_impl,
+                                product_fn, quantize_columns)
 from jax_ep.experts.grouped import weight_grad_fn
-from jax_ep.experts.mlp import GATED, SAVED_NAME, act, act_grad, rowwise_vmap
+from jax_ep.experts.layout import aligned_blocks, cdiv, contiguous_offsets, flat_groups
+from jax_ep.experts.mlp import (GATED, SAVED_NAME, _broadcast, act, act_grad,
+                                rowwise_vmap)
 
 BF16 = np.dtype(jnp.bfloat16)
 
@@ -145,35 +152,122 @@ def _fp8_bwd(activation, fused, residuals, dy):
   kernels = fused and takes_row_kernels(dy.shape)
   dy_q, dy_scales = quantize_kernel.quantize_row_blocks(dy) if kernels else fp8_quantize(dy)
   dh = _product(dy_q, dy_scales, w_down.transposed(), group_sizes, group_offsets, f32)
-  weights = (w_gate, w_up) if activation in GATED else (w_gate,)
+  gated = activation in GATED
+  weights = (w_gate, w_up) if gated else (w_gate,)
   quantised = None
   if kernels:
-    *quantised, d_projections = quantize_kernel.activation_grad_blocks(
-        dh, saved[0], saved[1] if activation in GATED else None, activation)
-  elif activation in GATED:
-    gate, up = saved[0].astype(f32), saved[1].astype(f32)
-    d_projections = (dh * up * act_grad(gate, activation), dh * act(gate, activation))
+    # The cotangents' bf16 copies side by side, `[dgate | dup]`: the weight gradients' rows.
+    *quantised, d_rows = quantize_kernel.activation_grad_blocks(
+        dh, saved[0], saved[1] if gated else None, activation)
+    d_projections = None
   else:
-    gate = saved[0].astype(f32)
-    d_projections = (dh * act_grad(gate, activation),)
+    if gated:
+      gate, up = saved[0].astype(f32), saved[1].astype(f32)
+      d_projections = (dh * up * act_grad(gate, activation), dh * act(gate, activation))
+    else:
+      gate = saved[0].astype(f32)
+      d_projections = (dh * act_grad(gate, activation),)
+    d_rows = jnp.concatenate([d.astype(BF16) for d in d_projections], axis=1)
   dx = _input_grad(d_projections, weights, group_sizes, group_offsets, quantised)
-  weight_grad = weight_grad_fn(False, BF16, "auto")
-  x_rows = dequantize_rows(x, x_scales, BF16)
-  h_rows = dequantize_rows(h_q, h_scales, BF16)
   # Each weight's cotangent laid out as its values ([G, N, K]): quantize_weights' backward
-  # turns it back into the master's [G, K, N] (XLA cancels the two transposes).
-  as_values = lambda dw, w: Fp8Weights(  # noqa: E731
-      sum_to_primal(jnp.swapaxes(dw, 1, 2), w.values), None)
-  d_weights = [as_values(weight_grad(x_rows, d.astype(BF16), group_sizes, group_offsets), w)
-               for d, w in zip(d_projections, weights)]
-  d_down = as_values(weight_grad(h_rows, dy, group_sizes, group_offsets), w_down)
+  # turns it back into the master's [G, K, N].
+  if configs.current().fp8_weight_grad is False:
+    d_values = _bf16_weight_grads(x, x_scales, d_rows, len(weights), h_q, h_scales, dy,
+                                  group_sizes, group_offsets)
+  else:
+    d_values = _weight_grads_fn(len(weights), kernels)(x, x_scales, d_rows, h_q, h_scales, dy,
+                                                       group_sizes, group_offsets)
+  d_weights = [Fp8Weights(sum_to_primal(d, w.values), None)
+               for d, w in zip(d_values, (*weights, w_down))]
   float0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
-  d_up = d_weights[1] if w_up is not None else None
-  return (sum_to_primal(dx.astype(BF16), x), None, d_weights[0], d_up, d_down,
+  d_up = d_weights[1] if gated else None
+  return (sum_to_primal(dx.astype(BF16), x), None, d_weights[0], d_up, d_weights[-1],
           float0(group_sizes), float0(group_offsets))
 
 
 fp8_expert_mlp.defvjp(_fp8_fwd, _fp8_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# The weight gradients.
+
+def _bf16_weight_grads(x, x_scales, d_rows, parts, h_q, h_scales, dy, sizes, offsets):
+  """The weight gradients in bf16 on the dequantised rows (`override(fp8_weight_grad=False)`),
+  each `[G, N, K]`: each projection's part of `[dgate | dup]`, `^T x`; `dy^T h`. Each is the
+  bf16 kernel's `x^T d` transposed (XLA cancels it against quantize_weights' backward)."""
+  weight_grad = weight_grad_fn(False, BF16, "auto")
+  x_rows = dequantize_rows(x, x_scales, BF16)
+  h_rows = dequantize_rows(h_q, h_scales, BF16)
+  ffn = d_rows.shape[1] // parts
+  grads = [weight_grad(x_rows, d_rows[:, i * ffn:(i + 1) * ffn], sizes, offsets)
+           for i in range(parts)] + [weight_grad(h_rows, dy, sizes, offsets)]
+  return tuple(jnp.swapaxes(g, 1, 2) for g in grads)
+
+
+def _fp8_weight_grads(x, x_scales, d_rows, h_q, h_scales, dy, sizes, offsets, parts: int,
+                      kernels: bool):
+  """The weight gradients in FP8, each `[G, N, K]` (its weight's values' layout): `[dgate |
+  dup]^T x` (one product, each projection's part its own result) and `dy^T h`, every operand
+  quantised per 128 tokens per channel in a copy that starts each group at a block
+  (`layout.aligned_blocks`), each block's product promoted to fp32, rounded to bf16. `x` and
+  `h` come as the forward's e4m3 rows (dequantised, then quantised along the tokens), the
+  cotangents in bf16. `kernels`: jax_ep's kernels (`quantize_kernel.quantize_column_blocks`,
+  `hopper_fp8.fp8_weight_grad_kernel`); else XLA, the same rounding, the product of the
+  dequantised copies in float32 (bf16 on Hopper, through the bf16 grouped GEMM)."""
+  rows, hidden = x.shape
+  ffn = h_q.shape[1]
+  groups = sizes.shape[0]
+  if rows == 0:
+    return tuple(jnp.zeros((groups, ffn, hidden), BF16) for _ in range(parts)) + (
+        jnp.zeros((groups, hidden, ffn), BF16),)
+  src, count, first, blocks = aligned_blocks(sizes, offsets, rows, BLOCK)
+  quantize = quantize_kernel.quantize_column_blocks if kernels else quantize_columns
+  x_t, d_t, dy_t, h_t = (quantize(a, s, src, count) for a, s in (
+      (x, x_scales), (d_rows, None), (dy, None), (h_q, h_scales)))
+  if kernels:
+    from jax_ep.experts.hopper_fp8 import fp8_weight_grad_kernel
+    up_tiles = configs.fp8_weight_grad_tiles(parts * ffn, hidden)
+    d_proj = fp8_weight_grad_kernel(*d_t, *x_t, first, blocks, tiles=up_tiles, parts=parts)
+    (d_down,) = fp8_weight_grad_kernel(*dy_t, *h_t, first, blocks,
+                                       tiles=configs.fp8_weight_grad_tiles(hidden, ffn))
+    return vary_like_operands((*d_proj, d_down),
+                              (x, x_scales, d_rows, h_q, h_scales, dy, sizes, offsets))
+  # The copies' groups follow each other from row 0, each a whole number of blocks.
+  aligned = cdiv(sizes, BLOCK) * BLOCK
+  aligned_offsets = contiguous_offsets(aligned)
+  dtype, impl = (BF16, "auto") if choice.on_hopper() else (np.dtype(jnp.float32), "xla")
+  weight_grad = weight_grad_fn(False, BF16, impl)
+
+  def rows_of(q_t, scales):  # the copy's rows, dequantised: [NB * 128, C]
+    channels, tokens = q_t.shape
+    blocks_ = q_t.astype(jnp.float32).reshape(channels, tokens // BLOCK, BLOCK)
+    return (blocks_ * scales.T[:, :, None]).reshape(channels, tokens).T.astype(dtype)
+  x_rows, h_rows = rows_of(*x_t), rows_of(*h_t)
+  d_all = weight_grad(rows_of(*d_t), x_rows, aligned, aligned_offsets)
+  d_down = weight_grad(rows_of(*dy_t), h_rows, aligned, aligned_offsets)
+  return tuple(d_all[:, i * ffn:(i + 1) * ffn] for i in range(parts)) + (d_down,)
+
+
+@functools.cache
+def _weight_grads_fn(parts: int, kernels: bool):
+  """`_fp8_weight_grads` batched over a leading axis in one call: every element's groups in
+  turn over the elements' rows one after the other (each element its own gradients)."""
+  @jax.custom_batching.custom_vmap
+  def grads(x, x_scales, d_rows, h_q, h_scales, dy, sizes, offsets):
+    return _fp8_weight_grads(x, x_scales, d_rows, h_q, h_scales, dy, sizes, offsets, parts,
+                             kernels)
+
+  @grads.def_vmap
+  def rule(axis_size, in_batched, *args):
+    *rows_args, sizes, offsets = [_broadcast(a, b, axis_size) for a, b in zip(args, in_batched)]
+    batch, rows = rows_args[0].shape[:2]
+    groups = sizes.shape[1]
+    flat = [a.reshape(batch * rows, a.shape[-1]) for a in rows_args]
+    outs = grads(*flat, *flat_groups(sizes, offsets, rows))
+    return (tuple(o.reshape(batch, groups, *o.shape[1:]) for o in outs),
+            tuple(True for _ in outs))
+
+  return grads
 
 
 def takes_row_kernels(shape) -> bool:
@@ -214,14 +308,20 @@ def fp8_weight_bytes(activation: str, groups: int, hidden: int, ffn: int) -> int
 # ----------------------------------------------------------------------------------------------
 # The choice.
 
-@functools.cache
 def fp8_mlp_compile_error(rows: int, groups: int, hidden: int, ffn: int,
                           activation: str) -> str | None:
   """Why the FP8 MLP's Hopper kernels do not compile for this shape, or None (compiled once
-  per shape on abstract operands, forward and backward, when the shape is first traced; a known
-  build, `configs.KNOWN_BUILDS`, is not compiled)."""
-  if configs.known_to_build(configs.fp8_mlp_build(activation, hidden, ffn, groups),
-                            rows):
+  per shape and weight-gradient precision on abstract operands, forward and backward, when the
+  shape is first traced; a known build, `configs.KNOWN_BUILDS`, is not compiled)."""
+  return _fp8_mlp_compile_error(rows, groups, hidden, ffn, activation,
+                                configs.current().fp8_weight_grad is not False)
+
+
+@functools.cache
+def _fp8_mlp_compile_error(rows: int, groups: int, hidden: int, ffn: int, activation: str,
+                           fp8_weight_grad: bool) -> str | None:
+  if configs.known_to_build(
+      configs.fp8_mlp_build(activation, hidden, ffn, groups, fp8_weight_grad), rows):
     return None
   gated = activation in GATED
   spec = jax.ShapeDtypeStruct
@@ -237,12 +337,15 @@ def fp8_mlp_compile_error(rows: int, groups: int, hidden: int, ffn: int,
 
   # The cotangent is an operand: the gradient of a sum would make it a constant, which XLA
   # folds through the backward's quantisation (seconds of compile time at Mixtral's shape).
+  # Every gradient: the weights' too, whose kernels XLA would drop with their unused results.
   def backward(x, xs, wg, wu, wd, sizes, offsets, dy):
     _, pullback = jax.vjp(
-        lambda x: fp8_expert_mlp(x, xs, wg, wu, wd, sizes, offsets, activation, True), x)
+        lambda x, wg, wu, wd: fp8_expert_mlp(x, xs, wg, wu, wd, sizes, offsets, activation,
+                                             True), x, wg, wu, wd)
     return pullback(dy)
   try:
-    jax.jit(backward).lower(*operands).compile()
+    with configs.override(fp8_weight_grad=fp8_weight_grad):
+      jax.jit(backward).lower(*operands).compile()
   except Exception as e:  # noqa: BLE001 - any failure to build means: not these kernels
     return (f"the FP8 kernels did not compile for it ({type(e).__name__}: "
             f"{str(e).splitlines()[0][:200] if str(e) else ''})")

@@ -3,7 +3,9 @@
 `quantize_weight_blocks`: the expert weights, each 128 x 128 block of a `[G, K, N]` master read
 once, its amax, scale and e4m3 rounding in registers, the values written transposed (`[G, N,
 K]`, K contiguous: what the FP8 products read). `activation_grad_blocks`: the FP8 MLP's activation
-gradient between its backward products (below).
+gradient between its backward products; `quantize_row_blocks`: rows per 128 channels;
+`quantize_column_blocks`: the weight gradients' operands per 128 tokens per channel,
+transposed (below).
 
 XLA computes the same in two passes over the master (the blocks' amax, then the rounding that
 reads the master again): 2 bytes an element read twice where this reads them once. The rule is
@@ -24,6 +26,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_ep._native.varying import vary_like_operands
 
@@ -127,32 +130,32 @@ def _quantize_row_block(d, interpret: bool):
 
 def _activation_grad_kernel(*refs, activation: str, gated: bool, interpret: bool):
   """One `[rows, 128]` block of every projection's cotangent: its bf16 copy, and its e4m3
-  values and per-row scales at the projection's place in `[dgate | dup]`."""
+  values and per-row scales, each at the projection's place in `[dgate | dup]`."""
   from jax_ep.experts.mlp import act, act_grad
   if gated:
-    dh_ref, gate_ref, up_ref, q_ref, scales_ref, dgate_ref, dup_ref = refs
+    dh_ref, gate_ref, up_ref, q_ref, scales_ref, copy_ref = refs
   else:
-    dh_ref, gate_ref, q_ref, scales_ref, dgate_ref = refs
+    dh_ref, gate_ref, q_ref, scales_ref, copy_ref = refs
   dh = dh_ref[...].astype(jnp.float32)
   g = gate_ref[...].astype(jnp.float32)
   if gated:
     # The expressions of mlp_fp8's XLA path, in its order.
-    parts = ((dh * up_ref[...].astype(jnp.float32) * act_grad(g, activation), dgate_ref),
-             (dh * act(g, activation), dup_ref))
+    parts = (dh * up_ref[...].astype(jnp.float32) * act_grad(g, activation),
+             dh * act(g, activation))
   else:
-    parts = ((dh * act_grad(g, activation), dgate_ref),)
-  for p, (d, copy_ref) in enumerate(parts):
-    copy_ref[...] = d.astype(copy_ref.dtype)
+    parts = (dh * act_grad(g, activation),)
+  for p, d in enumerate(parts):
+    copy_ref[:, p, :] = d.astype(copy_ref.dtype)
     q_ref[:, p, :], scales_ref[:, p, :] = _quantize_row_block(d, interpret)
 
 
 def activation_grad_blocks(dh, gate, up, activation: str, *, interpret: bool = False):
   """The cotangents of the MLP's projections from `dh` `[R, F]` (float32, the hidden
   gradient's product) and the saved `gate` and `up` (`[R, F]` bf16; `up` None for the plain
-  activations): `(q [R, P * F] e4m3, scales [R, P * F / 128] f32, (dgate, dup) bf16 [R, F])`,
-  P = 2 gated (else 1, and `(dgate,)`): `fp8_quantize` of each cotangent side by side, as
-  `[dgate | dup]`, and their bf16 copies (the weight gradients' operands). R must be a multiple
-  of 8 (`rows_per_program`) and F of 128, checked by the caller.
+  activations): `(q [R, P * F] e4m3, scales [R, P * F / 128] f32, copies [R, P * F] bf16)`,
+  P = 2 gated (else 1): `fp8_quantize` of each cotangent side by side, as `[dgate | dup]`, and
+  their bf16 copies side by side the same way (the weight gradients' rows). R must be a
+  multiple of 8 (`rows_per_program`) and F of 128, checked by the caller.
 
   NOTES: one read of `dh`, `gate` and `up` and one write of each result, where XLA wrote both
   cotangents in float32 and bf16 and read the float32 twice more (the blocks' amax, then the
@@ -173,22 +176,22 @@ def _activation_grad(dh, gate, up, *, activation: str, interpret: bool):
   manual = getattr(jax.typeof(dh), "manual_axis_type", None)
   tile = pl.BlockSpec((block_rows, BLOCK), lambda i, j: (i, j))
   shape = lambda s, dtype: jax.ShapeDtypeStruct(s, dtype, manual_axis_type=manual)  # noqa: E731
-  q, scales, *copies = pl.pallas_call(
+  q, scales, copies = pl.pallas_call(
       functools.partial(_activation_grad_kernel, activation=activation, gated=gated,
                         interpret=interpret),
       grid=(rows // block_rows, ffn // BLOCK),
       in_specs=[tile] * len(operands),
       out_specs=[pl.BlockSpec((block_rows, parts, BLOCK), lambda i, j: (i, 0, j)),
-                 pl.BlockSpec((block_rows, parts, 1), lambda i, j: (i, 0, j))] +
-                [tile] * parts,
+                 pl.BlockSpec((block_rows, parts, 1), lambda i, j: (i, 0, j)),
+                 pl.BlockSpec((block_rows, parts, BLOCK), lambda i, j: (i, 0, j))],
       out_shape=[shape((rows, parts, ffn), jnp.float8_e4m3fn),
-                 shape((rows, parts, ffn // BLOCK), jnp.float32)] +
-                [shape((rows, ffn), jnp.bfloat16)] * parts,
+                 shape((rows, parts, ffn // BLOCK), jnp.float32),
+                 shape((rows, parts, ffn), jnp.bfloat16)],
       compiler_params=plgpu.CompilerParams(num_warps=_ROW_WARPS, num_stages=1),
       interpret=interpret, name="jax_ep_fp8_activation_grad",
   )(*operands)
   return (q.reshape(rows, parts * ffn), scales.reshape(rows, parts * ffn // BLOCK),
-          tuple(copies))
+          copies.reshape(rows, parts * ffn))
 
 
 def _row_blocks_kernel(x_ref, q_ref, scales_ref, *, interpret: bool):
@@ -223,3 +226,79 @@ def _row_blocks(x, *, interpret: bool):
       compiler_params=plgpu.CompilerParams(num_warps=_ROW_WARPS, num_stages=1),
       interpret=interpret, name="jax_ep_fp8_quantize_rows",
   )(x)
+
+
+# ------------------------------------------------------------------------------------------
+# The FP8 weight gradient's operands: per 128 rows (tokens) per channel, transposed.
+
+def _column_blocks_kernel(src_ref, count_ref, x_ref, *refs, last: int, from_e4m3: bool,
+                          interpret: bool):
+  """One block of the copy (up to 128 rows of one group, from row `src`) and 128 channels:
+  each channel's scale over the block's rows, its e4m3 values transposed. Rows past `count`
+  are zeros; a block without rows is not written, but the last (the empty groups' block),
+  written as zeros."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  if from_e4m3:
+    xs_ref, q_ref, scales_ref = refs
+  else:
+    q_ref, scales_ref = refs
+  b, c = pl.program_id(0), pl.program_id(1)
+  src, count = src_ref[b], count_ref[b]
+
+  @pl.when((count > 0) | (b == last))
+  def _():
+    rows = pl.ds(src, BLOCK)
+    inside = lax.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0) < count
+    row_inside = lax.broadcasted_iota(jnp.int32, (BLOCK, 1), 0) < count
+    # Masked loads (the block's rows may run past the array), their other rows selected away
+    # after the cast (Triton takes no e4m3 `other`).
+    x = plgpu.load(x_ref.at[rows, pl.ds(c * BLOCK, BLOCK)], mask=inside)
+    x = x.astype(jnp.float32)
+    if from_e4m3:
+      x = x * plgpu.load(xs_ref.at[rows, pl.ds(c, 1)], mask=row_inside)
+    x = jnp.where(inside, x, 0.0)
+    q, scale = _quantize_row_block(x.T, interpret)
+    q_ref[...] = q
+    scales_ref[...] = scale.T
+
+
+def quantize_column_blocks(x, x_scales, src, count, *, interpret: bool = False):
+  """`x` `[R, C]` quantised per 128 rows per channel into the group-aligned copy of
+  `layout.aligned_blocks` (`src`, `count` `[NB]`), transposed: `(q [C, NB * 128] e4m3, scales
+  [NB, C] f32)`, `x[src[b] + i, c] ~= q[c, 128 b + i] * scales[b, c]` for `i < count[b]`, the
+  copy's other rows of a block zeros. `fp8_quantize`'s rule along the tokens (a NaN kept, left
+  out of the scale). `x` bf16 or float32, or e4m3 with its `[R, C / 128]` row scales
+  (`x_scales`; None otherwise): dequantised in registers first. C a multiple of 128, checked by
+  the caller.
+
+  NOTES: what the FP8 weight gradient reduces over is the tokens, and FP8 wgmma takes both
+  operands with the reduction contiguous (K-major): the copy is the tokens' transpose, one row
+  per channel. Each group starting at a block makes every block one group's, so the product
+  needs no mask and each block's scale is its own group's."""
+  return _run(_column_blocks, x, x_scales, src, count, interpret=interpret)
+
+
+def _column_blocks(x, x_scales, src, count, *, interpret: bool):
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  rows, channels = x.shape
+  num_blocks = src.shape[0]
+  from_e4m3 = x_scales is not None
+  operands = (x, x_scales) if from_e4m3 else (x,)
+  operands = vary_like_operands(operands, operands)
+  manual = getattr(jax.typeof(x), "manual_axis_type", None)
+  return pl.pallas_call(
+      functools.partial(_column_blocks_kernel, last=num_blocks - 1, from_e4m3=from_e4m3,
+                        interpret=interpret),
+      grid=(num_blocks, channels // BLOCK),
+      in_specs=[pl.no_block_spec] * (2 + len(operands)),
+      out_specs=[pl.BlockSpec((BLOCK, BLOCK), lambda b, c: (c, b)),
+                 pl.BlockSpec((1, BLOCK), lambda b, c: (b, c))],
+      out_shape=[jax.ShapeDtypeStruct((channels, num_blocks * BLOCK), jnp.float8_e4m3fn,
+                                      manual_axis_type=manual),
+                 jax.ShapeDtypeStruct((num_blocks, channels), jnp.float32,
+                                      manual_axis_type=manual)],
+      compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS, num_stages=1),
+      interpret=interpret, name="jax_ep_fp8_quantize_columns",
+  )(src, count, *operands)
