@@ -97,6 +97,38 @@ def fp8_kernel(product: str, groups: int, k: int, n: int):
   return configs.fp8_tile_config(groups, k, n), matmul
 
 
+def dense_bounds(dot, operands, repeats: int, what: str):
+  """`(bf16 seconds, e4m3 seconds)` of the dense `dot` on the bf16 `operands` and on their
+  e4m3 casts (XLA's own FP8 GEMM, unscaled); None where one failed."""
+  bound_s = time_fn(jax.jit(dot), operands, repeats, f"{what} dense bf16")
+  dense8_s = time_fn(jax.jit(dot), tuple(a.astype(jnp.float8_e4m3fn) for a in operands),
+                     repeats, f"{what} dense e4m3")
+  return bound_s, dense8_s
+
+
+def recorder(records, flops: float, bound_tflops: float, shape: dict, base: dict):
+  """`record(precision, impl, seconds, settings="default", **extra)`: one product's record."""
+  def record(precision, impl, seconds, settings="default", **extra):
+    tflops = flops / seconds / 1e12
+    records.append(reports.record(
+        op="grouped_matmul", **{"pass": "fwd"}, precision=precision, impl=impl,
+        dtype="float8_e4m3fn" if precision == "fp8" else "bfloat16",
+        median_us=round(seconds * 1e6, 1), tflops=round(tflops, 1), bound="dense_gemm",
+        bound_tflops=round(bound_tflops, 1), fraction=round(tflops / bound_tflops, 3),
+        settings=settings, **extra, **shape, **base))
+  return record
+
+
+def against(seconds: float, flops: float, bf16_s, dense8_s) -> dict:
+  """An FP8 record's comparisons: its speed over the bf16 product's, the dense FP8 GEMM's."""
+  extra = {}
+  if bf16_s is not None:
+    extra["speedup_vs_bf16"] = round(bf16_s / seconds, 3)
+  if dense8_s is not None:
+    extra["dense_fp8_tflops"] = round(flops / dense8_s / 1e12, 1)
+  return extra
+
+
 def bench_weight_grad(records, name, num_experts, hidden, ffn, topk, rows, sizes, args,
                       interpreted, base):
   """The `weight_grad` product's records (the module docstring)."""
@@ -115,22 +147,10 @@ def bench_weight_grad(records, name, num_experts, hidden, ffn, topk, rows, sizes
 
   def dot_t(a, b):  # a^T b: the dense weight gradient
     return jnp.dot(a.T, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-  bound_s = time_fn(jax.jit(dot_t), (x, dy), args.repeats, f"{what} dense bf16")
-  dense8_s = time_fn(jax.jit(dot_t), (x.astype(jnp.float8_e4m3fn),
-                                      dy.astype(jnp.float8_e4m3fn)), args.repeats,
-                     f"{what} dense e4m3")
+  bound_s, dense8_s = dense_bounds(dot_t, (x, dy), args.repeats, what)
   if bound_s is None:
     return
-  bound_tflops = flops / bound_s / 1e12
-
-  def record(precision, impl, seconds, settings="default", **extra):
-    tflops = flops / seconds / 1e12
-    records.append(reports.record(
-        op="grouped_matmul", **{"pass": "fwd"}, precision=precision, impl=impl,
-        dtype="float8_e4m3fn" if precision == "fp8" else "bfloat16",
-        median_us=round(seconds * 1e6, 1), tflops=round(tflops, 1), bound="dense_gemm",
-        bound_tflops=round(bound_tflops, 1), fraction=round(tflops / bound_tflops, 3),
-        settings=settings, **extra, **shape, **base))
+  record = recorder(records, flops, flops / bound_s / 1e12, shape, base)
 
   bf16_s = time_fn(jax.jit(weight_grad_fn(False, jnp.dtype(jnp.bfloat16), "auto")),
                    (x, dy, sizes, offsets), args.repeats, f"{what} bf16")
@@ -153,14 +173,9 @@ def bench_weight_grad(records, name, num_experts, hidden, ffn, topk, rows, sizes
     alone_s = time_fn(jax.jit(kernel), prepared, args.repeats, f"{what} fp8 kernel")
   for seconds, settings in ((whole_s, "default"),
                             (alone_s, {"without": "column quantisation"})):
-    if seconds is None:
-      continue
-    extra = {}
-    if bf16_s is not None:
-      extra["speedup_vs_bf16"] = round(bf16_s / seconds, 3)
-    if dense8_s is not None:
-      extra["dense_fp8_tflops"] = round(flops / dense8_s / 1e12, 1)
-    record("fp8", "mosaic_fp8", seconds, settings, **extra)
+    if seconds is not None:
+      record("fp8", "mosaic_fp8", seconds, settings,
+             **against(seconds, flops, bf16_s, dense8_s))
 
 
 def parse_tiles(text: str) -> KernelTiles:
@@ -228,22 +243,10 @@ def main():
 
       def dot(a, b):
         return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.bfloat16)
-      bound_s = time_fn(jax.jit(dot), (x, w[0]), args.repeats, f"{name} {product} dense bf16")
-      dense8_s = time_fn(jax.jit(dot), (x.astype(jnp.float8_e4m3fn),
-                                        w[0].astype(jnp.float8_e4m3fn)), args.repeats,
-                         f"{name} {product} dense e4m3")
+      bound_s, dense8_s = dense_bounds(dot, (x, w[0]), args.repeats, f"{name} {product}")
       if bound_s is None:
         continue
-      bound_tflops = flops / bound_s / 1e12
-
-      def record(precision, impl, seconds, settings="default", **extra):
-        tflops = flops / seconds / 1e12
-        records.append(reports.record(
-            op="grouped_matmul", **{"pass": "fwd"}, precision=precision, impl=impl,
-            dtype="float8_e4m3fn" if precision == "fp8" else "bfloat16",
-            median_us=round(seconds * 1e6, 1), tflops=round(tflops, 1), bound="dense_gemm",
-            bound_tflops=round(bound_tflops, 1), fraction=round(tflops / bound_tflops, 3),
-            settings=settings, **extra, **shape, **base))
+      record = recorder(records, flops, flops / bound_s / 1e12, shape, base)
 
       impl, _ = jax_ep.grouped_matmul_impl(rows, num_experts, k_all, n_all, jnp.bfloat16)
       bf16_s = time_fn(jax.jit(jax_ep.grouped_matmul), (x, w, sizes), args.repeats,
@@ -262,14 +265,10 @@ def main():
           seconds = time_fn(fn, operands, args.repeats, f"{name} {product} fp8 {tiles}")
         if seconds is None:
           continue
-        extra = {}
-        if bf16_s is not None:
-          extra["speedup_vs_bf16"] = round(bf16_s / seconds, 3)
-        if dense8_s is not None:
-          extra["dense_fp8_tflops"] = round(flops / dense8_s / 1e12, 1)
         settings = "default" if tiles is default else {"tiles": [
             tiles.block_m, tiles.block_n, tiles.stages, tiles.band, tiles.compute_wgs]}
-        record("fp8", "mosaic_fp8", seconds, settings, **extra)
+        record("fp8", "mosaic_fp8", seconds, settings,
+               **against(seconds, flops, bf16_s, dense8_s))
 
   if jax.process_index() == 0:
     path = records.path

@@ -562,19 +562,26 @@ def weight_grad_oracle(a, b, first, blocks):
   return np.stack(outs), np.stack(absolute)
 
 
-@BOTH
-def test_weight_grad_matches_the_dequantised_oracle(tiles):
-  """The FP8 weight gradient (interpreted) of the copies the MLP gives it, `[dgate | dup]`'s
-  against `x`'s (two parts, one result each) at groups with gaps, an empty one and one of a
-  single row, NaN in every row outside the groups; few CTAs, many items each."""
+def weight_grad_case(seed, alignment):
+  """The FP8 weight gradient's operands as the MLP gives them, over groups with gaps (at
+  `alignment`), an empty one and one of a single row, NaN in every row outside the groups:
+  `[dgate | dup]`'s copy (bf16 rows, 256 channels), `x`'s (e4m3 rows, 128), each group's
+  blocks."""
   from jax_ep.experts import fp8 as fp8_module
-  rng = np.random.default_rng(4)
+  rng = np.random.default_rng(seed)
   sizes = [150, 0, 37, 256, 1]
   (x, xs), gs, go, (src, count, first, blocks) = column_case(
-      rng, sizes, 128, 128, jnp.float8_e4m3fn, nan_inside=False)
-  (d, _), *_ = column_case(rng, sizes, 128, 256, jnp.bfloat16, nan_inside=False)
-  x_t = fp8_module.quantize_columns(x, xs, src, count)
-  d_t = fp8_module.quantize_columns(d, None, src, count)
+      rng, sizes, alignment, 128, jnp.float8_e4m3fn, nan_inside=False)
+  (d, _), *_ = column_case(rng, sizes, alignment, 256, jnp.bfloat16, nan_inside=False)
+  return (fp8_module.quantize_columns(d, None, src, count),
+          fp8_module.quantize_columns(x, xs, src, count), first, blocks)
+
+
+@BOTH
+def test_weight_grad_matches_the_dequantised_oracle(tiles):
+  """The FP8 weight gradient (interpreted) of the copies the MLP gives it (`weight_grad_case`),
+  `[dgate | dup]`'s against `x`'s (two parts, one result each); few CTAs, many items each."""
+  d_t, x_t, first, blocks = weight_grad_case(4, 128)
   with interpret(), experts.override(kernel_sms=2):
     outs = hopper_fp8.fp8_weight_grad_kernel(*d_t, *x_t, first, blocks, tiles=tiles, parts=2)
   assert len(outs) == 2 and all(o.shape == (5, 128, 128) and o.dtype == jnp.bfloat16
@@ -921,14 +928,7 @@ def weight_grad_errors_on_device(outs, a, b, first, blocks, abs_bound):
 def test_the_device_weight_grad_check_matches_the_float64_one():
   """The GPU tests' check (on the device, float32) passes the kernel's interpreted result and
   finds a value moved by 1 %."""
-  from jax_ep.experts import fp8 as fp8_module
-  rng = np.random.default_rng(8)
-  sizes = [150, 0, 37, 256, 1]
-  (x, xs), gs, go, (src, count, first, blocks) = column_case(
-      rng, sizes, 1, 128, jnp.float8_e4m3fn, nan_inside=False)
-  (d, _), *_ = column_case(rng, sizes, 1, 256, jnp.bfloat16, nan_inside=False)
-  x_t = fp8_module.quantize_columns(x, xs, src, count)
-  d_t = fp8_module.quantize_columns(d, None, src, count)
+  d_t, x_t, first, blocks = weight_grad_case(8, 1)
   with interpret():
     outs = hopper_fp8.fp8_weight_grad_kernel(*d_t, *x_t, first, blocks, tiles=SPECIALIZED,
                                              parts=2)
