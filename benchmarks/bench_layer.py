@@ -129,6 +129,10 @@ def main():
   parser.add_argument("--fp8-wire", action="store_true",
                       help="moe_layer with fp8: the dispatch sends e4m3 rows "
                            "(wire_format=RowFormat.FP8) instead of the experts quantising them")
+  parser.add_argument("--fp8-weight-grads", nargs="+", choices=["fp8", "bf16"], default=["fp8"],
+                      help="moe_layer with fp8: the weight gradients in FP8 (the recipe's "
+                           "default), in bf16 (experts.override(fp8_weight_grad=False)), or both "
+                           "in one run (`weight_grad` in the records)")
   parser.add_argument("--calls-per-step", type=int, default=1, metavar="N",
                       help="moe_layer: N calls in one program, time per call; with fp8 the "
                            "weights quantised once for the N (per step, not per call)")
@@ -262,9 +266,10 @@ def main():
       if "moe_layer" in args.ops and impl != "jax_mosaic":
         for micro_batches in args.micro_batches:
           for precision in args.precisions:
-            layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks,
-                          args.repeats, flops, bound_s, add, micro_batches, precision,
-                          args.fp8_wire, args.breakdown, args.calls_per_step)
+            for weight_grad in (args.fp8_weight_grads if precision == "fp8" else [None]):
+              layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks,
+                            args.repeats, flops, bound_s, add, micro_batches, precision,
+                            args.fp8_wire, args.breakdown, args.calls_per_step, weight_grad)
 
   if jax.process_index() == 0:
     path = records.path
@@ -307,12 +312,16 @@ def gemm_fn(impl, rows, experts, hidden, ffn):
 
 def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks, repeats,
                   flops, bound_s, add, micro_batches=1, precision="bf16", fp8_wire=False,
-                  breakdown=0, calls=1):
+                  breakdown=0, calls=1, weight_grad=None):
   """The whole layer (moe_mlp with its router, its tokens in `micro_batches`, its experts in
-  `precision`) forward and forward + backward, per call of `calls` in one program (the FP8
-  weights quantised once for all); with `breakdown`, each pass's longest kernels printed
-  (`print_breakdown`)."""
+  `precision`, with fp8 the weight gradients in `weight_grad`: "fp8" or "bf16") forward and
+  forward + backward, per call of `calls` in one program (the FP8 weights quantised once for
+  all); with `breakdown`, each pass's longest kernels printed (`print_breakdown`)."""
   fp8 = precision == "fp8"
+  overrides = dict(impl=impl)
+  if fp8:
+    weight_grad = weight_grad or "fp8"
+    overrides["fp8_weight_grad"] = weight_grad == "fp8"
   wire = jax_ep.RowFormat.FP8 if fp8 and fp8_wire else None
   devices = jax.devices()
   mesh = jax.make_mesh((num_ranks,), ("ep",), devices=devices)
@@ -340,11 +349,11 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
                            fp8=fp8).out for i in range(calls)]
 
   def fwd(params, x):
-    with jax_ep.experts.override(impl=impl):
+    with jax_ep.experts.override(**overrides):
       return layer(params, x)
 
   def fwd_bwd(params, x):
-    with jax_ep.experts.override(impl=impl):
+    with jax_ep.experts.override(**overrides):
       loss = lambda p, x: sum(jnp.mean(out.astype(jnp.float32) ** 2)  # noqa: E731
                               for out in layer(p, x))
       return jax.grad(loss, (0, 1))(params, x)
@@ -352,7 +361,7 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
   # The experts' kernels as the layer takes them at its buffer's rows (the capacity): a record
   # says which ran (an FP8 MLP whose kernels do not build falls back per product).
   rows = group.capacity
-  with jax_ep.experts.override(impl=impl):
+  with jax_ep.experts.override(**overrides):
     local = experts // num_ranks
     if fp8:
       fused, kernels = mlp_fp8.fp8_mlp_impl(rows, local, hidden, ffn, "swiglu")
@@ -361,7 +370,8 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
   with jax.set_mesh(mesh):
     for pass_, fn, f in (("fwd", fwd, layer_flops), ("fwd_bwd", fwd_bwd, 3 * layer_flops)):
       what = (f"{name} moe_layer {pass_} {impl} micro_batches={micro_batches} "
-              f"{precision}{' fp8 wire' if wire else ''}"
+              f"{precision}{f' ({weight_grad} weight gradients)' if fp8 else ''}"
+              f"{' fp8 wire' if wire else ''}"
               f"{f', {calls} calls' if calls > 1 else ''}")
       program = jax.jit(fn)
       program_s = time_fn(program, (params, x), repeats, what)
@@ -375,6 +385,7 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
           bound_s * f / flops, micro_batches=micro_batches, precision=precision,
           fused_mlp=bool(fused), kernels=str(kernels),
           **({"wire_dtype": "float8_e4m3fn"} if wire else {}),
+          **({"weight_grad": weight_grad} if fp8 else {}),
           **({"calls_per_step": calls} if calls > 1 else {}))
   group.close()
 

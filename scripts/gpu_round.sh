@@ -437,7 +437,8 @@ fi
 if has fp8 || has fp8layer; then
   step "the layer in FP8 and bf16, one rank (bench_layer.py --ops moe_layer --precisions bf16 fp8)"
   if has fp8; then layer_args="--shapes deepseek_v3_ep8_rank mixtral"
-  else layer_args="--shapes deepseek_v3_ep8_rank --breakdown 25 --repeats 5"; fi
+  else layer_args="--shapes deepseek_v3_ep8_rank --breakdown 25 --repeats 5 \
+    --fp8-weight-grads fp8 bf16"; fi
   t=$(bench_time 500) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
     benchmarks/bench_layer.py --ops moe_layer --impls mosaic $layer_args \
     --precisions bf16 fp8 --out gpu_round_fp8_layer.jsonl \
