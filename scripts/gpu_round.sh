@@ -69,7 +69,8 @@
 #                                     # DRAM throughput, clock (bench_overlap.py)
 #   bash scripts/gpu_round.sh slab     # the experts on the low-latency slabs: tests, benchmark
 #   bash scripts/gpu_round.sh check     # every GPU suite, nothing else: check1 ... check8, each
-#                                     # part under 10 minutes on one H200 (below)
+#                                     # part under 10 minutes on one H200 (below); what a
+#                                     # commit's records leave of it: scripts/check_status.py
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
@@ -107,6 +108,7 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 status=0
 ROUND_START=$(date +%s)
 suite() {
+  if [ -n "${CHECK_DRY_RUN:-}" ]; then echo "SUITE $(printf '%q ' "$@")"; return; fi
   local left=""
   if [ -n "${DEADLINE_S:-}" ]; then
     left=$((DEADLINE_S - ($(date +%s) - ROUND_START)))
@@ -151,8 +153,10 @@ rm -f benchmarks/results/gpu_round_local.jsonl benchmarks/results/gpu_round_intr
   benchmarks/results/gpu_round_expert_mlp.jsonl benchmarks/results/gpu_round_expert_gemm.jsonl \
   benchmarks/results/gpu_round_fp8_gemm.jsonl benchmarks/results/gpu_round_fp8_layer.jsonl \
   benchmarks/results/gpu_round_overlap.jsonl
-step device; nvidia-smi -L
-python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available(), f.why_unavailable() or '')"
+if [ -z "${CHECK_DRY_RUN:-}" ]; then
+  step device; nvidia-smi -L
+  python3 -c "import jax, jax_ep._native.ffi as f; print(jax.__version__, jax.devices(), 'cuda extension:', f.cuda_available(), f.why_unavailable() or '')"
+fi
 
 # ---------------------------------------------------------------------------------- the suites
 # One function per suite (or family), shared by the check parts and the named stages below.
@@ -252,12 +256,14 @@ network_memcheck() {
 rail_memcheck() {
   local rail_k="HighThroughput and test_dispatch_combine_uniform and 128-3-8" cache
   cache=$(mktemp -d)
-  JAX_COMPILATION_CACHE_DIR=$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1 JAX_EP_VIRTUAL_HOSTS=2 timeout 150 \
-    python3 -m jax_ep.launch -n 2 --share-gpu --grace 10 --timeout 140 -- python3 -m pytest -q \
-    -p no:cacheprovider tests/test_cuda_network.py -k "$rail_k" 2>&1 | drop_noise \
-    | grep -E " passed| failed" | tail -3
-  echo "compilation cache: $(ls "$cache" | wc -l) entries"
+  if [ -z "${CHECK_DRY_RUN:-}" ]; then
+    JAX_COMPILATION_CACHE_DIR=$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+      JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1 JAX_EP_VIRTUAL_HOSTS=2 timeout 150 \
+      python3 -m jax_ep.launch -n 2 --share-gpu --grace 10 --timeout 140 -- python3 -m pytest \
+      -q -p no:cacheprovider tests/test_cuda_network.py -k "$rail_k" 2>&1 | drop_noise \
+      | grep -E " passed| failed" | tail -3
+    echo "compilation cache: $(ls "$cache" | wc -l) entries"
+  fi
   JAX_COMPILATION_CACHE_DIR=$cache JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
     JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=-1 suite --ranks 2 --virtual-hosts 2 \
     --sanitizer memcheck --kernels kns=rail kns=RailPut --timeout 240 -- $PYTEST \
@@ -266,8 +272,10 @@ rail_memcheck() {
 }
 
 # The check's steps, in order; `check` runs all of them, `checkN` its part, `step:NAME` one step
-# (to resume a check cut by a call's time limit). DEADLINE_S=S: steps that would start after S
-# seconds of the round are not run (and fail it), and each step's time is cut to what is left.
+# (to resume a check cut by a call's time limit); CHECK_DRY_RUN=1 prints each suite's
+# gpu_suite.py arguments instead of running it (scripts/check_status.py). DEADLINE_S=S: steps
+# that would start after S seconds of the round are not run (and fail it), and each step's
+# time is cut to what is left.
 # Measured on one H200 (seconds): gemm 232, slab 34, nvshmem 22, localmem 7, layer1 243, peer2
 # 74, peer8 86, network2 106, network4 112; on one H100: local 395 (jax_ep's own stream
 # included), inputs 7, comm_stream 40, fp8_experts 175, fused 132, fused_wrapped 212; the rest

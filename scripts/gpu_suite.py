@@ -92,7 +92,8 @@ def _gpu() -> str:
     return "unknown"
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
+  """`(options, the suite's command)` of a gpu_suite.py command line."""
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--ranks", type=int, default=1)
   parser.add_argument("--virtual-hosts", type=int, default=None)
@@ -113,7 +114,12 @@ def main(argv=None) -> int:
     args.timeout = min(args.timeout, args.max_seconds)
   if not command:
     parser.error("give the suite's command after --")
-  out = args.out or os.environ.get("OUT") or "gpu_out"
+  return args, command
+
+
+def suite_name(args: argparse.Namespace, command: list[str]) -> str:
+  """The record's `suite`: the files the command runs, its `-m` / `-k` selection, and the
+  sanitizer (`memcheck:...`)."""
   pytest_run = "pytest" in command
   targets = [c for c in command if c.startswith("tests/") or c.startswith("scripts/")]
   suite = " ".join(targets) or " ".join(command)
@@ -124,6 +130,14 @@ def main(argv=None) -> int:
       suite += f" {flag} {value!r}" if " " in value else f" {flag} {value}"
   if args.sanitizer:
     suite = f"{args.sanitizer}:{suite}"
+  return suite
+
+
+def main(argv=None) -> int:
+  args, command = parse_args(argv)
+  out = args.out or os.environ.get("OUT") or "gpu_out"
+  pytest_run = "pytest" in command
+  suite = suite_name(args, command)
   name = args.name or re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{suite}_r{args.ranks}"
                              f"{'_v' + str(args.virtual_hosts) if args.virtual_hosts else ''}")
   name = name.strip("_")[:120]

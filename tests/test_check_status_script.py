@@ -1,0 +1,65 @@
+"""scripts/check_status.py says which parts of the GPU check have passing records at a commit:
+the steps and their suites come from gpu_round.sh's dry run, a record counts at its own commit
+only, the last of a suite's records wins, and what is left is printed as gpu_round.sh steps."""
+
+import json
+import sys
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import check_status  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def steps():
+  return check_status.check_steps()
+
+
+def _records(steps, commit, failed=()):
+  """A passing record of every suite of the check at `commit`, those of the `failed` steps
+  failing."""
+  return [{"op": "gpu_suite", "suite": suite, "ranks": ranks, "virtual_hosts": hosts,
+           "passed": 3, "failed": int(step in failed), "skipped": 0, "errors": 0,
+           "commit": commit}
+          for _, step, suites in steps for suite, ranks, hosts in suites]
+
+
+def test_the_check_is_every_part_and_each_step_runs_a_suite(steps):
+  assert [part for part, _, _ in steps][0] == "check1"
+  assert {part for part, _, _ in steps} == {f"check{n}" for n in range(1, 9)}
+  assert all(suites for _, _, suites in steps), steps
+  names = {step: suites for _, step, suites in steps}
+  assert ("tests/test_cuda_peer.py", 8, None) in names["peer8"]
+  assert ("tests/test_cuda_network.py", 8, 4) in names["network4"]
+  # The sanitizer runs are named by their tool and -k selection, four in one step.
+  assert len(names["peer_sanitize"]) == 4
+  assert names["peer_sanitize"][0][0] == (
+      "memcheck:tests/test_cuda_peer.py -k 'test_dispatch_combine_uniform and 128-3-8'")
+
+
+def test_a_whole_check_at_one_commit_passes(steps, tmp_path, capsys):
+  path = tmp_path / "records.jsonl"
+  records = _records(steps, "abc1234") + _records(steps, "0ther00", failed={"peer2"})
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  assert check_status.main(["--commit", "abc1234", "--records", str(path)]) == 0
+  assert "the whole check passed at abc1234" in capsys.readouterr().out
+
+
+def test_what_is_left_is_failed_or_missing_and_a_rerun_counts(steps, tmp_path, capsys):
+  records = _records(steps, "abc1234", failed={"peer2", "fused"})
+  records = [r for r in records if r["suite"] != "tests/test_nvshmem.py"]
+  # A later passing run of a failed suite at the same commit replaces it.
+  records += [dict(r, failed=0) for r in records
+              if r["failed"] and r["suite"].startswith("tests/test_fused_expert_mlp.py")]
+  path = tmp_path / "records.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  assert check_status.main(["--commit", "abc1234", "--records", str(path)]) == 1
+  out = capsys.readouterr().out
+  assert "peer2                  FAILED" in out and "nvshmem                missing" in out
+  assert "fused                  passed" in out
+  assert out.splitlines()[-1] == ("left at abc1234: bash scripts/gpu_round.sh step:nvshmem "
+                                  "step:peer2")
