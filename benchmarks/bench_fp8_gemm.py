@@ -16,7 +16,7 @@ projections of `[rows, H]` with SwiGLU and `h`'s quantisation in its epilogue, a
 FP8 product over `[dgate | dup]` (K = 2F), against the bf16 `[rows, 2F] x [2F, H]`; their
 FLOPs are both products'; `weight_grad`: the weight gradient `x^T dy` per expert, `[rows, H]`
 e4m3 rows with their scales and `[rows, F]` bf16 cotangents (as the MLP's `x` and `[dgate |
-dup]`) -> `[G, F, H]`, the FP8 kernel with both operands' quantisation per 128 tokens per
+dup]`) -> `[G, H, F]`, the FP8 kernel with both operands' quantisation per 128 tokens per
 channel into its copies timed in (the kernel alone: `settings: {"without": "column
 quantisation"}`), against jax_ep's bf16 weight gradient of the bf16 rows, the dense bound `x^T
 @ dy`):
@@ -157,12 +157,12 @@ def bench_weight_grad(records, name, num_experts, hidden, ffn, topk, rows, sizes
   if bf16_s is not None:
     impl, _ = jax_ep.grouped_matmul_impl(rows, num_experts, hidden, ffn, jnp.bfloat16)
     record("bf16", impl, bf16_s)
-  tiles = configs.fp8_weight_grad_tiles(ffn, hidden)
+  tiles = configs.fp8_weight_grad_tiles(hidden, ffn)
   columns = functools.partial(quantize_column_blocks, interpret=args.interpret)
 
   def copies(xq, xs, dy, sizes, offsets):
     src, count, first, blocks = aligned_blocks(sizes, offsets, rows, 128)
-    return (*columns(dy, None, src, count), *columns(xq, xs, src, count), first, blocks)
+    return (*columns(xq, xs, src, count), *columns(dy, None, src, count), first, blocks)
 
   def kernel(*operands):
     return hopper_fp8.fp8_weight_grad_kernel(*operands, tiles=tiles)[0]

@@ -580,14 +580,14 @@ def weight_grad_case(seed, alignment):
 @BOTH
 def test_weight_grad_matches_the_dequantised_oracle(tiles):
   """The FP8 weight gradient (interpreted) of the copies the MLP gives it (`weight_grad_case`),
-  `[dgate | dup]`'s against `x`'s (two parts, one result each); few CTAs, many items each."""
+  `x`'s against `[dgate | dup]`'s (two parts, one result each); few CTAs, many items each."""
   d_t, x_t, first, blocks = weight_grad_case(4, 128)
   with interpret(), experts.override(kernel_sms=2):
-    outs = hopper_fp8.fp8_weight_grad_kernel(*d_t, *x_t, first, blocks, tiles=tiles, parts=2)
+    outs = hopper_fp8.fp8_weight_grad_kernel(*x_t, *d_t, first, blocks, tiles=tiles, parts=2)
   assert len(outs) == 2 and all(o.shape == (5, 128, 128) and o.dtype == jnp.bfloat16
                                 for o in outs)
-  want, absolute = weight_grad_oracle(d_t, x_t, first, blocks)
-  got = np.concatenate([np.asarray(o, np.float64) for o in outs], axis=1)
+  want, absolute = weight_grad_oracle(x_t, d_t, first, blocks)
+  got = np.concatenate([np.asarray(o, np.float64) for o in outs], axis=2)
   assert np.isfinite(got).all()
   err = np.abs(got - want)
   assert (err <= REL * np.abs(want) + ABS_INTERPRETED * absolute).all(), err.max()
@@ -705,9 +705,9 @@ def test_input_grad_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn):
 @pytest.mark.parametrize("product", ["gate_up", "down"])
 @pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
 def test_weight_grad_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn, product):
-  """The FP8 weight gradients as the MLP runs them: `[dgate | dup]^T x` (P = 2F in two
-  parts, Q = H) and `dy^T h` (P = H, Q = F), over 4096 tokens' copy."""
-  p, q, parts = (2 * ffn, hidden, 2) if product == "gate_up" else (hidden, ffn, 1)
+  """The FP8 weight gradients as the MLP runs them: `x^T [dgate | dup]` (P = H, Q = 2F in two
+  parts) and `h^T dy` (P = F, Q = H), over 4096 tokens' copy."""
+  p, q, parts = (hidden, 2 * ffn, 2) if product == "gate_up" else (ffn, hidden, 1)
   tiles = configs.fp8_weight_grad_tiles(p, q)
   blocks = 4096 // 128 + groups + 1
   S = jax.ShapeDtypeStruct
@@ -876,11 +876,13 @@ def test_one_warpgroup_forms_and_a_plain_activation_on_hopper():
 
 
 def weight_grad_errors_on_device(outs, a, b, first, blocks, abs_bound):
-  """`(values off the bound, largest excess)` of the FP8 weight gradient's parts `outs` (each
-  `[G, P / parts, Q]`) against the float32 (HIGHEST) oracle of the dequantised copies `a`,
-  `b` (`(q, scales)`), on the device: one block's product at a time in a scan over the groups'
+  """`(values off the bound, the worst)` of the FP8 weight gradient's parts `outs` (each `[G,
+  P, Q / parts]`) against the float32 (HIGHEST) oracle of the dequantised copies `a`, `b`
+  (`(q, scales)`), on the device: one block's product at a time in a scan over the groups'
   blocks, each group compared when its last block is in (the `[G, P, Q]` oracle of the model
-  shapes would take tens of GB). An empty group's result must be zeros."""
+  shapes would take tens of GB). The worst: `{group, p, q, got, want, absolute, excess}` of
+  the value furthest past its bound, and the largest `|got - want| / absolute` of any value.
+  An empty group's result must be zeros."""
   first, blocks = np.asarray(first), np.asarray(blocks)
   # An empty group has the copy's last block (zeros), which no group's rows reach.
   empty = [g for g, f in enumerate(first) if f == a[1].shape[0] - 1]
@@ -902,27 +904,36 @@ def weight_grad_errors_on_device(outs, a, b, first, blocks, abs_bound):
     zeros = jnp.zeros((a_b.shape[1], b_b.shape[1]), jnp.float32)
 
     def step(carry, xs):
-      acc, acc_abs, bad, worst = carry
+      acc, acc_abs, bad, worst, ratio = carry
       ab, bb, g, is_last = xs
       acc, acc_abs = acc + dot(ab, bb.T), acc_abs + dot(jnp.abs(ab), jnp.abs(bb).T)
 
       def compare(args):
-        acc, acc_abs, bad, worst = args
-        got = jnp.concatenate([o[g] for o in outs], axis=0).astype(jnp.float32)
+        acc, acc_abs, bad, worst, ratio = args
+        got = jnp.concatenate([o[g] for o in outs], axis=1).astype(jnp.float32)
         excess = jnp.abs(got - acc) - (REL * jnp.abs(acc) + abs_bound * acc_abs)
-        off = ~(excess <= 0)  # NaN counts
-        return (zeros, zeros, bad + jnp.sum(off, dtype=jnp.int32),
-                jnp.maximum(worst, jnp.max(jnp.where(off, jnp.abs(excess), 0.0))))
-      return jax.lax.cond(is_last, compare, lambda c: c, (acc, acc_abs, bad, worst)), None
+        excess = jnp.where(jnp.isnan(excess), jnp.inf, excess)  # NaN counts
+        at = jnp.argmax(excess)
+        p, q = at // excess.shape[1], at % excess.shape[1]
+        here = jnp.stack([g.astype(jnp.float32), p.astype(jnp.float32), q.astype(jnp.float32),
+                          got[p, q], acc[p, q], acc_abs[p, q], excess[p, q]])
+        rel = jnp.max(jnp.abs(got - acc) / jnp.maximum(acc_abs, 1e-30))
+        return (zeros, zeros, bad + jnp.sum(excess > 0, dtype=jnp.int32),
+                jnp.where(here[-1] > worst[-1], here, worst), jnp.maximum(ratio, rel))
+      return jax.lax.cond(is_last, compare, lambda c: c,
+                          (acc, acc_abs, bad, worst, ratio)), None
 
-    (_, _, bad, worst), _ = jax.lax.scan(step, (zeros, zeros, jnp.int32(0), jnp.float32(0)),
-                                         (a_b, b_b, group_of, last))
-    return bad, worst
+    start = (zeros, zeros, jnp.int32(0), jnp.full((7,), -jnp.inf, jnp.float32), jnp.float32(0))
+    (_, _, bad, worst, ratio), _ = jax.lax.scan(step, start, (a_b, b_b, group_of, last))
+    return bad, worst, ratio
 
-  bad, worst = errors(tuple(outs), *a, *b, order, group_of, last)
+  bad, worst, ratio = errors(tuple(outs), *a, *b, order, group_of, last)
   for g in empty:
     assert all(not np.asarray(jnp.any(o[g] != 0)) for o in outs), f"empty group {g}"
-  return int(bad), float(worst)
+  worst = dict(zip(("group", "p", "q", "got", "want", "absolute", "excess"),
+                   np.asarray(worst).tolist()))
+  worst["largest_relative_to_absolute"] = float(ratio)
+  return int(bad), worst
 
 
 def test_the_device_weight_grad_check_matches_the_float64_one():
@@ -930,11 +941,11 @@ def test_the_device_weight_grad_check_matches_the_float64_one():
   finds a value moved by 1 %."""
   d_t, x_t, first, blocks = weight_grad_case(8, 1)
   with interpret():
-    outs = hopper_fp8.fp8_weight_grad_kernel(*d_t, *x_t, first, blocks, tiles=SPECIALIZED,
+    outs = hopper_fp8.fp8_weight_grad_kernel(*x_t, *d_t, first, blocks, tiles=SPECIALIZED,
                                              parts=2)
-  assert weight_grad_errors_on_device(outs, d_t, x_t, first, blocks, ABS_INTERPRETED)[0] == 0
-  moved = (outs[0].at[3, 5, 7].multiply(1.01), outs[1])
-  assert weight_grad_errors_on_device(moved, d_t, x_t, first, blocks, ABS_INTERPRETED)[0] == 1
+  assert weight_grad_errors_on_device(outs, x_t, d_t, first, blocks, ABS_INTERPRETED)[0] == 0
+  moved = (outs[0], outs[1].at[3, 5, 7].multiply(1.01))
+  assert weight_grad_errors_on_device(moved, x_t, d_t, first, blocks, ABS_INTERPRETED)[0] == 1
 
 
 @pytest.mark.gpu
@@ -968,23 +979,23 @@ def test_the_column_quantisation_kernel_on_hopper(dtype):
 @pytest.mark.parametrize("groups,hidden,ffn", MODEL_SHAPES, ids=SHAPE_IDS)
 def test_weight_grad_on_hopper(groups, hidden, ffn, product):
   """The FP8 weight gradients as the MLP runs them, on the column kernel's copies of 4096
-  skewed rows at no alignment (NaN outside the groups): `[dgate | dup]^T x` (two parts) and
-  `dy^T h`, against the oracle of the same copies."""
+  skewed rows at no alignment (NaN outside the groups): `x^T [dgate | dup]` (two parts) and
+  `h^T dy`, each in its master's layout, against the oracle of the same copies."""
   from jax_ep.experts.layout import aligned_blocks
   from jax_ep.experts.quantize_kernel import quantize_column_blocks
   require_hopper()
   rng = np.random.default_rng(15)
   gs, go, rows = layout(skewed_sizes(rng, groups, 4096), 1)
-  p, q, parts = (2 * ffn, hidden, 2) if product == "gate_up" else (hidden, ffn, 1)
-  d, _ = row_operand(rng, rows, p, gs, go)
+  p, q, parts = (hidden, 2 * ffn, 2) if product == "gate_up" else (ffn, hidden, 1)
+  x, xs = row_operand(rng, rows, p, gs, go)
+  d, _ = row_operand(rng, rows, q, gs, go)
   d = d.astype(jnp.bfloat16) * jnp.asarray(0.5, jnp.bfloat16)
-  x, xs = row_operand(rng, rows, q, gs, go)
   src, count, first, blocks = aligned_blocks(gs, go, rows, 128)
   columns = jax.jit(quantize_column_blocks)
-  a, b = columns(d, None, src, count), columns(x, xs, src, count)
+  a, b = columns(x, xs, src, count), columns(d, None, src, count)
   tiles = configs.fp8_weight_grad_tiles(p, q)
   outs = jax.jit(lambda *args: hopper_fp8.fp8_weight_grad_kernel(
       *args, tiles=tiles, parts=parts))(*a, *b, first, blocks)
-  assert [o.shape for o in outs] == [(groups, p // parts, q)] * parts
+  assert [o.shape for o in outs] == [(groups, p, q // parts)] * parts
   bad, worst = weight_grad_errors_on_device(outs, a, b, first, blocks, ABS_HOPPER)
   assert bad == 0, f"{bad} values off the bound, the worst by {worst}"

@@ -409,8 +409,8 @@ def fp8_mlp_build(activation: str, hidden: int, ffn: int, groups: int,
     weight_grads = (weight_grad_tiles(hidden, ffn, groups), weight_grad_tiles(ffn, hidden, groups),
                     weight_grad_specialized())
   else:
-    weight_grads = ("fp8", fp8_weight_grad_tiles(parts * ffn, hidden),
-                    fp8_weight_grad_tiles(hidden, ffn))
+    weight_grads = ("fp8", fp8_weight_grad_tiles(hidden, parts * ffn),
+                    fp8_weight_grad_tiles(ffn, hidden))
   return ("fp8_mlp", activation, fp8_gated_tiles(hidden, ffn),
           fp8_tile_config(groups, parts * ffn, hidden), *weight_grads)
 

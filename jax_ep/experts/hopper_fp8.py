@@ -552,11 +552,11 @@ def fp8_weight_grad_kernel(a, a_scales, b, b_scales, group_first, group_blocks, 
     tiles: `block_k` 128 (the tokens' scale block), `block_m` rows of P per tile (64 per
       compute warpgroup), `block_n` columns of Q.
     out_dtype: the result's dtype.
-    parts: the result split along P into this many arrays (the gate's and the up
-      projection's gradients of one `a` holding both cotangents side by side).
+    parts: the result split along Q into this many arrays (the gate's and the up
+      projection's gradients of one `b` holding both cotangents side by side).
 
   Returns:
-    A tuple of `parts` arrays `[G, P / parts, Q]` `out_dtype`.
+    A tuple of `parts` arrays `[G, P, Q / parts]` `out_dtype`.
 
   NOTES: the scales of both operands vary along the output (a row's, a column's), so the
   promotion multiplies each block's product by their outer product; a block is one group's
@@ -586,15 +586,15 @@ def fp8_weight_grad_kernel(a, a_scales, b, b_scales, group_first, group_blocks, 
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
   wgs = tiles.compute_wgs
   part_m = bm // wgs
-  if p % (bm * parts) or q % bn:
-    raise ValueError(f"{name}: tiles {tiles} must divide P={p} / {parts} (block_m) and Q={q} "
+  if p % bm or q % (bn * parts):
+    raise ValueError(f"{name}: tiles {tiles} must divide P={p} (block_m) and Q={q} / {parts} "
                      f"(block_n)")
   buffers = ((bn, out_dtype),)
   smem = tiles.stages * (bm * bk + bn * bk + (bm + bn) * 4) + bm * bn * jnp.dtype(
       out_dtype).itemsize
   _check_tiles(name, tiles, 1, smem, buffers)
   tiles_p, tiles_q = p // bm, q // bn
-  part_tiles = tiles_p // parts
+  part_tiles = tiles_q // parts
   band = _band(tiles.band, tiles_q)
   transforms = (plgpu.TilingTransform((8, 128)), plgpu.SwizzleTransform(128))
 
@@ -646,12 +646,12 @@ def fp8_weight_grad_kernel(a, a_scales, b, b_scales, group_first, group_blocks, 
           staged = o_smem.at[wg]
           staged[...] = totals.astype(out_dtype)
           plgpu.commit_smem()
-          row = (mi % part_tiles) * bm + wg * part_m
+          rows = pl.ds(mi * bm + wg * part_m, part_m)
+          columns = pl.ds((ni % part_tiles) * bn, bn)
           for i, o_gmem in enumerate(o_gmems):
-            @pl.when(mi // part_tiles == i)
+            @pl.when(ni // part_tiles == i)
             def _(o_gmem=o_gmem):
-              plgpu.copy_smem_to_gmem(
-                  staged, o_gmem.at[g, pl.ds(row, part_m), pl.ds(ni * bn, bn)])
+              plgpu.copy_smem_to_gmem(staged, o_gmem.at[g, rows, columns])
 
         def mma_body(idx, a_smem, as_smem, b_smem, bs_smem, carry):
           del idx
@@ -675,7 +675,7 @@ def fp8_weight_grad_kernel(a, a_scales, b, b_scales, group_first, group_blocks, 
 
   kernel = plgpu.kernel(
       named(body, "jax_ep_fp8_wgrad_ws"),
-      out_type=(jax.ShapeDtypeStruct((groups, p // parts, q), out_dtype),) * parts,
+      out_type=(jax.ShapeDtypeStruct((groups, p, q // parts), out_dtype),) * parts,
       grid=persistent_grid(tiles), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup))

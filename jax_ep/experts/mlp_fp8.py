@@ -169,16 +169,16 @@ def _fp8_bwd(activation, fused, residuals, dy):
       d_projections = (dh * act_grad(gate, activation),)
     d_rows = jnp.concatenate([d.astype(BF16) for d in d_projections], axis=1)
   dx = _input_grad(d_projections, weights, group_sizes, group_offsets, quantised)
-  # Each weight's cotangent laid out as its values ([G, N, K]): quantize_weights' backward
-  # turns it back into the master's [G, K, N].
   if configs.current().fp8_weight_grad is False:
-    d_values = _bf16_weight_grads(x, x_scales, d_rows, len(weights), h_q, h_scales, dy,
-                                  group_sizes, group_offsets)
+    d_masters = _bf16_weight_grads(x, x_scales, d_rows, len(weights), h_q, h_scales, dy,
+                                   group_sizes, group_offsets)
   else:
-    d_values = _weight_grads_fn(len(weights), kernels)(x, x_scales, d_rows, h_q, h_scales, dy,
-                                                       group_sizes, group_offsets)
-  d_weights = [Fp8Weights(sum_to_primal(d, w.values), None)
-               for d, w in zip(d_values, (*weights, w_down))]
+    d_masters = _weight_grads_fn(len(weights), kernels)(x, x_scales, d_rows, h_q, h_scales,
+                                                        dy, group_sizes, group_offsets)
+  # Each in its master's layout ([G, K, N]), transposed to its values' ([G, N, K]):
+  # quantize_weights' backward transposes it back, and XLA cancels the two.
+  d_weights = [Fp8Weights(sum_to_primal(jnp.swapaxes(d, 1, 2), w.values), None)
+               for d, w in zip(d_masters, (*weights, w_down))]
   float0 = lambda a: np.zeros(a.shape, jax.dtypes.float0)  # noqa: E731
   d_up = d_weights[1] if gated else None
   return (sum_to_primal(dx.astype(BF16), x), None, d_weights[0], d_up, d_weights[-1],
@@ -193,21 +193,20 @@ fp8_expert_mlp.defvjp(_fp8_fwd, _fp8_bwd)
 
 def _bf16_weight_grads(x, x_scales, d_rows, parts, h_q, h_scales, dy, sizes, offsets):
   """The weight gradients in bf16 on the dequantised rows (`override(fp8_weight_grad=False)`),
-  each `[G, N, K]`: each projection's part of `[dgate | dup]`, `^T x`; `dy^T h`. Each is the
-  bf16 kernel's `x^T d` transposed (XLA cancels it against quantize_weights' backward)."""
+  each in its master's layout `[G, K, N]`: `x^T` each projection's part of `[dgate | dup]`,
+  `h^T dy`."""
   weight_grad = weight_grad_fn(False, BF16, "auto")
   x_rows = dequantize_rows(x, x_scales, BF16)
   h_rows = dequantize_rows(h_q, h_scales, BF16)
   ffn = d_rows.shape[1] // parts
-  grads = [weight_grad(x_rows, d_rows[:, i * ffn:(i + 1) * ffn], sizes, offsets)
-           for i in range(parts)] + [weight_grad(h_rows, dy, sizes, offsets)]
-  return tuple(jnp.swapaxes(g, 1, 2) for g in grads)
+  return tuple(weight_grad(x_rows, d_rows[:, i * ffn:(i + 1) * ffn], sizes, offsets)
+               for i in range(parts)) + (weight_grad(h_rows, dy, sizes, offsets),)
 
 
 def _fp8_weight_grads(x, x_scales, d_rows, h_q, h_scales, dy, sizes, offsets, parts: int,
                       kernels: bool):
-  """The weight gradients in FP8, each `[G, N, K]` (its weight's values' layout): `[dgate |
-  dup]^T x` (one product, each projection's part its own result) and `dy^T h`, every operand
+  """The weight gradients in FP8, each in its master's layout `[G, K, N]`: `x^T [dgate |
+  dup]` (one product, each projection's part its own result) and `h^T dy`, every operand
   quantised per 128 tokens per channel in a copy that starts each group at a block
   (`layout.aligned_blocks`), each block's product promoted to fp32, rounded to bf16. `x` and
   `h` come as the forward's e4m3 rows (dequantised, then quantised along the tokens), the
@@ -218,18 +217,18 @@ def _fp8_weight_grads(x, x_scales, d_rows, h_q, h_scales, dy, sizes, offsets, pa
   ffn = h_q.shape[1]
   groups = sizes.shape[0]
   if rows == 0:
-    return tuple(jnp.zeros((groups, ffn, hidden), BF16) for _ in range(parts)) + (
-        jnp.zeros((groups, hidden, ffn), BF16),)
+    return tuple(jnp.zeros((groups, hidden, ffn), BF16) for _ in range(parts)) + (
+        jnp.zeros((groups, ffn, hidden), BF16),)
   src, count, first, blocks = aligned_blocks(sizes, offsets, rows, BLOCK)
   quantize = quantize_kernel.quantize_column_blocks if kernels else quantize_columns
   x_t, d_t, dy_t, h_t = (quantize(a, s, src, count) for a, s in (
       (x, x_scales), (d_rows, None), (dy, None), (h_q, h_scales)))
   if kernels:
     from jax_ep.experts.hopper_fp8 import fp8_weight_grad_kernel
-    up_tiles = configs.fp8_weight_grad_tiles(parts * ffn, hidden)
-    d_proj = fp8_weight_grad_kernel(*d_t, *x_t, first, blocks, tiles=up_tiles, parts=parts)
-    (d_down,) = fp8_weight_grad_kernel(*dy_t, *h_t, first, blocks,
-                                       tiles=configs.fp8_weight_grad_tiles(hidden, ffn))
+    up_tiles = configs.fp8_weight_grad_tiles(hidden, parts * ffn)
+    d_proj = fp8_weight_grad_kernel(*x_t, *d_t, first, blocks, tiles=up_tiles, parts=parts)
+    (d_down,) = fp8_weight_grad_kernel(*h_t, *dy_t, first, blocks,
+                                       tiles=configs.fp8_weight_grad_tiles(ffn, hidden))
     return vary_like_operands((*d_proj, d_down),
                               (x, x_scales, d_rows, h_q, h_scales, dy, sizes, offsets))
   # The copies' groups follow each other from row 0, each a whole number of blocks.
@@ -243,9 +242,9 @@ def _fp8_weight_grads(x, x_scales, d_rows, h_q, h_scales, dy, sizes, offsets, pa
     blocks_ = q_t.astype(jnp.float32).reshape(channels, tokens // BLOCK, BLOCK)
     return (blocks_ * scales.T[:, :, None]).reshape(channels, tokens).T.astype(dtype)
   x_rows, h_rows = rows_of(*x_t), rows_of(*h_t)
-  d_all = weight_grad(rows_of(*d_t), x_rows, aligned, aligned_offsets)
-  d_down = weight_grad(rows_of(*dy_t), h_rows, aligned, aligned_offsets)
-  return tuple(d_all[:, i * ffn:(i + 1) * ffn] for i in range(parts)) + (d_down,)
+  d_all = weight_grad(x_rows, rows_of(*d_t), aligned, aligned_offsets)
+  d_down = weight_grad(h_rows, rows_of(*dy_t), aligned, aligned_offsets)
+  return tuple(d_all[:, :, i * ffn:(i + 1) * ffn] for i in range(parts)) + (d_down,)
 
 
 @functools.cache
