@@ -420,16 +420,19 @@ def _mlp_loss(fp8, activation, sizes, offsets, cot, **kwargs):
   return loss
 
 
+@pytest.mark.parametrize("fp8_weight_grad", [None, True], ids=["bf16_wgrad", "fp8_wgrad"])
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 @pytest.mark.parametrize("alignment", [1, 128])
-def test_fp8_expert_mlp_against_float32(activation, alignment):
+def test_fp8_expert_mlp_against_float32(activation, alignment, fp8_weight_grad):
+  from jax_ep import experts
   x, weights, sizes, offsets, inside, cot = _mlp_case(activation=activation,
                                                       alignment=alignment)
   argnums = tuple(i for i, w in enumerate((x, *weights)) if w is not None)
   grad = lambda fp8: jax.jit(jax.grad(  # noqa: E731
       _mlp_loss(fp8, activation, sizes, offsets, cot), argnums, has_aux=True))
   x_ok = jnp.where(jnp.asarray(inside)[:, None], x, 0).astype(F32)
-  got_grads, got = grad(True)(x, *weights)
+  with experts.override(fp8_weight_grad=fp8_weight_grad):
+    got_grads, got = grad(True)(x, *weights)
   want_grads, want = grad(False)(x_ok, *weights)
   assert got.dtype == BF16
   assert np.all(np.isfinite(np.asarray(got, np.float32)[inside]))
@@ -444,21 +447,21 @@ def test_fp8_expert_mlp_against_float32(activation, alignment):
     assert_fp8_close(g, w, f"d{name}")
 
 
-def test_fp8_weight_gradients_are_fp8_unless_asked_for_bf16():
-  """The weight gradients run in FP8 by default (the tokens quantised per 128 per channel: not
-  the bf16 product of the dequantised rows), in bf16 with `override(fp8_weight_grad=False)`;
-  both within the recipe's bounds of float32 (`test_fp8_expert_mlp_against_float32`), the
-  input gradient the same bits either way. Under `vmap` over the rows (shared weights) each
-  element's weight gradients are its own call's (within a bf16 step: the batched call's float32
-  sums may run in another order on XLA's path)."""
+def test_fp8_weight_gradients_are_bf16_unless_asked_for_fp8():
+  """The weight gradients run in bf16 on the dequantised rows by default, in FP8 (the tokens
+  quantised per 128 per channel) with `override(fp8_weight_grad=True)`; both within the
+  recipe's bounds of float32 (`test_fp8_expert_mlp_against_float32`), the input gradient the
+  same bits either way. Under `vmap` over the rows (shared weights) each element's FP8 weight
+  gradients are its own call's (within a bf16 step: the batched call's float32 sums may run in
+  another order on XLA's path)."""
   from jax_ep import experts
   x, weights, sizes, offsets, inside, cot = _mlp_case(seed=9)
-  grad = jax.jit(jax.grad(_mlp_loss(True, "swiglu", sizes, offsets, cot), (0, 1, 2, 3),
-                          has_aux=True))
-  fp8_grads, _ = grad(x, *weights)
-  with experts.override(fp8_weight_grad=False):
-    bf16_grads, _ = jax.jit(jax.grad(_mlp_loss(True, "swiglu", sizes, offsets, cot),
-                                     (0, 1, 2, 3), has_aux=True))(x, *weights)
+
+  def grads(loss, argnums=(0, 1, 2, 3)):
+    return jax.jit(jax.grad(loss, argnums, has_aux=True))
+  bf16_grads, _ = grads(_mlp_loss(True, "swiglu", sizes, offsets, cot))(x, *weights)
+  with experts.override(fp8_weight_grad=True):
+    fp8_grads, _ = grads(_mlp_loss(True, "swiglu", sizes, offsets, cot))(x, *weights)
   np.testing.assert_array_equal(np.asarray(fp8_grads[0], F32)[inside],
                                 np.asarray(bf16_grads[0], F32)[inside])
   for name, g, w in zip(("w_gate", "w_up", "w_down"), fp8_grads[1:], bf16_grads[1:]):
@@ -466,13 +469,14 @@ def test_fp8_weight_gradients_are_fp8_unless_asked_for_bf16():
     assert not np.array_equal(g, w), name
     assert_fp8_close(g, w, name)
   x2 = jnp.where(jnp.asarray(inside)[:, None], -x, x)
-  per_element = jax.jit(jax.vmap(
-      lambda x, cot: jax.grad(_mlp_loss(True, "swiglu", sizes, offsets, cot), (1, 2, 3),
-                              has_aux=True)(x, *weights)[0]))(jnp.stack([x, x2]),
-                                                               jnp.stack([cot, cot * 0.5]))
-  for i, (xi, ci) in enumerate(((x, cot), (x2, cot * 0.5))):
-    want = jax.jit(jax.grad(_mlp_loss(True, "swiglu", sizes, offsets, ci), (1, 2, 3),
-                            has_aux=True))(xi, *weights)[0]
+  with experts.override(fp8_weight_grad=True):
+    per_element = jax.jit(jax.vmap(
+        lambda x, cot: jax.grad(_mlp_loss(True, "swiglu", sizes, offsets, cot), (1, 2, 3),
+                                has_aux=True)(x, *weights)[0]))(jnp.stack([x, x2]),
+                                                                 jnp.stack([cot, cot * 0.5]))
+    wants = [grads(_mlp_loss(True, "swiglu", sizes, offsets, ci), (1, 2, 3))(xi, *weights)[0]
+             for xi, ci in ((x, cot), (x2, cot * 0.5))]
+  for i, want in enumerate(wants):
     for g, w in zip(per_element, want):
       w = np.asarray(w, F32)
       np.testing.assert_allclose(np.asarray(g[i], F32), w, rtol=2.0 ** -7,
@@ -809,30 +813,37 @@ def fp8_interpreted(monkeypatch):
     yield took
 
 
+@pytest.mark.parametrize("fp8_weight_grad", [None, True], ids=["bf16_wgrad", "fp8_wgrad"])
 @pytest.mark.parametrize("activation", ["swiglu"])  # the plain ones: tests/test_fp8_kernels.py
-def test_fp8_kernels_as_expert_mlp_runs_them(fp8_interpreted, monkeypatch, activation):
+def test_fp8_kernels_as_expert_mlp_runs_them(fp8_interpreted, monkeypatch, activation,
+                                             fp8_weight_grad):
   """The fused FP8 path (gated kernel with `h` quantised in its epilogue, the FP8 product, the
-  input gradient of both projections as one product) against the same recipe on the float32
-  fallback: the same rows quantised the same way, so they differ by fp32 summation order and
-  the few `h` codes that order flips (relative norm <= 1e-3)."""
+  input gradient of both projections as one product; the weight gradients in bf16, or in FP8
+  on the column kernel's copies) against the same recipe on the float32 fallback: the same
+  rows quantised the same way, so they differ by fp32 summation order and the few codes that
+  order flips (relative norm <= 1e-3)."""
+  from jax_ep import experts
   from jax_ep.experts.mlp_fp8 import fp8_mlp_impl
   x, weights, sizes, offsets, inside, cot = _mlp_case(seed=7, activation=activation,
                                                       alignment=128)
-  assert fp8_mlp_impl(640, 4, 256, 384, activation)[0]
   argnums = tuple(i for i, w in enumerate((x, *weights)) if w is not None)
   loss = _mlp_loss(True, activation, sizes, offsets, cot)
-  got_grads, got = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, *weights)
+  with experts.override(fp8_weight_grad=fp8_weight_grad):
+    assert fp8_mlp_impl(640, 4, 256, 384, activation)[0]
+    got_grads, got = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, *weights)
   # The one-pass kernels: x's quantisation, then the backward's of dy and its activation
-  # gradient, then the weight gradients' copies of x, [dgate | dup], dy and h.
+  # gradient, then the FP8 weight gradients' copies of x, [dgate | dup], dy and h.
+  columns = [("columns", (640, 256)), ("columns", (640, 768)), ("columns", (640, 256)),
+             ("columns", (640, 384))]
   assert fp8_interpreted == [("rows", (640, 256)), ("rows", (640, 256)),
-                             ("activation_grad", (640, 384)), ("columns", (640, 256)),
-                             ("columns", (640, 768)), ("columns", (640, 256)),
-                             ("columns", (640, 384))]
+                             ("activation_grad", (640, 384))] + (
+                                 columns if fp8_weight_grad else [])
   # Off Hopper: the float32 product of the dequantised operands (on Hopper the fallback
   # multiplies them in bf16).
   from jax_ep.experts import choice
   monkeypatch.setattr(choice, "on_hopper", lambda: False)
-  want_grads, want = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, *weights)
+  with experts.override(fp8_weight_grad=fp8_weight_grad):
+    want_grads, want = jax.jit(jax.grad(loss, argnums, has_aux=True))(x, *weights)
   got, want = np.asarray(got, np.float32)[inside], np.asarray(want, np.float32)[inside]
   assert np.all(np.isfinite(got))
   assert _cosine_and_norm(got, want)[1] <= 1e-3, _cosine_and_norm(got, want)

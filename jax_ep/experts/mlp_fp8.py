@@ -1,6 +1,6 @@
 """The expert MLP in FP8, DeepSeek-V3's recipe: `y = act(x @ w_gate) * (x @ w_up) @ w_down`
-(gated; `act(x @ w_gate) @ w_down` plain) per expert with every product in FP8
-(`jax_ep/experts/fp8.py`), the weight gradients included.
+(gated; `act(x @ w_gate) @ w_down` plain) per expert with every product of the forward and of
+the input gradient in FP8 (`jax_ep/experts/fp8.py`), the weight gradients in bf16 or FP8.
 
 - forward: `x` arrives as e4m3 rows with per-128 scales (an fp8 dispatch's rows, or the
   activations quantised once); gate and up are FP8 products promoted to fp32; the activation
@@ -10,12 +10,13 @@
 - backward: `dy` quantised per row over H, `dh = dy @ w_down^T` in FP8; `dgate`, `dup` in fp32
   from the saved projections, quantised per row over F, `dx = dgate @ w_gate^T + dup @ w_up^T`
   in FP8 (one product over both projections' reduction, summed in fp32), returned in bf16;
-  the weight gradients `[dgate | dup]^T x` and `dy^T h` per expert in FP8, reduced over the
-  tokens: every operand quantised again per 128 tokens per channel (DeepSeek-V3's 128 x 1
-  blocks; `x` and `h` from their e4m3 rows), in a transposed copy that starts each group at a
-  block, each block's product promoted to fp32, bf16 out. With
-  `jax_ep.experts.override(fp8_weight_grad=False)` they run in bf16 on the dequantised rows
-  (jax_ep's bf16 weight-gradient kernel): exact to the rows' bf16, at bf16 speed.
+  the weight gradients `x^T [dgate | dup]` and `h^T dy` per expert in bf16 on the dequantised
+  rows (jax_ep's bf16 weight-gradient kernel), or with
+  `jax_ep.experts.override(fp8_weight_grad=True)` in FP8, DeepSeek-V3's: reduced over the
+  tokens, every operand quantised again per 128 tokens per channel (128 x 1 blocks; `x` and
+  `h` from their e4m3 rows) in a transposed copy that starts each group at a block, each
+  block's product promoted to fp32, bf16 out. Why bf16 is the default:
+  `configs.fp8_weight_grads`.
 - weights: `Fp8Weights` (`jax_ep.quantize_weights`, once per step); their gradients pass
   straight through to the bf16 / f32 masters.
 
@@ -23,10 +24,11 @@ On Hopper (`fp8_mlp_impl`) the gate and up projections are one kernel whose epil
 the activation and quantises `h` (`hopper_fp8.fp8_gated_kernel`: no fp32 `[rows, F]` buffer),
 every other product of the forward and the input gradient, `dx` of both projections included
 (one product over both, `[dgate | dup] @ [w_gate | w_up]^T`), is
-`hopper_fp8.fp8_grouped_matmul_kernel` (through `fp8.fp8_product`), and the weight gradients
-are `hopper_fp8.fp8_weight_grad_kernel` on `quantize_kernel.quantize_column_blocks`' copies.
-Elsewhere the products are `fp8_product`'s fallback and the activation runs between them; the
-weight gradients quantise the same way in XLA and multiply the dequantised copies.
+`hopper_fp8.fp8_grouped_matmul_kernel` (through `fp8.fp8_product`), and the FP8 weight
+gradients are `hopper_fp8.fp8_weight_grad_kernel` on `quantize_kernel.quantize_column_blocks`'
+copies. Elsewhere the products are `fp8_product`'s fallback and the activation runs between
+them; the FP8 weight gradients quantise the same way in XLA and multiply the dequantised
+copies.
 
 Rows outside the groups are unspecified in the result; every quantisation reads only rows of
 the groups (row-local, or a block of one group's rows) and every product reads only the rows of
@@ -169,7 +171,7 @@ def _fp8_bwd(activation, fused, residuals, dy):
       d_projections = (dh * act_grad(gate, activation),)
     d_rows = jnp.concatenate([d.astype(BF16) for d in d_projections], axis=1)
   dx = _input_grad(d_projections, weights, group_sizes, group_offsets, quantised)
-  if configs.current().fp8_weight_grad is False:
+  if not configs.fp8_weight_grads():
     d_masters = _bf16_weight_grads(x, x_scales, d_rows, len(weights), h_q, h_scales, dy,
                                    group_sizes, group_offsets)
   else:
@@ -192,7 +194,7 @@ fp8_expert_mlp.defvjp(_fp8_fwd, _fp8_bwd)
 # The weight gradients.
 
 def _bf16_weight_grads(x, x_scales, d_rows, parts, h_q, h_scales, dy, sizes, offsets):
-  """The weight gradients in bf16 on the dequantised rows (`override(fp8_weight_grad=False)`),
+  """The weight gradients in bf16 on the dequantised rows (the default),
   each in its master's layout `[G, K, N]`: `x^T` each projection's part of `[dgate | dup]`,
   `h^T dy`."""
   weight_grad = weight_grad_fn(False, BF16, "auto")
@@ -313,7 +315,7 @@ def fp8_mlp_compile_error(rows: int, groups: int, hidden: int, ffn: int,
   per shape and weight-gradient precision on abstract operands, forward and backward, when the
   shape is first traced; a known build, `configs.KNOWN_BUILDS`, is not compiled)."""
   return _fp8_mlp_compile_error(rows, groups, hidden, ffn, activation,
-                                configs.current().fp8_weight_grad is not False)
+                                configs.fp8_weight_grads())
 
 
 @functools.cache
