@@ -528,16 +528,29 @@ def test_fp8_expert_mlp_under_vmap_and_checkpoint():
 
 
 @pytest.mark.gpu
-def test_fp8_expert_mlp_on_hopper_under_grad_checkpoint_vmap_and_shard_map(monkeypatch):
+@pytest.mark.parametrize("fp8_weight_grad", [None, True], ids=["bf16_wgrad", "fp8_wgrad"])
+def test_fp8_expert_mlp_on_hopper_under_grad_checkpoint_vmap_and_shard_map(monkeypatch,
+                                                                           fp8_weight_grad):
   """The FP8 MLP's Hopper kernels (the gated projections, the FP8 products, the activation
-  gradient's pass, the input gradient over both projections) as callers run them: the
-  gradient under `jit`, the same bits under `jax.checkpoint` and inside `shard_map`, each
-  copy's own under `vmap`, and within the recipe's tolerance of XLA's path."""
+  gradient's pass, the input gradient over both projections; the weight gradients in bf16, or
+  in FP8 on the column kernel's copies) as callers run them: the gradient under `jit`, the
+  same bits under `jax.checkpoint` and inside `shard_map`, each copy's own under `vmap`, and
+  within the recipe's tolerance of XLA's path."""
   from ep_test_base import require_hopper
+  from jax_ep import experts
+  require_hopper()
+  with experts.override(fp8_weight_grad=fp8_weight_grad):
+    _fp8_mlp_on_hopper(monkeypatch, bool(fp8_weight_grad))
+
+
+def _fp8_mlp_on_hopper(monkeypatch, fp8_weight_grad: bool):
   from jax_ep import experts
   from jax_ep.experts import quantize_kernel
   from jax_ep.experts.mlp_fp8 import fp8_mlp_impl
-  require_hopper()
+  columns = []
+  real_columns = quantize_kernel.quantize_column_blocks
+  monkeypatch.setattr(quantize_kernel, "quantize_column_blocks", lambda x, *args: (
+      columns.append(x.shape) or real_columns(x, *args)))
   took = []
   real_grad, real_rows = quantize_kernel.activation_grad_blocks, quantize_kernel.quantize_row_blocks
   monkeypatch.setattr(quantize_kernel, "activation_grad_blocks",
@@ -549,6 +562,9 @@ def test_fp8_expert_mlp_on_hopper_under_grad_checkpoint_vmap_and_shard_map(monke
   loss = _mlp_loss(True, "swiglu", sizes, offsets, cot)
   grads, y = jax.jit(jax.grad(loss, (0, 1, 2, 3), has_aux=True))(x, *weights)
   assert took == [(640, 256), (640, 256), (640, 384)]  # x's and dy's rows, dgate and dup
+  # The FP8 weight gradients' copies of x, [dgate | dup], dy and h.
+  assert columns == ([(640, 256), (640, 768), (640, 256), (640, 384)] if fp8_weight_grad
+                     else [])
   same = lambda a, b: np.testing.assert_array_equal(  # noqa: E731
       np.asarray(a, np.float32), np.asarray(b, np.float32))
   # Rows past the groups (y's and x's gradient's) are unspecified: each program's own.
