@@ -363,6 +363,15 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
   return kernel(starts, ends, first_block, num_blocks, x, dy)
 
 
+def reduction_allocations(pipeline, *gmems):
+  """The shared memory of a weight gradient's warp-specialized pipeline, `pipeline(first,
+  steps, mi, ni, mma_body, compute_context)`, over `gmems`, for a `pl.run_scoped` around the
+  kernel's loop: what it allocates depends on none of those arguments."""
+  ignore = lambda *_, **__: None  # noqa: E731
+  zero = jnp.int32(0)
+  return pipeline(zero, zero + 1, zero, zero, ignore, ignore).get_allocations(*gmems)
+
+
 def _keep_rows(ref, block, start, end, block_k: int):
   """Rows of the `block_k`-row block `block` of an operand outside `[start, end)` become zeros
   in shared memory: a select, so whatever they held (NaN outside the groups) cannot reach the
@@ -405,13 +414,9 @@ def _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dty
           compute_context=compute_context,
       )
 
-    ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
-    zero = jnp.int32(0)
-
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(zero, zero + 1, zero, zero, ignore, ignore).get_allocations(
-            x_gmem, dy_gmem),
+        allocations=reduction_allocations(pipeline, x_gmem, dy_gmem),
         o_smem=plgpu.SMEM((bm, bn), out_dtype, transforms=transforms),
         collective_axes="wg")
     def _(allocations, o_smem):

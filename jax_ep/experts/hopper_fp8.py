@@ -73,7 +73,7 @@ from jax import lax
 
 from jax_ep.experts.configs import KernelTiles
 from jax_ep.experts.hopper import (TMA_SMEM_ALIGN, _band, _store_rows, named,
-                                   persistent_grid)
+                                   persistent_grid, reduction_allocations)
 from jax_ep.experts.layout import cdiv, row_tiles
 
 # The scales' granularity: a row's scale covers 128 channels, a weight's a 128x128 block.
@@ -619,13 +619,9 @@ def fp8_weight_grad_kernel(a, a_scales, b, b_scales, group_first, group_blocks, 
           compute_context=compute_context,
       )
 
-    ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
-    zero = jnp.int32(0)
-
     @functools.partial(
         pl.run_scoped,
-        allocations=pipeline(zero, zero + 1, zero, zero, ignore, ignore).get_allocations(
-            a_gmem, as_gmem, b_gmem, bs_gmem),
+        allocations=reduction_allocations(pipeline, a_gmem, as_gmem, b_gmem, bs_gmem),
         o_smem=plgpu.SMEM((wgs, part_m, bn), out_dtype),
         collective_axes="wg")
     def _(allocations, o_smem):
