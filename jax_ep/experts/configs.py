@@ -401,11 +401,10 @@ def fp8_gmm_build(tiles: KernelTiles) -> tuple:
 def fp8_weight_grads() -> bool:
   """Whether the FP8 MLP's weight gradients run in FP8 (`override(fp8_weight_grad=True)`).
 
-  NOTES: bf16 by default. On an H100 at one rank of DeepSeek-V3 at EP=8 the FP8 weight
-  gradients' kernels ran 1.24x the bf16 kernel's speed, which their quantisation per 128 tokens
-  (1.1 ms) took back, and the GPU check of the kernel against its float32 oracle does not yet
-  pass (docs/performance.md): the default changes once a measurement favours them at equal
-  accuracy."""
+  NOTES: bf16 by default: with their quantisation per 128 tokens the FP8 weight gradients
+  have not yet measured faster than the bf16 kernel, nor passed their GPU check against the
+  float32 oracle (docs/performance.md); the default changes once a measurement favours them
+  at equal accuracy."""
   return current().fp8_weight_grad is True
 
 
