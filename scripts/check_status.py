@@ -1,5 +1,5 @@
 """Which parts of the GPU check (`bash scripts/gpu_round.sh check`) have passing records at a
-commit, and which are left: a check may span several rounds, calls or sessions, as long as
+commit, and which are left: a check may span several rounds and calls, as long as
 every part runs at the same commit.
 
   python3 scripts/check_status.py [--commit C] [--records benchmarks/results/gpu_suites.jsonl]
