@@ -207,19 +207,16 @@ def quantize_columns(x, x_scales, src, count):
   (bf16 / f32, or e4m3 with its `[R, C / 128]` row scales, dequantised first) quantised per
   128 rows per channel into the group-aligned copy of `layout.aligned_blocks` (`src`, `count`
   `[NB]`), transposed: `(q [C, NB * 128] e4m3, scales [NB, C] f32)`, rows past a block's
-  `count` zeros. A NaN stays in its element and out of its block's scale (the kernel's
-  maximum leaves it out)."""
+  `count` zeros. The copy's rows are `fp8_quantize`d (each channel's 128 tokens a block)."""
+  from jax_ep._native.fp8 import fp8_quantize
   rows, channels = x.shape
   rows_f32 = x.astype(jnp.float32) if x_scales is None else dequantize_rows(x, x_scales)
   i = jnp.arange(BLOCK, dtype=jnp.int32)
   inside = i[None, :] < count[:, None]  # [NB, 128]
   at = jnp.clip(src[:, None] + i[None, :], 0, max(rows - 1, 0))
   blocks = jnp.where(inside[:, :, None], rows_f32[at], 0.0)  # [NB, 128, C]
-  amax = jnp.max(jnp.where(jnp.isnan(blocks), 0.0, jnp.abs(blocks)), axis=1)  # [NB, C]
-  scales = jnp.where(amax > 0, amax * (1.0 / E4M3_MAX), 1.0).astype(jnp.float32)
-  q = blocks * (1.0 / scales)[:, None, :]
-  q = jnp.where(jnp.isnan(q), q, jnp.clip(q, -E4M3_MAX, E4M3_MAX)).astype(jnp.float8_e4m3fn)
-  return jnp.transpose(q, (2, 0, 1)).reshape(channels, -1), scales
+  q, scales = fp8_quantize(jnp.transpose(blocks, (2, 0, 1)).reshape(channels, -1))
+  return q, scales.T
 
 
 # ----------------------------------------------------------------------------------------------

@@ -238,11 +238,8 @@ def _fp8_weight_grads(x, x_scales, d_rows, h_q, h_scales, dy, sizes, offsets, pa
   aligned_offsets = contiguous_offsets(aligned)
   dtype, impl = (BF16, "auto") if choice.on_hopper() else (np.dtype(jnp.float32), "xla")
   weight_grad = weight_grad_fn(False, BF16, impl)
-
-  def rows_of(q_t, scales):  # the copy's rows, dequantised: [NB * 128, C]
-    channels, tokens = q_t.shape
-    blocks_ = q_t.astype(jnp.float32).reshape(channels, tokens // BLOCK, BLOCK)
-    return (blocks_ * scales.T[:, :, None]).reshape(channels, tokens).T.astype(dtype)
+  # The copy's rows, dequantised: [NB * 128, C].
+  rows_of = lambda q_t, scales: dequantize_rows(q_t, scales.T, dtype).T  # noqa: E731
   x_rows, h_rows = rows_of(*x_t), rows_of(*h_t)
   d_all = weight_grad(x_rows, rows_of(*d_t), aligned, aligned_offsets)
   d_down = weight_grad(h_rows, rows_of(*dy_t), aligned, aligned_offsets)
