@@ -55,7 +55,7 @@ import jax.numpy as jnp  # noqa: E402
 import reports  # noqa: E402
 import jax_ep  # noqa: E402
 from jax_ep._native.fp8 import fp8_quantize  # noqa: E402
-from jax_ep.experts import configs, hopper_fp8  # noqa: E402
+from jax_ep.experts import configs, hopper_fp8, hopper_fp8_wgrad  # noqa: E402
 from jax_ep.experts.configs import KernelTiles  # noqa: E402
 
 # `--tune`'s candidates (BM, BN, STAGES, BAND, WGS; block_k is the scales' 128).
@@ -165,7 +165,7 @@ def bench_weight_grad(records, name, num_experts, hidden, ffn, topk, rows, sizes
     return (*columns(xq, xs, src, count), *columns(dy, None, src, count), first, blocks)
 
   def kernel(*operands):
-    return hopper_fp8.fp8_weight_grad_kernel(*operands, tiles=tiles)[0]
+    return hopper_fp8_wgrad.fp8_weight_grad_kernel(*operands, tiles=tiles)[0]
   with interpreted():
     whole_s = time_fn(jax.jit(lambda *a: kernel(*copies(*a))), (xq, xs, dy, sizes, offsets),
                       args.repeats, f"{what} fp8 with its copies")

@@ -32,7 +32,7 @@ import pytest
 from ep_test_base import require_hopper
 from jax_ep import experts
 from jax_ep._native.fp8 import fp8_quantize
-from jax_ep.experts import configs, hopper_fp8, mlp
+from jax_ep.experts import configs, hopper_fp8, hopper_fp8_wgrad, mlp
 from jax_ep.experts.configs import KernelTiles
 from jax_ep.experts.layout import rows_inside_groups
 
@@ -271,7 +271,7 @@ def test_the_interpreters_race_detector_finds_no_race(tiles):
       "gated": lambda: hopper_fp8.fp8_gated_kernel(
           x, xs, w_gate[0], w_up[0], w_gate[1], w_up[1], gs, go, activation="swiglu",
           tiles=tiles),
-      "weight_grad": lambda: hopper_fp8.fp8_weight_grad_kernel(
+      "weight_grad": lambda: hopper_fp8_wgrad.fp8_weight_grad_kernel(
           *columns(x, xs), *columns(x, xs), first, blocks, tiles=tiles)}
   for what, run in runs.items():
     with plgpu.force_gpu_interpret_mode(params.InterpretGPUParams(detect_races=True)), \
@@ -583,7 +583,7 @@ def test_weight_grad_matches_the_dequantised_oracle(tiles):
   `x`'s against `[dgate | dup]`'s (two parts, one result each); few CTAs, many items each."""
   d_t, x_t, first, blocks = weight_grad_case(4, 128)
   with interpret(), experts.override(kernel_sms=2):
-    outs = hopper_fp8.fp8_weight_grad_kernel(*x_t, *d_t, first, blocks, tiles=tiles, parts=2)
+    outs = hopper_fp8_wgrad.fp8_weight_grad_kernel(*x_t, *d_t, first, blocks, tiles=tiles, parts=2)
   assert len(outs) == 2 and all(o.shape == (5, 128, 128) and o.dtype == jnp.bfloat16
                                 for o in outs)
   want, absolute = weight_grad_oracle(x_t, d_t, first, blocks)
@@ -712,7 +712,7 @@ def test_weight_grad_lowers_for_cuda_at_the_model_shapes(groups, hidden, ffn, pr
   blocks = 4096 // 128 + groups + 1
   S = jax.ShapeDtypeStruct
   e4m3 = jnp.float8_e4m3fn
-  _lower(lambda *a: hopper_fp8.fp8_weight_grad_kernel(*a, tiles=tiles, parts=parts),
+  _lower(lambda *a: hopper_fp8_wgrad.fp8_weight_grad_kernel(*a, tiles=tiles, parts=parts),
          S((p, blocks * 128), e4m3), S((blocks, p), jnp.float32), S((q, blocks * 128), e4m3),
          S((blocks, q), jnp.float32), S((groups,), jnp.int32), S((groups,), jnp.int32))
 
@@ -941,7 +941,7 @@ def test_the_device_weight_grad_check_matches_the_float64_one():
   finds a value moved by 1 %."""
   d_t, x_t, first, blocks = weight_grad_case(8, 1)
   with interpret():
-    outs = hopper_fp8.fp8_weight_grad_kernel(*x_t, *d_t, first, blocks, tiles=SPECIALIZED,
+    outs = hopper_fp8_wgrad.fp8_weight_grad_kernel(*x_t, *d_t, first, blocks, tiles=SPECIALIZED,
                                              parts=2)
   assert weight_grad_errors_on_device(outs, x_t, d_t, first, blocks, ABS_INTERPRETED)[0] == 0
   moved = (outs[0], outs[1].at[3, 5, 7].multiply(1.01))
@@ -994,7 +994,7 @@ def test_weight_grad_on_hopper(groups, hidden, ffn, product):
   columns = jax.jit(quantize_column_blocks)
   a, b = columns(x, xs, src, count), columns(d, None, src, count)
   tiles = configs.fp8_weight_grad_tiles(p, q)
-  outs = jax.jit(lambda *args: hopper_fp8.fp8_weight_grad_kernel(
+  outs = jax.jit(lambda *args: hopper_fp8_wgrad.fp8_weight_grad_kernel(
       *args, tiles=tiles, parts=parts))(*a, *b, first, blocks)
   assert [o.shape for o in outs] == [(groups, p, q // parts)] * parts
   bad, worst = weight_grad_errors_on_device(outs, a, b, first, blocks, ABS_HOPPER)

@@ -347,8 +347,8 @@ def fp8_tile_config(groups: int, k: int, n: int) -> KernelTiles | None:
   return FP8_TILE_TABLE.get((groups, k, n), _FP8_FORWARD)
 
 
-# The FP8 weight gradient (`hopper_fp8.fp8_weight_grad_kernel`): a `[P, Q]` output tile per
-# group, reduced over the group's 128-token blocks; the two compute warpgroups split the tile's
+# The FP8 weight gradient (`hopper_fp8_wgrad.fp8_weight_grad_kernel`): a `[P, Q]` output tile
+# per group, reduced over the group's 128-token blocks; the two compute warpgroups split the tile's
 # P rows (64 x 128 each: 64 + 64 registers per thread), 4 stages of 33 KiB (both operands'
 # 128 x 128 e4m3 tiles and their scales) beside 32 KiB of staged bf16 output.
 _FP8_WEIGHT_GRAD = KernelTiles(block_m=128, block_n=128, block_k=FP8_BLOCK, stages=4, band=4,

@@ -25,8 +25,8 @@ the activation and quantises `h` (`hopper_fp8.fp8_gated_kernel`: no fp32 `[rows,
 every other product of the forward and the input gradient, `dx` of both projections included
 (one product over both, `[dgate | dup] @ [w_gate | w_up]^T`), is
 `hopper_fp8.fp8_grouped_matmul_kernel` (through `fp8.fp8_product`), and the FP8 weight
-gradients are `hopper_fp8.fp8_weight_grad_kernel` on `quantize_kernel.quantize_column_blocks`'
-copies. Elsewhere the products are `fp8_product`'s fallback and the activation runs between
+gradients are `hopper_fp8_wgrad.fp8_weight_grad_kernel` on
+`quantize_kernel.quantize_column_blocks`' copies. Elsewhere the products are `fp8_product`'s fallback and the activation runs between
 them; the FP8 weight gradients quantise the same way in XLA and multiply the dequantised
 copies.
 
@@ -213,7 +213,7 @@ def _fp8_weight_grads(x, x_scales, d_rows, h_q, h_scales, dy, sizes, offsets, pa
   (`layout.aligned_blocks`), each block's product promoted to fp32, rounded to bf16. `x` and
   `h` come as the forward's e4m3 rows (dequantised, then quantised along the tokens), the
   cotangents in bf16. `kernels`: jax_ep's kernels (`quantize_kernel.quantize_column_blocks`,
-  `hopper_fp8.fp8_weight_grad_kernel`); else XLA, the same rounding, the product of the
+  `hopper_fp8_wgrad.fp8_weight_grad_kernel`); else XLA, the same rounding, the product of the
   dequantised copies in float32 (bf16 on Hopper, through the bf16 grouped GEMM)."""
   rows, hidden = x.shape
   ffn = h_q.shape[1]
@@ -226,7 +226,7 @@ def _fp8_weight_grads(x, x_scales, d_rows, h_q, h_scales, dy, sizes, offsets, pa
   x_t, d_t, dy_t, h_t = (quantize(a, s, src, count) for a, s in (
       (x, x_scales), (d_rows, None), (dy, None), (h_q, h_scales)))
   if kernels:
-    from jax_ep.experts.hopper_fp8 import fp8_weight_grad_kernel
+    from jax_ep.experts.hopper_fp8_wgrad import fp8_weight_grad_kernel
     up_tiles = configs.fp8_weight_grad_tiles(hidden, parts * ffn)
     d_proj = fp8_weight_grad_kernel(*x_t, *d_t, first, blocks, tiles=up_tiles, parts=parts)
     (d_down,) = fp8_weight_grad_kernel(*h_t, *dy_t, first, blocks,
