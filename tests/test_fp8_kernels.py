@@ -881,8 +881,10 @@ def weight_grad_errors_on_device(outs, a, b, first, blocks, abs_bound):
   (`(q, scales)`), on the device: one block's product at a time in a scan over the groups'
   blocks, each group compared when its last block is in (the `[G, P, Q]` oracle of the model
   shapes would take tens of GB). The worst: `{group, p, q, got, want, absolute, excess}` of
-  the value furthest past its bound, and the largest `|got - want| / absolute` of any value.
-  An empty group's result must be zeros."""
+  the value furthest past its bound; the largest `|got - want|` of any value relative to
+  `absolute` and to the sum over 32-deep steps of the steps' largest `|a|` times largest `|b|`
+  (an MMA that aligns a step's products to its largest loses bits in proportion to it); how
+  many values miss 4, 16 and 64 times `abs_bound`. An empty group's result must be zeros."""
   first, blocks = np.asarray(first), np.asarray(blocks)
   # An empty group has the copy's last block (zeros), which no group's rows reach.
   empty = [g for g, f in enumerate(first) if f == a[1].shape[0] - 1]
@@ -903,13 +905,17 @@ def weight_grad_errors_on_device(outs, a, b, first, blocks, abs_bound):
     a_b, b_b = blocks_of(a_q, a_s), blocks_of(b_q, b_s)
     zeros = jnp.zeros((a_b.shape[1], b_b.shape[1]), jnp.float32)
 
+    def chunk_max(x):  # [channels, 128] -> [channels, 4]: each 32-deep MMA step's largest
+      return jnp.abs(x).reshape(x.shape[0], -1, 32).max(axis=2)
+
     def step(carry, xs):
-      acc, acc_abs, bad, worst, ratio = carry
+      acc, acc_abs, acc_max, bad, worst, ratio, spread = carry
       ab, bb, g, is_last = xs
       acc, acc_abs = acc + dot(ab, bb.T), acc_abs + dot(jnp.abs(ab), jnp.abs(bb).T)
+      acc_max = acc_max + dot(chunk_max(ab), chunk_max(bb).T)
 
       def compare(args):
-        acc, acc_abs, bad, worst, ratio = args
+        acc, acc_abs, acc_max, bad, worst, ratio, spread = args
         got = jnp.concatenate([o[g] for o in outs], axis=1).astype(jnp.float32)
         excess = jnp.abs(got - acc) - (REL * jnp.abs(acc) + abs_bound * acc_abs)
         excess = jnp.where(jnp.isnan(excess), jnp.inf, excess)  # NaN counts
@@ -917,22 +923,32 @@ def weight_grad_errors_on_device(outs, a, b, first, blocks, abs_bound):
         p, q = at // excess.shape[1], at % excess.shape[1]
         here = jnp.stack([g.astype(jnp.float32), p.astype(jnp.float32), q.astype(jnp.float32),
                           got[p, q], acc[p, q], acc_abs[p, q], excess[p, q]])
-        rel = jnp.max(jnp.abs(got - acc) / jnp.maximum(acc_abs, 1e-30))
-        return (zeros, zeros, bad + jnp.sum(excess > 0, dtype=jnp.int32),
-                jnp.where(here[-1] > worst[-1], here, worst), jnp.maximum(ratio, rel))
+        err = jnp.where(jnp.isnan(got), jnp.inf, jnp.abs(got - acc))
+        rel = jnp.stack([jnp.max(err / jnp.maximum(acc_abs, 1e-30)),
+                         jnp.max(err / jnp.maximum(acc_max, 1e-30))])
+        # How far past the bound the misses lie: values off at 4, 16, 64 times abs_bound.
+        off = jnp.stack([jnp.sum(err > REL * jnp.abs(acc) + m * abs_bound * acc_abs,
+                                 dtype=jnp.int32) for m in (4, 16, 64)])
+        return (zeros, zeros, zeros, bad + jnp.sum(excess > 0, dtype=jnp.int32),
+                jnp.where(here[-1] > worst[-1], here, worst), jnp.maximum(ratio, rel),
+                spread + off)
       return jax.lax.cond(is_last, compare, lambda c: c,
-                          (acc, acc_abs, bad, worst, ratio)), None
+                          (acc, acc_abs, acc_max, bad, worst, ratio, spread)), None
 
-    start = (zeros, zeros, jnp.int32(0), jnp.full((7,), -jnp.inf, jnp.float32), jnp.float32(0))
-    (_, _, bad, worst, ratio), _ = jax.lax.scan(step, start, (a_b, b_b, group_of, last))
-    return bad, worst, ratio
+    start = (zeros, zeros, zeros, jnp.int32(0), jnp.full((7,), -jnp.inf, jnp.float32),
+             jnp.zeros((2,), jnp.float32), jnp.zeros((3,), jnp.int32))
+    (*_, bad, worst, ratio, spread), _ = jax.lax.scan(
+        step, start, (a_b, b_b, group_of, last))
+    return bad, worst, ratio, spread
 
-  bad, worst, ratio = errors(tuple(outs), *a, *b, order, group_of, last)
+  bad, worst, ratio, spread = errors(tuple(outs), *a, *b, order, group_of, last)
   for g in empty:
     assert all(not np.asarray(jnp.any(o[g] != 0)) for o in outs), f"empty group {g}"
   worst = dict(zip(("group", "p", "q", "got", "want", "absolute", "excess"),
                    np.asarray(worst).tolist()))
-  worst["largest_relative_to_absolute"] = float(ratio)
+  worst["largest_relative_to_absolute"] = float(ratio[0])
+  worst["largest_relative_to_chunk_maxima"] = float(ratio[1])
+  worst["off_at_4_16_64_times"] = np.asarray(spread).tolist()
   return int(bad), worst
 
 
