@@ -41,6 +41,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 REL = 2.0 ** -8
 ABS_INTERPRETED = 2.0 ** -16
 ABS_HOPPER = 2.0 ** -12
+# The weight gradient's reduction runs over tokens, and a 128-token block's tokens may span
+# 2^12 in magnitude (rows' scales differ; a channel's features do not): Hopper's FP8 MMA adds
+# a step's products at about 14 bits aligned to the largest, so the small ones lose more than
+# along a row. On an H100 its misses of 2^-12 all lay within 2^-10 of `sum |a||b|`; a wrong
+# scale, block or group errs by the order of the value.
+ABS_HOPPER_WGRAD = 2.0 ** -10
 # Tiles for the interpreter: the one-warpgroup form with 64-row items (two per 128-row tile
 # of the layout) and the warp-specialized one (two compute warpgroups of 64 rows each).
 PLAIN = KernelTiles(64, 128, 128, 2, 1, 1)
@@ -1013,5 +1019,5 @@ def test_weight_grad_on_hopper(groups, hidden, ffn, product):
   outs = jax.jit(lambda *args: hopper_fp8_wgrad.fp8_weight_grad_kernel(
       *args, tiles=tiles, parts=parts))(*a, *b, first, blocks)
   assert [o.shape for o in outs] == [(groups, p, q // parts)] * parts
-  bad, worst = weight_grad_errors_on_device(outs, a, b, first, blocks, ABS_HOPPER)
+  bad, worst = weight_grad_errors_on_device(outs, a, b, first, blocks, ABS_HOPPER_WGRAD)
   assert bad == 0, f"{bad} values off the bound, the worst by {worst}"
