@@ -7,9 +7,11 @@ every part runs at the same commit.
 The check's steps and the suites each runs come from gpu_round.sh itself (`CHECK_DRY_RUN=1`
 prints each suite's gpu_suite.py command instead of running it); a suite's record is the one
 whose `suite`, `ranks` and `virtual_hosts` gpu_suite.py would write for that command (the
-last, where a suite ran more than once). Prints each step as `passed`, `FAILED` or `missing`,
-then the `step:...` arguments that run what is left (failed or missing); exits 0 when nothing
-is.
+last, where a suite ran more than once). The steps are those of the commit's own gpu_round.sh
+(main may have moved on while its check runs). Prints each step as `passed`, `FAILED` or
+`missing`, then the `step:...` arguments that run what is left (failed or missing), packed
+into calls of at most `--call-s` seconds by each suite's longest measured time (at any
+commit; a step never measured counts as a whole call); exits 0 when nothing is.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -27,12 +30,20 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 import gpu_suite  # noqa: E402
 
 
-def check_steps() -> list[tuple[str, str, list[tuple[str, int, int | None]]]]:
+def check_steps(commit: str | None = None
+                ) -> list[tuple[str, str, list[tuple[str, int, int | None]]]]:
   """`(part, step, [(suite, ranks, virtual_hosts), ...])` of every step of the check, in order,
-  from gpu_round.sh's dry run."""
-  out = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_round.sh"), "check"],
-                       env=dict(os.environ, CHECK_DRY_RUN="1", OUT=os.devnull), cwd=REPO,
-                       capture_output=True, text=True, check=True).stdout
+  from the dry run of `commit`'s gpu_round.sh (None: the working tree's)."""
+  with tempfile.TemporaryDirectory() as tree:
+    if commit is None:
+      tree = REPO
+    else:
+      archive = subprocess.run(["git", "archive", commit, "scripts"], cwd=REPO,
+                               capture_output=True, check=True).stdout
+      subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
+    out = subprocess.run(["bash", os.path.join(tree, "scripts", "gpu_round.sh"), "check"],
+                         env=dict(os.environ, CHECK_DRY_RUN="1", OUT=os.devnull), cwd=tree,
+                         capture_output=True, text=True, check=True).stdout
   steps = []
   for line in out.splitlines():
     if line.startswith("=== check"):
@@ -45,14 +56,20 @@ def check_steps() -> list[tuple[str, str, list[tuple[str, int, int | None]]]]:
   return steps
 
 
-def status(records: list[dict], commit: str):
-  """`[(part, step, state)]` with state "passed", "FAILED" or "missing", and the steps left."""
-  last = {}
+def status(records: list[dict], commit: str, script_commit: str | None = None):
+  """`[(part, step, state)]` with state "passed", "FAILED" or "missing"; the steps left, each
+  with its suites' longest measured seconds (None where one never ran)."""
+  last, seconds = {}, {}
   for r in records:
-    if r.get("op") == "gpu_suite" and r.get("commit") == commit:
-      last[(r["suite"], r["ranks"], r.get("virtual_hosts"))] = r
+    if r.get("op") != "gpu_suite":
+      continue
+    key = (r["suite"], r["ranks"], r.get("virtual_hosts"))
+    if r.get("wall_s") is not None:  # the longest: a suite cut short or failing early is less
+      seconds[key] = max(seconds.get(key, 0.0), r["wall_s"])
+    if r.get("commit") == commit:
+      last[key] = r
   rows, left = [], []
-  for part, step, suites in check_steps():
+  for part, step, suites in check_steps(script_commit):
     found = [last.get(s) for s in suites]
     if any(r is None for r in found):
       state = "missing"
@@ -62,26 +79,51 @@ def status(records: list[dict], commit: str):
       state = "FAILED"
     rows.append((part, step, state))
     if state != "passed":
-      left.append(step)
+      times = [seconds.get(s) for s in suites]
+      left.append((step, None if None in times else sum(times)))
   return rows, left
+
+
+def pack(left, call_s: float, start_s: float = 20.0):
+  """The steps left in calls of at most `call_s` seconds, in the check's order: `[([steps],
+  estimated seconds)]`, each call `start_s` for the round's start besides its steps."""
+  calls = []
+  for step, t in left:
+    t = call_s if t is None else t
+    if calls and calls[-1][1] + t <= call_s:
+      calls[-1][0].append(step)
+      calls[-1][1] += t
+    else:
+      calls.append([[step], start_s + t])
+  return [(steps, round(t)) for steps, t in calls]
 
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--commit", default=None, help="default: HEAD's short hash")
+  parser.add_argument("--commit", default="HEAD", help="default: HEAD")
   parser.add_argument("--records", default=os.path.join(REPO, "benchmarks", "results",
                                                         "gpu_suites.jsonl"))
+  parser.add_argument("--call-s", type=float, default=560.0,
+                      help="the most seconds one call's steps may take (default 560)")
   args = parser.parse_args(argv)
-  commit = args.commit or subprocess.run(
-      ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True,
-      check=True).stdout.strip()
+  found = subprocess.run(["git", "rev-parse", "--short", args.commit], cwd=REPO,
+                         capture_output=True, text=True)
+  if found.returncode == 0:
+    commit = script_commit = found.stdout.strip()
+  else:  # a commit this clone lacks: its records against the working tree's steps
+    commit, script_commit = args.commit, None
+    print(f"{commit} is not in this clone: the working tree's check steps")
   with open(args.records) as f:
     records = [json.loads(line) for line in f if line.strip()]
-  rows, left = status(records, commit)
+  rows, left = status(records, commit, script_commit)
   for part, step, state in rows:
     print(f"{part:7s} {step:22s} {state}")
   if left:
-    print(f"left at {commit}: bash scripts/gpu_round.sh " + " ".join(f"step:{s}" for s in left))
+    print(f"left at {commit}: bash scripts/gpu_round.sh "
+          + " ".join(f"step:{s}" for s, _ in left))
+    for steps, t in pack(left, args.call_s):
+      print(f"  one call, about {t} s: DEADLINE_S={int(args.call_s) + 20} bash "
+            "scripts/gpu_round.sh " + " ".join(f"step:{s}" for s in steps))
     return 1
   print(f"the whole check passed at {commit}")
   return 0

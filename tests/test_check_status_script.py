@@ -1,8 +1,10 @@
 """scripts/check_status.py says which parts of the GPU check have passing records at a commit:
 the steps and their suites come from gpu_round.sh's dry run, a record counts at its own commit
-only, the last of a suite's records wins, and what is left is printed as gpu_round.sh steps."""
+only, the last of a suite's records wins, and what is left is printed as gpu_round.sh steps,
+packed into calls by each suite's longest measured time."""
 
 import json
+import os
 import sys
 import pathlib
 
@@ -30,7 +32,7 @@ def _records(steps, commit, failed=()):
 
 def test_the_check_is_every_part_and_each_step_runs_a_suite(steps):
   assert [part for part, _, _ in steps][0] == "check1"
-  assert {part for part, _, _ in steps} == {f"check{n}" for n in range(1, 9)}
+  assert {part for part, _, _ in steps} == {f"check{n}" for n in range(1, 10)}
   assert all(suites for _, _, suites in steps), steps
   names = {step: suites for _, step, suites in steps}
   assert ("tests/test_cuda_peer.py", 8, None) in names["peer8"]
@@ -61,5 +63,30 @@ def test_what_is_left_is_failed_or_missing_and_a_rerun_counts(steps, tmp_path, c
   out = capsys.readouterr().out
   assert "peer2                  FAILED" in out and "nvshmem                missing" in out
   assert "fused                  passed" in out
-  assert out.splitlines()[-1] == ("left at abc1234: bash scripts/gpu_round.sh step:nvshmem "
-                                  "step:peer2")
+  left = [line for line in out.splitlines() if line.startswith("left at")]
+  assert left == ["left at abc1234: bash scripts/gpu_round.sh step:nvshmem step:peer2"]
+
+
+def test_the_steps_left_are_packed_into_calls_by_their_measured_time():
+  left = [("a", 200.0), ("b", 300.0), ("c", 100.0), ("d", None), ("e", 50.0)]
+  assert check_status.pack(left, 560.0, start_s=20.0) == [
+      (["a", "b"], 520), (["c"], 120), (["d"], 580), (["e"], 70)]
+
+
+def test_a_commit_is_checked_against_its_own_steps(tmp_path):
+  """The steps of a commit come from that commit's gpu_round.sh, not the working tree's."""
+  import subprocess
+  repo = tmp_path / "repo"
+  subprocess.run(["git", "clone", "-q", str(ROOT), str(repo)], check=True)
+  script = repo / "scripts" / "gpu_round.sh"
+  text = script.read_text()
+  assert 'CHECK8="fused fused_wrapped"' in text
+  script.write_text(text.replace('CHECK8="fused fused_wrapped"', 'CHECK8="fused"'))
+  git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+  subprocess.run(git + ["commit", "-qam", "one step fewer"], check=True)
+  (repo / "scripts" / "check_status.py").write_text(
+      (ROOT / "scripts" / "check_status.py").read_text())  # this tree's, not the commit's
+  run = [sys.executable, str(repo / "scripts" / "check_status.py"), "--records", os.devnull]
+  before = subprocess.run(run + ["--commit", "HEAD~1"], capture_output=True, text=True).stdout
+  after = subprocess.run(run + ["--commit", "HEAD"], capture_output=True, text=True).stdout
+  assert "check8  fused_wrapped" in before and "fused_wrapped" not in after, (before, after)
