@@ -77,7 +77,7 @@ def test_quantize_weights_matches_the_block_closed_form():
   assert got.scales.shape == (3, 3, 2) and got.scales.dtype == F32
   assert got.shape == (3, 256, 384)
   blocks = w.transpose(0, 2, 1).reshape(3, 3, 128, 2, 128)
-  amax = np.abs(blocks).max(axis=(2, 4))
+  amax = np.nanmax(np.abs(blocks), axis=(2, 4))
   scales = np.where(amax > 0, amax * np.float32(1 / 448), 1).astype(np.float32)
   values = (blocks * (np.float32(1) / scales)[:, :, None, :, None]).astype(
       ml_dtypes.float8_e4m3fn)
@@ -102,11 +102,12 @@ def test_quantize_weights_passes_the_gradient_straight_through():
 
 def _block_closed_form(w):
   """numpy's `(values [G, N, K] e4m3, scales [G, N/128, K/128])` of `w` `[G, K, N]`: amax / 448
-  per 128 x 128 block (1 for an all-zero block), `w * (1 / scale)` rounded to nearest even."""
+  per 128 x 128 block (1 for an all-zero block, a NaN left out), `w * (1 / scale)` rounded to
+  nearest even."""
   w = np.asarray(w, np.float32)
   g, k, n = w.shape
   blocks = w.transpose(0, 2, 1).reshape(g, n // 128, 128, k // 128, 128)
-  amax = np.abs(blocks).max(axis=(2, 4))
+  amax = np.nanmax(np.abs(blocks), axis=(2, 4))
   scales = np.where(amax > 0, amax * np.float32(1 / 448), 1).astype(np.float32)
   values = (blocks * (np.float32(1) / scales)[:, :, None, :, None]).astype(
       ml_dtypes.float8_e4m3fn)
@@ -114,10 +115,12 @@ def _block_closed_form(w):
 
 
 def _wide_weights(dtype, seed=3):
-  """`[3, 256, 384]` weights over 16 binades per column, one all-zero block."""
+  """`[3, 256, 384]` weights over 16 binades per column, one all-zero block, a NaN in
+  another."""
   rng = np.random.default_rng(seed)
   w = rng.standard_normal((3, 256, 384)) * np.exp2(rng.uniform(-8, 8, (3, 1, 384)))
   w[1, :128, :128] = 0.0
+  w[2, 130, 300] = np.nan
   return jnp.asarray(w, dtype)
 
 
@@ -132,6 +135,9 @@ def test_the_quantisation_kernel_is_the_closed_form(dtype):
   np.testing.assert_array_equal(np.asarray(scales), want_scales)
   np.testing.assert_array_equal(np.asarray(values).view(np.uint8), want_values.view(np.uint8))
   assert np.asarray(scales)[1, 0, 0] == 1.0
+  # The NaN's block ([N/128, K/128] = [2, 1]) keeps its other values' scale.
+  assert np.isnan(np.asarray(values, np.float32)[2, 300, 130])
+  assert np.isfinite(np.asarray(scales)).all() and np.asarray(scales)[2, 2, 1] != 1.0
 
 
 def test_quantize_weights_takes_the_kernel_where_the_fp8_kernels_run(monkeypatch):

@@ -114,15 +114,16 @@ def check_fp8_dims(fn: str, name: str, shape, dims: str = "K and N") -> None:
 
 def _quantize_blocks(w):
   """`Fp8Weights` of `w` `[G, K, N]`: `scale = amax / 448` per 128 x 128 block (1 for an
-  all-zero block), values `w * (1 / scale)` rounded to nearest even (what XLA makes of `w /
-  scale`: a division by a broadcast becomes a multiplication by its reciprocal)."""
+  all-zero block; a NaN left out of the amax, kept in its element), values `w * (1 / scale)`
+  rounded to nearest even (what XLA makes of `w / scale`: a division by a broadcast becomes a
+  multiplication by its reciprocal)."""
   groups, k, n = w.shape
   # NOTES: blocked in w's own layout and transposed once, as e4m3: XLA then reads w twice (the
   # amax, then the rounding, whose fusion writes the transposed layout). Transposed before the
   # blocking (in bf16 or f32), XLA wrote the rounded values in an intermediate layout and
   # transposed them again: a third pass, 40 % more bytes.
   blocks = w.astype(jnp.float32).reshape(groups, k // BLOCK, BLOCK, n // BLOCK, BLOCK)
-  amax = jnp.max(jnp.abs(blocks), axis=(2, 4))
+  amax = jnp.max(jnp.where(jnp.isnan(blocks), 0.0, jnp.abs(blocks)), axis=(2, 4))
   scales = jnp.where(amax > 0, amax * (1.0 / E4M3_MAX), 1.0).astype(jnp.float32)
   values = (blocks * (1.0 / scales)[:, :, None, :, None]).astype(jnp.float8_e4m3fn)
   return Fp8Weights(jnp.swapaxes(values.reshape(groups, k, n), 1, 2),

@@ -15,9 +15,9 @@ scale` as `w * (1 / scale)` (it turns a division by a broadcast into a multiplic
 reciprocal), which rounds otherwise than the quotient where that sits at an e4m3 rounding
 boundary (81 of the 294,912 values of the tests' bf16 weights): the rule is what XLA computes,
 on every backend. The reciprocal is PTX's `rcp.rn.f32` (IEEE, as XLA's `1 / scale`); Triton's
-own f32 division is `div.full.f32`, within 2 ulp. A block holding a NaN dequantises to NaN
-either way, but its scale differs: XLA's amax is NaN (so the scale 1), Triton's maximum leaves
-the NaN out.
+own f32 division is `div.full.f32`, within 2 ulp. A NaN is left out of its block's amax (the
+rows' rule, `jax_ep._native.fp8.fp8_quantize`): the block's other values keep their scale, the
+NaN stays in its element.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def _reciprocal(x, interpret: bool):
 def _block_kernel(w_ref, values_ref, scales_ref, *, interpret: bool):
   """One `[K, N]` block of one expert: its scale and its e4m3 values, transposed."""
   w = w_ref[...].astype(jnp.float32)
-  amax = jnp.max(jnp.abs(w))
+  amax = jnp.max(jnp.where(jnp.isnan(w), 0.0, jnp.abs(w)))
   scale = jnp.full((1, 1), jnp.where(amax > 0, amax * (1.0 / _E4M3_MAX), 1.0), jnp.float32)
   # One reciprocal per block, on a [1, 1] tile (a whole block's would double the registers).
   reciprocal = _reciprocal(scale, interpret)
