@@ -130,9 +130,9 @@ def main():
                       help="moe_layer with fp8: the dispatch sends e4m3 rows "
                            "(wire_format=RowFormat.FP8) instead of the experts quantising them")
   parser.add_argument("--fp8-weight-grads", nargs="+", choices=["bf16", "fp8"],
-                      default=["bf16"],
-                      help="moe_layer with fp8: the weight gradients in bf16 (the default), in "
-                           "FP8 (experts.override(fp8_weight_grad=True)), or both in one run "
+                      default=["fp8"],
+                      help="moe_layer with fp8: the weight gradients in FP8 (the default), in "
+                           "bf16 (experts.override(fp8_weight_grad=False)), or both in one run "
                            "(`weight_grad` in the records)")
   parser.add_argument("--calls-per-step", type=int, default=1, metavar="N",
                       help="moe_layer: N calls in one program, time per call; with fp8 the "
@@ -321,7 +321,7 @@ def layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ran
   fp8 = precision == "fp8"
   overrides = dict(impl=impl)
   if fp8:
-    weight_grad = weight_grad or "bf16"
+    weight_grad = weight_grad or "fp8"
     overrides["fp8_weight_grad"] = weight_grad == "fp8"
   wire = jax_ep.RowFormat.FP8 if fp8 and fp8_wire else None
   devices = jax.devices()

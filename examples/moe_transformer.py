@@ -325,6 +325,9 @@ def main(argv=None) -> int:
   parser.add_argument("--fp8", action="store_true",
                       help="train the experts in FP8 (jax_ep.nnx.MoE(fp8=True); hidden and ffn "
                            "multiples of 128: the default config)")
+  parser.add_argument("--fp8-weight-grads", choices=("fp8", "bf16"),
+                      help="with --fp8: the experts' weight gradients in FP8 or bf16 "
+                           "(jax_ep.experts.override(fp8_weight_grad=...); default: jax_ep's)")
   parser.add_argument("--micro-batches", type=int, default=1,
                       help="split each MoE layer's tokens into this many micro-batches "
                            "(jax_ep.nnx.MoE(micro_batches=...))")
@@ -333,6 +336,15 @@ def main(argv=None) -> int:
                            "the micro-batches in its pipeline) or N (XLA's stream N); "
                            "default: XLA's compute stream")
   args = parser.parse_args(argv)
+  if args.fp8_weight_grads and not args.fp8:
+    parser.error("--fp8-weight-grads needs --fp8")
+  if args.fp8_weight_grads:  # read where the training step is traced
+    with jax_ep.experts.override(fp8_weight_grad=args.fp8_weight_grads == "fp8"):
+      return run(args)
+  return run(args)
+
+
+def run(args) -> int:
   cfg = dataclasses.replace(CONFIGS[args.config], micro_batches=args.micro_batches)
   if args.steps is not None:
     cfg = dataclasses.replace(cfg, steps=args.steps)
@@ -360,6 +372,9 @@ def main(argv=None) -> int:
         f"backend {group.backend_name!r} ({group.backend_reason}); imports, devices and groups "
         f"{time.perf_counter() - STARTED:.1f} s")
   print(f"config {args.config}: {cfg}")
+  if cfg.fp8:
+    print("the experts' weight gradients in "
+          f"{'fp8' if jax_ep.experts.configs.fp8_weight_grads() else 'bf16'}")
 
   def build():
     return Transformer(cfg, group, decode_group, nnx.Rngs(args.seed))

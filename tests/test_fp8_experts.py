@@ -426,7 +426,7 @@ def _mlp_loss(fp8, activation, sizes, offsets, cot, **kwargs):
   return loss
 
 
-@pytest.mark.parametrize("fp8_weight_grad", [None, True], ids=["bf16_wgrad", "fp8_wgrad"])
+@pytest.mark.parametrize("fp8_weight_grad", [False, True], ids=["bf16_wgrad", "fp8_wgrad"])
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 @pytest.mark.parametrize("alignment", [1, 128])
 def test_fp8_expert_mlp_against_float32(activation, alignment, fp8_weight_grad):
@@ -453,9 +453,9 @@ def test_fp8_expert_mlp_against_float32(activation, alignment, fp8_weight_grad):
     assert_fp8_close(g, w, f"d{name}")
 
 
-def test_fp8_weight_gradients_are_bf16_unless_asked_for_fp8():
-  """The weight gradients run in bf16 on the dequantised rows by default, in FP8 (the tokens
-  quantised per 128 per channel) with `override(fp8_weight_grad=True)`; both within the
+def test_fp8_weight_gradients_are_fp8_unless_asked_for_bf16():
+  """The weight gradients run in FP8 by default (the tokens quantised per 128 per channel), in
+  bf16 on the dequantised rows with `override(fp8_weight_grad=False)`; both within the
   recipe's bounds of float32 (`test_fp8_expert_mlp_against_float32`), the input gradient the
   same bits either way. Under `vmap` over the rows (shared weights) each element's FP8 weight
   gradients are its own call's (within a bf16 step: the batched call's float32 sums may run in
@@ -465,9 +465,13 @@ def test_fp8_weight_gradients_are_bf16_unless_asked_for_fp8():
 
   def grads(loss, argnums=(0, 1, 2, 3)):
     return jax.jit(jax.grad(loss, argnums, has_aux=True))
-  bf16_grads, _ = grads(_mlp_loss(True, "swiglu", sizes, offsets, cot))(x, *weights)
+  fp8_grads, _ = grads(_mlp_loss(True, "swiglu", sizes, offsets, cot))(x, *weights)
+  with experts.override(fp8_weight_grad=False):
+    bf16_grads, _ = grads(_mlp_loss(True, "swiglu", sizes, offsets, cot))(x, *weights)
   with experts.override(fp8_weight_grad=True):
-    fp8_grads, _ = grads(_mlp_loss(True, "swiglu", sizes, offsets, cot))(x, *weights)
+    asked, _ = grads(_mlp_loss(True, "swiglu", sizes, offsets, cot))(x, *weights)
+  for g, w in zip(asked, fp8_grads):
+    np.testing.assert_array_equal(np.asarray(g, F32), np.asarray(w, F32))
   np.testing.assert_array_equal(np.asarray(fp8_grads[0], F32)[inside],
                                 np.asarray(bf16_grads[0], F32)[inside])
   for name, g, w in zip(("w_gate", "w_up", "w_down"), fp8_grads[1:], bf16_grads[1:]):
@@ -475,13 +479,12 @@ def test_fp8_weight_gradients_are_bf16_unless_asked_for_fp8():
     assert not np.array_equal(g, w), name
     assert_fp8_close(g, w, name)
   x2 = jnp.where(jnp.asarray(inside)[:, None], -x, x)
-  with experts.override(fp8_weight_grad=True):
-    per_element = jax.jit(jax.vmap(
-        lambda x, cot: jax.grad(_mlp_loss(True, "swiglu", sizes, offsets, cot), (1, 2, 3),
-                                has_aux=True)(x, *weights)[0]))(jnp.stack([x, x2]),
-                                                                 jnp.stack([cot, cot * 0.5]))
-    wants = [grads(_mlp_loss(True, "swiglu", sizes, offsets, ci), (1, 2, 3))(xi, *weights)[0]
-             for xi, ci in ((x, cot), (x2, cot * 0.5))]
+  per_element = jax.jit(jax.vmap(
+      lambda x, cot: jax.grad(_mlp_loss(True, "swiglu", sizes, offsets, cot), (1, 2, 3),
+                              has_aux=True)(x, *weights)[0]))(jnp.stack([x, x2]),
+                                                               jnp.stack([cot, cot * 0.5]))
+  wants = [grads(_mlp_loss(True, "swiglu", sizes, offsets, ci), (1, 2, 3))(xi, *weights)[0]
+           for xi, ci in ((x, cot), (x2, cot * 0.5))]
   for i, want in enumerate(wants):
     for g, w in zip(per_element, want):
       w = np.asarray(w, F32)
@@ -534,7 +537,7 @@ def test_fp8_expert_mlp_under_vmap_and_checkpoint():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8_weight_grad", [None, True], ids=["bf16_wgrad", "fp8_wgrad"])
+@pytest.mark.parametrize("fp8_weight_grad", [False, True], ids=["bf16_wgrad", "fp8_wgrad"])
 def test_fp8_expert_mlp_on_hopper_under_grad_checkpoint_vmap_and_shard_map(monkeypatch,
                                                                            fp8_weight_grad):
   """The FP8 MLP's Hopper kernels (the gated projections, the FP8 products, the activation
@@ -835,7 +838,7 @@ def fp8_interpreted(monkeypatch):
     yield took
 
 
-@pytest.mark.parametrize("fp8_weight_grad", [None, True], ids=["bf16_wgrad", "fp8_wgrad"])
+@pytest.mark.parametrize("fp8_weight_grad", [False, True], ids=["bf16_wgrad", "fp8_wgrad"])
 @pytest.mark.parametrize("activation", ["swiglu"])  # the plain ones: tests/test_fp8_kernels.py
 def test_fp8_kernels_as_expert_mlp_runs_them(fp8_interpreted, monkeypatch, activation,
                                              fp8_weight_grad):

@@ -126,9 +126,9 @@ class Overrides:
     fused_mlp: whether `expert_mlp` takes the fused kernels where they run (None: yes, where
       the grouped GEMM takes the Mosaic kernels); False: the unfused grouped GEMMs.
     fused_tiles: the fused expert kernels' tiles for every shape.
-    fp8_weight_grad: whether the FP8 recipe's weight gradients run in FP8 (True: the tokens
-      quantised per 128 per channel, `fp8_weight_grads`) or in bf16 on the dequantised rows
-      (None, the default, or False).
+    fp8_weight_grad: whether the FP8 recipe's weight gradients run in FP8 (None, the default,
+      or True: the tokens quantised per 128 per channel, `fp8_weight_grads`) or in bf16 on
+      the dequantised rows (False).
     kernel_sms: the SMs the persistent Hopper kernels' grid is sized for (None: the device's;
       the grid is this times the tiles' `ctas_per_sm`). Fewer leave SMs to kernels beside
       them (a persistent CTA holds its share of an SM to the kernel's end, so a kernel that
@@ -399,19 +399,21 @@ def fp8_gmm_build(tiles: KernelTiles) -> tuple:
 
 
 def fp8_weight_grads() -> bool:
-  """Whether the FP8 MLP's weight gradients run in FP8 (`override(fp8_weight_grad=True)`).
+  """Whether the FP8 MLP's weight gradients run in FP8 (the default; bf16 with
+  `override(fp8_weight_grad=False)`).
 
-  NOTES: bf16 by default: with their quantisation per 128 tokens the FP8 weight gradients
-  have not yet measured faster than the bf16 kernel, nor passed their GPU check against the
-  float32 oracle (docs/performance.md); the default changes once a measurement favours them
-  at equal accuracy."""
-  return current().fp8_weight_grad is True
+  NOTES: FP8 by default, DeepSeek-V3's recipe: on Hopper the layer's forward + backward runs
+  faster with them than with the bf16 weight-gradient kernel (their column copies included),
+  and the example trains to the same held-out loss either way (docs/performance.md). On the
+  fallback (no Hopper kernels) they cost more than bf16 and only add the rounding: they stay
+  the default there too, so that every backend computes the same recipe."""
+  return current().fp8_weight_grad is not False
 
 
 def fp8_mlp_build(activation: str, hidden: int, ffn: int, groups: int,
                   fp8_weight_grad: bool | None = None) -> tuple:
   """The FP8 MLP's kernels (the gated projections, the input gradient, the weight gradients:
-  bf16, or FP8 with `override(fp8_weight_grad=True)`; `fp8_weight_grad` None: the override's
+  FP8, or bf16 with `override(fp8_weight_grad=False)`; `fp8_weight_grad` None: the override's
   choice)."""
   parts = 2 if activation in ("swiglu", "geglu") else 1  # the input gradient's K: parts * F
   if fp8_weight_grad is None:

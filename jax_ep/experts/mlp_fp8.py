@@ -1,6 +1,6 @@
 """The expert MLP in FP8, DeepSeek-V3's recipe: `y = act(x @ w_gate) * (x @ w_up) @ w_down`
 (gated; `act(x @ w_gate) @ w_down` plain) per expert with every product of the forward and of
-the input gradient in FP8 (`jax_ep/experts/fp8.py`), the weight gradients in bf16 or FP8.
+the input gradient in FP8 (`jax_ep/experts/fp8.py`), the weight gradients in FP8 or bf16.
 
 - forward: `x` arrives as e4m3 rows with per-128 scales (an fp8 dispatch's rows, or the
   activations quantised once); gate and up are FP8 products promoted to fp32; the activation
@@ -10,13 +10,12 @@ the input gradient in FP8 (`jax_ep/experts/fp8.py`), the weight gradients in bf1
 - backward: `dy` quantised per row over H, `dh = dy @ w_down^T` in FP8; `dgate`, `dup` in fp32
   from the saved projections, quantised per row over F, `dx = dgate @ w_gate^T + dup @ w_up^T`
   in FP8 (one product over both projections' reduction, summed in fp32), returned in bf16;
-  the weight gradients `x^T [dgate | dup]` and `h^T dy` per expert in bf16 on the dequantised
-  rows (jax_ep's bf16 weight-gradient kernel), or with
-  `jax_ep.experts.override(fp8_weight_grad=True)` in FP8, DeepSeek-V3's: reduced over the
-  tokens, every operand quantised again per 128 tokens per channel (128 x 1 blocks; `x` and
-  `h` from their e4m3 rows) in a transposed copy that starts each group at a block, each
-  block's product promoted to fp32, bf16 out. Why bf16 is the default:
-  `configs.fp8_weight_grads`.
+  the weight gradients `x^T [dgate | dup]` and `h^T dy` per expert in FP8, DeepSeek-V3's:
+  reduced over the tokens, every operand quantised again per 128 tokens per channel (128 x 1
+  blocks; `x` and `h` from their e4m3 rows) in a transposed copy that starts each group at a
+  block, each block's product promoted to fp32, bf16 out; or with
+  `jax_ep.experts.override(fp8_weight_grad=False)` in bf16 on the dequantised rows (jax_ep's
+  bf16 weight-gradient kernel). Why FP8 is the default: `configs.fp8_weight_grads`.
 - weights: `Fp8Weights` (`jax_ep.quantize_weights`, once per step); their gradients pass
   straight through to the bf16 / f32 masters.
 
@@ -194,7 +193,7 @@ fp8_expert_mlp.defvjp(_fp8_fwd, _fp8_bwd)
 # The weight gradients.
 
 def _bf16_weight_grads(x, x_scales, d_rows, parts, h_q, h_scales, dy, sizes, offsets):
-  """The weight gradients in bf16 on the dequantised rows (the default),
+  """The weight gradients in bf16 on the dequantised rows (`override(fp8_weight_grad=False)`),
   each in its master's layout `[G, K, N]`: `x^T` each projection's part of `[dgate | dup]`,
   `h^T dy`."""
   weight_grad = weight_grad_fn(False, BF16, "auto")
