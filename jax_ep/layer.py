@@ -507,7 +507,8 @@ def moe_mlp(group: Group, params: MoEParams, x, topk_idx=None, topk_weights=None
       several calls, their gradients passing straight through to the masters), the
       dispatched rows per token per 128 channels (by the dispatch itself when the group's
       `wire_format` is an fp8 `RowFormat`, else after it), the forward and input-gradient
-      products in FP8, the weight gradients in bf16, combine in the group's dtype; gradients
+      products in FP8, the weight gradients in FP8 (bf16 with
+      `jax_ep.experts.override(fp8_weight_grad=False)`), combine in the group's dtype; gradients
       for the masters, the router and `x` as without it. Off by default; H and the experts' F
       must be multiples of 128; "high_throughput" mode only. The router and the shared
       expert stay in their precision.

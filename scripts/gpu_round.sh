@@ -194,7 +194,6 @@ fused_wrapped_suite() {
   XLA_PYTHON_CLIENT_MEM_FRACTION=.92 suite --timeout 500 -- $PYTEST tests/test_fused_expert_mlp.py \
     -m gpu -k "vmap or checkpoint" --durations 10
 }
-# The FP8 kernels at the model shapes and the FP8 recipe in the layer.
 # The FP8 kernels at the model shapes (weight gradients included), then the FP8 MLP and layer:
 # two steps, each under half of a 10-minute call.
 fp8_kernels_suite() {

@@ -356,8 +356,37 @@ def example(impl=None) -> dict:
   return out
 
 
+def shared_weights(_=None) -> dict:
+  """`jax.grad` of 1 and of 4 FP8 `expert_mlp` calls on one set of `Fp8Weights` (quantised once,
+  as a step does for its micro-batches), compiled for the H200: per count, the e4m3 weight-sized
+  arrays the program's XLA ops write (the backward's transposes of the weights into the layouts
+  its products read: XLA should compute them once for all the calls) and its Mosaic kernels."""
+  groups, hidden, ffn, rows = 8, 1024, 512, 4096
+  bf16 = jnp.bfloat16
+  out = {}
+  for calls in (1, 4):
+    def loss(x, wg, wu, wd, sizes, cot, calls=calls):
+      weights = [jax_ep.quantize_weights(w) for w in (wg, wu, wd)]
+      total = 0.0
+      for i in range(calls):
+        y = jax_ep.expert_mlp(x[i], *weights, sizes, fp8=True)
+        total = total + jnp.sum(y.astype(jnp.float32) * cot[i])
+      return total
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in (
+        ((calls, rows, hidden), bf16), ((groups, hidden, ffn), bf16),
+        ((groups, hidden, ffn), bf16), ((groups, ffn, hidden), bf16), ((groups,), jnp.int32),
+        ((calls, rows, hidden), jnp.float32))]
+    hlo = jax.jit(jax.grad(loss, (0, 1, 2, 3))).trace(*args).lower().compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    written = re.findall(r"= (f8e4m3fn\[\d+,\d+,\d+\])\S* (?:fusion|transpose|copy)\(", entry)
+    out[str(calls)] = {"weights_written": sorted(written),
+                       "mosaic": entry.count('custom_call_target="mosaic_gpu')}
+  return out
+
+
 CASES = {"kernels": kernels, "known_builds": known_builds, "streams": streams,
-         "schedule": schedule, "layer": layer, "example": example}
+         "schedule": schedule, "layer": layer, "example": example,
+         "shared_weights": shared_weights}
 
 if __name__ == "__main__":
   case, arg = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)

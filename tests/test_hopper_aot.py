@@ -121,6 +121,19 @@ def test_every_known_fp8_build_builds_for_sm90a():
   _check_builds("fp8", {"jax_ep_fp8_gmm_ws", "jax_ep_fp8_gate_up_ws", "jax_ep_fp8_wgrad_ws"})
 
 
+@pytest.mark.slow
+def test_calls_on_weights_quantised_once_share_their_transposes():
+  """Four FP8 calls on one set of `Fp8Weights` (a step's micro-batches): XLA writes the
+  backward's e4m3 copies of the weights (`[w_gate | w_up]` and `w_down` in the layouts the input
+  and hidden gradients read) once for all four, as for one call, while every call runs its own
+  kernels: what makes quantising once a step take the weights' fixed cost off each call."""
+  result, _ = _run("shared_weights")
+  one, four = result["1"], result["4"]
+  assert one["weights_written"] == ["f8e4m3fn[8,1024,1024]", "f8e4m3fn[8,512,1024]"], one
+  assert four["weights_written"] == one["weights_written"], four
+  assert four["mosaic"] == 4 * one["mosaic"] > 0, result
+
+
 @needs_extension
 def test_each_op_is_one_call_and_on_its_stream_in_the_compiled_program():
   """tests/test_comm_stream.py's programs (one rank, the peer transport, the FP8 dispatch, the
