@@ -64,6 +64,10 @@
 #                                     # fraction at one rank (bench_overlap.py), the SwiGLU chain
 #                                     # with 1 and 2 micro-batches at 1 and 8 ranks
 #   bash scripts/gpu_round.sh llncu    # ncu of the low-latency kernels at one rank (T=128, fp8)
+#   bash scripts/gpu_round.sh fp8ncu   # ncu of the FP8 layer's backward kernels off the
+#                                     # products (column copies, activation gradient) and its
+#                                     # weight gradients, DeepSeek-V3's EP=8 rank: time, DRAM
+#                                     # throughput, occupancy and what limits it
 #   bash scripts/gpu_round.sh overlapncu  # ncu of the expert kernels and the one-rank ops of
 #                                     # the overlap pipeline and the two halves: time, SM and
 #                                     # DRAM throughput, clock (bench_overlap.py)
@@ -522,6 +526,23 @@ sm__cycles_elapsed.avg.per_second \
   counts "ncu bench_overlap.py"
   grep -E "jax_ep_mlp_|Kernel<|gpu__time_duration|throughput|dram__bytes|cycles_elapsed" \
     "$OUT/ncu_overlap.txt" | cut -c1-120 | head -120
+fi
+
+# The FP8 layer's bandwidth-bound kernels: how far from the DRAM roofline each runs and why
+# (a kernel with few resident warps waits on memory latency).
+if has fp8ncu; then
+  step "ncu: the FP8 layer's column copies, activation gradient and weight gradients"
+  t=$(bench_time 400) && timeout $t ncu --clock-control none \
+    -k regex:"jax_ep_(fp8_quantize_columns|fp8_activation_grad|fp8_wgrad)" -c 14 \
+    --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
+dram__bytes.sum.per_second,sm__warps_active.avg.pct_of_peak_sustained_active,\
+launch__registers_per_thread,launch__shared_mem_per_block,launch__occupancy_limit_registers,\
+launch__occupancy_limit_shared_mem,launch__occupancy_limit_warps,launch__grid_size \
+    python3 benchmarks/bench_layer.py --ops moe_layer --shapes deepseek_v3_ep8_rank \
+    --precisions fp8 --repeats 1 --out /tmp/fp8_ncu.jsonl > "$OUT/ncu_fp8.txt" 2>&1
+  counts "ncu bench_layer.py fp8"
+  grep -E "jax_ep_|gpu__time|dram__|warps_active|launch__" "$OUT/ncu_fp8.txt" | cut -c1-120 \
+    | head -200
 fi
 
 chain_args="--backends cuda --expert identity swiglu --passes forward forward_backward"
