@@ -11,7 +11,7 @@ last, where a suite ran more than once). The steps are those of the commit's own
 (main may have moved on while its check runs). Prints each step as `passed`, `FAILED` or
 `missing`, then the `step:...` arguments that run what is left (failed or missing), packed
 into calls of at most `--call-s` seconds by each suite's longest measured time (at any
-commit; a step never measured counts as a whole call); exits 0 when nothing is.
+commit; a step never measured counts as a whole call, or `--unmeasured-s`); exits 0 when nothing is.
 """
 
 from __future__ import annotations
@@ -84,12 +84,13 @@ def status(records: list[dict], commit: str, script_commit: str | None = None):
   return rows, left
 
 
-def pack(left, call_s: float, start_s: float = 20.0):
+def pack(left, call_s: float, start_s: float = 20.0, unmeasured_s: float | None = None):
   """The steps left in calls of at most `call_s` seconds, in the check's order: `[([steps],
-  estimated seconds)]`, each call `start_s` for the round's start besides its steps."""
+  estimated seconds)]`, each call `start_s` for the round's start besides its steps; a step
+  never timed counts `unmeasured_s` (None: a whole call)."""
   calls = []
   for step, t in left:
-    t = call_s if t is None else t
+    t = (call_s if unmeasured_s is None else unmeasured_s) if t is None else t
     if calls and calls[-1][1] + t <= call_s:
       calls[-1][0].append(step)
       calls[-1][1] += t
@@ -105,6 +106,9 @@ def main(argv=None) -> int:
                                                         "gpu_suites.jsonl"))
   parser.add_argument("--call-s", type=float, default=560.0,
                       help="the most seconds one call's steps may take (default 560)")
+  parser.add_argument("--unmeasured-s", type=float, default=None,
+                      help="seconds to count for a step never timed (default: a whole call); "
+                           "the round's deadline skips a step that would start too late")
   args = parser.parse_args(argv)
   found = subprocess.run(["git", "rev-parse", "--short", args.commit], cwd=REPO,
                          capture_output=True, text=True)
@@ -121,9 +125,12 @@ def main(argv=None) -> int:
   if left:
     print(f"left at {commit}: bash scripts/gpu_round.sh "
           + " ".join(f"step:{s}" for s, _ in left))
-    for steps, t in pack(left, args.call_s):
+    never = {s for s, t in left if t is None}
+    for steps, t in pack(left, args.call_s, unmeasured_s=args.unmeasured_s):
       print(f"  one call, about {t} s: DEADLINE_S={int(args.call_s) + 20} bash "
-            "scripts/gpu_round.sh " + " ".join(f"step:{s}" for s in steps))
+            "scripts/gpu_round.sh " + " ".join(f"step:{s}" for s in steps)
+            + (f"  (never timed: {' '.join(sorted(never & set(steps)))})"
+               if never & set(steps) else ""))
     return 1
   print(f"the whole check passed at {commit}")
   return 0

@@ -13,7 +13,8 @@ Every process of a pytest run writes its own junit report (tests/conftest.py rea
 JAX_EP_JUNIT_PREFIX); the record counts tests over the ranks: `passed` and `skipped` as rank 0
 saw them, `failed` the most any rank saw (plus compute-sanitizer's errors), `errors` the most
 collection or set-up errors any rank saw plus one for each rank that wrote no report or a run
-that exited non-zero without a failure to show for it. The run sets JAX_EP_REQUIRE_GPU=1:
+that exited non-zero without a failure to show for it; `slowest_tests` names rank 0's five
+longest tests with their seconds. The run sets JAX_EP_REQUIRE_GPU=1:
 a test that would skip for a missing GPU, extension, NVSHMEM module or Hopper chip fails.
 
 The record goes to DIR/gpu_suites.jsonl (DIR: --out, else $OUT, else gpu_out), the output to
@@ -52,6 +53,14 @@ def parse_junit(path: str) -> dict[str, int]:
     else:
       counts["passed"] += 1
   return counts
+
+
+def slowest_tests(path: str, count: int = 5) -> list[list]:
+  """The `count` longest tests of one junit report, `[[name, seconds], ...]`, longest first:
+  where a suite's time goes (most of it compilation, on the GPU machine's CPU)."""
+  cases = [(case.get("name"), float(case.get("time") or 0.0))
+           for case in ET.parse(path).getroot().iter("testcase") if case.get("name")]
+  return [[name, round(t, 1)] for name, t in sorted(cases, key=lambda c: -c[1])[:count]]
 
 
 def sanitizer_errors(log: str) -> int | None:
@@ -204,8 +213,13 @@ def main(argv=None) -> int:
       except ET.ParseError:
         per_rank.append(None)
     counts = combine(per_rank, args.ranks)
+    try:
+      slowest = slowest_tests(reports[0]) if 0 in reports else []
+    except ET.ParseError:
+      slowest = []
   else:
     counts = {"passed": int(code == 0), "failed": int(code != 0), "skipped": 0, "errors": 0}
+    slowest = []
   found = sanitizer_errors(log) if args.sanitizer else 0
   if args.sanitizer and found is None:
     counts["errors"] += 1  # the tool printed no summary: it did not run to the end
@@ -220,7 +234,7 @@ def main(argv=None) -> int:
             "process_model": ("single_device" if args.ranks == 1 else
                               "shared_gpu" if args.share_gpu else "process_per_gpu"),
             "virtual_hosts": args.virtual_hosts, **counts, "exit_code": code,
-            "wall_s": round(wall, 1), "gpu": _gpu(),
+            "wall_s": round(wall, 1), "slowest_tests": slowest, "gpu": _gpu(),
             "date": datetime.date.today().isoformat(), "commit": _commit()}
   with open(os.path.join(out, "gpu_suites.jsonl"), "a") as f:
     f.write(json.dumps(record) + "\n")

@@ -71,6 +71,8 @@ def test_the_steps_left_are_packed_into_calls_by_their_measured_time():
   left = [("a", 200.0), ("b", 300.0), ("c", 100.0), ("d", None), ("e", 50.0)]
   assert check_status.pack(left, 560.0, start_s=20.0) == [
       (["a", "b"], 520), (["c"], 120), (["d"], 580), (["e"], 70)]
+  assert check_status.pack(left, 560.0, start_s=20.0, unmeasured_s=150.0) == [
+      (["a", "b"], 520), (["c", "d", "e"], 320)]
 
 
 def test_a_commit_is_checked_against_its_own_steps(tmp_path):

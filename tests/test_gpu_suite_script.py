@@ -42,6 +42,9 @@ def test_a_passing_suite_is_recorded_as_passed(tmp_path):
   assert result.returncode == 0, result.stdout + result.stderr
   assert (record["passed"], record["failed"], record["skipped"], record["errors"],
           record["exit_code"]) == (1, 0, 0, 0, 0), record
+  # Where the suite's time went: its tests, longest first (rank 0's report).
+  (name, seconds), = record["slowest_tests"]
+  assert name == "test_passes" and 0 <= seconds < 60, record
 
 
 def test_a_suite_past_its_time_is_interrupted_and_counts_what_ran(tmp_path):
