@@ -28,7 +28,11 @@ refuse to run; the reference backend needs XLA collectives too). `--debug-checks
 backend with `raise_on_timeout=True` (a host check after every op) beside the defaults;
 `--comm-streams N` the cuda backend with its ops on XLA's additional stream N
 (`Group(comm_stream=N)`; `jax_ep`: on jax_ep's own stream, the micro-batches in its pipeline),
-whose records carry `comm_stream`.
+whose records carry `comm_stream`. `--wire-formats plain fp8` times every group also with an fp8
+`wire_format` (`Group(wire_format=jax_ep.RowFormat.FP8)`: dispatch sends each token as e4m3
+with a scale per 128 channels, combine in bf16); its identity expert dequantises the rows
+(`jax_ep.dequantize`) for combine, the least an expert does with them; records carry
+`wire_format` and `wire_dtype`, and `bytes` counts the e4m3 rows with their scales.
 Records carry every setting that differs from a user's defaults (`settings`), and the
 DESIGN.md section 6 keys; per layer, `bytes` counts the rows this rank receives in dispatch and
 sends home in combine (one per token and rank each way) and `min_hbm_bytes` the least bytes both
@@ -170,6 +174,10 @@ def main():
                       help="cuda: also time groups whose ops run on XLA's additional stream N "
                            "(Group(comm_stream=N)) beside the compute stream's kernels, or on "
                            "jax_ep's own (jax_ep: its pipeline interleaves the micro-batches)")
+  parser.add_argument("--wire-formats", nargs="+", default=["plain"],
+                      choices=[f.value for f in jax_ep.RowFormat],
+                      help="the dispatch's wire formats (Group(wire_format=...)), each timed "
+                           "for every group in the same run; plain is the default group's")
   parser.add_argument("--repeats", type=int, default=7)
   parser.add_argument("--breakdown", action="store_true",
                       help="print the device time per kernel of one 2N-layer run (GPU)")
@@ -216,9 +224,17 @@ def main():
   dest = routing0 // num_local
   recv_tokens = np.mean([np.sum(np.any(dest == r, axis=-1)) for r in range(num_ranks)])
   row_bytes = h * 2
-  per_rank_bytes = int(2 * recv_tokens * row_bytes)  # dispatch in, combine out
   slot_rows = num_ranks * t * k
-  min_hbm = 2 * (num_ranks * t + slot_rows) * row_bytes
+
+  def accounting(fmt):
+    """The byte fields of a wire format: dispatch receives a row as `H` bf16 values or `H`
+    e4m3 bytes with their scales (sizing.low_latency_row_bytes), combine sends it home in
+    bf16; both read and write the tokens in bf16."""
+    row = jax_ep.sizing.low_latency_row_bytes(fmt, h, dtype)
+    return dict(bytes=int(recv_tokens * (row + row_bytes)),  # dispatch in, combine out
+                min_hbm_bytes=2 * num_ranks * t * row_bytes + slot_rows * (row + row_bytes),
+                wire_dtype="float8_e4m3fn" if fmt.is_fp8 else "bfloat16",
+                wire_format=fmt.value)
   capacity = jax_ep.default_capacity(num_ranks, t, k, num_local)  # every group's default
   one_gpu = model in ("shared_gpu", "single_device")
   bound_gbps, bound = (bounds.copy_bound_gbps() if jax.process_index() == 0
@@ -237,20 +253,20 @@ def main():
 
   records = reports.Records(args.out)
   base = dict(op="layer_chain", mode="high_throughput", ranks=num_ranks, process_model=model,
-              tokens_per_rank=t, hidden=h, topk=k, experts=e, dtype="bfloat16",
-              wire_dtype="bfloat16", layers=n, bytes=per_rank_bytes, min_hbm_bytes=min_hbm,
+              tokens_per_rank=t, hidden=h, topk=k, experts=e, dtype="bfloat16", layers=n,
               bound_gbps=round(bound_gbps, 1), bound=bound)
 
-  def paths(topology):
+  def paths(topology, fmt):
     """The record's split of `bytes` into the rows that took the network path and those that
     took the peer path (reports.high_throughput_paths), both ways."""
     network, peer = reports.high_throughput_paths(dest, topology)
+    both = jax_ep.sizing.low_latency_row_bytes(fmt, h, dtype) + row_bytes
     return dict(hosts=topology.num_hosts if topology else 1,
                 gpus_per_host=list(topology.gpus_per_host) if topology else [num_ranks],
-                network_bytes=int(2 * network * row_bytes), peer_bytes=int(2 * peer * row_bytes))
+                network_bytes=int(network * both), peer_bytes=int(peer * both))
 
   def add(backend, expert, results, settings, topology=None, capacity=capacity,
-          pass_="forward", micro_batches=1, comm_stream=None):
+          pass_="forward", micro_batches=1, comm_stream=None, fmt=jax_ep.RowFormat.PLAIN):
     (host_n, dev_n), (host_2n, dev_2n) = results
     split = f" micro_batches={micro_batches}" if micro_batches != 1 else ""
     for timing, first, second in (("host_clock_marginal", host_n, host_2n),
@@ -266,20 +282,21 @@ def main():
       if per_layer_us <= 0:
         print(f"{backend} {expert}{split}: no {timing} record (t(2N) <= t(N): timing noise)")
         continue
-      roofline = (min_hbm / (bound_gbps * 1e9) / (per_layer_us * 1e-6) if one_gpu
-                  else per_rank_bytes / (per_layer_us * 1e-6) / 1e9 / bound_gbps)
+      wire = accounting(fmt)
+      roofline = (wire["min_hbm_bytes"] / (bound_gbps * 1e9) / (per_layer_us * 1e-6) if one_gpu
+                  else wire["bytes"] / (per_layer_us * 1e-6) / 1e9 / bound_gbps)
       records.append(reports.record(
-          **base, backend=backend, expert=expert, timing=timing,
+          **base, **wire, backend=backend, expert=expert, timing=timing,
           median_us=round(per_layer_us, 1), program_us=round(second * 1e6, 1),
-          gbps=round(per_rank_bytes / (per_layer_us * 1e-6) / 1e9, 1),
+          gbps=round(wire["bytes"] / (per_layer_us * 1e-6) / 1e9, 1),
           roofline=round(roofline, 3), settings=settings,
           raise_on_timeout=settings == "debug_checks", capacity=capacity, **{"pass": pass_},
-          micro_batches=micro_batches, comm_stream=comm_stream, **paths(topology)))
+          micro_batches=micro_batches, comm_stream=comm_stream, **paths(topology, fmt)))
 
   params = expert_params(jax.random.key(0)) if "swiglu" in args.expert else []
 
   def run(backend, expert, layer, settings="default", topology=None, capacity=capacity,
-          micro_batches=1, comm_stream=None):
+          micro_batches=1, comm_stream=None, fmt=jax_ep.RowFormat.PLAIN):
     for pass_ in args.passes:
       backward = pass_ == "forward_backward"
       programs = [chain_program(layer, layers, mesh, backward) for layers in (n, 2 * n)]
@@ -296,7 +313,7 @@ def main():
                             failed) > 0:
         continue
       add(backend, expert, results, settings, topology, capacity, pass_, micro_batches,
-          comm_stream)
+          comm_stream, fmt)
       if args.breakdown and on_gpu:
         rows, activity = timers.trace_breakdown(programs[1], inputs)
         if jax.process_index() == 0:
@@ -307,7 +324,9 @@ def main():
             print(f"  {plane}: busy {busy / (2 * n):.1f} us of {span / (2 * n):.1f} us per "
                   "layer")
 
-  def apply_expert(expert, rows, sizes, p):
+  def apply_expert(expert, rows, sizes, p, scales=None):
+    if scales is not None:  # an fp8 wire: the rows for combine, or for the bf16 experts
+      rows = jax_ep.dequantize(rows, scales, dtype)
     if expert == "identity":
       return jax.lax.optimization_barrier(rows)
     return expert_mlp(rows, *p, sizes)
@@ -326,7 +345,15 @@ def main():
     variants += [("cuda", f"virtual_hosts={v}", {"virtual_hosts": v})
                  for v in args.virtual_hosts if v > 1]
     variants += [("cuda", f"comm_stream={s}", {"comm_stream": s}) for s in args.comm_streams]
-  for (backend, settings, kw), micro_batches in itertools.product(variants, args.micro_batches):
+  # Each group again with every fp8 wire format asked for.
+  formats = [jax_ep.RowFormat(f) for f in dict.fromkeys(args.wire_formats)]
+  variants = [(b, settings if not fmt.is_fp8 else
+               f"wire_format={fmt.value}" if settings == "default" else
+               f"{settings},wire_format={fmt.value}",
+               dict(kw, wire_format=fmt) if fmt.is_fp8 else kw, fmt)
+              for b, settings, kw in variants for fmt in formats]
+  for (backend, settings, kw, fmt), micro_batches in itertools.product(variants,
+                                                                       args.micro_batches):
     if backend == "reference" and shared_gpu and num_ranks > 1:
       print("reference: skipped (processes sharing one GPU cannot run XLA collectives)")
       continue
@@ -351,10 +378,11 @@ def main():
     for expert in args.expert:
       def layer(hid, i, wt, p, group=group, expert=expert):
         recv, handle = jax_ep.dispatch(group, hid, i, wt)
-        out = jax_ep.combine(group, apply_expert(expert, recv.x, recv.group_sizes, p), handle)
+        out = jax_ep.combine(group, apply_expert(expert, recv.x, recv.group_sizes, p,
+                                                 recv.scales), handle)
         return out if expert == "identity" else hid + out
       run(backend, expert, micro_batched(layer, micro_batches), settings, group.topology,
-          group.capacity, micro_batches, kw.get("comm_stream"))
+          group.capacity, micro_batches, kw.get("comm_stream"), fmt)
     # One group's buffers at a time: at the standard shape each is several GB per rank, and
     # ranks sharing one GPU hold theirs side by side. Every process is past its last call of
     # this group here (each run ends in block_until_ready and a gather).
@@ -404,6 +432,12 @@ def main():
                  ("backend", "expert", "pass", "micro_batches", "timing"),
                  lambda r: f"comm_stream={r['comm_stream']} / compute stream: {r['expert']} "
                            f"{r['pass']} micro_batches={r['micro_batches']} {r['timing']}")
+    # The fp8 wire against bf16 rows: what sending e4m3 buys the chain.
+    print_ratios(records, lambda r: r["settings"] == f"wire_format={r['wire_format']}",
+                 lambda q: q["wire_format"] == "plain" and q["settings"] == "default",
+                 ("backend", "expert", "pass", "micro_batches", "timing"),
+                 lambda r: f"wire_format={r['wire_format']} / plain: {r['backend']} "
+                           f"{r['expert']} {r['pass']} {r['timing']}")
     print(f"wrote {path}")
 
 

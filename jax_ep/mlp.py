@@ -82,10 +82,11 @@ def expert_mlp(x, w_gate, w_up, w_down, group_sizes, *, group_offsets=None,
     fp8: DeepSeek-V3's FP8 recipe (jax_ep/experts/mlp_fp8.py): the products of the forward
       and of the input gradient in FP8 (activations scaled per row per 128 channels, weights
       per 128 x 128 block, fp32 promotion every 128), the weight gradients in FP8 (bf16 with
-      `jax_ep.experts.override(fp8_weight_grad=False)`), the result in bf16. The weights are bf16 / f32 masters (quantised here, once per call) or
-      `jax_ep.Fp8Weights` (`jax_ep.quantize_weights`, e.g. once per step for several
-      micro-batches); their gradients pass straight through to the masters. `x` in a floating
-      dtype is quantised once (straight through); H and F must be multiples of 128.
+      `jax_ep.experts.override(fp8_weight_grad=False)`), the result in bf16. The weights are
+      bf16 / f32 masters (quantised here, once per call) or `jax_ep.Fp8Weights`
+      (`jax_ep.quantize_weights`, e.g. once per step for several micro-batches); their
+      gradients pass straight through to the masters. `x` in a floating dtype is quantised
+      once (straight through); H and F must be multiples of 128.
     x_scales: with float8_e4m3fn `x`: `[rows, H / 128]` float32 (or `[rows, H / 512]` int32
       UE8M0 exponents), as `jax_ep.dispatch` returns them in `recv.scales`.
 

@@ -47,7 +47,8 @@
 #   bash scripts/gpu_round.sh netbench  # the high-throughput ops across 2 virtual hosts beside
 #                                     # one host, 8 ranks: layer chain (netlayers), per op (netops)
 #   bash scripts/gpu_round.sh fp8bench  # the FP8 dispatch beside the bf16 one at 8 ranks
-#                                     # emulated, T=4096, H=7168, top-8 of 256 (FP8_BENCH_ARGS)
+#                                     # emulated, T=4096, H=7168, top-8 of 256 (FP8_BENCH_ARGS),
+#                                     # then the identity layer chain with each wire
 #   bash scripts/gpu_round.sh example   # examples/moe_transformer.py on one GPU: defaults, the
 #                                     # compilation cache filled then read, 2 micro-batches on
 #                                     # jax_ep's own stream
@@ -393,6 +394,15 @@ if has fp8bench; then
     | tail -40
   counts "bench_intranode.py --wire-format" "$OUT/bench_intranode_fp8.log"
   cp benchmarks/results/gpu_round_intranode.jsonl "$OUT/" 2>/dev/null
+  # The identity chain with the fp8 wire beside bf16 rows (target: fp8 <= 0.8x plain).
+  step "identity layer chain, fp8 wire against bf16 rows, 8 ranks emulated"
+  t=$(bench_time 300) && timeout $t python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 \
+    --timeout $((t - 20)) -- \
+    python3 benchmarks/bench_layers.py --backends cuda --wire-formats plain fp8 \
+    --out gpu_round_layers.jsonl 2>&1 | tee "$OUT/bench_layers_fp8.log" \
+    | grep -E "^\[0\] " | tail -12
+  counts "bench_layers.py --wire-formats" "$OUT/bench_layers_fp8.log"
+  cp benchmarks/results/gpu_round_layers.jsonl "$OUT/" 2>/dev/null
 fi
 
 # The end-to-end example as a user runs it on one GPU: its defaults (the first step's time: trace,

@@ -326,6 +326,39 @@ def test_bench_layers_micro_batches_field(tmp_path):
   assert "--micro-batches must be positive and divide --tokens=16, got [3]" in bad.stderr
 
 
+def test_bench_layers_fp8_wire_beside_bf16_rows(tmp_path):
+  """`--wire-formats plain fp8`: each group again with an fp8 wire (dispatch sends e4m3 rows
+  with their scales, the identity expert dequantises them for combine), forward and forward +
+  backward, its records saying so and counting the e4m3 rows' bytes."""
+  out = tmp_path / "layers.jsonl"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=_xla_flags(devices=2))
+  result = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "bench_layers.py"), "--tokens", "16",
+       "--hidden", "256", "--experts", "16", "--topk", "2", "--layers", "2", "--repeats", "3",
+       "--backends", "reference", "--passes", "forward", "forward_backward",
+       "--wire-formats", "plain", "fp8", "--out", str(out)],
+      env=env, capture_output=True, text=True, timeout=300)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "failed" not in result.stdout, result.stdout
+  records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+  by_wire = {}
+  for r in records:
+    assert REQUIRED_KEYS <= set(r), REQUIRED_KEYS - set(r)
+    by_wire.setdefault(r["wire_format"], []).append(r)
+    fp8 = r["wire_format"] == "fp8"
+    assert r["wire_dtype"] == ("float8_e4m3fn" if fp8 else "bfloat16")
+    assert r["settings"] == ("wire_format=fp8" if fp8 else "default")
+  for pass_ in ("forward", "forward_backward"):
+    for wire in ("plain", "fp8"):
+      assert ([r for r in by_wire.get(wire, []) if r["pass"] == pass_]
+              or "no host_clock_marginal" in result.stdout), (pass_, wire, result.stdout)
+  if by_wire.get("plain") and by_wire.get("fp8"):
+    # A received row: 2H bytes of bf16, or H of e4m3 and a float32 scale per 128 channels;
+    # combine sends 2H back either way.
+    plain, fp8 = by_wire["plain"][0]["bytes"], by_wire["fp8"][0]["bytes"]
+    assert fp8 / plain == pytest.approx((256 + 2 * 4 + 2 * 256) / (4 * 256), rel=1e-3)
+
+
 @pytest.mark.slow
 def _run_bench_layer_on_cpu(tmp_path, *args):
   """bench_layer.py on one CPU device, two repeats: `(its output, its records)`; it must

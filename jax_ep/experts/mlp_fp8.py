@@ -25,9 +25,9 @@ every other product of the forward and the input gradient, `dx` of both projecti
 (one product over both, `[dgate | dup] @ [w_gate | w_up]^T`), is
 `hopper_fp8.fp8_grouped_matmul_kernel` (through `fp8.fp8_product`), and the FP8 weight
 gradients are `hopper_fp8_wgrad.fp8_weight_grad_kernel` on
-`quantize_kernel.quantize_column_blocks`' copies. Elsewhere the products are `fp8_product`'s fallback and the activation runs between
-them; the FP8 weight gradients quantise the same way in XLA and multiply the dequantised
-copies.
+`quantize_kernel.quantize_column_blocks`' copies. Elsewhere the products are `fp8_product`'s
+fallback and the activation runs between them; the FP8 weight gradients quantise the same way
+in XLA and multiply the dequantised copies.
 
 Rows outside the groups are unspecified in the result; every quantisation reads only rows of
 the groups (row-local, or a block of one group's rows) and every product reads only the rows of
