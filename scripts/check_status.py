@@ -11,7 +11,8 @@ last, where a suite ran more than once). The steps are those of the commit's own
 (main may have moved on while its check runs). Prints each step as `passed`, `FAILED` or
 `missing`, then the `step:...` arguments that run what is left (failed or missing), packed
 into calls of at most `--call-s` seconds by each suite's longest measured time (at any
-commit; a step never measured counts as a whole call, or `--unmeasured-s`); exits 0 when nothing is.
+commit; a step never measured counts as a whole call, or `--unmeasured-s`); exits 0 when
+nothing is.
 """
 
 from __future__ import annotations
