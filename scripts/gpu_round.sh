@@ -524,35 +524,40 @@ fi
 # SMs (docs/dev/notes.md): a GEMM near the DRAM ceiling beside ops that copy at ~1.2 TB/s points to
 # bandwidth, a clock that drops to power. In launch order: the halves' GEMM-only and layer
 # programs, then the pipeline's.
+# ncu_metrics REPORT KERNELS COUNT METRICS SHOWN -- COMMAND...: ncu's METRICS of the first COUNT
+# kernels matching KERNELS (a regex) that COMMAND launches, the report in $OUT/REPORT, its lines
+# matching SHOWN printed.
+ncu_metrics() {
+  local report=$1 kernels=$2 count=$3 metrics=$4 shown=$5
+  shift 6
+  t=$(bench_time 400) && timeout $t ncu --clock-control none -k regex:"$kernels" -c "$count" \
+    --metrics "$metrics" "$@" > "$OUT/$report" 2>&1
+  counts "ncu $*"
+  grep -E "$shown" "$OUT/$report" | cut -c1-120 | head -200
+}
 if has overlapncu; then
   step "ncu: the expert kernels and the one-rank ops in the halves and the own-stream pipeline"
-  t=$(bench_time 400) && timeout $t ncu --clock-control none \
-    -k regex:"jax_ep_mlp_(gate_up|hidden_grad)|DispatchKernel|CombineKernel" -c 40 \
-    --metrics gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
+  ncu_metrics ncu_overlap.txt "jax_ep_mlp_(gate_up|hidden_grad)|DispatchKernel|CombineKernel" 40 \
+    gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
 dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum.per_second,\
 sm__cycles_elapsed.avg.per_second \
+    "jax_ep_mlp_|Kernel<|gpu__time_duration|throughput|dram__bytes|cycles_elapsed" -- \
     python3 benchmarks/bench_overlap.py --host-clock --passes forward_backward --comm-streams \
-    jax_ep --repeats 1 --out /tmp/overlap_ncu.jsonl > "$OUT/ncu_overlap.txt" 2>&1
-  counts "ncu bench_overlap.py"
-  grep -E "jax_ep_mlp_|Kernel<|gpu__time_duration|throughput|dram__bytes|cycles_elapsed" \
-    "$OUT/ncu_overlap.txt" | cut -c1-120 | head -120
+    jax_ep --repeats 1 --out /tmp/overlap_ncu.jsonl
 fi
 
 # The FP8 layer's bandwidth-bound kernels: how far from the DRAM roofline each runs and why
 # (a kernel with few resident warps waits on memory latency).
 if has fp8ncu; then
   step "ncu: the FP8 layer's column copies, activation gradient and weight gradients"
-  t=$(bench_time 400) && timeout $t ncu --clock-control none \
-    -k regex:"jax_ep_(fp8_quantize_columns|fp8_activation_grad|fp8_wgrad)" -c 14 \
-    --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
+  ncu_metrics ncu_fp8.txt "jax_ep_(fp8_quantize_columns|fp8_activation_grad|fp8_wgrad)" 14 \
+    gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,\
 dram__bytes.sum.per_second,sm__warps_active.avg.pct_of_peak_sustained_active,\
 launch__registers_per_thread,launch__shared_mem_per_block,launch__occupancy_limit_registers,\
 launch__occupancy_limit_shared_mem,launch__occupancy_limit_warps,launch__grid_size \
+    "jax_ep_|gpu__time|dram__|warps_active|launch__" -- \
     python3 benchmarks/bench_layer.py --ops moe_layer --shapes deepseek_v3_ep8_rank \
-    --precisions fp8 --repeats 1 --out /tmp/fp8_ncu.jsonl > "$OUT/ncu_fp8.txt" 2>&1
-  counts "ncu bench_layer.py fp8"
-  grep -E "jax_ep_|gpu__time|dram__|warps_active|launch__" "$OUT/ncu_fp8.txt" | cut -c1-120 \
-    | head -200
+    --precisions fp8 --repeats 1 --out /tmp/fp8_ncu.jsonl
 fi
 
 chain_args="--backends cuda --expert identity swiglu --passes forward forward_backward"
