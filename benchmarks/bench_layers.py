@@ -346,12 +346,14 @@ def main():
                  for v in args.virtual_hosts if v > 1]
     variants += [("cuda", f"comm_stream={s}", {"comm_stream": s}) for s in args.comm_streams]
   # Each group again with every fp8 wire format asked for.
+  def with_wire(backend, settings, kw, fmt):
+    if not fmt.is_fp8:
+      return backend, settings, kw, fmt
+    wire = f"wire_format={fmt.value}"
+    return (backend, wire if settings == "default" else f"{settings},{wire}",
+            dict(kw, wire_format=fmt), fmt)
   formats = [jax_ep.RowFormat(f) for f in dict.fromkeys(args.wire_formats)]
-  variants = [(b, settings if not fmt.is_fp8 else
-               f"wire_format={fmt.value}" if settings == "default" else
-               f"{settings},wire_format={fmt.value}",
-               dict(kw, wire_format=fmt) if fmt.is_fp8 else kw, fmt)
-              for b, settings, kw in variants for fmt in formats]
+  variants = [with_wire(*v, fmt) for v in variants for fmt in formats]
   for (backend, settings, kw, fmt), micro_batches in itertools.product(variants,
                                                                        args.micro_batches):
     if backend == "reference" and shared_gpu and num_ranks > 1:

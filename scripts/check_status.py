@@ -31,20 +31,25 @@ sys.path.insert(0, os.path.join(REPO, "scripts"))
 import gpu_suite  # noqa: E402
 
 
+def _dry_run(tree: str) -> str:
+  """What `tree`'s gpu_round.sh prints for the whole check with `CHECK_DRY_RUN=1`."""
+  return subprocess.run(["bash", os.path.join(tree, "scripts", "gpu_round.sh"), "check"],
+                        env=dict(os.environ, CHECK_DRY_RUN="1", OUT=os.devnull), cwd=tree,
+                        capture_output=True, text=True, check=True).stdout
+
+
 def check_steps(commit: str | None = None
                 ) -> list[tuple[str, str, list[tuple[str, int, int | None]]]]:
   """`(part, step, [(suite, ranks, virtual_hosts), ...])` of every step of the check, in order,
   from the dry run of `commit`'s gpu_round.sh (None: the working tree's)."""
-  with tempfile.TemporaryDirectory() as tree:
-    if commit is None:
-      tree = REPO
-    else:
+  if commit is None:
+    out = _dry_run(REPO)
+  else:
+    with tempfile.TemporaryDirectory() as tree:
       archive = subprocess.run(["git", "archive", commit, "scripts"], cwd=REPO,
                                capture_output=True, check=True).stdout
       subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True)
-    out = subprocess.run(["bash", os.path.join(tree, "scripts", "gpu_round.sh"), "check"],
-                         env=dict(os.environ, CHECK_DRY_RUN="1", OUT=os.devnull), cwd=tree,
-                         capture_output=True, text=True, check=True).stdout
+      out = _dry_run(tree)
   steps = []
   for line in out.splitlines():
     if line.startswith("=== check"):
