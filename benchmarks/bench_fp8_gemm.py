@@ -5,7 +5,7 @@ dense GEMMs of the same FLOPs, at the shapes of real models, in one run (a Hoppe
   python benchmarks/bench_fp8_gemm.py --tune            # also the FP8 kernel at other tiles
   python benchmarks/bench_fp8_gemm.py --shapes mixtral --tiles 128,64,4,4,2 64,128,4,4,1
   python benchmarks/bench_fp8_gemm.py --shapes qwen3_30b_a3b --scale 16 --tokens 16 \\
-      --interpret --repeats 1                         # a smoke run of the records on the CPU
+      --interpret --repeats 0                         # a smoke run of the records on the CPU
 
 Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows = T * K`, the
 groups skewed as a router makes them: a fixed Dirichlet draw, one expert empty) and product
@@ -30,7 +30,8 @@ quantisation"}`), against jax_ep's bf16 weight gradient of the bf16 rows, the de
   (`bound: dense_gemm`, `bound_tflops`, `fraction = tflops / bound_tflops`, as every
   grouped_matmul record) and of e4m3 operands with bf16 out (`dense_fp8_tflops`: what XLA's
   own FP8 GEMM reaches, unscaled).
-FLOPs: `2 * rows * K * N`. Device-clock timing (bench_layer's `time_fn`). `--tiles BM,BN,STAGES,
+FLOPs: `2 * rows * K * N`. Device-clock timing (bench_layer's `time_fn`; `--repeats 0` runs
+each product once, its host time: the records of a smoke run, no timing). `--tiles BM,BN,STAGES,
 BAND,WGS ...` (and `--tune`'s fixed set) times the FP8 kernel at those tiles too (`settings:
 {"tiles": ...}`); tiles that do not build are printed and left out. Records go to
 `benchmarks/results/grouped_matmul_fp8.jsonl`.
@@ -43,6 +44,7 @@ import contextlib
 import functools
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -97,11 +99,25 @@ def fp8_kernel(product: str, groups: int, k: int, n: int):
   return configs.fp8_tile_config(groups, k, n), matmul
 
 
+def measure(fn, operands, repeats: int, what: str):
+  """bench_layer's `time_fn`, or where `repeats` is 0 one call's host seconds (compile included):
+  a smoke run's records (--interpret) for the least work, each interpreted kernel run once."""
+  if repeats:
+    return time_fn(fn, operands, repeats, what)
+  start = time.perf_counter()
+  try:
+    jax.block_until_ready(fn(*operands))
+  except Exception as e:  # noqa: BLE001 - as time_fn: printed, the other products run
+    print(f"{what}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+    return None
+  return time.perf_counter() - start
+
+
 def dense_bounds(dot, operands, repeats: int, what: str):
   """`(bf16 seconds, e4m3 seconds)` of the dense `dot` on the bf16 `operands` and on their
   e4m3 casts (XLA's own FP8 GEMM, unscaled); None where one failed."""
-  bound_s = time_fn(jax.jit(dot), operands, repeats, f"{what} dense bf16")
-  dense8_s = time_fn(jax.jit(dot), tuple(a.astype(jnp.float8_e4m3fn) for a in operands),
+  bound_s = measure(jax.jit(dot), operands, repeats, f"{what} dense bf16")
+  dense8_s = measure(jax.jit(dot), tuple(a.astype(jnp.float8_e4m3fn) for a in operands),
                      repeats, f"{what} dense e4m3")
   return bound_s, dense8_s
 
@@ -152,7 +168,7 @@ def bench_weight_grad(records, name, num_experts, hidden, ffn, topk, rows, sizes
     return
   record = recorder(records, flops, flops / bound_s / 1e12, shape, base)
 
-  bf16_s = time_fn(jax.jit(weight_grad_fn(False, jnp.dtype(jnp.bfloat16), "auto")),
+  bf16_s = measure(jax.jit(weight_grad_fn(False, jnp.dtype(jnp.bfloat16), "auto")),
                    (x, dy, sizes, offsets), args.repeats, f"{what} bf16")
   if bf16_s is not None:
     impl, _ = jax_ep.grouped_matmul_impl(rows, num_experts, hidden, ffn, jnp.bfloat16)
@@ -167,10 +183,10 @@ def bench_weight_grad(records, name, num_experts, hidden, ffn, topk, rows, sizes
   def kernel(*operands):
     return hopper_fp8_wgrad.fp8_weight_grad_kernel(*operands, tiles=tiles)[0]
   with interpreted():
-    whole_s = time_fn(jax.jit(lambda *a: kernel(*copies(*a))), (xq, xs, dy, sizes, offsets),
+    whole_s = measure(jax.jit(lambda *a: kernel(*copies(*a))), (xq, xs, dy, sizes, offsets),
                       args.repeats, f"{what} fp8 with its copies")
     prepared = jax.jit(copies)(xq, xs, dy, sizes, offsets)
-    alone_s = time_fn(jax.jit(kernel), prepared, args.repeats, f"{what} fp8 kernel")
+    alone_s = measure(jax.jit(kernel), prepared, args.repeats, f"{what} fp8 kernel")
   for seconds, settings in ((whole_s, "default"),
                             (alone_s, {"without": "column quantisation"})):
     if seconds is not None:
@@ -196,7 +212,8 @@ def main():
                       "ffn by this (hidden and ffn rounded up to multiples of 128): a smoke run")
   parser.add_argument("--interpret", action="store_true", help="run the FP8 kernel in "
                       "Pallas's Mosaic GPU interpreter (a smoke run on the CPU; no timing)")
-  parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--repeats", type=int, default=10,
+                      help="timed runs of each product after a warm-up (0: one run, no timing)")
   parser.add_argument("--out", default="grouped_matmul_fp8.jsonl")
   args = parser.parse_args()
   candidates = list(args.tiles) + (list(TUNE) if args.tune else [])
@@ -249,7 +266,7 @@ def main():
       record = recorder(records, flops, flops / bound_s / 1e12, shape, base)
 
       impl, _ = jax_ep.grouped_matmul_impl(rows, num_experts, k_all, n_all, jnp.bfloat16)
-      bf16_s = time_fn(jax.jit(jax_ep.grouped_matmul), (x, w, sizes), args.repeats,
+      bf16_s = measure(jax.jit(jax_ep.grouped_matmul), (x, w, sizes), args.repeats,
                        f"{name} {product} bf16 grouped_matmul")
       if bf16_s is not None:
         record("bf16", impl, bf16_s)
@@ -262,7 +279,7 @@ def main():
         fn = jax.jit(functools.partial(kernel, tiles=tiles))
         # Tiles the kernel refuses fail inside (named there, printed) and are left out.
         with interpreted():
-          seconds = time_fn(fn, operands, args.repeats, f"{name} {product} fp8 {tiles}")
+          seconds = measure(fn, operands, args.repeats, f"{name} {product} fp8 {tiles}")
         if seconds is None:
           continue
         settings = "default" if tiles is default else {"tiles": [

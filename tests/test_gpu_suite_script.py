@@ -23,6 +23,7 @@ def test_hangs():
 
 
 def _suite(tmp_path, select, timeout):
+  tmp_path.mkdir(exist_ok=True)
   (tmp_path / "test_cases.py").write_text(TESTS)
   out = tmp_path / "out"
   # `-p conftest`: tests/conftest.py's hooks for a test file outside tests/.
@@ -48,7 +49,12 @@ def test_a_passing_suite_is_recorded_as_passed(tmp_path):
 
 
 def test_a_suite_past_its_time_is_interrupted_and_counts_what_ran(tmp_path):
-  result, record, log = _suite(tmp_path, "passes or fails or hangs", 30)
+  for timeout in (30, 120):
+    result, record, log = _suite(tmp_path / str(timeout), "passes or fails or hangs", timeout)
+    if record["passed"] + record["failed"] == 2:
+      break
+    # Cut before the two tests ran: on a loaded machine pytest's start (jax's and jax_ep's
+    # imports in tests/conftest.py) can outlast 30 s; the same run again with more time.
   assert result.returncode == 1, result.stdout + result.stderr
   # The tests that ran, and one error for the cut (the hanging test is not a pass).
   assert (record["passed"], record["failed"], record["errors"], record["exit_code"]) == (
