@@ -817,6 +817,7 @@ def fp8_interpreted(monkeypatch):
   test_fp8_kernels.py checks each kernel against its oracle; here they run as `expert_mlp`
   calls them, forward and backward)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax_ep import experts
   from jax_ep.experts import choice, fp8, mlp, mlp_fp8, quantize_kernel
   monkeypatch.setattr(choice, "on_hopper", lambda: True)
   monkeypatch.setattr(quantize_kernel, "quantize_weight_blocks", functools.partial(
@@ -834,7 +835,9 @@ def fp8_interpreted(monkeypatch):
   monkeypatch.setattr(mlp, "fused_compile_error", lambda *args: None)
   monkeypatch.setattr(fp8, "fp8_compile_error", lambda *args: None)
   monkeypatch.setattr(mlp_fp8, "fp8_mlp_compile_error", lambda *args: None)
-  with plgpu.force_gpu_interpret_mode():
+  # Four CTAs, each taking several of the persistent kernels' items (the interpreter runs every
+  # CTA of a grid, idle ones too: a device's 132 would be most of the test's time).
+  with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=4):
     yield took
 
 

@@ -22,6 +22,7 @@ operands' absolute values):
   2^-12 of the absolute sum bounds it.
 """
 
+import contextlib
 import functools
 
 import numpy as np
@@ -213,18 +214,24 @@ def e4m3_step(m):
 SIZES = [150, 0, 37, 256, 1]  # skewed, one empty, one of a single row; offsets aligned to 128
 
 
-def interpret():
+@contextlib.contextmanager
+def interpret(kernel_sms=8):
+  """The interpreter, the persistent kernels on a grid of `kernel_sms` CTAs (None: a device's
+  132). It runs every CTA of a grid, idle ones too, so 132 would be most of a test's time; 8
+  are fewer than these tests' items, each CTA taking several."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  return plgpu.force_gpu_interpret_mode()
+  with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=kernel_sms):
+    yield
 
 
 @BOTH
 def test_matmul_matches_the_dequantised_oracle(tiles):
+  """On a device's grid: most of its CTAs find no item (the persistent loop ends at once)."""
   rng = np.random.default_rng(0)
   gs, go, rows = layout(SIZES)
   x, xs = row_operand(rng, rows, 256, gs, go)
   w, ws = weight_operand(rng, len(SIZES), 256, 256)
-  with interpret():
+  with interpret(kernel_sms=None):
     got = hopper_fp8.fp8_grouped_matmul_kernel(x, xs, w, ws, gs, go, tiles=tiles)
   assert got.shape == (rows, 256) and got.dtype == jnp.bfloat16
   want, absolute = oracle([(x, xs)], [(w, ws)], gs, go)

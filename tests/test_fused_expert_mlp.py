@@ -42,8 +42,10 @@ def as_on_hopper(monkeypatch):
 def interpreted(monkeypatch):
   from jax.experimental.pallas import mosaic_gpu as plgpu
   as_on_hopper(monkeypatch)
+  # The persistent kernels on 8 CTAs: the interpreter runs every CTA of a grid, idle ones too,
+  # and a device's 132 would be most of a test's time.
   with plgpu.force_gpu_interpret_mode(), experts.override(
-      gemm_tiles=SMALL, weight_grad_tiles=SMALL, fused_tiles=SMALL):
+      gemm_tiles=SMALL, weight_grad_tiles=SMALL, fused_tiles=SMALL, kernel_sms=8):
     yield
 
 
