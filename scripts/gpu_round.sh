@@ -287,11 +287,10 @@ rail_memcheck() {
 # gpu_suite.py arguments instead of running it (scripts/check_status.py). DEADLINE_S=S: steps
 # that would start after S seconds of the round are not run (and fail it), and each step's
 # time is cut to what is left.
-# Measured on one H200 (seconds): gemm 232, slab 34, nvshmem 22, localmem 7, layer1 243, peer2
-# 74, peer8 86, network2 106, network4 112; on one H100: local 395 (jax_ep's own stream
-# included), inputs 7, comm_stream 40, fused 132, fused_wrapped 212, slab 36, nvshmem 20; the
-# FP8 suites took 557 s together (its tests' own times: kernels about 370, the MLP and layer
-# about 160); the rest not yet timed.
+# Each step's time is its records' `wall_s` (benchmarks/results/gpu_suites.jsonl), from which
+# scripts/check_status.py packs a commit's missing steps into calls. Most of a step is
+# compiling, CPU work: the same step has taken up to twice as long on one machine as on
+# another of the same GPU (layer1 268 and 410 s on two H100 machines).
 CHECK1="local inputs localmem"
 CHECK2="gemm slab nvshmem fp8_mlp"
 CHECK3="peer_own peer2 peer4"
