@@ -290,7 +290,7 @@ rail_memcheck() {
 # Each step's time is its records' `wall_s` (benchmarks/results/gpu_suites.jsonl), from which
 # scripts/check_status.py packs a commit's missing steps into calls. Most of a step is
 # compiling, CPU work: the same step has taken up to twice as long on one machine as on
-# another of the same GPU (layer1 268 and 410 s on two H100 machines).
+# another of the same GPU (the one-rank suite 222 and 429 s on two H100 machines).
 CHECK1="local inputs localmem"
 CHECK2="gemm slab nvshmem fp8_mlp"
 CHECK3="peer_own peer2 peer4"
