@@ -226,13 +226,16 @@ def main():
   row_bytes = h * 2
   slot_rows = num_ranks * t * k
 
+  def round_trip_bytes(fmt):
+    """One row both ways: dispatch sends it as `H` bf16 values or `H` e4m3 bytes with their
+    scales (sizing.low_latency_row_bytes), combine sends it home in bf16."""
+    return jax_ep.sizing.low_latency_row_bytes(fmt, h, dtype) + row_bytes
+
   def accounting(fmt):
-    """The byte fields of a wire format: dispatch receives a row as `H` bf16 values or `H`
-    e4m3 bytes with their scales (sizing.low_latency_row_bytes), combine sends it home in
-    bf16; both read and write the tokens in bf16."""
-    row = jax_ep.sizing.low_latency_row_bytes(fmt, h, dtype)
-    return dict(bytes=int(recv_tokens * (row + row_bytes)),  # dispatch in, combine out
-                min_hbm_bytes=2 * num_ranks * t * row_bytes + slot_rows * (row + row_bytes),
+    """The byte fields of a wire format: the rows this rank receives in dispatch and sends
+    home in combine; both read and write the tokens in bf16."""
+    return dict(bytes=int(recv_tokens * round_trip_bytes(fmt)),
+                min_hbm_bytes=2 * num_ranks * t * row_bytes + slot_rows * round_trip_bytes(fmt),
                 wire_dtype="float8_e4m3fn" if fmt.is_fp8 else "bfloat16",
                 wire_format=fmt.value)
   capacity = jax_ep.default_capacity(num_ranks, t, k, num_local)  # every group's default
@@ -260,7 +263,7 @@ def main():
     """The record's split of `bytes` into the rows that took the network path and those that
     took the peer path (reports.high_throughput_paths), both ways."""
     network, peer = reports.high_throughput_paths(dest, topology)
-    both = jax_ep.sizing.low_latency_row_bytes(fmt, h, dtype) + row_bytes
+    both = round_trip_bytes(fmt)
     return dict(hosts=topology.num_hosts if topology else 1,
                 gpus_per_host=list(topology.gpus_per_host) if topology else [num_ranks],
                 network_bytes=int(network * both), peer_bytes=int(peer * both))
