@@ -8,11 +8,15 @@ The check's steps and the suites each runs come from gpu_round.sh itself (`CHECK
 prints each suite's gpu_suite.py command instead of running it); a suite's record is the one
 whose `suite`, `ranks` and `virtual_hosts` gpu_suite.py would write for that command (the
 last, where a suite ran more than once). The steps are those of the commit's own gpu_round.sh
-(main may have moved on while its check runs). Prints each step as `passed`, `FAILED` or
-`missing`, then the `step:...` arguments that run what is left (failed or missing), packed
+(main may have moved on while its check runs). Prints each step as `passed`, `FAILED`, `CUT` or
+`missing`, then the `step:...` arguments that run what is left (failed, cut or
+missing), packed
 into calls of at most `--call-s` seconds by each suite's longest measured time (at any
 commit; a step never measured counts as a whole call, or `--unmeasured-s`); exits 0 when
-nothing is.
+nothing is. A run cut by its time limit (exit 124: the round's deadline or the suite's own
+limit) with no test failed prints as `CUT`, not `FAILED`: it says nothing of the product,
+and its time is only a lower bound, so a step whose longest run was cut counts as never
+measured.
 """
 
 from __future__ import annotations
@@ -62,18 +66,28 @@ def check_steps(commit: str | None = None
   return steps
 
 
+def _cut(record: dict) -> bool:
+  """A run stopped by its time limit before any test of it failed."""
+  return record.get("exit_code") == 124 and record["failed"] == 0
+
+
 def status(records: list[dict], commit: str, script_commit: str | None = None):
-  """`[(part, step, state)]` with state "passed", "FAILED" or "missing"; the steps left, each
-  with its suites' longest measured seconds (None where one never ran)."""
-  last, seconds = {}, {}
+  """`[(part, step, state)]` with state "passed", "FAILED", "CUT" or "missing"; the steps
+  left, each with its suites' longest measured seconds (None where one never ran to its end
+  in as long as its longest cut run)."""
+  last, seconds, cut_at = {}, {}, {}
   for r in records:
     if r.get("op") != "gpu_suite":
       continue
     key = (r["suite"], r["ranks"], r.get("virtual_hosts"))
-    if r.get("wall_s") is not None:  # the longest: a suite cut short or failing early is less
-      seconds[key] = max(seconds.get(key, 0.0), r["wall_s"])
+    if r.get("wall_s") is not None:  # the longest: a suite failing early is less
+      times = cut_at if _cut(r) else seconds
+      times[key] = max(times.get(key, 0.0), r["wall_s"])
     if r.get("commit") == commit:
       last[key] = r
+  for key, t in cut_at.items():
+    if seconds.get(key, 0.0) < t:
+      seconds.pop(key, None)  # took longer than its longest whole run: no estimate
   rows, left = [], []
   for part, step, suites in check_steps(script_commit):
     found = [last.get(s) for s in suites]
@@ -81,6 +95,8 @@ def status(records: list[dict], commit: str, script_commit: str | None = None):
       state = "missing"
     elif all(r["failed"] == 0 and r["errors"] == 0 for r in found):
       state = "passed"
+    elif all(r["failed"] == 0 and (r["errors"] == 0 or _cut(r)) for r in found):
+      state = "CUT"
     else:
       state = "FAILED"
     rows.append((part, step, state))
@@ -135,7 +151,7 @@ def main(argv=None) -> int:
     for steps, t in pack(left, args.call_s, unmeasured_s=args.unmeasured_s):
       print(f"  one call, about {t} s: DEADLINE_S={int(args.call_s) + 20} bash "
             "scripts/gpu_round.sh " + " ".join(f"step:{s}" for s in steps)
-            + (f"  (never timed: {' '.join(sorted(never & set(steps)))})"
+            + (f"  (never timed to its end: {' '.join(sorted(never & set(steps)))})"
                if never & set(steps) else ""))
     return 1
   print(f"the whole check passed at {commit}")

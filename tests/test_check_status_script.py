@@ -67,6 +67,33 @@ def test_what_is_left_is_failed_or_missing_and_a_rerun_counts(steps, tmp_path, c
   assert left == ["left at abc1234: bash scripts/gpu_round.sh step:nvshmem step:peer2"]
 
 
+def test_a_run_cut_by_its_time_limit_is_left_apart_from_failures(steps, tmp_path, capsys):
+  """A suite stopped by its limit with no test failed (exit 124, one error for the cut) is
+  `CUT`, not `FAILED`, and left to run; its time is a lower bound: the step counts as never
+  timed (a call of its own) until a whole run took longer."""
+  records = _records(steps, "abc1234")
+  network2 = next(suites for _, step, suites in steps if step == "network2")
+  cut = [dict(r, errors=1, exit_code=124, wall_s=290.0) for r in records
+         if (r["suite"], r["ranks"], r["virtual_hosts"]) in network2]
+  # A whole run of it elsewhere, shorter than the cut one; a failing run cut later is FAILED.
+  earlier = [dict(r, commit="0ther00", errors=0, exit_code=0, wall_s=110.0) for r in cut]
+  failing = [dict(r, failed=1, errors=1, exit_code=124, wall_s=290.0) for r in records
+             if r["suite"] == "tests/test_nvshmem.py"]
+  path = tmp_path / "records.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in earlier + records + cut + failing))
+  assert check_status.main(["--commit", "abc1234", "--records", str(path)]) == 1
+  out = capsys.readouterr().out
+  assert "network2               CUT" in out and "nvshmem                FAILED" in out
+  calls = [line for line in out.splitlines() if line.startswith("  one call")]
+  assert any("step:network2  (never timed to its end: network2)" in c for c in calls), calls
+  # Once a whole run took longer than the cut one, that is its time.
+  longer = [dict(r, commit="0ther00", errors=0, exit_code=0, wall_s=300.0) for r in cut]
+  path.write_text("".join(json.dumps(r) + "\n" for r in longer + records + cut))
+  check_status.main(["--commit", "abc1234", "--records", str(path)])
+  assert "one call, about 320 s: DEADLINE_S=580 bash scripts/gpu_round.sh step:network2\n" in (
+      capsys.readouterr().out)
+
+
 def test_the_steps_left_are_packed_into_calls_by_their_measured_time():
   left = [("a", 200.0), ("b", 300.0), ("c", 100.0), ("d", None), ("e", 50.0)]
   assert check_status.pack(left, 560.0, start_s=20.0) == [
