@@ -9,14 +9,12 @@ prints each suite's gpu_suite.py command instead of running it); a suite's recor
 whose `suite`, `ranks` and `virtual_hosts` gpu_suite.py would write for that command (the
 last, where a suite ran more than once). The steps are those of the commit's own gpu_round.sh
 (main may have moved on while its check runs). Prints each step as `passed`, `FAILED`, `CUT` or
-`missing`, then the `step:...` arguments that run what is left (failed, cut or
-missing), packed
-into calls of at most `--call-s` seconds by each suite's longest measured time (at any
-commit; a step never measured counts as a whole call, or `--unmeasured-s`); exits 0 when
-nothing is. A run cut by its time limit (exit 124: the round's deadline or the suite's own
-limit) with no test failed prints as `CUT`, not `FAILED`: it says nothing of the product,
-and its time is only a lower bound, so a step whose longest run was cut counts as never
-measured.
+`missing`, then the `step:...` arguments that run what is left (failed, cut or missing), packed
+into calls of at most `--call-s` seconds by each suite's longest measured time (at any commit; a
+step never measured counts as a whole call, or `--unmeasured-s`); exits 0 when nothing is. A run
+cut by its time limit (exit 124: the round's deadline or the suite's own limit) with no test
+failed prints as `CUT`, not `FAILED`: it says nothing of the product, and its time is only a
+lower bound, so a step whose longest run was cut counts as never measured.
 """
 
 from __future__ import annotations
