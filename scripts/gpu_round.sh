@@ -78,6 +78,9 @@
 #                                     # commit's records leave of it: scripts/check_status.py
 #   bash scripts/gpu_round.sh all
 # Several stages may be given in one call (one device round): gpu_round.sh local smoke
+# They run in this file's order, not the command line's: the check's parts and `step:` names
+# first, then the other stages; with DEADLINE_S, a stage given after check steps gets what
+# they leave.
 # Set JAX_EP_COMMIT=<hash> in the command: the GPU machine's copy may carry stale git metadata,
 # and the benchmark and suite records name the commit they measured.
 #
