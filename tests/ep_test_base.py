@@ -822,36 +822,38 @@ class EPTestBase(BackendSuite):
                for shape in ((num_experts, hidden, ffn), (num_experts, hidden, ffn),
                              (num_experts, ffn, hidden))]
 
+    # The poison is a flag of one program, not two programs: the clean run and the poisoned
+    # one compile once (the layer's forward and backward with the expert kernels: most of this
+    # test's time), and differ only in what they read.
     @jax.custom_vjp
-    def poison_cotangent(y, valid):
+    def poison_cotangent(y, keep):
       return y
 
-    def poison_fwd(y, valid):
-      return y, valid
+    def poison_fwd(y, keep):
+      return y, keep
 
-    def poison_bwd(valid, dy):
-      return jnp.where(valid[:, None], dy, jnp.full((), jnp.nan, dy.dtype)), None
+    def poison_bwd(keep, dy):
+      return jnp.where(keep[:, None], dy, jnp.full((), jnp.nan, dy.dtype)), None
     poison_cotangent.defvjp(poison_fwd, poison_bwd)
 
+    def body(poison, x, idx, w, cot, w_gate, w_up, w_down):
+      def loss(x, w, w_gate, w_up, w_down):
+        recv, handle = jax_ep.dispatch(group, x, idx[0], w)
+        # Poisoned: every row past the groups NaN, in the rows and in their cotangent.
+        keep = recv.valid_rows() | ~poison[0]
+        rows = jnp.where(keep[:, None], recv.x, jnp.full((), jnp.nan, recv.x.dtype))
+        y = expert_mlp(rows, w_gate, w_up, w_down, recv.group_sizes,
+                       group_offsets=recv.group_offsets)
+        out = jax_ep.combine(group, poison_cotangent(y, keep), handle)
+        return jnp.sum(out.astype(jnp.float32) * cot[0]), out
+      grads, out = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
+          x[0], w[0], w_gate, w_up, w_down)
+      return (out[None], grads[0][None], grads[1][None]) + tuple(grads[2:])
+    step = jax.jit(jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep")))
+
     def run(poison):
-      def body(x, idx, w, cot, w_gate, w_up, w_down):
-        def loss(x, w, w_gate, w_up, w_down):
-          recv, handle = jax_ep.dispatch(group, x, idx[0], w)
-          rows = recv.x
-          valid = recv.valid_rows()
-          if poison:
-            rows = jnp.where(valid[:, None], rows, jnp.full((), jnp.nan, rows.dtype))
-          y = expert_mlp(rows, w_gate, w_up, w_down, recv.group_sizes,
-                         group_offsets=recv.group_offsets)
-          if poison:
-            y = poison_cotangent(y, valid)
-          out = jax_ep.combine(group, y, handle)
-          return jnp.sum(out.astype(jnp.float32) * cot[0]), out
-        grads, out = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
-            x[0], w[0], w_gate, w_up, w_down)
-        return (out[None], grads[0][None], grads[1][None]) + tuple(grads[2:])
-      mapped = jax.shard_map(body, mesh=group.mesh, in_specs=P("ep"), out_specs=P("ep"))
-      outs = jax.jit(mapped)(*self.shard(group, x, idx, w, cot, *weights))
+      flags = np.full((num_ranks,), poison)
+      outs = step(*self.shard(group, flags, x, idx, w, cot, *weights))
       return [np.asarray(self.to_numpy(o), np.float32) for o in outs]
 
     clean, poisoned = run(False), run(True)
