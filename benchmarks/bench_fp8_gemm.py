@@ -31,7 +31,7 @@ quantisation"}`), against jax_ep's bf16 weight gradient of the bf16 rows, the de
   grouped_matmul record) and of e4m3 operands with bf16 out (`dense_fp8_tflops`: what XLA's
   own FP8 GEMM reaches, unscaled).
 FLOPs: `2 * rows * K * N`. Device-clock timing (bench_layer's `time_fn`; `--repeats 0` runs
-each product once, its host time: the records of a smoke run, no timing). `--tiles BM,BN,STAGES,
+each product once: the records of a smoke run, no timing). `--tiles BM,BN,STAGES,
 BAND,WGS ...` (and `--tune`'s fixed set) times the FP8 kernel at those tiles too (`settings:
 {"tiles": ...}`); tiles that do not build are printed and left out. Records go to
 `benchmarks/results/grouped_matmul_fp8.jsonl`.
@@ -44,7 +44,6 @@ import contextlib
 import functools
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -99,25 +98,11 @@ def fp8_kernel(product: str, groups: int, k: int, n: int):
   return configs.fp8_tile_config(groups, k, n), matmul
 
 
-def measure(fn, operands, repeats: int, what: str):
-  """bench_layer's `time_fn`, or where `repeats` is 0 one call's host seconds (compile included):
-  a smoke run's records (--interpret) for the least work, each interpreted kernel run once."""
-  if repeats:
-    return time_fn(fn, operands, repeats, what)
-  start = time.perf_counter()
-  try:
-    jax.block_until_ready(fn(*operands))
-  except Exception as e:  # noqa: BLE001 - as time_fn: printed, the other products run
-    print(f"{what}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
-    return None
-  return time.perf_counter() - start
-
-
 def dense_bounds(dot, operands, repeats: int, what: str):
   """`(bf16 seconds, e4m3 seconds)` of the dense `dot` on the bf16 `operands` and on their
   e4m3 casts (XLA's own FP8 GEMM, unscaled); None where one failed."""
-  bound_s = measure(jax.jit(dot), operands, repeats, f"{what} dense bf16")
-  dense8_s = measure(jax.jit(dot), tuple(a.astype(jnp.float8_e4m3fn) for a in operands),
+  bound_s = time_fn(jax.jit(dot), operands, repeats, f"{what} dense bf16")
+  dense8_s = time_fn(jax.jit(dot), tuple(a.astype(jnp.float8_e4m3fn) for a in operands),
                      repeats, f"{what} dense e4m3")
   return bound_s, dense8_s
 
@@ -168,7 +153,7 @@ def bench_weight_grad(records, name, num_experts, hidden, ffn, topk, rows, sizes
     return
   record = recorder(records, flops, flops / bound_s / 1e12, shape, base)
 
-  bf16_s = measure(jax.jit(weight_grad_fn(False, jnp.dtype(jnp.bfloat16), "auto")),
+  bf16_s = time_fn(jax.jit(weight_grad_fn(False, jnp.dtype(jnp.bfloat16), "auto")),
                    (x, dy, sizes, offsets), args.repeats, f"{what} bf16")
   if bf16_s is not None:
     impl, _ = jax_ep.grouped_matmul_impl(rows, num_experts, hidden, ffn, jnp.bfloat16)
@@ -183,10 +168,10 @@ def bench_weight_grad(records, name, num_experts, hidden, ffn, topk, rows, sizes
   def kernel(*operands):
     return hopper_fp8_wgrad.fp8_weight_grad_kernel(*operands, tiles=tiles)[0]
   with interpreted():
-    whole_s = measure(jax.jit(lambda *a: kernel(*copies(*a))), (xq, xs, dy, sizes, offsets),
+    whole_s = time_fn(jax.jit(lambda *a: kernel(*copies(*a))), (xq, xs, dy, sizes, offsets),
                       args.repeats, f"{what} fp8 with its copies")
     prepared = jax.jit(copies)(xq, xs, dy, sizes, offsets)
-    alone_s = measure(jax.jit(kernel), prepared, args.repeats, f"{what} fp8 kernel")
+    alone_s = time_fn(jax.jit(kernel), prepared, args.repeats, f"{what} fp8 kernel")
   for seconds, settings in ((whole_s, "default"),
                             (alone_s, {"without": "column quantisation"})):
     if seconds is not None:
@@ -266,7 +251,7 @@ def main():
       record = recorder(records, flops, flops / bound_s / 1e12, shape, base)
 
       impl, _ = jax_ep.grouped_matmul_impl(rows, num_experts, k_all, n_all, jnp.bfloat16)
-      bf16_s = measure(jax.jit(jax_ep.grouped_matmul), (x, w, sizes), args.repeats,
+      bf16_s = time_fn(jax.jit(jax_ep.grouped_matmul), (x, w, sizes), args.repeats,
                        f"{name} {product} bf16 grouped_matmul")
       if bf16_s is not None:
         record("bf16", impl, bf16_s)
@@ -279,7 +264,7 @@ def main():
         fn = jax.jit(functools.partial(kernel, tiles=tiles))
         # Tiles the kernel refuses fail inside (named there, printed) and are left out.
         with interpreted():
-          seconds = measure(fn, operands, args.repeats, f"{name} {product} fp8 {tiles}")
+          seconds = time_fn(fn, operands, args.repeats, f"{name} {product} fp8 {tiles}")
         if seconds is None:
           continue
         settings = "default" if tiles is default else {"tiles": [

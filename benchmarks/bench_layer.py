@@ -39,6 +39,7 @@ import itertools
 import math
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -93,12 +94,17 @@ _TIMINGS = itertools.count()
 def time_fn(fn, args, repeats, what):
   """Median seconds of `fn(*args)`, the slowest process's; None where it failed on any process
   (printed). Every process times the same calls in the same order, so the n-th timing of one
-  is the n-th of every other, failures included."""
+  is the n-th of every other, failures included. `repeats` 0: one call's host seconds, compile
+  included (a smoke run's records, the least work: no timing)."""
   key = f"layer/{next(_TIMINGS)}"
   try:
+    start = time.perf_counter()
     jax.block_until_ready(fn(*args))
-    seconds, _ = timers.time_batches(fn, args, repeats=repeats,
-                                     method="auto" if jax.process_count() == 1 else "host_clock")
+    seconds = time.perf_counter() - start
+    if repeats:
+      seconds, _ = timers.time_batches(
+          fn, args, repeats=repeats,
+          method="auto" if jax.process_count() == 1 else "host_clock")
   except Exception as e:  # noqa: BLE001 - e.g. out of memory; the other paths run
     print(f"{what}: failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
     seconds = math.inf
