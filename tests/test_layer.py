@@ -487,8 +487,10 @@ class TestModelShapes:
     e, h, f, k = _shape(name, num_ranks)
     param_dtype = jnp.bfloat16 if name == "deepseek_v3" else jnp.float32
     # The module draws its weights from rngs.params() exactly so; every process draws the same.
-    params, x, cot = _model_inputs(e, h, f, num_ranks * TOKENS, seed=1, param_dtype=param_dtype,
-                             key=nnx.Rngs(0).params())
+    def draw():
+      return _model_inputs(e, h, f, num_ranks * TOKENS, seed=1, param_dtype=param_dtype,
+                           key=nnx.Rngs(0).params())
+    params, x, cot = draw()
     with jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h,
                       max_tokens_per_rank=TOKENS, dtype=jnp.bfloat16) as group:
       model = MoE(group, ffn=f, rngs=nnx.Rngs(0), param_dtype=param_dtype)
@@ -503,8 +505,7 @@ class TestModelShapes:
       jax.block_until_ready(d_x)
       group.check()
     del model
-    params, _, _ = _model_inputs(e, h, f, num_ranks * TOKENS, seed=1, param_dtype=param_dtype,
-                                 key=nnx.Rngs(0).params())
+    params, _, _ = draw()
     want = _dense(params, x, cot, _gathered(topk_idx))
     del params
     d_params = MoEParams(*[None] * len(MoEParams._fields))._replace(
