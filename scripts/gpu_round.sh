@@ -54,7 +54,8 @@
 #                                     # jax_ep's own stream
 #   bash scripts/gpu_round.sh examplecompile  # where the example's first step goes: XLA's
 #                                     # own timers (scripts/xla_pass_times.py), with XLA's
-#                                     # Triton GEMMs and without
+#                                     # Triton GEMMs and without, and with the kernels'
+#                                     # modules as Mosaic GPU makes them
 #   bash scripts/gpu_round.sh fp8       # the experts in FP8: bench_fp8_gemm.py, the layer's
 #                                     # precisions (bench_layer.py), the example with --fp8
 #   bash scripts/gpu_round.sh fp8example  # the example in bf16 and with --fp8 alone
@@ -426,19 +427,26 @@ if has example; then
 fi
 
 # Where the example's first step goes on this machine: XLA's pass, backend and ptxas timers of
-# its training step's compile, the largest printed (scripts/xla_pass_times.py), as it runs and
+# its training step's compile, the largest printed (scripts/xla_pass_times.py), as it runs,
 # with XLA's Triton GEMMs off (the model's dense GEMMs on cuBLAS: no Triton GEMM fusions to
-# compile and autotune), and the steps' time after it, 20 steps each; the example's own
-# output (its first step split into trace, lowering, compile and run) kept beside the log.
+# compile and autotune), and with its kernels as Mosaic GPU makes them (a dump variable set:
+# numbered modules, none compiled ahead, jax_ep/experts/compile_ahead.py), and the steps' time
+# after it, 20 steps each; the example's own output (its first step split into trace,
+# lowering, compile and run) kept beside the log.
 if has examplecompile; then
-  for flag in "" "--xla_gpu_enable_triton_gemm=false"; do
-    log="$OUT/example_compile${flag:+_no_triton_gemm}"
-    step "examples/moe_transformer.py --mesh 1x1 --steps 20 (XLA_FLAGS=${flag:-as set})"
-    t=$(bench_time 120) && XLA_FLAGS="${XLA_FLAGS:-} $flag" TF_CPP_MIN_LOG_LEVEL=0 \
-      TF_CPP_VMODULE=hlo_pass_pipeline=2,gpu_compiler=1,nvptx_compiler=1 timeout $t \
-      python3 examples/moe_transformer.py --mesh 1x1 --steps 20 2> "$log.log" \
+  for variant in as_set no_triton_gemm mosaic_modules; do
+    flag="" dump=""
+    case $variant in
+      no_triton_gemm) flag="--xla_gpu_enable_triton_gemm=false" ;;
+      mosaic_modules) dump=1 ;;
+    esac
+    log="$OUT/example_compile_$variant"
+    step "examples/moe_transformer.py --mesh 1x1 --steps 20 ($variant)"
+    t=$(bench_time 120) && XLA_FLAGS="${XLA_FLAGS:-} $flag" MOSAIC_GPU_DUMP_PTXAS=$dump \
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=2,gpu_compiler=1,nvptx_compiler=1 \
+      timeout $t python3 examples/moe_transformer.py --mesh 1x1 --steps 20 2> "$log.log" \
       | tee "$log.out" | grep -E "^(step|loss|PASSED|FAILED)"
-    counts "examples/moe_transformer.py $flag"
+    counts "examples/moe_transformer.py ($variant)"
     python3 scripts/xla_pass_times.py "$log.log" --module jit_train_step --top 6 \
       && gzip -f "$log.log"
   done

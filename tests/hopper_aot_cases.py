@@ -292,6 +292,44 @@ def layer(_=None) -> dict:
   return out
 
 
+def _example_step(comm_stream=None, **settings):
+  """`(mesh, step, abstract state, abstract tokens)`: examples/moe_transformer.py's training
+  step (its default model with `settings` replaced: two layers under Flax's scan and remat,
+  AdamW) on a 1 x 1 ('data', 'expert') mesh of the H200, the cuda backend's one-rank group, as
+  the example builds it."""
+  import dataclasses
+
+  import optax
+  from flax import nnx
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+  import moe_transformer as ex
+
+  device = aot.hopper_device()
+  mesh = jax.sharding.Mesh(np.array([device]).reshape(1, 1), ("data", "expert"),
+                           axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+  cfg = dataclasses.replace(ex.CONFIGS["default"], **settings)
+  group = jax_ep.Group(mesh, "expert", num_experts=cfg.experts, num_topk=cfg.topk,
+                       hidden=cfg.hidden, dtype=ex.COMPUTE, backend="cuda",
+                       comm_stream=comm_stream, max_tokens_per_rank=cfg.batch * cfg.seq_len)
+  with jax.set_mesh(mesh):
+    model, optimizer = nnx.eval_shape(lambda: (lambda m: (
+        m, nnx.Optimizer(m, optax.adamw(cfg.lr, weight_decay=1e-2), wrt=nnx.Param)))(
+            ex.Transformer(cfg, group, group, nnx.Rngs(0))))
+  graphdef, state = nnx.split((model, optimizer))
+  state = aot.abstract(state, NamedSharding(mesh, P()))
+  tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len + 1), jnp.int32,
+                                sharding=NamedSharding(mesh, P(("data", "expert"))))
+
+  def step(state, tokens):
+    model, optimizer = nnx.merge(graphdef, state)
+    (_, nll), grads = nnx.value_and_grad(ex.loss_fn, has_aux=True)(model, tokens,
+                                                                    cfg.aux_coef)
+    optimizer.update(model, grads)
+    return nll, nnx.state((model, optimizer))
+
+  return mesh, step, state, tokens
+
+
 def example(impl=None) -> dict:
   """examples/moe_transformer.py's training step (its default model: two layers under Flax's
   scan and remat, AdamW) on a 1 x 1 ('data', 'expert') mesh of the H200, the cuda backend's
@@ -302,41 +340,13 @@ def example(impl=None) -> dict:
   (`experts.override(impl="xla", fused_mlp=False)`), no Mosaic GPU kernel: what the kernels
   add to the compile."""
   import contextlib
-  import dataclasses
   import time
 
-  import optax
-  from flax import nnx
-  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
-  import moe_transformer as ex
-
-  device = aot.hopper_device()
-  mesh = jax.sharding.Mesh(np.array([device]).reshape(1, 1), ("data", "expert"),
-                           axis_types=(jax.sharding.AxisType.Explicit,) * 2)
-  replicated = NamedSharding(mesh, P())
   out = {}
   for name, fp8_, micro_batches, stream in (("bf16", False, 1, None),
                                             ("fp8_mb2_own_stream", True, 2, "jax_ep")):
-    cfg = dataclasses.replace(ex.CONFIGS["default"], fp8=fp8_, micro_batches=micro_batches)
-    group = jax_ep.Group(mesh, "expert", num_experts=cfg.experts, num_topk=cfg.topk,
-                         hidden=cfg.hidden, dtype=ex.COMPUTE, backend="cuda",
-                         comm_stream=stream, max_tokens_per_rank=cfg.batch * cfg.seq_len)
-    with jax.set_mesh(mesh):
-      model, optimizer = nnx.eval_shape(lambda cfg=cfg, group=group: (lambda m: (
-          m, nnx.Optimizer(m, optax.adamw(cfg.lr, weight_decay=1e-2), wrt=nnx.Param)))(
-              ex.Transformer(cfg, group, group, nnx.Rngs(0))))
-    graphdef, state = nnx.split((model, optimizer))
-    state = aot.abstract(state, replicated)
-    tokens = jax.ShapeDtypeStruct((cfg.batch, cfg.seq_len + 1), jnp.int32,
-                                  sharding=NamedSharding(mesh, P(("data", "expert"))))
-
-    def step(state, tokens, graphdef=graphdef, cfg=cfg):
-      model, optimizer = nnx.merge(graphdef, state)
-      (_, nll), grads = nnx.value_and_grad(ex.loss_fn, has_aux=True)(model, tokens,
-                                                                      cfg.aux_coef)
-      optimizer.update(model, grads)
-      return nll, nnx.state((model, optimizer))
-
+    mesh, step, state, tokens = _example_step(fp8=fp8_, micro_batches=micro_batches,
+                                              comm_stream=stream)
     products = (jax_ep.experts.override(impl="xla", fused_mlp=False) if impl == "xla"
                 else contextlib.nullcontext())
     with jax.set_mesh(mesh), products:
@@ -353,6 +363,67 @@ def example(impl=None) -> dict:
     out[name] = {"mosaic": hlo.count('custom_call_target="mosaic_gpu'), "jax_ep": calls,
                  "seconds": {"trace": round(t1 - t0, 1), "lower": round(t2 - t1, 1),
                              "compile": round(t3 - t2, 1)}}
+  return out
+
+
+def _kernel_hashes(text: str) -> list[str]:
+  """The `kernel_hash` of each Mosaic GPU kernel in a lowered program's text, as printed."""
+  return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+
+
+def stable_kernels(_=None) -> dict:
+  """One grouped GEMM kernel lowered from two call sites (two programs, two tracebacks): each
+  program's kernel hashes, and whether jax_ep made its kernels' modules stable in this process
+  (`compile_ahead.stable_modules`: not where a `MOSAIC_GPU_DUMP*` variable is set)."""
+  from jax_ep.experts import compile_ahead
+  x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+
+  def first(x, w, sizes):
+    return jax_ep.grouped_matmul(x, w, sizes)
+
+  def second(x, w, sizes):  # another line, another traceback
+    return 2 * jax_ep.grouped_matmul(x, w, sizes)
+
+  with jax_ep.experts.override(compile_ahead=False):
+    programs = [_kernel_hashes(jax.jit(f).trace(x, w, sizes).lower().as_text())
+                for f in (first, second)]
+  return {"stable": compile_ahead.stable_modules(), "programs": programs}
+
+
+def compile_ahead(_=None) -> dict:
+  """The example's training step compiled in one process twice (the second with another
+  learning rate: another program, the same kernels), the kernels compiled ahead on pool
+  threads (`jax_ep.experts.compile_ahead`): the hashes of the kernels compiled ahead and of
+  each program's, the compiles that failed, and each program's seconds here."""
+  import time
+
+  from jax_ep.experts import compile_ahead as ahead
+  compiled_ahead = set()
+  original = ahead._compile
+
+  def recording(kernel, operands, device, overrides):
+    with jax.default_device(device):
+      compiled_ahead.update(_kernel_hashes(jax.jit(kernel).trace(*operands).lower().as_text()))
+    original(kernel, operands, device, overrides)
+
+  ahead._compile = recording
+  out = {"stable": ahead.stable_modules(), "programs": []}
+  for lr in (3e-3, 1e-3):
+    mesh, step, state, tokens = _example_step(lr=lr)
+    with jax.set_mesh(mesh):
+      t0 = time.perf_counter()
+      lowered = jax.jit(step).trace(state, tokens).lower()
+      t1 = time.perf_counter()
+      lowered.compile()
+      t2 = time.perf_counter()
+    out["programs"].append({"kernels": _kernel_hashes(lowered.as_text()),
+                            "seconds": {"trace_and_lower": round(t1 - t0, 1),
+                                        "compile": round(t2 - t1, 1)}})
+  ahead.wait()
+  out["ahead"] = sorted(compiled_ahead)
+  out["failed"] = [repr(f.exception()) for f in ahead.pending() if f.exception()]
   return out
 
 
@@ -386,7 +457,8 @@ def shared_weights(_=None) -> dict:
 
 CASES = {"kernels": kernels, "known_builds": known_builds, "streams": streams,
          "schedule": schedule, "layer": layer, "example": example,
-         "shared_weights": shared_weights}
+         "shared_weights": shared_weights, "stable_kernels": stable_kernels,
+         "compile_ahead": compile_ahead}
 
 if __name__ == "__main__":
   case, arg = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)

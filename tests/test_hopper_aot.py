@@ -39,10 +39,12 @@ needs_extension = pytest.mark.skipif(
     ffi.extension() is None, reason="needs the built extension (the ops' FFI handlers)")
 
 
-def _run(case: str, arg: str | None = None, timeout: int = 900):
-  """(the case's result, its whole output) from a process that sees the plugin."""
+def _run(case: str, arg: str | None = None, timeout: int = 900, ptxas: bool = True):
+  """(the case's result, its whole output) from a process that sees the plugin; ptxas's
+  reports in the output with `ptxas` (`MOSAIC_GPU_DUMP_PTXAS`, a dump variable: jax_ep's
+  kernels then keep the modules Mosaic GPU makes, `compile_ahead.stable_modules`)."""
   path = [PLUGIN, ROOT, os.environ.get("PYTHONPATH", "")]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_PTXAS="1",
+  env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_PTXAS="1" if ptxas else "",
              PYTHONPATH=os.pathsep.join(p for p in path if p))
   proc = subprocess.run([sys.executable, CASES, case] + ([arg] if arg else []), env=env,
                         capture_output=True, text=True, timeout=timeout)
@@ -230,3 +232,30 @@ def test_the_example_compiles_for_the_h200_with_the_mosaic_kernels():
   ops = {t: n for t, n in own["jax_ep"].items() if t != "jax_ep_join"}
   assert ops and all(t.endswith("_own_stream") for t in ops), result
   assert own["jax_ep"]["jax_ep_join"] == sum(ops.values()), result
+
+
+def test_a_kernel_is_the_same_module_wherever_it_is_traced():
+  """jax_ep's kernel modules carry neither Mosaic GPU's per-process dump number nor the
+  caller's traceback: one grouped GEMM traced from two programs is one module (one hash), so
+  a process builds it once; with a dump variable set (here ptxas's reports) Mosaic GPU's own
+  modules are kept, numbered per trace."""
+  result, _ = _run("stable_kernels", ptxas=False)
+  first, second = result["programs"]
+  assert result["stable"] and len(first) == 1 and first == second, result
+  result, _ = _run("stable_kernels")
+  first, second = result["programs"]
+  assert not result["stable"] and first != second, result
+
+
+@needs_extension
+@pytest.mark.slow
+def test_the_example_finds_its_kernels_compiled_ahead():
+  """The example's training step compiled twice in one process (two learning rates: two
+  programs): every kernel of each program was compiled ahead on a pool thread while the
+  program was traced (`jax_ep.experts.compile_ahead`), none of those compiles failed, and the
+  second program's kernels are the first's (built once a process)."""
+  result, _ = _run("compile_ahead", ptxas=False)
+  first, second = (set(p["kernels"]) for p in result["programs"])
+  assert result["stable"] and not result["failed"], result
+  assert len(first) == 6 and first <= set(result["ahead"]), result
+  assert second == first, result

@@ -135,6 +135,9 @@ class Overrides:
       took SMs first makes as many CTAs wait, and one launched after waits for the whole
       kernel); more than the device has makes CTAs queue for SMs, in turn with other
       kernels' blocks, as SMs free up.
+    compile_ahead: whether a kernel traced inside a program is also compiled alone on a pool
+      thread while the program's trace and XLA's passes go on (None, the default, or True;
+      `jax_ep.experts.compile_ahead`), so that XLA's compile of the program finds it built.
   """
   impl: str = "auto"
   gemm_tiles: KernelTiles | None = None
@@ -145,6 +148,7 @@ class Overrides:
   fused_tiles: KernelTiles | None = None
   fp8_weight_grad: bool | None = None
   kernel_sms: int | None = None
+  compile_ahead: bool | None = None
 
 
 _OVERRIDES = contextvars.ContextVar("jax_ep_expert_overrides", default=Overrides())

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ep.experts import compile_ahead
 from jax_ep.experts.configs import KernelTiles, current, target_devices
 from jax_ep.experts.layout import group_blocks, group_bounds, row_tiles
 
@@ -69,6 +70,24 @@ def named(body, name: str):
   and the profiler's traces show `<name>_mosaic_gpu_kernel`."""
   body.__name__ = body.__qualname__ = name
   return body
+
+
+def launch(body, name: str, out_type, tiles: KernelTiles, args, *, threads: int = 1,
+           settings=()):
+  """`body` as jax_ep's persistent kernel `name` (Pallas Mosaic GPU, warpgroup semantics) over
+  `persistent_grid(tiles)`, `threads` warpgroups a CTA (more than one: `body` takes the
+  warpgroup's index, axis "wg"), applied to `args`. Compiled ahead on a pool thread the first
+  time it is traced at these shapes (`compile_ahead.submit`); `settings`: what else of the
+  caller decides the kernel's code (hashable), beside its name, tiles and operands."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  grid = persistent_grid(tiles)
+  threaded = dict(num_threads=threads, thread_name="wg") if threads > 1 else {}
+  kernel = plgpu.kernel(
+      named(body, name), out_type=out_type, grid=grid, grid_names=("sm",), **threaded,
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+  compile_ahead.submit((name, out_type, tiles, grid, threads, settings), kernel, args)
+  return kernel(*args)
 
 
 def _store_rows(o_smem, o_gmem, row0, first, count, col, block_m: int, block_n: int,
@@ -162,12 +181,8 @@ def _forward_body(table, x, w, *, transpose_w, tiles, out_dtype):
                     bm, bn, rows)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  kernel = plgpu.kernel(
-      named(body, "jax_ep_gmm"), out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
-      grid=persistent_grid(tiles), grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(*table, x, w)
+  return launch(body, "jax_ep_gmm", jax.ShapeDtypeStruct((rows, n), out_dtype), tiles,
+                (*table, x, w), settings=(transpose_w,))
 
 
 def _forward_body_specialized(table, x, w, *, transpose_w, tiles, out_dtype):
@@ -252,12 +267,8 @@ def _forward_body_specialized(table, x, w, *, transpose_w, tiles, out_dtype):
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  kernel = plgpu.kernel(
-      named(body, "jax_ep_gmm_ws"), out_type=jax.ShapeDtypeStruct((rows, n), out_dtype),
-      grid=persistent_grid(tiles), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(*table, x, w)
+  return launch(body, "jax_ep_gmm_ws", jax.ShapeDtypeStruct((rows, n), out_dtype), tiles,
+                (*table, x, w), threads=wgs + 1, settings=(transpose_w,))
 
 
 def _band(band: int, tiles_n: int) -> int:
@@ -292,13 +303,9 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
     # An empty group's one step reads block 0, all of it selected away: a block of zeros.
     first_block = jnp.where(num_blocks > 0, first_block, 0)
     body = _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dtype)
-    kernel = plgpu.kernel(
-        named(body, "jax_ep_gmm_wgrad_ws"),
-        out_type=jax.ShapeDtypeStruct((groups, k, n), out_dtype), grid=persistent_grid(tiles),
-        grid_names=("sm",), num_threads=2, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-    return kernel(starts, ends, first_block, num_blocks, x, dy)
+    return launch(body, "jax_ep_gmm_wgrad_ws",
+                  jax.ShapeDtypeStruct((groups, k, n), out_dtype), tiles,
+                  (starts, ends, first_block, num_blocks, x, dy), threads=2)
 
   def body(starts_gmem, ends_gmem, first_gmem, blocks_gmem, x_gmem, dy_gmem, o_gmem):
 
@@ -355,12 +362,8 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[g, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  kernel = plgpu.kernel(
-      named(body, "jax_ep_gmm_wgrad"), out_type=jax.ShapeDtypeStruct((groups, k, n), out_dtype),
-      grid=persistent_grid(tiles), grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(starts, ends, first_block, num_blocks, x, dy)
+  return launch(body, "jax_ep_gmm_wgrad", jax.ShapeDtypeStruct((groups, k, n), out_dtype),
+                tiles, (starts, ends, first_block, num_blocks, x, dy))
 
 
 def reduction_allocations(pipeline, *gmems):

@@ -62,9 +62,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_ep.experts import compile_ahead
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.hopper import (TMA_SMEM_ALIGN, _band, _store_rows, named,
-                                   persistent_grid)
+from jax_ep.experts.hopper import TMA_SMEM_ALIGN, _band, _store_rows, launch
 from jax_ep.experts.layout import cdiv, row_tiles
 
 # The scales' granularity: a row's scale covers 128 channels, a weight's a 128x128 block.
@@ -400,13 +400,10 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
                        count_gmem[item], ni, bm, rows)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  kernel = plgpu.kernel(
-      named(body, name), out_type=tuple(jax.ShapeDtypeStruct((rows, columns), dtype)
-                           for columns, dtype in outputs),
-      grid=persistent_grid(tiles), grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(*table, *xs, *scales_t, *ws, *w_scales)
+  return launch(body, name, tuple(jax.ShapeDtypeStruct((rows, columns), dtype)
+                                 for columns, dtype in outputs), tiles,
+                (*table, *xs, *scales_t, *ws, *w_scales),
+                settings=(tuple(passes), compile_ahead.code_key(epilogue)))
 
 
 def _fused_specialized(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *,
@@ -514,10 +511,7 @@ def _fused_specialized(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  kernel = plgpu.kernel(
-      named(body, f"{name}_ws"), out_type=tuple(jax.ShapeDtypeStruct((rows, columns), dtype)
-                           for columns, dtype in outputs),
-      grid=persistent_grid(tiles), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(*table, xs[xi], scales_t[xi], *weights, *weight_scales)
+  return launch(body, f"{name}_ws", tuple(jax.ShapeDtypeStruct((rows, columns), dtype)
+                                         for columns, dtype in outputs), tiles,
+                (*table, xs[xi], scales_t[xi], *weights, *weight_scales), threads=wgs + 1,
+                settings=(tuple(passes), compile_ahead.code_key(epilogue)))

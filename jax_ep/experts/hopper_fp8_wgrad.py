@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.hopper import _band, named, persistent_grid, reduction_allocations
+from jax_ep.experts.hopper import _band, launch, reduction_allocations
 from jax_ep.experts.hopper_fp8 import SCALE_BLOCK, _check_tiles
 
 
@@ -161,10 +161,7 @@ def fp8_weight_grad_kernel(a, a_scales, b, b_scales, group_first, group_blocks, 
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  kernel = plgpu.kernel(
-      named(body, "jax_ep_fp8_wgrad_ws"),
-      out_type=(jax.ShapeDtypeStruct((groups, p, q // parts), out_dtype),) * parts,
-      grid=persistent_grid(tiles), grid_names=("sm",), num_threads=wgs + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return tuple(kernel(group_first, group_blocks, a, a_scales, b, b_scales))
+  return tuple(launch(body, "jax_ep_fp8_wgrad_ws",
+                      (jax.ShapeDtypeStruct((groups, p, q // parts), out_dtype),) * parts,
+                      tiles, (group_first, group_blocks, a, a_scales, b, b_scales),
+                      threads=wgs + 1))

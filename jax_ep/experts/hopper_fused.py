@@ -27,8 +27,9 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from jax_ep.experts import compile_ahead
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.hopper import _band, _store_rows, named, persistent_grid
+from jax_ep.experts.hopper import _band, _store_rows, launch
 from jax_ep.experts.layout import row_tiles
 
 # A pass: (index of the row operand, ((index of a weight, index of its accumulator), ...)).
@@ -143,13 +144,10 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
                       bm, bn, rows)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  kernel = plgpu.kernel(
-      named(body, name),
-      out_type=tuple(jax.ShapeDtypeStruct((rows, n), dtype) for dtype in out_dtypes),
-      grid=persistent_grid(tiles), grid_names=("sm",),
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
-  return kernel(*table, *xs, *ws, *loads)
+  return launch(body, name,
+                tuple(jax.ShapeDtypeStruct((rows, n), dtype) for dtype in out_dtypes), tiles,
+                (*table, *xs, *ws, *loads),
+                settings=(tuple(passes), transpose_w, compile_ahead.code_key(epilogue)))
 
 
 def _transforms(dtype, columns: int):

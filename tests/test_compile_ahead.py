@@ -1,0 +1,54 @@
+"""`jax_ep.experts.compile_ahead` on the CPU: what it keys a kernel by, and that it compiles
+nothing where programs are not compiled for Hopper GPUs. Its work on the H200's programs (one
+module a kernel wherever traced, every kernel of the example compiled ahead) is in
+tests/test_hopper_aot.py."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_ep
+from jax_ep.experts import compile_ahead
+
+
+def _epilogue_of(activation: str):
+  def epilogue(accs, _):
+    return accs, activation
+  return epilogue
+
+
+def test_an_epilogue_made_again_is_the_same_key_and_another_activation_is_not():
+  assert compile_ahead.code_key(_epilogue_of("silu")) == compile_ahead.code_key(
+      _epilogue_of("silu"))
+  assert compile_ahead.code_key(_epilogue_of("silu")) != compile_ahead.code_key(
+      _epilogue_of("gelu"))
+  assert compile_ahead.code_key(lambda a, _: a) != compile_ahead.code_key(
+      _epilogue_of("silu"))
+
+
+def test_nothing_is_compiled_ahead_off_hopper():
+  """On the CPU the kernels run interpreted (tests) or not at all: a traced kernel submits
+  no compile, and the grouped GEMM traces as before."""
+  before = len(compile_ahead.pending())
+  args = jnp.ones((8, 4)), jnp.ones((2, 4, 6)), jnp.array([3, 5], jnp.int32)
+  assert compile_ahead.submit("key", lambda *a: a, args) is None
+  out = jax.jit(jax_ep.grouped_matmul)(*args)
+  np.testing.assert_allclose(np.asarray(out), 4.0)
+  assert len(compile_ahead.pending()) == before
+
+
+def test_the_switch_is_an_override_field():
+  with jax_ep.experts.override(compile_ahead=False):
+    assert jax_ep.experts.configs.current().compile_ahead is False
+  assert jax_ep.experts.configs.current().compile_ahead is None
+  with pytest.raises(TypeError, match="compile_ahead"):
+    with jax_ep.experts.override(compile_ahed=False):
+      pass
+
+
+def test_a_dump_variable_keeps_mosaic_gpus_own_modules(monkeypatch):
+  monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
+  assert compile_ahead.dumping()
+  monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "")
+  assert not compile_ahead.dumping()
