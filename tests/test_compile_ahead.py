@@ -27,11 +27,15 @@ def test_an_epilogue_made_again_is_the_same_key_and_another_activation_is_not():
       _epilogue_of("silu"))
 
 
-def test_nothing_is_compiled_ahead_off_hopper():
+def test_nothing_is_compiled_ahead_off_hopper(monkeypatch):
   """On the CPU the kernels run interpreted (tests) or not at all: a traced kernel submits
-  no compile, and the grouped GEMM traces as before."""
+  no compile, also where a test has the choice take the Hopper paths, and the grouped GEMM
+  traces as before."""
+  from jax_ep.experts import choice
   before = len(compile_ahead.pending())
   args = jnp.ones((8, 4)), jnp.ones((2, 4, 6)), jnp.array([3, 5], jnp.int32)
+  assert compile_ahead.submit("key", lambda *a: a, args) is None
+  monkeypatch.setattr(choice, "on_hopper", lambda: True)
   assert compile_ahead.submit("key", lambda *a: a, args) is None
   out = jax.jit(jax_ep.grouped_matmul)(*args)
   np.testing.assert_allclose(np.asarray(out), 4.0)

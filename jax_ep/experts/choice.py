@@ -12,20 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_ep.experts import configs
+from jax_ep.experts.configs import on_hopper
 from jax_ep.experts.hopper import grouped_matmul_kernel
 
 _logger = logging.getLogger("jax_ep")
 MOSAIC_DTYPES = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 _SAID: set = set()
 _IMPLS = ("auto", "mosaic", "xla")
-
-
-def on_hopper() -> bool:
-  """Whether programs compile for Hopper GPUs (compute capability 9.0) alone: where the
-  kernels run."""
-  devices = configs.target_devices()
-  return bool(devices) and all(
-      d.platform == "gpu" and getattr(d, "compute_capability", "") == "9.0" for d in devices)
 
 
 def grouped_matmul_impl(rows: int, groups: int, k: int, n: int, dtype, w_dtype=None,

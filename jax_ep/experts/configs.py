@@ -35,6 +35,14 @@ def target_devices() -> list:
     return []
 
 
+def on_hopper() -> bool:
+  """Whether programs compile for Hopper GPUs (compute capability 9.0) alone: where the
+  kernels run."""
+  devices = target_devices()
+  return bool(devices) and all(
+      d.platform == "gpu" and getattr(d, "compute_capability", "") == "9.0" for d in devices)
+
+
 # The row tile of jax_ep's grouped GEMM on Hopper: capacities derived from `buffer_factor`
 # round up to it, so that the buffer is a whole number of tiles.
 ROW_TILE = 128
