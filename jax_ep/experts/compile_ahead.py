@@ -14,9 +14,10 @@ So, for jax_ep's kernels (modules named `jax_ep_*`) and unless a `MOSAIC_GPU_DUM
 is set (a dump keeps its numbered files and the locations):
 - `stable_modules()`: the dump name is the kernel's name and the locations are stripped: the
   same kernel at the same shapes is the same bytes in every program, built once a process;
-- `launch()`: a kernel traced inside a program is also compiled alone (a program of just that
-  kernel, on abstract operands) on a pool thread, while the trace, the lowering and XLA's
-  passes of the program go on; XLA's compile of the program then finds it built. Off with
+- `submit()` (from `hopper.launch`, which every persistent kernel goes through): a kernel
+  traced inside a program is also compiled alone (a program of just that kernel, on abstract
+  operands) on a pool thread, while the trace, the lowering and XLA's passes of the program go
+  on; XLA's compile of the program then finds it built. Off with
   `jax_ep.experts.override(compile_ahead=False)`.
 
 NOTES: Mosaic GPU reads the dump name through `get_or_set_dump_options(module)` of its dialect
