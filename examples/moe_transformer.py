@@ -55,6 +55,7 @@ import functools  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -73,19 +74,24 @@ COMPUTE = jnp.bfloat16  # activations and matmuls; parameters are float32
 class CompileClock:
   """Where a first call's time goes, from jax's monitoring events: tracing to a jaxpr (the
   outermost trace holds the nested ones, so the longest), lowering to StableHLO, and XLA's
-  compilation (or, with the persistent compilation cache, loading it: `cache_hits`)."""
+  compilation (or, with the persistent compilation cache, loading it: `cache_hits`). Only
+  this thread's events count: jax_ep compiles its kernels ahead on threads of its own
+  (jax_ep/experts/compile_ahead.py), beside the step's own trace and compile, not in line."""
 
   EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
             "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
             "/jax/core/compile/backend_compile_duration": "compile"}
 
   def __init__(self):
+    self.thread = threading.get_ident()
     self.spent = dict.fromkeys(("trace", "lower", "compile"), 0.0)
     self.cache_hits = 0
     jax.monitoring.register_event_duration_secs_listener(self._duration)
     jax.monitoring.register_event_listener(self._event)
 
   def _duration(self, event, seconds, **_):
+    if threading.get_ident() != self.thread:
+      return
     name = self.EVENTS.get(event)
     if name == "trace":
       self.spent[name] = max(self.spent[name], seconds)
@@ -93,6 +99,8 @@ class CompileClock:
       self.spent[name] += seconds
 
   def _event(self, event, **_):
+    if threading.get_ident() != self.thread:
+      return
     self.cache_hits += event == "/jax/compilation_cache/cache_hits"
 
   def reset(self):
