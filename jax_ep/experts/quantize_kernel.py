@@ -115,12 +115,11 @@ def rows_per_program(rows: int) -> int | None:
   return next((r for r in _ROW_BLOCKS if rows % r == 0), None)
 
 
-def _quantize_row_block(d, interpret: bool, axis: int = 1):
-  """`fp8_quantize`'s rule on a `[rows, 128]` float32 block: `(e4m3 values, [rows, 1] scales)`
-  (`axis` 0: on a `[128, columns]` block per column, `[1, columns]` scales). A NaN is left out
-  of its row's amax, `scale = amax / 448` (1 for an all-zero row), values `d * (1 / scale)`
-  saturated at +-448, a NaN kept NaN."""
-  amax = jnp.max(jnp.where(jnp.isnan(d), 0.0, jnp.abs(d)), axis=axis, keepdims=True)
+def _quantize_row_block(d, interpret: bool):
+  """`fp8_quantize`'s rule on a `[rows, 128]` float32 block: `(e4m3 values, [rows, 1] scales)`.
+  A NaN is left out of its row's amax, `scale = amax / 448` (1 for an all-zero row), values
+  `d * (1 / scale)` saturated at +-448, a NaN kept NaN."""
+  amax = jnp.max(jnp.where(jnp.isnan(d), 0.0, jnp.abs(d)), axis=1)[:, None]
   scale = jnp.where(amax > 0, amax * (1.0 / _E4M3_MAX), 1.0)
   q = d * _reciprocal(scale, interpret)
   # NOTES: Pallas lowers min / max to Triton as minnumf / maxnumf, which return the other
@@ -259,12 +258,9 @@ def _column_blocks_kernel(src_ref, count_ref, x_ref, *refs, last: int, from_e4m3
     if from_e4m3:
       x = x * plgpu.load(xs_ref.at[rows, pl.ds(c, 1)], mask=row_inside)
     x = jnp.where(inside, x, 0.0)
-    # NOTES: quantised per column in the rows' layout, then transposed as e4m3: the layout
-    # conversion of the transpose moves a byte an element through shared memory where the
-    # float32 block's would move four.
-    q, scale = _quantize_row_block(x, interpret, axis=0)
-    q_ref[...] = q.T
-    scales_ref[...] = scale
+    q, scale = _quantize_row_block(x.T, interpret)
+    q_ref[...] = q
+    scales_ref[...] = scale.T
 
 
 def quantize_column_blocks(x, x_scales, src, count, *, interpret: bool = False):
