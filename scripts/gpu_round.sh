@@ -442,7 +442,8 @@ if has examplecompile; then
     esac
     log="$OUT/example_compile_$variant"
     step "examples/moe_transformer.py --mesh 1x1 --steps 20 ($variant)"
-    t=$(bench_time 120) && XLA_FLAGS="${XLA_FLAGS:-} $flag" MOSAIC_GPU_DUMP_PTXAS=$dump \
+    # The dump variable only where asked: Mosaic GPU takes it as set even when empty.
+    t=$(bench_time 120) && XLA_FLAGS="${XLA_FLAGS:-} $flag" env ${dump:+MOSAIC_GPU_DUMP_PTXAS=1} \
       TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=2,gpu_compiler=1,nvptx_compiler=1 \
       timeout $t python3 examples/moe_transformer.py --mesh 1x1 --steps 20 2> "$log.log" \
       | tee "$log.out" | grep -E "^(step|loss|PASSED|FAILED)"

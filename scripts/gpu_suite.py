@@ -236,6 +236,8 @@ def main(argv=None) -> int:
             "virtual_hosts": args.virtual_hosts, **counts, "exit_code": code,
             "wall_s": round(wall, 1), "slowest_tests": slowest, "gpu": _gpu(),
             "date": datetime.date.today().isoformat(), "commit": _commit()}
+  if args.ranks > 1 and os.environ.get("JAX_EP_TEST_SHARED_COMPILE") == "1":
+    record["shared_compile"] = True  # tests/conftest.py: one process compiles, the rest load
   with open(os.path.join(out, "gpu_suites.jsonl"), "a") as f:
     f.write(json.dumps(record) + "\n")
   ok = counts["failed"] == 0 and counts["errors"] == 0

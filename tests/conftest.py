@@ -58,7 +58,14 @@ if _CPU_ONLY:
 # The processes of a job started by jax_ep.launch each use a directory of their own.
 # JAX_EP_TEST_COMPILATION_CACHE=off compiles every program; a directory keeps the cache there.
 _CACHE_ENV = "JAX_EP_TEST_COMPILATION_CACHE"
-if _CPU_ONLY and os.environ.get(_CACHE_ENV) is None:
+# JAX_EP_TEST_SHARED_COMPILE=1 (a launched job on GPUs; it needs the cache): a program over
+# every process is compiled by the first process alone, and the others load its executable
+# through jax.distributed's key-value store (jax_share_binary_between_hosts), where each
+# process would otherwise compile it beside the others on the machine's CPUs. A process whose
+# cache key differs from the first's waits for the limit set below, then fails.
+SHARED_COMPILE = (os.environ.get("JAX_EP_TEST_SHARED_COMPILE") == "1" and not _CPU_ONLY
+                  and "JAX_EP_PROCESS_ID" in os.environ)
+if (_CPU_ONLY or SHARED_COMPILE) and os.environ.get(_CACHE_ENV) is None:
   os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jax_ep_test_cache_")
   atexit.register(shutil.rmtree, os.environ[_CACHE_ENV], ignore_errors=True)
 
@@ -70,13 +77,17 @@ from jax_ep import launch  # noqa: E402
 if os.environ.get(_CACHE_ENV, "off") != "off":
   _cache_dir = os.environ[_CACHE_ENV]
   if "JAX_EP_PROCESS_ID" in os.environ:
-    # (jax_share_binary_between_hosts is left off: on the CPU each process's cache key of a
-    # program over several processes differs, so the others would wait for a key never set.)
+    # (No JAX_EP_TEST_SHARED_COMPILE on the CPU: there each process's cache key of a program
+    # over several processes differs, so the others would wait for a key never set.)
     _cache_dir = os.path.join(_cache_dir, "process-" + os.environ["JAX_EP_PROCESS_ID"])
   jax.config.update("jax_compilation_cache_dir", _cache_dir)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 launch.initialize_from_env()
+
+if SHARED_COMPILE and os.environ.get(_CACHE_ENV) != "off":
+  jax.config.update("jax_share_binary_between_hosts", True)
+  jax.config.update("jax_share_binary_between_hosts_timeout_ms", 240_000)
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -3,6 +3,8 @@ nothing where programs are not compiled for Hopper GPUs. Its work on the H200's 
 module a kernel wherever traced, every kernel of the example compiled ahead) is in
 tests/test_hopper_aot.py."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +54,11 @@ def test_the_switch_is_an_override_field():
 
 
 def test_a_dump_variable_keeps_mosaic_gpus_own_modules(monkeypatch):
+  for name in [k for k in os.environ if k.startswith("MOSAIC_GPU_DUMP")]:
+    monkeypatch.delenv(name)
+  assert not compile_ahead.dumping()
   monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "1")
   assert compile_ahead.dumping()
+  # Mosaic GPU dumps where the variable is set at all (`getenv(...) != nullptr`).
   monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "")
-  assert not compile_ahead.dumping()
+  assert compile_ahead.dumping()

@@ -44,8 +44,9 @@ def _run(case: str, arg: str | None = None, timeout: int = 900, ptxas: bool = Tr
   reports in the output with `ptxas` (`MOSAIC_GPU_DUMP_PTXAS`, a dump variable: jax_ep's
   kernels then keep the modules Mosaic GPU makes, `compile_ahead.stable_modules`)."""
   path = [PLUGIN, ROOT, os.environ.get("PYTHONPATH", "")]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", MOSAIC_GPU_DUMP_PTXAS="1" if ptxas else "",
-             PYTHONPATH=os.pathsep.join(p for p in path if p))
+  env = {k: v for k, v in os.environ.items() if k != "MOSAIC_GPU_DUMP_PTXAS"}
+  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(p for p in path if p),
+             **({"MOSAIC_GPU_DUMP_PTXAS": "1"} if ptxas else {}))
   proc = subprocess.run([sys.executable, CASES, case] + ([arg] if arg else []), env=env,
                         capture_output=True, text=True, timeout=timeout)
   output = proc.stdout + proc.stderr

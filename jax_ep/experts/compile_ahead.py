@@ -48,8 +48,9 @@ _SUBMITTED: dict = {}
 
 
 def dumping() -> bool:
-  """Whether a `MOSAIC_GPU_DUMP*` variable asks Mosaic GPU for dumps."""
-  return any(k.startswith("MOSAIC_GPU_DUMP") and v for k, v in os.environ.items())
+  """Whether a `MOSAIC_GPU_DUMP*` variable asks Mosaic GPU for dumps: set at all, as Mosaic
+  GPU reads them (set to an empty string too)."""
+  return any(k.startswith("MOSAIC_GPU_DUMP") for k in os.environ)
 
 
 def stable_modules() -> bool:
