@@ -392,6 +392,30 @@ def stable_kernels(_=None) -> dict:
   return {"stable": compile_ahead.stable_modules(), "programs": programs}
 
 
+def lowered_once(_=None) -> dict:
+  """The expert MLP's forward and backward lowered in three programs of one process (another
+  scale of the loss each: other programs, the same kernels), then once more with the kept
+  modules dropped: each program's kernel hashes and how many kernel modules the process had
+  lowered and read back after it (`compile_ahead.lowerings`)."""
+  from jax_ep.experts import compile_ahead as ahead
+  x = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+  w = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
+  sizes = jax.ShapeDtypeStruct((4,), jnp.int32)
+  out = {"stable": ahead.stable_modules(), "programs": []}
+  with jax_ep.experts.override(compile_ahead=False):
+    for scale in (1.0, 2.0, 3.0, None):
+      if scale is None:
+        with ahead._LOCK:
+          ahead._LOWERED.clear()
+
+      def loss(x, w, sizes, scale=scale or 1.0):
+        y = jax_ep.expert_mlp(x, w, w, jnp.swapaxes(w, 1, 2), sizes)
+        return scale * jnp.sum(y.astype(jnp.float32))
+      text = jax.jit(jax.grad(loss, (0, 1))).trace(x, w, sizes).lower().as_text()
+      out["programs"].append({"kernels": _kernel_hashes(text), **ahead.lowerings()})
+  return out
+
+
 def compile_ahead(_=None) -> dict:
   """The example's training step compiled in one process twice (the second with another
   learning rate: another program, the same kernels), the kernels compiled ahead on pool
@@ -458,7 +482,7 @@ def shared_weights(_=None) -> dict:
 CASES = {"kernels": kernels, "known_builds": known_builds, "streams": streams,
          "schedule": schedule, "layer": layer, "example": example,
          "shared_weights": shared_weights, "stable_kernels": stable_kernels,
-         "compile_ahead": compile_ahead}
+         "lowered_once": lowered_once, "compile_ahead": compile_ahead}
 
 if __name__ == "__main__":
   case, arg = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else None)

@@ -62,3 +62,37 @@ def test_a_dump_variable_keeps_mosaic_gpus_own_modules(monkeypatch):
   # Mosaic GPU dumps where the variable is set at all (`getenv(...) != nullptr`).
   monkeypatch.setenv("MOSAIC_GPU_DUMP_PTX", "")
   assert compile_ahead.dumping()
+
+
+def test_a_kernels_lowering_is_keyed_by_what_it_computes():
+  """The lowering key's text of a jaxpr (`_plain`) drops what only the trace's context prints
+  (shard_map's varying axes, a nested jit's context mesh, the line breaks they bring, the order
+  of an effect set) and keeps every value and type the body computes with."""
+  inside = """{ lambda ; a:i32[]{V:(data,expert)} b:Ref<gmem>{bf16[8,128]{V:expert}}. let
+    c:i32[] = jit[
+      name=_where
+      ctx_mesh=Mesh('data': 1, 'expert': 1, axis_types=(Explicit, Explicit))
+      jaxpr={ lambda ; d:i32[]. let e:i32[] = add d 1:i32[] in (e,) : { Read<b>, Write<b> } }
+    ] a
+  in (c,) }"""
+  alone = """{ lambda ; a:i32[] b:Ref<gmem>{bf16[8,128]}. let
+    c:i32[] = jit[name=_where jaxpr={ lambda ; d:i32[]. let
+        e:i32[] = add d 1:i32[]
+      in (e,) : { Write<b>, Read<b> } }] a
+  in (c,) }"""
+  assert compile_ahead._plain(inside) == compile_ahead._plain(alone)
+  for other in (alone.replace("1:i32[]", "2:i32[]"), alone.replace("bf16[8,128]", "bf16[8,64]"),
+                alone.replace("add", "sub")):
+    assert compile_ahead._plain(other) != compile_ahead._plain(alone)
+
+
+def test_a_nested_jits_constants_are_part_of_the_key():
+  """A `jit` inside a kernel that closes over an array prints the array's name, not its
+  values: the key takes the values (`_nested_consts`)."""
+  def nested(values):
+    inner = jax.jit(lambda x: x + values)
+    return jax.make_jaxpr(lambda x: inner(x) * 2)(jnp.ones(3)).jaxpr
+  first, again, other = nested(np.arange(3.0)), nested(np.arange(3.0)), nested(np.ones(3))
+  assert first.pretty_print() == other.pretty_print()
+  assert compile_ahead._nested_consts(first) == compile_ahead._nested_consts(again)
+  assert compile_ahead._nested_consts(first) != compile_ahead._nested_consts(other)

@@ -248,6 +248,21 @@ def test_a_kernel_is_the_same_module_wherever_it_is_traced():
   assert not result["stable"] and first != second, result
 
 
+def test_a_kernel_is_lowered_once_a_process():
+  """A program that calls kernels another program of the process lowered reads their modules
+  back instead of lowering them again (`compile_ahead._lowered_once`), and they are the bytes a
+  lowering makes (the same hashes with the kept modules dropped)."""
+  result, _ = _run("lowered_once", ptxas=False)
+  first, second, third, fresh = result["programs"]
+  kernels = len(set(first["kernels"]))
+  assert result["stable"] and kernels >= 4, result
+  assert first["lowered"] == kernels, result
+  for n, again in enumerate((second, third), 1):
+    assert again["kernels"] == first["kernels"] and again["lowered"] == kernels, result
+    assert again["read_back"] == first["read_back"] + n * kernels, result
+  assert fresh["kernels"] == first["kernels"] and fresh["lowered"] == 2 * kernels, result
+
+
 @needs_extension
 @pytest.mark.slow
 def test_the_example_finds_its_kernels_compiled_ahead():

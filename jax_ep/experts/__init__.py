@@ -20,8 +20,8 @@
   gradient of both projections.
 - `slab.py`: the decode experts' Triton kernels on the low-latency slabs.
 
-- `compile_ahead.py`: the Hopper kernels built once a process, each compiled alone on a pool
-  thread while the program that calls it is traced.
+- `compile_ahead.py`: the Hopper kernels lowered and built once a process, each compiled alone
+  on a pool thread while the program that calls it is traced.
 
 A kernel module imports jax, numpy, `jax_ep._native` and `configs` / `layout` /
 `compile_ahead` alone (a kernel sees arrays); nothing here imports a group or a backend.

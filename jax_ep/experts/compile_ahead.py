@@ -14,6 +14,10 @@ So, for jax_ep's kernels (modules named `jax_ep_*`) and unless a `MOSAIC_GPU_DUM
 is set (a dump keeps its numbered files and the locations):
 - `stable_modules()`: the dump name is the kernel's name and the locations are stripped: the
   same kernel at the same shapes is the same bytes in every program, built once a process;
+  and lowered once a process: the lowering of a kernel's body to its Mosaic GPU module (Python,
+  most of a program's tracing and lowering time where it calls several kernels) is kept by the
+  exact text of the body's jaxpr and what else the lowering reads, and a program that lowers
+  the same kernel again reads the module back (`_lowered_once`);
 - `submit()` (from `hopper.launch`, which every persistent kernel goes through): a kernel
   traced inside a program is also compiled alone (a program of just that kernel, on abstract
   operands) on a pool thread, while the trace, the lowering and XLA's passes of the program go
@@ -30,21 +34,34 @@ whose error names the kernel and the shape.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
+import hashlib
+import io
 import os
+import re
+import sys
 import threading
 
 import jax
+import numpy as np
 
 from jax_ep.experts import configs
 
 PREFIX = "jax_ep_"
 _DUMP_NAME = "mosaic_gpu.dump_basename"
 _LOCK = threading.Lock()
-_STATE = {"stable": None, "pool": None}
+_STATE = {"stable": None, "pool": None, "lowered": 0, "read_back": 0}
 # (kernel, operands) already compiled ahead, and the futures of those compiling.
 _SUBMITTED: dict = {}
+# Lowered kernel modules: key -> (the module's bytecode, the lowering's other results), the
+# most recently used last.
+_LOWERED: collections.OrderedDict = collections.OrderedDict()
+_LOWERED_LIMIT = 256
+# Lowerings under way: key -> the event set when it is done (kept or failed).
+_LOWERING: dict = {}
+_LOWERING_WAIT_S = 60.0
 
 
 def dumping() -> bool:
@@ -87,7 +104,156 @@ def _install() -> bool:
 
   get_or_set_dump_options.__wrapped__ = original
   dialect.get_or_set_dump_options = get_or_set_dump_options
+  _lowered_once()
   return True
+
+
+def _lowered_once() -> None:
+  """Keeps jax_ep's kernels' lowered modules for the process: wraps the Mosaic GPU lowering of
+  a kernel's jaxpr (`lower_unpipelined_jaxpr_to_module`, through which `plgpu.kernel`'s bodies
+  go), which the kernel's lowering rule looks up when it runs. Only with stable modules: a
+  module read back must be the bytes the lowering would make again (no locations). A lowering
+  that another thread has under way is waited for, not done twice: the pool's lowering of a
+  kernel and the program's are the same work, and both need the GIL."""
+  try:
+    from jax._src.lib.mlir import ir
+    from jax._src.pallas.mosaic_gpu import lowering
+  except ImportError:
+    return
+  original = getattr(lowering, "lower_unpipelined_jaxpr_to_module", None)
+  if original is None or getattr(original, "__wrapped__", None) is not None:
+    return
+
+  def lower_unpipelined_jaxpr_to_module(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes,
+                                        params, **kwargs):
+    key = _lowering_key(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, kwargs)
+    if key is None:
+      return original(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, **kwargs)
+    with _LOCK:
+      under_way = _LOWERING.get(key)
+    if under_way is not None:
+      # Past the limit (or where the other lowering failed) this thread lowers it itself.
+      under_way.wait(timeout=_LOWERING_WAIT_S)
+    with _LOCK:
+      hit = _LOWERED.get(key)
+      if hit is not None:
+        _LOWERED.move_to_end(key)
+        _STATE["read_back"] += 1
+      else:
+        _STATE["lowered"] += 1
+        done = threading.Event()
+        _LOWERING.setdefault(key, done)
+    if hit is not None:
+      bytecode, rest = hit
+      # Into the MLIR context of the program being lowered (the ambient one), where the
+      # lowering itself creates its module.
+      return dataclasses.replace(rest, module=ir.Module.parse(bytecode))
+    try:
+      result = original(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, **kwargs)
+      if result.profiler_spec is None:
+        buffer = io.BytesIO()
+        result.module.operation.write_bytecode(buffer)
+        with _LOCK:
+          _LOWERED[key] = (buffer.getvalue(), dataclasses.replace(result, module=None))
+          while len(_LOWERED) > _LOWERED_LIMIT:
+            _LOWERED.popitem(last=False)
+      return result
+    finally:
+      with _LOCK:
+        if _LOWERING.get(key) is done:
+          del _LOWERING[key]
+      done.set()
+
+  lower_unpipelined_jaxpr_to_module.__wrapped__ = original
+  lowering.lower_unpipelined_jaxpr_to_module = lower_unpipelined_jaxpr_to_module
+
+
+def _lowering_key(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, kwargs):
+  """What the lowering of a jax_ep kernel reads, hashed (None for other kernels and where it
+  cannot be keyed): the body's jaxpr as text (every equation, its parameters and nested
+  jaxprs in full, its effects) and its nested jaxprs' constants, the operands' and results'
+  types, the kernel's mesh, the
+  program's mesh, the compiler parameters, the devices compiled for and the switches of jax and
+  Mosaic GPU that lowering may read. The caller's traceback is left out: stable modules strip
+  the locations it gives.
+
+  NOTES: the program's mesh enters the module through its size (peers, where Mosaic GPU
+  passes them as parameters), whether it spans hosts, and axes the body names. A mesh of one
+  device whose axes the body does not name therefore lowers as no mesh does, and keys as
+  none: the pool's lowering of a kernel (a program of that kernel alone) is then the one-rank
+  program's."""
+  name = getattr(jaxpr.debug_info, "func_name", "") or ""
+  if (not name.startswith(PREFIX) or jaxpr.constvars or dumping()
+      or set(kwargs) - {"outer_traceback"}):
+    return None
+  with np.printoptions(threshold=sys.maxsize):
+    text = _plain(jaxpr.pretty_print(source_info=False, print_effects=True))
+  consts = _nested_consts(jaxpr)
+  if consts is None:
+    return None
+  mesh = None
+  if jax_mesh is not None and (jax_mesh.size != 1 or any(
+      re.search(rf"\b{re.escape(str(axis))}\b", text) for axis in jax_mesh.axis_names)):
+    mesh = jax_mesh
+  devices = [(d.platform, getattr(d, "device_kind", ""), getattr(d, "compute_capability", ""))
+             for d in configs.target_devices()]
+  types = [[(tuple(a.shape), str(a.dtype)) for a in shapes] for shapes in (in_shapes, out_shapes)]
+  # Switches the lowering may read besides: jax's Pallas and Mosaic settings, Mosaic GPU's
+  # variables.
+  switches = sorted((k, repr(v)) for k, v in jax.config.values.items()
+                    if "pallas" in k or "mosaic" in k)
+  switches += sorted((k, v) for k, v in os.environ.items() if k.startswith("MOSAIC_GPU"))
+  parts = (text, repr(consts), repr(gpu_mesh), repr(mesh), repr(types), repr(params),
+           repr(devices), repr(switches))
+  return hashlib.sha256("\0".join(parts).encode()).digest()
+
+
+def _nested_consts(jaxpr) -> list | None:
+  """The constants of the jaxprs nested in `jaxpr`'s equations (a `jit` inside a kernel may
+  close over arrays: the text names them, not their values), each as its type and a digest
+  of its bytes (a value of the enclosing trace by its type alone); None where one is neither."""
+  out = []
+  for eqn in jaxpr.eqns:
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if not hasattr(sub, "eqns"):
+          continue
+        for const in getattr(sub, "consts", ()):
+          if isinstance(const, jax.core.Tracer):
+            # A value of the enclosing trace (a kernel's `run_scoped` refers to the kernel's
+            # refs so), not a constant: the text names it where it is used.
+            out.append(("traced", tuple(const.shape), str(const.dtype)))
+            continue
+          try:
+            array = np.asarray(const)
+          except Exception:  # noqa: BLE001 - not an array: this kernel is not kept
+            return None
+          out.append((array.shape, str(array.dtype),
+                      hashlib.sha256(array.tobytes()).hexdigest()))
+        inner = _nested_consts(getattr(sub, "jaxpr", sub))
+        if inner is None:
+          return None
+        out.extend(inner)
+  return out
+
+
+# What a kernel's jaxpr prints inside a program and not alone, though its lowering is the
+# same: the operands' varying mesh axes (`{V:...}`, shard_map's types) and a nested `jit`'s
+# context mesh (`ctx_mesh=Mesh(...)`), with the line breaks the longer parameters bring; and
+# each jaxpr's effects, a set printed in no fixed order.
+_VARYING = re.compile(r"\{V:[^{}]*\}")
+_CTX_MESH = re.compile(r"ctx_mesh=Mesh\((?:[^()]|\([^()]*\))*\)")
+_SPACE = re.compile(r"\s+")
+_AROUND = re.compile(r" ?([\[\](){},=:]) ?")
+_EFFECTS = re.compile(r"(\bin\([^()]*\):\{)([^{}]*)(\})")
+
+
+def _plain(text: str) -> str:
+  """`text` (a printed jaxpr) without what only the context of its trace adds, its effects
+  sorted."""
+  text = _CTX_MESH.sub("", _VARYING.sub("", text))
+  text = _AROUND.sub(r"\1", _SPACE.sub(" ", text))
+  return _EFFECTS.sub(lambda m: m[1] + ",".join(sorted(m[2].split(","))) + m[3], text)
 
 
 def _pool() -> concurrent.futures.ThreadPoolExecutor:
@@ -128,6 +294,13 @@ def submit(key, kernel, args) -> concurrent.futures.Future | None:
   with _LOCK:
     _SUBMITTED[key] = future
   return future
+
+
+def lowerings() -> dict[str, int]:
+  """How many of jax_ep's kernel modules this process has lowered (`lowered`) and read back
+  from an earlier lowering (`read_back`)."""
+  with _LOCK:
+    return {"lowered": _STATE["lowered"], "read_back": _STATE["read_back"]}
 
 
 def pending() -> list[concurrent.futures.Future]:
