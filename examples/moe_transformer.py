@@ -66,6 +66,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_ep  # noqa: E402
+from jax_ep.experts import compile_ahead  # noqa: E402
 from jax_ep.nnx import MoE  # noqa: E402
 
 COMPUTE = jnp.bfloat16  # activations and matmuls; parameters are float32
@@ -110,8 +111,15 @@ class CompileClock:
   def report(self, total: float) -> str:
     rest = total - sum(self.spent.values())
     cached = f", {self.cache_hits} from the persistent cache" if self.cache_hits else ""
+    # jax_ep's kernels compiled ahead so far (on Hopper GPUs), and those still compiling: they
+    # share the CPU (and the GIL, while they lower) with the steps that follow.
+    ahead = compile_ahead.pending()
+    busy = sum(not f.done() for f in ahead)
+    kernels = (f", {len(ahead)} jax_ep kernels compiled ahead ({busy} still compiling)"
+               if ahead else "")
     return (f"trace {self.spent['trace']:.1f} s, lower {self.spent['lower']:.1f} s, "
-            f"XLA compile {self.spent['compile']:.1f} s{cached}, run and the rest {rest:.1f} s")
+            f"XLA compile {self.spent['compile']:.1f} s{cached}, run and the rest {rest:.1f} s"
+            f"{kernels}")
 
 
 @dataclasses.dataclass(frozen=True)
