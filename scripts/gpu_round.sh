@@ -70,6 +70,10 @@
 #                                     # products (column copies, activation gradient) and its
 #                                     # weight gradients, DeepSeek-V3's EP=8 rank: time, DRAM
 #                                     # throughput, occupancy and what limits it
+#   bash scripts/gpu_round.sh gemmncu  # ncu of the bf16 grouped GEMM's kernels (forward, input
+#                                     # and weight gradients) at the five model shapes: time,
+#                                     # tensor pipe, SM, L2 and DRAM throughput, L2 hit rate
+#                                     # (GEMMNCU_ARGS passed to bench_layer.py)
 #   bash scripts/gpu_round.sh overlapncu  # ncu of the expert kernels and the one-rank ops of
 #                                     # the overlap pipeline and the two halves: time, SM and
 #                                     # DRAM throughput, clock (bench_overlap.py)
@@ -575,6 +579,22 @@ launch__occupancy_limit_shared_mem,launch__occupancy_limit_warps,launch__grid_si
     "jax_ep_|gpu__time|dram__|warps_active|launch__" -- \
     python3 benchmarks/bench_layer.py --ops moe_layer --shapes deepseek_v3_ep8_rank \
     --precisions fp8 --repeats 1 --out /tmp/fp8_ncu.jsonl
+fi
+
+# What bounds the grouped GEMM at each model shape: the matrix units (tensor pipe), the L2
+# (each row tile reads its expert's weight panel through it) or DRAM (each expert's weights
+# once, at least). In launch order: per shape the forward, then forward + backward.
+if has gemmncu; then
+  step "ncu: the grouped GEMM's kernels at the five model shapes (bench_layer.py)"
+  ncu_metrics ncu_gemm.txt "jax_ep_gmm" 60 \
+    gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
+sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,\
+lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,lts__t_sector_hit_rate.pct,\
+dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum,\
+sm__cycles_elapsed.avg.per_second \
+    "jax_ep_gmm|gpu__time|throughput|pipe_tensor|lts__|dram__bytes|cycles_elapsed" -- \
+    python3 benchmarks/bench_layer.py --ops grouped_matmul --impls mosaic --alignments 1 \
+    --repeats 1 ${GEMMNCU_ARGS:-} --out /tmp/gemm_ncu.jsonl
 fi
 
 chain_args="--backends cuda --expert identity swiglu --passes forward forward_backward"
