@@ -9,11 +9,11 @@ streams the operands while compute warpgroups multiply and store); `KernelTiles`
 `specialized` flag choose.
 
 Both are driven by a work list built on the device before the kernel
-(`jax_ep.experts.layout.row_tiles`): one item per `block_m` rows of a group, from the group's
-first row on, in row order. An item's tile is the `block_m` rows from any row (the row loads
-take element offsets); it computes the whole tile and stores only its group's rows. The
-kernel's persistent loop runs over `num_items * tiles_n` steps, a number read from device
-memory, so:
+(`jax_ep.experts.layout.row_tiles`): one item per
+(row tile, group) pair that holds rows of that group, in row order. A tile that holds rows of
+two groups is two items (each computes the whole tile and stores only its group's rows); a tile
+inside one group is one item. The kernel's persistent loop runs over `num_items * tiles_n`
+steps, a number read from device memory, so:
 - no step searches the groups for its tile (the item names it), and
 - no step exists for row tiles past `sum(group_sizes)`: the rows past the groups cost nothing,
   whatever the buffer's size (jax_ep's default capacity is the worst case, R times the
@@ -39,7 +39,7 @@ from jax import lax
 
 from jax_ep.experts import compile_ahead
 from jax_ep.experts.configs import KernelTiles, current, target_devices
-from jax_ep.experts.layout import ROW_ALIGN, group_blocks, group_bounds, pad_rows, row_tiles
+from jax_ep.experts.layout import group_blocks, group_bounds, row_tiles
 
 
 def device_sms() -> int:
@@ -132,10 +132,9 @@ def grouped_matmul_kernel(x, w, group_sizes, group_offsets=None, *, transpose_w:
     raise ValueError(f"grouped_matmul_kernel: K={k} must be a multiple of {bk} and N={n} of "
                      f"{cta_n}")
   out_dtype = x.dtype if out_dtype is None else out_dtype
-  x = pad_rows(x, bm)
-  table = row_tiles(group_sizes, x.shape[0], bm, group_offsets)
+  table = row_tiles(group_sizes, rows, bm, group_offsets)
   body = _forward_body_specialized if tiles.compute_wgs > 1 else _forward_body
-  return body(table, x, w, transpose_w=transpose_w, tiles=tiles, out_dtype=out_dtype)[:rows]
+  return body(table, x, w, transpose_w=transpose_w, tiles=tiles, out_dtype=out_dtype)
 
 
 def _forward_body(table, x, w, *, transpose_w, tiles, out_dtype):
@@ -148,13 +147,13 @@ def _forward_body(table, x, w, *, transpose_w, tiles, out_dtype):
   tiles_n = n // bn
   band = _band(tiles.band, tiles_n)
 
-  def body(row0_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, w_gmem, o_gmem):
+  def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, w_gmem, o_gmem):
     num_items = num_gmem[0]
 
     @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
     def _(info):
       item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
-      row0 = pl.multiple_of(row0_gmem[item], ROW_ALIGN)
+      tile = tile_gmem[item]
       group = group_gmem[item]
 
       def acc_scope(acc_ref):
@@ -163,8 +162,7 @@ def _forward_body(table, x, w, *, transpose_w, tiles, out_dtype):
                 acc_ref, x_smem, w_smem.transpose((1, 0)) if transpose_w else w_smem),
             grid=(k // bk,),
             in_specs=[
-                plgpu.BlockSpec((pl.Element(bm), bk), lambda kk: (row0, kk),
-                                delay_release=1),
+                plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), delay_release=1),
                 plgpu.BlockSpec((bn, bk) if transpose_w else (bk, bn),
                                 (lambda kk: (ni, kk)) if transpose_w else (lambda kk: (kk, ni)),
                                 delay_release=1),
@@ -179,8 +177,8 @@ def _forward_body(table, x, w, *, transpose_w, tiles, out_dtype):
       def _(o_smem):
         o_smem[...] = acc.astype(out_dtype)
         plgpu.commit_smem()
-        _store_rows(o_smem, o_gmem, row0, first_gmem[item], count_gmem[item], ni * bn, bm, bn,
-                    rows)
+        _store_rows(o_smem, o_gmem, tile * bm, first_gmem[item], count_gmem[item], ni * bn,
+                    bm, bn, rows)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return launch(body, "jax_ep_gmm", jax.ShapeDtypeStruct((rows, n), out_dtype), tiles,
@@ -207,16 +205,16 @@ def _forward_body_specialized(table, x, w, *, transpose_w, tiles, out_dtype):
   transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                 plgpu.SwizzleTransform(swizzle))
 
-  def body(row0_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, w_gmem, o_gmem):
+  def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, w_gmem, o_gmem):
 
-    def pipeline(row0, ni, mma_body, compute_context):
+    def pipeline(tile, ni, mma_body, compute_context):
       return plgpu.emit_pipeline_warp_specialized(
           mma_body,
           grid=(k // bk,),
           memory_registers=40,
           in_specs=[
-              plgpu.BlockSpec((pl.Element(bm), bk), lambda kk: (row0, kk),
-                              transforms=transforms, memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=transforms,
+                              memory_space=plgpu.SMEM),
               plgpu.BlockSpec((cta_n, bk) if transpose_w else (bk, cta_n),
                               (lambda kk: (ni, kk)) if transpose_w else (lambda kk: (kk, ni)),
                               transforms=transforms, memory_space=plgpu.SMEM),
@@ -241,7 +239,7 @@ def _forward_body_specialized(table, x, w, *, transpose_w, tiles, out_dtype):
       @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
       def _(info):
         item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
-        row0 = pl.multiple_of(row0_gmem[item], ROW_ALIGN)
+        tile = tile_gmem[item]
         group = group_gmem[item]
         cols = pl.ds(wg * bn, bn)
 
@@ -254,7 +252,7 @@ def _forward_body_specialized(table, x, w, *, transpose_w, tiles, out_dtype):
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             o_smem[wg] = acc
             plgpu.commit_smem()
-            _store_rows(o_smem.at[wg], o_gmem, row0, first_gmem[item], count_gmem[item],
+            _store_rows(o_smem.at[wg], o_gmem, tile * bm, first_gmem[item], count_gmem[item],
                         ni * cta_n + wg * bn, bm, bn, rows)
 
         def mma_body(_, x_smem, w_smem, acc_ref):
@@ -264,7 +262,7 @@ def _forward_body_specialized(table, x, w, *, transpose_w, tiles, out_dtype):
           plgpu.wgmma_wait(0)
           return acc_ref
 
-        pipeline(row0, ni, mma_body, compute_context)(
+        pipeline(tile, ni, mma_body, compute_context)(
             x_gmem, w_gmem.at[group], allocations=allocations)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

@@ -65,7 +65,7 @@ from jax import lax
 from jax_ep.experts import compile_ahead
 from jax_ep.experts.configs import KernelTiles
 from jax_ep.experts.hopper import TMA_SMEM_ALIGN, _band, _store_rows, launch
-from jax_ep.experts.layout import ROW_ALIGN, pad_rows, row_tiles
+from jax_ep.experts.layout import cdiv, row_tiles
 
 # The scales' granularity: a row's scale covers 128 channels, a weight's a 128x128 block.
 SCALE_BLOCK = 128
@@ -172,10 +172,12 @@ def _check_operands(name, x, x_scales, w, w_scales, group_sizes, xname="x", wnam
   return rows, k, n
 
 
-def _row_scales_by_block(x_scales):
-  """`[rows, K/128]` -> `[K/128, rows]`: a row tile's scales of one 128-channel block are one
-  contiguous TMA box (a column of `[rows, K/128]` is not: a box's row must be 16 bytes)."""
-  return x_scales.T
+def _row_scales_by_block(x_scales, block_m: int):
+  """`[rows, K/128]` -> `[K/128, rows rounded up to block_m]`: a row tile's scales of one
+  128-channel block are one contiguous TMA box (a column of `[rows, K/128]` is not: a box's
+  row must be 16 bytes)."""
+  rows = x_scales.shape[0]
+  return jnp.pad(x_scales.T, ((0, 0), (0, cdiv(rows, block_m) * block_m - rows)))
 
 
 def activation_fn(g, activation: str):
@@ -220,10 +222,10 @@ def fp8_grouped_matmul_kernel(x, x_scales, w, w_scales, group_sizes, group_offse
   buffers, _ = staging(outputs, n // tiles.block_n)
   _check_tiles(name, tiles, 1, smem_bytes(tiles, buffers=buffers), buffers)
   body = _fused_specialized if tiles.compute_wgs > 1 else _fused
-  (out,) = body((pad_rows(x, tiles.block_m),), (pad_rows(x_scales, tiles.block_m),), (w,),
-                (w_scales,), group_sizes, group_offsets, passes=((0, ((0, 0),)),), tiles=tiles,
-                epilogue=lambda totals: totals, outputs=outputs, name="jax_ep_fp8_gmm")
-  return out[:rows]
+  (out,) = body((x,), (x_scales,), (w,), (w_scales,), group_sizes, group_offsets,
+                passes=((0, ((0, 0),)),), tiles=tiles, epilogue=lambda totals: totals,
+                outputs=outputs, name="jax_ep_fp8_gmm")
+  return out
 
 
 def fp8_gated_kernel(x, x_scales, w_gate, w_up, scales_gate, scales_up, group_sizes,
@@ -278,13 +280,12 @@ def fp8_gated_kernel(x, x_scales, w_gate, w_up, scales_gate, scales_up, group_si
     return (q, wide, *totals)
 
   body = _fused_specialized if tiles.compute_wgs > 1 else _fused
-  outs = body((pad_rows(x, tiles.block_m),), (pad_rows(x_scales, tiles.block_m),), ws,
-              w_scales, group_sizes, group_offsets,
+  outs = body((x,), (x_scales,), ws, w_scales, group_sizes, group_offsets,
               passes=((0, tuple((i, i) for i in range(num))),), tiles=tiles,
               epilogue=epilogue, outputs=outputs, name="jax_ep_fp8_gate_up")
-  h, wide = outs[0][:rows], outs[1][:rows]
+  h, wide = outs[0], outs[1]
   h_scales = wide.reshape(rows, f // SCALE_BLOCK, _SCALE_COLUMNS)[:, :, 0]
-  return h, h_scales, outs[2][:rows], outs[3][:rows] if gated else None
+  return h, h_scales, outs[2], outs[3] if gated else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -323,7 +324,7 @@ def _prepare(xs, x_scales, ws, group_sizes, group_offsets, passes, tiles, output
   rows = xs[0].shape[0]
   tiles_n = ws[0].shape[1] // tiles.block_n
   table = row_tiles(group_sizes, rows, tiles.block_m, group_offsets)
-  scales_t = tuple(_row_scales_by_block(s) for s in x_scales)
+  scales_t = tuple(_row_scales_by_block(s, tiles.block_m) for s in x_scales)
   num_accs = 1 + max(a for _, targets in passes for _, a in targets)
   widths = tuple(columns // tiles_n for columns, _ in outputs)
   buffers, slot_of = staging(outputs, tiles_n)
@@ -347,7 +348,7 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
   band = _band(tiles.band, tiles_n)
   num_x, num_w = len(xs), len(ws)
 
-  def body(row0_gmem, group_gmem, first_gmem, count_gmem, num_gmem, *refs):
+  def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, *refs):
     x_refs = refs[:num_x]
     s_refs = refs[num_x:2 * num_x]
     w_refs = refs[2 * num_x:2 * num_x + num_w]
@@ -358,7 +359,7 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
     @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
     def _(info):
       item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
-      row0 = pl.multiple_of(row0_gmem[item], ROW_ALIGN)
+      tile = tile_gmem[item]
       group = group_gmem[item]
       block_n = ni * bn // SCALE_BLOCK
       totals = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(num_accs))
@@ -384,8 +385,8 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
         totals = plgpu.emit_pipeline(
             step,
             grid=(xs[xi].shape[1] // bk,),
-            in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), lambda kk: (row0, kk)),
-                      plgpu.BlockSpec((1, pl.Element(bm)), lambda kk: (kk, row0))]
+            in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk)),
+                      plgpu.BlockSpec((1, bm), lambda kk: (kk, tile))]
             + [plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk))] * len(targets),
             max_concurrent_steps=tiles.stages,
             init_carry=totals,
@@ -395,7 +396,7 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
       @functools.partial(pl.run_scoped, smems=[plgpu.SMEM((bm, width), dtype)
                                                for width, dtype in buffers])
       def _(smems):
-        _store_outputs(values, smems, slot_of, out_refs, widths, row0, first_gmem[item],
+        _store_outputs(values, smems, slot_of, out_refs, widths, tile * bm, first_gmem[item],
                        count_gmem[item], ni, bm, rows)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -431,21 +432,20 @@ def _fused_specialized(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *
   weights = [ws[wi] for wi, _ in targets]
   weight_scales = [w_scales[wi] for wi, _ in targets]
 
-  def body(row0_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, s_gmem, *refs):
+  def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, s_gmem, *refs):
     w_refs = refs[:len(weights)]
     ws_refs = refs[len(weights):2 * len(weights)]
     out_refs = refs[2 * len(weights):]
 
-    def pipeline(row0, ni, mma_body, compute_context):
+    def pipeline(tile, ni, mma_body, compute_context):
       return plgpu.emit_pipeline_warp_specialized(
           mma_body,
           grid=(k // bk,),
           memory_registers=40,
           in_specs=[
-              plgpu.BlockSpec((pl.Element(bm), bk), lambda kk: (row0, kk),
-                              transforms=transforms, memory_space=plgpu.SMEM),
-              plgpu.BlockSpec((1, pl.Element(bm)), lambda kk: (kk, row0),
+              plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=transforms,
                               memory_space=plgpu.SMEM),
+              plgpu.BlockSpec((1, bm), lambda kk: (kk, tile), memory_space=plgpu.SMEM),
           ] + [plgpu.BlockSpec((bn, bk), lambda kk: (ni, kk), transforms=transforms,
                                memory_space=plgpu.SMEM)] * len(weights),
           wg_axis="wg",
@@ -470,7 +470,7 @@ def _fused_specialized(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *
       @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
       def _(info):
         item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
-        row0 = pl.multiple_of(row0_gmem[item], ROW_ALIGN)
+        tile = tile_gmem[item]
         group = group_gmem[item]
         block_n = ni * bn // SCALE_BLOCK
 
@@ -486,7 +486,7 @@ def _fused_specialized(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *
           # The previous item's stores out of this warpgroup's buffers have read them.
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           _store_outputs(values, [b.at[wg] for b in smems], slot_of, out_refs, widths,
-                         row0 + wg * part_m, lo, hi - lo, ni, part_m, rows)
+                         tile * bm + wg * part_m, lo, hi - lo, ni, part_m, rows)
 
         def mma_body(idx, x_smem, s_smem, *w_smems_and_carry):
           *w_smems, carry = w_smems_and_carry
@@ -506,7 +506,7 @@ def _fused_specialized(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *
             carry[ai] = _promote(carry[ai], part, row_scales, w_scale)
           return tuple(carry)
 
-        pipeline(row0, ni, mma_body, compute_context)(
+        pipeline(tile, ni, mma_body, compute_context)(
             x_gmem, s_gmem, *(w.at[group] for w in w_refs), allocations=allocations)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)

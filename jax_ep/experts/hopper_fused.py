@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax_ep.experts import compile_ahead
 from jax_ep.experts.configs import KernelTiles
 from jax_ep.experts.hopper import _band, _store_rows, launch
-from jax_ep.experts.layout import ROW_ALIGN, pad_rows, row_tiles
+from jax_ep.experts.layout import row_tiles
 
 # A pass: (index of the row operand, ((index of a weight, index of its accumulator), ...)).
 Pass = tuple[int, tuple[tuple[int, int], ...]]
@@ -62,8 +62,6 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   rows = xs[0].shape[0]
-  xs = [pad_rows(x, tiles.block_m) for x in xs]
-  loads = [pad_rows(a, tiles.block_m) for a in loads]
   n = ws[0].shape[1] if transpose_w else ws[0].shape[2]
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
   for x in xs:
@@ -74,11 +72,10 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
   tiles_n = n // bn
   band = _band(tiles.band, tiles_n)
   num_accs = 1 + max(a for _, targets in passes for _, a in targets)
-  padded = xs[0].shape[0]
-  table = row_tiles(group_sizes, padded, bm, group_offsets)
+  table = row_tiles(group_sizes, rows, bm, group_offsets)
   num_x, num_w, num_loads = len(xs), len(ws), len(loads)
 
-  def body(row0_gmem, group_gmem, first_gmem, count_gmem, num_gmem, *refs):
+  def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, *refs):
     x_refs = refs[:num_x]
     w_refs = refs[num_x:num_x + num_w]
     load_refs = refs[num_x + num_w:num_x + num_w + num_loads]
@@ -88,7 +85,7 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
     @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
     def _(info):
       item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
-      row0 = pl.multiple_of(row0_gmem[item], ROW_ALIGN)
+      tile = tile_gmem[item]
       group = group_gmem[item]
 
       def acc_scope(*acc_refs):
@@ -108,8 +105,7 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
           plgpu.emit_pipeline(
               step,
               grid=(xs[xi].shape[1] // bk,),
-              in_specs=[plgpu.BlockSpec((pl.Element(bm), bk), lambda kk: (row0, kk),
-                                        delay_release=1)]
+              in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), delay_release=1)]
               + [w_spec] * len(targets),
               max_concurrent_steps=tiles.stages,
           )(x_refs[xi], *(w_refs[wi].at[group] for wi, _ in targets))
@@ -121,7 +117,7 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
       if load_refs:
         def load_scope(smems, barriers):
           for i, (ref, smem) in enumerate(zip(load_refs, smems)):
-            plgpu.copy_gmem_to_smem(ref.at[pl.ds(row0, bm), pl.ds(ni * bn, bn)], smem,
+            plgpu.copy_gmem_to_smem(ref.at[pl.ds(tile * bm, bm), pl.ds(ni * bn, bn)], smem,
                                     barriers.at[i])
           values = []
           for i, smem in enumerate(smems):
@@ -144,15 +140,14 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
           o_smem[...] = value.astype(o_smem.dtype)
         plgpu.commit_smem()
         for o_smem, o_ref in zip(o_smems, out_refs):
-          _store_rows(o_smem, o_ref, row0, first_gmem[item], count_gmem[item], ni * bn, bm, bn,
-                      padded)
+          _store_rows(o_smem, o_ref, tile * bm, first_gmem[item], count_gmem[item], ni * bn,
+                      bm, bn, rows)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  outs = launch(body, name,
-                tuple(jax.ShapeDtypeStruct((padded, n), dtype) for dtype in out_dtypes), tiles,
+  return launch(body, name,
+                tuple(jax.ShapeDtypeStruct((rows, n), dtype) for dtype in out_dtypes), tiles,
                 (*table, *xs, *ws, *loads),
                 settings=(tuple(passes), transpose_w, compile_ahead.code_key(epilogue)))
-  return tuple(out[:rows] for out in outs)
 
 
 def _transforms(dtype, columns: int):

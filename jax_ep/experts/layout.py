@@ -65,48 +65,26 @@ def spans(rows: int, group_sizes, group_offsets):
   return out.at[0].add(starts[0])
 
 
-# An item's tile starts at a multiple of this many rows: the kernels' shared-memory tiles are
-# 8 rows high, and a load into them starts at a whole tile of the rows (Mosaic GPU asks the
-# start to be proven a multiple: `pl.multiple_of`).
-ROW_ALIGN = 8
-
-
 def row_tiles(group_sizes, rows: int, block_m: int, group_offsets=None):
-  """The Hopper kernels' work list: items in row order, each up to `block_m` rows of one group,
-  a group's first item from its first row (rounded down to `ROW_ALIGN`), the next `block_m`
-  rows after it.
+  """The Hopper kernels' work list: items in row order, one per (row tile, group) pair holding
+  rows of it.
 
   Args:
     group_sizes: `[G]` int32; the groups end at most at row `rows`.
-    rows: the static row count, a multiple of `ROW_ALIGN` (`pad_rows`) of at least `block_m`
-      rows. block_m: the row tile, a multiple of `ROW_ALIGN`.
+    rows: the static row count. block_m: the row tile.
     group_offsets: `[G]` int32 first row of each group, ascending (rows between groups are
       padding: no item covers them); default: the groups follow each other from row 0.
 
   Returns:
-    `(row0, group, first, count, num_items)`: `[max_items]` int32 each, with `max_items =
-    cdiv(rows + (ROW_ALIGN - 1) * (G - 1), block_m) + G - 1`: item i covers rows `row0[i] +
-    [first[i], first[i] + count[i])` of group `group[i]`, inside the `block_m` rows from
-    `row0[i]` (a multiple of `ROW_ALIGN`, at most `rows - block_m`) that the kernels load;
-    items `>= num_items` (`[1]` int32) are unused (zeros).
-
-  NOTES: a group's tiles start where its rows do, not at multiples of `block_m`: a group of
-  `s` rows is `cdiv(s, block_m)` items (one more where its start's rounding down to
-  `ROW_ALIGN` carries it over a tile), where tiles at multiples of `block_m` cut it at each
-  multiple. With many small groups that is most of the work: DeepSeek-V3's 256 experts of
-  about 128 rows each (`bench_layer.skewed_sizes`, 32768 rows) are 406 items against 494, 63 %
-  of the rows computed used against 52 %. The bound on items: a group's items but its last are
-  whole tiles inside `[its start rounded down, its end)`, ranges that overlap the previous
-  group's by less than `ROW_ALIGN` rows.
+    `(tile, group, first, count, num_items)`: `[max_items]` int32 each, with
+    `max_items = cdiv(rows, block_m) + G - 1` (each group boundary splits at most one tile):
+    item i covers rows `tile[i] * block_m + [first[i], first[i] + count[i])` of group
+    `group[i]`; items `>= num_items` (`[1]` int32) are unused (zeros).
   """
-  if rows % ROW_ALIGN or block_m % ROW_ALIGN or rows < block_m:
-    raise ValueError(f"row_tiles: rows ({rows}) and block_m ({block_m}) must be multiples of "
-                     f"{ROW_ALIGN}, rows at least block_m (pad_rows)")
   groups = group_sizes.shape[0]
-  max_items = cdiv(rows + (ROW_ALIGN - 1) * (groups - 1), block_m) + groups - 1
+  max_items = cdiv(rows, block_m) + groups - 1
   starts, ends = group_bounds(group_sizes, group_offsets)
-  aligned = starts - starts % ROW_ALIGN
-  tiles_of = jnp.where(ends > starts, (ends - aligned + block_m - 1) // block_m, 0)
+  first_tile, tiles_of = group_blocks(starts, ends, block_m)
   item_end = jnp.cumsum(tiles_of)
   num_items = item_end[-1]
   i = jnp.arange(max_items, dtype=jnp.int32)
@@ -114,28 +92,14 @@ def row_tiles(group_sizes, rows: int, block_m: int, group_offsets=None):
   # a while loop, whose every step costs a launch and a host round trip on GPUs.
   group = jnp.minimum(jnp.sum(item_end[None, :] <= i[:, None], axis=1, dtype=jnp.int32),
                       groups - 1)
-  lo = aligned[group] + (i - (item_end[group] - tiles_of[group])) * block_m
-  begin = jnp.maximum(lo, starts[group])
-  end = jnp.minimum(lo + block_m, ends[group])
-  # Past `rows - block_m` (a multiple of ROW_ALIGN) a tile moves back to end at `rows`: no
-  # load reads past the rows.
-  row0 = jnp.minimum(lo, rows - block_m)
+  tile = first_tile[group] + i - (item_end[group] - tiles_of[group])
+  lo = jnp.maximum(starts[group], tile * block_m)
+  hi = jnp.minimum(ends[group], (tile + 1) * block_m)
   used = i < num_items
   zero = jnp.zeros((), jnp.int32)
-  return (jnp.where(used, row0, zero), jnp.where(used, group, zero),
-          jnp.where(used, begin - row0, zero), jnp.where(used, end - begin, zero),
+  return (jnp.where(used, tile, zero), jnp.where(used, group, zero),
+          jnp.where(used, lo - tile * block_m, zero), jnp.where(used, hi - lo, zero),
           num_items.reshape(1).astype(jnp.int32))
-
-
-def pad_rows(x, block_m: int):
-  """`x` `[rows, ...]` with zero rows appended up to a multiple of `ROW_ALIGN` and at least
-  `block_m` rows (`row_tiles`' rows; the kernels' outputs are cut back): unchanged, no copy,
-  for the rows jax_ep's buffers have (whole row tiles)."""
-  rows = x.shape[0]
-  padded = max(cdiv(rows, ROW_ALIGN) * ROW_ALIGN, block_m)
-  if padded == rows:
-    return x
-  return jnp.pad(x, ((0, padded - rows),) + ((0, 0),) * (x.ndim - 1))
 
 
 def aligned_blocks(group_sizes, group_offsets, rows: int, block: int):
