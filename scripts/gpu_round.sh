@@ -583,10 +583,14 @@ fi
 
 # What bounds the grouped GEMM at each model shape: the matrix units (tensor pipe), the L2
 # (each row tile reads its expert's weight panel through it) or DRAM (each expert's weights
-# once, at least). In launch order: per shape the forward, then forward + backward.
+# once, at least). In launch order: per shape the forward, then forward + backward. One call
+# of each (--repeats 0: no profiler of its own beside ncu's), no padded buffer, and memory
+# allocated as used: ncu saves and restores the device memory a kernel may touch around each
+# of its replays, which with XLA's preallocated pool took minutes a kernel.
 if has gemmncu; then
   step "ncu: the grouped GEMM's kernels at the five model shapes (bench_layer.py)"
-  ncu_metrics ncu_gemm.txt "jax_ep_gmm" 60 \
+  XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+  ncu_metrics ncu_gemm.txt "jax_ep_gmm" 24 \
     gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,\
 sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,\
 lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_bytes.sum,lts__t_sector_hit_rate.pct,\
@@ -594,7 +598,7 @@ dram__throughput.avg.pct_of_peak_sustained_elapsed,dram__bytes.sum,\
 sm__cycles_elapsed.avg.per_second \
     "jax_ep_gmm|gpu__time|throughput|pipe_tensor|lts__|dram__bytes|cycles_elapsed" -- \
     python3 benchmarks/bench_layer.py --ops grouped_matmul --impls mosaic --alignments 1 \
-    --repeats 1 ${GEMMNCU_ARGS:-} --out /tmp/gemm_ncu.jsonl
+    --repeats 0 --pad 0 ${GEMMNCU_ARGS:-} --out /tmp/gemm_ncu.jsonl
 fi
 
 chain_args="--backends cuda --expert identity swiglu --passes forward forward_backward"
