@@ -425,10 +425,12 @@ def tune(name, x, w, sizes, repeats, parts):
   # CTA's columns twice block_n) fed by a memory warpgroup; the row tile and the column band
   # apart. Two persistent CTAs of one warpgroup at 2 stages fit an SM: one's loads and MMAs
   # can fill the other's pipeline fill and store, where groups hold a tile's rows or fewer.
+  # Bands up to 8 column tiles: where the forward is bound by memory (DeepSeek-V3's 256
+  # experts), a row tile's column tiles walked together read its rows from DRAM once.
   kernels = ((128, 4, 1, 1), (256, 3, 1, 1), (128, 3, 2, 1), (128, 4, 2, 1), (64, 6, 2, 1),
              (128, 2, 1, 2))
   for bm, (bn, steps, wgs, per_sm), band in itertools.product(
-      (64, 128), kernels if "forward" in parts else (), (1, 4)):
+      (64, 128), kernels if "forward" in parts else (), (1, 4, 8)):
     if n % (bn * wgs) or (n // (bn * wgs)) % band:
       continue
     config = jax_ep.experts.KernelTiles(bm, bn, 64, steps, band, wgs, per_sm)
