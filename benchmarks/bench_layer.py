@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -56,7 +57,7 @@ import reports  # noqa: E402
 import timers  # noqa: E402
 import jax_ep  # noqa: E402
 import jax_ep.experts  # noqa: E402
-from jax_ep.experts import hopper, mlp, mlp_fp8  # noqa: E402
+from jax_ep.experts import hopper, layout, mlp, mlp_fp8  # noqa: E402
 
 # name: (experts, hidden, ffn, top-k)
 SHAPES = {
@@ -449,19 +450,30 @@ def tune(name, x, w, sizes, repeats, parts):
     print(f"    ({groups}, {k}, {n}): KernelTiles({fields}),"
           f"  # {name}: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
   # The weight gradient's kernels (x^T dy per group): one warpgroup or warp-specialized, one
-  # persistent CTA per SM or two (configs.WEIGHT_GRAD_SHARED_SM_GROUPS; two fit at 2-3 stages).
+  # persistent CTA per SM or two (configs.WEIGHT_GRAD_SHARED_SM_GROUPS; two fit at 2-3 stages),
+  # on the rows where they are (the blocks a group boundary cuts selected) or on group-aligned
+  # copies (`override(weight_grad_aligned=True)`: the copies timed with the kernel).
   dy = jnp.ones((rows, n), x.dtype)
   offsets = jnp.cumsum(sizes) - sizes
-  for specialized, bn, steps, per_sm in itertools.product((False, True), (64, 128), (2, 3, 4),
-                                                           (1, 2)):
+
+  def weight_grad(x, dy, s, config, specialized, aligned):
+    if not aligned:
+      return hopper.grouped_weight_grad_kernel(x, dy, s, offsets, tiles=config,
+                                               specialized=specialized)
+    src, count, first, blocks = layout.aligned_blocks(s, offsets, rows, config.block_k)
+    x, dy = (layout.copy_aligned(a, src, count, config.block_k) for a in (x, dy))
+    return hopper.grouped_weight_grad_kernel(x, dy, s, offsets, tiles=config,
+                                             specialized=specialized, aligned=(first, blocks))
+  for aligned, specialized, bn, steps, per_sm in itertools.product(
+      (False, True), (False, True), (64, 128), (2, 3, 4), (1, 2)):
     if "weight_grad" not in parts or n % bn or k % 128 or (per_sm == 2 and steps == 4):
       continue
     config = jax_ep.experts.KernelTiles(128, bn, 64, steps, 4, ctas_per_sm=per_sm)
-    fn = jax.jit(lambda x, dy, s, c=config, sp=specialized: hopper.grouped_weight_grad_kernel(
-        x, dy, s, offsets, tiles=c, specialized=sp))
+    fn = jax.jit(functools.partial(weight_grad, config=config, specialized=specialized,
+                                   aligned=aligned))
     seconds = time_fn(fn, (x, dy, sizes), repeats, f"{name} weight grad {config}")
     if seconds is not None:
-      print(f"  {name} weight grad specialized={specialized} {config}: "
+      print(f"  {name} weight grad aligned={aligned} specialized={specialized} {config}: "
             f"{2.0 * rows * k * n / seconds / 1e12:.0f} TF/s ({seconds * 1e6:.0f} us)")
 
 

@@ -481,6 +481,61 @@ def test_weight_grad_at_two_ctas_per_sm_gives_one_ctas_bits():
   np.testing.assert_allclose(got[2], want, rtol=2e-2, atol=1e-1)
 
 
+@pytest.mark.parametrize("specialized", [False, True])
+@pytest.mark.parametrize("offsets", [False, True])
+def test_weight_grad_of_aligned_copies_selects_nothing_and_matches(specialized, offsets):
+  """`override(weight_grad_aligned=True)`: both operands copied so that each group starts a
+  block, zeros after its rows; the kernel selects nothing away, and the result is the groups'
+  `x^T dy` (NaN past and between the groups reaches none), an empty group's zeros."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax_ep.experts import hopper
+  rng = np.random.default_rng(12)
+  sizes = [70, 0, 130, 5, 64, 31]
+  rows = 448
+  if offsets:
+    group_offsets, inside = aligned_layout(sizes, 16, rows)
+  else:
+    group_offsets = None
+    inside = np.arange(rows) < sum(sizes)
+  gs = jnp.asarray(sizes, jnp.int32)
+  mask = jnp.asarray(inside)[:, None]
+  x = jnp.where(mask, jnp.asarray(rng.standard_normal((rows, 128)), jnp.bfloat16), jnp.nan)
+  dy = jnp.where(mask, jnp.asarray(rng.standard_normal((rows, 64)), jnp.bfloat16), jnp.nan)
+  src, count, first, blocks = layout.aligned_blocks(gs, group_offsets, rows, 64)
+  xa, dya = (layout.copy_aligned(a, src, count, 64) for a in (x, dy))
+  # Every block is one group's: the rows after a group's last are zeros, not NaN.
+  assert np.isfinite(np.asarray(xa, np.float32)).all()
+  with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=3):
+    got = np.asarray(hopper.grouped_weight_grad_kernel(
+        xa, dya, gs, group_offsets, tiles=KernelTiles(64, 64, 64, 2, 1),
+        specialized=specialized, aligned=(first, blocks)), np.float32)
+  starts = (np.cumsum(sizes) - sizes) if group_offsets is None else np.asarray(group_offsets)
+  want = np.stack([np.asarray(x[s:s + n], np.float32).T @ np.asarray(dy[s:s + n], np.float32)
+                   for s, n in zip(starts, sizes)])
+  assert not got[1].any()
+  np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-1)
+
+
+def test_the_gradient_through_aligned_copies_matches(interpreted_kernels, monkeypatch):
+  """The override reaches `grouped_matmul`'s weight gradient (and nothing else changes)."""
+  from jax_ep.experts import grouped
+  copied = []
+  monkeypatch.setattr(grouped, "copy_aligned",
+                      lambda a, *args: copied.append(a.shape) or layout.copy_aligned(a, *args))
+  rng = np.random.default_rng(13)
+  x, w, gs = inputs(rng, 300, 4, 128, 192, [40, 0, 100, 90], dtype=jnp.bfloat16)
+  cot = _cotangent(rng, 300, 192, gs, jnp.bfloat16)
+
+  def grad_w(x, w):
+    return jax.grad(lambda w: _masked_loss(jax_ep.grouped_matmul(x, w, gs, impl="mosaic"), cot,
+                                           gs))(w)
+  with experts.override(weight_grad_aligned=True):
+    got = jax.jit(grad_w)(poison_tail(x, gs), w)
+  assert copied == [(300, 128), (300, 192)]  # x and dy, once each
+  _, want_dw = _dense_grads(x, w, gs, cot, False)
+  np.testing.assert_allclose(np.asarray(got, np.float32), want_dw, rtol=3e-2, atol=1e-1)
+
+
 def test_kernels_interpreted_fall_back_where_the_tiles_do_not_divide(interpreted_kernels):
   x, w, gs = inputs(np.random.default_rng(5), 40, 2, 100, 64, [10, 20], dtype=jnp.bfloat16)
   name, why = jax_ep.grouped_matmul_impl(40, 2, 100, 64, jnp.bfloat16)

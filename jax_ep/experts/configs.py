@@ -130,6 +130,11 @@ class Overrides:
     weight_grad_tiles: the Hopper weight-gradient kernel's tiles for every shape.
     weight_grad_specialized: the warp-specialized weight-gradient kernel (True) or the
       one-warpgroup one (False).
+    weight_grad_aligned: whether the weight gradient copies its operands so that each group
+      starts at a multiple of `block_k` rows, zeros after its last row (`layout.aligned_blocks`),
+      and reduces them with no rows to select away (True), or reduces the rows where they are,
+      selecting away other groups' rows in the blocks a group boundary cuts (None, the default,
+      or False).
     slab_tiles: the slab kernels' tiles for every slab.
     fused_mlp: whether `expert_mlp` takes the fused kernels where they run (None: yes, where
       the grouped GEMM takes the Mosaic kernels); False: the unfused grouped GEMMs.
@@ -151,6 +156,7 @@ class Overrides:
   gemm_tiles: KernelTiles | None = None
   weight_grad_tiles: KernelTiles | None = None
   weight_grad_specialized: bool | None = None
+  weight_grad_aligned: bool | None = None
   slab_tiles: SlabTiles | None = None
   fused_mlp: bool | None = None
   fused_tiles: KernelTiles | None = None
@@ -243,6 +249,13 @@ def weight_grad_tiles(k: int, n: int, groups: int) -> KernelTiles | None:
 def weight_grad_specialized() -> bool:
   forced = current().weight_grad_specialized
   return WEIGHT_GRAD_SPECIALIZED if forced is None else forced
+
+
+def weight_grad_aligned() -> bool:
+  """Whether the weight gradient reduces group-aligned copies of its operands
+  (`Overrides.weight_grad_aligned`; off unless asked: not yet timed against the rows in
+  place)."""
+  return bool(current().weight_grad_aligned)
 
 
 def fused_tiles(k: int, n: int) -> KernelTiles | None:

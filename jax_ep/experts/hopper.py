@@ -276,11 +276,16 @@ def _band(band: int, tiles_n: int) -> int:
 
 
 def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles: KernelTiles,
-                               out_dtype=None, specialized: bool = True):
+                               out_dtype=None, specialized: bool = True, aligned=None):
   """`dw[g] = x[rows of g]^T @ dy[rows of g]`: `[rows, K], [rows, N] -> [G, K, N]`, fp32
   accumulation rounded to `out_dtype` (default `x.dtype`); an empty group's block is zeros.
   Rows outside a group are selected away in both operands (see the module NOTES). `K` must be
-  a multiple of `block_m` and `N` of `block_n`; the rows are reduced `block_k` at a time."""
+  a multiple of `block_m` and `N` of `block_n`; the rows are reduced `block_k` at a time.
+
+  `aligned`: `(first, blocks)` `[G]` int32 where `x` and `dy` are copies in which group g is
+  the `blocks[g]` row blocks of `block_k` rows from block `first[g]`, zeros after its last row
+  (`layout.aligned_blocks`, at least one block a group): no block holds another group's rows,
+  so none is selected; `group_sizes` and `group_offsets` are then not read."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   rows, k = x.shape
@@ -298,14 +303,19 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
   transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                 plgpu.SwizzleTransform(swizzle))
   starts, ends = group_bounds(group_sizes, group_offsets)
-  first_block, num_blocks = group_blocks(starts, ends, bk)
+  if aligned is not None:
+    first_block, num_blocks = aligned
+  else:
+    first_block, num_blocks = group_blocks(starts, ends, bk)
+  cuts = aligned is None
   if specialized:
     # An empty group's one step reads block 0, all of it selected away: a block of zeros.
     first_block = jnp.where(num_blocks > 0, first_block, 0)
-    body = _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dtype)
+    body = _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dtype,
+                                         cuts)
     return launch(body, "jax_ep_gmm_wgrad_ws",
                   jax.ShapeDtypeStruct((groups, k, n), out_dtype), tiles,
-                  (starts, ends, first_block, num_blocks, x, dy), threads=2)
+                  (starts, ends, first_block, num_blocks, x, dy), threads=2, settings=(cuts,))
 
   def body(starts_gmem, ends_gmem, first_gmem, blocks_gmem, x_gmem, dy_gmem, o_gmem):
 
@@ -322,14 +332,15 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
           step = idx[0]
           # Only a block that a group boundary cuts holds rows of another group (or past the
           # groups): the first when the group starts inside it, the last when it ends inside.
-          cut_first = (step == 0) & (start % bk != 0)
-          cut_last = (step == blocks - 1) & (end % bk != 0)
+          if cuts:
+            cut_first = (step == 0) & (start % bk != 0)
+            cut_last = (step == blocks - 1) & (end % bk != 0)
 
-          @pl.when(cut_first | cut_last)
-          def _():
-            _keep_rows(x_smem, first + step, start, end, bk)
-            _keep_rows(dy_smem, first + step, start, end, bk)
-            plgpu.commit_smem()
+            @pl.when(cut_first | cut_last)
+            def _():
+              _keep_rows(x_smem, first + step, start, end, bk)
+              _keep_rows(dy_smem, first + step, start, end, bk)
+              plgpu.commit_smem()
 
           plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
           if tiles.stages == 1:
@@ -363,7 +374,7 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   return launch(body, "jax_ep_gmm_wgrad", jax.ShapeDtypeStruct((groups, k, n), out_dtype),
-                tiles, (starts, ends, first_block, num_blocks, x, dy))
+                tiles, (starts, ends, first_block, num_blocks, x, dy), settings=(cuts,))
 
 
 def reduction_allocations(pipeline, *gmems):
@@ -386,7 +397,8 @@ def _keep_rows(ref, block, start, end, block_k: int):
   ref[...] = jnp.where((row >= start) & (row < end), value, jnp.zeros_like(value))
 
 
-def _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dtype):
+def _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dtype,
+                                  cuts: bool = True):
   """The weight gradient warp-specialized: a memory warpgroup streams the group's row blocks
   (and, while the compute warpgroup stores one output tile, the next tile's first blocks); one
   compute warpgroup selects away the rows outside the group in a cut block (it alone touches
@@ -448,14 +460,15 @@ def _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dty
           # Only a block that a group boundary cuts holds rows of another group (or outside the
           # groups): the first when the group starts inside it, the last when it ends inside;
           # an empty group's one block is all outside.
-          cut = (((step == 0) & (start % bk != 0)) | ((step == blocks - 1) & (end % bk != 0))
-                 | (blocks == 0))
+          if cuts:
+            cut = (((step == 0) & (start % bk != 0)) | ((step == blocks - 1) & (end % bk != 0))
+                   | (blocks == 0))
 
-          @pl.when(cut)
-          def _():
-            _keep_rows(x_smem, first + step, start, end, bk)
-            _keep_rows(dy_smem, first + step, start, end, bk)
-            plgpu.commit_smem()
+            @pl.when(cut)
+            def _():
+              _keep_rows(x_smem, first + step, start, end, bk)
+              _keep_rows(dy_smem, first + step, start, end, bk)
+              plgpu.commit_smem()
 
           plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
           plgpu.wgmma_wait(0)

@@ -136,6 +136,15 @@ def aligned_blocks(group_sizes, group_offsets, rows: int, block: int):
           jnp.where(empty, 1, blocks).astype(jnp.int32))
 
 
+def copy_aligned(a, src, count, block: int):
+  """`a` `[rows, C]` copied into `aligned_blocks`' layout: `[NB * block, C]`, block b the
+  `count[b]` rows from row `src[b]`, then zeros (whatever the rows outside the groups held)."""
+  offsets = jnp.arange(block, dtype=jnp.int32)
+  rows = jnp.clip(src[:, None] + offsets[None, :], 0, a.shape[0] - 1).reshape(-1)
+  keep = (offsets[None, :] < count[:, None]).reshape(-1, 1)
+  return jnp.where(keep, a[rows], jnp.zeros((), a.dtype))
+
+
 # ----------------------------------------------------------------------------------------------
 # vmap: the batch folded into rows and groups, one call.
 
