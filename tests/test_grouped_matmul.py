@@ -519,6 +519,8 @@ def test_weight_grad_of_aligned_copies_selects_nothing_and_matches(specialized, 
 def test_the_gradient_through_aligned_copies_matches(interpreted_kernels, monkeypatch):
   """The override reaches `grouped_matmul`'s weight gradient (and nothing else changes)."""
   from jax_ep.experts import grouped
+  # A backward jax traced before (another test's, same shapes) would keep its trace.
+  jax.clear_caches()
   copied = []
   monkeypatch.setattr(grouped, "copy_aligned",
                       lambda a, *args: copied.append(a.shape) or layout.copy_aligned(a, *args))
