@@ -22,6 +22,9 @@
 #   bash scripts/gpu_round.sh gemm    # the grouped GEMM and the whole MoE layer (bench_layer.py),
 #                                     # the GPU grouped-matmul tests (GEMM_ARGS="--tune": the
 #                                     # tile sweep)
+#   bash scripts/gpu_round.sh gemmtune  # bench_layer.py --tune at GEMMTUNE_SHAPES (default
+#                                     # deepseek_v3; about 5 minutes a shape): every forward and
+#                                     # weight-gradient tile set, the fastest forward's table entry
 #   bash scripts/gpu_round.sh experts # the fused expert MLP: its GPU tests at the five model
 #                                     # shapes, bench_expert_mlp.py (expert_mlp against three
 #                                     # dense GEMMs, buffers 2x and 8x the rows) and
@@ -632,6 +635,19 @@ if has gemm; then
     --out gpu_round_layer.jsonl --plot "$OUT/layer.png" 2>&1 | tee "$OUT/bench_layer.log" | tail -40
   counts bench_layer.py "$OUT/bench_layer.log"
   cp benchmarks/results/gpu_round_layer.jsonl "$OUT/" 2>/dev/null
+fi
+
+if has gemmtune; then
+  step "the grouped GEMM's tile sets at ${GEMMTUNE_SHAPES:-deepseek_v3} (bench_layer.py --tune)"
+  t=$(bench_time 560) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
+    benchmarks/bench_layer.py --ops grouped_matmul --impls mosaic --alignments 1 --pad 0 \
+    --shapes ${GEMMTUNE_SHAPES:-deepseek_v3} --tune forward weight_grad --repeats 5 \
+    --out gpu_round_gemm_tune.jsonl 2>&1 | tee "$OUT/bench_gemm_tune.log" \
+    | grep -E "TF/s|KernelTiles|failed" | tail -120
+  # Its exit status alone: a tile set that does not fit (shared memory, registers) is a
+  # reported ": failed: " variant the tune skips.
+  counts bench_layer.py
+  cp benchmarks/results/gpu_round_gemm_tune.jsonl "$OUT/" 2>/dev/null
 fi
 
 if has experts || has expertsbench; then
