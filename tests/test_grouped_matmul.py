@@ -484,9 +484,9 @@ def test_weight_grad_at_two_ctas_per_sm_gives_one_ctas_bits():
 @pytest.mark.parametrize("specialized", [False, True])
 @pytest.mark.parametrize("offsets", [False, True])
 def test_weight_grad_of_aligned_copies_selects_nothing_and_matches(specialized, offsets):
-  """`override(weight_grad_aligned=True)`: both operands copied so that each group starts a
-  block, zeros after its rows; the kernel selects nothing away, and the result is the groups'
-  `x^T dy` (NaN past and between the groups reaches none), an empty group's zeros."""
+  """The weight gradient on aligned copies (`override(weight_grad_aligned=True)`'s path): each
+  group starts a block, zeros after its rows; the kernel selects nothing away, and the result is
+  the groups' `x^T dy` (NaN past and between the groups reaches none), an empty group's zeros."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   from jax_ep.experts import hopper
   rng = np.random.default_rng(12)
@@ -517,7 +517,8 @@ def test_weight_grad_of_aligned_copies_selects_nothing_and_matches(specialized, 
 
 
 def test_the_gradient_through_aligned_copies_matches(interpreted_kernels, monkeypatch):
-  """The override reaches `grouped_matmul`'s weight gradient (and nothing else changes)."""
+  """The override reaches `grouped_matmul`'s weight gradient: `x` and `dy` copied once each,
+  the gradient the dense oracle's."""
   from jax_ep.experts import grouped
   # A backward jax traced before (another test's, same shapes) would keep its trace.
   jax.clear_caches()
