@@ -57,7 +57,7 @@ import reports  # noqa: E402
 import timers  # noqa: E402
 import jax_ep  # noqa: E402
 import jax_ep.experts  # noqa: E402
-from jax_ep.experts import hopper, layout, mlp, mlp_fp8  # noqa: E402
+from jax_ep.experts import hopper, mlp, mlp_fp8  # noqa: E402
 
 # name: (experts, hidden, ffn, top-k)
 SHAPES = {
@@ -457,13 +457,8 @@ def tune(name, x, w, sizes, repeats, parts):
   offsets = jnp.cumsum(sizes) - sizes
 
   def weight_grad(x, dy, s, config, specialized, aligned):
-    if not aligned:
-      return hopper.grouped_weight_grad_kernel(x, dy, s, offsets, tiles=config,
-                                               specialized=specialized)
-    src, count, first, blocks = layout.aligned_blocks(s, offsets, rows, config.block_k)
-    x, dy = (layout.copy_aligned(a, src, count, config.block_k) for a in (x, dy))
     return hopper.grouped_weight_grad_kernel(x, dy, s, offsets, tiles=config,
-                                             specialized=specialized, aligned=(first, blocks))
+                                             specialized=specialized, aligned=aligned)
   for aligned, specialized, bn, steps, per_sm in itertools.product(
       (False, True), (False, True), (64, 128), (2, 3, 4), (1, 2)):
     if "weight_grad" not in parts or n % bn or k % 128 or (per_sm == 2 and steps == 4):

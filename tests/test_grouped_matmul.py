@@ -501,14 +501,14 @@ def test_weight_grad_of_aligned_copies_selects_nothing_and_matches(specialized, 
   mask = jnp.asarray(inside)[:, None]
   x = jnp.where(mask, jnp.asarray(rng.standard_normal((rows, 128)), jnp.bfloat16), jnp.nan)
   dy = jnp.where(mask, jnp.asarray(rng.standard_normal((rows, 64)), jnp.bfloat16), jnp.nan)
-  src, count, first, blocks = layout.aligned_blocks(gs, group_offsets, rows, 64)
-  xa, dya = (layout.copy_aligned(a, src, count, 64) for a in (x, dy))
+  src, count, _, _ = layout.aligned_blocks(gs, group_offsets, rows, 64)
+  xa = layout.copy_aligned(x, src, count, 64)
   # Every block is one group's: the rows after a group's last are zeros, not NaN.
   assert np.isfinite(np.asarray(xa, np.float32)).all()
   with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=3):
     got = np.asarray(hopper.grouped_weight_grad_kernel(
-        xa, dya, gs, group_offsets, tiles=KernelTiles(64, 64, 64, 2, 1),
-        specialized=specialized, aligned=(first, blocks)), np.float32)
+        x, dy, gs, group_offsets, tiles=KernelTiles(64, 64, 64, 2, 1),
+        specialized=specialized, aligned=True), np.float32)
   starts = (np.cumsum(sizes) - sizes) if group_offsets is None else np.asarray(group_offsets)
   want = np.stack([np.asarray(x[s:s + n], np.float32).T @ np.asarray(dy[s:s + n], np.float32)
                    for s, n in zip(starts, sizes)])
@@ -519,11 +519,11 @@ def test_weight_grad_of_aligned_copies_selects_nothing_and_matches(specialized, 
 def test_the_gradient_through_aligned_copies_matches(interpreted_kernels, monkeypatch):
   """The override reaches `grouped_matmul`'s weight gradient: `x` and `dy` copied once each,
   the gradient the dense oracle's."""
-  from jax_ep.experts import grouped
+  from jax_ep.experts import hopper
   # A backward jax traced before (another test's, same shapes) would keep its trace.
   jax.clear_caches()
   copied = []
-  monkeypatch.setattr(grouped, "copy_aligned",
+  monkeypatch.setattr(hopper, "copy_aligned",
                       lambda a, *args: copied.append(a.shape) or layout.copy_aligned(a, *args))
   rng = np.random.default_rng(13)
   x, w, gs = inputs(rng, 300, 4, 128, 192, [40, 0, 100, 90], dtype=jnp.bfloat16)

@@ -172,9 +172,8 @@ def _lowering_key(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, kwar
   """What the lowering of a jax_ep kernel reads, hashed (None for other kernels and where it
   cannot be keyed): the body's jaxpr as text (every equation, its parameters and nested
   jaxprs in full, its effects) and its nested jaxprs' constants, the operands' and results'
-  types, the kernel's mesh, the
-  program's mesh, the compiler parameters, the devices compiled for and the switches of jax and
-  Mosaic GPU that lowering may read. The caller's traceback is left out: stable modules strip
+  types, the kernel's mesh, the program's mesh, the compiler parameters, the devices compiled
+  for and the switches of jax and Mosaic GPU that lowering may read. The caller's traceback is left out: stable modules strip
   the locations it gives.
 
   NOTES: the program's mesh enters the module through its size (peers, where Mosaic GPU

@@ -18,9 +18,8 @@ from jax_ep._native.varying import sum_to_primal, vary_like_operands
 from jax_ep.experts import configs
 from jax_ep.experts.choice import grouped_matmul_impl, say
 from jax_ep.experts.hopper import grouped_matmul_kernel, grouped_weight_grad_kernel
-from jax_ep.experts.layout import (aligned_blocks, contiguous_offsets, copy_aligned,
-                                   flat_groups, fold_rows_by_group, inverse_permutation,
-                                   rows_inside_groups, spans)
+from jax_ep.experts.layout import (contiguous_offsets, flat_groups, fold_rows_by_group,
+                                   inverse_permutation, rows_inside_groups, spans)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,18 +62,10 @@ def _weight_grad(x, dy, group_sizes, group_offsets, transpose_w, w_dtype, impl):
     # A shape the weight-gradient kernel's tiles do not divide takes ragged_dot_general (the
     # log says so once).
     if config is not None:
-      aligned = None
-      if configs.weight_grad_aligned():
-        # Both operands copied so that each group starts a block (zeros after its rows): the
-        # kernel then selects nothing away.
-        src, count, first, blocks = aligned_blocks(group_sizes, group_offsets, rows,
-                                                   config.block_k)
-        lhs, rhs = (copy_aligned(a, src, count, config.block_k) for a in (lhs, rhs))
-        aligned = (first, blocks)
       dw = grouped_weight_grad_kernel(lhs, rhs, group_sizes, group_offsets, tiles=config,
                                       out_dtype=np.dtype(w_dtype),
                                       specialized=configs.weight_grad_specialized(),
-                                      aligned=aligned)
+                                      aligned=configs.weight_grad_aligned())
       return vary_like_operands(dw, (x, dy, group_sizes, group_offsets))
     say("xla", f"the weight-gradient kernel's tiles do not divide [{lhs.shape[1]}, "
          f"{rhs.shape[1]}]", f"weight gradient [{groups}, {lhs.shape[1]}, {rhs.shape[1]}]")

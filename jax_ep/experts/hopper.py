@@ -39,7 +39,8 @@ from jax import lax
 
 from jax_ep.experts import compile_ahead
 from jax_ep.experts.configs import KernelTiles, current, target_devices
-from jax_ep.experts.layout import group_blocks, group_bounds, row_tiles
+from jax_ep.experts.layout import (aligned_blocks, copy_aligned, group_blocks, group_bounds,
+                                   row_tiles)
 
 
 def device_sms() -> int:
@@ -276,18 +277,23 @@ def _band(band: int, tiles_n: int) -> int:
 
 
 def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles: KernelTiles,
-                               out_dtype=None, specialized: bool = True, aligned=None):
+                               out_dtype=None, specialized: bool = True,
+                               aligned: bool = False):
   """`dw[g] = x[rows of g]^T @ dy[rows of g]`: `[rows, K], [rows, N] -> [G, K, N]`, fp32
   accumulation rounded to `out_dtype` (default `x.dtype`); an empty group's block is zeros.
   Rows outside a group are selected away in both operands (see the module NOTES). `K` must be
   a multiple of `block_m` and `N` of `block_n`; the rows are reduced `block_k` at a time.
 
-  `aligned`: `(first, blocks)` `[G]` int32 where `x` and `dy` are copies in which group g is
-  the `blocks[g]` row blocks of `block_k` rows from block `first[g]`, zeros after its last row
-  (`layout.aligned_blocks`, at least one block a group): no block holds another group's rows,
-  so none is selected; `group_sizes` and `group_offsets` are then not read."""
+  `aligned`: both operands are first copied so that each group starts a block of `block_k`
+  rows, zeros after its last row (`layout.aligned_blocks`, at least one block a group): no
+  block then holds another group's rows, and none is selected."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
+  bk = tiles.block_k
+  if aligned:
+    src, count, first_block, num_blocks = aligned_blocks(group_sizes, group_offsets,
+                                                         x.shape[0], bk)
+    x, dy = (copy_aligned(a, src, count, bk) for a in (x, dy))
   rows, k = x.shape
   n = dy.shape[1]
   groups = group_sizes.shape[0]
@@ -303,11 +309,9 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
   transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
                 plgpu.SwizzleTransform(swizzle))
   starts, ends = group_bounds(group_sizes, group_offsets)
-  if aligned is not None:
-    first_block, num_blocks = aligned
-  else:
+  if not aligned:
     first_block, num_blocks = group_blocks(starts, ends, bk)
-  cuts = aligned is None
+  cuts = not aligned
   if specialized:
     # An empty group's one step reads block 0, all of it selected away: a block of zeros.
     first_block = jnp.where(num_blocks > 0, first_block, 0)
