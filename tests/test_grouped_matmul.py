@@ -803,11 +803,15 @@ def test_on_the_gpu_against_f32_ragged_dot(rows, groups, k, n, sizes, kernel, tr
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("aligned", [False, True])
 @pytest.mark.parametrize("wrap", ["plain", "checkpoint", "vmap"])
-def test_on_the_gpu_inside_shard_map_under_grad(wrap):
+def test_on_the_gpu_inside_shard_map_under_grad(wrap, aligned):
   """The kernels as the layer calls them on one GPU: inside shard_map (R = 1), under grad,
-  jax.checkpoint and vmap, rows past the groups NaN."""
+  jax.checkpoint and vmap, rows past the groups NaN; the weight gradient on the rows in place
+  and on aligned copies (`override(weight_grad_aligned=True)`)."""
   require_hopper()
+  # A backward jax traced before under the other setting would keep its trace.
+  jax.clear_caches()
   from jax.sharding import NamedSharding, PartitionSpec as P
   mesh = jax.make_mesh((1,), ("ep",), devices=jax.devices()[:1])
   rng = np.random.default_rng(12)
@@ -832,8 +836,9 @@ def test_on_the_gpu_inside_shard_map_under_grad(wrap):
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4,
                              out_specs=(P("ep"), P("ep"))))
   args = (put(x), put(w), put(gs), put(cot))
-  _assert_kernels(fn, args, True)  # (jax.checkpoint runs the forward twice)
-  dx, dw = fn(*args)
+  with experts.override(weight_grad_aligned=aligned):
+    _assert_kernels(fn, args, True)  # (jax.checkpoint runs the forward twice)
+    dx, dw = fn(*args)
   _, dx_ref, dw_ref = _f32_reference(x, w, gs, cot, False)
   _assert_close_to(dx, dx_ref, gs, "dx")
   _assert_close_to(dw, dw_ref, gs, "dw", rows_only=False)
