@@ -15,7 +15,11 @@ inside `shard_map`, the path whose backward the CPU cannot run. On a GPU:
 Under the launcher every process builds the same host arrays, runs the layer on the whole mesh,
 computes the dense model on its own device, and compares the shards it holds: its tokens'
 outputs and input gradients, its experts' weight gradients (`TestModelShapes`); the tests that
-compare whole global arrays run their one-rank groups only.
+compare whole global arrays run their one-rank groups only. Processes sharing one GPU
+(`--share-gpu`) cannot run XLA collectives, and `moe_mlp`'s gradient of the replicated router
+is one (the sum of the shards' parts): there the layer trains through `moe_mlp_per_shard`
+inside `shard_map`, each shard on its own copy of the router, and the router's gradient of
+each shard's tokens is compared with the dense model's for the same tokens.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import jax_ep
 from ep_test_base import (REFERENCE, Target, grouped_matmul_kernels, make_target_group,
                           rank_mesh, require_gpu)
 from jax_ep import launch
-from jax_ep.layer import MoEParams
+from jax_ep.layer import MoEOutput, MoEParams
 from jax_ep.testing.dense import dense_moe, dense_moe_layer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -350,22 +354,34 @@ def _assert_close(got, want, bound, what, per_slice=True, mutation=False):
         f"{what}: the bound {bound:g} does not see the output scaled by 1.01")
 
 
-def _dense(params, x, cot, topk_idx):
+def _dense(params, x, cot, topk_idx, router_parts=None):
   """The dense model on this process's device, computing in bf16 like the layer, given the
   experts the layer's router chose (`topk_idx`, all tokens): its weights are the dense
   router's softmax scores at them, renormalised (the layer's `Routing()`), so the router's
   value and gradient are checked, and a token whose top-k differs by a rounding of its logits
-  (a near-tie) compares like the others. Returns the output and the gradients (params, x)."""
+  (a near-tie) compares like the others. Returns the output and the gradients (params, x);
+  with `router_parts=R` the router's gradient is `[R, H, E]`, that of each of R equal runs
+  of the tokens (the shards' parts, which `_training_step` leaves unsummed)."""
   topk_idx = jnp.asarray(topk_idx)
+  f32 = jnp.float32
 
-  def loss(params, x):
-    logits = x.astype(jnp.float32) @ params.router.astype(jnp.float32)
+  def loss(params, x, logits_shift):
+    logits = x.astype(f32) @ params.router.astype(f32) + logits_shift
     weights = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), topk_idx, axis=-1)
     weights = weights / jnp.maximum(jnp.sum(weights, axis=-1, keepdims=True), 1e-20)
     out = dense_moe(params, x, topk_idx, weights, dtype=jnp.bfloat16)
-    return jnp.sum(out.astype(jnp.float32) * cot), out
-  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, x)
-  return out, grads
+    return jnp.sum(out.astype(f32) * cot), out
+  # The zero shift's gradient is each token's d loss / d logits, from which the router's
+  # gradient of any run of tokens follows.
+  shift = jnp.zeros((x.shape[0], params.router.shape[1]), f32)
+  (_, out), (d_params, d_x, d_logits) = jax.jit(
+      jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(params, x, shift)
+  if router_parts:
+    parts = jnp.einsum("rth,rte->rhe", x.astype(f32).reshape(router_parts, -1, x.shape[1]),
+                       d_logits.reshape(router_parts, -1, d_logits.shape[1]),
+                       precision=jax.lax.Precision.HIGHEST)
+    d_params = d_params._replace(router=parts.astype(d_params.router.dtype))
+  return out, (d_params, d_x)
 
 
 _GATHERS = itertools.count()
@@ -431,6 +447,99 @@ def _nnx_grads(model, x, cot):
   return d_model, d_x, topk_idx
 
 
+def _shared_gpu():
+  """Processes of one job sharing one GPU (`jax_ep.launch --share-gpu`): they cannot run XLA
+  collectives (NCCL refuses a second process on the same device)."""
+  return os.environ.get(launch.ENV_SHARED_GPU) == "1" and jax.process_count() > 1
+
+
+# The statistics `moe_mlp` returns with a leading axis of the shards (`MoEOutput`).
+_PER_SHARD_FIELDS = ("num_dropped", "aux_loss", "z_loss", "expert_counts", "num_invalid")
+
+
+def _training_step(group, mesh, params, x, cot, **options):
+  """`(step, args)`: the jitted gradient of `sum(out * cot)` with respect to the parameters and
+  `x` for the layer on `group` (`options` for `moe_mlp`), and its global arguments from
+  `params`, `x` and `cot` (the same on every process). `step(*args)` returns `((loss,
+  MoEOutput), (d_params, d_x))`, the statistics one per shard.
+
+  `jax_ep.moe_mlp` on global arrays, as a training step calls it; on a shared GPU (no XLA
+  collectives, so no sum over the shards) `moe_mlp_per_shard` inside `shard_map`, each shard
+  on its own copy of every replicated parameter (given `[R, ...]`, split over "ep"): their
+  gradients come back `[R, ...]`, each shard's part (`_dense`'s `router_parts`)."""
+  specs = jax_ep.layer.param_specs("ep", params)
+  g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
+  if not _shared_gpu():
+    g_params = MoEParams(*(None if p is None else _global(mesh, p, s)
+                           for p, s in zip(params, specs)))
+
+    def loss(params, x, cot):
+      result = jax_ep.moe_mlp(group, params, x, **options)
+      return jnp.sum(result.out.astype(jnp.float32) * cot), result
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)), (g_params, g_x, g_cot)
+
+  num_ranks = mesh.size
+  copied = MoEParams(*(p is not None and s == P() for p, s in zip(params, specs)))
+  g_params = MoEParams(*(
+      None if p is None else
+      _global(mesh, jnp.broadcast_to(p[None], (num_ranks, *p.shape)) if c else p, P("ep"))
+      for p, c in zip(params, copied)))
+  split = MoEParams(*(None if p is None else P("ep") for p in params))
+
+  def body(params, x, cot):
+    params = MoEParams(*(p[0] if c else p for p, c in zip(params, copied)))
+
+    def loss(params, x):
+      result = jax_ep.moe_mlp_per_shard(group, params, x, **options)
+      return jnp.sum(result.out.astype(jnp.float32) * cot), result
+    (value, result), (d_params, d_x) = jax.value_and_grad(loss, argnums=(0, 1),
+                                                          has_aux=True)(params, x)
+    d_params = MoEParams(*(g[None] if c else g for g, c in zip(d_params, copied)))
+    result = result._replace(**{f: getattr(result, f)[None] for f in _PER_SHARD_FIELDS})
+    return (value[None], result), (d_params, d_x)
+  out_specs = ((P("ep"), MoEOutput(*(P("ep"),) * len(MoEOutput._fields))), (split, P("ep")))
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(split, P("ep"), P("ep")),
+                               out_specs=out_specs))
+  return step, (g_params, g_x, g_cot)
+
+
+def _skip_on_a_shared_gpu(what):
+  if _shared_gpu():
+    pytest.skip(f"{what} sums the replicated router's gradient over the shards, an XLA "
+                "all-reduce, which processes sharing one GPU cannot run (the layer's model-shape "
+                "tests train each shard's part there)")
+
+
+def test_training_step_on_a_shared_gpu_gives_each_shards_part(monkeypatch):
+  """`_training_step`'s shared-GPU form (`moe_mlp_per_shard` in `shard_map`, each shard's copy
+  of the router) against its `moe_mlp` form on the reference backend at R=4: the same output
+  and gradients, the router's as four parts that sum to the whole; and `_dense`'s
+  `router_parts`, which the GPU tests compare those parts with, sum to its whole gradient."""
+  num_ranks, e, h, f, k = 4, 16, 64, 32, 4
+  group = make_group(num_ranks, num_experts=e, num_topk=k, hidden=h, max_tokens=8,
+                     dtype=jnp.float32)
+  params, x, cot = _inputs(num_ranks, e, h, f, 8, jnp.float32)
+  runs = {}
+  for shared in (False, True):
+    monkeypatch.setattr(sys.modules[__name__], "_shared_gpu", lambda shared=shared: shared)
+    step, args = _training_step(group, group.mesh, params, x, cot)
+    runs[shared] = step(*args)
+  (_, want), (want_params, want_x) = runs[False]
+  (_, got), (got_params, got_x) = runs[True]
+  assert_close_to_scale(got.out, want.out, 1e-5, "out")
+  assert_close_to_scale(got_x, want_x, 1e-5, "grad x")
+  np.testing.assert_array_equal(got.num_dropped, want.num_dropped)
+  for field in ("w_gate", "w_up", "w_down"):
+    assert_close_to_scale(getattr(got_params, field), getattr(want_params, field), 1e-5, field)
+  assert got_params.router.shape == (num_ranks, *params.router.shape)
+  assert_close_to_scale(got_params.router.sum(0), want_params.router, 1e-5, "router parts")
+  topk_idx = np.asarray(want.topk_idx)
+  _, (whole, _) = _dense(params, x, cot, topk_idx)
+  _, (parts, _) = _dense(params, x, cot, topk_idx, router_parts=num_ranks)
+  assert parts.router.shape == (num_ranks, *params.router.shape)
+  assert_close_to_scale(parts.router.sum(0), whole.router, 1e-5, "dense router parts")
+
+
 @pytest.mark.gpu
 class TestModelShapes:
   """The layer and the NNX module train at the expert shapes of real models against the dense
@@ -456,23 +565,17 @@ class TestModelShapes:
                       max_tokens_per_rank=TOKENS, dtype=jnp.bfloat16,
                       expert_alignment=expert_alignment) as group:
       assert group.backend_name == "cuda", group.backend_reason
-      g_params = MoEParams(*(None if p is None else _global(mesh, p, s) for p, s in
-                             zip(params, jax_ep.layer.param_specs("ep", params))))
-      g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
-
-      def loss(params, x, cot):
-        result = jax_ep.moe_mlp(group, params, x)
-        return jnp.sum(result.out.astype(jnp.float32) * cot), result
-      step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+      step, args = _training_step(group, mesh, params, x, cot)
       # The fused experts (the default on Hopper): gate-up and down forward; the activation's
       # derivative fused into dy @ w_down^T; both projections' input gradient in one kernel;
       # three weight gradients.
-      _assert_grouped_gemm_kernels(step, (g_params, g_x, g_cot), 7)
-      (_, result), (d_params, d_x) = step(g_params, g_x, g_cot)
+      _assert_grouped_gemm_kernels(step, args, 7)
+      (_, result), (d_params, d_x) = step(*args)
       jax.block_until_ready(d_x)
       group.check()
-    del g_params
-    want = _dense(params, x, cot, _gathered(result.topk_idx))
+    del args
+    want = _dense(params, x, cot, _gathered(result.topk_idx),
+                  router_parts=num_ranks if _shared_gpu() else None)
     del params
     _check_layer(result, d_params, d_x, want)
 
@@ -484,6 +587,7 @@ class TestModelShapes:
     nnx = pytest.importorskip("flax.nnx")
     from jax_ep.nnx import MoE
     mesh, num_ranks = _mesh()
+    _skip_on_a_shared_gpu("the module's training step")
     e, h, f, k = _shape(name, num_ranks)
     param_dtype = jnp.bfloat16 if name == "deepseek_v3" else jnp.float32
     # The module draws its weights from rngs.params() exactly so; every process draws the same.
@@ -521,6 +625,7 @@ class TestModelShapes:
     nnx = pytest.importorskip("flax.nnx")
     from jax_ep.nnx import MoE
     mesh, num_ranks = _mesh()
+    _skip_on_a_shared_gpu("the module's training step")
     e, h, f, k = SHAPES["e32"]
     decode_tokens = 8  # per rank
     params, x, cot = _model_inputs(e, h, f, num_ranks * TOKENS, seed=3, param_dtype=jnp.float32,
@@ -556,18 +661,12 @@ class TestModelShapes:
     params, x, cot = _model_inputs(e, h, f, num_ranks * tokens, seed=2)
     with jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h,
                       max_tokens_per_rank=tokens, dtype=jnp.bfloat16, low_latency=True) as group:
-      g_params = MoEParams(*(None if p is None else _global(mesh, p, s) for p, s in
-                             zip(params, jax_ep.layer.param_specs("ep", params))))
-      g_x, g_cot = _global(mesh, x, P("ep")), _global(mesh, cot, P("ep"))
-
-      def loss(params, x, cot):
-        result = jax_ep.moe_mlp(group, params, x, mode="low_latency")
-        return jnp.sum(result.out.astype(jnp.float32) * cot), result
-      (_, result), (d_params, d_x) = jax.jit(
-          jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(g_params, g_x, g_cot)
+      step, args = _training_step(group, mesh, params, x, cot, mode="low_latency")
+      (_, result), (d_params, d_x) = step(*args)
       jax.block_until_ready(d_x)
       group.check()
-    want = _dense(params, x, cot, _gathered(result.topk_idx))
+    want = _dense(params, x, cot, _gathered(result.topk_idx),
+                  router_parts=num_ranks if _shared_gpu() else None)
     _check_layer(result, d_params, d_x, want, "low latency: ")
 
 
