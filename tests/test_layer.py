@@ -246,8 +246,9 @@ def test_nnx_module_forward_and_training_step(new_group):
 
 
 # ---------------------------------------------------------------------- model shapes (GPU)
-# name: (experts, hidden, ffn, top-k); DeepSeek-V3's ffn is cut to 512 where the dense twin's
-# replicated weights (and their gradients) would not fit one GPU beside R processes' layers.
+# name: (experts, hidden, ffn, top-k). At R > 1 every process holds all of DeepSeek-V3's
+# experts (the dense twin's weights and their gradients beside its layer's): its ffn is cut to
+# 1024 / R, so that R processes sharing one GPU hold what one holds at ffn 1024 (R=4: 256).
 SHAPES = {
     "deepseek_v3": (256, 7168, 2048, 8),
     "qwen3_30b_a3b": (128, 2048, 768, 8),
@@ -260,7 +261,7 @@ TOKENS = 256  # per rank
 def _shape(name, num_ranks):
   e, h, f, k = SHAPES[name]
   if name == "deepseek_v3" and num_ranks > 1:
-    f = 512
+    f = 1024 // num_ranks
   return e, h, f, k
 
 
