@@ -68,6 +68,8 @@ SHAPES = {
     # One rank of DeepSeek-V3 at EP=8: its 32 experts, the rows of 4096 tokens' top-8.
     "deepseek_v3_ep8_rank": (32, 7168, 2048, 8),
 }
+# An H100's or H200's shared memory per SM (bytes); each CTA on it also takes 1 KiB.
+SMEM_PER_SM = 233472
 
 
 def balanced_sizes(rows: int, groups: int):
@@ -450,20 +452,26 @@ def tune(name, x, w, sizes, repeats, parts):
     print(f"    ({groups}, {k}, {n}): KernelTiles({fields}),"
           f"  # {name}: {2.0 * rows * k * n / seconds / 1e12:.0f} TF/s")
   # The weight gradient's kernels (x^T dy per group): one warpgroup or warp-specialized, one
-  # persistent CTA per SM or two (configs.WEIGHT_GRAD_SHARED_SM_GROUPS; two fit at 2-3 stages),
-  # on the rows where they are (the blocks a group boundary cuts selected) or on group-aligned
-  # copies (`override(weight_grad_aligned=True)`: the copies timed with the kernel).
+  # to three persistent CTAs per SM (configs.WEIGHT_GRAD_SHARED_SM_GROUPS), as many as their
+  # stages and output tile fit an SM's shared memory; the rows reduced 64 or 128 at a time
+  # (a group of many experts holds a block or two of 128 rows: one step each); on the rows
+  # where they are (the blocks a group boundary cuts selected) or on group-aligned copies
+  # (`override(weight_grad_aligned=True)`: the copies timed with the kernel).
   dy = jnp.ones((rows, n), x.dtype)
   offsets = jnp.cumsum(sizes) - sizes
+  itemsize = x.dtype.itemsize
 
   def weight_grad(x, dy, s, config, specialized, aligned):
     return hopper.grouped_weight_grad_kernel(x, dy, s, offsets, tiles=config,
                                              specialized=specialized, aligned=aligned)
-  for aligned, specialized, bn, steps, per_sm in itertools.product(
-      (False, True), (False, True), (64, 128), (2, 3, 4), (1, 2)):
-    if "weight_grad" not in parts or n % bn or k % 128 or (per_sm == 2 and steps == 4):
+  for aligned, specialized, bn, bk, steps, per_sm in itertools.product(
+      (False, True), (False, True), (64, 128), (64, 128), (2, 3, 4), (1, 2, 3)):
+    # The stages' buffers, or the output tile that is staged after them for its store.
+    smem = max(steps * bk * (128 + bn), 128 * bn) * itemsize
+    if ("weight_grad" not in parts or n % bn or k % 128
+        or per_sm * (smem + 1024) > SMEM_PER_SM):
       continue
-    config = jax_ep.experts.KernelTiles(128, bn, 64, steps, 4, ctas_per_sm=per_sm)
+    config = jax_ep.experts.KernelTiles(128, bn, bk, steps, 4, ctas_per_sm=per_sm)
     fn = jax.jit(functools.partial(weight_grad, config=config, specialized=specialized,
                                    aligned=aligned))
     seconds = time_fn(fn, (x, dy, sizes), repeats, f"{name} weight grad {config}")

@@ -482,6 +482,29 @@ def test_weight_grad_at_two_ctas_per_sm_gives_one_ctas_bits():
 
 
 @pytest.mark.parametrize("specialized", [False, True])
+@pytest.mark.parametrize("aligned", [False, True])
+def test_weight_grad_reduces_128_rows_a_step(specialized, aligned):
+  """`block_k` 128 (a tuning choice where groups hold a block or two of rows): groups that start
+  and end inside blocks, an empty one, one of many blocks, rows past the groups (NaN, and the
+  buffer not a whole number of blocks) reach no group's `x^T dy`."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax_ep.experts import hopper
+  rng = np.random.default_rng(13)
+  sizes = jnp.asarray([70, 0, 130, 5, 64, 31, 200], jnp.int32)
+  x = poison_tail(jnp.asarray(rng.standard_normal((600, 128)), jnp.bfloat16), sizes)
+  dy = poison_tail(jnp.asarray(rng.standard_normal((600, 64)), jnp.bfloat16), sizes)
+  with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=3):
+    got = np.asarray(hopper.grouped_weight_grad_kernel(
+        x, dy, sizes, tiles=KernelTiles(64, 64, 128, 2, 1), specialized=specialized,
+        aligned=aligned), np.float32)
+  starts = np.cumsum(sizes) - sizes
+  want = np.stack([np.asarray(x[s:s + n], np.float32).T @ np.asarray(dy[s:s + n], np.float32)
+                   for s, n in zip(starts, np.asarray(sizes))])
+  assert not got[1].any()
+  np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.parametrize("specialized", [False, True])
 @pytest.mark.parametrize("offsets", [False, True])
 def test_weight_grad_of_aligned_copies_selects_nothing_and_matches(specialized, offsets):
   """The weight gradient on aligned copies (`override(weight_grad_aligned=True)`'s path): each
@@ -842,6 +865,33 @@ def test_on_the_gpu_inside_shard_map_under_grad(wrap, aligned):
   _, dx_ref, dw_ref = _f32_reference(x, w, gs, cot, False)
   _assert_close_to(dx, dx_ref, gs, "dx")
   _assert_close_to(dw, dw_ref, gs, "dw", rows_only=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [
+    KernelTiles(128, 64, 128, 2, 4, ctas_per_sm=2), KernelTiles(128, 128, 128, 2, 4),
+    KernelTiles(128, 64, 64, 2, 4, ctas_per_sm=3)], ids=["bk128-2cta", "bk128", "3cta"])
+@pytest.mark.parametrize("specialized", [False, True])
+def test_on_the_gpu_weight_grad_tile_variants(tiles, specialized):
+  """The weight gradient's kernels at the tiles `bench_layer.py --tune` also tries (128 rows a
+  step; three CTAs an SM) against the float32 product, many skewed groups (empty ones, one of
+  many blocks), NaN past the groups."""
+  require_hopper()
+  from jax_ep.experts import hopper
+  rng = np.random.default_rng(14)
+  sizes = jnp.asarray([300, 0, 129, 1, 64, 0, 700, 127, 5, 0, 250, 128, 31, 0, 200, 66],
+                      jnp.int32)
+  rows, k, n = 2304, 512, 256
+  x = poison_tail(jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16), sizes)
+  dy = poison_tail(jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16), sizes)
+  got = np.asarray(jax.jit(lambda x, dy, s: hopper.grouped_weight_grad_kernel(
+      x, dy, s, tiles=tiles, specialized=specialized))(x, dy, sizes), np.float32)
+  starts = np.cumsum(sizes) - sizes
+  want = np.stack([np.asarray(x[s:s + m], np.float32).T @ np.asarray(dy[s:s + m], np.float32)
+                   for s, m in zip(starts, np.asarray(sizes))])
+  for g in np.flatnonzero(np.asarray(sizes) == 0):
+    assert not got[g].any(), f"empty group {g}"
+  np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-1)
 
 
 @pytest.mark.gpu

@@ -253,8 +253,8 @@ def weight_grad_specialized() -> bool:
 
 def weight_grad_aligned() -> bool:
   """Whether the weight gradient reduces group-aligned copies of its operands
-  (`Overrides.weight_grad_aligned`; off unless asked: not yet timed against the rows in
-  place)."""
+  (`Overrides.weight_grad_aligned`; off unless asked: the copies cost what the selects they
+  save do, or more, at the model shapes; docs/performance.md)."""
   return bool(current().weight_grad_aligned)
 
 
