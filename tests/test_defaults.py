@@ -334,3 +334,45 @@ def test_strict_drops_on_a_data_axis_under_vmap_and_remat():
   for dp in (0, 1):
     assert str(error.value).count(f"rank 0 dp {dp}: 22 rows") == 1, str(error.value)
   assert "rank 1" not in str(error.value)
+
+
+def test_a_group_of_this_process_alone_closes_without_waiting_for_the_others(monkeypatch):
+  """In a job of several processes (a test under `jax_ep.launch`), a group whose devices are all
+  this process's waits at its close for no one: a barrier over the whole job waits its full
+  timeout for processes that never reach it. A group over several processes waits for its
+  members; one over the whole job (no `process_ids`), for every process."""
+  if jax.process_count() > 1:
+    pytest.skip("single-process fake")
+
+  class Ext:
+    destroyed = []
+
+    def group_create(self, *args, **kwargs):
+      return 7
+
+    def group_connect_local(self, ids):
+      pass
+
+    def group_destroy(self, gid):
+      self.destroyed.append(gid)
+      return ""
+
+  class Client:
+    barriers = []
+
+    def wait_at_barrier(self, name, timeout_ms, process_ids=None):
+      self.barriers.append(process_ids)
+
+  ext, client = Ext(), Client()
+  monkeypatch.setattr(_ffi, "extension", lambda: ext)
+  monkeypatch.setattr(transport, "_client", lambda: client)
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  mine = transport.create_peer(_config(num_ranks=1, num_experts=4, num_topk=2), rank_mesh(1),
+                               "one-process", num_sms=1, timeout_s=1.0, process_ids=[0],
+                               low_latency=True)
+  assert mine.process_ids == [jax.process_index()]
+  mine.close()
+  assert client.barriers == [] and ext.destroyed == [7]
+  transport.PeerTransport([8], "two-processes", [0, 1]).close()
+  transport.PeerTransport([9], "the-job").close()
+  assert client.barriers == [[0, 1], None] and ext.destroyed == [7, 8, 9]

@@ -90,7 +90,11 @@ class Transport:
     self.closed = True
     client = _client()
     everyone_here = True
-    if client is not None and jax.process_count() > 1:
+    # Only a group that spans processes waits for them; a barrier over the whole job from a
+    # group of this process alone would wait for processes that never reach it.
+    others = (jax.process_count() > 1 if self.process_ids is None
+              else set(self.process_ids) != {jax.process_index()})
+    if client is not None and others:
       try:
         client.wait_at_barrier(f"{self._KV_PREFIX}/{self.key}/close",
                                int(barrier_timeout_s * 1000), process_ids=self.process_ids)
@@ -198,7 +202,7 @@ def create_peer(config: EPConfig, mesh, key: str, *, num_sms: int, timeout_s: fl
       for gid in ids:
         ext.group_destroy(gid)
       raise
-    return PeerTransport(ids, key)
+    return PeerTransport(ids, key, [me])
   if len(local) != 1:
     raise NotImplementedError(
         f"jax_ep.Group(backend='cuda'): process {me} holds {len(local)} of the group's "
