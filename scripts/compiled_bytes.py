@@ -22,7 +22,8 @@ _FREE = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "opt-
          "call-done", "after-all", "partition-id", "replica-id"}
 _CALLERS = {"call-start", "async-start", "while", "call", "conditional"}
 # (experts, hidden, ffn, top-k) of the shapes bench_layer.py names.
-SHAPES = {"deepseek_v3_ep8_rank": (32, 7168, 2048, 8), "mixtral": (8, 4096, 14336, 2)}
+SHAPES = {"deepseek_v3_ep8_rank": (32, 7168, 2048, 8), "deepseek_v3": (256, 7168, 2048, 8),
+          "mixtral": (8, 4096, 14336, 2)}
 TOKENS = 4096
 
 
