@@ -23,7 +23,7 @@
 #                                     # the GPU grouped-matmul tests (GEMM_ARGS="--tune": the
 #                                     # tile sweep)
 #   bash scripts/gpu_round.sh gemmtune  # bench_layer.py --tune at GEMMTUNE_SHAPES (default
-#                                     # deepseek_v3; about 5 minutes a shape): every forward and
+#                                     # deepseek_v3; a minute or two a shape): every forward and
 #                                     # weight-gradient tile set, the fastest forward's table entry
 #   bash scripts/gpu_round.sh experts # the fused expert MLP: its GPU tests at the five model
 #                                     # shapes, bench_expert_mlp.py (expert_mlp against three

@@ -53,6 +53,12 @@ def poison_tail(a, group_sizes):
   return a.at[int(np.asarray(group_sizes).sum()):].set(jnp.nan)
 
 
+def weight_grad_oracle(x, dy, starts, sizes):
+  """`[G, K, N]` float32: each group's `x[rows]^T dy[rows]` from its first row and size."""
+  return np.stack([np.asarray(x[s:s + n], np.float32).T @ np.asarray(dy[s:s + n], np.float32)
+                   for s, n in zip(np.asarray(starts), np.asarray(sizes))])
+
+
 def inputs(rng, rows, groups, k, n, sizes=None, dtype=jnp.float32, transpose_w=False):
   if sizes is None:
     cuts = np.sort(rng.integers(0, rows + 1, groups - 1))
@@ -476,8 +482,7 @@ def test_weight_grad_at_two_ctas_per_sm_gives_one_ctas_bits():
         x, dy, sizes, tiles=c, specialized=False), np.float32) for c in (one, two)}
   np.testing.assert_array_equal(got[2], got[1])
   starts = np.cumsum(sizes) - sizes
-  want = np.stack([np.asarray(x[s:s + n], np.float32).T @ np.asarray(dy[s:s + n], np.float32)
-                   for s, n in zip(starts, np.asarray(sizes))])
+  want = weight_grad_oracle(x, dy, starts, sizes)
   np.testing.assert_allclose(got[2], want, rtol=2e-2, atol=1e-1)
 
 
@@ -498,8 +503,7 @@ def test_weight_grad_reduces_128_rows_a_step(specialized, aligned):
         x, dy, sizes, tiles=KernelTiles(64, 64, 128, 2, 1), specialized=specialized,
         aligned=aligned), np.float32)
   starts = np.cumsum(sizes) - sizes
-  want = np.stack([np.asarray(x[s:s + n], np.float32).T @ np.asarray(dy[s:s + n], np.float32)
-                   for s, n in zip(starts, np.asarray(sizes))])
+  want = weight_grad_oracle(x, dy, starts, sizes)
   assert not got[1].any()
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-1)
 
@@ -533,8 +537,7 @@ def test_weight_grad_of_aligned_copies_selects_nothing_and_matches(specialized, 
         x, dy, gs, group_offsets, tiles=KernelTiles(64, 64, 64, 2, 1),
         specialized=specialized, aligned=True), np.float32)
   starts = (np.cumsum(sizes) - sizes) if group_offsets is None else np.asarray(group_offsets)
-  want = np.stack([np.asarray(x[s:s + n], np.float32).T @ np.asarray(dy[s:s + n], np.float32)
-                   for s, n in zip(starts, sizes)])
+  want = weight_grad_oracle(x, dy, starts, sizes)
   assert not got[1].any()
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-1)
 
@@ -887,8 +890,7 @@ def test_on_the_gpu_weight_grad_tile_variants(tiles, specialized):
   got = np.asarray(jax.jit(lambda x, dy, s: hopper.grouped_weight_grad_kernel(
       x, dy, s, tiles=tiles, specialized=specialized))(x, dy, sizes), np.float32)
   starts = np.cumsum(sizes) - sizes
-  want = np.stack([np.asarray(x[s:s + m], np.float32).T @ np.asarray(dy[s:s + m], np.float32)
-                   for s, m in zip(starts, np.asarray(sizes))])
+  want = weight_grad_oracle(x, dy, starts, sizes)
   for g in np.flatnonzero(np.asarray(sizes) == 0):
     assert not got[g].any(), f"empty group {g}"
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-1)

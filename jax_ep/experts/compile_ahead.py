@@ -173,8 +173,8 @@ def _lowering_key(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, kwar
   cannot be keyed): the body's jaxpr as text (every equation, its parameters and nested
   jaxprs in full, its effects) and its nested jaxprs' constants, the operands' and results'
   types, the kernel's mesh, the program's mesh, the compiler parameters, the devices compiled
-  for and the switches of jax and Mosaic GPU that lowering may read. The caller's traceback is left out: stable modules strip
-  the locations it gives.
+  for and the switches of jax and Mosaic GPU that lowering may read. The caller's traceback is
+  left out: stable modules strip the locations it gives.
 
   NOTES: the program's mesh enters the module through its size (peers, where Mosaic GPU
   passes them as parameters), whether it spans hosts, and axes the body names. A mesh of one

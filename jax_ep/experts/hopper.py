@@ -289,7 +289,7 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
   block then holds another group's rows, and none is selected."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  bk = tiles.block_k
+  bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
   if aligned:
     src, count, first_block, num_blocks = aligned_blocks(group_sizes, group_offsets,
                                                          x.shape[0], bk)
@@ -297,7 +297,6 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
   rows, k = x.shape
   n = dy.shape[1]
   groups = group_sizes.shape[0]
-  bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
   if k % bm or n % bn:
     raise ValueError(f"grouped_weight_grad_kernel: K={k} must be a multiple of {bm} and N={n} "
                      f"of {bn}")
