@@ -68,8 +68,7 @@ SHAPES = {
     # One rank of DeepSeek-V3 at EP=8: its 32 experts, the rows of 4096 tokens' top-8.
     "deepseek_v3_ep8_rank": (32, 7168, 2048, 8),
 }
-# An H100's or H200's shared memory per SM (bytes); each CTA on it also takes 1 KiB.
-SMEM_PER_SM = 233472
+SMEM_PER_SM = jax_ep.experts.configs.SMEM_PER_SM
 
 
 def balanced_sizes(rows: int, groups: int):
@@ -149,10 +148,12 @@ def main():
   parser.add_argument("--scale", type=int, default=1,
                       help="divide every size by this (a smoke run on the CPU)")
   parser.add_argument("--repeats", type=int, default=10)
-  parser.add_argument("--tune", nargs="*", choices=["forward", "weight_grad"], default=None,
+  parser.add_argument("--tune", nargs="*", choices=["forward", "weight_grad", "weight_grad_runs"],
+                      default=None,
                       help="time the Mosaic kernels' tile configurations per shape (both "
-                      "kernels, or those named) and print the forward's best as a TILE_TABLES "
-                      "entry")
+                      "kernels, or those named; weight_grad_runs: the weight gradient's "
+                      "pipeline through runs of groups, beside the default's tiles) and print "
+                      "the forward's best as a TILE_TABLES entry")
   parser.add_argument("--breakdown", type=int, default=0, metavar="N",
                       help="moe_layer at one process: after each timing, the N kernels that "
                       "take the most device time per run (name, µs, launches) and how busy the "
@@ -464,6 +465,15 @@ def tune(name, x, w, sizes, repeats, parts):
   def weight_grad(x, dy, s, config, specialized, aligned):
     return hopper.grouped_weight_grad_kernel(x, dy, s, offsets, tiles=config,
                                              specialized=specialized, aligned=aligned)
+
+  def time_weight_grad(config, specialized=False, aligned=False):
+    fn = jax.jit(functools.partial(weight_grad, config=config, specialized=specialized,
+                                   aligned=aligned))
+    seconds = time_fn(fn, (x, dy, sizes), repeats, f"{name} weight grad {config}")
+    if seconds is not None:
+      print(f"  {name} weight grad aligned={aligned} specialized={specialized} {config}: "
+            f"{2.0 * rows * k * n / seconds / 1e12:.0f} TF/s ({seconds * 1e6:.0f} us)")
+
   for aligned, specialized, bn, bk, steps, per_sm in itertools.product(
       (False, True), (False, True), (64, 128), (64, 128), (2, 3, 4), (1, 2, 3)):
     # The stages' buffers, or the output tile that is staged after them for its store.
@@ -471,13 +481,16 @@ def tune(name, x, w, sizes, repeats, parts):
     if ("weight_grad" not in parts or n % bn or k % 128
         or per_sm * (smem + 1024) > SMEM_PER_SM):
       continue
-    config = jax_ep.experts.KernelTiles(128, bn, bk, steps, 4, ctas_per_sm=per_sm)
-    fn = jax.jit(functools.partial(weight_grad, config=config, specialized=specialized,
-                                   aligned=aligned))
-    seconds = time_fn(fn, (x, dy, sizes), repeats, f"{name} weight grad {config}")
-    if seconds is not None:
-      print(f"  {name} weight grad aligned={aligned} specialized={specialized} {config}: "
-            f"{2.0 * rows * k * n / seconds / 1e12:.0f} TF/s ({seconds * 1e6:.0f} us)")
+    time_weight_grad(jax_ep.experts.KernelTiles(128, bn, bk, steps, 4, ctas_per_sm=per_sm),
+                     specialized, aligned)
+  # The pipeline through runs of groups (`KernelTiles.groups_per_run`: the ring of stages and
+  # the staged output tile held together), beside the default's tiles timed in the same run.
+  if "weight_grad_runs" in parts and not n % 128 and not k % 128:
+    default = jax_ep.experts.configs.weight_grad_tiles(k, n, groups)
+    if default is not None:
+      time_weight_grad(default, jax_ep.experts.configs.weight_grad_specialized())
+    for config in jax_ep.experts.configs.weight_grad_run_tiles(itemsize):
+      time_weight_grad(config)
 
 
 def plot(records, path):

@@ -25,6 +25,8 @@
 #   bash scripts/gpu_round.sh gemmtune  # bench_layer.py --tune at GEMMTUNE_SHAPES (default
 #                                     # deepseek_v3; a minute or two a shape): every forward and
 #                                     # weight-gradient tile set, the fastest forward's table entry
+#                                     # (GEMMTUNE_PARTS: bench_layer.py's --tune parts, e.g.
+#                                     # weight_grad_runs)
 #   bash scripts/gpu_round.sh experts # the fused expert MLP: its GPU tests at the five model
 #                                     # shapes, bench_expert_mlp.py (expert_mlp against three
 #                                     # dense GEMMs, buffers 2x and 8x the rows) and
@@ -641,7 +643,8 @@ if has gemmtune; then
   step "the grouped GEMM's tile sets at ${GEMMTUNE_SHAPES:-deepseek_v3} (bench_layer.py --tune)"
   t=$(bench_time 560) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
     benchmarks/bench_layer.py --ops grouped_matmul --impls mosaic --alignments 1 --pad 0 \
-    --shapes ${GEMMTUNE_SHAPES:-deepseek_v3} --tune forward weight_grad --repeats 5 \
+    --shapes ${GEMMTUNE_SHAPES:-deepseek_v3} --tune ${GEMMTUNE_PARTS:-forward weight_grad} \
+    --repeats 5 \
     --out gpu_round_gemm_tune.jsonl 2>&1 | tee "$OUT/bench_gemm_tune.log" \
     | grep -E "TF/s|KernelTiles|failed" | tail -120
   # Its exit status alone: a tile set that does not fit (shared memory, registers) is a

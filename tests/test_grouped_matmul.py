@@ -508,6 +508,60 @@ def test_weight_grad_reduces_128_rows_a_step(specialized, aligned):
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-1)
 
 
+def test_group_steps_walk_each_groups_blocks_in_turn():
+  """`layout.group_steps`: each group's row blocks one after another, an empty group one step
+  at block 0, and each group's first step (then the total)."""
+  first = jnp.asarray([0, 1, 1, 3, 4], jnp.int32)
+  count = jnp.asarray([2, 0, 2, 1, 3], jnp.int32)
+  block, group_first = layout.group_steps(first, count, 12)
+  assert np.asarray(group_first).tolist() == [0, 2, 3, 5, 6, 9]
+  assert np.asarray(block).tolist() == [0, 1, 0, 1, 2, 3, 4, 5, 6, 0, 0, 0]
+
+
+@pytest.mark.parametrize("block_k,run,aligned,offsets", [
+    (64, 3, False, False), (128, 2, False, False), (64, 7, True, False), (64, 4, False, True),
+    (128, 16, True, True)])
+def test_weight_grad_in_runs_of_groups(block_k, run, aligned, offsets):
+  """The weight gradient whose pipeline runs through `groups_per_run` groups (a run longer than
+  the groups too; groups cut inside blocks, empty ones, one of many blocks; rows past and
+  between the groups NaN): each group's `x^T dy`, and the same bits as the pipeline per group
+  (each group's blocks reduced in the same order)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax_ep.experts import hopper
+  rng = np.random.default_rng(15)
+  sizes = [70, 0, 130, 5, 64, 31, 200, 0]
+  rows = 768
+  if offsets:
+    group_offsets, inside = aligned_layout(sizes, 16, rows)
+  else:
+    group_offsets, inside = None, np.arange(rows) < sum(sizes)
+  gs = jnp.asarray(sizes, jnp.int32)
+  mask = jnp.asarray(inside)[:, None]
+  x = jnp.where(mask, jnp.asarray(rng.standard_normal((rows, 128)), jnp.bfloat16), jnp.nan)
+  dy = jnp.where(mask, jnp.asarray(rng.standard_normal((rows, 64)), jnp.bfloat16), jnp.nan)
+  tiles = KernelTiles(64, 64, block_k, 2, 1, groups_per_run=run)
+  with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=3):
+    got, per_group = (np.asarray(hopper.grouped_weight_grad_kernel(
+        x, dy, gs, group_offsets, tiles=t, specialized=False, aligned=aligned), np.float32)
+        for t in (tiles, dataclasses.replace(tiles, groups_per_run=1)))
+  starts = np.cumsum(sizes) - sizes if group_offsets is None else np.asarray(group_offsets)
+  np.testing.assert_array_equal(got, per_group)
+  assert not got[[1, 7]].any()
+  np.testing.assert_allclose(got, weight_grad_oracle(x, dy, starts, sizes), rtol=2e-2,
+                             atol=1e-1)
+
+
+def test_weight_grad_in_runs_names_what_it_needs():
+  from jax_ep.experts import hopper
+  x = jnp.zeros((256, 128), jnp.bfloat16)
+  sizes = jnp.asarray([100, 156], jnp.int32)
+  for tiles, specialized in ((KernelTiles(64, 64, 64, 2, 1, groups_per_run=2), True),
+                             (KernelTiles(64, 64, 64, 1, 1, groups_per_run=2), False)):
+    with pytest.raises(ValueError, match="groups_per_run > 1 is a form of the one-warpgroup"):
+      hopper.grouped_weight_grad_kernel(x, x[:, :64], sizes, tiles=tiles,
+                                        specialized=specialized)
+
+
 @pytest.mark.parametrize("specialized", [False, True])
 @pytest.mark.parametrize("offsets", [False, True])
 def test_weight_grad_of_aligned_copies_selects_nothing_and_matches(specialized, offsets):
@@ -829,12 +883,13 @@ def test_on_the_gpu_against_f32_ragged_dot(rows, groups, k, n, sizes, kernel, tr
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("aligned", [False, True])
+@pytest.mark.parametrize("weight_grad", ["in_place", "aligned", "runs"])
 @pytest.mark.parametrize("wrap", ["plain", "checkpoint", "vmap"])
-def test_on_the_gpu_inside_shard_map_under_grad(wrap, aligned):
+def test_on_the_gpu_inside_shard_map_under_grad(wrap, weight_grad):
   """The kernels as the layer calls them on one GPU: inside shard_map (R = 1), under grad,
-  jax.checkpoint and vmap, rows past the groups NaN; the weight gradient on the rows in place
-  and on aligned copies (`override(weight_grad_aligned=True)`)."""
+  jax.checkpoint and vmap, rows past the groups NaN; the weight gradient on the rows in place,
+  on aligned copies (`override(weight_grad_aligned=True)`) and through runs of groups
+  (`KernelTiles.groups_per_run`)."""
   require_hopper()
   # A backward jax traced before under the other setting would keep its trace.
   jax.clear_caches()
@@ -862,7 +917,9 @@ def test_on_the_gpu_inside_shard_map_under_grad(wrap, aligned):
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4,
                              out_specs=(P("ep"), P("ep"))))
   args = (put(x), put(w), put(gs), put(cot))
-  with experts.override(weight_grad_aligned=aligned):
+  runs = KernelTiles(128, 128, 64, 3, 4, ctas_per_sm=2, groups_per_run=4)
+  with experts.override(weight_grad_aligned=weight_grad == "aligned",
+                        weight_grad_tiles=runs if weight_grad == "runs" else None):
     _assert_kernels(fn, args, True)  # (jax.checkpoint runs the forward twice)
     dx, dw = fn(*args)
   _, dx_ref, dw_ref = _f32_reference(x, w, gs, cot, False)
@@ -894,6 +951,35 @@ def test_on_the_gpu_weight_grad_tile_variants(tiles, specialized):
   for g in np.flatnonzero(np.asarray(sizes) == 0):
     assert not got[g].any(), f"empty group {g}"
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [
+    KernelTiles(128, 128, 64, 3, 4, ctas_per_sm=2, groups_per_run=4),
+    KernelTiles(128, 128, 128, 2, 4, groups_per_run=16),
+    KernelTiles(128, 64, 64, 4, 4, groups_per_run=64)], ids=["run4-2cta", "bk128-run16", "run64"])
+def test_on_the_gpu_weight_grad_in_runs_of_groups(tiles):
+  """The weight gradient through runs of groups on the GPU: the same bits as the pipeline per
+  group with the same tiles, and the float32 product, many skewed groups (empty ones, one of
+  many blocks, runs that end inside the groups and a run longer than them), NaN past the
+  groups."""
+  require_hopper()
+  from jax_ep.experts import hopper
+  rng = np.random.default_rng(16)
+  sizes = jnp.asarray([300, 0, 129, 1, 64, 0, 700, 127, 5, 0, 250, 128, 31, 0, 200, 66, 3],
+                      jnp.int32)
+  rows, k, n = 2400, 512, 256
+  x = poison_tail(jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16), sizes)
+  dy = poison_tail(jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16), sizes)
+  got, per_group = (np.asarray(jax.jit(lambda x, dy, s, t=t: hopper.grouped_weight_grad_kernel(
+      x, dy, s, tiles=t, specialized=False))(x, dy, sizes), np.float32)
+      for t in (tiles, dataclasses.replace(tiles, groups_per_run=1)))
+  np.testing.assert_array_equal(got, per_group)
+  starts = np.cumsum(sizes) - sizes
+  for g in np.flatnonzero(np.asarray(sizes) == 0):
+    assert not got[g].any(), f"empty group {g}"
+  np.testing.assert_allclose(got, weight_grad_oracle(x, dy, starts, sizes), rtol=2e-2,
+                             atol=2e-1)
 
 
 @pytest.mark.gpu

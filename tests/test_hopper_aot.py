@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from jax_ep._native import ffi
+from jax_ep.experts import configs
 from test_fused_expert_mlp import GPU_SHAPES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -116,6 +117,19 @@ def test_every_known_bf16_build_builds_for_sm90a():
   sm_90a: none fails."""
   _check_builds("bf16", {"jax_ep_gmm", "jax_ep_gmm_ws", "jax_ep_gmm_wgrad", "jax_ep_mlp_gate_up",
                          "jax_ep_mlp_hidden_grad", "jax_ep_mlp_input_grad"})
+
+
+@pytest.mark.slow
+def test_the_weight_grad_runs_the_tune_tries_build_for_sm90a():
+  """Every weight-gradient pipeline through runs of groups that the tune times builds at
+  DeepSeek-V3's shape through ptxas, none spilling: a tune on the GPU spends no time on one
+  that cannot run."""
+  result, output = _run("weight_grad_runs")
+  failed = {tiles: why for tiles, why in result.items() if why is not None}
+  assert len(result) == len(configs.weight_grad_run_tiles()) and not failed, failed
+  reports = [r for r in _ptxas_reports(output) if r["kernel"] == "jax_ep_gmm_wgrad_runs"]
+  assert len(reports) == len(result), reports
+  assert not any(r["spill_stores"] or r["spill_loads"] for r in reports), reports
 
 
 @pytest.mark.slow

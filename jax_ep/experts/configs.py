@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,10 @@ class KernelTiles:
   gradient kernel ignores it). The kernels are persistent: `ctas_per_sm` CTAs per SM walk the
   output tiles (two fit an SM where one warpgroup's registers and its stages' shared memory
   are at most half of it: one CTA's loads and products then run in the other's pipeline fill
-  and output store)."""
+  and output store). `groups_per_run` (the one-warpgroup weight gradient): the reduction's
+  pipeline of an output tile runs through the blocks of this many consecutive groups, storing
+  each group's tile as it ends, so that the next group's loads run while one's tile is stored;
+  1: a pipeline per group and output tile."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
@@ -68,6 +72,7 @@ class KernelTiles:
   band: int = 4
   compute_wgs: int = 1
   ctas_per_sm: int = 1
+  groups_per_run: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +249,24 @@ def weight_grad_tiles(k: int, n: int, groups: int) -> KernelTiles | None:
     return KernelTiles(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=3, band=4,
                        ctas_per_sm=2)
   return KernelTiles(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=4, band=4)
+
+
+# An H100's or H200's shared memory per SM (bytes); each CTA on it also takes 1 KiB.
+SMEM_PER_SM = 233472
+
+
+def weight_grad_run_tiles(itemsize: int = 2) -> list[KernelTiles]:
+  """The weight gradient's pipelines through runs of groups (`KernelTiles.groups_per_run`) that
+  `bench_layer.py --tune weight_grad_runs` times: runs of 4, 16 and 64 groups, 64 or 128 rows
+  a step, 2 to 4 stages, 1 or 2 CTAs an SM, where a CTA's ring of stages and its staged output
+  tile (held together) fit its share of an SM's shared memory."""
+  out = []
+  for run, bk, stages, per_sm in itertools.product((4, 16, 64), (64, 128), (2, 3, 4), (1, 2)):
+    smem = (stages * bk * 2 * ROW_TILE + ROW_TILE * ROW_TILE) * itemsize
+    if per_sm * (smem + 1024) <= SMEM_PER_SM:
+      out.append(KernelTiles(ROW_TILE, ROW_TILE, bk, stages, 4, ctas_per_sm=per_sm,
+                             groups_per_run=run))
+  return out
 
 
 def weight_grad_specialized() -> bool:

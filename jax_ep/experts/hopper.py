@@ -39,8 +39,8 @@ from jax import lax
 
 from jax_ep.experts import compile_ahead
 from jax_ep.experts.configs import KernelTiles, current, target_devices
-from jax_ep.experts.layout import (aligned_blocks, copy_aligned, group_blocks, group_bounds,
-                                   row_tiles)
+from jax_ep.experts.layout import (aligned_blocks, cdiv, copy_aligned, group_blocks,
+                                   group_bounds, group_steps, row_tiles)
 
 
 def device_sms() -> int:
@@ -311,6 +311,16 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
   if not aligned:
     first_block, num_blocks = group_blocks(starts, ends, bk)
   cuts = not aligned
+  if tiles.groups_per_run > 1:
+    if specialized or tiles.stages < 2:
+      raise ValueError(f"grouped_weight_grad_kernel: tiles.groups_per_run > 1 is a form of the "
+                       f"one-warpgroup kernel with at least 2 stages; got specialized="
+                       f"{specialized}, stages={tiles.stages}")
+    step_block, group_first = group_steps(first_block, num_blocks, cdiv(rows, bk) + 2 * groups)
+    body = _weight_grad_body_runs(x.dtype, groups, k, n, tiles, transforms, out_dtype, cuts)
+    return launch(body, "jax_ep_gmm_wgrad_runs",
+                  jax.ShapeDtypeStruct((groups, k, n), out_dtype), tiles,
+                  (starts, ends, step_block, group_first, x, dy), settings=(cuts,))
   if specialized:
     # An empty group's one step reads block 0, all of it selected away: a block of zeros.
     first_block = jnp.where(num_blocks > 0, first_block, 0)
@@ -378,6 +388,99 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
 
   return launch(body, "jax_ep_gmm_wgrad", jax.ShapeDtypeStruct((groups, k, n), out_dtype),
                 tiles, (starts, ends, first_block, num_blocks, x, dy), settings=(cuts,))
+
+
+def _weight_grad_body_runs(dtype, groups, k, n, tiles, transforms, out_dtype, cuts: bool):
+  """The one-warpgroup weight gradient with one pipeline per output tile and run of
+  `tiles.groups_per_run` consecutive groups: the run's groups' row blocks
+  (`layout.group_steps`) stream through one ring of `stages` shared-memory slots, loaded
+  `stages - 1` steps ahead across the groups' boundaries, while each group reduces into an
+  accumulator of its own and stores its tile when its blocks end.
+
+  Why: with many experts a group is a block or two of rows, so a pipeline per group and tile
+  spends most of its time filling (the first loads' latency) and storing, the matrix units
+  idle; in a run only its first fill is exposed, and a group's store overlaps the next group's
+  loads and products (it waits only where the next tile is staged). Each group's blocks are
+  reduced in the same order into zeros as by the pipeline per group: the same sums.
+
+  NOTES: the ring is written by hand, not `emit_pipeline`, because a pipeline that crosses
+  groups must start each group from a zero accumulator, and a store into an accumulator
+  reference is what Pallas's interpreter does not run. Every step's loads are fetched once
+  (the first `stages - 1` before the run, step `i + stages - 1` by step `i`) and waited for
+  once, so each slot's barrier phase stays in step across the runs."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+  stages, run = tiles.stages, tiles.groups_per_run
+  tiles_m, tiles_n = k // bm, n // bn
+  band = _band(tiles.band, tiles_n)
+  runs = cdiv(groups, run)
+
+  def body(starts_gmem, ends_gmem, block_gmem, first_gmem, x_gmem, dy_gmem, o_gmem):
+
+    @functools.partial(
+        pl.run_scoped,
+        x_ring=plgpu.SMEM((stages, bk, bm), dtype, transforms=transforms),
+        dy_ring=plgpu.SMEM((stages, bk, bn), dtype, transforms=transforms),
+        o_smem=plgpu.SMEM((bm, bn), out_dtype, transforms=transforms),
+        barriers=plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+    def _(x_ring, dy_ring, o_smem, barriers):
+
+      @plgpu.nd_loop((runs, tiles_m * tiles_n), collective_axes="sm")
+      def _(info):
+        g0 = info.index[0] * run
+        g1 = jnp.minimum(g0 + run, groups)
+        begin, end = first_gmem[g0], first_gmem[g1]
+        mi, ni = plgpu.planar_snake(info.index[1], (tiles_m, tiles_n), 1, band)
+
+        def fetch(i):
+          slot = lax.rem(i - begin, stages)
+          rows = pl.ds(block_gmem[i] * bk, bk)
+          plgpu.copy_gmem_to_smem(x_gmem.at[rows, pl.ds(mi * bm, bm)], x_ring.at[slot],
+                                  barriers.at[slot])
+          plgpu.copy_gmem_to_smem(dy_gmem.at[rows, pl.ds(ni * bn, bn)], dy_ring.at[slot],
+                                  barriers.at[slot])
+
+        for ahead in range(stages - 1):
+          pl.when(begin + ahead < end)(lambda ahead=ahead: fetch(begin + ahead))
+
+        @pl.loop(g0, g1)
+        def _(g):
+          lo, hi = starts_gmem[g], ends_gmem[g]
+
+          def reduce(acc_ref):
+            @pl.loop(first_gmem[g], first_gmem[g + 1])
+            def _(i):
+              slot = lax.rem(i - begin, stages)
+              plgpu.barrier_wait(barriers.at[slot])
+              x_smem, dy_smem = x_ring.at[slot], dy_ring.at[slot]
+              if cuts:
+                block = block_gmem[i]
+
+                # Only a block that a group boundary cuts holds rows outside the group (an
+                # empty group's one block: all of them).
+                @pl.when((block * bk < lo) | ((block + 1) * bk > hi))
+                def _():
+                  _keep_rows(x_smem, block, lo, hi, bk)
+                  _keep_rows(dy_smem, block, lo, hi, bk)
+                  plgpu.commit_smem()
+
+              plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
+              # The previous step's product has read its slot: refill that slot.
+              plgpu.wgmma_wait(1)
+              pl.when(i + stages - 1 < end)(lambda: fetch(i + stages - 1))
+            return acc_ref[...]
+
+          acc = pl.run_scoped(reduce, plgpu.ACC((bm, bn))).astype(out_dtype)
+          # The last tile's store has read the staging buffer.
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          o_smem[...] = acc
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[g, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return body
 
 
 def reduction_allocations(pipeline, *gmems):

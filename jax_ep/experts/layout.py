@@ -102,6 +102,34 @@ def row_tiles(group_sizes, rows: int, block_m: int, group_offsets=None):
           num_items.reshape(1).astype(jnp.int32))
 
 
+def group_steps(first, count, max_steps: int):
+  """The steps of a weight gradient whose reduction runs from one group into the next: group
+  g's row blocks `first[g] .. first[g] + count[g] - 1` (an empty group one step, at block 0,
+  all of whose rows are outside it), the groups one after another.
+
+  Args:
+    first, count: `[G]` int32, each group's first row block and number of blocks
+      (`group_blocks`, or `aligned_blocks`' last two).
+    max_steps: at least the steps of all groups (`cdiv(rows, block) + 2 * G` bounds
+      `group_blocks`'): the table's static length.
+
+  Returns:
+    `(block, group_first)`: per step (`[max_steps]` int32) its row block (0 past the last);
+    per group (`[G + 1]` int32) its first step, then the number of steps.
+  """
+  groups = first.shape[0]
+  steps = jnp.maximum(count, 1)
+  step_end = jnp.cumsum(steps, dtype=jnp.int32)
+  step_start = step_end - steps
+  i = jnp.arange(max_steps, dtype=jnp.int32)
+  # A comparison against every group's end, not jnp.searchsorted (see row_tiles).
+  group = jnp.minimum(jnp.sum(step_end[None, :] <= i[:, None], axis=1, dtype=jnp.int32),
+                      groups - 1)
+  used = (i < step_end[-1]) & (count[group] > 0)
+  block = jnp.where(used, first[group] + i - step_start[group], 0)
+  return block.astype(jnp.int32), jnp.concatenate([step_start, step_end[-1:]]).astype(jnp.int32)
+
+
 def aligned_blocks(group_sizes, group_offsets, rows: int, block: int):
   """A copy of the rows in which each group starts at a multiple of `block` (its last block
   padded with zeros): where the FP8 weight gradient's operands, quantised per `block` rows
