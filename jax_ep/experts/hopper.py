@@ -6,7 +6,8 @@ those of groups `< g`, or from `group_offsets[g]` on: rows between groups are pa
 - `grouped_weight_grad_kernel`: `dw[g] = x[rows of g]^T @ dy[rows of g]`, `-> [G, K, N]`.
 Each has a one-warpgroup form (`emit_pipeline`) and a warp-specialized one (a memory warpgroup
 streams the operands while compute warpgroups multiply and store); `KernelTiles` and the
-`specialized` flag choose.
+`specialized` flag choose. The weight gradient's one-warpgroup form can also run one pipeline
+through runs of groups (`KernelTiles.groups_per_run`).
 
 Both are driven by a work list built on the device before the kernel
 (`jax_ep.experts.layout.row_tiles`): one item per
