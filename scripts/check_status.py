@@ -10,11 +10,12 @@ whose `suite`, `ranks` and `virtual_hosts` gpu_suite.py would write for that com
 last, where a suite ran more than once). The steps are those of the commit's own gpu_round.sh
 (main may have moved on while its check runs). Prints each step as `passed`, `FAILED`, `CUT` or
 `missing`, then the `step:...` arguments that run what is left (failed, cut or missing), packed
-into calls of at most `--call-s` seconds by each suite's longest measured time (at any commit; a
-step never measured counts as a whole call, or `--unmeasured-s`); exits 0 when nothing is. A run
-cut by its time limit (exit 124: the round's deadline or the suite's own limit) with no test
-failed prints as `CUT`, not `FAILED`: it says nothing of the product, and its time is only a
-lower bound, so a step whose longest run was cut counts as never measured.
+into calls of at most `--call-s` seconds by each suite's measured time (at any commit: its latest
+whole passing run's, else its longest run's; a step never measured counts as a whole call, or
+`--unmeasured-s`); exits 0 when nothing is. A run cut by its time limit (exit 124: the round's
+deadline or the suite's own limit) with no test failed prints as `CUT`, not `FAILED`: it says
+nothing of the product, and its time is only a lower bound, so a step cut after taking longer
+than its estimate counts as never measured.
 """
 
 from __future__ import annotations
@@ -71,21 +72,31 @@ def _cut(record: dict) -> bool:
 
 def status(records: list[dict], commit: str, script_commit: str | None = None):
   """`[(part, step, state)]` with state "passed", "FAILED", "CUT" or "missing"; the steps
-  left, each with its suites' longest measured seconds (None where one never ran to its end
-  in as long as its longest cut run)."""
-  last, seconds, cut_at = {}, {}, {}
+  left, each with its suites' measured seconds (the latest whole passing run's, else the
+  longest run's; None where a run cut since took longer)."""
+  last, passing, longest, cut_at = {}, {}, {}, {}
   for r in records:
     if r.get("op") != "gpu_suite":
       continue
     key = (r["suite"], r["ranks"], r.get("virtual_hosts"))
-    if r.get("wall_s") is not None:  # the longest: a suite failing early is less
-      times = cut_at if _cut(r) else seconds
-      times[key] = max(times.get(key, 0.0), r["wall_s"])
-    if r.get("commit") == commit:
-      last[key] = r
+    t = r.get("wall_s")
+    if t is not None:
+      if _cut(r):
+        cut_at[key] = max(cut_at.get(key, 0.0), t)
+      elif r["failed"] == 0 and r["errors"] == 0 and r.get("exit_code", 0) == 0:
+        # The latest whole passing run: the suite's length now (tests and the code they run
+        # change its time), and a cut before it said nothing of that.
+        passing[key] = t
+        cut_at.pop(key, None)
+      else:
+        longest[key] = max(longest.get(key, 0.0), t)  # a failing run may stop early
+  seconds = {**longest, **passing}
+  for r in records:
+    if r.get("op") == "gpu_suite" and r.get("commit") == commit:
+      last[(r["suite"], r["ranks"], r.get("virtual_hosts"))] = r
   for key, t in cut_at.items():
     if seconds.get(key, 0.0) < t:
-      seconds.pop(key, None)  # took longer than its longest whole run: no estimate
+      seconds.pop(key, None)  # took longer than its estimate: no estimate
   rows, left = [], []
   for part, step, suites in check_steps(script_commit):
     found = [last.get(s) for s in suites]

@@ -94,6 +94,21 @@ def test_a_run_cut_by_its_time_limit_is_left_apart_from_failures(steps, tmp_path
       capsys.readouterr().out)
 
 
+def test_a_suites_time_is_its_latest_passing_runs(steps, tmp_path, capsys):
+  """The suites got faster (or slower) since an old run: the estimate is the latest whole
+  passing run's time; a failing run, which may stop early, counts only without one."""
+  nvshmem = [r for r in _records(steps, "0ther00") if r["suite"] == "tests/test_nvshmem.py"]
+  old = [dict(r, exit_code=0, wall_s=430.0) for r in nvshmem]
+  new = [dict(r, exit_code=0, wall_s=90.0) for r in nvshmem]
+  failing = [dict(r, failed=1, exit_code=1, wall_s=500.0) for r in nvshmem]
+  path = tmp_path / "records.jsonl"
+  for history, want in ((old + new + failing, 110), (old + failing, 450), (failing, 520)):
+    path.write_text("".join(json.dumps(r) + "\n" for r in history))
+    check_status.main(["--commit", "abc1234", "--records", str(path)])
+    calls = [line for line in capsys.readouterr().out.splitlines() if "step:nvshmem" in line]
+    assert any(f"about {want} s" in c for c in calls), (want, calls)
+
+
 def test_the_steps_left_are_packed_into_calls_by_their_measured_time():
   left = [("a", 200.0), ("b", 300.0), ("c", 100.0), ("d", None), ("e", 50.0)]
   assert check_status.pack(left, 560.0, start_s=20.0) == [
