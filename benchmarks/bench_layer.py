@@ -484,13 +484,15 @@ def tune(name, x, w, sizes, repeats, parts):
     time_weight_grad(jax_ep.experts.KernelTiles(128, bn, bk, steps, 4, ctas_per_sm=per_sm),
                      specialized, aligned)
   # The pipeline through runs of groups (`KernelTiles.groups_per_run`: the ring of stages and
-  # the staged output tile held together), beside the default's tiles timed in the same run.
+  # the staged output tile held together), on the rows in place and on aligned copies, beside
+  # the default's tiles timed in the same run.
   if "weight_grad_runs" in parts and not n % 128 and not k % 128:
     default = jax_ep.experts.configs.weight_grad_tiles(k, n, groups)
     if default is not None:
       time_weight_grad(default, jax_ep.experts.configs.weight_grad_specialized())
-    for config in jax_ep.experts.configs.weight_grad_run_tiles(itemsize):
-      time_weight_grad(config)
+    for aligned in (False, True):
+      for config in jax_ep.experts.configs.weight_grad_run_tiles(itemsize):
+        time_weight_grad(config, aligned=aligned)
 
 
 def plot(records, path):
