@@ -88,22 +88,24 @@ def known_builds(which: str) -> dict:
 
 def weight_grad_runs(_=None) -> dict:
   """Each weight-gradient pipeline through runs of groups that `bench_layer.py --tune
-  weight_grad_runs` times (`configs.weight_grad_run_tiles`), compiled for sm_90a at
-  DeepSeek-V3's gate projection (256 experts, 7168 x 2048): None, or why it did not build."""
+  weight_grad_runs` times (`configs.weight_grad_run_tiles`, on the rows in place and on aligned
+  copies), compiled for sm_90a at DeepSeek-V3's gate projection (256 experts, 7168 x 2048):
+  None, or why it did not build."""
   from jax_ep.experts import hopper
   rows, k, n, groups = 32768, 7168, 2048, 256
   args = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
           jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), jax.ShapeDtypeStruct((groups,), jnp.int32))
   out = {}
-  for tiles in configs.weight_grad_run_tiles():
-    print(f"CHOICE {tiles}", file=sys.stderr, flush=True)
-    fn = jax.jit(lambda x, dy, s, t=tiles: hopper.grouped_weight_grad_kernel(
-        x, dy, s, tiles=t, specialized=False))
-    try:
-      fn.trace(*args).lower().compile()
-      out[str(tiles)] = None
-    except Exception as e:  # noqa: BLE001 - reported, the test fails on it
-      out[str(tiles)] = f"{type(e).__name__}: {str(e)[:300]}"
+  for aligned in (False, True):
+    for tiles in configs.weight_grad_run_tiles():
+      print(f"CHOICE {tiles} aligned={aligned}", file=sys.stderr, flush=True)
+      fn = jax.jit(lambda x, dy, s, t=tiles, a=aligned: hopper.grouped_weight_grad_kernel(
+          x, dy, s, tiles=t, specialized=False, aligned=a))
+      try:
+        fn.trace(*args).lower().compile()
+        out[f"{tiles} aligned={aligned}"] = None
+      except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+        out[f"{tiles} aligned={aligned}"] = f"{type(e).__name__}: {str(e)[:300]}"
   return out
 
 
@@ -501,8 +503,7 @@ def shared_weights(_=None) -> dict:
 
 
 CASES = {"kernels": kernels, "known_builds": known_builds, "weight_grad_runs": weight_grad_runs,
-         "streams": streams,
-         "schedule": schedule, "layer": layer, "example": example,
+         "streams": streams, "schedule": schedule, "layer": layer, "example": example,
          "shared_weights": shared_weights, "stable_kernels": stable_kernels,
          "lowered_once": lowered_once, "compile_ahead": compile_ahead}
 

@@ -104,8 +104,8 @@ def row_tiles(group_sizes, rows: int, block_m: int, group_offsets=None):
 
 def group_steps(first, count, max_steps: int):
   """The steps of a weight gradient whose reduction runs from one group into the next: group
-  g's row blocks `first[g] .. first[g] + count[g] - 1` (an empty group one step, at block 0,
-  all of whose rows are outside it), the groups one after another.
+  g's row blocks `first[g] .. first[g] + count[g] - 1` (a group of no blocks one step, at
+  block 0, all of whose rows are outside it), the groups one after another.
 
   Args:
     first, count: `[G]` int32, each group's first row block and number of blocks
