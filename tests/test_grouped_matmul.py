@@ -726,11 +726,13 @@ def _per_rank_loss(transpose_w=False):
 
 # NOTES: no jax.checkpoint here: the interpreter runs the kernels through ordered host
 # callbacks, which remat refuses; the GPU test below runs the compiled kernels under it.
+@pytest.mark.parametrize("runs", [False, True])
 @pytest.mark.parametrize("wrap", ["plain", "vmap"])
 def test_kernels_interpreted_inside_shard_map_under_grad(interpreted_kernels, monkeypatch,
-                                                       wrap):
+                                                       wrap, runs):
   """The way the layer calls them: per-rank operands inside shard_map, gradients through the
-  custom_vjp (whose cotangents must carry the primals' varying axes), and under vmap."""
+  custom_vjp (whose cotangents must carry the primals' varying axes), and under vmap; the
+  weight gradient per group or through runs of groups (`KernelTiles.groups_per_run`)."""
   # NOTES: one rank, the one-warpgroup kernels: with two interpreted devices the interpreter
   # now and then reports a barrier as still allocated at a kernel's end (always for the
   # warp-specialized kernels, once in a while for these), which one device never does. A rank
@@ -758,7 +760,10 @@ def test_kernels_interpreted_inside_shard_map_under_grad(interpreted_kernels, mo
   put = lambda a: jax.device_put(a, NamedSharding(mesh, P("ep")))
   fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("ep"),) * 4,
                              out_specs=(P("ep"), P("ep"))))
-  dx, dw = (np.asarray(a, np.float32) for a in fn(put(xs), put(ws), put(gss), put(cots)))
+  tiles = dataclasses.replace(SMALL_TILES, groups_per_run=2) if runs else SMALL_TILES
+  jax.clear_caches()  # a backward traced under the other tiles would keep its trace
+  with experts.override(weight_grad_tiles=tiles):
+    dx, dw = (np.asarray(a, np.float32) for a in fn(put(xs), put(ws), put(gss), put(cots)))
   rows = shards[0][0].shape[0]
   for r, (x, w, gs) in enumerate(shards):
     if wrap == "vmap":
