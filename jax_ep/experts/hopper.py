@@ -317,7 +317,7 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
       raise ValueError(f"grouped_weight_grad_kernel: tiles.groups_per_run > 1 is a form of the "
                        f"one-warpgroup kernel with at least 2 stages; got specialized="
                        f"{specialized}, stages={tiles.stages}")
-    step_block, group_first = group_steps(first_block, num_blocks, cdiv(rows, bk) + 2 * groups)
+    step_block, group_first = group_steps(first_block, num_blocks, cdiv(rows, bk) + groups)
     body = _weight_grad_body_runs(x.dtype, groups, k, n, tiles, transforms, out_dtype, cuts)
     return launch(body, "jax_ep_gmm_wgrad_runs",
                   jax.ShapeDtypeStruct((groups, k, n), out_dtype), tiles,
@@ -402,7 +402,8 @@ def _weight_grad_body_runs(dtype, groups, k, n, tiles, transforms, out_dtype, cu
   spends most of its time filling (the first loads' latency) and storing, the matrix units
   idle; in a run only its first fill is exposed, and a group's store overlaps the next group's
   loads and products (it waits only where the next tile is staged). Each group's blocks are
-  reduced in the same order into zeros as by the pipeline per group: the same sums.
+  reduced in the same order into zeros as by the pipeline per group: the same sums (an empty
+  group has no step, and stores its accumulator's zeros).
 
   NOTES: the ring is written by hand, not `emit_pipeline`, because a pipeline that crosses
   groups must start each group from a zero accumulator, and a store into an accumulator
@@ -458,8 +459,7 @@ def _weight_grad_body_runs(dtype, groups, k, n, tiles, transforms, out_dtype, cu
               if cuts:
                 block = block_gmem[i]
 
-                # Only a block that a group boundary cuts holds rows outside the group (an
-                # empty group's one block: all of them).
+                # Only a block that a group boundary cuts holds rows outside the group.
                 @pl.when((block * bk < lo) | ((block + 1) * bk > hi))
                 def _():
                   _keep_rows(x_smem, block, lo, hi, bk)

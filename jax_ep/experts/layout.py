@@ -104,29 +104,28 @@ def row_tiles(group_sizes, rows: int, block_m: int, group_offsets=None):
 
 def group_steps(first, count, max_steps: int):
   """The steps of a weight gradient whose reduction runs from one group into the next: group
-  g's row blocks `first[g] .. first[g] + count[g] - 1` (a group of no blocks one step, at
-  block 0, all of whose rows are outside it), the groups one after another.
+  g's row blocks `first[g] .. first[g] + count[g] - 1`, the groups one after another (a group
+  of no blocks has no step: its result is its accumulator's zeros).
 
   Args:
     first, count: `[G]` int32, each group's first row block and number of blocks
       (`group_blocks`, or `aligned_blocks`' last two).
-    max_steps: at least the steps of all groups (`cdiv(rows, block) + 2 * G` bounds
-      `group_blocks`'): the table's static length.
+    max_steps: at least the steps of all groups (`cdiv(rows, block) + G` bounds
+      `group_blocks`': a block is counted once more for each group boundary inside it): the
+      table's static length.
 
   Returns:
     `(block, group_first)`: per step (`[max_steps]` int32) its row block (0 past the last);
     per group (`[G + 1]` int32) its first step, then the number of steps.
   """
   groups = first.shape[0]
-  steps = jnp.maximum(count, 1)
-  step_end = jnp.cumsum(steps, dtype=jnp.int32)
-  step_start = step_end - steps
+  step_end = jnp.cumsum(count, dtype=jnp.int32)
+  step_start = step_end - count
   i = jnp.arange(max_steps, dtype=jnp.int32)
   # A comparison against every group's end, not jnp.searchsorted (see row_tiles).
   group = jnp.minimum(jnp.sum(step_end[None, :] <= i[:, None], axis=1, dtype=jnp.int32),
                       groups - 1)
-  used = (i < step_end[-1]) & (count[group] > 0)
-  block = jnp.where(used, first[group] + i - step_start[group], 0)
+  block = jnp.where(i < step_end[-1], first[group] + i - step_start[group], 0)
   return block.astype(jnp.int32), jnp.concatenate([step_start, step_end[-1:]]).astype(jnp.int32)
 
 
