@@ -154,6 +154,11 @@ def main():
                       "kernels, or those named; weight_grad_runs: the weight gradient's "
                       "pipeline through runs of groups, beside the default's tiles) and print "
                       "the forward's best as a TILE_TABLES entry")
+  parser.add_argument("--weight-grad-tiles", nargs="+", default=["default"], metavar="TILES",
+                      help="the weight gradient's tiles, each a pass over the ops: 'default' "
+                      "(configs.weight_grad_tiles) or KernelTiles' fields, comma-separated, "
+                      "e.g. 128,128,64,2,4,1,2,16 (runs of 16 experts, 2 CTAs an SM); a "
+                      "record's `weight_grad_tiles` names them where not the default")
   parser.add_argument("--breakdown", type=int, default=0, metavar="N",
                       help="moe_layer at one process: after each timing, the N kernels that "
                       "take the most device time per run (name, µs, launches) and how busy the "
@@ -176,7 +181,8 @@ def main():
               process_model=reports.process_model(num_ranks), tokens_per_rank=args.tokens,
               dtype="bfloat16", wire_dtype="bfloat16")
 
-  def add(op, pass_, name, experts, hidden, ffn, topk, impl, seconds, flops, bound_s, **extra):
+  def add_record(op, pass_, name, experts, hidden, ffn, topk, impl, seconds, flops, bound_s,
+                 **extra):
     tflops = flops / seconds / 1e12
     bound_tflops = flops / bound_s / 1e12
     records.append(reports.record(
@@ -212,84 +218,104 @@ def main():
         "batched_tflops": round(flops / (batched_s * rows / (m * experts)) / 1e12, 1)}
     if args.tune is not None:
       tune(name, x, w, sizes, args.repeats, args.tune or ["forward", "weight_grad"])
-    for impl in args.impls:
-      which, detail = jax_ep.grouped_matmul_impl(rows, experts, hidden, ffn, dtype, impl="auto")
-      if impl in ("mosaic", "jax_mosaic") and which != "mosaic":
-        print(f"{name}: no Mosaic GPU run ({detail})")
-        continue
-      if "grouped_matmul" in args.ops:
-        product = gemm_fn(impl, rows, experts, hidden, ffn)
-        fwd = jax.jit(product)
-
-        def fwd_bwd(x, w, s, dy, product=product):
-          y, vjp = jax.vjp(lambda x, w: product(x, w, s), x, w)
-          return y, vjp(dy)
-        exact = {}
-        cases = [("fwd", fwd, (x, w, sizes), flops)]
-        if impl != "jax_mosaic":  # jax's kernel has no gradient of its own
-          cases.append(("fwd_bwd", jax.jit(fwd_bwd), (x, w, sizes, dy), 3 * flops))
-        for pass_, fn, fn_args, f in cases:
-          seconds = time_fn(fn, fn_args, args.repeats, f"{name} grouped_matmul {pass_} {impl}")
-          if seconds is None:
+    for spec in args.weight_grad_tiles:
+      # Each set of tiles times every op; jax's caches cleared first, or a backward traced
+      # under the previous tiles would keep its trace.
+      tiles = parse_tiles(spec)
+      add = functools.partial(add_record, **({} if tiles is None else
+                                             {"weight_grad_tiles": spec}))
+      jax.clear_caches()
+      with jax_ep.experts.override(weight_grad_tiles=tiles):
+        for impl in args.impls:
+          which, detail = jax_ep.grouped_matmul_impl(rows, experts, hidden, ffn, dtype, impl="auto")
+          if impl in ("mosaic", "jax_mosaic") and which != "mosaic":
+            print(f"{name}: no Mosaic GPU run ({detail})")
             continue
-          exact[pass_] = seconds
-          add("grouped_matmul", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
-              bound_s * f / flops, expert_alignment=1, **batched)
-        for alignment in (a for a in args.alignments if a > 1 and impl == "mosaic"):
-          # The same rows with each group starting at a multiple of `alignment` (NaN between).
-          xa, dya, offsets = aligned(x, dy, sizes, alignment)
+          if "grouped_matmul" in args.ops:
+            product = gemm_fn(impl, rows, experts, hidden, ffn)
+            fwd = jax.jit(product)
 
-          def fwd_bwd_aligned(x, w, s, o, dy):
-            y, vjp = jax.vjp(lambda x, w: jax_ep.grouped_matmul(x, w, s, group_offsets=o), x, w)
-            return y, vjp(dy)
-          fwd_aligned = jax.jit(lambda x, w, s, o: jax_ep.grouped_matmul(x, w, s,
-                                                                         group_offsets=o))
-          for pass_, fn, fn_args, f in (
-              ("fwd", fwd_aligned, (xa, w, sizes, offsets), flops),
-              ("fwd_bwd", jax.jit(fwd_bwd_aligned), (xa, w, sizes, offsets, dya), 3 * flops)):
-            seconds = time_fn(fn, fn_args, args.repeats,
-                              f"{name} grouped_matmul {pass_} {impl} aligned to {alignment}")
-            if seconds is not None:
+            def fwd_bwd(x, w, s, dy, product=product):
+              y, vjp = jax.vjp(lambda x, w: product(x, w, s), x, w)
+              return y, vjp(dy)
+            exact = {}
+            cases = [("fwd", fwd, (x, w, sizes), flops)]
+            if impl != "jax_mosaic":  # jax's kernel has no gradient of its own
+              cases.append(("fwd_bwd", jax.jit(fwd_bwd), (x, w, sizes, dy), 3 * flops))
+            for pass_, fn, fn_args, f in cases:
+              seconds = time_fn(fn, fn_args, args.repeats, f"{name} grouped_matmul {pass_} {impl}")
+              if seconds is None:
+                continue
+              exact[pass_] = seconds
               add("grouped_matmul", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
-                  bound_s * f / flops, expert_alignment=alignment, **batched)
-        if args.pad > 1 and impl != "xla":
-          # The same used rows at the front of a buffer `pad` times larger (NaN past them).
-          padded_rows = args.pad * rows
-          xp = jnp.concatenate([x, jnp.full((padded_rows - rows, hidden), jnp.nan, dtype)])
-          dyp = jnp.concatenate([dy, jnp.full((padded_rows - rows, ffn), jnp.nan, dtype)])
-          product = gemm_fn(impl, padded_rows, experts, hidden, ffn)
+                  bound_s * f / flops, expert_alignment=1, **batched)
+            for alignment in (a for a in args.alignments if a > 1 and impl == "mosaic"):
+              # The same rows with each group starting at a multiple of `alignment` (NaN between).
+              xa, dya, offsets = aligned(x, dy, sizes, alignment)
 
-          def fwd_bwd_padded(x, w, s, dy, product=product):
-            y, vjp = jax.vjp(lambda x, w: product(x, w, s), x, w)
-            return y, vjp(dy)
-          for pass_, fn, fn_args, f in (
-              ("fwd", jax.jit(product), (xp, w, sizes), flops),
-              ("fwd_bwd", jax.jit(fwd_bwd_padded), (xp, w, sizes, dyp), 3 * flops)):
-            if pass_ not in exact:
-              continue
-            seconds = time_fn(fn, fn_args, args.repeats,
-                              f"{name} grouped_matmul {pass_} {impl} padded x{args.pad}")
-            if seconds is None:
-              continue
-            add("grouped_matmul", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
-                bound_s * f / flops, padded_rows=padded_rows,
-                padded_ratio=round(seconds / exact[pass_], 3), **batched)
-      if "moe_layer" in args.ops and impl != "jax_mosaic":
-        for micro_batches in args.micro_batches:
-          for precision in args.precisions:
-            for weight_grad in (args.fp8_weight_grads if precision == "fp8" else [None]):
-              layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks,
-                            args.repeats, flops, bound_s, add, micro_batches, precision,
-                            args.fp8_wire, args.breakdown, args.calls_per_step, weight_grad)
+              def fwd_bwd_aligned(x, w, s, o, dy):
+                y, vjp = jax.vjp(lambda x, w: jax_ep.grouped_matmul(x, w, s, group_offsets=o), x, w)
+                return y, vjp(dy)
+              fwd_aligned = jax.jit(lambda x, w, s, o: jax_ep.grouped_matmul(x, w, s,
+                                                                             group_offsets=o))
+              for pass_, fn, fn_args, f in (
+                  ("fwd", fwd_aligned, (xa, w, sizes, offsets), flops),
+                  ("fwd_bwd", jax.jit(fwd_bwd_aligned), (xa, w, sizes, offsets, dya), 3 * flops)):
+                seconds = time_fn(fn, fn_args, args.repeats,
+                                  f"{name} grouped_matmul {pass_} {impl} aligned to {alignment}")
+                if seconds is not None:
+                  add("grouped_matmul", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
+                      bound_s * f / flops, expert_alignment=alignment, **batched)
+            if args.pad > 1 and impl != "xla":
+              # The same used rows at the front of a buffer `pad` times larger (NaN past them).
+              padded_rows = args.pad * rows
+              xp = jnp.concatenate([x, jnp.full((padded_rows - rows, hidden), jnp.nan, dtype)])
+              dyp = jnp.concatenate([dy, jnp.full((padded_rows - rows, ffn), jnp.nan, dtype)])
+              product = gemm_fn(impl, padded_rows, experts, hidden, ffn)
+
+              def fwd_bwd_padded(x, w, s, dy, product=product):
+                y, vjp = jax.vjp(lambda x, w: product(x, w, s), x, w)
+                return y, vjp(dy)
+              for pass_, fn, fn_args, f in (
+                  ("fwd", jax.jit(product), (xp, w, sizes), flops),
+                  ("fwd_bwd", jax.jit(fwd_bwd_padded), (xp, w, sizes, dyp), 3 * flops)):
+                if pass_ not in exact:
+                  continue
+                seconds = time_fn(fn, fn_args, args.repeats,
+                                  f"{name} grouped_matmul {pass_} {impl} padded x{args.pad}")
+                if seconds is None:
+                  continue
+                add("grouped_matmul", pass_, name, experts, hidden, ffn, topk, impl, seconds, f,
+                    bound_s * f / flops, padded_rows=padded_rows,
+                    padded_ratio=round(seconds / exact[pass_], 3), **batched)
+          if "moe_layer" in args.ops and impl != "jax_mosaic":
+            for micro_batches in args.micro_batches:
+              for precision in args.precisions:
+                for weight_grad in (args.fp8_weight_grads if precision == "fp8" else [None]):
+                  layer_records(name, experts, hidden, ffn, topk, tokens, impl, dtype, num_ranks,
+                                args.repeats, flops, bound_s, add, micro_batches, precision,
+                                args.fp8_wire, args.breakdown, args.calls_per_step, weight_grad)
 
   if jax.process_index() == 0:
     path = records.path
     reports.print_table(records, ["op", "pass", "shape", "impl", "precision", "micro_batches",
-                                  "expert_alignment", "padded_rows", "median_us", "tflops",
-                                  "bound_tflops", "fraction", "padded_ratio"])
+                                  "weight_grad_tiles", "expert_alignment", "padded_rows",
+                                  "median_us", "tflops", "bound_tflops", "fraction",
+                                  "padded_ratio"])
     print(f"wrote {path}")
     if args.plot:
       plot(records, args.plot)
+
+
+def parse_tiles(spec: str):
+  """`--weight-grad-tiles`' value: None for "default", else a `KernelTiles` of its fields."""
+  if spec == "default":
+    return None
+  try:
+    return jax_ep.experts.KernelTiles(*(int(v) for v in spec.split(",")))
+  except (TypeError, ValueError) as e:
+    raise SystemExit(f"--weight-grad-tiles: {spec!r} is not 'default' or up to 8 comma-separated "
+                     f"integers (KernelTiles' fields in order): {e}")
 
 
 def aligned(x, dy, sizes, alignment):

@@ -414,6 +414,23 @@ def test_bench_layer_times_calls_per_step_with_the_weights_quantised_once(tmp_pa
   assert all(r["median_us"] > 0 for r in records)
 
 
+def test_bench_layer_times_each_weight_grad_tiles_in_one_run(tmp_path):
+  """`--weight-grad-tiles`: every op once per set of tiles, side by side in one run; records
+  of tiles other than the default name them."""
+  runs = "128,128,64,2,4,1,2,16"
+  _, records = _run_bench_layer_on_cpu(
+      tmp_path, "--shapes", "mixtral", "--scale", "32", "--tokens", "128", "--ops",
+      "grouped_matmul", "--weight-grad-tiles", "default", runs)
+  assert sorted((r["pass"], r.get("weight_grad_tiles", "")) for r in records) == sorted(
+      (p, t) for p in ("fwd", "fwd_bwd") for t in ("", runs))
+  sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+  import bench_layer
+  assert bench_layer.parse_tiles(runs).groups_per_run == 16
+  assert bench_layer.parse_tiles("default") is None
+  with pytest.raises(SystemExit, match="not 'default' or up to 8 comma-separated integers"):
+    bench_layer.parse_tiles("128,x")
+
+
 def test_bench_layer_breakdown_lists_the_longest_kernels(capsys):
   sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
   import bench_layer
