@@ -352,9 +352,7 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
 
             @pl.when(cut_first | cut_last)
             def _():
-              _keep_rows(x_smem, first + step, start, end, bk)
-              _keep_rows(dy_smem, first + step, start, end, bk)
-              plgpu.commit_smem()
+              _keep_group_rows(x_smem, dy_smem, first + step, start, end, bk)
 
           plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
           if tiles.stages == 1:
@@ -462,9 +460,7 @@ def _weight_grad_body_runs(dtype, groups, k, n, tiles, transforms, out_dtype, cu
                 # Only a block that a group boundary cuts holds rows outside the group.
                 @pl.when((block * bk < lo) | ((block + 1) * bk > hi))
                 def _():
-                  _keep_rows(x_smem, block, lo, hi, bk)
-                  _keep_rows(dy_smem, block, lo, hi, bk)
-                  plgpu.commit_smem()
+                  _keep_group_rows(x_smem, dy_smem, block, lo, hi, bk)
 
               plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
               # The previous step's product has read its slot: refill that slot.
@@ -491,6 +487,15 @@ def reduction_allocations(pipeline, *gmems):
   ignore = lambda *_, **__: None  # noqa: E731
   zero = jnp.int32(0)
   return pipeline(zero, zero + 1, zero, zero, ignore, ignore).get_allocations(*gmems)
+
+
+def _keep_group_rows(x_smem, dy_smem, block, start, end, block_k: int):
+  """`_keep_rows` of both operands' slots of a block a group boundary cuts, committed for the
+  matrix instruction (the async proxy) that reads them next."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  _keep_rows(x_smem, block, start, end, block_k)
+  _keep_rows(dy_smem, block, start, end, block_k)
+  plgpu.commit_smem()
 
 
 def _keep_rows(ref, block, start, end, block_k: int):
@@ -573,9 +578,7 @@ def _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dty
 
             @pl.when(cut)
             def _():
-              _keep_rows(x_smem, first + step, start, end, bk)
-              _keep_rows(dy_smem, first + step, start, end, bk)
-              plgpu.commit_smem()
+              _keep_group_rows(x_smem, dy_smem, first + step, start, end, bk)
 
           plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
           plgpu.wgmma_wait(0)

@@ -65,6 +65,15 @@ def spans(rows: int, group_sizes, group_offsets):
   return out.at[0].add(starts[0])
 
 
+def owner(ends, i):
+  """`[N]` int32: for each index `i` the group whose entries hold it, given each group's
+  cumulative end `ends` `[G]` (a group of none holds none); the last group past the end.
+  NOTES: a comparison against every group's end, not jnp.searchsorted: its default method is a
+  while loop, whose every step costs a launch and a host round trip on GPUs."""
+  return jnp.minimum(jnp.sum(ends[None, :] <= i[:, None], axis=1, dtype=jnp.int32),
+                     ends.shape[0] - 1)
+
+
 def row_tiles(group_sizes, rows: int, block_m: int, group_offsets=None):
   """The Hopper kernels' work list: items in row order, one per (row tile, group) pair holding
   rows of it.
@@ -88,10 +97,7 @@ def row_tiles(group_sizes, rows: int, block_m: int, group_offsets=None):
   item_end = jnp.cumsum(tiles_of)
   num_items = item_end[-1]
   i = jnp.arange(max_items, dtype=jnp.int32)
-  # NOTES: a comparison against every group's end, not jnp.searchsorted: its default method is
-  # a while loop, whose every step costs a launch and a host round trip on GPUs.
-  group = jnp.minimum(jnp.sum(item_end[None, :] <= i[:, None], axis=1, dtype=jnp.int32),
-                      groups - 1)
+  group = owner(item_end, i)
   tile = first_tile[group] + i - (item_end[group] - tiles_of[group])
   lo = jnp.maximum(starts[group], tile * block_m)
   hi = jnp.minimum(ends[group], (tile + 1) * block_m)
@@ -118,13 +124,10 @@ def group_steps(first, count, max_steps: int):
     `(block, group_first)`: per step (`[max_steps]` int32) its row block (0 past the last);
     per group (`[G + 1]` int32) its first step, then the number of steps.
   """
-  groups = first.shape[0]
   step_end = jnp.cumsum(count, dtype=jnp.int32)
   step_start = step_end - count
   i = jnp.arange(max_steps, dtype=jnp.int32)
-  # A comparison against every group's end, not jnp.searchsorted (see row_tiles).
-  group = jnp.minimum(jnp.sum(step_end[None, :] <= i[:, None], axis=1, dtype=jnp.int32),
-                      groups - 1)
+  group = owner(step_end, i)
   block = jnp.where(i < step_end[-1], first[group] + i - step_start[group], 0)
   return block.astype(jnp.int32), jnp.concatenate([step_start, step_end[-1:]]).astype(jnp.int32)
 
@@ -152,9 +155,7 @@ def aligned_blocks(group_sizes, group_offsets, rows: int, block: int):
   block_end = jnp.cumsum(blocks)
   first = block_end - blocks
   b = jnp.arange(num_blocks, dtype=jnp.int32)
-  # A comparison against every group's end, not jnp.searchsorted (see row_tiles).
-  group = jnp.minimum(jnp.sum(block_end[None, :] <= b[:, None], axis=1, dtype=jnp.int32),
-                      groups - 1)
+  group = owner(block_end, b)
   src = starts[group] + (b - first[group]) * block
   count = jnp.where(b < block_end[-1], jnp.clip(ends[group] - src, 0, block), 0)
   empty = blocks == 0
