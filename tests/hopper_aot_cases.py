@@ -469,6 +469,7 @@ def compile_ahead(_=None) -> dict:
                             "seconds": {"trace_and_lower": round(t1 - t0, 1),
                                         "compile": round(t2 - t1, 1)}})
   ahead.wait()
+  out["lowerings"] = ahead.lowerings()
   out["ahead"] = sorted(compiled_ahead)
   out["failed"] = [repr(f.exception()) for f in ahead.pending() if f.exception()]
   return out

@@ -86,6 +86,37 @@ def test_a_kernels_lowering_is_keyed_by_what_it_computes():
     assert compile_ahead._plain(other) != compile_ahead._plain(alone)
 
 
+def test_equal_nested_jaxprs_print_alike_whether_or_not_they_are_one_object():
+  """jax's printer names a nested jaxpr used twice and prints it once, by the object: a jit's
+  cache gives one body one object in one context and two in two (a kernel's body traced in a
+  program against alone). The key's text (`_printed`) prints each in place, the same either
+  way, and still tells bodies that compute other things apart."""
+  def remainder_of(divisor):
+    def remainder(x):
+      return x % divisor
+    return remainder
+
+  once = jax.jit(remainder_of(64))
+  def shared(x):
+    return once(once(x) + 1)
+
+  def distinct(x):
+    return jax.jit(remainder_of(64))(jax.jit(remainder_of(64))(x) + 1)
+
+  def other(x):
+    return jax.jit(remainder_of(64))(jax.jit(remainder_of(32))(x) + 1)
+
+  x = jnp.int32(5)
+  one, two, three = (jax.make_jaxpr(f)(x).jaxpr for f in (shared, distinct, other))
+  assert one.pretty_print() != two.pretty_print()  # one definition named, against two
+  assert compile_ahead._printed(one) == compile_ahead._printed(two)
+  assert compile_ahead._printed(three) != compile_ahead._printed(two)
+  # Printing in place is for the key alone: jax's own printing of the jaxpr is unchanged.
+  compile_ahead._print_in_place()
+  assert one.pretty_print() == jax.make_jaxpr(shared)(x).jaxpr.pretty_print()
+  assert one.pretty_print().startswith("let remainder")
+
+
 def test_a_nested_jits_constants_are_part_of_the_key():
   """A `jit` inside a kernel that closes over an array prints the array's name, not its
   values: the key takes the values (`_nested_consts`)."""

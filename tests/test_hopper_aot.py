@@ -283,9 +283,12 @@ def test_the_example_finds_its_kernels_compiled_ahead():
   """The example's training step compiled twice in one process (two learning rates: two
   programs): every kernel of each program was compiled ahead on a pool thread while the
   program was traced (`jax_ep.experts.compile_ahead`), none of those compiles failed, and the
-  second program's kernels are the first's (built once a process)."""
+  second program's kernels are the first's (built once a process); and each kernel was lowered
+  once, by the pool or by the program, though a kernel traced inside a program and alone
+  prints its nested jaxprs apart (`compile_ahead._printed`)."""
   result, _ = _run("compile_ahead", ptxas=False)
   first, second = (set(p["kernels"]) for p in result["programs"])
   assert result["stable"] and not result["failed"], result
   assert len(first) == 6 and first <= set(result["ahead"]), result
   assert second == first, result
+  assert result["lowerings"]["lowered"] == len(result["ahead"]), result

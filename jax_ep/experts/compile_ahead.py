@@ -186,7 +186,7 @@ def _lowering_key(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, kwar
       or set(kwargs) - {"outer_traceback"}):
     return None
   with np.printoptions(threshold=sys.maxsize):
-    text = _plain(jaxpr.pretty_print(source_info=False, print_effects=True))
+    text = _plain(_printed(jaxpr))
   consts = _nested_consts(jaxpr)
   if consts is None:
     return None
@@ -205,6 +205,60 @@ def _lowering_key(gpu_mesh, jax_mesh, jaxpr, in_shapes, out_shapes, params, kwar
   parts = (text, repr(consts), repr(gpu_mesh), repr(mesh), repr(types), repr(params),
            repr(devices), repr(switches))
   return hashlib.sha256("\0".join(parts).encode()).digest()
+
+
+def _printed(jaxpr) -> str:
+  """`jaxpr` printed with each nested jaxpr in place, where it is used.
+
+  NOTES: jax's printer (`Jaxpr.pretty_print`) pulls a nested jaxpr used more than once to the
+  top and names it, by the object: inside a program, `jit`'s cache may hold two equal jaxprs
+  of one function (`jnp.remainder` traced in two contexts of the kernel's body), which print as
+  two definitions, where the kernel traced alone prints one; both lower to the same module.
+  Printed in place, they are the same text. Where jax's printing internals are not as this
+  expects, the public printer (the kernel is then lowered once more at worst)."""
+  try:
+    from jax._src import core
+    context = core.JaxprPpContext()
+    settings = core.JaxprPpSettings(print_effects=True)
+    _print_in_place()
+  except (AttributeError, TypeError):
+    return jaxpr.pretty_print(source_info=False, print_effects=True)
+  _IN_PLACE.active = True
+  try:
+    return core.pp_jaxpr(jaxpr, context, settings).format()
+  finally:
+    _IN_PLACE.active = False
+
+
+# Set while this thread prints a key's jaxpr (`_printed`).
+_IN_PLACE = threading.local()
+
+
+def _print_in_place() -> None:
+  """Makes jax's printer, while `_printed` prints on this thread (and only then), name each
+  nested jaxpr's variables afresh where it is printed, so that one jaxpr object printed at two
+  places prints as two equal jaxprs do. Printing there is jax's `pp_jaxpr`, which the
+  printing of an equation's parameters calls by its module's name: hence the wrapper there.
+  A nested jaxpr is closed (its values come in through its binders), so its names are its
+  own."""
+  from jax._src import core
+  with _LOCK:
+    original = core.pp_jaxpr
+    if getattr(original, "__wrapped__", None) is not None:
+      return
+
+    def pp_jaxpr(jaxpr, context, settings):
+      if not getattr(_IN_PLACE, "active", False):
+        return original(jaxpr, context, settings)
+      names = context.var_names
+      context.var_names = collections.defaultdict(names.default_factory)
+      try:
+        return original(jaxpr, context, settings)
+      finally:
+        context.var_names = names
+
+    pp_jaxpr.__wrapped__ = original
+    core.pp_jaxpr = pp_jaxpr
 
 
 def _nested_consts(jaxpr) -> list | None:
