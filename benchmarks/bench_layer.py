@@ -492,6 +492,17 @@ def tune(name, x, w, sizes, repeats, parts):
     return hopper.grouped_weight_grad_kernel(x, dy, s, offsets, tiles=config,
                                              specialized=specialized, aligned=aligned)
 
+  if {"weight_grad", "weight_grad_runs"} & set(parts):
+    # The weight gradient writes all of [groups, k, n]: at many groups its store is most of its
+    # DRAM bytes. The time XLA takes to fill an array of that size (a broadcast of a value it
+    # cannot fold away) is the store's floor as this GPU reaches it, beside the nominal one.
+    fill = jax.jit(lambda v: jnp.broadcast_to(v, (groups, k, n)))
+    seconds = time_fn(fill, (jnp.ones((), x.dtype),), repeats, f"{name} write floor")
+    if seconds is not None:
+      print(f"  {name} weight grad's write floor: {seconds * 1e6:.0f} us, "
+            f"{groups * k * n * itemsize / seconds / 1e12:.2f} TB/s (XLA filling its "
+            f"[{groups}, {k}, {n}] output)")
+
   def time_weight_grad(config, specialized=False, aligned=False):
     fn = jax.jit(functools.partial(weight_grad, config=config, specialized=specialized,
                                    aligned=aligned))
