@@ -218,16 +218,16 @@ def _printed(jaxpr) -> str:
   expects, the public printer (the kernel is then lowered once more at worst)."""
   try:
     from jax._src import core
+    _print_in_place()
     context = core.JaxprPpContext()
     settings = core.JaxprPpSettings(print_effects=True)
-    _print_in_place()
+    _IN_PLACE.active = True
+    try:
+      return core.pp_jaxpr(jaxpr, context, settings).format()
+    finally:
+      _IN_PLACE.active = False
   except (AttributeError, TypeError):
     return jaxpr.pretty_print(source_info=False, print_effects=True)
-  _IN_PLACE.active = True
-  try:
-    return core.pp_jaxpr(jaxpr, context, settings).format()
-  finally:
-    _IN_PLACE.active = False
 
 
 # Set while this thread prints a key's jaxpr (`_printed`).
