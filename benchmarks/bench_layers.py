@@ -33,6 +33,9 @@ whose records carry `comm_stream`. `--wire-formats plain fp8` times every group 
 with a scale per 128 channels, combine in bf16); its identity expert dequantises the rows
 (`jax_ep.dequantize`) for combine, the least an expert does with them; records carry
 `wire_format` and `wire_dtype`, and `bytes` counts the e4m3 rows with their scales.
+On a GPU each chain's program is first checked against the process's share of the GPU (XLA's
+allocator limit over the processes sharing it): XLA's plan of its bytes and the group's own
+buffers; one that does not fit is skipped on every process, with what it needs and what fits.
 Records carry every setting that differs from a user's defaults (`settings`), and the
 DESIGN.md section 6 keys; per layer, `bytes` counts the rows this rank receives in dispatch and
 sends home in combine (one per token and rank each way) and `min_hbm_bytes` the least bytes both
@@ -102,6 +105,26 @@ def micro_batched(layer, micro_batches: int):
     parts = zip(*(jax.lax.split(a, sizes) for a in (h, idx, w)))
     return jnp.concatenate([layer(*part, params) for part in parts])
   return split_layer
+
+
+def program_bytes(program, args) -> int | None:
+  """The device memory XLA plans for one process's `program(*args)`: its arguments, outputs and
+  temporaries (None where the backend does not say)."""
+  try:
+    stats = program.lower(*args).compile().memory_analysis()
+  except Exception:  # noqa: BLE001 - the timed run reports the compile's error itself
+    return None
+  if stats is None:
+    return None
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+          - stats.alias_size_in_bytes)
+
+
+def gpu_share_bytes(sharing: int) -> tuple[int, int] | None:
+  """(one process's share of its GPU, the whole that XLA's allocator may use): the allocator's
+  limit divided among the `sharing` processes on the GPU; None where the device does not say."""
+  limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+  return None if limit is None else (limit // sharing, limit)
 
 
 def time_programs(programs, args, repeats: int, on_gpu: bool):
@@ -298,13 +321,34 @@ def main():
 
   params = expert_params(jax.random.key(0)) if "swiglu" in args.expert else []
 
+  def fits(program, inputs, what, key, reserved_bytes) -> bool:
+    """Whether `program` (with `reserved_bytes` of the group's own buffers beside it) fits this
+    process's share of its GPU; where it does not on any process, every process skips it,
+    saying so. Processes that share a GPU would otherwise run out of its memory one by one,
+    and the others wait for the first that failed until their calls time out."""
+    need = program_bytes(program, inputs) if on_gpu else None
+    share = gpu_share_bytes(num_ranks if shared_gpu else 1) if on_gpu else None
+    over = need is not None and share is not None and need + reserved_bytes > share[0]
+    if reports.gather_max(f"{key}/too_big", float(over)) == 0:
+      return True
+    if over:
+      sharing = num_ranks if shared_gpu else 1
+      print(f"{what}: skipped: its {2 * n}-layer program needs {need / 2**30:.1f} GiB a "
+            f"process and the group's buffers {reserved_bytes / 2**30:.1f} GiB, more than the "
+            f"{share[0] / 2**30:.1f} GiB share of each of the {sharing} process(es) on this GPU "
+            f"(XLA may use {share[1] / 2**30:.0f} GiB of it): fewer --tokens or --layers fit")
+    return False
+
   def run(backend, expert, layer, settings="default", topology=None, capacity=capacity,
-          micro_batches=1, comm_stream=None, fmt=jax_ep.RowFormat.PLAIN):
+          micro_batches=1, comm_stream=None, fmt=jax_ep.RowFormat.PLAIN, reserved_bytes=0):
     for pass_ in args.passes:
       backward = pass_ == "forward_backward"
       programs = [chain_program(layer, layers, mesh, backward) for layers in (n, 2 * n)]
       inputs = (x, idx, w, *(params if expert == "swiglu" else ()))
       what = f"{backend} {expert} ({settings}, {pass_}, micro_batches={micro_batches})"
+      key = f"{backend}/{expert}/{settings}/{pass_}/{micro_batches}"
+      if not fits(programs[1], inputs, what, key, reserved_bytes):
+        continue
       try:
         results = time_programs(programs, inputs, args.repeats, on_gpu)
         failed = 0.0
@@ -312,8 +356,7 @@ def main():
         print(f"{what}: failed: {type(err).__name__}: {str(err).splitlines()[0][:300]}")
         failed = 1.0
       # All processes skip a layer that failed on any (its collectives would not meet).
-      if reports.gather_max(f"{backend}/{expert}/{settings}/{pass_}/{micro_batches}/failed",
-                            failed) > 0:
+      if reports.gather_max(f"{key}/failed", failed) > 0:
         continue
       add(backend, expert, results, settings, topology, capacity, pass_, micro_batches,
           comm_stream, fmt)
@@ -387,7 +430,8 @@ def main():
                                                  recv.scales), handle)
         return out if expert == "identity" else hid + out
       run(backend, expert, micro_batched(layer, micro_batches), settings, group.topology,
-          group.capacity, micro_batches, kw.get("comm_stream"), fmt)
+          group.capacity, micro_batches, kw.get("comm_stream"), fmt,
+          group.memory_bytes().comm_buffer_bytes)
     # One group's buffers at a time: at the standard shape each is several GB per rank, and
     # ranks sharing one GPU hold theirs side by side. Every process is past its last call of
     # this group here (each run ends in block_until_ready and a gather).
