@@ -127,6 +127,15 @@ def gpu_share_bytes(sharing: int) -> tuple[int, int] | None:
   return None if limit is None else (limit // sharing, limit)
 
 
+def comm_buffer_bytes(group) -> int:
+  """The group's own communication buffers (`Group.memory_bytes`), allocated beside XLA's; 0
+  where the group cannot say."""
+  try:
+    return group.memory_bytes().comm_buffer_bytes
+  except (ValueError, TypeError, NotImplementedError):
+    return 0
+
+
 def time_programs(programs, args, repeats: int, on_gpu: bool):
   """Per program: (host-clock median seconds, device-span median seconds or None). Every
   process makes the same calls whatever happens (collective kernels meet their peers)."""
@@ -431,7 +440,7 @@ def main():
         return out if expert == "identity" else hid + out
       run(backend, expert, micro_batched(layer, micro_batches), settings, group.topology,
           group.capacity, micro_batches, kw.get("comm_stream"), fmt,
-          group.memory_bytes().comm_buffer_bytes)
+          comm_buffer_bytes(group))
     # One group's buffers at a time: at the standard shape each is several GB per rank, and
     # ranks sharing one GPU hold theirs side by side. Every process is past its last call of
     # this group here (each run ends in block_until_ready and a gather).
