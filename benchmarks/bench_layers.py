@@ -33,9 +33,9 @@ whose records carry `comm_stream`. `--wire-formats plain fp8` times every group 
 with a scale per 128 channels, combine in bf16); its identity expert dequantises the rows
 (`jax_ep.dequantize`) for combine, the least an expert does with them; records carry
 `wire_format` and `wire_dtype`, and `bytes` counts the e4m3 rows with their scales.
-On a GPU each chain's program is first checked against the process's share of the GPU (XLA's
-allocator limit over the processes sharing it): XLA's plan of its bytes and the group's own
-buffers; one that does not fit is skipped on every process, with what it needs and what fits.
+On a GPU each chain's program is first checked against the process's share of the GPU (alone,
+XLA's allocator limit; shared by R processes, an R-th of the GPU): XLA's plan of its bytes and
+the group's own buffers; one that does not fit is skipped on every process, saying why.
 Records carry every setting that differs from a user's defaults (`settings`), and the
 DESIGN.md section 6 keys; per layer, `bytes` counts the rows this rank receives in dispatch and
 sends home in combine (one per token and rank each way) and `min_hbm_bytes` the least bytes both
@@ -121,10 +121,15 @@ def program_bytes(program, args) -> int | None:
 
 
 def gpu_share_bytes(sharing: int) -> tuple[int, int] | None:
-  """(one process's share of its GPU, the whole that XLA's allocator may use): the allocator's
-  limit divided among the `sharing` processes on the GPU; None where the device does not say."""
+  """(one process's share of its GPU, the GPU's memory): alone, XLA's allocator limit; shared
+  by `sharing` processes, an equal part of the whole GPU, which is the limit over the fraction
+  of it that XLA takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75 unless set). None where the
+  device does not say."""
   limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
-  return None if limit is None else (limit // sharing, limit)
+  if limit is None:
+    return None
+  whole = int(limit / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
+  return (limit if sharing == 1 else whole // sharing, whole)
 
 
 def comm_buffer_bytes(group) -> int:
@@ -344,8 +349,8 @@ def main():
       sharing = num_ranks if shared_gpu else 1
       print(f"{what}: skipped: its {2 * n}-layer program needs {need / 2**30:.1f} GiB a "
             f"process and the group's buffers {reserved_bytes / 2**30:.1f} GiB, more than the "
-            f"{share[0] / 2**30:.1f} GiB share of each of the {sharing} process(es) on this GPU "
-            f"(XLA may use {share[1] / 2**30:.0f} GiB of it): fewer --tokens or --layers fit")
+            f"{share[0] / 2**30:.1f} GiB share of each of the {sharing} process(es) on this "
+            f"GPU of {share[1] / 2**30:.0f} GiB: fewer --tokens or --layers fit")
     return False
 
   def run(backend, expert, layer, settings="default", topology=None, capacity=capacity,
