@@ -306,9 +306,19 @@ def main():
     if args.steady_calls < 2 or devices[0].platform != "gpu":
       return
     repeat = -(-args.steady_calls // calls)
+    steady_sets = [(list(s) * repeat)[:args.steady_calls] for s in sets]
+    # Each of the program's calls keeps its output: at the standard shape eight processes'
+    # programs of 16 dispatches do not fit an 80 GB GPU.
+    program = batched(fn)
+    if not reports.fits_gpu(program, steady_sets,
+                            f"{backend}/{wire['wire_format']}/{op}/steady",
+                            f"{backend} {op}, {args.steady_calls} calls in one program",
+                            sharing=num_ranks if shared_gpu else 1,
+                            reserved_bytes=reports.comm_buffer_bytes(group),
+                            hint="fewer --steady-calls or --tokens fit"):
+      return
     period_us = timers.steady_call_period_us(
-        batched(fn), [(list(s) * repeat)[:args.steady_calls] for s in sets],
-        calls_per_run=args.steady_calls, marker=marker)
+        program, steady_sets, calls_per_run=args.steady_calls, marker=marker)
     # Decided on every process's value, so that every process takes the same branch.
     if reports.gather_max(f"{backend}/{wire['wire_format']}/{op}/steady_missing",
                           float(period_us is None)) > 0:

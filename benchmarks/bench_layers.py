@@ -107,40 +107,6 @@ def micro_batched(layer, micro_batches: int):
   return split_layer
 
 
-def program_bytes(program, args) -> int | None:
-  """The device memory XLA plans for one process's `program(*args)`: its arguments, outputs and
-  temporaries (None where the backend does not say)."""
-  try:
-    stats = program.lower(*args).compile().memory_analysis()
-  except Exception:  # noqa: BLE001 - the timed run reports the compile's error itself
-    return None
-  if stats is None:
-    return None
-  return (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
-          - stats.alias_size_in_bytes)
-
-
-def gpu_share_bytes(sharing: int) -> tuple[int, int] | None:
-  """(one process's share of its GPU, the GPU's memory): alone, XLA's allocator limit; shared
-  by `sharing` processes, an equal part of the whole GPU, which is the limit over the fraction
-  of it that XLA takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75 unless set). None where the
-  device does not say."""
-  limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
-  if limit is None:
-    return None
-  whole = int(limit / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
-  return (limit if sharing == 1 else whole // sharing, whole)
-
-
-def comm_buffer_bytes(group) -> int:
-  """The group's own communication buffers (`Group.memory_bytes`), allocated beside XLA's; 0
-  where the group cannot say."""
-  try:
-    return group.memory_bytes().comm_buffer_bytes
-  except (ValueError, TypeError, NotImplementedError):
-    return 0
-
-
 def time_programs(programs, args, repeats: int, on_gpu: bool):
   """Per program: (host-clock median seconds, device-span median seconds or None). Every
   process makes the same calls whatever happens (collective kernels meet their peers)."""
@@ -335,24 +301,6 @@ def main():
 
   params = expert_params(jax.random.key(0)) if "swiglu" in args.expert else []
 
-  def fits(program, inputs, what, key, reserved_bytes) -> bool:
-    """Whether `program` (with `reserved_bytes` of the group's own buffers beside it) fits this
-    process's share of its GPU; where it does not on any process, every process skips it,
-    saying so. Processes that share a GPU would otherwise run out of its memory one by one,
-    and the others wait for the first that failed until their calls time out."""
-    need = program_bytes(program, inputs) if on_gpu else None
-    share = gpu_share_bytes(num_ranks if shared_gpu else 1) if on_gpu else None
-    over = need is not None and share is not None and need + reserved_bytes > share[0]
-    if reports.gather_max(f"{key}/too_big", float(over)) == 0:
-      return True
-    if over:
-      sharing = num_ranks if shared_gpu else 1
-      print(f"{what}: skipped: its {2 * n}-layer program needs {need / 2**30:.1f} GiB a "
-            f"process and the group's buffers {reserved_bytes / 2**30:.1f} GiB, more than the "
-            f"{share[0] / 2**30:.1f} GiB share of each of the {sharing} process(es) on this "
-            f"GPU of {share[1] / 2**30:.0f} GiB: fewer --tokens or --layers fit")
-    return False
-
   def run(backend, expert, layer, settings="default", topology=None, capacity=capacity,
           micro_batches=1, comm_stream=None, fmt=jax_ep.RowFormat.PLAIN, reserved_bytes=0):
     for pass_ in args.passes:
@@ -361,7 +309,11 @@ def main():
       inputs = (x, idx, w, *(params if expert == "swiglu" else ()))
       what = f"{backend} {expert} ({settings}, {pass_}, micro_batches={micro_batches})"
       key = f"{backend}/{expert}/{settings}/{pass_}/{micro_batches}"
-      if not fits(programs[1], inputs, what, key, reserved_bytes):
+      # The larger program, of 2N layers, checked for both.
+      if not reports.fits_gpu(programs[1], inputs, key, f"{what}, {2 * n} layers",
+                              sharing=num_ranks if shared_gpu else 1,
+                              reserved_bytes=reserved_bytes,
+                              hint="fewer --tokens or --layers fit"):
         continue
       try:
         results = time_programs(programs, inputs, args.repeats, on_gpu)
@@ -445,7 +397,7 @@ def main():
         return out if expert == "identity" else hid + out
       run(backend, expert, micro_batched(layer, micro_batches), settings, group.topology,
           group.capacity, micro_batches, kw.get("comm_stream"), fmt,
-          comm_buffer_bytes(group))
+          reports.comm_buffer_bytes(group))
     # One group's buffers at a time: at the standard shape each is several GB per rank, and
     # ranks sharing one GPU hold theirs side by side. Every process is past its last call of
     # this group here (each run ends in block_until_ready and a gather).

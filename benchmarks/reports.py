@@ -157,3 +157,61 @@ def barrier(key: str, timeout_s: float = 120) -> None:
   if jax.process_count() == 1:
     return
   _kv_client().wait_at_barrier(f"bench/{key}", int(timeout_s * 1000))
+
+
+def program_bytes(program, args) -> int | None:
+  """The device memory XLA plans for one process's `program(*args)`: its arguments, outputs and
+  temporaries (None where the backend does not say)."""
+  try:
+    stats = program.lower(*args).compile().memory_analysis()
+  except Exception:  # noqa: BLE001 - the timed run reports the compile's error itself
+    return None
+  if stats is None:
+    return None
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes
+          - stats.alias_size_in_bytes)
+
+
+def gpu_share_bytes(sharing: int) -> tuple[int, int] | None:
+  """(one process's share of its GPU, the GPU's memory): alone, XLA's allocator limit; shared
+  by `sharing` processes, an equal part of the whole GPU, which is the limit over the fraction
+  of it that XLA takes (`XLA_PYTHON_CLIENT_MEM_FRACTION`, 0.75 unless set). None where the
+  device does not say."""
+  limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+  if limit is None:
+    return None
+  whole = int(limit / float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")))
+  return (limit if sharing == 1 else whole // sharing, whole)
+
+
+def comm_buffer_bytes(group) -> int:
+  """A jax_ep group's own communication buffers (`Group.memory_bytes`), allocated beside XLA's;
+  0 where the group cannot say."""
+  try:
+    return group.memory_bytes().comm_buffer_bytes
+  except (ValueError, TypeError, NotImplementedError):
+    return 0
+
+
+def fits_gpu(program, args, key: str, what: str, *, sharing: int, reserved_bytes: int = 0,
+             hint: str = "fewer tokens fit") -> bool:
+  """Whether `program(*args)` (with `reserved_bytes` of buffers outside XLA's beside it) fits
+  this process's share of its GPU (`sharing` processes on it), decided alike on every process:
+  where it does not fit on one, every process is told False and the first says what it needs.
+  It catches a plan that cannot fit; the CUDA contexts and command buffers beside it can still
+  run a GPU out of memory.
+  Processes that share a GPU would otherwise run out of its memory one by one, while the
+  others wait for the first that failed until their calls time out. True off GPUs. `key` must
+  be unique per call (`gather_max`)."""
+  on_gpu = jax.devices()[0].platform == "gpu"
+  need = program_bytes(program, args) if on_gpu else None
+  share = gpu_share_bytes(sharing) if on_gpu else None
+  over = need is not None and share is not None and need + reserved_bytes > share[0]
+  if gather_max(f"{key}/too_big", float(over)) == 0:
+    return True
+  if over:
+    print(f"{what}: skipped: it needs {need / 2**30:.1f} GiB a process (XLA's plan) and "
+          f"{reserved_bytes / 2**30:.1f} GiB of buffers beside it, more than the "
+          f"{share[0] / 2**30:.1f} GiB share of each of the {sharing} process(es) on this GPU "
+          f"of {share[1] / 2**30:.0f} GiB: {hint}")
+  return False

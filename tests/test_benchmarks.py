@@ -262,21 +262,22 @@ def test_narrowed_to_one_gpu_reads_cuda_visible_devices(monkeypatch, value, narr
   assert bounds.narrowed_to_one_gpu() is narrowed
 
 
-def test_bench_layers_sizes_a_program_by_xlas_plan():
-  """Before timing a chain, bench_layers checks its program against the process's share of the
-  GPU (processes sharing one GPU would otherwise run out of its memory one by one): XLA's plan
-  of the program's bytes holds its argument and its output; a program that does not compile
-  has none; a device that reports no allocator limit has no share."""
+def test_a_program_is_sized_by_xlas_plan_before_it_is_timed():
+  """bench_layers and bench_intranode check a program against the process's share of the GPU
+  before timing it (processes sharing one GPU would otherwise run out of its memory one by
+  one): XLA's plan of the program's bytes holds its argument and its output; a program that
+  does not compile has none; a device that reports no allocator limit has no share, and off
+  GPUs every program fits."""
   import jax
   import jax.numpy as jnp
-
-  import bench_layers
   x = jnp.ones((256, 128), jnp.float32)
-  need = bench_layers.program_bytes(jax.jit(lambda a: (a @ a.T).sum(0)), (x,))
+  program = jax.jit(lambda a: (a @ a.T).sum(0))
+  need = reports.program_bytes(program, (x,))
   assert need is not None and need >= x.nbytes + 256 * 4
-  assert bench_layers.program_bytes(jax.jit(lambda a: a @ a), (jnp.ones((3, 4)),)) is None
+  assert reports.program_bytes(jax.jit(lambda a: a @ a), (jnp.ones((3, 4)),)) is None
   if jax.devices()[0].platform == "cpu":
-    assert bench_layers.gpu_share_bytes(8) is None
+    assert reports.gpu_share_bytes(8) is None
+    assert reports.fits_gpu(program, (x,), "test/fits", "a program", sharing=8)
 
 
 @pytest.mark.parametrize("num_devices", [1, 4])
