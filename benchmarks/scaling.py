@@ -22,9 +22,10 @@ The model, per rank and per layer (the assumptions are listed in docs/scaling.md
   `nvlink_gbps`: the measured SM-store copy between two H200s at the ops' SM budget, both
   directions at once (`p2p.jsonl`); `nvlink_efficiency` per op: the NVLink bytes of the measured
   high-throughput op between two H200s over its time, over that rate (`intranode.jsonl`).
-- Expert time: the measured expert MLP at the per-rank shape (E / EP experts, T * K rows) when a
-  record holds it; else the R=1 layer at 256 experts (same rows and FLOPs, less its own local
-  dispatch and combine), an upper bound; FP8 without a record: the bf16 time over
+- Expert time: the measured one-rank layer (less its own local dispatch and combine) or expert
+  MLP at the per-rank shape (E / EP experts, T * K rows, one call a step) when a record holds
+  it; else the same at the nearest expert count above it with a record (same rows and FLOPs in
+  more, smaller groups), an upper bound; FP8 without any record: the bf16 time over
   `--fp8-gemm-speedup`.
 - Overlap, per pass (forward, backward), with n micro-batches: comm c, experts g; the first
   micro-batch's dispatch and the last one's combine cannot hide, nor the experts of one
@@ -158,13 +159,18 @@ def _rows(r: dict):
 
 def _plain_expert_record(r: dict, op: str, experts: int, pass_: str, precision: str) -> bool:
   """A record of `op` at the model's H, F and rows with `experts` experts: one rank, jax_ep's own
-  kernels, no padded or re-aligned buffer."""
+  kernels at their defaults (`moe_layer`'s `mosaic`, `expert_mlp`'s `fused`; FP8 weight
+  gradients in FP8), one call a step (N calls that share their weights also pay for summing
+  their weight gradients, which one layer's call does not), no padded or re-aligned buffer."""
   return (r.get("op") == op and r.get("experts") == experts and r.get("hidden") == MODEL["hidden"]
           and r.get("ffn") == MODEL["ffn"] and r.get("pass") == pass_
           and _rows(r) == MODEL["tokens_per_rank"] * MODEL["topk"]
           and (r.get("precision") or "bf16") == precision and r.get("ranks", 1) == 1
-          and r.get("impl", "mosaic") == "mosaic" and r.get("padded_rows") is None
-          and r.get("buffer_multiple") is None and r.get("expert_alignment", 1) == 1)
+          and r.get("impl", "mosaic") in ("mosaic", "fused")
+          and r.get("settings", "default") == "default"
+          and r.get("weight_grad") in (None, "fp8") and r.get("calls_per_step", 1) == 1
+          and r.get("padded_rows") is None and r.get("buffer_multiple", 1) == 1
+          and r.get("expert_alignment", 1) == 1)
 
 
 def local_comm_us(results_dir: str) -> tuple[float, list]:
@@ -197,11 +203,12 @@ def expert_times(results_dir: str, ep: int, precision: str, fp8_gemm_speedup: fl
     basis = f"assumed: {gemm_tflops:g} TF/s" + (f" / {fp8_gemm_speedup:g} for FP8"
                                                  if precision == "fp8" else "")
     return {"fwd": fwd / speed, "bwd": 2 * fwd / speed, "basis": basis, "sources": []}
-  layer = load_records(results_dir, "layer.jsonl")
+  records = {"moe_layer": load_records(results_dir, "layer.jsonl"),
+             "expert_mlp": load_records(results_dir, "expert_mlp.jsonl")}
 
   def measured(op, experts, prec):
-    f = newest(layer, lambda r: _plain_expert_record(r, op, experts, "fwd", prec))
-    b = newest(layer, lambda r: _plain_expert_record(r, op, experts, "fwd_bwd", prec))
+    f = newest(records[op], lambda r: _plain_expert_record(r, op, experts, "fwd", prec))
+    b = newest(records[op], lambda r: _plain_expert_record(r, op, experts, "fwd_bwd", prec))
     if not (f and b):
       return None
     # The layer record holds its own local dispatch and combine in each pass; the expert MLP
@@ -212,21 +219,29 @@ def expert_times(results_dir: str, ep: int, precision: str, fp8_gemm_speedup: fl
                         source(b, f"{op} fwd_bwd, {experts} experts, {prec}", b["median_us"])]
                        + subs}
 
-  for op in ("expert_mlp", "moe_layer"):
-    got = measured(op, experts_local, precision)
-    if got:
-      return dict(got, basis=f"measured: {op} at {experts_local} experts, {precision}")
+  # The layer first (it holds the router as the projection's experts do), then the expert MLP
+  # alone. Without a record at this rank's expert count, the nearest count above it: the same
+  # rows and FLOPs in more, smaller groups (more partial tiles, more weight bytes) bound fewer,
+  # larger ones from above.
+  counts = sorted({r["experts"] for op, rs in records.items() for r in rs
+                   if r.get("experts", 0) > experts_local
+                   and _plain_expert_record(r, op, r["experts"], "fwd_bwd", precision)})
+  for experts in [experts_local, *counts]:
+    for op in ("moe_layer", "expert_mlp"):
+      got = measured(op, experts, precision)
+      if got and experts == experts_local:
+        return dict(got, basis=f"measured: {op} at {experts} experts, {precision}")
+      if got:
+        return dict(got, basis=f"upper bound: {op} at R=1, {experts} experts, {precision} (no "
+                               f"record at {experts_local})")
   if precision == "fp8":
     bf16 = expert_times(results_dir, ep, "bf16", fp8_gemm_speedup)
     return {"fwd": bf16["fwd"] / fp8_gemm_speedup, "bwd": bf16["bwd"] / fp8_gemm_speedup,
             "basis": f"assumed: bf16 ({bf16['basis']}) / {fp8_gemm_speedup:g}",
             "sources": bf16["sources"]}
-  got = measured("moe_layer", m["experts"], "bf16")
-  if got is None:
-    raise ValueError("layer.jsonl holds no record of the experts at the model's shape "
-                     "(expert_mlp or moe_layer, fwd and fwd_bwd); pass --gemm-tflops")
-  return dict(got, basis=f"upper bound: moe_layer at R=1, {m['experts']} experts (no record "
-                         f"at {experts_local})")
+  raise ValueError("layer.jsonl and expert_mlp.jsonl hold no record of the experts at the "
+                   f"model's shape with {experts_local} or more experts (moe_layer or "
+                   "expert_mlp, fwd and fwd_bwd); pass --gemm-tflops")
 
 
 # --------------------------------------------------------------------------- traffic

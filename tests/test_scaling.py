@@ -106,19 +106,32 @@ def test_every_input_names_a_committed_record_that_holds_it(committed):
                == pytest.approx(eff) for r in records)
 
 
-def test_the_experts_upper_bound_is_the_one_rank_layer_less_its_local_ops(committed):
+def test_an_upper_bound_is_the_nearest_count_above_less_its_local_ops(committed):
+  """Without a record at a rank's expert count, the experts' time is the one-rank layer's at the
+  nearest count above it (the same rows in more, smaller groups), one call a step, less its own
+  dispatch and combine."""
   layer = scaling.load_records(scaling.RESULTS_DIR, "layer.jsonl")
-  newest = lambda pass_: scaling.newest(layer, lambda r: (  # noqa: E731
-      r.get("op") == "moe_layer" and r.get("experts") == E and r.get("hidden") == H
-      and r.get("pass") == pass_))
   local = sum(s["value"] for s in committed["sources"] if "R=1 local" in s["what"])
+  seen = set()
   for r in committed["rows"]:
+    experts = E // r["ep"]
+    precision = r["wire"]
     if r["experts_basis"].startswith("upper bound"):
-      assert r["wire"] == "bf16"
-      assert r["experts_us"] == pytest.approx(newest("fwd_bwd")["median_us"] - 2 * local)
+      seen.add(r["ep"])
+      above = int(r["experts_basis"].split(" experts")[0].rsplit(" ", 1)[1])
+      assert above > experts
+      counts = {x["experts"] for x in layer if experts <= x.get("experts", 0) < above
+                and scaling._plain_expert_record(x, "moe_layer", x["experts"], "fwd_bwd",
+                                                 precision)}
+      assert not counts, counts  # nothing nearer
+      newest = scaling.newest(layer, lambda x: scaling._plain_expert_record(
+          x, "moe_layer", above, "fwd_bwd", precision))
+      assert newest.get("calls_per_step", 1) == 1
+      assert r["experts_us"] == pytest.approx(newest["median_us"] - 2 * local)
     if r["experts_basis"].startswith("assumed: bf16"):
       bf16 = _by(committed, "ep", "wire", "overlap")[r["ep"], "bf16", r["overlap"]]
       assert r["experts_us"] == pytest.approx(bf16["experts_us"] / 1.6)
+  assert seen == {32, 64}  # 8 and 4 experts a rank: no record at either
 
 
 def test_a_case_by_hand():
@@ -168,17 +181,20 @@ def test_deduplication_per_host_and_the_published_figures():
 def test_a_record_at_the_per_rank_shape_and_an_overlap_record_are_used(tmp_path):
   for name in os.listdir(scaling.RESULTS_DIR):
     shutil.copy(os.path.join(scaling.RESULTS_DIR, name), tmp_path / name)
-  # Without an FP8 record of the experts, FP8 is bf16's time over the assumed speedup.
+  # Neither an FP8 record nor a layer at 32 experts: FP8 is bf16's time over the assumed
+  # speedup, and the expert MLP alone is the per-rank time.
   layer = (tmp_path / "layer.jsonl").read_text().splitlines()
   (tmp_path / "layer.jsonl").write_text("".join(
-      line + "\n" for line in layer if json.loads(line).get("precision") != "fp8"))
+      line + "\n" for line in layer if json.loads(line).get("precision") != "fp8"
+      and json.loads(line).get("experts") != 32))
   base = dict(date="2099-01-01", commit="feedbee", op="expert_mlp", experts=32, hidden=H,
-              ffn=F, topk=K, tokens_per_rank=T, ranks=1, precision="bf16", impl="mosaic")
-  with open(tmp_path / "layer.jsonl", "a") as f:
+              ffn=F, topk=K, tokens_per_rank=T, rows=T * K, ranks=1, precision="bf16",
+              impl="fused", settings="default", buffer_multiple=1)
+  with open(tmp_path / "expert_mlp.jsonl", "a") as f:
     f.write(json.dumps(dict(base, **{"pass": "fwd"}, median_us=3000.0)) + "\n")
     f.write(json.dumps(dict(base, **{"pass": "fwd_bwd"}, median_us=9000.0)) + "\n")
-    f.write(json.dumps(dict(base, **{"pass": "fwd_bwd"}, median_us=1.0, padded_rows=262144))
-            + "\n")  # a padded variant is never the per-rank time
+    for other in (dict(buffer_multiple=8), dict(impl="unfused"), dict(settings={"tiles": "x"})):
+      f.write(json.dumps(dict(base, **{"pass": "fwd_bwd"}, median_us=1.0, **other)) + "\n")
   with open(tmp_path / "layers.jsonl", "a") as f:
     f.write(json.dumps(dict(date="2099-01-01", commit="feedbee", op="overlap",
                             gemm_slowdown=1.1, hidden_fraction=0.8)) + "\n")
@@ -187,15 +203,20 @@ def test_a_record_at_the_per_rank_shape_and_an_overlap_record_are_used(tmp_path)
   assert rows[8, "bf16", "none"]["experts_us"] == 9000.0
   assert rows[8, "bf16", "none"]["experts_basis"].startswith("measured: expert_mlp")
   assert rows[8, "fp8", "none"]["experts_us"] == pytest.approx(9000.0 / 1.6)
-  assert rows[32, "bf16", "none"]["experts_basis"].startswith("upper bound")
+  assert rows[32, "bf16", "none"]["experts_us"] == 9000.0
+  assert rows[32, "bf16", "none"]["experts_basis"] == (
+      "upper bound: expert_mlp at R=1, 32 experts, bf16 (no record at 8)")
   assert got["params"]["gemm_slowdown"] == 1.1
-  # With one, FP8 is what it measured, faster or not.
-  with open(tmp_path / "layer.jsonl", "a") as f:
+  # With one, FP8 is what it measured, faster or not; a step of four calls is not one call.
+  with open(tmp_path / "expert_mlp.jsonl", "a") as f:
     for pass_, us in (("fwd", 4000.0), ("fwd_bwd", 12000.0)):
       f.write(json.dumps(dict(base, precision="fp8", **{"pass": pass_}, median_us=us)) + "\n")
+    f.write(json.dumps(dict(base, precision="fp8", **{"pass": "fwd_bwd"}, median_us=1.0,
+                            calls_per_step=4)) + "\n")
   rows = _by(scaling.project(str(tmp_path)), "ep", "wire", "overlap")
   assert rows[8, "fp8", "none"]["experts_us"] == 12000.0
   assert rows[8, "fp8", "none"]["experts_basis"] == "measured: expert_mlp at 32 experts, fp8"
+  assert rows[64, "fp8", "none"]["experts_us"] == 12000.0
 
 
 @pytest.mark.parametrize("kwargs, message", [
