@@ -20,8 +20,10 @@ Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows 
   timed in the same run (`bound: dense_gemm`, `bound_tflops`; forward + backward: three times
   the forward's FLOPs at the same speed), `fraction = tflops / bound_tflops`.
 `--tiles BM,BN,BK,STAGES ...` times the fused kernels at each of those tiles too
-(`jax_ep.experts.override(fused_tiles=...)`; records with `settings: {"tiles": ...}`). A path
-that fails is printed and left out. Records go to `benchmarks/results/expert_mlp.jsonl`.
+(`jax_ep.experts.override(fused_tiles=...)`; records with `settings: {"tiles": ...}`).
+`--breakdown N` prints each timed program's N longest kernels by device time per run (one
+profiled trace after the timing; one process only), to tell which of the fused and the
+unfused paths' kernels a difference comes from. A path that fails is printed and left out. Records go to `benchmarks/results/expert_mlp.jsonl`.
 """
 
 from __future__ import annotations
@@ -35,12 +37,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 # The model shapes, the skewed groups and the timer are bench_layer's (importing it initializes
 # a launched job).
-from bench_layer import SHAPES, skewed_sizes, time_fn  # noqa: E402
+from bench_layer import SHAPES, print_breakdown, skewed_sizes, time_fn  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import reports  # noqa: E402
+import timers  # noqa: E402
 import jax_ep  # noqa: E402
 from jax_ep import experts  # noqa: E402
 from jax_ep.experts import mlp  # noqa: E402
@@ -78,6 +81,8 @@ def main():
   parser.add_argument("--tiles", nargs="*", default=[],
                       help="fused kernels' tiles to time besides the default: BM,BN,BK,STAGES")
   parser.add_argument("--repeats", type=int, default=10)
+  parser.add_argument("--breakdown", type=int, default=0, metavar="N",
+                      help="print each program's N longest kernels (device time per run)")
   parser.add_argument("--out", default="expert_mlp.jsonl")
   args = parser.parse_args()
 
@@ -143,10 +148,13 @@ def main():
               ("fwd", forward, (xp, w_gate, w_up, w_down, sizes), flops),
               ("fwd_bwd", fwd_bwd, (xp, w_gate, w_up, w_down, sizes, dyp),
                3 * flops)):
-            seconds = time_fn(fn, fn_args, args.repeats,
-                              f"{name} expert_mlp {pass_} {impl} {tiles or ''} x{multiple}")
+            what = f"{name} expert_mlp {pass_} {impl} {tiles or ''} x{multiple}"
+            seconds = time_fn(fn, fn_args, args.repeats, what)
             if seconds is None:
               continue
+            if args.breakdown and jax.process_count() == 1:
+              print_breakdown(what, seconds, *timers.trace_breakdown(fn, fn_args),
+                              args.breakdown)
             extra = {}
             if multiple == 1:
               exact[pass_] = seconds

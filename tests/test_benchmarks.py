@@ -470,9 +470,14 @@ def test_bench_expert_mlp_writes_expert_mlp_records(tmp_path):
   result = subprocess.run(
       [sys.executable, os.path.join(ROOT, "benchmarks", "bench_expert_mlp.py"), "--shapes",
        "qwen3_30b_a3b", "--scale", "32", "--tokens", "64", "--repeats", "2",
-       "--out", str(out)], env=env, capture_output=True, text=True, timeout=300)
+       "--breakdown", "3", "--out", str(out)], env=env, capture_output=True, text=True,
+      timeout=300)
   assert result.returncode == 0, result.stdout + result.stderr
   assert "qwen3_30b_a3b: no fused run (the grouped GEMM takes lax.ragged_dot here" in result.stdout
+  # Each timed program's kernels (on the CPU, no device trace: the header and that line).
+  headers = [line for line in result.stdout.splitlines() if line.startswith("--- ")]
+  assert len(headers) == 6, result.stdout
+  assert all(" expert_mlp " in h and " unfused " in h and "µs (median)" in h for h in headers)
   records = [json.loads(line) for line in out.read_text().splitlines()]
   assert {(r["pass"], r["buffer_multiple"]) for r in records} == {
       (p, m) for p in ("fwd", "fwd_bwd") for m in (1, 2, 8)}
