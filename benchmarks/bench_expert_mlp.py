@@ -23,7 +23,8 @@ Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows 
 (`jax_ep.experts.override(fused_tiles=...)`; records with `settings: {"tiles": ...}`).
 `--breakdown N` prints each timed program's N longest kernels by device time per run (one
 profiled trace after the timing; one process only), to tell which of the fused and the
-unfused paths' kernels a difference comes from. A path that fails is printed and left out. Records go to `benchmarks/results/expert_mlp.jsonl`.
+unfused paths' kernels a difference comes from. A path that fails is printed and left out.
+Records go to `benchmarks/results/expert_mlp.jsonl`.
 """
 
 from __future__ import annotations
