@@ -282,18 +282,38 @@ def weight_grad_aligned() -> bool:
 
 
 def fused_tiles(k: int, n: int) -> KernelTiles | None:
-  """The fused expert kernels' tiles (`jax_ep/experts/hopper_fused.py`) for a `[rows, k]`
+  """The fused gated projections' tiles (`jax_ep/experts/hopper_fused.py`) for a `[rows, k]`
   operand and `[rows, n]` outputs, or None where they do not divide `k` and `n`. NOTES: one
-  warpgroup holds up to two `block_m x block_n` fp32 accumulators (gate and up) in registers,
-  and shared memory holds the stages beside up to three staged outputs and two loaded tiles:
-  64 columns keep both within Hopper's limits; 128 where one accumulator and no loaded tile
-  leave room (the input gradient, `n` = the hidden size)."""
+  warpgroup holds both `block_m x block_n` fp32 accumulators (gate and up) in registers: 64
+  columns keep them within Hopper's limits. The hidden and input gradients (one accumulator)
+  take 128 (`fused_hidden_grad_tiles`, `fused_input_grad_tiles`)."""
   forced = current().fused_tiles
   if forced is not None:
     return forced if k % forced.block_k == 0 and n % forced.block_n == 0 else None
   if k % 64 or n % 64:
     return None
   return KernelTiles(block_m=ROW_TILE, block_n=64, block_k=64, stages=4, band=4)
+
+
+def fused_hidden_grad_tiles(k: int, n: int) -> KernelTiles | None:
+  """The tiles of the fused hidden gradient (`dy @ w_down^T` with the activation's derivative:
+  one accumulator, two loaded tiles, three outputs). NOTES: 128 columns where they divide `n`:
+  at 64 each reduction step's wgmma is half as wide and the row operand is read from L2 twice
+  as often; the epilogue then runs on 64 columns at a time (`HIDDEN_GRAD_EPILOGUE_COLUMNS`),
+  which keeps ptxas from spilling beside the 128-column accumulator, and the loaded and staged
+  tiles (64 + 96 KiB) fit beside 4 stages (128 KiB) since the staged ones take the stages'
+  place once the reduction ends."""
+  forced = current().fused_tiles
+  if forced is not None:
+    return forced if k % forced.block_k == 0 and n % forced.block_n == 0 else None
+  if k % 64 or n % 64:
+    return None
+  block_n = 128 if n % 128 == 0 else 64
+  return KernelTiles(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=4, band=4)
+
+
+# The fused hidden gradient's epilogue width: the loaded tiles' swizzle (128 bytes of bf16).
+HIDDEN_GRAD_EPILOGUE_COLUMNS = 64
 
 
 def fused_input_grad_tiles(k: int, n: int) -> KernelTiles | None:
@@ -438,7 +458,7 @@ def gmm_build(dtype, transpose_w: bool, tiles: KernelTiles, out_dtype) -> tuple:
 def fused_mlp_build(dtype, activation: str, hidden: int, ffn: int, groups: int) -> tuple:
   """The fused expert MLP's kernels (forward and backward, weight gradients included)."""
   return ("fused_mlp", np.dtype(dtype).name, activation, fused_tiles(hidden, ffn),
-          fused_input_grad_tiles(ffn, hidden), weight_grad_tiles(hidden, ffn, groups),
+          fused_hidden_grad_tiles(hidden, ffn), fused_input_grad_tiles(ffn, hidden), weight_grad_tiles(hidden, ffn, groups),
           weight_grad_tiles(ffn, hidden, groups), weight_grad_specialized())
 
 

@@ -9,10 +9,13 @@ One warpgroup per CTA, the persistent loop over the work list of `jax_ep/experts
    (gate and up: one pass, two weights, two accumulators; the input gradient of both
    projections: two passes into one accumulator, `dgate @ w_gate^T + dup @ w_up^T`);
 2. `loads`: `[rows, N]` operands whose `block_m x block_n` tile at the output's position the
-   epilogue reads (the saved gate and up projections for the activation's derivative);
+   epilogue reads (the saved gate and up projections for the activation's derivative), asked
+   for before the passes and waited for after them;
 3. `epilogue(accumulators, loaded)` in fp32 (the loaded tiles come in their own dtype and the
    epilogue widens them) gives the outputs, each rounded to its dtype, staged in shared memory
-   and stored for the rows of the item's group only.
+   and stored for the rows of the item's group only; it runs on `epilogue_columns` of the
+   tile's columns at a time, so that one accumulator of 128 columns (128 registers a thread)
+   leaves room for the epilogue's values.
 
 NOTES: the rows a tile reads past the groups (or of a neighbouring group) hold anything, NaN
 included; their products and epilogue values land only in rows the tile does not store, and an
@@ -39,7 +42,8 @@ Pass = tuple[int, tuple[tuple[int, int], ...]]
 def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group_sizes,
                          group_offsets, *, passes: Sequence[Pass], transpose_w: bool,
                          tiles: KernelTiles, epilogue: Callable, out_dtypes: Sequence,
-                         loads: Sequence[jax.Array] = (), name: str = "jax_ep_fused_gmm"):
+                         loads: Sequence[jax.Array] = (), epilogue_columns: int | None = None,
+                         name: str = "jax_ep_fused_gmm"):
   """The fused grouped GEMM (see the module docstring).
 
   Args:
@@ -54,6 +58,8 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
       `[block_m, block_n]` values out as `out_dtypes`.
     out_dtypes: the outputs' dtypes; each output is `[rows, N]`.
     loads: `[rows, N]` operands read at each output tile's position.
+    epilogue_columns: the epilogue's (and the loaded and staged tiles') width: it runs on
+      `block_n / epilogue_columns` slices of the accumulators in turn (None: the whole tile).
     name: the kernel's name in ptxas's reports and profiles.
 
   Returns:
@@ -70,6 +76,11 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
   if n % bn:
     raise ValueError(f"fused_grouped_kernel: N={n} must be a multiple of {bn}")
   tiles_n = n // bn
+  sub_n = bn if epilogue_columns is None else epilogue_columns
+  if sub_n <= 0 or bn % sub_n:
+    raise ValueError(f"fused_grouped_kernel: epilogue_columns={epilogue_columns} must divide "
+                     f"block_n={bn}")
+  num_subs = bn // sub_n
   band = _band(tiles.band, tiles_n)
   num_accs = 1 + max(a for _, targets in passes for _, a in targets)
   table = row_tiles(group_sizes, rows, bm, group_offsets)
@@ -112,42 +123,56 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
           plgpu.wgmma_wait(0)
         return tuple(acc[...] for acc in acc_refs)
 
-      accs = pl.run_scoped(acc_scope, *(plgpu.ACC((bm, bn)) for _ in range(num_accs)))
-      loaded = ()
-      if load_refs:
-        def load_scope(smems, barriers):
-          for i, (ref, smem) in enumerate(zip(load_refs, smems)):
-            plgpu.copy_gmem_to_smem(ref.at[pl.ds(tile * bm, bm), pl.ds(ni * bn, bn)], smem,
-                                    barriers.at[i])
-          values = []
-          for i, smem in enumerate(smems):
-            plgpu.barrier_wait(barriers.at[i])
-            # In their own dtype (two bf16 to a register) until the epilogue reads them: fp32
-            # copies of both saved projections beside the accumulator and the outputs spilled.
-            values.append(plgpu.layout_cast(smem[...], plgpu.Layout.WGMMA))
-          return tuple(values)
-        # Swizzled as the weight-gradient kernel's operands, which it reads into registers.
-        loaded = pl.run_scoped(
-            load_scope, [plgpu.SMEM((bm, bn), r.dtype, transforms=_transforms(r.dtype, bn))
-                         for r in loads],
-            plgpu.Barrier(num_arrivals=1, num_barriers=num_loads))
-      values = epilogue(accs, loaded)
+      def tile_scope(load_smems=(), barriers=None):
+        # The loaded tiles are asked for before the reduction, so that they arrive while it
+        # runs (the epilogue would otherwise wait for them after it).
+        for i, (ref, parts) in enumerate(zip(load_refs, load_smems)):
+          for j, smem in enumerate(parts):
+            plgpu.copy_gmem_to_smem(
+                ref.at[pl.ds(tile * bm, bm), pl.ds(ni * bn + j * sub_n, sub_n)], smem,
+                barriers.at[i * num_subs + j])
+        accs = pl.run_scoped(acc_scope, *(plgpu.ACC((bm, bn)) for _ in range(num_accs)))
+        for i in range(num_loads * num_subs):
+          plgpu.barrier_wait(barriers.at[i])
 
-      @functools.partial(pl.run_scoped,
-                         o_smems=[plgpu.SMEM((bm, bn), dtype) for dtype in out_dtypes])
-      def _(o_smems):
-        for value, o_smem in zip(values, o_smems):
-          o_smem[...] = value.astype(o_smem.dtype)
-        plgpu.commit_smem()
-        for o_smem, o_ref in zip(o_smems, out_refs):
-          _store_rows(o_smem, o_ref, tile * bm, first_gmem[item], count_gmem[item], ni * bn,
-                      bm, bn, rows)
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        @functools.partial(
+            pl.run_scoped,
+            o_smems=[[plgpu.SMEM((bm, sub_n), dtype) for _ in range(num_subs)]
+                     for dtype in out_dtypes])
+        def _(o_smems):
+          # The epilogue runs on `sub_n` columns at a time: its fp32 values, the loaded tiles
+          # and the outputs of the whole tile beside the accumulators would not fit the
+          # registers (ptxas spills).
+          for j in range(num_subs):
+            cols = slice(j * sub_n, (j + 1) * sub_n)
+            # In their own dtype (two bf16 to a register) until the epilogue reads them.
+            loaded = tuple(plgpu.layout_cast(parts[j][...], plgpu.Layout.WGMMA)
+                           for parts in load_smems)
+            sliced = accs if num_subs == 1 else tuple(acc[:, cols] for acc in accs)
+            values = epilogue(sliced, loaded)
+            for value, parts in zip(values, o_smems):
+              parts[j][...] = value.astype(parts[j].dtype)
+          plgpu.commit_smem()
+          for parts, o_ref in zip(o_smems, out_refs):
+            for j, o_smem in enumerate(parts):
+              _store_rows(o_smem, o_ref, tile * bm, first_gmem[item], count_gmem[item],
+                          ni * bn + j * sub_n, bm, sub_n, rows)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+      if load_refs:
+        # Swizzled as the weight-gradient kernel's operands, which it reads into registers.
+        pl.run_scoped(
+            tile_scope,
+            [[plgpu.SMEM((bm, sub_n), r.dtype, transforms=_transforms(r.dtype, sub_n))
+              for _ in range(num_subs)] for r in loads],
+            plgpu.Barrier(num_arrivals=1, num_barriers=num_loads * num_subs))
+      else:
+        tile_scope()
 
   return launch(body, name,
                 tuple(jax.ShapeDtypeStruct((rows, n), dtype) for dtype in out_dtypes), tiles,
                 (*table, *xs, *ws, *loads),
-                settings=(tuple(passes), transpose_w, compile_ahead.code_key(epilogue)))
+                settings=(tuple(passes), transpose_w, sub_n, compile_ahead.code_key(epilogue)))
 
 
 def _transforms(dtype, columns: int):

@@ -149,10 +149,12 @@ def _hidden_grad_fn(activation: str):
     saved = args[:2] if gated else args[:1]
     w_down, sizes, offsets = args[len(saved):]
     ffn, hidden = w_down.shape[1:]
+    tiles = configs.fused_hidden_grad_tiles(hidden, ffn)
     outs = fused_grouped_kernel(
         (dy,), (w_down,), sizes, offsets, passes=((0, ((0, 0),)),), transpose_w=True,
-        tiles=configs.fused_tiles(hidden, ffn), epilogue=epilogue,
-        out_dtypes=(dy.dtype,) * (len(saved) + 1), loads=saved, name="jax_ep_mlp_hidden_grad")
+        tiles=tiles, epilogue=epilogue, out_dtypes=(dy.dtype,) * (len(saved) + 1), loads=saved,
+        epilogue_columns=min(tiles.block_n, configs.HIDDEN_GRAD_EPILOGUE_COLUMNS),
+        name="jax_ep_mlp_hidden_grad")
     return vary_like_operands(tuple(outs), (dy, *saved, w_down, sizes, offsets))
 
   return rowwise_vmap(hidden_grad, 3 if gated else 2)
@@ -277,7 +279,8 @@ def fused_mlp_impl(rows: int, groups: int, hidden: int, ffn: int, dtype,
   if name != "mosaic":
     return False, f"the grouped GEMM takes lax.ragged_dot here: {why}"
   tiles = configs.fused_tiles(hidden, ffn)
-  if tiles is None or configs.fused_input_grad_tiles(ffn, hidden) is None:
+  if (tiles is None or configs.fused_hidden_grad_tiles(hidden, ffn) is None
+      or configs.fused_input_grad_tiles(ffn, hidden) is None):
     return False, (f"the fused kernels' tiles do not divide H={hidden} and F={ffn} (multiples "
                    f"of 64)")
   why = probe and fused_compile_error(rows, groups, hidden, ffn, np.dtype(dtype), activation)
