@@ -299,10 +299,9 @@ def fused_hidden_grad_tiles(k: int, n: int) -> KernelTiles | None:
   """The tiles of the fused hidden gradient (`dy @ w_down^T` with the activation's derivative:
   one accumulator, two loaded tiles, three outputs). NOTES: 128 columns where they divide `n`:
   at 64 each reduction step's wgmma is half as wide and the row operand is read from L2 twice
-  as often; the epilogue then runs on 64 columns at a time (`HIDDEN_GRAD_EPILOGUE_COLUMNS`),
-  which keeps ptxas from spilling beside the 128-column accumulator, and the loaded and staged
-  tiles (64 + 96 KiB) fit beside 4 stages (128 KiB) since the staged ones take the stages'
-  place once the reduction ends."""
+  as often. The epilogue then runs on `HIDDEN_GRAD_EPILOGUE_COLUMNS` at a time, and the loaded
+  and staged tiles (64 + 96 KiB) fit beside 4 stages (128 KiB): the staged ones take the
+  stages' place once the reduction ends."""
   forced = current().fused_tiles
   if forced is not None:
     return forced if k % forced.block_k == 0 and n % forced.block_n == 0 else None
@@ -312,8 +311,9 @@ def fused_hidden_grad_tiles(k: int, n: int) -> KernelTiles | None:
   return KernelTiles(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=4, band=4)
 
 
-# The fused hidden gradient's epilogue width: the loaded tiles' swizzle (128 bytes of bf16).
-HIDDEN_GRAD_EPILOGUE_COLUMNS = 64
+# The fused hidden gradient's epilogue width. ptxas for sm_90a at 128 columns: the whole tile
+# at once spills 3282 bytes a thread, 64 columns 672, 32 columns 24, 16 none (244 registers).
+HIDDEN_GRAD_EPILOGUE_COLUMNS = 16
 
 
 def fused_input_grad_tiles(k: int, n: int) -> KernelTiles | None:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 
 from jax_ep.experts import compile_ahead
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.hopper import _band, _store_rows, launch
+from jax_ep.experts.hopper import TMA_SMEM_ALIGN, _band, _store_rows, launch
 from jax_ep.experts.layout import row_tiles
 
 # A pass: (index of the row operand, ((index of a weight, index of its accumulator), ...)).
@@ -58,8 +58,9 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
       `[block_m, block_n]` values out as `out_dtypes`.
     out_dtypes: the outputs' dtypes; each output is `[rows, N]`.
     loads: `[rows, N]` operands read at each output tile's position.
-    epilogue_columns: the epilogue's (and the loaded and staged tiles') width: it runs on
-      `block_n / epilogue_columns` slices of the accumulators in turn (None: the whole tile).
+    epilogue_columns: the epilogue's (and the loaded tiles') width: it runs on
+      `block_n / epilogue_columns` slices of the accumulators in turn (None: the whole tile);
+      the outputs are staged at least `TMA_SMEM_ALIGN` bytes wide.
     name: the kernel's name in ptxas's reports and profiles.
 
   Returns:
@@ -81,6 +82,10 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
     raise ValueError(f"fused_grouped_kernel: epilogue_columns={epilogue_columns} must divide "
                      f"block_n={bn}")
   num_subs = bn // sub_n
+
+  def stage_n(dtype):  # the staged outputs' width
+    # A staged row is stored from any row by TMA: at least `TMA_SMEM_ALIGN` bytes.
+    return min(bn, max(sub_n, TMA_SMEM_ALIGN // jnp.dtype(dtype).itemsize))
   band = _band(tiles.band, tiles_n)
   num_accs = 1 + max(a for _, targets in passes for _, a in targets)
   table = row_tiles(group_sizes, rows, bm, group_offsets)
@@ -137,8 +142,8 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
 
         @functools.partial(
             pl.run_scoped,
-            o_smems=[[plgpu.SMEM((bm, sub_n), dtype) for _ in range(num_subs)]
-                     for dtype in out_dtypes])
+            o_smems=[[plgpu.SMEM((bm, stage_n(dtype)), dtype)
+                      for _ in range(bn // stage_n(dtype))] for dtype in out_dtypes])
         def _(o_smems):
           # The epilogue runs on `sub_n` columns at a time: its fp32 values, the loaded tiles
           # and the outputs of the whole tile beside the accumulators would not fit the
@@ -151,12 +156,17 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
             sliced = accs if num_subs == 1 else tuple(acc[:, cols] for acc in accs)
             values = epilogue(sliced, loaded)
             for value, parts in zip(values, o_smems):
-              parts[j][...] = value.astype(parts[j].dtype)
+              width = parts[0].shape[1]
+              o_smem = parts[j * sub_n // width]
+              if width != sub_n:
+                o_smem = o_smem.at[:, pl.ds(j * sub_n % width, sub_n)]
+              o_smem[...] = value.astype(o_smem.dtype)
           plgpu.commit_smem()
           for parts, o_ref in zip(o_smems, out_refs):
             for j, o_smem in enumerate(parts):
+              width = o_smem.shape[1]
               _store_rows(o_smem, o_ref, tile * bm, first_gmem[item], count_gmem[item],
-                          ni * bn + j * sub_n, bm, sub_n, rows)
+                          ni * bn + j * width, bm, width, rows)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
       if load_refs:
