@@ -458,8 +458,9 @@ def gmm_build(dtype, transpose_w: bool, tiles: KernelTiles, out_dtype) -> tuple:
 def fused_mlp_build(dtype, activation: str, hidden: int, ffn: int, groups: int) -> tuple:
   """The fused expert MLP's kernels (forward and backward, weight gradients included)."""
   return ("fused_mlp", np.dtype(dtype).name, activation, fused_tiles(hidden, ffn),
-          fused_hidden_grad_tiles(hidden, ffn), fused_input_grad_tiles(ffn, hidden), weight_grad_tiles(hidden, ffn, groups),
-          weight_grad_tiles(ffn, hidden, groups), weight_grad_specialized())
+          fused_hidden_grad_tiles(hidden, ffn), fused_input_grad_tiles(ffn, hidden),
+          weight_grad_tiles(hidden, ffn, groups), weight_grad_tiles(ffn, hidden, groups),
+          weight_grad_specialized())
 
 
 def fp8_gmm_build(tiles: KernelTiles) -> tuple:

@@ -86,6 +86,7 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
   def stage_n(dtype):  # the staged outputs' width
     # A staged row is stored from any row by TMA: at least `TMA_SMEM_ALIGN` bytes.
     return min(bn, max(sub_n, TMA_SMEM_ALIGN // jnp.dtype(dtype).itemsize))
+
   band = _band(tiles.band, tiles_n)
   num_accs = 1 + max(a for _, targets in passes for _, a in targets)
   table = row_tiles(group_sizes, rows, bm, group_offsets)
