@@ -148,11 +148,13 @@ def main():
   parser.add_argument("--scale", type=int, default=1,
                       help="divide every size by this (a smoke run on the CPU)")
   parser.add_argument("--repeats", type=int, default=10)
-  parser.add_argument("--tune", nargs="*", choices=["forward", "weight_grad", "weight_grad_runs"],
+  parser.add_argument("--tune", nargs="*",
+                      choices=["forward", "weight_grad", "weight_grad_runs", "weight_grad_wgs"],
                       default=None,
                       help="time the Mosaic kernels' tile configurations per shape (both "
                       "kernels, or those named; weight_grad_runs: the weight gradient's "
-                      "pipeline through runs of groups, beside the default's tiles) and print "
+                      "pipeline through runs of groups, weight_grad_wgs: its two compute "
+                      "warpgroups, each beside the default's tiles) and print "
                       "the forward's best as a TILE_TABLES entry")
   parser.add_argument("--weight-grad-tiles", nargs="+", default=["default"], metavar="TILES",
                       help="the weight gradient's tiles, each a pass over the ops: 'default' "
@@ -520,6 +522,16 @@ def tune(name, x, w, sizes, repeats, parts):
       continue
     time_weight_grad(jax_ep.experts.KernelTiles(128, bn, bk, steps, 4, ctas_per_sm=per_sm),
                      specialized, aligned)
+  # The warp-specialized kernel with two compute warpgroups (`compute_wgs` 2: a 256 x 128
+  # output tile, the `dy` block shared), beside the default's tiles in the same run; its ring
+  # of stages and both staged tiles are held together (3 stages of 64 rows fit an SM).
+  if "weight_grad_wgs" in parts and not n % 128 and not k % 256:
+    default = jax_ep.experts.configs.weight_grad_tiles(k, n, groups)
+    if default is not None:
+      time_weight_grad(default, jax_ep.experts.configs.weight_grad_specialized())
+    for aligned, steps in itertools.product((False, True), (2, 3)):
+      time_weight_grad(jax_ep.experts.KernelTiles(128, 128, 64, steps, 4, compute_wgs=2),
+                       specialized=True, aligned=aligned)
   # The pipeline through runs of groups (`KernelTiles.groups_per_run`: the ring of stages and
   # the staged output tile held together), on the rows in place and on aligned copies, beside
   # the default's tiles timed in the same run.

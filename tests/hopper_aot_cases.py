@@ -109,6 +109,30 @@ def weight_grad_runs(_=None) -> dict:
   return out
 
 
+def weight_grad_wgs(_=None) -> dict:
+  """The warp-specialized weight gradient with two compute warpgroups that `bench_layer.py
+  --tune weight_grad_wgs` times (2 and 3 stages, the rows in place and aligned copies),
+  compiled for sm_90a at one rank of DeepSeek-V3 at EP=8 (32 experts, 7168 x 2048): None, or
+  why it did not build."""
+  from jax_ep.experts import hopper
+  rows, k, n, groups = 32768, 7168, 2048, 32
+  args = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
+          jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), jax.ShapeDtypeStruct((groups,), jnp.int32))
+  out = {}
+  for aligned in (False, True):
+    for stages in (2, 3):
+      tiles = configs.KernelTiles(128, 128, 64, stages, 4, compute_wgs=2)
+      print(f"CHOICE {tiles} aligned={aligned}", file=sys.stderr, flush=True)
+      fn = jax.jit(lambda x, dy, s, t=tiles, a=aligned: hopper.grouped_weight_grad_kernel(
+          x, dy, s, tiles=t, specialized=True, aligned=a))
+      try:
+        fn.trace(*args).lower().compile()
+        out[f"{tiles} aligned={aligned}"] = None
+      except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+        out[f"{tiles} aligned={aligned}"] = f"{type(e).__name__}: {str(e)[:300]}"
+  return out
+
+
 def streams(_=None) -> dict:
   """tests/test_comm_stream.py's programs compiled for the H200, with `comm_stream=1`, without,
   and on jax_ep's own stream: the jax_ep custom calls of the lowered program (target -> count)
@@ -504,6 +528,7 @@ def shared_weights(_=None) -> dict:
 
 
 CASES = {"kernels": kernels, "known_builds": known_builds, "weight_grad_runs": weight_grad_runs,
+         "weight_grad_wgs": weight_grad_wgs,
          "streams": streams, "schedule": schedule, "layer": layer, "example": example,
          "shared_weights": shared_weights, "stable_kernels": stable_kernels,
          "lowered_once": lowered_once, "compile_ahead": compile_ahead}

@@ -508,6 +508,34 @@ def test_weight_grad_reduces_128_rows_a_step(specialized, aligned):
   np.testing.assert_allclose(got, want, rtol=2e-2, atol=1e-1)
 
 
+@pytest.mark.parametrize("aligned", [False, True])
+def test_weight_grad_two_compute_warpgroups(aligned):
+  """The warp-specialized weight gradient with two compute warpgroups (`compute_wgs` 2: each
+  reduces half of the output tile's rows, both select away the rows outside the group in a cut
+  block): groups that start and end inside blocks, an empty one, NaN past the groups; the
+  same bits as one compute warpgroup (each output element is one warpgroup's, reduced in the
+  same order)."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  from jax_ep.experts import hopper
+  rng = np.random.default_rng(17)
+  sizes = jnp.asarray([70, 0, 130, 5, 64, 31], jnp.int32)
+  x = poison_tail(jnp.asarray(rng.standard_normal((360, 256)), jnp.bfloat16), sizes)
+  dy = poison_tail(jnp.asarray(rng.standard_normal((360, 128)), jnp.bfloat16), sizes)
+  one, two = (KernelTiles(64, 64, 64, 2, 1, compute_wgs=w) for w in (1, 2))
+  with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=3):
+    got = {c.compute_wgs: np.asarray(hopper.grouped_weight_grad_kernel(
+        x, dy, sizes, tiles=c, specialized=True, aligned=aligned), np.float32)
+        for c in (one, two)}
+  np.testing.assert_array_equal(got[2], got[1])
+  starts = np.cumsum(sizes) - sizes
+  np.testing.assert_allclose(got[2], weight_grad_oracle(x, dy, starts, sizes), rtol=2e-2,
+                             atol=1e-1)
+  with pytest.raises(ValueError, match="K=192 must be a multiple of 128"):
+    hopper.grouped_weight_grad_kernel(x[:, :192], dy, sizes, tiles=two, specialized=True)
+  with pytest.raises(ValueError, match="compute_wgs=2 is a form of the warp-specialized"):
+    hopper.grouped_weight_grad_kernel(x, dy, sizes, tiles=two, specialized=False)
+
+
 def test_group_steps_walk_each_groups_blocks_in_turn():
   """`layout.group_steps`: each group's row blocks one after another, none for an empty group,
   and each group's first step (then the total)."""

@@ -120,6 +120,19 @@ def test_every_known_bf16_build_builds_for_sm90a():
 
 
 @pytest.mark.slow
+def test_the_weight_grad_with_two_compute_warpgroups_builds_for_sm90a():
+  """The weight gradient's two compute warpgroups that the tune times (2 and 3 stages, the rows
+  in place and aligned copies) build at one rank of DeepSeek-V3 at EP=8 through ptxas, none
+  spilling."""
+  result, output = _run("weight_grad_wgs")
+  failed = {tiles: why for tiles, why in result.items() if why is not None}
+  assert len(result) == 4 and not failed, failed
+  reports = [r for r in _ptxas_reports(output) if r["kernel"] == "jax_ep_gmm_wgrad_ws"]
+  assert len(reports) == len(result), reports
+  assert not any(r["spill_stores"] or r["spill_loads"] for r in reports), reports
+
+
+@pytest.mark.slow
 def test_the_weight_grad_runs_the_tune_tries_build_for_sm90a():
   """Every weight-gradient pipeline through runs of groups that the tune times (the rows in
   place and aligned copies) builds at DeepSeek-V3's shape through ptxas, none spilling: a tune

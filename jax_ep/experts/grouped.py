@@ -64,7 +64,8 @@ def _weight_grad(x, dy, group_sizes, group_offsets, transpose_w, w_dtype, impl):
     if config is not None:
       dw = grouped_weight_grad_kernel(lhs, rhs, group_sizes, group_offsets, tiles=config,
                                       out_dtype=np.dtype(w_dtype),
-                                      specialized=configs.weight_grad_specialized(),
+                                      specialized=(configs.weight_grad_specialized()
+                                                   or config.compute_wgs > 1),
                                       aligned=configs.weight_grad_aligned())
       return vary_like_operands(dw, (x, dy, group_sizes, group_offsets))
     say("xla", f"the weight-gradient kernel's tiles do not divide [{lhs.shape[1]}, "

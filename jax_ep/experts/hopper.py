@@ -298,9 +298,13 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
   rows, k = x.shape
   n = dy.shape[1]
   groups = group_sizes.shape[0]
-  if k % bm or n % bn:
-    raise ValueError(f"grouped_weight_grad_kernel: K={k} must be a multiple of {bm} and N={n} "
-                     f"of {bn}")
+  cta_m = bm * tiles.compute_wgs
+  if k % cta_m or n % bn:
+    raise ValueError(f"grouped_weight_grad_kernel: K={k} must be a multiple of {cta_m} and "
+                     f"N={n} of {bn}")
+  if tiles.compute_wgs > 1 and not specialized:
+    raise ValueError(f"grouped_weight_grad_kernel: compute_wgs={tiles.compute_wgs} is a form "
+                     f"of the warp-specialized kernel (specialized=True)")
   out_dtype = x.dtype if out_dtype is None else out_dtype
   tiles_m, tiles_n = k // bm, n // bn
   band = _band(tiles.band, tiles_n)
@@ -329,7 +333,8 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
                                          cuts)
     return launch(body, "jax_ep_gmm_wgrad_ws",
                   jax.ShapeDtypeStruct((groups, k, n), out_dtype), tiles,
-                  (starts, ends, first_block, num_blocks, x, dy), threads=2, settings=(cuts,))
+                  (starts, ends, first_block, num_blocks, x, dy),
+                  threads=tiles.compute_wgs + 1, settings=(cuts,))
 
   def body(starts_gmem, ends_gmem, first_gmem, blocks_gmem, x_gmem, dy_gmem, o_gmem):
 
@@ -512,13 +517,20 @@ def _keep_rows(ref, block, start, end, block_k: int):
 def _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dtype,
                                   cuts: bool = True):
   """The weight gradient warp-specialized: a memory warpgroup streams the group's row blocks
-  (and, while the compute warpgroup stores one output tile, the next tile's first blocks); one
-  compute warpgroup selects away the rows outside the group in a cut block (it alone touches
-  the slot, so the select needs no other warpgroup's barrier), then multiplies."""
+  (and, while the compute warpgroups store one output tile, the next tile's first blocks);
+  `compute_wgs` compute warpgroups each reduce `block_m` rows of the CTA's `(compute_wgs *
+  block_m) x block_n` output tile, sharing the `dy` block (two: each step's products read 48
+  KiB for 4 MFLOP where one warpgroup's read 32 for 2, so the shared memory fill from L2
+  bounds them less). Each compute warpgroup selects away the rows outside the group in a cut
+  block's slot, its part of `x` and the whole `dy`, before it multiplies: the selects of two
+  warpgroups in `dy` write the same values (zeros, or what the row held), so neither needs
+  the other's barrier, and each multiplies only after its own."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
-  tiles_m, tiles_n = k // bm, n // bn
+  wgs = tiles.compute_wgs
+  cta_m = bm * wgs
+  tiles_m, tiles_n = k // cta_m, n // bn
   band = _band(tiles.band, tiles_n)
   del rows
 
@@ -530,13 +542,13 @@ def _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dty
           grid=(steps,),
           memory_registers=40,
           in_specs=[
-              plgpu.BlockSpec((bk, bm), lambda s: (first + s, mi), transforms=transforms,
+              plgpu.BlockSpec((bk, cta_m), lambda s: (first + s, mi), transforms=transforms,
                               memory_space=plgpu.SMEM),
               plgpu.BlockSpec((bk, bn), lambda s: (first + s, ni), transforms=transforms,
                               memory_space=plgpu.SMEM),
           ],
           wg_axis="wg",
-          num_compute_wgs=1,
+          num_compute_wgs=wgs,
           max_concurrent_steps=tiles.stages,
           compute_context=compute_context,
       )
@@ -544,9 +556,10 @@ def _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dty
     @functools.partial(
         pl.run_scoped,
         allocations=reduction_allocations(pipeline, x_gmem, dy_gmem),
-        o_smem=plgpu.SMEM((bm, bn), out_dtype, transforms=transforms),
+        o_smem=plgpu.SMEM((wgs, bm, bn), out_dtype, transforms=transforms),
         collective_axes="wg")
     def _(allocations, o_smem):
+      wg = lax.axis_index("wg") if wgs > 1 else 0
 
       @plgpu.nd_loop((groups, tiles_m * tiles_n), collective_axes="sm")
       def _(info):
@@ -561,14 +574,17 @@ def _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dty
           def _(acc_ref):
             eval_pipeline(acc_ref)
             acc = acc_ref[...].astype(out_dtype)
-            # The previous tile's store has read the staging buffer.
+            # The previous tile's store has read this warpgroup's staging buffer.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            o_smem[...] = acc
+            o_smem[wg] = acc
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[g, pl.ds(mi * bm, bm), pl.ds(ni * bn, bn)])
+            plgpu.copy_smem_to_gmem(
+                o_smem.at[wg],
+                o_gmem.at[g, pl.ds(mi * cta_m + wg * bm, bm), pl.ds(ni * bn, bn)])
 
         def mma_body(idx, x_smem, dy_smem, acc_ref):
           step = idx[0]
+          x_part = x_smem if wgs == 1 else x_smem.at[:, pl.ds(wg * bm, bm)]
           # Only a block that a group boundary cuts holds rows of another group (or outside the
           # groups): the first when the group starts inside it, the last when it ends inside;
           # an empty group's one block is all outside.
@@ -578,9 +594,9 @@ def _weight_grad_body_specialized(rows, groups, k, n, tiles, transforms, out_dty
 
             @pl.when(cut)
             def _():
-              _keep_group_rows(x_smem, dy_smem, first + step, start, end, bk)
+              _keep_group_rows(x_part, dy_smem, first + step, start, end, bk)
 
-          plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), dy_smem)
+          plgpu.wgmma(acc_ref, x_part.transpose((1, 0)), dy_smem)
           plgpu.wgmma_wait(0)
           return acc_ref
 
