@@ -239,7 +239,8 @@ def weight_grad_tiles(k: int, n: int, groups: int) -> KernelTiles | None:
   `WEIGHT_GRAD_SHARED_SM_GROUPS` groups; None where they do not divide `k` and `n`."""
   forced = current().weight_grad_tiles
   if forced is not None:
-    return forced if k % forced.block_m == 0 and n % forced.block_n == 0 else None
+    rows = forced.block_m * forced.compute_wgs
+    return forced if k % rows == 0 and n % forced.block_n == 0 else None
   if k % ROW_TILE:
     return None
   block_n = next((b for b in (128, 64) if n % b == 0), None)
