@@ -86,27 +86,33 @@ def known_builds(which: str) -> dict:
   return out
 
 
-def weight_grad_runs(_=None) -> dict:
-  """Each weight-gradient pipeline through runs of groups that `bench_layer.py --tune
-  weight_grad_runs` times (`configs.weight_grad_run_tiles`, on the rows in place and on aligned
-  copies), compiled for sm_90a at DeepSeek-V3's gate projection (256 experts, 7168 x 2048):
-  None, or why it did not build."""
+def _weight_grad_builds(rows, k, n, groups, tiles_list, specialized: bool) -> dict:
+  """Each of `tiles_list`'s weight-gradient kernels on the rows in place and on aligned copies,
+  compiled for sm_90a: None, or why it did not build."""
   from jax_ep.experts import hopper
-  rows, k, n, groups = 32768, 7168, 2048, 256
   args = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
           jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), jax.ShapeDtypeStruct((groups,), jnp.int32))
   out = {}
   for aligned in (False, True):
-    for tiles in configs.weight_grad_run_tiles():
+    for tiles in tiles_list:
       print(f"CHOICE {tiles} aligned={aligned}", file=sys.stderr, flush=True)
       fn = jax.jit(lambda x, dy, s, t=tiles, a=aligned: hopper.grouped_weight_grad_kernel(
-          x, dy, s, tiles=t, specialized=False, aligned=a))
+          x, dy, s, tiles=t, specialized=specialized, aligned=a))
       try:
         fn.trace(*args).lower().compile()
         out[f"{tiles} aligned={aligned}"] = None
       except Exception as e:  # noqa: BLE001 - reported, the test fails on it
         out[f"{tiles} aligned={aligned}"] = f"{type(e).__name__}: {str(e)[:300]}"
   return out
+
+
+def weight_grad_runs(_=None) -> dict:
+  """Each weight-gradient pipeline through runs of groups that `bench_layer.py --tune
+  weight_grad_runs` times (`configs.weight_grad_run_tiles`, on the rows in place and on aligned
+  copies), compiled for sm_90a at DeepSeek-V3's gate projection (256 experts, 7168 x 2048):
+  None, or why it did not build."""
+  return _weight_grad_builds(32768, 7168, 2048, 256, configs.weight_grad_run_tiles(),
+                             specialized=False)
 
 
 def weight_grad_wgs(_=None) -> dict:
@@ -114,23 +120,10 @@ def weight_grad_wgs(_=None) -> dict:
   --tune weight_grad_wgs` times (2 and 3 stages, the rows in place and aligned copies),
   compiled for sm_90a at one rank of DeepSeek-V3 at EP=8 (32 experts, 7168 x 2048): None, or
   why it did not build."""
-  from jax_ep.experts import hopper
-  rows, k, n, groups = 32768, 7168, 2048, 32
-  args = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
-          jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), jax.ShapeDtypeStruct((groups,), jnp.int32))
-  out = {}
-  for aligned in (False, True):
-    for stages in (2, 3):
-      tiles = configs.KernelTiles(128, 128, 64, stages, 4, compute_wgs=2)
-      print(f"CHOICE {tiles} aligned={aligned}", file=sys.stderr, flush=True)
-      fn = jax.jit(lambda x, dy, s, t=tiles, a=aligned: hopper.grouped_weight_grad_kernel(
-          x, dy, s, tiles=t, specialized=True, aligned=a))
-      try:
-        fn.trace(*args).lower().compile()
-        out[f"{tiles} aligned={aligned}"] = None
-      except Exception as e:  # noqa: BLE001 - reported, the test fails on it
-        out[f"{tiles} aligned={aligned}"] = f"{type(e).__name__}: {str(e)[:300]}"
-  return out
+  return _weight_grad_builds(
+      32768, 7168, 2048, 32,
+      [configs.KernelTiles(128, 128, 64, stages, 4, compute_wgs=2) for stages in (2, 3)],
+      specialized=True)
 
 
 def streams(_=None) -> dict:

@@ -302,14 +302,8 @@ def fused_hidden_grad_tiles(k: int, n: int) -> KernelTiles | None:
   at 64 each reduction step's wgmma is half as wide and the row operand is read from L2 twice
   as often. The epilogue then runs on `HIDDEN_GRAD_EPILOGUE_COLUMNS` at a time, and the loaded
   and staged tiles (64 + 96 KiB) fit beside 4 stages (128 KiB): the staged ones take the
-  stages' place once the reduction ends."""
-  forced = current().fused_tiles
-  if forced is not None:
-    return forced if k % forced.block_k == 0 and n % forced.block_n == 0 else None
-  if k % 64 or n % 64:
-    return None
-  block_n = 128 if n % 128 == 0 else 64
-  return KernelTiles(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=4, band=4)
+  stages' place once the reduction ends. The input gradient's rule."""
+  return fused_input_grad_tiles(k, n)
 
 
 # The fused hidden gradient's epilogue width. ptxas for sm_90a at 128 columns: the whole tile
