@@ -454,14 +454,13 @@ def test_kernels_interpreted_values_and_gradients(interpreted_kernels, rows, gro
 @pytest.mark.parametrize("transpose_w", [False, True])
 def test_kernels_interpreted_groups_at_offsets(monkeypatch, compute_wgs, transpose_w):
   """Both forward kernels (one warpgroup; warp-specialized with two compute warpgroups) and
-  both weight-gradient kernels (one warpgroup; warp-specialized) with the groups at aligned
-  offsets, NaN in the gaps."""
+  two weight-gradient kernels (one warpgroup; warp-specialized with two compute warpgroups,
+  which such tiles choose) with the groups at aligned offsets, NaN in the gaps."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
   as_on_hopper(monkeypatch)
-  # The weight gradient's two kernels: one warpgroup beside the forward's one-warpgroup kernel.
-  with plgpu.force_gpu_interpret_mode(), experts.override(
-      gemm_tiles=KernelTiles(64, 64, 64, 2, 1, compute_wgs=compute_wgs),
-      weight_grad_tiles=SMALL_TILES, weight_grad_specialized=compute_wgs == 2):
+  tiles = KernelTiles(64, 64, 64, 2, 1, compute_wgs=compute_wgs)
+  with plgpu.force_gpu_interpret_mode(), experts.override(gemm_tiles=tiles,
+                                                          weight_grad_tiles=tiles):
     _check_at_offsets(np.random.default_rng(3), 384, 128, 128, [40, 0, 100, 1], 64,
                       transpose_w, jnp.bfloat16, 2e-2, impl="mosaic")
 
