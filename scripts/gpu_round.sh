@@ -32,7 +32,8 @@
 #                                     # dense GEMMs, buffers 2x and 8x the rows) and
 #                                     # bench_layer.py's grouped_matmul op at the five shapes
 #                                     # (EXPERT_ARGS passed to bench_expert_mlp.py);
-#                                     # expertsbench: the benchmarks alone
+#                                     # expertsbench: the benchmarks alone; expertsgemm: the
+#                                     # grouped_matmul op alone
 #   bash scripts/gpu_round.sh layer   # the MoE layer and the NNX module train at model shapes
 #                                     # against the dense model: R=1, then LAYER_TEST_RANKS="2 4"
 #                                     # emulated
@@ -660,17 +661,19 @@ if has gemmtune; then
   cp benchmarks/results/gpu_round_gemm_tune.jsonl "$OUT/" 2>/dev/null
 fi
 
-if has experts || has expertsbench; then
+if has experts || has expertsbench || has expertsgemm; then
   if has experts; then
     step "the fused expert MLP on the GPU: tests at the five model shapes"
     experts_suite
   fi
-  step "expert_mlp at the five model shapes: fused and unfused, exact and padded buffers (bench_expert_mlp.py)"
-  t=$(bench_time 500) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
-    benchmarks/bench_expert_mlp.py ${EXPERT_ARGS:-} --out gpu_round_expert_mlp.jsonl \
-    2>&1 | tee "$OUT/bench_expert_mlp.log" | tail -50
-  counts bench_expert_mlp.py "$OUT/bench_expert_mlp.log"
-  cp benchmarks/results/gpu_round_expert_mlp.jsonl "$OUT/" 2>/dev/null
+  if has experts || has expertsbench; then
+    step "expert_mlp at the five model shapes: fused and unfused, exact and padded buffers (bench_expert_mlp.py)"
+    t=$(bench_time 500) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
+      benchmarks/bench_expert_mlp.py ${EXPERT_ARGS:-} --out gpu_round_expert_mlp.jsonl \
+      2>&1 | tee "$OUT/bench_expert_mlp.log" | tail -50
+    counts bench_expert_mlp.py "$OUT/bench_expert_mlp.log"
+    cp benchmarks/results/gpu_round_expert_mlp.jsonl "$OUT/" 2>/dev/null
+  fi
   step "grouped_matmul at the five model shapes (bench_layer.py --ops grouped_matmul)"
   t=$(bench_time 400) && XLA_PYTHON_CLIENT_MEM_FRACTION=.92 timeout $t python3 \
     benchmarks/bench_layer.py --ops grouped_matmul --impls mosaic --alignments 1 \
