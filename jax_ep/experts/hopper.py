@@ -283,7 +283,8 @@ def grouped_weight_grad_kernel(x, dy, group_sizes, group_offsets=None, *, tiles:
   """`dw[g] = x[rows of g]^T @ dy[rows of g]`: `[rows, K], [rows, N] -> [G, K, N]`, fp32
   accumulation rounded to `out_dtype` (default `x.dtype`); an empty group's block is zeros.
   Rows outside a group are selected away in both operands (see the module NOTES). `K` must be
-  a multiple of `block_m` and `N` of `block_n`; the rows are reduced `block_k` at a time.
+  a multiple of `block_m * compute_wgs` and `N` of `block_n`; the rows are reduced `block_k`
+  at a time. `compute_wgs` above 1 is a form of the warp-specialized kernel (`specialized`).
 
   `aligned`: both operands are first copied so that each group starts a block of `block_k`
   rows, zeros after its last row (`layout.aligned_blocks`, at least one block a group): no
