@@ -61,10 +61,11 @@ class KernelTiles:
   gradient's warp-specialized kernel: `block_m` of its `2 * block_m` rows). The kernels are
   persistent: `ctas_per_sm` CTAs per SM walk the output tiles (two fit an SM where one
   warpgroup's registers and its stages' shared memory are at most half of it: one CTA's loads
-  and products then run in the other's pipeline fill and output store). `groups_per_run` (the one-warpgroup weight gradient): the reduction's
-  pipeline of an output tile runs through the blocks of this many consecutive groups, storing
-  each group's tile as it ends, so that the next group's loads run while one's tile is stored;
-  1: a pipeline per group and output tile."""
+  and products then run in the other's pipeline fill and output store). `groups_per_run` (the
+  one-warpgroup weight gradient): the reduction's pipeline of an output tile runs through the
+  blocks of this many consecutive groups, storing each group's tile as it ends, so that the
+  next group's loads run while one's tile is stored; 1: a pipeline per group and output
+  tile."""
   block_m: int = 128
   block_n: int = 128
   block_k: int = 64
