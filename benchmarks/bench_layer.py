@@ -57,7 +57,7 @@ import reports  # noqa: E402
 import timers  # noqa: E402
 import jax_ep  # noqa: E402
 import jax_ep.experts  # noqa: E402
-from jax_ep.experts import hopper, mlp, mlp_fp8  # noqa: E402
+from jax_ep.experts import hopper, hopper_wgrad, mlp, mlp_fp8  # noqa: E402
 
 # name: (experts, hidden, ffn, top-k)
 SHAPES = {
@@ -491,7 +491,7 @@ def tune(name, x, w, sizes, repeats, parts):
   itemsize = x.dtype.itemsize
 
   def weight_grad(x, dy, s, config, specialized, aligned):
-    return hopper.grouped_weight_grad_kernel(x, dy, s, offsets, tiles=config,
+    return hopper_wgrad.grouped_weight_grad_kernel(x, dy, s, offsets, tiles=config,
                                              specialized=specialized, aligned=aligned)
 
   if {"weight_grad", "weight_grad_runs"} & set(parts):

@@ -229,11 +229,11 @@ def expert_times(results_dir: str, ep: int, precision: str, fp8_gemm_speedup: fl
   for experts in [experts_local, *counts]:
     for op in ("moe_layer", "expert_mlp"):
       got = measured(op, experts, precision)
-      if got and experts == experts_local:
-        return dict(got, basis=f"measured: {op} at {experts} experts, {precision}")
       if got:
-        return dict(got, basis=f"upper bound: {op} at R=1, {experts} experts, {precision} (no "
-                               f"record at {experts_local})")
+        basis = (f"measured: {op} at {experts} experts, {precision}" if experts == experts_local
+                 else f"upper bound: {op} at R=1, {experts} experts, {precision} (no record at "
+                      f"{experts_local})")
+        return dict(got, basis=basis)
   if precision == "fp8":
     bf16 = expert_times(results_dir, ep, "bf16", fp8_gemm_speedup)
     return {"fwd": bf16["fwd"] / fp8_gemm_speedup, "bwd": bf16["bwd"] / fp8_gemm_speedup,

@@ -89,14 +89,14 @@ def known_builds(which: str) -> dict:
 def _weight_grad_builds(rows, k, n, groups, tiles_list, specialized: bool) -> dict:
   """Each of `tiles_list`'s weight-gradient kernels on the rows in place and on aligned copies,
   compiled for sm_90a: None, or why it did not build."""
-  from jax_ep.experts import hopper
+  from jax_ep.experts import hopper_wgrad
   args = (jax.ShapeDtypeStruct((rows, k), jnp.bfloat16),
           jax.ShapeDtypeStruct((rows, n), jnp.bfloat16), jax.ShapeDtypeStruct((groups,), jnp.int32))
   out = {}
   for aligned in (False, True):
     for tiles in tiles_list:
       print(f"CHOICE {tiles} aligned={aligned}", file=sys.stderr, flush=True)
-      fn = jax.jit(lambda x, dy, s, t=tiles, a=aligned: hopper.grouped_weight_grad_kernel(
+      fn = jax.jit(lambda x, dy, s, t=tiles, a=aligned: hopper_wgrad.grouped_weight_grad_kernel(
           x, dy, s, tiles=t, specialized=specialized, aligned=a))
       try:
         fn.trace(*args).lower().compile()

@@ -470,14 +470,14 @@ def test_weight_grad_at_two_ctas_per_sm_gives_one_ctas_bits():
   is still one CTA's, reduced in the same order, so the bits are those of one CTA per SM, and
   rows past the groups (NaN) reach neither."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax_ep.experts import hopper
+  from jax_ep.experts import hopper_wgrad
   rng = np.random.default_rng(11)
   sizes = jnp.asarray([70, 0, 130, 5, 64, 31], jnp.int32)
   x = poison_tail(jnp.asarray(rng.standard_normal((320, 128)), jnp.bfloat16), sizes)
   dy = poison_tail(jnp.asarray(rng.standard_normal((320, 128)), jnp.bfloat16), sizes)
   one, two = (KernelTiles(64, 64, 64, 2, 1, ctas_per_sm=c) for c in (1, 2))
   with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=3):
-    got = {c.ctas_per_sm: np.asarray(hopper.grouped_weight_grad_kernel(
+    got = {c.ctas_per_sm: np.asarray(hopper_wgrad.grouped_weight_grad_kernel(
         x, dy, sizes, tiles=c, specialized=False), np.float32) for c in (one, two)}
   np.testing.assert_array_equal(got[2], got[1])
   starts = np.cumsum(sizes) - sizes
@@ -492,13 +492,13 @@ def test_weight_grad_reduces_128_rows_a_step(specialized, aligned):
   and end inside blocks, an empty one, one of many blocks, rows past the groups (NaN, and the
   buffer not a whole number of blocks) reach no group's `x^T dy`."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax_ep.experts import hopper
+  from jax_ep.experts import hopper_wgrad
   rng = np.random.default_rng(13)
   sizes = jnp.asarray([70, 0, 130, 5, 64, 31, 200], jnp.int32)
   x = poison_tail(jnp.asarray(rng.standard_normal((600, 128)), jnp.bfloat16), sizes)
   dy = poison_tail(jnp.asarray(rng.standard_normal((600, 64)), jnp.bfloat16), sizes)
   with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=3):
-    got = np.asarray(hopper.grouped_weight_grad_kernel(
+    got = np.asarray(hopper_wgrad.grouped_weight_grad_kernel(
         x, dy, sizes, tiles=KernelTiles(64, 64, 128, 2, 1), specialized=specialized,
         aligned=aligned), np.float32)
   starts = np.cumsum(sizes) - sizes
@@ -515,14 +515,14 @@ def test_weight_grad_two_compute_warpgroups(aligned):
   same bits as one compute warpgroup (each output element is one warpgroup's, reduced in the
   same order)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax_ep.experts import hopper
+  from jax_ep.experts import hopper_wgrad
   rng = np.random.default_rng(17)
   sizes = jnp.asarray([70, 0, 130, 5, 64, 31], jnp.int32)
   x = poison_tail(jnp.asarray(rng.standard_normal((360, 256)), jnp.bfloat16), sizes)
   dy = poison_tail(jnp.asarray(rng.standard_normal((360, 128)), jnp.bfloat16), sizes)
   one, two = (KernelTiles(64, 64, 64, 2, 1, compute_wgs=w) for w in (1, 2))
   with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=3):
-    got = {c.compute_wgs: np.asarray(hopper.grouped_weight_grad_kernel(
+    got = {c.compute_wgs: np.asarray(hopper_wgrad.grouped_weight_grad_kernel(
         x, dy, sizes, tiles=c, specialized=True, aligned=aligned), np.float32)
         for c in (one, two)}
   np.testing.assert_array_equal(got[2], got[1])
@@ -530,9 +530,9 @@ def test_weight_grad_two_compute_warpgroups(aligned):
   np.testing.assert_allclose(got[2], weight_grad_oracle(x, dy, starts, sizes), rtol=2e-2,
                              atol=1e-1)
   with pytest.raises(ValueError, match="K=192 must be a multiple of 128"):
-    hopper.grouped_weight_grad_kernel(x[:, :192], dy, sizes, tiles=two, specialized=True)
+    hopper_wgrad.grouped_weight_grad_kernel(x[:, :192], dy, sizes, tiles=two, specialized=True)
   with pytest.raises(ValueError, match="compute_wgs=2 is a form of the warp-specialized"):
-    hopper.grouped_weight_grad_kernel(x, dy, sizes, tiles=two, specialized=False)
+    hopper_wgrad.grouped_weight_grad_kernel(x, dy, sizes, tiles=two, specialized=False)
 
 
 def test_group_steps_walk_each_groups_blocks_in_turn():
@@ -554,7 +554,7 @@ def test_weight_grad_in_runs_of_groups(block_k, run, aligned, offsets):
   between the groups NaN): each group's `x^T dy`, and the same bits as the pipeline per group
   (each group's blocks reduced in the same order)."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax_ep.experts import hopper
+  from jax_ep.experts import hopper_wgrad
   rng = np.random.default_rng(15)
   sizes = [70, 0, 130, 5, 64, 31, 200, 0]
   rows = 768
@@ -568,7 +568,7 @@ def test_weight_grad_in_runs_of_groups(block_k, run, aligned, offsets):
   dy = jnp.where(mask, jnp.asarray(rng.standard_normal((rows, 64)), jnp.bfloat16), jnp.nan)
   tiles = KernelTiles(64, 64, block_k, 2, 1, groups_per_run=run)
   with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=3):
-    got, per_group = (np.asarray(hopper.grouped_weight_grad_kernel(
+    got, per_group = (np.asarray(hopper_wgrad.grouped_weight_grad_kernel(
         x, dy, gs, group_offsets, tiles=t, specialized=False, aligned=aligned), np.float32)
         for t in (tiles, dataclasses.replace(tiles, groups_per_run=1)))
   starts = np.cumsum(sizes) - sizes if group_offsets is None else np.asarray(group_offsets)
@@ -579,13 +579,13 @@ def test_weight_grad_in_runs_of_groups(block_k, run, aligned, offsets):
 
 
 def test_weight_grad_in_runs_names_what_it_needs():
-  from jax_ep.experts import hopper
+  from jax_ep.experts import hopper_wgrad
   x = jnp.zeros((256, 128), jnp.bfloat16)
   sizes = jnp.asarray([100, 156], jnp.int32)
   for tiles, specialized in ((KernelTiles(64, 64, 64, 2, 1, groups_per_run=2), True),
                              (KernelTiles(64, 64, 64, 1, 1, groups_per_run=2), False)):
     with pytest.raises(ValueError, match="groups_per_run > 1 is a form of the one-warpgroup"):
-      hopper.grouped_weight_grad_kernel(x, x[:, :64], sizes, tiles=tiles,
+      hopper_wgrad.grouped_weight_grad_kernel(x, x[:, :64], sizes, tiles=tiles,
                                         specialized=specialized)
 
 
@@ -596,7 +596,7 @@ def test_weight_grad_of_aligned_copies_selects_nothing_and_matches(specialized, 
   group starts a block, zeros after its rows; the kernel selects nothing away, and the result is
   the groups' `x^T dy` (NaN past and between the groups reaches none), an empty group's zeros."""
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  from jax_ep.experts import hopper
+  from jax_ep.experts import hopper_wgrad
   rng = np.random.default_rng(12)
   sizes = [70, 0, 130, 5, 64, 31]
   rows = 448
@@ -614,7 +614,7 @@ def test_weight_grad_of_aligned_copies_selects_nothing_and_matches(specialized, 
   # Every block is one group's: the rows after a group's last are zeros, not NaN.
   assert np.isfinite(np.asarray(xa, np.float32)).all()
   with plgpu.force_gpu_interpret_mode(), experts.override(kernel_sms=3):
-    got = np.asarray(hopper.grouped_weight_grad_kernel(
+    got = np.asarray(hopper_wgrad.grouped_weight_grad_kernel(
         x, dy, gs, group_offsets, tiles=KernelTiles(64, 64, 64, 2, 1),
         specialized=specialized, aligned=True), np.float32)
   starts = (np.cumsum(sizes) - sizes) if group_offsets is None else np.asarray(group_offsets)
@@ -626,11 +626,11 @@ def test_weight_grad_of_aligned_copies_selects_nothing_and_matches(specialized, 
 def test_the_gradient_through_aligned_copies_matches(interpreted_kernels, monkeypatch):
   """The override reaches `grouped_matmul`'s weight gradient: `x` and `dy` copied once each,
   the gradient the dense oracle's."""
-  from jax_ep.experts import hopper
+  from jax_ep.experts import hopper_wgrad
   # A backward jax traced before (another test's, same shapes) would keep its trace.
   jax.clear_caches()
   copied = []
-  monkeypatch.setattr(hopper, "copy_aligned",
+  monkeypatch.setattr(hopper_wgrad, "copy_aligned",
                       lambda a, *args: copied.append(a.shape) or layout.copy_aligned(a, *args))
   rng = np.random.default_rng(13)
   x, w, gs = inputs(rng, 300, 4, 128, 192, [40, 0, 100, 90], dtype=jnp.bfloat16)
@@ -969,14 +969,14 @@ def test_on_the_gpu_weight_grad_tile_variants(tiles, specialized):
   step; three CTAs an SM) against the float32 product, many skewed groups (empty ones, one of
   many blocks), NaN past the groups."""
   require_hopper()
-  from jax_ep.experts import hopper
+  from jax_ep.experts import hopper_wgrad
   rng = np.random.default_rng(14)
   sizes = jnp.asarray([300, 0, 129, 1, 64, 0, 700, 127, 5, 0, 250, 128, 31, 0, 200, 66],
                       jnp.int32)
   rows, k, n = 2304, 512, 256
   x = poison_tail(jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16), sizes)
   dy = poison_tail(jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16), sizes)
-  got = np.asarray(jax.jit(lambda x, dy, s: hopper.grouped_weight_grad_kernel(
+  got = np.asarray(jax.jit(lambda x, dy, s: hopper_wgrad.grouped_weight_grad_kernel(
       x, dy, s, tiles=tiles, specialized=specialized))(x, dy, sizes), np.float32)
   starts = np.cumsum(sizes) - sizes
   want = weight_grad_oracle(x, dy, starts, sizes)
@@ -996,14 +996,15 @@ def test_on_the_gpu_weight_grad_in_runs_of_groups(tiles):
   many blocks, runs that end inside the groups and a run longer than them), NaN past the
   groups."""
   require_hopper()
-  from jax_ep.experts import hopper
+  from jax_ep.experts import hopper_wgrad
   rng = np.random.default_rng(16)
   sizes = jnp.asarray([300, 0, 129, 1, 64, 0, 700, 127, 5, 0, 250, 128, 31, 0, 200, 66, 3],
                       jnp.int32)
   rows, k, n = 2400, 512, 256
   x = poison_tail(jnp.asarray(rng.standard_normal((rows, k)), jnp.bfloat16), sizes)
   dy = poison_tail(jnp.asarray(rng.standard_normal((rows, n)), jnp.bfloat16), sizes)
-  got, per_group = (np.asarray(jax.jit(lambda x, dy, s, t=t: hopper.grouped_weight_grad_kernel(
+  kernel = hopper_wgrad.grouped_weight_grad_kernel
+  got, per_group = (np.asarray(jax.jit(lambda x, dy, s, t=t: kernel(
       x, dy, s, tiles=t, specialized=False))(x, dy, sizes), np.float32)
       for t in (tiles, dataclasses.replace(tiles, groups_per_run=1)))
   np.testing.assert_array_equal(got, per_group)

@@ -14,7 +14,9 @@
 - `layout.py`: where the groups' rows are (offsets, bounds, row masks, the work list, vmap's
   folds), computed in this one place.
 - `checks.py`: the rules a layout of groups follows, checked at trace time or on the device.
-- `hopper.py`: the Mosaic GPU kernels for Hopper (wgmma).
+- `hopper.py`: the grouped GEMM for Hopper (Mosaic GPU, wgmma), and what the Hopper kernels
+  share (the persistent grid, `launch`).
+- `hopper_wgrad.py`: the grouped weight gradient for Hopper.
 - `hopper_fp8.py`: the FP8 kernels for Hopper (block-scaled e4m3 wgmma, fp32 promotion every
   128): the product, the gated projections with `h` quantised in the epilogue, the input
   gradient of both projections.

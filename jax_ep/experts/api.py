@@ -3,10 +3,11 @@
 
 Two implementations behind the one function (`jax_ep/experts/choice.py` chooses, logging the
 first use of each choice):
-- `mosaic`: jax_ep's Pallas Mosaic GPU kernels (`jax_ep/experts/hopper.py`: a work list of row
-  tiles built on the device, a persistent grid, no step for row tiles past the groups), on
-  Hopper GPUs (compute capability 9.0) for bf16 / f16 operands of one dtype whose sizes its
-  tiles divide (`jax_ep/experts/configs.py`); nothing is tuned at call time.
+- `mosaic`: jax_ep's Pallas Mosaic GPU kernels (`jax_ep/experts/hopper.py` and
+  `hopper_wgrad.py`: a work list of row tiles built on the device, a persistent grid, no step
+  for row tiles past the groups), on Hopper GPUs (compute capability 9.0) for bf16 / f16
+  operands of one dtype whose sizes its tiles divide (`jax_ep/experts/configs.py`); nothing is
+  tuned at call time.
 - `xla`: `jax.lax.ragged_dot` (and `ragged_dot_general` for the weight gradient), everywhere
   else. NOTES: on NVIDIA GPUs XLA lowers it to a dense masked expansion, `G` times the work,
   which runs out of memory at large expert counts: the reason for the Mosaic path.

@@ -17,7 +17,8 @@ import numpy as np
 from jax_ep._native.varying import sum_to_primal, vary_like_operands
 from jax_ep.experts import configs
 from jax_ep.experts.choice import grouped_matmul_impl, say
-from jax_ep.experts.hopper import grouped_matmul_kernel, grouped_weight_grad_kernel
+from jax_ep.experts.hopper import grouped_matmul_kernel
+from jax_ep.experts.hopper_wgrad import grouped_weight_grad_kernel
 from jax_ep.experts.layout import (contiguous_offsets, flat_groups, fold_rows_by_group,
                                    inverse_permutation, rows_inside_groups, spans)
 

@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.hopper import _band, launch, reduction_allocations
+from jax_ep.experts.hopper import _band, launch
+from jax_ep.experts.hopper_wgrad import reduction_allocations
 from jax_ep.experts.hopper_fp8 import SCALE_BLOCK, _check_tiles
 
 
