@@ -344,6 +344,9 @@ def main(argv=None) -> int:
   parser.add_argument("--fp8-weight-grads", choices=("fp8", "bf16"),
                       help="with --fp8: the experts' weight gradients in FP8 or bf16 "
                            "(jax_ep.experts.override(fp8_weight_grad=...); default: jax_ep's)")
+  parser.add_argument("--experts-impl", choices=("auto", "mosaic", "xla"), default="auto",
+                      help="the expert products: jax_ep's Mosaic GPU kernels where they run "
+                           "(auto), or lax.ragged_dot (xla) (jax_ep.experts.override(impl=...))")
   parser.add_argument("--micro-batches", type=int, default=1,
                       help="split each MoE layer's tokens into this many micro-batches "
                            "(jax_ep.nnx.MoE(micro_batches=...))")
@@ -354,10 +357,11 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.fp8_weight_grads and not args.fp8:
     parser.error("--fp8-weight-grads needs --fp8")
-  if args.fp8_weight_grads:  # read where the training step is traced
-    with jax_ep.experts.override(fp8_weight_grad=args.fp8_weight_grads == "fp8"):
-      return run(args)
-  return run(args)
+  overrides = {"impl": args.experts_impl}
+  if args.fp8_weight_grads:
+    overrides["fp8_weight_grad"] = args.fp8_weight_grads == "fp8"
+  with jax_ep.experts.override(**overrides):  # read where the steps are traced
+    return run(args)
 
 
 def run(args) -> int:

@@ -449,22 +449,25 @@ fi
 # its training step's compile, the largest printed (scripts/xla_pass_times.py), as it runs,
 # with XLA's Triton GEMMs off (the model's dense GEMMs on cuBLAS: no Triton GEMM fusions to
 # compile and autotune), and with its kernels as Mosaic GPU makes them (a dump variable set:
-# numbered modules, none compiled ahead, jax_ep/experts/compile_ahead.py), and the steps' time
+# numbered modules, none compiled ahead, jax_ep/experts/compile_ahead.py), with the expert
+# products on lax.ragged_dot (no Mosaic GPU kernel to lower and build), and the steps' time
 # after it, 20 steps each; the example's own output (its first step split into trace,
 # lowering, compile and run) kept beside the log.
 if has examplecompile; then
-  for variant in as_set no_triton_gemm mosaic_modules; do
-    flag="" dump=""
+  for variant in ${EXAMPLECOMPILE_VARIANTS:-as_set no_triton_gemm mosaic_modules xla_experts}; do
+    flag="" dump="" impl=auto
     case $variant in
       no_triton_gemm) flag="--xla_gpu_enable_triton_gemm=false" ;;
       mosaic_modules) dump=1 ;;
+      xla_experts) impl=xla ;;
     esac
     log="$OUT/example_compile_$variant"
     step "examples/moe_transformer.py --mesh 1x1 --steps 20 ($variant)"
     # The dump variable only where asked: Mosaic GPU takes it as set even when empty.
     t=$(bench_time 120) && XLA_FLAGS="${XLA_FLAGS:-} $flag" env ${dump:+MOSAIC_GPU_DUMP_PTXAS=1} \
       TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=2,gpu_compiler=1,nvptx_compiler=1 \
-      timeout $t python3 examples/moe_transformer.py --mesh 1x1 --steps 20 2> "$log.log" \
+      timeout $t python3 examples/moe_transformer.py --mesh 1x1 --steps 20 --experts-impl $impl \
+      2> "$log.log" \
       | tee "$log.out" | grep -E "^(step|loss|PASSED|FAILED)"
     counts "examples/moe_transformer.py ($variant)"
     python3 scripts/xla_pass_times.py "$log.log" --module jit_train_step --top 6 \
