@@ -493,6 +493,36 @@ def test_fp8_weight_gradients_are_fp8_unless_asked_for_bf16():
                                  atol=1e-6 * float(np.abs(w).max()))
 
 
+def test_fp8_weight_gradients_blockwise_off_hopper_are_the_per_group_product(monkeypatch):
+  """Off Hopper the FP8 weight gradients multiply each 128-token block once and sum the blocks
+  per group (XLA's ragged_dot multiplies every row by every group's mask): the same
+  gradients as the per-group product of the same copies, within one bf16 step (the float32
+  sums may run in another order), an empty group's zero."""
+  from jax_ep.experts import mlp_fp8
+  rng = np.random.default_rng(6)
+  rows, hidden, ffn = 640, 256, 384
+  sizes, offsets, inside, _ = _layout([150, 0, 201, 96], 1, rows)
+  x_q, x_scales = fp8_quantize(jnp.asarray(rng.standard_normal((rows, hidden)), BF16))
+  h_q, h_scales = fp8_quantize(jnp.asarray(rng.standard_normal((rows, ffn)), BF16))
+  d_rows = jnp.asarray(rng.standard_normal((rows, 2 * ffn)), BF16)
+  dy = jnp.asarray(rng.standard_normal((rows, hidden)), BF16)
+  args = (x_q, x_scales, d_rows, h_q, h_scales, dy, jnp.asarray(sizes), jnp.asarray(offsets))
+  taken = []
+  monkeypatch.setattr(mlp_fp8, "_blockwise_weight_grad", functools.partial(
+      lambda *a, f, **k: taken.append(1) or f(*a, **k), f=mlp_fp8._blockwise_weight_grad))
+  grads = lambda: jax.jit(functools.partial(  # noqa: E731
+      mlp_fp8._fp8_weight_grads, parts=2, kernels=False))(*args)
+  blockwise = grads()
+  monkeypatch.setattr(mlp_fp8, "_BLOCKWISE_ELEMENTS", 0)
+  per_group = grads()
+  assert len(taken) == 2, taken  # both products of the first call, none of the second
+  for name, g, w in zip(("w_gate", "w_up", "w_down"), blockwise, per_group):
+    g, w = np.asarray(g, F32), np.asarray(w, F32)
+    assert np.all(g[1] == 0) and np.all(w[1] == 0), name
+    np.testing.assert_allclose(g, w, rtol=2.0 ** -7, atol=1e-6 * float(np.abs(w).max()),
+                               err_msg=name)
+
+
 def test_fp8_rows_given_or_quantised_here_are_the_same_recipe():
   """e4m3 rows with float32 scales, the same rows with UE8M0 exponents (power-of-two scales),
   and bf16 rows quantised by `expert_mlp` itself: the same results, bit for bit; weights passed

@@ -307,8 +307,12 @@ def fp8_product(x, x_scales, w: Fp8Weights, group_sizes, group_offsets, out_dtyp
     return product_fn(False, np.dtype(out_dtype), "auto")(
         dequantize_rows(x, x_scales, bf16), _dequantize_blocks(w.values, w.scales, bf16),
         group_sizes, group_offsets)
-  w32 = _dequantize_blocks(w.values, w.scales, np.float32)
-  return jax.lax.ragged_dot(dequantize_rows(x, x_scales), w32,
+  # NOTES: the dequantised operands materialised once: XLA otherwise fuses their e4m3
+  # conversions (software on CPUs) into ragged_dot's per-group masked expansion, converting
+  # every element once per group.
+  x32, w32 = jax.lax.optimization_barrier(
+      (dequantize_rows(x, x_scales), _dequantize_blocks(w.values, w.scales, np.float32)))
+  return jax.lax.ragged_dot(x32, w32,
                             spans(rows, group_sizes, group_offsets),
                             preferred_element_type=jnp.float32).astype(out_dtype)
 

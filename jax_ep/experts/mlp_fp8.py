@@ -49,7 +49,8 @@ from jax_ep.experts import choice, configs, quantize_kernel
 from jax_ep.experts.fp8 import (BLOCK, Fp8Weights, dequantize_rows, fp8_matmul_impl,
                                 product_fn, quantize_columns)
 from jax_ep.experts.grouped import weight_grad_fn
-from jax_ep.experts.layout import aligned_blocks, cdiv, contiguous_offsets, flat_groups
+from jax_ep.experts.layout import (aligned_blocks, cdiv, contiguous_offsets, flat_groups,
+                                   owner)
 from jax_ep.experts.mlp import (GATED, SAVED_NAME, _broadcast, act, act_grad,
                                 rowwise_vmap)
 
@@ -236,13 +237,40 @@ def _fp8_weight_grads(x, x_scales, d_rows, h_q, h_scales, dy, sizes, offsets, pa
   aligned = cdiv(sizes, BLOCK) * BLOCK
   aligned_offsets = contiguous_offsets(aligned)
   dtype, impl = (BF16, "auto") if choice.on_hopper() else (np.dtype(jnp.float32), "xla")
-  weight_grad = weight_grad_fn(False, BF16, impl)
   # The copy's rows, dequantised: [NB * 128, C].
   rows_of = lambda q_t, scales: dequantize_rows(q_t, scales.T, dtype).T  # noqa: E731
   x_rows, h_rows = rows_of(*x_t), rows_of(*h_t)
-  d_all = weight_grad(x_rows, rows_of(*d_t), aligned, aligned_offsets)
-  d_down = weight_grad(h_rows, rows_of(*dy_t), aligned, aligned_offsets)
+  num_blocks = x_t[1].shape[0]
+  if not choice.on_hopper() and num_blocks * hidden * parts * ffn <= _BLOCKWISE_ELEMENTS:
+    weight_grad = functools.partial(_blockwise_weight_grad, block_end=jnp.cumsum(
+        aligned // BLOCK), num_blocks=num_blocks)
+  else:
+    weight_grad = functools.partial(weight_grad_fn(False, BF16, impl), group_sizes=aligned,
+                                    group_offsets=aligned_offsets)
+  d_all = weight_grad(x_rows, rows_of(*d_t))
+  d_down = weight_grad(h_rows, rows_of(*dy_t))
   return tuple(d_all[:, :, i * ffn:(i + 1) * ffn] for i in range(parts)) + (d_down,)
+
+
+# The largest `[NB, K, N]` float32 of block products `_blockwise_weight_grad` holds (512 MiB).
+_BLOCKWISE_ELEMENTS = 1 << 27
+
+
+def _blockwise_weight_grad(x_rows, d_rows, *, block_end, num_blocks: int):
+  """`[G, K, N]` bf16: each group's `x^T d` over a copy of whole 128-row blocks, one group's
+  rows each (`block_end` `[G]`: each group's cumulative end in blocks; blocks past the groups
+  are zeros): each block's product in float32, summed per group.
+
+  NOTES: off Hopper the per-group product is XLA's `ragged_dot`, which XLA:CPU computes as a
+  dense product masked per group, G times the work: here each block is multiplied once (and
+  each block's product is promoted to float32 on its own, the recipe's order of sums)."""
+  groups = block_end.shape[0]
+  k, n = x_rows.shape[1], d_rows.shape[1]
+  products = jnp.einsum("bik,bin->bkn", x_rows.reshape(num_blocks, BLOCK, k),
+                        d_rows.reshape(num_blocks, BLOCK, n),
+                        preferred_element_type=jnp.float32)
+  group = owner(block_end, jnp.arange(num_blocks, dtype=jnp.int32))
+  return jax.ops.segment_sum(products, group, num_segments=groups).astype(BF16)
 
 
 @functools.cache
