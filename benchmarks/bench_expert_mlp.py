@@ -5,6 +5,8 @@ three dense GEMMs of the same FLOPs in the same run, and what the worst-case cap
   python benchmarks/bench_expert_mlp.py --impls fused       # the fused Hopper kernels alone
   python benchmarks/bench_expert_mlp.py --impls fused --multiples --tiles 128,64,64,4 64,128,64,4
                                                             # the fused kernels at other tiles
+  python benchmarks/bench_expert_mlp.py --impls fused --multiples --tiles 128,64,64,3,4,2 \
+      128,64,64,4,4,2                         # the gated projections warp-specialized
 
 Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows = T * K`;
 `deepseek_v3_ep8_rank` is one rank of DeepSeek-V3 at EP=8: 32 experts, ~1024 rows each):
@@ -19,8 +21,10 @@ Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows 
   dense GEMMs `[rows, H] x [H, F]` (twice) and `[rows, F] x [F, H]` of the same FLOPs in bf16,
   timed in the same run (`bound: dense_gemm`, `bound_tflops`; forward + backward: three times
   the forward's FLOPs at the same speed), `fraction = tflops / bound_tflops`.
-`--tiles BM,BN,BK,STAGES ...` times the fused kernels at each of those tiles too
-(`jax_ep.experts.override(fused_tiles=...)`; records with `settings: {"tiles": ...}`).
+`--tiles BM,BN,BK,STAGES[,BAND[,COMPUTE_WGS]] ...` times the fused kernels at each of those
+tiles too (`jax_ep.experts.override(fused_tiles=...)`, or with two compute warpgroups
+`fused_gated_tiles=...`: the gated projections' warp-specialized kernel; records with
+`settings: {"tiles": ...}`).
 `--breakdown N` prints each timed program's N longest kernels by device time per run (one
 profiled trace after the timing; one process only), to tell which of the fused and the
 unfused paths' kernels a difference comes from. A path that fails is printed and left out.
@@ -80,7 +84,9 @@ def main():
   parser.add_argument("--scale", type=int, default=1,
                       help="divide every size by this (a smoke run on the CPU)")
   parser.add_argument("--tiles", nargs="*", default=[],
-                      help="fused kernels' tiles to time besides the default: BM,BN,BK,STAGES")
+                      help="fused kernels' tiles to time besides the default: "
+                           "BM,BN,BK,STAGES[,BAND[,COMPUTE_WGS]] (COMPUTE_WGS 2: the gated "
+                           "projections' warp-specialized kernel, the other kernels as set)")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--breakdown", type=int, default=0, metavar="N",
                       help="print each program's N longest kernels (device time per run)")
@@ -123,8 +129,12 @@ def main():
       chosen = (experts.override(fused_mlp=False) if impl == "unfused"
                 else contextlib.nullcontext())
       if tiles is not None:
-        bm, bn, bk, stages = (int(v) for v in tiles.split(","))
-        chosen = experts.override(fused_tiles=experts.KernelTiles(bm, bn, bk, stages))
+        kernel_tiles = experts.KernelTiles(*(int(v) for v in tiles.split(",")))
+        # Two compute warpgroups: the gated projections' warp-specialized kernel alone (the
+        # gradients' fused kernels keep their tiles).
+        chosen = experts.override(
+            **{"fused_gated_tiles" if kernel_tiles.compute_wgs > 1 else "fused_tiles":
+               kernel_tiles})
         settings = {"tiles": tiles}
       exact = {}
       with chosen:

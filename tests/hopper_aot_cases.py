@@ -126,6 +126,37 @@ def weight_grad_wgs(_=None) -> dict:
       specialized=True)
 
 
+def gated_wgs(_=None) -> dict:
+  """The fused gated projections' warp-specialized kernel that `bench_expert_mlp.py --tiles
+  128,64,64,S,4,2` times (two compute warpgroups of 64 columns, 3 and 4 stages), compiled for
+  sm_90a
+  at one rank of DeepSeek-V3 at EP=8 (32 experts, 7168 x 2048), every activation: None, or why
+  it did not build."""
+  rows, groups, hidden, ffn = 32768, 32, 7168, 2048
+  out = {}
+  for tiles in gated_wgs_tiles():
+    for activation in ("swiglu", "gelu"):
+      print(f"CHOICE {tiles} {activation}", file=sys.stderr, flush=True)
+      gated = activation in mlp.GATED
+      w = jax.ShapeDtypeStruct((groups, hidden, ffn), jnp.bfloat16)
+      args = (jax.ShapeDtypeStruct((rows, hidden), jnp.bfloat16), w, w if gated else None,
+              jax.ShapeDtypeStruct((groups, ffn, hidden), jnp.bfloat16),
+              jax.ShapeDtypeStruct((groups,), jnp.int32))
+      fn = jax.jit(lambda x, wg, wu, wd, s, a=activation: jax_ep.expert_mlp(
+          x, wg, wu, wd, s, activation=a))
+      try:
+        with configs.override(fused_gated_tiles=tiles):
+          fn.trace(*args).lower().compile()
+        out[f"{tiles} {activation}"] = None
+      except Exception as e:  # noqa: BLE001 - reported, the test fails on it
+        out[f"{tiles} {activation}"] = f"{type(e).__name__}: {str(e)[:300]}"
+  return out
+
+
+def gated_wgs_tiles():
+  return [configs.KernelTiles(128, 64, 64, stages, 4, compute_wgs=2) for stages in (3, 4)]
+
+
 def streams(_=None) -> dict:
   """tests/test_comm_stream.py's programs compiled for the H200, with `comm_stream=1`, without,
   and on jax_ep's own stream: the jax_ep custom calls of the lowered program (target -> count)
@@ -521,7 +552,7 @@ def shared_weights(_=None) -> dict:
 
 
 CASES = {"kernels": kernels, "known_builds": known_builds, "weight_grad_runs": weight_grad_runs,
-         "weight_grad_wgs": weight_grad_wgs,
+         "weight_grad_wgs": weight_grad_wgs, "gated_wgs": gated_wgs,
          "streams": streams, "schedule": schedule, "layer": layer, "example": example,
          "shared_weights": shared_weights, "stable_kernels": stable_kernels,
          "lowered_once": lowered_once, "compile_ahead": compile_ahead}

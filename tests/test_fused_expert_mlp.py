@@ -313,6 +313,31 @@ def test_interpreted_matches_the_unfused_float32_model(interpreted, activation, 
   check_against_reference(y, grads, x, weights, gs, go, cot, activation)
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_interpreted_specialized_gated_projections(interpreted, activation):
+  """The gated projections' warp-specialized kernel (`fused_gated_tiles` with two compute
+  warpgroups, each 64 of a CTA tile's 128 columns of both projections): the same bits as the
+  one-warpgroup kernel, forward and backward, skewed and empty groups, NaN outside."""
+  rng = np.random.default_rng(11)
+  x, weights, gs, go, cot, inside = make_case(rng, 320, 4, 128, 256, [40, 0, 100, 77],
+                                              activation)
+  run = jax.jit(lambda *a: loss_and_grads(*a, activation))
+  y, grads = run(x, weights, gs, go, cot)
+  with experts.override(fused_gated_tiles=KernelTiles(64, 64, 64, 2, 1, compute_wgs=2)):
+    assert mlp.fused_mlp_impl(320, 4, 128, 256, jnp.bfloat16, activation)[0]
+    y_ws, grads_ws = jax.jit(lambda *a: loss_and_grads(*a, activation))(x, weights, gs, go, cot)
+  np.testing.assert_array_equal(np.asarray(y_ws, np.float32)[inside],
+                                np.asarray(y, np.float32)[inside])
+  for name, g, want in zip(("dx", "w_gate", "w_up", "w_down"), grads_ws, grads):
+    if want is None:
+      continue
+    g, want = np.asarray(g, np.float32), np.asarray(want, np.float32)
+    if name == "dx":
+      g, want = g[inside], want[inside]
+    np.testing.assert_array_equal(g, want, err_msg=name)
+  check_against_reference(y_ws, grads_ws, x, weights, gs, go, cot, activation)
+
+
 def run_in_shard_map(cases, wrap, activation="swiglu"):
   """`(y, grads)` of each case, stacked on a leading axis, computed inside a one-rank
   shard_map: one call per case ('plain', 'checkpoint'), or one vmap over the cases sharing the
@@ -441,6 +466,23 @@ def test_on_the_gpu_at_the_models_shapes(shape, wrap):
 def test_on_the_gpu_every_activation(activation):
   """The other activations' epilogues compiled, at one model shape."""
   _check_on_the_gpu("e32_h4096_f1536", "plain", activation)
+
+
+# The gated projections' warp-specialized kernel (two compute warpgroups; opt in, timed by
+# `bench_expert_mlp.py --tiles 128,64,64,4,4,2`).
+GATED_WGS = KernelTiles(128, 64, 64, 4, 4, compute_wgs=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,wrap,activation", [
+    ("deepseek_v3_ep8_rank", "plain", "swiglu"), ("deepseek_v3_ep8_rank", "vmap", "swiglu"),
+    ("deepseek_v3_ep8_rank", "checkpoint", "swiglu"), ("mixtral", "plain", "swiglu"),
+    ("e32_h4096_f1536", "plain", "gelu")])
+def test_on_the_gpu_specialized_gated_projections(shape, wrap, activation):
+  """The gated projections' warp-specialized kernel as the layer calls it (inside shard_map,
+  under grad, vmap or jax.checkpoint), against the unfused float32 model."""
+  with experts.override(fused_gated_tiles=GATED_WGS):
+    _check_on_the_gpu(shape, wrap, activation)
 
 
 @pytest.mark.gpu

@@ -132,6 +132,21 @@ def test_the_weight_grad_with_two_compute_warpgroups_builds_for_sm90a():
 
 
 @pytest.mark.slow
+def test_the_specialized_gated_projections_build_for_sm90a():
+  """The gated projections' warp-specialized kernel (two compute warpgroups, 3 and 4 stages)
+  builds in the MLP at one rank of DeepSeek-V3 at EP=8 through ptxas, gated and plain
+  activations, none spilling."""
+  result, output = _run("gated_wgs")
+  failed = {tiles: why for tiles, why in result.items() if why is not None}
+  assert len(result) == 4 and not failed, failed
+  # Each case's kernel at least once (the choice's probe also builds the backward's form,
+  # which saves the projections: more outputs).
+  reports = [r for r in _ptxas_reports(output) if r["kernel"] == "jax_ep_mlp_gate_up_ws"]
+  assert len(reports) >= len(result), reports
+  assert not any(r["spill_stores"] or r["spill_loads"] for r in reports), reports
+
+
+@pytest.mark.slow
 def test_the_weight_grad_runs_the_tune_tries_build_for_sm90a():
   """Every weight-gradient pipeline through runs of groups that the tune times (the rows in
   place and aligned copies) builds at DeepSeek-V3's shape through ptxas, none spilling: a tune

@@ -145,6 +145,9 @@ class Overrides:
     fused_mlp: whether `expert_mlp` takes the fused kernels where they run (None: yes, where
       the grouped GEMM takes the Mosaic kernels); False: the unfused grouped GEMMs.
     fused_tiles: the fused expert kernels' tiles for every shape.
+    fused_gated_tiles: the fused gated projections' tiles for every shape, over `fused_tiles`
+      (`compute_wgs` 2: the warp-specialized kernel, each compute warpgroup `block_n` of the
+      CTA's columns of both projections).
     fp8_weight_grad: whether the FP8 recipe's weight gradients run in FP8 (None, the default,
       or True: the tokens quantised per 128 per channel, `fp8_weight_grads`) or in bf16 on
       the dequantised rows (False).
@@ -166,6 +169,7 @@ class Overrides:
   slab_tiles: SlabTiles | None = None
   fused_mlp: bool | None = None
   fused_tiles: KernelTiles | None = None
+  fused_gated_tiles: KernelTiles | None = None
   fp8_weight_grad: bool | None = None
   kernel_sms: int | None = None
   compile_ahead: bool | None = None
@@ -288,10 +292,13 @@ def fused_tiles(k: int, n: int) -> KernelTiles | None:
   operand and `[rows, n]` outputs, or None where they do not divide `k` and `n`. NOTES: one
   warpgroup holds both `block_m x block_n` fp32 accumulators (gate and up) in registers: 64
   columns keep them within Hopper's limits. The hidden and input gradients (one accumulator)
-  take 128 (`fused_hidden_grad_tiles`, `fused_input_grad_tiles`)."""
-  forced = current().fused_tiles
+  take 128 (`fused_hidden_grad_tiles`, `fused_input_grad_tiles`). A warp-specialized tile set
+  (`compute_wgs` 2, `override(fused_gated_tiles=...)`) holds them for its `block_n` columns in
+  each compute warpgroup."""
+  forced = current().fused_gated_tiles or current().fused_tiles
   if forced is not None:
-    return forced if k % forced.block_k == 0 and n % forced.block_n == 0 else None
+    cta_n = forced.block_n * forced.compute_wgs
+    return forced if k % forced.block_k == 0 and n % cta_n == 0 else None
   if k % 64 or n % 64:
     return None
   return KernelTiles(block_m=ROW_TILE, block_n=64, block_k=64, stages=4, band=4)

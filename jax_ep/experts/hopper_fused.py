@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_ep.experts import compile_ahead
 from jax_ep.experts.configs import KernelTiles
@@ -87,9 +88,21 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
     # A staged row is stored from any row by TMA: at least `TMA_SMEM_ALIGN` bytes.
     return min(bn, max(sub_n, TMA_SMEM_ALIGN // jnp.dtype(dtype).itemsize))
 
-  band = _band(tiles.band, tiles_n)
   num_accs = 1 + max(a for _, targets in passes for _, a in targets)
   table = row_tiles(group_sizes, rows, bm, group_offsets)
+  if tiles.compute_wgs > 1:
+    if len(passes) != 1 or loads or sub_n != bn:
+      raise ValueError("fused_grouped_kernel: the warp-specialized kernel (compute_wgs > 1) "
+                       "runs one pass, no loaded tiles and the epilogue on whole tiles")
+    if n % (bn * tiles.compute_wgs):
+      raise ValueError(f"fused_grouped_kernel: N={n} must be a multiple of "
+                       f"{bn * tiles.compute_wgs} (block_n times compute_wgs)")
+    return _specialized(table, xs[passes[0][0]], [ws[wi] for wi, _ in passes[0][1]],
+                        [ai for _, ai in passes[0][1]], num_accs, rows=rows, n=n,
+                        transpose_w=transpose_w, tiles=tiles, epilogue=epilogue,
+                        out_dtypes=out_dtypes, name=name,
+                        settings=(tuple(passes), transpose_w, compile_ahead.code_key(epilogue)))
+  band = _band(tiles.band, tiles_n)
   num_x, num_w, num_loads = len(xs), len(ws), len(loads)
 
   def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, *refs):
@@ -184,6 +197,110 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
                 tuple(jax.ShapeDtypeStruct((rows, n), dtype) for dtype in out_dtypes), tiles,
                 (*table, *xs, *ws, *loads),
                 settings=(tuple(passes), transpose_w, sub_n, compile_ahead.code_key(epilogue)))
+
+
+def _specialized(table, x, weights, accs_of, num_accs: int, *, rows: int, n: int,
+                 transpose_w: bool, tiles: KernelTiles, epilogue: Callable, out_dtypes,
+                 name: str, settings):
+  """One pass, warp-specialized: a memory warpgroup streams `x`'s row tile and each weight's
+  `block_k x (compute_wgs * block_n)` tile into a ring of `stages` slots, while each compute
+  warpgroup multiplies its own `block_n` columns into its accumulators (weight `i` into
+  `accs_of[i]`), runs the epilogue on them and stores its columns of each output for the
+  item's rows. Per step the CTA reads `x` once for `compute_wgs` times the columns, where the
+  one-warpgroup kernel reads it once for `block_n`.
+
+  NOTES: the ring is held for the whole kernel (the memory warpgroup runs ahead into the next
+  item), so the outputs are staged one at a time through one `block_m x block_n` buffer per
+  warpgroup and dtype: each waits for the previous store's read of the buffer, which is short
+  beside a tile's reduction."""
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  k = x.shape[1]
+  bm, bn, bk = tiles.block_m, tiles.block_n, tiles.block_k
+  wgs = tiles.compute_wgs
+  cta_n = bn * wgs
+  tiles_n = n // cta_n
+  band = _band(tiles.band, tiles_n)
+  transforms = _transforms(x.dtype, bk)
+  dtypes = sorted({jnp.dtype(d) for d in out_dtypes}, key=str)
+  for dtype in dtypes:
+    if bn * dtype.itemsize % TMA_SMEM_ALIGN:
+      raise ValueError(f"fused_grouped_kernel: a staged row of {bn} {dtype} columns is not a "
+                       f"multiple of {TMA_SMEM_ALIGN} bytes")
+
+  def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, *refs):
+    w_refs, out_refs = refs[:len(weights)], refs[len(weights):]
+
+    def pipeline(tile, ni, mma_body, compute_context):
+      w_spec = plgpu.BlockSpec(
+          (cta_n, bk) if transpose_w else (bk, cta_n),
+          (lambda kk: (ni, kk)) if transpose_w else (lambda kk: (kk, ni)),
+          transforms=transforms, memory_space=plgpu.SMEM)
+      return plgpu.emit_pipeline_warp_specialized(
+          mma_body,
+          grid=(k // bk,),
+          memory_registers=40,
+          in_specs=[plgpu.BlockSpec((bm, bk), lambda kk: (tile, kk), transforms=transforms,
+                                    memory_space=plgpu.SMEM)] + [w_spec] * len(weights),
+          wg_axis="wg",
+          num_compute_wgs=wgs,
+          max_concurrent_steps=tiles.stages,
+          compute_context=compute_context,
+      )
+
+    ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
+
+    @functools.partial(
+        pl.run_scoped,
+        allocations=pipeline(0, 0, ignore, ignore).get_allocations(
+            x_gmem, *(w.at[0] for w in w_refs)),
+        staged=[plgpu.SMEM((wgs, bm, bn), dtype) for dtype in dtypes],
+        collective_axes="wg")
+    def _(allocations, staged):
+      wg = lax.axis_index("wg")
+      cols = pl.ds(wg * bn, bn)
+      num_items = num_gmem[0]
+
+      @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
+      def _(info):
+        item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
+        tile = tile_gmem[item]
+        group = group_gmem[item]
+
+        def compute_context(eval_pipeline):
+          @functools.partial(pl.run_scoped,
+                             acc_refs=[plgpu.ACC((bm, bn), jnp.float32)
+                                       for _ in range(num_accs)])
+          def _(acc_refs):
+            eval_pipeline(tuple(acc_refs))
+            values = [v.astype(d) for v, d in
+                      zip(epilogue(tuple(a[...] for a in acc_refs), ()), out_dtypes)]
+            for value, o_ref in zip(values, out_refs):
+              o_smem = staged[dtypes.index(jnp.dtype(value.dtype))].at[wg]
+              # The buffer's previous store (this item's or the previous one's) has read it.
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              o_smem[...] = value
+              plgpu.commit_smem()
+              _store_rows(o_smem, o_ref, tile * bm, first_gmem[item], count_gmem[item],
+                          ni * cta_n + wg * bn, bm, bn, rows)
+
+        def mma_body(_, x_smem, *w_smems_and_accs):
+          *w_smems, acc_refs = w_smems_and_accs
+          for ai, w_smem in zip(accs_of, w_smems):
+            w_part = (w_smem.at[cols].transpose((1, 0)) if transpose_w
+                      else w_smem.at[:, cols])
+            plgpu.wgmma(acc_refs[ai], x_smem, w_part)
+          plgpu.wgmma_wait(0)
+          return acc_refs
+
+        pipeline(tile, ni, mma_body, compute_context)(
+            x_gmem, *(w.at[group] for w in w_refs), allocations=allocations)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+  return launch(body, f"{name}_ws",
+                tuple(jax.ShapeDtypeStruct((rows, n), dtype) for dtype in out_dtypes), tiles,
+                (*table, x, *weights), threads=wgs + 1, settings=settings)
 
 
 def _transforms(dtype, columns: int):
