@@ -6,7 +6,7 @@ three dense GEMMs of the same FLOPs in the same run, and what the worst-case cap
   python benchmarks/bench_expert_mlp.py --impls fused --multiples --tiles 128,64,64,4 64,128,64,4
                                                             # the fused kernels at other tiles
   python benchmarks/bench_expert_mlp.py --impls fused --multiples --tiles 128,64,64,3,4,2 \
-      128,64,64,4,4,2                         # the gated projections warp-specialized
+      128,64,64,4,4,2             # the gated projections and hidden gradient warp-specialized
 
 Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows = T * K`;
 `deepseek_v3_ep8_rank` is one rank of DeepSeek-V3 at EP=8: 32 experts, ~1024 rows each):
@@ -23,8 +23,8 @@ Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows 
   the forward's FLOPs at the same speed), `fraction = tflops / bound_tflops`.
 `--tiles BM,BN,BK,STAGES[,BAND[,COMPUTE_WGS]] ...` times the fused kernels at each of those
 tiles too (`jax_ep.experts.override(fused_tiles=...)`, or with two compute warpgroups
-`fused_gated_tiles=...`: the gated projections' warp-specialized kernel; records with
-`settings: {"tiles": ...}`).
+`fused_gated_tiles=...` and `fused_hidden_grad_tiles=...`: those kernels' warp-specialized
+forms; records with `settings: {"tiles": ...}`).
 `--breakdown N` prints each timed program's N longest kernels by device time per run (one
 profiled trace after the timing; one process only), to tell which of the fused and the
 unfused paths' kernels a difference comes from. A path that fails is printed and left out.
@@ -86,7 +86,7 @@ def main():
   parser.add_argument("--tiles", nargs="*", default=[],
                       help="fused kernels' tiles to time besides the default: "
                            "BM,BN,BK,STAGES[,BAND[,COMPUTE_WGS]] (COMPUTE_WGS 2: the gated "
-                           "projections' warp-specialized kernel, the other kernels as set)")
+                           "projections' and the hidden gradient's warp-specialized kernels)")
   parser.add_argument("--repeats", type=int, default=10)
   parser.add_argument("--breakdown", type=int, default=0, metavar="N",
                       help="print each program's N longest kernels (device time per run)")
@@ -130,11 +130,11 @@ def main():
                 else contextlib.nullcontext())
       if tiles is not None:
         kernel_tiles = experts.KernelTiles(*(int(v) for v in tiles.split(",")))
-        # Two compute warpgroups: the gated projections' warp-specialized kernel alone (the
-        # gradients' fused kernels keep their tiles).
+        # Two compute warpgroups: the fused kernels that have a warp-specialized form (the
+        # gated projections, the hidden gradient); the input gradient keeps its tiles.
         chosen = experts.override(
-            **{"fused_gated_tiles" if kernel_tiles.compute_wgs > 1 else "fused_tiles":
-               kernel_tiles})
+            **(dict(fused_gated_tiles=kernel_tiles, fused_hidden_grad_tiles=kernel_tiles)
+               if kernel_tiles.compute_wgs > 1 else dict(fused_tiles=kernel_tiles)))
         settings = {"tiles": tiles}
       exact = {}
       with chosen:

@@ -314,18 +314,26 @@ def test_interpreted_matches_the_unfused_float32_model(interpreted, activation, 
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_interpreted_specialized_gated_projections(interpreted, activation):
-  """The gated projections' warp-specialized kernel (`fused_gated_tiles` with two compute
-  warpgroups, each 64 of a CTA tile's 128 columns of both projections): the same bits as the
-  one-warpgroup kernel, forward and backward, skewed and empty groups, NaN outside."""
+def test_interpreted_specialized_kernels(interpreted, activation):
+  """The gated projections' and the hidden gradient's warp-specialized kernels (two compute
+  warpgroups, each 64 of a CTA tile's 128 columns; the hidden gradient's loaded tiles and
+  epilogue slices per warpgroup): the same bits as the one-warpgroup kernels, forward and
+  backward, skewed and empty groups, NaN outside."""
+  from jax_ep.experts import hopper_fused
   rng = np.random.default_rng(11)
   x, weights, gs, go, cot, inside = make_case(rng, 320, 4, 128, 256, [40, 0, 100, 77],
                                               activation)
-  run = jax.jit(lambda *a: loss_and_grads(*a, activation))
-  y, grads = run(x, weights, gs, go, cot)
-  with experts.override(fused_gated_tiles=KernelTiles(64, 64, 64, 2, 1, compute_wgs=2)):
+  y, grads = jax.jit(lambda *a: loss_and_grads(*a, activation))(x, weights, gs, go, cot)
+  tiles = KernelTiles(64, 64, 64, 2, 1, compute_wgs=2)
+  launched = []
+  specialized = hopper_fused._specialized
+  with experts.override(fused_gated_tiles=tiles, fused_hidden_grad_tiles=tiles), \
+      pytest.MonkeyPatch.context() as patch:
+    patch.setattr(hopper_fused, "_specialized", lambda *a, name, **kw: (
+        launched.append(name) or specialized(*a, name=name, **kw)))
     assert mlp.fused_mlp_impl(320, 4, 128, 256, jnp.bfloat16, activation)[0]
     y_ws, grads_ws = jax.jit(lambda *a: loss_and_grads(*a, activation))(x, weights, gs, go, cot)
+  assert launched == ["jax_ep_mlp_gate_up", "jax_ep_mlp_hidden_grad"], launched
   np.testing.assert_array_equal(np.asarray(y_ws, np.float32)[inside],
                                 np.asarray(y, np.float32)[inside])
   for name, g, want in zip(("dx", "w_gate", "w_up", "w_down"), grads_ws, grads):
@@ -336,6 +344,29 @@ def test_interpreted_specialized_gated_projections(interpreted, activation):
       g, want = g[inside], want[inside]
     np.testing.assert_array_equal(g, want, err_msg=name)
   check_against_reference(y_ws, grads_ws, x, weights, gs, go, cot, activation)
+
+
+def test_an_override_after_a_trace_takes_effect(interpreted, monkeypatch):
+  """A program traced inside `override(...)` after one of the same shapes traced outside it
+  runs the overridden kernels, and one traced outside again the default's (jax keeps a
+  custom_vmap's trace per function: the factories are cached per overrides)."""
+  from jax_ep.experts import hopper_fused
+  launched = []
+  launch = hopper_fused.launch
+  monkeypatch.setattr(hopper_fused, "launch", lambda body, name, out, tiles, args, **kw: (
+      launched.append((name, tiles.stages)) or launch(body, name, out, tiles, args, **kw)))
+  rng = np.random.default_rng(3)
+  x, weights, gs, go, cot, _ = make_case(rng, 192, 2, 128, 64, [50, 70], "swiglu")
+
+  def stages(**overrides):
+    launched.clear()
+    with experts.override(**overrides):
+      y = jax.jit(lambda *a: loss_and_grads(*a, "swiglu")[0])(x, weights, gs, go, cot)
+    return y, [s for name, s in launched if name == "jax_ep_mlp_gate_up"]
+  y, first = stages()
+  y3, third = stages(fused_gated_tiles=KernelTiles(64, 64, 64, 3, 1))
+  assert first == [SMALL.stages] and third == [3], (first, third)
+  np.testing.assert_array_equal(np.asarray(y3, np.float32), np.asarray(y, np.float32))
 
 
 def run_in_shard_map(cases, wrap, activation="swiglu"):
@@ -468,9 +499,9 @@ def test_on_the_gpu_every_activation(activation):
   _check_on_the_gpu("e32_h4096_f1536", "plain", activation)
 
 
-# The gated projections' warp-specialized kernel (two compute warpgroups; opt in, timed by
-# `bench_expert_mlp.py --tiles 128,64,64,4,4,2`).
-GATED_WGS = KernelTiles(128, 64, 64, 4, 4, compute_wgs=2)
+# The gated projections' and the hidden gradient's warp-specialized kernels (two compute
+# warpgroups; opt in, timed by `bench_expert_mlp.py --tiles 128,64,64,4,4,2`).
+SPECIALIZED = KernelTiles(128, 64, 64, 4, 4, compute_wgs=2)
 
 
 @pytest.mark.gpu
@@ -478,10 +509,10 @@ GATED_WGS = KernelTiles(128, 64, 64, 4, 4, compute_wgs=2)
     ("deepseek_v3_ep8_rank", "plain", "swiglu"), ("deepseek_v3_ep8_rank", "vmap", "swiglu"),
     ("deepseek_v3_ep8_rank", "checkpoint", "swiglu"), ("mixtral", "plain", "swiglu"),
     ("e32_h4096_f1536", "plain", "gelu")])
-def test_on_the_gpu_specialized_gated_projections(shape, wrap, activation):
-  """The gated projections' warp-specialized kernel as the layer calls it (inside shard_map,
-  under grad, vmap or jax.checkpoint), against the unfused float32 model."""
-  with experts.override(fused_gated_tiles=GATED_WGS):
+def test_on_the_gpu_specialized_kernels(shape, wrap, activation):
+  """The fused MLP's warp-specialized kernels as the layer calls them (inside shard_map, under
+  grad, vmap or jax.checkpoint), against the unfused float32 model."""
+  with experts.override(fused_gated_tiles=SPECIALIZED, fused_hidden_grad_tiles=SPECIALIZED):
     _check_on_the_gpu(shape, wrap, activation)
 
 

@@ -132,18 +132,20 @@ def test_the_weight_grad_with_two_compute_warpgroups_builds_for_sm90a():
 
 
 @pytest.mark.slow
-def test_the_specialized_gated_projections_build_for_sm90a():
-  """The gated projections' warp-specialized kernel (two compute warpgroups, 3 and 4 stages)
-  builds in the MLP at one rank of DeepSeek-V3 at EP=8 through ptxas, gated and plain
+def test_the_specialized_fused_kernels_build_for_sm90a():
+  """The fused MLP's warp-specialized gated projections and hidden gradient (two compute
+  warpgroups, 4 stages: the most shared memory the tune tries) build in the MLP's forward
+  and backward at one rank of DeepSeek-V3 at EP=8 through ptxas, gated and plain
   activations, none spilling."""
-  result, output = _run("gated_wgs")
-  failed = {tiles: why for tiles, why in result.items() if why is not None}
-  assert len(result) == 4 and not failed, failed
-  # Each case's kernel at least once (the choice's probe also builds the backward's form,
-  # which saves the projections: more outputs).
-  reports = [r for r in _ptxas_reports(output) if r["kernel"] == "jax_ep_mlp_gate_up_ws"]
-  assert len(reports) >= len(result), reports
-  assert not any(r["spill_stores"] or r["spill_loads"] for r in reports), reports
+  result, output = _run("specialized_fused")
+  failed = {case: why for case, why in result.items() if why is not None}
+  assert len(result) == 2 and not failed, failed
+  for name in ("jax_ep_mlp_gate_up_ws", "jax_ep_mlp_hidden_grad_ws"):
+    # Each activation's kernel at least once (the choice's probe builds the gated projections
+    # again: the forward alone saves no projections).
+    reports = [r for r in _ptxas_reports(output) if r["kernel"] == name]
+    assert len(reports) >= len(result), (name, reports)
+    assert not any(r["spill_stores"] or r["spill_loads"] for r in reports), reports
 
 
 @pytest.mark.slow

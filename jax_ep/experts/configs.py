@@ -14,6 +14,7 @@ Nothing is tuned at call time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import contextvars
 import dataclasses
 import itertools
@@ -148,6 +149,8 @@ class Overrides:
     fused_gated_tiles: the fused gated projections' tiles for every shape, over `fused_tiles`
       (`compute_wgs` 2: the warp-specialized kernel, each compute warpgroup `block_n` of the
       CTA's columns of both projections).
+    fused_hidden_grad_tiles: the fused hidden gradient's tiles for every shape, over
+      `fused_tiles` (`compute_wgs` 2: the warp-specialized kernel).
     fp8_weight_grad: whether the FP8 recipe's weight gradients run in FP8 (None, the default,
       or True: the tokens quantised per 128 per channel, `fp8_weight_grads`) or in bf16 on
       the dequantised rows (False).
@@ -170,6 +173,7 @@ class Overrides:
   fused_mlp: bool | None = None
   fused_tiles: KernelTiles | None = None
   fused_gated_tiles: KernelTiles | None = None
+  fused_hidden_grad_tiles: KernelTiles | None = None
   fp8_weight_grad: bool | None = None
   kernel_sms: int | None = None
   compile_ahead: bool | None = None
@@ -208,6 +212,23 @@ def override(**fields):
     yield
   finally:
     _OVERRIDES.reset(token)
+
+
+def cache_per_overrides(factory):
+  """`functools.cache` of `factory`, keyed on the overrides in force as well as its arguments.
+
+  NOTES: for the factories of the functions a trace calls whose choices read the overrides
+  (tiles, kernels, probes): jax keeps the jaxpr of a `custom_vmap`'s function per function
+  object and operand types, whatever else differs, so a factory cached on its arguments alone
+  handed a program traced inside `override(...)` the function, and so the kernels, of an
+  earlier trace made outside it."""
+  cached = functools.cache(lambda overrides, *args: factory(*args))
+
+  @functools.wraps(factory)
+  def make(*args):
+    return cached(current(), *args)
+  make.cache_clear = cached.cache_clear
+  return make
 
 
 def tile_config(rows: int, groups: int, k: int, n: int, dtype=jnp.bfloat16,
@@ -310,13 +331,30 @@ def fused_hidden_grad_tiles(k: int, n: int) -> KernelTiles | None:
   at 64 each reduction step's wgmma is half as wide and the row operand is read from L2 twice
   as often. The epilogue then runs on `HIDDEN_GRAD_EPILOGUE_COLUMNS` at a time, and the loaded
   and staged tiles (64 + 96 KiB) fit beside 4 stages (128 KiB): the staged ones take the
-  stages' place once the reduction ends. The input gradient's rule."""
+  stages' place once the reduction ends. The input gradient's rule, unless
+  `override(fused_hidden_grad_tiles=...)` names tiles (`compute_wgs` 2: the warp-specialized
+  kernel, each compute warpgroup `block_n` of the CTA's columns)."""
+  forced = current().fused_hidden_grad_tiles
+  if forced is not None:
+    cta_n = forced.block_n * forced.compute_wgs
+    return forced if k % forced.block_k == 0 and n % cta_n == 0 else None
   return fused_input_grad_tiles(k, n)
 
 
 # The fused hidden gradient's epilogue width. ptxas for sm_90a at 128 columns: the whole tile
 # at once spills 3282 bytes a thread, 64 columns 672, 32 columns 24, 16 none (244 registers).
 HIDDEN_GRAD_EPILOGUE_COLUMNS = 16
+# The same with two compute warpgroups of 64 columns (each output staged on its own, the
+# epilogue run again for each, within the warp-specialized kernel's 168 registers): at one
+# rank of DeepSeek-V3 at EP=8, 16 columns spill 40-44 bytes a thread, 32 none.
+HIDDEN_GRAD_EPILOGUE_COLUMNS_SPECIALIZED = 32
+
+
+def hidden_grad_epilogue_columns(tiles: KernelTiles) -> int:
+  """The fused hidden gradient's epilogue width at `tiles`."""
+  columns = (HIDDEN_GRAD_EPILOGUE_COLUMNS_SPECIALIZED if tiles.compute_wgs > 1
+             else HIDDEN_GRAD_EPILOGUE_COLUMNS)
+  return min(tiles.block_n, columns)
 
 
 def fused_input_grad_tiles(k: int, n: int) -> KernelTiles | None:

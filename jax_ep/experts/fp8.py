@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jax_ep.experts import choice
+from jax_ep.experts import choice, configs
 from jax_ep.experts.choice import say
 from jax_ep.experts.layout import contiguous_offsets, spans
 
@@ -134,7 +134,6 @@ def _quantize(w):
   """`_quantize_blocks`'s values and scales: on Hopper GPUs by jax_ep's one-pass kernel
   (`quantize_kernel.py`: the master read once), elsewhere (or with
   `jax_ep.experts.override(impl="xla")`) by XLA. The first use of each is logged."""
-  from jax_ep.experts import configs
   shape = f"{list(w.shape)} {np.dtype(w.dtype).name}"
   if choice.on_hopper() and configs.current().impl != "xla":
     from jax_ep.experts.quantize_kernel import quantize_weight_blocks
@@ -226,7 +225,6 @@ def quantize_columns(x, x_scales, src, count):
 def fp8_matmul_impl(rows: int, groups: int, k: int, n: int, *, impl: str = "auto"):
   """`(name, detail)` of the FP8 product for this shape: `("mosaic", tiles)` or `("xla", why
   the FP8 kernel does not run it)` (with `impl='auto'`, as `jax_ep.grouped_matmul_impl`)."""
-  from jax_ep.experts import configs
   if impl not in ("auto", "mosaic", "xla"):
     raise ValueError(f"jax_ep.grouped_matmul_fp8: impl must be 'auto', 'mosaic' or 'xla', got "
                      f"{impl!r}")
@@ -250,7 +248,6 @@ def fp8_matmul_impl(rows: int, groups: int, k: int, n: int, *, impl: str = "auto
 
 def _fp8_kernel_tiles(rows, groups, k, n):
   """`(tiles, None)` where the FP8 kernel runs this shape, else `(None, why)`."""
-  from jax_ep.experts import configs
   tiles = configs.fp8_tile_config(groups, k, n)
   if tiles is None:
     return None, f"the FP8 kernel's 128-channel blocks do not divide K={k} and N={n}"
@@ -265,7 +262,6 @@ def fp8_compile_error(rows: int, groups: int, k: int, n: int, tiles) -> str | No
   a kernel that cannot build sends the shape to the fallback (logged) instead of failing the
   user's program when XLA compiles it. A known build (`configs.KNOWN_BUILDS`) is not
   compiled."""
-  from jax_ep.experts import configs
   if configs.known_to_build(configs.fp8_gmm_build(tiles), rows):
     return None
   from jax_ep.experts.hopper_fp8 import fp8_grouped_matmul_kernel
@@ -317,7 +313,7 @@ def fp8_product(x, x_scales, w: Fp8Weights, group_sizes, group_offsets, out_dtyp
                             preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-@functools.cache
+@configs.cache_per_overrides
 def product_fn(out_dtype, impl: str):
   """`fp8_product` as a `(y,)`-valued function of `(x, x_scales, values, scales, sizes,
   offsets)`: `jax.vmap` over a leading axis runs one call (`mlp.rowwise_vmap`)."""

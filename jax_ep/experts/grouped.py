@@ -91,7 +91,7 @@ def _broadcast(value, batched, axis_size):
   return value if batched else jnp.broadcast_to(value, (axis_size, *value.shape))
 
 
-@functools.cache
+@configs.cache_per_overrides
 def product_fn(transpose_w: bool, out_dtype, impl: str):
   @jax.custom_batching.custom_vmap
   def product(x, w, group_sizes, group_offsets):
@@ -122,7 +122,7 @@ def product_fn(transpose_w: bool, out_dtype, impl: str):
   return product
 
 
-@functools.cache
+@configs.cache_per_overrides
 def weight_grad_fn(transpose_w: bool, w_dtype, impl: str):
   @jax.custom_batching.custom_vmap
   def weight_grad(x, dy, group_sizes, group_offsets):

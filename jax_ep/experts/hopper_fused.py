@@ -3,7 +3,10 @@ expert MLP's gated projections, the activation's derivative and the input gradie
 projections, each in one kernel that stores only rows inside the groups.
 
 One warpgroup per CTA, the persistent loop over the work list of `jax_ep/experts/hopper.py`
-(`layout.row_tiles`: no step for row tiles past the groups). For each (item, column tile):
+(`layout.row_tiles`: no step for row tiles past the groups); with `compute_wgs` 2 a
+warp-specialized form for one pass (`_specialized`: the gated projections, the hidden
+gradient), a memory warpgroup loading for two compute warpgroups of `block_n` columns each.
+For each (item, column tile):
 1. `passes` run in order, each an `emit_pipeline` over one row operand's reduction dimension
    that multiplies its tile by one or more weights, each into its own fp32 accumulator
    (gate and up: one pass, two weights, two accumulators; the input gradient of both
@@ -91,17 +94,18 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
   num_accs = 1 + max(a for _, targets in passes for _, a in targets)
   table = row_tiles(group_sizes, rows, bm, group_offsets)
   if tiles.compute_wgs > 1:
-    if len(passes) != 1 or loads or sub_n != bn:
+    if len(passes) != 1:
       raise ValueError("fused_grouped_kernel: the warp-specialized kernel (compute_wgs > 1) "
-                       "runs one pass, no loaded tiles and the epilogue on whole tiles")
+                       "runs one pass")
     if n % (bn * tiles.compute_wgs):
       raise ValueError(f"fused_grouped_kernel: N={n} must be a multiple of "
                        f"{bn * tiles.compute_wgs} (block_n times compute_wgs)")
     return _specialized(table, xs[passes[0][0]], [ws[wi] for wi, _ in passes[0][1]],
-                        [ai for _, ai in passes[0][1]], num_accs, rows=rows, n=n,
-                        transpose_w=transpose_w, tiles=tiles, epilogue=epilogue,
-                        out_dtypes=out_dtypes, name=name,
-                        settings=(tuple(passes), transpose_w, compile_ahead.code_key(epilogue)))
+                        [ai for _, ai in passes[0][1]], num_accs, tuple(loads), rows=rows,
+                        n=n, sub_n=sub_n, transpose_w=transpose_w, tiles=tiles,
+                        epilogue=epilogue, out_dtypes=out_dtypes, name=name,
+                        settings=(tuple(passes), transpose_w, sub_n,
+                                  compile_ahead.code_key(epilogue)))
   band = _band(tiles.band, tiles_n)
   num_x, num_w, num_loads = len(xs), len(ws), len(loads)
 
@@ -199,20 +203,22 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
                 settings=(tuple(passes), transpose_w, sub_n, compile_ahead.code_key(epilogue)))
 
 
-def _specialized(table, x, weights, accs_of, num_accs: int, *, rows: int, n: int,
-                 transpose_w: bool, tiles: KernelTiles, epilogue: Callable, out_dtypes,
-                 name: str, settings):
+def _specialized(table, x, weights, accs_of, num_accs: int, loads, *, rows: int, n: int,
+                 sub_n: int, transpose_w: bool, tiles: KernelTiles, epilogue: Callable,
+                 out_dtypes, name: str, settings):
   """One pass, warp-specialized: a memory warpgroup streams `x`'s row tile and each weight's
   `block_k x (compute_wgs * block_n)` tile into a ring of `stages` slots, while each compute
   warpgroup multiplies its own `block_n` columns into its accumulators (weight `i` into
-  `accs_of[i]`), runs the epilogue on them and stores its columns of each output for the
-  item's rows. Per step the CTA reads `x` once for `compute_wgs` times the columns, where the
-  one-warpgroup kernel reads it once for `block_n`.
+  `accs_of[i]`), runs the epilogue on them (and on its columns of the `loads`, asked for
+  before the reduction) `sub_n` columns at a time, and stores its columns of each output for
+  the item's rows. Per step the CTA reads `x` once for `compute_wgs` times the columns, where
+  the one-warpgroup kernel reads it once for `block_n`.
 
   NOTES: the ring is held for the whole kernel (the memory warpgroup runs ahead into the next
   item), so the outputs are staged one at a time through one `block_m x block_n` buffer per
-  warpgroup and dtype: each waits for the previous store's read of the buffer, which is short
-  beside a tile's reduction."""
+  warpgroup and dtype, the epilogue run again for each (its cost is small beside a tile's
+  reduction; the values no output reads are dropped): each waits for the previous store's
+  read of the buffer, which is short beside the reduction."""
   from jax.experimental import pallas as pl
   from jax.experimental.pallas import mosaic_gpu as plgpu
   k = x.shape[1]
@@ -220,6 +226,8 @@ def _specialized(table, x, weights, accs_of, num_accs: int, *, rows: int, n: int
   wgs = tiles.compute_wgs
   cta_n = bn * wgs
   tiles_n = n // cta_n
+  num_subs = bn // sub_n
+  num_loads = len(loads)
   band = _band(tiles.band, tiles_n)
   transforms = _transforms(x.dtype, bk)
   dtypes = sorted({jnp.dtype(d) for d in out_dtypes}, key=str)
@@ -229,7 +237,9 @@ def _specialized(table, x, weights, accs_of, num_accs: int, *, rows: int, n: int
                        f"multiple of {TMA_SMEM_ALIGN} bytes")
 
   def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, *refs):
-    w_refs, out_refs = refs[:len(weights)], refs[len(weights):]
+    w_refs = refs[:len(weights)]
+    load_refs = refs[len(weights):len(weights) + num_loads]
+    out_refs = refs[len(weights) + num_loads:]
 
     def pipeline(tile, ni, mma_body, compute_context):
       w_spec = plgpu.BlockSpec(
@@ -249,14 +259,21 @@ def _specialized(table, x, weights, accs_of, num_accs: int, *, rows: int, n: int
       )
 
     ignore = lambda *_, **__: None  # noqa: E731 - the allocations do not depend on the bodies
+    # Each compute warpgroup's loaded tiles, per load and epilogue slice, and their barriers.
+    loaded_scope = dict(
+        loaded=[[plgpu.SMEM((wgs, bm, sub_n), r.dtype, transforms=_transforms(r.dtype, sub_n))
+                 for _ in range(num_subs)] for r in loads],
+        barriers=plgpu.Barrier(num_arrivals=1, num_barriers=wgs * num_loads * num_subs),
+    ) if loads else {}
 
     @functools.partial(
         pl.run_scoped,
         allocations=pipeline(0, 0, ignore, ignore).get_allocations(
             x_gmem, *(w.at[0] for w in w_refs)),
         staged=[plgpu.SMEM((wgs, bm, bn), dtype) for dtype in dtypes],
+        **loaded_scope,
         collective_axes="wg")
-    def _(allocations, staged):
+    def _(allocations, staged, loaded=(), barriers=None):
       wg = lax.axis_index("wg")
       cols = pl.ds(wg * bn, bn)
       num_items = num_gmem[0]
@@ -266,23 +283,43 @@ def _specialized(table, x, weights, accs_of, num_accs: int, *, rows: int, n: int
         item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
         tile = tile_gmem[item]
         group = group_gmem[item]
+        col0 = ni * cta_n + wg * bn  # this warpgroup's first column
+
+        def barrier(i, j):
+          return barriers.at[(wg * num_loads + i) * num_subs + j]
 
         def compute_context(eval_pipeline):
+          # The loaded tiles are asked for before the reduction: they arrive while it runs.
+          for i, (ref, parts) in enumerate(zip(load_refs, loaded)):
+            for j, smem in enumerate(parts):
+              plgpu.copy_gmem_to_smem(
+                  ref.at[pl.ds(tile * bm, bm), pl.ds(col0 + j * sub_n, sub_n)], smem.at[wg],
+                  barrier(i, j))
+
           @functools.partial(pl.run_scoped,
                              acc_refs=[plgpu.ACC((bm, bn), jnp.float32)
                                        for _ in range(num_accs)])
           def _(acc_refs):
             eval_pipeline(tuple(acc_refs))
-            values = [v.astype(d) for v, d in
-                      zip(epilogue(tuple(a[...] for a in acc_refs), ()), out_dtypes)]
-            for value, o_ref in zip(values, out_refs):
-              o_smem = staged[dtypes.index(jnp.dtype(value.dtype))].at[wg]
+            for i in range(num_loads):
+              for j in range(num_subs):
+                plgpu.barrier_wait(barrier(i, j))
+            accs = tuple(a[...] for a in acc_refs)
+            for o, (dtype, o_ref) in enumerate(zip(out_dtypes, out_refs)):
+              o_smem = staged[dtypes.index(jnp.dtype(dtype))].at[wg]
               # The buffer's previous store (this item's or the previous one's) has read it.
               plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-              o_smem[...] = value
+              for j in range(num_subs):
+                loaded_j = tuple(plgpu.layout_cast(parts[j].at[wg][...], plgpu.Layout.WGMMA)
+                                 for parts in loaded)
+                sliced = accs if num_subs == 1 else tuple(
+                    acc[:, j * sub_n:(j + 1) * sub_n] for acc in accs)
+                value = epilogue(sliced, loaded_j)[o]
+                target = o_smem if num_subs == 1 else o_smem.at[:, pl.ds(j * sub_n, sub_n)]
+                target[...] = value.astype(dtype)
               plgpu.commit_smem()
-              _store_rows(o_smem, o_ref, tile * bm, first_gmem[item], count_gmem[item],
-                          ni * cta_n + wg * bn, bm, bn, rows)
+              _store_rows(o_smem, o_ref, tile * bm, first_gmem[item], count_gmem[item], col0,
+                          bm, bn, rows)
 
         def mma_body(_, x_smem, *w_smems_and_accs):
           *w_smems, acc_refs = w_smems_and_accs
@@ -300,7 +337,7 @@ def _specialized(table, x, weights, accs_of, num_accs: int, *, rows: int, n: int
 
   return launch(body, f"{name}_ws",
                 tuple(jax.ShapeDtypeStruct((rows, n), dtype) for dtype in out_dtypes), tiles,
-                (*table, x, *weights), threads=wgs + 1, settings=settings)
+                (*table, x, *weights, *loads), threads=wgs + 1, settings=settings)
 
 
 def _transforms(dtype, columns: int):

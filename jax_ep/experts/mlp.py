@@ -107,7 +107,7 @@ def rowwise_vmap(fn, num_rows: int):
   return op
 
 
-@functools.cache
+@configs.cache_per_overrides
 def _projections_fn(activation: str, save: bool):
   """`(h,)`, or with `save` `(h, gate[, up])`, of `x` `[rows, H]` in `x`'s dtype."""
   gated = activation in GATED
@@ -131,7 +131,7 @@ def _projections_fn(activation: str, save: bool):
   return rowwise_vmap(projections, 1)
 
 
-@functools.cache
+@configs.cache_per_overrides
 def _hidden_grad_fn(activation: str):
   """`(dgate[, dup], h)` from `dy` `[rows, H]`, `w_down` and the saved projections."""
   gated = activation in GATED
@@ -153,14 +153,14 @@ def _hidden_grad_fn(activation: str):
     outs = fused_grouped_kernel(
         (dy,), (w_down,), sizes, offsets, passes=((0, ((0, 0),)),), transpose_w=True,
         tiles=tiles, epilogue=epilogue, out_dtypes=(dy.dtype,) * (len(saved) + 1), loads=saved,
-        epilogue_columns=min(tiles.block_n, configs.HIDDEN_GRAD_EPILOGUE_COLUMNS),
+        epilogue_columns=configs.hidden_grad_epilogue_columns(tiles),
         name="jax_ep_mlp_hidden_grad")
     return vary_like_operands(tuple(outs), (dy, *saved, w_down, sizes, offsets))
 
   return rowwise_vmap(hidden_grad, 3 if gated else 2)
 
 
-@functools.cache
+@configs.cache_per_overrides
 def _input_grad_fn(gated: bool):
   """`(dx,)`: `dgate @ w_gate^T (+ dup @ w_up^T)` in one accumulator."""
   def input_grad(*args):
@@ -227,7 +227,7 @@ fused_expert_mlp.defvjp(_fused_fwd, _fused_bwd)
 # ----------------------------------------------------------------------------------------------
 # The choice.
 
-@functools.cache
+@configs.cache_per_overrides
 def fused_compile_error(rows: int, groups: int, hidden: int, ffn: int, dtype,
                         activation: str) -> str | None:
   """Why the fused kernels do not compile for this shape, or None (compiled once per shape on

@@ -62,7 +62,7 @@ def _product(x, x_scales, w: Fp8Weights, sizes, offsets, out_dtype, impl="auto")
                                                 offsets)[0]
 
 
-@functools.cache
+@configs.cache_per_overrides
 def _gated_fn(activation: str):
   """The gated kernel as a `(h, h_scales, gate[, up])`-valued function for `rowwise_vmap`."""
   gated = activation in GATED
@@ -273,7 +273,7 @@ def _blockwise_weight_grad(x_rows, d_rows, *, block_end, num_blocks: int):
   return jax.ops.segment_sum(products, group, num_segments=groups).astype(BF16)
 
 
-@functools.cache
+@configs.cache_per_overrides
 def _weight_grads_fn(parts: int, kernels: bool):
   """`_fp8_weight_grads` batched over a leading axis in one call: every element's groups in
   turn over the elements' rows one after the other (each element its own gradients)."""
@@ -342,7 +342,7 @@ def fp8_mlp_compile_error(rows: int, groups: int, hidden: int, ffn: int,
                                 configs.fp8_weight_grads())
 
 
-@functools.cache
+@configs.cache_per_overrides
 def _fp8_mlp_compile_error(rows: int, groups: int, hidden: int, ffn: int, activation: str,
                            fp8_weight_grad: bool) -> str | None:
   if configs.known_to_build(
