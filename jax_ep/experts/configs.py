@@ -14,9 +14,9 @@ Nothing is tuned at call time.
 from __future__ import annotations
 
 import contextlib
-import functools
 import contextvars
 import dataclasses
+import functools
 import itertools
 
 import jax
@@ -227,7 +227,6 @@ def cache_per_overrides(factory):
   @functools.wraps(factory)
   def make(*args):
     return cached(current(), *args)
-  make.cache_clear = cached.cache_clear
   return make
 
 
