@@ -348,8 +348,8 @@ def test_interpreted_specialized_kernels(interpreted, activation):
 
 def test_an_override_after_a_trace_takes_effect(interpreted, monkeypatch):
   """A program traced inside `override(...)` after one of the same shapes traced outside it
-  runs the overridden kernels, and one traced outside again the default's (jax keeps a
-  custom_vmap's trace per function: the factories are cached per overrides)."""
+  runs the overridden kernels (jax keeps a custom_vmap's trace per function: the factories
+  are cached per overrides)."""
   from jax_ep.experts import hopper_fused
   launched = []
   launch = hopper_fused.launch
