@@ -140,12 +140,18 @@ def _kv_client():
   return distributed.global_state.client
 
 
+_GATHERS: dict[str, int] = {}
+
+
 def gather_max(key: str, value: float, timeout_s: float = 120) -> float:
   """The largest `value` over all processes (through the distributed key-value store): a
-  multi-process op is done when its slowest process is. `key` must be unique per call."""
+  multi-process op is done when its slowest process is. Every process makes the same calls
+  in the same order; a key used again is numbered (the store refuses a key set twice)."""
   if jax.process_count() == 1:
     return value
   client = _kv_client()
+  n = _GATHERS[key] = _GATHERS.get(key, 0) + 1
+  key = f"{key}#{n}"
   client.key_value_set_bytes(f"bench/{key}/{jax.process_index()}", json.dumps(value).encode())
   return max(json.loads(client.blocking_key_value_get_bytes(f"bench/{key}/{p}",
                                                               int(timeout_s * 1000)))
