@@ -5,8 +5,8 @@ three dense GEMMs of the same FLOPs in the same run, and what the worst-case cap
   python benchmarks/bench_expert_mlp.py --impls fused       # the fused Hopper kernels alone
   python benchmarks/bench_expert_mlp.py --impls fused --multiples --tiles 128,64,64,4 64,128,64,4
                                                             # the fused kernels at other tiles
-  python benchmarks/bench_expert_mlp.py --impls fused --multiples --tiles 128,64,64,3,4,2 \
-      128,64,64,4,4,2             # the gated projections and hidden gradient warp-specialized
+  python benchmarks/bench_expert_mlp.py --impls fused --multiples --tiles 128,64,64,4,4,2 \
+      128,64,64,4,4      # the warp-specialized kernels at 4 stages; every kernel one warpgroup
 
 Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows = T * K`;
 `deepseek_v3_ep8_rank` is one rank of DeepSeek-V3 at EP=8: 32 experts, ~1024 rows each):
@@ -22,9 +22,10 @@ Per shape (experts x hidden x ffn, top-k; one rank's rows at 4096 tokens, `rows 
   timed in the same run (`bound: dense_gemm`, `bound_tflops`; forward + backward: three times
   the forward's FLOPs at the same speed), `fraction = tflops / bound_tflops`.
 `--tiles BM,BN,BK,STAGES[,BAND[,COMPUTE_WGS]] ...` times the fused kernels at each of those
-tiles too (`jax_ep.experts.override(fused_tiles=...)`, or with two compute warpgroups
-`fused_gated_tiles=...` and `fused_hidden_grad_tiles=...`: those kernels' warp-specialized
-forms; records with `settings: {"tiles": ...}`).
+tiles too (`jax_ep.experts.override(fused_tiles=...)`: every fused kernel one warpgroup at
+those tiles; with two compute warpgroups `fused_gated_tiles=...` and
+`fused_hidden_grad_tiles=...`: those kernels' warp-specialized forms, the default where F
+holds 128 columns; records with `settings: {"tiles": ...}`).
 `--breakdown N` prints each timed program's N longest kernels by device time per run (one
 profiled trace after the timing; one process only), to tell which of the fused and the
 unfused paths' kernels a difference comes from. A path that fails is printed and left out.

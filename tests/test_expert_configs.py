@@ -88,6 +88,24 @@ def test_each_field_reaches_its_choice():
   assert configs.slab_tiles(128, 7168, 2048) == SlabTiles(16, 128, 64, 4, 3)
 
 
+def test_the_fused_kernels_default_to_two_compute_warpgroups_where_n_holds_them():
+  """The fused gated projections and hidden gradient take the warp-specialized kernels where
+  F holds a CTA's 128 columns, one warpgroup of 64 columns where it does not; an override of
+  `fused_tiles` reaches every fused kernel."""
+  stages = configs.FUSED_SPECIALIZED_STAGES
+  assert configs.fused_tiles(7168, 2048) == KernelTiles(
+      128, 64, 64, stages["gated"], 4, compute_wgs=2)
+  assert configs.fused_hidden_grad_tiles(7168, 2048) == KernelTiles(
+      128, 64, 64, stages["hidden_grad"], 4, compute_wgs=2)
+  assert configs.fused_input_grad_tiles(2048, 7168) == KernelTiles(128, 128, 64, 4, 4)
+  assert configs.fused_tiles(256, 192) == KernelTiles(128, 64, 64, 4, 4)
+  assert configs.fused_hidden_grad_tiles(256, 192) == KernelTiles(128, 64, 64, 4, 4)
+  assert configs.fused_tiles(100, 256) is None
+  small = KernelTiles(64, 64, 64, 2, 1)
+  with experts.override(fused_tiles=small):
+    assert configs.fused_tiles(256, 256) == configs.fused_hidden_grad_tiles(256, 256) == small
+
+
 def _slabs(rng, num_local, rows_per_slab, hidden, ffn, counts, dtype=jnp.bfloat16):
   rows = rng.standard_normal((num_local, rows_per_slab, hidden))
   used = np.arange(rows_per_slab)[None, :, None] < np.asarray(counts)[:, None, None]

@@ -219,10 +219,13 @@ def test_tile_rule():
   assert configs.tile_config(100, 8, 64, 192) == KernelTiles(
       128, 64, 64, 4, 4)  # 192 % 128 != 0: one warpgroup
   assert configs.tile_config(100, 8, 100, 128) is None  # K % 64 != 0
-  # Few groups: one CTA per SM; many (each a few hundred rows): two per SM at 3 stages.
-  assert configs.weight_grad_tiles(7168, 2048, 32) == KernelTiles(128, 128, 64, 4, 4)
+  # Few groups: one CTA per SM, two compute warpgroups where K holds their 256 rows; many
+  # (each a few hundred rows): two CTAs per SM at 3 stages.
+  assert configs.weight_grad_tiles(7168, 2048, 32) == KernelTiles(
+      128, 128, 64, 3, 4, compute_wgs=2)
   assert configs.weight_grad_tiles(7168, 2048, 256) == KernelTiles(
       128, 128, 64, 3, 4, ctas_per_sm=2)
+  assert configs.weight_grad_tiles(384, 2048, 32) == KernelTiles(128, 128, 64, 4, 4)
   assert configs.weight_grad_tiles(256, 192, 8).block_n == 64
   assert configs.weight_grad_tiles(64, 128, 8) is None  # K % 128 != 0
   assert configs.tile_config(100, 8, 64, 100) is None
@@ -1022,13 +1025,16 @@ def test_on_the_gpu_weight_grad_in_runs_of_groups(tiles):
 @pytest.mark.parametrize("alignment", [1, 128])
 @pytest.mark.parametrize("transpose_w", [False, True])
 def test_on_the_gpu_kernel_variants_and_groups_at_offsets(tiles, alignment, transpose_w):
-  """Each forward kernel (one warpgroup; warp-specialized) at both row tiles and both
+  """Each forward kernel (one warpgroup; warp-specialized) at both row tiles and the three
   weight-gradient kernels, the groups contiguous or at offsets aligned to the row tile, skewed
   and empty groups, NaN outside."""
   require_hopper()
   config = KernelTiles(block_n=128, block_k=64, band=4, **tiles)
-  # Both weight-gradient kernels (the one-warpgroup one is the default).
+  # The weight gradient: its default at 16 groups (two compute warpgroups) beside the forward's
+  # two warpgroups, else one compute warpgroup, warp-specialized or not.
+  weight_grad = None if tiles["compute_wgs"] == 2 else KernelTiles(128, 128, 64, 4, 4)
   sizes = [900, 0, 0, 37, 1, 0, 300, 128, 0, 64, 2, 0, 0, 500, 0, 3]
-  with experts.override(gemm_tiles=config, weight_grad_specialized=tiles["block_m"] == 128):
+  with experts.override(gemm_tiles=config, weight_grad_tiles=weight_grad,
+                        weight_grad_specialized=tiles["block_m"] == 128):
     _check_at_offsets(np.random.default_rng(alignment), 4096, 512, 768, sizes, alignment,
                       transpose_w, jnp.bfloat16, 2e-2, impl="mosaic")

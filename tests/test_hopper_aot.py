@@ -114,8 +114,9 @@ def test_every_known_bf16_build_builds_for_sm90a():
   """`configs.KNOWN_BUILDS` (the builds the kernel choice takes without its compile probe) of
   the grouped GEMM and the fused MLP, every activation, each compiled through ptxas for
   sm_90a: none fails."""
-  _check_builds("bf16", {"jax_ep_gmm", "jax_ep_gmm_ws", "jax_ep_gmm_wgrad", "jax_ep_mlp_gate_up",
-                         "jax_ep_mlp_hidden_grad", "jax_ep_mlp_input_grad"})
+  _check_builds("bf16", {"jax_ep_gmm", "jax_ep_gmm_ws", "jax_ep_gmm_wgrad", "jax_ep_gmm_wgrad_ws",
+                         "jax_ep_mlp_gate_up_ws", "jax_ep_mlp_hidden_grad_ws",
+                         "jax_ep_mlp_input_grad"})
 
 
 @pytest.mark.slow

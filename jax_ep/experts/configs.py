@@ -101,10 +101,14 @@ TILE_TABLES: dict[tuple[str, np.dtype], dict[tuple[int, int, int], KernelTiles]]
     (HOPPER, np.dtype(jnp.float16)): _HOPPER_16BIT,
 }
 
-# The weight gradient's kernel: warp-specialized (a memory warpgroup loads the next output
-# tile's row blocks while the compute warpgroup stores the last), or one warpgroup. NOTES: the
-# one-warpgroup kernel with 4 stages was as fast or faster at the four model shapes on an H200
-# (e.g. 561 vs 483 TF/s at Mixtral, 164 vs 158 at DeepSeek-V3).
+# The weight gradient's kernel with one compute warpgroup: warp-specialized (a memory warpgroup
+# loads the next output tile's row blocks while the compute warpgroup stores the last), or one
+# warpgroup. NOTES: the one-warpgroup kernel with 4 stages was as fast or faster at the four
+# model shapes on an H200 (e.g. 561 vs 483 TF/s at Mixtral, 164 vs 158 at DeepSeek-V3). With
+# two compute warpgroups (`weight_grad_tiles` below `WEIGHT_GRAD_SHARED_SM_GROUPS` groups) the
+# kernel is always the warp-specialized one: on one H100 at 3 stages, 515 -> 559 TF/s at one
+# rank of DeepSeek-V3 at EP=8 and 494 -> 583 at Mixtral (`bench_layer.py --tune
+# weight_grad_wgs`).
 WEIGHT_GRAD_SPECIALIZED = False
 # From this many groups the weight gradient runs two persistent CTAs per SM at 3 stages. With
 # many groups each holds a few hundred rows, so an output tile is a step or a few of the
@@ -274,6 +278,11 @@ def weight_grad_tiles(k: int, n: int, groups: int) -> KernelTiles | None:
   if groups >= WEIGHT_GRAD_SHARED_SM_GROUPS:
     return KernelTiles(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=3, band=4,
                        ctas_per_sm=2)
+  if block_n == 128 and k % (2 * ROW_TILE) == 0:
+    # The warp-specialized kernel with two compute warpgroups: a 256 x 128 output tile, each
+    # `dy` block loaded once for both (its 3 stages and both staged tiles fill an SM).
+    return KernelTiles(block_m=ROW_TILE, block_n=128, block_k=64, stages=3, band=4,
+                       compute_wgs=2)
   return KernelTiles(block_m=ROW_TILE, block_n=block_n, block_k=64, stages=4, band=4)
 
 
@@ -312,16 +321,30 @@ def fused_tiles(k: int, n: int) -> KernelTiles | None:
   operand and `[rows, n]` outputs, or None where they do not divide `k` and `n`. NOTES: one
   warpgroup holds both `block_m x block_n` fp32 accumulators (gate and up) in registers: 64
   columns keep them within Hopper's limits. The hidden and input gradients (one accumulator)
-  take 128 (`fused_hidden_grad_tiles`, `fused_input_grad_tiles`). A warp-specialized tile set
-  (`compute_wgs` 2, `override(fused_gated_tiles=...)`) holds them for its `block_n` columns in
-  each compute warpgroup."""
+  take 128 (`fused_hidden_grad_tiles`, `fused_input_grad_tiles`). Where `n` holds 128
+  columns, the warp-specialized kernel (`compute_wgs` 2): two compute warpgroups of 64
+  columns each, a third loading, at `FUSED_SPECIALIZED_STAGES`; the one-warpgroup kernel
+  else, or as `override(fused_gated_tiles=...)` or `override(fused_tiles=...)` names."""
   forced = current().fused_gated_tiles or current().fused_tiles
   if forced is not None:
     cta_n = forced.block_n * forced.compute_wgs
     return forced if k % forced.block_k == 0 and n % cta_n == 0 else None
   if k % 64 or n % 64:
     return None
+  if n % 128 == 0:
+    return KernelTiles(block_m=ROW_TILE, block_n=64, block_k=64,
+                       stages=FUSED_SPECIALIZED_STAGES["gated"], band=4, compute_wgs=2)
   return KernelTiles(block_m=ROW_TILE, block_n=64, block_k=64, stages=4, band=4)
+
+
+# The warp-specialized fused kernels' stages. NOTES (one H100, `bench_expert_mlp.py --impls
+# fused --tiles 128,64,64,S,4,2`, forward / forward + backward against the one-warpgroup
+# kernels in the same run, us): the gated projections at 3 stages are the faster at the three
+# shapes timed (one rank of DeepSeek-V3 at EP=8 4881 -> 4353, Mixtral 4826 -> 4251, 32 x 4096
+# x 1536 1245 -> 1098; 4 stages 4554, 4445, 1090); the hidden gradient at 4 (what the backward
+# took beyond the forward: 12073 at 3 against 11769 at 4, 12159 against 12216, 3078 against
+# 3006).
+FUSED_SPECIALIZED_STAGES = {"gated": 3, "hidden_grad": 4}
 
 
 def fused_hidden_grad_tiles(k: int, n: int) -> KernelTiles | None:
@@ -330,13 +353,17 @@ def fused_hidden_grad_tiles(k: int, n: int) -> KernelTiles | None:
   at 64 each reduction step's wgmma is half as wide and the row operand is read from L2 twice
   as often. The epilogue then runs on `HIDDEN_GRAD_EPILOGUE_COLUMNS` at a time, and the loaded
   and staged tiles (64 + 96 KiB) fit beside 4 stages (128 KiB): the staged ones take the
-  stages' place once the reduction ends. The input gradient's rule, unless
-  `override(fused_hidden_grad_tiles=...)` names tiles (`compute_wgs` 2: the warp-specialized
-  kernel, each compute warpgroup `block_n` of the CTA's columns)."""
+  stages' place once the reduction ends. Where `n` holds 128 columns and no
+  `override(fused_tiles=...)` is set, the warp-specialized kernel (`compute_wgs` 2: each
+  compute warpgroup 64 of the CTA's 128 columns, each output staged on its own); the input
+  gradient's rule else, or the tiles `override(fused_hidden_grad_tiles=...)` names."""
   forced = current().fused_hidden_grad_tiles
   if forced is not None:
     cta_n = forced.block_n * forced.compute_wgs
     return forced if k % forced.block_k == 0 and n % cta_n == 0 else None
+  if current().fused_tiles is None and k % 64 == 0 and n % 128 == 0:
+    return KernelTiles(block_m=ROW_TILE, block_n=64, block_k=64,
+                       stages=FUSED_SPECIALIZED_STAGES["hidden_grad"], band=4, compute_wgs=2)
   return fused_input_grad_tiles(k, n)
 
 
