@@ -30,8 +30,9 @@ backend with `raise_on_timeout=True` (a host check after every op) beside the de
 (`Group(comm_stream=N)`; `jax_ep`: on jax_ep's own stream, the micro-batches in its pipeline),
 whose records carry `comm_stream`. `--wire-formats plain fp8` times every group also with an fp8
 `wire_format` (`Group(wire_format=jax_ep.RowFormat.FP8)`: dispatch sends each token as e4m3
-with a scale per 128 channels, combine in bf16); its identity expert dequantises the rows
-(`jax_ep.dequantize`) for combine, the least an expert does with them; records carry
+with a scale per 128 channels, combine in bf16); its identity expert dequantises the rows inside
+the groups (`jax_ep.dequantize(..., group_sizes=...)`) for combine, the least an expert does
+with them; records carry
 `wire_format` and `wire_dtype`, and `bytes` counts the e4m3 rows with their scales.
 On a GPU each chain's program is first checked against the process's share of the GPU (alone,
 XLA's allocator limit; shared by R processes, an R-th of the GPU): XLA's plan of its bytes and
@@ -336,9 +337,9 @@ def main():
             print(f"  {plane}: busy {busy / (2 * n):.1f} us of {span / (2 * n):.1f} us per "
                   "layer")
 
-  def apply_expert(expert, rows, sizes, p, scales=None):
+  def apply_expert(expert, rows, sizes, p, scales=None, offsets=None):
     if scales is not None:  # an fp8 wire: the rows for combine, or for the bf16 experts
-      rows = jax_ep.dequantize(rows, scales, dtype)
+      rows = jax_ep.dequantize(rows, scales, dtype, group_sizes=sizes, group_offsets=offsets)
     if expert == "identity":
       return jax.lax.optimization_barrier(rows)
     return expert_mlp(rows, *p, sizes)
@@ -393,7 +394,7 @@ def main():
       def layer(hid, i, wt, p, group=group, expert=expert):
         recv, handle = jax_ep.dispatch(group, hid, i, wt)
         out = jax_ep.combine(group, apply_expert(expert, recv.x, recv.group_sizes, p,
-                                                 recv.scales), handle)
+                                                 recv.scales, recv.group_offsets), handle)
         return out if expert == "identity" else hid + out
       run(backend, expert, micro_batched(layer, micro_batches), settings, group.topology,
           group.capacity, micro_batches, kw.get("comm_stream"), fmt,

@@ -354,7 +354,7 @@ def quantize(x, row_format=RowFormat.FP8):
   return primitives.quantize(x, fmt)
 
 
-def dequantize(x, scales, dtype=jnp.bfloat16):
+def dequantize(x, scales, dtype=jnp.bfloat16, *, group_sizes=None, group_offsets=None):
   """fp8 rows in `dtype`: `x` `[..., H]` float8_e4m3fn times its `scales`, one per 128
   channels, rounded once to `dtype`.
 
@@ -364,6 +364,12 @@ def dequantize(x, scales, dtype=jnp.bfloat16):
     scales: `[..., H/128]` float32, or `[..., H/512]` int32 UE8M0 exponents (four to a word,
       `RowFormat.FP8_UE8M0`).
     dtype: the result's dtype (the group's, bfloat16 by default).
+    group_sizes: optional `[L]` int32 with `x` `[rows, H]` (`DispatchResult.group_sizes`):
+      only the rows inside the groups are asked for. The rows outside them are unspecified in
+      the result (on Hopper GPUs jax_ep's kernel does not write them: a dispatch's worst-case
+      capacity then costs no pass over its padding), as in `DispatchResult.x`.
+    group_offsets: optional `[L]` int32 with `group_sizes`: where each group starts
+      (`DispatchResult.group_offsets`); without it the groups follow each other from row 0.
 
   Returns:
     `[..., H]` in `dtype`. Differentiable: the cotangent passes straight through to `x`, in
@@ -387,7 +393,24 @@ def dequantize(x, scales, dtype=jnp.bfloat16):
     spelled = "[..., H/512] int32" if ue8m0 else "[..., H/128] float32"
     raise ValueError(f"{where}: scales must have shape {spelled} = {want} for x of shape "
                      f"{x.shape}, got {tuple(scales.shape)}")
-  return primitives.dequantize(x, scales, check_dtype(dtype, where))
+  if group_offsets is not None and group_sizes is None:
+    raise ValueError(f"{where}: group_offsets goes with group_sizes; pass both or neither")
+  if group_sizes is not None:
+    if x.ndim != 2:
+      raise ValueError(f"{where}: group_sizes asks for the rows of x [rows, H] inside the "
+                       f"groups; x has shape {x.shape}")
+    for name, a in (("group_sizes", group_sizes), ("group_offsets", group_offsets)):
+      if a is None:
+        continue
+      if not hasattr(a, "shape") or a.ndim != 1 or np.dtype(a.dtype) != np.dtype(np.int32):
+        raise TypeError(f"{where}: {name} must be an int32 array [L], got "
+                        f"{getattr(a, 'dtype', type(a).__name__)} of shape "
+                        f"{getattr(a, 'shape', None)}")
+    if group_offsets is not None and group_offsets.shape != group_sizes.shape:
+      raise ValueError(f"{where}: group_offsets must have group_sizes' shape "
+                       f"{tuple(group_sizes.shape)}, got {tuple(group_offsets.shape)}")
+  return primitives.dequantize(x, scales, check_dtype(dtype, where), group_sizes,
+                               group_offsets)
 
 
 def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):

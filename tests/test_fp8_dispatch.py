@@ -50,10 +50,13 @@ class FP8DispatchSuite(BackendSuite):
     return x, idx, w
 
   def run(self, group, x, idx, w):
-    """Dispatch, then combine of the dequantised rows (the identity expert)."""
+    """Dispatch, then combine of the dequantised rows (the identity expert: the rows inside
+    the groups, on Hopper GPUs jax_ep's kernel; test_rows_quantised_by_the_caller checks
+    every row's dequantisation against it)."""
     def fn(x, idx, w):
       recv, handle = jax_ep.dispatch(group, x, idx, w)
-      rows = jax_ep.dequantize(recv.x, recv.scales, group.dtype)
+      rows = jax_ep.dequantize(recv.x, recv.scales, group.dtype, group_sizes=recv.group_sizes,
+                               group_offsets=recv.group_offsets)
       return recv, jax_ep.combine(group, rows, handle)
     return self.run_per_rank(group, fn, x, idx, w)
 
@@ -245,7 +248,8 @@ class FP8DispatchSuite(BackendSuite):
   @pytest.mark.parametrize("fmt", FP8_FORMATS, ids=lambda f: f.name)
   def test_rows_quantised_by_the_caller(self, fmt):
     """e4m3 rows passed with their `x_scales` travel as given: the same result as the rows in
-    the group's dtype quantised by dispatch."""
+    the group's dtype quantised by dispatch (here every row dequantised, there the rows inside
+    the groups)."""
     r, t, hidden = self.small_ranks, 11, 512
     group = self.make_group(r, num_experts=8, num_topk=3, hidden=hidden, max_tokens=t,
                             wire_format=fmt)
@@ -304,7 +308,8 @@ class FP8DispatchSuite(BackendSuite):
 
     def loss(x, idx, w, cot, scale):
       recv, handle = jax_ep.dispatch(group, x, idx, w)
-      rows = jax_ep.dequantize(recv.x, recv.scales, group.dtype)
+      rows = jax_ep.dequantize(recv.x, recv.scales, group.dtype, group_sizes=recv.group_sizes,
+                               group_offsets=recv.group_offsets)
       # Each row's expert, from the groups: row i belongs to expert l where
       # offsets[l] <= i < offsets[l] + sizes[l] (rows outside the groups get scale 0).
       i = jnp.arange(group.capacity)[:, None]
@@ -484,6 +489,52 @@ def test_dequantize():
     jax_ep.dequantize(q, jnp.asarray(s, jnp.bfloat16))
   with pytest.raises(TypeError, match=r"jax_ep.dequantize: dtype must be one of"):
     jax_ep.dequantize(q, jnp.asarray(s), jnp.int8)
+  sizes = jnp.asarray([2, 3], jnp.int32)
+  with pytest.raises(ValueError, match=r"jax_ep.dequantize: group_sizes asks for the rows of x "
+                                       r"\[rows, H\]"):
+    jax_ep.dequantize(q, jnp.asarray(s), group_sizes=sizes)
+  with pytest.raises(TypeError, match=r"jax_ep.dequantize: group_sizes must be an int32 array"):
+    jax_ep.dequantize(q[0], jnp.asarray(s[0]), group_sizes=sizes.astype(jnp.float32))
+  with pytest.raises(ValueError, match=r"jax_ep.dequantize: group_offsets must have "
+                                       r"group_sizes' shape \(2,\)"):
+    jax_ep.dequantize(q[0], jnp.asarray(s[0]), group_sizes=sizes, group_offsets=sizes[:1])
+  with pytest.raises(ValueError, match=r"jax_ep.dequantize: group_offsets goes with "):
+    jax_ep.dequantize(q[0], jnp.asarray(s[0]), group_offsets=sizes)
+
+
+def test_dequantize_rows_inside_the_groups():
+  """With the groups given, the rows inside them are `dequantize`'s, bit for bit, on every
+  path: here XLA's (every row) and jax_ep's kernel interpreted (only the blocks of rows that
+  hold rows inside a group are written); the blocks `blocks_inside_groups` flags are those."""
+  from jax_ep.backends import primitives
+  from jax_ep.experts import layout, quantize_kernel
+  rng = np.random.default_rng(5)
+  rows, hidden = 96, 384
+  x = (rng.standard_normal((rows, hidden)) * 4).astype(np.float32)
+  q, s = oracle.fp8_quantize(x, round_scale=False)
+  q, s = jnp.asarray(q.astype(jnp.float8_e4m3fn)), jnp.asarray(s)
+  sizes, offsets = jnp.asarray([5, 0, 17, 1], jnp.int32), jnp.asarray([0, 8, 16, 80], jnp.int32)
+  inside = np.asarray(layout.rows_inside_groups(sizes, offsets, rows))
+  want = np.asarray(jax_ep.dequantize(q, s, jnp.bfloat16), np.float32)
+  got = jax_ep.dequantize(q, s, jnp.bfloat16, group_sizes=sizes, group_offsets=offsets)
+  np.testing.assert_array_equal(np.asarray(got, np.float32)[inside], want[inside])
+  block = quantize_kernel.rows_per_program(rows)
+  flags = layout.blocks_inside_groups(sizes, offsets, rows, block)
+  # 32-row blocks: rows 0-4 and 16-32 in the first two, row 80 in the third.
+  assert block == 32 and flags.tolist() == [True, True, True]
+  np.testing.assert_array_equal(layout.blocks_inside_groups(sizes, offsets, rows, 8),
+                                [1, 0, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0])
+  np.testing.assert_array_equal(layout.blocks_inside_groups(jnp.zeros((2,), jnp.int32), None,
+                                                            rows, 8), [0] * 12)
+  for kernel_offsets in (offsets, None):
+    inside = np.asarray(layout.rows_inside_groups(sizes, kernel_offsets, rows))
+    by_kernel = quantize_kernel.dequantize_row_blocks(q, s, sizes, kernel_offsets,
+                                                      jnp.dtype(jnp.bfloat16), interpret=True)
+    np.testing.assert_array_equal(np.asarray(by_kernel, np.float32)[inside], want[inside])
+  # The cotangent passes straight through, every row's.
+  d_q = jax.grad(lambda q: jnp.sum(primitives.dequantize(
+      q, s, jnp.bfloat16, sizes, offsets).astype(jnp.float32)))(q)
+  np.testing.assert_array_equal(np.asarray(d_q, np.float32), 1.0)
 
 
 # ------------------------------------------------------------------------- the cuda backend

@@ -50,6 +50,17 @@ def rows_inside_groups(group_sizes, group_offsets, num_rows: int) -> jax.Array:
   return jnp.cumsum(delta)[:num_rows] > 0
 
 
+def blocks_inside_groups(group_sizes, group_offsets, num_rows: int, block: int) -> jax.Array:
+  """`[cdiv(num_rows, block)]` bool: the blocks of `block` rows that hold a row inside some
+  group."""
+  starts, ends = group_bounds(group_sizes, group_offsets)
+  first, count = group_blocks(starts, ends, block)
+  used = (count > 0).astype(jnp.int32)
+  delta = jnp.zeros((cdiv(num_rows, block) + 1,), jnp.int32)
+  delta = delta.at[first].add(used, mode="drop").at[first + count].add(-used, mode="drop")
+  return jnp.cumsum(delta)[:-1] > 0
+
+
 def rows_below_count(count, num_rows: int) -> jax.Array:
   """`[L, num_rows, 1]` bool: the first `count[l]` rows of each slab `l` (the low-latency
   layout: one group per slab, from its row 0)."""

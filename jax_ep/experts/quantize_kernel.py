@@ -302,3 +302,54 @@ def _column_blocks(x, x_scales, src, count, *, interpret: bool):
       compiler_params=plgpu.CompilerParams(num_warps=_NUM_WARPS, num_stages=1),
       interpret=interpret, name="jax_ep_fp8_quantize_columns",
   )(src, count, *operands)
+
+
+# ------------------------------------------------------------------------------------------
+# An fp8 dispatch's rows back in bf16 (or another dtype), where they are inside the groups.
+
+def _dequantize_rows_kernel(inside_ref, x_ref, scales_ref, out_ref):
+  """One `[rows, 128]` block: `x * scale` rounded once to the output's dtype, where the
+  block holds a row inside the groups; else nothing is read or written."""
+  from jax.experimental import pallas as pl
+
+  @pl.when(inside_ref[pl.program_id(0)] != 0)
+  def _():
+    x = x_ref[...].astype(jnp.float32)
+    out_ref[...] = (x * scales_ref[...]).astype(out_ref.dtype)
+
+
+def dequantize_row_blocks(x, scales, group_sizes, group_offsets, dtype, *,
+                          interpret: bool = False):
+  """`x` `[R, H]` e4m3 times its float32 `scales` `[R, H / 128]`, rounded once to `dtype`, in
+  the blocks of `rows_per_program(R)` rows that hold a row inside the groups (`group_sizes`
+  `[L]`, `group_offsets` `[L]` or None: contiguous from row 0): `dequantize`'s rule, bit for
+  bit; the other blocks' rows are not written (unspecified). R a multiple of 8 and H of 128,
+  checked by the caller.
+
+  NOTES: an fp8 dispatch's buffer holds the worst-case capacity, most of it past the groups:
+  XLA's elementwise dequantisation reads and writes every row of it, this only the blocks
+  that hold received rows."""
+  from jax_ep.experts.layout import blocks_inside_groups
+  inside = blocks_inside_groups(group_sizes, group_offsets, x.shape[0],
+                                rows_per_program(x.shape[0])).astype(jnp.int32)
+  return _run(functools.partial(_dequantize_rows, dtype=dtype), x, scales, inside,
+              interpret=interpret)
+
+
+def _dequantize_rows(x, scales, inside, *, dtype, interpret: bool):
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import triton as plgpu
+  rows, hidden = x.shape
+  block_rows = rows_per_program(rows)
+  x, scales = vary_like_operands((x, scales), (x, scales, inside))
+  manual = getattr(jax.typeof(x), "manual_axis_type", None)
+  return pl.pallas_call(
+      _dequantize_rows_kernel,
+      grid=(rows // block_rows, hidden // BLOCK),
+      in_specs=[pl.no_block_spec, pl.BlockSpec((block_rows, BLOCK), lambda i, j: (i, j)),
+                pl.BlockSpec((block_rows, 1), lambda i, j: (i, j))],
+      out_specs=pl.BlockSpec((block_rows, BLOCK), lambda i, j: (i, j)),
+      out_shape=jax.ShapeDtypeStruct((rows, hidden), dtype, manual_axis_type=manual),
+      compiler_params=plgpu.CompilerParams(num_warps=_ROW_WARPS, num_stages=1),
+      interpret=interpret, name="jax_ep_fp8_dequantize_rows",
+  )(inside, x, scales)
