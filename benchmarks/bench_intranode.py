@@ -40,7 +40,11 @@ sort, counts, ragged all-to-all, local permute, and back) runs wherever XLA coll
 `--wire-format`: each `jax_ep.RowFormat` given is timed in turn on the same inputs (a group per
 format and backend); an fp8 format's records carry `wire_dtype` float8_e4m3fn and count a row as
 its e4m3 bytes with their scales (`bytes`, `min_hbm_bytes`: the source rows still read in bf16);
-its combine, the same op as the plain group's, is not timed again.
+its combine, the same op as the plain group's, is not timed again. `--fp8-quantized-by
+dispatch caller` times each fp8 format twice: quantised inside the dispatch's send kernels (what
+`jax_ep.dispatch` does with rows in the group's dtype), and by the caller in the same program
+(`jax_ep.quantize`, then `dispatch(..., x_scales=...)`: the send kernels copy e4m3 rows); the
+records' `fp8_quantized_by` says which.
 `hosts`, `gpus_per_host`: the group's hosts (`--virtual-hosts`: the cuda group's ranks split
 into that many, the other backends left out); `network_bytes` and `peer_bytes` split the rows
 this rank receives by the path they took to it (benchmarks/reports.py, high_throughput_paths):
@@ -139,6 +143,11 @@ def main():
                            "in this run on the same inputs: plain (bf16 rows), fp8, "
                            "fp8_pow2_scales, fp8_ue8m0 (e4m3 rows with their scales; the "
                            "combine, unchanged, is timed with plain only)")
+  parser.add_argument("--fp8-quantized-by", nargs="+", default=["dispatch"],
+                      choices=["dispatch", "caller"],
+                      help="fp8 wire formats: who quantises the rows, each timed in this run: "
+                           "the dispatch (its send kernels), or the caller (jax_ep.quantize in "
+                           "the same program, the rows passed with x_scales)")
   parser.add_argument("--virtual-hosts", type=int, default=1,
                       help="split the cuda group's ranks into this many virtual hosts, their "
                            "traffic between hosts on the network transport (NVSHMEM puts); "
@@ -244,11 +253,15 @@ def main():
   # The wire format being timed: its byte fields (`accounting`).
   wire = dict(plain)
 
+  def variant():
+    """The wire format being timed, and who quantised its rows (fp8)."""
+    return f"{wire['wire_format']}:{wire.get('fp8_quantized_by', '')}"
+
   def add(op, backend, seconds, per_run=calls, timing="host_clock", gathered=False, **extra):
     """One record from this process's `seconds` per run (the slowest process's, when
     `gathered` already), of the wire format being timed."""
     if not gathered:
-      seconds = reports.gather_max(f"{backend}/{wire['wire_format']}/{op}/{timing}", seconds)
+      seconds = reports.gather_max(f"{backend}/{variant()}/{op}/{timing}", seconds)
     median_us = seconds / per_run * 1e6
     roofline = ((wire["min_hbm_bytes"] / (bound_gbps * 1e9)) / (median_us * 1e-6) if one_gpu
                 else wire["nvlink_bytes"] / (median_us * 1e-6) / 1e9 / bound_gbps)
@@ -287,7 +300,7 @@ def main():
     double, _ = timers.time_batches(batched(fn), [list(s) * 2 for s in sets],
                                     repeats=args.repeats, method="host_clock")
     # Decided on the slowest process's value, so that every process takes the same branch.
-    added = reports.gather_max(f"{backend}/{wire['wire_format']}/{op}/marginal_check",
+    added = reports.gather_max(f"{backend}/{variant()}/{op}/marginal_check",
                                double - seconds)
     if added <= 0:
       if jax.process_index() == 0:
@@ -311,7 +324,7 @@ def main():
     # programs of 16 dispatches do not fit an 80 GB GPU.
     program = batched(fn)
     if not reports.fits_gpu(program, steady_sets,
-                            f"{backend}/{wire['wire_format']}/{op}/steady",
+                            f"{backend}/{variant()}/{op}/steady",
                             f"{backend} {op}, {args.steady_calls} calls in one program",
                             sharing=num_ranks if shared_gpu else 1,
                             reserved_bytes=reports.comm_buffer_bytes(group),
@@ -320,7 +333,7 @@ def main():
     period_us = timers.steady_call_period_us(
         program, steady_sets, calls_per_run=args.steady_calls, marker=marker)
     # Decided on every process's value, so that every process takes the same branch.
-    if reports.gather_max(f"{backend}/{wire['wire_format']}/{op}/steady_missing",
+    if reports.gather_max(f"{backend}/{variant()}/{op}/steady_missing",
                           float(period_us is None)) > 0:
       if jax.process_index() == 0:
         print(f"{backend} {op}: no device_clock_steady record (no readable trace, or no "
@@ -335,14 +348,18 @@ def main():
       return
     seconds, _ = timers.time_batches(
         jax.jit(fn), fn_args, repeats=args.repeats, method="host_clock",
-        before_each=lambda r: reports.barrier(f"{backend}/{wire['wire_format']}/{op}/{r}"))
+        before_each=lambda r: reports.barrier(f"{backend}/{variant()}/{op}/{r}"))
     add(op, backend, seconds, per_run=1, timing="host_clock_aligned")
 
   backends = [b for b in args.backends if b != "xla_baseline"
               and not (shared_gpu and b == "reference")]
-  for fmt, backend in [(f, b) for f in wire_formats for b in backends]:
+  variants = [(f, b, q) for f in wire_formats for b in backends
+              for q in (dict.fromkeys(args.fp8_quantized_by) if f.is_fp8 else [None])]
+  for fmt, backend, quantized_by in variants:
     wire.clear()
     wire.update(accounting(fmt))
+    if quantized_by is not None:
+      wire["fp8_quantized_by"] = quantized_by
     hosts = {"virtual_hosts": args.virtual_hosts} if args.virtual_hosts > 1 else {}
     group = jax_ep.Group(mesh, "ep", num_experts=e, num_topk=k, hidden=h, max_tokens_per_rank=t,
                          dtype=dtype, backend=backend, capacity=capacity, num_sms=args.num_sms,
@@ -365,14 +382,21 @@ def main():
     # Timed returning the received rows only (fp8: with their scales): in a model the handle
     # stays inside the program (returning it makes XLA copy outputs that alias inputs or each
     # other).
+    def dispatched(x, i, w, group=group, fmt=fmt, quantized_by=quantized_by):
+      if quantized_by == "caller":
+        q, scales = jax_ep.quantize(x, row_format=fmt)
+        return jax_ep.dispatch(group, q, i, w, x_scales=scales)
+      return jax_ep.dispatch(group, x, i, w)
     dispatch_recv = per_shard(lambda x, i, w: jax.tree.map(
         lambda v: v[None], (lambda recv: (recv.x, recv.scales) if fmt.is_fp8 else recv.x)(
-            jax_ep.dispatch(group, x[0], i[0], w[0])[0])))
+            dispatched(x[0], i[0], w[0])[0])))
     seconds, _ = timers.time_batches(batched(dispatch_recv), (xs, idxs, ws),
                                      repeats=args.repeats, method="host_clock")
     add("dispatch", backend, seconds)
     add_marginal("dispatch", backend, dispatch_recv, (xs, idxs, ws), seconds)
-    breakdown(f"{backend} dispatch", batched(dispatch_recv), (xs, idxs, ws))
+    breakdown(f"{backend} dispatch ({fmt.value}"
+              f"{', quantised by the ' + quantized_by if quantized_by else ''})",
+              batched(dispatch_recv), (xs, idxs, ws))
     if group.backend_name == "cuda":
       add_device_steady("dispatch", backend, dispatch_recv, (xs, idxs, ws), marker)
     add_aligned_single("dispatch", backend, dispatch_recv, (xs[0], idxs[0], ws[0]))
@@ -435,9 +459,9 @@ def main():
 
   if jax.process_index() == 0:
     path = reports.write_jsonl(records, args.out)
-    reports.print_table(records, ["op", "backend", "wire_format", "ranks", "process_model",
-                                 "calls_per_run",
-                                 "timing", "median_us", "gbps", "roofline"])
+    reports.print_table(records, ["op", "backend", "wire_format", "fp8_quantized_by", "ranks",
+                                 "process_model", "calls_per_run", "timing", "median_us",
+                                 "gbps", "roofline"])
     print(f"wrote {path}")
 
 

@@ -54,8 +54,9 @@
 #                                     # one host, 8 ranks: layer chain (netlayers), per op (netops)
 #   bash scripts/gpu_round.sh fp8bench  # the FP8 dispatch beside the bf16 one at 8 ranks
 #                                     # emulated, T=4096, H=7168, top-8 of 256 (FP8_BENCH_ARGS;
-#                                     # T=2048 on a GPU under 100 GiB, FP8_BENCH_TOKENS), then
-#                                     # the identity layer chain with each wire
+#                                     # T=2048 on a GPU under 100 GiB, FP8_BENCH_TOKENS), the
+#                                     # rows quantised by the dispatch and by the caller, then
+#                                     # the identity layer chain with each wire, its kernels
 #   bash scripts/gpu_round.sh example   # examples/moe_transformer.py on one GPU: defaults, the
 #                                     # compilation cache filled then read, 2 micro-batches on
 #                                     # jax_ep's own stream
@@ -413,6 +414,7 @@ if has fp8bench; then
   t=$(bench_time 400) && timeout $t python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 \
     --timeout $((t - 20)) -- \
     python3 benchmarks/bench_intranode.py --backends cuda --wire-format plain fp8 fp8_ue8m0 \
+    --fp8-quantized-by dispatch caller \
     --tokens "$fp8_tokens" --out gpu_round_intranode.jsonl ${FP8_BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/bench_intranode_fp8.log" | grep -E "^\[0\] (  |op |dispatch|combine|cuda|wrote)" \
     | tail -40
@@ -422,9 +424,9 @@ if has fp8bench; then
   step "identity layer chain, fp8 wire against bf16 rows, 8 ranks emulated, T=$fp8_tokens"
   t=$(bench_time 300) && timeout $t python3 -m jax_ep.launch -n 8 --share-gpu --grace 20 \
     --timeout $((t - 20)) -- \
-    python3 benchmarks/bench_layers.py --backends cuda --wire-formats plain fp8 \
+    python3 benchmarks/bench_layers.py --backends cuda --wire-formats plain fp8 --breakdown \
     --tokens "$fp8_tokens" --out gpu_round_layers.jsonl 2>&1 | tee "$OUT/bench_layers_fp8.log" \
-    | grep -E "^\[0\] " | tail -12
+    | grep -E "^\[0\] " | tail -40
   counts "bench_layers.py --wire-formats" "$OUT/bench_layers_fp8.log"
   cp benchmarks/results/gpu_round_layers.jsonl "$OUT/" 2>/dev/null
 fi

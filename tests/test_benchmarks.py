@@ -204,14 +204,21 @@ def test_bench_intranode_times_each_wire_format_in_one_run(tmp_path):
   out = tmp_path / "intranode.jsonl"
   result = _run_bench_intranode_on_cpu("--experts", "16", "--topk", "2", "--calls", "2",
                                        "--repeats", "2", "--no-marginal", "--hidden", "512",
-                                       "--wire-format", "plain", "fp8_ue8m0", "--out", str(out))
+                                       "--wire-format", "plain", "fp8_ue8m0",
+                                       "--fp8-quantized-by", "dispatch", "caller",
+                                       "--out", str(out))
   assert result.returncode == 0, result.stdout + result.stderr
   records = [json.loads(line) for line in out.read_text().splitlines()]
-  assert sorted((r["op"], r["wire_format"], r["wire_dtype"]) for r in records) == [
-      ("combine", "plain", "bfloat16"), ("dispatch", "fp8_ue8m0", "float8_e4m3fn"),
-      ("dispatch", "plain", "bfloat16")]
-  by_format = {r["wire_format"]: r for r in records if r["op"] == "dispatch"}
-  plain, fp8 = by_format["plain"], by_format["fp8_ue8m0"]
+  assert sorted((r["op"], r["wire_format"], r["wire_dtype"], r.get("fp8_quantized_by", ""))
+                for r in records) == [
+      ("combine", "plain", "bfloat16", ""),
+      ("dispatch", "fp8_ue8m0", "float8_e4m3fn", "caller"),
+      ("dispatch", "fp8_ue8m0", "float8_e4m3fn", "dispatch"),
+      ("dispatch", "plain", "bfloat16", "")]
+  by_format = {(r["wire_format"], r.get("fp8_quantized_by")): r for r in records
+               if r["op"] == "dispatch"}
+  plain, fp8 = by_format["plain", None], by_format["fp8_ue8m0", "dispatch"]
+  assert by_format["fp8_ue8m0", "caller"]["bytes"] == fp8["bytes"]
   # Rows of 512 bf16 values against 512 e4m3 bytes and 4 exponent bytes, per received row.
   assert plain["bytes"] * (512 + 4) == fp8["bytes"] * 512 * 2
   for r in records:
