@@ -126,6 +126,23 @@ def weight_grad_wgs(_=None) -> dict:
       specialized=True)
 
 
+def dequantize_rows(_=None) -> dict:
+  """`jax_ep.dequantize` of the rows inside the groups (jax_ep's Pallas Triton kernel) under
+  vmap and grad, an fp8 dispatch's buffer at DeepSeek-V3's hidden size, compiled for sm_90a:
+  whether the compiled program calls the kernel."""
+  rows, hidden = 4096, 7168
+  args = (jax.ShapeDtypeStruct((2, rows, hidden), jnp.float8_e4m3fn),
+          jax.ShapeDtypeStruct((2, rows, hidden // 128), jnp.float32),
+          jax.ShapeDtypeStruct((2, 4), jnp.int32), jax.ShapeDtypeStruct((2, 4), jnp.int32))
+
+  def loss(q, s, sizes, offsets):
+    out = jax.vmap(lambda *a: jax_ep.dequantize(*a[:2], jnp.bfloat16, group_sizes=a[2],
+                                                group_offsets=a[3]))(q, s, sizes, offsets)
+    return jnp.sum(out.astype(jnp.float32)), out  # the rows an output: not dead code
+  compiled = jax.jit(jax.grad(loss, has_aux=True)).lower(*args).compile().as_text()
+  return {"kernel": "jax_ep_fp8_dequantize_rows" in compiled}
+
+
 def specialized_fused(_=None) -> dict:
   """The fused MLP's warp-specialized gated projections and hidden gradient (two compute
   warpgroups of 64 columns, 4 stages: `SPECIALIZED_FUSED`), compiled for sm_90a together in
@@ -555,6 +572,7 @@ def shared_weights(_=None) -> dict:
 
 CASES = {"kernels": kernels, "known_builds": known_builds, "weight_grad_runs": weight_grad_runs,
          "weight_grad_wgs": weight_grad_wgs, "specialized_fused": specialized_fused,
+         "dequantize_rows": dequantize_rows,
          "streams": streams, "schedule": schedule, "layer": layer, "example": example,
          "shared_weights": shared_weights, "stable_kernels": stable_kernels,
          "lowered_once": lowered_once, "compile_ahead": compile_ahead}

@@ -292,12 +292,15 @@ class FP8DispatchSuite(BackendSuite):
   @pytest.mark.parametrize("transform", ["jit", "checkpoint", "vmap"])
   @pytest.mark.parametrize("fmt", [RowFormat.FP8, RowFormat.FP8_UE8M0], ids=lambda f: f.name)
   def test_gradient_passes_straight_through(self, fmt, transform):
-    """jax.grad through dispatch -> dequantize -> expert (a scale per expert) -> combine, in
-    shard_map under jit (with jax.checkpoint, or vmap over two batches), against the dense
-    model whose quantisation is the identity in the backward."""
+    """jax.grad through dispatch -> dequantize (the rows inside the groups) -> expert (a scale
+    per expert) -> combine, in shard_map under jit (with jax.checkpoint, or vmap over two
+    batches), against the dense model whose quantisation is the identity in the backward."""
     r, t, hidden, k, e = self.small_ranks, 9, 512, 3, 8
+    # A capacity of whole 8-row blocks: on Hopper the dequantisation of the rows inside the
+    # groups takes jax_ep's kernel (`quantize_kernel.rows_per_program`).
+    capacity = -(-jax_ep.default_capacity(r, t, k, e // r) // 8) * 8
     group = self.make_group(r, num_experts=e, num_topk=k, hidden=hidden, max_tokens=t,
-                            wire_format=fmt)
+                            wire_format=fmt, capacity=capacity)
     batches = 2 if transform == "vmap" else 1
     rng = np.random.default_rng(21)
     xs, idxs, ws = zip(*(self.inputs(r, t, hidden, k, e, "duplicates", seed=b)
@@ -643,6 +646,54 @@ def test_quantize_keeps_nan_and_inf_in_their_elements(round_scale):
   sub_q, sub_s = oracle.fp8_quantize(np.full((1, 128), 1e-37, np.float32), round_scale=True)
   assert 0 < sub_s[0, 0] < np.finfo(np.float32).tiny and oracle.pack_ue8m0(
       np.repeat(sub_s, 4, axis=-1))[0, 0] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("transform", ["jit", "vmap", "checkpoint"])
+def test_on_the_gpu_dequantize_inside_the_groups_takes_the_kernel(transform):
+  """On Hopper `dequantize(..., group_sizes=...)` runs jax_ep's kernel (its name in the compiled
+  program) inside shard_map, under jit, vmap or jax.checkpoint with grad: the rows inside the
+  groups are those of the whole-buffer dequantisation, bit for bit, NaN past them changes
+  nothing, and the cotangent passes straight through."""
+  from ep_test_base import require_hopper
+  require_hopper()
+  rng = np.random.default_rng(8)
+  batch, rows, hidden = 2, 4096, 7168
+  x = rng.standard_normal((batch, rows, hidden)).astype(np.float32) * 3
+  q, s = oracle.fp8_quantize(x, round_scale=False)
+  q = q.astype(jnp.float8_e4m3fn)
+  sizes = np.asarray([[700, 0, 45, 1], [0, 1000, 3, 333]], np.int32)
+  offsets = np.asarray([[0, 768, 768, 1024], [0, 0, 1024, 1152]], np.int32)
+  inside = np.stack([np.asarray(jax_ep.experts.layout.rows_inside_groups(
+      jnp.asarray(sz), jnp.asarray(of), rows)) for sz, of in zip(sizes, offsets)])
+  q = np.where(inside[..., None], q, np.float32(np.nan).astype(jnp.float8_e4m3fn))
+  mesh = jax.make_mesh((1,), ("ep",))
+
+  def one(q, s, sizes, offsets):
+    out = jax_ep.dequantize(q, s, jnp.bfloat16, group_sizes=sizes, group_offsets=offsets)
+    return jnp.where(jnp.asarray(inside_of(sizes, offsets))[:, None], out, 0)
+
+  def inside_of(sizes, offsets):
+    return jax_ep.experts.layout.rows_inside_groups(sizes, offsets, rows)
+
+  def loss(q, s, sizes, offsets):
+    fn = jax.checkpoint(one) if transform == "checkpoint" else one
+    out = jax.vmap(fn)(q, s, sizes, offsets) if transform == "vmap" else fn(
+        q[0], s[0], sizes[0], offsets[0])[None]
+    return jnp.sum(out.astype(jnp.float32)), out
+
+  def body(q, s, sizes, offsets):
+    (_, out), d_q = jax.value_and_grad(loss, has_aux=True)(q, s, sizes, offsets)
+    return out, d_q
+  step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=P()))
+  args = (jnp.asarray(q), jnp.asarray(s), jnp.asarray(sizes), jnp.asarray(offsets))
+  assert "jax_ep_fp8_dequantize_rows" in step.lower(*args).compile().as_text()
+  out, d_q = step(*args)
+  want = np.asarray(jax_ep.dequantize(jnp.asarray(q), jnp.asarray(s), jnp.bfloat16), np.float32)
+  for b in range(out.shape[0]):
+    np.testing.assert_array_equal(np.asarray(out[b], np.float32)[inside[b]], want[b][inside[b]])
+  d_q = np.asarray(d_q, np.float32)[:out.shape[0]]
+  np.testing.assert_array_equal(d_q[inside[:out.shape[0]]], 1.0)
 
 
 @pytest.mark.parametrize("fmt", [RowFormat.FP8, RowFormat.FP8_UE8M0], ids=lambda f: f.name)

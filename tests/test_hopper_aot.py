@@ -149,6 +149,13 @@ def test_the_specialized_fused_kernels_build_for_sm90a():
     assert not any(r["spill_stores"] or r["spill_loads"] for r in reports), reports
 
 
+def test_the_dequantize_kernel_builds_for_sm90a():
+  """`jax_ep.dequantize` of the rows inside the groups compiles for the H200 under vmap and
+  grad, and the program calls jax_ep's kernel (not XLA's pass over every row)."""
+  result, _ = _run("dequantize_rows", ptxas=False)
+  assert result == {"kernel": True}, result
+
+
 @pytest.mark.slow
 def test_the_weight_grad_runs_the_tune_tries_build_for_sm90a():
   """Every weight-gradient pipeline through runs of groups that the tune times (the rows in
