@@ -19,6 +19,7 @@ from jax_ep._native.varying import vary_like_operands
 from jax_ep.backends import primitives
 from jax_ep.config import (DTYPES, RowFormat, alignment_padding, as_row_format, check_dtype,
                            check_fp8_hidden, fp8_scales_shape)
+from jax_ep.experts import configs as experts_configs, quantize_kernel
 from jax_ep.experts.layout import rows_inside_groups
 from jax_ep.group import Group
 from jax_ep.routing import merge_duplicate_slots
@@ -409,8 +410,14 @@ def dequantize(x, scales, dtype=jnp.bfloat16, *, group_sizes=None, group_offsets
     if group_offsets is not None and group_offsets.shape != group_sizes.shape:
       raise ValueError(f"{where}: group_offsets must have group_sizes' shape "
                        f"{tuple(group_sizes.shape)}, got {tuple(group_offsets.shape)}")
+  kernel = None
+  if group_sizes is not None:
+    # The rows inside the groups alone: jax_ep's kernel where it runs (its row blocks divide
+    # the rows); XLA's pass over every row elsewhere.
+    if quantize_kernel.rows_per_program(x.shape[0]) is not None and experts_configs.on_hopper():
+      kernel = quantize_kernel.dequantize_row_blocks
   return primitives.dequantize(x, scales, check_dtype(dtype, where), group_sizes,
-                               group_offsets)
+                               group_offsets, kernel)
 
 
 def combine(group: Group, expert_out, handle: Handle, *, weighted: bool = True):

@@ -47,19 +47,14 @@ def kernels(shape: str) -> dict:
   return out
 
 
-def _groups_of(build: tuple, make) -> int:
-  """The group count of `configs.KNOWN_BUILD_GROUPS` whose build `make(groups)` is `build`."""
-  return next(g for g in configs.KNOWN_BUILD_GROUPS if make(g) == build)
-
-
 def known_builds(which: str) -> dict:
   """Every build in `configs.KNOWN_BUILDS` of `which` kind ("bf16": the grouped GEMM and the
   fused MLP; "fp8"), compiled for sm_90a through the choice's own probe with the trust in known
   builds turned off: None, or why it did not build. The grouped GEMM at K=64 and K=256 (one
-  reduction step, fewer than its stages, and several), the MLPs at `KNOWN_BUILD_SIZE` and each of
-  `KNOWN_BUILD_GROUPS` (the weight gradient's grids)."""
+  reduction step, fewer than its stages, and several), the MLPs at the sizes and group count
+  that make each (`configs.KNOWN_MLP_BUILDS`)."""
   configs.TRUST_KNOWN_BUILDS = False
-  size, out = configs.KNOWN_BUILD_SIZE, {}
+  out = {}
   for build in sorted(configs.KNOWN_BUILDS, key=str):
     kind = build[0]
     if (kind.startswith("fp8") if which == "bf16" else not kind.startswith("fp8")):
@@ -70,19 +65,16 @@ def known_builds(which: str) -> dict:
       for k in (64, 256):
         out[f"{build} k={k}"] = choice.mosaic_compile_error(
             512, 2, k, 256, np.dtype(dtype), transpose_w, tiles, np.dtype(out_dtype))
-    elif kind == "fused_mlp":
-      groups = _groups_of(build, lambda g: configs.fused_mlp_build(build[1], build[2], size,
-                                                                    size, g))
-      out[str(build)] = mlp.fused_compile_error(512, groups, size, size, np.dtype(build[1]),
-                                                build[2])
     elif kind == "fp8_gmm":
-      out[str(build)] = fp8.fp8_compile_error(512, 2, size, size, build[1])
+      out[str(build)] = fp8.fp8_compile_error(512, 2, 256, 256, build[1])
+    elif kind == "fused_mlp":
+      hidden, ffn, groups = configs.KNOWN_MLP_BUILDS[build]
+      out[str(build)] = mlp.fused_compile_error(512, groups, hidden, ffn, np.dtype(build[1]),
+                                                build[2])
     else:
-      fp8_grads = build[4] == "fp8"  # the weight gradients' precision
-      groups = _groups_of(build, lambda g: configs.fp8_mlp_build(build[1], size, size, g,
-                                                                  fp8_grads))
-      with configs.override(fp8_weight_grad=fp8_grads):
-        out[str(build)] = mlp_fp8.fp8_mlp_compile_error(512, groups, size, size, build[1])
+      hidden, ffn, groups = configs.KNOWN_MLP_BUILDS[build]
+      with configs.override(fp8_weight_grad=build[4] == "fp8"):  # the weight gradients'
+        out[str(build)] = mlp_fp8.fp8_mlp_compile_error(512, groups, hidden, ffn, build[1])
   return out
 
 

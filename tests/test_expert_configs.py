@@ -2,6 +2,8 @@
 (jax_ep/experts/configs.py): the tables keyed by architecture and dtype, the override's checks
 and nesting, and each field reaching the choice it names."""
 
+import itertools
+
 import numpy as np
 import jax
 import jax.numpy as jnp
@@ -104,6 +106,27 @@ def test_the_fused_kernels_default_to_two_compute_warpgroups_where_n_holds_them(
   small = KernelTiles(64, 64, 64, 2, 1)
   with experts.override(fused_tiles=small):
     assert configs.fused_tiles(256, 256) == configs.fused_hidden_grad_tiles(256, 256) == small
+
+
+def test_every_size_a_multiple_of_128_takes_a_known_build():
+  """The kernel choice compiles a probe of the kernels (doubling a first step's Mosaic GPU
+  compile) unless their build is known: every hidden and ffn size that is a multiple of 128,
+  at any group count, makes known builds of the grouped GEMM, the fused MLP and the FP8 MLP
+  (its FP8 weight gradients: the bf16 ones are an override, probed), every activation (the
+  example's 128 x 256 x 8 and the model shapes among them)."""
+  sizes = range(128, 2049, 128)
+  for hidden, ffn in itertools.product(sizes, sizes):
+    for groups in (1, 2, 8, 32, 63, 64, 128, 256):
+      for k, n in ((hidden, ffn), (ffn, hidden)):
+        for transpose_w in (False, True):
+          build = configs.gmm_build(jnp.bfloat16, transpose_w,
+                                    configs.tile_config(4096, groups, k, n), jnp.bfloat16)
+          assert build in configs.KNOWN_BUILDS, (hidden, ffn, groups, build)
+      for activation in ("swiglu", "geglu", "gelu", "silu"):
+        build = configs.fused_mlp_build(jnp.bfloat16, activation, hidden, ffn, groups)
+        assert build in configs.KNOWN_BUILDS, (hidden, ffn, groups, build)
+        build = configs.fp8_mlp_build(activation, hidden, ffn, groups, True)
+        assert build in configs.KNOWN_BUILDS, (hidden, ffn, groups, build)
 
 
 def _slabs(rng, num_local, rows_per_slab, hidden, ffn, counts, dtype=jnp.bfloat16):

@@ -85,33 +85,30 @@ def _dispatch_fp8_bwd(backend: Backend, residuals, cotangents):
 dispatch_fp8.defvjp(_dispatch_fp8_fwd, _dispatch_fp8_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def dequantize(x, scales, dtype, group_sizes=None, group_offsets=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 5))
+def dequantize(x, scales, dtype, group_sizes=None, group_offsets=None, kernel=None):
   """e4m3 rows `x` `[..., H]` times their `scales`, one per 128 channels (`[..., H/128]`
   float32, or `[..., H/512]` int32 UE8M0 exponents), rounded once to `dtype`. Its cotangent
   passes straight through to `x`, in `dtype` (see the NOTES above); `scales` get none.
-  With `group_sizes` (and `group_offsets`, `[L]` int32; rows `[R, H]`) only the rows inside
-  the groups are asked for: on Hopper GPUs jax_ep's kernel computes the blocks of rows that
-  hold them and leaves the others unwritten (`quantize_kernel.dequantize_row_blocks`), where
-  XLA would read and write every row of a worst-case capacity; elsewhere every row."""
+  `kernel(x, scales, group_sizes, group_offsets, dtype)` (rows `[R, H]`, float32 scales), where
+  the caller gives one, computes the rows inside the groups alone (the others unspecified):
+  jax_ep's kernel on Hopper GPUs, where XLA reads and writes every row of a worst-case
+  capacity."""
   if scales.dtype == jnp.int32:
     scales = unpack_ue8m0(scales)
   scales = scales.astype(jnp.float32)
-  if group_sizes is not None and x.ndim == 2:
-    from jax_ep.experts import configs, quantize_kernel
-    if quantize_kernel.rows_per_program(x.shape[0]) is not None and configs.on_hopper():
-      return quantize_kernel.dequantize_row_blocks(x, scales, group_sizes, group_offsets,
-                                                   jnp.dtype(dtype))
+  if kernel is not None:
+    return kernel(x, scales, group_sizes, group_offsets, jnp.dtype(dtype))
   x32 = x.astype(jnp.float32).reshape(*x.shape[:-1], scales.shape[-1], -1)
   return (x32 * scales[..., None]).reshape(x.shape).astype(dtype)
 
 
-def _dequantize_fwd(x, scales, dtype, group_sizes=None, group_offsets=None):
-  return dequantize(x, scales, dtype, group_sizes, group_offsets), None
+def _dequantize_fwd(x, scales, dtype, group_sizes=None, group_offsets=None, kernel=None):
+  return dequantize(x, scales, dtype, group_sizes, group_offsets, kernel), None
 
 
-def _dequantize_bwd(dtype, residuals, d_out):
-  del dtype, residuals
+def _dequantize_bwd(dtype, kernel, residuals, d_out):
+  del dtype, kernel, residuals
   return d_out, None, None, None
 
 

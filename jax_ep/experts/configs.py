@@ -564,23 +564,35 @@ def fp8_mlp_build(activation: str, hidden: int, ffn: int, groups: int,
           fp8_tile_config(groups, parts * ffn, hidden), *weight_grads)
 
 
-# The sizes the known builds stand for (multiples of 128 of both; the five model shapes' are).
-KNOWN_BUILD_SIZE = 256
-# The group counts that stand for the weight gradient's two grids (one CTA per SM, two).
+# The sizes the MLPs' known builds stand for: multiples of 128, of which a tile choice reads no
+# more than the remainder by 256 (the two-warpgroup weight gradient's 256 rows), so that every
+# hidden and ffn size that is a multiple of 128 makes one of these builds.
+KNOWN_BUILD_SIZES = (128, 256)
+# The group counts that stand for the weight gradient's grids (one CTA per SM, two).
 KNOWN_BUILD_GROUPS = (2, WEIGHT_GRAD_SHARED_SM_GROUPS)
 _ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu")
 _BF16_GEMM_TILES = sorted(
     {*_HOPPER_16BIT.values(), *(tile_config(0, 0, 64, n) for n in (256, 128, 64))},
     key=dataclasses.astuple)
+
+
+def _known_mlp_builds() -> dict[tuple, tuple[int, int, int]]:
+  """Each MLP build as the defaults make it (bf16 fused; FP8 with its FP8 weight gradients:
+  the bf16 ones are an override, probed), with the `(hidden, ffn, groups)` that make it
+  first: what tests/hopper_aot_cases.py compiles it at."""
+  builds = {}
+  for sizes in itertools.product(KNOWN_BUILD_SIZES, KNOWN_BUILD_SIZES, KNOWN_BUILD_GROUPS):
+    for activation in _ACTIVATIONS:
+      builds.setdefault(fused_mlp_build(jnp.bfloat16, activation, *sizes), sizes)
+      builds.setdefault(fp8_mlp_build(activation, *sizes, True), sizes)
+  return builds
+
+
+KNOWN_MLP_BUILDS = _known_mlp_builds()
 KNOWN_BUILDS: frozenset = frozenset(
     [gmm_build(jnp.bfloat16, transpose_w, tiles, jnp.bfloat16)
      for transpose_w in (False, True) for tiles in _BF16_GEMM_TILES]
-    + [fused_mlp_build(jnp.bfloat16, activation, KNOWN_BUILD_SIZE, KNOWN_BUILD_SIZE, groups)
-       for activation in _ACTIVATIONS for groups in KNOWN_BUILD_GROUPS]
-    + [fp8_gmm_build(_FP8_FORWARD)]
-    + [fp8_mlp_build(activation, KNOWN_BUILD_SIZE, KNOWN_BUILD_SIZE, groups, fp8_grads)
-       for activation in _ACTIVATIONS for groups in KNOWN_BUILD_GROUPS
-       for fp8_grads in (True, False)])
+    + [fp8_gmm_build(_FP8_FORWARD)] + list(KNOWN_MLP_BUILDS))
 # tests/test_hopper_aot.py turns this off to compile every known build.
 TRUST_KNOWN_BUILDS = True
 
