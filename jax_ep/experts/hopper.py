@@ -146,14 +146,8 @@ def _forward_body(table, x, w, *, transpose_w, tiles, out_dtype):
   band = _band(tiles.band, tiles_n)
 
   def body(tile_gmem, group_gmem, first_gmem, count_gmem, num_gmem, x_gmem, w_gmem, o_gmem):
-    num_items = num_gmem[0]
-
-    @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
-    def _(info):
-      item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
-      tile = tile_gmem[item]
-      group = group_gmem[item]
-
+    @work_item_loop(tile_gmem, group_gmem, num_gmem, tiles_n, band)
+    def _(item, ni, tile, group):
       def acc_scope(acc_ref):
         plgpu.emit_pipeline(
             lambda _, x_smem, w_smem: plgpu.wgmma(
@@ -232,13 +226,9 @@ def _forward_body_specialized(table, x, w, *, transpose_w, tiles, out_dtype):
         collective_axes="wg")
     def _(allocations, o_smem):
       wg = lax.axis_index("wg")
-      num_items = num_gmem[0]
 
-      @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
-      def _(info):
-        item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
-        tile = tile_gmem[item]
-        group = group_gmem[item]
+      @work_item_loop(tile_gmem, group_gmem, num_gmem, tiles_n, band)
+      def _(item, ni, tile, group):
         cols = pl.ds(wg * bn, bn)
 
         def compute_context(eval_pipeline):
@@ -271,3 +261,21 @@ def _forward_body_specialized(table, x, w, *, transpose_w, tiles, out_dtype):
 
 def _band(band: int, tiles_n: int) -> int:
   return max(b for b in (band, 8, 4, 2, 1) if b <= tiles_n and tiles_n % b == 0)
+
+
+def work_item_loop(tile_gmem, group_gmem, num_gmem, tiles_n: int, band: int):
+  """The persistent loop over the work list (`layout.row_tiles`), as a decorator: `body(item,
+  ni, tile, group)` runs once for each of the `num_gmem[0] * tiles_n` (work item, column tile)
+  steps, the grid's CTAs (collective axis "sm") taking them in turn and `band` column tiles of
+  an item walked together (`planar_snake`); `tile` is the item's row tile and `group` its
+  group, read from the work list."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  def loop(body):
+    num_items = num_gmem[0]
+
+    @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
+    def _(info):
+      item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
+      body(item, ni, tile_gmem[item], group_gmem[item])
+  return loop

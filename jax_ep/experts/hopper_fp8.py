@@ -64,7 +64,8 @@ from jax import lax
 
 from jax_ep.experts import compile_ahead
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.hopper import TMA_SMEM_ALIGN, _band, _store_rows, launch
+from jax_ep.experts.hopper import (TMA_SMEM_ALIGN, _band, _store_rows, launch,
+                                   work_item_loop)
 from jax_ep.experts.layout import cdiv, row_tiles
 
 # The scales' granularity: a row's scale covers 128 channels, a weight's a 128x128 block.
@@ -354,13 +355,9 @@ def _fused(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *, passes: Se
     w_refs = refs[2 * num_x:2 * num_x + num_w]
     ws_refs = refs[2 * num_x + num_w:2 * num_x + 2 * num_w]
     out_refs = refs[2 * num_x + 2 * num_w:]
-    num_items = num_gmem[0]
 
-    @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
-    def _(info):
-      item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
-      tile = tile_gmem[item]
-      group = group_gmem[item]
+    @work_item_loop(tile_gmem, group_gmem, num_gmem, tiles_n, band)
+    def _(item, ni, tile, group):
       block_n = ni * bn // SCALE_BLOCK
       totals = tuple(jnp.zeros((bm, bn), jnp.float32) for _ in range(num_accs))
       for xi, targets in passes:
@@ -465,13 +462,9 @@ def _fused_specialized(xs, x_scales, ws, w_scales, group_sizes, group_offsets, *
     def _(allocations, smems):
       wg = lax.axis_index("wg")
       own_rows = pl.ds(wg * part_m, part_m)
-      num_items = num_gmem[0]
 
-      @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
-      def _(info):
-        item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
-        tile = tile_gmem[item]
-        group = group_gmem[item]
+      @work_item_loop(tile_gmem, group_gmem, num_gmem, tiles_n, band)
+      def _(item, ni, tile, group):
         block_n = ni * bn // SCALE_BLOCK
 
         def compute_context(eval_pipeline):

@@ -36,7 +36,8 @@ from jax import lax
 
 from jax_ep.experts import compile_ahead
 from jax_ep.experts.configs import KernelTiles
-from jax_ep.experts.hopper import TMA_SMEM_ALIGN, _band, _store_rows, launch
+from jax_ep.experts.hopper import (TMA_SMEM_ALIGN, _band, _store_rows, launch,
+                                   work_item_loop)
 from jax_ep.experts.layout import row_tiles
 
 # A pass: (index of the row operand, ((index of a weight, index of its accumulator), ...)).
@@ -114,14 +115,9 @@ def fused_grouped_kernel(xs: Sequence[jax.Array], ws: Sequence[jax.Array], group
     w_refs = refs[num_x:num_x + num_w]
     load_refs = refs[num_x + num_w:num_x + num_w + num_loads]
     out_refs = refs[num_x + num_w + num_loads:]
-    num_items = num_gmem[0]
 
-    @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
-    def _(info):
-      item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
-      tile = tile_gmem[item]
-      group = group_gmem[item]
-
+    @work_item_loop(tile_gmem, group_gmem, num_gmem, tiles_n, band)
+    def _(item, ni, tile, group):
       def acc_scope(*acc_refs):
         for xi, targets in passes:
           def step(_, x_smem, *w_smems, targets=targets):
@@ -276,13 +272,9 @@ def _specialized(table, x, weights, accs_of, num_accs: int, loads, *, rows: int,
     def _(allocations, staged, loaded=(), barriers=None):
       wg = lax.axis_index("wg")
       cols = pl.ds(wg * bn, bn)
-      num_items = num_gmem[0]
 
-      @plgpu.nd_loop((num_items * tiles_n,), collective_axes="sm")
-      def _(info):
-        item, ni = plgpu.planar_snake(info.index[0], (num_items, tiles_n), 1, band)
-        tile = tile_gmem[item]
-        group = group_gmem[item]
+      @work_item_loop(tile_gmem, group_gmem, num_gmem, tiles_n, band)
+      def _(item, ni, tile, group):
         col0 = ni * cta_n + wg * bn  # this warpgroup's first column
 
         def barrier(i, j):
