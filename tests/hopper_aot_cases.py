@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax_ep  # noqa: E402
-from jax_ep.experts import choice, configs, fp8, mlp, mlp_fp8  # noqa: E402
+from jax_ep.experts import builds, choice, configs, fp8, mlp, mlp_fp8  # noqa: E402
 from jax_ep.testing import aot  # noqa: E402
 
 
@@ -48,14 +48,14 @@ def kernels(shape: str) -> dict:
 
 
 def known_builds(which: str) -> dict:
-  """Every build in `configs.KNOWN_BUILDS` of `which` kind ("bf16": the grouped GEMM and the
+  """Every build in `builds.KNOWN_BUILDS` of `which` kind ("bf16": the grouped GEMM and the
   fused MLP; "fp8"), compiled for sm_90a through the choice's own probe with the trust in known
   builds turned off: None, or why it did not build. The grouped GEMM at K=64 and K=256 (one
   reduction step, fewer than its stages, and several), the MLPs at the sizes and group count
-  that make each (`configs.KNOWN_MLP_BUILDS`)."""
-  configs.TRUST_KNOWN_BUILDS = False
+  that make each (`builds.KNOWN_MLP_BUILDS`)."""
+  builds.TRUST_KNOWN_BUILDS = False
   out = {}
-  for build in sorted(configs.KNOWN_BUILDS, key=str):
+  for build in sorted(builds.KNOWN_BUILDS, key=str):
     kind = build[0]
     if (kind.startswith("fp8") if which == "bf16" else not kind.startswith("fp8")):
       continue
@@ -68,11 +68,11 @@ def known_builds(which: str) -> dict:
     elif kind == "fp8_gmm":
       out[str(build)] = fp8.fp8_compile_error(512, 2, 256, 256, build[1])
     elif kind == "fused_mlp":
-      hidden, ffn, groups = configs.KNOWN_MLP_BUILDS[build]
+      hidden, ffn, groups = builds.KNOWN_MLP_BUILDS[build]
       out[str(build)] = mlp.fused_compile_error(512, groups, hidden, ffn, np.dtype(build[1]),
                                                 build[2])
     else:
-      hidden, ffn, groups = configs.KNOWN_MLP_BUILDS[build]
+      hidden, ffn, groups = builds.KNOWN_MLP_BUILDS[build]
       with configs.override(fp8_weight_grad=build[4] == "fp8"):  # the weight gradients'
         out[str(build)] = mlp_fp8.fp8_mlp_compile_error(512, groups, hidden, ffn, build[1])
   return out

@@ -11,7 +11,7 @@ import pytest
 
 import jax_ep
 from jax_ep import experts
-from jax_ep.experts import configs, slab
+from jax_ep.experts import builds, configs, slab
 from jax_ep.experts.configs import KernelTiles, SlabTiles
 
 
@@ -119,14 +119,14 @@ def test_every_size_a_multiple_of_128_takes_a_known_build():
     for groups in (1, 2, 8, 32, 63, 64, 128, 256):
       for k, n in ((hidden, ffn), (ffn, hidden)):
         for transpose_w in (False, True):
-          build = configs.gmm_build(jnp.bfloat16, transpose_w,
+          build = builds.gmm_build(jnp.bfloat16, transpose_w,
                                     configs.tile_config(4096, groups, k, n), jnp.bfloat16)
-          assert build in configs.KNOWN_BUILDS, (hidden, ffn, groups, build)
+          assert build in builds.KNOWN_BUILDS, (hidden, ffn, groups, build)
       for activation in ("swiglu", "geglu", "gelu", "silu"):
-        build = configs.fused_mlp_build(jnp.bfloat16, activation, hidden, ffn, groups)
-        assert build in configs.KNOWN_BUILDS, (hidden, ffn, groups, build)
-        build = configs.fp8_mlp_build(activation, hidden, ffn, groups, True)
-        assert build in configs.KNOWN_BUILDS, (hidden, ffn, groups, build)
+        build = builds.fused_mlp_build(jnp.bfloat16, activation, hidden, ffn, groups)
+        assert build in builds.KNOWN_BUILDS, (hidden, ffn, groups, build)
+        build = builds.fp8_mlp_build(activation, hidden, ffn, groups, True)
+        assert build in builds.KNOWN_BUILDS, (hidden, ffn, groups, build)
 
 
 def _slabs(rng, num_local, rows_per_slab, hidden, ffn, counts, dtype=jnp.bfloat16):

@@ -22,7 +22,7 @@ import pytest
 import jax_ep
 from ep_test_base import count_primitive, grouped_matmul_kernels, require_hopper
 from jax_ep import experts
-from jax_ep.experts import choice, configs, layout, mlp
+from jax_ep.experts import builds, choice, configs, layout, mlp
 from jax_ep.experts.configs import KernelTiles
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -659,15 +659,15 @@ def test_kernels_interpreted_fall_back_where_the_tiles_do_not_divide(interpreted
 
 
 def test_a_known_build_is_not_compiled_by_the_choice(monkeypatch):
-  """`configs.KNOWN_BUILDS` (compiled for sm_90a by tests/test_hopper_aot.py) need no probe."""
+  """`builds.KNOWN_BUILDS` (compiled for sm_90a by tests/test_hopper_aot.py) need no probe."""
   monkeypatch.setattr(choice, "on_hopper", lambda: True)
   choice.mosaic_compile_error.cache_clear()
   built = []
   monkeypatch.setattr(choice, "grouped_matmul_kernel", lambda *a, **k: built.append(a))
   try:
     name, tiles = jax_ep.grouped_matmul_impl(256, 4, 128, 256, jnp.bfloat16)
-    assert name == "mosaic" and configs.known_to_build(
-        configs.gmm_build(jnp.bfloat16, False, tiles, jnp.bfloat16), 256)
+    assert name == "mosaic" and builds.known_to_build(
+        builds.gmm_build(jnp.bfloat16, False, tiles, jnp.bfloat16), 256)
     assert built == []
   finally:
     choice.mosaic_compile_error.cache_clear()
@@ -696,7 +696,7 @@ def test_a_known_build_at_rows_off_the_row_tiling_is_compiled(monkeypatch):
 
 def test_falls_back_where_the_kernel_does_not_compile(monkeypatch):
   monkeypatch.setattr(choice, "on_hopper", lambda: True)
-  monkeypatch.setattr(configs, "TRUST_KNOWN_BUILDS", False)  # the probe runs for every build
+  monkeypatch.setattr(builds, "TRUST_KNOWN_BUILDS", False)  # the probe runs for every build
   choice.mosaic_compile_error.cache_clear()
 
   def does_not_build(*args, **kwargs):

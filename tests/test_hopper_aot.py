@@ -111,7 +111,7 @@ def _check_builds(which: str, kernels: set):
 
 @pytest.mark.slow
 def test_every_known_bf16_build_builds_for_sm90a():
-  """`configs.KNOWN_BUILDS` (the builds the kernel choice takes without its compile probe) of
+  """`builds.KNOWN_BUILDS` (the builds the kernel choice takes without its compile probe) of
   the grouped GEMM and the fused MLP, every activation, each compiled through ptxas for
   sm_90a: none fails."""
   _check_builds("bf16", {"jax_ep_gmm", "jax_ep_gmm_ws", "jax_ep_gmm_wgrad", "jax_ep_gmm_wgrad_ws",
@@ -171,7 +171,7 @@ def test_the_weight_grad_runs_the_tune_tries_build_for_sm90a():
 
 @pytest.mark.slow
 def test_every_known_fp8_build_builds_for_sm90a():
-  """The FP8 product and MLP builds of `configs.KNOWN_BUILDS`, every activation, as above."""
+  """The FP8 product and MLP builds of `builds.KNOWN_BUILDS`, every activation, as above."""
   _check_builds("fp8", {"jax_ep_fp8_gmm_ws", "jax_ep_fp8_gate_up_ws", "jax_ep_fp8_wgrad_ws"})
 
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_ep.experts import configs
+from jax_ep.experts import builds, configs
 from jax_ep.experts.configs import on_hopper
 from jax_ep.experts.hopper import grouped_matmul_kernel
 
@@ -81,8 +81,8 @@ def mosaic_compile_error(rows, groups, k, n, dtype, transpose_w, config,
   memory), or None. NOTES: compiled once per shape, on abstract operands, when the shape is
   first traced: a kernel that cannot build sends the shape to lax.ragged_dot (logged) instead
   of failing the user's whole program when XLA compiles it. A known build
-  (`configs.KNOWN_BUILDS`) is not compiled."""
-  if configs.known_to_build(configs.gmm_build(dtype, transpose_w, config, out_dtype), rows):
+  (`builds.KNOWN_BUILDS`) is not compiled."""
+  if builds.known_to_build(builds.gmm_build(dtype, transpose_w, config, out_dtype), rows):
     return None
   w_shape = (groups, n, k) if transpose_w else (groups, k, n)
   operands = (jax.ShapeDtypeStruct((rows, k), dtype), jax.ShapeDtypeStruct(w_shape, dtype),

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jax_ep.experts import choice, configs
+from jax_ep.experts import builds, choice, configs
 from jax_ep.experts.choice import say
 from jax_ep.experts.layout import contiguous_offsets, spans
 
@@ -260,9 +260,9 @@ def fp8_compile_error(rows: int, groups: int, k: int, n: int, tiles) -> str | No
   """Why the FP8 kernel does not compile for this shape (its shared memory, its registers), or
   None: compiled once per shape on abstract operands when the shape is first traced, so that
   a kernel that cannot build sends the shape to the fallback (logged) instead of failing the
-  user's program when XLA compiles it. A known build (`configs.KNOWN_BUILDS`) is not
+  user's program when XLA compiles it. A known build (`builds.KNOWN_BUILDS`) is not
   compiled."""
-  if configs.known_to_build(configs.fp8_gmm_build(tiles), rows):
+  if builds.known_to_build(builds.fp8_gmm_build(tiles), rows):
     return None
   from jax_ep.experts.hopper_fp8 import fp8_grouped_matmul_kernel
   spec = jax.ShapeDtypeStruct

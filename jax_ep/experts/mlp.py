@@ -30,7 +30,7 @@ from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
 from jax_ep._native.varying import sum_to_primal, vary_like_operands
-from jax_ep.experts import configs
+from jax_ep.experts import builds, configs
 from jax_ep.experts import choice
 from jax_ep.experts.choice import grouped_matmul_impl
 from jax_ep.experts.grouped import product_fn, weight_grad_fn
@@ -232,8 +232,8 @@ def fused_compile_error(rows: int, groups: int, hidden: int, ffn: int, dtype,
                         activation: str) -> str | None:
   """Why the fused kernels do not compile for this shape, or None (compiled once per shape on
   abstract operands, forward and backward, when the shape is first traced; a known build,
-  `configs.KNOWN_BUILDS`, is not compiled)."""
-  if configs.known_to_build(configs.fused_mlp_build(dtype, activation, hidden, ffn, groups),
+  `builds.KNOWN_BUILDS`, is not compiled)."""
+  if builds.known_to_build(builds.fused_mlp_build(dtype, activation, hidden, ffn, groups),
                             rows):
     return None
   gated = activation in GATED

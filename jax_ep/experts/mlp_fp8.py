@@ -45,7 +45,7 @@ import numpy as np
 
 from jax_ep._native.fp8 import fp8_quantize, straight_through
 from jax_ep._native.varying import sum_to_primal, vary_like_operands
-from jax_ep.experts import choice, configs, quantize_kernel
+from jax_ep.experts import builds, choice, configs, quantize_kernel
 from jax_ep.experts.fp8 import (BLOCK, Fp8Weights, dequantize_rows, fp8_matmul_impl,
                                 product_fn, quantize_columns)
 from jax_ep.experts.grouped import weight_grad_fn
@@ -337,7 +337,7 @@ def fp8_mlp_compile_error(rows: int, groups: int, hidden: int, ffn: int,
                           activation: str) -> str | None:
   """Why the FP8 MLP's Hopper kernels do not compile for this shape, or None (compiled once
   per shape and weight-gradient precision on abstract operands, forward and backward, when the
-  shape is first traced; a known build, `configs.KNOWN_BUILDS`, is not compiled)."""
+  shape is first traced; a known build, `builds.KNOWN_BUILDS`, is not compiled)."""
   return _fp8_mlp_compile_error(rows, groups, hidden, ffn, activation,
                                 configs.fp8_weight_grads())
 
@@ -345,8 +345,8 @@ def fp8_mlp_compile_error(rows: int, groups: int, hidden: int, ffn: int,
 @configs.cache_per_overrides
 def _fp8_mlp_compile_error(rows: int, groups: int, hidden: int, ffn: int, activation: str,
                            fp8_weight_grad: bool) -> str | None:
-  if configs.known_to_build(
-      configs.fp8_mlp_build(activation, hidden, ffn, groups, fp8_weight_grad), rows):
+  if builds.known_to_build(
+      builds.fp8_mlp_build(activation, hidden, ffn, groups, fp8_weight_grad), rows):
     return None
   gated = activation in GATED
   spec = jax.ShapeDtypeStruct
